@@ -1,0 +1,52 @@
+# Set-up is idempotent: a stamp records the last successful install, and is
+# redone whenever pyproject.toml changes.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+EXTRAS := dev,mooncake,diagrams,router
+DEB_PKGS := libibverbs1 graphviz
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup demo test lint bench clean system-deps
+
+setup: $(STAMP)
+
+system-deps:
+	@missing=""; for p in $(DEB_PKGS); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else \
+	    echo "pdlife needs the Debian packages:$$missing"; \
+	    echo "  run: sudo apt-get install$$missing"; exit 1; \
+	  fi; \
+	fi
+
+$(STAMP): pyproject.toml | system-deps
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The pinned CPU build first: a bare torch requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/pdlife demo
+
+test: setup
+	$(BIN)/ruff check lifecycle kv scheduler tests bench examples
+	$(BIN)/mypy --strict lifecycle
+	$(BIN)/python -m pytest $(if $(CI),-p no:cacheprovider -q,)
+
+lint: setup
+	$(BIN)/ruff check lifecycle kv scheduler tests bench examples
+	$(BIN)/mypy --strict lifecycle
+
+bench: setup
+	$(BIN)/python bench/lifecycle.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,92 @@
+"""The decode lifecycle: the peer that receives the KV and continues generation.
+
+Theory of operation
+-------------------
+The decode server gets the same request as the prefill server. It is admitted in
+BOOTSTRAPPING while its receiver resolves the prefill side; ``bootstrapped`` moves it to
+PREALLOC, where it waits for KV pages and a metadata slot; ``preallocated`` (destination sent
+to prefill) moves it to RECEIVING; ``received`` (KV and metadata row landed, room validated)
+to DECODING; ``finished`` (max_new_tokens or a stop token) to DONE. ``fail`` and ``abort`` are
+legal from every live state. Entering DONE or FAILED runs ``release`` and ``respond`` once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from lifecycle.prefill import SamplingParams
+from lifecycle.reasons import FailureReason
+from lifecycle.record import Tracked
+from lifecycle.table import Edge, make_table
+
+
+class DecodeState(enum.IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    PREALLOC = 2
+    RECEIVING = 3
+    DECODING = 4
+    DONE = 5
+
+
+_S = DecodeState
+_LIVE = (_S.BOOTSTRAPPING, _S.PREALLOC, _S.RECEIVING, _S.DECODING)
+
+DECODE_TABLE = make_table(
+    "decode",
+    DecodeState,
+    initial=_S.BOOTSTRAPPING,
+    finals=(_S.DONE, _S.FAILED),
+    edges=(
+        Edge("bootstrapped", _S.BOOTSTRAPPING, _S.PREALLOC,
+             doc="the prefill side was resolved and the handshake done"),
+        Edge("preallocated", _S.PREALLOC, _S.RECEIVING,
+             doc="pages and a metadata slot were allocated and sent to prefill"),
+        Edge("received", _S.RECEIVING, _S.DECODING,
+             doc="the KV and the metadata row landed; the room matched"),
+        Edge("finished", _S.DECODING, _S.DONE,
+             doc="max_new_tokens reached or a stop token generated"),
+        *(Edge("fail", s, _S.FAILED, doc="transfer failure, timeout, internal error")
+          for s in _LIVE),
+        *(Edge("abort", s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
+    ),
+    failure_events=("fail", "abort"),
+    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
+)
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class DecodeRequest(Tracked):
+    """A request on the decode peer: its prompt, its pages and slot, and its output so far."""
+
+    input_ids: Sequence[int] = attrs.field(default=(), kw_only=True, repr=False)
+    bootstrap_host: str = attrs.field(default="", kw_only=True)
+    bootstrap_port: int = attrs.field(default=0, kw_only=True)
+    bootstrap_room: int = attrs.field(default=0, kw_only=True)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams, kw_only=True, repr=False)
+    pages: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
+    slot: int | None = attrs.field(default=None, kw_only=True)
+    receiver: object | None = attrs.field(default=None, kw_only=True, repr=False)
+    output_ids: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
+    deadline: float | None = attrs.field(default=None, kw_only=True)
+
+    def bootstrapped(self) -> None:
+        self._trigger("bootstrapped")
+
+    def preallocated(self) -> None:
+        self._trigger("preallocated")
+
+    def received(self) -> None:
+        self._trigger("received")
+
+    def finished(self) -> None:
+        self._trigger("finished")
+
+    def fail(self, reason: FailureReason, detail: str = "") -> None:
+        self._trigger("fail", reason, detail)
+
+    def abort(self, detail: str = "") -> None:
+        self._trigger("abort", FailureReason.ABORTED, detail)

@@ -1,0 +1,153 @@
+"""The prefill lifecycle: its states, its table, and the prefill request record.
+
+Theory of operation
+-------------------
+A request arrives with its prompt and the bootstrap address and room the router gave it. It is
+admitted in BOOTSTRAPPING with a KV sender; when the decode peer's destination for its room has
+arrived and a metadata slot was allocated it is ``bootstrapped`` into WAITING. The PrefillAdder
+``schedule``s it into FORWARD (pages allocated for its first chunk); each non-last chunk ends in
+``chunk_done`` (FORWARD → FORWARD, full pages sent), the last in ``prefilled`` (first token
+sampled, last pages and the metadata row sent) into TRANSFERRING; the sender's success is
+``transferred`` into DONE. ``fail`` and ``abort`` are legal from every live state and lead to
+FAILED. Entering DONE or FAILED runs the ``release`` and ``respond`` hooks, exactly once.
+
+The state values are ordered so that a MIN across ranks yields the most pessimistic state, as
+the KV transfer poll results are.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from lifecycle.reasons import FailureReason
+from lifecycle.record import Tracked
+from lifecycle.table import Edge, make_table
+
+
+class PrefillState(enum.IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING = 2
+    FORWARD = 3
+    TRANSFERRING = 4
+    DONE = 5
+
+
+_S = PrefillState
+_LIVE = (_S.BOOTSTRAPPING, _S.WAITING, _S.FORWARD, _S.TRANSFERRING)
+
+PREFILL_TABLE = make_table(
+    "prefill",
+    PrefillState,
+    initial=_S.BOOTSTRAPPING,
+    finals=(_S.DONE, _S.FAILED),
+    edges=(
+        Edge(
+            "bootstrapped",
+            _S.BOOTSTRAPPING,
+            _S.WAITING,
+            doc="the decode peer's destination arrived and a metadata slot was allocated",
+        ),
+        Edge(
+            "schedule",
+            _S.WAITING,
+            _S.FORWARD,
+            doc="the PrefillAdder admitted the request (whole, or its first chunk)",
+        ),
+        Edge(
+            "chunk_done",
+            _S.FORWARD,
+            _S.FORWARD,
+            unless=("fully_computed",),
+            doc="a non-last chunk was computed; its full pages were sent",
+        ),
+        Edge(
+            "prefilled",
+            _S.FORWARD,
+            _S.TRANSFERRING,
+            conditions=("fully_computed",),
+            doc="the last chunk was computed and the first token sampled; the rest was sent",
+        ),
+        Edge(
+            "transferred",
+            _S.TRANSFERRING,
+            _S.DONE,
+            doc="the sender reports success",
+        ),
+        *(Edge("fail", s, _S.FAILED, doc="rejected, bootstrap or transfer failure, timeout, "
+                                             "internal error") for s in _LIVE),
+        *(Edge("abort", s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
+    ),
+    failure_events=("fail", "abort"),
+    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
+)
+
+
+@attrs.frozen
+class SamplingParams:
+    """What the client asked of the generation (validated at the boundary)."""
+
+    max_new_tokens: int = attrs.field(default=16)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    ignore_eos: bool = False
+
+    @max_new_tokens.validator
+    def _check_max_new(self, _attr: object, value: int) -> None:
+        if not 1 <= value <= 1 << 20:
+            raise ValueError(f"max_new_tokens must be in 1..{1 << 20}, got {value}")
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class PrefillRequest(Tracked):
+    """A request on the prefill server.
+
+    Progress: ``computed`` tokens have their K/V in the pool; ``sent`` tokens have been handed
+    to the sender. Resources (see the ownership table in docs/lifecycle.md): ``sender`` from
+    BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; all are returned by the
+    ``release`` hook on entering a final state.
+    """
+
+    input_ids: Sequence[int] = attrs.field(default=(), kw_only=True, repr=False)
+    bootstrap_host: str = attrs.field(default="", kw_only=True)
+    bootstrap_port: int = attrs.field(default=0, kw_only=True)
+    bootstrap_room: int = attrs.field(default=0, kw_only=True)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams, kw_only=True, repr=False)
+    computed: int = attrs.field(default=0, kw_only=True)
+    sent: int = attrs.field(default=0, kw_only=True)
+    pages: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
+    slot: int | None = attrs.field(default=None, kw_only=True)
+    sender: object | None = attrs.field(default=None, kw_only=True, repr=False)
+    deadline: float | None = attrs.field(default=None, kw_only=True)
+    first_token: int | None = attrs.field(default=None, kw_only=True)
+    # An abort that arrived while the request's batch was on the device: it takes effect
+    # when that batch's result has been processed.
+    pending_abort: FailureReason | None = attrs.field(default=None, kw_only=True)
+    on_device: bool = attrs.field(default=False, kw_only=True)
+
+    def fully_computed(self, _event: object = None) -> bool:
+        return self.computed >= len(self.input_ids)
+
+    # One trigger per event of PREFILL_TABLE.
+    def bootstrapped(self) -> None:
+        self._trigger("bootstrapped")
+
+    def schedule(self) -> None:
+        self._trigger("schedule")
+
+    def chunk_done(self) -> None:
+        self._trigger("chunk_done")
+
+    def prefilled(self) -> None:
+        self._trigger("prefilled")
+
+    def transferred(self) -> None:
+        self._trigger("transferred")
+
+    def fail(self, reason: FailureReason, detail: str = "") -> None:
+        self._trigger("fail", reason, detail)
+
+    def abort(self, detail: str = "") -> None:
+        self._trigger("abort", FailureReason.ABORTED, detail)

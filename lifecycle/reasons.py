@@ -1,0 +1,39 @@
+"""Why a request failed, and the HTTP status its client gets."""
+
+from __future__ import annotations
+
+import enum
+
+
+class FailureReason(enum.Enum):
+    """A failed request's reason. The value is the wire name; :attr:`http_status` is what the
+    client is answered with."""
+
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+    BOOTSTRAP_FAILED = "bootstrap_failed"
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
+    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    PEER_LOST = "peer_lost"
+    SHUTDOWN = "shutdown"
+    INTERNAL = "internal"
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS[self]
+
+
+_HTTP_STATUS = {
+    FailureReason.REJECTED: 400,
+    # Client-side aborts are not server errors; SGLang answers them with 200 and
+    # finish_reason "abort" where a body can still be sent.
+    FailureReason.ABORTED: 200,
+    FailureReason.BOOTSTRAP_FAILED: 500,
+    FailureReason.BOOTSTRAP_TIMEOUT: 500,
+    FailureReason.TRANSFER_FAILED: 500,
+    FailureReason.TRANSFER_TIMEOUT: 500,
+    FailureReason.PEER_LOST: 500,
+    FailureReason.SHUTDOWN: 503,
+    FailureReason.INTERNAL: 500,
+}

@@ -1,0 +1,409 @@
+"""The PrefillDelayer: a cross-rank gate that holds prefill back so ranks prefill together.
+
+Theory of operation
+-------------------
+With data-parallel attention, a prefill on one DP replica stalls decoding on every replica (they
+run forward passes in lock step), so a prefill that only some replicas are ready for wastes the
+others' pass, and a prefill squeezed into a nearly full decode batch fragments the decode batch.
+The delayer gates prefill so that it happens when it pays.
+
+Once per scheduler pass every rank contributes a row ``[prefillable, watermark_force_allow,
+running_batch, max_prefill_bs, waiting_queue_len]`` (plus ``wait_elapsed_us`` in bounded mode) to
+an all-gather (``scheduler.gather``). The decision reads only the attention-TP-rank-0 row of each
+DP replica, so every TP rank of a replica follows its rank 0, and is the pure function ``decide``
+of those rows, the previous ``DelayerState`` and a clock reading. Every rank therefore reaches the
+same outcome on the same pass, provided every rank negotiates exactly once per pass: that is what
+``DelayerPass`` guarantees (``finalize`` negotiates with ``prefillable=False`` if nothing asked).
+
+Outcomes (SGLang's semantics; docs/delayer.md has the full table):
+
+* ``all`` replicas prefillable: allow ``token_watermark`` if any replica's KV usage is below the
+  low watermark; otherwise delay while the *slot* condition (too few free decode slots for a
+  prefill batch) or the *queue* condition (opt-in: the waiting queue is short compared with the
+  running batch, until ``max_delay_ms`` has passed since the first delay) holds; the very first
+  time a condition holds it is skipped once. Allow ``wait_success`` after a delay, else ``no_wait``.
+* ``none`` prefillable: allow, reason ``""`` (nothing to gate).
+* ``mixed``: allow ``token_watermark`` as above; delay up to ``max_delay_passes - 1`` passes in a
+  row, then allow ``wait_timeout``.
+
+Mode ``"sglang"`` reproduces SGLang exactly, including two hazards: the slot condition can delay
+forever, and the queue trigger's deadline is read from each rank's own clock, so ranks whose clocks
+drift apart can release on different passes. Mode ``"bounded"`` (opt-in) bounds every delay path by
+``max_delay_passes`` (then ``wait_timeout``) and carries each rank's elapsed wait in its row, the
+decision using the MIN over the gathered rows, so all ranks cross the deadline on the same pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import attrs
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram
+
+from scheduler.gather import GatherShapeError, RowGather, Table
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["sglang", "bounded"]
+Estimation = Literal["all", "none", "mixed"]
+Reason = Literal["no_wait", "wait_success", "wait_timeout", "token_watermark", "delay", ""]
+
+# Column indices of a gathered row.
+PREFILLABLE, WATERMARK_FORCE_ALLOW, RUNNING_BATCH, MAX_PREFILL_BS, WAITING_QUEUE_LEN = range(5)
+WAIT_ELAPSED_US = 5
+ROW_WIDTH: dict[Mode, int] = {"sglang": 5, "bounded": 6}
+
+
+class DelayerConfigError(ValueError):
+    """A ``DelayerConfig`` field is out of range; the message names the field and the range."""
+
+
+class DelayerPassError(RuntimeError):
+    """A ``DelayerPass`` was used after ``finalize``; build a new one for every scheduler pass."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise DelayerConfigError(message)
+
+
+def _validate_passes(_: object, a: attrs.Attribute[int], v: int) -> None:
+    _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+           f"{a.name} must be an integer >= 1, got {v!r}")
+
+
+def _validate_watermark(_: object, a: attrs.Attribute[float | None], v: float | None) -> None:
+    _check(v is None or 0.0 <= v <= 1.0, f"{a.name} must be None or in [0, 1], got {v!r}")
+
+
+def _validate_ratio(_: object, a: attrs.Attribute[float | None], v: float | None) -> None:
+    _check(v is None or 0.0 < v <= 1.0, f"{a.name} must be None or in (0, 1], got {v!r}")
+
+
+def _validate_delay_ms(_: object, a: attrs.Attribute[float], v: float) -> None:
+    _check(math.isfinite(v) and v > 0.0, f"{a.name} must be a finite number > 0, got {v!r}")
+
+
+def _validate_mode(_: object, a: attrs.Attribute[str], v: str) -> None:
+    _check(v in ROW_WIDTH, f"{a.name} must be one of {sorted(ROW_WIDTH)}, got {v!r}")
+
+
+def _delay_ms_or_default(v: float | None) -> float:
+    # SGLang treats an unset max_delay_ms as a local 5 s safety cap.
+    return 5000.0 if v is None else float(v)
+
+
+@attrs.frozen
+class DelayerConfig:
+    """PrefillDelayer settings (SGLang's ``--prefill-delayer-*`` server arguments).
+
+    ``max_delay_ms`` bounds the queue trigger only; ``None`` means 5000. ``mode="bounded"`` bounds
+    every delay path by ``max_delay_passes`` and synchronises the wait clock across ranks.
+    """
+
+    max_delay_passes: int = attrs.field(default=30, validator=_validate_passes)
+    token_usage_low_watermark: float | None = attrs.field(
+        default=None, validator=_validate_watermark)
+    queue_min_ratio: float | None = attrs.field(default=None, validator=_validate_ratio)
+    max_delay_ms: float = attrs.field(
+        default=None, converter=_delay_ms_or_default, validator=_validate_delay_ms)
+    mode: Mode = attrs.field(default="sglang", validator=_validate_mode)
+    debug_log: bool = False
+
+
+@attrs.frozen
+class DelayerState:
+    """The delay in progress: passes delayed so far and when (local clock) the first one was."""
+
+    start_time: float
+    delayed_count: int = 0
+
+    def bump(self) -> DelayerState:
+        return attrs.evolve(self, delayed_count=self.delayed_count + 1)
+
+
+@attrs.frozen
+class NegotiateOutput:
+    """One pass's decision. ``wait_*`` describe the delay that this pass releases (0 otherwise)."""
+
+    next_state: DelayerState | None
+    input_estimation: Estimation
+    allow: bool
+    reason: Reason
+    num_prefillable: int
+    num_token_watermark_force_allow: int
+    wait_forward_passes: int = 0
+    wait_seconds: float = 0.0
+
+
+def decide(
+    table_rows_of_tp0: Sequence[Sequence[int]],
+    prev_state: DelayerState | None,
+    now: float,
+    config: DelayerConfig,
+    *,
+    skip_first: bool,
+    dp_size: int,
+    enable_dp_attention: bool,
+    max_running_requests: int,
+) -> tuple[NegotiateOutput, bool]:
+    """Decide one pass from the attention-TP-rank-0 row of every DP replica.
+
+    Returns the output and the new value of the skip-first flag. Pure: the same arguments give
+    the same result on every rank.
+    """
+    rows = table_rows_of_tp0
+    width = ROW_WIDTH[config.mode]
+    if not rows or any(len(r) != width for r in rows):
+        raise GatherShapeError(
+            f"decide needs >= 1 row of width {width} (mode {config.mode!r}), got "
+            f"{[len(r) for r in rows]}"
+        )
+    prefillable = [r[PREFILLABLE] for r in rows]
+    force_allow = any(r[WATERMARK_FORCE_ALLOW] > 0 for r in rows)
+    estimation: Estimation = (
+        "all" if min(prefillable) > 0 else "none" if max(prefillable) == 0 else "mixed"
+    )
+    prev_count = prev_state.delayed_count if prev_state is not None else 0
+    if prev_state is None:
+        waited = 0.0
+    elif config.mode == "bounded":
+        waited = min(r[WAIT_ELAPSED_US] for r in rows) / 1e6
+    else:
+        waited = now - prev_state.start_time
+
+    def release(reason: Reason) -> NegotiateOutput:
+        return NegotiateOutput(
+            next_state=None, input_estimation=estimation, allow=True, reason=reason,
+            num_prefillable=sum(prefillable),
+            num_token_watermark_force_allow=sum(r[WATERMARK_FORCE_ALLOW] for r in rows),
+            wait_forward_passes=prev_count, wait_seconds=waited,
+        )
+
+    def delay() -> NegotiateOutput:
+        state = prev_state if prev_state is not None else DelayerState(start_time=now)
+        return NegotiateOutput(
+            next_state=state.bump(), input_estimation=estimation, allow=False, reason="delay",
+            num_prefillable=sum(prefillable),
+            num_token_watermark_force_allow=sum(r[WATERMARK_FORCE_ALLOW] for r in rows),
+        )
+
+    if estimation == "none":
+        # Nobody can prefill, so the answer does not matter; allowing keeps it simple.
+        return release(""), skip_first
+    if force_allow:
+        # Low KV usage somewhere means a device is underused: never hold prefill back then.
+        return release("token_watermark"), skip_first
+    if estimation == "mixed":
+        if prev_count < config.max_delay_passes - 1:
+            return delay(), skip_first
+        return release("wait_timeout"), skip_first
+
+    if not enable_dp_attention:
+        # Without DP attention each replica gets its share of the global request budget.
+        max_running_requests = -(-max_running_requests // dp_size)
+    running = max(r[RUNNING_BATCH] for r in rows)
+    prefill_bs = max(r[MAX_PREFILL_BS] for r in rows)
+    waiting = max(r[WAITING_QUEUE_LEN] for r in rows)
+    queue_condition = False
+    if config.queue_min_ratio is not None and running > 0:
+        queue_min = min(int(running * config.queue_min_ratio), prefill_bs)
+        queue_condition = 0 < queue_min and waiting < queue_min
+        if queue_condition and prev_state is not None and waited * 1000.0 >= config.max_delay_ms:
+            queue_condition = False
+    slot_condition = max_running_requests - running < prefill_bs
+    if slot_condition or queue_condition:
+        if skip_first:
+            # The first merge after start-up cannot fill the decode batch anyway; let it through.
+            skip_first = False
+        elif config.mode == "bounded" and prev_count >= config.max_delay_passes - 1:
+            return release("wait_timeout"), skip_first
+        else:
+            return delay(), skip_first
+    return release("wait_success" if prev_state is not None else "no_wait"), skip_first
+
+
+def _forward_passes_buckets(max_delay_passes: int) -> list[float]:
+    wanted = {0, max_delay_passes - 1, *(b for b in (5, 20, 50, 100, 200) if b < max_delay_passes)}
+    return [float(b) for b in sorted(wanted)]
+
+
+WAIT_SECONDS_BUCKETS = [0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0]
+
+
+class DelayerMetrics:
+    """The delayer's Prometheus metrics, registered on ``registry``.
+
+    Buckets default to SGLang's: forward passes ``{0, 5, 20, 50, 100, 200} < max_delay_passes``
+    plus ``max_delay_passes - 1``; seconds ``0, 1, 2, 5, ..., 500``.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry, max_delay_passes: int,
+        forward_passes_buckets: Sequence[float] | None = None,
+        wait_seconds_buckets: Sequence[float] | None = None,
+    ) -> None:
+        self.wait_forward_passes = Histogram(
+            "pdlife_prefill_delayer_wait_forward_passes",
+            "Passes a prefill waited in the PrefillDelayer before it ran.",
+            buckets=list(forward_passes_buckets or _forward_passes_buckets(max_delay_passes)),
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "pdlife_prefill_delayer_wait_seconds",
+            "Seconds a prefill waited in the PrefillDelayer before it ran.",
+            buckets=list(wait_seconds_buckets or WAIT_SECONDS_BUCKETS),
+            registry=registry,
+        )
+        self.outcomes = PromCounter(
+            "pdlife_prefill_delayer_outcomes",
+            "PrefillDelayer decisions, one per scheduler pass.",
+            ["input_estimation", "output_allow", "output_reason", "actual_execution"],
+            registry=registry,
+        )
+
+    def observe(self, output: NegotiateOutput, actual_execution: bool) -> None:
+        # Only a wait that ended in a prefill that really ran is a wait worth measuring.
+        if output.allow and actual_execution:
+            self.wait_forward_passes.observe(output.wait_forward_passes)
+            self.wait_seconds.observe(output.wait_seconds)
+        self.outcomes.labels(
+            input_estimation=output.input_estimation,
+            output_allow=str(output.allow).lower(),
+            output_reason=output.reason,
+            actual_execution=str(actual_execution).lower(),
+        ).inc()
+
+
+class PrefillDelayer:
+    """The stateful delayer of one rank: keeps the state between passes and runs the gather.
+
+    ``dp_size`` is the number of DP replicas; the gathered table has ``dp_size`` entries with
+    DP attention and one otherwise, each of ``attn_tp_size`` rows. ``outcomes`` counts recorded
+    passes by reason, with ``"none"`` for the empty reason (no replica had anything to prefill).
+    """
+
+    def __init__(
+        self, config: DelayerConfig, gather: RowGather, dp_size: int, attn_tp_size: int,
+        enable_dp_attention: bool, clock: Callable[[], float] = time.perf_counter,
+        metrics: DelayerMetrics | None = None,
+    ) -> None:
+        if dp_size < 1 or attn_tp_size < 1:
+            raise DelayerConfigError(
+                f"dp_size and attn_tp_size must be >= 1, got {dp_size} and {attn_tp_size}"
+            )
+        self.config = config
+        self.dp_size = dp_size
+        self.attn_tp_size = attn_tp_size
+        self.enable_dp_attention = enable_dp_attention
+        self.state: DelayerState | None = None
+        self.skip_first = True
+        self.outcomes: Counter[str] = Counter()
+        self._gather = gather
+        self._clock = clock
+        self._metrics = metrics
+        self._table_dp = dp_size if enable_dp_attention else 1
+        logger.info("PrefillDelayer: %s dp_size=%d attn_tp_size=%d enable_dp_attention=%s",
+                    config, dp_size, attn_tp_size, enable_dp_attention)
+
+    def local_row(
+        self, local_prefillable: bool, token_usage: float, running_batch: int = 0,
+        max_prefill_bs: int = 0, waiting_queue_len: int = 0, *, now: float,
+    ) -> list[int]:
+        """This rank's contribution to the gather (first half of ``negotiate``)."""
+        watermark = self.config.token_usage_low_watermark
+        force_allow = local_prefillable and watermark is not None and token_usage < watermark
+        row = [int(local_prefillable), int(force_allow), running_batch, max_prefill_bs,
+               waiting_queue_len]
+        if self.config.mode == "bounded":
+            elapsed = 0.0 if self.state is None else now - self.state.start_time
+            row.append(max(0, int(elapsed * 1e6)))
+        return row
+
+    def decide_table(self, table: Table, max_running_requests: int, *, now: float) -> NegotiateOutput:
+        """Decide from a gathered table and advance the state (second half of ``negotiate``)."""
+        if len(table) != self._table_dp or any(len(r) != self.attn_tp_size for r in table):
+            raise GatherShapeError(
+                f"expected a [{self._table_dp}][{self.attn_tp_size}] table, got "
+                f"[{len(table)}]{[len(r) for r in table]}; check the gather's group"
+            )
+        out, self.skip_first = decide(
+            [replica[0] for replica in table], self.state, now, self.config,
+            skip_first=self.skip_first, dp_size=self.dp_size,
+            enable_dp_attention=self.enable_dp_attention,
+            max_running_requests=max_running_requests,
+        )
+        self.state = out.next_state
+        return out
+
+    def negotiate(
+        self, local_prefillable: bool, token_usage: float, running_batch: int = 0,
+        max_prefill_bs: int = 0, max_running_requests: int = 0, waiting_queue_len: int = 0,
+    ) -> NegotiateOutput:
+        """Run one collective negotiation. Every rank must call this once per pass."""
+        row = self.local_row(local_prefillable, token_usage, running_batch, max_prefill_bs,
+                             waiting_queue_len, now=self._clock())
+        table = self._gather.gather(row)
+        # Read the clock after the gather: waiting for slower ranks is part of the wait.
+        return self.decide_table(table, max_running_requests, now=self._clock())
+
+    def record(self, output: NegotiateOutput, actual_execution: bool) -> None:
+        """Count one pass's outcome and feed the metrics (``DelayerPass.finalize`` calls this)."""
+        self.outcomes[output.reason or "none"] += 1
+        if self._metrics is not None:
+            self._metrics.observe(output, actual_execution)
+        if self.config.debug_log and output.reason in ("wait_timeout", "token_watermark"):
+            logger.info(
+                "PrefillDelayer allowed prefill (%s): num_prefillable=%d "
+                "num_token_watermark_force_allow=%d waited=%d passes %.3f s actual_execution=%s",
+                output.reason, output.num_prefillable, output.num_token_watermark_force_allow,
+                output.wait_forward_passes, output.wait_seconds, actual_execution,
+            )
+
+
+class DelayerPass:
+    """One scheduler pass's use of the delayer: at most one negotiation, always exactly one.
+
+    ``allow`` negotiates on its first call and returns the cached answer afterwards, whatever the
+    arguments. ``finalize`` negotiates with ``local_prefillable=False`` if nothing asked (so the
+    collective stays aligned across ranks), then records the outcome once.
+    """
+
+    def __init__(self, delayer: PrefillDelayer, token_usage: float) -> None:
+        self._delayer = delayer
+        self._token_usage = token_usage
+        self._result: NegotiateOutput | None = None
+        self._finalized = False
+
+    @property
+    def result(self) -> NegotiateOutput | None:
+        return self._result
+
+    def allow(
+        self, local_prefillable: bool, running_batch: int = 0, max_prefill_bs: int = 0,
+        max_running_requests: int = 0, waiting_queue_len: int = 0,
+    ) -> bool:
+        if self._finalized:
+            raise DelayerPassError("DelayerPass.allow after finalize; use a new DelayerPass")
+        if self._result is None:
+            self._result = self._delayer.negotiate(
+                local_prefillable, self._token_usage, running_batch, max_prefill_bs,
+                max_running_requests, waiting_queue_len,
+            )
+        return self._result.allow
+
+    def finalize(self, actual_prefill: bool) -> NegotiateOutput:
+        if self._finalized:
+            raise DelayerPassError("DelayerPass.finalize called twice; use a new DelayerPass")
+        if self._result is None:
+            self._result = self._delayer.negotiate(False, self._token_usage)
+        self._finalized = True
+        self._delayer.record(self._result, actual_prefill)
+        return self._result
