@@ -4,15 +4,48 @@ Layout: one contiguous tensor ``[layers, 2 (K, V), pages, page_size, kv_heads, h
 For a given layer and K/V half, the pages are contiguous and page-major, so one page of one
 layer is a contiguous run of ``page_bytes`` bytes and a run of consecutive pages is one
 contiguous region: a transfer engine moves a run with one write per layer half.
+
+Ownership: the allocator knows which pages are free; the owner of a request knows which pages
+the request holds. :meth:`PageAllocator.check_conservation` compares the two, so invariant
+checks can assert that every page is either free or held by exactly one live request.
+:class:`RowPool` hands out request rows (a per-request page table) for owners that want one.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import attrs
 import torch
 
 
 class KVPoolError(Exception):
-    """A page was freed twice, or a page that the pool does not own was freed."""
+    """A page (or row) was freed twice, one that the pool does not own was freed, or the
+    pages held by requests and the free list disagree."""
+
+
+class KVGeometryError(ValueError):
+    """Two pools that must exchange pages disagree on their page layout."""
+
+
+@attrs.frozen
+class KVGeometry:
+    """What two pools must agree on for a page of one to be copied into a page of the other."""
+
+    num_layers: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def mismatches(self, other: KVGeometry) -> list[str]:
+        """``"field: mine vs theirs"`` for every field that differs (empty when compatible)."""
+        return [
+            f"{f.name}: {getattr(self, f.name)} vs {getattr(other, f.name)}"
+            for f in attrs.fields(KVGeometry)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
 
 
 class PageAllocator:
@@ -49,9 +82,43 @@ class PageAllocator:
                 raise KVPoolError(f"page {p} is not in this pool (0..{self.num_pages - 1})")
             if self._is_free[p]:
                 raise KVPoolError(f"page {p} freed twice")
+        if len(set(pages)) != len(pages):
+            raise KVPoolError(f"pages {sorted(pages)} contain a page twice (freed twice)")
         for p in pages:
             self._is_free[p] = 1
         self._free.extend(reversed(pages))
+
+    def in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def held_pages(self) -> list[int]:
+        """Every page not on the free list, ascending."""
+        return [p for p in range(self.num_pages) if not self._is_free[p]]
+
+    def check_conservation(self, held: Iterable[Iterable[int]]) -> None:
+        """Raise :class:`KVPoolError` unless the pages in ``held`` (one iterable per live
+        request) and the free pages partition the pool: no page held twice, no held page free,
+        no page lost."""
+        seen = bytearray(self.num_pages)
+        count = 0
+        for pages in held:
+            for p in pages:
+                if not 0 <= p < self.num_pages:
+                    raise KVPoolError(
+                        f"held page {p} is not in this pool (0..{self.num_pages - 1})"
+                    )
+                if seen[p]:
+                    raise KVPoolError(f"page {p} is held by two requests")
+                if self._is_free[p]:
+                    raise KVPoolError(f"page {p} is held by a request and also free")
+                seen[p] = 1
+                count += 1
+        if count + len(self._free) != self.num_pages:
+            lost = [p for p in range(self.num_pages) if not seen[p] and not self._is_free[p]]
+            raise KVPoolError(
+                f"{len(lost)} pages are neither free nor held (first: {lost[:8]}); "
+                f"free {len(self._free)} + held {count} != {self.num_pages}"
+            )
 
 
 class KVPool:
@@ -101,9 +168,80 @@ class KVPool:
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def geometry(self) -> KVGeometry:
+        return KVGeometry(
+            num_layers=self.num_layers,
+            page_size=self.page_size,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+        )
+
+    def usage(self) -> float:
+        """Fraction of pages in use, 0.0 .. 1.0."""
+        return self.allocator.in_use() / self.num_pages
+
+    def page_view(self) -> torch.Tensor:
+        """``[layers * 2, pages, page_elems]`` view: one row per layer half, one page a row
+        slice. Copies of whole pages across all layers index dimension 1."""
+        return self.buffer.view(self.num_layers * 2, self.num_pages, -1)
+
     def k(self, layer: int) -> torch.Tensor:
         """``[pages, page_size, kv_heads, head_dim]`` view of one layer's keys."""
         return self.buffer[layer, 0]
 
     def v(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 1]
+
+
+class RowPool:
+    """Request rows: each live request gets a row holding its page table.
+
+    Rows are handed out FIFO; :meth:`alloc` returns None when every row is taken (the request
+    waits, it does not fail).
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        if num_rows <= 0:
+            raise ValueError(f"num_rows must be > 0, got {num_rows}")
+        self.num_rows = num_rows
+        self._free: deque[int] = deque(range(num_rows))
+        self._pages: dict[int, list[int]] = {}
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        if not self._free:
+            return None
+        row = self._free.popleft()
+        self._pages[row] = []
+        return row
+
+    def _live(self, row: int) -> list[int]:
+        pages = self._pages.get(row)
+        if pages is None:
+            if not 0 <= row < self.num_rows:
+                raise KVPoolError(f"row {row} is not in this pool (0..{self.num_rows - 1})")
+            raise KVPoolError(f"row {row} is not allocated (freed twice?)")
+        return pages
+
+    def extend(self, row: int, pages: Sequence[int]) -> None:
+        """Append ``pages`` to the row's page table."""
+        self._live(row).extend(pages)
+
+    def pages(self, row: int) -> list[int]:
+        """A copy of the row's page table."""
+        return list(self._live(row))
+
+    def free(self, row: int) -> list[int]:
+        """Release the row; returns its page table, which the caller frees in the pool."""
+        pages = self._live(row)
+        del self._pages[row]
+        self._free.append(row)
+        return pages
+
+    def live_pages(self) -> list[list[int]]:
+        """The page tables of all live rows (for :meth:`PageAllocator.check_conservation`)."""
+        return [list(p) for p in self._pages.values()]

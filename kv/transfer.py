@@ -3,29 +3,48 @@
 Theory of operation
 -------------------
 The prefill side has one :class:`KVManager` per rank and one :class:`KVSender` per request,
-keyed by the request's bootstrap room. The decode side has one receiver per request. The
-states a sender or receiver reports are :class:`KVPoll`, whose integer order is load-bearing:
-ranks combine polls with MIN so that the most pessimistic state wins (any rank FAILED means
-everyone sees FAILED; all must be SUCCESS).
+keyed by the request's bootstrap room. The decode side has one :class:`KVDecodeManager` per
+rank and one :class:`KVReceiver` per request. The states a sender or receiver reports are
+:class:`KVPoll`, whose integer order is load-bearing: ranks combine polls with MIN so that the
+most pessimistic state wins (any rank FAILED means everyone sees FAILED; all must be SUCCESS).
 
 Sender protocol (prefill):
 1. ``manager.create_sender(addr, room)`` — the sender starts in BOOTSTRAPPING.
 2. The decode peer's destination for the room arrives: ``poll()`` → WAITING_FOR_INPUT.
 3. ``init(num_pages, slot)`` declares how many pages the request will send in total and which
-   metadata-buffer row carries its first token.
+   metadata-buffer row carries its first token. Only legal once the sender has reported
+   WAITING_FOR_INPUT.
 4. ``send(pages, last)`` once per chunk; ``last=True`` on the final chunk, which also ships the
-   metadata row. The backend concludes SUCCESS only after every declared page was written.
-5. ``poll()`` → TRANSFERRING while work is outstanding, then SUCCESS or FAILED (latched).
+   metadata row; by then exactly ``num_pages`` pages must have been sent (a zero-page request
+   sends one empty last chunk). The backend concludes SUCCESS only after every declared page
+   and the metadata row were written.
+5. ``poll()`` → WAITING_FOR_INPUT until the first send, TRANSFERRING while work is outstanding,
+   then SUCCESS or FAILED. Terminal states latch: ``abort()`` after SUCCESS changes nothing.
 6. ``clear()`` forgets the room; a late message for a cleared room is ignored, so a reused room
-   is never poisoned.
+   is never poisoned. A sender is not used after ``clear()`` except for ``quiescent()``.
 
-Readiness is pushed: whenever a sender's state may have changed (handshake arrived, transfer
-concluded, failure), the manager puts its room on :attr:`KVManager.ready`, a thread-safe queue
-the scheduler drains, so a scheduler pass polls only the senders that changed.
+Misuse by the caller (init before the handshake, pages beyond ``num_pages``, a last chunk that
+leaves pages unsent, two live senders for one room) raises :class:`TransferUsageError`: it is
+a bug in the caller, not a request failure. Once a sender has FAILED (aborted, or failed by the
+backend or the peer), ``init`` and ``send`` are accepted and ignored, because the caller may
+learn of the failure only after it issued them.
+
+Failures: ``failure_exception()`` returns a :class:`TransferError` carrying the room and the
+recorded reason; when the sender did not fail itself (the failure came from another rank
+through the MIN) the reason says so.
+
+Readiness is pushed: whenever a sender's poll result may have changed (handshake arrived,
+transfer concluded, failure), and when a failed sender becomes quiescent, the manager puts its
+room on :attr:`KVManager.ready`, a thread-safe queue the scheduler drains, so a scheduler pass
+polls only the senders that changed. The queue may carry duplicates and rooms the consumer no
+longer tracks; consumers ignore those. A backend whose state advances by being polled (the
+fake's configured delays) re-announces the room from ``poll()``, so a consumer drains the
+number of items present when it starts draining (one snapshot per pass), not "until empty".
 
 Pages and concurrency: after ``abort()`` or a failure a worker thread may still be reading the
-request's source pages. ``quiescent()`` tells whether any backend thread can still touch them;
-the owner must not return the pages to the free list before it is True.
+request's source pages (or, on the decode side, writing its destination pages).
+``quiescent()`` tells whether any backend thread can still touch them; the owner must not
+return the pages to the free list before it is True.
 """
 
 from __future__ import annotations
@@ -34,6 +53,8 @@ import enum
 import queue
 from collections.abc import Sequence
 from typing import Protocol
+
+import attrs
 
 
 class KVPoll(enum.IntEnum):
@@ -54,6 +75,64 @@ class TransferError(Exception):
         self.timeout = timeout
         where = f" (peer {peer})" if peer else ""
         super().__init__(f"room {room}: {reason}{where}")
+
+
+class TransferUsageError(Exception):
+    """The caller broke the sender/receiver protocol (a bug in the caller, not a failed
+    request); the message names the room and the rule."""
+
+    def __init__(self, room: int, message: str) -> None:
+        self.room = room
+        super().__init__(f"room {room}: {message}")
+
+
+# The reason a sender reports when the failure was seen only through another rank's poll.
+REASON_OTHER_RANK = "failed on another rank"
+REASON_ABORTED = "aborted"
+
+
+@attrs.define
+class SendCursor:
+    """The page accounting of one sender: what ``init`` declared and how far ``send`` got.
+
+    Backends share it so that they agree on what is misuse. :meth:`advance` returns the slice
+    of the destination page list the chunk maps to.
+    """
+
+    room: int
+    num_pages: int | None = None
+    slot: int | None = None
+    sent: int = 0
+    finished: bool = False
+
+    def init(self, num_pages: int, slot: int) -> None:
+        if self.num_pages is not None:
+            raise TransferUsageError(self.room, "init() called twice")
+        if num_pages < 0:
+            raise TransferUsageError(self.room, f"num_pages must be >= 0, got {num_pages}")
+        if slot < 0:
+            raise TransferUsageError(self.room, f"slot must be >= 0, got {slot}")
+        self.num_pages = num_pages
+        self.slot = slot
+
+    def advance(self, num_pages: int, last: bool) -> slice:
+        if self.num_pages is None:
+            raise TransferUsageError(self.room, "send() before init()")
+        if self.finished:
+            raise TransferUsageError(self.room, "send() after the last chunk")
+        end = self.sent + num_pages
+        if end > self.num_pages:
+            raise TransferUsageError(
+                self.room, f"sending pages {self.sent}..{end - 1} of only {self.num_pages} declared"
+            )
+        if last and end != self.num_pages:
+            raise TransferUsageError(
+                self.room, f"last chunk leaves {self.num_pages - end} of {self.num_pages} unsent"
+            )
+        chunk = slice(self.sent, end)
+        self.sent = end
+        self.finished = last
+        return chunk
 
 
 class KVSender(Protocol):
@@ -85,7 +164,9 @@ class KVManager(Protocol):
 
 
 class KVReceiver(Protocol):
-    """One per request on the decode side."""
+    """One per request on the decode side: BOOTSTRAPPING until ``init()`` resolved the prefill
+    peer, WAITING_FOR_INPUT until ``send_metadata()``, then TRANSFERRING until the KV and the
+    metadata row landed (SUCCESS) or the room failed. ``abort()`` tells the prefill peer."""
 
     room: int
 
@@ -100,3 +181,15 @@ class KVReceiver(Protocol):
     def abort(self) -> None: ...
 
     def clear(self) -> None: ...
+
+    def quiescent(self) -> bool: ...
+
+
+class KVDecodeManager(Protocol):
+    """One per decode rank: creates receivers and pushes readiness of their rooms."""
+
+    ready: queue.SimpleQueue[int]
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> KVReceiver: ...
+
+    def close(self) -> None: ...

@@ -104,8 +104,10 @@ class SamplingParams:
 class PrefillRequest(Tracked):
     """A request on the prefill server.
 
-    Progress: ``computed`` tokens have their K/V in the pool; ``sent`` tokens have been handed
-    to the sender. Resources (see the ownership table in docs/lifecycle.md): ``sender`` from
+    Progress: ``scheduled`` tokens were handed to a forward; ``computed`` tokens have their K/V
+    in the pool; ``sent`` tokens have been handed to the sender. (Under the overlap loop the
+    next chunk is scheduled before the previous one's result is processed, so ``scheduled``
+    may run ahead of ``computed``.) Resources (see the ownership table in docs/lifecycle.md): ``sender`` from
     BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; all are returned by the
     ``release`` hook on entering a final state.
     """
@@ -115,6 +117,7 @@ class PrefillRequest(Tracked):
     bootstrap_port: int = attrs.field(default=0, kw_only=True)
     bootstrap_room: int = attrs.field(default=0, kw_only=True)
     sampling: SamplingParams = attrs.field(factory=SamplingParams, kw_only=True, repr=False)
+    scheduled: int = attrs.field(default=0, kw_only=True)
     computed: int = attrs.field(default=0, kw_only=True)
     sent: int = attrs.field(default=0, kw_only=True)
     pages: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
@@ -122,10 +125,11 @@ class PrefillRequest(Tracked):
     sender: object | None = attrs.field(default=None, kw_only=True, repr=False)
     deadline: float | None = attrs.field(default=None, kw_only=True)
     first_token: int | None = attrs.field(default=None, kw_only=True)
-    # An abort that arrived while the request's batch was on the device: it takes effect
-    # when that batch's result has been processed.
+    # A failure (an abort, or the peer's) that arrived while batches holding the request were
+    # on the device (``on_device`` counts them): it takes effect once the last of those
+    # results has been processed, so pages are never freed under a running forward.
     pending_abort: FailureReason | None = attrs.field(default=None, kw_only=True)
-    on_device: bool = attrs.field(default=False, kw_only=True)
+    on_device: int = attrs.field(default=0, kw_only=True)
 
     def fully_computed(self, _event: object = None) -> bool:
         return self.computed >= len(self.input_ids)

@@ -43,9 +43,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client import Counter as PromCounter
-from prometheus_client import Histogram
 
 from scheduler.gather import GatherShapeError, RowGather, Table
 
@@ -215,7 +214,7 @@ def decide(
     queue_condition = False
     if config.queue_min_ratio is not None and running > 0:
         queue_min = min(int(running * config.queue_min_ratio), prefill_bs)
-        queue_condition = 0 < queue_min and waiting < queue_min
+        queue_condition = queue_min > 0 and waiting < queue_min
         if queue_condition and prev_state is not None and waited * 1000.0 >= config.max_delay_ms:
             queue_condition = False
     slot_condition = max_running_requests - running < prefill_bs
@@ -327,7 +326,9 @@ class PrefillDelayer:
             row.append(max(0, int(elapsed * 1e6)))
         return row
 
-    def decide_table(self, table: Table, max_running_requests: int, *, now: float) -> NegotiateOutput:
+    def decide_table(
+        self, table: Table, max_running_requests: int, *, now: float,
+    ) -> NegotiateOutput:
         """Decide from a gathered table and advance the state (second half of ``negotiate``)."""
         if len(table) != self._table_dp or any(len(r) != self.attn_tp_size for r in table):
             raise GatherShapeError(

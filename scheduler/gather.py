@@ -13,11 +13,13 @@ the row each rank contributed, ``dp`` in ``range(dp_size)`` and ``tp`` in
 and make a table easy to write by hand in a test. Every rank must call ``gather`` the same number
 of times, in the same order, with rows of the same width: it is a collective.
 
-``TorchDistributedGather`` runs ``all_gather_into_tensor`` over an int64 tensor: on a gloo group
-with ``device="cpu"``, or on an NCCL device group with a CUDA device (worth it when overlap
-scheduling is off, so the scheduler thread is not racing a device stream for the group). The group
-must hold exactly ``dp_size * attn_tp_size`` ranks ordered DP-major, the order in which the
-scheduler builds its groups, so the flat gather result reshapes to ``[dp][tp]``.
+``TorchDistributedGather`` runs ``all_gather_into_tensor`` (``all_gather_single``) over an int64
+tensor: on a gloo group with ``device="cpu"``, or on an NCCL device group with a CUDA device. Use
+gloo when overlap scheduling is on: an NCCL collective would queue behind the forward running on
+the device and stall the scheduler's CPU work that overlap exists to hide. With overlap off the
+scheduler waits for the device anyway, and the NCCL gather is the faster one. The group must hold
+exactly ``dp_size * attn_tp_size`` ranks ordered DP-major (the order in which the scheduler builds
+its groups), so the flat gather result reshapes to ``[dp][tp]``.
 
 ``min_reduce`` combines per-request poll results (``KVPoll``-ordered ints, where the MIN is the
 most pessimistic state) across the ranks of a TP group over gloo.
@@ -30,6 +32,10 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+# ``all_gather_into_tensor`` was renamed ``all_gather_single`` (same semantics); the old name
+# warns on new torch releases and the new one is missing on old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Row = list[int]
 Table = list[list[Row]]
@@ -131,7 +137,7 @@ class TorchDistributedGather:
             )
             self._buffers[width] = buffer
         local = torch.tensor([int(v) for v in row], dtype=torch.int64, device=self._device)
-        dist.all_gather_into_tensor(buffer.view(-1), local, group=self._group)
+        _all_gather_single(buffer.view(-1), local, group=self._group)
         table: Table = buffer.tolist()
         return table
 

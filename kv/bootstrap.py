@@ -1,0 +1,268 @@
+"""The bootstrap endpoint of a prefill server, and its client.
+
+Theory of operation
+-------------------
+Each prefill rank registers itself with ``PUT /route`` (its rank, the ZeroMQ endpoint where it
+takes decode control messages, its transfer-engine session, page size and KV dtype). A decode
+peer reads the table with ``GET /route``: 503 until every expected rank has registered, then the
+whole table, from which it checks that page size and KV dtype match its own pool before it sends
+anything. ``GET /health`` answers ``OK`` for liveness probes.
+
+The server is stdlib ``ThreadingHTTPServer`` in a daemon thread; it binds loopback unless told
+otherwise and port 0 picks a free port. Bodies are size-limited JSON validated field by field: a
+bad request gets a 4xx with a reason and changes nothing, and never ends the server. With a shared
+token, every route but ``/health`` requires ``Authorization: Bearer <token>`` (constant-time
+compare).
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import attrs
+
+from kv.wire import KV_DTYPES
+
+logger = logging.getLogger(__name__)
+
+_MAX_BODY = 64 << 10
+
+
+class BootstrapError(Exception):
+    """The bootstrap endpoint could not be reached or refused a request.
+
+    ``status`` is the HTTP status (0 when no answer came); a 503 means the prefill ranks have not
+    all registered yet, so retrying later can help.
+    """
+
+    def __init__(self, addr: str, status: int, detail: str) -> None:
+        self.addr = addr
+        self.status = status
+        self.detail = detail
+        super().__init__(f"bootstrap {addr}: {status or 'unreachable'}: {detail}")
+
+
+@attrs.frozen
+class RankInfo:
+    """One prefill rank, as registered at the bootstrap endpoint."""
+
+    rank: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+    endpoint: str = attrs.field(validator=attrs.validators.instance_of(str))
+    session: str = attrs.field(validator=attrs.validators.instance_of(str))
+    page_size: int = attrs.field(
+        validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)]
+    )
+    kv_dtype: str = attrs.field(validator=attrs.validators.in_(KV_DTYPES))
+
+    @endpoint.validator
+    def _check_endpoint(self, attribute: attrs.Attribute[str], value: str) -> None:
+        if not value.startswith("tcp://"):
+            raise ValueError(f"endpoint must be 'tcp://host:port', got {value!r}")
+
+    @classmethod
+    def from_json(cls, body: Any) -> RankInfo:
+        """Raises ValueError/TypeError naming the field when ``body`` is not a valid rank."""
+        if not isinstance(body, dict):
+            raise TypeError(f"expected a JSON object, got {type(body).__name__}")
+        fields = {f.name for f in attrs.fields(cls)}
+        missing = fields - set(body)
+        extra = set(body) - fields
+        if missing or extra:
+            raise ValueError(f"missing fields {sorted(missing)}, unexpected {sorted(extra)}")
+        if any(isinstance(body[k], bool) for k in ("rank", "page_size")):
+            raise TypeError("rank and page_size must be integers")
+        return cls(**body)
+
+
+@attrs.frozen
+class PrefillInfo:
+    """What ``GET /route`` tells a decode peer: every rank, and the shared geometry."""
+
+    page_size: int
+    kv_dtype: str
+    ranks: tuple[RankInfo, ...]
+
+
+class BootstrapServer:
+    """``PUT /route``, ``GET /route``, ``GET /health`` for ``expected_ranks`` prefill ranks."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        expected_ranks: int = 1,
+        token: str | None = None,
+    ) -> None:
+        if expected_ranks < 1:
+            raise ValueError(f"expected_ranks must be >= 1, got {expected_ranks}")
+        self.expected_ranks = expected_ranks
+        self._token = token
+        self._lock = threading.Lock()
+        self._ranks: dict[int, RankInfo] = {}
+        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="pdlife-bootstrap", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"{host}:{port}"
+
+    def ranks(self) -> dict[int, RankInfo]:
+        with self._lock:
+            return dict(self._ranks)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def _authorized(self, header: str | None) -> bool:
+        if self._token is None:
+            return True
+        want = f"Bearer {self._token}".encode()
+        return header is not None and hmac.compare_digest(header.encode("latin-1"), want)
+
+    def _register(self, info: RankInfo) -> tuple[int, str]:
+        with self._lock:
+            if info.rank >= self.expected_ranks:
+                return 400, f"rank {info.rank} not in 0..{self.expected_ranks - 1}"
+            for other in self._ranks.values():
+                if other.rank != info.rank and (
+                    other.page_size != info.page_size or other.kv_dtype != info.kv_dtype
+                ):
+                    return 400, (
+                        f"rank {info.rank} has page_size={info.page_size} kv_dtype={info.kv_dtype}"
+                        f" but rank {other.rank} has page_size={other.page_size}"
+                        f" kv_dtype={other.kv_dtype}"
+                    )
+            self._ranks[info.rank] = info
+        logger.info("prefill rank %d registered at %s", info.rank, info.endpoint)
+        return 200, "OK"
+
+    def _table(self) -> tuple[int, Any]:
+        with self._lock:
+            if len(self._ranks) < self.expected_ranks:
+                return 503, {
+                    "error": f"{len(self._ranks)} of {self.expected_ranks} prefill ranks registered"
+                }
+            ranks = [attrs.asdict(self._ranks[r]) for r in sorted(self._ranks)]
+        return 200, {"page_size": ranks[0]["page_size"], "kv_dtype": ranks[0]["kv_dtype"],
+                     "ranks": ranks}
+
+
+def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.debug("bootstrap %s: " + format, self.client_address[0], *args)
+
+        def _reply(self, status: int, body: Any) -> None:
+            data = (body if isinstance(body, str) else json.dumps(body)).encode()
+            self.send_response(status)
+            ctype = "text/plain" if isinstance(body, str) else "application/json"
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _path(self) -> str:
+            return self.path.split("?", 1)[0]
+
+        def do_GET(self) -> None:
+            path = self._path()
+            if path == "/health":
+                self._reply(200, "OK")
+            elif not server._authorized(self.headers.get("Authorization")):
+                self._reply(401, {"error": "missing or wrong token"})
+            elif path == "/route":
+                self._reply(*server._table())
+            else:
+                self._reply(404, {"error": f"no route {path}"})
+
+        def do_PUT(self) -> None:
+            path = self._path()
+            length_header = self.headers.get("Content-Length", "")
+            if not length_header.isdigit() or int(length_header) > _MAX_BODY:
+                self.close_connection = True
+                self._reply(400, {"error": f"Content-Length must be 0..{_MAX_BODY}"})
+                return
+            raw = self.rfile.read(int(length_header))
+            if not server._authorized(self.headers.get("Authorization")):
+                self._reply(401, {"error": "missing or wrong token"})
+                return
+            if path != "/route":
+                self._reply(404, {"error": f"no route {path}"})
+                return
+            try:
+                info = RankInfo.from_json(json.loads(raw))
+            except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+                self._reply(400, {"error": f"bad rank registration: {exc}"})
+                return
+            status, detail = server._register(info)
+            self._reply(status, {"status": detail} if status == 200 else {"error": detail})
+
+    return Handler
+
+
+class BootstrapClient:
+    """Talks to a bootstrap endpoint at ``addr`` ("host:port") with a timeout per request."""
+
+    def __init__(self, addr: str, *, timeout_s: float = 5.0, token: str | None = None) -> None:
+        host, sep, port = addr.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"bootstrap address must be 'host:port', got {addr!r}")
+        self.addr = addr
+        self._host = host
+        self._port = int(port)
+        self._timeout_s = timeout_s
+        self._token = token
+
+    def register(self, info: RankInfo) -> None:
+        self._request("PUT", "/route", json.dumps(attrs.asdict(info)).encode())
+
+    def lookup(self) -> PrefillInfo:
+        """The prefill table; ``BootstrapError`` with status 503 while ranks are missing."""
+        body = self._request("GET", "/route")
+        try:
+            table = json.loads(body)
+            ranks = tuple(RankInfo.from_json(r) for r in table["ranks"])
+            return PrefillInfo(
+                page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            raise BootstrapError(self.addr, 200, f"unreadable route table: {exc}") from None
+
+    def health(self) -> bool:
+        try:
+            return self._request("GET", "/health") == b"OK"
+        except BootstrapError:
+            return False
+
+    def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        headers = {"Content-Type": "application/json"}
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            raise BootstrapError(self.addr, 0, str(exc)) from None
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise BootstrapError(self.addr, resp.status, data.decode(errors="replace")[:200])
+        return data

@@ -1,0 +1,783 @@
+"""The Mooncake transfer backend: prefill manager and sender, decode manager and receiver.
+
+Theory of operation
+-------------------
+Both sides own a Mooncake ``TransferEngine`` (handshake ``P2PHANDSHAKE``; TCP here, RDMA where
+configured) with their KV pool tensor and metadata buffers registered. The prefill side only
+ever *writes* into decode memory; decode never reads prefill memory.
+
+Control messages (:mod:`kv.wire`) travel over ZeroMQ PUSH → PULL. Decode looks the prefill rank
+up at the bootstrap endpoint (:mod:`kv.bootstrap`), refuses one whose page size or KV dtype
+differs, and sends one ``Register`` with its session and memory layout; then, per room, a
+``Destination`` (pages and metadata slot) or an ``Abort``. The prefill listener thread validates
+every message and drops (logs, counts) bad ones; it never dies of one.
+
+Prefill rooms move BOOTSTRAPPING → WAITING_FOR_INPUT (destination arrived) → TRANSFERRING (first
+chunk queued) → SUCCESS / FAILED. ``send()`` hands a chunk to one of N worker threads chosen by
+the decode session, so a room's chunks stay in order. A worker coalesces the chunk's page pairs
+into runs (:func:`kv.pages.coalesce`) and issues one ``batch_transfer_sync_write`` per chunk that
+covers every run of every layer's K and V (split only above ``max_blocks_per_write``, which the
+TCP transport's per-peer queue bounds); the last chunk carries the metadata row in the same
+write. Only after the write returns does the worker push ``Status`` to decode, so decode's
+metadata gate (SUCCESS needs the row's room to match) never sees a torn row.
+
+Failure: a non-zero engine return fails the room with a reason naming the decode session and
+blacklists the session: its other live rooms fail at once (they cannot succeed) and later chunks
+to it are skipped, while other sessions are untouched. A fresh ``Register`` from the session
+clears the blacklist. A dead decode peer fails within about a second (TCP connection refused).
+A worker exception fails its room; the worker keeps running. Readiness goes to ``ready``.
+
+Rooms: ``clear()`` forgets a room and leaves a tombstone, so a late ``Destination``/``Abort`` for
+it is ignored instead of poisoning a later request that reuses the room number. ``quiescent()``
+is False while a chunk of the room is queued or being written.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import zmq
+
+from kv import wire
+from kv.bootstrap import BootstrapClient, BootstrapError, RankInfo
+from kv.metadata import MetadataBuffers, MetadataError
+from kv.pages import coalesce
+from kv.pool import KVPool
+from kv.transfer import (
+    REASON_ABORTED,
+    REASON_OTHER_RANK,
+    KVPoll,
+    SendCursor,
+    TransferError,
+    TransferUsageError,
+)
+
+logger = logging.getLogger(__name__)
+
+_TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
+_TOMBSTONES = 65536
+
+
+class MooncakeError(Exception):
+    """The transfer engine could not start, register memory, or reach its peer's setup."""
+
+
+class IncompatiblePeerError(MooncakeError):
+    """The prefill server's page size or KV dtype differs from the decode pool's."""
+
+
+@attrs.frozen
+class MooncakeConfig:
+    """Engine and control-plane settings of one side."""
+
+    hostname: str = "127.0.0.1"
+    protocol: str = attrs.field(default="tcp", validator=attrs.validators.in_(("tcp", "rdma")))
+    device: str = ""
+    num_workers: int = attrs.field(
+        default=2, validator=[attrs.validators.ge(1), attrs.validators.le(64)]
+    )
+    bootstrap_timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0))
+    connect_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    max_blocks_per_write: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    token: str | None = None
+
+
+def kv_dtype_name(pool: KVPool) -> str:
+    return str(pool.dtype).removeprefix("torch.")
+
+
+
+
+class _Engine:
+    """One TransferEngine with its registered regions; ``session`` is ``host:rpc_port``."""
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise MooncakeError(
+                "the Mooncake backend needs `pip install mooncake-transfer-engine-non-cuda` and "
+                f"Debian's libibverbs1: {exc}"
+            ) from exc
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(
+            config.hostname, "P2PHANDSHAKE", config.protocol, config.device
+        )
+        if rc != 0:
+            raise MooncakeError(
+                f"TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE, "
+                f"{config.protocol!r}, {config.device!r}) returned {rc}"
+            )
+        self.session = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        self._regions: list[int] = []
+
+    def register(self, ptr: int, length: int) -> None:
+        rc = self._engine.register_memory(ptr, length)
+        if rc != 0:
+            raise MooncakeError(f"register_memory({ptr:#x}, {length}) returned {rc}")
+        self._regions.append(ptr)
+
+    def write(self, session: str, src: list[int], dst: list[int], lens: list[int]) -> int:
+        rc: int = self._engine.batch_transfer_sync_write(session, src, dst, lens)
+        return rc
+
+    def close(self) -> None:
+        for ptr in self._regions:
+            self._engine.unregister_memory(ptr)
+        self._regions.clear()
+
+
+def _register_all(engine: _Engine, pool: KVPool, metadata: MetadataBuffers) -> None:
+    if not pool.buffer.is_contiguous():
+        raise MooncakeError("the KV pool buffer must be contiguous to be registered")
+    engine.register(pool.buffer.data_ptr(), pool.buffer.numel() * pool.buffer.element_size())
+    for info in metadata.buffer_infos():
+        engine.register(info.ptr, info.length)
+
+
+def _push_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.connect(endpoint)
+    return sock
+
+
+@attrs.define(eq=False)
+class _Room:
+    room: int
+    created: float
+    status: KVPoll = KVPoll.BOOTSTRAPPING
+    reason: str = ""
+    timed_out: bool = False
+    dest: wire.Destination | None = None
+    reg: wire.Register | None = None
+    cursor: SendCursor = attrs.field(init=False)
+    in_flight: int = 0
+    # Decode was told of the failure, after the room went quiescent (see _settle).
+    notified: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.cursor = SendCursor(self.room)
+
+
+@attrs.frozen(eq=False)
+class _Chunk:
+    rec: _Room
+    src: Sequence[int]
+    dst: np.ndarray
+    last: bool
+
+
+class MooncakeKVManager:
+    """Prefill rank: engine, control listener, transfer workers; creates senders."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        metadata: MetadataBuffers,
+        *,
+        rank: int = 0,
+        config: MooncakeConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or MooncakeConfig()
+        self.pool = pool
+        self.rank = rank
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.dropped_messages = wire.DroppedMessages()
+        self._clock = clock
+        infos = metadata.buffer_infos()
+        self._meta_ptrs = [i.ptr for i in infos]
+        self._meta_item_lens = [i.item_len for i in infos]
+        self._num_slots = metadata.num_slots
+        self._engine = _Engine(self.config)
+        _register_all(self._engine, pool, metadata)
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port(f"tcp://{self.config.hostname}")
+        self.endpoint = f"tcp://{self.config.hostname}:{port}"
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self._early: OrderedDict[int, wire.Destination] = OrderedDict()
+        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self._sessions: dict[str, wire.Register] = {}
+        self._failed_sessions: set[str] = set()
+        self._push_lock = threading.Lock()
+        self._push: dict[str, zmq.Socket[Any]] = {}
+        self._stop = threading.Event()
+        self._queues: list[queue.SimpleQueue[_Chunk | None]] = [
+            queue.SimpleQueue() for _ in range(self.config.num_workers)
+        ]
+        self._threads = [threading.Thread(target=self._listen, name="mooncake-listen", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._work, args=(q,), name=f"mooncake-xfer-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def session(self) -> str:
+        return self._engine.session
+
+    def rank_info(self) -> RankInfo:
+        return RankInfo(
+            rank=self.rank,
+            endpoint=self.endpoint,
+            session=self.session,
+            page_size=self.pool.page_size,
+            kv_dtype=kv_dtype_name(self.pool),
+        )
+
+    def register_to_bootstrap(self, bootstrap_addr: str) -> None:
+        BootstrapClient(bootstrap_addr, token=self.config.token).register(self.rank_info())
+
+    def create_sender(self, bootstrap_addr: str, room: int) -> MooncakeKVSender:
+        with self._lock:
+            if room in self._rooms:
+                raise TransferUsageError(room, "a live sender exists for this room; clear() it")
+            rec = _Room(room=room, created=self._clock())
+            self._rooms[room] = rec
+            self._tombstones.pop(room, None)
+            early = self._early.pop(room, None)
+            if early is not None:
+                self._accept_destination(rec, early)
+        return MooncakeKVSender(self, rec)
+
+    def live_rooms(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    def close(self) -> None:
+        self._stop.set()
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        with self._push_lock:
+            for sock in self._push.values():
+                sock.close()
+            self._push.clear()
+        self._pull.close()
+        self._ctx.term()
+        self._engine.close()
+
+    # -- control messages (listener thread) --------------------------------------------------
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            if not self._pull.poll(100):
+                continue
+            data = self._pull.recv()
+            try:
+                self._handle(wire.decode(data, self.config.token))
+            except wire.WireError as err:
+                logger.warning("dropped control message: %s", err)
+                self.dropped_messages.record(err)
+            except Exception:  # a handler bug must not end the listener
+                logger.exception("control message handler failed")
+                self.dropped_messages.record(wire.WireError("internal", "handler raised"))
+
+    def _handle(self, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Register):
+            self._on_register(msg)
+        elif isinstance(msg, wire.Destination):
+            self._on_destination(msg)
+        elif isinstance(msg, wire.Abort):
+            self._on_abort(msg)
+        else:
+            raise wire.WireError("unexpected_type", f"{type(msg).__name__} is not for prefill")
+
+    def _on_register(self, reg: wire.Register) -> None:
+        mine = (self.pool.page_size, kv_dtype_name(self.pool), self.pool.page_bytes,
+                self.pool.num_layers, tuple(self._meta_item_lens))
+        theirs = (reg.page_size, reg.kv_dtype, reg.page_bytes, reg.num_layers, reg.meta_item_lens)
+        if mine != theirs:
+            raise wire.WireError(
+                "incompatible_layout",
+                f"session {reg.session}: (page_size, kv_dtype, page_bytes, layers, metadata item "
+                f"lens) {theirs} differ from this rank's {mine}",
+            )
+        with self._lock:
+            self._sessions[reg.session] = reg
+            self._failed_sessions.discard(reg.session)
+        with self._push_lock:
+            old = self._push.pop(reg.session, None)
+            if old is not None:
+                old.close()
+            self._push[reg.session] = _push_socket(self._ctx, reg.status_endpoint)
+        logger.info("decode session %s registered", reg.session)
+
+    def _on_destination(self, dest: wire.Destination) -> None:
+        with self._lock:
+            wire.check_destination(dest, self._sessions)
+            rec = self._rooms.get(dest.room)
+            if rec is None:
+                if dest.room in self._tombstones:
+                    raise wire.WireError("stale_room", f"room {dest.room} was already cleared")
+                self._early[dest.room] = dest
+                if len(self._early) > self.config.max_early_destinations:
+                    evicted, _ = self._early.popitem(last=False)
+                    raise wire.WireError("early_overflow", f"evicted early room {evicted}")
+                return
+            if rec.dest is not None:
+                raise wire.WireError("duplicate_destination", f"room {dest.room}")
+            self._accept_destination(rec, dest)
+
+    def _accept_destination(self, rec: _Room, dest: wire.Destination) -> None:
+        rec.dest = dest
+        rec.reg = self._sessions[dest.session]
+        if rec.status == KVPoll.BOOTSTRAPPING:
+            rec.status = KVPoll.WAITING_FOR_INPUT
+            self.ready.put(rec.room)
+
+    def _on_abort(self, msg: wire.Abort) -> None:
+        with self._lock:
+            rec = self._rooms.get(msg.room)
+            if rec is None:
+                raise wire.WireError("stale_room", f"abort for unknown room {msg.room}")
+            if rec.dest is not None and rec.dest.session != msg.session:
+                raise wire.WireError(
+                    "foreign_abort", f"room {msg.room} belongs to {rec.dest.session}"
+                )
+            self._fail(rec, f"aborted by decode peer {msg.session}")
+            owed = self._settle(rec)
+        if owed is not None:
+            self._send_status(*owed)
+
+    # -- room state (callers hold self._lock) ------------------------------------------------
+
+    def _fail(self, rec: _Room, reason: str, *, timed_out: bool = False) -> bool:
+        if rec.status in _TERMINAL:
+            return False
+        rec.status = KVPoll.FAILED
+        rec.reason = reason
+        rec.timed_out = timed_out
+        self.ready.put(rec.room)
+        return True
+
+    def _settle(self, rec: _Room) -> tuple[str, int, KVPoll, str] | None:
+        """The FAILED status owed to decode once a failed room is quiescent, if any.
+
+        Decode reads this status as "prefill no longer writes into these pages", so it is sent
+        only when no chunk of the room is queued or being written.
+        """
+        if rec.status != KVPoll.FAILED or rec.in_flight or rec.notified:
+            return None
+        rec.notified = True
+        if rec.dest is not None:
+            self.ready.put(rec.room)  # quiescence is news to the owner of the pages
+            return (rec.dest.session, rec.room, KVPoll.FAILED, rec.reason)
+        return None
+
+    def _live(self, rec: _Room) -> bool:
+        return self._rooms.get(rec.room) is rec and rec.status not in _TERMINAL
+
+    # -- transfer workers ---------------------------------------------------------------------
+
+    def _enqueue(self, chunk: _Chunk, session: str) -> None:
+        self._queues[zlib.crc32(session.encode()) % len(self._queues)].put(chunk)
+
+    def _work(self, q: queue.SimpleQueue[_Chunk | None]) -> None:
+        while (chunk := q.get()) is not None:
+            rec = chunk.rec
+            try:
+                error = self._transfer(chunk)
+            except Exception as exc:  # becomes a failed room, never a dead worker
+                logger.exception("transfer worker failed on room %d", rec.room)
+                error = f"internal error in transfer worker: {exc!r}"
+            notify: list[tuple[str, int, KVPoll, str] | None] = []
+            with self._lock:
+                rec.in_flight -= 1
+                session = rec.dest.session if rec.dest is not None else ""
+                if error is not None and self._live(rec):
+                    self._fail(rec, error)
+                    if session not in self._failed_sessions and error.startswith("transfer engine"):
+                        self._failed_sessions.add(session)
+                        notify += self._fail_session(session)
+                elif error is None and chunk.last and self._live(rec):
+                    rec.status = KVPoll.SUCCESS
+                    self.ready.put(rec.room)
+                    notify.append((session, rec.room, KVPoll.SUCCESS, ""))
+                notify.append(self._settle(rec))
+            for owed in notify:
+                if owed is not None:
+                    self._send_status(*owed)
+
+    def _fail_session(self, session: str) -> list[tuple[str, int, KVPoll, str] | None]:
+        """Fail every live room of a blacklisted session: none of them can succeed."""
+        reason = f"decode session {session} was blacklisted after a failed transfer"
+        failed = [r for r in self._rooms.values()
+                  if r.dest is not None and r.dest.session == session and self._fail(r, reason)]
+        return [self._settle(r) for r in failed]
+
+    def _transfer(self, chunk: _Chunk) -> str | None:
+        """Write one chunk; the failure reason, or None on success (or nothing to do)."""
+        rec = chunk.rec
+        with self._lock:
+            if not self._live(rec):
+                return None
+            assert rec.dest is not None and rec.reg is not None
+            session, reg, slot = rec.dest.session, rec.reg, rec.dest.slot
+            if session in self._failed_sessions:
+                return f"decode session {session} is blacklisted after an earlier failure"
+        src, dst, lens = self._blocks(chunk.src, chunk.dst, reg)
+        if chunk.last:
+            for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens, reg.meta_ptrs,
+                                       strict=True):
+                src.append(ptr + (rec.cursor.slot or 0) * item)
+                dst.append(dptr + slot * item)
+                lens.append(item)
+        step = self.config.max_blocks_per_write
+        for i in range(0, len(src), step):
+            rc = self._engine.write(session, src[i : i + step], dst[i : i + step],
+                                    lens[i : i + step])
+            if rc != 0:
+                return (f"transfer engine write of room {rec.room} to decode session {session} "
+                        f"failed (rc={rc})")
+        return None
+
+    def _blocks(
+        self, src_pages: Sequence[int], dst_pages: np.ndarray, reg: wire.Register
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Addresses and lengths of every run of every layer half, layer-half major."""
+        runs = coalesce(src_pages, dst_pages.tolist())
+        if not runs:
+            return [], [], []
+        r = np.array(runs, dtype=np.int64)
+        pb = self.pool.page_bytes
+        halves = np.arange(2 * self.pool.num_layers, dtype=np.int64)[:, None]
+        src_base = self.pool.buffer.data_ptr()
+        src = src_base + (halves * self.pool.num_pages + r[:, 0]) * pb
+        dst = reg.kv_ptr + (halves * reg.num_pages + r[:, 1]) * pb
+        lens = np.broadcast_to(r[:, 2] * pb, src.shape)
+        return src.ravel().tolist(), dst.ravel().tolist(), lens.ravel().tolist()
+
+    def _send_status(self, session: str, room: int, poll: KVPoll, reason: str) -> None:
+        data = wire.encode(wire.Status(room, int(poll), reason, self.rank), self.config.token)
+        with self._push_lock:
+            sock = self._push.get(session)
+            if sock is None:
+                return
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # a dead peer's queue is full; its rooms already failed
+                logger.warning("status for room %d to %s not sent: %s", room, session, exc)
+
+
+class MooncakeKVSender:
+    """The prefill side of one room (see :mod:`kv.transfer` for the contract)."""
+
+    def __init__(self, mgr: MooncakeKVManager, rec: _Room) -> None:
+        self.room = rec.room
+        self._mgr = mgr
+        self._rec = rec
+        self._latched: KVPoll | None = None
+
+    def init(self, num_pages: int, slot: int) -> None:
+        mgr, rec = self._mgr, self._rec
+        if not 0 <= slot < mgr._num_slots:
+            raise TransferUsageError(self.room, f"slot {slot} not in 0..{mgr._num_slots - 1}")
+        with mgr._lock:
+            if rec.status == KVPoll.FAILED:
+                return
+            if rec.status != KVPoll.WAITING_FOR_INPUT or rec.dest is None:
+                raise TransferUsageError(self.room, f"init() while {rec.status.name}")
+            rec.cursor.init(num_pages, slot)
+            if num_pages > len(rec.dest.pages):
+                mgr._fail(rec, f"decode session {rec.dest.session} offered "
+                               f"{len(rec.dest.pages)} pages, the request needs {num_pages}")
+                owed = mgr._settle(rec)
+            else:
+                owed = None
+        if owed is not None:
+            mgr._send_status(*owed)
+
+    def send(self, pages: Sequence[int], last: bool) -> None:
+        mgr, rec = self._mgr, self._rec
+        with mgr._lock:
+            if rec.status == KVPoll.FAILED:
+                return
+            if rec.cursor.num_pages is None or rec.dest is None:
+                raise TransferUsageError(self.room, f"send() before init() while {rec.status.name}")
+            span = rec.cursor.advance(len(pages), last)
+            if not mgr._live(rec) or (not pages and not last):
+                return
+            dst = rec.dest.pages[span]
+            rec.in_flight += 1
+            rec.status = KVPoll.TRANSFERRING
+            session = rec.dest.session
+        mgr._enqueue(_Chunk(rec, list(pages), dst, last), session)
+
+    def poll(self) -> KVPoll:
+        if self._latched is not None:
+            return self._latched
+        mgr, rec = self._mgr, self._rec
+        with mgr._lock:
+            status = rec.status
+            if status == KVPoll.BOOTSTRAPPING:
+                waited = mgr._clock() - rec.created
+                if waited >= mgr.config.bootstrap_timeout_s:
+                    mgr._fail(rec, f"no destination from decode after {waited:.1f}s "
+                                   "(bootstrap timeout)", timed_out=True)
+                    status = rec.status
+        if status in _TERMINAL:
+            self._latched = status
+        return status
+
+    def failure_exception(self) -> TransferError:
+        rec = self._rec
+        peer = rec.dest.session if rec.dest is not None else ""
+        if rec.status != KVPoll.FAILED:
+            return TransferError(rec.room, REASON_OTHER_RANK, peer)
+        return TransferError(rec.room, rec.reason, peer, timeout=rec.timed_out)
+
+    def abort(self) -> None:
+        mgr, rec = self._mgr, self._rec
+        with mgr._lock:
+            mgr._fail(rec, REASON_ABORTED)
+            owed = mgr._settle(rec)
+        if owed is not None:
+            mgr._send_status(*owed)
+
+    def clear(self) -> None:
+        mgr = self._mgr
+        with mgr._lock:
+            if mgr._rooms.get(self.room) is self._rec:
+                del mgr._rooms[self.room]
+                mgr._early.pop(self.room, None)
+                mgr._tombstones[self.room] = None
+                if len(mgr._tombstones) > _TOMBSTONES:
+                    mgr._tombstones.popitem(last=False)
+
+    def quiescent(self) -> bool:
+        with self._mgr._lock:
+            return self._rec.in_flight == 0
+
+
+@attrs.define(eq=False)
+class _DecodeRoom:
+    room: int
+    status: KVPoll = KVPoll.BOOTSTRAPPING
+    reason: str = ""
+    slot: int = -1
+    # Destination sent, and no Status back yet: prefill may still write into the pages.
+    awaiting_prefill: bool = False
+
+
+class MooncakeDecodeManager:
+    """Decode side: engine, status listener, one registration with prefill rank ``rank``."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        metadata: MetadataBuffers,
+        bootstrap_addr: str,
+        *,
+        rank: int = 0,
+        config: MooncakeConfig | None = None,
+    ) -> None:
+        self.config = config or MooncakeConfig()
+        self.pool = pool
+        self.metadata = metadata
+        self.bootstrap_addr = bootstrap_addr
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.dropped_messages = wire.DroppedMessages()
+        self.prefill = self._lookup(bootstrap_addr, rank)
+        self._engine = _Engine(self.config)
+        _register_all(self._engine, pool, metadata)
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port(f"tcp://{self.config.hostname}")
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _DecodeRoom] = {}
+        self._push_lock = threading.Lock()
+        self._push = _push_socket(self._ctx, self.prefill.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="mooncake-status", daemon=True)
+        self._thread.start()
+        infos = metadata.buffer_infos()
+        self._send(wire.Register(
+            session=self._engine.session,
+            status_endpoint=f"tcp://{self.config.hostname}:{port}",
+            kv_ptr=pool.buffer.data_ptr(),
+            num_layers=pool.num_layers,
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+            page_bytes=pool.page_bytes,
+            kv_dtype=kv_dtype_name(pool),
+            meta_ptrs=tuple(i.ptr for i in infos),
+            meta_item_lens=tuple(i.item_len for i in infos),
+            num_slots=metadata.num_slots,
+        ))
+
+    @property
+    def session(self) -> str:
+        return self._engine.session
+
+    def _lookup(self, bootstrap_addr: str, rank: int) -> RankInfo:
+        """The prefill rank's entry, waiting up to ``connect_timeout_s`` for all ranks."""
+        client = BootstrapClient(bootstrap_addr, token=self.config.token)
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        backoff = threading.Event()  # never set: wait() is an interruptible pause
+        while True:
+            try:
+                table = client.lookup()
+                break
+            except BootstrapError as exc:
+                if exc.status not in (0, 503) or time.monotonic() >= deadline:
+                    raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
+                backoff.wait(0.05)
+        dtype = kv_dtype_name(self.pool)
+        if table.page_size != self.pool.page_size or table.kv_dtype != dtype:
+            raise IncompatiblePeerError(
+                f"prefill at {bootstrap_addr} has page_size={table.page_size} "
+                f"kv_dtype={table.kv_dtype}, this decode pool has page_size={self.pool.page_size} "
+                f"kv_dtype={dtype}; start both with the same settings"
+            )
+        ranks = {r.rank: r for r in table.ranks}
+        if rank not in ranks:
+            raise MooncakeError(f"prefill at {bootstrap_addr} has no rank {rank}")
+        return ranks[rank]
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> MooncakeKVReceiver:
+        if bootstrap_addr != self.bootstrap_addr:
+            raise TransferUsageError(
+                room, f"this manager serves prefill {self.bootstrap_addr}, not {bootstrap_addr}"
+            )
+        with self._lock:
+            if room in self._rooms:
+                raise TransferUsageError(room, "a live receiver exists for this room; clear() it")
+            rec = _DecodeRoom(room)
+            self._rooms[room] = rec
+        return MooncakeKVReceiver(self, rec)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with self._push_lock:
+            self._push.close()
+        self._pull.close()
+        self._ctx.term()
+        self._engine.close()
+
+    def _send(self, msg: wire.Message) -> None:
+        data = wire.encode(msg, self.config.token)
+        with self._push_lock:
+            self._push.send(data)
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            if not self._pull.poll(100):
+                continue
+            data = self._pull.recv()
+            try:
+                msg = wire.decode(data, self.config.token)
+                if not isinstance(msg, wire.Status):
+                    raise wire.WireError("unexpected_type", f"{type(msg).__name__} not for decode")
+                self._on_status(msg)
+            except wire.WireError as err:
+                logger.warning("dropped control message: %s", err)
+                self.dropped_messages.record(err)
+            except Exception:  # a handler bug must not end the listener
+                logger.exception("status handler failed")
+                self.dropped_messages.record(wire.WireError("internal", "handler raised"))
+
+    def _on_status(self, msg: wire.Status) -> None:
+        with self._lock:
+            rec = self._rooms.get(msg.room)
+            if rec is None or not rec.awaiting_prefill:
+                raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
+            rec.awaiting_prefill = False
+            if rec.status not in _TERMINAL:
+                rec.status = KVPoll(msg.poll)
+                rec.reason = msg.reason or "prefill reported a failure"
+        self.ready.put(msg.room)
+
+
+class MooncakeKVReceiver:
+    """The decode side of one room (see :mod:`kv.transfer` for the contract)."""
+
+    def __init__(self, mgr: MooncakeDecodeManager, rec: _DecodeRoom) -> None:
+        self.room = rec.room
+        self._mgr = mgr
+        self._rec = rec
+
+    def init(self) -> None:
+        with self._mgr._lock:
+            if self._rec.status == KVPoll.BOOTSTRAPPING:
+                self._rec.status = KVPoll.WAITING_FOR_INPUT
+        self._mgr.ready.put(self.room)
+
+    def send_metadata(self, pages: Sequence[int], slot: int) -> None:
+        mgr, rec = self._mgr, self._rec
+        if not 0 <= slot < mgr.metadata.num_slots:
+            raise TransferUsageError(self.room, f"slot {slot} not in 0..{mgr.metadata.num_slots - 1}")
+        arr = np.asarray(pages, dtype=np.int64)
+        with mgr._lock:
+            if rec.status == KVPoll.FAILED:
+                return
+            if rec.status != KVPoll.WAITING_FOR_INPUT:
+                raise TransferUsageError(self.room, f"send_metadata() while {rec.status.name}")
+            rec.status = KVPoll.TRANSFERRING
+            rec.slot = slot
+            rec.awaiting_prefill = True
+        mgr._send(wire.Destination(self.room, mgr.session, arr, slot))
+
+    def poll(self) -> KVPoll:
+        mgr, rec = self._mgr, self._rec
+        with mgr._lock:
+            if rec.status != KVPoll.SUCCESS or rec.reason == _GATE_PASSED or self.room == 0:
+                return rec.status
+            # The metadata gate: the row must carry this room; 0 means it has not landed.
+            try:
+                landed = mgr.metadata.read(rec.slot, expected_room=self.room)
+            except MetadataError as exc:
+                rec.status, rec.reason = KVPoll.FAILED, str(exc)
+                return rec.status
+            if landed is None:
+                return KVPoll.TRANSFERRING
+            rec.reason = _GATE_PASSED
+            return rec.status
+
+    def failure_exception(self) -> TransferError:
+        rec = self._rec
+        reason = rec.reason if rec.status == KVPoll.FAILED else REASON_OTHER_RANK
+        return TransferError(rec.room, reason, self._mgr.prefill.session)
+
+    def abort(self) -> None:
+        mgr, rec = self._mgr, self._rec
+        with mgr._lock:
+            if rec.status in _TERMINAL:
+                return
+            rec.status, rec.reason = KVPoll.FAILED, REASON_ABORTED
+            tell_prefill = rec.awaiting_prefill
+        mgr.ready.put(self.room)
+        if tell_prefill:
+            mgr._send(wire.Abort(self.room, mgr.session))
+
+    def clear(self) -> None:
+        with self._mgr._lock:
+            if self._mgr._rooms.get(self.room) is self._rec:
+                del self._mgr._rooms[self.room]
+
+    def quiescent(self) -> bool:
+        """False while prefill may still write into the room's pages (no Status back yet)."""
+        with self._mgr._lock:
+            return not self._rec.awaiting_prefill
+
+
+_GATE_PASSED = "metadata row landed"

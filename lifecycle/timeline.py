@@ -1,0 +1,214 @@
+"""Per-request timelines: transition records, Perfetto traces and TTFT phases.
+
+Theory of operation
+-------------------
+A request stores only ``(monotonic_time, event)`` pairs (admission first, with event ``""``):
+every ``(state, event)`` pair of a table has one destination, so the states follow from
+replaying the events through the table from its initial state. :func:`records` does that replay
+and returns one :class:`TransitionRecord` per transition; a timeline that takes an edge the table
+does not have is reported as :class:`~lifecycle.errors.InvalidTimeline` (it cannot happen through
+:class:`~lifecycle.machine.Lifecycle`, which is why the property tests replay every timeline).
+
+Everything here is pure: :func:`to_perfetto` returns the Chrome-trace JSON object and the caller
+writes it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from lifecycle.errors import LifecycleError
+from lifecycle.reasons import FailureReason
+from lifecycle.record import Tracked
+from lifecycle.table import LifecycleTable
+
+
+class InvalidTimeline(LifecycleError):
+    """A timeline does not replay through its table; the message names the request and step."""
+
+
+@attrs.frozen
+class TransitionRecord:
+    """One transition of one request: ``event`` moved it from ``source`` to ``dest`` at
+    monotonic ``time``. ``reason`` is the request's failure reason on the transition into a
+    final state, else ``None``."""
+
+    rid: str
+    source: enum.IntEnum
+    event: str
+    dest: enum.IntEnum
+    time: float
+    reason: FailureReason | None = None
+
+
+def _table_of(req: Tracked, table: LifecycleTable | None) -> LifecycleTable:
+    if table is not None:
+        return table
+    if req.owner is None:
+        raise InvalidTimeline(f"request {req.rid!r} was never admitted; pass its table")
+    return req.owner.table
+
+
+def records(req: Tracked, table: LifecycleTable | None = None) -> list[TransitionRecord]:
+    """Replay ``req``'s timeline through ``table`` (default: its owner's table)."""
+    table = _table_of(req, table)
+    timeline = req.timeline
+    if not timeline:
+        return []
+    admitted_at, first = timeline[0]
+    if first != "":
+        raise InvalidTimeline(f"request {req.rid!r}: the timeline does not start with admission")
+    state = table.initial
+    last = admitted_at
+    out: list[TransitionRecord] = []
+    for step, (t, event) in enumerate(timeline[1:], start=1):
+        edge = table.lookup.get((state, event))
+        if edge is None:
+            raise InvalidTimeline(
+                f"request {req.rid!r}: step {step} takes event {event!r} from {state.name}, "
+                f"which table {table.name!r} has no edge for"
+            )
+        if t < last:
+            raise InvalidTimeline(f"request {req.rid!r}: step {step} goes back in time")
+        final = edge.dest in table.finals
+        out.append(
+            TransitionRecord(
+                rid=req.rid,
+                source=state,
+                event=event,
+                dest=edge.dest,
+                time=t,
+                reason=req.reason if final else None,
+            )
+        )
+        state = edge.dest
+        last = t
+    return out
+
+
+def replayed_state(req: Tracked, table: LifecycleTable | None = None) -> enum.IntEnum:
+    """The state ``req``'s timeline ends in (the table's initial state if only admitted)."""
+    recs = records(req, table)
+    return recs[-1].dest if recs else _table_of(req, table).initial
+
+
+# -- Chrome trace / Perfetto ----------------------------------------------------------------
+
+
+def to_perfetto(
+    requests: Iterable[Tracked],
+    *,
+    table: LifecycleTable | None = None,
+    now: float | None = None,
+    pid: int = 1,
+) -> dict[str, Any]:
+    """A Chrome-trace JSON object (``json.dump`` it; Perfetto and chrome://tracing open it).
+
+    One thread track per request (``tid`` = its position, named by its rid), one complete
+    ``"X"`` slice per state visit from entry to exit, self-loops (a chunk) and final states as
+    instant events. Times are microseconds since the earliest admission. A live request's
+    current state ends at ``now`` (default: the latest time in any timeline) with
+    ``args.open = true``.
+    """
+    reqs = [r for r in requests if r.timeline]
+    if not reqs:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    origin = min(r.timeline[0][0] for r in reqs)
+    end = now if now is not None else max(r.timeline[-1][0] for r in reqs)
+
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 3)
+
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "pdlife"}}
+    ]
+    for tid, req in enumerate(reqs, start=1):
+        tbl = _table_of(req, table)
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": req.rid}}
+        )
+        entered_state, entered_at = tbl.initial, req.timeline[0][0]
+        for rec in records(req, tbl):
+            base = {"pid": pid, "tid": tid, "cat": tbl.name, "ts": us(rec.time)}
+            if rec.dest is rec.source:
+                events.append(
+                    {**base, "ph": "i", "s": "t", "name": rec.event, "args": {"rid": rec.rid}}
+                )
+                continue
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid,
+                    "cat": tbl.name,
+                    "name": entered_state.name,
+                    "ts": us(entered_at),
+                    "dur": round((rec.time - entered_at) * 1e6, 3),
+                    "args": {"rid": rec.rid, "exit": rec.event},
+                }
+            )
+            entered_state, entered_at = rec.dest, rec.time
+            if rec.dest in tbl.finals:
+                reason = rec.reason.value if rec.reason is not None else None
+                args = {"rid": rec.rid, "reason": reason, "detail": req.detail}
+                events.append({**base, "ph": "i", "s": "t", "name": rec.dest.name, "args": args})
+        if entered_state not in tbl.finals:
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid,
+                    "cat": tbl.name,
+                    "name": entered_state.name,
+                    "ts": us(entered_at),
+                    "dur": round(max(end - entered_at, 0.0) * 1e6, 3),
+                    "args": {"rid": req.rid, "open": True},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+# -- TTFT phases ----------------------------------------------------------------------------
+
+# The prefill events that end each phase of the time to first token.
+_PHASE_ENDS = ("bootstrapped", "schedule", "prefilled", "transferred")
+
+
+@attrs.frozen
+class TtftPhases:
+    """Where a prefill request's time to first token went, in seconds; ``None`` for a phase
+    the request did not complete.
+
+    ``bootstrap_wait`` admission → bootstrapped; ``queue_wait`` bootstrapped → schedule;
+    ``forward`` schedule → prefilled (all chunks); ``transfer`` prefilled → transferred.
+    """
+
+    bootstrap_wait: float | None
+    queue_wait: float | None
+    forward: float | None
+    transfer: float | None
+
+    @property
+    def total(self) -> float | None:
+        """Admission → transferred, when the request got that far."""
+        parts = (self.bootstrap_wait, self.queue_wait, self.forward, self.transfer)
+        return None if None in parts else sum(p for p in parts if p is not None)
+
+
+def ttft_phases(timeline: Sequence[tuple[float, str]]) -> TtftPhases:
+    """The TTFT phases of a prefill request's ``(time, event)`` timeline."""
+    if not timeline:
+        return TtftPhases(None, None, None, None)
+    # First occurrence of each phase-ending event (each occurs at most once on the table).
+    at: dict[str, float] = {}
+    for t, event in timeline:
+        at.setdefault(event, t)
+    marks = [at.get("")] + [at.get(e) for e in _PHASE_ENDS]
+    spans: list[float | None] = []
+    for start, stop in zip(marks, marks[1:]):
+        spans.append(stop - start if start is not None and stop is not None else None)
+    return TtftPhases(*spans)

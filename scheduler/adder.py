@@ -1,0 +1,139 @@
+"""The PrefillAdder: which waiting requests (and how much of each) go into the next batch.
+
+SGLang's budgets, on the prefill server (where max_new_tokens is 1 and nothing decodes):
+``rem_input`` (max_prefill_tokens), ``rem_chunk`` (chunked_prefill_size), the free KV pages,
+``max_running_requests`` and ``prefill_max_requests``. The first request of a batch is always
+admitted even past max_prefill_tokens; a chunk is cut at a page boundary; a chunked request
+continues first on the next pass; at most one request is mid-chunk at a time. The PrefillDelayer
+gates the batch before its first new request is admitted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from kv.pages import pages_needed
+from lifecycle import PrefillRequest
+
+
+class Stop(enum.Enum):
+    """Why the adder stopped adding requests."""
+
+    NONE = "none"  # ran out of candidates
+    NO_PAGES = "no_pages"  # KV pool exhausted (SGLang's NO_TOKEN)
+    BUDGET = "budget"  # input or chunk token budget spent
+    MAX_RUNNING = "max_running"
+    MAX_BATCH = "max_batch"
+    DELAYED = "delayed"  # the PrefillDelayer said not now
+
+
+@attrs.frozen
+class Chunk:
+    """``req`` computes tokens ``start .. start+length-1`` and needs ``new_pages`` more pages."""
+
+    req: PrefillRequest
+    start: int
+    length: int
+    new_pages: int
+
+    @property
+    def last(self) -> bool:
+        return self.start + self.length == len(self.req.input_ids)
+
+
+@attrs.define
+class Plan:
+    chunks: list[Chunk] = attrs.field(factory=list)
+    stop: Stop = Stop.NONE
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+# gate(running, waiting_len) -> allowed; asked once, before the first new request.
+Gate = Callable[[int, int], bool]
+
+
+def plan_batch(
+    *,
+    continuing: PrefillRequest | None,
+    waiting: Iterable[PrefillRequest],
+    waiting_len: int,
+    running: int,
+    free_pages: int,
+    page_size: int,
+    max_prefill_tokens: int,
+    chunked_prefill_size: int | None,
+    max_running_requests: int,
+    prefill_max_requests: int | None,
+    gate: Gate | None = None,
+) -> Plan:
+    """Plan one batch; pure apart from the gate. ``running`` counts requests holding pages."""
+    plan = Plan()
+    rem_input = max_prefill_tokens
+    rem_chunk = chunked_prefill_size
+    pages_left = free_pages
+
+    def take(req: PrefillRequest, first: bool) -> Stop | None:
+        nonlocal rem_input, rem_chunk, pages_left
+        start = req.scheduled
+        remaining = len(req.input_ids) - start
+        length = remaining
+        if rem_chunk is not None and remaining > rem_chunk:
+            length = rem_chunk // page_size * page_size
+            if length <= 0:
+                return Stop.BUDGET
+        if not first and pages_needed(length, page_size) * page_size > rem_input:
+            return Stop.BUDGET
+        new_pages = pages_needed(start + length, page_size) - len(req.pages)
+        if new_pages > pages_left:
+            # Fit what the pool can hold when chunking; otherwise wait for pages.
+            if rem_chunk is None:
+                return Stop.NO_PAGES
+            fit = (len(req.pages) + pages_left) * page_size - start
+            length = min(length, fit // page_size * page_size)
+            if length <= 0:
+                return Stop.NO_PAGES
+            new_pages = pages_needed(start + length, page_size) - len(req.pages)
+        plan.chunks.append(Chunk(req, start, length, new_pages))
+        pages_left -= new_pages
+        rem_input -= length
+        if rem_chunk is not None:
+            rem_chunk -= length
+        if start + length < len(req.input_ids):
+            # This request is now mid-chunk; nothing else fits behind it this pass.
+            return Stop.BUDGET
+        return None
+
+    if continuing is not None:
+        stop = take(continuing, first=True)
+        if stop is not None:
+            plan.stop = stop
+            return plan
+    asked = False
+    for req in waiting:
+        if req.on_device or req.pending_abort is not None:
+            continue
+        if running + len(plan.chunks) >= max_running_requests:
+            plan.stop = Stop.MAX_RUNNING
+            break
+        if prefill_max_requests is not None and len(plan.chunks) >= prefill_max_requests:
+            plan.stop = Stop.MAX_BATCH
+            break
+        if rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
+            plan.stop = Stop.BUDGET
+            break
+        if gate is not None and not asked:
+            asked = True
+            if not gate(running, waiting_len):
+                plan.stop = Stop.DELAYED
+                break
+        stop = take(req, first=not plan.chunks)
+        if stop is not None:
+            plan.stop = stop
+            break
+    return plan

@@ -1,0 +1,134 @@
+"""The reference model's arithmetic: a fixed-point grid, exact reductions, and causal attention.
+
+Theory of operation
+-------------------
+Disaggregated serving computes a prompt in chunks over a paged KV pool and continues decoding in
+another pool; the colocated reference computes the same prompt in one shot over a contiguous
+cache. Their outputs must agree token for token, always. Floating point alone cannot promise
+that: a sum depends on the order of its terms, and BLAS picks the order from the shapes, which
+differ between a 4096-token prefill and a 512-token chunk. Computing in float64 would make a
+disagreement rare, not impossible.
+
+So every value the model carries is a fixed-point number held in a float64: an integer multiple
+of ``2**-frac_bits`` with a bounded magnitude (:func:`to_grid`). A dot product of two such
+vectors is a sum of integer multiples of ``2**-(a+b)`` whose every partial sum stays below
+``2**53`` times that unit, so each addition is exact and the result is the same in every order,
+blocking and device: matrix products, RMSNorm's sum of squares, the softmax denominator and the
+probability-weighted sum of values are all exact. The bounds that keep them exact are enforced
+by ``ModelConfig``'s ranges.
+
+What is not exact is elementwise: one IEEE operation (``+ - * /``, ``sqrt``), which rounds
+correctly and so depends only on its operands, never on a tensor's shape or on an element's
+place in it; or a lookup in a table that is built once, on the CPU, from Python's scalar
+``math`` functions, so vectorised and scalar code paths (which may disagree in the last bit)
+never meet. ``torch.exp`` is therefore never called on activations: ``exp(-x)`` is a lookup in
+:func:`exp_table`, indexed by ``x`` on the grid. After each inexact step the result is put back
+on the grid, so the next reduction is exact again.
+
+Hence the same position computes the same bits whether it is part of a one-shot prefill, a
+chunk, or a decode step, on CPU or CUDA, and argmax ties (which are then genuine ties) break to
+the lowest token id.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Activations, queries, keys and values: multiples of 2**-12, magnitude at most 2**8. 20
+# significant bits, so float32 KV storage holds them exactly.
+ACT_FRAC_BITS = 12
+ACT_LIMIT = 2.0**8
+# Weights: multiples of 2**-12 in [-1, 1].
+WEIGHT_FRAC_BITS = 12
+WEIGHT_LIMIT = 1.0
+# Softmax numerators and sigmoid's exp(-|x|): multiples of 2**-16 in [0, 1].
+PROB_FRAC_BITS = 16
+# exp(-x) for x = i * 2**-12; beyond EXP_RANGE it rounds to 0 on the probability grid.
+_EXP_INDEX_SCALE = 2.0**ACT_FRAC_BITS
+_EXP_RANGE = 12.0
+
+# Score tensors of one query block are capped at about this many float64 elements (64 MiB).
+_BLOCK_ELEMENTS = 1 << 23
+
+
+def to_grid(x: torch.Tensor, frac_bits: int, limit: float) -> torch.Tensor:
+    """``x`` rounded to the nearest multiple of ``2**-frac_bits`` and clamped to ``±limit``.
+
+    Scaling by a power of two is exact, so the result depends on each element alone.
+    """
+    scale = 2.0**frac_bits
+    return torch.round(x * scale).clamp_(-limit * scale, limit * scale).div_(scale)
+
+
+def fix(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the activation grid."""
+    return to_grid(x, ACT_FRAC_BITS, ACT_LIMIT)
+
+
+def exp_table() -> torch.Tensor:
+    """``exp(-i / 2**12)`` on the probability grid for ``i = 0 ..``; the last entry is 0.
+
+    Built on the CPU from scalar ``math.exp`` so every process and device gets the same bits.
+    """
+    n = int(_EXP_RANGE * _EXP_INDEX_SCALE) + 1
+    values = torch.tensor([math.exp(-i / _EXP_INDEX_SCALE) for i in range(n)], dtype=torch.float64)
+    table = to_grid(values, PROB_FRAC_BITS, 1.0)
+    if table[-1].item() != 0.0:
+        raise AssertionError("exp table must end at 0 so masked and distant keys weigh nothing")
+    return table
+
+
+def exp_neg(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``exp(-x)`` for ``x >= 0`` (``+inf`` allowed), by table lookup at ``floor(x * 2**12)``."""
+    index = (x * _EXP_INDEX_SCALE).clamp_(max=table.numel() - 1).to(torch.int64)
+    return table[index]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension; the sum of squares is exact."""
+    mean_square = (x * x).sum(-1, keepdim=True) / x.shape[-1]
+    return fix(x / torch.sqrt(mean_square + eps) * weight)
+
+
+def silu(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` with ``exp(-|x|)`` from the table (no overflow on either side)."""
+    e = exp_neg(x.abs(), table)
+    sigmoid = torch.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    return x * sigmoid
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, table: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention of queries at positions ``q_start ..`` over keys ``0 ..``, causally.
+
+    ``q``: ``[n, heads, head_dim]``, already scaled by ``1/sqrt(head_dim)`` and on the grid;
+    ``k``, ``v``: ``[q_start + n, kv_heads, head_dim]`` on the grid (the whole history, then
+    this call's own positions). Query heads are grouped onto key heads (GQA). Returns
+    ``[n, heads * head_dim]`` on the grid.
+    """
+    n, heads, head_dim = q.shape
+    total, kv_heads, _ = k.shape
+    if total != q_start + n:
+        raise ValueError(f"{total} keys for queries at positions {q_start}..{q_start + n - 1}")
+    group = heads // kv_heads
+    # [kv_heads, group, n, head_dim] so each key head multiplies its query group in one matmul.
+    qg = q.reshape(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    kt = k.permute(1, 2, 0).unsqueeze(1)  # [kv_heads, 1, head_dim, total]
+    vg = v.permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, total, head_dim]
+    out = torch.empty((kv_heads, group, n, head_dim), dtype=q.dtype, device=q.device)
+    block = max(1, _BLOCK_ELEMENTS // max(1, heads * total))
+    for r0 in range(0, n, block):
+        r1 = min(n, r0 + block)
+        visible = q_start + r1
+        scores = torch.matmul(qg[:, :, r0:r1], kt[..., :visible])
+        # Only the block's own positions can lie in a row's future: mask that square alone.
+        future = torch.ones((r1 - r0, r1 - r0), dtype=torch.bool, device=q.device).triu_(1)
+        scores[..., q_start + r0 :].masked_fill_(future, -math.inf)
+        row_max = scores.amax(-1, keepdim=True)
+        # max - score >= 0 is exact; masked keys become +inf and look up exp(-inf) = 0.
+        weights = exp_neg(scores.sub_(row_max).neg_(), table)
+        out[:, :, r0:r1] = torch.matmul(weights, vg[:, :, :visible]) / weights.sum(-1, keepdim=True)
+    return fix(out.permute(2, 0, 1, 3).reshape(n, heads * head_dim))

@@ -1,0 +1,71 @@
+"""Prometheus metrics of a prefill scheduler (names prefixed ``pdlife_``).
+
+Each scheduler owns its own :class:`prometheus_client.CollectorRegistry`, so several schedulers
+(tests, ranks in one process) never share series. Counters are fed from lifecycle events; the
+gauges are set once per pass from counts the scheduler already keeps (no scans).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lifecycle import PrefillState
+from lifecycle.prefill import PrefillRequest
+from lifecycle.timeline import ttft_phases
+
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Gauge(
+            "pdlife_requests", "Live requests by lifecycle state.", ["state"], registry=r
+        )
+        self.finished = Counter(
+            "pdlife_requests_finished", "Requests that ended, by final state and reason.",
+            ["state", "reason"], registry=r,
+        )
+        self.transitions = Counter(
+            "pdlife_transitions", "Lifecycle transitions fired, by event.", ["event"], registry=r
+        )
+        self.phase = Histogram(
+            "pdlife_ttft_phase_seconds",
+            "Time spent in each TTFT phase (bootstrap wait, queue wait, forward, transfer).",
+            ["phase"], buckets=_PHASE_BUCKETS, registry=r,
+        )
+        self.kv_pages_used = Gauge("pdlife_kv_pages_used", "KV pages held.", registry=r)
+        self.kv_pages_total = Gauge("pdlife_kv_pages_total", "KV pages in the pool.", registry=r)
+        self.kv_usage = Gauge("pdlife_kv_usage_ratio", "Fraction of KV pages held.", registry=r)
+        self.slots_used = Gauge(
+            "pdlife_metadata_slots_used", "Metadata-buffer slots held.", registry=r
+        )
+        self.transfer_bytes = Counter(
+            "pdlife_transfer_bytes", "KV and metadata bytes handed to the transfer backend.",
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            "pdlife_prefill_tokens", "Prompt tokens computed by forward passes.", registry=r
+        )
+        self.batches = Counter("pdlife_prefill_batches", "Prefill batches run.", registry=r)
+        self.rejected_input = Counter(
+            "pdlife_rejected_inputs", "Requests refused at the boundary, by reason.",
+            ["reason"], registry=r,
+        )
+
+    def on_finished(self, req: PrefillRequest) -> None:
+        state = req.state
+        assert state is not None
+        reason = req.reason.value if req.reason is not None else ""
+        self.finished.labels(state=state.name.lower(), reason=reason).inc()
+        if state is PrefillState.DONE:
+            phases = ttft_phases(req.timeline)
+            for name in ("bootstrap_wait", "queue_wait", "forward", "transfer"):
+                seconds = getattr(phases, name)
+                if seconds is not None:
+                    self.phase.labels(phase=name).observe(seconds)
+
+    def set_counts(self, counts: dict[PrefillState, int]) -> None:
+        for state, n in counts.items():
+            self.requests.labels(state=state.name.lower()).set(n)

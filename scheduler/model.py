@@ -1,0 +1,461 @@
+"""The reference model: a small Llama-style decoder over the paged KV pool, and its colocated twin.
+
+Theory of operation
+-------------------
+:class:`LlamaModel` holds seeded weights and the per-position arithmetic of a Llama decoder
+(RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output head). Two drivers run it:
+
+- :class:`PagedModelRunner` is the scheduler's :class:`~scheduler.runner.ModelRunner`. For each
+  batch item it writes the K/V of the item's tokens into the pool at ``pages[p // page_size]``,
+  offset ``p % page_size``, then attends over positions ``0 .. start+n-1`` read back from the
+  pool: earlier chunks, and the current chunk causally. A decode step is an item of one token at
+  ``start = seq_len``. :func:`greedy_decode_from_pool` drives it for a decode peer that received
+  a prompt's KV into its own pool.
+- :class:`ReferenceModel` is the colocated run: the whole prompt in one forward over a
+  contiguous cache, then one token at a time, with no pages and no transfer.
+
+Disaggregated output must equal the reference token for token, always. Both drivers call the
+same :class:`LlamaModel` methods, and those compute every position's bits independently of how
+positions are batched or chunked (``scheduler.attention`` explains the fixed-point arithmetic
+that makes this hold by construction rather than with high probability). So chunking, paging,
+batching and the transfer between pools cannot change a token; a difference means the wrong
+K/V was written or read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from kv.pool import KVPool
+from scheduler.attention import (
+    WEIGHT_FRAC_BITS,
+    WEIGHT_LIMIT,
+    causal_attention,
+    exp_table,
+    fix,
+    rms_norm,
+    silu,
+    to_grid,
+)
+from scheduler.runner import ForwardBatch, ForwardItem
+from scheduler.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+
+logger = logging.getLogger(__name__)
+
+_RMS_EPS = 1e-5
+# The K/V cache dtypes that hold activation-grid values (20 significant bits) exactly.
+_CACHE_DTYPES = (torch.float32, torch.float64)
+
+
+class ModelInputError(ValueError):
+    """A forward item or generation request the model cannot compute (bad ids, positions past
+    ``max_position``, a page table too short). The request should be failed, not retried."""
+
+    def __init__(self, rid: str, problem: str) -> None:
+        super().__init__(f"request {rid!r}: {problem}")
+        self.rid = rid
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any, attrs.Attribute[int], int], None]:
+    def check(_instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError(
+                f"ModelConfig.{attribute.name} must be an integer in {lo}..{hi}, got {value!r}"
+            )
+
+    return check
+
+
+def _positive_float(_instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 1.0):
+        raise ValueError(f"ModelConfig.{attribute.name} must be a finite number > 1, got {value!r}")
+
+
+def _cache_dtype(_instance: Any, attribute: attrs.Attribute[torch.dtype], value: Any) -> None:
+    if value not in _CACHE_DTYPES:
+        raise ValueError(
+            f"ModelConfig.{attribute.name} must be torch.float32 or torch.float64 (they hold the "
+            f"model's fixed-point K/V exactly), got {value!r}"
+        )
+
+
+@attrs.frozen
+class ModelConfig:
+    """Shape and seed of the reference model.
+
+    The upper bounds keep every sum of the fixed-point arithmetic below 2**53 units, which is
+    what makes it exact (``scheduler.attention``). ``dtype`` is the K/V cache dtype: the pool
+    the model writes into must have it.
+    """
+
+    vocab_size: int = attrs.field(default=VOCAB_SIZE, validator=_int_in(2, 1 << 20))
+    hidden: int = attrs.field(default=64, validator=_int_in(1, 8192))
+    layers: int = attrs.field(default=2, validator=_int_in(1, 256))
+    heads: int = attrs.field(default=4, validator=_int_in(1, 1024))
+    kv_heads: int = attrs.field(default=2, validator=_int_in(1, 1024))
+    head_dim: int = attrs.field(default=16, validator=_int_in(2, 8192))
+    intermediate: int = attrs.field(default=128, validator=_int_in(1, 1 << 20))
+    rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
+    max_position: int = attrs.field(default=8192, validator=_int_in(1, 1 << 17))
+    seed: int = attrs.field(default=0, validator=_int_in(0, 2**63 - 1))
+    dtype: torch.dtype = attrs.field(default=torch.float32, validator=_cache_dtype)
+    eos_token_id: int = attrs.field(default=EOS_TOKEN_ID, validator=_int_in(0, (1 << 20) - 1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"ModelConfig.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.heads * self.head_dim > 1 << 16:
+            raise ValueError(
+                f"ModelConfig.heads * head_dim must be at most {1 << 16}, "
+                f"got {self.heads * self.head_dim}"
+            )
+        if self.eos_token_id >= self.vocab_size:
+            raise ValueError(
+                f"ModelConfig.eos_token_id must be in 0..{self.vocab_size - 1}, "
+                f"got {self.eos_token_id}"
+            )
+
+    @classmethod
+    def tiny(cls, seed: int = 0) -> ModelConfig:
+        """The smallest useful shape (still GQA, still two layers), for fuzzing."""
+        return cls(
+            hidden=32, layers=2, heads=2, kv_heads=1, head_dim=8, intermediate=48,
+            max_position=4096, seed=seed,
+        )  # fmt: skip
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.type == "cpu" or a.index is None or b.index is None or a.index == b.index
+
+
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dimension; ties go to the lowest id."""
+    best = logits.amax(-1, keepdim=True)
+    vocab = logits.shape[-1]
+    ids = torch.arange(vocab, device=logits.device).expand_as(logits)
+    return torch.where(logits == best, ids, vocab).amin(-1)
+
+
+@attrs.frozen(eq=False)
+class _Layer:
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of ``position * freq``, ``[max_position, head_dim // 2]``.
+
+    Built from the binary digits of the position by angle addition, with scalar ``math``
+    values for ``freq * 2**bit``: elementwise IEEE steps only, so the table has the same bits
+    in every process.
+    """
+    half = config.head_dim // 2
+    freqs = [config.rope_theta ** (-2.0 * i / config.head_dim) for i in range(half)]
+    positions = torch.arange(config.max_position)
+    cos = torch.ones((config.max_position, half), dtype=torch.float64)
+    sin = torch.zeros((config.max_position, half), dtype=torch.float64)
+    for bit in range((config.max_position - 1).bit_length()):
+        c = torch.tensor([math.cos(f * 2**bit) for f in freqs], dtype=torch.float64)
+        s = torch.tensor([math.sin(f * 2**bit) for f in freqs], dtype=torch.float64)
+        on = ((positions >> bit) & 1).bool().unsqueeze(1)
+        cos, sin = torch.where(on, cos * c - sin * s, cos), torch.where(on, sin * c + cos * s, sin)
+    return cos, sin
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaModel:
+    """Seeded weights and the per-position arithmetic; drivers own the K/V cache."""
+
+    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.device = resolve_device(device)
+        # Weights and tables are made on the CPU and moved, so every device gets the same bits.
+        gen = torch.Generator().manual_seed(config.seed)
+        h, i = config.hidden, config.intermediate
+        q_dim, kv_dim = config.heads * config.head_dim, config.kv_heads * config.head_dim
+
+        def weight(out_dim: int, in_dim: int) -> torch.Tensor:
+            w = torch.randn((out_dim, in_dim), generator=gen, dtype=torch.float64)
+            return to_grid(w / math.sqrt(in_dim), WEIGHT_FRAC_BITS, WEIGHT_LIMIT).to(self.device)
+
+        def ones(dim: int) -> torch.Tensor:
+            return torch.ones(dim, dtype=torch.float64, device=self.device)
+
+        self._embed = fix(
+            torch.randn((config.vocab_size, h), generator=gen, dtype=torch.float64)
+        ).to(self.device)
+        self._layers = [
+            _Layer(
+                attn_norm=ones(h), wq=weight(q_dim, h), wk=weight(kv_dim, h),
+                wv=weight(kv_dim, h), wo=weight(h, q_dim), mlp_norm=ones(h),
+                w_gate=weight(i, h), w_up=weight(i, h), w_down=weight(h, i),
+            )  # fmt: skip
+            for _ in range(config.layers)
+        ]
+        self._final_norm = ones(h)
+        self._lm_head = weight(config.vocab_size, h)
+        cos, sin = _rope_tables(config)
+        self._cos, self._sin = cos.to(self.device), sin.to(self.device)
+        self._exp = exp_table().to(self.device)
+        self._q_scale = 1.0 / math.sqrt(config.head_dim)
+        logger.debug("built reference model %s on %s", config, self.device)
+
+    def to(self, device: str | torch.device) -> LlamaModel:
+        """This model on ``device`` (itself when already there; the seed rebuilds the rest)."""
+        target = resolve_device(device)
+        return self if _same_device(target, self.device) else LlamaModel(self.config, target)
+
+    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
+        """An empty KV pool shaped for this model, on its device."""
+        c = self.config
+        return KVPool(
+            num_layers=c.layers, num_pages=num_pages, page_size=page_size,
+            kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=c.dtype, device=self.device,
+        )  # fmt: skip
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` token ids to the ``[n, hidden]`` residual stream."""
+        return self._embed[token_ids]
+
+    def attention_inputs(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[n, heads, head_dim]`` (scaled), keys and values ``[n, kv_heads, head_dim]``
+        of ``x`` at ``positions``, RoPE applied to queries and keys."""
+        c, w, n = self.config, self._layers[layer], x.shape[0]
+        h = rms_norm(x, w.attn_norm, _RMS_EPS)
+        q = fix(h @ w.wq.T).view(n, c.heads, c.head_dim)
+        k = fix(h @ w.wk.T).view(n, c.kv_heads, c.head_dim)
+        v = fix(h @ w.wv.T).view(n, c.kv_heads, c.head_dim)
+        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        return fix(_rotate(q, cos, sin) * self._q_scale), fix(_rotate(k, cos, sin)), v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
+    ) -> torch.Tensor:
+        """Causal attention of queries at ``q_start ..`` over the keys of positions ``0 ..``."""
+        return causal_attention(q, k, v, q_start, self._exp)
+
+    def layer_output(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the layer's output projection and SwiGLU MLP."""
+        w = self._layers[layer]
+        x = fix(x + attn @ w.wo.T)
+        h = rms_norm(x, w.mlp_norm, _RMS_EPS)
+        gate, up = fix(h @ w.w_gate.T), fix(h @ w.w_up.T)
+        return fix(x + fix(silu(gate, self._exp) * up) @ w.w_down.T)
+
+    def next_tokens(self, x_last: torch.Tensor) -> list[int]:
+        """The greedy next token of each row of the final residual stream."""
+        logits = rms_norm(x_last, self._final_norm, _RMS_EPS) @ self._lm_head.T
+        ids: list[int] = greedy_token_ids(logits).tolist()
+        return ids
+
+    def check_tokens(self, rid: str, token_ids: Sequence[int]) -> None:
+        """Raise :class:`ModelInputError` unless every id is in the vocabulary."""
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.config.vocab_size:
+            raise ModelInputError(
+                rid, f"token ids must be in 0..{self.config.vocab_size - 1}, got "
+                f"{min(token_ids)}..{max(token_ids)}",
+            )  # fmt: skip
+
+    def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
+        """The ids that end a generation: ``stop_token_ids``, and EOS unless ``ignore_eos``."""
+        stops = set(stop_token_ids)
+        if not ignore_eos:
+            stops.add(self.config.eos_token_id)
+        return frozenset(stops)
+
+
+class ReferenceModel:
+    """The colocated run: one-shot prefill over a contiguous cache, then token-by-token decode."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        rid: str = "reference",
+    ) -> list[int]:
+        """Greedy output tokens after ``prompt_ids``: up to ``max_new_tokens``, ending early
+        after (and including) a stop token."""
+        m, c = self.model, self.model.config
+        if not prompt_ids:
+            raise ModelInputError(rid, "the prompt is empty; it needs at least one token")
+        if max_new_tokens < 1:
+            raise ModelInputError(rid, f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        m.check_tokens(rid, prompt_ids)
+        # The last generated token is never fed back, so it needs no position.
+        positions = len(prompt_ids) + max_new_tokens - 1
+        if positions > c.max_position:
+            raise ModelInputError(
+                rid, f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) - 1 "
+                f"exceeds max_position {c.max_position}",
+            )  # fmt: skip
+        shape = (c.layers, positions, c.kv_heads, c.head_dim)
+        cache_k = torch.zeros(shape, dtype=c.dtype, device=m.device)
+        cache_v = torch.zeros(shape, dtype=c.dtype, device=m.device)
+        stops = m.stop_ids(stop_token_ids, ignore_eos)
+        out = [self._forward(list(prompt_ids), 0, cache_k, cache_v)]
+        while len(out) < max_new_tokens and out[-1] not in stops:
+            out.append(self._forward([out[-1]], len(prompt_ids) + len(out) - 1, cache_k, cache_v))
+        return out
+
+    def _forward(
+        self, token_ids: list[int], start: int, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> int:
+        m, end = self.model, start + len(token_ids)
+        x = m.embed(torch.tensor(token_ids, dtype=torch.int64, device=m.device))
+        positions = torch.arange(start, end, device=m.device)
+        for layer in range(m.config.layers):
+            q, k, v = m.attention_inputs(layer, x, positions)
+            cache_k[layer, start:end] = k
+            cache_v[layer, start:end] = v
+            keys = cache_k[layer, :end].to(torch.float64)
+            attn = m.attend(q, keys, cache_v[layer, :end].to(torch.float64), start)
+            x = m.layer_output(layer, x, attn)
+        return m.next_tokens(x[-1:])[0]
+
+
+class PagedModelRunner:
+    """The :class:`~scheduler.runner.ModelRunner` of the reference model over a paged pool."""
+
+    def __init__(
+        self, model: LlamaModel, pool: KVPool, device: str | torch.device | None = None
+    ) -> None:
+        c = model.config
+        if device is not None and not _same_device(resolve_device(device), pool.device):
+            raise ValueError(f"the pool is on {pool.device}, not on the requested {device}")
+        geometry = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
+        if geometry != (c.layers, c.kv_heads, c.head_dim, c.dtype):
+            raise ValueError(
+                f"pool (layers, kv_heads, head_dim, dtype) = {geometry} does not fit the model's "
+                f"{(c.layers, c.kv_heads, c.head_dim, c.dtype)}; build it with model.make_pool"
+            )
+        self.model = model.to(pool.device)
+        self.pool = pool
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        """Write every item's K/V into the pool; return each item's greedy next token."""
+        if not batch.items:
+            return []
+        m, c, dev = self.model, self.model.config, self.pool.device
+        history = [self._slots(item) for item in batch.items]
+        sizes = [len(item.input_ids) for item in batch.items]
+        tokens = torch.tensor(
+            [t for item in batch.items for t in item.input_ids], dtype=torch.int64, device=dev
+        )
+        positions = torch.cat(
+            [torch.arange(i.start, i.start + n, device=dev) for i, n in zip(batch.items, sizes)]
+        )
+        new_slots = torch.cat([s[i.start :] for i, s in zip(batch.items, history, strict=True)])
+        x = m.embed(tokens)
+        for layer in range(c.layers):
+            q, k, v = m.attention_inputs(layer, x, positions)
+            k_slots = self.pool.k(layer).view(-1, c.kv_heads, c.head_dim)
+            v_slots = self.pool.v(layer).view(-1, c.kv_heads, c.head_dim)
+            k_slots.index_copy_(0, new_slots, k.to(self.pool.dtype))
+            v_slots.index_copy_(0, new_slots, v.to(self.pool.dtype))
+            parts, offset = [], 0
+            for item, slots, n in zip(batch.items, history, sizes, strict=True):
+                keys = k_slots.index_select(0, slots).to(torch.float64)
+                values = v_slots.index_select(0, slots).to(torch.float64)
+                parts.append(m.attend(q[offset : offset + n], keys, values, item.start))
+                offset += n
+            x = m.layer_output(layer, x, torch.cat(parts))
+        last = torch.tensor(sizes, device=dev).cumsum(0) - 1
+        return m.next_tokens(x[last])
+
+    def _slots(self, item: ForwardItem) -> torch.Tensor:
+        """Flat pool slots (``page * page_size + offset``) of positions ``0 .. start+n-1``."""
+        ps, n = self.pool.page_size, len(item.input_ids)
+        end = item.start + n
+        if n == 0 or item.start < 0:
+            raise ModelInputError(item.rid, f"needs >= 1 input token at start >= 0, got {n} at "
+                                  f"{item.start}")  # fmt: skip
+        if end > self.model.config.max_position:
+            raise ModelInputError(
+                item.rid, f"positions up to {end - 1} exceed max_position "
+                f"{self.model.config.max_position}",
+            )  # fmt: skip
+        needed = -(-end // ps)
+        if len(item.pages) < needed:
+            raise ModelInputError(
+                item.rid, f"{end} tokens need {needed} pages of {ps}, got {len(item.pages)}"
+            )
+        pages = list(item.pages[:needed])
+        if not 0 <= min(pages) <= max(pages) < self.pool.num_pages:
+            raise ModelInputError(
+                item.rid, f"page indices must be in 0..{self.pool.num_pages - 1}, got {pages}"
+            )
+        self.model.check_tokens(item.rid, item.input_ids)
+        page_table = torch.tensor(pages, dtype=torch.int64, device=self.pool.device)
+        pos = torch.arange(end, device=self.pool.device)
+        return page_table[pos // ps] * ps + pos % ps
+
+
+def greedy_decode_from_pool(
+    runner: PagedModelRunner,
+    *,
+    rid: str,
+    pages: list[int],
+    seq_len: int,
+    first_token: int,
+    max_new_tokens: int,
+    alloc_page: Callable[[], int],
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+) -> list[int]:
+    """Continue greedy decoding from the K/V of positions ``0 .. seq_len-1`` already in
+    ``runner.pool`` at ``pages``, after ``first_token`` (the prefill's output).
+
+    Returns the output tokens, ``first_token`` first, as :meth:`ReferenceModel.generate` does.
+    New pages come from ``alloc_page`` and are appended to ``pages`` in place, so the caller
+    holds every page it must free even if decoding raises.
+    """
+    if max_new_tokens < 1:
+        raise ModelInputError(rid, f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stops = runner.model.stop_ids(stop_token_ids, ignore_eos)
+    ps = runner.pool.page_size
+    out = [first_token]
+    while len(out) < max_new_tokens and out[-1] not in stops:
+        position = seq_len + len(out) - 1
+        if position // ps >= len(pages):
+            pages.append(alloc_page())
+        item = ForwardItem(rid=rid, input_ids=(out[-1],), start=position, pages=tuple(pages))
+        out.append(runner.forward(ForwardBatch((item,)))[0])
+    return out

@@ -1,0 +1,640 @@
+"""The prefill scheduler: the loop that drives requests through the prefill lifecycle.
+
+Theory of operation
+-------------------
+The scheduler owns a :class:`~lifecycle.Lifecycle` on the prefill table; its per-state
+collections are the scheduler's queues (bootstrap queue = BOOTSTRAPPING, waiting queue =
+WAITING, inflight queue = TRANSFERRING). One pass:
+
+1. take new requests and aborts from the thread-safe inbox; admit (a prompt that can never fit
+   is answered ``rejected`` at once) and create each request's KV sender;
+2. poll only the senders whose state may have changed (the KV layer pushes their rooms) and
+   those whose deadline passed; with TP > 1 the ranks agree on the list and MIN-combine the
+   results first; fire ``bootstrapped`` (metadata slot permitting: no slot means wait, never
+   fail), ``transferred``, or ``fail``;
+3. plan a batch with the PrefillAdder (PrefillDelayer gate), allocate its pages, ``schedule``;
+4. run the forward — in the normal loop at once; in the overlap loop on a device worker, and
+   the *previous* batch's results are processed while it runs;
+5. process results: non-last chunks send their full pages (``chunk_done``); the last chunk
+   writes the metadata row, sends the rest (``prefilled``); failures recorded while the batch
+   was on the device take effect now.
+
+Resources are returned by the ``release`` hook on entering DONE or FAILED, exactly once. Pages
+(and the metadata slot) of a request whose sender may still be reading them are held in a
+quarantine until the sender is quiescent, so a transfer never reads freed pages.
+
+A pass touches what changed: inbox items, pushed rooms, expired deadlines (a heap), the head
+of the handshaken queue, and the waiting requests the adder considers — never every request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import attrs
+
+from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.pages import pages_needed
+from kv.transfer import KVManager, KVPoll, KVSender
+from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
+from lifecycle.prefill import SamplingParams
+from scheduler.adder import Plan, Stop, plan_batch
+from scheduler.config import SchedulerConfig
+from scheduler.delayer import DelayerPass, PrefillDelayer
+from scheduler.metrics import SchedulerMetrics
+from scheduler.ranks import RankSync, SingleRank
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+S = PrefillState
+
+
+@attrs.frozen
+class NewRequest:
+    """A request as a client submits it to the prefill server."""
+
+    rid: str
+    input_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    bootstrap_host: str = FAKE_BOOTSTRAP_HOST
+    bootstrap_port: int = 0
+    bootstrap_room: int = 0
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+
+
+@attrs.frozen
+class AbortRequest:
+    rid: str
+
+
+@attrs.frozen
+class Response:
+    """The one answer a request gets."""
+
+    rid: str
+    state: PrefillState
+    reason: FailureReason | None
+    detail: str
+    first_token: int | None
+    prompt_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return self.state is S.DONE
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.reason is None else self.reason.http_status
+
+
+@attrs.frozen
+class _Launched:
+    plan: Plan
+    future: Future[list[int]] | None
+    tokens: list[int] | None
+
+
+class PrefillScheduler:
+    """The prefill side of one rank. Not thread-safe except :meth:`submit` and :meth:`abort`."""
+
+    def __init__(
+        self,
+        *,
+        config: SchedulerConfig,
+        runner: ModelRunner,
+        kv: KVManager,
+        metadata: MetadataBuffers,
+        slots: SlotAllocator,
+        fake_kv: KVManager | None = None,
+        delayer: PrefillDelayer | None = None,
+        ranks: RankSync | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_response: Callable[[Response], None] | None = None,
+        metrics: SchedulerMetrics | None = None,
+        overlap: bool = False,
+    ) -> None:
+        if runner.pool.page_size != config.page_size:
+            raise ValueError(
+                f"page_size: the config says {config.page_size}, the KV pool has "
+                f"{runner.pool.page_size}"
+            )
+        self.config = config
+        self.runner = runner
+        self.pool = runner.pool
+        self.kv = kv
+        self.fake_kv = fake_kv
+        self.metadata = metadata
+        self.slots = slots
+        self.delayer = delayer
+        self.ranks = ranks or SingleRank()
+        self.clock = clock
+        self.on_response = on_response
+        self.metrics = metrics or SchedulerMetrics()
+        self.overlap = overlap
+        self.lifecycle: Lifecycle[PrefillRequest] = Lifecycle(
+            PREFILL_TABLE,
+            {"release": self._release, "respond": self._respond},
+            clock=clock,
+            check=config.check_invariants,
+        )
+        self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
+        # Admission numbers name requests across ranks (the same on every rank).
+        self._seq = 0
+        self._by_seq: dict[int, PrefillRequest] = {}
+        self._seq_of: dict[str, int] = {}
+        self._rooms: dict[tuple[int, int], int] = {}  # (id(manager), room) -> seq
+        self._handshaken: dict[str, PrefillRequest] = {}  # awaiting a metadata slot, FIFO
+        self._deadlines: list[tuple[float, int, int]] = []  # (deadline, seq, state)
+        self._quarantine: list[tuple[KVSender, list[int], int | None]] = []
+        self._continuing: PrefillRequest | None = None
+        self._inflight: _Launched | None = None
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="pdlife-device") if overlap else None
+        self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
+        self.pages_held = 0
+        self.passes = 0
+        self.metrics.kv_pages_total.set(self.pool.num_pages)
+
+    # -- the thread-safe surface ------------------------------------------------------------
+
+    def submit(self, req: NewRequest) -> None:
+        self._inbox.put(req)
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(AbortRequest(rid))
+
+    # -- the pass ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one pass; True if it did any work."""
+        self.passes += 1
+        worked = self._receive()
+        worked |= self._poll()
+        worked |= self._promote()
+        delayer_pass = (
+            DelayerPass(self.delayer, self.pool_usage()) if self.delayer is not None else None
+        )
+        plan = self._plan(delayer_pass)
+        launched = self._launch(plan) if plan.chunks else None
+        if self.overlap:
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                self._process(previous)
+                worked = True
+        elif launched is not None:
+            self._process(launched)
+        if delayer_pass is not None:
+            delayer_pass.finalize(actual_prefill=launched is not None)
+        worked |= launched is not None
+        worked |= self._reap_quarantine()
+        self.metrics.set_counts(self.lifecycle.counts())
+        return worked
+
+    def idle(self) -> bool:
+        """Nothing live, nothing in flight, nothing quarantined, nothing queued."""
+        return (
+            len(self.lifecycle) == 0
+            and self._inflight is None
+            and not self._quarantine
+            and self._inbox.empty()
+        )
+
+    def run_until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Step until ``done()``; raise TimeoutError after ``timeout`` wall seconds."""
+        end = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > end:
+                raise TimeoutError(f"scheduler did not reach the condition in {timeout} s")
+            if not self.step():
+                # Idle pass: yield the core to transfer workers instead of spinning.
+                time.sleep(0.0002)
+
+    def close(self) -> None:
+        if self._inflight is not None:
+            self._process(self._inflight)
+            self._inflight = None
+        if self._device is not None:
+            self._device.shutdown(wait=True)
+
+    def pool_usage(self) -> float:
+        return self.pages_held / self.pool.num_pages
+
+    # -- 1. receive -------------------------------------------------------------------------
+
+    def _receive(self) -> bool:
+        worked = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return worked
+            worked = True
+            if isinstance(item, AbortRequest):
+                self._abort(item.rid)
+            else:
+                self._admit(item)
+
+    def _admit(self, new: NewRequest) -> None:
+        req = PrefillRequest(
+            new.rid,
+            input_ids=new.input_ids,
+            bootstrap_host=new.bootstrap_host,
+            bootstrap_port=new.bootstrap_port,
+            bootstrap_room=new.bootstrap_room,
+            sampling=new.sampling,
+        )
+        if new.rid in self.lifecycle:
+            logger.warning("request id %r is already live; refused", new.rid)
+            self._reject_unadmitted(req, f"request id {new.rid!r} is already live")
+            return
+        self.lifecycle.admit(req)
+        seq = self._seq
+        self._seq += 1
+        self._by_seq[seq] = req
+        self._seq_of[req.rid] = seq
+        why = self._never_fits(req)
+        if why:
+            self.lifecycle.fire("fail", [req], reason=FailureReason.REJECTED, detail=why)
+            return
+        manager = self._manager_for(req)
+        key = (id(manager), req.bootstrap_room)
+        if key in self._rooms:
+            self.lifecycle.fire(
+                "fail", [req], reason=FailureReason.REJECTED,
+                detail=f"bootstrap room {req.bootstrap_room} is in use by a live request",
+            )
+            return
+        addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
+        try:
+            req.sender = manager.create_sender(addr, req.bootstrap_room)
+        except Exception as exc:  # a backend refusing a sender fails the request, not the loop
+            logger.exception("creating the sender of %r failed", req.rid)
+            self.lifecycle.fire("fail", [req], reason=FailureReason.BOOTSTRAP_FAILED, detail=str(exc))
+            return
+        self._rooms[key] = seq
+        req.deadline = self.clock() + self.config.bootstrap_timeout
+        heapq.heappush(self._deadlines, (req.deadline, seq, int(S.BOOTSTRAPPING)))
+
+    def _reject_unadmitted(self, req: PrefillRequest, why: str) -> None:
+        # A duplicate id cannot enter the lifecycle (ids are its keys); answer it directly.
+        self.metrics.rejected_input.labels(reason="duplicate_rid").inc()
+        if self.on_response is not None:
+            self.on_response(
+                Response(req.rid, S.FAILED, FailureReason.REJECTED, why, None, len(req.input_ids))
+            )
+
+    def _never_fits(self, req: PrefillRequest) -> str:
+        n = len(req.input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if pages_needed(n, self.config.page_size) > self.pool.num_pages:
+            return (
+                f"the prompt has {n} tokens; the KV pool holds at most "
+                f"{self.pool.num_pages * self.config.page_size}"
+            )
+        return ""
+
+    def _manager_for(self, req: PrefillRequest) -> KVManager:
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST and self.fake_kv is not None:
+            return self.fake_kv
+        return self.kv
+
+    def _abort(self, rid: str) -> None:
+        req = self.lifecycle.get(rid)
+        if req is None:
+            logger.info("abort of unknown or finished request %r ignored", rid)
+            return
+        self._fail(req, FailureReason.ABORTED, "aborted by the client", event="abort")
+
+    def _fail(
+        self, req: PrefillRequest, reason: FailureReason, detail: str, *, event: str = "fail"
+    ) -> None:
+        """Fail now, or once the batches holding the request are off the device."""
+        if req.on_device:
+            if req.pending_abort is None:
+                req.pending_abort = reason
+                req.detail = detail
+            return
+        sender = req.sender
+        if sender is not None:
+            sender.abort()  # type: ignore[attr-defined]
+        self.lifecycle.fire(event, [req], reason=reason, detail=detail)
+
+    # -- 2. poll ----------------------------------------------------------------------------
+
+    def _poll(self) -> bool:
+        now = self.clock()
+        changed: set[int] = set()
+        for manager in (self.kv, self.fake_kv):
+            if manager is None:
+                continue
+            mid = id(manager)
+            while True:
+                try:
+                    room = manager.ready.get_nowait()
+                except queue.Empty:
+                    break
+                seq = self._rooms.get((mid, room))
+                if seq is not None:
+                    changed.add(seq)
+        expired: set[int] = set()
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, seq, state = heapq.heappop(heap)
+            req = self._by_seq.get(seq)
+            if req is not None and req.state == state and req.deadline == deadline:
+                expired.add(seq)
+        keys = self.ranks.agree_keys(sorted(changed | expired))
+        if not keys:
+            return False
+        reqs: list[PrefillRequest | None] = [self._by_seq.get(k) for k in keys]
+        local = [
+            int(KVPoll.FAILED) if k in expired else self._poll_one(r)
+            for k, r in zip(keys, reqs)
+        ]
+        polls = self.ranks.min_reduce(local)
+        bootstrapped_failed: list[tuple[PrefillRequest, FailureReason, str]] = []
+        done: list[PrefillRequest] = []
+        for key, req, poll in zip(keys, reqs, polls):
+            if req is None or req.state is None or req.is_final:
+                continue
+            if poll == KVPoll.FAILED:
+                reason, detail = self._failure_of(req, key in expired)
+                bootstrapped_failed.append((req, reason, detail))
+            elif req.state is S.BOOTSTRAPPING and poll >= KVPoll.WAITING_FOR_INPUT:
+                self._handshaken[req.rid] = req
+            elif req.state is S.TRANSFERRING and poll == KVPoll.SUCCESS:
+                done.append(req)
+        self.lifecycle.fire("transferred", done)
+        for req, reason, detail in bootstrapped_failed:
+            self._handshaken.pop(req.rid, None)
+            self._fail(req, reason, detail)
+        return True
+
+    def _poll_one(self, req: PrefillRequest | None) -> int:
+        if req is None or req.sender is None or req.is_final:
+            # Finished here (or unknown): nothing to add to the consensus.
+            return int(KVPoll.SUCCESS)
+        return int(req.sender.poll())  # type: ignore[attr-defined]
+
+    def _failure_of(self, req: PrefillRequest, expired: bool) -> tuple[FailureReason, str]:
+        bootstrapping = req.state is S.BOOTSTRAPPING
+        if expired:
+            if bootstrapping:
+                return (
+                    FailureReason.BOOTSTRAP_TIMEOUT,
+                    f"no destination from the decode peer within "
+                    f"{self.config.bootstrap_timeout:g} s",
+                )
+            return (
+                FailureReason.TRANSFER_TIMEOUT,
+                f"the transfer did not conclude within {self.config.transfer_timeout:g} s",
+            )
+        sender = req.sender
+        detail = "failed on another rank"
+        timeout = False
+        if sender is not None and int(sender.poll()) == KVPoll.FAILED:  # type: ignore[attr-defined]
+            err = sender.failure_exception()  # type: ignore[attr-defined]
+            detail, timeout = str(err), bool(getattr(err, "timeout", False))
+        if bootstrapping:
+            reason = FailureReason.BOOTSTRAP_TIMEOUT if timeout else FailureReason.BOOTSTRAP_FAILED
+        else:
+            reason = FailureReason.TRANSFER_TIMEOUT if timeout else FailureReason.TRANSFER_FAILED
+        return reason, detail
+
+    # -- promote ----------------------------------------------------------------------------
+
+    def _promote(self) -> bool:
+        if not self._handshaken:
+            return False
+        ready: list[PrefillRequest] = []
+        for rid in list(self._handshaken):
+            req = self._handshaken[rid]
+            if req.state is not S.BOOTSTRAPPING:
+                del self._handshaken[rid]
+                continue
+            slot = self.slots.alloc()
+            if slot is None:
+                break  # no slot: wait, never fail
+            del self._handshaken[rid]
+            req.slot = slot
+            req.sender.init(pages_needed(len(req.input_ids), self.config.page_size), slot)  # type: ignore[union-attr]
+            req.deadline = None
+            ready.append(req)
+        self.lifecycle.fire("bootstrapped", ready)
+        self.metrics.slots_used.set(self.slots.num_slots - self.slots.available())
+        return bool(ready)
+
+    # -- 3. plan and launch -----------------------------------------------------------------
+
+    def _plan(self, delayer_pass: DelayerPass | None) -> Plan:
+        waiting = self.lifecycle.in_state(S.WAITING)
+        continuing = self._continuing
+        if continuing is not None and (continuing.state is not S.FORWARD or continuing.pending_abort):
+            continuing = self._continuing = None
+        if not waiting and continuing is None:
+            return Plan()
+        running = len(self.lifecycle.in_state(S.FORWARD)) + len(
+            self.lifecycle.in_state(S.TRANSFERRING)
+        )
+
+        gate = None
+        if delayer_pass is not None:
+            max_running = self.config.max_running_requests
+
+            def gate(running_now: int, waiting_len: int) -> bool:
+                return delayer_pass.allow(
+                    local_prefillable=True,
+                    running_batch=running_now,
+                    max_prefill_bs=self.config.prefill_max_requests or 0,
+                    max_running_requests=max_running,
+                    waiting_queue_len=waiting_len,
+                )
+
+        plan = plan_batch(
+            continuing=continuing,
+            waiting=waiting.values(),
+            waiting_len=len(waiting),
+            running=running,
+            free_pages=self.pool.allocator.available(),
+            page_size=self.config.page_size,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            chunked_prefill_size=self.config.chunked_prefill_size,
+            max_running_requests=self.config.max_running_requests,
+            prefill_max_requests=self.config.prefill_max_requests,
+            gate=gate,
+        )
+        if plan.stop is Stop.DELAYED and continuing is None:
+            return Plan(stop=Stop.DELAYED)
+        return plan
+
+    def _launch(self, plan: Plan) -> _Launched:
+        new: list[PrefillRequest] = []
+        items: list[ForwardItem] = []
+        self._continuing = None
+        for chunk in plan.chunks:
+            req = chunk.req
+            if chunk.new_pages:
+                pages = self.pool.allocator.alloc(chunk.new_pages)
+                if pages is None:  # the adder counted free pages; this cannot happen
+                    raise AssertionError(f"{req.rid}: {chunk.new_pages} pages planned, not free")
+                req.pages.extend(pages)
+                self.pages_held += len(pages)
+            if req.state is S.WAITING:
+                new.append(req)
+            req.scheduled = chunk.start + chunk.length
+            req.on_device += 1
+            if not chunk.last:
+                self._continuing = req
+            items.append(
+                ForwardItem(
+                    req.rid,
+                    req.input_ids[chunk.start : chunk.start + chunk.length],
+                    chunk.start,
+                    tuple(req.pages),
+                )
+            )
+        self.lifecycle.fire("schedule", new)
+        self.metrics.kv_pages_used.set(self.pages_held)
+        self.metrics.kv_usage.set(self.pool_usage())
+        batch = ForwardBatch(tuple(items))
+        if self._device is not None:
+            return _Launched(plan, self._device.submit(self.runner.forward, batch), None)
+        return _Launched(plan, None, self.runner.forward(batch))
+
+    # -- 5. results -------------------------------------------------------------------------
+
+    def _process(self, launched: _Launched) -> None:
+        tokens = launched.tokens if launched.future is None else launched.future.result()
+        assert tokens is not None
+        self.metrics.batches.inc()
+        self.metrics.prefill_tokens.inc(launched.plan.num_tokens)
+        chunk_done: list[PrefillRequest] = []
+        prefilled: list[PrefillRequest] = []
+        failing: list[PrefillRequest] = []
+        ps = self.config.page_size
+        for chunk, token in zip(launched.plan.chunks, tokens):
+            req = chunk.req
+            req.on_device -= 1
+            req.computed = chunk.start + chunk.length
+            if req.pending_abort is not None:
+                if not req.on_device:
+                    failing.append(req)
+                continue
+            sender = req.sender
+            assert sender is not None and req.slot is not None
+            if chunk.last:
+                req.first_token = token
+                self.metadata.write(req.slot, token, 0, None, req.bootstrap_room)
+                pages = req.pages[req.sent // ps :]
+                req.sent = req.computed
+                sender.send(pages, True)  # type: ignore[attr-defined]
+                self.metrics.transfer_bytes.inc(self._bytes(len(pages)) + self._row_bytes)
+                prefilled.append(req)
+            else:
+                # Only full pages: a partial page waits for the next chunk.
+                upto = req.computed // ps * ps
+                if upto > req.sent:
+                    pages = req.pages[req.sent // ps : upto // ps]
+                    sender.send(pages, False)  # type: ignore[attr-defined]
+                    self.metrics.transfer_bytes.inc(self._bytes(len(pages)))
+                    req.sent = upto
+                chunk_done.append(req)
+        self.lifecycle.fire("chunk_done", chunk_done)
+        self.lifecycle.fire("prefilled", prefilled)
+        deadline = self.clock() + self.config.transfer_timeout
+        for req in prefilled:
+            req.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, self._seq_of[req.rid], int(S.TRANSFERRING)))
+        for req in failing:
+            reason = req.pending_abort
+            assert reason is not None
+            req.pending_abort = None
+            event = "abort" if reason is FailureReason.ABORTED else "fail"
+            self._fail(req, reason, req.detail, event=event)
+
+    def _bytes(self, num_pages: int) -> int:
+        return num_pages * self.pool.page_bytes * 2 * self.pool.num_layers
+
+    # -- release and respond (lifecycle hooks) ----------------------------------------------
+
+    def _release(self, req: PrefillRequest) -> None:
+        seq = self._seq_of.pop(req.rid)
+        del self._by_seq[seq]
+        self._handshaken.pop(req.rid, None)
+        if self._continuing is req:
+            self._continuing = None
+        sender = req.sender
+        pages, slot = req.pages, req.slot
+        req.sender, req.pages, req.slot = None, [], None
+        if sender is None:
+            self._free(pages, slot)
+            return
+        manager = self._manager_for(req)
+        self._rooms.pop((id(manager), req.bootstrap_room), None)
+        if sender.quiescent():  # type: ignore[attr-defined]
+            sender.clear()  # type: ignore[attr-defined]
+            self._free(pages, slot)
+        else:
+            self._quarantine.append((sender, pages, slot))  # type: ignore[arg-type]
+
+    def _free(self, pages: Sequence[int], slot: int | None) -> None:
+        if pages:
+            self.pool.allocator.free(list(pages))
+            self.pages_held -= len(pages)
+        if slot is not None:
+            self.metadata.clear(slot)
+            self.slots.free(slot)
+
+    def _reap_quarantine(self) -> bool:
+        if not self._quarantine:
+            return False
+        keep = []
+        for sender, pages, slot in self._quarantine:
+            if sender.quiescent():
+                sender.clear()
+                self._free(pages, slot)
+            else:
+                keep.append((sender, pages, slot))
+        freed = len(keep) != len(self._quarantine)
+        self._quarantine = keep
+        return freed
+
+    def _respond(self, req: PrefillRequest) -> None:
+        self.metrics.on_finished(req)
+        if self.on_response is not None:
+            state = req.state
+            assert state is not None
+            self.on_response(
+                Response(
+                    req.rid, state, req.reason, req.detail, req.first_token, len(req.input_ids)
+                )
+            )
+
+    # -- invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Conservation (invariant 3) and the index (invariant 4); cheap enough for tests."""
+        self.lifecycle.check_index()
+        held = sum(len(r.pages) for r in self.lifecycle.live())
+        quarantined = sum(len(p) for _, p, _ in self._quarantine)
+        free = self.pool.allocator.available()
+        if free + held + quarantined != self.pool.num_pages:
+            raise AssertionError(
+                f"pages: free {free} + held {held} + quarantined {quarantined} "
+                f"!= pool {self.pool.num_pages}"
+            )
+        if held + quarantined != self.pages_held:
+            raise AssertionError(f"pages_held {self.pages_held} != {held + quarantined}")
+        slots_held = sum(1 for r in self.lifecycle.live() if r.slot is not None)
+        slots_held += sum(1 for _, _, s in self._quarantine if s is not None)
+        if self.slots.available() + slots_held != self.slots.num_slots:
+            raise AssertionError(
+                f"slots: free {self.slots.available()} + held {slots_held} "
+                f"!= {self.slots.num_slots}"
+            )
