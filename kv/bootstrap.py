@@ -109,7 +109,8 @@ class BootstrapServer:
         self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="pdlife-bootstrap", daemon=True
+            target=self._httpd.serve_forever, args=(0.05,), name="pdlife-bootstrap",
+            daemon=True,
         )
         self._thread.start()
 

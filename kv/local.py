@@ -251,7 +251,7 @@ class LocalKVManager:
             elif live and chunk.last and sender._status == KVPoll.TRANSFERRING:
                 sender._set(KVPoll.SUCCESS)
                 link.receiver._set(KVPoll.SUCCESS)
-            elif link.inflight == 0:
+            elif link.inflight == 0 and KVPoll.FAILED in (sender._status, link.receiver._status):
                 # A failed room became quiescent: its owners may now free the pages.
                 sender._announce()
                 link.receiver._announce()
@@ -301,7 +301,9 @@ class LocalKVSender:
             if self._status == KVPoll.FAILED:
                 return
             if self._cursor.num_pages is None or self._link is None:
-                raise TransferUsageError(self.room, f"send() before init() while {self._status.name}")
+                raise TransferUsageError(
+                    self.room, f"send() before init() while {self._status.name}"
+                )
             if manager._closed:
                 raise TransferUsageError(self.room, "send() on a closed manager")
             _check_pages(self.room, src, manager.pool, "prefill")

@@ -346,9 +346,11 @@ class MooncakeKVManager:
     def _on_abort(self, msg: wire.Abort) -> None:
         with self._lock:
             rec = self._rooms.get(msg.room)
-            if rec is None:
+            # Decode aborts only rooms it sent a destination for, on the same ordered socket:
+            # an abort for a room without one belongs to an earlier use of the room number.
+            if rec is None or rec.dest is None:
                 raise wire.WireError("stale_room", f"abort for unknown room {msg.room}")
-            if rec.dest is not None and rec.dest.session != msg.session:
+            if rec.dest.session != msg.session:
                 raise wire.WireError(
                     "foreign_abort", f"room {msg.room} belongs to {rec.dest.session}"
                 )
@@ -575,6 +577,7 @@ class _DecodeRoom:
     slot: int = -1
     # Destination sent, and no Status back yet: prefill may still write into the pages.
     awaiting_prefill: bool = False
+    row_landed: bool = False
 
 
 class MooncakeDecodeManager:
@@ -604,6 +607,8 @@ class MooncakeDecodeManager:
         port = self._pull.bind_to_random_port(f"tcp://{self.config.hostname}")
         self._lock = threading.Lock()
         self._rooms: dict[int, _DecodeRoom] = {}
+        # Cleared rooms whose Status (prefill's "no more writes") has not come back yet.
+        self._draining: dict[int, _DecodeRoom] = {}
         self._push_lock = threading.Lock()
         self._push = _push_socket(self._ctx, self.prefill.endpoint)
         self._stop = threading.Event()
@@ -700,6 +705,8 @@ class MooncakeDecodeManager:
         with self._lock:
             rec = self._rooms.get(msg.room)
             if rec is None or not rec.awaiting_prefill:
+                rec = self._draining.pop(msg.room, None)
+            if rec is None or not rec.awaiting_prefill:
                 raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
             rec.awaiting_prefill = False
             if rec.status not in _TERMINAL:
@@ -725,7 +732,7 @@ class MooncakeKVReceiver:
     def send_metadata(self, pages: Sequence[int], slot: int) -> None:
         mgr, rec = self._mgr, self._rec
         if not 0 <= slot < mgr.metadata.num_slots:
-            raise TransferUsageError(self.room, f"slot {slot} not in 0..{mgr.metadata.num_slots - 1}")
+            raise TransferUsageError(self.room, f"slot {slot} is not a metadata row")
         arr = np.asarray(pages, dtype=np.int64)
         with mgr._lock:
             if rec.status == KVPoll.FAILED:
@@ -740,7 +747,7 @@ class MooncakeKVReceiver:
     def poll(self) -> KVPoll:
         mgr, rec = self._mgr, self._rec
         with mgr._lock:
-            if rec.status != KVPoll.SUCCESS or rec.reason == _GATE_PASSED or self.room == 0:
+            if rec.status != KVPoll.SUCCESS or rec.row_landed or self.room == 0:
                 return rec.status
             # The metadata gate: the row must carry this room; 0 means it has not landed.
             try:
@@ -750,7 +757,7 @@ class MooncakeKVReceiver:
                 return rec.status
             if landed is None:
                 return KVPoll.TRANSFERRING
-            rec.reason = _GATE_PASSED
+            rec.row_landed = True
             return rec.status
 
     def failure_exception(self) -> TransferError:
@@ -773,11 +780,11 @@ class MooncakeKVReceiver:
         with self._mgr._lock:
             if self._mgr._rooms.get(self.room) is self._rec:
                 del self._mgr._rooms[self.room]
+                if self._rec.awaiting_prefill:
+                    self._mgr._draining[self.room] = self._rec
 
     def quiescent(self) -> bool:
         """False while prefill may still write into the room's pages (no Status back yet)."""
         with self._mgr._lock:
             return not self._rec.awaiting_prefill
 
-
-_GATE_PASSED = "metadata row landed"

@@ -38,7 +38,7 @@ import numpy as np
 from kv.transfer import KVPoll
 
 MAX_MESSAGE_BYTES = 16 << 20
-MAX_ROOM = (1 << 63) - 1
+MAX_ROOM = (1 << 64) - 1
 MAX_PAGES = 1 << 24
 MAX_FIELDS = 64
 _MAX_U64 = (1 << 64) - 1

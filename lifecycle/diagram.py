@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from lifecycle.errors import LifecycleError
 from lifecycle.invariants import PREFILL_RESOURCES
@@ -33,7 +33,7 @@ class DiagramError(LifecycleError):
     """A diagram could not be rendered (e.g. Graphviz is not installed)."""
 
 
-def _graph(table: LifecycleTable, engine: str) -> Any:
+def _graph(table: LifecycleTable, engine: Literal["graphviz", "mermaid"]) -> Any:
     # Imported here: diagram generation is an offline tool, and GraphMachine pulls in
     # the diagram backends.
     from transitions.extensions import GraphMachine
@@ -70,6 +70,8 @@ def mermaid(table: LifecycleTable) -> str:
     if lines[:3] == ["---", table.name, "---"]:
         lines[1] = f"title: {table.name} lifecycle"
     lines += [f"  {name} --> [*]" for name in _finals(table)]
+    # Mermaid spells the styling statement `class`.
+    lines = [re.sub(r"^(\s*)Class ", r"\1class ", line) for line in lines]
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
@@ -174,7 +176,7 @@ def doc_blocks(tables: Mapping[str, LifecycleTable]) -> dict[str, str]:
 
 def sync_docs(text: str, tables: Mapping[str, LifecycleTable]) -> str:
     """``text`` with every ``<!-- BEGIN GENERATED: name -->`` … ``<!-- END GENERATED: name -->``
-    block replaced by a fresh render. Every block of :func:`doc_blocks` must be there once, and
+    block replaced by a fresh render. Every block of :func:`doc_blocks` must be there, and
     every marker must name one of them."""
     blocks = doc_blocks(tables)
     missing = sorted(set(blocks) - {m.group("name") for m in _BLOCK.finditer(text)})

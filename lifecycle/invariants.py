@@ -12,7 +12,6 @@ which the owner does once its ``release`` hook has cleared the request's fields.
 from __future__ import annotations
 
 import collections
-import enum
 from collections.abc import Mapping
 
 import attrs
@@ -93,11 +92,3 @@ def expected_hook_calls(req: Tracked, table: LifecycleTable) -> collections.Coun
         calls.update(table.on_enter.get(rec.dest, ()))
     return calls
 
-
-def state_counts(reqs: list[Tracked]) -> dict[enum.IntEnum, int]:
-    """How many of ``reqs`` are in each state (states with none are left out)."""
-    counts: dict[enum.IntEnum, int] = {}
-    for r in reqs:
-        if r.state is not None:
-            counts[r.state] = counts.get(r.state, 0) + 1
-    return counts

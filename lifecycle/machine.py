@@ -45,32 +45,35 @@ from lifecycle.table import Edge, LifecycleTable
 R = TypeVar("R", bound=Tracked)
 Hook = Callable[[R], None]
 
-_MACHINES: dict[int, Machine] = {}
+# id(table) -> (table, machine). Holding the table keeps it alive, so its id cannot be reused
+# by a later table (which would otherwise be handed this table's machine).
+_MACHINES: dict[int, tuple[LifecycleTable, Machine]] = {}
 
 
 def shared_machine(table: LifecycleTable) -> Machine:
     """The one ``transitions.Machine`` of ``table`` (built on first use)."""
-    machine = _MACHINES.get(id(table))
-    if machine is None:
-        machine = Machine(
-            model=None,
-            states=table.states,
-            transitions=[
-                {
-                    "trigger": e.event,
-                    "source": e.source,
-                    "dest": e.dest,
-                    "conditions": list(e.conditions),
-                    "unless": list(e.unless),
-                }
-                for e in table.edges
-            ],
-            initial=None,
-            auto_transitions=False,
-            send_event=True,
-            after_state_change="_after_transition",
-        )
-        _MACHINES[id(table)] = machine
+    entry = _MACHINES.get(id(table))
+    if entry is not None:
+        return entry[1]
+    machine = Machine(
+        model=None,
+        states=table.states,
+        transitions=[
+            {
+                "trigger": e.event,
+                "source": e.source,
+                "dest": e.dest,
+                "conditions": list(e.conditions),
+                "unless": list(e.unless),
+            }
+            for e in table.edges
+        ],
+        initial=None,
+        auto_transitions=False,
+        send_event=True,
+        after_state_change="_after_transition",
+    )
+    _MACHINES[id(table)] = (table, machine)
     return machine
 
 

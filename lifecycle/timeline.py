@@ -16,6 +16,7 @@ writes it.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -209,6 +210,6 @@ def ttft_phases(timeline: Sequence[tuple[float, str]]) -> TtftPhases:
         at.setdefault(event, t)
     marks = [at.get("")] + [at.get(e) for e in _PHASE_ENDS]
     spans: list[float | None] = []
-    for start, stop in zip(marks, marks[1:]):
+    for start, stop in itertools.pairwise(marks):
         spans.append(stop - start if start is not None and stop is not None else None)
     return TtftPhases(*spans)

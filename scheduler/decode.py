@@ -1,0 +1,362 @@
+"""The decode peer: receives a request's KV from prefill and continues greedy decoding.
+
+Theory of operation
+-------------------
+The decode peer runs the decode lifecycle (``lifecycle.decode``) with the same framework as the
+prefill scheduler. It gets the same request as the prefill server. A request is admitted in
+BOOTSTRAPPING with a receiver whose ``init()`` resolves the prefill side; once the handshake is
+done it is ``bootstrapped`` into PREALLOC, where it waits for KV pages for its prompt and a
+metadata slot (none free: it waits, in arrival order); ``preallocated`` sends the destination to
+prefill (RECEIVING). When the receiver reports SUCCESS the metadata row must have landed with the
+request's own room (a torn or foreign row fails the request); its first token starts the output
+(``received``, DECODING). Every pass runs one decode step for all DECODING requests, growing
+their pages as the sequence grows; ``finished`` at max_new_tokens or a stop token.
+
+Pages whose receiver may still be written by the prefill side (an abort, a failure) are
+quarantined until the receiver is quiescent.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
+from kv.pages import pages_needed
+from kv.transfer import KVPoll
+from lifecycle import DECODE_TABLE, DecodeRequest, DecodeState, FailureReason, Lifecycle
+from scheduler.prefill import AbortRequest, NewRequest
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+
+logger = logging.getLogger(__name__)
+S = DecodeState
+
+
+class DecodeKVManager(Protocol):
+    ready: queue.SimpleQueue[int]
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> Any: ...
+
+
+@attrs.frozen
+class DecodeResponse:
+    rid: str
+    state: DecodeState
+    reason: FailureReason | None
+    detail: str
+    output_ids: tuple[int, ...]
+    finish_reason: str  # "length", "stop" or "abort"
+    prompt_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return self.state is S.DONE
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.reason is None else self.reason.http_status
+
+
+class DecodePeer:
+    """The decode side of one rank. Not thread-safe except :meth:`submit` and :meth:`abort`."""
+
+    def __init__(
+        self,
+        *,
+        runner: ModelRunner,
+        kv: DecodeKVManager,
+        metadata: MetadataBuffers,
+        slots: SlotAllocator,
+        eos_token_id: int | None = None,
+        max_running_requests: int = 256,
+        waiting_timeout: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_response: Callable[[DecodeResponse], None] | None = None,
+        check_invariants: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.pool = runner.pool
+        self.kv = kv
+        self.metadata = metadata
+        self.slots = slots
+        self.eos_token_id = eos_token_id
+        self.max_running_requests = max_running_requests
+        self.waiting_timeout = waiting_timeout
+        self.clock = clock
+        self.on_response = on_response
+        self.lifecycle: Lifecycle[DecodeRequest] = Lifecycle(
+            DECODE_TABLE,
+            {"release": self._release, "respond": self._respond},
+            clock=clock,
+            check=check_invariants,
+        )
+        self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
+        self._rooms: dict[int, DecodeRequest] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._quarantine: list[tuple[Any, list[int], int | None]] = []
+        self.steps = 0
+
+    def submit(self, req: NewRequest) -> None:
+        self._inbox.put(req)
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(AbortRequest(rid))
+
+    def idle(self) -> bool:
+        return len(self.lifecycle) == 0 and not self._quarantine and self._inbox.empty()
+
+    # -- the pass ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        worked = self._receive()
+        worked |= self._poll()
+        worked |= self._preallocate()
+        worked |= self._decode()
+        worked |= self._reap_quarantine()
+        return worked
+
+    def _receive(self) -> bool:
+        worked = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return worked
+            worked = True
+            if isinstance(item, AbortRequest):
+                req = self.lifecycle.get(item.rid)
+                if req is not None:
+                    self._fail(req, FailureReason.ABORTED, "aborted by the client", "abort")
+            else:
+                self._admit(item)
+
+    def _admit(self, new: NewRequest) -> None:
+        req = DecodeRequest(
+            new.rid,
+            input_ids=new.input_ids,
+            bootstrap_host=new.bootstrap_host,
+            bootstrap_port=new.bootstrap_port,
+            bootstrap_room=new.bootstrap_room,
+            sampling=new.sampling,
+        )
+        if new.rid in self.lifecycle or new.bootstrap_room in self._rooms:
+            logger.warning("request %r: id or room %d already live; refused", new.rid,
+                           new.bootstrap_room)
+            if self.on_response is not None:
+                self.on_response(DecodeResponse(
+                    new.rid, S.FAILED, FailureReason.REJECTED, "request id or room in use",
+                    (), "abort", len(new.input_ids)))
+            return
+        self.lifecycle.admit(req)
+        n = len(req.input_ids)
+        if n == 0 or pages_needed(n + req.sampling.max_new_tokens, self.pool.page_size) > (
+            self.pool.num_pages
+        ):
+            self.lifecycle.fire(
+                "fail", [req], reason=FailureReason.REJECTED,
+                detail=f"prompt of {n} tokens plus {req.sampling.max_new_tokens} new tokens "
+                       f"cannot fit the decode KV pool",
+            )
+            return
+        self._rooms[req.bootstrap_room] = req
+        try:
+            receiver = self.kv.create_receiver(
+                f"{req.bootstrap_host}:{req.bootstrap_port}", req.bootstrap_room
+            )
+            req.receiver = receiver
+            receiver.init()
+        except Exception as exc:  # a peer that cannot be reached fails this request only
+            logger.warning("request %r: bootstrap failed: %s", req.rid, exc)
+            self._fail(req, FailureReason.BOOTSTRAP_FAILED, str(exc))
+            return
+        req.deadline = self.clock() + self.waiting_timeout
+        heapq.heappush(self._deadlines, (req.deadline, req.rid))
+
+    def _fail(self, req: DecodeRequest, reason: FailureReason, detail: str,
+              event: str = "fail") -> None:
+        if req.receiver is not None:
+            req.receiver.abort()  # type: ignore[attr-defined]
+        self.lifecycle.fire(event, [req], reason=reason, detail=detail)
+
+    def _poll(self) -> bool:
+        changed: dict[str, DecodeRequest] = {}
+        while True:
+            try:
+                room = self.kv.ready.get_nowait()
+            except queue.Empty:
+                break
+            req = self._rooms.get(room)
+            if req is not None:
+                changed[req.rid] = req
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, rid = heapq.heappop(self._deadlines)
+            req = self.lifecycle.get(rid)
+            if req is not None and req.deadline == deadline and req.state in (
+                S.BOOTSTRAPPING, S.PREALLOC, S.RECEIVING
+            ):
+                self._fail(req, FailureReason.TRANSFER_TIMEOUT,
+                           f"no KV from prefill within {self.waiting_timeout:g} s")
+        bootstrapped: list[DecodeRequest] = []
+        received: list[DecodeRequest] = []
+        for req in changed.values():
+            if req.is_final or req.receiver is None:
+                continue
+            poll = req.receiver.poll()  # type: ignore[attr-defined]
+            if poll == KVPoll.FAILED:
+                err = req.receiver.failure_exception()  # type: ignore[attr-defined]
+                reason = (
+                    FailureReason.BOOTSTRAP_FAILED if req.state is S.BOOTSTRAPPING
+                    else FailureReason.TRANSFER_FAILED
+                )
+                self._fail(req, reason, str(err))
+            elif req.state is S.BOOTSTRAPPING and poll >= KVPoll.WAITING_FOR_INPUT:
+                bootstrapped.append(req)
+            elif req.state is S.RECEIVING and poll == KVPoll.SUCCESS:
+                try:
+                    row = self.metadata.read(req.slot, expected_room=req.bootstrap_room)  # type: ignore[arg-type]
+                except MetadataError as exc:
+                    self._fail(req, FailureReason.TRANSFER_FAILED, str(exc))
+                    continue
+                if row is None:
+                    # The transfer reported success but the metadata row has not landed (or
+                    # was torn): look again on the next pass.
+                    self.kv.ready.put(req.bootstrap_room)
+                    continue
+                req.output_ids.append(row.first_token)
+                received.append(req)
+        self.lifecycle.fire("bootstrapped", bootstrapped)
+        self.lifecycle.fire("received", received)
+        self.lifecycle.fire("finished", [r for r in received if self._finished(r)])
+        return bool(changed)
+
+    def _preallocate(self) -> bool:
+        prealloc = self.lifecycle.in_state(S.PREALLOC)
+        if not prealloc:
+            return False
+        running = len(self.lifecycle) - len(prealloc) - len(
+            self.lifecycle.in_state(S.BOOTSTRAPPING)
+        )
+        ready: list[DecodeRequest] = []
+        for req in prealloc.values():
+            if running + len(ready) >= self.max_running_requests:
+                break
+            need = pages_needed(len(req.input_ids), self.pool.page_size)
+            # Keep room for every running request's next page, so decoding cannot deadlock.
+            if self.pool.allocator.available() - need < len(self.lifecycle.in_state(S.DECODING)):
+                break
+            slot = self.slots.alloc()
+            if slot is None:
+                break
+            pages = self.pool.allocator.alloc(need)
+            if pages is None:
+                self.slots.free(slot)
+                break
+            req.pages, req.slot = pages, slot
+            self.metadata.clear(slot)
+            ready.append(req)
+        for req in ready:
+            req.receiver.send_metadata(req.pages, req.slot)  # type: ignore[attr-defined]
+        self.lifecycle.fire("preallocated", ready)
+        return bool(ready)
+
+    def _decode(self) -> bool:
+        decoding = self.lifecycle.in_state(S.DECODING)
+        if not decoding:
+            return False
+        items: list[ForwardItem] = []
+        reqs: list[DecodeRequest] = []
+        ps = self.pool.page_size
+        for req in decoding.values():
+            pos = len(req.input_ids) + len(req.output_ids) - 1
+            if pages_needed(pos + 1, ps) > len(req.pages):
+                page = self.pool.allocator.alloc(1)
+                if page is None:
+                    continue  # wait for a page; finishing requests free theirs
+                req.pages.extend(page)
+            items.append(ForwardItem(req.rid, (req.output_ids[-1],), pos, tuple(req.pages)))
+            reqs.append(req)
+        if not items:
+            return False
+        tokens = self.runner.forward(ForwardBatch(tuple(items)))
+        self.steps += 1
+        for req, token in zip(reqs, tokens):
+            req.output_ids.append(token)
+        self.lifecycle.fire("finished", [r for r in reqs if self._finished(r)])
+        return True
+
+    def _finished(self, req: DecodeRequest) -> bool:
+        sampling = req.sampling
+        if len(req.output_ids) >= sampling.max_new_tokens:
+            return True
+        last = req.output_ids[-1]
+        if last in sampling.stop_token_ids:
+            return True
+        return not sampling.ignore_eos and last == self.eos_token_id
+
+    def finish_reason(self, req: DecodeRequest) -> str:
+        if req.state is S.FAILED:
+            return "abort"
+        return "length" if len(req.output_ids) >= req.sampling.max_new_tokens else "stop"
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _release(self, req: DecodeRequest) -> None:
+        self._rooms.pop(req.bootstrap_room, None)
+        receiver, pages, slot = req.receiver, req.pages, req.slot
+        req.receiver, req.pages, req.slot = None, [], None
+        if receiver is not None and not receiver.quiescent():  # type: ignore[attr-defined]
+            self._quarantine.append((receiver, pages, slot))
+            return
+        if receiver is not None:
+            receiver.clear()  # type: ignore[attr-defined]
+        self._free(pages, slot)
+
+    def _free(self, pages: Sequence[int], slot: int | None) -> None:
+        if pages:
+            self.pool.allocator.free(list(pages))
+        if slot is not None:
+            self.metadata.clear(slot)
+            self.slots.free(slot)
+
+    def _reap_quarantine(self) -> bool:
+        if not self._quarantine:
+            return False
+        keep = []
+        for receiver, pages, slot in self._quarantine:
+            if receiver.quiescent():
+                receiver.clear()
+                self._free(pages, slot)
+            else:
+                keep.append((receiver, pages, slot))
+        freed = len(keep) != len(self._quarantine)
+        self._quarantine = keep
+        return freed
+
+    def _respond(self, req: DecodeRequest) -> None:
+        if self.on_response is None:
+            return
+        state = req.state
+        assert state is not None
+        self.on_response(
+            DecodeResponse(
+                req.rid, state, req.reason, req.detail, tuple(req.output_ids),
+                self.finish_reason(req), len(req.input_ids),
+            )
+        )
+
+    def check_invariants(self) -> None:
+        self.lifecycle.check_index()
+        held = sum(len(r.pages) for r in self.lifecycle.live())
+        held += sum(len(p) for _, p, _ in self._quarantine)
+        if self.pool.allocator.available() + held != self.pool.num_pages:
+            raise AssertionError(
+                f"decode pages: free {self.pool.allocator.available()} + held {held} "
+                f"!= {self.pool.num_pages}"
+            )

@@ -1,0 +1,166 @@
+"""The embedded default: a prefill scheduler and its decode peer in one process.
+
+Both sides run the same reference model over their own KV pools; the local backend copies each
+request's pages from the prefill pool into the decode pool. :class:`EmbeddedPair` drives both
+loops from the calling thread, which makes it the harness of the demo, the benchmarks and the
+end-to-end tests, and the simplest way to embed pdlife.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from kv.fake import FakeKVManager, FaultPlan
+from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
+from kv.metadata import MetadataBuffers, SlotAllocator
+from lifecycle import SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.decode import DecodePeer, DecodeResponse
+from scheduler.delayer import PrefillDelayer
+from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
+from scheduler.prefill import NewRequest, PrefillScheduler, Response
+
+LOCAL_HOST = "local"
+
+
+def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{attr.name} must be > 0, got {value}")
+
+
+@attrs.frozen
+class PairConfig:
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    prefill_pages: int = attrs.field(default=2048, validator=_positive)
+    decode_pages: int = attrs.field(default=2048, validator=_positive)
+    metadata_slots: int = attrs.field(default=64, validator=_positive)
+    overlap: bool = False
+    device: str = "cpu"
+
+
+@attrs.frozen
+class Outcome:
+    """Both sides' answers for one request."""
+
+    prefill: Response
+    decode: DecodeResponse | None
+
+
+class EmbeddedPair:
+    def __init__(
+        self,
+        config: PairConfig,
+        *,
+        faults: FaultPlan | None = None,
+        delayer: PrefillDelayer | None = None,
+        model: LlamaModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        device = resolve_device(config.device)
+        self.model = model or LlamaModel(config.model, device=device)
+        ps = config.scheduler.page_size
+        self.prefill_pool = self.model.make_pool(num_pages=config.prefill_pages, page_size=ps)
+        self.decode_pool = self.model.make_pool(num_pages=config.decode_pages, page_size=ps)
+        self.hub = LocalTransferHub()
+        self.prefill_meta = MetadataBuffers(config.metadata_slots)
+        self.decode_meta = MetadataBuffers(config.metadata_slots)
+        self.prefill_kv = LocalKVManager(
+            self.prefill_pool, self.prefill_meta, hub=self.hub, bootstrap_addr=f"{LOCAL_HOST}:0"
+        )
+        self.decode_kv = LocalDecodeManager(self.decode_pool, self.decode_meta, hub=self.hub)
+        self.prefill_responses: dict[str, Response] = {}
+        self.decode_responses: dict[str, DecodeResponse] = {}
+        check = config.scheduler.check_invariants
+        self.prefill = PrefillScheduler(
+            config=config.scheduler,
+            runner=PagedModelRunner(self.model, self.prefill_pool),
+            kv=self.prefill_kv,
+            fake_kv=FakeKVManager(faults, clock=clock),
+            metadata=self.prefill_meta,
+            slots=SlotAllocator(config.metadata_slots),
+            delayer=delayer,
+            clock=clock,
+            on_response=self._on_prefill,
+            overlap=config.overlap,
+        )
+        self.decode = DecodePeer(
+            runner=PagedModelRunner(self.model, self.decode_pool),
+            kv=self.decode_kv,
+            metadata=self.decode_meta,
+            slots=SlotAllocator(config.metadata_slots),
+            eos_token_id=config.model.eos_token_id,
+            clock=clock,
+            on_response=self._on_decode,
+            check_invariants=check,
+        )
+        self._rooms = 0
+        self._propagated: set[str] = set()
+
+    def _on_prefill(self, r: Response) -> None:
+        if r.rid in self.prefill_responses:
+            raise AssertionError(f"request {r.rid!r} answered twice by prefill")
+        self.prefill_responses[r.rid] = r
+
+    def _on_decode(self, r: DecodeResponse) -> None:
+        if r.rid in self.decode_responses:
+            raise AssertionError(f"request {r.rid!r} answered twice by decode")
+        self.decode_responses[r.rid] = r
+
+    def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None:
+        """Send one request to both sides, as a PD router does."""
+        self._rooms += 1
+        new = NewRequest(
+            rid, tuple(prompt), bootstrap_host=LOCAL_HOST, bootstrap_port=0,
+            bootstrap_room=self._rooms, sampling=sampling,
+        )
+        self.prefill.submit(new)
+        self.decode.submit(new)
+
+    def abort(self, rid: str) -> None:
+        self.prefill.abort(rid)
+        self.decode.abort(rid)
+
+    def step(self) -> bool:
+        worked = self.prefill.step()
+        worked |= self.decode.step()
+        return worked
+
+    def run_until_done(self, rids: Iterable[str], timeout: float = 120.0) -> dict[str, Outcome]:
+        """Drive both loops until every request in ``rids`` got both answers (or, failed on
+        prefill, its decode side was aborted) and both sides are idle."""
+        rids = list(rids)
+        end = time.monotonic() + timeout
+        while True:
+            self._propagate_prefill_failures()
+            if all(r in self.decode_responses for r in rids) and self.idle():
+                break
+            if time.monotonic() > end:
+                missing = [r for r in rids if r not in self.decode_responses]
+                raise TimeoutError(f"{len(missing)} requests unanswered after {timeout} s: "
+                                   f"{missing[:5]}")
+            if not self.step():
+                time.sleep(0.0002)  # idle pass: let the transfer worker run
+        return {
+            r: Outcome(self.prefill_responses[r], self.decode_responses.get(r)) for r in rids
+        }
+
+    def _propagate_prefill_failures(self) -> None:
+        # A request that failed on prefill before its KV reached decode would leave decode
+        # waiting until its timeout; a PD router aborts it on both sides.
+        for rid, r in self.prefill_responses.items():
+            if not r.ok and rid not in self._propagated and rid not in self.decode_responses:
+                self._propagated.add(rid)
+                self.decode.abort(rid)
+
+    def idle(self) -> bool:
+        return self.prefill.idle() and self.decode.idle()
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.prefill_kv.close()
+        self.decode_kv.close()

@@ -1,0 +1,116 @@
+"""kv.bootstrap: rank registration, lookup (503 until complete), health, bad input."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankInfo
+
+
+@pytest.fixture
+def server() -> Iterator[BootstrapServer]:
+    srv = BootstrapServer(expected_ranks=2)
+    yield srv
+    srv.close()
+
+
+def _rank(rank: int, page_size: int = 16, dtype: str = "bfloat16") -> RankInfo:
+    return RankInfo(rank=rank, endpoint=f"tcp://127.0.0.1:{7000 + rank}",
+                    session=f"127.0.0.1:{8000 + rank}", page_size=page_size, kv_dtype=dtype)
+
+
+def _raw(srv: BootstrapServer, method: str, path: str, body: bytes = b"",
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    host, port = srv.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_binds_loopback_on_a_free_port(server: BootstrapServer) -> None:
+    host, port = server.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+
+
+def test_lookup_is_503_until_every_rank_registered(server: BootstrapServer) -> None:
+    client = BootstrapClient(server.address)
+    with pytest.raises(BootstrapError) as err:
+        client.lookup()
+    assert err.value.status == 503
+    client.register(_rank(1))
+    with pytest.raises(BootstrapError):
+        client.lookup()
+    client.register(_rank(0))
+    info = client.lookup()
+    assert info.page_size == 16 and info.kv_dtype == "bfloat16"
+    assert info.ranks == (_rank(0), _rank(1))
+
+
+def test_health(server: BootstrapServer) -> None:
+    assert BootstrapClient(server.address).health()
+    assert _raw(server, "GET", "/health") == (200, b"OK")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"[]", b'{"rank": 0}', json.dumps(dict(json.loads(json.dumps(
+        {"rank": True, "endpoint": "tcp://a:1", "session": "a:1", "page_size": 16,
+         "kv_dtype": "bfloat16"})))).encode(),
+     json.dumps({"rank": 0, "endpoint": "http://a", "session": "a:1", "page_size": 16,
+                 "kv_dtype": "bfloat16"}).encode(),
+     json.dumps({"rank": 5, "endpoint": "tcp://a:1", "session": "a:1", "page_size": 16,
+                 "kv_dtype": "bfloat16"}).encode(),
+     b"\xff\xfe"],
+)
+def test_bad_registrations_get_400_and_change_nothing(server: BootstrapServer,
+                                                      body: bytes) -> None:
+    status, _ = _raw(server, "PUT", "/route", body, {"Content-Length": str(len(body))})
+    assert status == 400
+    assert server.ranks() == {}
+    assert BootstrapClient(server.address).health()
+
+
+def test_ranks_must_agree_on_geometry(server: BootstrapServer) -> None:
+    client = BootstrapClient(server.address)
+    client.register(_rank(0))
+    with pytest.raises(BootstrapError) as err:
+        client.register(_rank(1, page_size=32))
+    assert err.value.status == 400
+    assert set(server.ranks()) == {0}
+
+
+def test_unknown_route_is_404(server: BootstrapServer) -> None:
+    assert _raw(server, "GET", "/nowhere")[0] == 404
+
+
+def test_token_guards_routes_but_not_health() -> None:
+    srv = BootstrapServer(token="s3cret")
+    try:
+        with pytest.raises(BootstrapError) as err:
+            BootstrapClient(srv.address).register(_rank(0))
+        assert err.value.status == 401
+        with pytest.raises(BootstrapError):
+            BootstrapClient(srv.address, token="wrong").lookup()
+        good = BootstrapClient(srv.address, token="s3cret")
+        good.register(_rank(0))
+        assert good.lookup().ranks == (_rank(0),)
+        assert BootstrapClient(srv.address).health()
+    finally:
+        srv.close()
+
+
+def test_unreachable_server_is_a_bootstrap_error() -> None:
+    srv = BootstrapServer()
+    addr = srv.address
+    srv.close()
+    with pytest.raises(BootstrapError) as err:
+        BootstrapClient(addr, timeout_s=1).lookup()
+    assert err.value.status == 0

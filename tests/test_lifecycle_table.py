@@ -1,0 +1,155 @@
+"""Lifecycle tables: each definition rule, broken by a small table, raises InvalidTable naming
+the offending state or edge; the shipped tables are valid."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import pytest
+
+from lifecycle import (
+    DECODE_TABLE,
+    PREFILL_TABLE,
+    Edge,
+    InvalidTable,
+    LifecycleTable,
+    make_table,
+    validate,
+)
+
+
+class S(enum.IntEnum):
+    FAILED = 0
+    START = 1
+    MIDDLE = 2
+    DONE = 3
+
+
+class Other(enum.IntEnum):
+    ELSEWHERE = 7
+
+
+GOOD_EDGES = (
+    Edge("go", S.START, S.MIDDLE),
+    Edge("finish", S.MIDDLE, S.DONE),
+    Edge("fail", S.START, S.FAILED),
+    Edge("fail", S.MIDDLE, S.FAILED),
+)
+
+
+def build(**overrides: Any) -> LifecycleTable:
+    kwargs: dict[str, Any] = {
+        "initial": S.START,
+        "finals": (S.DONE, S.FAILED),
+        "edges": GOOD_EDGES,
+        "failure_events": ("fail",),
+    }
+    kwargs.update(overrides)
+    return make_table("toy", S, **kwargs)
+
+
+def test_a_good_table_builds_with_derived_lookups() -> None:
+    table = build()
+    assert table.initial is S.START
+    assert table.live_states() == (S.START, S.MIDDLE)
+    assert table.events == ("go", "finish", "fail")
+    assert table.edge(S.START, "go") == GOOD_EDGES[0]
+    assert table.edge(S.DONE, "go") is None
+    assert table.is_final(S.FAILED) and not table.is_final(S.MIDDLE)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        pytest.param(
+            {"initial": Other.ELSEWHERE}, "initial state <Other.ELSEWHERE: 7> is not a state",
+            id="initial-not-a-state",
+        ),
+        pytest.param({"initial": S.DONE}, "initial state DONE is final", id="initial-final"),
+        pytest.param({"finals": ()}, "no final state", id="no-final"),
+        pytest.param(
+            {"edges": (*GOOD_EDGES, Edge("revive", S.DONE, S.START))},
+            "edge 'revive' leaves final state DONE",
+            id="edge-out-of-final",
+        ),
+        pytest.param(
+            {"edges": (Edge("finish", S.START, S.DONE), Edge("fail", S.START, S.FAILED)),
+             "failure_events": ()},
+            "state MIDDLE is unreachable from START",
+            id="unreachable",
+        ),
+        pytest.param(
+            {"edges": (Edge("go", S.START, S.MIDDLE), Edge("fail", S.START, S.FAILED),
+                       Edge("finish", S.START, S.DONE), Edge("spin", S.MIDDLE, S.MIDDLE)),
+             "failure_events": ()},
+            "state MIDDLE cannot reach a final state (a trap)",
+            id="trap",
+        ),
+        pytest.param(
+            {"edges": GOOD_EDGES[:3]},
+            "failure event 'fail' is not legal from state MIDDLE",
+            id="failure-event-missing",
+        ),
+        pytest.param(
+            {"edges": (*GOOD_EDGES[:3], Edge("fail", S.MIDDLE, S.START))},
+            "failure event 'fail' from MIDDLE leads to non-final START",
+            id="failure-event-not-final",
+        ),
+        pytest.param(
+            {"edges": (*GOOD_EDGES[:3], Edge("fail", S.MIDDLE, S.FAILED, conditions=("ok",)))},
+            "failure event 'fail' from MIDDLE is guarded",
+            id="failure-event-guarded",
+        ),
+        pytest.param(
+            {"edges": (*GOOD_EDGES, Edge("go", S.START, S.FAILED))},
+            "two edges for event 'go' from state START",
+            id="duplicate-edge",
+        ),
+        pytest.param(
+            {"edges": (*GOOD_EDGES, Edge("stray", S.MIDDLE, Other.ELSEWHERE))},  # type: ignore[arg-type]
+            "edge 'stray' names <Other.ELSEWHERE: 7>, not a S",
+            id="edge-to-foreign-state",
+        ),
+        pytest.param(
+            {"on_enter": {Other.ELSEWHERE: ("release",)}},
+            "on_enter names <Other.ELSEWHERE: 7>, not a state",
+            id="on-enter-foreign-state",
+        ),
+    ],
+)
+def test_each_broken_rule_raises_naming_the_state_or_edge(
+    overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidTable) as info:
+        build(**overrides)
+    text = str(info.value)
+    assert text.startswith("toy: ") and message in text, text
+
+
+def test_validate_rechecks_a_table_built_around_make_table() -> None:
+    # validate() is what `pdlife validate` runs; it must catch a table assembled by hand.
+    good = build()
+    broken = LifecycleTable(
+        name="handmade",
+        states=S,
+        initial=S.START,
+        finals=frozenset({S.DONE, S.FAILED}),
+        edges=good.edges[:3],
+        failure_events=("fail",),
+        on_enter={},
+        lookup={(e.source, e.event): e for e in good.edges[:3]},
+        events=good.events,
+    )
+    with pytest.raises(InvalidTable, match="'fail' is not legal from state MIDDLE"):
+        validate(broken)
+
+
+@pytest.mark.parametrize("table", [PREFILL_TABLE, DECODE_TABLE], ids=lambda t: t.name)
+def test_the_shipped_tables_are_valid_and_fully_failable(table: LifecycleTable) -> None:
+    validate(table)
+    for state in table.live_states():
+        for event in ("fail", "abort"):
+            edge = table.edge(state, event)
+            assert edge is not None and edge.dest in table.finals
+    assert table.hooks() == {"release", "respond"}

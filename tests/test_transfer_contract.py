@@ -1,0 +1,221 @@
+"""The transfer contract (kv/transfer.py), run over every backend harness.
+
+To cover another backend, write its harness (see tests/transfer_harness.py) and append it to
+``HARNESSES`` below; the data tests pick it up too when its ``moves_data`` is True.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import pairwise
+
+import pytest
+import torch
+
+from kv.transfer import REASON_OTHER_RANK, KVPoll, KVSender, TransferError, TransferUsageError
+from tests.transfer_harness import (
+    NUM_SLOTS,
+    BackendHarness,
+    FakeHarness,
+    HarnessSession,
+    LocalHarness,
+    drive,
+    eventually,
+)
+
+HARNESSES: list[BackendHarness] = [FakeHarness(), LocalHarness()]
+
+ROOM = (1 << 63) + 12345  # above the int64 range: rooms are unsigned 64-bit
+
+_TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
+
+
+def _params(harnesses: list[BackendHarness]) -> list[object]:
+    return [pytest.param(h, id=h.name, marks=h.marks) for h in harnesses]
+
+
+@pytest.fixture(params=_params(HARNESSES))
+def session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
+    harness: BackendHarness = request.param
+    s = harness.make()
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=_params([h for h in HARNESSES if h.moves_data]))
+def data_session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
+    harness: BackendHarness = request.param
+    s = harness.make()
+    yield s
+    s.close()
+
+
+def _handshake(session: HarnessSession, room: int, num_pages: int) -> tuple[KVSender, list[KVPoll]]:
+    sender = session.manager.create_sender(session.bootstrap_addr, room)
+    first = sender.poll()
+    assert first == KVPoll.BOOTSTRAPPING
+    session.connect_decode(room, num_pages)
+    seen = drive(session.manager, sender, {KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED})
+    assert seen[-1] == KVPoll.WAITING_FOR_INPUT, seen
+    return sender, [first, *seen]
+
+
+def _assert_monotone(seen: list[KVPoll]) -> None:
+    assert all(a < b for a, b in pairwise(seen)), [s.name for s in seen]
+
+
+def test_poll_order_and_success_only_after_all_pages(session: HarnessSession) -> None:
+    sender, seen = _handshake(session, ROOM, 6)
+    sender.init(6, 3)
+    assert sender.poll() == KVPoll.WAITING_FOR_INPUT
+    sender.send([0, 1], last=False)
+    sender.send([2, 3], last=False)
+    assert sender.poll() == KVPoll.TRANSFERRING
+    # Once every queued chunk ran, the room still waits for its last chunk.
+    eventually(sender.quiescent, "the first two chunks to finish")
+    assert sender.poll() == KVPoll.TRANSFERRING
+    session.prefill_metadata.write(3, first_token=7, cached_tokens=0, logprob=None, room=ROOM)
+    sender.send([4, 5], last=True)
+    seen += drive(session.manager, sender, _TERMINAL)
+    seen = [s for i, s in enumerate(seen) if i == 0 or seen[i - 1] != s]
+    assert seen[-1] == KVPoll.SUCCESS
+    _assert_monotone(seen)
+    assert set(seen) >= {KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT, KVPoll.SUCCESS}
+    assert sender.poll() == KVPoll.SUCCESS
+    eventually(sender.quiescent, "quiescence after success")
+
+
+def test_zero_page_request_concludes_on_its_last_send(session: HarnessSession) -> None:
+    sender, _ = _handshake(session, 7, 0)
+    sender.init(0, 1)
+    sender.send([], last=True)
+    assert drive(session.manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+
+
+@pytest.mark.parametrize("phase", ["bootstrapping", "waiting", "initialized", "transferring"])
+def test_abort_in_each_state_fails_and_latches(session: HarnessSession, phase: str) -> None:
+    room = 99
+    if phase == "bootstrapping":
+        sender = session.manager.create_sender(session.bootstrap_addr, room)
+        assert sender.poll() == KVPoll.BOOTSTRAPPING
+    else:
+        sender, _ = _handshake(session, room, 4)
+        if phase in ("initialized", "transferring"):
+            sender.init(4, 0)
+        if phase == "transferring":
+            sender.send([8, 9], last=False)
+            assert sender.poll() == KVPoll.TRANSFERRING
+    sender.abort()
+    assert drive(session.manager, sender, _TERMINAL)[-1] == KVPoll.FAILED
+    # Latched, and late calls from a caller that had not yet seen the failure are ignored.
+    if phase in ("bootstrapping", "waiting"):
+        sender.init(4, 0)
+    sender.send([10, 11], last=True)
+    sender.abort()
+    assert sender.poll() == KVPoll.FAILED
+    error = sender.failure_exception()
+    assert isinstance(error, TransferError)
+    assert error.room == room
+    assert "abort" in error.reason
+    assert str(room) in str(error)
+    eventually(sender.quiescent, "quiescence after abort")
+    sender.clear()
+
+
+def test_abort_after_success_changes_nothing(session: HarnessSession) -> None:
+    sender, _ = _handshake(session, 5, 1)
+    sender.init(1, 0)
+    sender.send([3], last=True)
+    assert drive(session.manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+    sender.abort()
+    assert sender.poll() == KVPoll.SUCCESS
+
+
+def test_failure_exception_of_a_healthy_sender_blames_another_rank(
+    session: HarnessSession,
+) -> None:
+    sender = session.manager.create_sender(session.bootstrap_addr, 11)
+    error = sender.failure_exception()
+    assert error.room == 11
+    assert error.reason == REASON_OTHER_RANK
+    assert sender.poll() != KVPoll.FAILED
+
+
+@pytest.mark.parametrize("first_outcome", ["aborted", "succeeded"])
+def test_clear_ignores_late_messages_and_the_room_is_reused(
+    session: HarnessSession, first_outcome: str
+) -> None:
+    room = 4242
+    first, _ = _handshake(session, room, 2)
+    first.init(2, 0)
+    if first_outcome == "aborted":
+        first.abort()
+    else:
+        first.send([5, 6], last=True)
+    drive(session.manager, first, _TERMINAL)
+    eventually(first.quiescent, "the first request to be quiescent")
+    first.clear()
+    session.late_message(room)
+
+    second, _ = _handshake(session, room, 3)
+    second.init(3, 1)
+    second.send([7, 8, 9], last=True)
+    assert drive(session.manager, second, _TERMINAL)[-1] == KVPoll.SUCCESS
+
+
+def test_readiness_is_pushed_for_the_handshake(session: HarnessSession) -> None:
+    sender = session.manager.create_sender(session.bootstrap_addr, 31)
+    sender.poll()
+    session.connect_decode(31, 1)
+    # drive() polls only after the room comes off the ready queue.
+    assert drive(session.manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == (
+        KVPoll.WAITING_FOR_INPUT
+    )
+
+
+def test_protocol_misuse_raises_usage_errors(session: HarnessSession) -> None:
+    early = session.manager.create_sender(session.bootstrap_addr, 1)
+    with pytest.raises(TransferUsageError):
+        early.init(1, 0)
+    sender, _ = _handshake(session, 2, 3)
+    with pytest.raises(TransferUsageError, match="before init"):
+        sender.send([0], last=False)
+    sender.init(3, 0)
+    with pytest.raises(TransferUsageError, match="declared"):
+        sender.send([0, 1, 2, 3], last=False)
+    with pytest.raises(TransferUsageError, match="unsent"):
+        sender.send([0], last=True)
+
+
+def test_many_rooms_interleaved_all_succeed(session: HarnessSession) -> None:
+    rooms = list(range(100, 100 + NUM_SLOTS))
+    senders = {}
+    for i, room in enumerate(rooms):
+        senders[room], _ = _handshake(session, room, 4)
+        senders[room].init(4, i)
+    for half in (0, 1):
+        for i, room in enumerate(rooms):
+            senders[room].send([4 * i + 2 * half, 4 * i + 2 * half + 1], last=half == 1)
+    for room in rooms:
+        assert drive(session.manager, senders[room], _TERMINAL)[-1] == KVPoll.SUCCESS
+
+
+def test_multi_chunk_transfer_lands_byte_for_byte(data_session: HarnessSession) -> None:
+    session = data_session
+    pool = session.prefill_pool
+    generator = torch.Generator().manual_seed(0)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=generator))
+    src = [3, 4, 5, 9, 0, 1, 2, 20, 21, 30]
+    sender, _ = _handshake(session, ROOM, len(src))
+    sender.init(len(src), 2)
+    sender.send(src[:4], last=False)
+    sender.send(src[4:7], last=False)
+    session.prefill_metadata.write(2, first_token=123, cached_tokens=1, logprob=-0.5, room=ROOM)
+    sender.send(src[7:], last=True)
+    assert drive(session.manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+    landed = session.decode_kv(ROOM)
+    expected = pool.buffer[:, :, src]
+    assert torch.equal(landed.view(torch.int32), expected.view(torch.int32))
+    row = session.decode_row(ROOM)
+    assert row is not None
+    assert (row.first_token, row.cached_tokens, row.logprob, row.room) == (123, 1, -0.5, ROOM)

@@ -1,0 +1,187 @@
+"""kv.wire: valid messages round-trip; anything else raises WireError and only WireError."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv import wire
+
+sessions = st.builds(
+    lambda host, port: f"{host}:{port}",
+    st.sampled_from(["127.0.0.1", "10.0.0.7", "decode-3"]),
+    st.integers(1, 65535),
+)
+rooms = st.integers(0, wire.MAX_ROOM)
+
+registers = st.builds(
+    wire.Register,
+    session=sessions,
+    status_endpoint=st.just("tcp://127.0.0.1:5555"),
+    kv_ptr=st.integers(1, 1 << 48),
+    num_layers=st.integers(1, 64),
+    num_pages=st.integers(1, 1 << 16),
+    page_size=st.integers(1, 64),
+    page_bytes=st.integers(1, 1 << 20),
+    kv_dtype=st.sampled_from(sorted(wire.KV_DTYPES)),
+    meta_ptrs=st.just((4096, 8192)),
+    meta_item_lens=st.just((64, 64)),
+    num_slots=st.integers(1, 1024),
+)
+destinations = st.builds(
+    wire.Destination,
+    room=rooms,
+    session=sessions,
+    pages=st.lists(st.integers(0, (1 << 31) - 1), max_size=64).map(
+        lambda p: np.array(p, dtype=np.int64)
+    ),
+    slot=st.integers(0, 1 << 20),
+)
+aborts = st.builds(wire.Abort, room=rooms, session=sessions)
+statuses = st.builds(
+    wire.Status,
+    room=rooms,
+    poll=st.sampled_from([0, 4]),
+    reason=st.text(max_size=40),
+    rank=st.integers(0, 8),
+)
+messages = st.one_of(registers, destinations, aborts, statuses)
+
+
+def _same(a: wire.Message, b: wire.Message) -> bool:
+    if isinstance(a, wire.Destination) and isinstance(b, wire.Destination):
+        return (a.room, a.session, a.slot) == (b.room, b.session, b.slot) and np.array_equal(
+            a.pages, b.pages
+        )
+    return a == b
+
+
+@given(messages)
+def test_valid_messages_round_trip(msg: wire.Message) -> None:
+    assert _same(wire.decode(wire.encode(msg)), msg)
+
+
+@given(messages, st.text(min_size=1, max_size=20))
+def test_token_is_required_and_checked(msg: wire.Message, token: str) -> None:
+    assert _same(wire.decode(wire.encode(msg, token), token), msg)
+    with pytest.raises(wire.WireError) as missing:
+        wire.decode(wire.encode(msg), token)
+    assert missing.value.reason == "unauthenticated"
+    with pytest.raises(wire.WireError):
+        wire.decode(wire.encode(msg, token + "x"), token)
+
+
+@given(st.binary(max_size=200))
+def test_random_bytes_raise_only_wire_error(data: bytes) -> None:
+    with contextlib.suppress(wire.WireError):
+        wire.decode(data)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=12,
+)
+
+
+@given(messages, st.data())
+def test_mutated_fields_raise_only_wire_error(msg: wire.Message, data: st.DataObject) -> None:
+    body = msgpack.unpackb(wire.encode(msg))
+    key = data.draw(st.sampled_from(sorted(body)))
+    if data.draw(st.booleans()):
+        body[key] = data.draw(json_values)
+    else:
+        del body[key]
+    with contextlib.suppress(wire.WireError):
+        wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("room", -1, "bad_field"),
+        ("room", True, "bad_field"),
+        ("room", 1 << 64, "malformed"),  # msgpack cannot even carry it
+        ("session", "no-port", "bad_field"),
+        ("session", "h:0", "bad_field"),
+        ("pages", b"\x00\x00\x00", "bad_field"),
+        ("pages", [1, 2], "bad_field"),
+        ("slot", "3", "bad_field"),
+        ("t", "launch", "unknown_type"),
+        ("extra", 1, "bad_field"),
+    ],
+)
+def test_bad_destination_fields_name_the_reason(field: str, value: object, reason: str) -> None:
+    msg = wire.Destination(5, "127.0.0.1:9", np.arange(3), 1)
+    body = msgpack.unpackb(wire.encode(msg))
+    body[field] = value
+    try:
+        data = msgpack.packb(body, use_bin_type=True)
+    except OverflowError:
+        data = b"\xcf" + b"\xff" * 9  # an over-long integer on the wire
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(data)
+    assert err.value.reason == reason
+
+
+def test_status_carries_only_conclusions() -> None:
+    body = msgpack.unpackb(wire.encode(wire.Status(1, 4, "", 0)))
+    body["poll"] = 3
+    with pytest.raises(wire.WireError, match="poll"):
+        wire.decode(msgpack.packb(body))
+
+
+def test_pickle_is_not_accepted() -> None:
+    import pickle
+
+    with pytest.raises(wire.WireError):
+        wire.decode(pickle.dumps({"t": "abort", "room": 1, "session": "a:1"}))
+
+
+def _register(num_pages: int = 16, num_slots: int = 4) -> wire.Register:
+    return wire.Register("127.0.0.1:7000", "tcp://127.0.0.1:7001", 4096, 2, num_pages, 4, 256,
+                         "float32", (8192,), (64,), num_slots)
+
+
+def test_check_destination_against_the_registered_pool() -> None:
+    reg = _register()
+    known = {reg.session: reg}
+    ok = wire.Destination(1, reg.session, np.array([0, 15]), 3)
+    assert wire.check_destination(ok, known) is reg
+    cases = [
+        (wire.Destination(1, "127.0.0.1:7999", np.array([0]), 0), "unknown_session"),
+        (wire.Destination(1, reg.session, np.array([16]), 0), "page_out_of_range"),
+        (wire.Destination(1, reg.session, np.array([-1]), 0), "page_out_of_range"),
+        (wire.Destination(1, reg.session, np.array([0]), 4), "slot_out_of_range"),
+    ]
+    for dest, reason in cases:
+        with pytest.raises(wire.WireError) as err:
+            wire.check_destination(dest, known)
+        assert err.value.reason == reason
+
+
+def test_register_validates_layout_fields() -> None:
+    body = msgpack.unpackb(wire.encode(_register()))
+    for field, value in [("kv_dtype", "int4"), ("meta_item_lens", [64, 64]),
+                         ("status_endpoint", "ipc:///x"), ("num_pages", 0)]:
+        bad = dict(body, **{field: value})
+        with pytest.raises(wire.WireError):
+            wire.decode(msgpack.packb(bad))
+
+
+def test_dropped_messages_count_by_reason() -> None:
+    dropped = wire.DroppedMessages()
+    for data in (b"\xc1", b"\x01", msgpack.packb({"t": "x"})):
+        try:
+            wire.decode(data)
+        except wire.WireError as err:
+            dropped.record(err)
+    assert dropped.snapshot() == {"malformed": 2, "unknown_type": 1}
+    assert dropped.total == 3
