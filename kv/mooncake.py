@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 _TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
 _TOMBSTONES = 65536
+# At most this many queued chunks are merged into one engine call.
+_MAX_BATCH_CHUNKS = 64
 
 
 class MooncakeError(Exception):
@@ -193,6 +195,7 @@ class MooncakeKVManager:
     ) -> None:
         self.config = config or MooncakeConfig()
         self.pool = pool
+        self.metadata = metadata
         self.rank = rank
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.dropped_messages = wire.DroppedMessages()
@@ -393,30 +396,56 @@ class MooncakeKVManager:
         self._queues[zlib.crc32(session.encode()) % len(self._queues)].put(chunk)
 
     def _work(self, q: queue.SimpleQueue[_Chunk | None]) -> None:
-        while (chunk := q.get()) is not None:
-            rec = chunk.rec
-            try:
-                error = self._transfer(chunk)
-            except Exception as exc:  # becomes a failed room, never a dead worker
-                logger.exception("transfer worker failed on room %d", rec.room)
-                error = f"internal error in transfer worker: {exc!r}"
-            notify: list[tuple[str, int, KVPoll, str] | None] = []
-            with self._lock:
+        running = True
+        while running:
+            chunk = q.get()
+            if chunk is None:
+                return
+            # Chunks that queued up meanwhile go out together: one engine call per session
+            # instead of one per chunk. They stay in queue order, so a room's chunks too.
+            batch = [chunk]
+            while len(batch) < _MAX_BATCH_CHUNKS:
+                try:
+                    more = q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    running = False
+                    break
+                batch.append(more)
+            by_session: dict[str, list[_Chunk]] = {}
+            for c in batch:
+                assert c.rec.dest is not None
+                by_session.setdefault(c.rec.dest.session, []).append(c)
+            for session, chunks in by_session.items():
+                try:
+                    error, engine_failed = self._transfer(session, chunks)
+                except Exception as exc:  # becomes failed rooms, never a dead worker
+                    logger.exception("transfer worker failed writing to %s", session)
+                    error, engine_failed = f"internal error in transfer worker: {exc!r}", False
+                self._conclude(session, chunks, error, engine_failed)
+
+    def _conclude(
+        self, session: str, chunks: list[_Chunk], error: str | None, engine_failed: bool
+    ) -> None:
+        notify: list[tuple[str, int, KVPoll, str] | None] = []
+        with self._lock:
+            for chunk in chunks:
+                rec = chunk.rec
                 rec.in_flight -= 1
-                session = rec.dest.session if rec.dest is not None else ""
-                if error is not None and self._live(rec):
+                if error is not None:
                     self._fail(rec, error)
-                    if session not in self._failed_sessions and error.startswith("transfer engine"):
-                        self._failed_sessions.add(session)
-                        notify += self._fail_session(session)
-                elif error is None and chunk.last and self._live(rec):
+                elif chunk.last and self._live(rec):
                     rec.status = KVPoll.SUCCESS
                     self.ready.put(rec.room)
                     notify.append((session, rec.room, KVPoll.SUCCESS, ""))
-                notify.append(self._settle(rec))
-            for owed in notify:
-                if owed is not None:
-                    self._send_status(*owed)
+            if engine_failed and session not in self._failed_sessions:
+                self._failed_sessions.add(session)
+                notify += self._fail_session(session)
+            notify += [self._settle(chunk.rec) for chunk in chunks]
+        for owed in notify:
+            if owed is not None:
+                self._send_status(*owed)
 
     def _fail_session(self, session: str) -> list[tuple[str, int, KVPoll, str] | None]:
         """Fail every live room of a blacklisted session: none of them can succeed."""
@@ -425,31 +454,39 @@ class MooncakeKVManager:
                   if r.dest is not None and r.dest.session == session and self._fail(r, reason)]
         return [self._settle(r) for r in failed]
 
-    def _transfer(self, chunk: _Chunk) -> str | None:
-        """Write one chunk; the failure reason, or None on success (or nothing to do)."""
-        rec = chunk.rec
+    def _transfer(self, session: str, chunks: list[_Chunk]) -> tuple[str | None, bool]:
+        """Write the chunks of live rooms to ``session``: (failure reason or None, whether the
+        engine failed)."""
         with self._lock:
-            if not self._live(rec):
-                return None
-            assert rec.dest is not None and rec.reg is not None
-            session, reg, slot = rec.dest.session, rec.reg, rec.dest.slot
             if session in self._failed_sessions:
-                return f"decode session {session} is blacklisted after an earlier failure"
-        src, dst, lens = self._blocks(chunk.src, chunk.dst, reg)
-        if chunk.last:
-            for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens, reg.meta_ptrs,
-                                       strict=True):
-                src.append(ptr + (rec.cursor.slot or 0) * item)
-                dst.append(dptr + slot * item)
-                lens.append(item)
+                return f"decode session {session} is blacklisted after an earlier failure", False
+            live = [c for c in chunks if self._live(c.rec)]
+        src: list[int] = []
+        dst: list[int] = []
+        lens: list[int] = []
+        for chunk in live:
+            rec, reg = chunk.rec, chunk.rec.reg
+            assert reg is not None and rec.dest is not None
+            s, d, n = self._blocks(chunk.src, chunk.dst, reg)
+            src += s
+            dst += d
+            lens += n
+            if chunk.last:
+                slot, dst_slot = rec.cursor.slot or 0, rec.dest.slot
+                for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens,
+                                           reg.meta_ptrs, strict=True):
+                    src.append(ptr + slot * item)
+                    dst.append(dptr + dst_slot * item)
+                    lens.append(item)
         step = self.config.max_blocks_per_write
         for i in range(0, len(src), step):
             rc = self._engine.write(session, src[i : i + step], dst[i : i + step],
                                     lens[i : i + step])
             if rc != 0:
-                return (f"transfer engine write of room {rec.room} to decode session {session} "
-                        f"failed (rc={rc})")
-        return None
+                rooms = sorted({c.rec.room for c in live})
+                return (f"transfer engine write of rooms {rooms} to decode session {session} "
+                        f"failed (rc={rc})"), True
+        return None, False
 
     def _blocks(
         self, src_pages: Sequence[int], dst_pages: np.ndarray, reg: wire.Register

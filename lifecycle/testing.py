@@ -247,14 +247,15 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @rule()
-    def admit(self) -> None:
-        req = self._new()
-        self.lifecycle.admit(req)
-        assert req.state is self.table.initial
-        assert req.timeline == [(self.clock.now, "")]
-        self.requests.append(req)
-        self.model[req.rid] = self.table.initial
+    @rule(n=st.integers(min_value=1, max_value=4))
+    def admit(self, n: int) -> None:
+        for _ in range(n):
+            req = self._new()
+            self.lifecycle.admit(req)
+            assert req.state is self.table.initial
+            assert req.timeline == [(self.clock.now, "")]
+            self.requests.append(req)
+            self.model[req.rid] = self.table.initial
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
@@ -314,8 +315,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         live = [s for s, n in self.lifecycle.counts().items() if n]
         state = data.draw(st.sampled_from(live), label="state")
         members = list(self.lifecycle.in_state(state).values())
+        # Often the whole state: batches are how the scheduler fires, and deep states fill
+        # up with requests faster this way.
         batch = data.draw(
-            st.lists(st.sampled_from(members), min_size=1, max_size=8, unique_by=id),
+            st.just(members)
+            | st.lists(st.sampled_from(members), min_size=1, max_size=8, unique_by=id),
             label="batch",
         )
         intruder = data.draw(

@@ -120,22 +120,27 @@ def causal_attention(
     if total != q_start + n:
         raise ValueError(f"{total} keys for queries at positions {q_start}..{q_start + n - 1}")
     group = heads // kv_heads
-    # [kv_heads, group, n, head_dim] so each key head multiplies its query group in one matmul.
-    qg = q.reshape(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    kt = k.permute(1, 2, 0).unsqueeze(1)  # [kv_heads, 1, head_dim, total]
-    vg = v.permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, total, head_dim]
+    # Each key head multiplies its whole query group in one bmm: rows are (group member, query).
+    # Scaling queries by -2**12 (exact) makes scores come out as negated table positions, so
+    # ``score - row_min`` is directly the (exact) exp-table index of ``max - score``.
+    qg = (q * -_EXP_INDEX_SCALE).reshape(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    kt = k.permute(1, 2, 0)  # [kv_heads, head_dim, total]
+    vt = v.permute(1, 0, 2)  # [kv_heads, total, head_dim]
     out = torch.empty((kv_heads, group, n, head_dim), dtype=q.dtype, device=q.device)
-    block = max(1, _BLOCK_ELEMENTS // max(1, heads * total))
+    block = max(1, _BLOCK_ELEMENTS // (heads * total))
     for r0 in range(0, n, block):
         r1 = min(n, r0 + block)
-        visible = q_start + r1
-        scores = torch.matmul(qg[:, :, r0:r1], kt[..., :visible])
+        rows, visible = r1 - r0, q_start + r1
+        q_block = qg[:, :, r0:r1].reshape(kv_heads, group * rows, head_dim)
+        scores = torch.bmm(q_block, kt[..., :visible])
         # Only the block's own positions can lie in a row's future: mask that square alone.
-        future = torch.ones((r1 - r0, r1 - r0), dtype=torch.bool, device=q.device).triu_(1)
-        scores[..., q_start + r0 :].masked_fill_(future, -math.inf)
-        row_max = scores.amax(-1, keepdim=True)
-        # max - score >= 0 is exact; masked keys become +inf and look up exp(-inf) = 0.
-        scores.sub_(row_max).mul_(-_EXP_INDEX_SCALE).clamp_(max=table.numel() - 1)
+        future = torch.ones((rows, rows), dtype=torch.bool, device=q.device).triu_(1)
+        scores.view(kv_heads, group, rows, visible)[..., q_start + r0 :].masked_fill_(
+            future, math.inf
+        )
+        # Masked keys become +inf and look up exp(-inf) = 0.
+        scores.sub_(scores.amin(-1, keepdim=True)).clamp_(max=table.numel() - 1)
         weights = _lookup(table, scores)
-        out[:, :, r0:r1] = torch.matmul(weights, vg[:, :, :visible]) / weights.sum(-1, keepdim=True)
+        mixed = torch.bmm(weights, vt[:, :visible]) / weights.sum(-1, keepdim=True)
+        out[:, :, r0:r1] = mixed.view(kv_heads, group, rows, head_dim)
     return fix(out.permute(2, 0, 1, 3).reshape(n, heads * head_dim))

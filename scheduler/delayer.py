@@ -222,7 +222,7 @@ def decide(
         if skip_first:
             # The first merge after start-up cannot fill the decode batch anyway; let it through.
             skip_first = False
-        elif False:
+        elif config.mode == "bounded" and prev_count >= config.max_delay_passes - 1:
             return release("wait_timeout"), skip_first
         else:
             return delay(), skip_first

@@ -192,8 +192,15 @@ class PrefillScheduler:
             delayer_pass.finalize(actual_prefill=launched is not None)
         worked |= launched is not None
         worked |= self._reap_quarantine()
-        self.metrics.set_counts(self.lifecycle.counts())
+        self._set_gauges()
         return worked
+
+    def _set_gauges(self) -> None:
+        m = self.metrics
+        m.set_counts(self.lifecycle.counts())
+        m.kv_pages_used.set(self.pages_held)
+        m.kv_usage.set(self.pool_usage())
+        m.slots_used.set(self.slots.num_slots - self.slots.available())
 
     def idle(self) -> bool:
         """Nothing live, nothing in flight, nothing quarantined, nothing queued."""
@@ -427,7 +434,6 @@ class PrefillScheduler:
             req.deadline = None
             ready.append(req)
         self.lifecycle.fire("bootstrapped", ready)
-        self.metrics.slots_used.set(self.slots.num_slots - self.slots.available())
         return bool(ready)
 
     # -- 3. plan and launch -----------------------------------------------------------------
@@ -500,8 +506,6 @@ class PrefillScheduler:
                 )
             )
         self.lifecycle.fire("schedule", new)
-        self.metrics.kv_pages_used.set(self.pages_held)
-        self.metrics.kv_usage.set(self.pool_usage())
         batch = ForwardBatch(tuple(items))
         if self._device is not None:
             return _Launched(plan, self._device.submit(self.runner.forward, batch), None)

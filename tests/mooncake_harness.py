@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,18 @@ class DecodePeer:
         self._events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._seen: list[dict[str, Any]] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.info = self.wait_event(lambda e: e["event"] == "ready", timeout_s)
+        self._info: dict[str, Any] | None = None
+        self._timeout_s = timeout_s
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The ``ready`` event (session, pool pointer); waits for it the first time.
+
+        Starting several peers before reading any ``info`` lets them start in parallel.
+        """
+        if self._info is None:
+            self._info = self.wait_event(lambda e: e["event"] == "ready", self._timeout_s)
+        return self._info
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -82,6 +93,7 @@ class DecodePeer:
 
     def recv(self, room: int, num_pages: int) -> tuple[list[int], int]:
         """Post a destination for ``room``; its decode pages and slot."""
+        assert self.info
         self.command(cmd="recv", room=room, num_pages=num_pages)
         event = self.wait_event(
             lambda e: e.get("room") == room and e["event"] in ("posted", "full")

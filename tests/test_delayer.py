@@ -117,7 +117,8 @@ def test_mixed_delays_then_times_out() -> None:
     prev = DelayerState(start_time=NOW - 0.25, delayed_count=2)
     out, _ = run(rows, prev, max_delay_passes=3, dp_size=2)
     assert (out.allow, out.reason, out.next_state) == (True, "wait_timeout", None)
-    assert (out.wait_forward_passes, out.wait_seconds) == (2, pytest.approx(0.25))
+    assert out.wait_forward_passes == 2
+    assert out.wait_seconds == pytest.approx(0.25)
 
 
 def test_queue_trigger_delays_until_max_delay_ms() -> None:
@@ -131,6 +132,16 @@ def test_queue_trigger_delays_until_max_delay_ms() -> None:
     old = DelayerState(start_time=NOW - 0.2, delayed_count=7)
     out, _ = run(rows, old, max_delay_ms=100, **common)  # type: ignore[arg-type]
     assert (out.allow, out.reason, out.wait_forward_passes) == (True, "wait_success", 7)
+
+
+def test_queue_trigger_deadline_is_inclusive() -> None:
+    common = dict(queue_min_ratio=0.5, max_delay_ms=100, max_running_requests=100)
+    just_before = DelayerState(start_time=NOW - 0.099, delayed_count=3)
+    out, _ = run([[1, 0, 10, 4, 2]], just_before, **common)  # type: ignore[arg-type]
+    assert out.reason == "delay"
+    at_deadline = DelayerState(start_time=NOW - 0.1, delayed_count=3)
+    out, _ = run([[1, 0, 10, 4, 2]], at_deadline, **common)  # type: ignore[arg-type]
+    assert out.reason == "wait_success"
 
 
 def test_queue_trigger_is_off_without_a_ratio_or_running_batch() -> None:

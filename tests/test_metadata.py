@@ -13,7 +13,7 @@ BIG_ROOM = (1 << 64) - 3  # rooms are unsigned 64-bit; this one is negative as i
 def test_a_written_row_reads_back_with_its_room() -> None:
     buf = MetadataBuffers(4)
     buf.write(2, first_token=42, cached_tokens=16, logprob=-1.25, room=BIG_ROOM)
-    assert buf.read(2) == MetadataRow(first_token=42, cached_tokens=16, logprob=-1.25, room=BIG_ROOM)
+    assert buf.read(2) == MetadataRow(42, 16, -1.25, BIG_ROOM)
     assert buf.read(2, expected_room=BIG_ROOM) is not None
     buf.write(1, first_token=7, cached_tokens=0, logprob=None, room=5)
     row = buf.read(1)

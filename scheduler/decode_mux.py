@@ -1,0 +1,236 @@
+"""The decode side's KV managers, one per prefill server, behind one manager interface.
+
+Theory of operation
+-------------------
+A :class:`~scheduler.decode.DecodePeer` talks to one object with ``ready`` and
+``create_receiver(addr, room)``. A decode server, though, receives from every prefill server the
+router pairs it with, and a Mooncake decode manager is bound to one prefill bootstrap address.
+:class:`DecodeKVRouter` keeps one manager per ``bootstrap_host:bootstrap_port``:
+
+- :meth:`DecodeKVRouter.connect` creates the manager of an address. Creating one looks the
+  prefill server up and registers with it, which blocks (up to the connect timeout), so the
+  HTTP service calls it on a worker thread *before* it submits the request; the engine loop
+  never blocks on a peer.
+- :meth:`DecodeKVRouter.create_receiver` (engine loop) hands the room to its address's manager;
+  an address that was never connected fails that request's bootstrap, nothing else.
+- ``ready`` merges every manager's readiness queue (and rooms put back by the peer).
+
+Requests for the fake bootstrap host (``2.2.2.2``, SGLang's warm-up and health path) never
+reach a prefill server. :class:`LocalPrefillFake` serves them: a fake receiver whose
+``send_metadata`` computes the prompt's KV into the decode pool itself and writes the metadata
+row, so the decode peer continues exactly as if the KV had been transferred (the answer is the
+same as the colocated reference's). The room of such a request is the service's to choose
+(:meth:`LocalPrefillFake.expect` registers the prompt under it); no room 0, so the metadata
+gate can read the row back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kv.fake import FakeDecodeManager, FakeKVReceiver
+from kv.metadata import MetadataBuffers
+from kv.transfer import TransferUsageError
+from scheduler.prefill import FAKE_BOOTSTRAP_HOST
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeManager(Protocol):
+    ready: queue.SimpleQueue[int]
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class PeerUnreachable(Exception):
+    """The prefill server at ``addr`` could not be looked up or registered with."""
+
+    def __init__(self, addr: str, detail: str) -> None:
+        super().__init__(f"prefill bootstrap {addr}: {detail}")
+        self.addr = addr
+
+
+def is_fake(bootstrap_addr: str) -> bool:
+    return bootstrap_addr.partition(":")[0] == FAKE_BOOTSTRAP_HOST
+
+
+class _MergedReady:
+    """``get_nowait``/``put`` over the readiness queues of several managers."""
+
+    def __init__(self, managers: Callable[[], Sequence[DecodeManager]]) -> None:
+        self._managers = managers
+        self._own: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def put(self, room: int) -> None:
+        self._own.put(room)
+
+    def get_nowait(self) -> int:
+        try:
+            return self._own.get_nowait()
+        except queue.Empty:
+            pass
+        for manager in self._managers():
+            try:
+                return manager.ready.get_nowait()
+            except queue.Empty:
+                continue
+        raise queue.Empty
+
+
+class LocalPrefillFake:
+    """Decode-side fake: computes the prompt locally instead of receiving its KV."""
+
+    def __init__(self, runner: ModelRunner, metadata: MetadataBuffers) -> None:
+        self._inner = FakeDecodeManager()
+        self.ready = self._inner.ready
+        self._runner = runner
+        self._metadata = metadata
+        self._lock = threading.Lock()
+        self._prompts: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def expect(self, room: int, rid: str, input_ids: Sequence[int]) -> None:
+        """Register the prompt of a fake request before it is submitted (any thread)."""
+        if room == 0:
+            raise ValueError("room 0 cannot be read back from a metadata row; choose another")
+        with self._lock:
+            self._prompts[room] = (rid, tuple(input_ids))
+
+    def forget(self, room: int) -> None:
+        """Drop the prompt of a finished fake request (any thread)."""
+        with self._lock:
+            self._prompts.pop(room, None)
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> _ComputingReceiver:
+        with self._lock:
+            prompt = self._prompts.get(room)
+        if prompt is None:
+            raise TransferUsageError(room, "no prompt registered for this fake room")
+        inner = self._inner.create_receiver(bootstrap_addr, room)
+        return _ComputingReceiver(self, inner, prompt[0], prompt[1])
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _ComputingReceiver:
+    """A fake receiver whose ``send_metadata`` writes the KV and the row the transfer would."""
+
+    def __init__(
+        self, owner: LocalPrefillFake, inner: FakeKVReceiver, rid: str, input_ids: tuple[int, ...]
+    ) -> None:
+        self._owner = owner
+        self._inner = inner
+        self._rid = rid
+        self._input_ids = input_ids
+        self.room = inner.room
+
+    def init(self) -> None:
+        self._inner.init()
+
+    def send_metadata(self, pages: Sequence[int], slot: int) -> None:
+        item = ForwardItem(self._rid, self._input_ids, 0, tuple(pages))
+        first = self._owner._runner.forward(ForwardBatch((item,)))[0]
+        self._owner._metadata.write(slot, first, 0, None, self.room)
+        self._owner.forget(self.room)
+        self._inner.send_metadata(pages, slot)
+
+    def poll(self) -> Any:
+        return self._inner.poll()
+
+    def failure_exception(self) -> Exception:
+        return self._inner.failure_exception()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def clear(self) -> None:
+        self._owner.forget(self.room)
+        self._inner.clear()
+
+    def quiescent(self) -> bool:
+        return self._inner.quiescent()
+
+
+class DecodeKVRouter:
+    """One decode KV manager per prefill bootstrap address, plus the fake one.
+
+    ``factory(addr)`` builds the manager of a prefill server (None: only ``default`` serves real
+    requests, as with the in-process local backend).
+    """
+
+    def __init__(
+        self,
+        *,
+        fake: LocalPrefillFake,
+        factory: Callable[[str], DecodeManager] | None = None,
+        default: DecodeManager | None = None,
+    ) -> None:
+        if (factory is None) == (default is None):
+            raise ValueError("give exactly one of factory (one manager per peer) or default")
+        self.fake = fake
+        self._factory = factory
+        self._default = default
+        self._lock = threading.Lock()
+        self._connecting: dict[str, threading.Lock] = {}
+        self._managers: dict[str, DecodeManager] = {}
+        self._snapshot: tuple[DecodeManager, ...] = self._all()
+        self.ready = _MergedReady(lambda: self._snapshot)
+
+    def _all(self) -> tuple[DecodeManager, ...]:
+        extra = () if self._default is None else (self._default,)
+        return (self.fake, *extra, *self._managers.values())
+
+    def connect(self, bootstrap_addr: str) -> None:
+        """Make sure ``bootstrap_addr`` has a manager; blocks while one is created (any thread
+        but the engine loop). Raises :class:`PeerUnreachable` if the peer cannot be reached."""
+        if self._factory is None or is_fake(bootstrap_addr):
+            return
+        with self._lock:
+            if bootstrap_addr in self._managers:
+                return
+            gate = self._connecting.setdefault(bootstrap_addr, threading.Lock())
+        with gate:
+            with self._lock:
+                if bootstrap_addr in self._managers:
+                    return
+            try:
+                manager = self._factory(bootstrap_addr)
+            except Exception as exc:
+                logger.warning("cannot connect to prefill %s: %s", bootstrap_addr, exc)
+                raise PeerUnreachable(bootstrap_addr, str(exc)) from exc
+            with self._lock:
+                self._managers[bootstrap_addr] = manager
+                self._snapshot = self._all()
+            logger.info("connected to prefill %s", bootstrap_addr)
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._managers)
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> Any:
+        if is_fake(bootstrap_addr):
+            return self.fake.create_receiver(bootstrap_addr, room)
+        if self._default is not None:
+            return self._default.create_receiver(bootstrap_addr, room)
+        with self._lock:
+            manager = self._managers.get(bootstrap_addr)
+        if manager is None:
+            raise TransferUsageError(room, f"prefill {bootstrap_addr} was never connected")
+        return manager.create_receiver(bootstrap_addr, room)
+
+    def close(self) -> None:
+        with self._lock:
+            managers = self._all()
+            self._managers.clear()
+        for manager in managers:
+            try:
+                manager.close()
+            except Exception:  # closing the rest matters more than one failure
+                logger.exception("closing a decode KV manager failed")

@@ -1,0 +1,275 @@
+"""``pdlife demo``: the embedded default under a synthetic workload, checked against the reference.
+
+Theory of operation
+-------------------
+One process holds a prefill scheduler and its decode peer: :class:`~scheduler.embedded.EmbeddedPair`
+over the local backend, or the same two components over Mooncake on loopback TCP with a bootstrap
+endpoint (:class:`MooncakePair`). The calling thread drives both loops pass by pass.
+
+The workload (:func:`make_workload`) is seeded: prompts of generated text, 16 to 2048 byte tokens,
+with mixed ``max_new_tokens`` and stop tokens. Most requests go the disaggregated way. A few are
+sent to the fake backend (bootstrap host ``2.2.2.2``) in rooms whose :class:`~kv.fake.FaultPlan`
+decision fails the bootstrap or the transfer. A few are aborted mid-flight: each abort is issued
+between passes, as soon as the request's prefill record is seen in (or past) its target state
+(WAITING, FORWARD between chunks, TRANSFERRING), so it always reaches a live request; the state it
+really landed in is read back from the timeline.
+
+Prefill records are picked up from the scheduler's lifecycle after every pass, while they are
+live, because a response does not carry its timeline; every request stays live for at least one
+pass (the fake backend's handshake is held back one poll for that), so each gets a trace track.
+
+The run passes when every request ended as planned (served, failed by its injected fault, or
+aborted), the resource invariants hold at the end, and every served output equals the colocated
+reference model's token for token (:func:`colocated_reference`, replaceable to test the check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Literal, Protocol
+
+import attrs
+from rich.console import Console
+
+from kv.fake import FakeKVManager, FaultPlan
+from kv.metadata import MetadataBuffers, SlotAllocator
+from lifecycle import DecodeRequest, PrefillRequest, PrefillState, SamplingParams
+from scheduler.cli import Subcommand
+from scheduler.config import SchedulerConfig
+from scheduler.decode import DecodePeer, DecodeResponse
+from scheduler.delayer import DelayerConfig, PrefillDelayer
+from scheduler.demo_report import Mismatch, Progress, RunData, finish_report
+from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.gather import StaticGather
+from scheduler.model import LlamaModel, PagedModelRunner, ReferenceModel, resolve_device
+from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler, Response
+from scheduler.tokenizer import ByteTokenizer
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["local", "mooncake"]
+Loop = Literal["normal", "overlap"]
+
+MIN_REQUESTS = 6
+PROMPT_TOKENS = (16, 2048)
+# Chunked prefill is on, so long prompts take several passes in FORWARD (chunk_done events).
+SCHEDULER = SchedulerConfig(chunked_prefill_size=512, max_prefill_tokens=2048)
+# Fake-backend rooms are numbered apart from the disaggregated ones, for readable traces.
+FAKE_ROOM_BASE = 1_000_000
+ABORT_TARGETS = (PrefillState.FORWARD, PrefillState.TRANSFERRING, PrefillState.WAITING)
+FAULTS = ("bootstrap_failed", "transfer_failed")
+_WORDS = (
+    "prefill decode page chunk batch token cache room slot peer bootstrap transfer engine "
+    "scheduler lifecycle state event forward queue budget delay rank gather poll abort the a of "
+    "and to in is for with on while when each every request server model"
+).split()
+
+
+def _at_least(low: int) -> Callable[[object, attrs.Attribute[int], int], None]:
+    def check(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+        if value < low:
+            raise ValueError(f"{attr.name} must be >= {low}, got {value}")
+
+    return check
+
+
+@attrs.frozen
+class DemoOptions:
+    """What ``pdlife demo`` runs. ``requests`` includes the injected failures and aborts."""
+
+    requests: int = attrs.field(default=48, validator=_at_least(MIN_REQUESTS))
+    backend: Backend = attrs.field(
+        default="local", validator=attrs.validators.in_(("local", "mooncake"))
+    )
+    loop: Loop = attrs.field(default="normal", validator=attrs.validators.in_(("normal", "overlap")))
+    seed: int = attrs.field(default=0, validator=_at_least(0))
+    out: Path = attrs.field(default=Path("pdlife-out"), converter=Path)
+    timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+
+
+@attrs.frozen
+class DemoRequest:
+    """One request of the workload and what it is meant to do.
+
+    ``fault`` names the failure injected on the fake backend (its ``room`` is chosen so that the
+    fault plan decides exactly that); ``abort_in`` the prefill state to abort it in.
+    """
+
+    rid: str
+    prompt: tuple[int, ...] = attrs.field(converter=tuple, repr=False)
+    sampling: SamplingParams
+    fault: str = ""
+    room: int = 0
+    abort_in: PrefillState | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        """Served by prefill and decode (not sent to the fake backend)."""
+        return not self.fault
+
+    @property
+    def expected(self) -> str:
+        """The prefill outcome planned for it: ``done``, ``aborted`` or the injected fault."""
+        if self.fault:
+            return self.fault
+        return "aborted" if self.abort_in is not None else "done"
+
+
+def fault_plan(seed: int) -> FaultPlan:
+    # The handshake is held back one poll so every request stays live for at least a pass.
+    return FaultPlan(seed=seed, bootstrap_failure=0.5, transfer_failure=0.5,
+                     handshake_delay_polls=1)
+
+
+def _fault_of(plan: FaultPlan, room: int) -> str:
+    f = plan.decide(room)
+    if f.bootstrap_failure:
+        return "bootstrap_failed"
+    if f.transfer_failure and not f.bootstrap_timeout:
+        return "transfer_failed"
+    return ""
+
+
+def _text(rng: random.Random, length: int) -> tuple[int, ...]:
+    words: list[str] = []
+    size = 0
+    while size < length:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    text = " ".join(words).capitalize() + "."
+    return tuple(ByteTokenizer().encode(text)[:length])
+
+
+def make_workload(requests: int, seed: int, plan: FaultPlan) -> list[DemoRequest]:
+    """``requests`` seeded requests: ``requests // 12`` (at least 2) with injected faults,
+    ``requests // 16`` (at least 3) aborted, spread through the submission order."""
+    rng = random.Random(seed)
+    lo, hi = PROMPT_TOKENS
+    num_faults = max(2, requests // 12)
+    num_aborts = max(3, requests // 16)
+    specials: list[tuple[str, PrefillState | None]] = [
+        (FAULTS[i % len(FAULTS)], None) for i in range(num_faults)
+    ]
+    # Aborts in WAITING come last: by then the queue ahead of them is long.
+    targets = sorted((ABORT_TARGETS[i % 3] for i in range(num_aborts)), reverse=True)
+    specials += [("", t) for t in targets]
+    positions = {(k + 1) * requests // (len(specials) + 1): s for k, s in enumerate(specials)}
+    room = FAKE_ROOM_BASE
+    out = []
+    for i in range(requests):
+        fault, abort_in = positions.get(i, ("", None))
+        if abort_in is PrefillState.FORWARD:
+            # Long enough to be chunked, so the abort lands between chunks.
+            length = rng.randint(3 * SCHEDULER.chunked_prefill_size, hi)  # type: ignore[operator]
+        else:
+            length = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+        stops = (ord("."),) if rng.random() < 0.25 else ()
+        sampling = SamplingParams(max_new_tokens=rng.randint(1, 32), stop_token_ids=stops)
+        fake_room = 0
+        if fault:
+            room += 1
+            while _fault_of(plan, room) != fault:
+                room += 1
+            fake_room = room
+        out.append(DemoRequest(f"r{i:03d}", _text(rng, length), sampling, fault, fake_room,
+                               abort_in))
+    return out
+
+
+# -- the pair -------------------------------------------------------------------------------
+
+
+class Pair(Protocol):
+    """What the demo drives: EmbeddedPair's surface."""
+
+    model: LlamaModel
+    prefill: PrefillScheduler
+    decode: DecodePeer
+    prefill_responses: dict[str, Response]
+    decode_responses: dict[str, DecodeResponse]
+
+    def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None: ...
+    def abort(self, rid: str) -> None: ...
+    def step(self) -> bool: ...
+    def idle(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class MooncakePair:
+    """EmbeddedPair over Mooncake: both sides in this process, each with its own transfer engine,
+    the decode side finding the prefill rank through a bootstrap endpoint on loopback."""
+
+    def __init__(
+        self, config: PairConfig, *, faults: FaultPlan | None = None,
+        delayer: PrefillDelayer | None = None,
+    ) -> None:
+        # Imported here: the local backend must not need the Mooncake wheel.
+        from kv.bootstrap import BootstrapServer
+        from kv.mooncake import MooncakeDecodeManager, MooncakeKVManager
+
+        self.model = LlamaModel(config.model, device=resolve_device(config.device))
+        ps = config.scheduler.page_size
+        prefill_pool = self.model.make_pool(num_pages=config.prefill_pages, page_size=ps)
+        decode_pool = self.model.make_pool(num_pages=config.decode_pages, page_size=ps)
+        prefill_meta = MetadataBuffers(config.metadata_slots)
+        decode_meta = MetadataBuffers(config.metadata_slots)
+        self.prefill_responses: dict[str, Response] = {}
+        self.decode_responses: dict[str, DecodeResponse] = {}
+        self.bootstrap = BootstrapServer()
+        host, port = self.bootstrap.address.rsplit(":", 1)
+        self._host, self._port = host, int(port)
+        self.prefill_kv = MooncakeKVManager(prefill_pool, prefill_meta)
+        self.prefill_kv.register_to_bootstrap(self.bootstrap.address)
+        self.decode_kv = MooncakeDecodeManager(decode_pool, decode_meta, self.bootstrap.address)
+        self.prefill = PrefillScheduler(
+            config=config.scheduler, runner=PagedModelRunner(self.model, prefill_pool),
+            kv=self.prefill_kv, fake_kv=FakeKVManager(faults), metadata=prefill_meta,
+            slots=SlotAllocator(config.metadata_slots), delayer=delayer,
+            on_response=self._on_prefill,
+            overlap=config.overlap,
+        )
+        self.decode = DecodePeer(
+            runner=PagedModelRunner(self.model, decode_pool), kv=self.decode_kv,
+            metadata=decode_meta, slots=SlotAllocator(config.metadata_slots),
+            eos_token_id=config.model.eos_token_id, on_response=self._on_decode,
+        )
+        self._rooms = 0
+
+    def _on_prefill(self, r: Response) -> None:
+        self.prefill_responses[r.rid] = r
+
+    def _on_decode(self, r: DecodeResponse) -> None:
+        self.decode_responses[r.rid] = r
+
+    def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None:
+        self._rooms += 1
+        new = NewRequest(rid, tuple(prompt), bootstrap_host=self._host,
+                         bootstrap_port=self._port, bootstrap_room=self._rooms, sampling=sampling)
+        self.prefill.submit(new)
+        self.decode.submit(new)
+
+    def abort(self, rid: str) -> None:
+        self.prefill.abort(rid)
+        self.decode.abort(rid)
+
+    def step(self) -> bool:
+        worked = self.prefill.step()
+        worked |= self.decode.step()
+        return worked
+
+    def idle(self) -> bool:
+        return self.prefill.idle() and self.decode.idle()
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.prefill_kv.close()
+        self.decode_kv.close()
+        self.bootstrap.close()

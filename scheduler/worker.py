@@ -1,0 +1,106 @@
+"""The engine loop: the one thread that owns and steps the schedulers of a service.
+
+Theory of operation
+-------------------
+A :class:`~scheduler.prefill.PrefillScheduler` or :class:`~scheduler.decode.DecodePeer` is
+single-threaded: only :meth:`submit` and :meth:`abort` may be called from other threads. The
+:class:`EngineLoop` thread is the one that steps them. Each pass steps every engine once, then
+runs the ``after_pass`` hook (still on this thread, so it may read engine state).
+
+Waiting: other threads call :meth:`EngineLoop.wake` after they submit or abort. A pass that did
+no work blocks on that wake-up: without a deadline when every engine is idle, and for
+``poll_interval`` seconds while requests are live (the KV layer's readiness queues cannot wake
+the loop, so live requests are polled at that cadence). The wake-up is cleared *before* a pass,
+so a submit that lands during the pass makes the following wait return at once.
+
+Failure: an exception out of a pass ends the loop; it is logged, kept in :attr:`failure`, and
+handed to ``on_crash`` (which fails the requests waiting on this loop), so a dead loop is
+always visible, never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+#: How often live requests are polled for KV readiness when a pass found nothing to do.
+POLL_INTERVAL_S = 0.001
+
+
+class Engine(Protocol):
+    """What the loop asks of a scheduler."""
+
+    def step(self) -> bool: ...
+
+    def idle(self) -> bool: ...
+
+
+class EngineLoop:
+    """Steps ``engines`` on a thread of its own until :meth:`stop` or a failure."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        on_crash: Callable[[BaseException], None],
+        after_pass: Callable[[], None] | None = None,
+        poll_interval: float = POLL_INTERVAL_S,
+        name: str = "pdlife-engine",
+    ) -> None:
+        if not engines:
+            raise ValueError("engines: the loop needs at least one engine to step")
+        if not poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval}")
+        self._engines = tuple(engines)
+        self._on_crash = on_crash
+        self._after_pass = after_pass
+        self._poll_interval = poll_interval
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.failure: BaseException | None = None
+        self.passes = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Make the loop run a pass soon (after a submit or an abort)."""
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop stepping and wait for the thread; the engines are left as they are."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the engine loop did not stop within {timeout} s")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                worked = False
+                for engine in self._engines:
+                    worked |= engine.step()
+                if self._after_pass is not None:
+                    self._after_pass()
+                idle = not worked and all(e.idle() for e in self._engines)
+            except BaseException as exc:  # any failure must reach the waiting requests
+                self.failure = exc
+                logger.critical("the engine loop failed; the service is now unhealthy",
+                                exc_info=exc)
+                self._on_crash(exc)
+                return
+            self.passes += 1
+            if not worked:
+                self._wake.wait(None if idle else self._poll_interval)

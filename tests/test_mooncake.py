@@ -1,0 +1,96 @@
+"""The Mooncake backend across two processes: prefill here, decode in a subprocess with its own
+transfer engine, over loopback TCP."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv.bootstrap import BootstrapServer
+from kv.metadata import MetadataBuffers
+from kv.mooncake import IncompatiblePeerError, MooncakeDecodeManager, MooncakeKVManager
+from kv.transfer import KVPoll
+from tests.mooncake_harness import DecodePeer
+from tests.transfer_harness import GEOMETRY, drive, make_pool
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.multiprocess]
+
+_TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
+
+
+@pytest.fixture
+def prefill() -> Iterator[tuple[BootstrapServer, MooncakeKVManager]]:
+    server = BootstrapServer()
+    pool = make_pool(128)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(1)))
+    manager = MooncakeKVManager(pool, MetadataBuffers(32))
+    manager.register_to_bootstrap(server.address)
+    yield server, manager
+    manager.close()
+    server.close()
+
+
+def _peer(server: BootstrapServer, pages: int = 128) -> DecodePeer:
+    return DecodePeer(server.address, layers=GEOMETRY["num_layers"], pages=pages,
+                      page_size=GEOMETRY["page_size"], heads=GEOMETRY["kv_heads"],
+                      dim=GEOMETRY["head_dim"], slots=32)
+
+
+def test_many_chunked_rooms_land_byte_for_byte(
+    prefill: tuple[BootstrapServer, MooncakeKVManager], tmp_path: Path
+) -> None:
+    server, manager = prefill
+    pool, metadata = manager.pool, manager.metadata
+    peer = _peer(server)
+    try:
+        rng = random.Random(7)
+        free = list(range(pool.num_pages))
+        rng.shuffle(free)
+        plan = {}
+        for i in range(16):
+            room = (1 << 63) + i  # rooms are unsigned 64-bit
+            n = rng.randint(0, 7)
+            src = [free.pop() for _ in range(n)]
+            if n > 2:  # some contiguous source runs, so coalescing has work to do
+                src[1:3] = sorted(src[1:3])
+            dst, dslot = peer.recv(room, n)
+            sender = manager.create_sender(server.address, room)
+            assert drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == (
+                KVPoll.WAITING_FOR_INPUT
+            )
+            sender.init(n, i)
+            metadata.write(i, first_token=1000 + i, cached_tokens=0, logprob=None, room=room)
+            plan[room] = (sender, src, dst, dslot)
+        # Chunks of every room interleaved, as the scheduler sends them.
+        cut = {room: len(src) // 2 for room, (_, src, _, _) in plan.items()}
+        for room, (sender, src, _, _) in plan.items():
+            sender.send(src[: cut[room]], last=False)
+        for room, (sender, src, _, _) in plan.items():
+            sender.send(src[cut[room] :], last=True)
+        for room, (sender, _, _, _) in plan.items():
+            assert drive(manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS, room
+            assert peer.done(room)["status"] == "SUCCESS"
+            assert sender.quiescent()
+        dump = tmp_path / "decode.pt"
+        peer.dump(dump)
+        landed = torch.load(dump)
+        for room, (_, src, dst, dslot) in plan.items():
+            assert torch.equal(landed["kv"][:, :, dst], pool.buffer[:, :, src]), room
+            assert int(landed["room"][dslot]) == room - (1 << 64)  # int64 bits of the room
+        assert manager.dropped_messages.total == 0
+    finally:
+        peer.close()
+
+
+def test_decode_refuses_a_prefill_with_another_page_size(
+    prefill: tuple[BootstrapServer, MooncakeKVManager],
+) -> None:
+    server, _ = prefill
+    with pytest.raises(IncompatiblePeerError, match="page_size"):
+        MooncakeDecodeManager(make_pool(page_size=8), MetadataBuffers(4), server.address)
+    with pytest.raises(IncompatiblePeerError, match="kv_dtype"):
+        MooncakeDecodeManager(make_pool(dtype=torch.float16), MetadataBuffers(4), server.address)

@@ -1,0 +1,224 @@
+"""The Mooncake backend under faults: dead decode peers, bootstrap timeouts, bad control
+messages, room reuse."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import attrs
+import numpy as np
+import pytest
+import zmq
+
+from kv import wire
+from kv.bootstrap import BootstrapServer
+from kv.metadata import MetadataBuffers
+from kv.mooncake import MooncakeConfig, MooncakeKVManager
+from kv.transfer import KVPoll
+from tests.mooncake_harness import DecodePeer
+from tests.transfer_harness import GEOMETRY, drive, eventually, make_pool
+
+pytestmark = pytest.mark.mooncake
+
+_TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
+TOKEN = "t0ken"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def manager(clock: FakeClock) -> Iterator[MooncakeKVManager]:
+    mgr = MooncakeKVManager(
+        make_pool(), MetadataBuffers(8), clock=clock,
+        config=MooncakeConfig(bootstrap_timeout_s=30.0, token=TOKEN),
+    )
+    yield mgr
+    mgr.close()
+
+
+class RawDecode:
+    """Plays a decode peer's control messages on a raw ZeroMQ socket (no engine)."""
+
+    def __init__(self, manager: MooncakeKVManager, token: str | None = TOKEN) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(manager.endpoint)
+        self.token = token
+        self.session = "127.0.0.1:9"
+        pool = manager.pool
+        self.register = wire.Register(
+            session=self.session, status_endpoint="tcp://127.0.0.1:9", kv_ptr=1 << 20,
+            num_layers=pool.num_layers, num_pages=16, page_size=pool.page_size,
+            page_bytes=pool.page_bytes, kv_dtype="float32",
+            meta_ptrs=tuple(1 << 30 for _ in range(4)), meta_item_lens=(64, 64, 64, 64),
+            num_slots=4,
+        )
+
+    def send(self, msg: wire.Message | bytes) -> None:
+        self.sock.send(msg if isinstance(msg, bytes) else wire.encode(msg, self.token))
+
+    def destination(self, room: int, pages: list[int], slot: int = 0) -> wire.Destination:
+        return wire.Destination(room, self.session, np.array(pages), slot)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def raw(manager: MooncakeKVManager) -> Iterator[RawDecode]:
+    r = RawDecode(manager)
+    r.send(r.register)
+    yield r
+    r.close()
+
+
+def _dropped(manager: MooncakeKVManager, reason: str, count: int = 1) -> None:
+    eventually(lambda: manager.dropped_messages.snapshot().get(reason, 0) >= count,
+               f"{count} message(s) dropped as {reason}")
+
+
+def test_bootstrap_timeout_on_the_injected_clock(
+    manager: MooncakeKVManager, clock: FakeClock
+) -> None:
+    sender = manager.create_sender("", 1)
+    assert sender.poll() == KVPoll.BOOTSTRAPPING
+    clock.now += 29.9
+    assert sender.poll() == KVPoll.BOOTSTRAPPING
+    clock.now += 0.2
+    assert sender.poll() == KVPoll.FAILED
+    error = sender.failure_exception()
+    assert error.timeout and "bootstrap timeout" in error.reason
+    assert sender.quiescent()
+
+
+def test_out_of_range_destination_pages_are_dropped_and_counted(
+    manager: MooncakeKVManager, raw: RawDecode
+) -> None:
+    sender = manager.create_sender("", 5)
+    raw.send(raw.destination(5, [3, 16]))  # the decode pool registered 16 pages
+    raw.send(raw.destination(5, [0, 1], slot=4))  # and 4 slots
+    _dropped(manager, "page_out_of_range")
+    _dropped(manager, "slot_out_of_range")
+    assert sender.poll() == KVPoll.BOOTSTRAPPING
+    raw.send(raw.destination(5, [0, 15]))  # the listener lives on
+    assert drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+
+
+def test_malformed_and_unauthenticated_messages_are_dropped(
+    manager: MooncakeKVManager, raw: RawDecode
+) -> None:
+    sender = manager.create_sender("", 6)
+    raw.send(b"\x93\x01\x02")  # msgpack, but not a map
+    raw.send(b"\xc1garbage")
+    wrong = RawDecode(manager, token="guess")
+    wrong.send(wrong.destination(6, [1]))
+    untokened = RawDecode(manager, token=None)
+    untokened.send(untokened.destination(6, [1]))
+    unknown = wire.Destination(6, "127.0.0.1:10", np.array([1]), 0)
+    raw.send(unknown)
+    raw.send(wire.Status(6, 4, "", 0))  # a prefill-bound socket takes no statuses
+    _dropped(manager, "malformed", 2)
+    _dropped(manager, "unauthenticated", 2)
+    _dropped(manager, "unknown_session")
+    _dropped(manager, "unexpected_type")
+    wrong.close()
+    untokened.close()
+    assert sender.poll() == KVPoll.BOOTSTRAPPING
+    raw.send(raw.destination(6, [2]))
+    assert drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+
+
+def test_incompatible_registration_is_refused(manager: MooncakeKVManager) -> None:
+    raw = RawDecode(manager)
+    try:
+        raw.send(attrs.evolve(raw.register, page_size=8))
+        _dropped(manager, "incompatible_layout")
+        raw.send(raw.destination(1, [0]))
+        _dropped(manager, "unknown_session")
+    finally:
+        raw.close()
+
+
+def test_stale_messages_for_a_cleared_room_do_not_poison_its_reuse(
+    manager: MooncakeKVManager, raw: RawDecode
+) -> None:
+    first = manager.create_sender("", 9)
+    raw.send(raw.destination(9, [1, 2]))
+    assert drive(manager, first, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    first.abort()
+    first.clear()
+    raw.send(raw.destination(9, [3]))  # a late duplicate for the cleared room
+    _dropped(manager, "stale_room")
+    second = manager.create_sender("", 9)
+    raw.send(wire.Abort(9, raw.session))  # an abort from before the new destination
+    _dropped(manager, "stale_room", 2)
+    raw.send(raw.destination(9, [4, 5]))
+    assert drive(manager, second, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    raw.send(wire.Abort(9, raw.session))  # now it is this room's abort
+    assert drive(manager, second, _TERMINAL)[-1] == KVPoll.FAILED
+    assert "aborted by decode" in second.failure_exception().reason
+
+
+@pytest.mark.multiprocess
+def test_killed_decode_fails_its_rooms_fast_and_spares_other_peers() -> None:
+    server = BootstrapServer()
+    pool = make_pool(64)
+    manager = MooncakeKVManager(pool, MetadataBuffers(16))
+    manager.register_to_bootstrap(server.address)
+    geometry = {"layers": GEOMETRY["num_layers"], "page_size": GEOMETRY["page_size"],
+                "heads": GEOMETRY["kv_heads"], "dim": GEOMETRY["head_dim"], "pages": 64}
+    doomed, healthy = DecodePeer(server.address, **geometry), DecodePeer(server.address, **geometry)
+    try:
+        senders = {}
+        for room, peer in [(1, doomed), (2, doomed), (3, doomed), (4, healthy)]:
+            peer.recv(room, 4)
+            sender = manager.create_sender(server.address, room)
+            drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})
+            sender.init(4, room)
+            senders[room] = sender
+        taken = pool.allocator.alloc(16)
+        assert taken is not None
+        for i, sender in enumerate(senders.values()):
+            sender.send(taken[4 * i : 4 * i + 2], last=False)
+        eventually(lambda: all(s.quiescent() for s in senders.values()), "first chunks written")
+        os.kill(doomed.proc.pid, signal.SIGKILL)
+        doomed.proc.wait()
+        started = time.monotonic()
+        senders[1].send(taken[2:4], last=True)  # mid-transfer: its peer is gone
+        assert drive(manager, senders[1], _TERMINAL, timeout=5)[-1] == KVPoll.FAILED
+        error = senders[1].failure_exception()
+        assert doomed.info["session"] in error.reason and error.peer == doomed.info["session"]
+        # One failure blacklists the session: its other rooms fail at once, without a write.
+        for room in (2, 3):
+            assert drive(manager, senders[room], _TERMINAL, timeout=1)[-1] == KVPoll.FAILED
+        assert time.monotonic() - started < 5
+        # The other decode peer is not poisoned.
+        senders[4].send(taken[14:16], last=True)
+        assert drive(manager, senders[4], _TERMINAL)[-1] == KVPoll.SUCCESS
+        # Failed rooms are quiescent, so their pages go back and are reusable.
+        for room in (1, 2, 3):
+            eventually(senders[room].quiescent, f"room {room} quiescent")
+            senders[room].clear()
+        pool.allocator.free(taken)
+        assert pool.allocator.alloc(64) is not None
+    finally:
+        doomed.close()
+        healthy.close()
+        manager.close()
+        server.close()

@@ -1,0 +1,323 @@
+"""The prefill scheduler pass, walked step by step on the fake backend with the tiny model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kv.fake import FakeKVManager, FaultPlan
+from kv.metadata import MetadataBuffers, SlotAllocator
+from lifecycle import FailureReason, PrefillState, SamplingParams
+from lifecycle.testing import FakeClock
+from scheduler.config import SchedulerConfig
+from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.prefill import NewRequest, PrefillScheduler, Response
+from scheduler.runner import ForwardBatch
+
+S = PrefillState
+MODEL = LlamaModel(ModelConfig.tiny(seed=3))
+REFERENCE = ReferenceModel(MODEL)
+
+
+class Harness:
+    def __init__(
+        self,
+        faults: FaultPlan | None = None,
+        *,
+        pages: int = 64,
+        slots: int = 4,
+        overlap: bool = False,
+        runner: object | None = None,
+        **config: object,
+    ) -> None:
+        self.clock = FakeClock()
+        self.responses: list[Response] = []
+        self.pool = MODEL.make_pool(num_pages=pages, page_size=4)
+        self.kv = FakeKVManager(faults, clock=self.clock)
+        defaults: dict[str, object] = dict(page_size=4, chunked_prefill_size=8,
+                                           check_invariants=True)
+        defaults.update(config)
+        self.sched = PrefillScheduler(
+            config=SchedulerConfig(**defaults),  # type: ignore[arg-type]
+            runner=runner or PagedModelRunner(MODEL, self.pool),  # type: ignore[arg-type]
+            kv=self.kv,
+            metadata=MetadataBuffers(slots),
+            slots=SlotAllocator(slots),
+            clock=self.clock,
+            on_response=self.responses.append,
+            overlap=overlap,
+        )
+        self.rooms = 0
+
+    def submit(self, rid: str, n: int) -> None:
+        self.rooms += 1
+        self.sched.submit(
+            NewRequest(rid, tuple((7 * i + len(rid)) % 256 for i in range(n)),
+                       bootstrap_host="decode", bootstrap_port=1, bootstrap_room=self.rooms)
+        )
+
+    def step(self) -> None:
+        self.sched.step()
+        self.sched.check_invariants()
+
+    def states(self) -> dict[str, PrefillState]:
+        return {r.rid: r.state for r in self.sched.lifecycle.live()}  # type: ignore[misc]
+
+    def answered(self) -> dict[str, tuple[PrefillState, FailureReason | None]]:
+        return {r.rid: (r.state, r.reason) for r in self.responses}
+
+    def assert_empty(self) -> None:
+        assert self.sched.idle()
+        assert self.pool.allocator.available() == self.pool.num_pages
+        assert self.sched.slots.available() == self.sched.slots.num_slots
+
+
+def test_a_chunked_request_walks_every_state():
+    h = Harness(FaultPlan(handshake_delay_s=1.0, transfer_delay_s=1.0))
+    h.submit("a", 18)  # chunks of 8, 8, 2 tokens (page size 4)
+    h.step()
+    req = h.sched.lifecycle.get("a")
+    assert req is not None
+    assert h.states() == {"a": S.BOOTSTRAPPING}
+    assert (req.pages, req.slot, req.deadline) == ([], None, 300.0)
+    h.step()
+    assert h.states() == {"a": S.BOOTSTRAPPING}  # the handshake has not arrived yet
+    h.clock.now = 1.0
+    h.step()  # handshake → slot → WAITING → schedule → first chunk computed
+    assert h.states() == {"a": S.FORWARD}
+    assert (req.computed, req.sent, len(req.pages), req.slot) == (8, 8, 2, 0)
+    assert req.sender.sent_pages == 2  # type: ignore[attr-defined]
+    h.step()
+    assert (req.state, req.computed, req.sent, len(req.pages)) == (S.FORWARD, 16, 16, 4)
+    h.step()
+    assert (req.state, req.computed, req.sent, len(req.pages)) == (S.TRANSFERRING, 18, 18, 5)
+    assert req.sender.sent_pages == 5  # type: ignore[attr-defined]
+    assert req.first_token == REFERENCE.generate(list(req.input_ids), 1)[0]
+    assert h.responses == []
+    h.clock.now = 2.0
+    h.step()
+    assert h.states() == {}
+    assert h.answered() == {"a": (S.DONE, None)}
+    assert h.responses[0].first_token == req.first_token
+    assert [e for _, e in req.timeline] == [
+        "", "bootstrapped", "schedule", "chunk_done", "chunk_done", "prefilled", "transferred"
+    ]
+    h.assert_empty()
+
+
+def test_no_free_metadata_slot_means_wait_not_fail():
+    h = Harness(FaultPlan(transfer_delay_s=1.0), slots=2)
+    for i in range(4):
+        h.submit(f"r{i}", 4)
+    h.step()
+    assert h.states() == {
+        "r0": S.TRANSFERRING, "r1": S.TRANSFERRING, "r2": S.BOOTSTRAPPING, "r3": S.BOOTSTRAPPING
+    }
+    h.clock.now = 1.0
+    h.step()  # r0, r1 done; their slots let r2, r3 through
+    assert h.states() == {"r2": S.TRANSFERRING, "r3": S.TRANSFERRING}
+    h.clock.now = 2.0
+    h.step()
+    assert h.answered() == {f"r{i}": (S.DONE, None) for i in range(4)}
+    h.assert_empty()
+
+
+def test_prompts_that_can_never_fit_are_rejected_at_once():
+    h = Harness(pages=8)
+    h.submit("long", 8 * 4 + 1)
+    h.submit("empty", 0)
+    h.submit("fits", 8 * 4)
+    h.step()
+    answered = h.answered()
+    assert answered["long"] == (S.FAILED, FailureReason.REJECTED)
+    assert answered["empty"] == (S.FAILED, FailureReason.REJECTED)
+    by_rid = {r.rid: r for r in h.responses}
+    assert by_rid["long"].http_status == 400
+    assert "33 tokens" in by_rid["long"].detail
+    h.sched.run_until(lambda: "fits" in h.answered())
+    assert h.answered()["fits"] == (S.DONE, None)
+    h.assert_empty()
+
+
+def test_bootstrap_timeout_on_the_injected_clock():
+    h = Harness(FaultPlan(bootstrap_timeout=1.0), bootstrap_timeout=5.0)
+    h.submit("a", 4)
+    h.step()
+    h.clock.now = 4.9
+    h.step()
+    assert h.states() == {"a": S.BOOTSTRAPPING}
+    h.clock.now = 5.0
+    h.step()
+    assert h.answered() == {"a": (S.FAILED, FailureReason.BOOTSTRAP_TIMEOUT)}
+    assert h.responses[0].http_status == 500
+    h.assert_empty()
+
+
+def test_transfer_timeout_on_the_injected_clock():
+    h = Harness(FaultPlan(transfer_delay_s=1000.0), transfer_timeout=10.0)
+    h.submit("a", 4)
+    h.step()
+    assert h.states() == {"a": S.TRANSFERRING}
+    h.clock.now = 10.0
+    h.step()
+    assert h.answered() == {"a": (S.FAILED, FailureReason.TRANSFER_TIMEOUT)}
+    h.assert_empty()
+
+
+def test_injected_bootstrap_and_transfer_failures():
+    h = Harness(FaultPlan(seed=2, bootstrap_failure=0.3, transfer_failure=0.3), slots=8,
+                pages=256)
+    for i in range(30):
+        h.submit(f"r{i}", 3 + i)
+    h.sched.run_until(lambda: len(h.responses) == 30)
+    reasons = {reason for _, reason in h.answered().values()}
+    assert reasons == {None, FailureReason.BOOTSTRAP_FAILED, FailureReason.TRANSFER_FAILED}
+    assert len({r.rid for r in h.responses}) == 30  # exactly one answer each
+    h.assert_empty()
+
+
+def test_abort_while_bootstrapping_waiting_between_chunks_and_transferring():
+    h = Harness(FaultPlan(handshake_delay_s=1.0, transfer_delay_s=5.0),
+                max_running_requests=2)
+    h.submit("boot", 4)
+    h.step()
+    h.sched.abort("boot")
+    h.step()
+    assert h.answered() == {"boot": (S.FAILED, FailureReason.ABORTED)}
+
+    h.submit("xfer", 4)
+    h.submit("chunked", 40)
+    h.submit("waiting", 4)
+    h.step()
+    h.clock.now = 1.0
+    h.step()
+    # max_running_requests=2: "waiting" stays in WAITING behind the other two.
+    assert h.states() == {"xfer": S.TRANSFERRING, "chunked": S.FORWARD, "waiting": S.WAITING}
+    for rid in ("xfer", "chunked", "waiting"):
+        h.sched.abort(rid)
+    h.step()
+    assert h.states() == {}
+    assert {rid: a for rid, a in h.answered().items()} == {
+        rid: (S.FAILED, FailureReason.ABORTED) for rid in ("boot", "xfer", "chunked", "waiting")
+    }
+    assert h.responses[0].http_status == 200
+    h.assert_empty()
+
+
+def test_abort_of_unknown_or_finished_requests_changes_nothing():
+    h = Harness()
+    h.submit("a", 4)
+    h.sched.run_until(lambda: len(h.responses) == 1)
+    h.sched.abort("a")
+    h.sched.abort("nobody")
+    h.step()
+    assert h.answered() == {"a": (S.DONE, None)}
+    h.assert_empty()
+
+
+def test_duplicate_ids_and_live_rooms_are_refused():
+    h = Harness(FaultPlan(transfer_delay_s=1.0))
+    h.submit("a", 4)
+    h.step()
+    h.sched.submit(NewRequest("a", (1, 2), bootstrap_host="decode", bootstrap_room=99))
+    h.sched.submit(NewRequest("b", (1, 2), bootstrap_host="decode", bootstrap_room=1))
+    h.step()
+    assert [(r.rid, r.reason) for r in h.responses] == [
+        ("a", FailureReason.REJECTED), ("b", FailureReason.REJECTED)
+    ]
+    assert "room 1 is in use" in h.responses[1].detail
+    assert h.states() == {"a": S.TRANSFERRING}
+    h.clock.now = 1.0
+    h.step()
+    # Once concluded, the room may be used again.
+    h.sched.submit(NewRequest("c", (1, 2), bootstrap_host="decode", bootstrap_room=1))
+    h.step()
+    h.clock.now = 2.0
+    h.sched.run_until(lambda: len(h.responses) == 4)
+    assert h.answered()["c"] == (S.DONE, None)
+    h.assert_empty()
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.001)
+
+
+class GatedRunner:
+    """The model runner, held on the device until the test opens the gate."""
+
+    def __init__(self, pool) -> None:
+        self.inner = PagedModelRunner(MODEL, pool)
+        self.pool = pool
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.inner.forward(batch)
+
+
+def test_abort_while_the_batch_is_on_the_device_waits_for_its_result():
+    pool = MODEL.make_pool(num_pages=64, page_size=4)
+    runner = GatedRunner(pool)
+    h = Harness(overlap=True, runner=runner)
+    h.pool = pool
+    h.sched.pool = pool
+    h.submit("a", 12)
+    h.step()  # launched on the device worker; blocked there
+    assert runner.entered.wait(10)
+    req = h.sched.lifecycle.get("a")
+    assert req is not None and req.on_device == 1 and len(req.pages) == 2
+    h.sched.abort("a")
+    # The next pass records the abort, then waits on the device for the batch's result.
+    stepper = threading.Thread(target=h.sched.step)
+    stepper.start()
+    wait_for(lambda: req.pending_abort is FailureReason.ABORTED)
+    assert req.state is S.FORWARD  # not applied: the forward may still write the pages
+    assert pool.allocator.available() == 64 - 2
+    runner.gate.set()
+    stepper.join(30)
+    h.sched.run_until(lambda: len(h.responses) == 1)
+    assert h.answered() == {"a": (S.FAILED, FailureReason.ABORTED)}
+    assert [e for _, e in req.timeline] == ["", "bootstrapped", "schedule", "abort"]
+    h.sched.close()
+    h.assert_empty()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_first_tokens_match_the_colocated_reference(overlap):
+    h = Harness(pages=512, slots=8, overlap=overlap, chunked_prefill_size=16)
+    lengths = [1, 3, 4, 5, 16, 17, 63, 200]
+    for i, n in enumerate(lengths):
+        h.submit(f"r{i}", n)
+    h.sched.run_until(lambda: len(h.responses) == len(lengths))
+    h.sched.close()
+    for r in h.responses:
+        prompt = [(7 * i + len(r.rid)) % 256 for i in range(r.prompt_tokens)]
+        assert r.ok and r.first_token == REFERENCE.generate(prompt, 1)[0], r.rid
+    h.assert_empty()
+
+
+def test_metrics_count_what_happened():
+    h = Harness(FaultPlan(seed=1, transfer_failure=1.0))
+    h.submit("a", 4)
+    h.sched.run_until(lambda: len(h.responses) == 1)
+    reg = h.sched.metrics.registry
+    assert reg.get_sample_value(
+        "pdlife_requests_finished_total", {"state": "failed", "reason": "transfer_failed"}
+    ) == 1
+    assert reg.get_sample_value("pdlife_prefill_tokens_total") == 4
+    assert reg.get_sample_value("pdlife_kv_pages_used") == 0
+    assert reg.get_sample_value("pdlife_requests", {"state": "transferring"}) == 0
+
+
+def test_sampling_params_are_validated():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="chunked_prefill_size"):
+        SchedulerConfig(page_size=16, chunked_prefill_size=8)
