@@ -117,7 +117,7 @@ class BootstrapServer:
     @property
     def address(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"{host}:{port}"
+        return f"{host!s}:{port}"
 
     def ranks(self) -> dict[int, RankInfo]:
         with self._lock:

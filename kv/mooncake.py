@@ -148,7 +148,7 @@ def _register_all(engine: _Engine, pool: KVPool, metadata: MetadataBuffers) -> N
 
 
 def _push_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.PUSH)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.connect(endpoint)

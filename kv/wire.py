@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hmac
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -181,9 +181,9 @@ def decode(data: bytes, token: str | None = None) -> Message:
         raise WireError("malformed", f"expected a map, got {type(body).__name__}")
     _check_token(body, token)
     kind = body.get("t")
-    parse = _PARSERS.get(kind) if isinstance(kind, str) else None
-    if parse is None:
+    if not isinstance(kind, str) or kind not in _PARSERS:
         raise WireError("unknown_type", f"type tag {kind!r}")
+    parse = _PARSERS[kind]
     allowed = _FIELDS[kind]
     extra = set(body) - allowed - {"t", "token"}
     if extra:
@@ -341,7 +341,7 @@ def _parse_status(body: dict[Any, Any]) -> Status:
     )
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[dict[Any, Any]], Message]] = {
     "register": _parse_register,
     "destination": _parse_destination,
     "abort": _parse_abort,

@@ -222,6 +222,20 @@ class LifecycleMachine(RuleBasedStateMachine):
             fired=self.lifecycle.transitions_fired,
         )
 
+    def _draw_event(self, data: st.DataObject, state: enum.IntEnum) -> str:
+        # Mostly the state's forward events (failure is easy to reach, depth is not), else any
+        # event at all, including ones no table has.
+        progress = [
+            e.event
+            for e in self.table.edges
+            if e.source is state and e.event not in self.table.failure_events
+        ]
+        anything = st.sampled_from((*self.table.events, UNKNOWN_EVENT))
+        if not progress:
+            return data.draw(anything, label="event")
+        forward = st.sampled_from(progress)
+        return data.draw(st.one_of(forward, forward, forward, anything), label="event")
+
     def _reason_for(self, data: st.DataObject, event: str) -> FailureReason | None:
         return data.draw(failure_reasons()) if event in self.table.failure_events else None
 
@@ -247,8 +261,10 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @rule(n=st.integers(min_value=1, max_value=4))
-    def admit(self, n: int) -> None:
+    @rule(n=st.integers(min_value=1, max_value=4), data=st.data())
+    def admit(self, n: int, data: st.DataObject) -> None:
+        """Admit ``n`` new requests; then maybe admit a tracked request again, or a new one
+        under a live id, which must fail and change nothing."""
         for _ in range(n):
             req = self._new()
             self.lifecycle.admit(req)
@@ -256,12 +272,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert req.timeline == [(self.clock.now, "")]
             self.requests.append(req)
             self.model[req.rid] = self.table.initial
-
-    @precondition(lambda self: bool(self.requests))
-    @rule(data=st.data())
-    def admit_again(self, data: st.DataObject) -> None:
-        """Admitting a tracked request, or a new one under a live id, fails and changes
-        nothing."""
+        if not data.draw(st.booleans(), label="admit again"):
+            return
         old = data.draw(st.sampled_from(self.requests))
         twin = self.config.make_request(old.rid)
         before = self._snapshot()
@@ -274,16 +286,18 @@ class LifecycleMachine(RuleBasedStateMachine):
                 raise AssertionError(f"admitting {req.rid!r} again was accepted")
         self._unchanged(before)
 
-    @rule(dt=st.sampled_from([0.0, 0.001, 0.5, 3.0]))
-    def advance_clock(self, dt: float) -> None:
-        self.clock.now += dt
+    def _tick(self, data: st.DataObject) -> None:
+        self.clock.now += data.draw(st.sampled_from([0.0, 0.001, 0.5, 3.0]), label="dt")
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
     def fire_one(self, data: st.DataObject) -> None:
         """One event at one request (any state, finished ones too), by either path."""
-        req = data.draw(st.sampled_from(self.requests), label="request")
-        event = data.draw(st.sampled_from((*self.table.events, UNKNOWN_EVENT)), label="event")
+        self._tick(data)
+        live = list(self.lifecycle.live())
+        pool = st.sampled_from(self.requests)
+        req = data.draw(st.one_of(st.sampled_from(live), pool) if live else pool, label="request")
+        event = self._draw_event(data, self.model[req.rid])
         reason = self._reason_for(data, event)
         self._maybe_satisfy(data, [req], event)
         edge = self.table.lookup.get((self.model[req.rid], event))
@@ -312,6 +326,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def fire_batch(self, data: st.DataObject) -> None:
         """One event at a batch of requests that share a state, sometimes with an intruder
         (a request of another state, a finished one, a duplicate, another owner's)."""
+        self._tick(data)
         live = [s for s, n in self.lifecycle.counts().items() if n]
         state = data.draw(st.sampled_from(live), label="state")
         members = list(self.lifecycle.in_state(state).values())
@@ -342,11 +357,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 batch.insert(data.draw(st.integers(0, len(batch))), stranger)
             else:
                 intruder = "none"
-        event = data.draw(
-            st.sampled_from((*{e.event for e in self.table.edges if e.source is state},
-                             *self.table.events, UNKNOWN_EVENT)),
-            label="event",
-        )
+        event = self._draw_event(data, state)
         reason = self._reason_for(data, event)
         self._maybe_satisfy(data, [r for r in batch if r.rid in self.model], event)
         edge = self.table.lookup.get((state, event))
@@ -370,7 +381,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     def fail_many(self, data: st.DataObject) -> None:
         """A failure event for live requests of any mix of states."""
         live = list(self.lifecycle.live())
-        victims = data.draw(st.lists(st.sampled_from(live), min_size=1, unique_by=id))
+        victims = data.draw(
+            st.lists(st.sampled_from(live), min_size=1, max_size=3, unique_by=id)
+        )
         event = data.draw(st.sampled_from(self.table.failure_events))
         reason = data.draw(failure_reasons())
         self.lifecycle.fail(victims, reason, "injected", event=event)

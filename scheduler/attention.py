@@ -105,6 +105,43 @@ def silu(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return x * sigmoid
 
 
+def rope_tables(
+    head_dim: int, theta: float, max_position: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of ``position * theta**(-2i/head_dim)``, ``[max_position, head_dim/2]``.
+
+    Built from the binary digits of the position by angle addition, with scalar ``math``
+    values for ``freq * 2**bit``: elementwise IEEE steps only, so the tables have the same bits
+    in every process.
+    """
+    half = head_dim // 2
+    freqs = [theta ** (-2.0 * i / head_dim) for i in range(half)]
+    positions = torch.arange(max_position)
+    cos = torch.ones((max_position, half), dtype=torch.float64)
+    sin = torch.zeros((max_position, half), dtype=torch.float64)
+    for bit in range((max_position - 1).bit_length()):
+        c = torch.tensor([math.cos(f * 2**bit) for f in freqs], dtype=torch.float64)
+        s = torch.tensor([math.sin(f * 2**bit) for f in freqs], dtype=torch.float64)
+        on = ((positions >> bit) & 1).bool().unsqueeze(1)
+        cos, sin = torch.where(on, cos * c - sin * s, cos), torch.where(on, sin * c + cos * s, sin)
+    return cos, sin
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last dimension of ``x``, its two halves rotated as pairs."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dimension; ties go to the lowest id."""
+    best = logits.amax(-1, keepdim=True)
+    vocab = logits.shape[-1]
+    ids = torch.arange(vocab, device=logits.device).expand_as(logits)
+    return torch.where(logits == best, ids, vocab).amin(-1)
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, table: torch.Tensor
 ) -> torch.Tensor:

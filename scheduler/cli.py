@@ -235,8 +235,10 @@ DIAGRAM = Subcommand(
 
 # -- the command ------------------------------------------------------------------------------
 
+from scheduler.serve_cli import GENERATE, SERVE  # noqa: E402  (serve_cli imports Subcommand)
+
 #: Every subcommand, in the order ``pdlife --help`` lists them. Add new ones here.
-SUBCOMMANDS: tuple[Subcommand, ...] = (DIAGRAM, VALIDATE)
+SUBCOMMANDS: tuple[Subcommand, ...] = (DIAGRAM, GENERATE, SERVE, VALIDATE)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -161,8 +161,9 @@ class _ComputingReceiver:
 class DecodeKVRouter:
     """One decode KV manager per prefill bootstrap address, plus the fake one.
 
-    ``factory(addr)`` builds the manager of a prefill server (None: only ``default`` serves real
-    requests, as with the in-process local backend).
+    ``factory(addr)`` builds the manager of a prefill server; with ``default`` instead, that one
+    manager serves every real request (the in-process local backend); with neither, only fake
+    requests are served (the fake backend).
     """
 
     def __init__(
@@ -172,8 +173,8 @@ class DecodeKVRouter:
         factory: Callable[[str], DecodeManager] | None = None,
         default: DecodeManager | None = None,
     ) -> None:
-        if (factory is None) == (default is None):
-            raise ValueError("give exactly one of factory (one manager per peer) or default")
+        if factory is not None and default is not None:
+            raise ValueError("give factory (one manager per peer) or default, not both")
         self.fake = fake
         self._factory = factory
         self._default = default
@@ -222,7 +223,7 @@ class DecodeKVRouter:
         with self._lock:
             manager = self._managers.get(bootstrap_addr)
         if manager is None:
-            raise TransferUsageError(room, f"prefill {bootstrap_addr} was never connected")
+            raise TransferUsageError(room, f"no KV manager for prefill {bootstrap_addr}")
         return manager.create_receiver(bootstrap_addr, room)
 
     def close(self) -> None:

@@ -166,7 +166,7 @@ def decide(
             f"{[len(r) for r in rows]}"
         )
     prefillable = [r[PREFILLABLE] for r in rows]
-    force_allow = any(r[WATERMARK_FORCE_ALLOW] > 0 for r in rows)
+    num_force_allow = sum(r[WATERMARK_FORCE_ALLOW] for r in rows)
     estimation: Estimation = (
         "all" if min(prefillable) > 0 else "none" if max(prefillable) == 0 else "mixed"
     )
@@ -181,8 +181,7 @@ def decide(
     def release(reason: Reason) -> NegotiateOutput:
         return NegotiateOutput(
             next_state=None, input_estimation=estimation, allow=True, reason=reason,
-            num_prefillable=sum(prefillable),
-            num_token_watermark_force_allow=sum(r[WATERMARK_FORCE_ALLOW] for r in rows),
+            num_prefillable=sum(prefillable), num_token_watermark_force_allow=num_force_allow,
             wait_forward_passes=prev_count, wait_seconds=waited,
         )
 
@@ -190,14 +189,13 @@ def decide(
         state = prev_state if prev_state is not None else DelayerState(start_time=now)
         return NegotiateOutput(
             next_state=state.bump(), input_estimation=estimation, allow=False, reason="delay",
-            num_prefillable=sum(prefillable),
-            num_token_watermark_force_allow=sum(r[WATERMARK_FORCE_ALLOW] for r in rows),
+            num_prefillable=sum(prefillable), num_token_watermark_force_allow=num_force_allow,
         )
 
     if estimation == "none":
         # Nobody can prefill, so the answer does not matter; allowing keeps it simple.
         return release(""), skip_first
-    if force_allow:
+    if num_force_allow > 0:
         # Low KV usage somewhere means a device is underused: never hold prefill back then.
         return release("token_watermark"), skip_first
     if estimation == "mixed":

@@ -1,4 +1,4 @@
-"""``pdlife demo``: the embedded default under a synthetic workload, checked against the reference.
+"""The run behind ``pdlife demo``: workload, the in-process pair, the driving loop, the check.
 
 Theory of operation
 -------------------
@@ -25,26 +25,25 @@ reference model's token for token (:func:`colocated_reference`, replaceable to t
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import random
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 from rich.console import Console
 
 from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
-from lifecycle import DecodeRequest, PrefillRequest, PrefillState, SamplingParams
-from scheduler.cli import Subcommand
+from lifecycle import DecodeRequest, Lifecycle, PrefillRequest, PrefillState, SamplingParams
+from lifecycle.record import Tracked
 from scheduler.config import SchedulerConfig
 from scheduler.decode import DecodePeer, DecodeResponse
 from scheduler.delayer import DelayerConfig, PrefillDelayer
+from scheduler.demo import DemoOptions
 from scheduler.demo_report import Mismatch, Progress, RunData, finish_report
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.gather import StaticGather
@@ -53,11 +52,8 @@ from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler,
 from scheduler.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=Tracked)
 
-Backend = Literal["local", "mooncake"]
-Loop = Literal["normal", "overlap"]
-
-MIN_REQUESTS = 6
 PROMPT_TOKENS = (16, 2048)
 # Chunked prefill is on, so long prompts take several passes in FORWARD (chunk_done events).
 SCHEDULER = SchedulerConfig(chunked_prefill_size=512, max_prefill_tokens=2048)
@@ -66,32 +62,12 @@ FAKE_ROOM_BASE = 1_000_000
 ABORT_TARGETS = (PrefillState.FORWARD, PrefillState.TRANSFERRING, PrefillState.WAITING)
 FAULTS = ("bootstrap_failed", "transfer_failed")
 _WORDS = (
-    "prefill decode page chunk batch token cache room slot peer bootstrap transfer engine "
-    "scheduler lifecycle state event forward queue budget delay rank gather poll abort the a of "
-    "and to in is for with on while when each every request server model"
-).split()
-
-
-def _at_least(low: int) -> Callable[[object, attrs.Attribute[int], int], None]:
-    def check(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
-        if value < low:
-            raise ValueError(f"{attr.name} must be >= {low}, got {value}")
-
-    return check
-
-
-@attrs.frozen
-class DemoOptions:
-    """What ``pdlife demo`` runs. ``requests`` includes the injected failures and aborts."""
-
-    requests: int = attrs.field(default=48, validator=_at_least(MIN_REQUESTS))
-    backend: Backend = attrs.field(
-        default="local", validator=attrs.validators.in_(("local", "mooncake"))
-    )
-    loop: Loop = attrs.field(default="normal", validator=attrs.validators.in_(("normal", "overlap")))
-    seed: int = attrs.field(default=0, validator=_at_least(0))
-    out: Path = attrs.field(default=Path("pdlife-out"), converter=Path)
-    timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    "prefill", "decode", "page", "chunk", "batch", "token", "cache", "room", "slot", "peer",
+    "bootstrap", "transfer", "engine", "scheduler", "lifecycle", "state", "event", "forward",
+    "queue", "budget", "delay", "rank", "gather", "poll", "abort", "the", "a", "of", "and",
+    "to", "in", "is", "for", "with", "on", "while", "when", "each", "every", "request",
+    "server", "model",
+)
 
 
 @attrs.frozen
@@ -273,3 +249,204 @@ class MooncakePair:
         self.prefill_kv.close()
         self.decode_kv.close()
         self.bootstrap.close()
+
+
+# -- the run --------------------------------------------------------------------------------
+
+#: The colocated output a served request must match: ``(model, request) -> output ids``.
+Reference = Callable[[LlamaModel, DemoRequest], Sequence[int]]
+
+
+def colocated_reference(model: LlamaModel, req: DemoRequest) -> list[int]:
+    """``req``'s output from the colocated reference run (no pages, no transfer)."""
+    s = req.sampling
+    return ReferenceModel(model).generate(
+        req.prompt, s.max_new_tokens, s.stop_token_ids, s.ignore_eos, rid=req.rid
+    )
+
+
+class DemoTimeout(RuntimeError):
+    """The workload was not served within ``DemoOptions.timeout_s``; the message says how far
+    it got. Raise the timeout for a larger workload, or look for a stuck request in the trace."""
+
+
+@attrs.frozen
+class DemoResult:
+    """Exit status (0: every request ended as planned and every output matched), the summary
+    written to ``out/summary.json``, and the output folder."""
+
+    status: int
+    summary: dict[str, object]
+    out: Path
+
+
+def _make_pair(options: DemoOptions, plan: FaultPlan, delayer: PrefillDelayer) -> Pair:
+    config = PairConfig(scheduler=SCHEDULER, overlap=options.loop == "overlap")
+    if options.backend == "mooncake":
+        return MooncakePair(config, faults=plan, delayer=delayer)
+    return EmbeddedPair(config, faults=plan, delayer=delayer)
+
+
+def _capture(lifecycle: Lifecycle[R], pending: set[str], into: dict[str, R]) -> None:
+    for rid in [r for r in pending if r in lifecycle]:
+        rec = lifecycle.get(rid)
+        assert rec is not None
+        into[rid] = rec
+        pending.discard(rid)
+
+
+@attrs.define
+class _Served:
+    prefill_records: dict[str, PrefillRequest]
+    decode_records: dict[str, DecodeRequest]
+    seconds: float
+
+
+def _serve(
+    pair: Pair, workload: Sequence[DemoRequest], progress: Progress, timeout_s: float
+) -> _Served:
+    prefill_records: dict[str, PrefillRequest] = {}
+    decode_records: dict[str, DecodeRequest] = {}
+    uncaptured_prefill = {r.rid for r in workload}
+    uncaptured_decode = {r.rid for r in workload if r.disaggregated}
+    aborts = {r.rid: r.abort_in for r in workload if r.abort_in is not None}
+    num_decode = len(uncaptured_decode)
+    answered = 0
+    start = time.perf_counter()
+    for r in workload:
+        if r.disaggregated:
+            pair.submit(r.rid, r.prompt, r.sampling)
+        else:
+            pair.prefill.submit(NewRequest(
+                r.rid, r.prompt, bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=r.room,
+                sampling=r.sampling,
+            ))
+    by_rid = {r.rid: r for r in workload}
+    while True:
+        worked = pair.step()
+        _capture(pair.prefill.lifecycle, uncaptured_prefill, prefill_records)
+        _capture(pair.decode.lifecycle, uncaptured_decode, decode_records)
+        for rid, target in list(aborts.items()):
+            rec = prefill_records.get(rid)
+            if rec is None or rec.state is None:
+                continue
+            del aborts[rid]
+            if not rec.is_final and rec.state >= target:
+                pair.abort(rid)
+            elif not rec.is_final:
+                aborts[rid] = target
+        responses = pair.prefill_responses
+        if len(responses) > answered:
+            # A PD router aborts on decode what failed on prefill, or decode waits for KV
+            # that never comes (aborted requests were aborted on both sides already).
+            for resp in list(responses.values())[answered:]:
+                req = by_rid[resp.rid]
+                if not resp.ok and req.disaggregated and req.abort_in is None:
+                    pair.decode.abort(resp.rid)
+            answered = len(responses)
+        elapsed = time.perf_counter() - start
+        progress.serving(pair.prefill.lifecycle, pair.decode.lifecycle, elapsed)
+        if (
+            answered == len(workload)
+            and len(pair.decode_responses) == num_decode
+            and pair.idle()
+        ):
+            return _Served(prefill_records, decode_records, elapsed)
+        if elapsed > timeout_s:
+            raise DemoTimeout(
+                f"after {timeout_s:g} s, {len(workload) - answered} of {len(workload)} requests "
+                f"have no prefill answer and {num_decode - len(pair.decode_responses)} no decode "
+                f"answer"
+            )
+        if not worked:
+            time.sleep(0.0002)  # idle pass: let the transfer threads run
+
+
+def _unplanned(workload: Sequence[DemoRequest], pair: Pair) -> list[str]:
+    out = []
+    for req in workload:
+        resp = pair.prefill_responses[req.rid]
+        got = "done" if resp.ok else resp.reason.value if resp.reason else resp.state.name
+        if got != req.expected:
+            out.append(f"{req.rid}: planned {req.expected}, prefill ended {got} ({resp.detail})")
+            continue
+        dec = pair.decode_responses.get(req.rid)
+        if req.expected == "done" and (dec is None or not dec.ok):
+            detail = dec.detail if dec is not None else "no answer"
+            out.append(f"{req.rid}: prefill done, decode did not finish ({detail})")
+    return out
+
+
+def _verify(
+    workload: Sequence[DemoRequest], pair: Pair, reference: Reference, progress: Progress
+) -> tuple[int, list[Mismatch]]:
+    served = [
+        r for r in workload
+        if (d := pair.decode_responses.get(r.rid)) is not None and d.ok
+    ]
+    mismatches = []
+    for i, req in enumerate(served):
+        progress.verifying(i, len(served))
+        want = list(reference(pair.model, req))
+        got = list(pair.decode_responses[req.rid].output_ids)
+        first = pair.prefill_responses[req.rid].first_token
+        if got != want or (got and first != got[0]):
+            mismatches.append(Mismatch.of(req.rid, want, got, first))
+    progress.verifying(len(served), len(served))
+    return len(served), mismatches
+
+
+def _kv_moved(pair: Pair) -> tuple[float, float | None]:
+    """KV bytes moved, and seconds the copies took where the backend measures them."""
+    if isinstance(pair, EmbeddedPair):
+        stats = pair.prefill_kv.stats()
+        return float(stats.bytes), stats.copy_seconds
+    sent = pair.prefill.metrics.registry.get_sample_value("pdlife_transfer_bytes_total")
+    return float(sent or 0.0), None
+
+
+def run_demo(
+    options: DemoOptions,
+    *,
+    reference: Reference = colocated_reference,
+    console: Console | None = None,
+) -> DemoResult:
+    """Serve the workload of ``options``, check it, print the summary and write the outputs."""
+    console = console or Console()
+    plan = fault_plan(options.seed)
+    workload = make_workload(options.requests, options.seed, plan)
+    delayer = PrefillDelayer(
+        DelayerConfig(), StaticGather(), dp_size=1, attn_tp_size=1, enable_dp_attention=False
+    )
+    console.print(
+        f"pdlife demo: {options.requests} requests ({sum(len(r.prompt) for r in workload)} "
+        f"prompt tokens), backend {options.backend}, {options.loop} loop, seed {options.seed}",
+        soft_wrap=True,
+    )
+    pair = _make_pair(options, plan, delayer)
+    with Progress(console, total=len(workload)) as progress:
+        try:
+            served = _serve(pair, workload, progress, options.timeout_s)
+        finally:
+            # Before the check: the reference run should not compete with transfer threads.
+            pair.close()
+        problems = _unplanned(workload, pair)
+        for check in (pair.prefill.check_invariants, pair.decode.check_invariants):
+            try:
+                check()
+            except AssertionError as exc:
+                problems.append(f"invariant violated at the end of the run: {exc}")
+        checked, mismatches = _verify(workload, pair, reference, progress)
+    kv_bytes, kv_copy_seconds = _kv_moved(pair)
+    tokens = pair.prefill.metrics.registry.get_sample_value("pdlife_prefill_tokens_total")
+    data = RunData(
+        requests=options.requests, backend=options.backend, loop=options.loop,
+        seed=options.seed, workload=workload, prefill=dict(pair.prefill_responses),
+        decode=dict(pair.decode_responses), prefill_records=list(served.prefill_records.values()),
+        decode_records=list(served.decode_records.values()), serve_seconds=served.seconds,
+        prefill_tokens=int(tokens or 0), kv_bytes=kv_bytes, kv_copy_seconds=kv_copy_seconds,
+        delayer_outcomes=dict(delayer.outcomes), checked=checked, mismatches=mismatches,
+        problems=problems,
+    )
+    summary = finish_report(data, options.out, console)
+    return DemoResult(0 if data.passed else 1, summary, options.out)

@@ -1,9 +1,12 @@
 """The embedded default: a prefill scheduler and its decode peer in one process.
 
-Both sides run the same reference model over their own KV pools; the local backend copies each
-request's pages from the prefill pool into the decode pool. :class:`EmbeddedPair` drives both
-loops from the calling thread, which makes it the harness of the demo, the benchmarks and the
-end-to-end tests, and the simplest way to embed pdlife.
+Both sides run the same reference model over their own KV pools. With the ``local`` backend
+(the default) the pages are copied from the prefill pool into the decode pool in-process; with
+``mooncake`` both sides own a Mooncake Transfer Engine and the pages cross loopback TCP, with
+the bootstrap endpoint and the ZeroMQ control plane in between, exactly as between two
+processes. :class:`EmbeddedPair` drives both loops from the calling thread, which makes it the
+harness of the demo, the benchmarks and the end-to-end tests, and the simplest way to embed
+pdlife.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
+from kv.bootstrap import BootstrapServer
 from kv.fake import FakeKVManager, FaultPlan
 from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
 from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.mooncake import MooncakeDecodeManager, MooncakeKVManager
 from lifecycle import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.decode import DecodePeer, DecodeResponse
@@ -40,6 +45,9 @@ class PairConfig:
     metadata_slots: int = attrs.field(default=64, validator=_positive)
     overlap: bool = False
     device: str = "cpu"
+    backend: str = attrs.field(
+        default="local", validator=attrs.validators.in_(("local", "mooncake"))
+    )
 
 
 @attrs.frozen
@@ -66,13 +74,27 @@ class EmbeddedPair:
         ps = config.scheduler.page_size
         self.prefill_pool = self.model.make_pool(num_pages=config.prefill_pages, page_size=ps)
         self.decode_pool = self.model.make_pool(num_pages=config.decode_pages, page_size=ps)
-        self.hub = LocalTransferHub()
         self.prefill_meta = MetadataBuffers(config.metadata_slots)
         self.decode_meta = MetadataBuffers(config.metadata_slots)
-        self.prefill_kv = LocalKVManager(
-            self.prefill_pool, self.prefill_meta, hub=self.hub, bootstrap_addr=f"{LOCAL_HOST}:0"
-        )
-        self.decode_kv = LocalDecodeManager(self.decode_pool, self.decode_meta, hub=self.hub)
+        self.bootstrap: BootstrapServer | None = None
+        self.prefill_kv: LocalKVManager | MooncakeKVManager
+        self.decode_kv: LocalDecodeManager | MooncakeDecodeManager
+        if config.backend == "local":
+            hub = LocalTransferHub()
+            self.bootstrap_host, self.bootstrap_port = LOCAL_HOST, 0
+            self.prefill_kv = LocalKVManager(
+                self.prefill_pool, self.prefill_meta, hub=hub, bootstrap_addr=f"{LOCAL_HOST}:0"
+            )
+            self.decode_kv = LocalDecodeManager(self.decode_pool, self.decode_meta, hub=hub)
+        else:
+            self.bootstrap = BootstrapServer()
+            host, port = self.bootstrap.address.rsplit(":", 1)
+            self.bootstrap_host, self.bootstrap_port = host, int(port)
+            self.prefill_kv = MooncakeKVManager(self.prefill_pool, self.prefill_meta)
+            self.prefill_kv.register_to_bootstrap(self.bootstrap.address)
+            self.decode_kv = MooncakeDecodeManager(
+                self.decode_pool, self.decode_meta, self.bootstrap.address
+            )
         self.prefill_responses: dict[str, Response] = {}
         self.decode_responses: dict[str, DecodeResponse] = {}
         check = config.scheduler.check_invariants
@@ -115,8 +137,8 @@ class EmbeddedPair:
         """Send one request to both sides, as a PD router does."""
         self._rooms += 1
         new = NewRequest(
-            rid, tuple(prompt), bootstrap_host=LOCAL_HOST, bootstrap_port=0,
-            bootstrap_room=self._rooms, sampling=sampling,
+            rid, tuple(prompt), bootstrap_host=self.bootstrap_host,
+            bootstrap_port=self.bootstrap_port, bootstrap_room=self._rooms, sampling=sampling,
         )
         self.prefill.submit(new)
         self.decode.submit(new)
@@ -162,5 +184,7 @@ class EmbeddedPair:
 
     def close(self) -> None:
         self.prefill.close()
-        self.prefill_kv.close()
         self.decode_kv.close()
+        self.prefill_kv.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import torch
 
+from kv.pages import pages_needed
 from kv.pool import KVPool
 from scheduler.attention import (
     WEIGHT_FRAC_BITS,
@@ -39,7 +40,10 @@ from scheduler.attention import (
     causal_attention,
     exp_table,
     fix,
+    greedy_token_ids,
     rms_norm,
+    rope_tables,
+    rotate,
     silu,
     to_grid,
 )
@@ -72,7 +76,7 @@ def _int_in(lo: int, hi: int) -> Callable[[Any, attrs.Attribute[int], int], None
     return check
 
 
-def _positive_float(_instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
+def _above_one(_instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 1.0):
         raise ValueError(f"ModelConfig.{attribute.name} must be a finite number > 1, got {value!r}")
 
@@ -101,7 +105,7 @@ class ModelConfig:
     kv_heads: int = attrs.field(default=2, validator=_int_in(1, 1024))
     head_dim: int = attrs.field(default=16, validator=_int_in(2, 8192))
     intermediate: int = attrs.field(default=128, validator=_int_in(1, 1 << 20))
-    rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
+    rope_theta: float = attrs.field(default=10000.0, validator=_above_one)
     max_position: int = attrs.field(default=8192, validator=_int_in(1, 1 << 17))
     seed: int = attrs.field(default=0, validator=_int_in(0, 2**63 - 1))
     dtype: torch.dtype = attrs.field(default=torch.float32, validator=_cache_dtype)
@@ -129,9 +133,15 @@ class ModelConfig:
     def tiny(cls, seed: int = 0) -> ModelConfig:
         """The smallest useful shape (still GQA, still two layers), for fuzzing."""
         return cls(
-            hidden=32, layers=2, heads=2, kv_heads=1, head_dim=8, intermediate=48,
-            max_position=4096, seed=seed,
-        )  # fmt: skip
+            hidden=32,
+            layers=2,
+            heads=2,
+            kv_heads=1,
+            head_dim=8,
+            intermediate=48,
+            max_position=4096,
+            seed=seed,
+        )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -147,14 +157,6 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == "cpu" or a.index is None or b.index is None or a.index == b.index
 
 
-def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the last dimension; ties go to the lowest id."""
-    best = logits.amax(-1, keepdim=True)
-    vocab = logits.shape[-1]
-    ids = torch.arange(vocab, device=logits.device).expand_as(logits)
-    return torch.where(logits == best, ids, vocab).amin(-1)
-
-
 @attrs.frozen(eq=False)
 class _Layer:
     attn_norm: torch.Tensor
@@ -166,32 +168,6 @@ class _Layer:
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
-
-
-def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of ``position * freq``, ``[max_position, head_dim // 2]``.
-
-    Built from the binary digits of the position by angle addition, with scalar ``math``
-    values for ``freq * 2**bit``: elementwise IEEE steps only, so the table has the same bits
-    in every process.
-    """
-    half = config.head_dim // 2
-    freqs = [config.rope_theta ** (-2.0 * i / config.head_dim) for i in range(half)]
-    positions = torch.arange(config.max_position)
-    cos = torch.ones((config.max_position, half), dtype=torch.float64)
-    sin = torch.zeros((config.max_position, half), dtype=torch.float64)
-    for bit in range((config.max_position - 1).bit_length()):
-        c = torch.tensor([math.cos(f * 2**bit) for f in freqs], dtype=torch.float64)
-        s = torch.tensor([math.sin(f * 2**bit) for f in freqs], dtype=torch.float64)
-        on = ((positions >> bit) & 1).bool().unsqueeze(1)
-        cos, sin = torch.where(on, cos * c - sin * s, cos), torch.where(on, sin * c + cos * s, sin)
-    return cos, sin
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class LlamaModel:
@@ -217,15 +193,21 @@ class LlamaModel:
         ).to(self.device)
         self._layers = [
             _Layer(
-                attn_norm=ones(h), wq=weight(q_dim, h), wk=weight(kv_dim, h),
-                wv=weight(kv_dim, h), wo=weight(h, q_dim), mlp_norm=ones(h),
-                w_gate=weight(i, h), w_up=weight(i, h), w_down=weight(h, i),
-            )  # fmt: skip
+                attn_norm=ones(h),
+                wq=weight(q_dim, h),
+                wk=weight(kv_dim, h),
+                wv=weight(kv_dim, h),
+                wo=weight(h, q_dim),
+                mlp_norm=ones(h),
+                w_gate=weight(i, h),
+                w_up=weight(i, h),
+                w_down=weight(h, i),
+            )
             for _ in range(config.layers)
         ]
         self._final_norm = ones(h)
         self._lm_head = weight(config.vocab_size, h)
-        cos, sin = _rope_tables(config)
+        cos, sin = rope_tables(config.head_dim, config.rope_theta, config.max_position)
         self._cos, self._sin = cos.to(self.device), sin.to(self.device)
         self._exp = exp_table().to(self.device)
         self._q_scale = 1.0 / math.sqrt(config.head_dim)
@@ -240,9 +222,14 @@ class LlamaModel:
         """An empty KV pool shaped for this model, on its device."""
         c = self.config
         return KVPool(
-            num_layers=c.layers, num_pages=num_pages, page_size=page_size,
-            kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=c.dtype, device=self.device,
-        )  # fmt: skip
+            num_layers=c.layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            kv_heads=c.kv_heads,
+            head_dim=c.head_dim,
+            dtype=c.dtype,
+            device=self.device,
+        )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[n]`` token ids to the ``[n, hidden]`` residual stream."""
@@ -259,7 +246,7 @@ class LlamaModel:
         k = fix(h @ w.wk.T).view(n, c.kv_heads, c.head_dim)
         v = fix(h @ w.wv.T).view(n, c.kv_heads, c.head_dim)
         cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
-        return fix(_rotate(q, cos, sin) * self._q_scale), fix(_rotate(k, cos, sin)), v
+        return fix(rotate(q, cos, sin) * self._q_scale), fix(rotate(k, cos, sin)), v
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
@@ -285,9 +272,10 @@ class LlamaModel:
         """Raise :class:`ModelInputError` unless every id is in the vocabulary."""
         if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.config.vocab_size:
             raise ModelInputError(
-                rid, f"token ids must be in 0..{self.config.vocab_size - 1}, got "
+                rid,
+                f"token ids must be in 0..{self.config.vocab_size - 1}, got "
                 f"{min(token_ids)}..{max(token_ids)}",
-            )  # fmt: skip
+            )
 
     def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
         """The ids that end a generation: ``stop_token_ids``, and EOS unless ``ignore_eos``."""
@@ -323,9 +311,10 @@ class ReferenceModel:
         positions = len(prompt_ids) + max_new_tokens - 1
         if positions > c.max_position:
             raise ModelInputError(
-                rid, f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) - 1 "
+                rid,
+                f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) - 1 "
                 f"exceeds max_position {c.max_position}",
-            )  # fmt: skip
+            )
         shape = (c.layers, positions, c.kv_heads, c.head_dim)
         cache_k = torch.zeros(shape, dtype=c.dtype, device=m.device)
         cache_v = torch.zeros(shape, dtype=c.dtype, device=m.device)
@@ -380,7 +369,10 @@ class PagedModelRunner:
             [t for item in batch.items for t in item.input_ids], dtype=torch.int64, device=dev
         )
         positions = torch.cat(
-            [torch.arange(i.start, i.start + n, device=dev) for i, n in zip(batch.items, sizes)]
+            [
+                torch.arange(i.start, i.start + n, device=dev)
+                for i, n in zip(batch.items, sizes, strict=True)
+            ]
         )
         new_slots = torch.cat([s[i.start :] for i, s in zip(batch.items, history, strict=True)])
         x = m.embed(tokens)
@@ -405,14 +397,15 @@ class PagedModelRunner:
         ps, n = self.pool.page_size, len(item.input_ids)
         end = item.start + n
         if n == 0 or item.start < 0:
-            raise ModelInputError(item.rid, f"needs >= 1 input token at start >= 0, got {n} at "
-                                  f"{item.start}")  # fmt: skip
+            raise ModelInputError(
+                item.rid, f"needs >= 1 input token at start >= 0, got {n} at {item.start}"
+            )
         if end > self.model.config.max_position:
             raise ModelInputError(
-                item.rid, f"positions up to {end - 1} exceed max_position "
-                f"{self.model.config.max_position}",
-            )  # fmt: skip
-        needed = -(-end // ps)
+                item.rid,
+                f"positions up to {end - 1} exceed max_position {self.model.config.max_position}",
+            )
+        needed = pages_needed(end, ps)
         if len(item.pages) < needed:
             raise ModelInputError(
                 item.rid, f"{end} tokens need {needed} pages of {ps}, got {len(item.pages)}"

@@ -75,3 +75,54 @@ def alloc_free_ops(max_ops: int = 60) -> st.SearchStrategy[list[tuple[str, int]]
         st.tuples(st.just("free"), st.integers(min_value=0, max_value=1000)),
     )
     return st.lists(op, max_size=max_ops)
+
+
+# -- PrefillDelayer ------------------------------------------------------------------------------
+# Imports stay with their section (sections are appended independently).
+
+from scheduler.delayer import DelayerConfig  # noqa: E402
+
+#: One rank's inputs to a negotiation:
+#: ``(prefillable, token_usage, running_batch, max_prefill_bs, waiting_queue_len)``.
+DelayerInput = tuple[bool, float, int, int, int]
+#: Passes (every rank's inputs, ``max_running_requests``) and the clock step before each pass.
+DelayerScenario = tuple[list[tuple[list[DelayerInput], int]], list[float]]
+
+
+def delayer_configs(
+    mode: str | None = None, watermark: bool = True, queue: bool | None = None,
+) -> st.SearchStrategy[DelayerConfig]:
+    """Small delayer configs. ``mode`` pins the mode; ``watermark=False`` turns the watermark
+    off; ``queue`` True always sets the queue trigger (with ratios large enough that it usually
+    fires), False never does, None either."""
+    ratios = st.floats(0.05, 1.0)
+    return st.builds(
+        DelayerConfig,
+        max_delay_passes=st.integers(1, 8),
+        token_usage_low_watermark=st.none() | st.floats(0.0, 1.0) if watermark else st.none(),
+        queue_min_ratio=(st.floats(0.25, 1.0) if queue else st.none() if queue is False
+                         else st.none() | ratios),
+        max_delay_ms=st.floats(1.0, 500.0),
+        mode=st.just(mode) if mode else st.sampled_from(["sglang", "bounded"]),
+    )
+
+
+def delayer_rows(prefillable: bool | None = None) -> st.SearchStrategy[list[int]]:
+    """Hand-made 5-field gathered rows. The watermark column is free (even where no real rank
+    would set it), to check that the decision copes with any table."""
+    return st.tuples(
+        st.just(int(prefillable)) if prefillable is not None else st.integers(0, 1),
+        st.integers(0, 1), st.integers(0, 20), st.integers(0, 8), st.integers(0, 10),
+    ).map(list)
+
+
+@st.composite
+def delayer_passes(draw: st.DrawFn, max_dp: int = 4) -> DelayerScenario:
+    """1..25 passes of 1..``max_dp`` ranks' inputs, with clock steps of 0..200 ms."""
+    dp = draw(st.integers(1, max_dp))
+    rank_input = st.tuples(st.booleans(), st.floats(0.0, 1.0), st.integers(0, 20),
+                           st.integers(0, 8), st.integers(0, 10))
+    passes = draw(st.lists(st.tuples(st.lists(rank_input, min_size=dp, max_size=dp),
+                                     st.integers(0, 40)), min_size=1, max_size=25))
+    steps = draw(st.lists(st.floats(0.0, 0.2), min_size=len(passes), max_size=len(passes)))
+    return passes, steps

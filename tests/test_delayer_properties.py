@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
-from hypothesis.strategies import SearchStrategy
 from prometheus_client import CollectorRegistry
 
 from scheduler.delayer import (
@@ -26,62 +24,19 @@ from scheduler.delayer import (
     decide,
 )
 from scheduler.gather import StaticGather
+from tests.strategies import (
+    DelayerInput,
+    DelayerScenario,
+    delayer_configs,
+    delayer_passes,
+    delayer_rows,
+)
 
 SEARCH = settings(max_examples=2000, database=None)
 
 
-@attrs.frozen
-class RankInput:
-    prefillable: bool
-    token_usage: float
-    running_batch: int
-    max_prefill_bs: int
-    waiting_queue_len: int
-
-
-Scenario = tuple[list[tuple[list[RankInput], int]], list[float]]
-"""Passes (every rank's inputs, max_running_requests) and the clock step before each pass."""
-
-
-def delayer_configs(
-    mode: str | None = None, watermark: bool = True, queue: bool | None = None,
-) -> SearchStrategy[DelayerConfig]:
-    """``queue``: True always sets the queue trigger (with ratios large enough that it usually
-    fires), False never does, None either."""
-    ratios = st.floats(0.05, 1.0)
-    return st.builds(
-        DelayerConfig,
-        max_delay_passes=st.integers(1, 8),
-        token_usage_low_watermark=st.none() | st.floats(0.0, 1.0) if watermark else st.none(),
-        queue_min_ratio=(st.floats(0.25, 1.0) if queue else st.none() if queue is False
-                         else st.none() | ratios),
-        max_delay_ms=st.floats(1.0, 500.0),
-        mode=st.just(mode) if mode else st.sampled_from(["sglang", "bounded"]),
-    )
-
-
-def delayer_rows(prefillable: bool | None = None) -> SearchStrategy[list[int]]:
-    """Hand-made sglang-mode rows; the watermark column is free (even where no real rank sets
-    it), to check that ``decide`` copes with any table."""
-    return st.tuples(
-        st.just(int(prefillable)) if prefillable is not None else st.integers(0, 1),
-        st.integers(0, 1), st.integers(0, 20), st.integers(0, 8), st.integers(0, 10),
-    ).map(list)
-
-
-@st.composite
-def delayer_passes(draw: st.DrawFn, max_dp: int = 4) -> Scenario:
-    dp = draw(st.integers(1, max_dp))
-    rank_input = st.builds(RankInput, st.booleans(), st.floats(0.0, 1.0), st.integers(0, 20),
-                           st.integers(0, 8), st.integers(0, 10))
-    passes = draw(st.lists(st.tuples(st.lists(rank_input, min_size=dp, max_size=dp),
-                                     st.integers(0, 40)), min_size=1, max_size=25))
-    steps = draw(st.lists(st.floats(0.0, 0.2), min_size=len(passes), max_size=len(passes)))
-    return passes, steps
-
-
 def lockstep(
-    config: DelayerConfig, passes: Sequence[tuple[Sequence[RankInput], int]],
+    config: DelayerConfig, passes: Sequence[tuple[Sequence[DelayerInput], int]],
     clocks: Sequence[Sequence[float]],
 ) -> list[list[NegotiateOutput]]:
     """Run ``len(clocks)`` DP ranks (attention TP 1) through ``passes``; ``clocks[r][k]`` is rank
@@ -91,8 +46,7 @@ def lockstep(
                                enable_dp_attention=True) for _ in range(dp)]
     outputs = []
     for k, (inputs, max_running) in enumerate(passes):
-        table = [[d.local_row(i.prefillable, i.token_usage, i.running_batch, i.max_prefill_bs,
-                              i.waiting_queue_len, now=clocks[r][k])]
+        table = [[d.local_row(*i, now=clocks[r][k])]
                  for r, (d, i) in enumerate(zip(delayers, inputs, strict=True))]
         outputs.append([d.decide_table(table, max_running, now=clocks[r][k])
                         for r, d in enumerate(delayers)])
@@ -126,7 +80,7 @@ def decision(out: NegotiateOutput) -> tuple[bool, str, int, float]:
 
 @given(delayer_configs(), delayer_passes())
 def test_every_rank_decides_identically(
-    config: DelayerConfig, scenario: Scenario,
+    config: DelayerConfig, scenario: DelayerScenario,
 ) -> None:
     passes, steps = scenario
     dp = len(passes[0][0])
@@ -154,7 +108,7 @@ def test_mixed_delays_at_most_max_delay_passes_minus_one(
 ) -> None:
     # Rank (seed % dp) is the only prefillable one: the table is mixed on every pass.
     ready = seed % dp
-    inputs = [RankInput(r == ready, 0.5, seed % 7, seed % 5, seed % 3) for r in range(dp)]
+    inputs = [(r == ready, 0.5, seed % 7, seed % 5, seed % 3) for r in range(dp)]
     outputs = lockstep(config, [(inputs, 8)] * num_passes, shared_clock(dp, [0.01] * num_passes))
     allows = [per_rank[0].allow for per_rank in outputs]
     assert max(delay_runs(allows)) <= config.max_delay_passes - 1
@@ -175,7 +129,7 @@ def test_queue_trigger_releases_within_max_delay_ms(
     # mostly stays as it is (occasionally it floods, which ends any delay), and clock steps are
     # fractions of max_delay_ms, so that delay runs reach the deadline.
     running, bs, waiting = row
-    scenario = [([RankInput(True, 0.5, running, bs, waiting if flood else 10**3)], 10**6)
+    scenario = [([(True, 0.5, running, bs, waiting if flood else 10**3)], 10**6)
                 for flood, _ in passes]
     steps = [fraction * config.max_delay_ms / 1000.0 for _, fraction in passes]
     clock = shared_clock(1, steps)[0]
@@ -191,7 +145,7 @@ def test_queue_trigger_releases_within_max_delay_ms(
 
 @given(delayer_configs(), delayer_passes(max_dp=1))
 def test_state_resets_on_every_release_and_counts_every_delay(
-    config: DelayerConfig, scenario: Scenario,
+    config: DelayerConfig, scenario: DelayerScenario,
 ) -> None:
     passes, steps = scenario
     clock = shared_clock(1, steps)[0]
@@ -241,7 +195,7 @@ def slot_blocked_runs(mode: str, max_delay_passes: int, running: int, prefill_bs
     """Delay runs of one rank that sees the same all-prefillable table for many passes."""
     config = DelayerConfig(max_delay_passes=max_delay_passes, mode=mode)  # type: ignore[arg-type]
     num = 3 * max_delay_passes + 2
-    inputs = [RankInput(True, 0.5, running, prefill_bs, 0)]
+    inputs = [(True, 0.5, running, prefill_bs, 0)]
     outputs = lockstep(config, [(inputs, max_running)] * num, shared_clock(1, [0.01] * num))
     return delay_runs([out.allow for (out,) in outputs])
 
@@ -261,7 +215,7 @@ def skew_decisions(mode: str, rates: tuple[float, float], max_delay_ms: int) -> 
     """Per pass, the set of allow answers of two ranks whose clocks run at ``rates``."""
     config = DelayerConfig(queue_min_ratio=0.5, max_delay_ms=max_delay_ms,
                            mode=mode)  # type: ignore[arg-type]
-    inputs = [RankInput(True, 0.5, 10, 4, 2)] * 2  # queue_min 4 > 2 waiting
+    inputs = [(True, 0.5, 10, 4, 2)] * 2  # queue_min 4 > 2 waiting
     outputs = lockstep(config, [(inputs, 10**6)] * 12, skewed_clocks(rates, [0.01] * 12))
     return [{out.allow for out in per_rank} for per_rank in outputs]
 
@@ -279,7 +233,7 @@ def test_search_finds_ranks_splitting_on_skewed_clocks_in_sglang_mode() -> None:
 @given(delayer_configs(mode="bounded"), delayer_passes(),
        st.lists(st.floats(0.25, 4.0), min_size=4, max_size=4))
 def test_bounded_mode_bounds_every_delay_and_agrees_under_skew(
-    config: DelayerConfig, scenario: Scenario,
+    config: DelayerConfig, scenario: DelayerScenario,
     rates: list[float],
 ) -> None:
     passes, steps = scenario

@@ -83,7 +83,8 @@ def test_random_bytes_raise_only_wire_error(data: bytes) -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=8)
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=16),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                  max_size=4),

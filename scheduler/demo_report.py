@@ -1,0 +1,389 @@
+"""What ``pdlife demo`` shows and writes: the live progress, the summary, the output files.
+
+Everything here reads a finished run (:class:`RunData`) or a lifecycle's counts; nothing drives a
+request. The summary is one JSON-ready dict, printed as tables and written to ``summary.json``
+next to the lifecycle diagrams and the Perfetto trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from lifecycle import (
+    DECODE_TABLE,
+    PREFILL_TABLE,
+    DecodeRequest,
+    Lifecycle,
+    PrefillRequest,
+    PrefillState,
+)
+from lifecycle.diagram import DiagramError, render
+from lifecycle.timeline import records, to_perfetto, ttft_phases
+from scheduler.decode import DecodeResponse
+from scheduler.prefill import Response
+
+if TYPE_CHECKING:
+    from scheduler.demo_run import DemoRequest
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("bootstrap_wait", "queue_wait", "forward", "transfer", "total")
+_PREFILL_PID, _DECODE_PID = 1, 2
+
+
+@attrs.frozen
+class Mismatch:
+    """A served output that differs from the colocated reference: the first differing
+    position, the tokens there (None past an end), and the prefill's first token."""
+
+    rid: str
+    position: int
+    expected: int | None
+    got: int | None
+    expected_len: int
+    got_len: int
+    first_token: int | None
+
+    @classmethod
+    def of(
+        cls, rid: str, want: Sequence[int], got: Sequence[int], first_token: int | None
+    ) -> Mismatch:
+        common = min(len(want), len(got))
+        pos = next((i for i in range(common) if want[i] != got[i]), common)
+        if want == got:
+            pos = 0  # only the prefill's first token differs
+        return cls(
+            rid, pos, want[pos] if pos < len(want) else None,
+            got[pos] if pos < len(got) else None, len(want), len(got), first_token,
+        )
+
+    def describe(self) -> str:
+        if self.expected == self.got:
+            return (f"{self.rid}: decode output matches, but prefill's first token is "
+                    f"{self.first_token}, not {self.expected}")
+        return (f"{self.rid}: token {self.position} is {self.got}, the reference has "
+                f"{self.expected} ({self.got_len} tokens vs {self.expected_len})")
+
+
+@attrs.frozen
+class RunData:
+    """A finished demo run: the workload, both sides' answers and records, and the figures."""
+
+    requests: int
+    backend: str
+    loop: str
+    seed: int
+    workload: Sequence[DemoRequest]
+    prefill: dict[str, Response]
+    decode: dict[str, DecodeResponse]
+    prefill_records: list[PrefillRequest]
+    decode_records: list[DecodeRequest]
+    serve_seconds: float
+    prefill_tokens: int
+    kv_bytes: float
+    kv_copy_seconds: float | None
+    delayer_outcomes: dict[str, int]
+    checked: int
+    mismatches: list[Mismatch]
+    problems: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatches and not self.problems
+
+
+# -- live progress --------------------------------------------------------------------------
+
+
+def _by_state(lifecycle: Lifecycle[Any]) -> dict[str, int]:
+    """Live counts per state, then finished counts per final state, in table order."""
+    counts = {s.name: n for s, n in lifecycle.counts().items()}
+    ended: Counter[str] = Counter()
+    for (state, _reason), n in lifecycle.finished.items():
+        ended[state.name] += n
+    for state in lifecycle.table.states:
+        if state in lifecycle.table.finals:
+            counts[state.name] = ended[state.name]
+    return counts
+
+
+class Progress:
+    """Requests by state while the run goes: a redrawn table on a terminal, otherwise a plain
+    line every few seconds (and one when everything is answered)."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.console = console
+        self.total = total
+        self._live = (
+            Live(console=console, auto_refresh=False, transient=True)
+            if console.is_terminal else None
+        )
+        self._interval = 0.1 if self._live is not None else 2.0
+        self._next = 0.0
+        self._ended = False
+
+    def __enter__(self) -> Progress:
+        if self._live is not None:
+            self._live.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+    def serving(
+        self, prefill: Lifecycle[Any], decode: Lifecycle[Any], elapsed: float
+    ) -> None:
+        answered = sum(prefill.finished.values())
+        ended = answered == self.total and len(decode) == 0
+        now = time.monotonic()
+        if (now < self._next and not ended) or self._ended:
+            return
+        self._next = now + self._interval
+        self._ended = ended
+        sides = {"prefill": _by_state(prefill), "decode": _by_state(decode)}
+        head = f"{elapsed:6.1f} s  {answered}/{self.total} answered by prefill"
+        if self._live is None:
+            parts = [
+                f"{side}: " + " ".join(f"{k}={v}" for k, v in counts.items())
+                for side, counts in sides.items()
+            ]
+            self.console.print(f"[{head}]  " + "  |  ".join(parts), highlight=False,
+                               soft_wrap=True)
+            return
+        tables = []
+        for side, counts in sides.items():
+            t = Table(title=None, box=None, padding=(0, 1))
+            t.add_column(side, style="bold")
+            for name in counts:
+                t.add_column(name, justify="right")
+            t.add_row("", *(str(v) for v in counts.values()))
+            tables.append(t)
+        self._live.update(Group(Text(head), *tables), refresh=True)
+
+    def verifying(self, done: int, total: int) -> None:
+        text = f"checking outputs against the colocated reference: {done}/{total}"
+        if self._live is not None:
+            self._live.update(Text(text), refresh=True)
+        elif done in (0, total):
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+
+# -- the summary ----------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0 < q <= 100) of a non-empty sequence."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _outcomes(answers: Iterable[Response | DecodeResponse]) -> dict[str, Any]:
+    done = 0
+    failed: Counter[str] = Counter()
+    for a in answers:
+        if a.ok:
+            done += 1
+        else:
+            failed[a.reason.value if a.reason is not None else a.state.name.lower()] += 1
+    return {"done": done, "failed": dict(sorted(failed.items()))}
+
+
+def _ttft_ms(recs: Iterable[PrefillRequest]) -> dict[str, dict[str, float]]:
+    phases = [ttft_phases(r.timeline) for r in recs if r.state is PrefillState.DONE]
+    out = {}
+    for name in PHASES:
+        values = [v * 1e3 for p in phases if (v := getattr(p, name)) is not None]
+        if values:
+            out[name] = {"p50": round(percentile(values, 50), 3),
+                         "p99": round(percentile(values, 99), 3), "n": len(values)}
+    return out
+
+
+def _aborts(data: RunData) -> list[dict[str, Any]]:
+    recs = {r.rid: r for r in data.prefill_records}
+    out = []
+    for req in data.workload:
+        if req.abort_in is None:
+            continue
+        steps = records(recs[req.rid]) if req.rid in recs else []
+        landed = next((s.source.name for s in steps if s.event == "abort"), None)
+        chunks = sum(1 for s in steps if s.event == "chunk_done")
+        out.append({"rid": req.rid, "target": req.abort_in.name, "landed_in": landed,
+                    "chunks_done_before": chunks})
+    return out
+
+
+def build_summary(data: RunData) -> dict[str, Any]:
+    """The summary of a run, JSON-ready (``summary.json`` holds it, plus the file list)."""
+    secs = data.serve_seconds
+    decode_tokens = sum(len(d.output_ids) for d in data.decode.values() if d.ok)
+    planned = Counter(r.expected for r in data.workload)
+    throughput: dict[str, Any] = {
+        "prefill_tokens": data.prefill_tokens,
+        "prefill_tokens_per_s": round(data.prefill_tokens / secs, 1),
+        "decode_tokens": decode_tokens,
+        "decode_tokens_per_s": round(decode_tokens / secs, 1),
+        "kv_bytes": int(data.kv_bytes),
+        "kv_gb_per_s": round(data.kv_bytes / secs / 1e9, 4),
+    }
+    if data.kv_copy_seconds:
+        throughput["kv_copy_gb_per_s"] = round(data.kv_bytes / data.kv_copy_seconds / 1e9, 3)
+    return {
+        "run": {"requests": data.requests, "backend": data.backend, "loop": data.loop,
+                "seed": data.seed, "serve_seconds": round(secs, 3)},
+        "planned": dict(sorted(planned.items())),
+        "prefill": _outcomes(data.prefill.values()),
+        "decode": _outcomes(data.decode.values()),
+        "aborts": _aborts(data),
+        "ttft_ms": _ttft_ms(data.prefill_records),
+        "throughput": throughput,
+        "delayer_outcomes": dict(sorted(data.delayer_outcomes.items())),
+        "verification": {
+            "checked": data.checked,
+            "matched": data.checked - len(data.mismatches),
+            "mismatches": [attrs.asdict(m) for m in data.mismatches],
+        },
+        "problems": list(data.problems),
+        "passed": data.passed,
+    }
+
+
+# -- the files ------------------------------------------------------------------------------
+
+
+def trace(prefill: Sequence[PrefillRequest], decode: Sequence[DecodeRequest]) -> dict[str, Any]:
+    """One Chrome-trace/Perfetto object: process "prefill" and process "decode", one track per
+    request in each, on one time axis (the earliest admission on either side is zero)."""
+    sides = [(p, t, n) for p, t, n in ((_PREFILL_PID, prefill, "prefill"),
+                                       (_DECODE_PID, decode, "decode")) if t]
+    if not sides:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    origins = {pid: min(r.timeline[0][0] for r in recs) for pid, recs, _ in sides}
+    origin = min(origins.values())
+    events: list[dict[str, Any]] = []
+    for pid, recs, name in sides:
+        # to_perfetto counts from the earliest admission it sees; shift onto the common zero.
+        shift = round((origins[pid] - origin) * 1e6, 3)
+        for ev in to_perfetto(recs, pid=pid)["traceEvents"]:
+            if ev["name"] == "process_name":
+                ev = {**ev, "args": {"name": f"pdlife {name}"}}
+            elif "ts" in ev:
+                ev = {**ev, "ts": round(ev["ts"] + shift, 3)}
+            events.append(ev)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_files(data: RunData, out: Path) -> dict[str, list[str]]:
+    """The lifecycle diagrams (mermaid; SVG when Graphviz's ``dot`` is on PATH) and the trace,
+    written into ``out``; returns the written paths by kind."""
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[str]] = {"diagram_mermaid": [], "diagram_svg": []}
+    for table in (PREFILL_TABLE, DECODE_TABLE):
+        path = out / f"lifecycle-{table.name}.mmd"
+        path.write_text(render(table, "mermaid"), encoding="utf-8")
+        files["diagram_mermaid"].append(str(path))
+        if shutil.which("dot"):
+            try:
+                svg = render(table, "svg")
+            except DiagramError as exc:  # e.g. the graphviz Python package is missing
+                logger.warning("no SVG diagram: %s", exc)
+                continue
+            path = out / f"lifecycle-{table.name}.svg"
+            path.write_text(svg, encoding="utf-8")
+            files["diagram_svg"].append(str(path))
+    path = out / "trace.json"
+    path.write_text(json.dumps(trace(data.prefill_records, data.decode_records)), encoding="utf-8")
+    files["trace"] = [str(path)]
+    files["summary"] = [str(out / "summary.json")]
+    return files
+
+
+# -- printing -------------------------------------------------------------------------------
+
+
+def _table(title: str, *columns: str) -> Table:
+    t = Table(title=title, title_justify="left", title_style="bold")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    return t
+
+
+def render_summary(summary: dict[str, Any], console: Console) -> None:
+    outcomes = _table("Requests by final state and reason", "side", "state", "reason",
+                      "requests")
+    outcomes.columns[1].justify = outcomes.columns[2].justify = "left"
+    for side in ("prefill", "decode"):
+        o = summary[side]
+        outcomes.add_row(side, "DONE", "", str(o["done"]))
+        for reason, n in o["failed"].items():
+            outcomes.add_row(side, "FAILED", reason, str(n))
+    console.print(outcomes)
+    if summary["aborts"]:
+        aborts = _table("Aborts", "request", "aimed at", "landed in", "chunks before")
+        aborts.columns[1].justify = aborts.columns[2].justify = "left"
+        for a in summary["aborts"]:
+            aborts.add_row(a["rid"], a["target"], str(a["landed_in"]),
+                           str(a["chunks_done_before"]))
+        console.print(aborts)
+    ttft = _table("TTFT phases of served requests (ms)", "phase", "p50", "p99", "n")
+    for name, v in summary["ttft_ms"].items():
+        ttft.add_row(name, f"{v['p50']:.1f}", f"{v['p99']:.1f}", str(v["n"]))
+    console.print(ttft)
+    t = summary["throughput"]
+    rates = _table(f"Throughput over {summary['run']['serve_seconds']:.1f} s", "measure",
+                   "value")
+    rates.add_row("prefill tokens/s", f"{t['prefill_tokens_per_s']:,.0f}")
+    rates.add_row("decode tokens/s", f"{t['decode_tokens_per_s']:,.0f}")
+    rates.add_row("KV moved (MB)", f"{t['kv_bytes'] / 1e6:,.1f}")
+    rates.add_row("KV GB/s over the run", f"{t['kv_gb_per_s']:.4f}")
+    if "kv_copy_gb_per_s" in t:
+        rates.add_row("KV GB/s while copying", f"{t['kv_copy_gb_per_s']:.3f}")
+    console.print(rates)
+    delayer = _table("PrefillDelayer outcomes", "reason", "passes")
+    for reason, n in summary["delayer_outcomes"].items():
+        delayer.add_row(reason, str(n))
+    console.print(delayer)
+
+
+def finish_report(data: RunData, out: Path, console: Console) -> dict[str, Any]:
+    """Print the summary and the verdict, write every output into ``out``; returns the summary."""
+    summary = build_summary(data)
+    summary["files"] = write_files(data, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    render_summary(summary, console)
+    v = summary["verification"]
+    if data.mismatches:
+        console.print(f"[bold red]FAILED[/]: {len(data.mismatches)} of {v['checked']} outputs "
+                      f"differ from the colocated reference:")
+        for m in data.mismatches:
+            console.print(f"  {m.describe()}", highlight=False)
+    else:
+        console.print(f"[bold green]ok[/]: all {v['checked']} served outputs equal the "
+                      f"colocated reference, token for token")
+    if data.problems:
+        console.print(f"[bold red]FAILED[/]: {len(data.problems)} requests did not end as "
+                      f"planned:")
+        for p in data.problems:
+            console.print(f"  {p}", highlight=False, markup=False)
+    console.print(f"outputs in {out}/: lifecycle diagrams, trace.json (open it in "
+                  f"https://ui.perfetto.dev), summary.json", highlight=False, soft_wrap=True)
+    return summary

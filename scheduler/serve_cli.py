@@ -1,0 +1,279 @@
+"""``pdlife serve`` (an SGLang-compatible prefill or decode worker) and ``pdlife generate`` (the
+colocated reference run, to check a served answer).
+
+Both build the reference model from the same flags with the same defaults, so a served output
+and ``pdlife generate`` agree token for token when started alike.
+
+Shutdown: the first SIGTERM or SIGINT starts a drain (``/generate`` and ``/health`` answer 503,
+requests in flight finish), then the server exits 0; after ``--drain-timeout`` seconds what is
+still live is aborted. A second SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+import attrs
+
+from scheduler.cli import Subcommand, UsageError
+
+logger = logging.getLogger(__name__)
+
+_MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
+                "max_position", "seed")
+
+
+def _model_defaults() -> dict[str, Any]:
+    from scheduler.model import ModelConfig
+
+    return {f.name: f.default for f in attrs.fields(ModelConfig) if f.name in _MODEL_FLAGS}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The reference model's shape and seed (ModelConfig's defaults)."""
+    group = parser.add_argument_group("model (shared by serve and generate)")
+    for name, default in _model_defaults().items():
+        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
+                           help=f"(default: {default})")
+    group.add_argument("--device", default="cpu",
+                       help="cpu, cuda, or auto (CUDA when available) (default: cpu)")
+
+
+def model_config(args: argparse.Namespace) -> Any:
+    from scheduler.model import ModelConfig
+
+    try:
+        return ModelConfig(**{name: getattr(args, name) for name in _MODEL_FLAGS})
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=("prefill", "decode"),
+                        help="which side of PD serving (not with --backend local, which runs both)")
+    parser.add_argument("--backend", choices=("mooncake", "local", "fake"), default="mooncake",
+                        help="KV transfer: mooncake (between processes), local (prefill and "
+                        "decode in this one process), fake (no transfer; the decode role computes "
+                        "prompts itself) (default: mooncake)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="HTTP bind address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=30000, help="HTTP port (default: %(default)s)")
+    parser.add_argument("--bootstrap-port", type=int, default=8998,
+                        help="prefill role, mooncake: the bootstrap endpoint's port, on --host "
+                        "(default: %(default)s)")
+    parser.add_argument("--model-name", default="pdlife-reference-llama",
+                        help="the name /model_info and /v1/models report (default: %(default)s)")
+    add_model_arguments(parser)
+    sched = parser.add_argument_group("scheduling and memory")
+    sched.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    sched.add_argument("--pool-pages", type=int, default=2048,
+                       help="KV pool pages per role (default: 2048)")
+    sched.add_argument("--metadata-slots", type=int, default=64,
+                       help="metadata rows, i.e. requests between bootstrap and transfer "
+                       "(default: 64)")
+    sched.add_argument("--chunked-prefill-size", type=int, default=8192,
+                       help="tokens per prefill chunk, 0 to disable chunking (default: 8192)")
+    sched.add_argument("--max-prefill-tokens", type=int, default=16384,
+                       help="tokens per prefill batch (default: 16384)")
+    sched.add_argument("--max-running-requests", type=int, default=256,
+                       help="requests holding KV pages at once (default: 256)")
+    sched.add_argument("--max-new-tokens-limit", type=int, default=None,
+                       help="largest max_new_tokens accepted (default: the model's max position)")
+    sched.add_argument("--overlap", action="store_true",
+                       help="prefill: launch the next batch before processing the previous one")
+    times = parser.add_argument_group("timeouts and limits")
+    times.add_argument("--bootstrap-timeout", type=float, default=300.0,
+                       help="prefill: seconds to wait for decode's destination (default: 300)")
+    times.add_argument("--transfer-timeout", type=float, default=300.0,
+                       help="prefill: seconds for a transfer to conclude (default: 300)")
+    times.add_argument("--waiting-timeout", type=float, default=300.0,
+                       help="decode: seconds to wait for a request's KV (default: 300)")
+    times.add_argument("--connect-timeout", type=float, default=30.0,
+                       help="decode: seconds to look a prefill server up (default: 30)")
+    times.add_argument("--drain-timeout", type=float, default=60.0,
+                       help="on SIGTERM: seconds to let requests finish before aborting them "
+                       "(default: 60)")
+    times.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                       help="largest request body accepted (default: 8 MiB)")
+    mc = parser.add_argument_group("mooncake")
+    mc.add_argument("--mooncake-host", default="127.0.0.1",
+                    help="this machine's address for the transfer engine and control sockets "
+                    "(default: %(default)s)")
+    mc.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp",
+                    help="(default: tcp)")
+    mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        default="info", help="(default: info)")
+
+
+def serve_config(args: argparse.Namespace) -> Any:
+    """The :class:`~scheduler.service.ServeConfig` the flags describe."""
+    from kv.mooncake import MooncakeConfig
+    from scheduler.config import SchedulerConfig
+    from scheduler.service import ServeConfig
+
+    if args.backend == "local":
+        if args.role is not None:
+            raise UsageError("--backend local runs prefill and decode in one process: drop --role")
+        role = "both"
+    elif args.role is None:
+        raise UsageError(f"--backend {args.backend} needs --role prefill or --role decode")
+    else:
+        role = args.role
+    try:
+        return ServeConfig(
+            role=role,
+            backend=args.backend,
+            model=model_config(args),
+            scheduler=SchedulerConfig(
+                page_size=args.page_size,
+                max_prefill_tokens=args.max_prefill_tokens,
+                chunked_prefill_size=args.chunked_prefill_size or None,
+                max_running_requests=args.max_running_requests,
+                bootstrap_timeout=args.bootstrap_timeout,
+                transfer_timeout=args.transfer_timeout,
+            ),
+            pool_pages=args.pool_pages,
+            metadata_slots=args.metadata_slots,
+            waiting_timeout=args.waiting_timeout,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+            max_body_bytes=args.max_body_bytes,
+            bootstrap_host=args.host,
+            bootstrap_port=args.bootstrap_port,
+            mooncake=MooncakeConfig(
+                hostname=args.mooncake_host, protocol=args.mooncake_protocol,
+                device=args.mooncake_device, connect_timeout_s=args.connect_timeout,
+                bootstrap_timeout_s=args.bootstrap_timeout,
+            ),
+            model_name=args.model_name,
+            device=args.device,
+            overlap=args.overlap,
+        )
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from scheduler.service import Service
+    from scheduler.service_app import create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = serve_config(args)
+    service = Service(config)
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT."""
+
+        drain_started = False
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.drain_started:
+                self.should_exit = self.force_exit = True
+                return
+            self.drain_started = True
+            service.begin_drain()
+            service.metrics.draining.set(1)
+            threading.Thread(target=self._drain, name="pdlife-drain", daemon=True).start()
+
+        def _drain(self) -> None:
+            if not service.wait_drained(args.drain_timeout):
+                logger.warning("drain timeout (%g s): aborting %d requests",
+                               args.drain_timeout, service.live_requests())
+                service.abort_all()
+                service.wait_drained(10.0)
+            logger.info("drained; shutting down")
+            self.should_exit = True
+
+    server = DrainingServer(uvicorn.Config(
+        create_app(service), host=args.host, port=args.port, log_config=None,
+        access_log=args.log_level == "debug", lifespan="off", timeout_graceful_shutdown=30,
+    ))
+    service.start_loop()
+    logger.info("pdlife serve: role %s, backend %s, on http://%s:%d", config.role,
+                config.backend, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        service.close()
+    return 0 if service.loop.failure is None else 1
+
+
+SERVE = Subcommand(
+    name="serve",
+    summary="run an SGLang-compatible prefill or decode worker over HTTP",
+    description=(
+        "Serve SGLang's worker API (/generate, /health, /server_info, /abort_request, "
+        "/metrics, ...) as a prefill or decode server that SGLang's router can drive, with "
+        "KV transfer over Mooncake. --backend local runs prefill and decode in this one "
+        "process, and /generate answers whole requests. Requests for bootstrap host 2.2.2.2 "
+        "use the fake backend (warm-up and health). SIGTERM drains, then exits 0."
+    ),
+    add_arguments=_serve_arguments,
+    run=_serve,
+)
+
+
+# -- generate ---------------------------------------------------------------------------------
+
+
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (byte-level tokens, as /generate's text)")
+    prompt.add_argument("--input-ids", help="prompt token ids, comma-separated")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="(default: 16)")
+    parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    add_model_arguments(parser)
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} wants comma-separated integers, got {text!r}") from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from scheduler.model import LlamaModel, ModelInputError, ReferenceModel, resolve_device
+    from scheduler.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(args.prompt) if args.prompt is not None else _ids(
+        args.input_ids, "--input-ids")
+    reference = ReferenceModel(LlamaModel(model_config(args), device=resolve_device(args.device)))
+    try:
+        out = reference.generate(ids, args.max_new_tokens,
+                                 _ids(args.stop_token_ids, "--stop-token-ids"), args.ignore_eos)
+    except ModelInputError as exc:
+        raise UsageError(str(exc)) from exc
+    json.dump({"text": tokenizer.decode(out), "output_ids": out, "prompt_tokens": len(ids)},
+              sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+GENERATE = Subcommand(
+    name="generate",
+    summary="run the colocated reference model and print its answer as JSON",
+    description=(
+        "Greedy generation with the colocated reference model (no pages, no transfer), from "
+        "the same model flags and defaults as pdlife serve, so a served answer can be checked: "
+        "prints {text, output_ids, prompt_tokens}."
+    ),
+    add_arguments=_generate_arguments,
+    run=_generate,
+)

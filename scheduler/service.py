@@ -1,0 +1,612 @@
+"""The serving core behind ``pdlife serve``: engines, the engine loop, and request hand-off.
+
+Theory of operation
+-------------------
+A :class:`Service` builds the engines of its role over one reference model:
+
+- ``prefill``: a :class:`~scheduler.prefill.PrefillScheduler` whose KV manager is the chosen
+  backend's (Mooncake: it also runs the bootstrap endpoint and registers its rank there); a fake
+  manager serves requests for the fake bootstrap host ``2.2.2.2``.
+- ``decode``: a :class:`~scheduler.decode.DecodePeer` over a
+  :class:`~scheduler.decode_mux.DecodeKVRouter` (one Mooncake manager per prefill server).
+- ``both`` (the ``local`` backend): both engines in one process, the local backend copying pages
+  from one pool to the other; one ``/generate`` runs the whole request.
+
+One :class:`~scheduler.worker.EngineLoop` thread owns and steps the engines. Request handlers
+run on the HTTP event loop: :meth:`Service.start` registers a :class:`Pending` under the request
+id, submits to the engines and wakes the loop; the engines' ``on_response`` callbacks (engine
+thread) find the Pending and resolve its asyncio future with
+``loop.call_soon_threadsafe``. Streaming decode requests also get their new tokens after every
+pass (``after_pass`` runs on the engine thread, the only place engine state may be read). A
+snapshot of counts and pool usage is published after every pass for ``/server_info``.
+
+A request id is live from :meth:`Service.start` until every engine it was submitted to has
+answered; ids are unique among live requests. Rooms of fake-host requests are the service's
+own (no prefill server pairs with them): they are replaced by a fresh service-local room.
+
+Drain: :meth:`Service.begin_drain` stops admission; :meth:`Service.wait_drained` returns when
+no request is live. A failed engine loop fails every live request (500) and makes the service
+unhealthy for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from kv.bootstrap import BootstrapServer
+from kv.fake import FakeKVManager
+from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
+from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.mooncake import MooncakeConfig, MooncakeDecodeManager, MooncakeKVManager
+from kv.pages import pages_needed
+from kv.pool import KVPool
+from lifecycle import FailureReason, SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.decode import DecodePeer, DecodeResponse
+from scheduler.decode_mux import DecodeKVRouter, LocalPrefillFake
+from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
+from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler, Response
+from scheduler.runner import ModelRunner
+from scheduler.service_metrics import ServiceMetrics
+from scheduler.tokenizer import ByteTokenizer
+from scheduler.worker import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "both"]
+Backend = Literal["local", "mooncake", "fake"]
+LOCAL_HOST = "local"
+_MAX_ROOM = (1 << 64) - 1
+_MAX_RID_LEN = 256
+
+
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"ServeConfig.{attr.name} must be > 0, got {value}")
+
+
+@attrs.frozen
+class ServeConfig:
+    """Everything a service is built from (validated when built)."""
+
+    role: Role = attrs.field(validator=attrs.validators.in_(("prefill", "decode", "both")))
+    backend: Backend = attrs.field(validator=attrs.validators.in_(("local", "mooncake", "fake")))
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    pool_pages: int = attrs.field(default=2048, validator=_positive)
+    metadata_slots: int = attrs.field(default=64, validator=_positive)
+    waiting_timeout: float = attrs.field(default=300.0, validator=_positive)
+    max_new_tokens_limit: int | None = None
+    max_body_bytes: int = attrs.field(default=8 << 20, validator=_positive)
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = attrs.field(default=8998, validator=attrs.validators.ge(0))
+    mooncake: MooncakeConfig = attrs.field(factory=MooncakeConfig)
+    model_name: str = "pdlife-reference-llama"
+    device: str = "cpu"
+    overlap: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if (self.backend == "local") != (self.role == "both"):
+            raise ValueError(
+                f"ServeConfig.role {self.role!r} with backend {self.backend!r}: the local "
+                "backend runs both roles in one process (role 'both'); prefill and decode "
+                "roles need the mooncake or fake backend"
+            )
+        limit = self.max_new_tokens_limit
+        if limit is not None and not 1 <= limit <= self.model.max_position:
+            raise ValueError(
+                f"ServeConfig.max_new_tokens_limit must be in 1..{self.model.max_position} "
+                f"(the model's max_position), got {limit}"
+            )
+
+    @property
+    def new_tokens_limit(self) -> int:
+        return self.max_new_tokens_limit or self.model.max_position
+
+    @property
+    def answered_by(self) -> Literal["prefill", "decode"]:
+        return "prefill" if self.role == "prefill" else "decode"
+
+
+class BadRequest(Exception):
+    """The request can never be served as sent; ``reason`` is the metrics label."""
+
+    def __init__(self, reason: str, message: str, *, rid: str | None = None,
+                 status: int = 400) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.rid = rid
+        self.status = status
+
+
+class Unavailable(Exception):
+    """The service does not admit requests now (draining, or the engine loop failed)."""
+
+
+@attrs.frozen
+class Item:
+    """One prompt of a ``/generate`` call, checked and ready to submit."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+
+    @property
+    def fake(self) -> bool:
+        return self.bootstrap_host == FAKE_BOOTSTRAP_HOST
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return f"{self.bootstrap_host}:{self.bootstrap_port}"
+
+
+@attrs.frozen
+class Answer:
+    """What a request ended with, in the terms of SGLang's ``/generate`` answer."""
+
+    rid: str
+    status: int
+    output_ids: tuple[int, ...]
+    finish_reason: str  # "length", "stop" or "abort"
+    message: str
+    reason: FailureReason | None
+    prompt_tokens: int
+    e2e_latency: float
+
+
+@attrs.define(eq=False)
+class Pending:
+    """A live request as the HTTP side waits on it."""
+
+    item: Item
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Answer]
+    started: float
+    waiting_on: set[str]
+    progress: asyncio.Queue[tuple[int, ...]] | None = None
+    prefill_failure: Response | None = None
+    streamed: int = 0  # output tokens handed to the stream (engine thread only)
+
+    def resolve(self, answer: Answer) -> None:
+        """Hand ``answer`` to the waiting handler (any thread; at most once takes effect)."""
+
+        def settle() -> None:
+            if not self.future.done():
+                self.future.set_result(answer)
+
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the handler's event loop is gone: nobody is waiting
+            logger.debug("answer for %r dropped: its event loop is closed", self.item.rid)
+
+    def push(self, tokens: tuple[int, ...]) -> None:
+        if self.progress is None:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.progress.put_nowait, tokens)
+        except RuntimeError:
+            logger.debug("stream tokens for %r dropped: its event loop is closed", self.item.rid)
+
+
+def _pool_view(pool: KVPool) -> dict[str, int]:
+    free = pool.allocator.available()
+    return {"free_pages": free, "used_pages": pool.num_pages - free, "total_pages": pool.num_pages}
+
+
+class Service:
+    """Engines of one role, their loop, and the requests waiting on them."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        runner_factory: Callable[[LlamaModel, KVPool], ModelRunner] = PagedModelRunner,
+    ) -> None:
+        self.config = config
+        self.tokenizer = ByteTokenizer()
+        self.model = LlamaModel(config.model, device=resolve_device(config.device))
+        self.bootstrap: BootstrapServer | None = None
+        self.prefill: PrefillScheduler | None = None
+        self.decode: DecodePeer | None = None
+        self.decode_kv: DecodeKVRouter | None = None
+        self._closers: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._pending: dict[str, Pending] = {}
+        self._streams: dict[str, Pending] = {}
+        self._rooms = itertools.count(1)
+        self._draining = False
+        self._idle = threading.Condition(self._lock)
+        self.snapshot: dict[str, Any] = {}
+        try:
+            self._build(runner_factory)
+        except BaseException:
+            self._close_backends()
+            raise
+        self.metrics = ServiceMetrics(
+            self.prefill.metrics.registry if self.prefill is not None else None
+        )
+        engines: list[Any] = [e for e in (self.prefill, self.decode) if e is not None]
+        self.loop = EngineLoop(engines, on_crash=self._on_crash, after_pass=self._after_pass)
+        self._after_pass()
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _build(self, runner_factory: Callable[[LlamaModel, KVPool], ModelRunner]) -> None:
+        c = self.config
+        ps = c.scheduler.page_size
+        hub = LocalTransferHub() if c.backend == "local" else None
+        if c.role in ("prefill", "both"):
+            pool = self.model.make_pool(num_pages=c.pool_pages, page_size=ps)
+            meta = MetadataBuffers(c.metadata_slots)
+            fake_kv = FakeKVManager()
+            kv: Any
+            if c.backend == "mooncake":
+                self.bootstrap = BootstrapServer(
+                    c.bootstrap_host, c.bootstrap_port, token=c.mooncake.token
+                )
+                self._closers.append(self.bootstrap.close)
+                kv = MooncakeKVManager(pool, meta, rank=0, config=c.mooncake)
+                self._closers.append(kv.close)
+                kv.register_to_bootstrap(self.bootstrap.address)
+                logger.info("bootstrap endpoint on %s; rank 0 registered (%s)",
+                            self.bootstrap.address, kv.endpoint)
+            elif c.backend == "local":
+                assert hub is not None
+                kv = LocalKVManager(pool, meta, hub=hub, bootstrap_addr=f"{LOCAL_HOST}:0")
+                self._closers.append(kv.close)
+            else:
+                kv = fake_kv
+            self.prefill = PrefillScheduler(
+                config=c.scheduler,
+                runner=runner_factory(self.model, pool),
+                kv=kv,
+                fake_kv=fake_kv,
+                metadata=meta,
+                slots=SlotAllocator(c.metadata_slots),
+                on_response=self._on_prefill,
+                overlap=c.overlap,
+            )
+            self._closers.append(self.prefill.close)
+        if c.role in ("decode", "both"):
+            pool = self.model.make_pool(num_pages=c.pool_pages, page_size=ps)
+            meta = MetadataBuffers(c.metadata_slots)
+            runner = runner_factory(self.model, pool)
+            fake = LocalPrefillFake(runner, meta)
+            if c.backend == "mooncake":
+                self.decode_kv = DecodeKVRouter(
+                    fake=fake,
+                    factory=lambda addr: MooncakeDecodeManager(pool, meta, addr, config=c.mooncake),
+                )
+            elif c.backend == "local":
+                assert hub is not None
+                self.decode_kv = DecodeKVRouter(
+                    fake=fake, default=LocalDecodeManager(pool, meta, hub=hub)
+                )
+            else:
+                self.decode_kv = DecodeKVRouter(fake=fake)
+            self._closers.append(self.decode_kv.close)
+            self.decode = DecodePeer(
+                runner=runner,
+                kv=self.decode_kv,
+                metadata=meta,
+                slots=SlotAllocator(c.metadata_slots),
+                eos_token_id=c.model.eos_token_id,
+                max_running_requests=c.scheduler.max_running_requests,
+                waiting_timeout=c.waiting_timeout,
+                on_response=self._on_decode,
+            )
+
+    def start_loop(self) -> None:
+        self.loop.start()
+
+    def close(self) -> None:
+        """Stop the loop and release the backends (threads, sockets, the bootstrap port)."""
+        try:
+            self.loop.stop()
+        finally:
+            self._close_backends()
+
+    def _close_backends(self) -> None:
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception:  # release the rest even if one fails
+                logger.exception("closing %r failed", close)
+        self._closers.clear()
+
+    # -- admission (HTTP side) --------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self.loop.alive
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def check(
+        self,
+        *,
+        rid: str,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        ignore_eos: bool,
+        bootstrap_host: str | None,
+        bootstrap_port: int | None,
+        bootstrap_room: int | None,
+    ) -> Item:
+        """One prompt as an :class:`Item`, or :class:`BadRequest` saying what is wrong."""
+        try:
+            return self._check(
+                rid, input_ids, max_new_tokens, stop_token_ids, ignore_eos, bootstrap_host,
+                bootstrap_port, bootstrap_room,
+            )
+        except BadRequest as exc:
+            exc.rid = rid
+            raise
+
+    def _check(
+        self,
+        rid: str,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        ignore_eos: bool,
+        bootstrap_host: str | None,
+        bootstrap_port: int | None,
+        bootstrap_room: int | None,
+    ) -> Item:
+        c, m = self.config, self.config.model
+        if not rid or len(rid) > _MAX_RID_LEN:
+            raise BadRequest("bad_rid", f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
+        n = len(input_ids)
+        if n == 0:
+            raise BadRequest("empty_prompt", f"request {rid!r}: the prompt is empty")
+        if min(input_ids) < 0 or max(input_ids) >= m.vocab_size:
+            raise BadRequest(
+                "bad_token_id",
+                f"request {rid!r}: token ids must be in 0..{m.vocab_size - 1}, got "
+                f"{min(input_ids)}..{max(input_ids)}",
+            )
+        limit = c.new_tokens_limit
+        if not 1 <= max_new_tokens <= limit:
+            raise BadRequest(
+                "bad_max_new_tokens",
+                f"request {rid!r}: sampling_params.max_new_tokens must be in 1..{limit}, "
+                f"got {max_new_tokens}",
+            )
+        if n + max_new_tokens - 1 > m.max_position:
+            raise BadRequest(
+                "prompt_too_long",
+                f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
+                f"exceeds the model's context of {m.max_position} positions",
+            )
+        need = n + (max_new_tokens if c.role != "prefill" else 0)
+        if pages_needed(need, c.scheduler.page_size) > c.pool_pages:
+            raise BadRequest(
+                "prompt_too_long",
+                f"request {rid!r}: {need} tokens exceed the KV pool of "
+                f"{c.pool_pages * c.scheduler.page_size} tokens",
+            )
+        if min(stop_token_ids, default=0) < 0:
+            raise BadRequest("bad_stop_token", f"request {rid!r}: stop_token_ids must be >= 0")
+        if bootstrap_room is not None and not 0 <= bootstrap_room <= _MAX_ROOM:
+            raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_room must be a uint64")
+        sampling = SamplingParams(max_new_tokens, tuple(stop_token_ids), ignore_eos)
+        fake = bootstrap_host == FAKE_BOOTSTRAP_HOST or c.backend == "fake"
+        if fake or c.backend == "local":
+            # No prefill server pairs with these rooms: the service picks its own.
+            host = FAKE_BOOTSTRAP_HOST if fake else LOCAL_HOST
+            return Item(rid, tuple(input_ids), sampling, host, 0, next(self._rooms))
+        if bootstrap_host is None or bootstrap_port is None or bootstrap_room is None:
+            raise BadRequest(
+                "missing_bootstrap",
+                f"request {rid!r}: the {c.role} role needs bootstrap_host, bootstrap_port and "
+                f"bootstrap_room (a PD router adds them; bootstrap_host {FAKE_BOOTSTRAP_HOST} "
+                "runs the request without a peer)",
+            )
+        if not 1 <= bootstrap_port <= 65535:
+            raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_port must be 1..65535")
+        return Item(rid, tuple(input_ids), sampling, bootstrap_host, bootstrap_port,
+                    bootstrap_room)
+
+    def needs_connect(self, item: Item) -> bool:
+        """Whether :meth:`connect_peer` may block for ``item`` (a peer not yet connected)."""
+        kv = self.decode_kv
+        return kv is not None and not item.fake and self.config.backend == "mooncake" and (
+            item.bootstrap_addr not in kv.peers())
+
+    def connect_peer(self, item: Item) -> None:
+        """Decode role: make sure the request's prefill server is connected (blocking; call it
+        off the event loop). Raises :class:`PeerUnreachable`."""
+        if self.decode_kv is not None and not item.fake:
+            self.decode_kv.connect(item.bootstrap_addr)
+
+    def start(self, item: Item, *, stream: bool) -> Pending:
+        """Register and submit ``item``; the returned Pending's future gets its Answer.
+        Must be called on the event loop the handler awaits on."""
+        loop = asyncio.get_running_loop()
+        sides = {"prefill"} if self.config.role == "prefill" else {"decode"}
+        if self.config.role == "both":
+            sides = {"prefill", "decode"}
+        pending = Pending(
+            item=item, loop=loop, future=loop.create_future(), started=time.monotonic(),
+            waiting_on=sides, progress=asyncio.Queue() if stream else None,
+        )
+        new = NewRequest(
+            item.rid, item.input_ids, bootstrap_host=item.bootstrap_host,
+            bootstrap_port=item.bootstrap_port, bootstrap_room=item.bootstrap_room,
+            sampling=item.sampling,
+        )
+        with self._lock:
+            if not self.loop.alive:
+                raise Unavailable(f"the engine loop failed: {self.loop.failure!r}")
+            if self._draining:
+                raise Unavailable("the server is draining (shutting down)")
+            if item.rid in self._pending:
+                raise BadRequest("duplicate_rid", f"request id {item.rid!r} is already live",
+                                 rid=item.rid)
+            self._pending[item.rid] = pending
+            if stream and self.decode is not None:
+                self._streams[item.rid] = pending
+        if item.fake and self.decode_kv is not None:
+            self.decode_kv.fake.expect(item.bootstrap_room, item.rid, item.input_ids)
+        if self.prefill is not None:
+            self.prefill.submit(new)
+        if self.decode is not None:
+            self.decode.submit(new)
+        self.loop.wake()
+        return pending
+
+    def abort(self, rid: str) -> bool:
+        """Abort a live request (any thread); False if ``rid`` is not live."""
+        with self._lock:
+            if rid not in self._pending:
+                return False
+        for engine in (self.prefill, self.decode):
+            if engine is not None:
+                engine.abort(rid)
+        self.loop.wake()
+        return True
+
+    def abort_all(self) -> int:
+        with self._lock:
+            rids = list(self._pending)
+        return sum(self.abort(rid) for rid in rids)
+
+    def live_requests(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def begin_drain(self) -> None:
+        with self._lock:
+            if not self._draining:
+                logger.info("draining: no new requests; %d in flight", len(self._pending))
+            self._draining = True
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait until no request is live; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    # -- answers (engine thread) ------------------------------------------------------------
+
+    def _on_prefill(self, resp: Response) -> None:
+        pending = self._find(resp.rid, "prefill")
+        if pending is None:
+            return
+        if self.config.role == "both":
+            if not resp.ok:
+                # The decode side cannot get this request's KV any more.
+                pending.prefill_failure = resp
+                assert self.decode is not None
+                self.decode.abort(resp.rid)
+            self._done(pending, "prefill", None)
+            return
+        ok = resp.ok
+        first = () if resp.first_token is None else (resp.first_token,)
+        self._done(pending, "prefill", Answer(
+            rid=resp.rid,
+            status=resp.http_status,
+            output_ids=first if ok else (),
+            finish_reason="length" if ok else "abort",
+            message=resp.detail,
+            reason=resp.reason,
+            prompt_tokens=resp.prompt_tokens,
+            e2e_latency=time.monotonic() - pending.started,
+        ))
+
+    def _on_decode(self, resp: DecodeResponse) -> None:
+        pending = self._find(resp.rid, "decode")
+        if pending is None:
+            return
+        status, reason, message = resp.http_status, resp.reason, resp.detail
+        failed = pending.prefill_failure
+        if failed is not None and not resp.ok:
+            status, reason, message = failed.http_status, failed.reason, failed.detail
+        self.metrics.on_decode_finished(resp)
+        self._done(pending, "decode", Answer(
+            rid=resp.rid,
+            status=status,
+            output_ids=resp.output_ids,
+            finish_reason=resp.finish_reason,
+            message=message,
+            reason=reason,
+            prompt_tokens=resp.prompt_tokens,
+            e2e_latency=time.monotonic() - pending.started,
+        ))
+
+    def _find(self, rid: str, side: str) -> Pending | None:
+        with self._lock:
+            pending = self._pending.get(rid)
+        if pending is None or side not in pending.waiting_on:
+            logger.warning("%s answered request %r, which is not waiting on it", side, rid)
+            return None
+        return pending
+
+    def _done(self, pending: Pending, side: str, answer: Answer | None) -> None:
+        if answer is not None:
+            pending.resolve(answer)
+        item = pending.item
+        with self._lock:
+            pending.waiting_on.discard(side)
+            if pending.waiting_on:
+                return
+            del self._pending[item.rid]
+            self._streams.pop(item.rid, None)
+            self._idle.notify_all()
+        if item.fake and self.decode_kv is not None:
+            self.decode_kv.fake.forget(item.bootstrap_room)
+
+    def _on_crash(self, exc: BaseException) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._streams.clear()
+            self._idle.notify_all()
+        message = f"internal error: the engine loop failed ({type(exc).__name__}: {exc})"
+        for p in pending:
+            p.resolve(Answer(
+                rid=p.item.rid, status=500, output_ids=(), finish_reason="abort",
+                message=message, reason=FailureReason.INTERNAL,
+                prompt_tokens=len(p.item.input_ids), e2e_latency=time.monotonic() - p.started,
+            ))
+        self.metrics.healthy.set(0)
+
+    # -- per pass (engine thread) -----------------------------------------------------------
+
+    def _after_pass(self) -> None:
+        if self._streams and self.decode is not None:
+            with self._lock:
+                streams = list(self._streams.values())
+            for p in streams:
+                req = self.decode.lifecycle.get(p.item.rid)
+                if req is None or len(req.output_ids) <= p.streamed:
+                    continue
+                tokens = tuple(req.output_ids[p.streamed :])
+                p.streamed += len(tokens)
+                p.push(tokens)
+        requests: dict[str, dict[str, int]] = {}
+        pools: dict[str, dict[str, int]] = {}
+        if self.prefill is not None:
+            requests["prefill"] = {s.name.lower(): n for s, n in self.prefill.lifecycle.counts()
+                                   .items()}
+            pools["prefill"] = _pool_view(self.prefill.pool)
+        if self.decode is not None:
+            counts = self.decode.lifecycle.counts()
+            requests["decode"] = {s.name.lower(): n for s, n in counts.items()}
+            pools["decode"] = _pool_view(self.decode.pool)
+            self.metrics.set_decode(counts, pools["decode"])
+        self.snapshot = {"requests": requests, "kv_pool": pools}

@@ -1,0 +1,71 @@
+"""Prometheus metrics of the HTTP service (names prefixed ``pdlife_``).
+
+They live in the prefill scheduler's registry when the service has one (so ``/metrics`` is one
+registry), else in a registry of their own. Decode gauges are set once per engine pass from
+counts the decode peer already keeps.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from scheduler.decode import DecodeResponse
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "pdlife_http_requests", "HTTP requests answered, by route, method and status.",
+            ["route", "method", "status"], registry=r,
+        )
+        self.http_seconds = Histogram(
+            "pdlife_http_request_seconds", "Time to answer an HTTP request (to the first byte "
+            "of a stream), by route.", ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.http_rejected = Counter(
+            "pdlife_http_rejected", "Requests refused by the HTTP service before reaching a "
+            "scheduler, by reason.", ["reason"], registry=r,
+        )
+        self.healthy = Gauge(
+            "pdlife_service_healthy", "1 while the engine loop runs, 0 once it failed.", registry=r
+        )
+        self.draining = Gauge(
+            "pdlife_service_draining", "1 once the service stopped admitting requests.",
+            registry=r,
+        )
+        self.decode_requests = Gauge(
+            "pdlife_decode_requests", "Live decode requests by lifecycle state.", ["state"],
+            registry=r,
+        )
+        self.decode_finished = Counter(
+            "pdlife_decode_requests_finished", "Decode requests that ended, by final state "
+            "and reason.", ["state", "reason"], registry=r,
+        )
+        self.decode_tokens = Counter(
+            "pdlife_decode_output_tokens", "Output tokens of finished decode requests.",
+            registry=r,
+        )
+        self.decode_pages_used = Gauge(
+            "pdlife_decode_kv_pages_used", "Decode KV pages held.", registry=r
+        )
+        self.decode_pages_total = Gauge(
+            "pdlife_decode_kv_pages_total", "Decode KV pages in the pool.", registry=r
+        )
+        self.healthy.set(1)
+
+    def on_decode_finished(self, resp: DecodeResponse) -> None:
+        reason = resp.reason.value if resp.reason is not None else ""
+        self.decode_finished.labels(state=resp.state.name.lower(), reason=reason).inc()
+        self.decode_tokens.inc(len(resp.output_ids))
+
+    def set_decode(self, counts: dict[enum.IntEnum, int], pool: dict[str, int]) -> None:
+        for state, n in counts.items():
+            self.decode_requests.labels(state=state.name.lower()).set(n)
+        self.decode_pages_used.set(pool["used_pages"])
+        self.decode_pages_total.set(pool["total_pages"])

@@ -1,0 +1,165 @@
+"""Service test fixtures: `pdlife serve` and the SGLang router as processes on loopback, and an
+in-process service behind an ASGI transport.
+
+Processes get free ports on 127.0.0.1, write their output to a log file (shown when they fail),
+and are waited on through their HTTP endpoints with timeouts, never fixed sleeps. Callers stop
+them in ``finally`` blocks or fixture teardowns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scheduler.service import ServeConfig, Service
+from scheduler.service_app import create_app
+
+ROOT = Path(__file__).resolve().parent.parent
+_PDLIFE = "import sys; from scheduler.cli import main; sys.exit(main())"
+_POLL_S = 0.05
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; TimeoutError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()  # never set: wait() is an interruptible pause between polls
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        pause.wait(_POLL_S)
+
+
+class Process:
+    """A child process with its output in ``log``; :meth:`stop` ends it for sure."""
+
+    def __init__(self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._out = log.open("wb")
+        self.proc = subprocess.Popen(
+            list(argv), stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2", **(env or {})},
+        )
+
+    def tail(self, n: int = 4000) -> str:
+        self._out.flush()
+        return self.log.read_bytes()[-n:].decode(errors="replace")
+
+    def check_alive(self, what: str) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout`` s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._out.close()
+        return self.proc.returncode
+
+
+class Server(Process):
+    """``pdlife serve`` on a free loopback port."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([sys.executable, "-c", _PDLIFE, "serve", "--host", "127.0.0.1",
+                          "--port", str(self.port), *args], log)
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        def healthy() -> bool:
+            self.check_alive(f"pdlife serve on {self.port}")
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        try:
+            wait_for(healthy, timeout, f"pdlife serve on {self.port} healthy")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.tail()}") from None
+
+    def get(self, path: str) -> Any:
+        r = httpx.get(f"{self.url}{path}", timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+
+def idle(info: dict[str, Any]) -> bool:
+    """No live request and every KV pool entirely free, per ``/server_info``."""
+    counts = [n for states in info["requests"].values() for n in states.values()]
+    pools = info["kv_pool"].values()
+    return (
+        info["live_requests"] == 0
+        and not any(counts)
+        and all(p["free_pages"] == p["total_pages"] for p in pools)
+    )
+
+
+def tokens_of_stream(body: str) -> tuple[list[dict[str, Any]], bool]:
+    """The JSON chunks of an SSE body, and whether it ended with ``data: [DONE]``."""
+    import json
+
+    chunks, done = [], False
+    for line in body.split("\n\n"):
+        line = line.strip()
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+        else:
+            assert not done, "a chunk after [DONE]"
+            chunks.append(json.loads(data))
+    return chunks, done
+
+
+@contextlib.contextmanager
+def running_service(config: ServeConfig, **kwargs: Any) -> Iterator[Service]:
+    service = Service(config, **kwargs)
+    service.start_loop()
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(service: Service) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app(service))
+    async with httpx.AsyncClient(transport=transport, base_url="http://pdlife") as client:
+        yield client
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)

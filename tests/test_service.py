@@ -1,0 +1,333 @@
+"""The HTTP service in process (ASGI transport): answers against the colocated reference, bad
+input, abort, the fake host on both roles, a failing engine loop."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from kv.pool import KVPool
+from scheduler.config import SchedulerConfig
+from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.runner import ForwardBatch
+from scheduler.service import ServeConfig, Service
+from scheduler.tokenizer import ByteTokenizer
+from tests.service_harness import asgi_client, idle, run, running_service, tokens_of_stream
+
+MODEL = ModelConfig.tiny(seed=3)
+SCHED = SchedulerConfig(page_size=4, chunked_prefill_size=16, check_invariants=True)
+REFERENCE = ReferenceModel(LlamaModel(MODEL))
+TOKENIZER = ByteTokenizer()
+
+
+def config(role: str = "both", backend: str = "local", **kw: Any) -> ServeConfig:
+    return ServeConfig(role=role, backend=backend, model=MODEL, scheduler=SCHED,  # type: ignore[arg-type]
+                       pool_pages=64, metadata_slots=8, max_new_tokens_limit=32,
+                       max_body_bytes=4096, **kw)
+
+
+def expected(prompt: list[int], n: int, stops: tuple[int, ...] = (), ignore_eos: bool = False
+             ) -> list[int]:
+    return REFERENCE.generate(prompt, n, stops, ignore_eos)
+
+
+async def gen(client: httpx.AsyncClient, **body: Any) -> httpx.Response:
+    return await client.post("/generate", json=body)
+
+
+async def settled(client: httpx.AsyncClient) -> dict[str, Any]:
+    """``/server_info`` once nothing is live (the engine loop finishes releases after answers)."""
+    for _ in range(2000):
+        info: dict[str, Any] = (await client.get("/server_info")).json()
+        if idle(info):
+            return info
+        await _yield()
+    raise AssertionError(f"service did not settle: {info}")
+
+
+async def _yield() -> None:
+    import asyncio
+
+    await asyncio.sleep(0.005)
+
+
+def rejected(metrics_text: str, reason: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith(f'pdlife_http_rejected_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def test_local_answers_equal_the_reference_single_batch_and_stream() -> None:
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                text = "Hello, pdlife!"
+                prompt = TOKENIZER.encode(text)
+                r = await gen(client, text=text, rid="one",
+                              sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                want = expected(prompt, 12, ignore_eos=True)
+                assert body["output_ids"] == want
+                assert body["text"] == TOKENIZER.decode(want)
+                meta = body["meta_info"]
+                assert meta["id"] == "one"
+                assert meta["finish_reason"] == {"type": "length", "length": 12}
+                assert meta["prompt_tokens"] == len(prompt)
+                assert meta["completion_tokens"] == 12
+                assert meta["e2e_latency"] > 0
+
+                prompts = [[1, 2, 3], list(range(40, 90)), [200] * 17]
+                r = await gen(client, input_ids=prompts, sampling_params={"max_new_tokens": 5})
+                assert r.status_code == 200, r.text
+                answers = r.json()
+                assert [a["output_ids"] for a in answers] == [expected(p, 5) for p in prompts]
+                assert len({a["meta_info"]["id"] for a in answers}) == 3
+
+                stop = want[3]
+                r = await gen(client, text=text, stream=True,
+                              sampling_params={"max_new_tokens": 12, "stop_token_ids": [stop],
+                                               "ignore_eos": True})
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                chunks, done = tokens_of_stream(r.text)
+                assert done
+                want_stop = expected(prompt, 12, (stop,), ignore_eos=True)
+                assert chunks[-1]["output_ids"] == want_stop
+                assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop",
+                                                                     "matched": stop}
+                for earlier, later in zip(chunks, chunks[1:]):
+                    assert later["output_ids"][: len(earlier["output_ids"])] == (
+                        earlier["output_ids"])
+                    assert earlier["meta_info"]["finish_reason"] is None
+                info = await settled(client)
+                assert info["kv_pool"]["prefill"]["total_pages"] == 64
+
+    run(main())
+
+
+def test_fake_host_prefill_role_answers_the_first_token() -> None:
+    async def main() -> None:
+        with running_service(config("prefill", "fake")) as service:
+            async with asgi_client(service) as client:
+                prompt = list(range(1, 30))
+                r = await gen(client, input_ids=prompt, bootstrap_host="2.2.2.2",
+                              bootstrap_room=0, sampling_params={"max_new_tokens": 9})
+                assert r.status_code == 200, r.text
+                assert r.json()["output_ids"] == expected(prompt, 1)
+                assert r.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+                # Warm-ups share room 0: concurrent ones must not collide.
+                rs = [await gen(client, input_ids=prompt, bootstrap_host="2.2.2.2",
+                                bootstrap_room=0) for _ in range(3)]
+                assert all(x.status_code == 200 for x in rs)
+                assert (await client.get("/health_generate")).status_code == 200
+                await settled(client)
+
+    run(main())
+
+
+def test_fake_host_decode_role_computes_the_prompt_itself() -> None:
+    async def main() -> None:
+        with running_service(config("decode", "mooncake")) as service:
+            async with asgi_client(service) as client:
+                prompt = list(range(100, 137))
+                r = await gen(client, input_ids=prompt, bootstrap_host="2.2.2.2",
+                              bootstrap_port=8998, bootstrap_room=0,
+                              sampling_params={"max_new_tokens": 7, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["output_ids"] == expected(prompt, 7, ignore_eos=True)
+                assert (await client.get("/health_generate")).status_code == 200
+                await settled(client)
+
+    run(main())
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+BAD_INPUTS = [
+    ("malformed_json", b'{"text": "a"', "not valid JSON"),
+    ("invalid_request", json.dumps({"text": 5}).encode(), "text"),
+    ("invalid_request", json.dumps({"input_ids": [1, "2"]}).encode(), "input_ids"),
+    ("invalid_request", json.dumps({"text": "a", "stream": "yes"}).encode(), "stream"),
+    ("empty_prompt", json.dumps({"text": ""}).encode(), "empty"),
+    ("empty_prompt", json.dumps({"input_ids": []}).encode(), "empty"),
+    ("bad_prompt", json.dumps({"text": "a", "input_ids": [1]}).encode(), "exactly one"),
+    ("bad_token_id", json.dumps({"input_ids": [1, 9999]}).encode(), "token ids"),
+    ("prompt_too_long", json.dumps({"input_ids": [7] * 300}).encode(), "KV pool"),
+    ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -3}}
+                                   ).encode(), "max_new_tokens"),
+    ("bad_max_new_tokens", json.dumps({"text": "a", "sampling_params": {
+        "max_new_tokens": 10**9}}).encode(), "1..32"),
+    ("bad_batch", json.dumps({"text": ["a", "b"], "stream": True}).encode(), "stream"),
+    ("bad_batch", json.dumps({"text": ["a", "b"], "rid": ["x"]}).encode(), "entries"),
+    ("duplicate_rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "distinct"),
+]
+
+
+@pytest.mark.parametrize(("reason", "body", "says"), BAD_INPUTS,
+                         ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_a_4xx_is_counted_and_leaves_nothing(reason: str, body: bytes,
+                                                              says: str) -> None:
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await client.post("/generate", content=body,
+                                      headers={"content-type": "application/json"})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["type"] == reason
+                assert says in error["message"]
+                metrics = (await client.get("/metrics")).text
+                assert rejected(metrics, reason) == 1.0
+                assert 'route="/generate",status="400"' in metrics
+                await settled(client)
+                # The service still works.
+                ok = await gen(client, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+                assert ok.status_code == 200
+
+    run(main())
+
+
+def test_oversized_body_unknown_abort_and_non_json() -> None:
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await gen(client, input_ids=[1] * 3000)
+                assert r.status_code == 413
+                assert "exceeds 4096 bytes" in r.json()["error"]["message"]
+                r = await client.post("/abort_request", json={"rid": "nobody"})
+                assert r.status_code == 404
+                assert r.json()["error"] == {"message": "no live request has rid 'nobody'",
+                                             "type": "unknown_rid", "rid": "nobody"}
+                r = await client.post("/generate", content=b"text=a",
+                                      headers={"content-type": "text/plain"})
+                assert r.status_code == 400
+                assert "application/json" in r.json()["error"]["message"]
+                metrics = (await client.get("/metrics")).text
+                assert rejected(metrics, "body_too_large") == 1.0
+                assert rejected(metrics, "unknown_rid") == 1.0
+                await settled(client)
+
+    run(main())
+
+
+@pytest.mark.mooncake
+def test_prefill_room_in_use_duplicate_rid_and_abort() -> None:
+    """With no decode peer a request waits in BOOTSTRAPPING: its room and rid stay taken until
+    it is aborted, and the abort answers it with finish_reason abort."""
+
+    async def main() -> None:
+        import asyncio
+
+        from tests.service_harness import free_port
+
+        with running_service(config("prefill", "mooncake", bootstrap_port=free_port())
+                             ) as service:
+            async with asgi_client(service) as client:
+                info = (await client.get("/server_info")).json()
+                assert info["bootstrap_port"] == service.config.bootstrap_port
+                body = {"input_ids": [5, 6, 7], "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": 9, "bootstrap_room": 77}
+                first = asyncio.ensure_future(gen(client, rid="a", **body))
+                for _ in range(2000):
+                    info = (await client.get("/server_info")).json()
+                    if info["requests"]["prefill"]["bootstrapping"] == 1:
+                        break
+                    await _yield()
+                else:
+                    raise AssertionError(f"request never admitted: {info}")
+                again = await gen(client, rid="b", **body)
+                assert again.status_code == 400
+                assert "room 77 is in use" in again.json()["error"]["message"]
+                dup = await gen(client, rid="a", **{**body, "bootstrap_room": 78})
+                assert dup.status_code == 400
+                assert dup.json()["error"]["type"] == "duplicate_rid"
+                missing = await gen(client, input_ids=[1])
+                assert missing.status_code == 400
+                assert missing.json()["error"]["type"] == "missing_bootstrap"
+                r = await client.post("/abort_request", json={"rid": "a"})
+                assert r.status_code == 200
+                assert r.json() == {"rid": "a", "aborted": 1}
+                answer = await first
+                assert answer.status_code == 200
+                finish = answer.json()["meta_info"]["finish_reason"]
+                assert finish["type"] == "abort"
+                await settled(client)
+
+    run(main())
+
+
+# -- the other endpoints ----------------------------------------------------------------------
+
+
+def test_info_endpoints_and_openapi() -> None:
+    async def main() -> None:
+        with running_service(config(model_name="tiny")) as service:
+            async with asgi_client(service) as client:
+                assert (await client.get("/health")).status_code == 200
+                for path in ("/model_info", "/get_model_info"):
+                    info = (await client.get(path)).json()
+                    assert info["model_path"] == "tiny"
+                    assert info["is_generation"] is True
+                models = (await client.get("/v1/models")).json()
+                assert models["data"][0]["id"] == "tiny"
+                a = (await client.get("/server_info")).json()
+                b = (await client.get("/get_server_info")).json()
+                assert a["role"] == b["role"] == "both"
+                assert set(a["requests"]) == {"prefill", "decode"}
+                schema = (await client.get("/openapi.json")).json()
+                for path in ("/generate", "/abort_request", "/health", "/server_info",
+                             "/get_server_info", "/model_info", "/v1/models", "/metrics"):
+                    assert path in schema["paths"], path
+                metrics = (await client.get("/metrics")).text
+                assert "pdlife_kv_pages_total 64.0" in metrics
+                assert "pdlife_decode_kv_pages_total 64.0" in metrics
+                assert "pdlife_service_healthy 1.0" in metrics
+
+    run(main())
+
+
+# -- failure ----------------------------------------------------------------------------------
+
+POISON = 251
+
+
+class PoisonedRunner(PagedModelRunner):
+    """The model boundary failing: any batch holding token POISON raises."""
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        if any(POISON in item.input_ids for item in batch.items):
+            raise RuntimeError("device fault")
+        return super().forward(batch)
+
+
+def poisoned(model: LlamaModel, pool: KVPool) -> PagedModelRunner:
+    return PoisonedRunner(model, pool)
+
+
+def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
+    async def main() -> None:
+        with running_service(config(), runner_factory=poisoned) as service:
+            async with asgi_client(service) as client:
+                assert (await gen(client, input_ids=[1, 2])).status_code == 200
+                r = await gen(client, input_ids=[POISON, 2], rid="bad")
+                assert r.status_code == 500
+                error = r.json()["error"]
+                assert error["rid"] == "bad"
+                assert "device fault" in error["message"]
+                health = await client.get("/health")
+                assert health.status_code == 503
+                assert health.json()["error"]["type"] == "unhealthy"
+                assert (await gen(client, input_ids=[1, 2])).status_code == 503
+                assert "pdlife_service_healthy 0.0" in (await client.get("/metrics")).text
+                assert not service.loop.alive
+
+    run(main())
