@@ -1,0 +1,166 @@
+"""SGLang's router in front of a pdlife prefill worker and a pdlife decode worker, KV over
+Mooncake, all as processes on loopback.
+
+64 concurrent requests (half streamed) must equal the colocated reference token for token; then
+long requests are aborted mid-flight (by rid on both workers, and by a client that goes away);
+both workers stay healthy and their pools return to empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from scheduler.model import LlamaModel, ModelConfig, ReferenceModel
+from tests.service_harness import Process, Server, free_port, idle, tokens_of_stream, wait_for
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]
+
+REFERENCE = ReferenceModel(LlamaModel(ModelConfig()))
+LONG_NEW_TOKENS = 3000
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.procs: list[Process] = []
+        bootstrap = free_port()
+        common = ["--backend", "mooncake", "--chunked-prefill-size", "64",
+                  "--max-new-tokens-limit", "4096"]
+        self.prefill = self._add(Server(tmp / "prefill.log", "--role", "prefill",
+                                        "--bootstrap-port", str(bootstrap), *common))
+        self.decode = self._add(Server(tmp / "decode.log", "--role", "decode", *common))
+        self.prefill.wait_healthy()
+        self.decode.wait_healthy()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.router = self._add(Process([
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", self.prefill.url, str(bootstrap), "--decode", self.decode.url,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", "round_robin", "--worker-startup-check-interval", "1",
+            "--disable-retries", "--disable-circuit-breaker", "--log-level", "warn",
+        ], tmp / "router.log"))
+        wait_for(self._routes, 60, "router serving /generate")
+
+    def _add(self, proc: Any) -> Any:
+        self.procs.append(proc)
+        return proc
+
+    def _routes(self) -> bool:
+        self.router.check_alive("sglang router")
+        try:
+            r = httpx.post(f"{self.url}/generate", timeout=10,
+                           json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+        except httpx.TransportError:
+            return False
+        return r.status_code == 200
+
+    def workers_idle(self) -> bool:
+        return all(idle(s.get("/server_info")) for s in (self.prefill, self.decode))
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c: Cluster | None = None
+    try:
+        c = Cluster(tmp_path)
+        yield c
+    finally:
+        if c is not None:
+            c.stop()
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, prompt: list[int], n: int
+              ) -> list[int]:
+    body = {"input_ids": prompt, "rid": f"req-{i}",
+            "sampling_params": {"max_new_tokens": n, "ignore_eos": i % 3 == 0}}
+    if i % 2:
+        r = await client.post(f"{url}/generate", json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        chunks, done = tokens_of_stream(r.text)
+        assert done, r.text
+        last = chunks[-1]
+    else:
+        r = await client.post(f"{url}/generate", json=body)
+        assert r.status_code == 200, r.text
+        last = r.json()
+    assert last["meta_info"]["id"] == f"req-{i}"
+    assert last["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    ids: list[int] = last["output_ids"]
+    return ids
+
+
+async def concurrent(url: str) -> None:
+    rng = random.Random(7)
+    cases = [([rng.randrange(256) for _ in range(rng.randrange(1, 200))], rng.randrange(1, 24))
+             for _ in range(64)]
+    limits = httpx.Limits(max_connections=128)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        got = await asyncio.gather(*(one(client, url, i, p, n) for i, (p, n) in enumerate(cases)))
+    for i, ((prompt, n), ids) in enumerate(zip(cases, got, strict=True)):
+        assert ids == REFERENCE.generate(prompt, n, (), i % 3 == 0), f"request {i}"
+
+
+async def aborted(cluster: Cluster) -> None:
+    prompt = [random.Random(i).randrange(256) for i in range(1500)]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": LONG_NEW_TOKENS,
+                                                     "ignore_eos": True}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        # By rid, on both workers, as SGLang's abort test does.
+        rids = [f"long-{i}" for i in range(3)]
+        calls = [asyncio.ensure_future(client.post(
+            f"{cluster.url}/generate", json={**body, "rid": rid, "stream": rid == "long-2"}))
+            for rid in rids]
+        for rid in rids:
+            while True:
+                d = await client.post(f"{cluster.decode.url}/abort_request", json={"rid": rid})
+                if d.status_code == 200:
+                    break
+                assert d.status_code == 404, d.text
+                await asyncio.sleep(0.02)
+            p = await client.post(f"{cluster.prefill.url}/abort_request", json={"rid": rid})
+            assert p.status_code in (200, 404), p.text
+        for rid, call in zip(rids, calls, strict=True):
+            r = await call
+            assert r.status_code == 200, r.text
+            if rid == "long-2":
+                chunks, done = tokens_of_stream(r.text)
+                assert done
+                last = chunks[-1]
+            else:
+                last = r.json()
+            assert last["meta_info"]["finish_reason"]["type"] == "abort", last["meta_info"]
+            assert len(last["output_ids"]) < LONG_NEW_TOKENS
+        # A client that goes away after the first streamed chunk.
+        async with client.stream("POST", f"{cluster.url}/generate",
+                                 json={**body, "rid": "gone", "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break
+
+
+def test_router_end_to_end_over_mooncake(cluster: Cluster) -> None:
+    asyncio.run(concurrent(cluster.url))
+    wait_for(cluster.workers_idle, 30, "workers idle after the concurrent requests")
+    asyncio.run(aborted(cluster))
+    wait_for(cluster.workers_idle, 60, "workers idle after the aborts")
+    metrics = httpx.get(f"{cluster.decode.url}/metrics", timeout=10).text
+    aborts = [line for line in metrics.splitlines() if line.startswith(
+        'pdlife_decode_requests_finished_total{reason="aborted",state="failed"}')]
+    assert aborts and float(aborts[0].split()[-1]) >= 4, aborts
+    for server in (cluster.prefill, cluster.decode):
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200
