@@ -26,6 +26,7 @@ import queue
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -50,7 +51,7 @@ def _probability(_: object, attribute: attrs.Attribute[float], value: float) -> 
         raise ValueError(f"FaultPlan.{attribute.name} must be in 0.0 .. 1.0, got {value}")
 
 
-def _non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"FaultPlan.{attribute.name} must be >= 0, got {value}")
 

@@ -11,8 +11,9 @@ link (at once if it exists, else when it is created) and reports WAITING_FOR_INP
 Each ``send(pages, last)`` queues a chunk for the prefill manager's transfer worker thread,
 which copies the pages from the prefill pool into the decode pool for all layers and both K
 and V: page lists are coalesced into runs consecutive on both sides and each run moves as one
-slice copy of a ``[layers * 2, pages, page_elems]`` view; badly scattered lists move with one
-``index_select``/``index_copy_`` instead. The last chunk also copies the metadata row (its room
+slice copy of a ``[layers * 2, pages, page_elems]`` view (through numpy byte views between CPU
+pools); between device pools badly scattered lists move with one ``index_select`` /
+``index_copy_`` instead. The last chunk also copies the metadata row (its room
 last). When it lands, the sender and the receiver both conclude SUCCESS. A copy that raises
 fails the room on both sides with the error as the reason; the worker carries on.
 
@@ -49,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 _TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
 
-# Above this many runs, one gather/scatter over the page dimension beats a copy per run.
+# On an accelerator, above this many runs one gather/scatter over the page dimension beats a
+# launch per run.
 _MAX_SLICE_RUNS = 16
 
 
@@ -112,6 +114,17 @@ class _Chunk:
 def _copy_pages(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[int]) -> None:
     src_view, dst_view = src.page_view(), dst.page_view()
     runs = coalesce(src_pages, dst_pages)
+    if src_view.device.type == "cpu" and dst_view.device.type == "cpu":
+        # numpy's strided copy is one single-threaded memcpy per row. torch's copy opens a
+        # parallel region per call, and on a busy host with few cores each region can stall
+        # on a descheduled thread: with many runs per chunk that cost dominates.
+        src_bytes = src_view.view(torch.uint8).numpy()
+        dst_bytes = dst_view.view(torch.uint8).numpy()
+        for r in runs:
+            dst_bytes[:, r.dst_start : r.dst_start + r.length] = src_bytes[
+                :, r.src_start : r.src_start + r.length
+            ]
+        return
     if len(runs) <= _MAX_SLICE_RUNS:
         for r in runs:
             dst_view[:, r.dst_start : r.dst_start + r.length].copy_(

@@ -162,7 +162,9 @@ def causal_attention(
     # ``score - row_min`` is directly the (exact) exp-table index of ``max - score``.
     qg = (q * -_EXP_INDEX_SCALE).reshape(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     kt = k.permute(1, 2, 0)  # [kv_heads, head_dim, total]
-    vt = v.permute(1, 0, 2)  # [kv_heads, total, head_dim]
+    # A ones column after each value makes the second bmm also return the softmax denominator.
+    ones = torch.ones((total, kv_heads, 1), dtype=v.dtype, device=v.device)
+    vt = torch.cat((v, ones), dim=-1).permute(1, 0, 2)  # [kv_heads, total, head_dim + 1]
     out = torch.empty((kv_heads, group, n, head_dim), dtype=q.dtype, device=q.device)
     block = max(1, _BLOCK_ELEMENTS // (heads * total))
     for r0 in range(0, n, block):
@@ -178,6 +180,7 @@ def causal_attention(
         # Masked keys become +inf and look up exp(-inf) = 0.
         scores.sub_(scores.amin(-1, keepdim=True)).clamp_(max=table.numel() - 1)
         weights = _lookup(table, scores)
-        mixed = torch.bmm(weights, vt[:, :visible]) / weights.sum(-1, keepdim=True)
+        mixed = torch.bmm(weights, vt[:, :visible])
+        mixed = mixed[..., :head_dim] / mixed[..., head_dim:]
         out[:, :, r0:r1] = mixed.view(kv_heads, group, rows, head_dim)
     return fix(out.permute(2, 0, 1, 3).reshape(n, heads * head_dim))

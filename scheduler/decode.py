@@ -53,6 +53,7 @@ class DecodeResponse:
     output_ids: tuple[int, ...]
     finish_reason: str  # "length", "stop" or "abort"
     prompt_tokens: int
+    timeline: tuple[tuple[float, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -286,7 +287,7 @@ class DecodePeer:
             return False
         tokens = self.runner.forward(ForwardBatch(tuple(items)))
         self.steps += 1
-        for req, token in zip(reqs, tokens):
+        for req, token in zip(reqs, tokens, strict=True):
             req.output_ids.append(token)
         self.lifecycle.fire("finished", [r for r in reqs if self._finished(r)])
         return True
@@ -347,7 +348,7 @@ class DecodePeer:
         self.on_response(
             DecodeResponse(
                 req.rid, state, req.reason, req.detail, tuple(req.output_ids),
-                self.finish_reason(req), len(req.input_ids),
+                self.finish_reason(req), len(req.input_ids), tuple(req.timeline),
             )
         )
 

@@ -83,6 +83,8 @@ class Response:
     detail: str
     first_token: int | None
     prompt_tokens: int
+    # The request's lifecycle timeline, ``(monotonic time, event)`` pairs (lifecycle.timeline).
+    timeline: tuple[tuple[float, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -153,8 +155,14 @@ class PrefillScheduler:
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, seq, state)
         self._quarantine: list[tuple[KVSender, list[int], int | None]] = []
         self._continuing: PrefillRequest | None = None
+        # The largest batch so far (SGLang's max_prefill_bs, which the delayer's slot and
+        # queue conditions compare against).
+        self._max_prefill_bs = 0
         self._inflight: _Launched | None = None
-        self._device = ThreadPoolExecutor(1, thread_name_prefix="pdlife-device") if overlap else None
+        # The overlap loop's device worker (a CUDA stream's job on GPU; a thread on CPU).
+        self._device = (
+            ThreadPoolExecutor(1, thread_name_prefix="pdlife-device") if overlap else None
+        )
         self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
         self.pages_held = 0
         self.passes = 0
@@ -281,7 +289,9 @@ class PrefillScheduler:
             req.sender = manager.create_sender(addr, req.bootstrap_room)
         except Exception as exc:  # a backend refusing a sender fails the request, not the loop
             logger.exception("creating the sender of %r failed", req.rid)
-            self.lifecycle.fire("fail", [req], reason=FailureReason.BOOTSTRAP_FAILED, detail=str(exc))
+            self.lifecycle.fire(
+                "fail", [req], reason=FailureReason.BOOTSTRAP_FAILED, detail=str(exc)
+            )
             return
         self._rooms[key] = seq
         req.deadline = self.clock() + self.config.bootstrap_timeout
@@ -362,12 +372,12 @@ class PrefillScheduler:
         reqs: list[PrefillRequest | None] = [self._by_seq.get(k) for k in keys]
         local = [
             int(KVPoll.FAILED) if k in expired else self._poll_one(r)
-            for k, r in zip(keys, reqs)
+            for k, r in zip(keys, reqs, strict=True)
         ]
         polls = self.ranks.min_reduce(local)
         bootstrapped_failed: list[tuple[PrefillRequest, FailureReason, str]] = []
         done: list[PrefillRequest] = []
-        for key, req, poll in zip(keys, reqs, polls):
+        for key, req, poll in zip(keys, reqs, polls, strict=True):
             if req is None or req.state is None or req.is_final:
                 continue
             if poll == KVPoll.FAILED:
@@ -441,7 +451,9 @@ class PrefillScheduler:
     def _plan(self, delayer_pass: DelayerPass | None) -> Plan:
         waiting = self.lifecycle.in_state(S.WAITING)
         continuing = self._continuing
-        if continuing is not None and (continuing.state is not S.FORWARD or continuing.pending_abort):
+        if continuing is not None and (
+            continuing.state is not S.FORWARD or continuing.pending_abort is not None
+        ):
             continuing = self._continuing = None
         if not waiting and continuing is None:
             return Plan()
@@ -457,7 +469,7 @@ class PrefillScheduler:
                 return delayer_pass.allow(
                     local_prefillable=True,
                     running_batch=running_now,
-                    max_prefill_bs=self.config.prefill_max_requests or 0,
+                    max_prefill_bs=self._max_prefill_bs,
                     max_running_requests=max_running,
                     waiting_queue_len=waiting_len,
                 )
@@ -506,6 +518,7 @@ class PrefillScheduler:
                 )
             )
         self.lifecycle.fire("schedule", new)
+        self._max_prefill_bs = max(self._max_prefill_bs, len(plan.chunks))
         batch = ForwardBatch(tuple(items))
         if self._device is not None:
             return _Launched(plan, self._device.submit(self.runner.forward, batch), None)
@@ -522,7 +535,7 @@ class PrefillScheduler:
         prefilled: list[PrefillRequest] = []
         failing: list[PrefillRequest] = []
         ps = self.config.page_size
-        for chunk, token in zip(launched.plan.chunks, tokens):
+        for chunk, token in zip(launched.plan.chunks, tokens, strict=True):
             req = chunk.req
             req.on_device -= 1
             req.computed = chunk.start + chunk.length
@@ -616,7 +629,8 @@ class PrefillScheduler:
             assert state is not None
             self.on_response(
                 Response(
-                    req.rid, state, req.reason, req.detail, req.first_token, len(req.input_ids)
+                    req.rid, state, req.reason, req.detail, req.first_token,
+                    len(req.input_ids), tuple(req.timeline),
                 )
             )
 

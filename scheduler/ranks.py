@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from scheduler.gather import min_reduce
+
 
 class RankSync(Protocol):
     def agree_keys(self, keys: Sequence[int]) -> list[int]: ...
@@ -54,8 +56,4 @@ class TorchRanks:
         return sorted(union)
 
     def min_reduce(self, values: Sequence[int]) -> list[int]:
-        if not values:
-            return []
-        t = torch.tensor(list(values), dtype=torch.uint8)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return [int(v) for v in t.tolist()]
+        return min_reduce(values, self.group)

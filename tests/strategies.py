@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from lifecycle import DecodeRequest, PrefillRequest, SamplingParams
 from lifecycle.testing import event_sequences, failure_reasons, legal_walks
+from scheduler.delayer import DelayerConfig
 
 # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -80,7 +81,6 @@ def alloc_free_ops(max_ops: int = 60) -> st.SearchStrategy[list[tuple[str, int]]
 # -- PrefillDelayer ------------------------------------------------------------------------------
 # Imports stay with their section (sections are appended independently).
 
-from scheduler.delayer import DelayerConfig  # noqa: E402
 
 #: One rank's inputs to a negotiation:
 #: ``(prefillable, token_usage, running_batch, max_prefill_bs, waiting_queue_len)``.

@@ -1,0 +1,199 @@
+"""``pdlife demo``: the workload, a whole run in-process and as a command, and the output check."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from lifecycle import PrefillState
+from scheduler.demo import MIN_REQUESTS, DemoOptions, main
+from scheduler.demo_run import (
+    FAKE_ROOM_BASE,
+    PROMPT_TOKENS,
+    DemoRequest,
+    colocated_reference,
+    fault_plan,
+    make_workload,
+    run_demo,
+)
+from scheduler.model import LlamaModel
+
+ROOT = Path(__file__).resolve().parent.parent
+DELAYER_REASONS = {"no_wait", "wait_success", "wait_timeout", "token_watermark", "delay", "none"}
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=120, force_terminal=False), buf
+
+
+def _tracks(trace: dict[str, Any]) -> dict[int, list[str]]:
+    """Thread-track names by process id."""
+    out: dict[int, list[str]] = {}
+    for ev in trace["traceEvents"]:
+        if ev["ph"] == "M" and ev["name"] == "thread_name":
+            out.setdefault(ev["pid"], []).append(ev["args"]["name"])
+    return out
+
+
+def _check_outputs(out: Path, summary: dict[str, Any], workload: Sequence[DemoRequest]) -> None:
+    assert json.loads((out / "summary.json").read_text()) == summary
+    for name in ("prefill", "decode"):
+        mermaid = (out / f"lifecycle-{name}.mmd").read_text()
+        assert mermaid.lstrip().startswith("---") and "stateDiagram-v2" in mermaid
+        svg = out / f"lifecycle-{name}.svg"
+        assert svg.exists() == bool(shutil.which("dot"))
+        if svg.exists():
+            assert "<svg" in svg.read_text()
+    trace = json.loads((out / "trace.json").read_text())
+    tracks = _tracks(trace)
+    assert sorted(tracks[1]) == sorted(r.rid for r in workload)
+    assert sorted(tracks[2]) == sorted(r.rid for r in workload if r.disaggregated)
+    slices = [ev for ev in trace["traceEvents"] if ev["ph"] == "X"]
+    assert slices and all(ev["ts"] >= 0 and ev["dur"] >= 0 for ev in slices)
+
+
+# -- the workload -----------------------------------------------------------------------------
+
+
+def test_workload_is_seeded_and_holds_the_planned_faults_and_aborts() -> None:
+    plan = fault_plan(7)
+    work = make_workload(48, 7, plan)
+    assert work == make_workload(48, 7, plan)
+    assert work != make_workload(48, 8, fault_plan(8))
+    assert len({r.rid for r in work}) == 48
+    lo, hi = PROMPT_TOKENS
+    assert all(lo <= len(r.prompt) <= hi for r in work)
+    assert len({len(r.prompt) for r in work}) > 30
+    assert len({r.sampling.max_new_tokens for r in work}) > 10
+    planned = Counter(r.expected for r in work)
+    assert planned == {"done": 41, "bootstrap_failed": 2, "transfer_failed": 2, "aborted": 3}
+    for r in work:
+        if r.fault:
+            faults = plan.decide(r.room)
+            assert r.room > FAKE_ROOM_BASE
+            assert faults.bootstrap_failure == (r.fault == "bootstrap_failed")
+            assert faults.transfer_failure or r.fault != "transfer_failed"
+            assert not faults.bootstrap_timeout
+    targets = {r.abort_in for r in work if r.abort_in is not None}
+    assert targets == {PrefillState.WAITING, PrefillState.FORWARD, PrefillState.TRANSFERRING}
+    forward = next(r for r in work if r.abort_in is PrefillState.FORWARD)
+    assert len(forward.prompt) > 1024  # chunked, so the abort can land between chunks
+
+
+def test_small_workloads_keep_every_failure_kind() -> None:
+    work = make_workload(MIN_REQUESTS, 0, fault_plan(0))
+    assert Counter(r.expected for r in work) == {
+        "done": 1, "bootstrap_failed": 1, "transfer_failed": 1, "aborted": 3
+    }
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ValueError, match=f"requests must be an integer >= {MIN_REQUESTS}"):
+        DemoOptions(requests=MIN_REQUESTS - 1)
+    with pytest.raises(ValueError, match="backend"):
+        DemoOptions(backend="rdma")  # type: ignore[arg-type]
+    with pytest.raises(SystemExit) as exc:
+        main(["--requests", "2"])
+    assert exc.value.code == 2
+
+
+# -- whole runs -------------------------------------------------------------------------------
+
+
+def test_demo_runs_and_reports(tmp_path: Path) -> None:
+    console, buf = _console()
+    out = tmp_path / "out"
+    result = run_demo(DemoOptions(requests=8, seed=1, out=out), console=console)
+    text = buf.getvalue()
+    assert result.status == 0, text
+    s = result.summary
+    work = make_workload(8, 1, fault_plan(1))
+    served = sum(r.expected == "done" for r in work)
+    assert s["passed"] is True and s["problems"] == []
+    assert s["planned"] == {"aborted": 3, "bootstrap_failed": 1, "done": served,
+                            "transfer_failed": 1}
+    assert s["prefill"] == {
+        "done": served,
+        "failed": {"aborted": 3, "bootstrap_failed": 1, "transfer_failed": 1},
+    }
+    # An abort can race a transfer that already landed on decode, so decode may serve it.
+    assert s["decode"]["done"] + s["decode"]["failed"].get("aborted", 0) == served + 3
+    assert s["verification"]["checked"] == s["decode"]["done"]
+    assert s["verification"]["matched"] == s["verification"]["checked"] > 0
+    assert all(a["landed_in"] in {"WAITING", "FORWARD", "TRANSFERRING"} for a in s["aborts"])
+    assert set(s["ttft_ms"]) == {"bootstrap_wait", "queue_wait", "forward", "transfer", "total"}
+    for phase in s["ttft_ms"].values():
+        assert 0 <= phase["p50"] <= phase["p99"] and phase["n"] == served
+    t = s["throughput"]
+    assert t["prefill_tokens"] > 0 and t["prefill_tokens_per_s"] > 0
+    assert t["kv_bytes"] > 0 and t["kv_gb_per_s"] > 0 and t["kv_copy_gb_per_s"] > 0
+    assert s["delayer_outcomes"] and set(s["delayer_outcomes"]) <= DELAYER_REASONS
+    _check_outputs(out, s, work)
+    for heading in ("Requests by final state and reason", "TTFT phases", "Throughput",
+                    "PrefillDelayer outcomes", "Aborts"):
+        assert heading in text
+    assert "served outputs equal the colocated reference" in text
+    assert f"outputs in {out}" in text
+
+
+def test_a_wrong_output_fails_the_run_and_is_named(tmp_path: Path) -> None:
+    work = make_workload(MIN_REQUESTS, 0, fault_plan(0))
+    victim = next(r.rid for r in work if r.expected == "done")
+
+    def corrupted(model: LlamaModel, req: DemoRequest) -> list[int]:
+        out = colocated_reference(model, req)
+        if req.rid == victim:
+            out[-1] = (out[-1] + 1) % model.config.vocab_size
+        return out
+
+    console, buf = _console()
+    result = run_demo(DemoOptions(requests=MIN_REQUESTS, out=tmp_path), reference=corrupted,
+                      console=console)
+    assert result.status == 1
+    mismatches = result.summary["verification"]["mismatches"]
+    assert [m["rid"] for m in mismatches] == [victim]
+    assert mismatches[0]["expected"] != mismatches[0]["got"]
+    assert result.summary["passed"] is False
+    text = buf.getvalue()
+    assert "FAILED" in text and victim in text
+    assert json.loads((tmp_path / "summary.json").read_text())["passed"] is False
+
+
+def test_demo_command_in_a_subprocess(tmp_path: Path) -> None:
+    out = tmp_path / "demo-out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler.demo", "--requests", str(MIN_REQUESTS), "--seed",
+         "2", "--loop", "overlap", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"outputs in {out}" in proc.stdout
+    assert "answered by prefill" in proc.stdout  # plain progress lines: not a terminal
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["loop"] == "overlap" and summary["passed"] is True
+    _check_outputs(out, summary, make_workload(MIN_REQUESTS, 2, fault_plan(2)))
+
+
+@pytest.mark.mooncake
+def test_demo_over_mooncake(tmp_path: Path) -> None:
+    console, buf = _console()
+    result = run_demo(
+        DemoOptions(requests=MIN_REQUESTS, backend="mooncake", out=tmp_path), console=console
+    )
+    assert result.status == 0, buf.getvalue()
+    s = result.summary
+    assert s["run"]["backend"] == "mooncake"
+    assert s["verification"]["matched"] == s["verification"]["checked"] > 0
+    assert s["throughput"]["kv_bytes"] > 0 and "kv_copy_gb_per_s" not in s["throughput"]
+    _check_outputs(tmp_path, s, make_workload(MIN_REQUESTS, 0, fault_plan(0)))
