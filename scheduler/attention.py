@@ -49,8 +49,9 @@ PROB_FRAC_BITS = 16
 _EXP_INDEX_SCALE = 2.0**ACT_FRAC_BITS
 _EXP_RANGE = 12.0
 
-# Score tensors of one query block are capped at about this many float64 elements (64 MiB).
-_BLOCK_ELEMENTS = 1 << 20
+# Score tensors of one query block are capped at about this many float64 elements (4 MiB), so
+# the passes over them run in cache.
+_BLOCK_ELEMENTS = 1 << 19
 
 
 def to_grid(x: torch.Tensor, frac_bits: int, limit: float) -> torch.Tensor:

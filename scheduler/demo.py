@@ -21,6 +21,8 @@ Loop = Literal["normal", "overlap"]
 
 #: The smallest workload that still holds its two injected failures and three aborts.
 MIN_REQUESTS = 6
+#: Prompt length bounds of ``--max-prompt`` (the reference model's positions bound the top).
+MAX_PROMPT_RANGE = (64, 4096)
 
 
 def _at_least(low: int) -> Callable[[object, attrs.Attribute[int], int], None]:
@@ -31,6 +33,13 @@ def _at_least(low: int) -> Callable[[object, attrs.Attribute[int], int], None]:
     return check
 
 
+def _max_prompt(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    lo, hi = MAX_PROMPT_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"DemoOptions.{attr.name} must be an integer in {lo}..{hi}, "
+                         f"got {value!r}")
+
+
 def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
         raise ValueError(f"DemoOptions.{attr.name} must be > 0 seconds, got {value!r}")
@@ -39,7 +48,8 @@ def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None
 @attrs.frozen
 class DemoOptions:
     """What ``pdlife demo`` runs. ``requests`` counts the injected failures and aborts too;
-    ``timeout_s`` bounds the serving phase (wall seconds)."""
+    prompts are 16 to ``max_prompt`` byte tokens; ``timeout_s`` bounds the serving phase
+    (wall seconds)."""
 
     requests: int = attrs.field(default=48, validator=_at_least(MIN_REQUESTS))
     backend: Backend = attrs.field(
@@ -49,6 +59,7 @@ class DemoOptions:
         default="normal", validator=attrs.validators.in_(("normal", "overlap"))
     )
     seed: int = attrs.field(default=0, validator=_at_least(0))
+    max_prompt: int = attrs.field(default=2048, validator=_max_prompt)
     out: Path = attrs.field(default=Path("pdlife-out"), converter=Path)
     timeout_s: float = attrs.field(default=600.0, validator=_positive)
 
@@ -66,6 +77,11 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: normal)")
     parser.add_argument("--seed", type=int, default=d.seed,
                         help="workload and fault-injection seed (default: 0)")
+    parser.add_argument("--max-prompt", type=int, default=d.max_prompt, metavar="TOKENS",
+                        help=f"longest prompt, in byte tokens ({MAX_PROMPT_RANGE[0]}.."
+                        f"{MAX_PROMPT_RANGE[1]}); prompts range from 16 to this, and chunked "
+                        f"prefill cuts the longest in four or more chunks "
+                        f"(default: {d.max_prompt})")
     parser.add_argument("--out", metavar="DIR", default=str(d.out),
                         help=f"where the diagrams, the trace and the summary go "
                         f"(default: {d.out})")
@@ -75,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         options = DemoOptions(
             requests=args.requests, backend=args.backend, loop=args.loop, seed=args.seed,
-            out=args.out,
+            max_prompt=args.max_prompt, out=args.out,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -320,48 +320,63 @@ def write_files(data: RunData, out: Path) -> dict[str, list[str]]:
 # -- printing -------------------------------------------------------------------------------
 
 
-def _table(title: str, *columns: str) -> Table:
-    t = Table(title=title, title_justify="left", title_style="bold")
+_DELAYER_MEANING = {
+    "no_wait": "prefill allowed, no delay before it",
+    "wait_success": "prefill allowed after a delay",
+    "wait_timeout": "prefill allowed: the delay ran out",
+    "token_watermark": "prefill allowed: KV usage below the low watermark",
+    "delay": "prefill held back this pass",
+    "none": "nothing to prefill this pass",
+}
+
+
+def _table(*columns: str) -> Table:
+    t = Table()
     for i, c in enumerate(columns):
         t.add_column(c, justify="left" if i == 0 else "right")
     return t
 
 
+def _show(console: Console, title: str, table: Table) -> None:
+    # A separate heading: a table's own title wraps at the table's width.
+    console.print(Text(title, style="bold"), soft_wrap=True)
+    console.print(table)
+
+
 def render_summary(summary: dict[str, Any], console: Console) -> None:
-    outcomes = _table("Requests by final state and reason", "side", "state", "reason",
-                      "requests")
+    outcomes = _table("side", "state", "reason", "requests")
     outcomes.columns[1].justify = outcomes.columns[2].justify = "left"
     for side in ("prefill", "decode"):
         o = summary[side]
         outcomes.add_row(side, "DONE", "", str(o["done"]))
         for reason, n in o["failed"].items():
             outcomes.add_row(side, "FAILED", reason, str(n))
-    console.print(outcomes)
+    _show(console, "Requests by final state and reason", outcomes)
     if summary["aborts"]:
-        aborts = _table("Aborts", "request", "aimed at", "landed in", "chunks before")
+        aborts = _table("request", "aimed at", "landed in", "chunks before")
         aborts.columns[1].justify = aborts.columns[2].justify = "left"
         for a in summary["aborts"]:
             aborts.add_row(a["rid"], a["target"], str(a["landed_in"]),
                            str(a["chunks_done_before"]))
-        console.print(aborts)
-    ttft = _table("TTFT phases of served requests (ms)", "phase", "p50", "p99", "n")
+        _show(console, "Aborts (prefill state when the abort took effect)", aborts)
+    ttft = _table("phase", "p50", "p99", "requests")
     for name, v in summary["ttft_ms"].items():
         ttft.add_row(name, f"{v['p50']:.1f}", f"{v['p99']:.1f}", str(v["n"]))
-    console.print(ttft)
+    _show(console, "TTFT phases of served requests, ms (from the prefill timelines)", ttft)
     t = summary["throughput"]
-    rates = _table(f"Throughput over {summary['run']['serve_seconds']:.1f} s", "measure",
-                   "value")
+    rates = _table("measure", "value")
     rates.add_row("prefill tokens/s", f"{t['prefill_tokens_per_s']:,.0f}")
     rates.add_row("decode tokens/s", f"{t['decode_tokens_per_s']:,.0f}")
-    rates.add_row("KV moved (MB)", f"{t['kv_bytes'] / 1e6:,.1f}")
+    rates.add_row("KV moved, MB", f"{t['kv_bytes'] / 1e6:,.1f}")
     rates.add_row("KV GB/s over the run", f"{t['kv_gb_per_s']:.4f}")
     if "kv_copy_gb_per_s" in t:
         rates.add_row("KV GB/s while copying", f"{t['kv_copy_gb_per_s']:.3f}")
-    console.print(rates)
-    delayer = _table("PrefillDelayer outcomes", "reason", "passes")
+    _show(console, f"Throughput over {summary['run']['serve_seconds']:.1f} s of serving", rates)
+    delayer = _table("reason", "passes", "meaning")
+    delayer.columns[2].justify = "left"
     for reason, n in summary["delayer_outcomes"].items():
-        delayer.add_row(reason, str(n))
-    console.print(delayer)
+        delayer.add_row(reason, str(n), _DELAYER_MEANING.get(reason, ""))
+    _show(console, "PrefillDelayer outcomes (one decision per pass)", delayer)
 
 
 def finish_report(data: RunData, out: Path, console: Console) -> dict[str, Any]:

@@ -54,9 +54,8 @@ from scheduler.tokenizer import ByteTokenizer
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Tracked)
 
-PROMPT_TOKENS = (16, 2048)
-# Chunked prefill is on, so long prompts take several passes in FORWARD (chunk_done events).
-SCHEDULER = SchedulerConfig(chunked_prefill_size=512, max_prefill_tokens=2048)
+MIN_PROMPT_TOKENS = 16
+PAGE_SIZE = 16
 # Fake-backend rooms are numbered apart from the disaggregated ones, for readable traces.
 FAKE_ROOM_BASE = 1_000_000
 ABORT_TARGETS = (PrefillState.FORWARD, PrefillState.TRANSFERRING, PrefillState.WAITING)
@@ -124,11 +123,25 @@ def _text(rng: random.Random, length: int) -> tuple[int, ...]:
     return tuple(ByteTokenizer().encode(text)[:length])
 
 
-def make_workload(requests: int, seed: int, plan: FaultPlan) -> list[DemoRequest]:
-    """``requests`` seeded requests: ``requests // 12`` (at least 2) with injected faults,
-    ``requests // 16`` (at least 3) aborted, spread through the submission order."""
+def scheduler_config(max_prompt: int) -> SchedulerConfig:
+    """Chunked prefill cut so that the longest prompts take four chunks or more (several
+    passes in FORWARD, with ``chunk_done`` events), and a batch budget of four chunks."""
+    chunk = max(PAGE_SIZE, max_prompt // 4 // PAGE_SIZE * PAGE_SIZE)
+    return SchedulerConfig(
+        page_size=PAGE_SIZE, chunked_prefill_size=chunk, max_prefill_tokens=4 * chunk
+    )
+
+
+def make_workload(
+    requests: int, seed: int, plan: FaultPlan, max_prompt: int = 2048
+) -> list[DemoRequest]:
+    """``requests`` seeded requests with prompts of 16 to ``max_prompt`` tokens:
+    ``requests // 12`` (at least 2) with injected faults, ``requests // 16`` (at least 3)
+    aborted, spread through the submission order."""
     rng = random.Random(seed)
-    lo, hi = PROMPT_TOKENS
+    lo, hi = MIN_PROMPT_TOKENS, max_prompt
+    chunk = scheduler_config(max_prompt).chunked_prefill_size
+    assert chunk is not None
     num_faults = max(2, requests // 12)
     num_aborts = max(3, requests // 16)
     specials: list[tuple[str, PrefillState | None]] = [
@@ -144,7 +157,7 @@ def make_workload(requests: int, seed: int, plan: FaultPlan) -> list[DemoRequest
         fault, abort_in = positions.get(i, ("", None))
         if abort_in is PrefillState.FORWARD:
             # Long enough to be chunked, so the abort lands between chunks.
-            length = rng.randint(3 * SCHEDULER.chunked_prefill_size, hi)  # type: ignore[operator]
+            length = rng.randint(3 * chunk + 1, hi)
         else:
             length = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
         stops = (ord("."),) if rng.random() < 0.25 else ()
@@ -281,7 +294,9 @@ class DemoResult:
 
 
 def _make_pair(options: DemoOptions, plan: FaultPlan, delayer: PrefillDelayer) -> Pair:
-    config = PairConfig(scheduler=SCHEDULER, overlap=options.loop == "overlap")
+    config = PairConfig(
+        scheduler=scheduler_config(options.max_prompt), overlap=options.loop == "overlap"
+    )
     if options.backend == "mooncake":
         return MooncakePair(config, faults=plan, delayer=delayer)
     return EmbeddedPair(config, faults=plan, delayer=delayer)
@@ -414,7 +429,7 @@ def run_demo(
     """Serve the workload of ``options``, check it, print the summary and write the outputs."""
     console = console or Console()
     plan = fault_plan(options.seed)
-    workload = make_workload(options.requests, options.seed, plan)
+    workload = make_workload(options.requests, options.seed, plan, options.max_prompt)
     delayer = PrefillDelayer(
         DelayerConfig(), StaticGather(), dp_size=1, attn_tp_size=1, enable_dp_attention=False
     )

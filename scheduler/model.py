@@ -103,7 +103,7 @@ class ModelConfig:
     layers: int = attrs.field(default=2, validator=_int_in(1, 256))
     heads: int = attrs.field(default=4, validator=_int_in(1, 1024))
     kv_heads: int = attrs.field(default=2, validator=_int_in(1, 1024))
-    head_dim: int = attrs.field(default=16, validator=_int_in(2, 8192))
+    head_dim: int = attrs.field(default=16, validator=_int_in(2, 4096))
     intermediate: int = attrs.field(default=128, validator=_int_in(1, 1 << 20))
     rope_theta: float = attrs.field(default=10000.0, validator=_above_one)
     max_position: int = attrs.field(default=8192, validator=_int_in(1, 1 << 17))

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
+import torch
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
@@ -159,9 +160,15 @@ class PrefillScheduler:
         # queue conditions compare against).
         self._max_prefill_bs = 0
         self._inflight: _Launched | None = None
-        # The overlap loop's device worker (a CUDA stream's job on GPU; a thread on CPU).
+        # The overlap loop's device worker. On CUDA it also launches on its own stream, so
+        # the next batch's kernels queue behind the running ones without blocking this thread.
         self._device = (
             ThreadPoolExecutor(1, thread_name_prefix="pdlife-device") if overlap else None
+        )
+        self._stream = (
+            torch.cuda.Stream(device=self.pool.device)
+            if overlap and self.pool.device.type == "cuda"
+            else None
         )
         self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
         self.pages_held = 0
@@ -521,8 +528,14 @@ class PrefillScheduler:
         self._max_prefill_bs = max(self._max_prefill_bs, len(plan.chunks))
         batch = ForwardBatch(tuple(items))
         if self._device is not None:
-            return _Launched(plan, self._device.submit(self.runner.forward, batch), None)
+            return _Launched(plan, self._device.submit(self._device_forward, batch), None)
         return _Launched(plan, None, self.runner.forward(batch))
+
+    def _device_forward(self, batch: ForwardBatch) -> list[int]:
+        if self._stream is None:
+            return self.runner.forward(batch)
+        with torch.cuda.stream(self._stream):
+            return self.runner.forward(batch)
 
     # -- 5. results -------------------------------------------------------------------------
 

@@ -19,16 +19,19 @@ from lifecycle import PrefillState
 from scheduler.demo import MIN_REQUESTS, DemoOptions, main
 from scheduler.demo_run import (
     FAKE_ROOM_BASE,
-    PROMPT_TOKENS,
+    MIN_PROMPT_TOKENS,
     DemoRequest,
     colocated_reference,
     fault_plan,
     make_workload,
     run_demo,
+    scheduler_config,
 )
 from scheduler.model import LlamaModel
 
 ROOT = Path(__file__).resolve().parent.parent
+# Short prompts keep each run to seconds; the longest still take four chunks.
+MAX_PROMPT = 256
 DELAYER_REASONS = {"no_wait", "wait_success", "wait_timeout", "token_watermark", "delay", "none"}
 
 
@@ -72,8 +75,7 @@ def test_workload_is_seeded_and_holds_the_planned_faults_and_aborts() -> None:
     assert work == make_workload(48, 7, plan)
     assert work != make_workload(48, 8, fault_plan(8))
     assert len({r.rid for r in work}) == 48
-    lo, hi = PROMPT_TOKENS
-    assert all(lo <= len(r.prompt) <= hi for r in work)
+    assert all(MIN_PROMPT_TOKENS <= len(r.prompt) <= 2048 for r in work)
     assert len({len(r.prompt) for r in work}) > 30
     assert len({r.sampling.max_new_tokens for r in work}) > 10
     planned = Counter(r.expected for r in work)
@@ -88,7 +90,17 @@ def test_workload_is_seeded_and_holds_the_planned_faults_and_aborts() -> None:
     targets = {r.abort_in for r in work if r.abort_in is not None}
     assert targets == {PrefillState.WAITING, PrefillState.FORWARD, PrefillState.TRANSFERRING}
     forward = next(r for r in work if r.abort_in is PrefillState.FORWARD)
-    assert len(forward.prompt) > 1024  # chunked, so the abort can land between chunks
+    # Four chunks or more, so the abort can land between chunks.
+    assert len(forward.prompt) > 3 * scheduler_config(2048).chunked_prefill_size
+
+
+def test_max_prompt_bounds_the_prompts_and_the_chunks() -> None:
+    work = make_workload(24, 0, fault_plan(0), max_prompt=MAX_PROMPT)
+    assert max(len(r.prompt) for r in work) <= MAX_PROMPT
+    chunk = scheduler_config(MAX_PROMPT).chunked_prefill_size
+    assert chunk == 64
+    forward = next(r for r in work if r.abort_in is PrefillState.FORWARD)
+    assert len(forward.prompt) > 3 * chunk
 
 
 def test_small_workloads_keep_every_failure_kind() -> None:
@@ -101,6 +113,8 @@ def test_small_workloads_keep_every_failure_kind() -> None:
 def test_options_are_validated() -> None:
     with pytest.raises(ValueError, match=f"requests must be an integer >= {MIN_REQUESTS}"):
         DemoOptions(requests=MIN_REQUESTS - 1)
+    with pytest.raises(ValueError, match=r"max_prompt must be an integer in 64\.\.4096"):
+        DemoOptions(max_prompt=32)
     with pytest.raises(ValueError, match="backend"):
         DemoOptions(backend="rdma")  # type: ignore[arg-type]
     with pytest.raises(SystemExit) as exc:
@@ -114,11 +128,11 @@ def test_options_are_validated() -> None:
 def test_demo_runs_and_reports(tmp_path: Path) -> None:
     console, buf = _console()
     out = tmp_path / "out"
-    result = run_demo(DemoOptions(requests=8, seed=1, out=out), console=console)
+    result = run_demo(DemoOptions(requests=8, seed=1, max_prompt=MAX_PROMPT, out=out), console=console)
     text = buf.getvalue()
     assert result.status == 0, text
     s = result.summary
-    work = make_workload(8, 1, fault_plan(1))
+    work = make_workload(8, 1, fault_plan(1), MAX_PROMPT)
     served = sum(r.expected == "done" for r in work)
     assert s["passed"] is True and s["problems"] == []
     assert s["planned"] == {"aborted": 3, "bootstrap_failed": 1, "done": served,
@@ -140,7 +154,7 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
     assert t["kv_bytes"] > 0 and t["kv_gb_per_s"] > 0 and t["kv_copy_gb_per_s"] > 0
     assert s["delayer_outcomes"] and set(s["delayer_outcomes"]) <= DELAYER_REASONS
     _check_outputs(out, s, work)
-    for heading in ("Requests by final state and reason", "TTFT phases", "Throughput",
+    for heading in ("Requests by final state and reason", "TTFT phases", "Throughput over",
                     "PrefillDelayer outcomes", "Aborts"):
         assert heading in text
     assert "served outputs equal the colocated reference" in text
@@ -148,7 +162,7 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
 
 
 def test_a_wrong_output_fails_the_run_and_is_named(tmp_path: Path) -> None:
-    work = make_workload(MIN_REQUESTS, 0, fault_plan(0))
+    work = make_workload(MIN_REQUESTS, 0, fault_plan(0), MAX_PROMPT)
     victim = next(r.rid for r in work if r.expected == "done")
 
     def corrupted(model: LlamaModel, req: DemoRequest) -> list[int]:
@@ -158,8 +172,8 @@ def test_a_wrong_output_fails_the_run_and_is_named(tmp_path: Path) -> None:
         return out
 
     console, buf = _console()
-    result = run_demo(DemoOptions(requests=MIN_REQUESTS, out=tmp_path), reference=corrupted,
-                      console=console)
+    options = DemoOptions(requests=MIN_REQUESTS, max_prompt=MAX_PROMPT, out=tmp_path)
+    result = run_demo(options, reference=corrupted, console=console)
     assert result.status == 1
     mismatches = result.summary["verification"]["mismatches"]
     assert [m["rid"] for m in mismatches] == [victim]
@@ -174,7 +188,7 @@ def test_demo_command_in_a_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "demo-out"
     proc = subprocess.run(
         [sys.executable, "-m", "scheduler.demo", "--requests", str(MIN_REQUESTS), "--seed",
-         "2", "--loop", "overlap", "--out", str(out)],
+         "2", "--loop", "overlap", "--max-prompt", str(MAX_PROMPT), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -182,18 +196,20 @@ def test_demo_command_in_a_subprocess(tmp_path: Path) -> None:
     assert "answered by prefill" in proc.stdout  # plain progress lines: not a terminal
     summary = json.loads((out / "summary.json").read_text())
     assert summary["run"]["loop"] == "overlap" and summary["passed"] is True
-    _check_outputs(out, summary, make_workload(MIN_REQUESTS, 2, fault_plan(2)))
+    _check_outputs(out, summary, make_workload(MIN_REQUESTS, 2, fault_plan(2), MAX_PROMPT))
 
 
 @pytest.mark.mooncake
 def test_demo_over_mooncake(tmp_path: Path) -> None:
     console, buf = _console()
     result = run_demo(
-        DemoOptions(requests=MIN_REQUESTS, backend="mooncake", out=tmp_path), console=console
+        DemoOptions(requests=MIN_REQUESTS, backend="mooncake", max_prompt=MAX_PROMPT,
+                    out=tmp_path),
+        console=console,
     )
     assert result.status == 0, buf.getvalue()
     s = result.summary
     assert s["run"]["backend"] == "mooncake"
     assert s["verification"]["matched"] == s["verification"]["checked"] > 0
     assert s["throughput"]["kv_bytes"] > 0 and "kv_copy_gb_per_s" not in s["throughput"]
-    _check_outputs(tmp_path, s, make_workload(MIN_REQUESTS, 0, fault_plan(0)))
+    _check_outputs(tmp_path, s, make_workload(MIN_REQUESTS, 0, fault_plan(0), MAX_PROMPT))

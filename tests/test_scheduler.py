@@ -321,3 +321,24 @@ def test_sampling_params_are_validated():
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         SchedulerConfig(page_size=16, chunked_prefill_size=8)
+
+
+def test_the_delayer_gates_every_pass_and_counts_outcomes():
+    from scheduler.delayer import DelayerConfig, DelayerMetrics, PrefillDelayer
+    from scheduler.gather import StaticGather
+
+    h = Harness()
+    metrics = DelayerMetrics(h.sched.metrics.registry, 30)
+    h.sched.delayer = PrefillDelayer(DelayerConfig(), StaticGather(), dp_size=1, attn_tp_size=1,
+                                     enable_dp_attention=False, metrics=metrics)
+    h.submit("a", 4)
+    h.step()  # one rank, prefillable: no reason to wait
+    h.step()  # nothing waiting: finalize negotiates "not prefillable"
+    assert h.answered() == {"a": (S.DONE, None)}
+    assert h.sched.delayer.outcomes == {"no_wait": 1, "none": 1}
+    reg = h.sched.metrics.registry
+    total = sum(
+        s.value for m in reg.collect() if m.name == "pdlife_prefill_delayer_outcomes"
+        for s in m.samples if s.name.endswith("_total")
+    )
+    assert total == 2  # observed exactly once per pass

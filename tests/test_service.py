@@ -3,6 +3,7 @@ input, abort, the fake host on both roles, a failing engine loop."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -13,7 +14,7 @@ from kv.pool import KVPool
 from scheduler.config import SchedulerConfig
 from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.runner import ForwardBatch
-from scheduler.service import ServeConfig, Service
+from scheduler.service import ServeConfig
 from scheduler.tokenizer import ByteTokenizer
 from tests.service_harness import asgi_client, idle, run, running_service, tokens_of_stream
 
@@ -103,7 +104,7 @@ def test_local_answers_equal_the_reference_single_batch_and_stream() -> None:
                 assert chunks[-1]["output_ids"] == want_stop
                 assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop",
                                                                      "matched": stop}
-                for earlier, later in zip(chunks, chunks[1:]):
+                for earlier, later in itertools.pairwise(chunks):
                     assert later["output_ids"][: len(earlier["output_ids"])] == (
                         earlier["output_ids"])
                     assert earlier["meta_info"]["finish_reason"] is None

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kv.transfer import REASON_OTHER_RANK, KVPoll, KVSender, TransferError, TransferUsageError
+from tests.mooncake_harness import MooncakeHarness
 from tests.transfer_harness import (
     NUM_SLOTS,
     BackendHarness,
@@ -23,7 +24,7 @@ from tests.transfer_harness import (
     eventually,
 )
 
-HARNESSES: list[BackendHarness] = [FakeHarness(), LocalHarness()]
+HARNESSES: list[BackendHarness] = [FakeHarness(), LocalHarness(), MooncakeHarness()]
 
 ROOM = (1 << 63) + 12345  # above the int64 range: rooms are unsigned 64-bit
 
