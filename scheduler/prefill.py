@@ -173,6 +173,7 @@ class PrefillScheduler:
         self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
         self.pages_held = 0
         self.passes = 0
+        self.last_batch_size = 0  # requests in the batch launched by the latest pass
         self.metrics.kv_pages_total.set(self.pool.num_pages)
 
     # -- the thread-safe surface ------------------------------------------------------------
@@ -196,6 +197,7 @@ class PrefillScheduler:
         )
         plan = self._plan(delayer_pass)
         launched = self._launch(plan) if plan.chunks else None
+        self.last_batch_size = len(plan.chunks)
         if self.overlap:
             previous, self._inflight = self._inflight, launched
             if previous is not None:

@@ -186,7 +186,6 @@ def _serve(args: argparse.Namespace) -> int:
                 return
             self.drain_started = True
             service.begin_drain()
-            service.metrics.draining.set(1)
             threading.Thread(target=self._drain, name="pdlife-drain", daemon=True).start()
 
         def _drain(self) -> None:

@@ -495,6 +495,7 @@ class Service:
             if not self._draining:
                 logger.info("draining: no new requests; %d in flight", len(self._pending))
             self._draining = True
+        self.metrics.draining.set(1)
 
     def wait_drained(self, timeout: float) -> bool:
         """Wait until no request is live; False on timeout."""

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.decode_mux import PeerUnreachable
 from scheduler.prefill import FAKE_BOOTSTRAP_HOST
@@ -44,126 +45,6 @@ _ROUTES = frozenset({
     "/health", "/health_generate", "/server_info", "/get_server_info", "/model_info",
     "/get_model_info", "/v1/models", "/metrics", "/generate", "/abort_request", "/openapi.json",
 })
-
-
-# -- bodies -----------------------------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    # Unknown fields (the router adds several) are ignored; known ones must have their type.
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class SamplingParams(_Strict):
-    """Greedy decoding; other SGLang sampling fields are accepted and ignored."""
-
-    max_new_tokens: int = Field(16, ge=1, description="at most the server's limit")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
-
-
-class GenerateRequest(_Strict):
-    """SGLang's ``/generate`` input: one prompt, or a batch as lists."""
-
-    text: str | list[str] | None = Field(None, description="prompt text (byte-level tokens)")
-    input_ids: list[int] | list[list[int]] | None = Field(None, description="prompt token ids")
-    sampling_params: SamplingParams | None = None
-    stream: bool = Field(False, description="server-sent events, ending with data: [DONE]")
-    rid: str | list[str] | None = Field(None, description="request id(s); generated if absent")
-    bootstrap_host: str | list[str] | None = None
-    bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | list[
-        Annotated[int, Field(ge=0, le=65535)]] | None = None
-    bootstrap_room: Room | list[Room] | None = None
-
-
-class FinishReason(BaseModel):
-    type: Literal["length", "stop", "abort"]
-    length: int | None = None
-    matched: int | None = None
-    message: str | None = None
-    status_code: int | None = None
-
-
-class MetaInfo(BaseModel):
-    id: str
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    e2e_latency: float
-
-
-class GenerateAnswer(BaseModel):
-    text: str
-    output_ids: list[int]
-    meta_info: MetaInfo
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    rid: str | None = None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-class AbortRequest(_Strict):
-    rid: str = ""
-    abort_all: bool = False
-
-
-class AbortAnswer(BaseModel):
-    rid: str
-    aborted: int
-
-
-class ServerInfo(BaseModel):
-    role: str
-    backend: str
-    disaggregation_mode: str
-    model_path: str
-    page_size: int
-    pool_pages: int
-    max_new_tokens_limit: int
-    max_position: int
-    bootstrap_port: int | None
-    healthy: bool
-    draining: bool
-    live_requests: int
-    requests: dict[str, dict[str, int]]
-    kv_pool: dict[str, dict[str, int]]
-    peers: list[str]
-
-
-class ModelInfo(BaseModel):
-    model_path: str
-    tokenizer_path: str | None
-    is_generation: bool
-    vocab_size: int
-    max_position: int
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorBody, "description": "the request can never be served as sent"},
-    413: {"model": ErrorBody, "description": "the body exceeds the server's limit"},
-    500: {"model": ErrorBody, "description": "bootstrap, transfer or internal failure"},
-    503: {"model": ErrorBody, "description": "draining, or the engine loop failed"},
-}
 
 
 def _error(status: int, kind: str, message: str, rid: str | None = None) -> JSONResponse:
@@ -269,87 +150,6 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-# -- middleware -------------------------------------------------------------------------------
-
-
-class BodyLimit:
-    """Answers 413 to a body over ``limit`` bytes before the app sees any of it."""
-
-    def __init__(self, app: ASGIApp, limit: int, on_reject: Callable[[], None]) -> None:
-        self.app = app
-        self.limit = limit
-        self.on_reject = on_reject
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                await self._reject(send)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, send: Send) -> None:
-        self.on_reject()
-        body = ErrorBody(error=ErrorDetail(
-            message=f"the request body exceeds {self.limit} bytes", type="body_too_large"))
-        data = json.dumps(body.model_dump()).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": data})
-
-
-class HttpMetrics:
-    """Counts every answer by route, method and status; times it to its first byte."""
-
-    def __init__(self, app: ASGIApp, service: Service) -> None:
-        self.app = app
-        self.metrics = service.metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        route = path if path in _ROUTES else "other"
-        start = time.monotonic()
-
-        async def counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.http_requests.labels(
-                    route=route, method=scope.get("method", ""), status=str(message["status"])
-                ).inc()
-                self.metrics.http_seconds.labels(route=route).observe(time.monotonic() - start)
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-
 # -- the app ----------------------------------------------------------------------------------
 
 
@@ -366,6 +166,12 @@ def create_app(service: Service) -> FastAPI:
     def rejected(reason: str, status: int, message: str, rid: str | None = None) -> JSONResponse:
         metrics.http_rejected.labels(reason=reason).inc()
         return _error(status, reason, message, rid)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # a body FastAPI could not even decode
+            return rejected("malformed_json", 400, f"the body is not valid JSON: {exc.detail}")
+        return _error(exc.status_code, "http_error", str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -390,12 +196,13 @@ def create_app(service: Service) -> FastAPI:
             return _error(503, "draining", "the server is draining (shutting down)")
         return None
 
-    @app.get("/health", responses={503: _ERRORS[503]})
+    @app.get("/health", response_class=PlainTextResponse, responses={503: _ERRORS[503]})
     async def health() -> Response:
-        """200 while the engine loop runs and the server admits requests."""
-        return unavailable() or Response(status_code=200)
+        """200 (empty body) while the engine loop runs and the server admits requests."""
+        return unavailable() or PlainTextResponse("")
 
-    @app.get("/health_generate", responses={503: _ERRORS[503]})
+    @app.get("/health_generate", response_class=PlainTextResponse,
+             responses={503: _ERRORS[503]})
     async def health_generate() -> Response:
         """Runs a one-token request through the engines (fake bootstrap host)."""
         refused = unavailable()
@@ -417,7 +224,7 @@ def create_app(service: Service) -> FastAPI:
             return _error(503, "timeout", f"no answer within {_HEALTH_TIMEOUT_S:g} s")
         if answer.status != 200:
             return _error(503, _failure_kind(answer), answer.message)
-        return Response(status_code=200)
+        return PlainTextResponse("")
 
     def server_info() -> ServerInfo:
         snap = service.snapshot

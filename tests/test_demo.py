@@ -128,7 +128,8 @@ def test_options_are_validated() -> None:
 def test_demo_runs_and_reports(tmp_path: Path) -> None:
     console, buf = _console()
     out = tmp_path / "out"
-    result = run_demo(DemoOptions(requests=8, seed=1, max_prompt=MAX_PROMPT, out=out), console=console)
+    options = DemoOptions(requests=8, seed=1, max_prompt=MAX_PROMPT, out=out)
+    result = run_demo(options, console=console)
     text = buf.getvalue()
     assert result.status == 0, text
     s = result.summary

@@ -13,7 +13,7 @@ from scheduler.model import ModelConfig
 from tests.service_harness import Server, tokens_of_stream
 
 MODEL = ModelConfig.tiny()
-NEW_TOKENS = 600
+NEW_TOKENS = 300
 
 
 @pytest.mark.multiprocess

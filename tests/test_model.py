@@ -103,7 +103,9 @@ def decode_batched(runner: PagedModelRunner, reqs: list[Req]) -> None:
         for r in active:
             position = len(r.prompt) + len(r.output) - 1
             if position // pool.page_size >= len(r.pages):
-                r.pages += pool.allocator.alloc(1) or []
+                page = pool.allocator.alloc(1)
+                assert page is not None, "test pool too small"
+                r.pages += page
             items.append(ForwardItem(r.rid, (r.output[-1],), position, tuple(r.pages)))
         for r, token in zip(active, runner.forward(ForwardBatch(tuple(items))), strict=True):
             r.output.append(token)
