@@ -46,7 +46,7 @@ lint: setup
 	$(BIN)/mypy --strict lifecycle
 
 bench: setup
-	$(BIN)/python bench/lifecycle.py
+	$(BIN)/pdlife bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -190,6 +190,11 @@ class Progress:
 # -- the summary ----------------------------------------------------------------------------
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (small rates must not round to zero)."""
+    return float(f"{x:.{digits}g}")
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile ``q`` (0 < q <= 100) of a non-empty sequence."""
     ordered = sorted(values)
@@ -239,14 +244,14 @@ def build_summary(data: RunData) -> dict[str, Any]:
     planned = Counter(r.expected for r in data.workload)
     throughput: dict[str, Any] = {
         "prefill_tokens": data.prefill_tokens,
-        "prefill_tokens_per_s": round(data.prefill_tokens / secs, 1),
+        "prefill_tokens_per_s": _sig(data.prefill_tokens / secs),
         "decode_tokens": decode_tokens,
-        "decode_tokens_per_s": round(decode_tokens / secs, 1),
+        "decode_tokens_per_s": _sig(decode_tokens / secs),
         "kv_bytes": int(data.kv_bytes),
-        "kv_gb_per_s": round(data.kv_bytes / secs / 1e9, 4),
+        "kv_gb_per_s": _sig(data.kv_bytes / secs / 1e9),
     }
     if data.kv_copy_seconds:
-        throughput["kv_copy_gb_per_s"] = round(data.kv_bytes / data.kv_copy_seconds / 1e9, 3)
+        throughput["kv_copy_gb_per_s"] = _sig(data.kv_bytes / data.kv_copy_seconds / 1e9)
     return {
         "run": {"requests": data.requests, "backend": data.backend, "loop": data.loop,
                 "seed": data.seed, "serve_seconds": round(secs, 3)},
@@ -368,9 +373,9 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     rates.add_row("prefill tokens/s", f"{t['prefill_tokens_per_s']:,.0f}")
     rates.add_row("decode tokens/s", f"{t['decode_tokens_per_s']:,.0f}")
     rates.add_row("KV moved, MB", f"{t['kv_bytes'] / 1e6:,.1f}")
-    rates.add_row("KV GB/s over the run", f"{t['kv_gb_per_s']:.4f}")
+    rates.add_row("KV GB/s over the run", f"{t['kv_gb_per_s']:.3g}")
     if "kv_copy_gb_per_s" in t:
-        rates.add_row("KV GB/s while copying", f"{t['kv_copy_gb_per_s']:.3f}")
+        rates.add_row("KV GB/s while copying", f"{t['kv_copy_gb_per_s']:.3g}")
     _show(console, f"Throughput over {summary['run']['serve_seconds']:.1f} s of serving", rates)
     delayer = _table("reason", "passes", "meaning")
     delayer.columns[2].justify = "left"

@@ -36,8 +36,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -45,125 +45,28 @@ from kv.bootstrap import BootstrapServer
 from kv.fake import FakeKVManager
 from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
 from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.mooncake import MooncakeConfig, MooncakeDecodeManager, MooncakeKVManager
-from kv.pages import pages_needed
+from kv.mooncake import MooncakeDecodeManager, MooncakeKVManager
 from kv.pool import KVPool
-from lifecycle import FailureReason, SamplingParams
-from scheduler.config import SchedulerConfig
+from lifecycle import FailureReason
 from scheduler.decode import DecodePeer, DecodeResponse
 from scheduler.decode_mux import DecodeKVRouter, LocalPrefillFake
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler, Response
+from scheduler.model import LlamaModel, PagedModelRunner, resolve_device
+from scheduler.prefill import NewRequest, PrefillScheduler, Response
 from scheduler.runner import ModelRunner
 from scheduler.service_metrics import ServiceMetrics
+from scheduler.service_request import (
+    LOCAL_HOST,
+    Answer,
+    BadRequest,
+    Item,
+    ServeConfig,
+    Unavailable,
+    check_item,
+)
 from scheduler.tokenizer import ByteTokenizer
 from scheduler.worker import EngineLoop
 
 logger = logging.getLogger(__name__)
-
-Role = Literal["prefill", "decode", "both"]
-Backend = Literal["local", "mooncake", "fake"]
-LOCAL_HOST = "local"
-_MAX_ROOM = (1 << 64) - 1
-_MAX_RID_LEN = 256
-
-
-def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"ServeConfig.{attr.name} must be > 0, got {value}")
-
-
-@attrs.frozen
-class ServeConfig:
-    """Everything a service is built from (validated when built)."""
-
-    role: Role = attrs.field(validator=attrs.validators.in_(("prefill", "decode", "both")))
-    backend: Backend = attrs.field(validator=attrs.validators.in_(("local", "mooncake", "fake")))
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
-    pool_pages: int = attrs.field(default=2048, validator=_positive)
-    metadata_slots: int = attrs.field(default=64, validator=_positive)
-    waiting_timeout: float = attrs.field(default=300.0, validator=_positive)
-    max_new_tokens_limit: int | None = None
-    max_body_bytes: int = attrs.field(default=8 << 20, validator=_positive)
-    bootstrap_host: str = "127.0.0.1"
-    bootstrap_port: int = attrs.field(default=8998, validator=attrs.validators.ge(0))
-    mooncake: MooncakeConfig = attrs.field(factory=MooncakeConfig)
-    model_name: str = "pdlife-reference-llama"
-    device: str = "cpu"
-    overlap: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        if (self.backend == "local") != (self.role == "both"):
-            raise ValueError(
-                f"ServeConfig.role {self.role!r} with backend {self.backend!r}: the local "
-                "backend runs both roles in one process (role 'both'); prefill and decode "
-                "roles need the mooncake or fake backend"
-            )
-        limit = self.max_new_tokens_limit
-        if limit is not None and not 1 <= limit <= self.model.max_position:
-            raise ValueError(
-                f"ServeConfig.max_new_tokens_limit must be in 1..{self.model.max_position} "
-                f"(the model's max_position), got {limit}"
-            )
-
-    @property
-    def new_tokens_limit(self) -> int:
-        return self.max_new_tokens_limit or self.model.max_position
-
-    @property
-    def answered_by(self) -> Literal["prefill", "decode"]:
-        return "prefill" if self.role == "prefill" else "decode"
-
-
-class BadRequest(Exception):
-    """The request can never be served as sent; ``reason`` is the metrics label."""
-
-    def __init__(self, reason: str, message: str, *, rid: str | None = None,
-                 status: int = 400) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.rid = rid
-        self.status = status
-
-
-class Unavailable(Exception):
-    """The service does not admit requests now (draining, or the engine loop failed)."""
-
-
-@attrs.frozen
-class Item:
-    """One prompt of a ``/generate`` call, checked and ready to submit."""
-
-    rid: str
-    input_ids: tuple[int, ...]
-    sampling: SamplingParams
-    bootstrap_host: str
-    bootstrap_port: int
-    bootstrap_room: int
-
-    @property
-    def fake(self) -> bool:
-        return self.bootstrap_host == FAKE_BOOTSTRAP_HOST
-
-    @property
-    def bootstrap_addr(self) -> str:
-        return f"{self.bootstrap_host}:{self.bootstrap_port}"
-
-
-@attrs.frozen
-class Answer:
-    """What a request ended with, in the terms of SGLang's ``/generate`` answer."""
-
-    rid: str
-    status: int
-    output_ids: tuple[int, ...]
-    finish_reason: str  # "length", "stop" or "abort"
-    message: str
-    reason: FailureReason | None
-    prompt_tokens: int
-    e2e_latency: float
-
 
 @attrs.define(eq=False)
 class Pending:
@@ -335,92 +238,10 @@ class Service:
     def draining(self) -> bool:
         return self._draining
 
-    def check(
-        self,
-        *,
-        rid: str,
-        input_ids: Sequence[int],
-        max_new_tokens: int,
-        stop_token_ids: Sequence[int],
-        ignore_eos: bool,
-        bootstrap_host: str | None,
-        bootstrap_port: int | None,
-        bootstrap_room: int | None,
-    ) -> Item:
-        """One prompt as an :class:`Item`, or :class:`BadRequest` saying what is wrong."""
-        try:
-            return self._check(
-                rid, input_ids, max_new_tokens, stop_token_ids, ignore_eos, bootstrap_host,
-                bootstrap_port, bootstrap_room,
-            )
-        except BadRequest as exc:
-            exc.rid = rid
-            raise
-
-    def _check(
-        self,
-        rid: str,
-        input_ids: Sequence[int],
-        max_new_tokens: int,
-        stop_token_ids: Sequence[int],
-        ignore_eos: bool,
-        bootstrap_host: str | None,
-        bootstrap_port: int | None,
-        bootstrap_room: int | None,
-    ) -> Item:
-        c, m = self.config, self.config.model
-        if not rid or len(rid) > _MAX_RID_LEN:
-            raise BadRequest("bad_rid", f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
-        n = len(input_ids)
-        if n == 0:
-            raise BadRequest("empty_prompt", f"request {rid!r}: the prompt is empty")
-        if min(input_ids) < 0 or max(input_ids) >= m.vocab_size:
-            raise BadRequest(
-                "bad_token_id",
-                f"request {rid!r}: token ids must be in 0..{m.vocab_size - 1}, got "
-                f"{min(input_ids)}..{max(input_ids)}",
-            )
-        limit = c.new_tokens_limit
-        if not 1 <= max_new_tokens <= limit:
-            raise BadRequest(
-                "bad_max_new_tokens",
-                f"request {rid!r}: sampling_params.max_new_tokens must be in 1..{limit}, "
-                f"got {max_new_tokens}",
-            )
-        if n + max_new_tokens - 1 > m.max_position:
-            raise BadRequest(
-                "prompt_too_long",
-                f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
-                f"exceeds the model's context of {m.max_position} positions",
-            )
-        need = n + (max_new_tokens if c.role != "prefill" else 0)
-        if pages_needed(need, c.scheduler.page_size) > c.pool_pages:
-            raise BadRequest(
-                "prompt_too_long",
-                f"request {rid!r}: {need} tokens exceed the KV pool of "
-                f"{c.pool_pages * c.scheduler.page_size} tokens",
-            )
-        if min(stop_token_ids, default=0) < 0:
-            raise BadRequest("bad_stop_token", f"request {rid!r}: stop_token_ids must be >= 0")
-        if bootstrap_room is not None and not 0 <= bootstrap_room <= _MAX_ROOM:
-            raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_room must be a uint64")
-        sampling = SamplingParams(max_new_tokens, tuple(stop_token_ids), ignore_eos)
-        fake = bootstrap_host == FAKE_BOOTSTRAP_HOST or c.backend == "fake"
-        if fake or c.backend == "local":
-            # No prefill server pairs with these rooms: the service picks its own.
-            host = FAKE_BOOTSTRAP_HOST if fake else LOCAL_HOST
-            return Item(rid, tuple(input_ids), sampling, host, 0, next(self._rooms))
-        if bootstrap_host is None or bootstrap_port is None or bootstrap_room is None:
-            raise BadRequest(
-                "missing_bootstrap",
-                f"request {rid!r}: the {c.role} role needs bootstrap_host, bootstrap_port and "
-                f"bootstrap_room (a PD router adds them; bootstrap_host {FAKE_BOOTSTRAP_HOST} "
-                "runs the request without a peer)",
-            )
-        if not 1 <= bootstrap_port <= 65535:
-            raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_port must be 1..65535")
-        return Item(rid, tuple(input_ids), sampling, bootstrap_host, bootstrap_port,
-                    bootstrap_room)
+    def check(self, **fields: Any) -> Item:
+        """One prompt as an :class:`Item` (see :func:`check_item`); fake and local requests get
+        a fresh service-local room."""
+        return check_item(self.config, self._rooms, **fields)
 
     def needs_connect(self, item: Item) -> bool:
         """Whether :meth:`connect_peer` may block for ``item`` (a peer not yet connected)."""

@@ -17,29 +17,38 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.decode_mux import PeerUnreachable
 from scheduler.prefill import FAKE_BOOTSTRAP_HOST
 from scheduler.service import Answer, BadRequest, Item, Pending, Service, Unavailable
+from scheduler.service_middleware import BodyLimit, HttpMetrics
+from scheduler.service_schema import (
+    ERRORS,
+    AbortAnswer,
+    AbortRequest,
+    ErrorBody,
+    ErrorDetail,
+    FinishReason,
+    GenerateAnswer,
+    GenerateRequest,
+    MetaInfo,
+    ModelCard,
+    ModelInfo,
+    ModelList,
+    SamplingParams,
+    ServerInfo,
+)
 
 logger = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 _HEALTH_TIMEOUT_S = 30.0
 _ROUTES = frozenset({
     "/health", "/health_generate", "/server_info", "/get_server_info", "/model_info",
@@ -196,13 +205,13 @@ def create_app(service: Service) -> FastAPI:
             return _error(503, "draining", "the server is draining (shutting down)")
         return None
 
-    @app.get("/health", response_class=PlainTextResponse, responses={503: _ERRORS[503]})
+    @app.get("/health", response_class=PlainTextResponse, responses={503: ERRORS[503]})
     async def health() -> Response:
         """200 (empty body) while the engine loop runs and the server admits requests."""
         return unavailable() or PlainTextResponse("")
 
     @app.get("/health_generate", response_class=PlainTextResponse,
-             responses={503: _ERRORS[503]})
+             responses={503: ERRORS[503]})
     async def health_generate() -> Response:
         """Runs a one-token request through the engines (fake bootstrap host)."""
         refused = unavailable()
@@ -276,7 +285,7 @@ def create_app(service: Service) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/abort_request", response_model=AbortAnswer,
-              responses={400: _ERRORS[400], 404: {"model": ErrorBody,
+              responses={400: ERRORS[400], 404: {"model": ErrorBody,
                                                    "description": "no live request has this rid"}})
     async def abort_request(body: AbortRequest) -> Response:
         """Abort a live request by rid (or every live request with ``abort_all``)."""
@@ -294,7 +303,7 @@ def create_app(service: Service) -> FastAPI:
         responses={
             200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                   "description": "the answer (a list for a batch), or a stream of answers"},
-            **_ERRORS,
+            **ERRORS,
         },
     )
     async def generate(body: GenerateRequest, request: Request) -> Response:
@@ -333,7 +342,7 @@ def create_app(service: Service) -> FastAPI:
     app.add_middleware(BodyLimit, limit=config.max_body_bytes,  # type: ignore[arg-type]
                        on_reject=lambda: metrics.http_rejected.labels(reason="body_too_large")
                        .inc())
-    app.add_middleware(HttpMetrics, service=service)  # type: ignore[arg-type]
+    app.add_middleware(HttpMetrics, metrics=metrics, routes=_ROUTES)  # type: ignore[arg-type]
     return app
 
 

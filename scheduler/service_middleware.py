@@ -72,16 +72,17 @@ class BodyLimit:
 class HttpMetrics:
     """Counts every answer by route, method and status; times it to its first byte."""
 
-    def __init__(self, app: ASGIApp, service: Service) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics, routes: frozenset[str]) -> None:
         self.app = app
-        self.metrics = service.metrics
+        self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in _ROUTES else "other"
+        route = path if path in self.routes else "other"
         start = time.monotonic()
 
         async def counted(message: Message) -> None:

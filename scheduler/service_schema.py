@@ -118,7 +118,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "the request can never be served as sent"},
     413: {"model": ErrorBody, "description": "the body exceeds the server's limit"},
     500: {"model": ErrorBody, "description": "bootstrap, transfer or internal failure"},

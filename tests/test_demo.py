@@ -143,7 +143,8 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
         "failed": {"aborted": 3, "bootstrap_failed": 1, "transfer_failed": 1},
     }
     # An abort can race a transfer that already landed on decode, so decode may serve it.
-    assert s["decode"]["done"] + s["decode"]["failed"].get("aborted", 0) == served + 3
+    decode = s["decode"]
+    assert decode["done"] + decode["failed"].get("aborted", 0) == served + 3, decode
     assert s["verification"]["checked"] == s["decode"]["done"]
     assert s["verification"]["matched"] == s["verification"]["checked"] > 0
     assert all(a["landed_in"] in {"WAITING", "FORWARD", "TRANSFERRING"} for a in s["aborts"])
