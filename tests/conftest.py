@@ -1,4 +1,4 @@
-"""Shared test configuration: Hypothesis profiles.
+"""Shared test configuration: Hypothesis profiles, torch threads.
 
 ``ci`` (the default, and what CI runs) is bounded so the suite fits the CI budget; ``dev`` is
 larger for local fuzzing: ``HYPOTHESIS_PROFILE=dev pytest``.
@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# The test models are small: on shared CI cores, intra-op threads only add waiting (and they
+# compete with the transfer workers). Processes the tests spawn set their own.
+torch.set_num_threads(1)
 
 settings.register_profile(
     "ci",

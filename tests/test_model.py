@@ -4,7 +4,7 @@ reference token for token; determinism; input validation."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import pytest
@@ -27,15 +27,6 @@ from scheduler.model import (
 from scheduler.runner import ForwardBatch, ForwardItem
 
 TINY = LlamaModel(ModelConfig.tiny())
-
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """These tensors are small; on shared CI cores, intra-op threads only add waiting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @attrs.define

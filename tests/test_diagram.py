@@ -1,0 +1,109 @@
+"""Diagrams generated from the tables: every edge drawn, deterministic, SVG through Graphviz."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lifecycle import DECODE_TABLE, PREFILL_TABLE, LifecycleTable
+from lifecycle.diagram import (
+    DiagramError,
+    dot,
+    markdown,
+    mermaid,
+    render,
+    svg,
+    sync_docs,
+    transition_table,
+)
+
+TABLES = [PREFILL_TABLE, DECODE_TABLE]
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
+def test_mermaid_draws_every_edge_the_initial_and_the_finals(table: LifecycleTable) -> None:
+    text = mermaid(table)
+    assert text.startswith(f"---\ntitle: {table.name} lifecycle\n---\nstateDiagram-v2\n")
+    arrows = {
+        (src, dst): label.split(" | ")
+        for src, dst, label in re.findall(r"^  (\w+) --> (\w+): (.+)$", text, re.MULTILINE)
+    }
+    for e in table.edges:
+        labels = arrows[(e.source.name, e.dest.name)]
+        assert any(label.split(" [")[0] == e.event for label in labels), e
+    assert f"  [*] --> {table.initial.name}\n" in text
+    for final in table.finals:
+        assert f"  {final.name} --> [*]\n" in text
+    assert "s_active\n" not in text.replace("classDef s_active", "")  # no state styled active
+    assert mermaid(table) == text
+
+
+def test_mermaid_shows_guards() -> None:
+    text = mermaid(PREFILL_TABLE)
+    assert "FORWARD --> FORWARD: chunk_done [!fully_computed]" in text
+    assert "FORWARD --> TRANSFERRING: prefilled [fully_computed]" in text
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
+def test_markdown_has_one_row_per_edge_in_table_order(table: LifecycleTable) -> None:
+    rows = transition_table(table).splitlines()[2:]
+    assert len(rows) == len(table.edges)
+    for row, e in zip(rows, table.edges, strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[:3] == [f"`{e.event}`", e.source.name, e.dest.name]
+        assert cells[5] == e.doc
+
+
+def test_prefill_markdown_has_guards_hooks_and_the_resources_table() -> None:
+    text = markdown(PREFILL_TABLE)
+    assert "| `chunk_done` | FORWARD | FORWARD | `not fully_computed` | — |" in text
+    assert "| `transferred` | TRANSFERRING | DONE | — | `release`, `respond` |" in text
+    assert "### prefill: resources by state" in text
+    assert "| WAITING | held | held | — |" in text
+    assert "resources by state" not in markdown(DECODE_TABLE)
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
+def test_dot_and_svg(table: LifecycleTable) -> None:
+    source = dot(table)
+    assert source.startswith(f"digraph {table.name} {{")
+    for e in table.edges:
+        assert f"{e.source.name} -> {e.dest.name}" in source
+    for final in table.finals:
+        assert f"{final.name} [peripheries=2]" in source
+    assert f"__start -> {table.initial.name}" in source
+    image = svg(table)
+    assert image.lstrip().startswith(("<?xml", "<svg"))
+    assert "<svg" in image and "BOOTSTRAPPING" in image
+
+
+def test_svg_without_graphviz_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(DiagramError, match="apt-get install graphviz"):
+        svg(PREFILL_TABLE)
+
+
+def test_render_dispatches_and_rejects_unknown_formats() -> None:
+    assert render(PREFILL_TABLE, "md") == markdown(PREFILL_TABLE)
+    assert render(PREFILL_TABLE, "mermaid") == mermaid(PREFILL_TABLE)
+    with pytest.raises(DiagramError, match="unknown diagram format 'png'"):
+        render(PREFILL_TABLE, "png")
+
+
+def test_sync_docs_fills_blocks_and_rejects_unknown_or_missing_ones() -> None:
+    tables = {"prefill": PREFILL_TABLE, "decode": DECODE_TABLE}
+    names = ["prefill-mermaid", "prefill-transitions", "prefill-resources",
+             "decode-mermaid", "decode-transitions"]
+    doc = "".join(
+        f"intro\n<!-- BEGIN GENERATED: {n} -->\nstale\n<!-- END GENERATED: {n} -->\n"
+        for n in names
+    )
+    fresh = sync_docs(doc, tables)
+    assert "stale" not in fresh and "```mermaid\n---\ntitle: prefill" in fresh
+    assert sync_docs(fresh, tables) == fresh
+    with pytest.raises(DiagramError, match="no generated block for \\['decode-transitions'\\]"):
+        sync_docs(doc.split("intro\n<!-- BEGIN GENERATED: decode-transitions")[0], tables)
+    bogus = fresh + "<!-- BEGIN GENERATED: nope -->\n<!-- END GENERATED: nope -->\n"
+    with pytest.raises(DiagramError, match="unknown generated block 'nope'"):
+        sync_docs(bogus, tables)
