@@ -40,6 +40,7 @@ from kv.pool import KVGeometryError, KVPool
 from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
+    REASON_PEER_ABORTED,
     KVPoll,
     SendCursor,
     TransferError,
@@ -217,7 +218,7 @@ class LocalKVManager:
         link.sender = sender
         sender._link = link
         if link.aborted_by_decode:
-            sender._fail("aborted by the decode peer")
+            sender._fail(REASON_PEER_ABORTED)
         else:
             sender._set(KVPoll.WAITING_FOR_INPUT)
 
@@ -357,7 +358,7 @@ class LocalKVSender:
             return
         self._fail(REASON_ABORTED)
         if self._link is not None and not self._link.closed:
-            self._link.receiver._fail("aborted by the prefill peer")
+            self._link.receiver._fail(REASON_PEER_ABORTED)
 
     def _announce(self) -> None:
         self._manager.ready.put(self.room)
@@ -476,7 +477,7 @@ class LocalKVReceiver:
         if link.sender is None:
             link.aborted_by_decode = True
         else:
-            link.sender._fail("aborted by the decode peer")
+            link.sender._fail(REASON_PEER_ABORTED)
 
     def _announce(self) -> None:
         if not self._cleared:

@@ -55,6 +55,7 @@ from kv.pool import KVPool
 from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
+    REASON_PEER_ABORTED,
     KVPoll,
     SendCursor,
     TransferError,
@@ -357,7 +358,7 @@ class MooncakeKVManager:
                 raise wire.WireError(
                     "foreign_abort", f"room {msg.room} belongs to {rec.dest.session}"
                 )
-            self._fail(rec, f"aborted by decode peer {msg.session}")
+            self._fail(rec, REASON_PEER_ABORTED)
             owed = self._settle(rec)
         if owed is not None:
             self._send_status(*owed)

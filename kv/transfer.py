@@ -89,6 +89,8 @@ class TransferUsageError(Exception):
 # The reason a sender reports when the failure was seen only through another rank's poll.
 REASON_OTHER_RANK = "failed on another rank"
 REASON_ABORTED = "aborted"
+# The reason a sender (receiver) reports when the other side aborted the room.
+REASON_PEER_ABORTED = "aborted by the peer"
 
 
 @attrs.define

@@ -133,7 +133,7 @@ class DecodePeer:
             if isinstance(item, AbortRequest):
                 req = self.lifecycle.get(item.rid)
                 if req is not None:
-                    self._fail(req, FailureReason.ABORTED, "aborted by the client", "abort")
+                    self._fail(req, FailureReason.ABORTED, "aborted by the client")
             else:
                 self._admit(item)
 
@@ -146,13 +146,12 @@ class DecodePeer:
             bootstrap_room=new.bootstrap_room,
             sampling=new.sampling,
         )
+        if new.bootstrap_room == 0:
+            # Room 0 marks an empty metadata row: the first token could never be read back.
+            self._refuse(new, "bootstrap_room must be non-zero")
+            return
         if new.rid in self.lifecycle or new.bootstrap_room in self._rooms:
-            logger.warning("request %r: id or room %d already live; refused", new.rid,
-                           new.bootstrap_room)
-            if self.on_response is not None:
-                self.on_response(DecodeResponse(
-                    new.rid, S.FAILED, FailureReason.REJECTED, "request id or room in use",
-                    (), "abort", len(new.input_ids)))
+            self._refuse(new, f"request id or bootstrap room {new.bootstrap_room} in use")
             return
         self.lifecycle.admit(req)
         n = len(req.input_ids)
@@ -179,10 +178,17 @@ class DecodePeer:
         req.deadline = self.clock() + self.waiting_timeout
         heapq.heappush(self._deadlines, (req.deadline, req.rid))
 
-    def _fail(self, req: DecodeRequest, reason: FailureReason, detail: str,
-              event: str = "fail") -> None:
+    def _refuse(self, new: NewRequest, why: str) -> None:
+        # Refused before admission (its id or room cannot be tracked): answered directly.
+        logger.warning("request %r refused: %s", new.rid, why)
+        if self.on_response is not None:
+            self.on_response(DecodeResponse(
+                new.rid, S.FAILED, FailureReason.REJECTED, why, (), "abort", len(new.input_ids)))
+
+    def _fail(self, req: DecodeRequest, reason: FailureReason, detail: str) -> None:
         if req.receiver is not None:
             req.receiver.abort()  # type: ignore[attr-defined]
+        event = "abort" if reason is FailureReason.ABORTED else "fail"
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
     def _poll(self) -> bool:
@@ -285,7 +291,13 @@ class DecodePeer:
             reqs.append(req)
         if not items:
             return False
-        tokens = self.runner.forward(ForwardBatch(tuple(items)))
+        try:
+            tokens = self.runner.forward(ForwardBatch(tuple(items)))
+        except Exception as exc:  # the batch's requests fail; the loop goes on
+            logger.error("decode step of %d requests failed: %r", len(reqs), exc)
+            self.lifecycle.fire("fail", reqs, reason=FailureReason.INTERNAL,
+                                detail=f"the model forward failed: {exc!r}")
+            return True
         self.steps += 1
         for req, token in zip(reqs, tokens, strict=True):
             req.output_ids.append(token)

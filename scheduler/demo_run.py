@@ -2,9 +2,9 @@
 
 Theory of operation
 -------------------
-One process holds a prefill scheduler and its decode peer: :class:`~scheduler.embedded.EmbeddedPair`
-over the local backend, or the same two components over Mooncake on loopback TCP with a bootstrap
-endpoint (:class:`MooncakePair`). The calling thread drives both loops pass by pass.
+One process holds a prefill scheduler and its decode peer
+(:class:`~scheduler.embedded.EmbeddedPair`): over the local backend, or over Mooncake on loopback
+TCP with a bootstrap endpoint. The calling thread drives both loops pass by pass.
 
 The workload (:func:`make_workload`) is seeded: prompts of generated text, 16 to 2048 byte tokens,
 with mixed ``max_new_tokens`` and stop tokens. Most requests go the disaggregated way. A few are
@@ -29,26 +29,25 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import attrs
 from rich.console import Console
 
-from kv.fake import FakeKVManager, FaultPlan
-from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.fake import FaultPlan
+from kv.local import LocalKVManager
 from lifecycle import DecodeRequest, Lifecycle, PrefillRequest, PrefillState, SamplingParams
 from lifecycle.record import Tracked
 from scheduler.config import SchedulerConfig
-from scheduler.decode import DecodePeer, DecodeResponse
 from scheduler.delayer import DelayerConfig, PrefillDelayer
 from scheduler.demo import DemoOptions
 from scheduler.demo_report import Mismatch, Progress, RunData, finish_report
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.gather import StaticGather
-from scheduler.model import LlamaModel, PagedModelRunner, ReferenceModel, resolve_device
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler, Response
+from scheduler.model import LlamaModel, ReferenceModel
+from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest
 from scheduler.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -173,97 +172,6 @@ def make_workload(
     return out
 
 
-# -- the pair -------------------------------------------------------------------------------
-
-
-class Pair(Protocol):
-    """What the demo drives: EmbeddedPair's surface."""
-
-    model: LlamaModel
-    prefill: PrefillScheduler
-    decode: DecodePeer
-    prefill_responses: dict[str, Response]
-    decode_responses: dict[str, DecodeResponse]
-
-    def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None: ...
-    def abort(self, rid: str) -> None: ...
-    def step(self) -> bool: ...
-    def idle(self) -> bool: ...
-    def close(self) -> None: ...
-
-
-class MooncakePair:
-    """EmbeddedPair over Mooncake: both sides in this process, each with its own transfer engine,
-    the decode side finding the prefill rank through a bootstrap endpoint on loopback."""
-
-    def __init__(
-        self, config: PairConfig, *, faults: FaultPlan | None = None,
-        delayer: PrefillDelayer | None = None,
-    ) -> None:
-        # Imported here: the local backend must not need the Mooncake wheel.
-        from kv.bootstrap import BootstrapServer
-        from kv.mooncake import MooncakeDecodeManager, MooncakeKVManager
-
-        self.model = LlamaModel(config.model, device=resolve_device(config.device))
-        ps = config.scheduler.page_size
-        prefill_pool = self.model.make_pool(num_pages=config.prefill_pages, page_size=ps)
-        decode_pool = self.model.make_pool(num_pages=config.decode_pages, page_size=ps)
-        prefill_meta = MetadataBuffers(config.metadata_slots)
-        decode_meta = MetadataBuffers(config.metadata_slots)
-        self.prefill_responses: dict[str, Response] = {}
-        self.decode_responses: dict[str, DecodeResponse] = {}
-        self.bootstrap = BootstrapServer()
-        host, port = self.bootstrap.address.rsplit(":", 1)
-        self._host, self._port = host, int(port)
-        self.prefill_kv = MooncakeKVManager(prefill_pool, prefill_meta)
-        self.prefill_kv.register_to_bootstrap(self.bootstrap.address)
-        self.decode_kv = MooncakeDecodeManager(decode_pool, decode_meta, self.bootstrap.address)
-        self.prefill = PrefillScheduler(
-            config=config.scheduler, runner=PagedModelRunner(self.model, prefill_pool),
-            kv=self.prefill_kv, fake_kv=FakeKVManager(faults), metadata=prefill_meta,
-            slots=SlotAllocator(config.metadata_slots), delayer=delayer,
-            on_response=self._on_prefill,
-            overlap=config.overlap,
-        )
-        self.decode = DecodePeer(
-            runner=PagedModelRunner(self.model, decode_pool), kv=self.decode_kv,
-            metadata=decode_meta, slots=SlotAllocator(config.metadata_slots),
-            eos_token_id=config.model.eos_token_id, on_response=self._on_decode,
-        )
-        self._rooms = 0
-
-    def _on_prefill(self, r: Response) -> None:
-        self.prefill_responses[r.rid] = r
-
-    def _on_decode(self, r: DecodeResponse) -> None:
-        self.decode_responses[r.rid] = r
-
-    def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None:
-        self._rooms += 1
-        new = NewRequest(rid, tuple(prompt), bootstrap_host=self._host,
-                         bootstrap_port=self._port, bootstrap_room=self._rooms, sampling=sampling)
-        self.prefill.submit(new)
-        self.decode.submit(new)
-
-    def abort(self, rid: str) -> None:
-        self.prefill.abort(rid)
-        self.decode.abort(rid)
-
-    def step(self) -> bool:
-        worked = self.prefill.step()
-        worked |= self.decode.step()
-        return worked
-
-    def idle(self) -> bool:
-        return self.prefill.idle() and self.decode.idle()
-
-    def close(self) -> None:
-        self.prefill.close()
-        self.prefill_kv.close()
-        self.decode_kv.close()
-        self.bootstrap.close()
-
-
 # -- the run --------------------------------------------------------------------------------
 
 #: The colocated output a served request must match: ``(model, request) -> output ids``.
@@ -293,12 +201,11 @@ class DemoResult:
     out: Path
 
 
-def _make_pair(options: DemoOptions, plan: FaultPlan, delayer: PrefillDelayer) -> Pair:
+def _make_pair(options: DemoOptions, plan: FaultPlan, delayer: PrefillDelayer) -> EmbeddedPair:
     config = PairConfig(
-        scheduler=scheduler_config(options.max_prompt), overlap=options.loop == "overlap"
+        scheduler=scheduler_config(options.max_prompt), overlap=options.loop == "overlap",
+        backend=options.backend,
     )
-    if options.backend == "mooncake":
-        return MooncakePair(config, faults=plan, delayer=delayer)
     return EmbeddedPair(config, faults=plan, delayer=delayer)
 
 
@@ -318,7 +225,7 @@ class _Served:
 
 
 def _serve(
-    pair: Pair, workload: Sequence[DemoRequest], progress: Progress, timeout_s: float
+    pair: EmbeddedPair, workload: Sequence[DemoRequest], progress: Progress, timeout_s: float
 ) -> _Served:
     prefill_records: dict[str, PrefillRequest] = {}
     decode_records: dict[str, DecodeRequest] = {}
@@ -377,7 +284,7 @@ def _serve(
             time.sleep(0.0002)  # idle pass: let the transfer threads run
 
 
-def _unplanned(workload: Sequence[DemoRequest], pair: Pair) -> list[str]:
+def _unplanned(workload: Sequence[DemoRequest], pair: EmbeddedPair) -> list[str]:
     out = []
     for req in workload:
         resp = pair.prefill_responses[req.rid]
@@ -393,7 +300,7 @@ def _unplanned(workload: Sequence[DemoRequest], pair: Pair) -> list[str]:
 
 
 def _verify(
-    workload: Sequence[DemoRequest], pair: Pair, reference: Reference, progress: Progress
+    workload: Sequence[DemoRequest], pair: EmbeddedPair, reference: Reference, progress: Progress
 ) -> tuple[int, list[Mismatch]]:
     served = [
         r for r in workload
@@ -411,9 +318,9 @@ def _verify(
     return len(served), mismatches
 
 
-def _kv_moved(pair: Pair) -> tuple[float, float | None]:
-    """KV bytes moved, and seconds the copies took where the backend measures them."""
-    if isinstance(pair, EmbeddedPair):
+def _kv_moved(pair: EmbeddedPair) -> tuple[float, float | None]:
+    """KV bytes moved, and seconds the copies took where the backend measures them (local)."""
+    if isinstance(pair.prefill_kv, LocalKVManager):
         stats = pair.prefill_kv.stats()
         return float(stats.bytes), stats.copy_seconds
     sent = pair.prefill.metrics.registry.get_sample_value("pdlife_transfer_bytes_total")

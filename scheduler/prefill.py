@@ -41,7 +41,7 @@ import torch
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
-from kv.transfer import KVManager, KVPoll, KVSender
+from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVManager, KVPoll, KVSender
 from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
 from lifecycle.prefill import SamplingParams
 from scheduler.adder import Plan, Stop, plan_batch
@@ -101,6 +101,7 @@ class _Launched:
     plan: Plan
     future: Future[list[int]] | None
     tokens: list[int] | None
+    error: BaseException | None = None
 
 
 class PrefillScheduler:
@@ -335,12 +336,11 @@ class PrefillScheduler:
         if req is None:
             logger.info("abort of unknown or finished request %r ignored", rid)
             return
-        self._fail(req, FailureReason.ABORTED, "aborted by the client", event="abort")
+        self._fail(req, FailureReason.ABORTED, "aborted by the client")
 
-    def _fail(
-        self, req: PrefillRequest, reason: FailureReason, detail: str, *, event: str = "fail"
-    ) -> None:
-        """Fail now, or once the batches holding the request are off the device."""
+    def _fail(self, req: PrefillRequest, reason: FailureReason, detail: str) -> None:
+        """Fail now, or once the batches holding the request are off the device. An abort
+        (the client's or the decode peer's) takes the ``abort`` edge, anything else ``fail``."""
         if req.on_device:
             if req.pending_abort is None:
                 req.pending_abort = reason
@@ -349,6 +349,7 @@ class PrefillScheduler:
         sender = req.sender
         if sender is not None:
             sender.abort()  # type: ignore[attr-defined]
+        event = "abort" if reason is FailureReason.ABORTED else "fail"
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
     # -- 2. poll ----------------------------------------------------------------------------
@@ -422,10 +423,13 @@ class PrefillScheduler:
                 f"the transfer did not conclude within {self.config.transfer_timeout:g} s",
             )
         sender = req.sender
-        detail = "failed on another rank"
+        detail = REASON_OTHER_RANK
         timeout = False
         if sender is not None and int(sender.poll()) == KVPoll.FAILED:  # type: ignore[attr-defined]
             err = sender.failure_exception()  # type: ignore[attr-defined]
+            if err.reason == REASON_PEER_ABORTED:
+                # The decode side aborted the room: the client went away, not a failure.
+                return FailureReason.ABORTED, f"aborted by the decode peer ({err})"
             detail, timeout = str(err), bool(getattr(err, "timeout", False))
         if bootstrapping:
             reason = FailureReason.BOOTSTRAP_TIMEOUT if timeout else FailureReason.BOOTSTRAP_FAILED
@@ -531,7 +535,10 @@ class PrefillScheduler:
         batch = ForwardBatch(tuple(items))
         if self._device is not None:
             return _Launched(plan, self._device.submit(self._device_forward, batch), None)
-        return _Launched(plan, None, self.runner.forward(batch))
+        try:
+            return _Launched(plan, None, self.runner.forward(batch))
+        except Exception as exc:  # the batch's requests fail; the loop goes on
+            return _Launched(plan, None, None, exc)
 
     def _device_forward(self, batch: ForwardBatch) -> list[int]:
         if self._stream is None:
@@ -542,7 +549,15 @@ class PrefillScheduler:
     # -- 5. results -------------------------------------------------------------------------
 
     def _process(self, launched: _Launched) -> None:
-        tokens = launched.tokens if launched.future is None else launched.future.result()
+        tokens, error = launched.tokens, launched.error
+        if launched.future is not None:
+            try:
+                tokens = launched.future.result()
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            self._forward_failed(launched.plan, error)
+            return
         assert tokens is not None
         self.metrics.batches.inc()
         self.metrics.prefill_tokens.inc(launched.plan.num_tokens)
@@ -587,8 +602,23 @@ class PrefillScheduler:
             reason = req.pending_abort
             assert reason is not None
             req.pending_abort = None
-            event = "abort" if reason is FailureReason.ABORTED else "fail"
-            self._fail(req, reason, req.detail, event=event)
+            self._fail(req, reason, req.detail)
+
+    def _forward_failed(self, plan: Plan, error: BaseException) -> None:
+        """A forward raised: its requests fail (``internal``); the scheduler carries on. Their
+        pages are free to reuse: the forward that could write them has ended."""
+        logger.error("forward of a %d-request batch failed: %r", len(plan.chunks), error)
+        detail = f"the model forward failed: {error!r}"
+        for chunk in plan.chunks:
+            req = chunk.req
+            req.on_device -= 1
+            if req.pending_abort is None:
+                req.pending_abort = FailureReason.INTERNAL
+                req.detail = detail
+            if not req.on_device and req.state is S.FORWARD:
+                reason = req.pending_abort
+                req.pending_abort = None
+                self._fail(req, reason, req.detail)
 
     def _bytes(self, num_pages: int) -> int:
         return num_pages * self.pool.page_bytes * 2 * self.pool.num_layers

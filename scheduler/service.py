@@ -393,6 +393,7 @@ class Service:
             self.decode_kv.fake.forget(item.bootstrap_room)
 
     def _on_crash(self, exc: BaseException) -> None:
+        self.metrics.healthy.set(0)
         with self._lock:
             pending = list(self._pending.values())
             self._pending.clear()
@@ -405,7 +406,6 @@ class Service:
                 message=message, reason=FailureReason.INTERNAL,
                 prompt_tokens=len(p.item.input_ids), e2e_latency=time.monotonic() - p.started,
             ))
-        self.metrics.healthy.set(0)
 
     # -- per pass (engine thread) -----------------------------------------------------------
 

@@ -254,6 +254,7 @@ def tiny_model(seed: int = 0) -> tuple[RunnerFactory, Reference]:
 # -- configuration ---------------------------------------------------------------------------
 
 LOOPS = ("normal", "overlap", "both")
+_QUIESCE_PASSES = 200
 
 
 @attrs.frozen
@@ -355,18 +356,20 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _quiesce(self, sched: PrefillScheduler) -> None:
         """Let every transfer conclude and every deadline pass; then all pools are full."""
-        for _ in range(500):
+        # Time moves a little every pass (the fake host's delays are on the clock) and a lot
+        # when a pass did nothing (so stuck handshakes reach their deadline).
+        for _ in range(_QUIESCE_PASSES):
             if sched.idle():
                 break
             for sender in self.scripted.senders:
                 for action in ("drain", "handshake", "success"):
                     if action in sender.actions():
                         sender.act(action)
-            if not sched.step():
-                self.clock.now += max(self.config.bootstrap_timeout,
-                                      self.config.transfer_timeout)
+            worked = sched.step()
+            self.clock.now += 0.5 if worked else max(self.config.bootstrap_timeout,
+                                                     self.config.transfer_timeout)
             self.check_everything()
-        assert sched.idle(), "the scheduler did not quiesce in 500 passes"
+        assert sched.idle(), f"the scheduler did not quiesce in {_QUIESCE_PASSES} passes"
         assert self.pool.allocator.available() == self.pool.num_pages, "pages leaked"
         assert sched.slots.available() == sched.slots.num_slots, "metadata slots leaked"
         assert sched.pages_held == 0

@@ -11,7 +11,7 @@ import torch
 from kv.local import LocalDecodeManager, LocalKVManager, LocalKVReceiver, LocalTransferHub
 from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
-from kv.transfer import KVPoll, TransferUsageError
+from kv.transfer import REASON_PEER_ABORTED, KVPoll, TransferUsageError
 from tests.transfer_harness import drive, eventually
 
 ADDR = "local:test"
@@ -135,13 +135,13 @@ def test_abort_from_decode_fails_the_sender_and_vice_versa(side: _Side) -> None:
     sender.init(2, 0)
     receiver.abort()
     assert drive(side.prefill, sender, _TERMINAL)[-1] == KVPoll.FAILED
-    assert sender.failure_exception().reason == "aborted by the decode peer"
+    assert sender.failure_exception().reason == REASON_PEER_ABORTED
 
     receiver = side.receiver(6, [2])
     sender = side.prefill.create_sender(ADDR, 6)
     sender.abort()
     assert receiver.poll() == KVPoll.FAILED
-    assert receiver.failure_exception().reason == "aborted by the prefill peer"
+    assert receiver.failure_exception().reason == REASON_PEER_ABORTED
     assert 6 in [side.decode.ready.get(timeout=1) for _ in range(side.decode.ready.qsize())]
 
 

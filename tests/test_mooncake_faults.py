@@ -17,7 +17,7 @@ from kv import wire
 from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeConfig, MooncakeKVManager
-from kv.transfer import KVPoll
+from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from tests.mooncake_harness import DecodePeer
 from tests.transfer_harness import GEOMETRY, drive, eventually, make_pool
 
@@ -172,7 +172,7 @@ def test_stale_messages_for_a_cleared_room_do_not_poison_its_reuse(
     assert drive(manager, second, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
     raw.send(wire.Abort(9, raw.session))  # now it is this room's abort
     assert drive(manager, second, _TERMINAL)[-1] == KVPoll.FAILED
-    assert "aborted by decode" in second.failure_exception().reason
+    assert second.failure_exception().reason == REASON_PEER_ABORTED
 
 
 @pytest.mark.multiprocess

@@ -342,3 +342,32 @@ def test_the_delayer_gates_every_pass_and_counts_outcomes():
         for s in m.samples if s.name.endswith("_total")
     )
     assert total == 2  # observed exactly once per pass
+
+
+class FailingRunner:
+    """A model runner whose forward raises for prompts containing token 255."""
+
+    def __init__(self, pool) -> None:
+        self.inner = PagedModelRunner(MODEL, pool)
+        self.pool = pool
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        if any(255 in item.input_ids for item in batch.items):
+            raise RuntimeError("device error")
+        return self.inner.forward(batch)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_forward_fails_its_batch_and_the_loop_goes_on(overlap):
+    pool = MODEL.make_pool(num_pages=64, page_size=4)
+    h = Harness(runner=FailingRunner(pool), overlap=overlap)
+    h.pool = pool
+    h.sched.submit(NewRequest("bad", (1, 255, 3), bootstrap_host="decode", bootstrap_room=7))
+    h.sched.run_until(lambda: len(h.responses) == 1)
+    h.submit("good", 5)
+    h.sched.run_until(lambda: len(h.responses) == 2)
+    h.sched.close()
+    assert h.answered() == {"bad": (S.FAILED, FailureReason.INTERNAL), "good": (S.DONE, None)}
+    assert "device error" in h.responses[0].detail
+    assert h.responses[0].http_status == 500
+    h.assert_empty()

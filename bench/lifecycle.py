@@ -1,0 +1,240 @@
+"""Cost of a request's lifecycle: pdlife against the ways ``transitions`` is usually used.
+
+Every variant runs the prefill happy path, BOOTSTRAPPING → bootstrapped → schedule → prefilled
+(guarded by ``fully_computed``; ``computed`` is set first) → transferred → DONE, for the same
+number of requests, in one run:
+
+  a) one ``transitions.Machine`` per request, as the transitions README shows
+  b) one shared Machine, ``add_model`` per request (``auto_transitions=False``), ``remove_model``
+     when done
+  c) pdlife, one request at a time through its trigger methods (``req.bootstrapped()`` ...)
+  d) pdlife, ``Lifecycle.fire`` on batches of 64 requests that share a state
+  e) a plain ``{(state, event): dest}`` dict (the floor: no guards checked through a library, no
+     index, no timeline, no hooks)
+
+It prints microseconds per request lifecycle (best of ``--repeats``) and bytes allocated per
+request by creating it and running its lifecycle (tracemalloc; the prompt is shared and not
+counted), then ``RESULT lifecycle ratio=<a/d> us_per_request=<d> bytes_per_request=<d>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import gc
+import os
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+# This script is named like the package it measures: run as `python bench/lifecycle.py`, its
+# own directory comes first on sys.path and would shadow the package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+from transitions import Machine  # noqa: E402
+
+from lifecycle import PREFILL_TABLE, Lifecycle, PrefillRequest  # noqa: E402
+
+PROMPT = list(range(256))
+BATCH = 64
+STATES = ["bootstrapping", "waiting", "forward", "transferring", "done", "failed"]
+TRANSITIONS: list[dict[str, Any]] = [
+    {"trigger": "bootstrapped", "source": "bootstrapping", "dest": "waiting"},
+    {"trigger": "schedule", "source": "waiting", "dest": "forward"},
+    {"trigger": "prefilled", "source": "forward", "dest": "transferring",
+     "conditions": "fully_computed"},
+    {"trigger": "transferred", "source": "transferring", "dest": "done"},
+]
+
+
+class PlainModel:
+    """The request record the transitions variants drive (it gets the trigger methods)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.input_ids = PROMPT
+        self.computed = 0
+
+    def fully_computed(self) -> bool:
+        return self.computed >= len(self.input_ids)
+
+
+def machine_per_request(n: int) -> list[Any]:
+    out = []
+    for i in range(n):
+        m: Any = PlainModel(f"r{i}")
+        Machine(model=m, states=STATES, transitions=TRANSITIONS, initial="bootstrapping")
+        m.bootstrapped()
+        m.schedule()
+        m.computed = len(m.input_ids)
+        m.prefilled()
+        m.transferred()
+        out.append(m)
+    return out
+
+
+def shared_add_model(n: int) -> list[Any]:
+    machine = Machine(
+        model=None, states=STATES, transitions=TRANSITIONS, initial="bootstrapping",
+        auto_transitions=False,
+    )
+    out = []
+    for i in range(n):
+        m: Any = PlainModel(f"r{i}")
+        machine.add_model(m)
+        m.bootstrapped()
+        m.schedule()
+        m.computed = len(m.input_ids)
+        m.prefilled()
+        m.transferred()
+        out.append(m)
+    # Done requests must leave the machine, or its model list grows without bound.
+    for m in out:
+        machine.remove_model(m)
+    return out
+
+
+def _lifecycle() -> Lifecycle[PrefillRequest]:
+    def noop(_req: PrefillRequest) -> None:
+        return None
+
+    return Lifecycle(PREFILL_TABLE, {"release": noop, "respond": noop})
+
+
+def pdlife_one_by_one(n: int) -> list[Any]:
+    lc = _lifecycle()
+    out = []
+    for i in range(n):
+        r = PrefillRequest(f"r{i}", input_ids=PROMPT)
+        lc.admit(r)
+        r.bootstrapped()
+        r.schedule()
+        r.computed = len(r.input_ids)
+        r.prefilled()
+        r.transferred()
+        out.append(r)
+    return out
+
+
+def pdlife_batched(n: int) -> list[Any]:
+    lc = _lifecycle()
+    out: list[Any] = []
+    fire = lc.fire
+    for start in range(0, n, BATCH):
+        stop = min(n, start + BATCH)
+        batch = [PrefillRequest(f"r{i}", input_ids=PROMPT) for i in range(start, stop)]
+        for r in batch:
+            lc.admit(r)
+        fire("bootstrapped", batch)
+        fire("schedule", batch)
+        for r in batch:
+            r.computed = len(r.input_ids)
+        fire("prefilled", batch)
+        fire("transferred", batch)
+        out.extend(batch)
+    return out
+
+
+class S(enum.IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING = 2
+    FORWARD = 3
+    TRANSFERRING = 4
+    DONE = 5
+
+
+DICT_TABLE = {
+    (S.BOOTSTRAPPING, "bootstrapped"): S.WAITING,
+    (S.WAITING, "schedule"): S.FORWARD,
+    (S.FORWARD, "prefilled"): S.TRANSFERRING,
+    (S.TRANSFERRING, "transferred"): S.DONE,
+}
+
+
+class DictRequest:
+    __slots__ = ("computed", "input_ids", "rid", "state")
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.input_ids = PROMPT
+        self.computed = 0
+        self.state = S.BOOTSTRAPPING
+
+
+def plain_dict(n: int) -> list[Any]:
+    table = DICT_TABLE
+    out = []
+    for i in range(n):
+        r = DictRequest(f"r{i}")
+        r.state = table[(r.state, "bootstrapped")]
+        r.state = table[(r.state, "schedule")]
+        r.computed = len(r.input_ids)
+        if r.computed >= len(r.input_ids):
+            r.state = table[(r.state, "prefilled")]
+        r.state = table[(r.state, "transferred")]
+        out.append(r)
+    return out
+
+
+VARIANTS: dict[str, Callable[[int], list[Any]]] = {
+    "a) Machine per request": machine_per_request,
+    "b) shared Machine + add_model": shared_add_model,
+    "c) pdlife one by one": pdlife_one_by_one,
+    "d) pdlife fire, batches of 64": pdlife_batched,
+    "e) plain dict (floor)": plain_dict,
+}
+
+
+def best_time(run: Callable[[int], list[Any]], n: int, repeats: int) -> float:
+    """Best wall time of ``repeats`` runs, in microseconds per request."""
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        run(n)
+        best = min(best, time.perf_counter() - start)
+    return best / n * 1e6
+
+
+def bytes_per_request(run: Callable[[int], list[Any]], n: int) -> float:
+    """Bytes still allocated per request after its lifecycle (the requests are kept alive)."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    kept = run(n)
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(kept) == n
+    return (after - before) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory-requests", type=int, default=2_000)
+    args = parser.parse_args()
+
+    print(f"{args.requests} request lifecycles per run, best of {args.repeats}")
+    print(f"{'variant':34} {'us/request':>11} {'bytes/request':>14} {'vs d)':>8}")
+    results = {}
+    for name, run in VARIANTS.items():
+        results[name] = (
+            best_time(run, args.requests, args.repeats),
+            bytes_per_request(run, args.memory_requests),
+        )
+    us_d, bytes_d = results["d) pdlife fire, batches of 64"]
+    for name, (us, nbytes) in results.items():
+        print(f"{name:34} {us:11.2f} {nbytes:14.0f} {us / us_d:7.1f}x")
+    us_a = results["a) Machine per request"][0]
+    print(f"RESULT lifecycle ratio={us_a / us_d:.1f} us_per_request={us_d:.2f} "
+          f"bytes_per_request={bytes_d:.0f}")
+
+
+if __name__ == "__main__":
+    main()
