@@ -4,8 +4,8 @@ N ranks run as processes in one gloo group, each with its own prefill scheduler,
 reference model and the fake transfer backend (instant handshake and transfer). Requests arrive
 at a skewed rate per rank (rank 0 busiest). Every pass the ranks record whether they ran a
 prefill batch and gather the flags (the same collective in both runs); the aligned share is the
-fraction of passes with any prefill in which every rank prefilled together. The same arrival sequence runs without and with the delayer
-(SGLang mode, DP attention on), in one launch.
+fraction of passes with any prefill in which every rank prefilled together. The same arrival
+sequence runs without and with the delayer (SGLang mode, DP attention on), in one launch.
 
 Last line: ``RESULT delayer aligned_share_with=.. aligned_share_without=.. mean_batch_with=..
 mean_batch_without=..``

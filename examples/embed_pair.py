@@ -56,8 +56,8 @@ def main() -> int:
               f"({o.decode.finish_reason}, {len(o.decode.output_ids)} tokens), "
               f"{'matches' if same else 'DIFFERS FROM'} the reference: "
               f"{list(o.decode.output_ids)}")
-    stats = pair.prefill_kv.stats()
-    print(f"KV copied: {stats.pages} pages, {stats.bytes} bytes in {stats.chunks} chunks")
+    sent = pair.prefill.metrics.registry.get_sample_value("pdlife_transfer_bytes_total")
+    print(f"KV and metadata handed to the transfer backend: {sent:.0f} bytes")
     print("ok" if not differ else f"{differ} outputs differ from the reference")
     return 1 if differ else 0
 

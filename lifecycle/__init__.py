@@ -4,7 +4,13 @@ Pure: no torch, no I/O, no threads, nothing from ``kv`` or ``scheduler``.
 """
 
 from lifecycle.decode import DECODE_TABLE, DecodeRequest, DecodeState
-from lifecycle.errors import GuardFailed, IllegalTransition, InvalidTable, LifecycleError, MissingHook
+from lifecycle.errors import (
+    GuardFailed,
+    IllegalTransition,
+    InvalidTable,
+    LifecycleError,
+    MissingHook,
+)
 from lifecycle.machine import Lifecycle, shared_machine
 from lifecycle.prefill import PREFILL_TABLE, PrefillRequest, PrefillState, SamplingParams
 from lifecycle.reasons import FailureReason

@@ -104,7 +104,9 @@ class Lifecycle(Generic[R]):
         self.transitions_fired = 0
         # Hooks resolved once per edge: after-hooks, then the destination's on_enter hooks.
         self._edge_hooks: dict[tuple[enum.IntEnum, str], tuple[Hook[R], ...]] = {
-            (e.source, e.event): tuple(hooks[h] for h in (*e.after, *table.on_enter.get(e.dest, ())))
+            (e.source, e.event): tuple(
+                hooks[h] for h in (*e.after, *table.on_enter.get(e.dest, ()))
+            )
             for e in table.edges
         }
 

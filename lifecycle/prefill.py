@@ -107,9 +107,9 @@ class PrefillRequest(Tracked):
     Progress: ``scheduled`` tokens were handed to a forward; ``computed`` tokens have their K/V
     in the pool; ``sent`` tokens have been handed to the sender. (Under the overlap loop the
     next chunk is scheduled before the previous one's result is processed, so ``scheduled``
-    may run ahead of ``computed``.) Resources (see the ownership table in docs/lifecycle.md): ``sender`` from
-    BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; all are returned by the
-    ``release`` hook on entering a final state.
+    may run ahead of ``computed``.) Resources (see the ownership table in docs/lifecycle.md):
+    ``sender`` from BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; all are
+    returned by the ``release`` hook on entering a final state.
     """
 
     input_ids: Sequence[int] = attrs.field(default=(), kw_only=True, repr=False)

@@ -301,6 +301,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         reason = self._reason_for(data, event)
         self._maybe_satisfy(data, [req], event)
         edge = self.table.lookup.get((self.model[req.rid], event))
+        # Guards are judged before firing: the edge's hooks may change what they read.
+        allowed = edge is not None and _guards_hold(edge, req)
         batch_path = data.draw(st.booleans(), label="batch path")
         before = self._snapshot()
         try:
@@ -309,14 +311,14 @@ class LifecycleMachine(RuleBasedStateMachine):
             else:
                 self.lifecycle.trigger(req, event, reason=reason)
         except GuardFailed:
-            assert edge is not None and not _guards_hold(edge, req)
+            assert edge is not None and not allowed
             self._unchanged(before)
             return
         except IllegalTransition:
             assert edge is None
             self._unchanged(before)
             return
-        assert edge is not None and _guards_hold(edge, req), f"{event!r} was accepted"
+        assert allowed and edge is not None, f"{event!r} was accepted"
         self._moved([req], edge, before.fired)
         if reason is not None:
             assert req.reason is reason

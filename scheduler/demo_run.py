@@ -31,7 +31,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 from rich.console import Console
@@ -77,7 +77,7 @@ class DemoRequest:
     """
 
     rid: str
-    prompt: tuple[int, ...] = attrs.field(converter=tuple, repr=False)
+    prompt: tuple[int, ...] = attrs.field(repr=False)
     sampling: SamplingParams
     fault: str = ""
     room: int = 0
@@ -197,7 +197,7 @@ class DemoResult:
     written to ``out/summary.json``, and the output folder."""
 
     status: int
-    summary: dict[str, object]
+    summary: dict[str, Any]
     out: Path
 
 

@@ -20,7 +20,8 @@ from kv.bootstrap import BootstrapServer
 from kv.fake import FakeKVManager, FaultPlan
 from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
 from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.mooncake import MooncakeDecodeManager, MooncakeKVManager
+from kv.mooncake import MooncakeKVManager
+from kv.mooncake_decode import MooncakeDecodeManager
 from lifecycle import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.decode import DecodePeer, DecodeResponse

@@ -117,7 +117,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_config(args: argparse.Namespace) -> Any:
     """The :class:`~scheduler.service.ServeConfig` the flags describe."""
-    from kv.mooncake import MooncakeConfig
+    from kv.mooncake_engine import MooncakeConfig
     from scheduler.config import SchedulerConfig
     from scheduler.service import ServeConfig
 

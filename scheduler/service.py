@@ -45,7 +45,8 @@ from kv.bootstrap import BootstrapServer
 from kv.fake import FakeKVManager
 from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
 from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.mooncake import MooncakeDecodeManager, MooncakeKVManager
+from kv.mooncake import MooncakeKVManager
+from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
 from lifecycle import FailureReason
 from scheduler.decode import DecodePeer, DecodeResponse

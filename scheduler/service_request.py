@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import attrs
 
-from kv.mooncake import MooncakeConfig
+from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from lifecycle import FailureReason, SamplingParams
 from scheduler.config import SchedulerConfig

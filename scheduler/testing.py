@@ -27,7 +27,7 @@ transfer failure, the engine finishing its reads, success), and the seeded
 drains it, so aborts and failures land while pages are being transferred; under the overlap loop
 a batch stays on the device between passes, so aborts land while a forward may write pages.
 
-After every rule the machine checks DESIGN.md's invariants 1–5 (invariant 6, ranks agreeing,
+After every rule the machine checks DESIGN.md's invariants 1 to 5 (invariant 6, ranks agreeing,
 is covered by the TP tests): one response per admission, entering one final state once;
 every timeline replays through the prefill table, monotone; conservation of pages and slots
 (``check_invariants``) plus ownership by state (``lifecycle.invariants.resource_violations``);
@@ -52,7 +52,14 @@ from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
 from kv.pool import KVPool
-from kv.transfer import REASON_ABORTED, KVPoll, SendCursor, TransferError, TransferUsageError
+from kv.transfer import (
+    REASON_ABORTED,
+    REASON_PEER_ABORTED,
+    KVPoll,
+    SendCursor,
+    TransferError,
+    TransferUsageError,
+)
 from lifecycle import PREFILL_TABLE, FailureReason, PrefillRequest, PrefillState
 from lifecycle.invariants import resource_violations, timeline_violations
 from lifecycle.testing import FakeClock
@@ -144,9 +151,9 @@ class ScriptedSender:
             return []
         out = ["drain"] if self.reading else []
         if self.status == KVPoll.BOOTSTRAPPING:
-            out += ["handshake", "bootstrap_failure", "bootstrap_timeout"]
+            out += ["handshake", "bootstrap_failure", "bootstrap_timeout", "peer_abort"]
         elif self.status in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
-            out += ["transfer_failure", "transfer_timeout"]
+            out += ["transfer_failure", "transfer_timeout", "peer_abort"]
             if self.status == KVPoll.TRANSFERRING and self.cursor.finished:
                 out.append("success")
         return out
@@ -160,6 +167,8 @@ class ScriptedSender:
         elif action == "success":
             self.reading = []
             self._set(KVPoll.SUCCESS)
+        elif action == "peer_abort":
+            self._set(KVPoll.FAILED, REASON_PEER_ABORTED)
         else:
             self._set(KVPoll.FAILED, f"injected {action.replace('_', ' ')}",
                       timeout=action.endswith("timeout"))
@@ -210,9 +219,13 @@ class PageEchoRunner:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.violations: list[str] = []
+        self.fail_next = False  # raise from the next forward (an injected device error)
         self._lock = threading.Lock()
 
     def forward(self, batch: ForwardBatch) -> list[int]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected forward failure")
         ps = self.pool.page_size
         keys = self.pool.k(0)
         out = []
@@ -254,6 +267,11 @@ def tiny_model(seed: int = 0) -> tuple[RunnerFactory, Reference]:
 # -- configuration ---------------------------------------------------------------------------
 
 LOOPS = ("normal", "overlap", "both")
+#: The fake host's faults by default: every kind, often, with delays on the clock.
+FAKE_HOST_FAULTS = FaultPlan(
+    seed=1, bootstrap_failure=0.2, bootstrap_timeout=0.1, transfer_failure=0.2,
+    handshake_delay_polls=1, transfer_delay_s=0.5,
+)
 _QUIESCE_PASSES = 200
 
 
@@ -267,10 +285,7 @@ class MachineSetup:
     pages: int | None = attrs.field(default=None)
     slots: int | None = None
     loop: str = attrs.field(default="both", validator=attrs.validators.in_(LOOPS))
-    faults: FaultPlan = FaultPlan(
-        seed=1, bootstrap_failure=0.2, bootstrap_timeout=0.1, transfer_failure=0.2,
-        handshake_delay_polls=1, transfer_delay_s=0.5,
-    )
+    faults: FaultPlan = attrs.field(factory=lambda: FAKE_HOST_FAULTS)
 
     @pages.validator
     def _check_pages(self, _attr: object, value: int | None) -> None:
@@ -459,6 +474,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         """The decode peer or the transfer engine does something to one room."""
         sender, action = data.draw(st.sampled_from(self._backend_moves()), label="move")
         sender.act(action)
+
+    @precondition(lambda self: isinstance(getattr(self, "runner", None), PageEchoRunner))
+    @rule()
+    def forward_fault(self) -> None:
+        """The next forward raises (a device error): its requests fail, nothing leaks."""
+        assert isinstance(self.runner, PageEchoRunner)
+        self.runner.fail_next = True
 
     @precondition(lambda self: self.sched is not None)
     @rule(dt=st.sampled_from([0.001, 0.5, 5.0, 10.0]))

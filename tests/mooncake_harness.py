@@ -23,7 +23,8 @@ import torch
 from kv import wire
 from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers, MetadataRow, SlotAllocator
-from kv.mooncake import MooncakeDecodeManager, MooncakeKVManager, MooncakeKVReceiver
+from kv.mooncake import MooncakeKVManager
+from kv.mooncake_decode import MooncakeDecodeManager, MooncakeKVReceiver
 from tests.transfer_harness import NUM_PAGES, NUM_SLOTS, HarnessSession, make_pool
 
 _PEER = Path(__file__).with_name("mooncake_peer.py")

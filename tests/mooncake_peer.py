@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.mooncake import MooncakeConfig, MooncakeDecodeManager, MooncakeKVReceiver
+from kv.mooncake_decode import MooncakeDecodeManager, MooncakeKVReceiver
+from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.transfer import KVPoll
 

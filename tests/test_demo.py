@@ -91,7 +91,8 @@ def test_workload_is_seeded_and_holds_the_planned_faults_and_aborts() -> None:
     assert targets == {PrefillState.WAITING, PrefillState.FORWARD, PrefillState.TRANSFERRING}
     forward = next(r for r in work if r.abort_in is PrefillState.FORWARD)
     # Four chunks or more, so the abort can land between chunks.
-    assert len(forward.prompt) > 3 * scheduler_config(2048).chunked_prefill_size
+    chunk = scheduler_config(2048).chunked_prefill_size
+    assert chunk == 512 and len(forward.prompt) > 3 * chunk
 
 
 def test_max_prompt_bounds_the_prompts_and_the_chunks() -> None:

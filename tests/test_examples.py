@@ -37,5 +37,5 @@ def test_embed_pair() -> None:
     served = [line for line in out.splitlines() if "prefill DONE, decode DONE" in line]
     assert len(served) == 3 and all("matches the reference" in line for line in served)
     assert re.search(r"\(stop, \d+ tokens\)|\(length, 24 tokens\)", out)
-    assert re.search(r"KV copied: [1-9]\d* pages", out)
+    assert re.search(r"handed to the transfer backend: [1-9]\d* bytes", out)
     assert out.splitlines()[-1] == "ok"

@@ -12,7 +12,9 @@ import torch
 
 from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
-from kv.mooncake import IncompatiblePeerError, MooncakeDecodeManager, MooncakeKVManager
+from kv.mooncake import MooncakeKVManager
+from kv.mooncake_decode import MooncakeDecodeManager
+from kv.mooncake_engine import IncompatiblePeerError
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
 from tests.transfer_harness import GEOMETRY, drive, make_pool

@@ -16,7 +16,8 @@ import zmq
 from kv import wire
 from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
-from kv.mooncake import MooncakeConfig, MooncakeKVManager
+from kv.mooncake import MooncakeKVManager
+from kv.mooncake_engine import MooncakeConfig
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from tests.mooncake_harness import DecodePeer
 from tests.transfer_harness import GEOMETRY, drive, eventually, make_pool

@@ -1,0 +1,267 @@
+"""The decode side of the Mooncake backend: the manager that registers with a prefill rank,
+and the per-request receiver.
+
+The decode manager looks the prefill rank up at its bootstrap endpoint, refuses one whose page
+size or KV dtype differs, sends one ``Register`` with its engine session and memory layout, and
+then per room a ``Destination`` or an ``Abort``. A receiver reports SUCCESS only when prefill's
+``Status`` said so *and* the metadata row in its slot carries its own room (the metadata gate).
+Any ``Status`` also means prefill no longer writes the room's pages, which is what
+:meth:`MooncakeKVReceiver.quiescent` reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import zmq
+
+from kv import wire
+from kv.bootstrap import BootstrapClient, BootstrapError, RankInfo
+from kv.metadata import MetadataBuffers, MetadataError
+from kv.mooncake_engine import (
+    TERMINAL,
+    Engine,
+    IncompatiblePeerError,
+    MooncakeConfig,
+    MooncakeError,
+    kv_dtype_name,
+    push_socket,
+    register_all,
+)
+from kv.pool import KVPool
+from kv.transfer import (
+    REASON_ABORTED,
+    REASON_OTHER_RANK,
+    KVPoll,
+    TransferError,
+    TransferUsageError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class _DecodeRoom:
+    room: int
+    status: KVPoll = KVPoll.BOOTSTRAPPING
+    reason: str = ""
+    slot: int = -1
+    # Destination sent, and no Status back yet: prefill may still write into the pages.
+    awaiting_prefill: bool = False
+    row_landed: bool = False
+
+
+class MooncakeDecodeManager:
+    """Decode side: engine, status listener, one registration with prefill rank ``rank``."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        metadata: MetadataBuffers,
+        bootstrap_addr: str,
+        *,
+        rank: int = 0,
+        config: MooncakeConfig | None = None,
+    ) -> None:
+        self.config = config or MooncakeConfig()
+        self.pool = pool
+        self.metadata = metadata
+        self.bootstrap_addr = bootstrap_addr
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.dropped_messages = wire.DroppedMessages()
+        self.prefill = self._lookup(bootstrap_addr, rank)
+        self._engine = Engine(self.config)
+        register_all(self._engine, pool, metadata)
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port(f"tcp://{self.config.hostname}")
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _DecodeRoom] = {}
+        # Cleared rooms whose Status (prefill's "no more writes") has not come back yet.
+        self._draining: dict[int, _DecodeRoom] = {}
+        self._push_lock = threading.Lock()
+        self._push = push_socket(self._ctx, self.prefill.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="mooncake-status", daemon=True)
+        self._thread.start()
+        infos = metadata.buffer_infos()
+        self._send(wire.Register(
+            session=self._engine.session,
+            status_endpoint=f"tcp://{self.config.hostname}:{port}",
+            kv_ptr=pool.buffer.data_ptr(),
+            num_layers=pool.num_layers,
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+            page_bytes=pool.page_bytes,
+            kv_dtype=kv_dtype_name(pool),
+            meta_ptrs=tuple(i.ptr for i in infos),
+            meta_item_lens=tuple(i.item_len for i in infos),
+            num_slots=metadata.num_slots,
+        ))
+
+    @property
+    def session(self) -> str:
+        return self._engine.session
+
+    def _lookup(self, bootstrap_addr: str, rank: int) -> RankInfo:
+        """The prefill rank's entry, waiting up to ``connect_timeout_s`` for all ranks."""
+        client = BootstrapClient(bootstrap_addr, token=self.config.token)
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        backoff = threading.Event()  # never set: wait() is an interruptible pause
+        while True:
+            try:
+                table = client.lookup()
+                break
+            except BootstrapError as exc:
+                if exc.status not in (0, 503) or time.monotonic() >= deadline:
+                    raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
+                backoff.wait(0.05)
+        dtype = kv_dtype_name(self.pool)
+        if table.page_size != self.pool.page_size or table.kv_dtype != dtype:
+            raise IncompatiblePeerError(
+                f"prefill at {bootstrap_addr} has page_size={table.page_size} "
+                f"kv_dtype={table.kv_dtype}, this decode pool has page_size={self.pool.page_size} "
+                f"kv_dtype={dtype}; start both with the same settings"
+            )
+        ranks = {r.rank: r for r in table.ranks}
+        if rank not in ranks:
+            raise MooncakeError(f"prefill at {bootstrap_addr} has no rank {rank}")
+        return ranks[rank]
+
+    def create_receiver(self, bootstrap_addr: str, room: int) -> MooncakeKVReceiver:
+        if bootstrap_addr != self.bootstrap_addr:
+            raise TransferUsageError(
+                room, f"this manager serves prefill {self.bootstrap_addr}, not {bootstrap_addr}"
+            )
+        with self._lock:
+            if room in self._rooms:
+                raise TransferUsageError(room, "a live receiver exists for this room; clear() it")
+            rec = _DecodeRoom(room)
+            self._rooms[room] = rec
+        return MooncakeKVReceiver(self, rec)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with self._push_lock:
+            self._push.close()
+        self._pull.close()
+        self._ctx.term()
+        self._engine.close()
+
+    def _send(self, msg: wire.Message) -> None:
+        data = wire.encode(msg, self.config.token)
+        with self._push_lock:
+            self._push.send(data)
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            if not self._pull.poll(100):
+                continue
+            data = self._pull.recv()
+            try:
+                msg = wire.decode(data, self.config.token)
+                if not isinstance(msg, wire.Status):
+                    raise wire.WireError("unexpected_type", f"{type(msg).__name__} not for decode")
+                self._on_status(msg)
+            except wire.WireError as err:
+                logger.warning("dropped control message: %s", err)
+                self.dropped_messages.record(err)
+            except Exception:  # a handler bug must not end the listener
+                logger.exception("status handler failed")
+                self.dropped_messages.record(wire.WireError("internal", "handler raised"))
+
+    def _on_status(self, msg: wire.Status) -> None:
+        with self._lock:
+            rec = self._rooms.get(msg.room)
+            if rec is None or not rec.awaiting_prefill:
+                rec = self._draining.pop(msg.room, None)
+            if rec is None or not rec.awaiting_prefill:
+                raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
+            rec.awaiting_prefill = False
+            if rec.status not in TERMINAL:
+                rec.status = KVPoll(msg.poll)
+                rec.reason = msg.reason or "prefill reported a failure"
+        self.ready.put(msg.room)
+
+
+class MooncakeKVReceiver:
+    """The decode side of one room (see :mod:`kv.transfer` for the contract)."""
+
+    def __init__(self, mgr: MooncakeDecodeManager, rec: _DecodeRoom) -> None:
+        self.room = rec.room
+        self._mgr = mgr
+        self._rec = rec
+
+    def init(self) -> None:
+        with self._mgr._lock:
+            if self._rec.status == KVPoll.BOOTSTRAPPING:
+                self._rec.status = KVPoll.WAITING_FOR_INPUT
+        self._mgr.ready.put(self.room)
+
+    def send_metadata(self, pages: Sequence[int], slot: int) -> None:
+        mgr, rec = self._mgr, self._rec
+        if not 0 <= slot < mgr.metadata.num_slots:
+            raise TransferUsageError(self.room, f"slot {slot} is not a metadata row")
+        arr = np.asarray(pages, dtype=np.int64)
+        with mgr._lock:
+            if rec.status == KVPoll.FAILED:
+                return
+            if rec.status != KVPoll.WAITING_FOR_INPUT:
+                raise TransferUsageError(self.room, f"send_metadata() while {rec.status.name}")
+            rec.status = KVPoll.TRANSFERRING
+            rec.slot = slot
+            rec.awaiting_prefill = True
+        mgr._send(wire.Destination(self.room, mgr.session, arr, slot))
+
+    def poll(self) -> KVPoll:
+        mgr, rec = self._mgr, self._rec
+        with mgr._lock:
+            if rec.status != KVPoll.SUCCESS or rec.row_landed or self.room == 0:
+                return rec.status
+            # The metadata gate: the row must carry this room; 0 means it has not landed.
+            try:
+                landed = mgr.metadata.read(rec.slot, expected_room=self.room)
+            except MetadataError as exc:
+                rec.status, rec.reason = KVPoll.FAILED, str(exc)
+                return rec.status
+            if landed is None:
+                return KVPoll.TRANSFERRING
+            rec.row_landed = True
+            return rec.status
+
+    def failure_exception(self) -> TransferError:
+        rec = self._rec
+        reason = rec.reason if rec.status == KVPoll.FAILED else REASON_OTHER_RANK
+        return TransferError(rec.room, reason, self._mgr.prefill.session)
+
+    def abort(self) -> None:
+        mgr, rec = self._mgr, self._rec
+        with mgr._lock:
+            if rec.status in TERMINAL:
+                return
+            rec.status, rec.reason = KVPoll.FAILED, REASON_ABORTED
+            tell_prefill = rec.awaiting_prefill
+        mgr.ready.put(self.room)
+        if tell_prefill:
+            mgr._send(wire.Abort(self.room, mgr.session))
+
+    def clear(self) -> None:
+        with self._mgr._lock:
+            if self._mgr._rooms.get(self.room) is self._rec:
+                del self._mgr._rooms[self.room]
+                if self._rec.awaiting_prefill:
+                    self._mgr._draining[self.room] = self._rec
+
+    def quiescent(self) -> bool:
+        """False while prefill may still write into the room's pages (no Status back yet)."""
+        with self._mgr._lock:
+            return not self._rec.awaiting_prefill
