@@ -235,10 +235,12 @@ DIAGRAM = Subcommand(
 
 # -- the command ------------------------------------------------------------------------------
 
-from scheduler.serve_cli import GENERATE, SERVE  # noqa: E402  (serve_cli imports Subcommand)
+from scheduler.bench_cli import BENCH  # noqa: E402  (these modules import Subcommand)
+from scheduler.demo import DEMO  # noqa: E402
+from scheduler.serve_cli import GENERATE, SERVE  # noqa: E402
 
 #: Every subcommand, in the order ``pdlife --help`` lists them. Add new ones here.
-SUBCOMMANDS: tuple[Subcommand, ...] = (DIAGRAM, GENERATE, SERVE, VALIDATE)
+SUBCOMMANDS: tuple[Subcommand, ...] = (DEMO, SERVE, GENERATE, DIAGRAM, VALIDATE, BENCH)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -252,11 +252,11 @@ def _serve(
             rec = prefill_records.get(rid)
             if rec is None or rec.state is None:
                 continue
-            del aborts[rid]
-            if not rec.is_final and rec.state >= target:
+            if rec.is_final:  # it ended first; the summary lists it as not as planned
+                del aborts[rid]
+            elif rec.state >= target:
                 pair.abort(rid)
-            elif not rec.is_final:
-                aborts[rid] = target
+                del aborts[rid]
         responses = pair.prefill_responses
         if len(responses) > answered:
             # A PD router aborts on decode what failed on prefill, or decode waits for KV

@@ -14,8 +14,13 @@ import logging
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
 from scheduler.cli import Subcommand
+
+if TYPE_CHECKING:
+    from hypothesis.stateful import RuleBasedStateMachine
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +44,43 @@ def _rerun(args: argparse.Namespace, loop: str) -> str:
             f"--loop {loop} --model {args.model}")
 
 
+def run_fuzz(
+    args: argparse.Namespace,
+    make_machine: Callable[[str], type[RuleBasedStateMachine]],
+    out: TextIO = sys.stdout,
+) -> int:
+    """Fuzz every loop ``args.loop`` names with the machine ``make_machine(loop)``; print the
+    report to ``out``; 0 if every program kept the invariants, else 1."""
+    from hypothesis import HealthCheck, seed, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from scheduler.testing import iter_loops
+
+    run_settings = settings(
+        max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
+        database=None, derandomize=False, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    for loop in iter_loops(args.loop):
+        machine = seed(args.seed)(make_machine(loop))
+        started = time.monotonic()
+        print(f"fuzzing the {loop} loop: {args.examples} programs of up to {args.steps} "
+              f"rules, seed {args.seed}", file=out, flush=True)
+        try:
+            run_state_machine_as_test(machine, settings=run_settings)
+        except Exception as exc:  # the report is the point: print it all, exit 1
+            traceback.print_exception(exc, file=out)
+            print(f"\nFAILED: the {loop} loop broke an invariant (seed {args.seed}); the "
+                  "shrunk program is above.", file=out)
+            print(f"rerun: {_rerun(args, loop)}", file=out)
+            return 1
+        print(f"  ok: {args.examples} programs in {time.monotonic() - started:.1f} s",
+              file=out, flush=True)
+    print(f"ok: every program kept the invariants (loop {args.loop}, seed {args.seed})",
+          file=out)
+    return 0
+
+
 def _fuzz(args: argparse.Namespace) -> int:
     from scheduler.cli import UsageError
 
@@ -47,39 +89,15 @@ def _fuzz(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    from hypothesis import HealthCheck, seed, settings
-    from hypothesis.stateful import run_state_machine_as_test
-
-    from scheduler.testing import iter_loops, scheduler_machine, tiny_model
+    from scheduler.testing import scheduler_machine, tiny_model
 
     # The scheduler logs every injected failure; the report is what matters here.
     logging.disable(logging.CRITICAL)
     factory, reference = tiny_model() if args.model == "tiny" else (None, None)
-    run_settings = settings(
-        max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
-        database=None, derandomize=False, print_blob=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    return run_fuzz(
+        args,
+        lambda loop: scheduler_machine(loop=loop, runner_factory=factory, reference=reference),
     )
-    for loop in iter_loops(args.loop):
-        machine = seed(args.seed)(
-            scheduler_machine(loop=loop, runner_factory=factory, reference=reference)
-        )
-        started = time.monotonic()
-        print(f"fuzzing the {loop} loop: {args.examples} programs of up to {args.steps} "
-              f"rules, seed {args.seed}", flush=True)
-        try:
-            run_state_machine_as_test(machine, settings=run_settings)
-        except Exception as exc:  # the report is the point: print it all, exit 1
-            traceback.print_exception(exc, file=sys.stdout)
-            print(f"\nFAILED: the {loop} loop broke an invariant (seed {args.seed}); the "
-                  "shrunk program is above.")
-            print(f"rerun: {_rerun(args, loop)}")
-            return 1
-        print(f"  ok: {args.examples} programs in {time.monotonic() - started:.1f} s",
-              flush=True)
-    print(f"RESULT fuzz loops={args.loop} examples={args.examples} steps={args.steps} "
-          f"seed={args.seed} failures=0")
-    return 0
 
 
 FUZZ = Subcommand(

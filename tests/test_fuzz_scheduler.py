@@ -1,0 +1,91 @@
+"""The whole prefill scheduler under the Hypothesis machine of ``scheduler.testing``.
+
+Budgets are explicit (they are the point of this file): on two CPU cores the ``ci`` profile
+runs about two thousand programs in total in a few minutes; ``HYPOTHESIS_PROFILE=dev`` runs
+ten times as many. ``pdlife fuzz`` runs the same machine from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import settings
+
+from scheduler.fuzz_cli import FUZZ, run_fuzz
+from scheduler.testing import scheduler_machine, tiny_model
+
+_DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
+# (programs, rules per program) for each machine below.
+_ECHO = (10_000, 60) if _DEV else (1000, 40)
+_TINY = (60, 25) if _DEV else (40, 20)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_injected_failures() -> Iterator[None]:
+    # Every injected failure is logged by the scheduler; thousands of programs inject many.
+    logging.disable(logging.ERROR)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def _budget(examples: int, steps: int) -> settings:
+    return settings(settings.default, max_examples=examples, stateful_step_count=steps)
+
+
+TestNormalLoop = scheduler_machine(loop="normal").TestCase
+TestNormalLoop.settings = _budget(*_ECHO)
+
+TestOverlapLoop = scheduler_machine(loop="overlap").TestCase
+TestOverlapLoop.settings = _budget(*_ECHO)
+
+# The reference Llama: first tokens of chunked, aborted and failed-around requests must equal
+# the colocated reference. Few programs: a forward costs tens of milliseconds.
+_factory, _reference = tiny_model(seed=5)
+TestTinyModel = scheduler_machine(runner_factory=_factory, reference=_reference, pages=24,
+                                  loop="both").TestCase
+TestTinyModel.settings = _budget(*_TINY)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    FUZZ.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_cli_passes_and_names_what_it_ran() -> None:
+    out = io.StringIO()
+    args = _args("--examples", "10", "--steps", "15", "--seed", "4")
+    assert run_fuzz(args, lambda loop: scheduler_machine(loop=loop), out) == 0
+    text = out.getvalue()
+    assert "fuzzing the normal loop: 10 programs of up to 15 rules, seed 4" in text
+    assert "fuzzing the overlap loop" in text
+    assert text.rstrip().endswith("(loop both, seed 4)")
+
+
+def test_the_cli_reports_a_broken_scheduler_with_its_program_and_rerun_line() -> None:
+    # A reference that disagrees with the runner stands in for a scheduler that corrupts
+    # a request's pages: the first DONE response breaks the first-token check.
+    out = io.StringIO()
+    args = _args("--examples", "50", "--steps", "20", "--seed", "9", "--loop", "overlap")
+    status = run_fuzz(
+        args, lambda loop: scheduler_machine(loop=loop, reference=lambda prompt: -1), out
+    )
+    text = out.getvalue()
+    assert status == 1
+    assert "first token" in text
+    assert "Failing test case" in text and "state.submit(" in text  # the shrunk program
+    assert "FAILED: the overlap loop broke an invariant (seed 9)" in text
+    assert ("rerun: pdlife fuzz --examples 50 --seed 9 --steps 20 --loop overlap "
+            "--model echo") in text
+
+
+def test_the_cli_refuses_bad_budgets() -> None:
+    from scheduler.cli import UsageError
+
+    with pytest.raises(UsageError, match="--examples must be >= 1"):
+        FUZZ.run(_args("--examples", "0"))
