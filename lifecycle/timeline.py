@@ -9,6 +9,11 @@ and returns one :class:`TransitionRecord` per transition; a timeline that takes 
 does not have is reported as :class:`~lifecycle.errors.InvalidTimeline` (it cannot happen through
 :class:`~lifecycle.machine.Lifecycle`, which is why the property tests replay every timeline).
 
+The replay reads only a request's id, timeline, failure reason and detail (:class:`Timed`), so it
+works alike on a live :class:`~lifecycle.record.Tracked` record and on a finished request's answer
+that carries a copy of its timeline; only a record still owned by a lifecycle knows its table, the
+others need ``table=``.
+
 Everything here is pure: :func:`to_perfetto` returns the Chrome-trace JSON object and the caller
 writes it.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -46,16 +51,39 @@ class TransitionRecord:
     reason: FailureReason | None = None
 
 
-def _table_of(req: Tracked, table: LifecycleTable | None) -> LifecycleTable:
+class Timed(Protocol):
+    """What a timeline is read from: the request id, the ``(monotonic_time, event)`` pairs
+    (admission first, with event ``""``), and the failure reason and detail it ended with.
+    :class:`~lifecycle.record.Tracked` records have them, and so do answers that copy them."""
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def timeline(self) -> Sequence[tuple[float, str]]: ...
+
+    @property
+    def reason(self) -> FailureReason | None: ...
+
+    @property
+    def detail(self) -> str: ...
+
+
+def _table_of(req: Timed, table: LifecycleTable | None) -> LifecycleTable:
     if table is not None:
         return table
-    if req.owner is None:
-        raise InvalidTimeline(f"request {req.rid!r} was never admitted; pass its table")
-    return req.owner.table
+    owner = req.owner if isinstance(req, Tracked) else None
+    if owner is None:
+        raise InvalidTimeline(
+            f"request {req.rid!r} was never admitted to a lifecycle, so its table is unknown; "
+            f"pass its table"
+        )
+    return owner.table
 
 
-def records(req: Tracked, table: LifecycleTable | None = None) -> list[TransitionRecord]:
-    """Replay ``req``'s timeline through ``table`` (default: its owner's table)."""
+def records(req: Timed, table: LifecycleTable | None = None) -> list[TransitionRecord]:
+    """Replay ``req``'s timeline through ``table`` (default: the table of the lifecycle that
+    owns ``req``, for a :class:`~lifecycle.record.Tracked` record)."""
     table = _table_of(req, table)
     timeline = req.timeline
     if not timeline:
@@ -91,7 +119,7 @@ def records(req: Tracked, table: LifecycleTable | None = None) -> list[Transitio
     return out
 
 
-def replayed_state(req: Tracked, table: LifecycleTable | None = None) -> enum.IntEnum:
+def replayed_state(req: Timed, table: LifecycleTable | None = None) -> enum.IntEnum:
     """The state ``req``'s timeline ends in (the table's initial state if only admitted)."""
     recs = records(req, table)
     return recs[-1].dest if recs else _table_of(req, table).initial
@@ -101,28 +129,31 @@ def replayed_state(req: Tracked, table: LifecycleTable | None = None) -> enum.In
 
 
 def to_perfetto(
-    requests: Iterable[Tracked],
+    requests: Iterable[Timed],
     *,
     table: LifecycleTable | None = None,
     now: float | None = None,
     pid: int = 1,
+    origin: float | None = None,
 ) -> dict[str, Any]:
     """A Chrome-trace JSON object (``json.dump`` it; Perfetto and chrome://tracing open it).
 
     One thread track per request (``tid`` = its position, named by its rid), one complete
     ``"X"`` slice per state visit from entry to exit, self-loops (a chunk) and final states as
-    instant events. Times are microseconds since the earliest admission. A live request's
-    current state ends at ``now`` (default: the latest time in any timeline) with
-    ``args.open = true``.
+    instant events. Times are microseconds since ``origin``, a monotonic time (default: the
+    earliest admission here); pass the same ``origin`` to traces that are to share a time axis
+    (e.g. both sides of a disaggregated pair, as separate ``pid``s). A live request's current
+    state ends at ``now`` (default: the latest time in any timeline) with ``args.open = true``.
+    ``table`` is needed for requests no lifecycle owns (e.g. answers carrying a timeline).
     """
     reqs = [r for r in requests if r.timeline]
     if not reqs:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
-    origin = min(r.timeline[0][0] for r in reqs)
+    zero = origin if origin is not None else min(r.timeline[0][0] for r in reqs)
     end = now if now is not None else max(r.timeline[-1][0] for r in reqs)
 
     def us(t: float) -> float:
-        return round((t - origin) * 1e6, 3)
+        return round((t - zero) * 1e6, 3)
 
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "pdlife"}}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scheduler.cli import Subcommand, UsageError
+from scheduler.command import Subcommand, UsageError
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 # In the order `pdlife bench` runs them with no names given (the quick ones first).

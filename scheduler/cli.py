@@ -15,31 +15,18 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from lifecycle import TABLES, LifecycleTable, make_table, validate
 from lifecycle.errors import InvalidTable
+from scheduler.bench_cli import BENCH
+from scheduler.command import Subcommand, UsageError
+from scheduler.demo import DEMO
+from scheduler.serve_cli import GENERATE, SERVE
 
 DOCS_LIFECYCLE = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
-
-
-@attrs.frozen
-class Subcommand:
-    """One ``pdlife`` subcommand."""
-
-    name: str
-    summary: str
-    description: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-class UsageError(Exception):
-    """Bad command-line input; the message says what to pass instead."""
 
 
 # -- loading tables ---------------------------------------------------------------------------
@@ -234,10 +221,6 @@ DIAGRAM = Subcommand(
 
 
 # -- the command ------------------------------------------------------------------------------
-
-from scheduler.bench_cli import BENCH  # noqa: E402  (these modules import Subcommand)
-from scheduler.demo import DEMO  # noqa: E402
-from scheduler.serve_cli import GENERATE, SERVE  # noqa: E402
 
 #: Every subcommand, in the order ``pdlife --help`` lists them. Add new ones here.
 SUBCOMMANDS: tuple[Subcommand, ...] = (DEMO, SERVE, GENERATE, DIAGRAM, VALIDATE, BENCH)

@@ -15,7 +15,7 @@ from typing import Literal
 
 import attrs
 
-from scheduler.cli import Subcommand, UsageError
+from scheduler.command import Subcommand, UsageError
 
 Backend = Literal["local", "mooncake"]
 Loop = Literal["normal", "overlap"]

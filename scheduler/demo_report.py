@@ -1,8 +1,10 @@
 """What ``pdlife demo`` shows and writes: the live progress, the summary, the output files.
 
 Everything here reads a finished run (:class:`RunData`) or a lifecycle's counts; nothing drives a
-request. The summary is one JSON-ready dict, printed as tables and written to ``summary.json``
-next to the lifecycle diagrams and the Perfetto trace.
+request. The per-request parts of the report (TTFT phases, where each abort landed, the trace)
+are replayed from the timelines the answers carry (:mod:`lifecycle.timeline`). The summary is one
+JSON-ready dict, printed as tables and written to ``summary.json`` next to the lifecycle diagrams
+and the Perfetto trace.
 """
 
 from __future__ import annotations
@@ -24,14 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from lifecycle import (
-    DECODE_TABLE,
-    PREFILL_TABLE,
-    DecodeRequest,
-    Lifecycle,
-    PrefillRequest,
-    PrefillState,
-)
+from lifecycle import DECODE_TABLE, PREFILL_TABLE, Lifecycle
 from lifecycle.diagram import DiagramError, render
 from lifecycle.timeline import records, to_perfetto, ttft_phases
 from scheduler.decode import DecodeResponse
@@ -82,7 +77,7 @@ class Mismatch:
 
 @attrs.frozen
 class RunData:
-    """A finished demo run: the workload, both sides' answers and records, and the figures."""
+    """A finished demo run: the workload, both sides' answers by rid, and the figures."""
 
     requests: int
     backend: str
@@ -91,8 +86,6 @@ class RunData:
     workload: Sequence[DemoRequest]
     prefill: dict[str, Response]
     decode: dict[str, DecodeResponse]
-    prefill_records: list[PrefillRequest]
-    decode_records: list[DecodeRequest]
     serve_seconds: float
     prefill_tokens: int
     kv_bytes: float
@@ -212,8 +205,8 @@ def _outcomes(answers: Iterable[Response | DecodeResponse]) -> dict[str, Any]:
     return {"done": done, "failed": dict(sorted(failed.items()))}
 
 
-def _ttft_ms(recs: Iterable[PrefillRequest]) -> dict[str, dict[str, float]]:
-    phases = [ttft_phases(r.timeline) for r in recs if r.state is PrefillState.DONE]
+def _ttft_ms(answers: Iterable[Response]) -> dict[str, dict[str, float]]:
+    phases = [ttft_phases(a.timeline) for a in answers if a.ok]
     out = {}
     for name in PHASES:
         values = [v * 1e3 for p in phases if (v := getattr(p, name)) is not None]
@@ -224,12 +217,11 @@ def _ttft_ms(recs: Iterable[PrefillRequest]) -> dict[str, dict[str, float]]:
 
 
 def _aborts(data: RunData) -> list[dict[str, Any]]:
-    recs = {r.rid: r for r in data.prefill_records}
     out = []
     for req in data.workload:
         if req.abort_in is None:
             continue
-        steps = records(recs[req.rid]) if req.rid in recs else []
+        steps = records(data.prefill[req.rid], PREFILL_TABLE)
         landed = next((s.source.name for s in steps if s.event == "abort"), None)
         chunks = sum(1 for s in steps if s.event == "chunk_done")
         out.append({"rid": req.rid, "target": req.abort_in.name, "landed_in": landed,
@@ -259,7 +251,7 @@ def build_summary(data: RunData) -> dict[str, Any]:
         "prefill": _outcomes(data.prefill.values()),
         "decode": _outcomes(data.decode.values()),
         "aborts": _aborts(data),
-        "ttft_ms": _ttft_ms(data.prefill_records),
+        "ttft_ms": _ttft_ms(data.prefill.values()),
         "throughput": throughput,
         "delayer_outcomes": dict(sorted(data.delayer_outcomes.items())),
         "verification": {
@@ -275,24 +267,21 @@ def build_summary(data: RunData) -> dict[str, Any]:
 # -- the files ------------------------------------------------------------------------------
 
 
-def trace(prefill: Sequence[PrefillRequest], decode: Sequence[DecodeRequest]) -> dict[str, Any]:
-    """One Chrome-trace/Perfetto object: process "prefill" and process "decode", one track per
-    request in each, on one time axis (the earliest admission on either side is zero)."""
-    sides = [(p, t, n) for p, t, n in ((_PREFILL_PID, prefill, "prefill"),
-                                       (_DECODE_PID, decode, "decode")) if t]
+def trace(prefill: Sequence[Response], decode: Sequence[DecodeResponse]) -> dict[str, Any]:
+    """One Chrome-trace/Perfetto object from the answers' timelines: process "prefill" and
+    process "decode", one track per request in each, on one time axis (the earliest admission
+    on either side is zero)."""
+    sides = [(pid, answers, table) for pid, answers, table in (
+        (_PREFILL_PID, prefill, PREFILL_TABLE), (_DECODE_PID, decode, DECODE_TABLE)
+    ) if any(a.timeline for a in answers)]
     if not sides:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
-    origins = {pid: min(r.timeline[0][0] for r in recs) for pid, recs, _ in sides}
-    origin = min(origins.values())
+    origin = min(a.timeline[0][0] for _, answers, _ in sides for a in answers if a.timeline)
     events: list[dict[str, Any]] = []
-    for pid, recs, name in sides:
-        # to_perfetto counts from the earliest admission it sees; shift onto the common zero.
-        shift = round((origins[pid] - origin) * 1e6, 3)
-        for ev in to_perfetto(recs, pid=pid)["traceEvents"]:
+    for pid, answers, table in sides:
+        for ev in to_perfetto(answers, table=table, pid=pid, origin=origin)["traceEvents"]:
             if ev["name"] == "process_name":
-                ev = {**ev, "args": {"name": f"pdlife {name}"}}
-            elif "ts" in ev:
-                ev = {**ev, "ts": round(ev["ts"] + shift, 3)}
+                ev = {**ev, "args": {"name": f"pdlife {table.name}"}}
             events.append(ev)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -316,7 +305,10 @@ def write_files(data: RunData, out: Path) -> dict[str, list[str]]:
             path.write_text(svg, encoding="utf-8")
             files["diagram_svg"].append(str(path))
     path = out / "trace.json"
-    path.write_text(json.dumps(trace(data.prefill_records, data.decode_records)), encoding="utf-8")
+    # Tracks in submission order, each side.
+    perfetto = trace([data.prefill[r.rid] for r in data.workload],
+                     [data.decode[r.rid] for r in data.workload if r.rid in data.decode])
+    path.write_text(json.dumps(perfetto), encoding="utf-8")
     files["trace"] = [str(path)]
     files["summary"] = [str(out / "summary.json")]
     return files

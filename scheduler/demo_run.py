@@ -14,9 +14,10 @@ between passes, as soon as the request's prefill record is seen in (or past) its
 (WAITING, FORWARD between chunks, TRANSFERRING), so it always reaches a live request; the state it
 really landed in is read back from the timeline.
 
-Prefill records are picked up from the scheduler's lifecycle after every pass, while they are
-live, because a response does not carry its timeline; every request stays live for at least one
-pass (the fake backend's handshake is held back one poll for that), so each gets a trace track.
+Every answer (prefill's :class:`~scheduler.prefill.Response`, decode's
+:class:`~scheduler.decode.DecodeResponse`) carries its request's whole lifecycle timeline, so the
+report (final states, where each abort landed, TTFT phases, the trace) is built from the answers
+alone, once the run is over; nothing is read from the schedulers' records for it.
 
 The run passes when every request ended as planned (served, failed by its injected fault, or
 aborted), the resource invariants hold at the end, and every served output equals the colocated
@@ -31,15 +32,14 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 from rich.console import Console
 
 from kv.fake import FaultPlan
 from kv.local import LocalKVManager
-from lifecycle import DecodeRequest, Lifecycle, PrefillRequest, PrefillState, SamplingParams
-from lifecycle.record import Tracked
+from lifecycle import PrefillState, SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.delayer import DelayerConfig, PrefillDelayer
 from scheduler.demo import DemoOptions
@@ -51,7 +51,6 @@ from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest
 from scheduler.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
-R = TypeVar("R", bound=Tracked)
 
 MIN_PROMPT_TOKENS = 16
 PAGE_SIZE = 16
@@ -97,9 +96,8 @@ class DemoRequest:
 
 
 def fault_plan(seed: int) -> FaultPlan:
-    # The handshake is held back one poll so every request stays live for at least a pass.
-    return FaultPlan(seed=seed, bootstrap_failure=0.5, transfer_failure=0.5,
-                     handshake_delay_polls=1)
+    """The fake backend's faults: half the rooms fail the bootstrap, half the transfer."""
+    return FaultPlan(seed=seed, bootstrap_failure=0.5, transfer_failure=0.5)
 
 
 def _fault_of(plan: FaultPlan, room: int) -> str:
@@ -209,30 +207,12 @@ def _make_pair(options: DemoOptions, plan: FaultPlan, delayer: PrefillDelayer) -
     return EmbeddedPair(config, faults=plan, delayer=delayer)
 
 
-def _capture(lifecycle: Lifecycle[R], pending: set[str], into: dict[str, R]) -> None:
-    for rid in [r for r in pending if r in lifecycle]:
-        rec = lifecycle.get(rid)
-        assert rec is not None
-        into[rid] = rec
-        pending.discard(rid)
-
-
-@attrs.define
-class _Served:
-    prefill_records: dict[str, PrefillRequest]
-    decode_records: dict[str, DecodeRequest]
-    seconds: float
-
-
 def _serve(
     pair: EmbeddedPair, workload: Sequence[DemoRequest], progress: Progress, timeout_s: float
-) -> _Served:
-    prefill_records: dict[str, PrefillRequest] = {}
-    decode_records: dict[str, DecodeRequest] = {}
-    uncaptured_prefill = {r.rid for r in workload}
-    uncaptured_decode = {r.rid for r in workload if r.disaggregated}
+) -> float:
+    """Drive the pair until every request has its answers; returns the seconds it took."""
     aborts = {r.rid: r.abort_in for r in workload if r.abort_in is not None}
-    num_decode = len(uncaptured_decode)
+    num_decode = sum(r.disaggregated for r in workload)
     answered = 0
     start = time.perf_counter()
     for r in workload:
@@ -246,15 +226,12 @@ def _serve(
     by_rid = {r.rid: r for r in workload}
     while True:
         worked = pair.step()
-        _capture(pair.prefill.lifecycle, uncaptured_prefill, prefill_records)
-        _capture(pair.decode.lifecycle, uncaptured_decode, decode_records)
         for rid, target in list(aborts.items()):
-            rec = prefill_records.get(rid)
-            if rec is None or rec.state is None:
-                continue
-            if rec.is_final:  # it ended first; the summary lists it as not as planned
+            if rid in pair.prefill_responses:  # it ended first; the summary lists it as unplanned
                 del aborts[rid]
-            elif rec.state >= target:
+                continue
+            rec = pair.prefill.lifecycle.get(rid)
+            if rec is not None and rec.state is not None and rec.state >= target:
                 pair.abort(rid)
                 del aborts[rid]
         responses = pair.prefill_responses
@@ -273,7 +250,7 @@ def _serve(
             and len(pair.decode_responses) == num_decode
             and pair.idle()
         ):
-            return _Served(prefill_records, decode_records, elapsed)
+            return elapsed
         if elapsed > timeout_s:
             raise DemoTimeout(
                 f"after {timeout_s:g} s, {len(workload) - answered} of {len(workload)} requests "
@@ -348,7 +325,7 @@ def run_demo(
     pair = _make_pair(options, plan, delayer)
     with Progress(console, total=len(workload)) as progress:
         try:
-            served = _serve(pair, workload, progress, options.timeout_s)
+            seconds = _serve(pair, workload, progress, options.timeout_s)
         finally:
             # Before the check: the reference run should not compete with transfer threads.
             pair.close()
@@ -364,8 +341,7 @@ def run_demo(
     data = RunData(
         requests=options.requests, backend=options.backend, loop=options.loop,
         seed=options.seed, workload=workload, prefill=dict(pair.prefill_responses),
-        decode=dict(pair.decode_responses), prefill_records=list(served.prefill_records.values()),
-        decode_records=list(served.decode_records.values()), serve_seconds=served.seconds,
+        decode=dict(pair.decode_responses), serve_seconds=seconds,
         prefill_tokens=int(tokens or 0), kv_bytes=kv_bytes, kv_copy_seconds=kv_copy_seconds,
         delayer_outcomes=dict(delayer.outcomes), checked=checked, mismatches=mismatches,
         problems=problems,

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from scheduler.cli import Subcommand
+from scheduler.command import Subcommand
 
 if TYPE_CHECKING:
     from hypothesis.stateful import RuleBasedStateMachine
@@ -82,7 +82,7 @@ def run_fuzz(
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from scheduler.cli import UsageError
+    from scheduler.command import UsageError
 
     for name in ("examples", "steps"):
         if getattr(args, name) < 1:

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from scheduler.cli import Subcommand, UsageError
+from scheduler.command import Subcommand, UsageError
 
 logger = logging.getLogger(__name__)
 

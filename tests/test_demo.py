@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from lifecycle import PrefillState
+from lifecycle import DecodeState, FailureReason, PrefillState
+from scheduler.decode import DecodeResponse
 from scheduler.demo import MIN_REQUESTS, DemoOptions, main
+from scheduler.demo_report import trace
 from scheduler.demo_run import (
     FAKE_ROOM_BASE,
     MIN_PROMPT_TOKENS,
@@ -28,6 +30,7 @@ from scheduler.demo_run import (
     scheduler_config,
 )
 from scheduler.model import LlamaModel
+from scheduler.prefill import Response
 
 ROOT = Path(__file__).resolve().parent.parent
 # Short prompts keep each run to seconds; the longest still take four chunks.
@@ -121,6 +124,37 @@ def test_options_are_validated() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--requests", "2"])
     assert exc.value.code == 2
+
+
+def test_trace_is_built_from_the_answers_on_one_time_axis() -> None:
+    served = Response("a", PrefillState.DONE, None, "", 7, 20, (
+        (100.0, ""), (100.5, "bootstrapped"), (100.75, "schedule"), (101.0, "prefilled"),
+        (102.0, "transferred"),
+    ))
+    failed = Response("b", PrefillState.FAILED, FailureReason.BOOTSTRAP_FAILED, "no peer", None,
+                      16, ((101.0, ""), (101.25, "fail")))
+    # Decode admits "a" before prefill does: its events set the zero.
+    decoded = DecodeResponse("a", DecodeState.DONE, None, "", (7, 8), "length", 20, (
+        (99.0, ""), (100.5, "bootstrapped"), (100.5, "preallocated"), (102.0, "received"),
+        (103.0, "finished"),
+    ))
+    events = trace([served, failed], [decoded])["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {(1, 1): "a", (1, 2): "b", (2, 1): "a"}
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {1: "pdlife prefill", 2: "pdlife decode"}
+    slices = [(e["pid"], e["tid"], e["name"], e["ts"], e["dur"])
+              for e in events if e["ph"] == "X"]
+    assert slices == [
+        (1, 1, "BOOTSTRAPPING", 1e6, 0.5e6), (1, 1, "WAITING", 1.5e6, 0.25e6),
+        (1, 1, "FORWARD", 1.75e6, 0.25e6), (1, 1, "TRANSFERRING", 2e6, 1e6),
+        (1, 2, "BOOTSTRAPPING", 2e6, 0.25e6),
+        (2, 1, "BOOTSTRAPPING", 0.0, 1.5e6), (2, 1, "PREALLOC", 1.5e6, 0.0),
+        (2, 1, "RECEIVING", 1.5e6, 1.5e6), (2, 1, "DECODING", 3e6, 1e6),
+    ]
+    final = next(e for e in events if e["name"] == "FAILED")
+    assert final["args"] == {"rid": "b", "reason": "bootstrap_failed", "detail": "no peer"}
+    assert trace([], []) == {"traceEvents": [], "displayTimeUnit": "ms"}
 
 
 # -- whole runs -------------------------------------------------------------------------------

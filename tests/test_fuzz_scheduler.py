@@ -85,7 +85,7 @@ def test_the_cli_reports_a_broken_scheduler_with_its_program_and_rerun_line() ->
 
 
 def test_the_cli_refuses_bad_budgets() -> None:
-    from scheduler.cli import UsageError
+    from scheduler.command import UsageError
 
     with pytest.raises(UsageError, match="--examples must be >= 1"):
         FUZZ.run(_args("--examples", "0"))

@@ -299,14 +299,18 @@ def test_info_endpoints_and_openapi() -> None:
 # -- failure ----------------------------------------------------------------------------------
 
 POISON = 251
+BREAK = 250
 
 
 class PoisonedRunner(PagedModelRunner):
-    """The model boundary failing: any batch holding token POISON raises."""
+    """The model boundary failing: a batch holding token POISON raises; one holding BREAK
+    returns no tokens at all, a broken runner the scheduler cannot carry on from."""
 
     def forward(self, batch: ForwardBatch) -> list[int]:
         if any(POISON in item.input_ids for item in batch.items):
             raise RuntimeError("device fault")
+        if any(BREAK in item.input_ids for item in batch.items):
+            return []
         return super().forward(batch)
 
 
@@ -314,16 +318,30 @@ def poisoned(model: LlamaModel, pool: KVPool) -> PagedModelRunner:
     return PoisonedRunner(model, pool)
 
 
-def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
+def test_a_failed_forward_fails_its_request_and_the_service_carries_on() -> None:
     async def main() -> None:
         with running_service(config(), runner_factory=poisoned) as service:
             async with asgi_client(service) as client:
-                assert (await gen(client, input_ids=[1, 2])).status_code == 200
                 r = await gen(client, input_ids=[POISON, 2], rid="bad")
                 assert r.status_code == 500
                 error = r.json()["error"]
                 assert error["rid"] == "bad"
                 assert "device fault" in error["message"]
+                assert (await client.get("/health")).status_code == 200
+                assert (await gen(client, input_ids=[1, 2])).status_code == 200
+                assert service.loop.alive
+
+    run(main())
+
+
+def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
+    async def main() -> None:
+        with running_service(config(), runner_factory=poisoned) as service:
+            async with asgi_client(service) as client:
+                assert (await gen(client, input_ids=[1, 2])).status_code == 200
+                r = await gen(client, input_ids=[BREAK, 2], rid="bad")
+                assert r.status_code == 500
+                assert r.json()["error"]["rid"] == "bad"
                 health = await client.get("/health")
                 assert health.status_code == 503
                 assert health.json()["error"]["type"] == "unhealthy"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
 from lifecycle.timeline import (
     InvalidTimeline,
+    Timed,
     TransitionRecord,
     TtftPhases,
     records,
@@ -113,6 +115,58 @@ def test_perfetto_export_has_one_track_per_request_and_a_slice_per_state() -> No
     assert open_slice["args"] == {"rid": "b", "open": True}
     assert all(e["pid"] == 1 for e in events)
     assert to_perfetto([]) == {"traceEvents": [], "displayTimeUnit": "ms"}
+
+
+@attrs.frozen
+class Answer:
+    """A finished request's answer as a server hands it out: a copy of the timeline, no owner."""
+
+    rid: str
+    timeline: tuple[tuple[float, str], ...]
+    reason: FailureReason | None
+    detail: str
+
+
+def _answer(req: PrefillRequest) -> Timed:
+    return Answer(req.rid, tuple(req.timeline), req.reason, req.detail)
+
+
+def test_an_answer_replays_and_exports_like_its_record_given_the_table() -> None:
+    clock = Clock()
+    lc = _lifecycle(clock)
+    served = _served(clock, lc, "a")
+    aborted = prefill_request("b")
+    lc.admit(aborted)
+    clock.now += 1
+    aborted.fail(FailureReason.BOOTSTRAP_TIMEOUT, "no peer")
+    answers = [_answer(served), _answer(aborted)]
+    for req, answer in zip((served, aborted), answers, strict=True):
+        assert records(answer, PREFILL_TABLE) == records(req)
+        assert replayed_state(answer, PREFILL_TABLE) is req.state
+    assert to_perfetto(answers, table=PREFILL_TABLE) == to_perfetto([served, aborted])
+    final = next(e for e in to_perfetto(answers, table=PREFILL_TABLE)["traceEvents"]
+                 if e["name"] == "FAILED")
+    assert final["args"] == {"rid": "b", "reason": "bootstrap_timeout", "detail": "no peer"}
+    with pytest.raises(InvalidTimeline, match=r"'a' was never admitted.*pass its table"):
+        records(answers[0])
+    with pytest.raises(InvalidTimeline, match="never admitted"):
+        to_perfetto(answers)
+
+
+def test_origin_puts_traces_on_one_time_axis() -> None:
+    clock = Clock()
+    lc = _lifecycle(clock)
+    req = _served(clock, lc, "a")  # admitted at 10.0
+    shifted = to_perfetto([req], origin=9.5, pid=2)["traceEvents"]
+    plain = to_perfetto([req], pid=2)["traceEvents"]
+    assert len(shifted) == len(plain)
+    for moved, base in zip(shifted, plain, strict=True):
+        if "ts" in base:
+            assert moved == {**base, "ts": base["ts"] + 500_000.0}
+        else:
+            assert moved == base
+    first = next(e for e in shifted if e["ph"] == "X")
+    assert (first["name"], first["ts"], first["dur"]) == ("BOOTSTRAPPING", 500_000.0, 500_000.0)
 
 
 def test_ttft_phases() -> None:

@@ -1,0 +1,193 @@
+"""Soak: 10,000 requests through the embedded pair under injected faults; nothing may leak.
+
+Requests (small prompts, the tiny model) go through :class:`~scheduler.embedded.EmbeddedPair`
+over the local backend, whose pages are really copied between the two pools, in waves. Faults
+are injected at the transfer boundary of the prefill side: a wrapper around the local manager
+fails the senders of chosen rooms, 5% at the bootstrap (before the handshake) and 5% in the
+transfer (after the first chunk was handed to the copy engine, which may still be reading it).
+Another 5% of requests are aborted by the client on both sides a few passes after they were
+sent, in whatever state they reached. Rooms are numbered by the pair from 1 in submission
+order, which is how a fault finds its request.
+
+Checked at the end: every request got exactly one answer from prefill and one from decode,
+both pools and both slot allocators are full again, both schedulers' invariants hold, and a
+fresh request is answered with the colocated reference's tokens. Last line:
+``RESULT soak requests=<n> lost=<n> duplicated=<n> leaked_pages=<n> leaked_slots=<n>
+seconds=<t>``; the exit status is 1 if any count is not zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kv.transfer import KVPoll, TransferError
+from lifecycle import SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.model import ModelConfig, ReferenceModel
+
+BOOTSTRAP, TRANSFER = "bootstrap", "transfer"
+
+
+class FaultySender:
+    """A local sender that fails as told: at creation (bootstrap) or on its first send."""
+
+    def __init__(self, inner: Any, kind: str, announce: Callable[[int], None]) -> None:
+        self.inner, self.kind, self.room = inner, kind, inner.room
+        self._announce = announce
+        self.reason = ""
+        if kind == BOOTSTRAP:
+            self._fail("injected bootstrap failure")
+
+    def _fail(self, reason: str) -> None:
+        self.reason = reason
+        self.inner.abort()  # the decode side hears of it as from any failed prefill
+        self._announce(self.room)
+
+    def init(self, num_pages: int, slot: int) -> None:
+        if not self.reason:
+            self.inner.init(num_pages, slot)
+
+    def send(self, pages: Sequence[int], last: bool) -> None:
+        if self.reason:
+            return
+        self.inner.send(pages, last)
+        if self.kind == TRANSFER:
+            self._fail("injected transfer failure")
+
+    def poll(self) -> KVPoll:
+        return KVPoll.FAILED if self.reason else self.inner.poll()
+
+    def failure_exception(self) -> TransferError:
+        if self.reason:
+            return TransferError(self.room, self.reason, "soak")
+        return self.inner.failure_exception()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def quiescent(self) -> bool:
+        return bool(self.inner.quiescent())
+
+
+class FaultyManager:
+    """The prefill side's local manager, with the senders of ``faults`` rooms wrapped."""
+
+    def __init__(self, inner: Any, faults: dict[int, str]) -> None:
+        self.inner, self.faults = inner, faults
+        self.ready = inner.ready
+
+    def create_sender(self, bootstrap_addr: str, room: int) -> Any:
+        sender = self.inner.create_sender(bootstrap_addr, room)
+        kind = self.faults.get(room)
+        return sender if kind is None else FaultySender(sender, kind, self.ready.put)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _counting(inner: Callable[[Any], None], counts: collections.Counter[str]
+              ) -> Callable[[Any], None]:
+    def on_response(resp: Any) -> None:
+        counts[resp.rid] += 1
+        if counts[resp.rid] == 1:  # the pair refuses a second answer loudly; count it here
+            inner(resp)
+
+    return on_response
+
+
+def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
+    rng = random.Random(seed)
+    model = ModelConfig.tiny(seed)
+    config = PairConfig(
+        model=model,
+        scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16, max_prefill_tokens=512),
+        prefill_pages=512, decode_pages=512, metadata_slots=64, overlap=overlap,
+    )
+    pair = EmbeddedPair(config)
+    faults: dict[int, str] = {}
+    aborts: dict[int, list[str]] = collections.defaultdict(list)
+    rids = [f"soak-{i}" for i in range(requests)]
+    for i, rid in enumerate(rids):
+        roll = rng.random()
+        if roll < 0.05:
+            faults[i + 1] = BOOTSTRAP
+        elif roll < 0.10:
+            faults[i + 1] = TRANSFER
+        elif roll < 0.15:
+            aborts[i % wave].append(rid)  # aborted after (its index in the wave) passes, capped
+    pair.prefill.kv = FaultyManager(pair.prefill_kv, faults)
+    prefill_counts: collections.Counter[str] = collections.Counter()
+    decode_counts: collections.Counter[str] = collections.Counter()
+    pair.prefill.on_response = _counting(pair.prefill.on_response, prefill_counts)
+    pair.decode.on_response = _counting(pair.decode.on_response, decode_counts)
+
+    started = time.monotonic()
+    for first in range(0, requests, wave):
+        batch = rids[first : first + wave]
+        for rid in batch:
+            prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 24))]
+            pair.submit(rid, prompt, SamplingParams(max_new_tokens=rng.randrange(1, 4)))
+        for n in range(8):  # a few passes, then the client aborts land in whatever state
+            pair.step()
+            for rid in (r for k in range(n * wave // 8, (n + 1) * wave // 8)
+                        for r in aborts.get(k, ()) if r in batch):
+                pair.abort(rid)
+        pair.run_until_done(batch, timeout=300)
+    seconds = time.monotonic() - started
+
+    pair.prefill.check_invariants()
+    pair.decode.check_invariants()
+    leaked_pages = (pair.prefill_pool.num_pages - pair.prefill_pool.allocator.available()) + (
+        pair.decode_pool.num_pages - pair.decode_pool.allocator.available())
+    leaked_slots = (pair.prefill.slots.num_slots - pair.prefill.slots.available()) + (
+        pair.decode.slots.num_slots - pair.decode.slots.available())
+    lost = sum(1 for r in rids if not prefill_counts[r] or not decode_counts[r])
+    duplicated = sum(max(0, c - 1) for c in (*prefill_counts.values(), *decode_counts.values()))
+    outcomes = collections.Counter(
+        "done" if r.ok else r.reason.value for r in pair.prefill_responses.values()
+    )
+    # Healthy afterwards: a fresh request gets the colocated reference's tokens.
+    prompt = [rng.randrange(256) for _ in range(21)]
+    pair.submit("fresh", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    fresh = pair.run_until_done(["fresh"])["fresh"]
+    want = ReferenceModel(pair.model).generate(prompt, 4, (), True)
+    healthy = fresh.decode is not None and list(fresh.decode.output_ids) == want
+    pair.close()
+    return dict(requests=requests, lost=lost, duplicated=duplicated, leaked_pages=leaked_pages,
+                leaked_slots=leaked_slots, seconds=seconds, outcomes=outcomes, healthy=healthy,
+                injected=collections.Counter(faults.values()),
+                aborted=sum(len(v) for v in aborts.values()))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--wave", type=int, default=200, help="requests sent per wave")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap", action="store_true", help="the overlap loop on prefill")
+    args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)  # every injected failure is logged; the counts matter
+    r = soak(args.requests, args.wave, args.seed, args.overlap)
+    print(f"injected: {dict(r['injected'])}, client aborts: {r['aborted']}")
+    print(f"prefill outcomes: {dict(sorted(r['outcomes'].items()))}")
+    print(f"fresh request after the soak answered like the reference: {r['healthy']}")
+    bad = r["lost"] or r["duplicated"] or r["leaked_pages"] or r["leaked_slots"]
+    print(f"RESULT soak requests={r['requests']} lost={r['lost']} duplicated={r['duplicated']} "
+          f"leaked_pages={r['leaked_pages']} leaked_slots={r['leaked_slots']} "
+          f"seconds={r['seconds']:.1f}")
+    return 1 if bad or not r["healthy"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

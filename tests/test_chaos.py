@@ -1,0 +1,191 @@
+"""Chaos at the service level: ``pdlife serve`` prefill and decode processes over Mooncake,
+with a decode process killed mid-transfer, a peer that never hands over a destination, and a
+peer that sends garbage on the control plane. The test plays the PD router: it posts each
+request to the prefill worker and to a decode worker with the same rid and bootstrap room.
+
+One prefill process serves the whole module (its short bootstrap timeout is the one under
+test below); after each scenario its KV pool must be entirely free again.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import zmq
+
+from kv import wire
+from kv.bootstrap import BootstrapClient
+from scheduler.model import ModelConfig
+from tests.service_harness import Server, free_port, idle, wait_for
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]
+
+MODEL = ModelConfig.tiny()
+COMMON = ["--backend", "mooncake", "--page-size", "4", "--chunked-prefill-size", "32",
+          "--pool-pages", "2048", "--hidden", str(MODEL.hidden), "--layers", str(MODEL.layers),
+          "--heads", str(MODEL.heads), "--kv-heads", str(MODEL.kv_heads), "--head-dim",
+          str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate), "--max-position",
+          str(MODEL.max_position), "--seed", str(MODEL.seed)]
+BOOTSTRAP_TIMEOUT_S = 3.0
+
+
+class Prefill:
+    def __init__(self, tmp: Path) -> None:
+        self.bootstrap_port = free_port()
+        self.server = Server(tmp / "prefill.log", "--role", "prefill", "--bootstrap-port",
+                             str(self.bootstrap_port), "--bootstrap-timeout",
+                             str(BOOTSTRAP_TIMEOUT_S), "--log-level", "warning", *COMMON)
+        self.rooms = 0
+
+    def body(self, rid: str, prompt: list[int], new_tokens: int = 2) -> dict[str, Any]:
+        self.rooms += 1
+        return {"input_ids": prompt, "rid": rid,
+                "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": self.rooms}
+
+    def idle(self) -> bool:
+        return idle(self.server.get("/server_info"))
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = self.server.get("/server_info")["requests"]["prefill"]
+        return counts
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefill]:
+    p = Prefill(tmp_path_factory.mktemp("chaos"))
+    try:
+        p.server.wait_healthy()
+        yield p
+    finally:
+        p.server.stop()
+
+
+def decode_server(tmp: Path, name: str) -> Server:
+    server = Server(tmp / f"{name}.log", "--role", "decode", "--log-level", "warning", *COMMON)
+    return server
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{url}/generate", json=body, timeout=timeout)
+
+
+def send_pair(pool: ThreadPoolExecutor, prefill: Prefill, decode: Server, body: dict[str, Any]
+              ) -> tuple[Future[httpx.Response], Future[httpx.Response]]:
+    return pool.submit(post, prefill.server.url, body), pool.submit(post, decode.url, body)
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(31 * i + 7 * k) % 256 for k in range(n)]
+
+
+def test_a_killed_decode_fails_its_requests_fast_and_spares_the_rest(
+    prefill: Prefill, tmp_path: Path
+) -> None:
+    doomed, healthy = decode_server(tmp_path, "doomed"), decode_server(tmp_path, "healthy")
+    restarted: Server | None = None
+    try:
+        doomed.wait_healthy()
+        healthy.wait_healthy()
+        with ThreadPoolExecutor(32) as pool:
+            # Long prompts, chunked: prefill computes and ships them one chunk at a time.
+            calls = {}
+            for i in range(8):
+                peer = doomed if i % 2 else healthy
+                body = prefill.body(f"kill-{i}", prompt(i, 1200))
+                calls[body["rid"]] = (peer, *send_pair(pool, prefill, peer, body))
+            # Mid-transfer: every destination arrived, chunks are being computed and sent.
+            wait_for(lambda: (c := prefill.counts())["bootstrapping"] == 0
+                     and c["forward"] + c["transferring"] > 0, 60, "prefill mid-transfer")
+            doomed.signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            doomed.wait(10)
+            failed = 0
+            for rid, (peer, on_prefill, on_decode) in calls.items():
+                r = on_prefill.result(timeout=60)
+                if peer is healthy:
+                    assert r.status_code == 200, (rid, r.text)
+                    d = on_decode.result(timeout=60)
+                    assert d.status_code == 200, (rid, d.text)
+                    assert len(d.json()["output_ids"]) == 2
+                elif r.status_code != 200:
+                    failed += 1
+                    error = r.json()["error"]
+                    assert r.status_code == 500 and error["type"] == "transfer_failed", r.text
+                    assert re.search(r"peer 127\.0\.0\.1:\d+", error["message"]), error
+            assert failed > 0, "every request of the killed peer had finished before the kill"
+            # Within seconds, not at a timeout (the transfer timeout is 300 s).
+            assert time.monotonic() - killed_at < 30
+            wait_for(prefill.idle, 30, "prefill idle after the kill")
+
+            restarted = decode_server(tmp_path, "restarted")
+            restarted.wait_healthy()
+            fresh = [send_pair(pool, prefill, restarted, prefill.body(f"fresh-{i}", prompt(i, 50)))
+                     for i in range(3)]
+            for on_prefill, on_decode in fresh:
+                assert on_prefill.result(timeout=60).status_code == 200
+                assert on_decode.result(timeout=60).status_code == 200
+        wait_for(prefill.idle, 30, "prefill idle after the restarted peer's requests")
+        wait_for(lambda: idle(healthy.get("/server_info")), 30, "healthy decode idle")
+    finally:
+        for server in (doomed, healthy, restarted):
+            if server is not None:
+                server.stop()
+
+
+def test_a_peer_that_never_sends_its_destination_times_out_the_bootstrap(
+    prefill: Prefill,
+) -> None:
+    # No decode worker ever asks for this room: the handshake never completes.
+    started = time.monotonic()
+    r = post(prefill.server.url, prefill.body("lonely", prompt(1, 20)))
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["type"] == "bootstrap_timeout" and error["rid"] == "lonely", error
+    assert f"{BOOTSTRAP_TIMEOUT_S:g} s" in error["message"], error
+    assert time.monotonic() - started >= BOOTSTRAP_TIMEOUT_S
+    wait_for(prefill.idle, 30, "prefill idle after the bootstrap timeout")
+
+
+def test_garbage_on_the_control_plane_is_dropped_and_changes_nothing(
+    prefill: Prefill, tmp_path: Path
+) -> None:
+    (rank,) = BootstrapClient(f"127.0.0.1:{prefill.bootstrap_port}").lookup().ranks
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(rank.endpoint)
+    decode = decode_server(tmp_path, "decode")
+    try:
+        garbage: list[bytes] = [
+            b"\x00not msgpack at all",
+            b"\x81\xa1t\xa7unknown",  # msgpack {"t": "unknown"}
+            wire.encode(wire.Destination(424242, "127.0.0.1:9", np.array([10**9]), 0)),
+            wire.encode(wire.Destination(1, "127.0.0.1:9", np.array([-1, 2**40]), 10**6)),
+        ]
+        for msg in garbage:
+            sock.send(msg)
+        decode.wait_healthy()
+        wait_for(lambda: prefill.server.tail(200_000).count("dropped control message")
+                 >= len(garbage), 30, "every bad message dropped and logged")
+        with ThreadPoolExecutor(4) as pool:
+            on_prefill, on_decode = send_pair(pool, prefill, decode,
+                                              prefill.body("after-garbage", prompt(3, 40)))
+            assert on_prefill.result(timeout=60).status_code == 200
+            assert on_decode.result(timeout=60).status_code == 200
+        assert httpx.get(f"{prefill.server.url}/health", timeout=10).status_code == 200
+        wait_for(prefill.idle, 30, "prefill idle after the garbage")
+    finally:
+        sock.close()
+        ctx.term()
+        decode.stop()
