@@ -31,8 +31,9 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from scheduler.config import SchedulerConfig
 from scheduler.delayer import DelayerConfig, PrefillDelayer
 from scheduler.gather import TorchDistributedGather
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
 from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler
+from scheduler.prefill import PrefillScheduler
 
 
 def arrival_rate(rank: int, world: int) -> float:

@@ -20,7 +20,8 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
 from kv.transfer import KVPoll
 from scheduler.config import SchedulerConfig
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
+from scheduler.prefill import PrefillScheduler
 from scheduler.runner import ForwardBatch
 
 

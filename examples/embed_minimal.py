@@ -20,7 +20,8 @@ from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
 from scheduler.config import SchedulerConfig
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler, Response
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
+from scheduler.prefill import PrefillScheduler
 from scheduler.runner import ForwardBatch
 
 

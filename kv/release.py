@@ -11,7 +11,7 @@ is still recognised as such.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kv.metadata import MetadataBuffers, SlotAllocator
@@ -33,27 +33,32 @@ class Releaser:
         self.pool = pool
         self.slots = slots
         self.metadata = metadata
-        self._held: list[tuple[Transfer, list[int], int | None]] = []
+        self._held: list[tuple[Transfer, list[int], int | None, Callable[[], None] | None]] = []
 
-    def release(self, transfer: Transfer | None, pages: Sequence[int], slot: int | None) -> None:
+    def release(
+        self,
+        transfer: Transfer | None,
+        pages: Sequence[int],
+        slot: int | None,
+        on_clear: Callable[[], None] | None = None,
+    ) -> None:
+        """Free ``pages`` and ``slot`` once ``transfer`` is quiescent; then ``clear()`` it and
+        call ``on_clear`` (the owner forgets the room only then, so it is not reused early)."""
         if transfer is not None and not transfer.quiescent():
-            self._held.append((transfer, list(pages), slot))
+            self._held.append((transfer, list(pages), slot, on_clear))
             return
-        if transfer is not None:
-            transfer.clear()
-        self._free(pages, slot)
+        self._finish(transfer, pages, slot, on_clear)
 
     def reap(self) -> bool:
         """Free what became quiescent; True if anything was freed."""
         if not self._held:
             return False
         keep = []
-        for transfer, pages, slot in self._held:
-            if transfer.quiescent():
-                transfer.clear()
-                self._free(pages, slot)
+        for held in self._held:
+            if held[0].quiescent():
+                self._finish(*held)
             else:
-                keep.append((transfer, pages, slot))
+                keep.append(held)
         freed = len(keep) != len(self._held)
         self._held = keep
         return freed
@@ -62,15 +67,25 @@ class Releaser:
         """Requests whose resources are held back."""
         return len(self._held)
 
-    @property
-    def held_pages(self) -> int:
-        return sum(len(pages) for _, pages, _ in self._held)
+    def held_page_lists(self) -> list[list[int]]:
+        """The pages held back, one list per request (for conservation checks)."""
+        return [held[1] for held in self._held]
 
     @property
     def held_slots(self) -> int:
-        return sum(1 for _, _, slot in self._held if slot is not None)
+        return sum(1 for held in self._held if held[2] is not None)
 
-    def _free(self, pages: Sequence[int], slot: int | None) -> None:
+    def _finish(
+        self,
+        transfer: Transfer | None,
+        pages: Sequence[int],
+        slot: int | None,
+        on_clear: Callable[[], None] | None,
+    ) -> None:
+        if transfer is not None:
+            transfer.clear()
+        if on_clear is not None:
+            on_clear()
         if pages:
             self.pool.allocator.free(list(pages))
         if slot is not None:

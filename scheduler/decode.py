@@ -18,20 +18,22 @@ quarantined until the receiver is quiescent.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
 
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.pages import pages_needed
+from kv.release import Releaser
 from kv.transfer import KVPoll
 from lifecycle import DECODE_TABLE, DecodeRequest, DecodeState, FailureReason, Lifecycle
-from scheduler.prefill import AbortRequest, NewRequest
+from scheduler.messages import AbortRequest, NewRequest
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class DecodePeer:
         self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
         self._rooms: dict[int, DecodeRequest] = {}
         self._deadlines: list[tuple[float, str]] = []
-        self._quarantine: list[tuple[Any, list[int], int | None]] = []
+        self._releaser = Releaser(self.pool, slots, metadata)
         self.steps = 0
 
     def submit(self, req: NewRequest) -> None:
@@ -110,7 +112,7 @@ class DecodePeer:
         self._inbox.put(AbortRequest(rid))
 
     def idle(self) -> bool:
-        return len(self.lifecycle) == 0 and not self._quarantine and self._inbox.empty()
+        return len(self.lifecycle) == 0 and not self._releaser and self._inbox.empty()
 
     # -- the pass ---------------------------------------------------------------------------
 
@@ -119,7 +121,7 @@ class DecodePeer:
         worked |= self._poll()
         worked |= self._preallocate()
         worked |= self._decode()
-        worked |= self._reap_quarantine()
+        worked |= self._releaser.reap()
         return worked
 
     def _receive(self) -> bool:
@@ -321,36 +323,15 @@ class DecodePeer:
     # -- hooks ------------------------------------------------------------------------------
 
     def _release(self, req: DecodeRequest) -> None:
-        self._rooms.pop(req.bootstrap_room, None)
-        receiver, pages, slot = req.receiver, req.pages, req.slot
+        room = req.bootstrap_room
+        if req.receiver is None:
+            self._rooms.pop(room, None)
+            forget_room = None
+        else:
+            # Reserved until the receiver is cleared (prefill may still write its pages).
+            forget_room = functools.partial(self._rooms.pop, room, None)
+        self._releaser.release(req.receiver, req.pages, req.slot, forget_room)  # type: ignore[arg-type]
         req.receiver, req.pages, req.slot = None, [], None
-        if receiver is not None and not receiver.quiescent():  # type: ignore[attr-defined]
-            self._quarantine.append((receiver, pages, slot))
-            return
-        if receiver is not None:
-            receiver.clear()  # type: ignore[attr-defined]
-        self._free(pages, slot)
-
-    def _free(self, pages: Sequence[int], slot: int | None) -> None:
-        if pages:
-            self.pool.allocator.free(list(pages))
-        if slot is not None:
-            self.metadata.clear(slot)
-            self.slots.free(slot)
-
-    def _reap_quarantine(self) -> bool:
-        if not self._quarantine:
-            return False
-        keep = []
-        for receiver, pages, slot in self._quarantine:
-            if receiver.quiescent():
-                receiver.clear()
-                self._free(pages, slot)
-            else:
-                keep.append((receiver, pages, slot))
-        freed = len(keep) != len(self._quarantine)
-        self._quarantine = keep
-        return freed
 
     def _respond(self, req: DecodeRequest) -> None:
         if self.on_response is None:
@@ -366,10 +347,6 @@ class DecodePeer:
 
     def check_invariants(self) -> None:
         self.lifecycle.check_index()
-        held = sum(len(r.pages) for r in self.lifecycle.live())
-        held += sum(len(p) for _, p, _ in self._quarantine)
-        if self.pool.allocator.available() + held != self.pool.num_pages:
-            raise AssertionError(
-                f"decode pages: free {self.pool.allocator.available()} + held {held} "
-                f"!= {self.pool.num_pages}"
-            )
+        self.pool.allocator.check_conservation(
+            [r.pages for r in self.lifecycle.live()] + self._releaser.held_page_lists()
+        )

@@ -30,7 +30,7 @@ from lifecycle import DECODE_TABLE, PREFILL_TABLE, Lifecycle
 from lifecycle.diagram import DiagramError, render
 from lifecycle.timeline import records, to_perfetto, ttft_phases
 from scheduler.decode import DecodeResponse
-from scheduler.prefill import Response
+from scheduler.messages import Response
 
 if TYPE_CHECKING:
     from scheduler.demo_run import DemoRequest

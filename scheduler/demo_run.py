@@ -46,8 +46,8 @@ from scheduler.demo import DemoOptions
 from scheduler.demo_report import Mismatch, Progress, RunData, finish_report
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.gather import StaticGather
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
 from scheduler.model import LlamaModel, ReferenceModel
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest
 from scheduler.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)

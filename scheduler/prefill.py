@@ -29,11 +29,12 @@ of the handshaken queue, and the waiting requests the adder considers — never 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
@@ -41,59 +42,20 @@ import torch
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
-from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVManager, KVPoll, KVSender
+from kv.release import Releaser
+from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVManager, KVPoll
 from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
-from lifecycle.prefill import SamplingParams
 from scheduler.adder import Plan, Stop, plan_batch
 from scheduler.config import SchedulerConfig
 from scheduler.delayer import DelayerPass, PrefillDelayer
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, AbortRequest, NewRequest, Response
 from scheduler.metrics import SchedulerMetrics
 from scheduler.ranks import RankSync, SingleRank
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)
 
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 S = PrefillState
-
-
-@attrs.frozen
-class NewRequest:
-    """A request as a client submits it to the prefill server."""
-
-    rid: str
-    input_ids: tuple[int, ...] = attrs.field(converter=tuple)
-    bootstrap_host: str = FAKE_BOOTSTRAP_HOST
-    bootstrap_port: int = 0
-    bootstrap_room: int = 0
-    sampling: SamplingParams = attrs.field(factory=SamplingParams)
-
-
-@attrs.frozen
-class AbortRequest:
-    rid: str
-
-
-@attrs.frozen
-class Response:
-    """The one answer a request gets."""
-
-    rid: str
-    state: PrefillState
-    reason: FailureReason | None
-    detail: str
-    first_token: int | None
-    prompt_tokens: int
-    # The request's lifecycle timeline, ``(monotonic time, event)`` pairs (lifecycle.timeline).
-    timeline: tuple[tuple[float, str], ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.state is S.DONE
-
-    @property
-    def http_status(self) -> int:
-        return 200 if self.reason is None else self.reason.http_status
 
 
 @attrs.frozen
@@ -155,7 +117,7 @@ class PrefillScheduler:
         self._rooms: dict[tuple[int, int], int] = {}  # (id(manager), room) -> seq
         self._handshaken: dict[str, PrefillRequest] = {}  # awaiting a metadata slot, FIFO
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, seq, state)
-        self._quarantine: list[tuple[KVSender, list[int], int | None]] = []
+        self._releaser = Releaser(self.pool, slots, metadata)
         self._continuing: PrefillRequest | None = None
         # The largest batch so far (SGLang's max_prefill_bs, which the delayer's slot and
         # queue conditions compare against).
@@ -172,7 +134,6 @@ class PrefillScheduler:
             else None
         )
         self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
-        self.pages_held = 0
         self.passes = 0
         self.last_batch_size = 0  # requests in the batch launched by the latest pass
         self.metrics.kv_pages_total.set(self.pool.num_pages)
@@ -209,7 +170,7 @@ class PrefillScheduler:
         if delayer_pass is not None:
             delayer_pass.finalize(actual_prefill=launched is not None)
         worked |= launched is not None
-        worked |= self._reap_quarantine()
+        worked |= self._releaser.reap()
         self._set_gauges()
         return worked
 
@@ -225,7 +186,7 @@ class PrefillScheduler:
         return (
             len(self.lifecycle) == 0
             and self._inflight is None
-            and not self._quarantine
+            and not self._releaser
             and self._inbox.empty()
         )
 
@@ -245,6 +206,11 @@ class PrefillScheduler:
             self._inflight = None
         if self._device is not None:
             self._device.shutdown(wait=True)
+
+    @property
+    def pages_held(self) -> int:
+        """Pages held by live requests and by the releaser."""
+        return self.pool.num_pages - self.pool.allocator.available()
 
     def pool_usage(self) -> float:
         return self.pages_held / self.pool.num_pages
@@ -515,7 +481,6 @@ class PrefillScheduler:
                 if pages is None:  # the adder counted free pages; this cannot happen
                     raise AssertionError(f"{req.rid}: {chunk.new_pages} pages planned, not free")
                 req.pages.extend(pages)
-                self.pages_held += len(pages)
             if req.state is S.WAITING:
                 new.append(req)
             req.scheduled = chunk.start + chunk.length
@@ -632,40 +597,14 @@ class PrefillScheduler:
         if self._continuing is req:
             self._continuing = None
         sender = req.sender
-        pages, slot = req.pages, req.slot
+        forget_room = None
+        if sender is not None:
+            # The room stays reserved until the sender is cleared: a new request for it
+            # before then would meet a sender the backend still tracks.
+            key = (id(self._manager_for(req)), req.bootstrap_room)
+            forget_room = functools.partial(self._rooms.pop, key, None)
+        self._releaser.release(sender, req.pages, req.slot, forget_room)  # type: ignore[arg-type]
         req.sender, req.pages, req.slot = None, [], None
-        if sender is None:
-            self._free(pages, slot)
-            return
-        manager = self._manager_for(req)
-        self._rooms.pop((id(manager), req.bootstrap_room), None)
-        if sender.quiescent():  # type: ignore[attr-defined]
-            sender.clear()  # type: ignore[attr-defined]
-            self._free(pages, slot)
-        else:
-            self._quarantine.append((sender, pages, slot))  # type: ignore[arg-type]
-
-    def _free(self, pages: Sequence[int], slot: int | None) -> None:
-        if pages:
-            self.pool.allocator.free(list(pages))
-            self.pages_held -= len(pages)
-        if slot is not None:
-            self.metadata.clear(slot)
-            self.slots.free(slot)
-
-    def _reap_quarantine(self) -> bool:
-        if not self._quarantine:
-            return False
-        keep = []
-        for sender, pages, slot in self._quarantine:
-            if sender.quiescent():
-                sender.clear()
-                self._free(pages, slot)
-            else:
-                keep.append((sender, pages, slot))
-        freed = len(keep) != len(self._quarantine)
-        self._quarantine = keep
-        return freed
 
     def _respond(self, req: PrefillRequest) -> None:
         self.metrics.on_finished(req)
@@ -684,18 +623,11 @@ class PrefillScheduler:
     def check_invariants(self) -> None:
         """Conservation (invariant 3) and the index (invariant 4); cheap enough for tests."""
         self.lifecycle.check_index()
-        held = sum(len(r.pages) for r in self.lifecycle.live())
-        quarantined = sum(len(p) for _, p, _ in self._quarantine)
-        free = self.pool.allocator.available()
-        if free + held + quarantined != self.pool.num_pages:
-            raise AssertionError(
-                f"pages: free {free} + held {held} + quarantined {quarantined} "
-                f"!= pool {self.pool.num_pages}"
-            )
-        if held + quarantined != self.pages_held:
-            raise AssertionError(f"pages_held {self.pages_held} != {held + quarantined}")
-        slots_held = sum(1 for r in self.lifecycle.live() if r.slot is not None)
-        slots_held += sum(1 for _, _, s in self._quarantine if s is not None)
+        live = list(self.lifecycle.live())
+        self.pool.allocator.check_conservation(
+            [r.pages for r in live] + self._releaser.held_page_lists()
+        )
+        slots_held = sum(1 for r in live if r.slot is not None) + self._releaser.held_slots
         if self.slots.available() + slots_held != self.slots.num_slots:
             raise AssertionError(
                 f"slots: free {self.slots.available()} + held {slots_held} "

@@ -51,8 +51,9 @@ from kv.pool import KVPool
 from lifecycle import FailureReason
 from scheduler.decode import DecodePeer, DecodeResponse
 from scheduler.decode_mux import DecodeKVRouter, LocalPrefillFake
+from scheduler.messages import NewRequest, Response
 from scheduler.model import LlamaModel, PagedModelRunner, resolve_device
-from scheduler.prefill import NewRequest, PrefillScheduler, Response
+from scheduler.prefill import PrefillScheduler
 from scheduler.runner import ModelRunner
 from scheduler.service_metrics import ServiceMetrics
 from scheduler.service_request import (

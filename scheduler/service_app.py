@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.decode_mux import PeerUnreachable
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST
+from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.service import Answer, BadRequest, Item, Pending, Service, Unavailable
 from scheduler.service_middleware import BodyLimit, HttpMetrics
 from scheduler.service_schema import (

@@ -17,8 +17,8 @@ from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from lifecycle import FailureReason, SamplingParams
 from scheduler.config import SchedulerConfig
+from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.model import ModelConfig
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["local", "mooncake", "fake"]

@@ -29,8 +29,8 @@ from scheduler.demo_run import (
     run_demo,
     scheduler_config,
 )
+from scheduler.messages import Response
 from scheduler.model import LlamaModel
-from scheduler.prefill import Response
 
 ROOT = Path(__file__).resolve().parent.parent
 # Short prompts keep each run to seconds; the longest still take four chunks.

@@ -22,7 +22,7 @@ from scheduler.testing import scheduler_machine, tiny_model
 _DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
 # (programs, rules per program) for each machine below.
 _ECHO = (10_000, 60) if _DEV else (1000, 40)
-_TINY = (60, 25) if _DEV else (40, 20)
+_TINY = (300, 25) if _DEV else (100, 20)
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,9 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from lifecycle import FailureReason, PrefillState, SamplingParams
 from lifecycle.testing import FakeClock
 from scheduler.config import SchedulerConfig
+from scheduler.messages import NewRequest, Response
 from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
-from scheduler.prefill import NewRequest, PrefillScheduler, Response
+from scheduler.prefill import PrefillScheduler
 from scheduler.runner import ForwardBatch
 
 S = PrefillState

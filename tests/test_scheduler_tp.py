@@ -22,8 +22,9 @@ import torch.multiprocessing as mp
 from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
 from scheduler.config import SchedulerConfig
+from scheduler.messages import NewRequest, Response
 from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner
-from scheduler.prefill import NewRequest, PrefillScheduler, Response
+from scheduler.prefill import PrefillScheduler
 from scheduler.ranks import TorchRanks
 
 WORLD = 2

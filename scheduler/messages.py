@@ -1,0 +1,57 @@
+"""What crosses a scheduler's boundary: new requests, aborts, and the prefill side's answer.
+
+Both the prefill scheduler and the decode peer take :class:`NewRequest` and :class:`AbortRequest`
+on their thread-safe inboxes (a PD router sends the same request to both); the prefill scheduler
+answers each request exactly once with a :class:`Response`.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from lifecycle import FailureReason, PrefillState, SamplingParams
+
+# Requests for this bootstrap host use the fake transfer backend (SGLang's warm-up and
+# health-check path).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+@attrs.frozen
+class NewRequest:
+    """A request as a client submits it (to the prefill server and the decode peer alike)."""
+
+    rid: str
+    input_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    bootstrap_host: str = FAKE_BOOTSTRAP_HOST
+    bootstrap_port: int = 0
+    bootstrap_room: int = 0
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+
+
+@attrs.frozen
+class AbortRequest:
+    """Abort the live request ``rid`` (ignored if it is unknown or finished)."""
+
+    rid: str
+
+
+@attrs.frozen
+class Response:
+    """The one answer a request gets."""
+
+    rid: str
+    state: PrefillState
+    reason: FailureReason | None
+    detail: str
+    first_token: int | None
+    prompt_tokens: int
+    # The request's lifecycle timeline, ``(monotonic time, event)`` pairs (lifecycle.timeline).
+    timeline: tuple[tuple[float, str], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.state is PrefillState.DONE
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.reason is None else self.reason.http_status
