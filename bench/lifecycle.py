@@ -22,21 +22,14 @@ from __future__ import annotations
 import argparse
 import enum
 import gc
-import os
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-# This script is named like the package it measures: run as `python bench/lifecycle.py`, its
-# own directory comes first on sys.path and would shadow the package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+from transitions import Machine
 
-from transitions import Machine  # noqa: E402
-
-from lifecycle import PREFILL_TABLE, Lifecycle, PrefillRequest  # noqa: E402
+from lifecycle import PREFILL_TABLE, Lifecycle, PrefillRequest
 
 PROMPT = list(range(256))
 BATCH = 64

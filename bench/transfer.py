@@ -19,13 +19,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kv.bootstrap import BootstrapServer
 from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub

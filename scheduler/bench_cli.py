@@ -9,7 +9,8 @@ from pathlib import Path
 
 from scheduler.command import Subcommand, UsageError
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "bench"
 # In the order `pdlife bench` runs them with no names given (the quick ones first).
 ALL = ("lifecycle", "scale", "transfer", "e2e", "delayer", "soak")
 
@@ -30,8 +31,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown benchmark(s) {unknown}; choose from {', '.join(ALL)}")
     status = 0
     for name in names:
-        print(f"== bench/{name}.py", flush=True)
-        done = subprocess.run([sys.executable, str(BENCH_DIR / f"{name}.py")], check=False)
+        print(f"== python -m bench.{name}", flush=True)
+        done = subprocess.run([sys.executable, "-m", f"bench.{name}"], cwd=ROOT, check=False)
         status = status or done.returncode
     return status
 

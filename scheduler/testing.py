@@ -64,8 +64,9 @@ from lifecycle import PREFILL_TABLE, FailureReason, PrefillRequest, PrefillState
 from lifecycle.invariants import resource_violations, timeline_violations
 from lifecycle.testing import FakeClock
 from scheduler.config import SchedulerConfig
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
 from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
-from scheduler.prefill import FAKE_BOOTSTRAP_HOST, NewRequest, PrefillScheduler, Response
+from scheduler.prefill import PrefillScheduler
 from scheduler.runner import ForwardBatch, ModelRunner
 
 S = PrefillState
@@ -92,6 +93,9 @@ class ScriptedSender:
         self.cursor = SendCursor(room)
         self.reading: list[int] = []  # pages the engine may still read
         self.cleared = False
+
+    def __repr__(self) -> str:  # how a shrunk program names the sender a rule moved
+        return f"ScriptedSender(room={self.room}, {self.status.name})"
 
     def _usable(self, what: str) -> None:
         if self.cleared:
@@ -182,6 +186,7 @@ class ScriptedKVManager:
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.live: dict[int, ScriptedSender] = {}
         self.senders: list[ScriptedSender] = []
+        self.violations: list[str] = []  # contract breaches the scheduler survived
 
     def is_free(self, page: int) -> bool:
         return page not in self._held()
@@ -191,6 +196,8 @@ class ScriptedKVManager:
 
     def create_sender(self, bootstrap_addr: str, room: int) -> ScriptedSender:
         if room in self.live:
+            # The scheduler would answer the request with the error; the breach is the bug.
+            self.violations.append(f"create_sender() for room {room}, whose sender is live")
             raise TransferUsageError(room, "the room already has a live sender; clear() it")
         sender = ScriptedSender(self, bootstrap_addr, room)
         self.live[room] = sender
@@ -329,7 +336,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched: PrefillScheduler | None = None
         self.responses: list[Response] = []
         self.submitted: collections.Counter[str] = collections.Counter()
-        self.seen: dict[int, PrefillRequest] = {}  # every request object ever live, by id
+        # Request objects seen live and not yet checked in a final state, by id.
+        self.seen: dict[int, PrefillRequest] = {}
         self.rooms: dict[str, list[int]] = {DECODE_HOST: [], FAKE_BOOTSTRAP_HOST: []}
         self.serial = 0
         # Aborts of live requests since the last pass, with the failure each already had.
@@ -412,8 +420,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                              label="host")
             used = self.rooms[host]
             self.serial += 1
-            room = data.draw(st.sampled_from(used), label="reused room") if used and data.draw(
-                st.booleans(), label="reuse room") else 1000 + self.serial
+            room = 1000 + self.serial
+            if used and data.draw(st.booleans(), label="reuse room"):
+                room = data.draw(st.sampled_from(used), label="reused room")
             used.append(room)
             self.submitted[rid] += 1
             self.sched.submit(NewRequest(rid, prompt_of(rid, length), bootstrap_host=host,
@@ -508,13 +517,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _check_requests(self, sched: PrefillScheduler) -> None:
         live = {r.rid: r for r in sched.lifecycle.live()}
-        for req in self.seen.values():
+        for key, req in list(self.seen.items()):
             assert timeline_violations(req, PREFILL_TABLE) == [], req
             assert resource_violations(req) == [], resource_violations(req)
             if req.is_final:
                 assert live.get(req.rid) is not req and req.on_device == 0, req
+                # Final states are absorbing (checked above); a finished request is checked
+                # once more through its response, not on every later step.
+                del self.seen[key]
                 continue
-            assert live[req.rid] is req and sched.lifecycle.in_state(req.state)[req.rid] is req
+            assert req.state is not None and live[req.rid] is req
+            assert sched.lifecycle.in_state(req.state)[req.rid] is req
             if req.on_device:
                 assert req.state is S.FORWARD and sched.overlap, req
         slots = [r.slot for r in live.values() if r.slot is not None]
@@ -527,7 +540,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(owned) <= held, f"live requests hold free pages {set(owned) - held}"
         read = {p for s in self.scripted.senders for p in s.reading}
         assert read <= held, f"pages {sorted(read - held)} are free while a transfer reads them"
-        violations = getattr(self.runner, "violations", [])
+        violations = getattr(self.runner, "violations", []) + self.scripted.violations
         assert not violations, violations
 
     def _check_responses(self) -> None:

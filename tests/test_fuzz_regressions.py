@@ -6,13 +6,12 @@ without Hypothesis if the bug comes back. docs/fuzzing.md lists them.
 
 from __future__ import annotations
 
-import pytest
-
 from kv.metadata import MetadataBuffers, SlotAllocator
 from lifecycle import FailureReason, PrefillState
 from lifecycle.testing import FakeClock
 from scheduler.config import SchedulerConfig
-from scheduler.prefill import NewRequest, PrefillScheduler, Response
+from scheduler.messages import NewRequest, Response
+from scheduler.prefill import PrefillScheduler
 from scheduler.testing import DECODE_HOST, ScriptedKVManager, echo_next_token, echo_runner_factory
 
 S = PrefillState
@@ -46,8 +45,6 @@ class Rig:
         return resp
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler/prefill.py frees a room's key before its "
-                   "quarantined sender is cleared (docs/fuzzing.md, found bug 1)")
 def test_a_room_reused_while_its_aborted_transfer_still_reads_is_rejected_not_a_backend_misuse():
     rig = Rig()
     rig.submit("a", 6, room=7)
