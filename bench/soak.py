@@ -25,12 +25,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
-
-# Run as `python bench/soak.py`, bench/ comes first on sys.path, where bench/lifecycle.py would
-# shadow the lifecycle package: the checkout's root goes first.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kv.transfer import KVPoll, TransferError
 from lifecycle import SamplingParams

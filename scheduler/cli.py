@@ -24,6 +24,7 @@ from lifecycle.errors import InvalidTable
 from scheduler.bench_cli import BENCH
 from scheduler.command import Subcommand, UsageError
 from scheduler.demo import DEMO
+from scheduler.fuzz_cli import FUZZ
 from scheduler.serve_cli import GENERATE, SERVE
 
 DOCS_LIFECYCLE = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
@@ -223,7 +224,9 @@ DIAGRAM = Subcommand(
 # -- the command ------------------------------------------------------------------------------
 
 #: Every subcommand, in the order ``pdlife --help`` lists them. Add new ones here.
-SUBCOMMANDS: tuple[Subcommand, ...] = (DEMO, SERVE, GENERATE, DIAGRAM, VALIDATE, BENCH)
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    DEMO, SERVE, GENERATE, DIAGRAM, VALIDATE, FUZZ, BENCH
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """The whole prefill scheduler under the Hypothesis machine of ``scheduler.testing``.
 
 Budgets are explicit (they are the point of this file): on two CPU cores the ``ci`` profile
-runs about four thousand programs in total in about two minutes; ``HYPOTHESIS_PROFILE=dev`` runs
-ten times as many. ``pdlife fuzz`` runs the same machine from the command line.
+runs about four thousand programs in total in under three minutes; ``HYPOTHESIS_PROFILE=dev``
+runs five times as many, longer. ``pdlife fuzz`` runs the same machine from the command line.
 """
 
 from __future__ import annotations
