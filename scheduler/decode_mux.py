@@ -215,6 +215,10 @@ class DecodeKVRouter:
         with self._lock:
             return sorted(self._managers)
 
+    def managers(self) -> tuple[DecodeManager, ...]:
+        """Every manager requests may be routed to (the fake one first)."""
+        return self._snapshot
+
     def create_receiver(self, bootstrap_addr: str, room: int) -> Any:
         if is_fake(bootstrap_addr):
             return self.fake.create_receiver(bootstrap_addr, room)

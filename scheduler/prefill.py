@@ -351,20 +351,20 @@ class PrefillScheduler:
             for k, r in zip(keys, reqs, strict=True)
         ]
         polls = self.ranks.min_reduce(local)
-        bootstrapped_failed: list[tuple[PrefillRequest, FailureReason, str]] = []
+        failed: list[tuple[PrefillRequest, FailureReason, str]] = []
         done: list[PrefillRequest] = []
         for key, req, poll in zip(keys, reqs, polls, strict=True):
             if req is None or req.state is None or req.is_final:
                 continue
             if poll == KVPoll.FAILED:
                 reason, detail = self._failure_of(req, key in expired)
-                bootstrapped_failed.append((req, reason, detail))
+                failed.append((req, reason, detail))
             elif req.state is S.BOOTSTRAPPING and poll >= KVPoll.WAITING_FOR_INPUT:
                 self._handshaken[req.rid] = req
             elif req.state is S.TRANSFERRING and poll == KVPoll.SUCCESS:
                 done.append(req)
         self.lifecycle.fire("transferred", done)
-        for req, reason, detail in bootstrapped_failed:
+        for req, reason, detail in failed:
             self._handshaken.pop(req.rid, None)
             self._fail(req, reason, detail)
         return True

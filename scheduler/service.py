@@ -36,7 +36,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -48,6 +48,7 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
+from kv.wire import DroppedMessages
 from lifecycle import FailureReason
 from scheduler.decode import DecodePeer, DecodeResponse
 from scheduler.decode_mux import DecodeKVRouter, LocalPrefillFake
@@ -55,7 +56,7 @@ from scheduler.messages import NewRequest, Response
 from scheduler.model import LlamaModel, PagedModelRunner, resolve_device
 from scheduler.prefill import PrefillScheduler
 from scheduler.runner import ModelRunner
-from scheduler.service_metrics import ServiceMetrics
+from scheduler.service_metrics import DroppedMessagesCollector, ServiceMetrics
 from scheduler.service_request import (
     LOCAL_HOST,
     Answer,
@@ -141,6 +142,7 @@ class Service:
         self.metrics = ServiceMetrics(
             self.prefill.metrics.registry if self.prefill is not None else None
         )
+        self.metrics.registry.register(DroppedMessagesCollector(self._dropped_messages))
         engines: list[Any] = [e for e in (self.prefill, self.decode) if e is not None]
         self.loop = EngineLoop(engines, on_crash=self._on_crash, after_pass=self._after_pass)
         self._after_pass()
@@ -211,6 +213,17 @@ class Service:
                 waiting_timeout=c.waiting_timeout,
                 on_response=self._on_decode,
             )
+
+    def _dropped_messages(self) -> Iterator[tuple[str, DroppedMessages]]:
+        if self.prefill is not None:
+            dropped = getattr(self.prefill.kv, "dropped_messages", None)
+            if dropped is not None:
+                yield "prefill", dropped
+        if self.decode_kv is not None:
+            for manager in self.decode_kv.managers():
+                dropped = getattr(manager, "dropped_messages", None)
+                if dropped is not None:
+                    yield "decode", dropped
 
     def start_loop(self) -> None:
         self.loop.start()

@@ -8,9 +8,13 @@ counts the decode peer already keeps.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from kv.wire import DroppedMessages
 from scheduler.decode import DecodeResponse
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -69,3 +73,26 @@ class ServiceMetrics:
             self.decode_requests.labels(state=state.name.lower()).set(n)
         self.decode_pages_used.set(pool["used_pages"])
         self.decode_pages_total.set(pool["total_pages"])
+
+
+class DroppedMessagesCollector(Collector):
+    """``pdlife_control_messages_dropped_total{side,reason}``: control messages the transfer
+    backends validated and dropped (malformed, unauthenticated, out of range, stale), read from
+    their counters at scrape time."""
+
+    def __init__(self, sources: Callable[[], Iterable[tuple[str, DroppedMessages]]]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "pdlife_control_messages_dropped",
+            "Control messages dropped by a transfer backend, by side and reason.",
+            labels=["side", "reason"],
+        )
+        totals: dict[tuple[str, str], int] = {}
+        for side, dropped in self._sources():
+            for reason, n in dropped.snapshot().items():
+                totals[(side, reason)] = totals.get((side, reason), 0) + n
+        for (side, reason), n in sorted(totals.items()):
+            family.add_metric([side, reason], n)
+        yield family

@@ -157,6 +157,15 @@ def test_a_peer_that_never_sends_its_destination_times_out_the_bootstrap(
     wait_for(prefill.idle, 30, "prefill idle after the bootstrap timeout")
 
 
+def dropped_on(url: str, side: str) -> float:
+    """The sum of ``pdlife_control_messages_dropped_total`` for ``side`` on /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+        if line.startswith("pdlife_control_messages_dropped_total{") and f'side="{side}"' in line
+    )
+
+
 def test_garbage_on_the_control_plane_is_dropped_and_changes_nothing(
     prefill: Prefill, tmp_path: Path
 ) -> None:
@@ -178,6 +187,7 @@ def test_garbage_on_the_control_plane_is_dropped_and_changes_nothing(
         decode.wait_healthy()
         wait_for(lambda: prefill.server.tail(200_000).count("dropped control message")
                  >= len(garbage), 30, "every bad message dropped and logged")
+        assert dropped_on(prefill.server.url, "prefill") >= len(garbage)
         with ThreadPoolExecutor(4) as pool:
             on_prefill, on_decode = send_pair(pool, prefill, decode,
                                               prefill.body("after-garbage", prompt(3, 40)))
