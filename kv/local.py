@@ -54,6 +54,7 @@ _TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
 # On an accelerator, above this many runs one gather/scatter over the page dimension beats a
 # launch per run.
 _MAX_SLICE_RUNS = 16
+_PARALLEL_COPY_BYTES = 1 << 20  # a run at least this large is copied by torch
 
 
 @attrs.frozen
@@ -116,15 +117,22 @@ def _copy_pages(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[
     src_view, dst_view = src.page_view(), dst.page_view()
     runs = coalesce(src_pages, dst_pages)
     if src_view.device.type == "cpu" and dst_view.device.type == "cpu":
-        # numpy's strided copy is one single-threaded memcpy per row. torch's copy opens a
-        # parallel region per call, and on a busy host with few cores each region can stall
-        # on a descheduled thread: with many runs per chunk that cost dominates.
+        # A large run goes through torch's copy, which spreads it over the intra-op threads.
+        # A small one goes through numpy's single memcpy: torch opens a parallel region per
+        # call, and on a busy host with few cores each region can stall on a descheduled
+        # thread, which dominates when a chunk has many small runs.
         src_bytes = src_view.view(torch.uint8).numpy()
         dst_bytes = dst_view.view(torch.uint8).numpy()
+        row_bytes = src_bytes.shape[0] * src_bytes.shape[2]
         for r in runs:
-            dst_bytes[:, r.dst_start : r.dst_start + r.length] = src_bytes[
-                :, r.src_start : r.src_start + r.length
-            ]
+            if r.length * row_bytes >= _PARALLEL_COPY_BYTES:
+                dst_view[:, r.dst_start : r.dst_start + r.length].copy_(
+                    src_view[:, r.src_start : r.src_start + r.length]
+                )
+            else:
+                dst_bytes[:, r.dst_start : r.dst_start + r.length] = src_bytes[
+                    :, r.src_start : r.src_start + r.length
+                ]
         return
     if len(runs) <= _MAX_SLICE_RUNS:
         for r in runs:

@@ -66,13 +66,24 @@ def _transfer(side: _Side, room: int, src: list[int], dst: list[int], chunks: in
     eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "the receiver to conclude")
 
 
+# Pages of 384 KiB over all layers: a run of three or more takes the parallel (torch) copy.
+LARGE_PAGES = {"page_size": 16, "kv_heads": 8, "head_dim": 128}
+
+
 @pytest.mark.parametrize(
-    ("dtype", "scattered"),
-    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
-    ids=["runs-f32", "runs-bf16", "scattered-f32"],
+    ("dtype", "scattered", "geometry"),
+    [
+        (torch.float32, False, {}),
+        (torch.bfloat16, False, {}),
+        (torch.float32, True, {}),
+        (torch.float32, False, LARGE_PAGES),
+    ],
+    ids=["runs-f32", "runs-bf16", "scattered-f32", "large-runs-f32"],
 )
-def test_multi_chunk_transfer_is_byte_exact(dtype: torch.dtype, scattered: bool) -> None:
-    side = _Side(_pool(dtype=dtype), _pool(dtype=dtype))
+def test_multi_chunk_transfer_is_byte_exact(
+    dtype: torch.dtype, scattered: bool, geometry: dict[str, int]
+) -> None:
+    side = _Side(_pool(dtype=dtype, **geometry), _pool(dtype=dtype, **geometry))
     try:
         generator = torch.Generator().manual_seed(1)
         bits = torch.randint(-(2**15), 2**15, side.prefill.pool.buffer.shape, generator=generator)
