@@ -33,7 +33,7 @@ from kv.pages import pages_needed
 from kv.release import Releaser
 from kv.transfer import KVPoll
 from lifecycle import DECODE_TABLE, DecodeRequest, DecodeState, FailureReason, Lifecycle
-from scheduler.messages import AbortRequest, NewRequest
+from scheduler.messages import AbortRequest, NewRequest, take_all
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -125,19 +125,15 @@ class DecodePeer:
         return worked
 
     def _receive(self) -> bool:
-        worked = False
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return worked
-            worked = True
+        items = take_all(self._inbox)
+        for item in items:
             if isinstance(item, AbortRequest):
                 req = self.lifecycle.get(item.rid)
                 if req is not None:
                     self._fail(req, FailureReason.ABORTED, "aborted by the client")
             else:
                 self._admit(item)
+        return bool(items)
 
     def _admit(self, new: NewRequest) -> None:
         req = DecodeRequest(
@@ -195,11 +191,7 @@ class DecodePeer:
 
     def _poll(self) -> bool:
         changed: dict[str, DecodeRequest] = {}
-        while True:
-            try:
-                room = self.kv.ready.get_nowait()
-            except queue.Empty:
-                break
+        for room in take_all(self.kv.ready):
             req = self._rooms.get(room)
             if req is not None:
                 changed[req.rid] = req

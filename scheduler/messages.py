@@ -7,6 +7,9 @@ answers each request exactly once with a :class:`Response`.
 
 from __future__ import annotations
 
+import queue
+from typing import TypeVar
+
 import attrs
 
 from lifecycle import FailureReason, PrefillState, SamplingParams
@@ -55,3 +58,16 @@ class Response:
     @property
     def http_status(self) -> int:
         return 200 if self.reason is None else self.reason.http_status
+
+
+T = TypeVar("T")
+
+
+def take_all(q: queue.SimpleQueue[T]) -> list[T]:
+    """Everything in ``q`` now, without blocking (inboxes and readiness queues)."""
+    items: list[T] = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items

@@ -48,7 +48,7 @@ from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, P
 from scheduler.adder import Plan, Stop, plan_batch
 from scheduler.config import SchedulerConfig
 from scheduler.delayer import DelayerPass, PrefillDelayer
-from scheduler.messages import FAKE_BOOTSTRAP_HOST, AbortRequest, NewRequest, Response
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, AbortRequest, NewRequest, Response, take_all
 from scheduler.metrics import SchedulerMetrics
 from scheduler.ranks import RankSync, SingleRank
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
@@ -218,17 +218,13 @@ class PrefillScheduler:
     # -- 1. receive -------------------------------------------------------------------------
 
     def _receive(self) -> bool:
-        worked = False
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return worked
-            worked = True
+        items = take_all(self._inbox)
+        for item in items:
             if isinstance(item, AbortRequest):
                 self._abort(item.rid)
             else:
                 self._admit(item)
+        return bool(items)
 
     def _admit(self, new: NewRequest) -> None:
         req = PrefillRequest(
@@ -327,11 +323,7 @@ class PrefillScheduler:
             if manager is None:
                 continue
             mid = id(manager)
-            while True:
-                try:
-                    room = manager.ready.get_nowait()
-                except queue.Empty:
-                    break
+            for room in take_all(manager.ready):
                 seq = self._rooms.get((mid, room))
                 if seq is not None:
                     changed.add(seq)

@@ -18,14 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kv import wire
 from kv.bootstrap import BootstrapServer
-from kv.metadata import MetadataBuffers, MetadataRow, SlotAllocator
+from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager, MooncakeKVReceiver
-from tests.transfer_harness import NUM_PAGES, NUM_SLOTS, HarnessSession, make_pool
+from tests.transfer_harness import (
+    NUM_PAGES,
+    NUM_SLOTS,
+    DecodeReadback,
+    HarnessSession,
+    make_pool,
+)
 
 _PEER = Path(__file__).with_name("mooncake_peer.py")
 _ROOT = _PEER.parent.parent
@@ -123,7 +128,7 @@ class DecodePeer:
 # -- the contract harness (tests/transfer_harness.py) ---------------------------------------
 
 
-class _MooncakeSession:
+class _MooncakeSession(DecodeReadback):
     """Prefill manager and a real decode manager, each with its own engine, over loopback TCP."""
 
     def __init__(self) -> None:
@@ -159,14 +164,6 @@ class _MooncakeSession:
             # room. Sent directly, because this receiver concluded and would not send it.
             self.decode._send(wire.Abort(room, self.decode.session))
             receiver.clear()
-
-    def decode_kv(self, room: int) -> torch.Tensor:
-        pages, _ = self.destinations[room]
-        return self.decode_pool.buffer[:, :, pages].clone()
-
-    def decode_row(self, room: int) -> MetadataRow | None:
-        _, slot = self.destinations[room]
-        return self.decode_metadata.read(slot, expected_room=room)
 
     def close(self) -> None:
         self.manager.close()

@@ -8,18 +8,16 @@ JSON file and the tests below assert on them.
 from __future__ import annotations
 
 import json
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scheduler.delayer import DelayerConfig, PrefillDelayer
 from scheduler.gather import TorchDistributedGather, min_reduce
+from tests.distributed import free_port, run_ranks
 
 WORLD = 4
 LAUNCH_TIMEOUT_S = 180.0
@@ -95,25 +93,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("delayer_ranks")
-    context = mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    # join() re-raises a rank's exception (and stops the other ranks) as soon as one fails.
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} delayer ranks did not finish in {LAUNCH_TIMEOUT_S} s")
+    run_ranks(_worker, (free_port(), str(out_dir)), WORLD, LAUNCH_TIMEOUT_S)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -8,8 +8,6 @@ results, so both fail those requests on the same pass, with the same reason.
 from __future__ import annotations
 
 import json
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
@@ -26,6 +23,7 @@ from scheduler.messages import NewRequest, Response
 from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner
 from scheduler.prefill import PrefillScheduler
 from scheduler.ranks import TorchRanks
+from tests.distributed import free_port, run_ranks
 
 WORLD = 2
 REQUESTS = 24
@@ -75,23 +73,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.multiprocess
 def test_tp_ranks_take_identical_transitions(tmp_path: Path) -> None:
-    context = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the TP ranks did not finish in {LAUNCH_TIMEOUT_S} s")
+    run_ranks(_worker, (free_port(), str(tmp_path)), WORLD, LAUNCH_TIMEOUT_S)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert ranks[0]["responses"] == ranks[1]["responses"]
     assert ranks[0]["passes"] == ranks[1]["passes"]

@@ -157,7 +157,24 @@ class FakeHarness:
 # -- local --------------------------------------------------------------------------------
 
 
-class _LocalSession:
+class DecodeReadback:
+    """Reading back what landed on the decode side, for sessions that record each room's
+    destination pages and slot in ``destinations``."""
+
+    decode_pool: KVPool
+    decode_metadata: MetadataBuffers
+    destinations: dict[int, tuple[list[int], int]]
+
+    def decode_kv(self, room: int) -> torch.Tensor:
+        pages, _ = self.destinations[room]
+        return self.decode_pool.buffer[:, :, pages].clone()
+
+    def decode_row(self, room: int) -> MetadataRow | None:
+        _, slot = self.destinations[room]
+        return self.decode_metadata.read(slot, expected_room=room)
+
+
+class _LocalSession(DecodeReadback):
     bootstrap_addr = "local:contract"
 
     def __init__(self) -> None:
@@ -192,14 +209,6 @@ class _LocalSession:
     def late_message(self, room: int) -> None:
         for receiver in self.receivers.pop(room, []):
             receiver.abort()
-
-    def decode_kv(self, room: int) -> torch.Tensor:
-        pages, _ = self.destinations[room]
-        return self.decode_pool.buffer[:, :, pages].clone()
-
-    def decode_row(self, room: int) -> MetadataRow | None:
-        _, slot = self.destinations[room]
-        return self.decode_metadata.read(slot, expected_room=room)
 
     def close(self) -> None:
         self.manager.close()

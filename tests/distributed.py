@@ -1,0 +1,33 @@
+"""Launching a real process group for a test: spawn the ranks, wait with a deadline."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], world: int,
+              timeout: float) -> None:
+    """Run ``worker(rank, *args)`` in ``world`` spawned processes. A rank's exception reaches
+    the test (and stops the others) as soon as it happens; past ``timeout`` every rank is
+    killed and the test fails."""
+    context = mp.start_processes(worker, args=args, nprocs=world, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks did not finish in {timeout} s")
