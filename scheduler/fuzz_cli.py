@@ -89,7 +89,8 @@ def _fuzz(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    from scheduler.testing import scheduler_machine, tiny_model
+    from scheduler.testing import scheduler_machine
+    from scheduler.testing_fakes import tiny_model
 
     # The scheduler logs every injected failure; the report is what matters here.
     logging.disable(logging.CRITICAL)

@@ -12,7 +12,12 @@ from lifecycle.testing import FakeClock
 from scheduler.config import SchedulerConfig
 from scheduler.messages import NewRequest, Response
 from scheduler.prefill import PrefillScheduler
-from scheduler.testing import DECODE_HOST, ScriptedKVManager, echo_next_token, echo_runner_factory
+from scheduler.testing_fakes import (
+    DECODE_HOST,
+    ScriptedKVManager,
+    echo_next_token,
+    echo_runner_factory,
+)
 
 S = PrefillState
 

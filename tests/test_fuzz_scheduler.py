@@ -17,7 +17,8 @@ import pytest
 from hypothesis import settings
 
 from scheduler.fuzz_cli import FUZZ, run_fuzz
-from scheduler.testing import scheduler_machine, tiny_model
+from scheduler.testing import scheduler_machine
+from scheduler.testing_fakes import tiny_model
 
 _DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
 # (programs, rules per program) for each machine below.
