@@ -13,7 +13,8 @@ Checked at the end: every request got exactly one answer from prefill and one fr
 both pools and both slot allocators are full again, both schedulers' invariants hold, and a
 fresh request is answered with the colocated reference's tokens. Last line:
 ``RESULT soak requests=<n> lost=<n> duplicated=<n> leaked_pages=<n> leaked_slots=<n>
-seconds=<t>``; the exit status is 1 if any count is not zero.
+seconds=<t>``; the exit status is 1 if any count is not zero or the fresh request's tokens
+differ.
 """
 
 from __future__ import annotations

@@ -160,10 +160,10 @@ def bench_local(args: argparse.Namespace, plan: list[list[int]]) -> tuple[float,
                 local.append(total / (time.perf_counter() - start) / 1e9)
             for sender in senders.values():
                 sender.clear()
-            for rx, pages in receivers:
+            for slot, (rx, pages) in enumerate(receivers):
                 rx.clear()
                 dst_pool.allocator.free(pages)
-                dst_metadata.clear(receivers.index((rx, pages)))
+                dst_metadata.clear(slot)
             room += len(plan)
     finally:
         manager.close()

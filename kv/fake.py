@@ -33,6 +33,7 @@ import attrs
 from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
+    TERMINAL,
     KVPoll,
     SendCursor,
     TransferError,
@@ -42,8 +43,6 @@ from kv.transfer import (
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-
-_TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
 
 
 def _probability(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -201,7 +200,7 @@ class FakeKVSender:
         return TransferError(self.room, REASON_OTHER_RANK, self.bootstrap_addr)
 
     def abort(self) -> None:
-        if self._status not in _TERMINAL:
+        if self._status not in TERMINAL:
             self._fail(REASON_ABORTED)
 
     def clear(self) -> None:
@@ -259,7 +258,7 @@ class FakeKVReceiver:
         return TransferError(self.room, reason, self.bootstrap_addr)
 
     def abort(self) -> None:
-        if self._status not in _TERMINAL:
+        if self._status not in TERMINAL:
             self._set(KVPoll.FAILED, REASON_ABORTED)
 
     def clear(self) -> None:

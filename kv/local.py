@@ -11,16 +11,20 @@ link (at once if it exists, else when it is created) and reports WAITING_FOR_INP
 Each ``send(pages, last)`` queues a chunk for the prefill manager's transfer worker thread,
 which copies the pages from the prefill pool into the decode pool for all layers and both K
 and V: page lists are coalesced into runs consecutive on both sides and each run moves as one
-slice copy of a ``[layers * 2, pages, page_elems]`` view (through numpy byte views between CPU
-pools); between device pools badly scattered lists move with one ``index_select`` /
-``index_copy_`` instead. The last chunk also copies the metadata row (its room
-last). When it lands, the sender and the receiver both conclude SUCCESS. A copy that raises
-fails the room on both sides with the error as the reason; the worker carries on.
+slice copy of a ``[layers * 2, pages, page_elems]`` view (between CPU pools a small run goes
+through numpy byte views, a large one through torch's multi-threaded copy); between device pools
+badly scattered lists move with one ``index_select`` / ``index_copy_`` instead. The last chunk
+also copies the metadata row (its room last). When it lands, the sender and the receiver both
+conclude SUCCESS. A copy that raises fails the room on both sides with the error as the reason;
+the worker carries on.
 
-Late messages: a link is closed when its sender is cleared; an abort from a receiver whose
-link is closed is dropped, so a reused room is never poisoned. Every state change is guarded by
-the hub's lock (copies run outside it) and pushes the room onto the ``ready`` queue of each
-side whose state changed, including when a failed room becomes quiescent.
+Aborts: an abort on either side fails that side with ``REASON_ABORTED`` and the other with
+``REASON_PEER_ABORTED`` (a receiver that aborts before its sender exists marks the link, and the
+sender fails when it attaches). Late messages: a link is closed when its sender is cleared; an
+abort from a receiver whose link is closed is dropped, so a reused room is never poisoned.
+Every state change is guarded by the hub's lock (copies run outside it) and pushes the room
+onto the ``ready`` queue of each side whose state changed, including when a failed room becomes
+quiescent.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
     REASON_PEER_ABORTED,
+    TERMINAL,
     KVPoll,
     SendCursor,
     TransferError,
@@ -48,8 +53,6 @@ from kv.transfer import (
 )
 
 logger = logging.getLogger(__name__)
-
-_TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
 
 # On an accelerator, above this many runs one gather/scatter over the page dimension beats a
 # launch per run.
@@ -279,23 +282,61 @@ class LocalKVManager:
                 link.receiver._announce()
 
 
-class LocalKVSender:
-    def __init__(self, manager: LocalKVManager, bootstrap_addr: str, room: int) -> None:
+class _Endpoint:
+    """What a sender and a receiver share: one side of a room, its status and failure reason
+    guarded by the hub's lock, and its link to the other side."""
+
+    _side = ""  # for logs
+
+    def __init__(self, lock: threading.Lock, bootstrap_addr: str, room: int) -> None:
         self.room = room
         self.bootstrap_addr = bootstrap_addr
-        self._manager = manager
+        self._lock = lock
         self._status = KVPoll.BOOTSTRAPPING
         self._reason = ""
-        self._cursor = SendCursor(room)
         self._link: _Link | None = None
+
+    def poll(self) -> KVPoll:
+        with self._lock:
+            return self._status
+
+    def failure_exception(self) -> TransferError:
+        with self._lock:
+            reason = self._reason if self._status == KVPoll.FAILED else REASON_OTHER_RANK
+        return TransferError(self.room, reason, self.bootstrap_addr)
+
+    def quiescent(self) -> bool:
+        with self._lock:
+            return self._link is None or self._link.inflight == 0
+
+    # -- called with the lock held --------------------------------------------------------
+
+    def _announce(self) -> None:
+        raise NotImplementedError
+
+    def _set(self, status: KVPoll) -> None:
+        self._status = status
+        self._announce()
+
+    def _fail(self, reason: str) -> None:
+        if self._status in TERMINAL:
+            return
+        self._reason = reason
+        logger.debug("local %s room %d failed: %s", self._side, self.room, reason)
+        self._set(KVPoll.FAILED)
+
+
+class LocalKVSender(_Endpoint):
+    _side = "sender"
+
+    def __init__(self, manager: LocalKVManager, bootstrap_addr: str, room: int) -> None:
+        super().__init__(manager._lock, bootstrap_addr, room)
+        self._manager = manager
+        self._cursor = SendCursor(room)
 
     @property
     def sent_pages(self) -> int:
         return self._cursor.sent
-
-    def poll(self) -> KVPoll:
-        with self._manager._lock:
-            return self._status
 
     def init(self, num_pages: int, slot: int) -> None:
         with self._manager._lock:
@@ -338,11 +379,6 @@ class LocalKVSender:
                 _Chunk(self, link, src, link.dst_pages[span], last, self._cursor.slot)
             )
 
-    def failure_exception(self) -> TransferError:
-        with self._manager._lock:
-            reason = self._reason if self._status == KVPoll.FAILED else REASON_OTHER_RANK
-        return TransferError(self.room, reason, self.bootstrap_addr)
-
     def abort(self) -> None:
         with self._manager._lock:
             self._abort_locked()
@@ -355,14 +391,10 @@ class LocalKVSender:
             if self._link is not None:
                 self._link.closed = True
 
-    def quiescent(self) -> bool:
-        with self._manager._lock:
-            return self._link is None or self._link.inflight == 0
-
     # -- called with the lock held --------------------------------------------------------
 
     def _abort_locked(self) -> None:
-        if self._status in _TERMINAL:
+        if self._status in TERMINAL:
             return
         self._fail(REASON_ABORTED)
         if self._link is not None and not self._link.closed:
@@ -370,17 +402,6 @@ class LocalKVSender:
 
     def _announce(self) -> None:
         self._manager.ready.put(self.room)
-
-    def _set(self, status: KVPoll) -> None:
-        self._status = status
-        self._announce()
-
-    def _fail(self, reason: str) -> None:
-        if self._status in _TERMINAL:
-            return
-        self._reason = reason
-        logger.debug("local sender room %d failed: %s", self.room, reason)
-        self._set(KVPoll.FAILED)
 
 
 class LocalDecodeManager:
@@ -400,15 +421,13 @@ class LocalDecodeManager:
         """Nothing to release: the copies run on the prefill manager's worker."""
 
 
-class LocalKVReceiver:
+class LocalKVReceiver(_Endpoint):
+    _side = "receiver"
+
     def __init__(self, manager: LocalDecodeManager, bootstrap_addr: str, room: int) -> None:
-        self.room = room
-        self.bootstrap_addr = bootstrap_addr
+        super().__init__(manager._lock, bootstrap_addr, room)
         self._manager = manager
-        self._status = KVPoll.BOOTSTRAPPING
-        self._reason = ""
         self._prefill: LocalKVManager | None = None
-        self._link: _Link | None = None
         self._cleared = False
 
     def init(self) -> None:
@@ -451,15 +470,6 @@ class LocalKVReceiver:
             self._set(KVPoll.TRANSFERRING)
             self._prefill._deliver(self._link)
 
-    def poll(self) -> KVPoll:
-        with self._manager._lock:
-            return self._status
-
-    def failure_exception(self) -> TransferError:
-        with self._manager._lock:
-            reason = self._reason if self._status == KVPoll.FAILED else REASON_OTHER_RANK
-        return TransferError(self.room, reason, self.bootstrap_addr)
-
     def abort(self) -> None:
         """Fail the room here and tell the prefill peer, unless its sender was cleared."""
         with self._manager._lock:
@@ -470,14 +480,10 @@ class LocalKVReceiver:
             self._abort_locked()
             self._cleared = True
 
-    def quiescent(self) -> bool:
-        with self._manager._lock:
-            return self._link is None or self._link.inflight == 0
-
     # -- called with the lock held --------------------------------------------------------
 
     def _abort_locked(self) -> None:
-        if self._status not in _TERMINAL:
+        if self._status not in TERMINAL:
             self._fail(REASON_ABORTED)
         link = self._link
         if link is None or link.closed:
@@ -490,14 +496,3 @@ class LocalKVReceiver:
     def _announce(self) -> None:
         if not self._cleared:
             self._manager.ready.put(self.room)
-
-    def _set(self, status: KVPoll) -> None:
-        self._status = status
-        self._announce()
-
-    def _fail(self, reason: str) -> None:
-        if self._status in _TERMINAL:
-            return
-        self._reason = reason
-        logger.debug("local receiver room %d failed: %s", self.room, reason)
-        self._set(KVPoll.FAILED)

@@ -1,10 +1,11 @@
-"""The Mooncake transfer backend: prefill manager and sender, decode manager and receiver.
+"""The prefill side of the Mooncake transfer backend: the manager and the per-room sender.
 
 Theory of operation
 -------------------
-Both sides own a Mooncake ``TransferEngine`` (handshake ``P2PHANDSHAKE``; TCP here, RDMA where
-configured) with their KV pool tensor and metadata buffers registered. The prefill side only
-ever *writes* into decode memory; decode never reads prefill memory.
+Both sides own a Mooncake ``TransferEngine`` (:mod:`kv.mooncake_engine`; handshake
+``P2PHANDSHAKE``, TCP here, RDMA where configured) with their KV pool tensor and metadata buffers
+registered. The prefill side only ever *writes* into decode memory; decode never reads prefill
+memory. The decode side is :mod:`kv.mooncake_decode`.
 
 Control messages (:mod:`kv.wire`) travel over ZeroMQ PUSH → PULL. Decode looks the prefill rank
 up at the bootstrap endpoint (:mod:`kv.bootstrap`), refuses one whose page size or KV dtype
@@ -25,7 +26,8 @@ Failure: a non-zero engine return fails the room with a reason naming the decode
 blacklists the session: its other live rooms fail at once (they cannot succeed) and later chunks
 to it are skipped, while other sessions are untouched. A fresh ``Register`` from the session
 clears the blacklist. A dead decode peer fails within about a second (TCP connection refused).
-A worker exception fails its room; the worker keeps running. Readiness goes to ``ready``.
+A worker exception fails its room; the worker keeps running. An ``Abort`` from decode fails the
+room with ``REASON_PEER_ABORTED``. Readiness goes to ``ready``.
 
 Rooms: ``clear()`` forgets a room and leaves a tombstone, so a late ``Destination``/``Abort`` for
 it is ignored instead of poisoning a later request that reuses the room number. ``quiescent()``
@@ -51,12 +53,12 @@ from kv import wire
 from kv.bootstrap import BootstrapClient, RankInfo
 from kv.metadata import MetadataBuffers
 from kv.mooncake_engine import (
-    TERMINAL,
     Engine,
     MooncakeConfig,
     kv_dtype_name,
     push_socket,
     register_all,
+    serve_control,
 )
 from kv.pages import coalesce
 from kv.pool import KVPool
@@ -64,6 +66,7 @@ from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
     REASON_PEER_ABORTED,
+    TERMINAL,
     KVPoll,
     SendCursor,
     TransferError,
@@ -75,7 +78,6 @@ logger = logging.getLogger(__name__)
 _TOMBSTONES = 65536
 # At most this many queued chunks are merged into one engine call.
 _MAX_BATCH_CHUNKS = 64
-
 
 
 @attrs.define(eq=False)
@@ -203,18 +205,9 @@ class MooncakeKVManager:
     # -- control messages (listener thread) --------------------------------------------------
 
     def _listen(self) -> None:
-        while not self._stop.is_set():
-            if not self._pull.poll(100):
-                continue
-            data = self._pull.recv()
-            try:
-                self._handle(wire.decode(data, self.config.token))
-            except wire.WireError as err:
-                logger.warning("dropped control message: %s", err)
-                self.dropped_messages.record(err)
-            except Exception:  # a handler bug must not end the listener
-                logger.exception("control message handler failed")
-                self.dropped_messages.record(wire.WireError("internal", "handler raised"))
+        serve_control(
+            self._pull, self._stop, self.config.token, self._handle, self.dropped_messages, logger
+        )
 
     def _handle(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.Register):

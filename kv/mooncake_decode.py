@@ -1,11 +1,12 @@
 """The decode side of the Mooncake backend: the manager that registers with a prefill rank,
-and the per-request receiver.
+and the per-request receiver (the prefill side is :mod:`kv.mooncake`).
 
 The decode manager looks the prefill rank up at its bootstrap endpoint, refuses one whose page
 size or KV dtype differs, sends one ``Register`` with its engine session and memory layout, and
 then per room a ``Destination`` or an ``Abort``. A receiver reports SUCCESS only when prefill's
-``Status`` said so *and* the metadata row in its slot carries its own room (the metadata gate).
-Any ``Status`` also means prefill no longer writes the room's pages, which is what
+``Status`` said so *and* the metadata row in its slot carries its own room (the metadata gate);
+a FAILED ``Status`` fails it with prefill's reason (``REASON_ABORTED`` when prefill aborted the
+room). Any ``Status`` also means prefill no longer writes the room's pages, which is what
 :meth:`MooncakeKVReceiver.quiescent` reports.
 """
 
@@ -26,7 +27,6 @@ from kv import wire
 from kv.bootstrap import BootstrapClient, BootstrapError, RankInfo
 from kv.metadata import MetadataBuffers, MetadataError
 from kv.mooncake_engine import (
-    TERMINAL,
     Engine,
     IncompatiblePeerError,
     MooncakeConfig,
@@ -34,11 +34,13 @@ from kv.mooncake_engine import (
     kv_dtype_name,
     push_socket,
     register_all,
+    serve_control,
 )
 from kv.pool import KVPool
 from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
+    TERMINAL,
     KVPoll,
     TransferError,
     TransferUsageError,
@@ -163,21 +165,14 @@ class MooncakeDecodeManager:
             self._push.send(data)
 
     def _listen(self) -> None:
-        while not self._stop.is_set():
-            if not self._pull.poll(100):
-                continue
-            data = self._pull.recv()
-            try:
-                msg = wire.decode(data, self.config.token)
-                if not isinstance(msg, wire.Status):
-                    raise wire.WireError("unexpected_type", f"{type(msg).__name__} not for decode")
-                self._on_status(msg)
-            except wire.WireError as err:
-                logger.warning("dropped control message: %s", err)
-                self.dropped_messages.record(err)
-            except Exception:  # a handler bug must not end the listener
-                logger.exception("status handler failed")
-                self.dropped_messages.record(wire.WireError("internal", "handler raised"))
+        serve_control(
+            self._pull, self._stop, self.config.token, self._handle, self.dropped_messages, logger
+        )
+
+    def _handle(self, msg: wire.Message) -> None:
+        if not isinstance(msg, wire.Status):
+            raise wire.WireError("unexpected_type", f"{type(msg).__name__} not for decode")
+        self._on_status(msg)
 
     def _on_status(self, msg: wire.Status) -> None:
         with self._lock:

@@ -1,22 +1,26 @@
-"""The Mooncake Transfer Engine as both sides of the Mooncake backend use it.
+"""What both sides of the Mooncake backend share: the engine, its config, errors, sockets.
 
 One ``TransferEngine`` per side, initialised with the ``P2PHANDSHAKE`` metadata mode (no
 metadata server: peers exchange segment descriptors directly), TCP here and RDMA where the
-hardware has it; the KV pool tensor and the metadata buffers are registered whole.
+hardware has it; the KV pool tensor and the metadata buffers are registered whole. Control
+messages (:mod:`kv.wire`) travel over ZeroMQ PUSH → PULL; :func:`serve_control` is the listener
+loop of either side. The prefill side is :mod:`kv.mooncake`, the decode side
+:mod:`kv.mooncake_decode`.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import zmq
 
+from kv import wire
 from kv.metadata import MetadataBuffers
 from kv.pool import KVPool
-from kv.transfer import KVPoll
-
-TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
 
 
 class MooncakeError(Exception):
@@ -46,8 +50,6 @@ class MooncakeConfig:
 
 def kv_dtype_name(pool: KVPool) -> str:
     return str(pool.dtype).removeprefix("torch.")
-
-
 
 
 class Engine:
@@ -103,3 +105,31 @@ def push_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.connect(endpoint)
     return sock
+
+
+def serve_control(
+    pull: zmq.Socket[Any],
+    stop: threading.Event,
+    token: str | None,
+    handle: Callable[[wire.Message], None],
+    dropped: wire.DroppedMessages,
+    log: logging.Logger,
+) -> None:
+    """Hand each control message arriving on ``pull`` to ``handle`` until ``stop`` is set.
+
+    A bad message (:class:`~kv.wire.WireError`, from decoding or from ``handle``) is logged on
+    ``log``, counted in ``dropped`` and dropped; so is a message whose handler raised anything
+    else. Neither ends the loop.
+    """
+    while not stop.is_set():
+        if not pull.poll(100):
+            continue
+        data = pull.recv()
+        try:
+            handle(wire.decode(data, token))
+        except wire.WireError as err:
+            log.warning("dropped control message: %s", err)
+            dropped.record(err)
+        except Exception:  # a handler bug must not end the listener
+            log.exception("control message handler failed")
+            dropped.record(wire.WireError("internal", "handler raised"))

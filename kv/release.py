@@ -6,7 +6,7 @@ pages or metadata slot back yet: the next owner's data would be overwritten, or 
 lifecycle's ``release`` hook gives them to :class:`Releaser`, which frees them now if the
 sender (receiver) is quiescent, and otherwise keeps them until :meth:`Releaser.reap` finds it
 quiescent. ``clear()`` — forgetting the room — comes after that, so a late message for the room
-is still recognised as such.
+is still recognised as such. The prefill and the decode scheduler each keep one releaser.
 """
 
 from __future__ import annotations

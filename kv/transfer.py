@@ -31,7 +31,10 @@ learn of the failure only after it issued them.
 
 Failures: ``failure_exception()`` returns a :class:`TransferError` carrying the room and the
 recorded reason; when the sender did not fail itself (the failure came from another rank
-through the MIN) the reason says so.
+through the MIN) the reason is :data:`REASON_OTHER_RANK`. A room aborted on its own side reports
+:data:`REASON_ABORTED`; a sender whose room the decode side aborted reports
+:data:`REASON_PEER_ABORTED` (so the prefill scheduler answers an abort, not a transfer failure),
+and so does a local-backend receiver whose room the prefill side aborted.
 
 Readiness is pushed: whenever a sender's poll result may have changed (handshake arrived,
 transfer concluded, failure), and when a failed sender becomes quiescent, the manager puts its
@@ -44,7 +47,8 @@ number of items present when it starts draining (one snapshot per pass), not "un
 Pages and concurrency: after ``abort()`` or a failure a worker thread may still be reading the
 request's source pages (or, on the decode side, writing its destination pages).
 ``quiescent()`` tells whether any backend thread can still touch them; the owner must not
-return the pages to the free list before it is True.
+return the pages to the free list before it is True (:class:`kv.release.Releaser` holds them
+back until then, for both schedulers).
 """
 
 from __future__ import annotations
@@ -86,10 +90,15 @@ class TransferUsageError(Exception):
         super().__init__(f"room {room}: {message}")
 
 
+# The states a sender or receiver never leaves.
+TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
+
 # The reason a sender reports when the failure was seen only through another rank's poll.
 REASON_OTHER_RANK = "failed on another rank"
+# The reason a sender (receiver) reports when its own side aborted the room.
 REASON_ABORTED = "aborted"
-# The reason a sender (receiver) reports when the other side aborted the room.
+# The reason a sender reports when the decode side aborted the room; a local-backend receiver
+# reports it when the prefill side did (a Mooncake receiver reports the reason prefill sent).
 REASON_PEER_ABORTED = "aborted by the peer"
 
 

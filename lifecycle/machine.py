@@ -24,7 +24,8 @@ state and the event, and changes nothing (for a batch: changes no request).
 
 Hooks are named in the table and supplied by the owner. Entering a final state runs that
 state's ``on_enter`` hooks exactly once, because final states are absorbing: the prefill table
-names ``release`` (the KV layer returns pages, slot and sender) and ``respond`` there.
+names ``release`` (the owner gives pages, slot and sender back to the KV layer) and ``respond``
+there.
 """
 
 from __future__ import annotations
@@ -145,9 +146,6 @@ class Lifecycle(Generic[R]):
         req.timeline.append((self.clock(), ""))
         self._index[initial][req.rid] = req
         self._by_rid[req.rid] = req
-        hooks = self.table.on_enter.get(initial, ())
-        if hooks:
-            raise LifecycleError(f"{self.table.name}: on_enter hooks on the initial state")
 
     # -- firing -----------------------------------------------------------------------------
 

@@ -108,8 +108,9 @@ class PrefillRequest(Tracked):
     in the pool; ``sent`` tokens have been handed to the sender. (Under the overlap loop the
     next chunk is scheduled before the previous one's result is processed, so ``scheduled``
     may run ahead of ``computed``.) Resources (see the ownership table in docs/lifecycle.md):
-    ``sender`` from BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; all are
-    returned by the ``release`` hook on entering a final state.
+    ``sender`` from BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; the
+    ``release`` hook gives all of them up on entering a final state (the KV layer frees pages and
+    slot once no transfer can touch them any more).
     """
 
     input_ids: Sequence[int] = attrs.field(default=(), kw_only=True, repr=False)

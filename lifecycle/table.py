@@ -135,6 +135,9 @@ def validate(table: LifecycleTable) -> None:
     for s in table.on_enter:
         if not isinstance(s, table.states):
             raise InvalidTable(f"{name}: on_enter names {s!r}, not a state")
+    if table.on_enter.get(table.initial):
+        # Admission is not an edge: nothing would run them.
+        raise InvalidTable(f"{name}: on_enter hooks on the initial state {table.initial.name}")
 
     forward: dict[enum.IntEnum, set[enum.IntEnum]] = {s: set() for s in states}
     backward: dict[enum.IntEnum, set[enum.IntEnum]] = {s: set() for s in states}

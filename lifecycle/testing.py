@@ -50,7 +50,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lifecycle.errors import GuardFailed, IllegalTransition, LifecycleError
 from lifecycle.invariants import expected_hook_calls, timeline_violations
-from lifecycle.machine import Lifecycle
+from lifecycle.machine import Lifecycle, _guards_hold
 from lifecycle.prefill import PrefillRequest
 from lifecycle.reasons import FailureReason
 from lifecycle.record import Tracked
@@ -146,12 +146,6 @@ class MachineConfig:
     satisfy: Callable[[Any, Edge], None] | None = None
 
 
-def _guards_hold(edge: Edge, req: Tracked) -> bool:
-    return all(getattr(req, g)() for g in edge.conditions) and not any(
-        getattr(req, g)() for g in edge.unless
-    )
-
-
 @attrs.frozen
 class _Snapshot:
     states: tuple[enum.IntEnum | None, ...]
@@ -205,7 +199,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         return {name: counting(name) for name in self.table.hooks()}
 
-    # -- helpers ---------------------------------------------------------------------------
+    # -- building blocks of the rules -------------------------------------------------------
 
     def _new(self) -> Any:
         self.serial += 1

@@ -155,6 +155,21 @@ def to_perfetto(
     def us(t: float) -> float:
         return round((t - zero) * 1e6, 3)
 
+    def visit(
+        tid: int, cat: str, state: enum.IntEnum, start: float, stop: float, args: dict[str, Any]
+    ) -> dict[str, Any]:
+        # One complete slice: the stay in ``state`` from ``start`` to ``stop``.
+        return {
+            "ph": "X",
+            "pid": pid,
+            "tid": tid,
+            "cat": cat,
+            "name": state.name,
+            "ts": us(start),
+            "dur": round(max(stop - start, 0.0) * 1e6, 3),
+            "args": args,
+        }
+
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "pdlife"}}
     ]
@@ -171,36 +186,16 @@ def to_perfetto(
                     {**base, "ph": "i", "s": "t", "name": rec.event, "args": {"rid": rec.rid}}
                 )
                 continue
-            events.append(
-                {
-                    "ph": "X",
-                    "pid": pid,
-                    "tid": tid,
-                    "cat": tbl.name,
-                    "name": entered_state.name,
-                    "ts": us(entered_at),
-                    "dur": round((rec.time - entered_at) * 1e6, 3),
-                    "args": {"rid": rec.rid, "exit": rec.event},
-                }
-            )
+            left = {"rid": rec.rid, "exit": rec.event}
+            events.append(visit(tid, tbl.name, entered_state, entered_at, rec.time, left))
             entered_state, entered_at = rec.dest, rec.time
             if rec.dest in tbl.finals:
                 reason = rec.reason.value if rec.reason is not None else None
                 args = {"rid": rec.rid, "reason": reason, "detail": req.detail}
                 events.append({**base, "ph": "i", "s": "t", "name": rec.dest.name, "args": args})
         if entered_state not in tbl.finals:
-            events.append(
-                {
-                    "ph": "X",
-                    "pid": pid,
-                    "tid": tid,
-                    "cat": tbl.name,
-                    "name": entered_state.name,
-                    "ts": us(entered_at),
-                    "dur": round(max(end - entered_at, 0.0) * 1e6, 3),
-                    "args": {"rid": req.rid, "open": True},
-                }
-            )
+            still_open = {"rid": req.rid, "open": True}
+            events.append(visit(tid, tbl.name, entered_state, entered_at, end, still_open))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

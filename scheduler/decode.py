@@ -10,10 +10,13 @@ metadata slot (none free: it waits, in arrival order); ``preallocated`` sends th
 prefill (RECEIVING). When the receiver reports SUCCESS the metadata row must have landed with the
 request's own room (a torn or foreign row fails the request); its first token starts the output
 (``received``, DECODING). Every pass runs one decode step for all DECODING requests, growing
-their pages as the sequence grows; ``finished`` at max_new_tokens or a stop token.
+their pages as the sequence grows; ``finished`` at max_new_tokens or a stop token. A decode step
+that raised fails its requests (``internal``) and the loop goes on. Room 0 is refused: it marks
+an empty metadata row.
 
-Pages whose receiver may still be written by the prefill side (an abort, a failure) are
-quarantined until the receiver is quiescent.
+The pages, slot and room of a request whose receiver may still be written by the prefill side
+(an abort, a failure) stay reserved by a :class:`~kv.release.Releaser` until the receiver is
+quiescent and cleared.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ S = DecodeState
 
 
 class DecodeKVManager(Protocol):
+    """What the decode peer asks of its KV layer: a readiness queue of rooms and receivers."""
+
     ready: queue.SimpleQueue[int]
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> Any: ...

@@ -35,16 +35,15 @@ from typing import Any, Protocol
 from kv.fake import FakeDecodeManager, FakeKVReceiver
 from kv.metadata import MetadataBuffers
 from kv.transfer import TransferUsageError
+from scheduler.decode import DecodeKVManager
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeManager(Protocol):
-    ready: queue.SimpleQueue[int]
-
-    def create_receiver(self, bootstrap_addr: str, room: int) -> Any: ...
+class DecodeManager(DecodeKVManager, Protocol):
+    """A decode KV manager the router owns, and closes."""
 
     def close(self) -> None: ...
 

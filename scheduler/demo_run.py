@@ -6,15 +6,15 @@ One process holds a prefill scheduler and its decode peer
 (:class:`~scheduler.embedded.EmbeddedPair`): over the local backend, or over Mooncake on loopback
 TCP with a bootstrap endpoint. The calling thread drives both loops pass by pass.
 
-The workload (:func:`make_workload`) is seeded: prompts of generated text, 16 to 2048 byte tokens,
-with mixed ``max_new_tokens`` and stop tokens. Most requests go the disaggregated way. A few are
-sent to the fake backend (bootstrap host ``2.2.2.2``) in rooms whose :class:`~kv.fake.FaultPlan`
-decision fails the bootstrap or the transfer. A few are aborted mid-flight: each abort is issued
-between passes, as soon as the request's prefill record is seen in (or past) its target state
-(WAITING, FORWARD between chunks, TRANSFERRING), so it always reaches a live request; the state it
-really landed in is read back from the timeline.
+The workload (:func:`make_workload`) is seeded: prompts of generated text, 16 to ``max_prompt``
+(default 2048) byte tokens, with mixed ``max_new_tokens`` and stop tokens. Most requests go the
+disaggregated way. A few are sent to the fake backend (bootstrap host ``2.2.2.2``) in rooms whose
+:class:`~kv.fake.FaultPlan` decision fails the bootstrap or the transfer. A few are aborted
+mid-flight: each abort is issued between passes, as soon as the request's prefill record is seen
+in (or past) its target state (WAITING, FORWARD between chunks, TRANSFERRING), so it always
+reaches a live request; the state it really landed in is read back from the timeline.
 
-Every answer (prefill's :class:`~scheduler.prefill.Response`, decode's
+Every answer (prefill's :class:`~scheduler.messages.Response`, decode's
 :class:`~scheduler.decode.DecodeResponse`) carries its request's whole lifecycle timeline, so the
 report (final states, where each abort landed, TTFT phases, the trace) is built from the answers
 alone, once the run is over; nothing is read from the schedulers' records for it.

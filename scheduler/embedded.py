@@ -26,11 +26,9 @@ from lifecycle import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.decode import DecodePeer, DecodeResponse
 from scheduler.delayer import PrefillDelayer
-from scheduler.messages import NewRequest, Response
+from scheduler.messages import LOCAL_HOST, NewRequest, Response
 from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
 from scheduler.prefill import PrefillScheduler
-
-LOCAL_HOST = "local"
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:

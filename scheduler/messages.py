@@ -17,6 +17,8 @@ from lifecycle import FailureReason, PrefillState, SamplingParams
 # Requests for this bootstrap host use the fake transfer backend (SGLang's warm-up and
 # health-check path).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+# The bootstrap host of the in-process local backend (prefill and decode in one process).
+LOCAL_HOST = "local"
 
 
 @attrs.frozen

@@ -11,17 +11,19 @@ WAITING, inflight queue = TRANSFERRING). One pass:
 2. poll only the senders whose state may have changed (the KV layer pushes their rooms) and
    those whose deadline passed; with TP > 1 the ranks agree on the list and MIN-combine the
    results first; fire ``bootstrapped`` (metadata slot permitting: no slot means wait, never
-   fail), ``transferred``, or ``fail``;
+   fail), ``transferred``, or ``fail`` (``abort`` when the decode peer aborted the room);
 3. plan a batch with the PrefillAdder (PrefillDelayer gate), allocate its pages, ``schedule``;
 4. run the forward — in the normal loop at once; in the overlap loop on a device worker, and
    the *previous* batch's results are processed while it runs;
 5. process results: non-last chunks send their full pages (``chunk_done``); the last chunk
    writes the metadata row, sends the rest (``prefilled``); failures recorded while the batch
-   was on the device take effect now.
+   was on the device take effect now. A forward that raised fails its batch's requests
+   (``internal``) and the loop goes on.
 
-Resources are returned by the ``release`` hook on entering DONE or FAILED, exactly once. Pages
-(and the metadata slot) of a request whose sender may still be reading them are held in a
-quarantine until the sender is quiescent, so a transfer never reads freed pages.
+Resources are returned by the ``release`` hook on entering DONE or FAILED, exactly once, through
+a :class:`~kv.release.Releaser`: the pages, the metadata slot and the bootstrap room of a request
+whose sender may still be reading stay reserved until the sender is quiescent and cleared, so a
+transfer never reads freed pages and a room is never reused under a live sender.
 
 A pass touches what changed: inbox items, pushed rooms, expired deadlines (a heap), the head
 of the handshaken queue, and the waiting requests the adder considers — never every request.
@@ -182,7 +184,7 @@ class PrefillScheduler:
         m.slots_used.set(self.slots.num_slots - self.slots.available())
 
     def idle(self) -> bool:
-        """Nothing live, nothing in flight, nothing quarantined, nothing queued."""
+        """Nothing live, nothing in flight, nothing held back by the releaser, nothing queued."""
         return (
             len(self.lifecycle) == 0
             and self._inflight is None

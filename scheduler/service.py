@@ -21,8 +21,9 @@ pass (``after_pass`` runs on the engine thread, the only place engine state may 
 snapshot of counts and pool usage is published after every pass for ``/server_info``.
 
 A request id is live from :meth:`Service.start` until every engine it was submitted to has
-answered; ids are unique among live requests. Rooms of fake-host requests are the service's
-own (no prefill server pairs with them): they are replaced by a fresh service-local room.
+answered; ids are unique among live requests. Rooms of fake-host requests, and of every request
+of the fake and local backends, are the service's own (no prefill server pairs with them): they
+are replaced by a fresh service-local room.
 
 Drain: :meth:`Service.begin_drain` stops admission; :meth:`Service.wait_drained` returns when
 no request is live. A failed engine loop fails every live request (500) and makes the service
@@ -70,6 +71,7 @@ from scheduler.tokenizer import ByteTokenizer
 from scheduler.worker import EngineLoop
 
 logger = logging.getLogger(__name__)
+
 
 @attrs.define(eq=False)
 class Pending:

@@ -17,12 +17,11 @@ from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from lifecycle import FailureReason, SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.messages import FAKE_BOOTSTRAP_HOST
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST
 from scheduler.model import ModelConfig
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["local", "mooncake", "fake"]
-LOCAL_HOST = "local"
 _MAX_ROOM = (1 << 64) - 1
 _MAX_RID_LEN = 256
 
@@ -149,9 +148,9 @@ def check_item(
 
 
 def _check(
-config: ServeConfig,
-rooms: Iterator[int],
-rid: str,
+    config: ServeConfig,
+    rooms: Iterator[int],
+    rid: str,
     input_ids: Sequence[int],
     max_new_tokens: int,
     stop_token_ids: Sequence[int],

@@ -27,12 +27,13 @@ transfer failure, the engine finishing its reads, success), and the seeded
 drains it, so aborts and failures land while pages are being transferred; under the overlap loop
 a batch stays on the device between passes, so aborts land while a forward may write pages.
 
-After every rule the machine checks DESIGN.md's invariants 1 to 5 (invariant 6, ranks agreeing,
-is covered by the TP tests): one response per admission, entering one final state once;
-every timeline replays through the prefill table, monotone; conservation of pages and slots
-(``check_invariants``) plus ownership by state (``lifecycle.invariants.resource_violations``);
-no page free while a forward or a transfer may touch it; the per-state collections equal the
-states; after a pass, no live request past its state's deadline. At teardown it drives the
+After every rule the machine checks invariants 1 to 5 of ``docs/architecture.md`` (invariant 6,
+ranks agreeing, is covered by the TP tests): one response per admission, entering one final
+state once; every timeline replays through the prefill table, monotone; conservation of pages
+and slots (``check_invariants``) plus ownership by state
+(``lifecycle.invariants.resource_violations``); no page free while a forward or a transfer may
+touch it; the per-state collections equal the states; after a pass, no live request past its
+state's deadline. At teardown it drives the
 scheduler to quiescence and asserts every pool is full again and every sender was cleared.
 """
 

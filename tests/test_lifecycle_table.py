@@ -116,6 +116,11 @@ def test_a_good_table_builds_with_derived_lookups() -> None:
             "on_enter names <Other.ELSEWHERE: 7>, not a state",
             id="on-enter-foreign-state",
         ),
+        pytest.param(
+            {"on_enter": {S.START: ("release",)}},
+            "on_enter hooks on the initial state START",
+            id="on-enter-initial-state",
+        ),
     ],
 )
 def test_each_broken_rule_raises_naming_the_state_or_edge(
