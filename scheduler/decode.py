@@ -141,14 +141,7 @@ class DecodePeer:
         return bool(items)
 
     def _admit(self, new: NewRequest) -> None:
-        req = DecodeRequest(
-            new.rid,
-            input_ids=new.input_ids,
-            bootstrap_host=new.bootstrap_host,
-            bootstrap_port=new.bootstrap_port,
-            bootstrap_room=new.bootstrap_room,
-            sampling=new.sampling,
-        )
+        req = DecodeRequest(new.rid, **new.record_fields())
         if new.bootstrap_room == 0:
             # Room 0 marks an empty metadata row: the first token could never be read back.
             self._refuse(new, "bootstrap_room must be non-zero")

@@ -8,7 +8,7 @@ answers each request exactly once with a :class:`Response`.
 from __future__ import annotations
 
 import queue
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -31,6 +31,16 @@ class NewRequest:
     bootstrap_port: int = 0
     bootstrap_room: int = 0
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
+
+    def record_fields(self) -> dict[str, Any]:
+        """The fields a request record (prefill or decode) takes from the request."""
+        return {
+            "input_ids": self.input_ids,
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": self.bootstrap_room,
+            "sampling": self.sampling,
+        }
 
 
 @attrs.frozen

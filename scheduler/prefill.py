@@ -229,14 +229,7 @@ class PrefillScheduler:
         return bool(items)
 
     def _admit(self, new: NewRequest) -> None:
-        req = PrefillRequest(
-            new.rid,
-            input_ids=new.input_ids,
-            bootstrap_host=new.bootstrap_host,
-            bootstrap_port=new.bootstrap_port,
-            bootstrap_room=new.bootstrap_room,
-            sampling=new.sampling,
-        )
+        req = PrefillRequest(new.rid, **new.record_fields())
         if new.rid in self.lifecycle:
             logger.warning("request id %r is already live; refused", new.rid)
             self._reject_unadmitted(req, f"request id {new.rid!r} is already live")
