@@ -1,17 +1,29 @@
 """KV transfer throughput: pdlife's backends against the raw mechanisms under them.
 
-1. Mooncake: many requests' pages, scattered in the prefill pool, sent by
-   :class:`kv.mooncake.MooncakeKVManager` to a decode process over loopback TCP, against the raw
-   TransferEngine writing the same bytes as one contiguous region per layer (one batch write).
+1. Mooncake: many requests' pages sent by :class:`kv.mooncake.MooncakeKVManager` to a decode
+   process over loopback TCP, against the raw TransferEngine writing the same bytes as one
+   contiguous region per layer (one batch write).
 2. Local: :class:`kv.local.LocalKVManager` moving the same pages between two in-process pools,
    against one ``torch`` copy of the same number of bytes.
 
 Geometry is Llama-3-8B-like: 32 layers, page size 16, 8 KV heads of 128, bfloat16 (2 MiB per
-page over all layers). The prefill pool is fragmented into free runs of ``--run-pages`` pages
-(what a page allocator holds after churn); requests take their pages from those runs in a
-shuffled order. Each figure is the median of ``--iters`` timed rounds after a warm-up.
+page over all layers). Where the pages come from:
 
-Last line: ``RESULT transfer ratio=<pdlife/raw> pdlife_gbps= raw_gbps= local_ratio=<local/torch>``.
+* ``churned`` (the RESULT line): the prefill pool's own :class:`kv.pool.PageAllocator` first
+  serves ``--churn`` arrivals and departures of requests of 256 to 2,048 tokens (the prompt
+  lengths of chat-like traffic; PD traces such as Mooncake's average several thousand) at up to
+  75% occupancy; the measured requests are then allocated from the pool that churn left behind,
+  between the pages of the requests still live.
+* ``shredded`` (printed for reference): the pool's free pages are runs of ``--run-pages`` pages
+  in shuffled order, and each request takes its pages from them; what a free list that does not
+  keep runs together leaves after churn.
+
+Each round sends every request once, pdlife then the baseline, so both see the same machine
+load; a figure is the median over ``--iters`` rounds after a warm-up, and a ratio is the median
+of the per-round ratios.
+
+Last line: ``RESULT transfer ratio=<pdlife/raw> pdlife_gbps= raw_gbps= local_ratio=<local/torch>``
+for the churned pool.
 """
 
 from __future__ import annotations
@@ -20,23 +32,71 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
+import attrs
 import torch
 
 from kv.bootstrap import BootstrapServer
 from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
-from kv.pool import KVPool
+from kv.pages import coalesce
+from kv.pool import KVPool, PageAllocator
 from kv.transfer import KVManager, KVPoll, KVSender
 from tests.mooncake_harness import DecodePeer
 
 GEOMETRY = {"num_layers": 32, "page_size": 16, "kv_heads": 8, "head_dim": 128}
 DTYPE = torch.bfloat16
+Plan = list[list[int]]
 
 
-def scattered_requests(num_pages: int, requests: int, pages_each: int, run_pages: int,
-                       seed: int) -> list[list[int]]:
+@attrs.frozen
+class Figures:
+    """Medians over the timed rounds: pdlife's GB/s, the baseline's, and their ratio; and the
+    ratio of each round."""
+
+    pdlife_gbps: float
+    base_gbps: float
+    ratio: float
+    rounds: list[float]
+
+    def spread(self) -> str:
+        return f"{min(self.rounds):.2f}-{max(self.rounds):.2f}"
+
+
+def churned_requests(num_pages: int, requests: int, min_pages: int, max_pages: int,
+                     churn: int, seed: int) -> Plan:
+    """Page lists for ``requests`` requests allocated by a :class:`PageAllocator` after
+    ``churn`` arrivals of requests of ``min_pages``-``max_pages`` pages at up to 75% occupancy,
+    each departure the oldest of a few."""
+    if max_pages > num_pages:
+        raise SystemExit(f"a request of {max_pages} pages does not fit a pool of {num_pages}")
+    rng = random.Random(seed)
+    alloc = PageAllocator(num_pages)
+    live: Plan = []
+
+    def depart() -> None:
+        alloc.free(live.pop(min(int(rng.expovariate(1 / 3)), len(live) - 1)))
+
+    for _ in range(churn):
+        n = rng.randint(min_pages, max_pages)
+        while (pages := alloc.alloc(n)) is None:
+            depart()
+        live.append(pages)
+        while alloc.in_use() > 0.75 * num_pages:
+            depart()
+    plan: Plan = []
+    for _ in range(requests):
+        n = rng.randint(min_pages, max_pages)
+        while (pages := alloc.alloc(n)) is None:
+            alloc.free(live.pop(0))
+        plan.append(pages)
+    return plan
+
+
+def shredded_requests(num_pages: int, requests: int, pages_each: int, run_pages: int,
+                      seed: int) -> Plan:
     """Page lists for ``requests`` requests, drawn from free runs of ``run_pages`` pages."""
     runs = [list(range(s, min(s + run_pages, num_pages))) for s in range(0, num_pages, run_pages)]
     random.Random(seed).shuffle(runs)
@@ -45,6 +105,14 @@ def scattered_requests(num_pages: int, requests: int, pages_each: int, run_pages
     if need > len(free):
         raise SystemExit(f"pool of {num_pages} pages cannot hold {need}")
     return [free[i * pages_each : (i + 1) * pages_each] for i in range(requests)]
+
+
+def describe(name: str, plan: Plan, pool_pages: int) -> str:
+    pages = sum(len(p) for p in plan)
+    runs = sum(len(coalesce(p, list(range(len(p))))) for p in plan)
+    return (f"{name}: {len(plan)} requests, {pages} of {pool_pages} pages "
+            f"({pages * 2} MiB per round), {pages / runs:.1f} pages per run, "
+            f"{runs * 2 * GEOMETRY['num_layers']} blocks per round")
 
 
 def wait_all(manager: KVManager, senders: dict[int, KVSender], until: set[KVPoll]) -> None:
@@ -59,144 +127,182 @@ def wait_all(manager: KVManager, senders: dict[int, KVSender], until: set[KVPoll
             del pending[room]
 
 
-def bench_mooncake(args: argparse.Namespace, plan: list[list[int]]) -> tuple[float, float]:
+def send_round(manager: KVManager, senders: dict[int, KVSender], metadata: MetadataBuffers,
+               plan: Plan) -> float:
+    """Send every request of ``plan`` once; seconds from the first send to the last SUCCESS."""
+    wait_all(manager, senders, {KVPoll.WAITING_FOR_INPUT})
+    start = time.perf_counter()
+    for i, (room, sender) in enumerate(senders.items()):
+        sender.init(len(plan[i]), i)
+        metadata.write(i, first_token=1, cached_tokens=0, logprob=None, room=room)
+        sender.send(plan[i], last=True)
+    wait_all(manager, senders, {KVPoll.SUCCESS, KVPoll.FAILED})
+    return time.perf_counter() - start
+
+
+def timed(total: int, seconds: float) -> float:
+    return total / seconds / 1e9
+
+
+def measure(iters: int, total: int, pdlife: Callable[[], float], base: Callable[[], float]
+            ) -> Figures:
+    """Alternate pdlife and baseline rounds; medians of GB/s and of per-round ratios."""
+    ours: list[float] = []
+    theirs: list[float] = []
+    for it in range(iters + 1):
+        a, b = timed(total, pdlife()), timed(total, base())
+        if it:
+            ours.append(a)
+            theirs.append(b)
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return Figures(statistics.median(ours), statistics.median(theirs), statistics.median(ratios),
+                   ratios)
+
+
+def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str, Figures]:
+    from mooncake.engine import TransferEngine
+
     server = BootstrapServer()
     pool = KVPool(num_pages=args.pages, dtype=DTYPE, **GEOMETRY)
     pool.buffer.view(torch.int16).random_()
-    metadata = MetadataBuffers(len(plan))
+    slots = max(len(plan) for plan in plans.values())
+    metadata = MetadataBuffers(slots)
     manager = MooncakeKVManager(pool, metadata)
     manager.register_to_bootstrap(server.address)
     peer = DecodePeer(server.address, layers=GEOMETRY["num_layers"], pages=args.pages,
                       page_size=GEOMETRY["page_size"], heads=GEOMETRY["kv_heads"],
-                      dim=GEOMETRY["head_dim"], dtype="bfloat16", slots=len(plan))
-    total = sum(len(p) for p in plan) * pool.page_bytes * 2 * pool.num_layers
-    # The raw engine writes the same bytes as one contiguous region per layer, one batch write.
-    from mooncake.engine import TransferEngine
-
+                      dim=GEOMETRY["head_dim"], dtype="bfloat16", slots=slots)
     engine = TransferEngine()
     engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     base = pool.buffer.data_ptr()
     engine.register_memory(base, pool.buffer.numel() * pool.buffer.element_size())
     layer_stride = 2 * pool.num_pages * pool.page_bytes
-    src = [base + layer * layer_stride for layer in range(pool.num_layers)]
-    lens = [total // pool.num_layers] * pool.num_layers
-    pdlife: list[float] = []
-    raw: list[float] = []
-    room = 1
+    next_room = 1
+    results: dict[str, Figures] = {}
     try:
         dst = [peer.info["kv_ptr"] + layer * layer_stride for layer in range(pool.num_layers)]
-        # Rounds alternate between the two, so both see the same machine load.
-        for it in range(args.iters + 1):
-            start = time.perf_counter()
-            rc = engine.batch_transfer_sync_write(peer.info["session"], src, dst, lens)
-            if rc != 0:
-                raise SystemExit(f"raw engine write failed: rc={rc}")
-            if it:
-                raw.append(total / (time.perf_counter() - start) / 1e9)
+        src = [base + layer * layer_stride for layer in range(pool.num_layers)]
+        for name, plan in plans.items():
+            total = sum(len(p) for p in plan) * pool.page_bytes * 2 * pool.num_layers
+            lens = [total // pool.num_layers] * pool.num_layers
 
-            senders: dict[int, KVSender] = {}
-            for i in range(len(plan)):
-                peer.recv(room + i, len(plan[i]))
-                senders[room + i] = manager.create_sender(server.address, room + i)
-            wait_all(manager, senders, {KVPoll.WAITING_FOR_INPUT})
-            start = time.perf_counter()
-            for i, (r, sender) in enumerate(senders.items()):
-                sender.init(len(plan[i]), i)
-                metadata.write(i, first_token=1, cached_tokens=0, logprob=None, room=r)
-                sender.send(plan[i], last=True)
-            wait_all(manager, senders, {KVPoll.SUCCESS, KVPoll.FAILED})
-            if it:
-                pdlife.append(total / (time.perf_counter() - start) / 1e9)
-            for r, sender in senders.items():
-                sender.clear()
-                peer.done(r)
-                peer.command(cmd="release", room=r)
-            room += len(plan)
+            def raw(lens: list[int] = lens) -> float:
+                start = time.perf_counter()
+                rc = engine.batch_transfer_sync_write(peer.info["session"], src, dst, lens)
+                if rc != 0:
+                    raise SystemExit(f"raw engine write failed: rc={rc}")
+                return time.perf_counter() - start
+
+            def ours(plan: Plan = plan) -> float:
+                nonlocal next_room
+                rooms = range(next_room, next_room + len(plan))
+                next_room += len(plan)
+                senders: dict[int, KVSender] = {}
+                for room, pages in zip(rooms, plan, strict=True):
+                    peer.recv(room, len(pages))
+                    senders[room] = manager.create_sender(server.address, room)
+                seconds = send_round(manager, senders, metadata, plan)
+                for room, sender in senders.items():
+                    sender.clear()
+                    peer.done(room)
+                    peer.command(cmd="release", room=room)
+                return seconds
+
+            results[name] = measure(args.iters, total, ours, raw)
         engine.unregister_memory(base)
     finally:
         peer.close()
         manager.close()
         server.close()
-    print(f"mooncake: {len(plan)} requests, {total / 2**20:.0f} MiB per round, "
-          f"free runs of {args.run_pages} pages")
-    print(f"  pdlife  {statistics.median(pdlife):6.2f} GB/s  (rounds: "
-          + " ".join(f"{x:.2f}" for x in pdlife) + ")")
-    print(f"  raw     {statistics.median(raw):6.2f} GB/s  (rounds: "
-          + " ".join(f"{x:.2f}" for x in raw) + ")")
-    return statistics.median(pdlife), statistics.median(raw)
+    return results
 
 
-def bench_local(args: argparse.Namespace, plan: list[list[int]]) -> tuple[float, float]:
+def bench_local(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str, Figures]:
     hub = LocalTransferHub()
     src_pool = KVPool(num_pages=args.pages, dtype=DTYPE, **GEOMETRY)
     src_pool.buffer.view(torch.int16).random_()
     dst_pool = KVPool(num_pages=args.pages, dtype=DTYPE, **GEOMETRY)
-    metadata, dst_metadata = MetadataBuffers(len(plan)), MetadataBuffers(len(plan))
+    slots = max(len(plan) for plan in plans.values())
+    metadata, dst_metadata = MetadataBuffers(slots), MetadataBuffers(slots)
     manager = LocalKVManager(src_pool, metadata, hub=hub, bootstrap_addr="local:bench")
     decode = LocalDecodeManager(dst_pool, dst_metadata, hub=hub)
-    total = sum(len(p) for p in plan) * src_pool.page_bytes * 2 * src_pool.num_layers
-    local: list[float] = []
-    room = 1
+    next_room = 1
+    results: dict[str, Figures] = {}
     try:
-        for it in range(args.iters + 1):
-            senders: dict[int, KVSender] = {}
-            receivers = []
-            for i in range(len(plan)):
-                senders[room + i] = manager.create_sender("local:bench", room + i)
-                dst_pages = dst_pool.allocator.alloc(len(plan[i]))
-                assert dst_pages is not None
-                rx = decode.create_receiver("local:bench", room + i)
-                rx.init()
-                rx.send_metadata(dst_pages, i)
-                receivers.append((rx, dst_pages))
-            wait_all(manager, senders, {KVPoll.WAITING_FOR_INPUT})
-            start = time.perf_counter()
-            for i, (r, sender) in enumerate(senders.items()):
-                sender.init(len(plan[i]), i)
-                metadata.write(i, first_token=1, cached_tokens=0, logprob=None, room=r)
-                sender.send(plan[i], last=True)
-            wait_all(manager, senders, {KVPoll.SUCCESS, KVPoll.FAILED})
-            if it:
-                local.append(total / (time.perf_counter() - start) / 1e9)
-            for sender in senders.values():
-                sender.clear()
-            for slot, (rx, pages) in enumerate(receivers):
-                rx.clear()
-                dst_pool.allocator.free(pages)
-                dst_metadata.clear(slot)
-            room += len(plan)
+        for name, plan in plans.items():
+            total = sum(len(p) for p in plan) * src_pool.page_bytes * 2 * src_pool.num_layers
+            flat_src = src_pool.buffer.view(-1).view(torch.uint8)[:total]
+            flat_dst = dst_pool.buffer.view(-1).view(torch.uint8)[:total]
+
+            def copy(flat_src: torch.Tensor = flat_src, flat_dst: torch.Tensor = flat_dst
+                     ) -> float:
+                start = time.perf_counter()
+                flat_dst.copy_(flat_src)
+                return time.perf_counter() - start
+
+            def ours(plan: Plan = plan) -> float:
+                nonlocal next_room
+                senders: dict[int, KVSender] = {}
+                receivers = []
+                for i, pages in enumerate(plan):
+                    room = next_room + i
+                    senders[room] = manager.create_sender("local:bench", room)
+                    dst_pages = dst_pool.allocator.alloc(len(pages))
+                    assert dst_pages is not None
+                    rx = decode.create_receiver("local:bench", room)
+                    rx.init()
+                    rx.send_metadata(dst_pages, i)
+                    receivers.append((rx, dst_pages))
+                next_room += len(plan)
+                seconds = send_round(manager, senders, metadata, plan)
+                for sender in senders.values():
+                    sender.clear()
+                for slot, (rx, pages) in enumerate(receivers):
+                    rx.clear()
+                    dst_pool.allocator.free(pages)
+                    dst_metadata.clear(slot)
+                return seconds
+
+            results[name] = measure(args.iters, total, ours, copy)
     finally:
         manager.close()
         decode.close()
-    flat_src = src_pool.buffer.view(-1).view(torch.uint8)[:total]
-    flat_dst = dst_pool.buffer.view(-1).view(torch.uint8)[:total]
-    copy: list[float] = []
-    for it in range(args.iters + 1):
-        start = time.perf_counter()
-        flat_dst.copy_(flat_src)
-        if it:
-            copy.append(total / (time.perf_counter() - start) / 1e9)
-    print(f"local: {total / 2**20:.0f} MiB per round")
-    print(f"  pdlife  {statistics.median(local):6.2f} GB/s")
-    print(f"  torch   {statistics.median(copy):6.2f} GB/s  (one contiguous copy_)")
-    return statistics.median(local), statistics.median(copy)
+    return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pages", type=int, default=96, help="pages per pool (2 MiB each)")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--pages-per-request", type=int, default=4)
-    ap.add_argument("--run-pages", type=int, default=4, help="length of the pool's free runs")
-    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--pages", type=int, default=1152, help="pages per pool (2 MiB each)")
+    ap.add_argument("--requests", type=int, default=10, help="requests per churned round")
+    ap.add_argument("--min-pages", type=int, default=16, help="smallest request (16 tokens/page)")
+    ap.add_argument("--max-pages", type=int, default=128, help="largest request")
+    ap.add_argument("--churn", type=int, default=2000, help="arrivals before the measured ones")
+    ap.add_argument("--shredded-requests", type=int, default=16)
+    ap.add_argument("--shredded-pages", type=int, default=4, help="pages per shredded request")
+    ap.add_argument("--run-pages", type=int, default=4, help="free run length when shredded")
+    ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    plan = scattered_requests(args.pages, args.requests, args.pages_per_request, args.run_pages,
-                              args.seed)
-    pdlife, raw = bench_mooncake(args, plan)
-    local, copy = bench_local(args, plan)
-    print(f"RESULT transfer ratio={pdlife / raw:.3f} pdlife_gbps={pdlife:.3f} raw_gbps={raw:.3f} "
-          f"local_ratio={local / copy:.3f}")
+    plans = {
+        "churned": churned_requests(args.pages, args.requests, args.min_pages, args.max_pages,
+                                    args.churn, args.seed),
+        "shredded": shredded_requests(args.pages, args.shredded_requests, args.shredded_pages,
+                                      args.run_pages, args.seed),
+    }
+    for name, plan in plans.items():
+        print(describe(name, plan, args.pages))
+    mooncake = bench_mooncake(args, plans)
+    local = bench_local(args, plans)
+    for name in plans:
+        m, lo = mooncake[name], local[name]
+        print(f"{name}:\n"
+              f"  mooncake  pdlife {m.pdlife_gbps:5.2f} GB/s, raw engine {m.base_gbps:5.2f} GB/s,"
+              f" ratio {m.ratio:.3f} (rounds {m.spread()})\n"
+              f"  local     pdlife {lo.pdlife_gbps:5.2f} GB/s, torch copy {lo.base_gbps:5.2f} GB/s,"
+              f" ratio {lo.ratio:.3f} (rounds {lo.spread()})")
+    m, lo = mooncake["churned"], local["churned"]
+    print(f"RESULT transfer ratio={m.ratio:.3f} pdlife_gbps={m.pdlife_gbps:.3f} "
+          f"raw_gbps={m.base_gbps:.3f} local_ratio={lo.ratio:.3f}")
 
 
 if __name__ == "__main__":

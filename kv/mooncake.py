@@ -15,11 +15,14 @@ every message and drops (logs, counts) bad ones; it never dies of one.
 
 Prefill rooms move BOOTSTRAPPING → WAITING_FOR_INPUT (destination arrived) → TRANSFERRING (first
 chunk queued) → SUCCESS / FAILED. ``send()`` hands a chunk to one of N worker threads chosen by
-the decode session, so a room's chunks stay in order. A worker coalesces the chunk's page pairs
-into runs (:func:`kv.pages.coalesce`) and issues one ``batch_transfer_sync_write`` per chunk that
-covers every run of every layer's K and V (split only above ``max_blocks_per_write``, which the
-TCP transport's per-peer queue bounds); the last chunk carries the metadata row in the same
-write. Only after the write returns does the worker push ``Status`` to decode, so decode's
+the decode session, so a room's chunks stay in order. A worker takes every chunk queued at that
+moment, coalesces their page pairs into runs (:func:`kv.pages.coalesce`; a run may continue from
+one request into the next) and submits one engine write covering every run of every layer's K
+and V, then the metadata rows of the chunks that are last. It submits the next write without
+waiting for the previous one while at most ``max_blocks_in_flight`` blocks (what the TCP
+transport queues per peer) are in flight, cutting larger writes in halves of that, so the
+engine's lanes never drain between writes; it waits for writes oldest first. Only after every
+write of a chunk group completed does the worker push ``Status`` to decode, so decode's
 metadata gate (SUCCESS needs the row's room to match) never sees a torn row.
 
 Failure: a non-zero engine return fails the room with a reason naming the decode session and
@@ -41,7 +44,7 @@ import queue
 import threading
 import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,6 +107,58 @@ class _Chunk:
     src: Sequence[int]
     dst: np.ndarray
     last: bool
+
+
+@attrs.define(eq=False)
+class _Group:
+    """Chunks for one decode session taken off the queue together; they conclude together
+    once every engine write of theirs is done."""
+
+    session: str
+    chunks: list[_Chunk]
+    writes: int = 0  # engine writes in flight
+    error: str | None = None
+    engine_failed: bool = False
+    live_rooms: list[int] = attrs.Factory(list)  # the rooms the writes are for
+
+    def fail(self, reason: str) -> None:
+        """An engine failure: the first reason stands, the session is blacklisted."""
+        self.error = self.error or reason
+        self.engine_failed = True
+
+
+@attrs.frozen(eq=False)
+class _Write:
+    group: _Group
+    batch: int
+    blocks: int
+
+
+def _take(q: queue.SimpleQueue[_Chunk | None], *, block: bool) -> tuple[list[_Chunk], bool]:
+    """The chunks queued now (waiting for the first when ``block``), and whether the stop
+    marker came."""
+    chunks: list[_Chunk] = []
+    while len(chunks) < _MAX_BATCH_CHUNKS:
+        try:
+            item = q.get() if block and not chunks else q.get_nowait()
+        except queue.Empty:
+            break
+        if item is None:
+            return chunks, True
+        chunks.append(item)
+    return chunks, False
+
+
+def _by_layout(chunks: list[_Chunk]) -> list[list[_Chunk]]:
+    """Consecutive chunks grouped while their rooms share one decode registration (a session
+    that registers again may bring another memory layout)."""
+    groups: list[list[_Chunk]] = []
+    for c in chunks:
+        if groups and groups[-1][0].rec.reg is c.rec.reg:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
 
 
 class MooncakeKVManager:
@@ -312,41 +367,73 @@ class MooncakeKVManager:
         self._queues[zlib.crc32(session.encode()) % len(self._queues)].put(chunk)
 
     def _work(self, q: queue.SimpleQueue[_Chunk | None]) -> None:
-        running = True
-        while running:
-            chunk = q.get()
-            if chunk is None:
-                return
-            # Chunks that queued up meanwhile go out together: one engine call per session
-            # instead of one per chunk. They stay in queue order, so a room's chunks too.
-            batch = [chunk]
-            while len(batch) < _MAX_BATCH_CHUNKS:
-                try:
-                    more = q.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    running = False
-                    break
-                batch.append(more)
-            by_session: dict[str, list[_Chunk]] = {}
-            for c in batch:
-                assert c.rec.dest is not None
-                by_session.setdefault(c.rec.dest.session, []).append(c)
-            for session, chunks in by_session.items():
-                try:
-                    error, engine_failed = self._transfer(session, chunks)
-                except Exception as exc:  # becomes failed rooms, never a dead worker
-                    logger.exception("transfer worker failed writing to %s", session)
-                    error, engine_failed = f"internal error in transfer worker: {exc!r}", False
-                self._conclude(session, chunks, error, engine_failed)
+        """Submit writes as chunks arrive while earlier writes are still in flight, so the
+        engine's queue does not drain between them; conclude writes oldest first."""
+        inflight: deque[_Write] = deque()
+        stopping = False
+        while not stopping or inflight:
+            chunks: list[_Chunk] = []
+            if not stopping:
+                chunks, stopping = _take(q, block=not inflight)
+            if chunks:
+                # Chunks that queued up together go out together: one engine call per session
+                # instead of one per chunk, in queue order (so a room's chunks too).
+                by_session: dict[str, list[_Chunk]] = {}
+                for c in chunks:
+                    assert c.rec.dest is not None
+                    by_session.setdefault(c.rec.dest.session, []).append(c)
+                for session, group in by_session.items():
+                    self._start(_Group(session, group), inflight)
+            elif inflight:
+                self._finish(inflight.popleft())
 
-    def _conclude(
-        self, session: str, chunks: list[_Chunk], error: str | None, engine_failed: bool
-    ) -> None:
+    def _start(self, group: _Group, inflight: deque[_Write]) -> None:
+        """Submit the group's writes, first waiting for the oldest writes in flight while the
+        engine holds ``max_blocks_in_flight`` blocks; a group with nothing to write concludes."""
+        try:
+            for src, dst, lens in self._parts(group):
+                while inflight and (sum(w.blocks for w in inflight) + len(src)
+                                    > self.config.max_blocks_in_flight):
+                    self._finish(inflight.popleft())
+                with self._lock:
+                    if group.session in self._failed_sessions:
+                        group.error = self._blacklisted(group.session)
+                        break
+                batch = self._engine.submit_write(group.session, src, dst, lens)
+                if not batch:
+                    group.fail(f"the transfer engine refused a write of rooms {group.live_rooms} "
+                               f"to decode session {group.session}")
+                    break
+                group.writes += 1
+                inflight.append(_Write(group, batch, len(src)))
+        except Exception as exc:  # becomes failed rooms, never a dead worker
+            logger.exception("transfer worker failed writing to %s", group.session)
+            group.error = group.error or f"internal error in transfer worker: {exc!r}"
+        if not group.writes:
+            self._conclude(group)
+
+    def _finish(self, write: _Write) -> None:
+        group = write.group
+        try:
+            rc = self._engine.wait(write.batch)
+        except Exception:  # a failed write, never a dead worker
+            logger.exception("waiting for a write to %s failed", group.session)
+            rc = -1
+        if rc != 0:
+            group.fail(f"transfer engine write of rooms {group.live_rooms} to decode session "
+                       f"{group.session} failed (rc={rc})")
+        group.writes -= 1
+        if not group.writes:
+            self._conclude(group)
+
+    def _blacklisted(self, session: str) -> str:
+        return f"decode session {session} is blacklisted after an earlier failure"
+
+    def _conclude(self, group: _Group) -> None:
+        session, error = group.session, group.error
         notify: list[tuple[str, int, KVPoll, str] | None] = []
         with self._lock:
-            for chunk in chunks:
+            for chunk in group.chunks:
                 rec = chunk.rec
                 rec.in_flight -= 1
                 if error is not None:
@@ -355,10 +442,10 @@ class MooncakeKVManager:
                     rec.status = KVPoll.SUCCESS
                     self.ready.put(rec.room)
                     notify.append((session, rec.room, KVPoll.SUCCESS, ""))
-            if engine_failed and session not in self._failed_sessions:
+            if group.engine_failed and session not in self._failed_sessions:
                 self._failed_sessions.add(session)
                 notify += self._fail_session(session)
-            notify += [self._settle(chunk.rec) for chunk in chunks]
+            notify += [self._settle(chunk.rec) for chunk in group.chunks]
         for owed in notify:
             if owed is not None:
                 self._send_status(*owed)
@@ -370,39 +457,42 @@ class MooncakeKVManager:
                   if r.dest is not None and r.dest.session == session and self._fail(r, reason)]
         return [self._settle(r) for r in failed]
 
-    def _transfer(self, session: str, chunks: list[_Chunk]) -> tuple[str | None, bool]:
-        """Write the chunks of live rooms to ``session``: (failure reason or None, whether the
-        engine failed)."""
+    def _parts(self, group: _Group) -> list[tuple[list[int], list[int], list[int]]]:
+        """The blocks of the group's live chunks, then the metadata rows of those that are
+        last, cut into engine writes of at most half ``max_blocks_in_flight`` blocks, so one
+        can be queued while another is in flight."""
         with self._lock:
-            if session in self._failed_sessions:
-                return f"decode session {session} is blacklisted after an earlier failure", False
-            live = [c for c in chunks if self._live(c.rec)]
+            if group.session in self._failed_sessions:
+                group.error = self._blacklisted(group.session)
+                return []
+            live = [c for c in group.chunks if self._live(c.rec)]
+        group.live_rooms = sorted({c.rec.room for c in live})
         src: list[int] = []
         dst: list[int] = []
         lens: list[int] = []
-        for chunk in live:
-            rec, reg = chunk.rec, chunk.rec.reg
-            assert reg is not None and rec.dest is not None
-            s, d, n = self._blocks(chunk.src, chunk.dst, reg)
+        # Chunks for one destination layout coalesce together, so a run that continues from
+        # one request into the next on both sides is one block.
+        for same_layout in _by_layout(live):
+            reg = same_layout[0].rec.reg
+            assert reg is not None
+            s, d, n = self._blocks([p for c in same_layout for p in c.src],
+                                   np.concatenate([c.dst for c in same_layout]), reg)
             src += s
             dst += d
             lens += n
-            if chunk.last:
-                slot, dst_slot = rec.cursor.slot or 0, rec.dest.slot
-                for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens,
-                                           reg.meta_ptrs, strict=True):
-                    src.append(ptr + slot * item)
-                    dst.append(dptr + dst_slot * item)
-                    lens.append(item)
-        step = self.config.max_blocks_per_write
-        for i in range(0, len(src), step):
-            rc = self._engine.write(session, src[i : i + step], dst[i : i + step],
-                                    lens[i : i + step])
-            if rc != 0:
-                rooms = sorted({c.rec.room for c in live})
-                return (f"transfer engine write of rooms {rooms} to decode session {session} "
-                        f"failed (rc={rc})"), True
-        return None, False
+            for chunk in same_layout:
+                rec = chunk.rec
+                assert rec.dest is not None
+                if chunk.last:
+                    slot, dst_slot = rec.cursor.slot or 0, rec.dest.slot
+                    for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens,
+                                               reg.meta_ptrs, strict=True):
+                        src.append(ptr + slot * item)
+                        dst.append(dptr + dst_slot * item)
+                        lens.append(item)
+        step = max(1, self.config.max_blocks_in_flight // 2)
+        return [(src[i : i + step], dst[i : i + step], lens[i : i + step])
+                for i in range(0, len(src), step)]
 
     def _blocks(
         self, src_pages: Sequence[int], dst_pages: np.ndarray, reg: wire.Register

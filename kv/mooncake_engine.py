@@ -43,7 +43,9 @@ class MooncakeConfig:
     )
     bootstrap_timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0))
     connect_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
-    max_blocks_per_write: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    # Engine write blocks a transfer worker keeps submitted at once (the TCP transport queues
+    # 1024 per peer by default: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
+    max_blocks_in_flight: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     token: str | None = None
 
@@ -81,8 +83,14 @@ class Engine:
             raise MooncakeError(f"register_memory({ptr:#x}, {length}) returned {rc}")
         self._regions.append(ptr)
 
-    def write(self, session: str, src: list[int], dst: list[int], lens: list[int]) -> int:
-        rc: int = self._engine.batch_transfer_sync_write(session, src, dst, lens)
+    def submit_write(self, session: str, src: list[int], dst: list[int], lens: list[int]) -> int:
+        """Start one batch write; its batch id, or 0 when the engine refused it."""
+        batch: int = self._engine.batch_transfer_async_write(session, src, dst, lens)
+        return batch
+
+    def wait(self, batch: int) -> int:
+        """Block until the batch ``submit_write`` returned concludes: 0 on success."""
+        rc: int = self._engine.get_batch_transfer_status([batch])
         return rc
 
     def close(self) -> None:

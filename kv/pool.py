@@ -3,7 +3,8 @@
 Layout: one contiguous tensor ``[layers, 2 (K, V), pages, page_size, kv_heads, head_dim]``.
 For a given layer and K/V half, the pages are contiguous and page-major, so one page of one
 layer is a contiguous run of ``page_bytes`` bytes and a run of consecutive pages is one
-contiguous region: a transfer engine moves a run with one write per layer half.
+contiguous region: a transfer engine moves a run with one write per layer half. That is why
+:class:`PageAllocator` works to keep each request's pages consecutive.
 
 Ownership: the allocator knows which pages are free; the owner of a request knows which pages
 the request holds. :meth:`PageAllocator.check_conservation` compares the two, so invariant
@@ -13,6 +14,8 @@ checks can assert that every page is either free or held by exactly one live req
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -49,47 +52,109 @@ class KVGeometry:
 
 
 class PageAllocator:
-    """Free list of page indices; alloc is all-or-nothing."""
+    """Free pages kept as maximal runs of consecutive indices; alloc is all-or-nothing.
+
+    Allocation keeps requests contiguous, because a transfer moves one block per run of
+    consecutive pages per layer half (see :mod:`kv.pages`): it takes ``n`` pages from the
+    smallest free run that holds them all (best fit, lowest index on ties), and only when no run
+    is long enough, from the longest runs first, so a request spans as few runs as possible.
+    ``after`` (the last page a request already holds) asks to continue that run: the free run
+    starting at ``after + 1`` is used first. Freed pages merge with their free neighbours, so
+    the pool does not shred under churn.
+    """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {num_pages}")
         self.num_pages = num_pages
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_pages
+        self._available = 0
+        self._runs: dict[int, int] = {}  # start -> length
+        self._ends: dict[int, int] = {}  # end (exclusive) -> start
+        self._by_length: list[tuple[int, int]] = []  # (length, start), sorted
+        self._add_run(0, num_pages)
 
     def available(self) -> int:
-        return len(self._free)
+        return self._available
 
-    def alloc(self, n: int) -> list[int] | None:
-        """``n`` pages, or None (and nothing taken) when fewer are free."""
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free runs as ``(start, length)``, by start."""
+        return sorted(self._runs.items())
+
+    def alloc(self, n: int, after: int | None = None) -> list[int] | None:
+        """``n`` pages, ascending within each run, or None (and nothing taken) when fewer are
+        free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
+        if n > self._available:
             return None
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
-        pages.reverse()
-        for p in pages:
-            self._is_free[p] = 0
+        pages: list[int] = []
+        if n and after is not None and after + 1 in self._runs:
+            pages += self._take(after + 1, min(n, self._runs[after + 1]))
+        while len(pages) < n:
+            need = n - len(pages)
+            i = bisect.bisect_left(self._by_length, (need, -1))
+            if i < len(self._by_length):
+                pages += self._take(self._by_length[i][1], need)
+            else:
+                length, start = self._by_length[-1]
+                pages += self._take(start, length)
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: Sequence[int]) -> None:
         for p in pages:
             if not 0 <= p < self.num_pages:
                 raise KVPoolError(f"page {p} is not in this pool (0..{self.num_pages - 1})")
             if self._is_free[p]:
                 raise KVPoolError(f"page {p} freed twice")
-        if len(set(pages)) != len(pages):
-            raise KVPoolError(f"pages {sorted(pages)} contain a page twice (freed twice)")
-        for p in pages:
-            self._is_free[p] = 1
-        self._free.extend(reversed(pages))
+        ordered = sorted(pages)
+        if any(a == b for a, b in itertools.pairwise(ordered)):
+            raise KVPoolError(f"pages {ordered} contain a page twice (freed twice)")
+        i = 0
+        while i < len(ordered):
+            j = i + 1
+            while j < len(ordered) and ordered[j] == ordered[j - 1] + 1:
+                j += 1
+            self._release(ordered[i], j - i)
+            i = j
+
+    def _take(self, start: int, k: int) -> range:
+        """The first ``k`` pages of the free run at ``start``."""
+        length = self._runs[start]
+        self._drop_run(start, length)
+        if k < length:
+            self._add_run(start + k, length - k)
+        self._is_free[start : start + k] = bytes(k)
+        return range(start, start + k)
+
+    def _release(self, start: int, length: int) -> None:
+        """Return ``length`` pages from ``start`` to the free runs, merging with neighbours."""
+        self._is_free[start : start + length] = b"\x01" * length
+        end = start + length
+        if start in self._ends:
+            left = self._ends[start]
+            self._drop_run(left, start - left)
+            start = left
+        if end in self._runs:
+            right = self._runs[end]
+            self._drop_run(end, right)
+            end += right
+        self._add_run(start, end - start)
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._runs[start] = length
+        self._ends[start + length] = start
+        bisect.insort(self._by_length, (length, start))
+        self._available += length
+
+    def _drop_run(self, start: int, length: int) -> None:
+        del self._runs[start]
+        del self._ends[start + length]
+        del self._by_length[bisect.bisect_left(self._by_length, (length, start))]
+        self._available -= length
 
     def in_use(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._available
 
     def held_pages(self) -> list[int]:
         """Every page not on the free list, ascending."""
@@ -113,11 +178,11 @@ class PageAllocator:
                     raise KVPoolError(f"page {p} is held by a request and also free")
                 seen[p] = 1
                 count += 1
-        if count + len(self._free) != self.num_pages:
+        if count + self._available != self.num_pages:
             lost = [p for p in range(self.num_pages) if not seen[p] and not self._is_free[p]]
             raise KVPoolError(
                 f"{len(lost)} pages are neither free nor held (first: {lost[:8]}); "
-                f"free {len(self._free)} + held {count} != {self.num_pages}"
+                f"free {self._available} + held {count} != {self.num_pages}"
             )
 
 

@@ -275,7 +275,7 @@ class DecodePeer:
         for req in decoding.values():
             pos = len(req.input_ids) + len(req.output_ids) - 1
             if pages_needed(pos + 1, ps) > len(req.pages):
-                page = self.pool.allocator.alloc(1)
+                page = self.pool.allocator.alloc(1, after=req.pages[-1] if req.pages else None)
                 if page is None:
                     continue  # wait for a page; finishing requests free theirs
                 req.pages.extend(page)

@@ -464,7 +464,8 @@ class PrefillScheduler:
         for chunk in plan.chunks:
             req = chunk.req
             if chunk.new_pages:
-                pages = self.pool.allocator.alloc(chunk.new_pages)
+                last = req.pages[-1] if req.pages else None
+                pages = self.pool.allocator.alloc(chunk.new_pages, after=last)
                 if pages is None:  # the adder counted free pages; this cannot happen
                     raise AssertionError(f"{req.rid}: {chunk.new_pages} pages planned, not free")
                 req.pages.extend(pages)

@@ -14,7 +14,7 @@ from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
-from kv.mooncake_engine import IncompatiblePeerError
+from kv.mooncake_engine import IncompatiblePeerError, MooncakeConfig
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
 from tests.transfer_harness import GEOMETRY, drive, make_pool
@@ -86,6 +86,48 @@ def test_many_chunked_rooms_land_byte_for_byte(
         assert manager.dropped_messages.total == 0
     finally:
         peer.close()
+
+
+def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    """Rooms whose pages continue from one into the next on both sides may go out as one run;
+    a budget of 8 blocks in flight cuts every send into many overlapping engine writes."""
+    server = BootstrapServer()
+    pool = make_pool(128)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(2)))
+    metadata = MetadataBuffers(32)
+    manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(max_blocks_in_flight=8))
+    manager.register_to_bootstrap(server.address)
+    peer = _peer(server)
+    try:
+        plan = {}
+        for i in range(6):
+            room = 500 + i
+            src = list(range(10 + 5 * i, 15 + 5 * i))
+            dst, dslot = peer.recv(room, len(src))
+            sender = manager.create_sender(server.address, room)
+            assert drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == (
+                KVPoll.WAITING_FOR_INPUT
+            )
+            sender.init(len(src), i)
+            metadata.write(i, first_token=7, cached_tokens=0, logprob=None, room=room)
+            plan[room] = (sender, src, dst, dslot)
+        for sender, src, _, _ in plan.values():
+            sender.send(src, last=True)
+        for room, (sender, _, _, _) in plan.items():
+            assert drive(manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS, room
+            assert peer.done(room)["status"] == "SUCCESS"
+        dump = tmp_path / "decode.pt"
+        peer.dump(dump)
+        landed = torch.load(dump)
+        for room, (_, src, dst, dslot) in plan.items():
+            assert torch.equal(landed["kv"][:, :, dst], pool.buffer[:, :, src]), room
+            assert int(landed["room"][dslot]) == room
+    finally:
+        peer.close()
+        manager.close()
+        server.close()
 
 
 def test_decode_refuses_a_prefill_with_another_page_size(
