@@ -102,21 +102,30 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
-        for p in pages:
+        """Return ``pages``; raises :class:`KVPoolError` (and frees nothing) if one is not in
+        the pool, is already free, or is listed twice."""
+        if not pages:
+            return
+        ordered = sorted(pages)
+        for p in (ordered[0], ordered[-1]):
             if not 0 <= p < self.num_pages:
                 raise KVPoolError(f"page {p} is not in this pool (0..{self.num_pages - 1})")
-            if self._is_free[p]:
-                raise KVPoolError(f"page {p} freed twice")
-        ordered = sorted(pages)
-        if any(a == b for a, b in itertools.pairwise(ordered)):
-            raise KVPoolError(f"pages {ordered} contain a page twice (freed twice)")
-        i = 0
-        while i < len(ordered):
-            j = i + 1
-            while j < len(ordered) and ordered[j] == ordered[j - 1] + 1:
-                j += 1
-            self._release(ordered[i], j - i)
-            i = j
+        runs: list[tuple[int, int]] = []
+        start = prev = ordered[0]
+        for p in itertools.islice(ordered, 1, None):
+            if p != prev + 1:
+                if p == prev:
+                    raise KVPoolError(f"pages {ordered} contain a page twice (freed twice)")
+                runs.append((start, prev + 1 - start))
+                start = p
+            prev = p
+        runs.append((start, prev + 1 - start))
+        for start, length in runs:
+            span = self._is_free[start : start + length]
+            if 1 in span:
+                raise KVPoolError(f"page {start + span.index(1)} freed twice")
+        for start, length in runs:
+            self._release(start, length)
 
     def _take(self, start: int, k: int) -> range:
         """The first ``k`` pages of the free run at ``start``."""
