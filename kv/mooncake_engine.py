@@ -11,6 +11,7 @@ loop of either side. The prefill side is :mod:`kv.mooncake`, the decode side
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,12 @@ class MooncakeConfig:
     max_blocks_in_flight: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     token: str | None = None
+    # The engine's log level (Mooncake reads MC_LOG_LEVEL: INFO, WARNING or ERROR), applied when
+    # the process environment does not set MC_LOG_LEVEL itself; the engine library reads it once,
+    # so the first engine of a process decides. At INFO it logs every connection and segment.
+    log_level: str = attrs.field(
+        default="WARNING", validator=attrs.validators.in_(("INFO", "WARNING", "ERROR"))
+    )
 
 
 def kv_dtype_name(pool: KVPool) -> str:
@@ -58,6 +65,7 @@ class Engine:
     """One TransferEngine with its registered regions; ``session`` is ``host:rpc_port``."""
 
     def __init__(self, config: MooncakeConfig) -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", config.log_level)  # read when the engine loads
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:

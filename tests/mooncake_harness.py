@@ -44,7 +44,7 @@ class DecodePeer:
         for key, value in geometry.items():
             if value is not None:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
-        env = dict(os.environ, PYTHONPATH=str(_ROOT), GLOG_minloglevel="2")
+        env = dict(os.environ, PYTHONPATH=str(_ROOT))
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, env=env, cwd=_ROOT,

@@ -56,7 +56,7 @@ class Process:
         self._out = log.open("wb")
         self.proc = subprocess.Popen(
             list(argv), stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2", **(env or {})},
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         )
 
     def tail(self, n: int = 4000) -> str:
