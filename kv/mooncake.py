@@ -389,7 +389,8 @@ class MooncakeKVManager:
 
     def _start(self, group: _Group, inflight: deque[_Write]) -> None:
         """Submit the group's writes, first waiting for the oldest writes in flight while the
-        engine holds ``max_blocks_in_flight`` blocks; a group with nothing to write concludes."""
+        engine holds ``max_blocks_in_flight`` blocks; none to a blacklisted session. A group
+        with nothing in flight concludes at once."""
         try:
             for src, dst, lens in self._parts(group):
                 while inflight and (sum(w.blocks for w in inflight) + len(src)
@@ -397,7 +398,8 @@ class MooncakeKVManager:
                     self._finish(inflight.popleft())
                 with self._lock:
                     if group.session in self._failed_sessions:
-                        group.error = self._blacklisted(group.session)
+                        group.error = (f"decode session {group.session} is blacklisted after "
+                                       "an earlier failure")
                         break
                 batch = self._engine.submit_write(group.session, src, dst, lens)
                 if not batch:
@@ -425,9 +427,6 @@ class MooncakeKVManager:
         group.writes -= 1
         if not group.writes:
             self._conclude(group)
-
-    def _blacklisted(self, session: str) -> str:
-        return f"decode session {session} is blacklisted after an earlier failure"
 
     def _conclude(self, group: _Group) -> None:
         session, error = group.session, group.error
@@ -462,9 +461,6 @@ class MooncakeKVManager:
         last, cut into engine writes of at most half ``max_blocks_in_flight`` blocks, so one
         can be queued while another is in flight."""
         with self._lock:
-            if group.session in self._failed_sessions:
-                group.error = self._blacklisted(group.session)
-                return []
             live = [c for c in group.chunks if self._live(c.rec)]
         group.live_rooms = sorted({c.rec.room for c in live})
         src: list[int] = []
