@@ -38,12 +38,12 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check lifecycle kv scheduler tests bench examples
-	$(BIN)/mypy --strict lifecycle
+	$(BIN)/mypy --strict lifecycle kv scheduler
 	$(BIN)/python -m pytest $(if $(CI),-p no:cacheprovider -q,)
 
 lint: setup
 	$(BIN)/ruff check lifecycle kv scheduler tests bench examples
-	$(BIN)/mypy --strict lifecycle
+	$(BIN)/mypy --strict lifecycle kv scheduler
 
 bench: setup
 	$(BIN)/pdlife bench

@@ -112,7 +112,7 @@ def describe(name: str, plan: Plan, pool_pages: int) -> str:
     runs = sum(len(coalesce(p, list(range(len(p))))) for p in plan)
     return (f"{name}: {len(plan)} requests, {pages} of {pool_pages} pages "
             f"({pages * 2} MiB per round), {pages / runs:.1f} pages per run, "
-            f"{runs * 2 * GEOMETRY['num_layers']} blocks per round")
+            f"at most {runs * 2 * GEOMETRY['num_layers']} blocks per round")
 
 
 def wait_all(manager: KVManager, senders: dict[int, KVSender], until: set[KVPoll]) -> None:
@@ -160,8 +160,6 @@ def measure(iters: int, total: int, pdlife: Callable[[], float], base: Callable[
 
 
 def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str, Figures]:
-    from mooncake.engine import TransferEngine
-
     server = BootstrapServer()
     pool = KVPool(num_pages=args.pages, dtype=DTYPE, **GEOMETRY)
     pool.buffer.view(torch.int16).random_()
@@ -172,6 +170,8 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str
     peer = DecodePeer(server.address, layers=GEOMETRY["num_layers"], pages=args.pages,
                       page_size=GEOMETRY["page_size"], heads=GEOMETRY["kv_heads"],
                       dim=GEOMETRY["head_dim"], dtype="bfloat16", slots=slots)
+    from mooncake.engine import TransferEngine  # after the manager set the engine's log level
+
     engine = TransferEngine()
     engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     base = pool.buffer.data_ptr()

@@ -59,8 +59,10 @@ class PageAllocator:
     smallest free run that holds them all (best fit, lowest index on ties), and only when no run
     is long enough, from the longest runs first, so a request spans as few runs as possible.
     ``after`` (the last page a request already holds) asks to continue that run: the free run
-    starting at ``after + 1`` is used first. Freed pages merge with their free neighbours, so
-    the pool does not shred under churn.
+    starting at ``after + 1`` is used first. ``fit`` (the pages the whole request will need,
+    when ``n`` is only its first chunk) picks the run by that size instead (the longest when
+    none holds it), so the later chunks find free pages right after the first. Freed pages
+    merge with their free neighbours, so the pool does not shred under churn.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -81,7 +83,9 @@ class PageAllocator:
         """The free runs as ``(start, length)``, by start."""
         return sorted(self._runs.items())
 
-    def alloc(self, n: int, after: int | None = None) -> list[int] | None:
+    def alloc(
+        self, n: int, after: int | None = None, fit: int | None = None
+    ) -> list[int] | None:
         """``n`` pages, ascending within each run, or None (and nothing taken) when fewer are
         free."""
         if n < 0:
@@ -91,6 +95,11 @@ class PageAllocator:
         pages: list[int] = []
         if n and after is not None and after + 1 in self._runs:
             pages += self._take(after + 1, min(n, self._runs[after + 1]))
+        elif n and fit is not None and fit > n:
+            # The best fit for the whole request, else the longest run: the most room to grow.
+            i = min(bisect.bisect_left(self._by_length, (fit, -1)), len(self._by_length) - 1)
+            length, start = self._by_length[i]
+            pages += self._take(start, min(n, length))
         while len(pages) < n:
             need = n - len(pages)
             i = bisect.bisect_left(self._by_length, (need, -1))

@@ -33,14 +33,14 @@ class Releaser:
         self.pool = pool
         self.slots = slots
         self.metadata = metadata
-        self._held: list[tuple[Transfer, list[int], int | None, Callable[[], None] | None]] = []
+        self._held: list[tuple[Transfer, list[int], int | None, Callable[[], object] | None]] = []
 
     def release(
         self,
         transfer: Transfer | None,
         pages: Sequence[int],
         slot: int | None,
-        on_clear: Callable[[], None] | None = None,
+        on_clear: Callable[[], object] | None = None,
     ) -> None:
         """Free ``pages`` and ``slot`` once ``transfer`` is quiescent; then ``clear()`` it and
         call ``on_clear`` (the owner forgets the room only then, so it is not reused early)."""
@@ -80,7 +80,7 @@ class Releaser:
         transfer: Transfer | None,
         pages: Sequence[int],
         slot: int | None,
-        on_clear: Callable[[], None] | None,
+        on_clear: Callable[[], object] | None,
     ) -> None:
         if transfer is not None:
             transfer.clear()

@@ -18,7 +18,7 @@ the KV transfer poll results are.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -86,12 +86,16 @@ PREFILL_TABLE = make_table(
 )
 
 
+def _token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(ids)
+
+
 @attrs.frozen
 class SamplingParams:
     """What the client asked of the generation (validated at the boundary)."""
 
     max_new_tokens: int = attrs.field(default=16)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     ignore_eos: bool = False
 
     @max_new_tokens.validator

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import attrs
+
+# An int attribute that may be None (attrs types the field by its default: int for 8192).
+_OptionalInt = TypeVar("_OptionalInt", bound=int | None)
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -10,7 +15,9 @@ def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"{attr.name} must be > 0, got {value}")
 
 
-def _optional_positive(_inst: object, attr: attrs.Attribute[int | None], value: int | None) -> None:
+def _optional_positive(
+    _inst: object, attr: attrs.Attribute[_OptionalInt], value: _OptionalInt
+) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{attr.name} must be > 0 or None, got {value}")
 

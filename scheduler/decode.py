@@ -43,10 +43,20 @@ logger = logging.getLogger(__name__)
 S = DecodeState
 
 
+class ReadyRooms(Protocol):
+    """A thread-safe queue of rooms whose receiver may have changed state; the peer drains it
+    every pass and puts a room back to look at it again on the next."""
+
+    def put(self, room: int, /) -> None: ...
+
+    def get_nowait(self) -> int: ...
+
+
 class DecodeKVManager(Protocol):
     """What the decode peer asks of its KV layer: a readiness queue of rooms and receivers."""
 
-    ready: queue.SimpleQueue[int]
+    @property
+    def ready(self) -> ReadyRooms: ...
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> Any: ...
 
@@ -327,7 +337,7 @@ class DecodePeer:
         if self.on_response is None:
             return
         state = req.state
-        assert state is not None
+        assert isinstance(state, DecodeState)
         self.on_response(
             DecodeResponse(
                 req.rid, state, req.reason, req.detail, tuple(req.output_ids),

@@ -8,7 +8,8 @@ answers each request exactly once with a :class:`Response`.
 from __future__ import annotations
 
 import queue
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -21,12 +22,16 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 LOCAL_HOST = "local"
 
 
+def _token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(ids)
+
+
 @attrs.frozen
 class NewRequest:
     """A request as a client submits it (to the prefill server and the decode peer alike)."""
 
     rid: str
-    input_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    input_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
     bootstrap_host: str = FAKE_BOOTSTRAP_HOST
     bootstrap_port: int = 0
     bootstrap_room: int = 0
@@ -73,9 +78,16 @@ class Response:
 
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
-def take_all(q: queue.SimpleQueue[T]) -> list[T]:
+class Takeable(Protocol[T_co]):
+    """A thread-safe queue as :func:`take_all` reads it."""
+
+    def get_nowait(self) -> T_co: ...
+
+
+def take_all(q: Takeable[T]) -> list[T]:
     """Everything in ``q`` now, without blocking (inboxes and readiness queues)."""
     items: list[T] = []
     while True:

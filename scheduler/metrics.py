@@ -7,6 +7,9 @@ gauges are set once per pass from counts the scheduler already keeps (no scans).
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lifecycle import PrefillState
@@ -66,6 +69,6 @@ class SchedulerMetrics:
                 if seconds is not None:
                     self.phase.labels(phase=name).observe(seconds)
 
-    def set_counts(self, counts: dict[PrefillState, int]) -> None:
+    def set_counts(self, counts: Mapping[enum.IntEnum, int]) -> None:
         for state, n in counts.items():
             self.requests.labels(state=state.name.lower()).set(n)

@@ -38,6 +38,7 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import cast
 
 import attrs
 import torch
@@ -45,7 +46,7 @@ import torch
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
 from kv.release import Releaser
-from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVManager, KVPoll
+from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVManager, KVPoll, KVSender
 from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
 from scheduler.adder import Plan, Stop, plan_batch
 from scheduler.config import SchedulerConfig
@@ -58,6 +59,12 @@ from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 logger = logging.getLogger(__name__)
 
 S = PrefillState
+
+
+def _sender_of(req: PrefillRequest) -> KVSender | None:
+    """The request's KV sender. The lifecycle record holds it as a plain object (the lifecycle
+    knows nothing of ``kv``); the scheduler only ever stores a manager's ``create_sender``."""
+    return cast("KVSender | None", req.sender)
 
 
 @attrs.frozen
@@ -131,7 +138,8 @@ class PrefillScheduler:
             ThreadPoolExecutor(1, thread_name_prefix="pdlife-device") if overlap else None
         )
         self._stream = (
-            torch.cuda.Stream(device=self.pool.device)
+            # torch.cuda.Stream.__new__ has no annotations in torch's own sources.
+            torch.cuda.Stream(device=self.pool.device)  # type: ignore[no-untyped-call]
             if overlap and self.pool.device.type == "cuda"
             else None
         )
@@ -303,9 +311,9 @@ class PrefillScheduler:
                 req.pending_abort = reason
                 req.detail = detail
             return
-        sender = req.sender
+        sender = _sender_of(req)
         if sender is not None:
-            sender.abort()  # type: ignore[attr-defined]
+            sender.abort()
         event = "abort" if reason is FailureReason.ABORTED else "fail"
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
@@ -357,10 +365,11 @@ class PrefillScheduler:
         return True
 
     def _poll_one(self, req: PrefillRequest | None) -> int:
-        if req is None or req.sender is None or req.is_final:
+        sender = None if req is None else _sender_of(req)
+        if req is None or sender is None or req.is_final:
             # Finished here (or unknown): nothing to add to the consensus.
             return int(KVPoll.SUCCESS)
-        return int(req.sender.poll())  # type: ignore[attr-defined]
+        return int(sender.poll())
 
     def _failure_of(self, req: PrefillRequest, expired: bool) -> tuple[FailureReason, str]:
         bootstrapping = req.state is S.BOOTSTRAPPING
@@ -375,11 +384,11 @@ class PrefillScheduler:
                 FailureReason.TRANSFER_TIMEOUT,
                 f"the transfer did not conclude within {self.config.transfer_timeout:g} s",
             )
-        sender = req.sender
+        sender = _sender_of(req)
         detail = REASON_OTHER_RANK
         timeout = False
-        if sender is not None and int(sender.poll()) == KVPoll.FAILED:  # type: ignore[attr-defined]
-            err = sender.failure_exception()  # type: ignore[attr-defined]
+        if sender is not None and int(sender.poll()) == KVPoll.FAILED:
+            err = sender.failure_exception()
             if err.reason == REASON_PEER_ABORTED:
                 # The decode side aborted the room: the client went away, not a failure.
                 return FailureReason.ABORTED, f"aborted by the decode peer ({err})"
@@ -406,7 +415,9 @@ class PrefillScheduler:
                 break  # no slot: wait, never fail
             del self._handshaken[rid]
             req.slot = slot
-            req.sender.init(pages_needed(len(req.input_ids), self.config.page_size), slot)  # type: ignore[union-attr]
+            sender = _sender_of(req)
+            assert sender is not None  # handshaken: its sender reported the destination
+            sender.init(pages_needed(len(req.input_ids), self.config.page_size), slot)
             req.deadline = None
             ready.append(req)
         self.lifecycle.fire("bootstrapped", ready)
@@ -464,8 +475,12 @@ class PrefillScheduler:
         for chunk in plan.chunks:
             req = chunk.req
             if chunk.new_pages:
-                last = req.pages[-1] if req.pages else None
-                pages = self.pool.allocator.alloc(chunk.new_pages, after=last)
+                # A first chunk goes where the whole prompt fits; later ones continue its run.
+                if req.pages:
+                    pages = self.pool.allocator.alloc(chunk.new_pages, after=req.pages[-1])
+                else:
+                    whole = pages_needed(len(req.input_ids), self.config.page_size)
+                    pages = self.pool.allocator.alloc(chunk.new_pages, fit=whole)
                 if pages is None:  # the adder counted free pages; this cannot happen
                     raise AssertionError(f"{req.rid}: {chunk.new_pages} pages planned, not free")
                 req.pages.extend(pages)
@@ -526,14 +541,14 @@ class PrefillScheduler:
                 if not req.on_device:
                     failing.append(req)
                 continue
-            sender = req.sender
+            sender = _sender_of(req)
             assert sender is not None and req.slot is not None
             if chunk.last:
                 req.first_token = token
                 self.metadata.write(req.slot, token, 0, None, req.bootstrap_room)
                 pages = req.pages[req.sent // ps :]
                 req.sent = req.computed
-                sender.send(pages, True)  # type: ignore[attr-defined]
+                sender.send(pages, True)
                 self.metrics.transfer_bytes.inc(self._bytes(len(pages)) + self._row_bytes)
                 prefilled.append(req)
             else:
@@ -541,7 +556,7 @@ class PrefillScheduler:
                 upto = req.computed // ps * ps
                 if upto > req.sent:
                     pages = req.pages[req.sent // ps : upto // ps]
-                    sender.send(pages, False)  # type: ignore[attr-defined]
+                    sender.send(pages, False)
                     self.metrics.transfer_bytes.inc(self._bytes(len(pages)))
                     req.sent = upto
                 chunk_done.append(req)
@@ -584,21 +599,21 @@ class PrefillScheduler:
         self._handshaken.pop(req.rid, None)
         if self._continuing is req:
             self._continuing = None
-        sender = req.sender
+        sender = _sender_of(req)
         forget_room = None
         if sender is not None:
             # The room stays reserved until the sender is cleared: a new request for it
             # before then would meet a sender the backend still tracks.
             key = (id(self._manager_for(req)), req.bootstrap_room)
             forget_room = functools.partial(self._rooms.pop, key, None)
-        self._releaser.release(sender, req.pages, req.slot, forget_room)  # type: ignore[arg-type]
+        self._releaser.release(sender, req.pages, req.slot, forget_room)
         req.sender, req.pages, req.slot = None, [], None
 
     def _respond(self, req: PrefillRequest) -> None:
         self.metrics.on_finished(req)
         if self.on_response is not None:
             state = req.state
-            assert state is not None
+            assert isinstance(state, PrefillState)
             self.on_response(
                 Response(
                     req.rid, state, req.reason, req.detail, req.first_token,

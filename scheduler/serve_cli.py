@@ -17,11 +17,14 @@ import logging
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from scheduler.command import Subcommand, UsageError
+
+if TYPE_CHECKING:
+    from scheduler.service_request import Role, ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +118,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         default="info", help="(default: info)")
 
 
-def serve_config(args: argparse.Namespace) -> Any:
+def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The :class:`~scheduler.service.ServeConfig` the flags describe."""
     from kv.mooncake_engine import MooncakeConfig
     from scheduler.config import SchedulerConfig
     from scheduler.service import ServeConfig
 
+    role: Role
     if args.backend == "local":
         if args.role is not None:
             raise UsageError("--backend local runs prefill and decode in one process: drop --role")

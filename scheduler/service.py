@@ -53,13 +53,12 @@ from kv.wire import DroppedMessages
 from lifecycle import FailureReason
 from scheduler.decode import DecodePeer, DecodeResponse
 from scheduler.decode_mux import DecodeKVRouter, LocalPrefillFake
-from scheduler.messages import NewRequest, Response
+from scheduler.messages import LOCAL_HOST, NewRequest, Response
 from scheduler.model import LlamaModel, PagedModelRunner, resolve_device
 from scheduler.prefill import PrefillScheduler
 from scheduler.runner import ModelRunner
 from scheduler.service_metrics import DroppedMessagesCollector, ServiceMetrics
 from scheduler.service_request import (
-    LOCAL_HOST,
     Answer,
     BadRequest,
     Item,
@@ -69,6 +68,8 @@ from scheduler.service_request import (
 )
 from scheduler.tokenizer import ByteTokenizer
 from scheduler.worker import EngineLoop
+
+__all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", "Unavailable"]
 
 logger = logging.getLogger(__name__)
 

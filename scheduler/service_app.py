@@ -339,10 +339,10 @@ def create_app(service: Service) -> FastAPI:
                                      media_type="text/event-stream")
         return await _wait(service, request, started, batch)
 
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes,  # type: ignore[arg-type]
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes,
                        on_reject=lambda: metrics.http_rejected.labels(reason="body_too_large")
                        .inc())
-    app.add_middleware(HttpMetrics, metrics=metrics, routes=_ROUTES)  # type: ignore[arg-type]
+    app.add_middleware(HttpMetrics, metrics=metrics, routes=_ROUTES)
     return app
 
 
@@ -352,7 +352,8 @@ async def _wait(service: Service, request: Request, pending: list[Pending],
     gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         everything = asyncio.ensure_future(asyncio.gather(*futures))
-        await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {everything, gone}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not everything.done():
             everything.cancel()
             for p in pending:
@@ -383,7 +384,8 @@ async def _stream(service: Service, pending: Pending) -> AsyncIterator[bytes]:
     try:
         while not pending.future.done():
             more = asyncio.ensure_future(progress.get())
-            await asyncio.wait({more, pending.future}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {more, pending.future}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not more.done():
                 more.cancel()
                 continue

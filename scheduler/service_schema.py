@@ -17,7 +17,7 @@ class _Strict(BaseModel):
 class SamplingParams(_Strict):
     """Greedy decoding; other SGLang sampling fields are accepted and ignored."""
 
-    max_new_tokens: int = Field(16, ge=1, description="at most the server's limit")
+    max_new_tokens: int = Field(default=16, ge=1, description="at most the server's limit")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
 

@@ -219,7 +219,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             used = self.rooms[host]
             self.serial += 1
             room = 1000 + self.serial
-            if used and data.draw(st.booleans(), label="reuse room"):
+            if bool(used) and data.draw(st.booleans(), label="reuse room"):
                 room = data.draw(st.sampled_from(used), label="reused room")
             used.append(room)
             self.submitted[rid] += 1

@@ -97,7 +97,10 @@ def test_random_alloc_free_sequences_conserve_pages(ops: list[tuple[str, int]]) 
     live: list[list[int]] = []
     for kind, arg in ops:
         if kind == "alloc":
-            pages = alloc.alloc(arg)
+            # Every placement hint too: continue the newest request, or fit a larger one.
+            after = live[-1][-1] if live and live[-1] and arg % 2 else None
+            fit = 2 * arg if arg % 3 == 0 else None
+            pages = alloc.alloc(arg, after=after, fit=fit)
             if pages is None:
                 assert arg > alloc.available()
             else:
@@ -138,6 +141,18 @@ def test_alloc_after_continues_the_request_run() -> None:
     alloc.free(alloc.alloc(7) or [])
     assert alloc.alloc(2, after=first[-1]) == [3, 4]
     assert alloc.alloc(1, after=99) == [5]  # no free run follows page 99: the usual choice
+
+
+def test_alloc_fit_places_a_first_chunk_where_the_whole_request_fits() -> None:
+    alloc = PageAllocator(20)
+    assert alloc.alloc(20) is not None
+    alloc.free([0, 1, 2, 3])
+    alloc.free(list(range(8, 18)))  # free runs of 4 and 10 pages
+    first = alloc.alloc(3, fit=8)
+    assert first == [8, 9, 10]  # best fit for 3 would be the 4-page run
+    assert alloc.alloc(5, after=first[-1]) == [11, 12, 13, 14, 15]
+    assert alloc.free_runs() == [(0, 4), (16, 2)]
+    assert alloc.alloc(2, fit=50) == [0, 1]  # no run holds 50: the longest run
 
 
 @given(alloc_free_ops())

@@ -108,6 +108,24 @@ def test_a_chunked_request_walks_every_state():
     h.assert_empty()
 
 
+def test_a_chunked_prompt_gets_one_run_of_pages_where_it_fits():
+    h = Harness()
+    alloc = h.pool.allocator
+    held = alloc.alloc(64)
+    assert held is not None
+    alloc.free([0, 1] + list(range(10, 18)))  # free runs of 2 and 8 pages
+    h.submit("a", 18)  # 5 pages, in chunks of 2, 2 and 1 page
+    h.sched.step()  # (the pages held above are no request's: no invariant checks here)
+    req = h.sched.lifecycle.get("a")
+    assert req is not None
+    for _ in range(10):
+        if req.state is S.TRANSFERRING:
+            break
+        h.sched.step()
+    # The first chunk alone fits pages 0-1, but the whole prompt only fits from page 10.
+    assert req.state is S.TRANSFERRING and req.pages == [10, 11, 12, 13, 14]
+
+
 def test_no_free_metadata_slot_means_wait_not_fail():
     h = Harness(FaultPlan(transfer_delay_s=1.0), slots=2)
     for i in range(4):
