@@ -8,6 +8,13 @@ then per room a ``Destination`` or an ``Abort``. A receiver reports SUCCESS only
 a FAILED ``Status`` fails it with prefill's reason (``REASON_ABORTED`` when prefill aborted the
 room). Any ``Status`` also means prefill no longer writes the room's pages, which is what
 :meth:`MooncakeKVReceiver.quiescent` reports.
+
+Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
+``heartbeat_interval_s``. After ``heartbeat_max_failures`` failures in a row the prefill counts
+as gone: every room not yet concluded fails with a reason naming it and is quiescent (a prefill
+that is gone writes nothing more), and receivers created meanwhile fail at once. When the health
+check answers again, the manager looks the prefill rank up again and sends a fresh
+``Register``, so a restarted prefill server is used without restarting decode.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class MooncakeDecodeManager:
         self.bootstrap_addr = bootstrap_addr
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.dropped_messages = wire.DroppedMessages()
+        self._stop = threading.Event()
         self.prefill = self._lookup(bootstrap_addr, rank)
         self._engine = Engine(self.config)
         register_all(self._engine, pool, metadata)
@@ -91,11 +99,16 @@ class MooncakeDecodeManager:
         self._draining: dict[int, _DecodeRoom] = {}
         self._push_lock = threading.Lock()
         self._push = push_socket(self._ctx, self.prefill.endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._listen, name="mooncake-status", daemon=True)
-        self._thread.start()
+        # Why the prefill counts as gone (see the heartbeat), or None while it answers.
+        self._lost: str | None = None
+        self._threads = [
+            threading.Thread(target=self._listen, name="mooncake-status", daemon=True),
+            threading.Thread(target=self._watch_prefill, name="mooncake-heartbeat", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
         infos = metadata.buffer_infos()
-        self._send(wire.Register(
+        self._register = wire.Register(
             session=self._engine.session,
             status_endpoint=f"tcp://{self.config.hostname}:{port}",
             kv_ptr=pool.buffer.data_ptr(),
@@ -107,17 +120,23 @@ class MooncakeDecodeManager:
             meta_ptrs=tuple(i.ptr for i in infos),
             meta_item_lens=tuple(i.item_len for i in infos),
             num_slots=metadata.num_slots,
-        ))
+        )
+        self._send(self._register)
 
     @property
     def session(self) -> str:
         return self._engine.session
 
+    @property
+    def lost(self) -> str | None:
+        """Why the prefill counts as gone, or None while its health check answers."""
+        with self._lock:
+            return self._lost
+
     def _lookup(self, bootstrap_addr: str, rank: int) -> RankInfo:
         """The prefill rank's entry, waiting up to ``connect_timeout_s`` for all ranks."""
         client = BootstrapClient(bootstrap_addr, token=self.config.token)
         deadline = time.monotonic() + self.config.connect_timeout_s
-        backoff = threading.Event()  # never set: wait() is an interruptible pause
         while True:
             try:
                 table = client.lookup()
@@ -125,7 +144,8 @@ class MooncakeDecodeManager:
             except BootstrapError as exc:
                 if exc.status not in (0, 503) or time.monotonic() >= deadline:
                     raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
-                backoff.wait(0.05)
+                if self._stop.wait(0.05):  # closing
+                    raise MooncakeError("prefill bootstrap lookup stopped: closing") from exc
         dtype = kv_dtype_name(self.pool)
         if table.page_size != self.pool.page_size or table.kv_dtype != dtype:
             raise IncompatiblePeerError(
@@ -147,12 +167,17 @@ class MooncakeDecodeManager:
             if room in self._rooms:
                 raise TransferUsageError(room, "a live receiver exists for this room; clear() it")
             rec = _DecodeRoom(room)
+            if self._lost is not None:
+                rec.status, rec.reason = KVPoll.FAILED, self._lost
             self._rooms[room] = rec
+        if rec.status == KVPoll.FAILED:
+            self.ready.put(room)
         return MooncakeKVReceiver(self, rec)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        for t in self._threads:
+            t.join(timeout=10)
         with self._push_lock:
             self._push.close()
         self._pull.close()
@@ -163,6 +188,55 @@ class MooncakeDecodeManager:
         data = wire.encode(msg, self.config.token)
         with self._push_lock:
             self._push.send(data)
+
+    def _watch_prefill(self) -> None:
+        cfg = self.config
+        client = BootstrapClient(
+            self.bootstrap_addr, timeout_s=min(cfg.heartbeat_interval_s, 3.0), token=cfg.token
+        )
+        failures = 0
+        while not self._stop.wait(cfg.heartbeat_interval_s):
+            if client.health():
+                failures = 0
+                if self.lost is not None:
+                    self._reconnect()
+                continue
+            failures += 1
+            if failures == cfg.heartbeat_max_failures:
+                self._lose_prefill(
+                    f"lost contact with prefill {self.bootstrap_addr}: {failures} health checks "
+                    "in a row failed"
+                )
+
+    def _lose_prefill(self, reason: str) -> None:
+        with self._lock:
+            self._lost = reason
+            rooms = [*self._rooms.values(), *self._draining.values()]
+            self._draining.clear()
+            for rec in rooms:
+                rec.awaiting_prefill = False  # a prefill that is gone writes nothing more
+                if rec.status not in TERMINAL:
+                    rec.status, rec.reason = KVPoll.FAILED, reason
+        for rec in rooms:
+            self.ready.put(rec.room)
+        logger.warning("%s; its %d rooms failed", reason, len(rooms))
+
+    def _reconnect(self) -> None:
+        """The prefill answers again: look its rank up and register anew."""
+        try:
+            info = self._lookup(self.bootstrap_addr, self.prefill.rank)
+        except MooncakeError as exc:
+            logger.warning("prefill %s answers but cannot be used: %s", self.bootstrap_addr, exc)
+            return
+        with self._push_lock:
+            self._push.close()
+            self._push = push_socket(self._ctx, info.endpoint)
+        self.prefill = info
+        self._send(self._register)
+        with self._lock:
+            self._lost = None
+        logger.info("prefill %s is back (session %s); registered again", self.bootstrap_addr,
+                    info.session)
 
     def _listen(self) -> None:
         serve_control(

@@ -48,6 +48,10 @@ class MooncakeConfig:
     # 1024 per peer by default: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
     max_blocks_in_flight: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    # Decode side: the prefill bootstrap's /health is checked every heartbeat_interval_s; after
+    # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).
+    heartbeat_interval_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
+    heartbeat_max_failures: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     token: str | None = None
     # The engine's log level (Mooncake reads MC_LOG_LEVEL: INFO, WARNING or ERROR), applied when
     # the process environment does not set MC_LOG_LEVEL itself; the engine library reads it once,

@@ -223,3 +223,52 @@ def test_killed_decode_fails_its_rooms_fast_and_spares_other_peers() -> None:
         healthy.close()
         manager.close()
         server.close()
+
+
+def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when_it_returns(
+) -> None:
+    """The decode heartbeat: a prefill whose bootstrap stops answering fails its rooms in two
+    heartbeats (quiescent, so their pages can go back); once a prefill answers on the same
+    address again, decode registers with it and transfers resume."""
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    server = BootstrapServer()
+    port = int(server.address.rpartition(":")[2])
+    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
+    prefill.register_to_bootstrap(server.address)
+    decode = MooncakeDecodeManager(
+        make_pool(), MetadataBuffers(8), server.address,
+        config=MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_max_failures=2),
+    )
+    try:
+        waiting = decode.create_receiver(server.address, 1)
+        waiting.init()
+        waiting.send_metadata([0, 1], 0)
+        assert waiting.poll() == KVPoll.TRANSFERRING and not waiting.quiescent()
+        prefill.close()
+        server.close()
+        eventually(lambda: waiting.poll() == KVPoll.FAILED, "room failed after lost heartbeats")
+        assert "lost contact with prefill" in waiting.failure_exception().reason
+        assert waiting.quiescent()
+        late = decode.create_receiver(server.address, 2)
+        assert late.poll() == KVPoll.FAILED  # while the prefill is gone, at once
+        assert decode.lost is not None
+
+        server = BootstrapServer(port=port)
+        prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
+        prefill.register_to_bootstrap(server.address)
+        eventually(lambda: decode.lost is None, "decode registered with the new prefill")
+        receiver = decode.create_receiver(server.address, 3)
+        receiver.init()
+        receiver.send_metadata([4, 5], 1)
+        sender = prefill.create_sender(server.address, 3)
+        assert drive(prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+        sender.init(2, 0)
+        prefill.metadata.write(0, first_token=9, cached_tokens=0, logprob=None, room=3)
+        sender.send([6, 7], last=True)
+        assert drive(prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+        eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "room 3 landed on decode")
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()

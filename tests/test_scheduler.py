@@ -113,7 +113,7 @@ def test_a_chunked_prompt_gets_one_run_of_pages_where_it_fits():
     alloc = h.pool.allocator
     held = alloc.alloc(64)
     assert held is not None
-    alloc.free([0, 1] + list(range(10, 18)))  # free runs of 2 and 8 pages
+    alloc.free([0, 1, *range(10, 18)])  # free runs of 2 and 8 pages
     h.submit("a", 18)  # 5 pages, in chunks of 2, 2 and 1 page
     h.sched.step()  # (the pages held above are no request's: no invariant checks here)
     req = h.sched.lifecycle.get("a")
