@@ -113,6 +113,8 @@ def _per_item(value: Any, n: int, name: str, batch: bool) -> list[Any]:
 
 
 def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
+    if body.return_logprob:
+        raise BadRequest("unsupported", "return_logprob is not supported by this server")
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("bad_prompt", "give exactly one of text or input_ids")
     prompts: list[list[int]]
@@ -140,14 +142,16 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     hosts = _per_item(body.bootstrap_host, n, "bootstrap_host", batch)
     ports = _per_item(body.bootstrap_port, n, "bootstrap_port", batch)
     rooms = _per_item(body.bootstrap_room, n, "bootstrap_room", batch)
-    sp = body.sampling_params or SamplingParams()
+    params = _per_item(body.sampling_params or SamplingParams(), n, "sampling_params", batch)
     items = [
         service.check(
             rid=rid, input_ids=prompt, max_new_tokens=sp.max_new_tokens,
             stop_token_ids=sp.stop_token_ids or (), ignore_eos=sp.ignore_eos,
             bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
         )
-        for rid, prompt, host, port, room in zip(rids, prompts, hosts, ports, rooms, strict=True)
+        for rid, prompt, sp, host, port, room in zip(
+            rids, prompts, params, hosts, ports, rooms, strict=True
+        )
     ]
     return items, batch
 

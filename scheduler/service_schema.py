@@ -27,7 +27,10 @@ class GenerateRequest(_Strict):
 
     text: str | list[str] | None = Field(None, description="prompt text (byte-level tokens)")
     input_ids: list[int] | list[list[int]] | None = Field(None, description="prompt token ids")
-    sampling_params: SamplingParams | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = Field(
+        None, description="one for every prompt, or a list with one per prompt of a batch"
+    )
+    return_logprob: bool = Field(False, description="not supported: true is refused with 400")
     stream: bool = Field(False, description="server-sent events, ending with data: [DONE]")
     rid: str | list[str] | None = Field(None, description="request id(s); generated if absent")
     bootstrap_host: str | list[str] | None = None

@@ -91,6 +91,13 @@ def test_local_answers_equal_the_reference_single_batch_and_stream() -> None:
                 answers = r.json()
                 assert [a["output_ids"] for a in answers] == [expected(p, 5) for p in prompts]
                 assert len({a["meta_info"]["id"] for a in answers}) == 3
+                # One sampling_params per prompt of a batch.
+                per_item = [{"max_new_tokens": n, "ignore_eos": True} for n in (2, 7, 4)]
+                r = await gen(client, input_ids=prompts, sampling_params=per_item)
+                assert r.status_code == 200, r.text
+                assert [a["output_ids"] for a in r.json()] == [
+                    expected(p, n, ignore_eos=True) for p, n in zip(prompts, (2, 7, 4), strict=True)
+                ]
 
                 stop = want[3]
                 r = await gen(client, text=text, stream=True,
@@ -170,6 +177,9 @@ BAD_INPUTS = [
     ("bad_batch", json.dumps({"text": ["a", "b"], "stream": True}).encode(), "stream"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "rid": ["x"]}).encode(), "entries"),
     ("duplicate_rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "distinct"),
+    ("bad_batch", json.dumps({"text": ["a", "b"], "sampling_params": [{}]}).encode(), "entries"),
+    ("bad_batch", json.dumps({"text": "a", "sampling_params": [{}]}).encode(), "not a batch"),
+    ("unsupported", json.dumps({"text": "a", "return_logprob": True}).encode(), "return_logprob"),
 ]
 
 
