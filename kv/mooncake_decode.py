@@ -101,12 +101,6 @@ class MooncakeDecodeManager:
         self._push = push_socket(self._ctx, self.prefill.endpoint)
         # Why the prefill counts as gone (see the heartbeat), or None while it answers.
         self._lost: str | None = None
-        self._threads = [
-            threading.Thread(target=self._listen, name="mooncake-status", daemon=True),
-            threading.Thread(target=self._watch_prefill, name="mooncake-heartbeat", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
         infos = metadata.buffer_infos()
         self._register = wire.Register(
             session=self._engine.session,
@@ -122,6 +116,13 @@ class MooncakeDecodeManager:
             num_slots=metadata.num_slots,
         )
         self._send(self._register)
+        # The status socket is bound, so nothing sent to it is lost before its thread runs.
+        self._threads = [
+            threading.Thread(target=self._listen, name="mooncake-status", daemon=True),
+            threading.Thread(target=self._watch_prefill, name="mooncake-heartbeat", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
     @property
     def session(self) -> str:

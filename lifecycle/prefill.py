@@ -86,7 +86,8 @@ PREFILL_TABLE = make_table(
 )
 
 
-def _token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    """Token ids as the immutable tuple records keep (an attrs converter)."""
     return tuple(ids)
 
 
@@ -95,7 +96,7 @@ class SamplingParams:
     """What the client asked of the generation (validated at the boundary)."""
 
     max_new_tokens: int = attrs.field(default=16)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=as_token_ids)
     ignore_eos: bool = False
 
     @max_new_tokens.validator

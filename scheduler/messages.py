@@ -8,12 +8,12 @@ answers each request exactly once with a :class:`Response`.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
 import attrs
 
 from lifecycle import FailureReason, PrefillState, SamplingParams
+from lifecycle.prefill import as_token_ids
 
 # Requests for this bootstrap host use the fake transfer backend (SGLang's warm-up and
 # health-check path).
@@ -22,16 +22,12 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 LOCAL_HOST = "local"
 
 
-def _token_ids(ids: Iterable[int]) -> tuple[int, ...]:
-    return tuple(ids)
-
-
 @attrs.frozen
 class NewRequest:
     """A request as a client submits it (to the prefill server and the decode peer alike)."""
 
     rid: str
-    input_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
+    input_ids: tuple[int, ...] = attrs.field(converter=as_token_ids)
     bootstrap_host: str = FAKE_BOOTSTRAP_HOST
     bootstrap_port: int = 0
     bootstrap_room: int = 0
