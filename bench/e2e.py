@@ -5,7 +5,8 @@ handshake, PrefillAdder batching, chunked forward, KV transfer to the decode pee
 backend, release — and every batch the scheduler formed is recorded. The same batches are then
 run back to back through the same model on a fresh pool (forward only: no scheduler, no
 transfer). Both run in this process, alternating, for each loop (normal and overlap); the ratio
-of throughputs tells how much the lifecycle costs on top of the model.
+of throughputs tells how much the lifecycle costs on top of the model. A loop's figure is the
+median of its rounds' ratios; the better loop's goes on the RESULT line.
 
 Last line: ``RESULT e2e ratio=<lifecycle ÷ forward-only throughput> ttft_p50_ms=.. ttft_p99_ms=..
 loop=<the better loop>``.
@@ -110,7 +111,8 @@ def main() -> None:
     pages = tokens // args.page_size + len(prompts) + 16
     print(f"workload: {len(prompts)} requests, {tokens} prompt tokens, page size "
           f"{args.page_size}, chunk {args.chunk}")
-    best: dict[str, tuple[float, float, list[float]]] = {}
+    ratios: dict[str, list[float]] = {"normal": [], "overlap": []}
+    ttfts_of: dict[str, list[float]] = {"normal": [], "overlap": []}
     for round_ in range(args.rounds):
         for loop in ("normal", "overlap"):
             life_s, ttfts, batches = run_lifecycle(model, prompts, loop == "overlap",
@@ -120,12 +122,14 @@ def main() -> None:
             print(f"round {round_} {loop:8s} lifecycle {life_s:7.3f} s "
                   f"({tokens / life_s:8.0f} tok/s)  forward-only {fwd_s:7.3f} s "
                   f"({tokens / fwd_s:8.0f} tok/s)  ratio {ratio:.3f}  batches {len(batches)}")
-            if loop not in best or ratio > best[loop][0]:
-                best[loop] = (ratio, life_s, ttfts)
-    loop = max(best, key=lambda k: best[k][0])
-    ratio, _, ttfts = best[loop]
-    for name, (r, _, t) in best.items():
-        print(f"best {name}: ratio {r:.3f}, ttft p50 {statistics.median(t) * 1e3:.1f} ms")
+            ratios[loop].append(ratio)
+            ttfts_of[loop] += ttfts
+    for name, rs in ratios.items():
+        print(f"{name}: median ratio {statistics.median(rs):.3f} (rounds "
+              + " ".join(f"{r:.3f}" for r in rs)
+              + f"), ttft p50 {statistics.median(ttfts_of[name]) * 1e3:.1f} ms")
+    loop = max(ratios, key=lambda k: statistics.median(ratios[k]))
+    ratio, ttfts = statistics.median(ratios[loop]), ttfts_of[loop]
     print(f"RESULT e2e ratio={ratio:.3f} ttft_p50_ms={percentile(ttfts, 0.5) * 1e3:.1f} "
           f"ttft_p99_ms={percentile(ttfts, 0.99) * 1e3:.1f} loop={loop}")
 
