@@ -23,7 +23,8 @@ load; a figure is the median over ``--iters`` rounds after a warm-up, and a rati
 of the per-round ratios.
 
 Last line: ``RESULT transfer ratio=<pdlife/raw> pdlife_gbps= raw_gbps= local_ratio=<local/torch>``
-for the churned pool.
+for the churned pool. Two pools of ``--pages`` pages are live at a time (about 4.5 GiB at the
+default 1,152); a smaller ``--pages`` (and ``--max-pages``) fits a smaller machine.
 """
 
 from __future__ import annotations
