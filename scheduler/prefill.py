@@ -348,6 +348,7 @@ class PrefillScheduler:
         polls = self.ranks.min_reduce(local)
         failed: list[tuple[PrefillRequest, FailureReason, str]] = []
         done: list[PrefillRequest] = []
+        handshaken = False
         for key, req, poll in zip(keys, reqs, polls, strict=True):
             if req is None or req.state is None or req.is_final:
                 continue
@@ -355,6 +356,7 @@ class PrefillScheduler:
                 reason, detail = self._failure_of(req, key in expired)
                 failed.append((req, reason, detail))
             elif req.state is S.BOOTSTRAPPING and poll >= KVPoll.WAITING_FOR_INPUT:
+                handshaken |= req.rid not in self._handshaken
                 self._handshaken[req.rid] = req
             elif req.state is S.TRANSFERRING and poll == KVPoll.SUCCESS:
                 done.append(req)
@@ -362,7 +364,8 @@ class PrefillScheduler:
         for req, reason, detail in failed:
             self._handshaken.pop(req.rid, None)
             self._fail(req, reason, detail)
-        return True
+        # Polls that changed nothing (a sender still held back) are not work: the loop may rest.
+        return handshaken or bool(done or failed)
 
     def _poll_one(self, req: PrefillRequest | None) -> int:
         sender = None if req is None else _sender_of(req)

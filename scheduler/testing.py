@@ -178,7 +178,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _quiesce(self, sched: PrefillScheduler) -> None:
         """Let every transfer conclude and every deadline pass; then all pools are full."""
         # Time moves a little every pass (the fake host's delays are on the clock) and a lot
-        # when a pass did nothing (so stuck handshakes reach their deadline).
+        # after a few passes that did nothing (so stuck handshakes reach their deadline).
+        resting = 0
         for _ in range(_QUIESCE_PASSES):
             if sched.idle():
                 break
@@ -186,9 +187,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 for action in ("drain", "handshake", "success"):
                     if action in sender.actions():
                         sender.act(action)
-            worked = sched.step()
-            self.clock.now += 0.5 if worked else max(self.config.bootstrap_timeout,
-                                                     self.config.transfer_timeout)
+            resting = 0 if sched.step() else resting + 1
+            self.clock.now += 0.5 if resting < 3 else max(self.config.bootstrap_timeout,
+                                                          self.config.transfer_timeout)
             self.check_everything()
         assert sched.idle(), f"the scheduler did not quiesce in {_QUIESCE_PASSES} passes"
         assert self.pool.allocator.available() == self.pool.num_pages, "pages leaked"

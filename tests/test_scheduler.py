@@ -126,6 +126,19 @@ def test_a_chunked_prompt_gets_one_run_of_pages_where_it_fits():
     assert req.state is S.TRANSFERRING and req.pages == [10, 11, 12, 13, 14]
 
 
+def test_a_pass_that_only_polls_a_held_back_sender_is_not_work():
+    """A loop rests between passes that did no work; polling a sender whose transfer is still
+    held back by a delay changes nothing, so it must not keep the loop spinning."""
+    h = Harness(FaultPlan(transfer_delay_s=1.0))
+    h.submit("a", 4)
+    h.sched.run_until(lambda: h.states().get("a") is S.TRANSFERRING)
+    assert [h.sched.step() for _ in range(3)] == [False, False, False]
+    assert h.states() == {"a": S.TRANSFERRING}
+    h.clock.now += 1.0
+    assert h.sched.step()  # the transfer concluded
+    assert h.answered() == {"a": (S.DONE, None)}
+
+
 def test_no_free_metadata_slot_means_wait_not_fail():
     h = Harness(FaultPlan(transfer_delay_s=1.0), slots=2)
     for i in range(4):
