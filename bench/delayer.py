@@ -28,12 +28,12 @@ import torch.multiprocessing as mp
 
 from kv.fake import FakeKVManager
 from kv.metadata import MetadataBuffers, SlotAllocator
-from scheduler.config import SchedulerConfig
-from scheduler.delayer import DelayerConfig, PrefillDelayer
-from scheduler.gather import TorchDistributedGather
+from scheduler.dist.gather import TorchDistributedGather
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner
-from scheduler.prefill import PrefillScheduler
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.delayer import DelayerConfig, PrefillDelayer
+from scheduler.prefill.scheduler import PrefillScheduler
 
 
 def arrival_rate(rank: int, world: int) -> float:

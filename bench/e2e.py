@@ -23,9 +23,9 @@ import torch
 
 from lifecycle import SamplingParams
 from lifecycle.timeline import ttft_phases
-from scheduler.config import SchedulerConfig
 from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
+from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch
 
 

@@ -19,9 +19,9 @@ from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
 from kv.transfer import KVPoll
-from scheduler.config import SchedulerConfig
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
-from scheduler.prefill import PrefillScheduler
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch
 
 

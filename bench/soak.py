@@ -30,9 +30,9 @@ from typing import Any
 
 from kv.transfer import KVPoll, TransferError
 from lifecycle import SamplingParams
-from scheduler.config import SchedulerConfig
 from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.model import ModelConfig, ReferenceModel
+from scheduler.model.reference import ModelConfig, ReferenceModel
+from scheduler.prefill.config import SchedulerConfig
 
 BOOTSTRAP, TRANSFER = "bootstrap", "transfer"
 

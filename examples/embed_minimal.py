@@ -19,9 +19,8 @@ from collections.abc import Sequence
 from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
-from scheduler.config import SchedulerConfig
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
-from scheduler.prefill import PrefillScheduler
+from scheduler.prefill import PrefillScheduler, SchedulerConfig
 from scheduler.runner import ForwardBatch
 
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import sys
 
 from lifecycle import SamplingParams
-from scheduler.config import SchedulerConfig
 from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.model import ReferenceModel
-from scheduler.tokenizer import ByteTokenizer
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.model.reference import ReferenceModel
+from scheduler.prefill import SchedulerConfig
 
 
 def main() -> int:

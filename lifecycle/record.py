@@ -2,23 +2,37 @@
 
 Every lifecycle's request class derives from :class:`Tracked`: a slotted attrs class holding
 the request id, the current state, the compact timeline and the owning
-:class:`~lifecycle.machine.Lifecycle`. Subclasses add their domain fields and one thin trigger
-method per event of their table (so an IDE and mypy see them); each trigger goes through the
-table's one shared ``transitions.Machine``.
+:class:`~lifecycle.machine.Lifecycle` (seen here through the :class:`Owner` protocol, so this
+module does not import the machine that imports it). Subclasses add their domain fields and one
+thin trigger method per event of their table (so an IDE and mypy see them); each trigger goes
+through the table's one shared ``transitions.Machine``.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
 from lifecycle.errors import LifecycleError
 from lifecycle.reasons import FailureReason
+from lifecycle.table import LifecycleTable
 
-if TYPE_CHECKING:
-    from lifecycle.machine import Lifecycle
+
+class Owner(Protocol):
+    """What a record needs of the :class:`~lifecycle.machine.Lifecycle` that admitted it."""
+
+    @property
+    def table(self) -> LifecycleTable: ...
+
+    def trigger(
+        self, req: Any, event: str, *, reason: FailureReason | None = None, detail: str = ""
+    ) -> None: ...
+
+    def _entered_one(
+        self, req: Any, src: enum.IntEnum, event: str, reason: FailureReason | None, detail: str
+    ) -> None: ...
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)
@@ -35,7 +49,7 @@ class Tracked:
     reason: FailureReason | None = attrs.field(default=None, kw_only=True)
     detail: str = attrs.field(default="", kw_only=True)
     timeline: list[tuple[float, str]] = attrs.field(factory=list, kw_only=True, repr=False)
-    owner: Lifecycle[Any] | None = attrs.field(default=None, kw_only=True, repr=False)
+    owner: Owner | None = attrs.field(default=None, kw_only=True, repr=False)
 
     @property
     def is_final(self) -> bool:

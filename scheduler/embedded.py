@@ -23,12 +23,12 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from lifecycle import SamplingParams
-from scheduler.config import SchedulerConfig
-from scheduler.decode import DecodePeer, DecodeResponse
-from scheduler.delayer import PrefillDelayer
+from scheduler.decode.peer import DecodePeer, DecodeResponse
 from scheduler.messages import LOCAL_HOST, NewRequest, Response
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
-from scheduler.prefill import PrefillScheduler
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.delayer import PrefillDelayer
+from scheduler.prefill.scheduler import PrefillScheduler
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:

@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 
-from scheduler.service import ServeConfig, Service
-from scheduler.service_app import create_app
+from scheduler.service.app import create_app
+from scheduler.service.core import ServeConfig, Service
 
 ROOT = Path(__file__).resolve().parent.parent
-_PDLIFE = "import sys; from scheduler.cli import main; sys.exit(main())"
+_PDLIFE = "import sys; from scheduler.cli.main import main; sys.exit(main())"
 _POLL_S = 0.05
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lifecycle import DecodeRequest, PrefillRequest, SamplingParams
 from lifecycle.testing import event_sequences, failure_reasons, legal_walks
-from scheduler.delayer import DelayerConfig
+from scheduler.prefill.delayer import DelayerConfig
 
 # -- lifecycle ----------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kv.pages import pages_needed
 from lifecycle import PrefillRequest
-from scheduler.adder import Stop, plan_batch
+from scheduler.prefill.adder import Stop, plan_batch
 
 
 def req(n: int, rid: str = "r", scheduled: int = 0, pages: int = 0) -> PrefillRequest:

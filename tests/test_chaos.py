@@ -24,7 +24,7 @@ import zmq
 
 from kv import wire
 from kv.bootstrap import BootstrapClient
-from scheduler.model import ModelConfig
+from scheduler.model.reference import ModelConfig
 from tests.service_harness import Server, free_port, idle, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]

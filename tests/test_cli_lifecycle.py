@@ -11,7 +11,7 @@ import pytest
 
 from lifecycle import PREFILL_TABLE
 from lifecycle.diagram import markdown, mermaid
-from scheduler.cli import SUBCOMMANDS, main
+from scheduler.cli.main import SUBCOMMANDS, main
 
 GOOD_MODULE = """
 import enum

@@ -7,7 +7,8 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from scheduler.delayer import (
+from scheduler.dist.gather import GatherShapeError, StaticGather
+from scheduler.prefill.delayer import (
     DelayerConfig,
     DelayerConfigError,
     DelayerMetrics,
@@ -18,7 +19,6 @@ from scheduler.delayer import (
     PrefillDelayer,
     decide,
 )
-from scheduler.gather import GatherShapeError, StaticGather
 
 NOW = 1000.0
 
@@ -381,14 +381,14 @@ def test_forward_passes_buckets_follow_max_delay_passes() -> None:
 def test_debug_log_reports_forced_releases(caplog: pytest.LogCaptureFixture) -> None:
     gather = StaticGather([[[1, 0, 0, 0, 0]], [[0, 0, 0, 0, 0]]], position=(0, 0))
     delayer = make_delayer(gather, dp_size=2, max_delay_passes=1, debug_log=True)
-    with caplog.at_level(logging.INFO, logger="scheduler.delayer"):
+    with caplog.at_level(logging.INFO, logger="scheduler.prefill.delayer"):
         single = DelayerPass(delayer, 0.9)
         single.allow(True)
         single.finalize(actual_prefill=True)
     assert "allowed prefill (wait_timeout)" in caplog.text
     caplog.clear()
     delayer = make_delayer(gather, dp_size=2, max_delay_passes=1)
-    with caplog.at_level(logging.INFO, logger="scheduler.delayer"):
+    with caplog.at_level(logging.INFO, logger="scheduler.prefill.delayer"):
         single = DelayerPass(delayer, 0.9)
         single.allow(True)
         assert single.finalize(actual_prefill=True).reason == "wait_timeout"

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from scheduler.delayer import DelayerConfig, PrefillDelayer
-from scheduler.gather import TorchDistributedGather, min_reduce
+from scheduler.dist.gather import TorchDistributedGather, min_reduce
+from scheduler.prefill.delayer import DelayerConfig, PrefillDelayer
 from tests.distributed import free_port, run_ranks
 
 WORLD = 4

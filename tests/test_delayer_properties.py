@@ -14,7 +14,8 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from scheduler.delayer import (
+from scheduler.dist.gather import StaticGather
+from scheduler.prefill.delayer import (
     DelayerConfig,
     DelayerMetrics,
     DelayerPass,
@@ -23,7 +24,6 @@ from scheduler.delayer import (
     PrefillDelayer,
     decide,
 )
-from scheduler.gather import StaticGather
 from tests.strategies import (
     DelayerInput,
     DelayerScenario,

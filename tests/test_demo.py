@@ -16,10 +16,11 @@ import pytest
 from rich.console import Console
 
 from lifecycle import DecodeState, FailureReason, PrefillState
-from scheduler.decode import DecodeResponse
-from scheduler.demo import MIN_REQUESTS, DemoOptions, main
-from scheduler.demo_report import trace
-from scheduler.demo_run import (
+from scheduler.cli.demo import main
+from scheduler.decode.peer import DecodeResponse
+from scheduler.demo.options import MIN_REQUESTS, DemoOptions
+from scheduler.demo.report import trace
+from scheduler.demo.run import (
     FAKE_ROOM_BASE,
     MIN_PROMPT_TOKENS,
     DemoRequest,
@@ -30,7 +31,7 @@ from scheduler.demo_run import (
     scheduler_config,
 )
 from scheduler.messages import Response
-from scheduler.model import LlamaModel
+from scheduler.model.reference import LlamaModel
 
 ROOT = Path(__file__).resolve().parent.parent
 # Short prompts keep each run to seconds; the longest still take four chunks.
@@ -224,7 +225,7 @@ def test_a_wrong_output_fails_the_run_and_is_named(tmp_path: Path) -> None:
 def test_demo_command_in_a_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "demo-out"
     proc = subprocess.run(
-        [sys.executable, "-m", "scheduler.demo", "--requests", str(MIN_REQUESTS), "--seed",
+        [sys.executable, "-m", "scheduler.cli", "demo", "--requests", str(MIN_REQUESTS), "--seed",
          "2", "--loop", "overlap", "--max-prompt", str(MAX_PROMPT), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )

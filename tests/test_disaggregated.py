@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifecycle import SamplingParams
-from scheduler.config import SchedulerConfig
 from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.model import LlamaModel, ModelConfig, ReferenceModel
+from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
+from scheduler.prefill.config import SchedulerConfig
 
 MODEL = LlamaModel(ModelConfig())
 REFERENCE = ReferenceModel(MODEL)

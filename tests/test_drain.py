@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.model import ModelConfig
+from scheduler.model.reference import ModelConfig
 from tests.service_harness import Server, tokens_of_stream
 
 MODEL = ModelConfig.tiny()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from lifecycle import FailureReason, PrefillState, SamplingParams
-from scheduler.config import SchedulerConfig
 from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.model import ModelConfig
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.config import SchedulerConfig
 
 
 def make_pair() -> EmbeddedPair:

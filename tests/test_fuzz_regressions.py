@@ -1,4 +1,4 @@
-"""Regression tests for what the scheduler fuzzer (``scheduler.testing``) found.
+"""Regression tests for what the scheduler fuzzer (``scheduler.testing.machine``) found.
 
 Each test is named for what it caught and replays the shrunk program by hand, so it fails
 without Hypothesis if the bug comes back. docs/fuzzing.md lists them.
@@ -9,10 +9,10 @@ from __future__ import annotations
 from kv.metadata import MetadataBuffers, SlotAllocator
 from lifecycle import FailureReason, PrefillState
 from lifecycle.testing import FakeClock
-from scheduler.config import SchedulerConfig
 from scheduler.messages import NewRequest, Response
-from scheduler.prefill import PrefillScheduler
-from scheduler.testing_fakes import (
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.testing.fakes import (
     DECODE_HOST,
     ScriptedKVManager,
     echo_next_token,

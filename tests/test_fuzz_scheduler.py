@@ -1,4 +1,4 @@
-"""The whole prefill scheduler under the Hypothesis machine of ``scheduler.testing``.
+"""The whole prefill scheduler under the Hypothesis machine of ``scheduler.testing.machine``.
 
 Budgets are explicit (they are the point of this file): on two CPU cores the ``ci`` profile
 runs about four thousand programs in total in under three minutes; ``HYPOTHESIS_PROFILE=dev``
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
-from scheduler.fuzz_cli import FUZZ, run_fuzz
-from scheduler.testing import scheduler_machine
-from scheduler.testing_fakes import tiny_model
+from scheduler.cli.fuzz import FUZZ, run_fuzz
+from scheduler.testing.fakes import tiny_model
+from scheduler.testing.machine import scheduler_machine
 
 _DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
 # (programs, rules per program) for each machine below.
@@ -86,7 +86,7 @@ def test_the_cli_reports_a_broken_scheduler_with_its_program_and_rerun_line() ->
 
 
 def test_the_cli_refuses_bad_budgets() -> None:
-    from scheduler.command import UsageError
+    from scheduler.cli.command import UsageError
 
     with pytest.raises(UsageError, match="--examples must be >= 1"):
         FUZZ.run(_args("--examples", "0"))

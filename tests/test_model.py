@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from kv.pages import page_align_floor, pages_needed
 from kv.pool import KVPool
-from scheduler.attention import greedy_token_ids
-from scheduler.model import (
+from scheduler.model.fixed_point import greedy_token_ids
+from scheduler.model.reference import (
     LlamaModel,
     ModelConfig,
     ModelInputError,

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scheduler.model import LlamaModel, ModelConfig, ReferenceModel
+from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from tests.service_harness import Process, Server, free_port, idle, tokens_of_stream, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]

@@ -11,10 +11,10 @@ from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
 from lifecycle import FailureReason, PrefillState, SamplingParams
 from lifecycle.testing import FakeClock
-from scheduler.config import SchedulerConfig
 from scheduler.messages import NewRequest, Response
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
-from scheduler.prefill import PrefillScheduler
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch
 
 S = PrefillState
@@ -356,8 +356,8 @@ def test_sampling_params_are_validated():
 
 
 def test_the_delayer_gates_every_pass_and_counts_outcomes():
-    from scheduler.delayer import DelayerConfig, DelayerMetrics, PrefillDelayer
-    from scheduler.gather import StaticGather
+    from scheduler.dist.gather import StaticGather
+    from scheduler.prefill.delayer import DelayerConfig, DelayerMetrics, PrefillDelayer
 
     h = Harness()
     metrics = DelayerMetrics(h.sched.metrics.registry, 30)

@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
-from scheduler.config import SchedulerConfig
+from scheduler.dist.ranks import TorchRanks
 from scheduler.messages import NewRequest, Response
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner
-from scheduler.prefill import PrefillScheduler
-from scheduler.ranks import TorchRanks
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
 from tests.distributed import free_port, run_ranks
 
 WORLD = 2

@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from kv.pool import KVPool
-from scheduler.config import SchedulerConfig
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch
-from scheduler.service import ServeConfig
-from scheduler.tokenizer import ByteTokenizer
+from scheduler.service.core import ServeConfig
 from tests.service_harness import asgi_client, idle, run, running_service, tokens_of_stream
 
 MODEL = ModelConfig.tiny(seed=3)

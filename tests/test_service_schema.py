@@ -17,10 +17,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from scheduler.config import SchedulerConfig
-from scheduler.model import ModelConfig
-from scheduler.service import ServeConfig
-from scheduler.service_app import create_app
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.service.app import create_app
+from scheduler.service.core import ServeConfig
 from tests.service_harness import idle, running_service
 
 CONFIG = ServeConfig(

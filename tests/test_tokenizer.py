@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, ByteTokenizer
+from scheduler.model.byte_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, ByteTokenizer
 
 tok = ByteTokenizer()
 

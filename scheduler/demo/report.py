@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from rich.console import Console, Group
@@ -29,75 +29,14 @@ from rich.text import Text
 from lifecycle import DECODE_TABLE, PREFILL_TABLE, Lifecycle
 from lifecycle.diagram import DiagramError, render
 from lifecycle.timeline import records, to_perfetto, ttft_phases
-from scheduler.decode import DecodeResponse
+from scheduler.decode.peer import DecodeResponse
+from scheduler.demo.records import RunData
 from scheduler.messages import Response
-
-if TYPE_CHECKING:
-    from scheduler.demo_run import DemoRequest
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("bootstrap_wait", "queue_wait", "forward", "transfer", "total")
 _PREFILL_PID, _DECODE_PID = 1, 2
-
-
-@attrs.frozen
-class Mismatch:
-    """A served output that differs from the colocated reference: the first differing
-    position, the tokens there (None past an end), and the prefill's first token."""
-
-    rid: str
-    position: int
-    expected: int | None
-    got: int | None
-    expected_len: int
-    got_len: int
-    first_token: int | None
-
-    @classmethod
-    def of(
-        cls, rid: str, want: Sequence[int], got: Sequence[int], first_token: int | None
-    ) -> Mismatch:
-        common = min(len(want), len(got))
-        pos = next((i for i in range(common) if want[i] != got[i]), common)
-        if want == got:
-            pos = 0  # only the prefill's first token differs
-        return cls(
-            rid, pos, want[pos] if pos < len(want) else None,
-            got[pos] if pos < len(got) else None, len(want), len(got), first_token,
-        )
-
-    def describe(self) -> str:
-        if self.expected == self.got:
-            return (f"{self.rid}: decode output matches, but prefill's first token is "
-                    f"{self.first_token}, not {self.expected}")
-        return (f"{self.rid}: token {self.position} is {self.got}, the reference has "
-                f"{self.expected} ({self.got_len} tokens vs {self.expected_len})")
-
-
-@attrs.frozen
-class RunData:
-    """A finished demo run: the workload, both sides' answers by rid, and the figures."""
-
-    requests: int
-    backend: str
-    loop: str
-    seed: int
-    workload: Sequence[DemoRequest]
-    prefill: dict[str, Response]
-    decode: dict[str, DecodeResponse]
-    serve_seconds: float
-    prefill_tokens: int
-    kv_bytes: float
-    kv_copy_seconds: float | None
-    delayer_outcomes: dict[str, int]
-    checked: int
-    mismatches: list[Mismatch]
-    problems: list[str]
-
-    @property
-    def passed(self) -> bool:
-        return not self.mismatches and not self.problems
 
 
 # -- live progress --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The boundaries the scheduler fuzzing machine (:mod:`scheduler.testing`) drives: a transfer
+"""The boundaries the scheduler fuzzing machine (:mod:`.machine`) drives: a transfer
 backend whose every move a rule decides, and a cheap model runner whose output depends on every
 K/V page it reads.
 
@@ -26,7 +26,7 @@ from kv.transfer import (
     TransferError,
     TransferUsageError,
 )
-from scheduler.model import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.runner import ForwardBatch, ModelRunner
 
 DECODE_HOST = "decode"

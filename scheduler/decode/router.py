@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from kv.fake import FakeDecodeManager, FakeKVReceiver
 from kv.metadata import MetadataBuffers
 from kv.transfer import TransferUsageError
-from scheduler.decode import DecodeKVManager
+from scheduler.decode.peer import DecodeKVManager
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 

@@ -8,11 +8,11 @@ A :class:`Service` builds the engines of its role over one reference model:
   backend's (Mooncake: it also runs the bootstrap endpoint and registers its rank there); a fake
   manager serves requests for the fake bootstrap host ``2.2.2.2``.
 - ``decode``: a :class:`~scheduler.decode.DecodePeer` over a
-  :class:`~scheduler.decode_mux.DecodeKVRouter` (one Mooncake manager per prefill server).
+  :class:`~scheduler.decode.router.DecodeKVRouter` (one Mooncake manager per prefill server).
 - ``both`` (the ``local`` backend): both engines in one process, the local backend copying pages
   from one pool to the other; one ``/generate`` runs the whole request.
 
-One :class:`~scheduler.worker.EngineLoop` thread owns and steps the engines. Request handlers
+One :class:`.EngineLoop` thread owns and steps the engines. Request handlers
 run on the HTTP event loop: :meth:`Service.start` registers a :class:`Pending` under the request
 id, submits to the engines and wakes the loop; the engines' ``on_response`` callbacks (engine
 thread) find the Pending and resolve its asyncio future with
@@ -51,14 +51,14 @@ from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
 from kv.wire import DroppedMessages
 from lifecycle import FailureReason
-from scheduler.decode import DecodePeer, DecodeResponse
-from scheduler.decode_mux import DecodeKVRouter, LocalPrefillFake
+from scheduler.decode.peer import DecodePeer, DecodeResponse
+from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.messages import LOCAL_HOST, NewRequest, Response
-from scheduler.model import LlamaModel, PagedModelRunner, resolve_device
-from scheduler.prefill import PrefillScheduler
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.model.reference import LlamaModel, PagedModelRunner, resolve_device
+from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
-from scheduler.service_metrics import DroppedMessagesCollector, ServiceMetrics
-from scheduler.service_request import (
+from scheduler.service.config import (
     Answer,
     BadRequest,
     Item,
@@ -66,8 +66,8 @@ from scheduler.service_request import (
     Unavailable,
     check_item,
 )
-from scheduler.tokenizer import ByteTokenizer
-from scheduler.worker import EngineLoop
+from scheduler.service.engine_loop import EngineLoop
+from scheduler.service.metrics import DroppedMessagesCollector, ServiceMetrics
 
 __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", "Unavailable"]
 

@@ -1,68 +1,14 @@
-"""The ``pdlife demo`` command: options and arguments.
-
-The run itself is :func:`scheduler.demo_run.run_demo`, imported when the command runs, so
-building the ``pdlife`` parser does not import torch.
-"""
+"""``pdlife demo``: the command's arguments; the run is imported when the command runs, so
+building the ``pdlife`` parser does not import torch."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Literal
+from collections.abc import Sequence
 
-import attrs
-
-from scheduler.command import Subcommand, UsageError
-
-Backend = Literal["local", "mooncake"]
-Loop = Literal["normal", "overlap"]
-
-#: The smallest workload that still holds its two injected failures and three aborts.
-MIN_REQUESTS = 6
-#: Prompt length bounds of ``--max-prompt`` (the reference model's positions bound the top).
-MAX_PROMPT_RANGE = (64, 4096)
-
-
-def _at_least(low: int) -> Callable[[object, attrs.Attribute[int], int], None]:
-    def check(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"DemoOptions.{attr.name} must be an integer >= {low}, got {value!r}")
-
-    return check
-
-
-def _max_prompt(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
-    lo, hi = MAX_PROMPT_RANGE
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"DemoOptions.{attr.name} must be an integer in {lo}..{hi}, "
-                         f"got {value!r}")
-
-
-def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"DemoOptions.{attr.name} must be > 0 seconds, got {value!r}")
-
-
-@attrs.frozen
-class DemoOptions:
-    """What ``pdlife demo`` runs. ``requests`` counts the injected failures and aborts too;
-    prompts are 16 to ``max_prompt`` byte tokens; ``timeout_s`` bounds the serving phase
-    (wall seconds)."""
-
-    requests: int = attrs.field(default=48, validator=_at_least(MIN_REQUESTS))
-    backend: Backend = attrs.field(
-        default="local", validator=attrs.validators.in_(("local", "mooncake"))
-    )
-    loop: Loop = attrs.field(
-        default="normal", validator=attrs.validators.in_(("normal", "overlap"))
-    )
-    seed: int = attrs.field(default=0, validator=_at_least(0))
-    max_prompt: int = attrs.field(default=2048, validator=_max_prompt)
-    out: Path = attrs.field(default=Path("pdlife-out"), converter=Path)
-    timeout_s: float = attrs.field(default=600.0, validator=_positive)
+from scheduler.cli.command import Subcommand, UsageError
+from scheduler.demo.options import MAX_PROMPT_RANGE, MIN_REQUESTS, DemoOptions
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     import torch
 
-    from scheduler.demo_run import run_demo
+    from scheduler.demo.run import run_demo
 
     if "OMP_NUM_THREADS" not in os.environ:
         # The reference model is small: on two shared cores a second intra-op thread only
@@ -125,7 +71,7 @@ DEMO = Subcommand(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m scheduler.demo``: the same command without the ``pdlife`` entry point."""
+    """``python -m scheduler.cli demo``: the same command without the ``pdlife`` entry point."""
     parser = argparse.ArgumentParser(prog="pdlife demo", description=DEMO.description)
     DEMO.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -134,6 +80,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         parser.exit(2, f"pdlife demo: {exc}\n")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

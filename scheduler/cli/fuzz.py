@@ -1,4 +1,4 @@
-"""``pdlife fuzz``: run the whole-scheduler Hypothesis machine (:mod:`scheduler.testing`).
+"""``pdlife fuzz``: run the whole-scheduler Hypothesis machine (:mod:`scheduler.testing.machine`).
 
 Each loop (normal, overlap, or both in turn) runs ``--examples`` random programs of up to
 ``--steps`` rules from ``--seed``. On a failure Hypothesis shrinks the program; the command
@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from scheduler.command import Subcommand
+from scheduler.cli.command import Subcommand
 
 if TYPE_CHECKING:
     from hypothesis.stateful import RuleBasedStateMachine
@@ -54,7 +54,7 @@ def run_fuzz(
     from hypothesis import HealthCheck, seed, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from scheduler.testing import iter_loops
+    from scheduler.testing.machine import iter_loops
 
     run_settings = settings(
         max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
@@ -82,15 +82,15 @@ def run_fuzz(
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from scheduler.command import UsageError
+    from scheduler.cli.command import UsageError
 
     for name in ("examples", "steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    from scheduler.testing import scheduler_machine
-    from scheduler.testing_fakes import tiny_model
+    from scheduler.testing.fakes import tiny_model
+    from scheduler.testing.machine import scheduler_machine
 
     # The scheduler logs every injected failure; the report is what matters here.
     logging.disable(logging.CRITICAL)

@@ -21,11 +21,11 @@ from typing import Any
 
 from lifecycle import TABLES, LifecycleTable, make_table, validate
 from lifecycle.errors import InvalidTable
-from scheduler.bench_cli import BENCH
-from scheduler.command import Subcommand, UsageError
-from scheduler.demo import DEMO
-from scheduler.fuzz_cli import FUZZ
-from scheduler.serve_cli import GENERATE, SERVE
+from scheduler.cli.bench import BENCH
+from scheduler.cli.command import Subcommand, UsageError
+from scheduler.cli.demo import DEMO
+from scheduler.cli.fuzz import FUZZ
+from scheduler.cli.serve import GENERATE, SERVE
 
 DOCS_LIFECYCLE = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
 

@@ -16,9 +16,9 @@ import attrs
 from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from lifecycle import FailureReason, SamplingParams
-from scheduler.config import SchedulerConfig
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST
-from scheduler.model import ModelConfig
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.config import SchedulerConfig
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["local", "mooncake", "fake"]

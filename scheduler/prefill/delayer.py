@@ -9,7 +9,7 @@ The delayer gates prefill so that it happens when it pays.
 
 Once per scheduler pass every rank contributes a row ``[prefillable, watermark_force_allow,
 running_batch, max_prefill_bs, waiting_queue_len]`` (plus ``wait_elapsed_us`` in bounded mode) to
-an all-gather (``scheduler.gather``). The decision reads only the attention-TP-rank-0 row of each
+an all-gather (``dist.gather``). The decision reads only the attention-TP-rank-0 row of each
 DP replica, so every TP rank of a replica follows its rank 0, and is the pure function ``decide``
 of those rows, the previous ``DelayerState`` and a clock reading. Every rank therefore reaches the
 same outcome on the same pass, provided every rank negotiates exactly once per pass: that is what
@@ -46,7 +46,7 @@ import attrs
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client import Counter as PromCounter
 
-from scheduler.gather import GatherShapeError, RowGather, Table
+from scheduler.dist.gather import GatherShapeError, RowGather, Table
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from scheduler.gather import min_reduce
+from scheduler.dist.gather import min_reduce
 
 
 class RankSync(Protocol):

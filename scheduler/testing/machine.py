@@ -7,8 +7,8 @@ fired by hand). This module fuzzes the *scheduler*: a real
 decides. It lives in ``scheduler/`` because ``lifecycle/`` may not import upward. An embedder
 points it at their own configuration::
 
-    from scheduler.config import SchedulerConfig
-    from scheduler.testing import scheduler_machine
+    from scheduler.prefill.config import SchedulerConfig
+    from scheduler.testing.machine import scheduler_machine
 
     TestMyScheduler = scheduler_machine(
         config=SchedulerConfig(page_size=4, chunked_prefill_size=8, check_invariants=True),
@@ -53,10 +53,10 @@ from kv.pages import pages_needed
 from lifecycle import PREFILL_TABLE, FailureReason, PrefillRequest, PrefillState
 from lifecycle.invariants import resource_violations, timeline_violations
 from lifecycle.testing import FakeClock
-from scheduler.config import SchedulerConfig
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
-from scheduler.prefill import PrefillScheduler
-from scheduler.testing_fakes import (
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.testing.fakes import (
     DECODE_HOST,
     PageEchoRunner,
     Reference,

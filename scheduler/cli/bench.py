@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scheduler.command import Subcommand, UsageError
+from scheduler.cli.command import Subcommand, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "bench"

@@ -2,7 +2,7 @@
 
 Every body is a pydantic model, so ``/openapi.json`` describes exactly what is accepted and
 answered. Handlers never touch an engine: they check the input (:meth:`Service.check`), register
-and submit (:meth:`Service.start`), and await the request's future (see :mod:`scheduler.service`
+and submit (:meth:`Service.start`), and await the request's future (see :mod:`.core`
 for the hand-off). A client that goes away aborts its requests.
 
 Errors are answered as ``{"error": {"message", "type", "rid"}}`` with a 4xx for what the client
@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler.decode_mux import PeerUnreachable
+from scheduler.decode.router import PeerUnreachable
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
-from scheduler.service import Answer, BadRequest, Item, Pending, Service, Unavailable
-from scheduler.service_middleware import BodyLimit, HttpMetrics
-from scheduler.service_schema import (
+from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
+from scheduler.service.middleware import BodyLimit, HttpMetrics
+from scheduler.service.schema import (
     ERRORS,
     AbortAnswer,
     AbortRequest,

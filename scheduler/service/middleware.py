@@ -7,8 +7,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from scheduler.service_metrics import ServiceMetrics
-from scheduler.service_schema import ErrorBody, ErrorDetail
+from scheduler.service.metrics import ServiceMetrics
+from scheduler.service.schema import ErrorBody, ErrorDetail
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

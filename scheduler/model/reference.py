@@ -16,7 +16,7 @@ Theory of operation
 
 Disaggregated output must equal the reference token for token, always. Both drivers call the
 same :class:`LlamaModel` methods, and those compute every position's bits independently of how
-positions are batched or chunked (``scheduler.attention`` explains the fixed-point arithmetic
+positions are batched or chunked (``fixed_point`` explains the fixed-point arithmetic
 that makes this hold by construction rather than with high probability). So chunking, paging,
 batching and the transfer between pools cannot change a token; a difference means the wrong
 K/V was written or read.
@@ -34,7 +34,8 @@ import torch
 
 from kv.pages import pages_needed
 from kv.pool import KVPool
-from scheduler.attention import (
+from scheduler.model.byte_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from scheduler.model.fixed_point import (
     WEIGHT_FRAC_BITS,
     WEIGHT_LIMIT,
     causal_attention,
@@ -48,7 +49,6 @@ from scheduler.attention import (
     to_grid,
 )
 from scheduler.runner import ForwardBatch, ForwardItem
-from scheduler.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ModelConfig:
     """Shape and seed of the reference model.
 
     The upper bounds keep every sum of the fixed-point arithmetic below 2**53 units, which is
-    what makes it exact (``scheduler.attention``). ``dtype`` is the K/V cache dtype: the pool
+    what makes it exact (``fixed_point``). ``dtype`` is the K/V cache dtype: the pool
     the model writes into must have it.
     """
 

@@ -48,12 +48,12 @@ from kv.pages import pages_needed
 from kv.release import Releaser
 from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVManager, KVPoll, KVSender
 from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
-from scheduler.adder import Plan, Stop, plan_batch
-from scheduler.config import SchedulerConfig
-from scheduler.delayer import DelayerPass, PrefillDelayer
+from scheduler.dist.ranks import RankSync, SingleRank
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, AbortRequest, NewRequest, Response, take_all
-from scheduler.metrics import SchedulerMetrics
-from scheduler.ranks import RankSync, SingleRank
+from scheduler.prefill.adder import Plan, Stop, plan_batch
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.delayer import DelayerPass, PrefillDelayer
+from scheduler.prefill.metrics import SchedulerMetrics
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)

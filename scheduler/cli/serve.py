@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from scheduler.command import Subcommand, UsageError
+from scheduler.cli.command import Subcommand, UsageError
 
 if TYPE_CHECKING:
-    from scheduler.service_request import Role, ServeConfig
+    from scheduler.service.config import Role, ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermedia
 
 
 def _model_defaults() -> dict[str, Any]:
-    from scheduler.model import ModelConfig
+    from scheduler.model.reference import ModelConfig
 
     return {f.name: f.default for f in attrs.fields(ModelConfig) if f.name in _MODEL_FLAGS}
 
@@ -49,7 +49,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from scheduler.model import ModelConfig
+    from scheduler.model.reference import ModelConfig
 
     try:
         return ModelConfig(**{name: getattr(args, name) for name in _MODEL_FLAGS})
@@ -119,10 +119,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The :class:`~scheduler.service.ServeConfig` the flags describe."""
+    """The :class:`~scheduler.service.core.ServeConfig` the flags describe."""
     from kv.mooncake_engine import MooncakeConfig
-    from scheduler.config import SchedulerConfig
-    from scheduler.service import ServeConfig
+    from scheduler.prefill.config import SchedulerConfig
+    from scheduler.service.core import ServeConfig
 
     role: Role
     if args.backend == "local":
@@ -169,8 +169,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from scheduler.service import Service
-    from scheduler.service_app import create_app
+    from scheduler.service.app import create_app
+    from scheduler.service.core import Service
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -251,8 +251,13 @@ def _ids(text: str, flag: str) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from scheduler.model import LlamaModel, ModelInputError, ReferenceModel, resolve_device
-    from scheduler.tokenizer import ByteTokenizer
+    from scheduler.model.byte_tokenizer import ByteTokenizer
+    from scheduler.model.reference import (
+        LlamaModel,
+        ModelInputError,
+        ReferenceModel,
+        resolve_device,
+    )
 
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode(args.prompt) if args.prompt is not None else _ids(

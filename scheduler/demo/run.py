@@ -40,15 +40,16 @@ from rich.console import Console
 from kv.fake import FaultPlan
 from kv.local import LocalKVManager
 from lifecycle import PrefillState, SamplingParams
-from scheduler.config import SchedulerConfig
-from scheduler.delayer import DelayerConfig, PrefillDelayer
-from scheduler.demo import DemoOptions
-from scheduler.demo_report import Mismatch, Progress, RunData, finish_report
+from scheduler.demo.options import DemoOptions
+from scheduler.demo.records import DemoRequest, Mismatch, RunData
+from scheduler.demo.report import Progress, finish_report
+from scheduler.dist.gather import StaticGather
 from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.gather import StaticGather
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
-from scheduler.model import LlamaModel, ReferenceModel
-from scheduler.tokenizer import ByteTokenizer
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.model.reference import LlamaModel, ReferenceModel
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.delayer import DelayerConfig, PrefillDelayer
 
 logger = logging.getLogger(__name__)
 
@@ -65,34 +66,6 @@ _WORDS = (
     "to", "in", "is", "for", "with", "on", "while", "when", "each", "every", "request",
     "server", "model",
 )
-
-
-@attrs.frozen
-class DemoRequest:
-    """One request of the workload and what it is meant to do.
-
-    ``fault`` names the failure injected on the fake backend (its ``room`` is chosen so that the
-    fault plan decides exactly that); ``abort_in`` the prefill state to abort it in.
-    """
-
-    rid: str
-    prompt: tuple[int, ...] = attrs.field(repr=False)
-    sampling: SamplingParams
-    fault: str = ""
-    room: int = 0
-    abort_in: PrefillState | None = None
-
-    @property
-    def disaggregated(self) -> bool:
-        """Served by prefill and decode (not sent to the fake backend)."""
-        return not self.fault
-
-    @property
-    def expected(self) -> str:
-        """The prefill outcome planned for it: ``done``, ``aborted`` or the injected fault."""
-        if self.fault:
-            return self.fault
-        return "aborted" if self.abort_in is not None else "done"
 
 
 def fault_plan(seed: int) -> FaultPlan:

@@ -1,0 +1,2 @@
+"""The ``pdlife`` command: the parser, shared subcommand records, one module per
+subcommand."""
