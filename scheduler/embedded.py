@@ -11,24 +11,27 @@ pdlife.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 import attrs
 
 from kv.bootstrap import BootstrapServer
-from kv.fake import FakeKVManager, FaultPlan
-from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
-from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.mooncake import MooncakeKVManager
+from kv.fake import FaultPlan
+from kv.local import LocalDecodeManager, LocalTransferHub
+from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
+from kv.pool import KVPool
 from lifecycle import SamplingParams
-from scheduler.decode.peer import DecodePeer, DecodeResponse
+from scheduler.assemble import Closers, build_decode, build_prefill, close_all
+from scheduler.decode.peer import DecodeResponse
 from scheduler.messages import LOCAL_HOST, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
-from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.runner import ModelRunner
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -45,7 +48,7 @@ class PairConfig:
     metadata_slots: int = attrs.field(default=64, validator=_positive)
     overlap: bool = False
     device: str = "cpu"
-    backend: str = attrs.field(
+    backend: Literal["local", "mooncake"] = attrs.field(
         default="local", validator=attrs.validators.in_(("local", "mooncake"))
     )
 
@@ -69,57 +72,41 @@ class EmbeddedPair:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        device = resolve_device(config.device)
-        self.model = model or LlamaModel(config.model, device=device)
-        ps = config.scheduler.page_size
-        self.prefill_pool = self.model.make_pool(num_pages=config.prefill_pages, page_size=ps)
-        self.decode_pool = self.model.make_pool(num_pages=config.decode_pages, page_size=ps)
-        self.prefill_meta = MetadataBuffers(config.metadata_slots)
-        self.decode_meta = MetadataBuffers(config.metadata_slots)
+        self.model = model or LlamaModel(config.model, device=resolve_device(config.device))
         self.bootstrap: BootstrapServer | None = None
-        self.prefill_kv: LocalKVManager | MooncakeKVManager
-        self.decode_kv: LocalDecodeManager | MooncakeDecodeManager
+        self._closers: Closers = []
+        hub = LocalTransferHub()
         if config.backend == "local":
-            hub = LocalTransferHub()
             self.bootstrap_host, self.bootstrap_port = LOCAL_HOST, 0
-            self.prefill_kv = LocalKVManager(
-                self.prefill_pool, self.prefill_meta, hub=hub, bootstrap_addr=f"{LOCAL_HOST}:0"
-            )
-            self.decode_kv = LocalDecodeManager(self.decode_pool, self.decode_meta, hub=hub)
         else:
             self.bootstrap = BootstrapServer()
+            self._closers.append(self.bootstrap.close)
             host, port = self.bootstrap.address.rsplit(":", 1)
             self.bootstrap_host, self.bootstrap_port = host, int(port)
-            self.prefill_kv = MooncakeKVManager(self.prefill_pool, self.prefill_meta)
-            self.prefill_kv.register_to_bootstrap(self.bootstrap.address)
-            self.decode_kv = MooncakeDecodeManager(
-                self.decode_pool, self.decode_meta, self.bootstrap.address
-            )
         self.prefill_responses: dict[str, Response] = {}
         self.decode_responses: dict[str, DecodeResponse] = {}
-        check = config.scheduler.check_invariants
-        self.prefill = PrefillScheduler(
-            config=config.scheduler,
-            runner=PagedModelRunner(self.model, self.prefill_pool),
-            kv=self.prefill_kv,
-            fake_kv=FakeKVManager(faults, clock=clock),
-            metadata=self.prefill_meta,
-            slots=SlotAllocator(config.metadata_slots),
-            delayer=delayer,
-            clock=clock,
-            on_response=self._on_prefill,
-            overlap=config.overlap,
-        )
-        self.decode = DecodePeer(
-            runner=PagedModelRunner(self.model, self.decode_pool),
-            kv=self.decode_kv,
-            metadata=self.decode_meta,
-            slots=SlotAllocator(config.metadata_slots),
-            eos_token_id=config.model.eos_token_id,
-            clock=clock,
-            on_response=self._on_decode,
-            check_invariants=check,
-        )
+        try:
+            self.prefill = build_prefill(
+                self.model, backend=config.backend, config=config.scheduler,
+                pages=config.prefill_pages, metadata_slots=config.metadata_slots,
+                runner_factory=PagedModelRunner, closers=self._closers, hub=hub,
+                bootstrap=self.bootstrap, faults=faults, delayer=delayer, clock=clock,
+                on_response=self._on_prefill, overlap=config.overlap,
+            )
+            self.decode = build_decode(
+                self.model, kv_for=functools.partial(self._decode_kv, hub),
+                page_size=config.scheduler.page_size, pages=config.decode_pages,
+                metadata_slots=config.metadata_slots, runner_factory=PagedModelRunner,
+                closers=self._closers, eos_token_id=config.model.eos_token_id, clock=clock,
+                on_response=self._on_decode, check_invariants=config.scheduler.check_invariants,
+            )
+        except BaseException:
+            close_all(self._closers)
+            raise
+        self.prefill_pool = self.prefill.runner.pool
+        self.decode_pool = self.decode.pool
+        self.prefill_kv = self.prefill.kv
+        self.decode_kv = self.decode.kv
         self._rooms = 0
         self._propagated: set[str] = set()
 
@@ -182,9 +169,14 @@ class EmbeddedPair:
     def idle(self) -> bool:
         return self.prefill.idle() and self.decode.idle()
 
+    def _decode_kv(
+        self, hub: LocalTransferHub, pool: KVPool, meta: MetadataBuffers, _runner: ModelRunner
+    ) -> LocalDecodeManager | MooncakeDecodeManager:
+        if self.bootstrap is None:
+            return LocalDecodeManager(pool, meta, hub=hub)
+        return MooncakeDecodeManager(pool, meta, self.bootstrap.address)
+
     def close(self) -> None:
-        self.prefill.close()
-        self.decode_kv.close()
-        self.prefill_kv.close()
-        if self.bootstrap is not None:
-            self.bootstrap.close()
+        errors = close_all(self._closers)
+        if errors:
+            raise errors[0]

@@ -33,6 +33,7 @@ unhealthy for good.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -43,17 +44,16 @@ from typing import Any
 import attrs
 
 from kv.bootstrap import BootstrapServer
-from kv.fake import FakeKVManager
-from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
-from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.mooncake import MooncakeKVManager
+from kv.local import LocalDecodeManager, LocalTransferHub
+from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
 from kv.wire import DroppedMessages
 from lifecycle import FailureReason
+from scheduler.assemble import Closers, build_decode, build_prefill, close_all
 from scheduler.decode.peer import DecodePeer, DecodeResponse
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
-from scheduler.messages import LOCAL_HOST, NewRequest, Response
+from scheduler.messages import NewRequest, Response
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, PagedModelRunner, resolve_device
 from scheduler.prefill.scheduler import PrefillScheduler
@@ -129,7 +129,7 @@ class Service:
         self.prefill: PrefillScheduler | None = None
         self.decode: DecodePeer | None = None
         self.decode_kv: DecodeKVRouter | None = None
-        self._closers: list[Callable[[], None]] = []
+        self._closers: Closers = []
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Pending] = {}
@@ -154,68 +154,49 @@ class Service:
 
     def _build(self, runner_factory: Callable[[LlamaModel, KVPool], ModelRunner]) -> None:
         c = self.config
-        ps = c.scheduler.page_size
-        hub = LocalTransferHub() if c.backend == "local" else None
+        hub = LocalTransferHub()
         if c.role in ("prefill", "both"):
-            pool = self.model.make_pool(num_pages=c.pool_pages, page_size=ps)
-            meta = MetadataBuffers(c.metadata_slots)
-            fake_kv = FakeKVManager()
-            kv: Any
             if c.backend == "mooncake":
                 self.bootstrap = BootstrapServer(
                     c.bootstrap_host, c.bootstrap_port, token=c.mooncake.token
                 )
                 self._closers.append(self.bootstrap.close)
-                kv = MooncakeKVManager(pool, meta, rank=0, config=c.mooncake)
-                self._closers.append(kv.close)
-                kv.register_to_bootstrap(self.bootstrap.address)
-                logger.info("bootstrap endpoint on %s; rank 0 registered (%s)",
-                            self.bootstrap.address, kv.endpoint)
-            elif c.backend == "local":
-                assert hub is not None
-                kv = LocalKVManager(pool, meta, hub=hub, bootstrap_addr=f"{LOCAL_HOST}:0")
-                self._closers.append(kv.close)
-            else:
-                kv = fake_kv
-            self.prefill = PrefillScheduler(
-                config=c.scheduler,
-                runner=runner_factory(self.model, pool),
-                kv=kv,
-                fake_kv=fake_kv,
-                metadata=meta,
-                slots=SlotAllocator(c.metadata_slots),
-                on_response=self._on_prefill,
-                overlap=c.overlap,
+            self.prefill = build_prefill(
+                self.model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
+                metadata_slots=c.metadata_slots, runner_factory=runner_factory,
+                closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
+                on_response=self._on_prefill, overlap=c.overlap,
             )
-            self._closers.append(self.prefill.close)
+            if self.bootstrap is not None:
+                logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)
         if c.role in ("decode", "both"):
-            pool = self.model.make_pool(num_pages=c.pool_pages, page_size=ps)
-            meta = MetadataBuffers(c.metadata_slots)
-            runner = runner_factory(self.model, pool)
-            fake = LocalPrefillFake(runner, meta)
-            if c.backend == "mooncake":
-                self.decode_kv = DecodeKVRouter(
-                    fake=fake,
-                    factory=lambda addr: MooncakeDecodeManager(pool, meta, addr, config=c.mooncake),
-                )
-            elif c.backend == "local":
-                assert hub is not None
-                self.decode_kv = DecodeKVRouter(
-                    fake=fake, default=LocalDecodeManager(pool, meta, hub=hub)
-                )
-            else:
-                self.decode_kv = DecodeKVRouter(fake=fake)
-            self._closers.append(self.decode_kv.close)
-            self.decode = DecodePeer(
-                runner=runner,
-                kv=self.decode_kv,
-                metadata=meta,
-                slots=SlotAllocator(c.metadata_slots),
-                eos_token_id=c.model.eos_token_id,
+            self.decode = build_decode(
+                self.model, kv_for=functools.partial(self._decode_router, hub),
+                page_size=c.scheduler.page_size, pages=c.pool_pages,
+                metadata_slots=c.metadata_slots, runner_factory=runner_factory,
+                closers=self._closers, eos_token_id=c.model.eos_token_id,
                 max_running_requests=c.scheduler.max_running_requests,
-                waiting_timeout=c.waiting_timeout,
-                on_response=self._on_decode,
+                waiting_timeout=c.waiting_timeout, on_response=self._on_decode,
             )
+
+    def _decode_router(
+        self, hub: LocalTransferHub, pool: KVPool, meta: MetadataBuffers, runner: ModelRunner
+    ) -> DecodeKVRouter:
+        """Decode's KV layer: one Mooncake manager per prefill server a request names, the
+        local hub's manager, and the fake prefill of fake-host requests."""
+        c = self.config
+        fake = LocalPrefillFake(runner, meta)
+        if c.backend == "mooncake":
+            router = DecodeKVRouter(
+                fake=fake,
+                factory=lambda addr: MooncakeDecodeManager(pool, meta, addr, config=c.mooncake),
+            )
+        elif c.backend == "local":
+            router = DecodeKVRouter(fake=fake, default=LocalDecodeManager(pool, meta, hub=hub))
+        else:
+            router = DecodeKVRouter(fake=fake)
+        self.decode_kv = router
+        return router
 
     def _dropped_messages(self) -> Iterator[tuple[str, DroppedMessages]]:
         if self.prefill is not None:
@@ -239,12 +220,8 @@ class Service:
             self._close_backends()
 
     def _close_backends(self) -> None:
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception:  # release the rest even if one fails
-                logger.exception("closing %r failed", close)
-        self._closers.clear()
+        for exc in close_all(self._closers):
+            logger.error("closing a backend failed", exc_info=exc)
 
     # -- admission (HTTP side) --------------------------------------------------------------
 

@@ -1,0 +1,152 @@
+"""The one place that wires a side: pool, metadata buffers, KV backend, and the engine on top.
+
+``pdlife serve`` (:mod:`scheduler.service.core`) and the embedded pair
+(:mod:`scheduler.embedded`) both build a prefill scheduler and a decode peer from a model, a
+backend name and sizes; they differ only in how the decode side finds its prefill (one known
+bootstrap address, or a router that connects to whichever prefill a request names), which the
+caller passes as ``kv_for``.
+
+Everything built here that holds a thread, a socket or a port is appended to ``closers`` as soon
+as it exists, so a caller whose construction fails half-way can release what was built.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+from kv.bootstrap import BootstrapServer
+from kv.fake import FakeKVManager, FaultPlan
+from kv.local import LocalKVManager, LocalTransferHub
+from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.mooncake import MooncakeKVManager
+from kv.mooncake_engine import MooncakeConfig
+from kv.pool import KVPool
+from kv.transfer import KVManager
+from scheduler.decode.peer import DecodeKVManager, DecodePeer, DecodeResponse
+from scheduler.messages import LOCAL_HOST, Response
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.delayer import PrefillDelayer
+from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.runner import ModelRunner
+
+Backend = Literal["local", "mooncake", "fake"]
+Closers = list[Callable[[], None]]
+
+
+class PoolModel(Protocol):
+    """A model that sizes the KV pool it writes into."""
+
+    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool: ...
+
+
+#: Builds a side's model runner over its pool (the model is the caller's).
+RunnerFactory = Callable[[Any, KVPool], ModelRunner]
+#: Builds the decode side's KV manager over its pool and buffers (given the side's runner).
+DecodeKVFactory = Callable[[KVPool, MetadataBuffers, ModelRunner], DecodeKVManager]
+
+
+def close_all(closers: Closers) -> list[BaseException]:
+    """Run ``closers`` newest first, each even if an earlier one raised; returns the errors."""
+    errors: list[BaseException] = []
+    while closers:
+        try:
+            closers.pop()()
+        except Exception as exc:  # release the rest even if one fails
+            errors.append(exc)
+    return errors
+
+
+def build_prefill(
+    model: PoolModel,
+    *,
+    backend: Backend,
+    config: SchedulerConfig,
+    pages: int,
+    metadata_slots: int,
+    runner_factory: RunnerFactory,
+    closers: Closers,
+    hub: LocalTransferHub | None = None,
+    bootstrap: BootstrapServer | None = None,
+    mooncake: MooncakeConfig | None = None,
+    faults: FaultPlan | None = None,
+    delayer: PrefillDelayer | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    on_response: Callable[[Response], None] | None = None,
+    overlap: bool = False,
+) -> PrefillScheduler:
+    """A prefill scheduler over a fresh pool and ``backend``'s KV manager. ``local`` needs the
+    ``hub`` its decode peer shares; ``mooncake`` needs the ``bootstrap`` endpoint its rank
+    registers at. Requests for the fake bootstrap host always get the fake backend."""
+    pool = model.make_pool(num_pages=pages, page_size=config.page_size)
+    metadata = MetadataBuffers(metadata_slots)
+    fake_kv = FakeKVManager(faults, clock=clock)
+    kv: KVManager
+    if backend == "mooncake":
+        if bootstrap is None:
+            raise ValueError("the mooncake backend needs the bootstrap endpoint to register at")
+        mooncake_kv = MooncakeKVManager(pool, metadata, rank=0, config=mooncake)
+        closers.append(mooncake_kv.close)
+        mooncake_kv.register_to_bootstrap(bootstrap.address)
+        kv = mooncake_kv
+    elif backend == "local":
+        if hub is None:
+            raise ValueError("the local backend needs the hub its decode peer shares")
+        local_kv = LocalKVManager(pool, metadata, hub=hub, bootstrap_addr=f"{LOCAL_HOST}:0")
+        closers.append(local_kv.close)
+        kv = local_kv
+    else:
+        kv = fake_kv
+    scheduler = PrefillScheduler(
+        config=config,
+        runner=runner_factory(model, pool),
+        kv=kv,
+        fake_kv=fake_kv,
+        metadata=metadata,
+        slots=SlotAllocator(metadata_slots),
+        delayer=delayer,
+        clock=clock,
+        on_response=on_response,
+        overlap=overlap,
+    )
+    closers.append(scheduler.close)
+    return scheduler
+
+
+def build_decode(
+    model: PoolModel,
+    *,
+    kv_for: DecodeKVFactory,
+    page_size: int,
+    pages: int,
+    metadata_slots: int,
+    runner_factory: RunnerFactory,
+    closers: Closers,
+    eos_token_id: int | None,
+    max_running_requests: int = 256,
+    waiting_timeout: float = 300.0,
+    clock: Callable[[], float] = time.monotonic,
+    on_response: Callable[[DecodeResponse], None] | None = None,
+    check_invariants: bool = False,
+) -> DecodePeer:
+    """A decode peer over a fresh pool; ``kv_for`` builds its KV manager."""
+    pool = model.make_pool(num_pages=pages, page_size=page_size)
+    metadata = MetadataBuffers(metadata_slots)
+    runner = runner_factory(model, pool)
+    kv = kv_for(pool, metadata, runner)
+    close = getattr(kv, "close", None)
+    if close is not None:
+        closers.append(close)
+    return DecodePeer(
+        runner=runner,
+        kv=kv,
+        metadata=metadata,
+        slots=SlotAllocator(metadata_slots),
+        eos_token_id=eos_token_id,
+        max_running_requests=max_running_requests,
+        waiting_timeout=waiting_timeout,
+        clock=clock,
+        on_response=on_response,
+        check_invariants=check_invariants,
+    )
