@@ -159,18 +159,32 @@ def _check(
     bootstrap_port: int | None,
     bootstrap_room: int | None,
 ) -> Item:
-    c, m = config, config.model
     if not rid or len(rid) > _MAX_RID_LEN:
         raise BadRequest("bad_rid", f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
-    n = len(input_ids)
-    if n == 0:
+    _check_prompt(config, rid, input_ids)
+    _check_lengths(config, rid, len(input_ids), max_new_tokens)
+    if min(stop_token_ids, default=0) < 0:
+        raise BadRequest("bad_stop_token", f"request {rid!r}: stop_token_ids must be >= 0")
+    sampling = SamplingParams(max_new_tokens, tuple(stop_token_ids), ignore_eos)
+    return _with_bootstrap(config, rooms, rid, tuple(input_ids), sampling,
+                           bootstrap_host, bootstrap_port, bootstrap_room)
+
+
+def _check_prompt(config: ServeConfig, rid: str, input_ids: Sequence[int]) -> None:
+    vocab = config.model.vocab_size
+    if not input_ids:
         raise BadRequest("empty_prompt", f"request {rid!r}: the prompt is empty")
-    if min(input_ids) < 0 or max(input_ids) >= m.vocab_size:
+    if min(input_ids) < 0 or max(input_ids) >= vocab:
         raise BadRequest(
             "bad_token_id",
-            f"request {rid!r}: token ids must be in 0..{m.vocab_size - 1}, got "
+            f"request {rid!r}: token ids must be in 0..{vocab - 1}, got "
             f"{min(input_ids)}..{max(input_ids)}",
         )
+
+
+def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -> None:
+    """The answer's length limit, the model's context and the KV pool."""
+    c, m = config, config.model
     limit = c.new_tokens_limit
     if not 1 <= max_new_tokens <= limit:
         raise BadRequest(
@@ -191,24 +205,34 @@ def _check(
             f"request {rid!r}: {need} tokens exceed the KV pool of "
             f"{c.pool_pages * c.scheduler.page_size} tokens",
         )
-    if min(stop_token_ids, default=0) < 0:
-        raise BadRequest("bad_stop_token", f"request {rid!r}: stop_token_ids must be >= 0")
-    if bootstrap_room is not None and not 0 <= bootstrap_room <= _MAX_ROOM:
+
+
+def _with_bootstrap(
+    config: ServeConfig,
+    rooms: Iterator[int],
+    rid: str,
+    input_ids: tuple[int, ...],
+    sampling: SamplingParams,
+    host: str | None,
+    port: int | None,
+    room: int | None,
+) -> Item:
+    """The item with its peer: the router's bootstrap fields, or a room of the service's own
+    for requests no prefill server pairs with (fake host, fake and local backends)."""
+    c = config
+    if room is not None and not 0 <= room <= _MAX_ROOM:
         raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_room must be a uint64")
-    sampling = SamplingParams(max_new_tokens, tuple(stop_token_ids), ignore_eos)
-    fake = bootstrap_host == FAKE_BOOTSTRAP_HOST or c.backend == "fake"
+    fake = host == FAKE_BOOTSTRAP_HOST or c.backend == "fake"
     if fake or c.backend == "local":
-        # No prefill server pairs with these rooms: the service picks its own.
-        host = FAKE_BOOTSTRAP_HOST if fake else LOCAL_HOST
-        return Item(rid, tuple(input_ids), sampling, host, 0, next(rooms))
-    if bootstrap_host is None or bootstrap_port is None or bootstrap_room is None:
+        own_host = FAKE_BOOTSTRAP_HOST if fake else LOCAL_HOST
+        return Item(rid, input_ids, sampling, own_host, 0, next(rooms))
+    if host is None or port is None or room is None:
         raise BadRequest(
             "missing_bootstrap",
             f"request {rid!r}: the {c.role} role needs bootstrap_host, bootstrap_port and "
             f"bootstrap_room (a PD router adds them; bootstrap_host {FAKE_BOOTSTRAP_HOST} "
             "runs the request without a peer)",
         )
-    if not 1 <= bootstrap_port <= 65535:
+    if not 1 <= port <= 65535:
         raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_port must be 1..65535")
-    return Item(rid, tuple(input_ids), sampling, bootstrap_host, bootstrap_port,
-                bootstrap_room)
+    return Item(rid, input_ids, sampling, host, port, room)

@@ -1,0 +1,72 @@
+"""Errors as the HTTP API answers them, and the refusals every route shares.
+
+Every error is ``{"error": {"message", "type", "rid"}}``: a 4xx for what the client can fix, a
+5xx or 503 for what it cannot. Refusals of client input are counted by reason
+(``pdlife_http_rejected_total``).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.service.core import Answer, Service
+from scheduler.service.schema import ErrorBody, ErrorDetail
+
+
+def error(status: int, kind: str, message: str, rid: str | None = None) -> JSONResponse:
+    body = ErrorBody(error=ErrorDetail(message=message, type=kind, rid=rid))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def rejected(
+    service: Service, reason: str, status: int, message: str, rid: str | None = None
+) -> JSONResponse:
+    """A refusal of the client's input, counted by ``reason``."""
+    service.metrics.http_rejected.labels(reason=reason).inc()
+    return error(status, reason, message, rid)
+
+
+def unavailable(service: Service) -> JSONResponse | None:
+    """The 503 of a server that cannot take requests now, or None when it can."""
+    if not service.healthy:
+        return error(503, "unhealthy", f"the engine loop failed: {service.loop.failure!r}")
+    if service.draining:
+        return error(503, "draining", "the server is draining (shutting down)")
+    return None
+
+
+def failure_kind(answer: Answer) -> str:
+    return answer.reason.value if answer.reason is not None else "error"
+
+
+def install_error_handlers(app: FastAPI, service: Service) -> None:
+    """Answer what FastAPI refuses before a handler runs in the API's own error shape."""
+
+    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400:  # a body FastAPI could not even decode
+            return rejected(service, "malformed_json", 400,
+                            f"the body is not valid JSON: {exc.detail}")
+        return error(exc.status_code, "http_error", str(exc.detail))
+
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+        if bad_json:
+            why = bad_json[0].get("ctx", {}).get("error", "")
+            return rejected(service, "malformed_json", 400, f"the body is not valid JSON: {why}")
+        if "json" not in request.headers.get("content-type", ""):
+            return rejected(service, "invalid_request", 400,
+                            "send a JSON object with Content-Type: application/json")
+        parts = [
+            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg', '')}"
+            for e in errors[:5]
+        ]
+        return rejected(service, "invalid_request", 400, "; ".join(parts) or "invalid request")
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)

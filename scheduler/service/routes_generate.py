@@ -1,0 +1,259 @@
+"""SGLang's request endpoints: ``/generate`` (one prompt or a batch, plain or streamed) and
+``/abort_request``.
+
+Handlers never touch an engine: they check the input (:meth:`Service.check`), register and
+submit (:meth:`Service.start`), and await the request's future (see :mod:`.core` for the
+hand-off). A client that goes away aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scheduler.decode.router import PeerUnreachable
+from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
+from scheduler.service.errors import error, failure_kind, rejected, unavailable
+from scheduler.service.routes_info import ServiceDep
+from scheduler.service.schema import (
+    ERRORS,
+    AbortAnswer,
+    AbortRequest,
+    ErrorBody,
+    ErrorDetail,
+    FinishReason,
+    GenerateAnswer,
+    GenerateRequest,
+    MetaInfo,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def _finish(answer: Answer) -> FinishReason:
+    ids = answer.output_ids
+    if answer.finish_reason == "abort":
+        return FinishReason(type="abort", message=answer.message or "aborted",
+                            status_code=answer.status)
+    if answer.finish_reason == "length":
+        return FinishReason(type="length", length=len(ids))
+    return FinishReason(type="stop", matched=ids[-1] if ids else None)
+
+
+def _answer_body(service: Service, rid: str, ids: Sequence[int], prompt_tokens: int,
+                 latency: float, finish: FinishReason | None) -> dict[str, Any]:
+    body = GenerateAnswer(
+        text=service.tokenizer.decode(ids),
+        output_ids=list(ids),
+        meta_info=MetaInfo(
+            id=rid, finish_reason=finish, prompt_tokens=prompt_tokens,
+            completion_tokens=len(ids), e2e_latency=latency,
+        ),
+    ).model_dump()
+    if finish is not None:  # SGLang's finish_reason carries only the keys of its type
+        body["meta_info"]["finish_reason"] = finish.model_dump(exclude_none=True)
+    return body
+
+
+def _final_body(service: Service, answer: Answer) -> dict[str, Any]:
+    return _answer_body(service, answer.rid, answer.output_ids, answer.prompt_tokens,
+                        answer.e2e_latency, _finish(answer))
+
+
+# -- input ------------------------------------------------------------------------------------
+
+
+def _per_item(value: Any, n: int, name: str, batch: bool) -> list[Any]:
+    """A batch field: one value per prompt, or one value shared by all."""
+    if isinstance(value, list):
+        if not batch:
+            raise BadRequest("bad_batch", f"{name} is a list but the prompt is not a batch")
+        if len(value) != n:
+            raise BadRequest("bad_batch", f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
+    if body.return_logprob:
+        raise BadRequest("unsupported", "return_logprob is not supported by this server")
+    if (body.text is None) == (body.input_ids is None):
+        raise BadRequest("bad_prompt", "give exactly one of text or input_ids")
+    prompts: list[list[int]]
+    if body.text is not None:
+        batch = isinstance(body.text, list)
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        prompts = [service.tokenizer.encode(t) for t in texts]
+    else:
+        ids = body.input_ids
+        assert ids is not None
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = [list(p) for p in ids] if batch else [list(ids)]  # type: ignore[arg-type]
+    if batch and not prompts:
+        raise BadRequest("empty_prompt", "the batch is empty")
+    n = len(prompts)
+    if isinstance(body.rid, list):
+        rids = _per_item(body.rid, n, "rid", batch)
+    elif body.rid is not None:
+        rids = [body.rid] if not batch else [f"{body.rid}-{i}" for i in range(n)]
+    else:
+        base = uuid.uuid4().hex
+        rids = [base] if not batch else [f"{base}-{i}" for i in range(n)]
+    if len(set(rids)) != n:
+        raise BadRequest("duplicate_rid", "the rids of a batch must be distinct")
+    hosts = _per_item(body.bootstrap_host, n, "bootstrap_host", batch)
+    ports = _per_item(body.bootstrap_port, n, "bootstrap_port", batch)
+    rooms = _per_item(body.bootstrap_room, n, "bootstrap_room", batch)
+    params = _per_item(body.sampling_params or SamplingParams(), n, "sampling_params", batch)
+    items = [
+        service.check(
+            rid=rid, input_ids=prompt, max_new_tokens=sp.max_new_tokens,
+            stop_token_ids=sp.stop_token_ids or (), ignore_eos=sp.ignore_eos,
+            bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
+        )
+        for rid, prompt, sp, host, port, room in zip(
+            rids, prompts, params, hosts, ports, rooms, strict=True
+        )
+    ]
+    return items, batch
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+
+@router.post("/abort_request", response_model=AbortAnswer,
+             responses={400: ERRORS[400], 404: {"model": ErrorBody,
+                                                  "description": "no live request has this rid"}})
+async def abort_request(body: AbortRequest, service: ServiceDep) -> Response:
+    """Abort a live request by rid (or every live request with ``abort_all``)."""
+    if body.abort_all:
+        return JSONResponse(AbortAnswer(rid="", aborted=service.abort_all()).model_dump())
+    if not body.rid:
+        return rejected(service, "bad_rid", 400, "give a rid, or abort_all: true")
+    if not service.abort(body.rid):
+        return rejected(service, "unknown_rid", 404, f"no live request has rid {body.rid!r}",
+                        body.rid)
+    return JSONResponse(AbortAnswer(rid=body.rid, aborted=1).model_dump())
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateAnswer | list[GenerateAnswer],
+    responses={
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+              "description": "the answer (a list for a batch), or a stream of answers"},
+        **ERRORS,
+    },
+)
+async def generate(body: GenerateRequest, request: Request, service: ServiceDep) -> Response:
+    """Generate for one prompt or a batch (SGLang's ``/generate``)."""
+    refused = unavailable(service)
+    if refused is not None:
+        service.metrics.http_rejected.labels(reason="unavailable").inc()
+        return refused
+    try:
+        items, batch = _items(service, body)
+        if body.stream and batch:
+            raise BadRequest("bad_batch", "streaming a batch is not supported")
+    except BadRequest as exc:
+        return rejected(service, exc.reason, exc.status, str(exc), exc.rid)
+    try:
+        for addr_item in {i.bootstrap_addr: i for i in items}.values():
+            if service.needs_connect(addr_item):
+                await asyncio.to_thread(service.connect_peer, addr_item)
+    except PeerUnreachable as exc:
+        return rejected(service, "bootstrap_failed", 500, str(exc))
+    started: list[Pending] = []
+    try:
+        for item in items:
+            started.append(service.start(item, stream=body.stream))
+    except (BadRequest, Unavailable) as exc:
+        for p in started:
+            service.abort(p.item.rid)
+        if isinstance(exc, BadRequest):
+            return rejected(service, exc.reason, exc.status, str(exc), exc.rid)
+        return rejected(service, "unavailable", 503, str(exc))
+    if body.stream:
+        return StreamingResponse(_stream(service, started[0]), media_type="text/event-stream")
+    return await _wait(service, request, started, batch)
+
+
+async def _wait(service: Service, request: Request, pending: list[Pending],
+                batch: bool) -> Response:
+    futures = [p.future for p in pending]
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        everything = asyncio.ensure_future(asyncio.gather(*futures))
+        either: set[asyncio.Future[Any]] = {everything, gone}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():
+            everything.cancel()
+            for p in pending:
+                service.abort(p.item.rid)
+            logger.info("client went away; aborted %s", [p.item.rid for p in pending])
+            return Response(status_code=499)
+    finally:
+        gone.cancel()
+    answers: list[Answer] = [f.result() for f in futures]
+    for answer in answers:
+        if answer.status != 200:
+            return error(answer.status, failure_kind(answer), answer.message, answer.rid)
+    bodies = [_final_body(service, a) for a in answers]
+    return JSONResponse(bodies if batch else bodies[0])
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _stream(service: Service, pending: Pending) -> AsyncIterator[bytes]:
+    """SGLang's stream: cumulative ``text``/``output_ids`` per chunk, the last one with its
+    ``finish_reason``, then ``data: [DONE]``. A client that disconnects aborts the request."""
+    item, progress = pending.item, pending.progress
+    assert progress is not None
+    emitted: list[int] = []
+    finished = False
+    try:
+        while not pending.future.done():
+            more = asyncio.ensure_future(progress.get())
+            either: set[asyncio.Future[Any]] = {more, pending.future}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not more.done():
+                more.cancel()
+                continue
+            emitted.extend(more.result())
+            yield _sse(_answer_body(service, item.rid, emitted, len(item.input_ids),
+                                    time.monotonic() - pending.started, None))
+        answer = pending.future.result()
+        if answer.status != 200:
+            yield _sse(ErrorBody(error=ErrorDetail(
+                message=answer.message, type=failure_kind(answer), rid=answer.rid)).model_dump())
+        else:
+            yield _sse(_final_body(service, answer))
+        yield b"data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:
+            service.abort(item.rid)
+            logger.info("stream of %r closed early; aborted", item.rid)

@@ -1,0 +1,116 @@
+"""The server's own endpoints: health, server and model info, the model list, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from scheduler.messages import FAKE_BOOTSTRAP_HOST
+from scheduler.service.core import Service, Unavailable
+from scheduler.service.errors import error, failure_kind, unavailable
+from scheduler.service.schema import ERRORS, ModelCard, ModelInfo, ModelList, ServerInfo
+
+_HEALTH_TIMEOUT_S = 30.0
+
+router = APIRouter()
+
+
+def service_of(request: Request) -> Service:
+    """The :class:`Service` an app serves (every route's dependency)."""
+    service: Service = request.app.state.service
+    return service
+
+
+ServiceDep = Annotated[Service, Depends(service_of)]
+
+
+@router.get("/health", response_class=PlainTextResponse, responses={503: ERRORS[503]})
+async def health(service: ServiceDep) -> Response:
+    """200 (empty body) while the engine loop runs and the server admits requests."""
+    return unavailable(service) or PlainTextResponse("")
+
+
+@router.get("/health_generate", response_class=PlainTextResponse, responses={503: ERRORS[503]})
+async def health_generate(service: ServiceDep) -> Response:
+    """Runs a one-token request through the engines (fake bootstrap host)."""
+    refused = unavailable(service)
+    if refused is not None:
+        return refused
+    item = service.check(
+        rid=f"health-{uuid.uuid4().hex}", input_ids=service.tokenizer.encode("health"),
+        max_new_tokens=1, stop_token_ids=(), ignore_eos=True,
+        bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_port=None, bootstrap_room=None,
+    )
+    try:
+        pending = service.start(item, stream=False)
+    except Unavailable as exc:
+        return error(503, "unavailable", str(exc))
+    try:
+        answer = await asyncio.wait_for(asyncio.shield(pending.future), _HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        service.abort(item.rid)
+        return error(503, "timeout", f"no answer within {_HEALTH_TIMEOUT_S:g} s")
+    if answer.status != 200:
+        return error(503, failure_kind(answer), answer.message)
+    return PlainTextResponse("")
+
+
+def _server_info(service: ServiceDep) -> ServerInfo:
+    config, snap = service.config, service.snapshot
+    return ServerInfo(
+        role=config.role,
+        backend=config.backend,
+        disaggregation_mode=config.role if config.role != "both" else "null",
+        model_path=config.model_name,
+        page_size=config.scheduler.page_size,
+        pool_pages=config.pool_pages,
+        max_new_tokens_limit=config.new_tokens_limit,
+        max_position=config.model.max_position,
+        bootstrap_port=(
+            int(service.bootstrap.address.rpartition(":")[2])
+            if service.bootstrap is not None else None
+        ),
+        healthy=service.healthy,
+        draining=service.draining,
+        live_requests=service.live_requests(),
+        requests=snap.get("requests", {}),
+        kv_pool=snap.get("kv_pool", {}),
+        peers=service.decode_kv.peers() if service.decode_kv is not None else [],
+    )
+
+
+def _model_info(service: ServiceDep) -> ModelInfo:
+    config = service.config
+    return ModelInfo(
+        model_path=config.model_name, tokenizer_path=None, is_generation=True,
+        vocab_size=config.model.vocab_size, max_position=config.model.max_position,
+    )
+
+
+for _path in ("/server_info", "/get_server_info"):
+    router.get(_path, response_model=ServerInfo)(_server_info)
+for _path in ("/model_info", "/get_model_info"):
+    router.get(_path, response_model=ModelInfo)(_model_info)
+
+_STARTED = int(time.time())
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(service: ServiceDep) -> ModelList:
+    config = service.config
+    return ModelList(data=[ModelCard(
+        id=config.model_name, created=_STARTED, owned_by="pdlife", root=config.model_name,
+        max_model_len=config.model.max_position,
+    )])
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def prometheus(service: ServiceDep) -> Response:
+    """Prometheus text: scheduler, decode and HTTP metrics."""
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
