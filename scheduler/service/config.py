@@ -140,34 +140,19 @@ def check_item(
     wrong. Fake-host requests (and every request of the fake and local backends) take their room
     from ``rooms``: no prefill server pairs with them."""
     try:
-        return _check(config, rooms, rid, input_ids, max_new_tokens, stop_token_ids, ignore_eos,
-                      bootstrap_host, bootstrap_port, bootstrap_room)
+        if not rid or len(rid) > _MAX_RID_LEN:
+            raise BadRequest("bad_rid",
+                             f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
+        _check_prompt(config, rid, input_ids)
+        _check_lengths(config, rid, len(input_ids), max_new_tokens)
+        if min(stop_token_ids, default=0) < 0:
+            raise BadRequest("bad_stop_token", f"request {rid!r}: stop_token_ids must be >= 0")
+        sampling = SamplingParams(max_new_tokens, tuple(stop_token_ids), ignore_eos)
+        return _with_bootstrap(config, rooms, rid, tuple(input_ids), sampling,
+                               bootstrap_host, bootstrap_port, bootstrap_room)
     except BadRequest as exc:
         exc.rid = rid
         raise
-
-
-def _check(
-    config: ServeConfig,
-    rooms: Iterator[int],
-    rid: str,
-    input_ids: Sequence[int],
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int],
-    ignore_eos: bool,
-    bootstrap_host: str | None,
-    bootstrap_port: int | None,
-    bootstrap_room: int | None,
-) -> Item:
-    if not rid or len(rid) > _MAX_RID_LEN:
-        raise BadRequest("bad_rid", f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
-    _check_prompt(config, rid, input_ids)
-    _check_lengths(config, rid, len(input_ids), max_new_tokens)
-    if min(stop_token_ids, default=0) < 0:
-        raise BadRequest("bad_stop_token", f"request {rid!r}: stop_token_ids must be >= 0")
-    sampling = SamplingParams(max_new_tokens, tuple(stop_token_ids), ignore_eos)
-    return _with_bootstrap(config, rooms, rid, tuple(input_ids), sampling,
-                           bootstrap_host, bootstrap_port, bootstrap_room)
 
 
 def _check_prompt(config: ServeConfig, rid: str, input_ids: Sequence[int]) -> None:

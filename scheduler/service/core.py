@@ -41,8 +41,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import attrs
-
 from kv.bootstrap import BootstrapServer
 from kv.local import LocalDecodeManager, LocalTransferHub
 from kv.metadata import MetadataBuffers
@@ -68,44 +66,11 @@ from scheduler.service.config import (
 )
 from scheduler.service.engine_loop import EngineLoop
 from scheduler.service.metrics import DroppedMessagesCollector, ServiceMetrics
+from scheduler.service.pending import Pending
 
 __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", "Unavailable"]
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.define(eq=False)
-class Pending:
-    """A live request as the HTTP side waits on it."""
-
-    item: Item
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Answer]
-    started: float
-    waiting_on: set[str]
-    progress: asyncio.Queue[tuple[int, ...]] | None = None
-    prefill_failure: Response | None = None
-    streamed: int = 0  # output tokens handed to the stream (engine thread only)
-
-    def resolve(self, answer: Answer) -> None:
-        """Hand ``answer`` to the waiting handler (any thread; at most once takes effect)."""
-
-        def settle() -> None:
-            if not self.future.done():
-                self.future.set_result(answer)
-
-        try:
-            self.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the handler's event loop is gone: nobody is waiting
-            logger.debug("answer for %r dropped: its event loop is closed", self.item.rid)
-
-    def push(self, tokens: tuple[int, ...]) -> None:
-        if self.progress is None:
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.progress.put_nowait, tokens)
-        except RuntimeError:
-            logger.debug("stream tokens for %r dropped: its event loop is closed", self.item.rid)
 
 
 def _pool_view(pool: KVPool) -> dict[str, int]:
