@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from scheduler.service import routes_generate, routes_info
 from scheduler.service.core import Service
 from scheduler.service.errors import install_error_handlers
-from scheduler.service.middleware import BodyLimit, HttpMetrics
+from scheduler.service.middleware import BodyLimit, Http2Probe, HttpMetrics
 
 _ROUTES = frozenset({
     "/health", "/health_generate", "/server_info", "/get_server_info", "/model_info",
@@ -41,4 +41,5 @@ def create_app(service: Service) -> FastAPI:
                        on_reject=lambda: metrics.http_rejected.labels(reason="body_too_large")
                        .inc())
     app.add_middleware(HttpMetrics, metrics=metrics, routes=_ROUTES)
+    app.add_middleware(Http2Probe)  # outermost: probes are neither counted nor routed
     return app

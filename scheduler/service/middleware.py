@@ -1,4 +1,5 @@
-"""ASGI middleware of the ``pdlife serve`` app: the body-size limit and the HTTP metrics."""
+"""ASGI middleware of the ``pdlife serve`` app: HTTP/2 probes, the body-size limit and the
+HTTP metrics."""
 
 from __future__ import annotations
 
@@ -17,6 +18,28 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+#: How much of an oversized body is read and thrown away before the 413, so that a client that
+#: sends its whole body before reading sees the answer instead of a reset connection.
+_DISCARD_LIMIT = 64 << 20
+
+
+class Http2Probe:
+    """Answers an HTTP/2 prior-knowledge probe (``PRI *``, which SGLang's router sends to find
+    out whether a worker speaks HTTP/2) with 505 and a closed connection, before any metrics
+    count it: the probe is not a request of a client."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "PRI":
+            await send({"type": "http.response.start", "status": 505, "headers": [
+                (b"content-length", b"0"), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """Answers 413 to a body over ``limit`` bytes before the app sees any of it."""
 
@@ -31,7 +54,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(send)
+            await self._reject(receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -43,7 +66,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await self._reject(send)
+                await self._reject(receive, send, more=message.get("more_body", False))
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -58,8 +81,15 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, receive: Receive, send: Send, more: bool = True) -> None:
         self.on_reject()
+        discarded = 0
+        while more and discarded <= _DISCARD_LIMIT:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            discarded += len(message.get("body", b""))
+            more = message.get("more_body", False)
         body = ErrorBody(error=ErrorDetail(
             message=f"the request body exceeds {self.limit} bytes", type="body_too_large"))
         data = json.dumps(body.model_dump()).encode()

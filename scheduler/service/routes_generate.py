@@ -201,18 +201,20 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
 
 async def _wait(service: Service, request: Request, pending: list[Pending],
                 batch: bool) -> Response:
+    """Every answer of ``pending``, or 499 and an abort of them all if the client goes away
+    first. Only the answers' own futures are awaited (nothing wraps them that a cancellation
+    could leave unretrieved)."""
     futures = [p.future for p in pending]
     gone = asyncio.ensure_future(_until_disconnect(request))
     try:
-        everything = asyncio.ensure_future(asyncio.gather(*futures))
-        either: set[asyncio.Future[Any]] = {everything, gone}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if not everything.done():
-            everything.cancel()
-            for p in pending:
-                service.abort(p.item.rid)
-            logger.info("client went away; aborted %s", [p.item.rid for p in pending])
-            return Response(status_code=499)
+        while waiting := [f for f in futures if not f.done()]:
+            either: set[asyncio.Future[Any]] = {*waiting, gone}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done() and not all(f.done() for f in futures):
+                for p in pending:
+                    service.abort(p.item.rid)
+                logger.info("client went away; aborted %s", [p.item.rid for p in pending])
+                return Response(status_code=499)
     finally:
         gone.cancel()
     answers: list[Answer] = [f.result() for f in futures]
