@@ -172,6 +172,10 @@ BAD_INPUTS = [
     ("prompt_too_long", json.dumps({"input_ids": [7] * 300}).encode(), "KV pool"),
     ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -3}}
                                    ).encode(), "max_new_tokens"),
+    ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 0}}
+                                   ).encode(),
+     "sampling_params.max_new_tokens: Input should be greater than or equal to 1"),
+    ("invalid_request", json.dumps({"text": 5}).encode(), "text: should be one of list[str], str"),
     ("bad_max_new_tokens", json.dumps({"text": "a", "sampling_params": {
         "max_new_tokens": 10**9}}).encode(), "1..32"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "stream": True}).encode(), "stream"),
@@ -196,6 +200,8 @@ def test_bad_input_gets_a_4xx_is_counted_and_leaves_nothing(reason: str, body: b
                 error = r.json()["error"]
                 assert error["type"] == reason
                 assert says in error["message"]
+                # One plain message per field: never the other members of a union.
+                assert "valid list" not in error["message"]
                 metrics = (await client.get("/metrics")).text
                 assert rejected(metrics, reason) == 1.0
                 assert 'route="/generate",status="400"' in metrics

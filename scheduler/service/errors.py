@@ -7,6 +7,9 @@ Every error is ``{"error": {"message", "type", "rid"}}``: a 4xx for what the cli
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -42,6 +45,47 @@ def failure_kind(answer: Answer) -> str:
     return answer.reason.value if answer.reason is not None else "error"
 
 
+def _is_union_tag(part: object) -> bool:
+    """A pydantic location part that names a union member (``list[int]``, ``SamplingParams``,
+    ``str``) rather than a field (the API's fields are snake_case)."""
+    return isinstance(part, str) and (
+        "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool")
+    )
+
+
+def _is_type_mismatch(error: dict[str, Any]) -> bool:
+    kind = str(error.get("type", ""))
+    return kind.endswith(("_type", "_parsing"))
+
+
+def plain_validation_errors(errors: Sequence[Any]) -> list[str]:
+    """One plain message per field, from pydantic's errors.
+
+    A field whose type is a union (``text``: a string or a list of strings) gets an error from
+    every member. Where the value has one member's type and breaks that member's constraint,
+    only that error is kept (``max_new_tokens: 0`` says ``>= 1``, not "not a list"); where the
+    value has none of the types, the field gets one message naming them.
+    """
+    by_field: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    for error in errors:
+        loc = list(error.get("loc", ()))[1:]  # drop "body"
+        cut = next((i for i, part in enumerate(loc) if _is_union_tag(part)), len(loc))
+        root = ".".join(str(p) for p in loc[:cut]) or "body"
+        tag = str(loc[cut]) if cut < len(loc) else ""
+        where = ".".join([root, *(str(p) for p in loc[cut + 1:] if not _is_union_tag(p))])
+        by_field.setdefault(root, []).append((tag, where, error))
+    messages: list[str] = []
+    for root, found in by_field.items():
+        tags = sorted({tag for tag, _, _ in found if tag})
+        relevant = [(where, e) for _, where, e in found if not _is_type_mismatch(e)]
+        if relevant or len(tags) < 2:
+            chosen = relevant or [(where, e) for _, where, e in found]
+            messages.extend(f"{where}: {e.get('msg', '')}" for where, e in chosen)
+        else:
+            messages.append(f"{root}: should be one of {', '.join(tags)}")
+    return messages
+
+
 def install_error_handlers(app: FastAPI, service: Service) -> None:
     """Answer what FastAPI refuses before a handler runs in the API's own error shape."""
 
@@ -62,10 +106,7 @@ def install_error_handlers(app: FastAPI, service: Service) -> None:
         if "json" not in request.headers.get("content-type", ""):
             return rejected(service, "invalid_request", 400,
                             "send a JSON object with Content-Type: application/json")
-        parts = [
-            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg', '')}"
-            for e in errors[:5]
-        ]
+        parts = plain_validation_errors(errors)[:5]
         return rejected(service, "invalid_request", 400, "; ".join(parts) or "invalid request")
 
     app.add_exception_handler(StarletteHTTPException, http_error)
