@@ -24,24 +24,20 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 import numpy as np
-import zmq
 
 from kv import wire
 from kv.bootstrap import BootstrapClient, BootstrapError, RankInfo
 from kv.metadata import MetadataBuffers, MetadataError
 from kv.mooncake_engine import (
-    Engine,
+    ControlEndpoint,
     IncompatiblePeerError,
     MooncakeConfig,
     MooncakeError,
     kv_dtype_name,
     push_socket,
-    register_all,
-    serve_control,
 )
 from kv.pool import KVPool
 from kv.transfer import (
@@ -84,27 +80,24 @@ class MooncakeDecodeManager:
         self.metadata = metadata
         self.bootstrap_addr = bootstrap_addr
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self.dropped_messages = wire.DroppedMessages()
         self._stop = threading.Event()
         self.prefill = self._lookup(bootstrap_addr, rank)
-        self._engine = Engine(self.config)
-        register_all(self._engine, pool, metadata)
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        port = self._pull.bind_to_random_port(f"tcp://{self.config.hostname}")
+        self._control = ControlEndpoint(
+            self.config, pool, metadata, self._handle, name="mooncake-status", log=logger
+        )
+        self.dropped_messages = self._control.dropped_messages
         self._lock = threading.Lock()
         self._rooms: dict[int, _DecodeRoom] = {}
         # Cleared rooms whose Status (prefill's "no more writes") has not come back yet.
         self._draining: dict[int, _DecodeRoom] = {}
         self._push_lock = threading.Lock()
-        self._push = push_socket(self._ctx, self.prefill.endpoint)
+        self._push = push_socket(self._control.ctx, self.prefill.endpoint)
         # Why the prefill counts as gone (see the heartbeat), or None while it answers.
         self._lost: str | None = None
         infos = metadata.buffer_infos()
         self._register = wire.Register(
-            session=self._engine.session,
-            status_endpoint=f"tcp://{self.config.hostname}:{port}",
+            session=self._control.session,
+            status_endpoint=self._control.endpoint,
             kv_ptr=pool.buffer.data_ptr(),
             num_layers=pool.num_layers,
             num_pages=pool.num_pages,
@@ -117,16 +110,15 @@ class MooncakeDecodeManager:
         )
         self._send(self._register)
         # The status socket is bound, so nothing sent to it is lost before its thread runs.
-        self._threads = [
-            threading.Thread(target=self._listen, name="mooncake-status", daemon=True),
-            threading.Thread(target=self._watch_prefill, name="mooncake-heartbeat", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._control.start()
+        self._heartbeat = threading.Thread(
+            target=self._watch_prefill, name="mooncake-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
 
     @property
     def session(self) -> str:
-        return self._engine.session
+        return self._control.session
 
     @property
     def lost(self) -> str | None:
@@ -177,13 +169,11 @@ class MooncakeDecodeManager:
 
     def close(self) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(timeout=10)
+        self._heartbeat.join(timeout=10)
+        self._control.stop()
         with self._push_lock:
             self._push.close()
-        self._pull.close()
-        self._ctx.term()
-        self._engine.close()
+        self._control.close()
 
     def _send(self, msg: wire.Message) -> None:
         data = wire.encode(msg, self.config.token)
@@ -231,18 +221,13 @@ class MooncakeDecodeManager:
             return
         with self._push_lock:
             self._push.close()
-            self._push = push_socket(self._ctx, info.endpoint)
+            self._push = push_socket(self._control.ctx, info.endpoint)
         self.prefill = info
         self._send(self._register)
         with self._lock:
             self._lost = None
         logger.info("prefill %s is back (session %s); registered again", self.bootstrap_addr,
                     info.session)
-
-    def _listen(self) -> None:
-        serve_control(
-            self._pull, self._stop, self.config.token, self._handle, self.dropped_messages, logger
-        )
 
     def _handle(self, msg: wire.Message) -> None:
         if not isinstance(msg, wire.Status):

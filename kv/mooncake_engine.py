@@ -4,7 +4,8 @@ One ``TransferEngine`` per side, initialised with the ``P2PHANDSHAKE`` metadata 
 metadata server: peers exchange segment descriptors directly), TCP here and RDMA where the
 hardware has it; the KV pool tensor and the metadata buffers are registered whole. Control
 messages (:mod:`kv.wire`) travel over ZeroMQ PUSH → PULL; :func:`serve_control` is the listener
-loop of either side. The prefill side is :mod:`kv.mooncake`, the decode side
+loop of either side, and :class:`ControlEndpoint` holds what both sides run: the engine, the
+control socket and its listener. The prefill side is :mod:`kv.mooncake`, the decode side
 :mod:`kv.mooncake_decode`.
 """
 
@@ -65,7 +66,7 @@ def kv_dtype_name(pool: KVPool) -> str:
     return str(pool.dtype).removeprefix("torch.")
 
 
-class Engine:
+class MooncakeEngine:
     """One TransferEngine with its registered regions; ``session`` is ``host:rpc_port``."""
 
     def __init__(self, config: MooncakeConfig) -> None:
@@ -111,7 +112,7 @@ class Engine:
         self._regions.clear()
 
 
-def register_all(engine: Engine, pool: KVPool, metadata: MetadataBuffers) -> None:
+def register_all(engine: MooncakeEngine, pool: KVPool, metadata: MetadataBuffers) -> None:
     if not pool.buffer.is_contiguous():
         raise MooncakeError("the KV pool buffer must be contiguous to be registered")
     engine.register(pool.buffer.data_ptr(), pool.buffer.numel() * pool.buffer.element_size())
@@ -153,3 +154,56 @@ def serve_control(
         except Exception:  # a handler bug must not end the listener
             log.exception("control message handler failed")
             dropped.record(wire.WireError("internal", "handler raised"))
+
+
+class ControlEndpoint:
+    """One side's engine, with the KV pool and metadata buffers registered, and its control
+    plane: a ZeroMQ PULL socket bound to a free port of ``config.hostname`` (:attr:`endpoint`)
+    and the listener thread that hands each message to ``handle`` once :meth:`start` ran."""
+
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        pool: KVPool,
+        metadata: MetadataBuffers,
+        handle: Callable[[wire.Message], None],
+        *,
+        name: str,
+        log: logging.Logger,
+    ) -> None:
+        self.engine = MooncakeEngine(config)
+        register_all(self.engine, pool, metadata)
+        self.dropped_messages = wire.DroppedMessages()
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port(f"tcp://{config.hostname}")
+        self.endpoint = f"tcp://{config.hostname}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=serve_control,
+            args=(self._pull, self._stop, config.token, handle, self.dropped_messages, log),
+            name=name,
+            daemon=True,
+        )
+
+    @property
+    def session(self) -> str:
+        return self.engine.session
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the listener (the engine and the context stay open)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """Stop the listener, then close the socket, the context and the engine; every push
+        socket of :attr:`ctx` must be closed first."""
+        self.stop()
+        self._pull.close()
+        self.ctx.term()
+        self.engine.close()

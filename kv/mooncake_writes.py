@@ -1,0 +1,263 @@
+"""The write pipeline of a Mooncake prefill rank: chunks in, engine writes out.
+
+Theory of operation
+-------------------
+:meth:`WritePipeline.submit` hands a chunk to one of ``num_workers`` worker threads, chosen by
+the decode session, so a room's chunks stay in order. A worker takes every chunk queued at that
+moment (at most ``_MAX_BATCH_CHUNKS``), groups them by decode session, coalesces their page
+pairs into runs consecutive on both sides (:func:`kv.pages.coalesce`; a run may continue from
+one request into the next) and submits one engine write covering every run of every layer's K
+and V, then the metadata rows of the chunks that are last.
+
+It submits the next write without waiting for the previous one while at most
+``max_blocks_in_flight`` blocks (what the TCP transport queues per peer) are in flight, cutting
+larger writes in halves of that, so the engine's lanes never drain between writes; it waits for
+writes oldest first. Only after every write of a group completed does the group conclude
+(:meth:`kv.mooncake_rooms.PrefillRooms.conclude`), and only then is decode told, so decode's
+metadata gate never sees a torn row.
+
+Failure: a write the engine refuses or reports failed fails the group's rooms with a reason
+naming the decode session and blacklists the session; a group for a blacklisted session is not
+written. An exception in a worker fails the rooms of its group; the worker keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from kv import wire
+from kv.metadata import MetadataBuffers
+from kv.mooncake_engine import MooncakeConfig, MooncakeEngine
+from kv.mooncake_rooms import Chunk, Owed, PrefillRooms
+from kv.pages import coalesce
+from kv.pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+# At most this many queued chunks are merged into one engine call.
+_MAX_BATCH_CHUNKS = 64
+
+
+@attrs.define(eq=False)
+class _Group:
+    """Chunks for one decode session taken off the queue together; they conclude together
+    once every engine write of theirs is done."""
+
+    session: str
+    chunks: list[Chunk]
+    writes: int = 0  # engine writes in flight
+    error: str | None = None
+    engine_failed: bool = False
+    live_rooms: list[int] = attrs.Factory(list)  # the rooms the writes are for
+
+    def fail(self, reason: str) -> None:
+        """An engine failure: the first reason stands, the session is blacklisted."""
+        self.error = self.error or reason
+        self.engine_failed = True
+
+
+@attrs.frozen(eq=False)
+class _Write:
+    group: _Group
+    batch: int
+    blocks: int
+
+
+_Blocks = tuple[list[int], list[int], list[int]]  # source addresses, destinations, lengths
+
+
+def _take(q: queue.SimpleQueue[Chunk | None], *, block: bool) -> tuple[list[Chunk], bool]:
+    """The chunks queued now (waiting for the first when ``block``), and whether the stop
+    marker came."""
+    chunks: list[Chunk] = []
+    while len(chunks) < _MAX_BATCH_CHUNKS:
+        try:
+            item = q.get() if block and not chunks else q.get_nowait()
+        except queue.Empty:
+            break
+        if item is None:
+            return chunks, True
+        chunks.append(item)
+    return chunks, False
+
+
+def _by_layout(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """Consecutive chunks grouped while their rooms share one decode registration (a session
+    that registers again may bring another memory layout)."""
+    groups: list[list[Chunk]] = []
+    for c in chunks:
+        if groups and groups[-1][0].rec.reg is c.rec.reg:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+class WritePipeline:
+    """The transfer workers of one prefill rank; ``notify`` pushes the statuses owed."""
+
+    def __init__(
+        self,
+        engine: MooncakeEngine,
+        pool: KVPool,
+        metadata: MetadataBuffers,
+        rooms: PrefillRooms,
+        config: MooncakeConfig,
+        notify: Callable[[Sequence[Owed]], None],
+    ) -> None:
+        self._engine = engine
+        self._pool = pool
+        infos = metadata.buffer_infos()
+        self._meta_ptrs = [i.ptr for i in infos]
+        self._meta_item_lens = [i.item_len for i in infos]
+        self._rooms = rooms
+        self._max_blocks = config.max_blocks_in_flight
+        self._notify = notify
+        self._queues: list[queue.SimpleQueue[Chunk | None]] = [
+            queue.SimpleQueue() for _ in range(config.num_workers)
+        ]
+        self._threads = [
+            threading.Thread(target=self._work, args=(q,), name=f"mooncake-xfer-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, chunk: Chunk) -> None:
+        session = chunk.session
+        self._queues[zlib.crc32(session.encode()) % len(self._queues)].put(chunk)
+
+    def close(self) -> None:
+        """Write what is queued, then stop the workers."""
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def _work(self, q: queue.SimpleQueue[Chunk | None]) -> None:
+        """Submit writes as chunks arrive while earlier writes are still in flight, so the
+        engine's queue does not drain between them; conclude writes oldest first."""
+        inflight: deque[_Write] = deque()
+        stopping = False
+        while not stopping or inflight:
+            chunks: list[Chunk] = []
+            if not stopping:
+                chunks, stopping = _take(q, block=not inflight)
+            if chunks:
+                # Chunks that queued up together go out together: one engine call per session
+                # instead of one per chunk, in queue order (so a room's chunks too).
+                by_session: dict[str, list[Chunk]] = {}
+                for c in chunks:
+                    by_session.setdefault(c.session, []).append(c)
+                for session, group in by_session.items():
+                    self._start(_Group(session, group), inflight)
+            elif inflight:
+                self._finish(inflight.popleft())
+
+    def _start(self, group: _Group, inflight: deque[_Write]) -> None:
+        """Submit the group's writes, first waiting for the oldest writes in flight while the
+        engine holds ``max_blocks_in_flight`` blocks; none to a blacklisted session. A group
+        with nothing in flight concludes at once."""
+        try:
+            for src, dst, lens in self._parts(group):
+                while inflight and (sum(w.blocks for w in inflight) + len(src)
+                                    > self._max_blocks):
+                    self._finish(inflight.popleft())
+                if self._rooms.blacklisted(group.session):
+                    group.error = (f"decode session {group.session} is blacklisted after an "
+                                   "earlier failure")
+                    break
+                batch = self._engine.submit_write(group.session, src, dst, lens)
+                if not batch:
+                    group.fail(f"the transfer engine refused a write of rooms {group.live_rooms} "
+                               f"to decode session {group.session}")
+                    break
+                group.writes += 1
+                inflight.append(_Write(group, batch, len(src)))
+        except Exception as exc:  # becomes failed rooms, never a dead worker
+            logger.exception("transfer worker failed writing to %s", group.session)
+            group.error = group.error or f"internal error in transfer worker: {exc!r}"
+        if not group.writes:
+            self._conclude(group)
+
+    def _finish(self, write: _Write) -> None:
+        group = write.group
+        try:
+            rc = self._engine.wait(write.batch)
+        except Exception:  # a failed write, never a dead worker
+            logger.exception("waiting for a write to %s failed", group.session)
+            rc = -1
+        if rc != 0:
+            group.fail(f"transfer engine write of rooms {group.live_rooms} to decode session "
+                       f"{group.session} failed (rc={rc})")
+        group.writes -= 1
+        if not group.writes:
+            self._conclude(group)
+
+    def _conclude(self, group: _Group) -> None:
+        self._notify(self._rooms.conclude(
+            group.chunks, group.session, group.error, group.engine_failed
+        ))
+
+    def _parts(self, group: _Group) -> list[_Blocks]:
+        """The blocks of the group's live chunks, then the metadata rows of those that are
+        last, cut into engine writes of at most half ``max_blocks_in_flight`` blocks, so one
+        can be queued while another is in flight."""
+        live = self._rooms.live(group.chunks)
+        group.live_rooms = sorted({c.rec.room for c in live})
+        src: list[int] = []
+        dst: list[int] = []
+        lens: list[int] = []
+        # Chunks for one destination layout coalesce together, so a run that continues from
+        # one request into the next on both sides is one block.
+        for same_layout in _by_layout(live):
+            reg = same_layout[0].rec.reg
+            assert reg is not None
+            for blocks in (self._blocks(same_layout, reg), self._rows(same_layout, reg)):
+                src += blocks[0]
+                dst += blocks[1]
+                lens += blocks[2]
+        step = max(1, self._max_blocks // 2)
+        return [(src[i : i + step], dst[i : i + step], lens[i : i + step])
+                for i in range(0, len(src), step)]
+
+    def _blocks(self, chunks: list[Chunk], reg: wire.Register) -> _Blocks:
+        """Addresses and lengths of every run of every layer half, layer-half major."""
+        runs = coalesce([p for c in chunks for p in c.src],
+                        np.concatenate([c.dst for c in chunks]).tolist())
+        if not runs:
+            return [], [], []
+        r = np.array(runs, dtype=np.int64)
+        pool = self._pool
+        pb = pool.page_bytes
+        halves = np.arange(2 * pool.num_layers, dtype=np.int64)[:, None]
+        src = pool.buffer.data_ptr() + (halves * pool.num_pages + r[:, 0]) * pb
+        dst = reg.kv_ptr + (halves * reg.num_pages + r[:, 1]) * pb
+        lens = np.broadcast_to(r[:, 2] * pb, src.shape)
+        return src.ravel().tolist(), dst.ravel().tolist(), lens.ravel().tolist()
+
+    def _rows(self, chunks: list[Chunk], reg: wire.Register) -> _Blocks:
+        """The metadata rows of the chunks that are last, every field."""
+        src: list[int] = []
+        dst: list[int] = []
+        lens: list[int] = []
+        for chunk in chunks:
+            rec = chunk.rec
+            if not chunk.last:
+                continue
+            assert rec.dest is not None
+            slot, dst_slot = rec.cursor.slot or 0, rec.dest.slot
+            for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens, reg.meta_ptrs,
+                                       strict=True):
+                src.append(ptr + slot * item)
+                dst.append(dptr + dst_slot * item)
+                lens.append(item)
+        return src, dst, lens
