@@ -24,11 +24,15 @@ LOCAL_HOST = "local"
 
 @attrs.frozen
 class NewRequest:
-    """A request as a client submits it (to the prefill server and the decode peer alike)."""
+    """A request as a client submits it (to the prefill server and the decode peer alike).
+
+    ``bootstrap_host`` names the peer and has no default: a request meant for the fake backend
+    says so with :data:`FAKE_BOOTSTRAP_HOST`, so no request is ever routed to a peer nobody
+    chose."""
 
     rid: str
     input_ids: tuple[int, ...] = attrs.field(converter=as_token_ids)
-    bootstrap_host: str = FAKE_BOOTSTRAP_HOST
+    bootstrap_host: str = attrs.field(validator=attrs.validators.min_len(1))
     bootstrap_port: int = 0
     bootstrap_room: int = 0
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
