@@ -32,6 +32,7 @@ from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner,
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.runner import ModelRunner
+from scheduler.stepping import step_until
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -143,20 +144,23 @@ class EmbeddedPair:
         """Drive both loops until every request in ``rids`` got both answers (or, failed on
         prefill, its decode side was aborted) and both sides are idle."""
         rids = list(rids)
-        end = time.monotonic() + timeout
-        while True:
-            self._propagate_prefill_failures()
-            if all(r in self.decode_responses for r in rids) and self.idle():
-                break
-            if time.monotonic() > end:
-                missing = [r for r in rids if r not in self.decode_responses]
-                raise TimeoutError(f"{len(missing)} requests unanswered after {timeout} s: "
-                                   f"{missing[:5]}")
-            if not self.step():
-                time.sleep(0.0002)  # idle pass: let the transfer worker run
+
+        def unanswered() -> str:
+            missing = [r for r in rids if r not in self.decode_responses]
+            return f"{len(missing)} requests unanswered after {timeout} s: {missing[:5]}"
+
+        step_until(
+            self._propagate_and_step,
+            lambda: all(r in self.decode_responses for r in rids) and self.idle(),
+            timeout, unanswered,
+        )
         return {
             r: Outcome(self.prefill_responses[r], self.decode_responses.get(r)) for r in rids
         }
+
+    def _propagate_and_step(self) -> bool:
+        self._propagate_prefill_failures()
+        return self.step()
 
     def _propagate_prefill_failures(self) -> None:
         # A request that failed on prefill before its KV reached decode would leave decode

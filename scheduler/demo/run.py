@@ -50,6 +50,7 @@ from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import DelayerConfig, PrefillDelayer
+from scheduler.stepping import step_or_rest
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def _serve(
             ))
     by_rid = {r.rid: r for r in workload}
     while True:
-        worked = pair.step()
+        step_or_rest(pair.step)
         for rid, target in list(aborts.items()):
             if rid in pair.prefill_responses:  # it ended first; the summary lists it as unplanned
                 del aborts[rid]
@@ -230,8 +231,6 @@ def _serve(
                 f"have no prefill answer and {num_decode - len(pair.decode_responses)} no decode "
                 f"answer"
             )
-        if not worked:
-            time.sleep(0.0002)  # idle pass: let the transfer threads run
 
 
 def _unplanned(workload: Sequence[DemoRequest], pair: EmbeddedPair) -> list[str]:

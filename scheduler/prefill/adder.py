@@ -58,6 +58,62 @@ class Plan:
 Gate = Callable[[int, int], bool]
 
 
+@attrs.define
+class Budget:
+    """What is left of one batch's budgets while the adder fills it: input tokens
+    (``max_prefill_tokens``), chunk tokens (``chunked_prefill_size``; None: no chunking) and
+    free KV pages."""
+
+    input_tokens: int
+    chunk_tokens: int | None
+    pages: int
+
+    def spent(self) -> bool:
+        return self.input_tokens <= 0 or (self.chunk_tokens is not None and self.chunk_tokens <= 0)
+
+    def cut(self, req: PrefillRequest, page_size: int, first: bool) -> Chunk | Stop:
+        """The next chunk of ``req`` that fits, or why none does."""
+        start = req.scheduled
+        remaining = len(req.input_ids) - start
+        length = remaining
+        if self.chunk_tokens is not None and remaining > self.chunk_tokens:
+            length = self.chunk_tokens // page_size * page_size
+            if length <= 0:
+                return Stop.BUDGET
+        if not first and pages_needed(length, page_size) * page_size > self.input_tokens:
+            return Stop.BUDGET
+        new_pages = pages_needed(start + length, page_size) - len(req.pages)
+        if new_pages > self.pages:
+            # Fit what the pool can hold when chunking; otherwise wait for pages.
+            if self.chunk_tokens is None:
+                return Stop.NO_PAGES
+            fit = (len(req.pages) + self.pages) * page_size - start
+            length = min(length, fit // page_size * page_size)
+            if length <= 0:
+                return Stop.NO_PAGES
+            new_pages = pages_needed(start + length, page_size) - len(req.pages)
+        return Chunk(req, start, length, new_pages)
+
+    def take(self, chunk: Chunk) -> None:
+        self.pages -= chunk.new_pages
+        self.input_tokens -= chunk.length
+        if self.chunk_tokens is not None:
+            self.chunk_tokens -= chunk.length
+
+
+def _add(plan: Plan, budget: Budget, req: PrefillRequest, page_size: int) -> Stop | None:
+    """Add the next chunk of ``req`` to ``plan``; why the batch stops, if it does."""
+    chunk = budget.cut(req, page_size, first=not plan.chunks)
+    if isinstance(chunk, Stop):
+        return chunk
+    plan.chunks.append(chunk)
+    budget.take(chunk)
+    if not chunk.last:
+        # This request is now mid-chunk; nothing else fits behind it this pass.
+        return Stop.BUDGET
+    return None
+
+
 def plan_batch(
     *,
     continuing: PrefillRequest | None,
@@ -72,59 +128,24 @@ def plan_batch(
     prefill_max_requests: int | None,
     gate: Gate | None = None,
 ) -> Plan:
-    """Plan one batch; pure apart from the gate. ``running`` counts requests holding pages."""
+    """Plan one batch; pure apart from the gate. ``running`` counts requests holding pages;
+    ``waiting`` are WAITING requests in arrival order, ``continuing`` the request mid-chunk."""
     plan = Plan()
-    rem_input = max_prefill_tokens
-    rem_chunk = chunked_prefill_size
-    pages_left = free_pages
-
-    def take(req: PrefillRequest, first: bool) -> Stop | None:
-        nonlocal rem_input, rem_chunk, pages_left
-        start = req.scheduled
-        remaining = len(req.input_ids) - start
-        length = remaining
-        if rem_chunk is not None and remaining > rem_chunk:
-            length = rem_chunk // page_size * page_size
-            if length <= 0:
-                return Stop.BUDGET
-        if not first and pages_needed(length, page_size) * page_size > rem_input:
-            return Stop.BUDGET
-        new_pages = pages_needed(start + length, page_size) - len(req.pages)
-        if new_pages > pages_left:
-            # Fit what the pool can hold when chunking; otherwise wait for pages.
-            if rem_chunk is None:
-                return Stop.NO_PAGES
-            fit = (len(req.pages) + pages_left) * page_size - start
-            length = min(length, fit // page_size * page_size)
-            if length <= 0:
-                return Stop.NO_PAGES
-            new_pages = pages_needed(start + length, page_size) - len(req.pages)
-        plan.chunks.append(Chunk(req, start, length, new_pages))
-        pages_left -= new_pages
-        rem_input -= length
-        if rem_chunk is not None:
-            rem_chunk -= length
-        if start + length < len(req.input_ids):
-            # This request is now mid-chunk; nothing else fits behind it this pass.
-            return Stop.BUDGET
-        return None
-
+    budget = Budget(max_prefill_tokens, chunked_prefill_size, free_pages)
     if continuing is not None:
-        stop = take(continuing, first=True)
+        stop = _add(plan, budget, continuing, page_size)
         if stop is not None:
             plan.stop = stop
             return plan
     asked = False
     for req in waiting:
-        if req.on_device or req.pending_abort is not None:
-            continue
         if running + len(plan.chunks) >= max_running_requests:
             plan.stop = Stop.MAX_RUNNING
             break
         if prefill_max_requests is not None and len(plan.chunks) >= prefill_max_requests:
             plan.stop = Stop.MAX_BATCH
             break
-        if rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
+        if budget.spent():
             plan.stop = Stop.BUDGET
             break
         if gate is not None and not asked:
@@ -132,7 +153,7 @@ def plan_batch(
             if not gate(running, waiting_len):
                 plan.stop = Stop.DELAYED
                 break
-        stop = take(req, first=not plan.chunks)
+        stop = _add(plan, budget, req, page_size)
         if stop is not None:
             plan.stop = stop
             break

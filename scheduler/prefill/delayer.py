@@ -15,16 +15,7 @@ of those rows, the previous ``DelayerState`` and a clock reading. Every rank the
 same outcome on the same pass, provided every rank negotiates exactly once per pass: that is what
 ``DelayerPass`` guarantees (``finalize`` negotiates with ``prefillable=False`` if nothing asked).
 
-Outcomes (SGLang's semantics; docs/delayer.md has the full table):
-
-* ``all`` replicas prefillable: allow ``token_watermark`` if any replica's KV usage is below the
-  low watermark; otherwise delay while the *slot* condition (too few free decode slots for a
-  prefill batch) or the *queue* condition (opt-in: the waiting queue is short compared with the
-  running batch, until ``max_delay_ms`` has passed since the first delay) holds; the very first
-  time a condition holds it is skipped once. Allow ``wait_success`` after a delay, else ``no_wait``.
-* ``none`` prefillable: allow, reason ``""`` (nothing to gate).
-* ``mixed``: allow ``token_watermark`` as above; delay up to ``max_delay_passes - 1`` passes in a
-  row, then allow ``wait_timeout``.
+The decision, its configuration and its state are in ``delayer_decision`` (re-exported here).
 
 Mode ``"sglang"`` reproduces SGLang exactly, including two hazards: the slot condition can delay
 forever, and the queue trigger's deadline is read from each rank's own clock, so ranks whose clocks
@@ -36,195 +27,38 @@ decision using the MIN over the gathered rows, so all ranks cross the deadline o
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Literal
 
-import attrs
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client import Counter as PromCounter
 
 from scheduler.dist.gather import GatherShapeError, RowGather, Table
+from scheduler.prefill.delayer_decision import (
+    ROW_WIDTH,
+    DelayerConfig,
+    DelayerConfigError,
+    DelayerPassError,
+    DelayerState,
+    NegotiateOutput,
+    decide,
+)
+
+__all__ = [
+    "ROW_WIDTH",
+    "DelayerConfig",
+    "DelayerConfigError",
+    "DelayerMetrics",
+    "DelayerPass",
+    "DelayerPassError",
+    "DelayerState",
+    "NegotiateOutput",
+    "PrefillDelayer",
+    "decide",
+]
 
 logger = logging.getLogger(__name__)
-
-Mode = Literal["sglang", "bounded"]
-Estimation = Literal["all", "none", "mixed"]
-Reason = Literal["no_wait", "wait_success", "wait_timeout", "token_watermark", "delay", ""]
-
-# Column indices of a gathered row.
-PREFILLABLE, WATERMARK_FORCE_ALLOW, RUNNING_BATCH, MAX_PREFILL_BS, WAITING_QUEUE_LEN = range(5)
-WAIT_ELAPSED_US = 5
-ROW_WIDTH: dict[Mode, int] = {"sglang": 5, "bounded": 6}
-
-
-class DelayerConfigError(ValueError):
-    """A ``DelayerConfig`` field is out of range; the message names the field and the range."""
-
-
-class DelayerPassError(RuntimeError):
-    """A ``DelayerPass`` was used after ``finalize``; build a new one for every scheduler pass."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise DelayerConfigError(message)
-
-
-def _validate_passes(_: object, a: attrs.Attribute[int], v: int) -> None:
-    _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-           f"{a.name} must be an integer >= 1, got {v!r}")
-
-
-def _validate_watermark(_: object, a: attrs.Attribute[float | None], v: float | None) -> None:
-    _check(v is None or 0.0 <= v <= 1.0, f"{a.name} must be None or in [0, 1], got {v!r}")
-
-
-def _validate_ratio(_: object, a: attrs.Attribute[float | None], v: float | None) -> None:
-    _check(v is None or 0.0 < v <= 1.0, f"{a.name} must be None or in (0, 1], got {v!r}")
-
-
-def _validate_delay_ms(_: object, a: attrs.Attribute[float], v: float) -> None:
-    _check(math.isfinite(v) and v > 0.0, f"{a.name} must be a finite number > 0, got {v!r}")
-
-
-def _validate_mode(_: object, a: attrs.Attribute[str], v: str) -> None:
-    _check(v in ROW_WIDTH, f"{a.name} must be one of {sorted(ROW_WIDTH)}, got {v!r}")
-
-
-def _delay_ms_or_default(v: float | None) -> float:
-    # SGLang treats an unset max_delay_ms as a local 5 s safety cap.
-    return 5000.0 if v is None else float(v)
-
-
-@attrs.frozen
-class DelayerConfig:
-    """PrefillDelayer settings (SGLang's ``--prefill-delayer-*`` server arguments).
-
-    ``max_delay_ms`` bounds the queue trigger only; ``None`` means 5000. ``mode="bounded"`` bounds
-    every delay path by ``max_delay_passes`` and synchronises the wait clock across ranks.
-    """
-
-    max_delay_passes: int = attrs.field(default=30, validator=_validate_passes)
-    token_usage_low_watermark: float | None = attrs.field(
-        default=None, validator=_validate_watermark)
-    queue_min_ratio: float | None = attrs.field(default=None, validator=_validate_ratio)
-    max_delay_ms: float = attrs.field(
-        default=None, converter=_delay_ms_or_default, validator=_validate_delay_ms)
-    mode: Mode = attrs.field(default="sglang", validator=_validate_mode)
-    debug_log: bool = False
-
-
-@attrs.frozen
-class DelayerState:
-    """The delay in progress: passes delayed so far and when (local clock) the first one was."""
-
-    start_time: float
-    delayed_count: int = 0
-
-    def bump(self) -> DelayerState:
-        return attrs.evolve(self, delayed_count=self.delayed_count + 1)
-
-
-@attrs.frozen
-class NegotiateOutput:
-    """One pass's decision. ``wait_*`` describe the delay that this pass releases (0 otherwise)."""
-
-    next_state: DelayerState | None
-    input_estimation: Estimation
-    allow: bool
-    reason: Reason
-    num_prefillable: int
-    num_token_watermark_force_allow: int
-    wait_forward_passes: int = 0
-    wait_seconds: float = 0.0
-
-
-def decide(
-    table_rows_of_tp0: Sequence[Sequence[int]],
-    prev_state: DelayerState | None,
-    now: float,
-    config: DelayerConfig,
-    *,
-    skip_first: bool,
-    dp_size: int,
-    enable_dp_attention: bool,
-    max_running_requests: int,
-) -> tuple[NegotiateOutput, bool]:
-    """Decide one pass from the attention-TP-rank-0 row of every DP replica.
-
-    Returns the output and the new value of the skip-first flag. Pure: the same arguments give
-    the same result on every rank.
-    """
-    rows = table_rows_of_tp0
-    width = ROW_WIDTH[config.mode]
-    if not rows or any(len(r) != width for r in rows):
-        raise GatherShapeError(
-            f"decide needs >= 1 row of width {width} (mode {config.mode!r}), got "
-            f"{[len(r) for r in rows]}"
-        )
-    prefillable = [r[PREFILLABLE] for r in rows]
-    num_force_allow = sum(r[WATERMARK_FORCE_ALLOW] for r in rows)
-    estimation: Estimation = (
-        "all" if min(prefillable) > 0 else "none" if max(prefillable) == 0 else "mixed"
-    )
-    prev_count = prev_state.delayed_count if prev_state is not None else 0
-    if prev_state is None:
-        waited = 0.0
-    elif config.mode == "bounded":
-        waited = min(r[WAIT_ELAPSED_US] for r in rows) / 1e6
-    else:
-        waited = now - prev_state.start_time
-
-    def release(reason: Reason) -> NegotiateOutput:
-        return NegotiateOutput(
-            next_state=None, input_estimation=estimation, allow=True, reason=reason,
-            num_prefillable=sum(prefillable), num_token_watermark_force_allow=num_force_allow,
-            wait_forward_passes=prev_count, wait_seconds=waited,
-        )
-
-    def delay() -> NegotiateOutput:
-        state = prev_state if prev_state is not None else DelayerState(start_time=now)
-        return NegotiateOutput(
-            next_state=state.bump(), input_estimation=estimation, allow=False, reason="delay",
-            num_prefillable=sum(prefillable), num_token_watermark_force_allow=num_force_allow,
-        )
-
-    if estimation == "none":
-        # Nobody can prefill, so the answer does not matter; allowing keeps it simple.
-        return release(""), skip_first
-    if num_force_allow > 0:
-        # Low KV usage somewhere means a device is underused: never hold prefill back then.
-        return release("token_watermark"), skip_first
-    if estimation == "mixed":
-        if prev_count < config.max_delay_passes - 1:
-            return delay(), skip_first
-        return release("wait_timeout"), skip_first
-
-    if not enable_dp_attention:
-        # Without DP attention each replica gets its share of the global request budget.
-        max_running_requests = -(-max_running_requests // dp_size)
-    running = max(r[RUNNING_BATCH] for r in rows)
-    prefill_bs = max(r[MAX_PREFILL_BS] for r in rows)
-    waiting = max(r[WAITING_QUEUE_LEN] for r in rows)
-    queue_condition = False
-    if config.queue_min_ratio is not None and running > 0:
-        queue_min = min(int(running * config.queue_min_ratio), prefill_bs)
-        queue_condition = queue_min > 0 and waiting < queue_min
-        if queue_condition and prev_state is not None and waited * 1000.0 >= config.max_delay_ms:
-            queue_condition = False
-    slot_condition = max_running_requests - running < prefill_bs
-    if slot_condition or queue_condition:
-        if skip_first:
-            # The first merge after start-up cannot fill the decode batch anyway; let it through.
-            skip_first = False
-        elif config.mode == "bounded" and prev_count >= config.max_delay_passes - 1:
-            return release("wait_timeout"), skip_first
-        else:
-            return delay(), skip_first
-    return release("wait_success" if prev_state is not None else "no_wait"), skip_first
 
 
 def _forward_passes_buckets(max_delay_passes: int) -> list[float]:

@@ -1,0 +1,169 @@
+"""The admission registry: the inbox, the numbering of admitted requests, and their rooms.
+
+Requests and aborts arrive on a thread-safe inbox (the only state another thread touches).
+Admitting a request gives it an *admission number* — the same on every rank, since every rank
+admits the same requests in the same order — which names it in the ranks' agreement on what to
+poll and in the deadline heap. A request is refused (``rejected``, 400) when its prompt can never
+fit the KV pool or is empty, when its id is live (it never enters the lifecycle: ids are its
+keys) or when its bootstrap room is held by a live request or a sender not yet cleared.
+Otherwise it gets its KV sender — from the fake backend for the bootstrap host ``2.2.2.2``,
+SGLang's warm-up path — and a bootstrap deadline.
+
+A room stays reserved until the sender of the request that held it is cleared (the scheduler's
+releaser calls the function :meth:`Admission.forget` returns): a new sender for the room before
+then would meet one the backend still tracks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+from collections.abc import Callable
+from typing import cast
+
+from kv.pages import pages_needed
+from kv.transfer import KVManager, KVSender
+from lifecycle import FailureReason, Lifecycle, PrefillRequest, PrefillState
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, AbortRequest, NewRequest, Response, take_all
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.metrics import SchedulerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def sender_of(req: PrefillRequest) -> KVSender | None:
+    """The request's KV sender. The lifecycle record holds it as a plain object (the lifecycle
+    knows nothing of ``kv``); only :meth:`Admission.admit` stores one, a manager's
+    ``create_sender``."""
+    return cast("KVSender | None", req.sender)
+
+
+class Admission:
+    """Admits requests into BOOTSTRAPPING and keeps the registry of live admissions: number
+    ↔ request, (manager, room) → number. Not thread-safe except :meth:`put`."""
+
+    def __init__(
+        self,
+        *,
+        lifecycle: Lifecycle[PrefillRequest],
+        config: SchedulerConfig,
+        num_pages: int,
+        kv: KVManager,
+        fake_kv: KVManager | None,
+        arm_deadline: Callable[[PrefillRequest, int, float], None],
+        clock: Callable[[], float],
+        metrics: SchedulerMetrics,
+        respond: Callable[[Response], None],
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.config = config
+        self.num_pages = num_pages
+        self.managers = tuple(m for m in (kv, fake_kv) if m is not None)
+        self._kv, self._fake_kv = kv, fake_kv
+        self._arm_deadline = arm_deadline
+        self._clock = clock
+        self._metrics = metrics
+        self._respond = respond
+        self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
+        self._next = 0
+        self._by_seq: dict[int, PrefillRequest] = {}
+        self._seq_of: dict[str, int] = {}
+        self._rooms: dict[tuple[int, int], int] = {}  # (id(manager), room) -> number
+
+    # -- the inbox (thread-safe) --------------------------------------------------------------
+
+    def put(self, item: NewRequest | AbortRequest) -> None:
+        self._inbox.put(item)
+
+    def inbox_empty(self) -> bool:
+        return self._inbox.empty()
+
+    def receive(self, abort: Callable[[str], None]) -> bool:
+        """Admit what arrived and hand each abort's id to ``abort``; True if anything did."""
+        items = take_all(self._inbox)
+        for item in items:
+            if isinstance(item, AbortRequest):
+                abort(item.rid)
+            else:
+                self.admit(item)
+        return bool(items)
+
+    # -- admitting ----------------------------------------------------------------------------
+
+    def admit(self, new: NewRequest) -> None:
+        req = PrefillRequest(new.rid, **new.record_fields())
+        if new.rid in self.lifecycle:
+            logger.warning("request id %r is already live; refused", new.rid)
+            self._refuse_duplicate(req)
+            return
+        self.lifecycle.admit(req)
+        seq = self._next
+        self._next += 1
+        self._by_seq[seq] = req
+        self._seq_of[req.rid] = seq
+        why = self._never_fits(req)
+        manager = self.manager_for(req)
+        key = (id(manager), req.bootstrap_room)
+        if not why and key in self._rooms:
+            why = f"bootstrap room {req.bootstrap_room} is in use by a live request"
+        if why:
+            self.lifecycle.fire("fail", [req], reason=FailureReason.REJECTED, detail=why)
+            return
+        addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
+        try:
+            req.sender = manager.create_sender(addr, req.bootstrap_room)
+        except Exception as exc:  # a backend refusing a sender fails the request, not the loop
+            logger.exception("creating the sender of %r failed", req.rid)
+            self.lifecycle.fire(
+                "fail", [req], reason=FailureReason.BOOTSTRAP_FAILED, detail=str(exc)
+            )
+            return
+        self._rooms[key] = seq
+        self._arm_deadline(req, seq, self._clock() + self.config.bootstrap_timeout)
+
+    def _refuse_duplicate(self, req: PrefillRequest) -> None:
+        # A duplicate id cannot enter the lifecycle (ids are its keys); answer it directly.
+        self._metrics.rejected_input.labels(reason="duplicate_rid").inc()
+        self._respond(Response(
+            req.rid, PrefillState.FAILED, FailureReason.REJECTED,
+            f"request id {req.rid!r} is already live", None, len(req.input_ids),
+        ))
+
+    def _never_fits(self, req: PrefillRequest) -> str:
+        n = len(req.input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if pages_needed(n, self.config.page_size) > self.num_pages:
+            return (
+                f"the prompt has {n} tokens; the KV pool holds at most "
+                f"{self.num_pages * self.config.page_size}"
+            )
+        return ""
+
+    def manager_for(self, req: PrefillRequest) -> KVManager:
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST and self._fake_kv is not None:
+            return self._fake_kv
+        return self._kv
+
+    # -- the registry -------------------------------------------------------------------------
+
+    def by_seq(self, seq: int) -> PrefillRequest | None:
+        return self._by_seq.get(seq)
+
+    def seq_of(self, req: PrefillRequest) -> int:
+        return self._seq_of[req.rid]
+
+    def seq_of_room(self, manager: KVManager, room: int) -> int | None:
+        """The admission number of the request holding ``room`` of ``manager``, if any."""
+        return self._rooms.get((id(manager), room))
+
+    def forget(self, req: PrefillRequest) -> Callable[[], object] | None:
+        """Drop a finished request from the registry. Returns what frees its room, to be
+        called once its sender is cleared (None: it never held one)."""
+        seq = self._seq_of.pop(req.rid)
+        del self._by_seq[seq]
+        if req.sender is None:
+            return None
+        key = (id(self.manager_for(req)), req.bootstrap_room)
+        return functools.partial(self._rooms.pop, key, None)

@@ -1,0 +1,218 @@
+"""Forward execution: a planned batch becomes pages, a forward on the device, and results.
+
+:func:`prepare` allocates each chunk's pages (a first chunk where the whole prompt fits, later
+ones continuing its run) and marks its requests on the device (:mod:`.on_device`); :func:`start`
+runs the forward: inline in the normal loop, on a :class:`Device` in the overlap loop.
+:meth:`Results.land` takes a launched batch's results and does its KV side — the full pages of
+a non-last chunk go to the sender (a partial page waits for the next chunk); a last chunk writes
+the metadata row and sends the rest — and returns what the pass must fire. A forward that
+raised defers an ``internal`` failure on each of its requests; whatever was deferred settles as
+the last batch holding a request lands.
+
+The device is injectable. :class:`DeviceWorker`, the default, is one thread (on CUDA it also
+launches on its own stream, so the next batch's kernels queue behind the running ones without
+blocking the loop). A test can pass a device that runs forwards when it decides
+(``scheduler.testing.device.SteppedDevice``): whatever runs the forward, the scheduler only
+sees it through :meth:`DeviceJob.result`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import attrs
+import torch
+
+from kv.metadata import MetadataBuffers
+from kv.pages import pages_needed
+from kv.pool import KVPool
+from lifecycle import FailureReason, PrefillRequest
+from scheduler.prefill.adder import Plan
+from scheduler.prefill.admission import sender_of
+from scheduler.prefill.metrics import SchedulerMetrics
+from scheduler.prefill.on_device import (
+    defer_failure,
+    failure_deferred,
+    put_on_device,
+    take_off_device,
+)
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[ForwardBatch], list[int]]
+
+
+class DeviceJob(Protocol):
+    """A forward handed to a device: ``result()`` waits for its tokens (or raises its error)."""
+
+    def result(self) -> list[int]: ...
+
+
+class Device(Protocol):
+    """Where the overlap loop runs forwards while the loop goes on."""
+
+    def submit(self, forward: Forward, batch: ForwardBatch) -> DeviceJob: ...
+
+    def shutdown(self) -> None:
+        """Finish what was submitted; run nothing more."""
+
+
+class DeviceWorker:
+    """The production device: one worker thread; on CUDA, launches go to a side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pdlife-device")
+        self._stream = (
+            # torch.cuda.Stream.__new__ has no annotations in torch's own sources.
+            torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda"
+            else None
+        )
+
+    def submit(self, forward: Forward, batch: ForwardBatch) -> DeviceJob:
+        return self._executor.submit(self._run, forward, batch)
+
+    def _run(self, forward: Forward, batch: ForwardBatch) -> list[int]:
+        if self._stream is None:
+            return forward(batch)
+        with torch.cuda.stream(self._stream):
+            return forward(batch)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+@attrs.frozen
+class Launched:
+    """A batch whose forward was started: its result is ``job``'s, or ``tokens``/``error``
+    when it ran inline."""
+
+    plan: Plan
+    job: DeviceJob | None
+    tokens: list[int] | None
+    error: BaseException | None = None
+
+    def outcome(self) -> tuple[list[int] | None, BaseException | None]:
+        """Wait for the forward; (tokens, None) or (None, the error it raised)."""
+        if self.job is None:
+            return self.tokens, self.error
+        try:
+            return self.job.result(), None
+        except Exception as exc:
+            return None, exc
+
+
+def prepare(plan: Plan, pool: KVPool, page_size: int) -> ForwardBatch:
+    """Allocate the plan's pages and put its requests on the device; the batch to run."""
+    items: list[ForwardItem] = []
+    for chunk in plan.chunks:
+        req = chunk.req
+        if chunk.new_pages:
+            # A first chunk goes where the whole prompt fits; later ones continue its run.
+            if req.pages:
+                pages = pool.allocator.alloc(chunk.new_pages, after=req.pages[-1])
+            else:
+                whole = pages_needed(len(req.input_ids), page_size)
+                pages = pool.allocator.alloc(chunk.new_pages, fit=whole)
+            if pages is None:  # the adder counted free pages; this cannot happen
+                raise AssertionError(f"{req.rid}: {chunk.new_pages} pages planned, not free")
+            req.pages.extend(pages)
+        req.scheduled = chunk.start + chunk.length
+        put_on_device(req)
+        items.append(ForwardItem(
+            req.rid, req.input_ids[chunk.start : chunk.start + chunk.length], chunk.start,
+            tuple(req.pages),
+        ))
+    return ForwardBatch(tuple(items))
+
+
+def start(plan: Plan, batch: ForwardBatch, runner: ModelRunner, device: Device | None) -> Launched:
+    """Run the forward of ``batch`` on ``device``, or inline when there is none."""
+    if device is not None:
+        return Launched(plan, device.submit(runner.forward, batch), None)
+    try:
+        return Launched(plan, None, runner.forward(batch))
+    except Exception as exc:  # the batch's requests fail; the loop goes on
+        return Launched(plan, None, None, exc)
+
+
+@attrs.frozen
+class Landed:
+    """What a landed batch asks of the pass: the edges to fire, the failures to settle."""
+
+    chunk_done: list[PrefillRequest] = attrs.Factory(list)
+    prefilled: list[PrefillRequest] = attrs.Factory(list)
+    settle: list[PrefillRequest] = attrs.Factory(list)
+
+
+class Results:
+    """Does the KV side of a landed batch: page sends, the metadata row, the metrics."""
+
+    def __init__(
+        self, pool: KVPool, page_size: int, metadata: MetadataBuffers, metrics: SchedulerMetrics,
+    ) -> None:
+        self._pool = pool
+        self._page_size = page_size
+        self._metadata = metadata
+        self._metrics = metrics
+        self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
+
+    def land(self, launched: Launched) -> Landed:
+        tokens, error = launched.outcome()
+        chunks = launched.plan.chunks
+        if error is not None:
+            logger.error("forward of a %d-request batch failed: %r", len(chunks), error)
+            for chunk in chunks:
+                # Its pages are free to reuse once it lands: the forward has ended.
+                defer_failure(chunk.req, FailureReason.INTERNAL,
+                                f"the model forward failed: {error!r}")
+        else:
+            self._metrics.batches.inc()
+            self._metrics.prefill_tokens.inc(launched.plan.num_tokens)
+        out = Landed()
+        for i, chunk in enumerate(chunks):
+            req = chunk.req
+            due = take_off_device(req)
+            if error is None:
+                req.computed = chunk.start + chunk.length
+            if failure_deferred(req):
+                if due:
+                    out.settle.append(req)
+                continue
+            assert tokens is not None  # a failed forward deferred a failure on every request
+            if chunk.last:
+                self._send_last(req, tokens[i])
+                out.prefilled.append(req)
+            else:
+                self._send_full_pages(req)
+                out.chunk_done.append(req)
+        return out
+
+    def _send_last(self, req: PrefillRequest, token: int) -> None:
+        sender = sender_of(req)
+        assert sender is not None and req.slot is not None
+        req.first_token = token
+        self._metadata.write(req.slot, token, 0, None, req.bootstrap_room)
+        pages = req.pages[req.sent // self._page_size :]
+        req.sent = req.computed
+        sender.send(pages, True)
+        self._metrics.transfer_bytes.inc(self._bytes(len(pages)) + self._row_bytes)
+
+    def _send_full_pages(self, req: PrefillRequest) -> None:
+        # Only full pages: a partial page waits for the next chunk.
+        ps = self._page_size
+        upto = req.computed // ps * ps
+        if upto > req.sent:
+            sender = sender_of(req)
+            assert sender is not None
+            pages = req.pages[req.sent // ps : upto // ps]
+            sender.send(pages, False)
+            self._metrics.transfer_bytes.inc(self._bytes(len(pages)))
+            req.sent = upto
+
+    def _bytes(self, num_pages: int) -> int:
+        return num_pages * self._pool.page_bytes * 2 * self._pool.num_layers

@@ -1,0 +1,38 @@
+"""Driving a pass-based loop from the calling thread: step, and rest after an idle pass.
+
+A scheduler pass returns whether it did any work. A pass that did none (a transfer still in
+flight, a handshake not yet arrived) is followed by a short rest that yields the core to the
+transfer workers and the device thread instead of spinning on the GIL. Every loop that steps a
+scheduler or an embedded pair by hand goes through here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+#: How long a loop rests after a pass that did nothing (seconds).
+IDLE_REST_S = 0.0002
+
+
+def step_or_rest(step: Callable[[], bool]) -> bool:
+    """Run one pass; after an idle one, rest :data:`IDLE_REST_S`. Returns what ``step`` did."""
+    worked = step()
+    if not worked:
+        time.sleep(IDLE_REST_S)
+    return worked
+
+
+def step_until(
+    step: Callable[[], bool],
+    done: Callable[[], bool],
+    timeout: float,
+    timed_out: Callable[[], str],
+) -> None:
+    """Step until ``done()``; raise ``TimeoutError(timed_out())`` after ``timeout`` wall
+    seconds."""
+    end = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > end:
+            raise TimeoutError(timed_out())
+        step_or_rest(step)
