@@ -39,7 +39,8 @@ import attrs
 import torch
 
 from kv.bootstrap import BootstrapServer
-from kv.local import LocalDecodeManager, LocalKVManager, LocalTransferHub
+from kv.local import LocalKVManager, LocalTransferHub
+from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.pages import coalesce
@@ -184,7 +185,7 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str
         dst = [peer.info["kv_ptr"] + layer * layer_stride for layer in range(pool.num_layers)]
         src = [base + layer * layer_stride for layer in range(pool.num_layers)]
         for name, plan in plans.items():
-            total = sum(len(p) for p in plan) * pool.page_bytes * 2 * pool.num_layers
+            total = pool.bytes_of_pages(sum(len(p) for p in plan))
             lens = [total // pool.num_layers] * pool.num_layers
 
             def raw(lens: list[int] = lens) -> float:
@@ -231,7 +232,7 @@ def bench_local(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str, F
     results: dict[str, Figures] = {}
     try:
         for name, plan in plans.items():
-            total = sum(len(p) for p in plan) * src_pool.page_bytes * 2 * src_pool.num_layers
+            total = src_pool.bytes_of_pages(sum(len(p) for p in plan))
             flat_src = src_pool.buffer.view(-1).view(torch.uint8)[:total]
             flat_dst = dst_pool.buffer.view(-1).view(torch.uint8)[:total]
 

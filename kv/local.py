@@ -1,12 +1,20 @@
-"""The local transfer backend: the decode peer lives in the same process.
+"""The local transfer backend, prefill side: the decode peer lives in the same process.
 
 Theory of operation
 -------------------
 A :class:`LocalTransferHub` maps bootstrap addresses to prefill managers. A decode receiver
-for room R ``init()``s by looking its prefill manager up in the hub (checking that the two
-pools have the same page geometry), then ``send_metadata(dst_pages, dst_slot)`` hands the
-prefill manager a *link*: the destination of room R. The prefill sender for R attaches to the
-link (at once if it exists, else when it is created) and reports WAITING_FOR_INPUT.
+(:mod:`kv.local_decode`) for room R ``init()``s by looking its prefill manager up in the hub
+(checking that the two pools have the same page geometry), then ``send_metadata(dst_pages,
+dst_slot)`` hands the prefill manager a :class:`Link`: the destination of room R. The prefill
+sender for R attaches to the link (at once if it exists, else when it is created) and reports
+WAITING_FOR_INPUT.
+
+Room state: each end of a room reports a :class:`Side` (its status and failure reason). Until
+the two ends meet, each changes only its own side; from then on the link is the one owner of
+both: every change that concerns the room (a chunk queued or copied, a failure, an abort from
+either end) is a method of :class:`Link`, which moves both sides together. Every change happens
+under the hub's lock (copies run outside it) and pushes the room onto the ``ready`` queue of
+each side whose state changed, including when a failed room becomes quiescent.
 
 Each ``send(pages, last)`` queues a chunk for the prefill manager's transfer worker thread,
 which copies the pages from the prefill pool into the decode pool for all layers and both K
@@ -22,9 +30,6 @@ Aborts: an abort on either side fails that side with ``REASON_ABORTED`` and the 
 ``REASON_PEER_ABORTED`` (a receiver that aborts before its sender exists marks the link, and the
 sender fails when it attaches). Late messages: a link is closed when its sender is cleared; an
 abort from a receiver whose link is closed is dropped, so a reused room is never poisoned.
-Every state change is guarded by the hub's lock (copies run outside it) and pushes the room
-onto the ``ready`` queue of each side whose state changed, including when a failed room becomes
-quiescent.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch
 
 from kv.metadata import MetadataBuffers
 from kv.pages import coalesce
-from kv.pool import KVGeometryError, KVPool
+from kv.pool import KVPool
 from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
@@ -94,22 +99,104 @@ class LocalTransferHub:
 
 
 @attrs.define(eq=False)
-class _Link:
-    """Room R's destination, from one receiver to (at most) one sender."""
+class Side:
+    """What one end of a room reports: its status and why it failed. Changed only under the
+    hub's lock; every change is announced on the end's ``ready`` queue (unless ``muted``: a
+    cleared receiver is no one's news)."""
 
-    receiver: LocalKVReceiver
+    room: int
+    ready: queue.SimpleQueue[int] = attrs.field(repr=False)
+    end: str  # "sender" or "receiver", for logs
+    status: KVPoll = KVPoll.BOOTSTRAPPING
+    reason: str = ""
+    muted: bool = False
+
+    def set(self, status: KVPoll) -> None:
+        self.status = status
+        self.announce()
+
+    def fail(self, reason: str) -> None:
+        if self.status in TERMINAL:
+            return
+        self.reason = reason
+        logger.debug("local %s room %d failed: %s", self.end, self.room, reason)
+        self.set(KVPoll.FAILED)
+
+    def announce(self) -> None:
+        if not self.muted:
+            self.ready.put(self.room)
+
+
+@attrs.define(eq=False)
+class Link:
+    """Room R from the moment its receiver sent the destination: where its pages go, and the
+    one owner of both sides' state (the receiver's, and the sender's once it attached)."""
+
+    decode: Side
+    dst_pool: KVPool
+    dst_metadata: MetadataBuffers
     dst_pages: list[int]
     dst_slot: int
-    sender: LocalKVSender | None = None
-    closed: bool = False
-    aborted_by_decode: bool = False
-    inflight: int = 0
+    prefill: Side | None = None
+    closed: bool = False  # the sender was cleared: aborts from decode are late, and dropped
+    aborted_by_decode: bool = False  # before a sender attached
+    inflight: int = 0  # chunks queued or being copied
+
+    def attach(self, prefill: Side) -> None:
+        self.prefill = prefill
+        if self.aborted_by_decode:
+            prefill.fail(REASON_PEER_ABORTED)
+        else:
+            prefill.set(KVPoll.WAITING_FOR_INPUT)
+
+    def fail(self, reason: str) -> None:
+        """Both sides fail (a copy that raised, too few destination pages)."""
+        if self.prefill is not None:
+            self.prefill.fail(reason)
+        self.decode.fail(reason)
+
+    def abort(self, by: Side) -> None:
+        """The end ``by`` aborted: it fails as aborted and the other end as aborted by its
+        peer (a sender that attaches later, when it does); nothing once ``by`` concluded, and
+        nothing to the receiver once the sender was cleared (the abort is late)."""
+        if by.status in TERMINAL:
+            return
+        by.fail(REASON_ABORTED)
+        if self.closed:
+            return
+        other = self.prefill if by is self.decode else self.decode
+        if other is None:
+            self.aborted_by_decode = True
+        else:
+            other.fail(REASON_PEER_ABORTED)
+
+    def queue_chunk(self) -> None:
+        assert self.prefill is not None
+        self.inflight += 1
+        self.prefill.status = KVPoll.TRANSFERRING
+
+    def copying(self) -> bool:
+        """Whether a queued chunk is still wanted: the transfer is on and the sender live."""
+        return (self.prefill is not None and self.prefill.status == KVPoll.TRANSFERRING
+                and not self.closed)
+
+    def chunk_done(self, *, copied: bool, last: bool, error: str) -> None:
+        assert self.prefill is not None
+        self.inflight -= 1
+        if error:
+            self.fail(error)
+        elif copied and last and self.prefill.status == KVPoll.TRANSFERRING:
+            self.prefill.set(KVPoll.SUCCESS)
+            self.decode.set(KVPoll.SUCCESS)
+        elif self.inflight == 0 and KVPoll.FAILED in (self.prefill.status, self.decode.status):
+            # A failed room became quiescent: its owners may now free the pages.
+            self.prefill.announce()
+            self.decode.announce()
 
 
 @attrs.frozen
 class _Chunk:
-    sender: LocalKVSender
-    link: _Link
+    link: Link
     src_pages: list[int]
     dst_pages: list[int]
     last: bool
@@ -149,11 +236,19 @@ def _copy_pages(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[
     dst_view.index_copy_(1, dst_idx, gathered)
 
 
-def _check_pages(room: int, pages: list[int], pool: KVPool, side: str) -> None:
+def check_pages(room: int, pages: list[int], pool: KVPool, side: str) -> None:
     if pages and (min(pages) < 0 or max(pages) >= pool.num_pages):
         bad = next(p for p in pages if not 0 <= p < pool.num_pages)
         raise TransferUsageError(
             room, f"page {bad} is not in the {side} pool (0..{pool.num_pages - 1})"
+        )
+
+
+def check_slot(room: int, slot: int, metadata: MetadataBuffers, side: str) -> None:
+    if not 0 <= slot < metadata.num_slots:
+        raise TransferUsageError(
+            room,
+            f"slot {slot} is not in the {side} metadata buffers (0..{metadata.num_slots - 1})",
         )
 
 
@@ -175,7 +270,7 @@ class LocalKVManager:
         self._hub = hub
         self._lock = hub.lock
         self._senders: dict[int, LocalKVSender] = {}
-        self._pending: dict[int, _Link] = {}
+        self._pending: dict[int, Link] = {}
         self._chunks: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
         self._stats = LocalTransferStats(0, 0, 0, 0.0)
         self._closed = False
@@ -195,7 +290,7 @@ class LocalKVManager:
             self._senders[room] = sender
             link = self._pending.pop(room, None)
             if link is not None:
-                self._attach(sender, link)
+                sender._attach(link)
             return sender
 
     def stats(self) -> LocalTransferStats:
@@ -212,26 +307,17 @@ class LocalKVManager:
         self._worker.join()
         self._hub.unregister(self.bootstrap_addr)
 
-    # -- called with the lock held --------------------------------------------------------
-
-    def _deliver(self, link: _Link) -> None:
-        room = link.receiver.room
+    def deliver(self, link: Link) -> None:
+        """A receiver's destination arrived (the caller holds the hub's lock): the room's
+        sender attaches, or the link waits for it; a link already waiting is superseded."""
+        room = link.decode.room
         sender = self._senders.get(room)
-        if sender is not None and sender._link is None and sender._status == KVPoll.BOOTSTRAPPING:
-            self._attach(sender, link)
+        if sender is not None and sender._attach(link):
             return
         superseded = self._pending.get(room)
         if superseded is not None:
-            superseded.receiver._fail(f"superseded by another receiver for room {room}")
+            superseded.decode.fail(f"superseded by another receiver for room {room}")
         self._pending[room] = link
-
-    def _attach(self, sender: LocalKVSender, link: _Link) -> None:
-        link.sender = sender
-        sender._link = link
-        if link.aborted_by_decode:
-            sender._fail(REASON_PEER_ABORTED)
-        else:
-            sender._set(KVPoll.WAITING_FOR_INPUT)
 
     # -- the worker thread ----------------------------------------------------------------
 
@@ -241,96 +327,86 @@ class LocalKVManager:
                 self._run(chunk)
             except Exception:
                 # _run handles copy errors itself; this is a bookkeeping bug. Keep serving.
-                logger.exception("transfer worker: chunk of room %d", chunk.sender.room)
+                logger.exception("transfer worker: chunk of room %d", chunk.link.decode.room)
 
     def _run(self, chunk: _Chunk) -> None:
-        sender, link = chunk.sender, chunk.link
+        link = chunk.link
         with self._lock:
-            live = sender._status == KVPoll.TRANSFERRING and not link.closed
+            wanted = link.copying()
         error = ""
         started = time.perf_counter()
-        if live:
+        if wanted:
             try:
-                decode = link.receiver._manager
-                _copy_pages(self.pool, decode.pool, chunk.src_pages, chunk.dst_pages)
+                _copy_pages(self.pool, link.dst_pool, chunk.src_pages, chunk.dst_pages)
                 if chunk.last:
-                    decode.metadata.copy_row_from(self.metadata, chunk.src_slot, link.dst_slot)
+                    link.dst_metadata.copy_row_from(self.metadata, chunk.src_slot, link.dst_slot)
             except Exception as exc:
-                logger.exception("transfer worker: copying room %d failed", sender.room)
+                logger.exception("transfer worker: copying room %d failed", link.decode.room)
                 error = f"local copy failed: {exc!r}"
         elapsed = time.perf_counter() - started
         with self._lock:
-            link.inflight -= 1
-            if live and not error:
+            if wanted and not error:
                 s = self._stats
                 n = len(chunk.src_pages)
                 self._stats = LocalTransferStats(
                     chunks=s.chunks + 1,
                     pages=s.pages + n,
-                    bytes=s.bytes + n * self.pool.page_bytes * self.pool.num_layers * 2,
+                    bytes=s.bytes + self.pool.bytes_of_pages(n),
                     copy_seconds=s.copy_seconds + elapsed,
                 )
-            if error:
-                sender._fail(error)
-                link.receiver._fail(error)
-            elif live and chunk.last and sender._status == KVPoll.TRANSFERRING:
-                sender._set(KVPoll.SUCCESS)
-                link.receiver._set(KVPoll.SUCCESS)
-            elif link.inflight == 0 and KVPoll.FAILED in (sender._status, link.receiver._status):
-                # A failed room became quiescent: its owners may now free the pages.
-                sender._announce()
-                link.receiver._announce()
+            link.chunk_done(copied=wanted, last=chunk.last, error=error)
 
 
-class _Endpoint:
-    """What a sender and a receiver share: one side of a room, its status and failure reason
-    guarded by the hub's lock, and its link to the other side."""
+class LocalEndpoint:
+    """What a sender and a receiver share: one end of a room, its side and (once the ends
+    met) its link, guarded by the hub's lock."""
 
-    _side = ""  # for logs
-
-    def __init__(self, lock: threading.Lock, bootstrap_addr: str, room: int) -> None:
-        self.room = room
+    def __init__(self, lock: threading.Lock, bootstrap_addr: str, side: Side) -> None:
+        self.room = side.room
         self.bootstrap_addr = bootstrap_addr
         self._lock = lock
-        self._status = KVPoll.BOOTSTRAPPING
-        self._reason = ""
-        self._link: _Link | None = None
+        self._side = side
+        self._link: Link | None = None
 
     def poll(self) -> KVPoll:
         with self._lock:
-            return self._status
+            return self._side.status
 
     def failure_exception(self) -> TransferError:
         with self._lock:
-            reason = self._reason if self._status == KVPoll.FAILED else REASON_OTHER_RANK
+            side = self._side
+            reason = side.reason if side.status == KVPoll.FAILED else REASON_OTHER_RANK
         return TransferError(self.room, reason, self.bootstrap_addr)
 
     def quiescent(self) -> bool:
         with self._lock:
             return self._link is None or self._link.inflight == 0
 
+    def abort(self) -> None:
+        """Fail the room here and tell the other end, unless the sender was cleared."""
+        with self._lock:
+            self._abort_locked()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._abort_locked()
+            self._forget()
+
     # -- called with the lock held --------------------------------------------------------
 
-    def _announce(self) -> None:
+    def _abort_locked(self) -> None:
+        if self._link is None:
+            self._side.fail(REASON_ABORTED)
+        else:
+            self._link.abort(self._side)
+
+    def _forget(self) -> None:
         raise NotImplementedError
 
-    def _set(self, status: KVPoll) -> None:
-        self._status = status
-        self._announce()
 
-    def _fail(self, reason: str) -> None:
-        if self._status in TERMINAL:
-            return
-        self._reason = reason
-        logger.debug("local %s room %d failed: %s", self._side, self.room, reason)
-        self._set(KVPoll.FAILED)
-
-
-class LocalKVSender(_Endpoint):
-    _side = "sender"
-
+class LocalKVSender(LocalEndpoint):
     def __init__(self, manager: LocalKVManager, bootstrap_addr: str, room: int) -> None:
-        super().__init__(manager._lock, bootstrap_addr, room)
+        super().__init__(manager._lock, bootstrap_addr, Side(room, manager.ready, "sender"))
         self._manager = manager
         self._cursor = SendCursor(room)
 
@@ -339,160 +415,50 @@ class LocalKVSender(_Endpoint):
         return self._cursor.sent
 
     def init(self, num_pages: int, slot: int) -> None:
-        with self._manager._lock:
-            if self._status == KVPoll.FAILED:
+        with self._lock:
+            if self._side.status == KVPoll.FAILED:
                 return
-            if self._status != KVPoll.WAITING_FOR_INPUT or self._link is None:
-                raise TransferUsageError(self.room, f"init() while {self._status.name}")
-            if not 0 <= slot < self._manager.metadata.num_slots:
-                raise TransferUsageError(
-                    self.room,
-                    f"slot {slot} is not in the metadata buffers "
-                    f"(0..{self._manager.metadata.num_slots - 1})",
-                )
+            if self._side.status != KVPoll.WAITING_FOR_INPUT or self._link is None:
+                raise TransferUsageError(self.room, f"init() while {self._side.status.name}")
+            check_slot(self.room, slot, self._manager.metadata, "prefill")
             self._cursor.init(num_pages, slot)
             have = len(self._link.dst_pages)
             if num_pages > have:
-                reason = f"the decode peer gave {have} destination pages, {num_pages} are needed"
-                self._fail(reason)
-                self._link.receiver._fail(reason)
+                self._link.fail(
+                    f"the decode peer gave {have} destination pages, {num_pages} are needed"
+                )
 
     def send(self, pages: Sequence[int], last: bool) -> None:
         src = [int(p) for p in pages]
         manager = self._manager
-        with manager._lock:
-            if self._status == KVPoll.FAILED:
+        with self._lock:
+            if self._side.status == KVPoll.FAILED:
                 return
             if self._cursor.num_pages is None or self._link is None:
                 raise TransferUsageError(
-                    self.room, f"send() before init() while {self._status.name}"
+                    self.room, f"send() before init() while {self._side.status.name}"
                 )
             if manager._closed:
                 raise TransferUsageError(self.room, "send() on a closed manager")
-            _check_pages(self.room, src, manager.pool, "prefill")
+            check_pages(self.room, src, manager.pool, "prefill")
             span = self._cursor.advance(len(src), last)
             assert self._cursor.slot is not None
             link = self._link
-            link.inflight += 1
-            self._status = KVPoll.TRANSFERRING
-            manager._chunks.put(
-                _Chunk(self, link, src, link.dst_pages[span], last, self._cursor.slot)
-            )
-
-    def abort(self) -> None:
-        with self._manager._lock:
-            self._abort_locked()
-
-    def clear(self) -> None:
-        with self._manager._lock:
-            self._abort_locked()
-            if self._manager._senders.get(self.room) is self:
-                del self._manager._senders[self.room]
-            if self._link is not None:
-                self._link.closed = True
+            link.queue_chunk()
+            manager._chunks.put(_Chunk(link, src, link.dst_pages[span], last, self._cursor.slot))
 
     # -- called with the lock held --------------------------------------------------------
 
-    def _abort_locked(self) -> None:
-        if self._status in TERMINAL:
-            return
-        self._fail(REASON_ABORTED)
-        if self._link is not None and not self._link.closed:
-            self._link.receiver._fail(REASON_PEER_ABORTED)
+    def _attach(self, link: Link) -> bool:
+        """Attach to ``link`` if this sender still waits for one."""
+        if self._link is not None or self._side.status != KVPoll.BOOTSTRAPPING:
+            return False
+        self._link = link
+        link.attach(self._side)
+        return True
 
-    def _announce(self) -> None:
-        self._manager.ready.put(self.room)
-
-
-class LocalDecodeManager:
-    """Decode side: receivers whose pages and metadata rows the prefill worker fills."""
-
-    def __init__(self, pool: KVPool, metadata: MetadataBuffers, *, hub: LocalTransferHub) -> None:
-        self.pool = pool
-        self.metadata = metadata
-        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._hub = hub
-        self._lock = hub.lock
-
-    def create_receiver(self, bootstrap_addr: str, room: int) -> LocalKVReceiver:
-        return LocalKVReceiver(self, bootstrap_addr, room)
-
-    def close(self) -> None:
-        """Nothing to release: the copies run on the prefill manager's worker."""
-
-
-class LocalKVReceiver(_Endpoint):
-    _side = "receiver"
-
-    def __init__(self, manager: LocalDecodeManager, bootstrap_addr: str, room: int) -> None:
-        super().__init__(manager._lock, bootstrap_addr, room)
-        self._manager = manager
-        self._prefill: LocalKVManager | None = None
-        self._cleared = False
-
-    def init(self) -> None:
-        """Resolve the prefill peer. Raises :class:`KVGeometryError` when its pool's page
-        layout differs from ours (a deployment error: no request could ever transfer)."""
-        manager = self._manager
-        with manager._lock:
-            if self._status != KVPoll.BOOTSTRAPPING:
-                return
-            prefill = manager._hub.lookup(self.bootstrap_addr)
-            if prefill is None:
-                self._fail(f"no prefill server at {self.bootstrap_addr!r}")
-                return
-            mismatches = prefill.pool.geometry.mismatches(manager.pool.geometry)
-            if mismatches:
-                raise KVGeometryError(
-                    f"room {self.room}: the prefill pool at {self.bootstrap_addr!r} and this "
-                    f"decode pool differ in {'; '.join(mismatches)} (prefill vs decode); "
-                    "configure both sides with the same model and page layout"
-                )
-            self._prefill = prefill
-            self._set(KVPoll.WAITING_FOR_INPUT)
-
-    def send_metadata(self, pages: Sequence[int], slot: int) -> None:
-        dst = [int(p) for p in pages]
-        manager = self._manager
-        with manager._lock:
-            if self._status == KVPoll.FAILED:
-                return
-            if self._status != KVPoll.WAITING_FOR_INPUT or self._prefill is None:
-                raise TransferUsageError(self.room, f"send_metadata() while {self._status.name}")
-            _check_pages(self.room, dst, manager.pool, "decode")
-            if not 0 <= slot < manager.metadata.num_slots:
-                raise TransferUsageError(
-                    self.room,
-                    f"slot {slot} is not in the decode metadata buffers "
-                    f"(0..{manager.metadata.num_slots - 1})",
-                )
-            self._link = _Link(receiver=self, dst_pages=dst, dst_slot=slot)
-            self._set(KVPoll.TRANSFERRING)
-            self._prefill._deliver(self._link)
-
-    def abort(self) -> None:
-        """Fail the room here and tell the prefill peer, unless its sender was cleared."""
-        with self._manager._lock:
-            self._abort_locked()
-
-    def clear(self) -> None:
-        with self._manager._lock:
-            self._abort_locked()
-            self._cleared = True
-
-    # -- called with the lock held --------------------------------------------------------
-
-    def _abort_locked(self) -> None:
-        if self._status not in TERMINAL:
-            self._fail(REASON_ABORTED)
-        link = self._link
-        if link is None or link.closed:
-            return
-        if link.sender is None:
-            link.aborted_by_decode = True
-        else:
-            link.sender._fail(REASON_PEER_ABORTED)
-
-    def _announce(self) -> None:
-        if not self._cleared:
-            self._manager.ready.put(self.room)
+    def _forget(self) -> None:
+        if self._manager._senders.get(self.room) is self:
+            del self._manager._senders[self.room]
+        if self._link is not None:
+            self._link.closed = True

@@ -1,4 +1,5 @@
-"""Page math: tokens to pages, and coalescing of page lists into contiguous runs.
+"""Page math: tokens to pages, bytes of pages, and coalescing of page lists into contiguous
+runs.
 
 A request's KV lives in a list of pages (its page table): token position ``p`` is in page
 ``pages[p // page_size]`` at offset ``p % page_size``. Every page of a request is full except
@@ -34,35 +35,10 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def page_align_floor(num_tokens: int, page_size: int) -> int:
-    """The largest multiple of ``page_size`` not above ``num_tokens`` (tokens in full pages)."""
-    _check_page_size(page_size)
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    return num_tokens - num_tokens % page_size
-
-
-def page_span(start: int, end: int, page_size: int) -> range:
-    """Positions in a request's page table of the pages covering tokens ``start .. end-1``.
-
-    Empty when ``start == end``.
-    """
-    _check_page_size(page_size)
-    if not 0 <= start <= end:
-        raise ValueError(f"token range must satisfy 0 <= start <= end, got {start}..{end}")
-    if start == end:
-        return range(start // page_size, start // page_size)
-    return range(start // page_size, pages_needed(end, page_size))
-
-
-def pages_covering(pages: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
-    """The entries of ``pages`` (a request's page table) holding tokens ``start .. end-1``."""
-    span = page_span(start, end, page_size)
-    if span.stop > len(pages):
-        raise ValueError(
-            f"tokens {start}..{end - 1} need {span.stop} pages, the page table has {len(pages)}"
-        )
-    return list(pages[span.start : span.stop])
+def kv_bytes(num_pages: int, *, page_bytes: int, num_layers: int) -> int:
+    """Bytes of ``num_pages`` pages of a pool over every layer, K and V, where ``page_bytes``
+    is one page of one layer's K (or V)."""
+    return num_pages * page_bytes * 2 * num_layers
 
 
 class Run(NamedTuple):

@@ -9,22 +9,22 @@ contiguous region: a transfer engine moves a run with one write per layer half. 
 Ownership: the allocator knows which pages are free; the owner of a request knows which pages
 the request holds. :meth:`PageAllocator.check_conservation` compares the two, so invariant
 checks can assert that every page is either free or held by exactly one live request.
-:class:`RowPool` hands out request rows (a per-request page table) for owners that want one.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 import attrs
 import torch
 
+from kv.pages import kv_bytes
+
 
 class KVPoolError(Exception):
-    """A page (or row) was freed twice, one that the pool does not own was freed, or the
+    """A page was freed twice, one that the pool does not own was freed, or the
     pages held by requests and the free list disagree."""
 
 
@@ -247,9 +247,9 @@ class KVPool:
         """Bytes of one page of one layer's K (or V)."""
         return self.page_size * self.kv_heads * self.head_dim * self.buffer.element_size()
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_pages * self.page_size
+    def bytes_of_pages(self, num_pages: int) -> int:
+        """Bytes of ``num_pages`` pages over every layer, K and V: what moving them copies."""
+        return kv_bytes(num_pages, page_bytes=self.page_bytes, num_layers=self.num_layers)
 
     @property
     def geometry(self) -> KVGeometry:
@@ -262,7 +262,8 @@ class KVPool:
         )
 
     def usage(self) -> float:
-        """Fraction of pages in use, 0.0 .. 1.0."""
+        """Fraction of pages in use (not free: held by requests, or held back until their
+        transfer is quiescent), 0.0 .. 1.0."""
         return self.allocator.in_use() / self.num_pages
 
     def page_view(self) -> torch.Tensor:
@@ -277,54 +278,3 @@ class KVPool:
     def v(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 1]
 
-
-class RowPool:
-    """Request rows: each live request gets a row holding its page table.
-
-    Rows are handed out FIFO; :meth:`alloc` returns None when every row is taken (the request
-    waits, it does not fail).
-    """
-
-    def __init__(self, num_rows: int) -> None:
-        if num_rows <= 0:
-            raise ValueError(f"num_rows must be > 0, got {num_rows}")
-        self.num_rows = num_rows
-        self._free: deque[int] = deque(range(num_rows))
-        self._pages: dict[int, list[int]] = {}
-
-    def available(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        row = self._free.popleft()
-        self._pages[row] = []
-        return row
-
-    def _live(self, row: int) -> list[int]:
-        pages = self._pages.get(row)
-        if pages is None:
-            if not 0 <= row < self.num_rows:
-                raise KVPoolError(f"row {row} is not in this pool (0..{self.num_rows - 1})")
-            raise KVPoolError(f"row {row} is not allocated (freed twice?)")
-        return pages
-
-    def extend(self, row: int, pages: Sequence[int]) -> None:
-        """Append ``pages`` to the row's page table."""
-        self._live(row).extend(pages)
-
-    def pages(self, row: int) -> list[int]:
-        """A copy of the row's page table."""
-        return list(self._live(row))
-
-    def free(self, row: int) -> list[int]:
-        """Release the row; returns its page table, which the caller frees in the pool."""
-        pages = self._live(row)
-        del self._pages[row]
-        self._free.append(row)
-        return pages
-
-    def live_pages(self) -> list[list[int]]:
-        """The page tables of all live rows (for :meth:`PageAllocator.check_conservation`)."""
-        return [list(p) for p in self._pages.values()]

@@ -35,6 +35,7 @@ import attrs
 import msgpack
 import numpy as np
 
+from kv.pages import kv_bytes
 from kv.transfer import KVPoll
 
 MAX_MESSAGE_BYTES = 16 << 20
@@ -80,7 +81,7 @@ class Register:
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_pages * self.page_bytes
+        return kv_bytes(self.num_pages, page_bytes=self.page_bytes, num_layers=self.num_layers)
 
 
 @attrs.frozen(eq=False)

@@ -20,7 +20,8 @@ import attrs
 
 from kv.bootstrap import BootstrapServer
 from kv.fake import FaultPlan
-from kv.local import LocalDecodeManager, LocalTransferHub
+from kv.local import LocalTransferHub
+from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool

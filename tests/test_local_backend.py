@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kv.local import LocalDecodeManager, LocalKVManager, LocalKVReceiver, LocalTransferHub
+from kv.local import LocalKVManager, LocalTransferHub
+from kv.local_decode import LocalDecodeManager, LocalKVReceiver
 from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
 from kv.transfer import REASON_PEER_ABORTED, KVPoll, TransferUsageError

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv.pages import page_align_floor, pages_needed
+from kv.pages import pages_needed
 from kv.pool import KVPool
 from scheduler.model.fixed_point import greedy_token_ids
 from scheduler.model.reference import (
@@ -50,7 +50,7 @@ def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
 def next_chunk(req: Req, page_size: int) -> int:
     """Page-aligned cuts as the scheduler makes them; the last chunk takes the remainder."""
     budget = req.chunk_budgets[req.chunks % len(req.chunk_budgets)]
-    length = max(page_size, page_align_floor(budget, page_size))
+    length = max(page_size, budget // page_size * page_size)
     return min(length, len(req.prompt) - req.done)
 
 

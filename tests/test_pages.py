@@ -8,14 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv.pages import (
-    Run,
-    coalesce,
-    page_align_floor,
-    page_span,
-    pages_covering,
-    pages_needed,
-)
+from kv.pages import Run, coalesce, kv_bytes, pages_needed
 from tests.strategies import page_pairs
 
 
@@ -29,41 +22,29 @@ def _expand(runs: list[Run]) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "page_size", "pages", "floor"),
-    [(0, 4, 0, 0), (1, 4, 1, 0), (4, 4, 1, 4), (5, 4, 2, 4), (17, 16, 2, 16), (7, 1, 7, 7)],
+    ("tokens", "page_size", "pages"),
+    [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (17, 16, 2), (7, 1, 7)],
 )
-def test_pages_needed_and_align_floor(tokens: int, page_size: int, pages: int, floor: int) -> None:
+def test_pages_needed(tokens: int, page_size: int, pages: int) -> None:
     assert pages_needed(tokens, page_size) == pages
-    assert page_align_floor(tokens, page_size) == floor
 
 
 def test_page_math_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="page_size"):
         pages_needed(3, 0)
     with pytest.raises(ValueError, match="num_tokens"):
-        page_align_floor(-1, 4)
-    with pytest.raises(ValueError, match="start <= end"):
-        page_span(5, 3, 4)
+        pages_needed(-1, 4)
 
 
-def test_page_span_and_covering_pages() -> None:
-    table = [40, 41, 7, 9]
-    assert page_span(0, 4, 4) == range(0, 1)
-    assert page_span(3, 9, 4) == range(0, 3)
-    assert page_span(8, 8, 4) == range(2, 2)
-    assert pages_covering(table, 4, 13, 4) == [41, 7, 9]
-    assert pages_covering(table, 5, 5, 4) == []
-    with pytest.raises(ValueError, match="need 5 pages"):
-        pages_covering(table, 0, 17, 4)
+def test_kv_bytes_counts_k_and_v_of_every_layer() -> None:
+    assert kv_bytes(0, page_bytes=128, num_layers=3) == 0
+    assert kv_bytes(5, page_bytes=128, num_layers=3) == 5 * 128 * 2 * 3
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
 def test_page_math_properties(tokens: int, page_size: int) -> None:
     n = pages_needed(tokens, page_size)
     assert (n - 1) * page_size < tokens <= n * page_size or tokens == n == 0
-    floor = page_align_floor(tokens, page_size)
-    assert floor % page_size == 0 and 0 <= tokens - floor < page_size
-    assert len(page_span(0, tokens, page_size)) == n
 
 
 def test_coalesce_splits_where_either_side_breaks() -> None:

@@ -1,4 +1,4 @@
-"""The paged KV pool, its page allocator and the request-row pool."""
+"""The paged KV pool and its page allocator."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from kv.pool import KVGeometry, KVPool, KVPoolError, PageAllocator, RowPool
+from kv.pool import KVGeometry, KVPool, KVPoolError, PageAllocator
 from tests.strategies import alloc_free_ops
 
 
@@ -25,7 +25,8 @@ def test_pool_layout_views_and_page_bytes() -> None:
     pool = _pool(dtype=torch.float16)
     assert pool.buffer.shape == (3, 2, 10, 4, 2, 8)
     assert pool.page_bytes == 4 * 2 * 8 * 2
-    assert pool.capacity_tokens == 40
+    assert pool.bytes_of_pages(5) == 5 * pool.page_bytes * 2 * 3
+    assert pool.bytes_of_pages(10) == pool.buffer.numel() * pool.buffer.element_size()
     pool.k(1)[2].fill_(1.0)
     pool.v(1)[2].fill_(2.0)
     view = pool.page_view()
@@ -206,22 +207,3 @@ def test_geometry_mismatches_name_each_field() -> None:
     assert a.mismatches(b) == ["page_size: 4 vs 8", "dtype: torch.float32 vs torch.bfloat16"]
     assert isinstance(a, KVGeometry)
 
-
-def test_row_pool_is_fifo_and_returns_none_when_exhausted() -> None:
-    rows = RowPool(2)
-    r0, r1 = rows.alloc(), rows.alloc()
-    assert (r0, r1) == (0, 1)
-    assert rows.alloc() is None
-    assert r0 is not None and r1 is not None
-    rows.extend(r0, [5, 6])
-    rows.extend(r0, [9])
-    assert rows.pages(r0) == [5, 6, 9]
-    assert rows.live_pages() == [[5, 6, 9], []]
-    assert rows.free(r0) == [5, 6, 9]
-    assert rows.available() == 1
-    with pytest.raises(KVPoolError, match="not allocated"):
-        rows.free(r0)
-    with pytest.raises(KVPoolError, match="not in this pool"):
-        rows.pages(7)
-    rows.free(r1)
-    assert rows.alloc() == r0  # FIFO: the row freed first comes back first

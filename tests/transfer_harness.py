@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from kv.fake import FakeKVManager, FaultPlan
-from kv.local import LocalDecodeManager, LocalKVManager, LocalKVReceiver, LocalTransferHub
+from kv.local import LocalKVManager, LocalTransferHub
+from kv.local_decode import LocalDecodeManager, LocalKVReceiver
 from kv.metadata import MetadataBuffers, MetadataRow, SlotAllocator
 from kv.pool import KVPool
 from kv.transfer import KVManager, KVPoll, KVSender

@@ -215,4 +215,4 @@ class Results:
             req.sent = upto
 
     def _bytes(self, num_pages: int) -> int:
-        return num_pages * self._pool.page_bytes * 2 * self._pool.num_layers
+        return self._pool.bytes_of_pages(num_pages)

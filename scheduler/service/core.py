@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kv.bootstrap import BootstrapServer
-from kv.local import LocalDecodeManager, LocalTransferHub
+from kv.local import LocalTransferHub
+from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
