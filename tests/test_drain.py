@@ -1,16 +1,20 @@
 """SIGTERM drains a real ``pdlife serve`` process: it stops admitting (503 on /generate and
-/health), finishes the request in flight, and exits 0."""
+/health), finishes the request in flight, and exits 0; a drain that had to abort requests exits
+3. Sizes on the command line take units."""
 
 from __future__ import annotations
 
+import argparse
 import signal
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
+from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size
 from scheduler.model.reference import ModelConfig
-from tests.service_harness import Server, tokens_of_stream
+from tests.service_harness import Server, free_port, tokens_of_stream, wait_for
 
 MODEL = ModelConfig.tiny()
 NEW_TOKENS = 300
@@ -52,3 +56,55 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> No
         assert "drained; shutting down" in server.tail()
     finally:
         server.stop()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.mooncake
+def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path) -> None:
+    """A prefill whose request waits for a decode peer that never comes: the drain times out,
+    aborts it (the client gets its abort) and the exit status says so."""
+    bootstrap_port = free_port()
+    server = Server(tmp_path / "serve.log", "--backend", "mooncake", "--role", "prefill",
+                    "--bootstrap-port", str(bootstrap_port), "--drain-timeout", "0.2")
+    try:
+        server.wait_healthy()
+        body = {"input_ids": [3, 1, 4], "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap_port, "bootstrap_room": 7}
+        answers: list[httpx.Response] = []
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            waiting = threading.Thread(target=lambda: answers.append(
+                client.post("/generate", json=body)))
+            waiting.start()
+            wait_for(lambda: server.get("/server_info")["live_requests"] == 1, 30,
+                     "the request admitted")
+            server.signal(signal.SIGTERM)
+            waiting.join(60)
+        assert answers[0].status_code == 200
+        assert answers[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert server.wait(timeout=30) == EXIT_DRAIN_ABORTED, server.tail()
+        assert "the drain aborted 1 requests" in server.tail()
+    finally:
+        server.stop()
+
+
+@pytest.mark.multiprocess
+def test_an_idle_server_exits_zero_on_sigterm(tmp_path: Path) -> None:
+    server = Server(tmp_path / "serve.log", "--backend", "local")
+    try:
+        server.wait_healthy()
+        server.signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0, server.tail()
+        assert "drained; shutting down" in server.tail()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("text", "size"), [("65536", 65536), ("64KiB", 65536),
+                                            ("8MiB", 8 << 20), ("1 GB", 10**9), ("2b", 2)])
+def test_sizes_take_units(text: str, size: int) -> None:
+    assert byte_size(text) == size
+
+
+def test_a_size_without_a_number_is_refused() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size: '8 megs'"):
+        byte_size("8 megs")

@@ -12,13 +12,14 @@ import attrs
 class Subcommand:
     """One ``pdlife`` subcommand: its name, a one-line summary, the description ``--help``
     shows, a function that declares its arguments, and one that runs it and returns the exit
-    status."""
+    status; ``epilog`` closes its ``--help`` (what it does not do, for instance)."""
 
     name: str
     summary: str
     description: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    epilog: str = ""
 
 
 class UsageError(Exception):

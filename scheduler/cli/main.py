@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in SUBCOMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.summary, description=cmd.description)
+        p = sub.add_parser(cmd.name, help=cmd.summary, description=cmd.description,
+                           epilog=cmd.epilog or None)
         cmd.add_arguments(p)
         p.set_defaults(run=cmd.run)
     return parser

@@ -6,7 +6,10 @@ and ``pdlife generate`` agree token for token when started alike.
 
 Shutdown: the first SIGTERM or SIGINT starts a drain (``/generate`` and ``/health`` answer 503,
 requests in flight finish), then the server exits 0; after ``--drain-timeout`` seconds what is
-still live is aborted. A second SIGINT exits at once.
+still live is aborted and the exit status is 3, so a supervisor can tell. A failed engine loop
+exits 1. A second SIGINT exits at once. Once the backends are closed the process ends without
+the interpreter's slow teardown (torch's, the transfer engine's), so an idle server exits
+promptly.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 
@@ -27,6 +32,24 @@ if TYPE_CHECKING:
     from scheduler.service.config import Role, ServeConfig
 
 logger = logging.getLogger(__name__)
+
+#: Exit status of a server whose drain had to abort requests at ``--drain-timeout``.
+EXIT_DRAIN_ABORTED = 3
+#: Exit status of a server whose engine loop failed.
+EXIT_ENGINE_FAILED = 1
+
+_SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
+          "mib": 1 << 20, "gib": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: a plain number, or one with a unit (``64KiB``, ``8MiB``, ``1GB``)."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB)")
+    return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
 _MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
                 "max_position", "seed")
@@ -105,17 +128,20 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     times.add_argument("--drain-timeout", type=float, default=60.0,
                        help="on SIGTERM: seconds to let requests finish before aborting them "
                        "(default: 60)")
-    times.add_argument("--max-body-bytes", type=int, default=8 << 20,
-                       help="largest request body accepted (default: 8 MiB)")
+    times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
+                       help="largest request body accepted, in bytes or with a unit "
+                       "(65536, 64KiB, 8MiB) (default: 8MiB)")
     mc = parser.add_argument_group("mooncake")
     mc.add_argument("--mooncake-host", default="127.0.0.1",
                     help="this machine's address for the transfer engine and control sockets "
                     "(default: %(default)s)")
     mc.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp",
-                    help="(default: tcp)")
+                    help="the transfer engine's transport: tcp everywhere, rdma where the "
+                    "hardware has it (needs --mooncake-device) (default: tcp)")
     mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                        default="info", help="(default: info)")
+                        default="info", help="the server's log level; debug adds an access log "
+                        "line per HTTP request (default: info)")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -183,6 +209,7 @@ def _serve(args: argparse.Namespace) -> int:
         """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT."""
 
         drain_started = False
+        aborted = 0
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if self.drain_started:
@@ -196,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
             if not service.wait_drained(args.drain_timeout):
                 logger.warning("drain timeout (%g s): aborting %d requests",
                                args.drain_timeout, service.live_requests())
-                service.abort_all()
+                self.aborted = service.abort_all()
                 service.wait_drained(10.0)
             logger.info("drained; shutting down")
             self.should_exit = True
@@ -212,7 +239,24 @@ def _serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         service.close()
-    return 0 if service.loop.failure is None else 1
+    if service.loop.failure is not None:
+        code = EXIT_ENGINE_FAILED
+    elif server.aborted:
+        logger.warning("exiting %d: the drain aborted %d requests", EXIT_DRAIN_ABORTED,
+                       server.aborted)
+        code = EXIT_DRAIN_ABORTED
+    else:
+        code = 0
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process now: everything that holds a thread, a socket or a port is closed, and
+    the interpreter's teardown (torch's, the transfer engine's) would only delay the exit."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 SERVE = Subcommand(
@@ -223,7 +267,17 @@ SERVE = Subcommand(
         "/metrics, ...) as a prefill or decode server that SGLang's router can drive, with "
         "KV transfer over Mooncake. --backend local runs prefill and decode in this one "
         "process, and /generate answers whole requests. Requests for bootstrap host 2.2.2.2 "
-        "use the fake backend (warm-up and health). SIGTERM drains, then exits 0."
+        "use the fake backend (warm-up and health). SIGTERM drains, then exits 0 (3 if the "
+        "drain had to abort requests at --drain-timeout, 1 if the engine loop failed)."
+    ),
+    epilog=(
+        "Not supported: sampling other than greedy (SGLang's other sampling fields, "
+        "temperature, top_p, json_schema, regex and the rest, are accepted and ignored), "
+        "return_logprob (refused with 400), the OpenAI endpoints "
+        "(/v1/completions, /v1/chat/completions), prefix caching, tensor parallelism and "
+        "different prefill/decode layouts. SGLang's router refuses text batches and "
+        "per-prompt sampling_params lists before a worker sees them (input_ids batches go "
+        "through), and does not forward /abort_request (docs/operations.md)."
     ),
     add_arguments=_serve_arguments,
     run=_serve,
