@@ -1,40 +1,136 @@
-"""``pdlife bench``: run the benchmarks of a source checkout."""
+"""``pdlife bench``: run the benchmarks of a source checkout.
+
+Before it runs anything it shows the plan: which benchmarks, what each measures and about how
+long each takes on a 2-core machine; then a progress bar over the estimated total while each
+benchmark's own output (its ``RESULT`` line last) scrolls above it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import queue
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 from scheduler.cli.command import Subcommand, UsageError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "bench"
-# In the order `pdlife bench` runs them with no names given (the quick ones first).
-ALL = ("lifecycle", "scale", "transfer", "e2e", "delayer", "soak")
+
+
+@attrs.frozen
+class Benchmark:
+    name: str
+    seconds: int  # about how long one run takes on a 2-core machine
+    measures: str
+
+
+#: In the order `pdlife bench` runs them with no names given (the quick ones first).
+ALL = (
+    Benchmark("lifecycle", 40, "a request's lifecycle: pdlife against plain transitions"),
+    Benchmark("scale", 30, "a scheduler pass with 100 against 10,000 waiting requests"),
+    Benchmark("delayer", 30, "the PrefillDelayer across data-parallel ranks"),
+    Benchmark("e2e", 120, "prefill throughput and TTFT against the forward passes alone"),
+    Benchmark("transfer", 180, "KV transfer: pdlife's backends against the raw engine"),
+    Benchmark("soak", 90, "10,000 requests under injected faults: nothing lost or leaked"),
+)
+BY_NAME = {b.name: b for b in ALL}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "names", nargs="*", metavar="NAME",
-        help=f"benchmarks to run (default: all of {', '.join(ALL)})",
+        help=f"benchmarks to run (default: all of {', '.join(BY_NAME)})",
     )
+    parser.add_argument("--list", action="store_true",
+                        help="show the plan (what each measures, about how long) and exit")
+
+
+def plan(names: list[str]) -> list[Benchmark]:
+    unknown = [n for n in names if n not in BY_NAME or not (BENCH_DIR / f"{n}.py").is_file()]
+    if unknown:
+        raise UsageError(f"unknown benchmark(s) {unknown}; choose from {', '.join(BY_NAME)}")
+    return [BY_NAME[n] for n in names] if names else list(ALL)
 
 
 def _run(args: argparse.Namespace) -> int:
     if not BENCH_DIR.is_dir():
         raise UsageError(f"no bench/ folder at {BENCH_DIR}: run from a source checkout")
-    names = args.names or list(ALL)
-    unknown = [n for n in names if not (BENCH_DIR / f"{n}.py").is_file()]
-    if unknown:
-        raise UsageError(f"unknown benchmark(s) {unknown}; choose from {', '.join(ALL)}")
+    chosen = plan(args.names)
+    total = sum(b.seconds for b in chosen)
+    print(f"pdlife bench: {len(chosen)} benchmark(s), about {_duration(total)} on 2 cores")
+    for b in chosen:
+        print(f"  {b.name:<10} ~{_duration(b.seconds):>8}  {b.measures}")
+    if args.list:
+        return 0
+    print(flush=True)
+    return _run_all(chosen, total)
+
+
+def _run_all(chosen: list[Benchmark], total: int) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
     status = 0
-    for name in names:
-        print(f"== python -m bench.{name}", flush=True)
-        done = subprocess.run([sys.executable, "-m", f"bench.{name}"], cwd=ROOT, check=False)
-        status = status or done.returncode
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("", total=total)
+        done_before = 0
+        for i, b in enumerate(chosen, 1):
+            progress.update(task, description=f"[{i}/{len(chosen)}] bench.{b.name}")
+            console.print(f"== python -m bench.{b.name}", markup=False, highlight=False)
+            start = time.monotonic()
+
+            def advance(b: Benchmark = b, start: float = start, before: int = done_before) -> None:
+                # The bar moves with the clock, up to just short of the estimate.
+                ran = min(time.monotonic() - start, b.seconds * 0.95)
+                progress.update(task, completed=before + ran)
+
+            status = _one(b, console, advance) or status
+            done_before += b.seconds
+            progress.update(task, completed=done_before)
     return status
+
+
+def _one(b: Benchmark, console: Any, tick: Callable[[], None]) -> int:
+    """Run one benchmark, echoing its output; ``tick`` twice a second."""
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    with subprocess.Popen(
+        [sys.executable, "-m", f"bench.{b.name}"], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    ) as proc:
+        out = proc.stdout
+        assert out is not None
+
+        def pump() -> None:
+            for line in out:
+                lines.put(line.rstrip("\n"))
+            lines.put(None)
+
+        threading.Thread(target=pump, name=f"bench-{b.name}-output", daemon=True).start()
+        while True:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                tick()
+                continue
+            if line is None:
+                break
+            console.print(line, markup=False, highlight=False)
+            tick()
+    return proc.returncode
 
 
 BENCH = Subcommand(
@@ -42,7 +138,8 @@ BENCH = Subcommand(
     summary="run benchmarks side by side with their baselines",
     description=(
         "Run the benchmarks in bench/ (each measures pdlife and its baseline in one run and "
-        "ends with a RESULT line of ratios). Machines are noisy: compare ratios, not times."
+        "ends with a RESULT line of ratios). Shows the plan with estimated times first, then "
+        "a progress bar. Machines are noisy: compare ratios, not times."
     ),
     add_arguments=_arguments,
     run=_run,

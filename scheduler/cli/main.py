@@ -27,7 +27,7 @@ from scheduler.cli.demo import DEMO
 from scheduler.cli.fuzz import FUZZ
 from scheduler.cli.serve import GENERATE, SERVE
 
-DOCS_LIFECYCLE = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
+DOCS_LIFECYCLE = Path(__file__).resolve().parents[2] / "docs" / "lifecycle.md"
 
 
 # -- loading tables ---------------------------------------------------------------------------

@@ -1,0 +1,31 @@
+"""``pdlife bench`` shows its plan, refuses unknown names, and finds the checkout's files."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.cli.bench import ALL, BENCH_DIR
+from scheduler.cli.main import DOCS_LIFECYCLE, main
+
+
+def test_the_plan_lists_every_benchmark_with_an_estimate(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"pdlife bench: {len(ALL)} benchmark(s), about ")
+    for b in ALL:
+        assert f"  {b.name:<10} ~" in out
+        assert b.measures in out
+    assert "RESULT" not in out  # --list runs nothing
+
+
+def test_an_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "lifecycle", "nope"])
+    assert exited.value.code == 2
+    assert "unknown benchmark(s) ['nope']" in capsys.readouterr().err
+
+
+def test_default_paths_point_into_the_checkout() -> None:
+    assert all((BENCH_DIR / f"{b.name}.py").is_file() for b in ALL)
+    assert DOCS_LIFECYCLE.is_file()
