@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The prefill side has one :class:`KVManager` per rank and one :class:`KVSender` per request,
-keyed by the request's bootstrap room. The decode side has one :class:`KVDecodeManager` per
+keyed by the request's bootstrap room. The decode side has one :class:`DecodeKVManager` per
 rank and one :class:`KVReceiver` per request. The states a sender or receiver reports are
 :class:`KVPoll`, whose integer order is load-bearing: ranks combine polls with MIN so that the
 most pessimistic state wins (any rank FAILED means everyone sees FAILED; all must be SUCCESS).
@@ -146,12 +146,10 @@ class SendCursor:
         return chunk
 
 
-class KVSender(Protocol):
+class RoomTransfer(Protocol):
+    """One end of one room's transfer: what a sender and a receiver have in common."""
+
     room: int
-
-    def init(self, num_pages: int, slot: int) -> None: ...
-
-    def send(self, pages: Sequence[int], last: bool) -> None: ...
 
     def poll(self) -> KVPoll: ...
 
@@ -162,6 +160,14 @@ class KVSender(Protocol):
     def clear(self) -> None: ...
 
     def quiescent(self) -> bool: ...
+
+
+class KVSender(RoomTransfer, Protocol):
+    """One per request on the prefill side (the sender protocol above)."""
+
+    def init(self, num_pages: int, slot: int) -> None: ...
+
+    def send(self, pages: Sequence[int], last: bool) -> None: ...
 
 
 class KVManager(Protocol):
@@ -174,32 +180,31 @@ class KVManager(Protocol):
     def close(self) -> None: ...
 
 
-class KVReceiver(Protocol):
+class KVReceiver(RoomTransfer, Protocol):
     """One per request on the decode side: BOOTSTRAPPING until ``init()`` resolved the prefill
     peer, WAITING_FOR_INPUT until ``send_metadata()``, then TRANSFERRING until the KV and the
     metadata row landed (SUCCESS) or the room failed. ``abort()`` tells the prefill peer."""
-
-    room: int
 
     def init(self) -> None: ...
 
     def send_metadata(self, pages: Sequence[int], slot: int) -> None: ...
 
-    def poll(self) -> KVPoll: ...
 
-    def failure_exception(self) -> TransferError: ...
+class ReadyRooms(Protocol):
+    """A thread-safe queue of rooms whose receiver may have changed state: the decode peer
+    drains it every pass and puts a room back to look at it again on the next."""
 
-    def abort(self) -> None: ...
+    def put(self, room: int, /) -> None: ...
 
-    def clear(self) -> None: ...
-
-    def quiescent(self) -> bool: ...
+    def get_nowait(self) -> int: ...
 
 
-class KVDecodeManager(Protocol):
-    """One per decode rank: creates receivers and pushes readiness of their rooms."""
+class DecodeKVManager(Protocol):
+    """One per decode rank (or one router over several): creates receivers and pushes
+    readiness of their rooms."""
 
-    ready: queue.SimpleQueue[int]
+    @property
+    def ready(self) -> ReadyRooms: ...
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> KVReceiver: ...
 

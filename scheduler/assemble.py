@@ -23,8 +23,8 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
-from kv.transfer import KVManager
-from scheduler.decode.peer import DecodeKVManager, DecodePeer, DecodeResponse
+from kv.transfer import DecodeKVManager, KVManager
+from scheduler.decode.peer import DecodePeer, DecodeResponse
 from scheduler.messages import LOCAL_HOST, Response
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
@@ -135,9 +135,7 @@ def build_decode(
     metadata = MetadataBuffers(metadata_slots)
     runner = runner_factory(model, pool)
     kv = kv_for(pool, metadata, runner)
-    close = getattr(kv, "close", None)
-    if close is not None:
-        closers.append(close)
+    closers.append(kv.close)
     return DecodePeer(
         runner=runner,
         kv=kv,

@@ -27,14 +27,14 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import cast
 
 import attrs
 
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.pages import pages_needed
 from kv.release import Releaser
-from kv.transfer import KVPoll
+from kv.transfer import DecodeKVManager, KVPoll, KVReceiver
 from lifecycle import DECODE_TABLE, DecodeRequest, DecodeState, FailureReason, Lifecycle
 from scheduler.messages import AbortRequest, NewRequest, take_all
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
@@ -43,22 +43,9 @@ logger = logging.getLogger(__name__)
 S = DecodeState
 
 
-class ReadyRooms(Protocol):
-    """A thread-safe queue of rooms whose receiver may have changed state; the peer drains it
-    every pass and puts a room back to look at it again on the next."""
-
-    def put(self, room: int, /) -> None: ...
-
-    def get_nowait(self) -> int: ...
-
-
-class DecodeKVManager(Protocol):
-    """What the decode peer asks of its KV layer: a readiness queue of rooms and receivers."""
-
-    @property
-    def ready(self) -> ReadyRooms: ...
-
-    def create_receiver(self, bootstrap_addr: str, room: int) -> Any: ...
+def receiver_of(req: DecodeRequest) -> KVReceiver | None:
+    """The request's receiver (the record holds it untyped: lifecycle/ does not know kv/)."""
+    return cast("KVReceiver | None", req.receiver)
 
 
 @attrs.frozen
@@ -192,8 +179,9 @@ class DecodePeer:
                 new.rid, S.FAILED, FailureReason.REJECTED, why, (), "abort", len(new.input_ids)))
 
     def _fail(self, req: DecodeRequest, reason: FailureReason, detail: str) -> None:
-        if req.receiver is not None:
-            req.receiver.abort()  # type: ignore[attr-defined]
+        receiver = receiver_of(req)
+        if receiver is not None:
+            receiver.abort()
         event = "abort" if reason is FailureReason.ABORTED else "fail"
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
@@ -215,11 +203,12 @@ class DecodePeer:
         bootstrapped: list[DecodeRequest] = []
         received: list[DecodeRequest] = []
         for req in changed.values():
-            if req.is_final or req.receiver is None:
+            receiver = receiver_of(req)
+            if req.is_final or receiver is None:
                 continue
-            poll = req.receiver.poll()  # type: ignore[attr-defined]
+            poll = receiver.poll()
             if poll == KVPoll.FAILED:
-                err = req.receiver.failure_exception()  # type: ignore[attr-defined]
+                err = receiver.failure_exception()
                 reason = (
                     FailureReason.BOOTSTRAP_FAILED if req.state is S.BOOTSTRAPPING
                     else FailureReason.TRANSFER_FAILED
@@ -228,8 +217,9 @@ class DecodePeer:
             elif req.state is S.BOOTSTRAPPING and poll >= KVPoll.WAITING_FOR_INPUT:
                 bootstrapped.append(req)
             elif req.state is S.RECEIVING and poll == KVPoll.SUCCESS:
+                assert req.slot is not None  # held from PREALLOC on
                 try:
-                    row = self.metadata.read(req.slot, expected_room=req.bootstrap_room)  # type: ignore[arg-type]
+                    row = self.metadata.read(req.slot, expected_room=req.bootstrap_room)
                 except MetadataError as exc:
                     self._fail(req, FailureReason.TRANSFER_FAILED, str(exc))
                     continue
@@ -271,7 +261,9 @@ class DecodePeer:
             self.metadata.clear(slot)
             ready.append(req)
         for req in ready:
-            req.receiver.send_metadata(req.pages, req.slot)  # type: ignore[attr-defined]
+            receiver = receiver_of(req)
+            assert receiver is not None and req.slot is not None
+            receiver.send_metadata(req.pages, req.slot)
         self.lifecycle.fire("preallocated", ready)
         return bool(ready)
 
@@ -330,7 +322,7 @@ class DecodePeer:
         else:
             # Reserved until the receiver is cleared (prefill may still write its pages).
             forget_room = functools.partial(self._rooms.pop, room, None)
-        self._releaser.release(req.receiver, req.pages, req.slot, forget_room)  # type: ignore[arg-type]
+        self._releaser.release(receiver_of(req), req.pages, req.slot, forget_room)
         req.receiver, req.pages, req.slot = None, [], None
 
     def _respond(self, req: DecodeRequest) -> None:

@@ -30,22 +30,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 from kv.fake import FakeDecodeManager, FakeKVReceiver
 from kv.metadata import MetadataBuffers
-from kv.transfer import TransferUsageError
-from scheduler.decode.peer import DecodeKVManager
+from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError, TransferUsageError
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-class DecodeManager(DecodeKVManager, Protocol):
-    """A decode KV manager the router owns, and closes."""
-
-    def close(self) -> None: ...
 
 
 class PeerUnreachable(Exception):
@@ -63,7 +55,7 @@ def is_fake(bootstrap_addr: str) -> bool:
 class _MergedReady:
     """``get_nowait``/``put`` over the readiness queues of several managers."""
 
-    def __init__(self, managers: Callable[[], Sequence[DecodeManager]]) -> None:
+    def __init__(self, managers: Callable[[], Sequence[DecodeKVManager]]) -> None:
         self._managers = managers
         self._own: queue.SimpleQueue[int] = queue.SimpleQueue()
 
@@ -140,10 +132,10 @@ class _ComputingReceiver:
         self._owner.forget(self.room)
         self._inner.send_metadata(pages, slot)
 
-    def poll(self) -> Any:
+    def poll(self) -> KVPoll:
         return self._inner.poll()
 
-    def failure_exception(self) -> Exception:
+    def failure_exception(self) -> TransferError:
         return self._inner.failure_exception()
 
     def abort(self) -> None:
@@ -169,8 +161,8 @@ class DecodeKVRouter:
         self,
         *,
         fake: LocalPrefillFake,
-        factory: Callable[[str], DecodeManager] | None = None,
-        default: DecodeManager | None = None,
+        factory: Callable[[str], DecodeKVManager] | None = None,
+        default: DecodeKVManager | None = None,
     ) -> None:
         if factory is not None and default is not None:
             raise ValueError("give factory (one manager per peer) or default, not both")
@@ -179,11 +171,11 @@ class DecodeKVRouter:
         self._default = default
         self._lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}
-        self._managers: dict[str, DecodeManager] = {}
-        self._snapshot: tuple[DecodeManager, ...] = self._all()
+        self._managers: dict[str, DecodeKVManager] = {}
+        self._snapshot: tuple[DecodeKVManager, ...] = self._all()
         self.ready = _MergedReady(lambda: self._snapshot)
 
-    def _all(self) -> tuple[DecodeManager, ...]:
+    def _all(self) -> tuple[DecodeKVManager, ...]:
         extra = () if self._default is None else (self._default,)
         return (self.fake, *extra, *self._managers.values())
 
@@ -214,11 +206,11 @@ class DecodeKVRouter:
         with self._lock:
             return sorted(self._managers)
 
-    def managers(self) -> tuple[DecodeManager, ...]:
+    def managers(self) -> tuple[DecodeKVManager, ...]:
         """Every manager requests may be routed to (the fake one first)."""
         return self._snapshot
 
-    def create_receiver(self, bootstrap_addr: str, room: int) -> Any:
+    def create_receiver(self, bootstrap_addr: str, room: int) -> KVReceiver:
         if is_fake(bootstrap_addr):
             return self.fake.create_receiver(bootstrap_addr, room)
         if self._default is not None:

@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.001
 
 
-class Engine(Protocol):
-    """What the loop asks of a scheduler."""
+class Steppable(Protocol):
+    """What the loop asks of a scheduler (a prefill scheduler or a decode peer)."""
 
     def step(self) -> bool: ...
 
@@ -44,7 +44,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engines: Sequence[Engine],
+        engines: Sequence[Steppable],
         *,
         on_crash: Callable[[BaseException], None],
         after_pass: Callable[[], None] | None = None,

@@ -46,7 +46,7 @@ def failure_kind(answer: Answer) -> str:
 
 
 def _is_union_tag(part: object) -> bool:
-    """A pydantic location part that names a union member (``list[int]``, ``SamplingParams``,
+    """A pydantic location part that names a union member (``list[int]``, ``SamplingParamsBody``,
     ``str``) rather than a field (the API's fields are snake_case)."""
     return isinstance(part, str) and (
         "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool")

@@ -26,14 +26,14 @@ from scheduler.service.routes_info import ServiceDep
 from scheduler.service.schema import (
     ERRORS,
     AbortAnswer,
-    AbortRequest,
+    AbortBody,
     ErrorBody,
     ErrorDetail,
     FinishReason,
     GenerateAnswer,
     GenerateRequest,
     MetaInfo,
-    SamplingParams,
+    SamplingParamsBody,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     hosts = _per_item(body.bootstrap_host, n, "bootstrap_host", batch)
     ports = _per_item(body.bootstrap_port, n, "bootstrap_port", batch)
     rooms = _per_item(body.bootstrap_room, n, "bootstrap_room", batch)
-    params = _per_item(body.sampling_params or SamplingParams(), n, "sampling_params", batch)
+    params = _per_item(body.sampling_params or SamplingParamsBody(), n, "sampling_params", batch)
     items = [
         service.check(
             rid=rid, input_ids=prompt, max_new_tokens=sp.max_new_tokens,
@@ -145,7 +145,7 @@ async def _until_disconnect(request: Request) -> None:
 @router.post("/abort_request", response_model=AbortAnswer,
              responses={400: ERRORS[400], 404: {"model": ErrorBody,
                                                   "description": "no live request has this rid"}})
-async def abort_request(body: AbortRequest, service: ServiceDep) -> Response:
+async def abort_request(body: AbortBody, service: ServiceDep) -> Response:
     """Abort a live request by rid (or every live request with ``abort_all``)."""
     if body.abort_all:
         return JSONResponse(AbortAnswer(rid="", aborted=service.abort_all()).model_dump())

@@ -14,8 +14,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class SamplingParams(_Strict):
-    """Greedy decoding; other SGLang sampling fields are accepted and ignored."""
+class SamplingParamsBody(_Strict):
+    """``sampling_params`` of a ``/generate`` body (SGLang's): greedy decoding; other SGLang
+    sampling fields are accepted and ignored."""
 
     max_new_tokens: int = Field(default=16, ge=1, description="at most the server's limit")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -27,7 +28,7 @@ class GenerateRequest(_Strict):
 
     text: str | list[str] | None = Field(None, description="prompt text (byte-level tokens)")
     input_ids: list[int] | list[list[int]] | None = Field(None, description="prompt token ids")
-    sampling_params: SamplingParams | list[SamplingParams] | None = Field(
+    sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = Field(
         None, description="one for every prompt, or a list with one per prompt of a batch"
     )
     return_logprob: bool = Field(False, description="not supported: true is refused with 400")
@@ -71,7 +72,9 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-class AbortRequest(_Strict):
+class AbortBody(_Strict):
+    """The body of ``/abort_request``: one request id, or every request."""
+
     rid: str = ""
     abort_all: bool = False
 
