@@ -149,8 +149,7 @@ def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
 
     pair.prefill.check_invariants()
     pair.decode.check_invariants()
-    leaked_pages = (pair.prefill_pool.num_pages - pair.prefill_pool.allocator.available()) + (
-        pair.decode_pool.num_pages - pair.decode_pool.allocator.available())
+    leaked_pages = pair.prefill_pool.allocator.in_use() + pair.decode_pool.allocator.in_use()
     leaked_slots = (pair.prefill.slots.num_slots - pair.prefill.slots.available()) + (
         pair.decode.slots.num_slots - pair.decode.slots.available())
     lost = sum(1 for r in rids if not prefill_counts[r] or not decode_counts[r])

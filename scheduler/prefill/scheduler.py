@@ -195,10 +195,10 @@ class PrefillScheduler:
     @property
     def pages_held(self) -> int:
         """Pages held by live requests and by the releaser."""
-        return self.pool.num_pages - self.pool.allocator.available()
+        return self.pool.allocator.in_use()
 
     def pool_usage(self) -> float:
-        return self.pages_held / self.pool.num_pages
+        return self.pool.usage()
 
     # -- failing: now, or deferred while on the device ---------------------------------------
 

@@ -75,8 +75,8 @@ logger = logging.getLogger(__name__)
 
 
 def _pool_view(pool: KVPool) -> dict[str, int]:
-    free = pool.allocator.available()
-    return {"free_pages": free, "used_pages": pool.num_pages - free, "total_pages": pool.num_pages}
+    return {"free_pages": pool.allocator.available(), "used_pages": pool.allocator.in_use(),
+            "total_pages": pool.num_pages}
 
 
 class Service:
