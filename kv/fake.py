@@ -26,9 +26,9 @@ import queue
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
+from attrs.validators import ge, le
 
 from kv.transfer import (
     REASON_ABORTED,
@@ -45,16 +45,6 @@ logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
-def _probability(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"FaultPlan.{attribute.name} must be in 0.0 .. 1.0, got {value}")
-
-
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise ValueError(f"FaultPlan.{attribute.name} must be >= 0, got {value}")
-
-
 @attrs.frozen
 class RoomFaults:
     """What goes wrong for one room."""
@@ -69,14 +59,14 @@ class FaultPlan:
     """Seeded fault injection for the fake backend. Probabilities are per room; delays apply to
     every room (a phase ends once both its poll count and its seconds have passed)."""
 
-    seed: int = attrs.field(default=0, validator=_non_negative)
-    bootstrap_failure: float = attrs.field(default=0.0, validator=_probability)
-    bootstrap_timeout: float = attrs.field(default=0.0, validator=_probability)
-    transfer_failure: float = attrs.field(default=0.0, validator=_probability)
-    handshake_delay_polls: int = attrs.field(default=0, validator=_non_negative)
-    handshake_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
-    transfer_delay_polls: int = attrs.field(default=0, validator=_non_negative)
-    transfer_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
+    seed: int = attrs.field(default=0, validator=ge(0))
+    bootstrap_failure: float = attrs.field(default=0.0, validator=[ge(0.0), le(1.0)])
+    bootstrap_timeout: float = attrs.field(default=0.0, validator=[ge(0.0), le(1.0)])
+    transfer_failure: float = attrs.field(default=0.0, validator=[ge(0.0), le(1.0)])
+    handshake_delay_polls: int = attrs.field(default=0, validator=ge(0))
+    handshake_delay_s: float = attrs.field(default=0.0, validator=ge(0))
+    transfer_delay_polls: int = attrs.field(default=0, validator=ge(0))
+    transfer_delay_s: float = attrs.field(default=0.0, validator=ge(0))
 
     def decide(self, room: int) -> RoomFaults:
         """The faults of ``room``: the same for the same ``(seed, room)`` in every run."""

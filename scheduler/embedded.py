@@ -36,18 +36,13 @@ from scheduler.runner import ModelRunner
 from scheduler.stepping import step_until
 
 
-def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{attr.name} must be > 0, got {value}")
-
-
 @attrs.frozen
 class PairConfig:
     model: ModelConfig = attrs.field(factory=ModelConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
-    prefill_pages: int = attrs.field(default=2048, validator=_positive)
-    decode_pages: int = attrs.field(default=2048, validator=_positive)
-    metadata_slots: int = attrs.field(default=64, validator=_positive)
+    prefill_pages: int = attrs.field(default=2048, validator=attrs.validators.gt(0))
+    decode_pages: int = attrs.field(default=2048, validator=attrs.validators.gt(0))
+    metadata_slots: int = attrs.field(default=64, validator=attrs.validators.gt(0))
     overlap: bool = False
     device: str = "cpu"
     backend: Literal["local", "mooncake"] = attrs.field(

@@ -110,9 +110,11 @@ def test_transfer_failure_fails_the_first_send_and_ignores_the_rest() -> None:
 
 
 def test_fault_plan_validation_names_the_field() -> None:
-    with pytest.raises(ValueError, match=r"FaultPlan.transfer_failure must be in 0.0 .. 1.0"):
+    with pytest.raises(ValueError, match=r"'transfer_failure' must be <= 1.0: 1.5"):
         FaultPlan(transfer_failure=1.5)
-    with pytest.raises(ValueError, match=r"FaultPlan.handshake_delay_polls must be >= 0"):
+    with pytest.raises(ValueError, match=r"'bootstrap_timeout' must be >= 0.0: -0.5"):
+        FaultPlan(bootstrap_timeout=-0.5)
+    with pytest.raises(ValueError, match=r"'handshake_delay_polls' must be >= 0: -1"):
         FaultPlan(handshake_delay_polls=-1)
 
 

@@ -36,11 +36,6 @@ def _max_prompt(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
                          f"got {value!r}")
 
 
-def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"DemoOptions.{attr.name} must be > 0 seconds, got {value!r}")
-
-
 @attrs.frozen
 class DemoOptions:
     """What ``pdlife demo`` runs. ``requests`` counts the injected failures and aborts too;
@@ -57,4 +52,4 @@ class DemoOptions:
     seed: int = attrs.field(default=0, validator=_at_least(0))
     max_prompt: int = attrs.field(default=2048, validator=_max_prompt)
     out: Path = attrs.field(default=Path("pdlife-out"), converter=Path)
-    timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import attrs
+from attrs.validators import gt, optional
 
-# An int attribute that may be None (attrs types the field by its default: int for 8192).
-_OptionalInt = TypeVar("_OptionalInt", bound=int | None)
-
-
-def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{attr.name} must be > 0, got {value}")
-
-
-def _optional_positive(
-    _inst: object, attr: attrs.Attribute[_OptionalInt], value: _OptionalInt
-) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"{attr.name} must be > 0 or None, got {value}")
-
-
-def _positive_float(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attr.name} must be > 0 seconds, got {value}")
+# attrs types a field by its default (int for 8192), so an optional field's validator is typed
+# for any value.
+_optional_positive: Callable[[Any, attrs.Attribute[Any], Any], Any] = optional(gt(0))
 
 
 @attrs.frozen
@@ -36,13 +22,13 @@ class SchedulerConfig:
     (in FORWARD or TRANSFERRING); ``prefill_max_requests`` caps the requests of one batch.
     """
 
-    page_size: int = attrs.field(default=16, validator=_positive)
-    max_prefill_tokens: int = attrs.field(default=16384, validator=_positive)
+    page_size: int = attrs.field(default=16, validator=gt(0))
+    max_prefill_tokens: int = attrs.field(default=16384, validator=gt(0))
     chunked_prefill_size: int | None = attrs.field(default=8192, validator=_optional_positive)
-    max_running_requests: int = attrs.field(default=256, validator=_positive)
+    max_running_requests: int = attrs.field(default=256, validator=gt(0))
     prefill_max_requests: int | None = attrs.field(default=None, validator=_optional_positive)
-    bootstrap_timeout: float = attrs.field(default=300.0, validator=_positive_float)
-    transfer_timeout: float = attrs.field(default=300.0, validator=_positive_float)
+    bootstrap_timeout: float = attrs.field(default=300.0, validator=gt(0))
+    transfer_timeout: float = attrs.field(default=300.0, validator=gt(0))
     # Check the lifecycle invariants after every event (tests and fuzzing; costs time).
     check_invariants: bool = False
 

@@ -9,7 +9,7 @@ enough), so the engines never meet input that would fail their loop.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 
@@ -26,11 +26,6 @@ _MAX_ROOM = (1 << 64) - 1
 _MAX_RID_LEN = 256
 
 
-def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"ServeConfig.{attr.name} must be > 0, got {value}")
-
-
 @attrs.frozen
 class ServeConfig:
     """Everything a service is built from (validated when built)."""
@@ -39,11 +34,11 @@ class ServeConfig:
     backend: Backend = attrs.field(validator=attrs.validators.in_(("local", "mooncake", "fake")))
     model: ModelConfig = attrs.field(factory=ModelConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
-    pool_pages: int = attrs.field(default=2048, validator=_positive)
-    metadata_slots: int = attrs.field(default=64, validator=_positive)
-    waiting_timeout: float = attrs.field(default=300.0, validator=_positive)
+    pool_pages: int = attrs.field(default=2048, validator=attrs.validators.gt(0))
+    metadata_slots: int = attrs.field(default=64, validator=attrs.validators.gt(0))
+    waiting_timeout: float = attrs.field(default=300.0, validator=attrs.validators.gt(0))
     max_new_tokens_limit: int | None = None
-    max_body_bytes: int = attrs.field(default=8 << 20, validator=_positive)
+    max_body_bytes: int = attrs.field(default=8 << 20, validator=attrs.validators.gt(0))
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = attrs.field(default=8998, validator=attrs.validators.ge(0))
     mooncake: MooncakeConfig = attrs.field(factory=MooncakeConfig)
