@@ -1,18 +1,27 @@
-"""pdlife's lifecycle core: table-driven request state machines.
+"""pdlife's lifecycle core: table-driven request state machines, for any domain.
 
-Pure: no torch, no I/O, no threads, nothing from ``kv`` or ``scheduler``.
+Pure: no torch, no I/O, no threads, nothing from ``kv`` or ``scheduler``. docs/framework.md
+walks through defining a lifecycle of your own with it.
 """
 
-from lifecycle.decode import DECODE_TABLE, DecodeRequest, DecodeState
+from lifecycle.binding import Firing, Trigger
+from lifecycle.decode import DECODE_TABLE, DecodeEvent, DecodeRequest, DecodeState
 from lifecycle.errors import (
     GuardFailed,
+    HookFailed,
     IllegalTransition,
     InvalidTable,
     LifecycleError,
     MissingHook,
 )
 from lifecycle.machine import Lifecycle, shared_machine
-from lifecycle.prefill import PREFILL_TABLE, PrefillRequest, PrefillState, SamplingParams
+from lifecycle.prefill import (
+    PREFILL_TABLE,
+    PrefillEvent,
+    PrefillRequest,
+    PrefillState,
+    SamplingParams,
+)
 from lifecycle.reasons import FailureReason
 from lifecycle.record import Tracked
 from lifecycle.table import Edge, LifecycleTable, make_table, validate
@@ -23,21 +32,26 @@ __all__ = [
     "DECODE_TABLE",
     "PREFILL_TABLE",
     "TABLES",
+    "DecodeEvent",
     "DecodeRequest",
     "DecodeState",
     "Edge",
     "FailureReason",
+    "Firing",
     "GuardFailed",
+    "HookFailed",
     "IllegalTransition",
     "InvalidTable",
     "Lifecycle",
     "LifecycleError",
     "LifecycleTable",
     "MissingHook",
+    "PrefillEvent",
     "PrefillRequest",
     "PrefillState",
     "SamplingParams",
     "Tracked",
+    "Trigger",
     "make_table",
     "shared_machine",
     "validate",

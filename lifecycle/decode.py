@@ -32,35 +32,21 @@ class DecodeState(enum.IntEnum):
     DONE = 5
 
 
-_S = DecodeState
-_LIVE = (_S.BOOTSTRAPPING, _S.PREALLOC, _S.RECEIVING, _S.DECODING)
+class DecodeEvent(enum.StrEnum):
+    """The events of :data:`DECODE_TABLE`."""
 
-DECODE_TABLE = make_table(
-    "decode",
-    DecodeState,
-    initial=_S.BOOTSTRAPPING,
-    finals=(_S.DONE, _S.FAILED),
-    edges=(
-        Edge("bootstrapped", _S.BOOTSTRAPPING, _S.PREALLOC,
-             doc="the prefill side was resolved and the handshake done"),
-        Edge("preallocated", _S.PREALLOC, _S.RECEIVING,
-             doc="pages and a metadata slot were allocated and sent to prefill"),
-        Edge("received", _S.RECEIVING, _S.DECODING,
-             doc="the KV and the metadata row landed; the room matched"),
-        Edge("finished", _S.DECODING, _S.DONE,
-             doc="max_new_tokens reached or a stop token generated"),
-        *(Edge("fail", s, _S.FAILED, doc="transfer failure, timeout, internal error")
-          for s in _LIVE),
-        *(Edge("abort", s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
-    ),
-    failure_events=("fail", "abort"),
-    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
-)
+    BOOTSTRAPPED = "bootstrapped"
+    PREALLOCATED = "preallocated"
+    RECEIVED = "received"
+    FINISHED = "finished"
+    FAIL = "fail"
+    ABORT = "abort"
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)
 class DecodeRequest(Tracked):
-    """A request on the decode peer: its prompt, its pages and slot, and its output so far."""
+    """A request on the decode peer: its prompt, its pages and slot, and its output so far.
+    The trigger methods (``req.received()``, ...) come from :data:`DECODE_TABLE`."""
 
     input_ids: Sequence[int] = attrs.field(default=(), kw_only=True, repr=False)
     bootstrap_host: str = attrs.field(default="", kw_only=True)
@@ -72,21 +58,34 @@ class DecodeRequest(Tracked):
     receiver: object | None = attrs.field(default=None, kw_only=True, repr=False)
     output_ids: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
     deadline: float | None = attrs.field(default=None, kw_only=True)
+    reason: FailureReason | None = attrs.field(default=None, kw_only=True)
 
-    def bootstrapped(self) -> None:
-        self._trigger("bootstrapped")
 
-    def preallocated(self) -> None:
-        self._trigger("preallocated")
+_S = DecodeState
+_E = DecodeEvent
+_LIVE = (_S.BOOTSTRAPPING, _S.PREALLOC, _S.RECEIVING, _S.DECODING)
 
-    def received(self) -> None:
-        self._trigger("received")
-
-    def finished(self) -> None:
-        self._trigger("finished")
-
-    def fail(self, reason: FailureReason, detail: str = "") -> None:
-        self._trigger("fail", reason, detail)
-
-    def abort(self, detail: str = "") -> None:
-        self._trigger("abort", FailureReason.ABORTED, detail)
+DECODE_TABLE = make_table(
+    "decode",
+    DecodeState,
+    events=DecodeEvent,
+    initial=_S.BOOTSTRAPPING,
+    finals=(_S.DONE, _S.FAILED),
+    edges=(
+        Edge(_E.BOOTSTRAPPED, _S.BOOTSTRAPPING, _S.PREALLOC,
+             doc="the prefill side was resolved and the handshake done"),
+        Edge(_E.PREALLOCATED, _S.PREALLOC, _S.RECEIVING,
+             doc="pages and a metadata slot were allocated and sent to prefill"),
+        Edge(_E.RECEIVED, _S.RECEIVING, _S.DECODING,
+             doc="the KV and the metadata row landed; the room matched"),
+        Edge(_E.FINISHED, _S.DECODING, _S.DONE,
+             doc="max_new_tokens reached or a stop token generated"),
+        *(Edge(_E.FAIL, s, _S.FAILED, doc="transfer failure, timeout, internal error")
+          for s in _LIVE),
+        *(Edge(_E.ABORT, s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
+    ),
+    failure_events=(_E.FAIL, _E.ABORT),
+    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
+    reasons=FailureReason,
+    record=DecodeRequest,
+)

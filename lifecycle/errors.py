@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 
 class LifecycleError(Exception):
@@ -23,17 +24,41 @@ class IllegalTransition(LifecycleError):
         self.why = why
         detail = f": {why}" if why else ""
         super().__init__(
-            f"request {rid!r} in state {state.name} cannot take event {event!r}{detail}"
+            f"request {rid!r} in state {state.name} cannot take event {str(event)!r}{detail}"
         )
 
 
 class GuardFailed(IllegalTransition):
-    """The edge exists, but one of its conditions is false for this request."""
+    """The edge exists, but one of its guards refused this request; ``why`` names each guard
+    that refused (from the one evaluation that decided)."""
 
 
 class InvalidTable(LifecycleError):
-    """A lifecycle table breaks a definition rule; the message names the state or edge."""
+    """A lifecycle table breaks a definition rule, or names a guard its record class does not
+    have; the message names the state, edge or guard."""
 
 
 class MissingHook(LifecycleError):
-    """The table names a callback that the lifecycle was not given."""
+    """The hooks given to a lifecycle do not fit its table: one it names is missing, one given
+    is not in it, or one cannot be called as ``hook(req)`` or ``hook(req, event)``."""
+
+
+class HookFailed(LifecycleError):
+    """Hooks raised while an event was fired. The event had taken effect for every request it
+    was fired for (they are in the edge's destination) and every hook of every one of them was
+    called once; ``errors`` holds ``(rid, hook name, exception)`` for each hook that raised, in
+    the order they ran, and the first is also this exception's ``__cause__``."""
+
+    def __init__(
+        self, event: str, dest: enum.Enum, errors: Sequence[tuple[str, str, BaseException]]
+    ) -> None:
+        self.event = event
+        self.dest = dest
+        self.errors = tuple(errors)
+        first_rid, first_hook, first_exc = self.errors[0]
+        more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+        super().__init__(
+            f"hook {first_hook!r} raised {type(first_exc).__name__}: {first_exc} for request "
+            f"{first_rid!r}{more}; event {str(event)!r} took effect, the requests are "
+            f"{dest.name}"
+        )

@@ -1,31 +1,43 @@
-"""Firing events: the one shared machine per table, batches, the state index, hooks.
+"""Firing events: the one shared machine per table, batches, the state index, guards and hooks.
 
 Theory of operation
 -------------------
-A :class:`Lifecycle` tracks the live requests of one owner (a scheduler, a decode peer) on one
-:class:`~lifecycle.table.LifecycleTable`. It keeps, for every live state, an insertion-ordered
-collection of the requests in it (the scheduler's queues *are* these collections), and counts of
-the requests that ended, by final state and reason. A request that reaches a final state leaves
-the index, so nothing accumulates.
+A :class:`Lifecycle` tracks the live requests of one owner (a scheduler, a decode peer, a
+shop) on one :class:`~lifecycle.table.LifecycleTable`. It keeps, for every live state, an
+insertion-ordered collection of the requests in it (the scheduler's queues *are* these
+collections), and counts of the requests that ended, by final state and reason. A request that
+reaches a final state leaves the index, so nothing accumulates.
 
-There are two ways to fire an event, and both end in the same bookkeeping
-(:meth:`Lifecycle._entered_one`):
+There are two ways to fire an event, and both go through the same three steps:
 
-* ``req.<event>()`` — the request's trigger method. It goes through the table's one shared
-  ``transitions.Machine`` (``model=None``, ``auto_transitions=False``; no ``add_model``: that
-  costs O(n) and kilobytes per request), which evaluates the guards and calls back.
+1. **check** — the edge exists for the request's state (for a batch: every request is in that
+   state, tracked by this lifecycle, and appears once), then every guard of the edge is
+   evaluated once per request. A refusal raises before anything changed:
+   :class:`~lifecycle.errors.IllegalTransition` naming the request, its state and the event,
+   or :class:`~lifecycle.errors.GuardFailed` naming each guard that refused (from that one
+   evaluation; a guard is never evaluated again to word the message).
+2. **move** — every request of the batch moves: its state, the index, its timeline, and, on
+   entering a final state, its reason, detail and the finished counters.
+3. **hooks** — then each request's hooks run in table order (the edge's ``after`` hooks, then
+   the destination's ``on_enter`` hooks), every one of them for every request, even when an
+   earlier one raised. If any raised, :class:`~lifecycle.errors.HookFailed` is raised at the
+   end listing them. So a raising hook never splits a batch: all of it moved and every hook
+   was called once, on both paths.
+
+The two paths:
+
+* ``req.<event>()`` (or ``req.fire(event)``) — one request. After the checks, the move is made
+  through the table's one shared ``transitions.Machine`` (``model=None``,
+  ``auto_transitions=False``; no ``add_model``: that costs O(n) and kilobytes per request),
+  which sets the state and calls back for the rest of step 2 and step 3.
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
-  looked up once for the batch, every request is checked (state, owner, guards) *before*
-  anything changes, then all move. This is the scheduler's path and is several times cheaper
-  per request than firing one by one.
+  looked up once for the batch. This is the scheduler's path and is several times cheaper per
+  request than firing one by one.
 
-An illegal event raises :class:`~lifecycle.errors.IllegalTransition` naming the request, its
-state and the event, and changes nothing (for a batch: changes no request).
-
-Hooks are named in the table and supplied by the owner. Entering a final state runs that
-state's ``on_enter`` hooks exactly once, because final states are absorbing: the prefill table
-names ``release`` (the owner gives pages, slot and sender back to the KV layer) and ``respond``
-there.
+Guards are methods of the record and hooks are callables of the owner, each called as
+``f(req)`` or ``f(req, event)`` according to its signature (:mod:`lifecycle.binding`); the
+record class is checked against the table's guards when it is bound or first admitted, so a
+misspelt guard fails before anything fires.
 """
 
 from __future__ import annotations
@@ -34,17 +46,18 @@ import collections
 import enum
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from transitions import Machine, MachineError
 
-from lifecycle.errors import GuardFailed, IllegalTransition, LifecycleError, MissingHook
-from lifecycle.reasons import FailureReason
+from lifecycle.binding import Firing, hook_takes_event
+from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
 from lifecycle.record import Tracked
-from lifecycle.table import Edge, LifecycleTable
+from lifecycle.table import Edge, LifecycleTable, guard_methods
 
 R = TypeVar("R", bound=Tracked)
-Hook = Callable[[R], None]
+#: A hook: ``hook(req)`` or ``hook(req, event)`` (``event`` is a :class:`Firing`).
+Hook = Callable[..., None]
 
 # id(table) -> (table, machine). Holding the table keeps it alive, so its id cannot be reused
 # by a later table (which would otherwise be handed this table's machine).
@@ -60,14 +73,7 @@ def shared_machine(table: LifecycleTable) -> Machine:
         model=None,
         states=table.states,
         transitions=[
-            {
-                "trigger": e.event,
-                "source": e.source,
-                "dest": e.dest,
-                "conditions": list(e.conditions),
-                "unless": list(e.unless),
-            }
-            for e in table.edges
+            {"trigger": str(e.event), "source": e.source, "dest": e.dest} for e in table.edges
         ],
         initial=None,
         auto_transitions=False,
@@ -84,32 +90,52 @@ class Lifecycle(Generic[R]):
     def __init__(
         self,
         table: LifecycleTable,
-        hooks: Mapping[str, Hook[R]] | None = None,
+        hooks: Mapping[str, Hook] | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         check: bool = False,
     ) -> None:
-        hooks = dict(hooks or {})
-        missing = sorted(table.hooks() - hooks.keys())
+        given = dict(hooks or {})
+        missing = sorted(table.hooks() - given.keys())
         if missing:
             raise MissingHook(f"{table.name}: the table names hooks not supplied: {missing}")
+        unknown = sorted(given.keys() - table.hooks())
+        if unknown:
+            raise MissingHook(
+                f"{table.name}: hooks supplied that the table does not name: {unknown}"
+            )
+        takes = {name: hook_takes_event(table.name, name, fn) for name, fn in given.items()}
         self.table = table
         self.clock = clock
         self.check = check
         self._machine = shared_machine(table)
         self._index: dict[enum.IntEnum, dict[str, R]] = {s: {} for s in table.live_states()}
         self._by_rid: dict[str, R] = {}
-        self.finished: collections.Counter[tuple[enum.IntEnum, FailureReason | None]] = (
+        self.finished: collections.Counter[tuple[enum.IntEnum, enum.Enum | None]] = (
             collections.Counter()
         )
         self.transitions_fired = 0
-        # Hooks resolved once per edge: after-hooks, then the destination's on_enter hooks.
-        self._edge_hooks: dict[tuple[enum.IntEnum, str], tuple[Hook[R], ...]] = {
-            (e.source, e.event): tuple(
-                hooks[h] for h in (*e.after, *table.on_enter.get(e.dest, ()))
+        #: How many guard evaluations firing has made (the fuzzer checks there is one per
+        #: guard per request fired at, refusal or not).
+        self.guards_evaluated = 0
+        self._edge_hooks: dict[tuple[enum.IntEnum, str], tuple[tuple[str, Hook, bool], ...]] = {
+            (e.source, e.event): tuple((h, given[h], takes[h]) for h in table.hooks_of(e))
+            for e in table.edges
+        }
+        self._edge_guards: dict[tuple[enum.IntEnum, str], tuple[tuple[str, bool], ...]] = {
+            (e.source, e.event): (
+                *((g, True) for g in e.conditions), *((g, False) for g in e.unless)
             )
             for e in table.edges
         }
+        # Per record class: per guard, whether it takes the event argument.
+        self._guard_forms: dict[type, dict[str, bool]] = {}
+        if table.record is not None:
+            self._bind(table.record)
+
+    def _bind(self, record: type) -> dict[str, bool]:
+        forms = self._guard_forms[record] = guard_methods(self.table, record)
+        return forms
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -132,6 +158,19 @@ class Lifecycle(Generic[R]):
     def live(self) -> Iterable[R]:
         return self._by_rid.values()
 
+    def refusal(
+        self, req: R, event: str, *, reason: enum.Enum | None = None, detail: str = ""
+    ) -> str:
+        """Why firing ``event`` at ``req`` now would be refused; ``""`` if it would fire. Each
+        guard of the edge is evaluated once."""
+        if req.owner is not self:
+            return f"request {req.rid!r} is not tracked by this lifecycle"
+        assert req.state is not None
+        edge = self.table.lookup.get((req.state, event))
+        if edge is None:
+            return self._no_edge(req.state, event)
+        return self._refusal(edge, req, self._firing(edge, reason, detail))
+
     # -- admission --------------------------------------------------------------------------
 
     def admit(self, req: R) -> None:
@@ -140,6 +179,8 @@ class Lifecycle(Generic[R]):
             raise LifecycleError(f"request {req.rid!r} is already tracked")
         if req.rid in self._by_rid:
             raise LifecycleError(f"request id {req.rid!r} is already live")
+        if type(req) not in self._guard_forms:
+            self._bind(type(req))
         initial = self.table.initial
         req.owner = self
         req.state = initial
@@ -150,41 +191,46 @@ class Lifecycle(Generic[R]):
     # -- firing -----------------------------------------------------------------------------
 
     def trigger(
-        self, req: R, event: str, *, reason: FailureReason | None = None, detail: str = ""
+        self, req: R, event: str, *, reason: enum.Enum | None = None, detail: str = ""
     ) -> None:
         """Fire ``event`` for one request through the shared transitions machine."""
         if req.owner is not self:
             raise LifecycleError(f"request {req.rid!r} belongs to another lifecycle")
         state = req.state
         assert state is not None
-        edge = self.table.edge(state, event)
+        edge = self.table.lookup.get((state, event))
         if edge is None:
-            raise IllegalTransition(req.rid, state, event)
+            raise IllegalTransition(req.rid, state, event, self._no_edge(state, event))
+        firing = self._firing(edge, reason, detail)
+        if edge.guarded:
+            why = self._refusal(edge, req, firing)
+            if why:
+                raise GuardFailed(req.rid, state, event, why)
         try:
-            moved = self._machine.events[event].trigger(req, reason=reason, detail=detail)
-        except MachineError:
+            self._machine.events[str(event)].trigger(req, firing=firing)
+        except MachineError:  # pragma: no cover - the edge was looked up above
             raise IllegalTransition(req.rid, state, event) from None
-        if not moved:
-            raise GuardFailed(req.rid, state, event, _guard_report(edge, req))
 
     def fire(
         self,
         event: str,
         reqs: Sequence[R],
         *,
-        reason: FailureReason | None = None,
+        reason: enum.Enum | None = None,
         detail: str = "",
     ) -> None:
-        """Fire ``event`` for a batch of requests that share a state, all or none."""
+        """Fire ``event`` for a batch of requests that share a state: all are checked, then all
+        move, then the hooks run (see the module docstring for a hook that raises)."""
         if not reqs:
             return
         first = reqs[0]
         src = first.state
-        assert src is not None
+        if src is None:
+            raise LifecycleError(f"request {first.rid!r} was never admitted to a lifecycle")
         edge = self.table.lookup.get((src, event))
         if edge is None:
-            raise IllegalTransition(first.rid, src, event)
-        guards = edge.conditions or edge.unless
+            raise IllegalTransition(first.rid, src, event, self._no_edge(src, event))
+        firing = self._firing(edge, reason, detail)
         for r in reqs:
             if r.state is not src:
                 raise IllegalTransition(
@@ -192,44 +238,29 @@ class Lifecycle(Generic[R]):
                 )
             if r.owner is not self:
                 raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
-            if guards and not _guards_hold(edge, r):
-                raise GuardFailed(r.rid, src, event, _guard_report(edge, r))
         if len({id(r) for r in reqs}) != len(reqs):
-            raise LifecycleError(f"event {event!r}: a request appears twice in the batch")
-        now = self.clock()
-        dst = edge.dest
-        src_bucket = self._index[src]
-        dst_bucket = self._index.get(dst)
-        by_rid = self._by_rid
-        hooks = self._edge_hooks[(src, event)]
-        final = dst_bucket is None
-        for r in reqs:
-            del src_bucket[r.rid]
-            r.state = dst
-            r.timeline.append((now, event))
-            if final:
-                del by_rid[r.rid]
-                if reason is not None:
-                    r.reason = reason
-                    r.detail = detail
-                self.finished[(dst, r.reason)] += 1
-            else:
-                dst_bucket[r.rid] = r  # type: ignore[index]
-            for hook in hooks:
-                hook(r)
-        self.transitions_fired += len(reqs)
-        if self.check:
-            self.check_index()
+            raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+        if edge.guarded:
+            for r in reqs:
+                why = self._refusal(edge, r, firing)
+                if why:
+                    raise GuardFailed(r.rid, src, event, why)
+        self._move(reqs, edge, firing)
 
     def fail(
         self,
         reqs: Iterable[R],
-        reason: FailureReason,
+        reason: enum.Enum | None,
         detail: str = "",
         *,
-        event: str = "fail",
+        event: str | None = None,
     ) -> None:
-        """Fire a failure event for requests in any live states (grouped by state)."""
+        """Fire a failure event (default: the table's first) for requests in any live states,
+        grouped by state."""
+        if event is None:
+            if not self.table.failure_events:
+                raise LifecycleError(f"{self.table.name}: the table declares no failure event")
+            event = self.table.failure_events[0]
         groups: dict[enum.IntEnum, list[R]] = {}
         for r in reqs:
             assert r.state is not None
@@ -237,33 +268,68 @@ class Lifecycle(Generic[R]):
         for group in groups.values():
             self.fire(event, group, reason=reason, detail=detail)
 
-    def _entered_one(
-        self,
-        req: R,
-        src: enum.IntEnum,
-        event: str,
-        reason: FailureReason | None,
-        detail: str,
-    ) -> None:
-        # The trigger path's bookkeeping; the batch path inlines the same steps.
-        dst = req.state
-        assert dst is not None
-        del self._index[src][req.rid]
-        req.timeline.append((self.clock(), event))
+    # -- the steps --------------------------------------------------------------------------
+
+    def _no_edge(self, state: enum.IntEnum, event: str) -> str:
+        if event not in self.table.events:
+            known = ", ".join(str(e) for e in self.table.events)
+            return f"table {self.table.name!r} has no such event (its events: {known})"
+        return f"no edge from {state.name}"
+
+    def _firing(self, edge: Edge, reason: enum.Enum | None, detail: str) -> Firing:
+        if (reason is not None or detail) and edge.dest not in self.table.finals:
+            raise LifecycleError(
+                f"event {str(edge.event)!r} leads to {edge.dest.name}, not a final state: a "
+                f"reason or detail goes only with an event that ends a request"
+            )
+        reasons = self.table.reasons
+        if reason is not None and reasons is not None and not isinstance(reason, reasons):
+            raise LifecycleError(
+                f"{self.table.name}: reason {reason!r} is not a {reasons.__name__}"
+            )
+        return Firing(edge.event, edge.source, edge.dest, reason, detail)
+
+    def _refusal(self, edge: Edge, req: R, firing: Firing) -> str:
+        forms = self._guard_forms[type(req)]
+        refused = []
+        for name, wanted in self._edge_guards[(edge.source, edge.event)]:
+            method = getattr(req, name)
+            self.guards_evaluated += 1
+            held = bool(method(firing) if forms[name] else method())
+            if held is not wanted:
+                refused.append(f"{name} is {'false' if wanted else 'true'}")
+        return "; ".join(refused)
+
+    def _moved_by_machine(self, req: R, firing: Firing) -> None:
+        # The trigger path: the shared machine set the state; the rest is the batch path's.
+        self._move([req], self.table.lookup[(firing.source, firing.event)], firing)
+
+    def _move(self, reqs: Sequence[R], edge: Edge, firing: Firing) -> None:
+        now = self.clock()
+        src, dst, event = edge.source, edge.dest, edge.event
+        src_bucket = self._index[src]
         dst_bucket = self._index.get(dst)
-        if dst_bucket is None:
-            del self._by_rid[req.rid]
-            if reason is not None:
-                req.reason = reason
-                req.detail = detail
-            self.finished[(dst, req.reason)] += 1
-        else:
-            dst_bucket[req.rid] = req
-        for hook in self._edge_hooks[(src, event)]:
-            hook(req)
-        self.transitions_fired += 1
+        by_rid = self._by_rid
+        for r in reqs:
+            del src_bucket[r.rid]
+            r.state = dst
+            r.timeline.append((now, event))
+            if dst_bucket is None:
+                del by_rid[r.rid]
+                if firing.reason is not None:
+                    r.reason = firing.reason
+                if firing.detail:
+                    r.detail = firing.detail
+                self.finished[(dst, r.reason)] += 1
+            else:
+                dst_bucket[r.rid] = r
+        self.transitions_fired += len(reqs)
+        hooks = self._edge_hooks[(src, event)]
+        errors = _run_hooks(reqs, hooks, firing) if hooks else []
         if self.check:
             self.check_index()
+        if errors:
+            raise HookFailed(event, dst, errors) from errors[0][2]
 
     # -- invariants -------------------------------------------------------------------------
 
@@ -281,13 +347,18 @@ class Lifecycle(Generic[R]):
             raise AssertionError(f"index: {total} requests filed, {len(self._by_rid)} live")
 
 
-def _guards_hold(edge: Edge, req: Tracked) -> bool:
-    return all(getattr(req, g)() for g in edge.conditions) and not any(
-        getattr(req, g)() for g in edge.unless
-    )
-
-
-def _guard_report(edge: Edge, req: Tracked) -> str:
-    failed = [f"{g} is false" for g in edge.conditions if not getattr(req, g)()]
-    failed += [f"{g} is true" for g in edge.unless if getattr(req, g)()]
-    return "; ".join(failed)
+def _run_hooks(
+    reqs: Sequence[Any], hooks: tuple[tuple[str, Hook, bool], ...], firing: Firing
+) -> list[tuple[str, str, BaseException]]:
+    """Call every hook for every request; return the ones that raised."""
+    errors: list[tuple[str, str, BaseException]] = []
+    for r in reqs:
+        for name, hook, takes_event in hooks:
+            try:
+                if takes_event:
+                    hook(r, firing)
+                else:
+                    hook(r)
+            except Exception as exc:  # reported together once every hook has run
+                errors.append((r.rid, name, exc))
+    return errors

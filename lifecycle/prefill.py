@@ -10,6 +10,8 @@ arrived and a metadata slot was allocated it is ``bootstrapped`` into WAITING. T
 sampled, last pages and the metadata row sent) into TRANSFERRING; the sender's success is
 ``transferred`` into DONE. ``fail`` and ``abort`` are legal from every live state and lead to
 FAILED. Entering DONE or FAILED runs the ``release`` and ``respond`` hooks, exactly once.
+A failed request's reason is a :class:`~lifecycle.reasons.FailureReason`, which carries the
+HTTP status its client gets.
 
 The state values are ordered so that a MIN across ranks yields the most pessimistic state, as
 the KV transfer poll results are.
@@ -36,54 +38,16 @@ class PrefillState(enum.IntEnum):
     DONE = 5
 
 
-_S = PrefillState
-_LIVE = (_S.BOOTSTRAPPING, _S.WAITING, _S.FORWARD, _S.TRANSFERRING)
+class PrefillEvent(enum.StrEnum):
+    """The events of :data:`PREFILL_TABLE`."""
 
-PREFILL_TABLE = make_table(
-    "prefill",
-    PrefillState,
-    initial=_S.BOOTSTRAPPING,
-    finals=(_S.DONE, _S.FAILED),
-    edges=(
-        Edge(
-            "bootstrapped",
-            _S.BOOTSTRAPPING,
-            _S.WAITING,
-            doc="the decode peer's destination arrived and a metadata slot was allocated",
-        ),
-        Edge(
-            "schedule",
-            _S.WAITING,
-            _S.FORWARD,
-            doc="the PrefillAdder admitted the request (whole, or its first chunk)",
-        ),
-        Edge(
-            "chunk_done",
-            _S.FORWARD,
-            _S.FORWARD,
-            unless=("fully_computed",),
-            doc="a non-last chunk was computed; its full pages were sent",
-        ),
-        Edge(
-            "prefilled",
-            _S.FORWARD,
-            _S.TRANSFERRING,
-            conditions=("fully_computed",),
-            doc="the last chunk was computed and the first token sampled; the rest was sent",
-        ),
-        Edge(
-            "transferred",
-            _S.TRANSFERRING,
-            _S.DONE,
-            doc="the sender reports success",
-        ),
-        *(Edge("fail", s, _S.FAILED, doc="rejected, bootstrap or transfer failure, timeout, "
-                                             "internal error") for s in _LIVE),
-        *(Edge("abort", s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
-    ),
-    failure_events=("fail", "abort"),
-    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
-)
+    BOOTSTRAPPED = "bootstrapped"
+    SCHEDULE = "schedule"
+    CHUNK_DONE = "chunk_done"
+    PREFILLED = "prefilled"
+    TRANSFERRED = "transferred"
+    FAIL = "fail"
+    ABORT = "abort"
 
 
 def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
@@ -115,7 +79,8 @@ class PrefillRequest(Tracked):
     may run ahead of ``computed``.) Resources (see the ownership table in docs/lifecycle.md):
     ``sender`` from BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; the
     ``release`` hook gives all of them up on entering a final state (the KV layer frees pages and
-    slot once no transfer can touch them any more).
+    slot once no transfer can touch them any more). The trigger methods (``req.schedule()``,
+    ``req.fail(detail, reason=...)``, ...) come from :data:`PREFILL_TABLE`.
     """
 
     input_ids: Sequence[int] = attrs.field(default=(), kw_only=True, repr=False)
@@ -131,33 +96,66 @@ class PrefillRequest(Tracked):
     sender: object | None = attrs.field(default=None, kw_only=True, repr=False)
     deadline: float | None = attrs.field(default=None, kw_only=True)
     first_token: int | None = attrs.field(default=None, kw_only=True)
+    reason: FailureReason | None = attrs.field(default=None, kw_only=True)
     # A failure (an abort, or the peer's) that arrived while batches holding the request were
     # on the device (``on_device`` counts them): it takes effect once the last of those
     # results has been processed, so pages are never freed under a running forward.
     pending_abort: FailureReason | None = attrs.field(default=None, kw_only=True)
     on_device: int = attrs.field(default=0, kw_only=True)
 
-    def fully_computed(self, _event: object = None) -> bool:
+    def fully_computed(self) -> bool:
         return self.computed >= len(self.input_ids)
 
-    # One trigger per event of PREFILL_TABLE.
-    def bootstrapped(self) -> None:
-        self._trigger("bootstrapped")
 
-    def schedule(self) -> None:
-        self._trigger("schedule")
+_S = PrefillState
+_E = PrefillEvent
+_LIVE = (_S.BOOTSTRAPPING, _S.WAITING, _S.FORWARD, _S.TRANSFERRING)
 
-    def chunk_done(self) -> None:
-        self._trigger("chunk_done")
-
-    def prefilled(self) -> None:
-        self._trigger("prefilled")
-
-    def transferred(self) -> None:
-        self._trigger("transferred")
-
-    def fail(self, reason: FailureReason, detail: str = "") -> None:
-        self._trigger("fail", reason, detail)
-
-    def abort(self, detail: str = "") -> None:
-        self._trigger("abort", FailureReason.ABORTED, detail)
+PREFILL_TABLE = make_table(
+    "prefill",
+    PrefillState,
+    events=PrefillEvent,
+    initial=_S.BOOTSTRAPPING,
+    finals=(_S.DONE, _S.FAILED),
+    edges=(
+        Edge(
+            _E.BOOTSTRAPPED,
+            _S.BOOTSTRAPPING,
+            _S.WAITING,
+            doc="the decode peer's destination arrived and a metadata slot was allocated",
+        ),
+        Edge(
+            _E.SCHEDULE,
+            _S.WAITING,
+            _S.FORWARD,
+            doc="the PrefillAdder admitted the request (whole, or its first chunk)",
+        ),
+        Edge(
+            _E.CHUNK_DONE,
+            _S.FORWARD,
+            _S.FORWARD,
+            unless="fully_computed",
+            doc="a non-last chunk was computed; its full pages were sent",
+        ),
+        Edge(
+            _E.PREFILLED,
+            _S.FORWARD,
+            _S.TRANSFERRING,
+            conditions="fully_computed",
+            doc="the last chunk was computed and the first token sampled; the rest was sent",
+        ),
+        Edge(
+            _E.TRANSFERRED,
+            _S.TRANSFERRING,
+            _S.DONE,
+            doc="the sender reports success",
+        ),
+        *(Edge(_E.FAIL, s, _S.FAILED, doc="rejected, bootstrap or transfer failure, timeout, "
+                                             "internal error") for s in _LIVE),
+        *(Edge(_E.ABORT, s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
+    ),
+    failure_events=(_E.FAIL, _E.ABORT),
+    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
+    reasons=FailureReason,
+    record=PrefillRequest,
+)

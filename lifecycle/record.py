@@ -1,11 +1,11 @@
 """The part of a request record that the lifecycle owns.
 
 Every lifecycle's request class derives from :class:`Tracked`: a slotted attrs class holding
-the request id, the current state, the compact timeline and the owning
-:class:`~lifecycle.machine.Lifecycle` (seen here through the :class:`Owner` protocol, so this
-module does not import the machine that imports it). Subclasses add their domain fields and one
-thin trigger method per event of their table (so an IDE and mypy see them); each trigger goes
-through the table's one shared ``transitions.Machine``.
+the request id, the current state, how it ended (reason and detail), the compact timeline and
+the owning :class:`~lifecycle.machine.Lifecycle` (seen here through the :class:`Owner`
+protocol, so this module does not import the machine that imports it). Subclasses add their
+domain fields and their guards; the trigger methods (``order.pay()``) come from the table
+(``make_table(..., record=Order)``), and :meth:`Tracked.fire` fires any event by its name.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import attrs
 
 from lifecycle.errors import LifecycleError
-from lifecycle.reasons import FailureReason
 from lifecycle.table import LifecycleTable
 
 
@@ -27,12 +26,10 @@ class Owner(Protocol):
     def table(self) -> LifecycleTable: ...
 
     def trigger(
-        self, req: Any, event: str, *, reason: FailureReason | None = None, detail: str = ""
+        self, req: Any, event: str, *, reason: enum.Enum | None = None, detail: str = ""
     ) -> None: ...
 
-    def _entered_one(
-        self, req: Any, src: enum.IntEnum, event: str, reason: FailureReason | None, detail: str
-    ) -> None: ...
+    def _moved_by_machine(self, req: Any, firing: Any) -> None: ...
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)
@@ -42,11 +39,14 @@ class Tracked:
     ``timeline`` holds ``(monotonic_time, event)`` pairs, the admission first with event
     ``""``. The states are not stored: every (state, event) pair has one destination, so the
     states follow from replaying the events through the table (:mod:`lifecycle.timeline`).
+    ``reason`` and ``detail`` say how the request ended; they are set on entering a final
+    state, from what that event was fired with. A subclass may narrow ``reason`` to its
+    table's reason enum by declaring the field again.
     """
 
     rid: str
     state: enum.IntEnum | None = attrs.field(default=None, kw_only=True)
-    reason: FailureReason | None = attrs.field(default=None, kw_only=True)
+    reason: enum.Enum | None = attrs.field(default=None, kw_only=True)
     detail: str = attrs.field(default="", kw_only=True)
     timeline: list[tuple[float, str]] = attrs.field(factory=list, kw_only=True, repr=False)
     owner: Owner | None = attrs.field(default=None, kw_only=True, repr=False)
@@ -56,20 +56,16 @@ class Tracked:
         owner = self.owner
         return owner is not None and self.state in owner.table.finals
 
-    def _trigger(self, event: str, reason: FailureReason | None = None, detail: str = "") -> None:
+    def fire(self, event: str, *, reason: enum.Enum | None = None, detail: str = "") -> None:
+        """Fire ``event`` (a member of the table's events enum, or its name) for this request,
+        through its lifecycle; the trigger methods the table gives the class call this."""
         owner = self.owner
         if owner is None:
             raise LifecycleError(f"request {self.rid!r} was never admitted to a lifecycle")
         owner.trigger(self, event, reason=reason, detail=detail)
 
     def _after_transition(self, event_data: Any) -> None:
-        # Called by the shared transitions.Machine after the state changed (trigger path).
+        # Called by the shared transitions.Machine after it changed the state (trigger path).
         owner = self.owner
         assert owner is not None
-        owner._entered_one(
-            self,
-            owner.table.states[event_data.transition.source],
-            event_data.event.name,
-            event_data.kwargs.get("reason"),
-            event_data.kwargs.get("detail", ""),
-        )
+        owner._moved_by_machine(self, event_data.kwargs["firing"])

@@ -3,16 +3,22 @@
 Rules of this module
 --------------------
 1. A lifecycle is *data*: an ordered set of states (an ``IntEnum``), an initial state, the final
-   states, and a tuple of :class:`Edge` records. The machine, the validator, the diagram
-   generators and the test-path generator all read the same :class:`LifecycleTable`; nothing else
-   defines a transition.
-2. Callbacks and guards are declared here *by name*. A guard names a boolean method of the
-   request record; a hook names a callable the owner of a :class:`~lifecycle.machine.Lifecycle`
-   supplies (the lifecycle knows "release", not torch).
+   states, and a tuple of :class:`Edge` records; optionally the table's events (a ``StrEnum``,
+   so a misspelt event is an error where it is written), its failure reasons (any ``Enum``) and
+   its record class. The machine, the validator, the diagram generators, the test-path
+   generator and the fuzzer all read the same :class:`LifecycleTable`; nothing else defines a
+   transition.
+2. Callbacks and guards are declared here *by name*. A guard names a method of the request
+   record (``def g(self)`` or ``def g(self, event)``); a hook names a callable the owner of a
+   :class:`~lifecycle.machine.Lifecycle` supplies (the lifecycle knows "release", not torch).
+   ``once`` names the hooks that must run exactly once over a request's life (its resources);
+   the fuzzer counts them.
 3. A table is validated when it is built (:func:`make_table`), so a broken table cannot be
    imported: exactly one initial state; nothing leaves a final state; every state reachable;
    every non-final state can reach a final state; the failure events are legal from every
-   non-final state.
+   non-final state; the events are those of the events enum; the guards are methods of the
+   record class. Building a table with ``record=`` also gives that class its trigger methods
+   (:mod:`lifecycle.binding`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
+from lifecycle.binding import check_guards, install_triggers
 from lifecycle.errors import InvalidTable
+
+
+def _names(value: str | Iterable[str]) -> tuple[str, ...]:
+    # A lone name is one name, not its letters.
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 @attrs.frozen
@@ -34,10 +46,14 @@ class Edge:
     event: str
     source: enum.IntEnum
     dest: enum.IntEnum
-    conditions: tuple[str, ...] = ()
-    unless: tuple[str, ...] = ()
-    after: tuple[str, ...] = ()
+    conditions: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    unless: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    after: tuple[str, ...] = attrs.field(default=(), converter=_names)
     doc: str = ""
+
+    @property
+    def guarded(self) -> bool:
+        return bool(self.conditions or self.unless)
 
 
 @attrs.frozen
@@ -54,6 +70,14 @@ class LifecycleTable:
     # Derived lookups, built once by make_table.
     lookup: Mapping[tuple[enum.IntEnum, str], Edge] = attrs.field(repr=False)
     events: tuple[str, ...] = attrs.field(repr=False)
+    #: The table's events enum, when it declares one (its members are the event names).
+    event_type: type[enum.StrEnum] | None = attrs.field(default=None, kw_only=True)
+    #: The table's failure reasons, when it declares them.
+    reasons: type[enum.Enum] | None = attrs.field(default=None, kw_only=True)
+    #: Hooks that must run exactly once over a request's life.
+    once: frozenset[str] = attrs.field(default=frozenset(), kw_only=True)
+    #: The record class the table was bound to, if any.
+    record: type | None = attrs.field(default=None, kw_only=True, repr=False)
 
     def edge(self, state: enum.IntEnum, event: str) -> Edge | None:
         return self.lookup.get((state, event))
@@ -73,6 +97,34 @@ class LifecycleTable:
     def guards(self) -> frozenset[str]:
         return frozenset(g for e in self.edges for g in (*e.conditions, *e.unless))
 
+    def hooks_of(self, edge: Edge) -> tuple[str, ...]:
+        """The hooks taking ``edge`` runs, in order: its ``after`` hooks, then the destination's
+        ``on_enter`` hooks."""
+        return (*edge.after, *self.on_enter.get(edge.dest, ()))
+
+
+def _normalise_events(
+    name: str, events: type[enum.StrEnum] | None, edges: tuple[Edge, ...]
+) -> tuple[Edge, ...]:
+    """Edges whose events are members of ``events`` (a plain name is looked up by value)."""
+    if events is None:
+        return edges
+    if not (isinstance(events, type) and issubclass(events, enum.StrEnum)):
+        raise InvalidTable(f"{name}: events must be an enum.StrEnum class, got {events!r}")
+    out = []
+    for e in edges:
+        try:
+            member = events(e.event)
+        except ValueError:
+            raise InvalidTable(
+                f"{name}: edge event {str(e.event)!r} is not a member of {events.__name__}"
+            ) from None
+        out.append(e if e.event is member else attrs.evolve(e, event=member))
+    unused = [m.value for m in events if all(e.event is not m for e in out)]
+    if unused:
+        raise InvalidTable(f"{name}: {events.__name__} has events no edge takes: {unused}")
+    return tuple(out)
+
 
 def make_table(
     name: str,
@@ -81,45 +133,89 @@ def make_table(
     initial: enum.IntEnum,
     finals: Iterable[enum.IntEnum],
     edges: Iterable[Edge],
+    events: type[enum.StrEnum] | None = None,
     failure_events: Iterable[str] = (),
-    on_enter: Mapping[enum.IntEnum, tuple[str, ...]] | None = None,
+    on_enter: Mapping[enum.IntEnum, Iterable[str]] | None = None,
+    reasons: type[enum.Enum] | None = None,
+    once: Iterable[str] | None = None,
+    record: type | None = None,
 ) -> LifecycleTable:
-    """Build and validate a table; raise :class:`InvalidTable` naming what is wrong."""
-    edges = tuple(edges)
+    """Build and validate a table; raise :class:`InvalidTable` naming what is wrong.
+
+    ``events`` is the table's ``StrEnum`` of events (every member must be taken by an edge);
+    ``reasons`` the ``Enum`` of its failure reasons; ``once`` the hooks that must run exactly
+    once per request (default: the hooks of the final states' ``on_enter``); ``record`` the
+    request class, whose guards are checked here and which gets one trigger method per event.
+    """
+    edges = _normalise_events(name, events, tuple(edges))
     finals = frozenset(finals)
     lookup: dict[tuple[enum.IntEnum, str], Edge] = {}
     for e in edges:
         for s in (e.source, e.dest):
             if not isinstance(s, states):
-                raise InvalidTable(f"{name}: edge {e.event!r} names {s!r}, not a {states.__name__}")
+                raise InvalidTable(
+                    f"{name}: edge {str(e.event)!r} names {s!r}, not a {states.__name__}"
+                )
         key = (e.source, e.event)
         if key in lookup:
             # One event from one state has one outcome: a second edge would make the table
             # ambiguous, and the guards are checks, not a dispatch mechanism.
             raise InvalidTable(
-                f"{name}: two edges for event {e.event!r} from state {e.source.name}"
+                f"{name}: two edges for event {str(e.event)!r} from state {e.source.name}"
             )
         lookup[key] = e
-    events = tuple(dict.fromkeys(e.event for e in edges))
+    all_events = tuple(dict.fromkeys(e.event for e in edges))
+    by_name = {str(e): e for e in all_events}
+    entered = {s: _names(hs) for s, hs in (on_enter or {}).items()}
+    if once is None:
+        once = (h for s, hs in entered.items() if s in finals for h in hs)
     table = LifecycleTable(
         name=name,
         states=states,
         initial=initial,
         finals=finals,
         edges=edges,
-        failure_events=tuple(failure_events),
-        on_enter=dict(on_enter or {}),
+        failure_events=tuple(by_name.get(str(f), f) for f in _names(failure_events)),
+        on_enter=entered,
         lookup=lookup,
-        events=events,
+        events=all_events,
+        event_type=events,
+        reasons=reasons,
+        once=frozenset(_names(once)),
+        record=record,
     )
     validate(table)
+    if record is not None:
+        docs = {str(e.event): e.doc for e in reversed(edges)}
+        install_triggers(name, {str(ev): docs[str(ev)] for ev in all_events}, record)
     return table
+
+
+def guard_methods(table: LifecycleTable, record: type) -> dict[str, bool]:
+    """Check ``table``'s guards against ``record``; per guard, whether it takes the event."""
+    named_by = {g: str(e.event) for e in reversed(table.edges) for g in (*e.conditions, *e.unless)}
+    return check_guards(table.name, named_by, record)
 
 
 def validate(table: LifecycleTable) -> None:
     """Check the definition rules; raise :class:`InvalidTable` on the first broken one."""
     name = table.name
-    states = list(table.states)
+    _check_states(table)
+    _check_graph(table)
+    _check_failure_events(table)
+    if table.reasons is not None and not (
+        isinstance(table.reasons, type) and issubclass(table.reasons, enum.Enum)
+    ):
+        raise InvalidTable(f"{name}: reasons must be an Enum class, got {table.reasons!r}")
+    unknown = sorted(table.once - table.hooks())
+    if unknown:
+        raise InvalidTable(f"{name}: once names hooks the table does not run: {unknown}")
+    if table.record is not None:
+        guard_methods(table, table.record)
+
+
+def _check_states(table: LifecycleTable) -> None:
+    name = table.name
     if not isinstance(table.initial, table.states):
         raise InvalidTable(f"{name}: the initial state {table.initial!r} is not a state")
     if not table.finals:
@@ -129,7 +225,7 @@ def validate(table: LifecycleTable) -> None:
     for e in table.edges:
         if e.source in table.finals:
             raise InvalidTable(
-                f"{name}: edge {e.event!r} leaves final state {e.source.name} "
+                f"{name}: edge {str(e.event)!r} leaves final state {e.source.name} "
                 f"(final states are absorbing)"
             )
     for s in table.on_enter:
@@ -139,6 +235,10 @@ def validate(table: LifecycleTable) -> None:
         # Admission is not an edge: nothing would run them.
         raise InvalidTable(f"{name}: on_enter hooks on the initial state {table.initial.name}")
 
+
+def _check_graph(table: LifecycleTable) -> None:
+    name = table.name
+    states = list(table.states)
     forward: dict[enum.IntEnum, set[enum.IntEnum]] = {s: set() for s in states}
     backward: dict[enum.IntEnum, set[enum.IntEnum]] = {s: set() for s in states}
     for e in table.edges:
@@ -155,21 +255,24 @@ def validate(table: LifecycleTable) -> None:
         if s not in can_finish:
             raise InvalidTable(f"{name}: state {s.name} cannot reach a final state (a trap)")
 
+
+def _check_failure_events(table: LifecycleTable) -> None:
+    name = table.name
     for event in table.failure_events:
         for s in table.live_states():
             edge = table.lookup.get((s, event))
             if edge is None:
                 raise InvalidTable(
-                    f"{name}: failure event {event!r} is not legal from state {s.name}"
+                    f"{name}: failure event {str(event)!r} is not legal from state {s.name}"
                 )
             if edge.dest not in table.finals:
                 raise InvalidTable(
-                    f"{name}: failure event {event!r} from {s.name} leads to non-final "
+                    f"{name}: failure event {str(event)!r} from {s.name} leads to non-final "
                     f"{edge.dest.name}"
                 )
-            if edge.conditions or edge.unless:
+            if edge.guarded:
                 raise InvalidTable(
-                    f"{name}: failure event {event!r} from {s.name} is guarded; a failure "
+                    f"{name}: failure event {str(event)!r} from {s.name} is guarded; a failure "
                     f"must always be possible"
                 )
 

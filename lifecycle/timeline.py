@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import attrs
 
 from lifecycle.errors import LifecycleError
-from lifecycle.reasons import FailureReason
 from lifecycle.record import Tracked
 from lifecycle.table import LifecycleTable
 
@@ -48,7 +47,7 @@ class TransitionRecord:
     event: str
     dest: enum.IntEnum
     time: float
-    reason: FailureReason | None = None
+    reason: enum.Enum | None = None
 
 
 class Timed(Protocol):
@@ -63,7 +62,7 @@ class Timed(Protocol):
     def timeline(self) -> Sequence[tuple[float, str]]: ...
 
     @property
-    def reason(self) -> FailureReason | None: ...
+    def reason(self) -> enum.Enum | None: ...
 
     @property
     def detail(self) -> str: ...
@@ -135,6 +134,7 @@ def to_perfetto(
     now: float | None = None,
     pid: int = 1,
     origin: float | None = None,
+    process: str | None = None,
 ) -> dict[str, Any]:
     """A Chrome-trace JSON object (``json.dump`` it; Perfetto and chrome://tracing open it).
 
@@ -145,6 +145,7 @@ def to_perfetto(
     (e.g. both sides of a disaggregated pair, as separate ``pid``s). A live request's current
     state ends at ``now`` (default: the latest time in any timeline) with ``args.open = true``.
     ``table`` is needed for requests no lifecycle owns (e.g. answers carrying a timeline).
+    ``process`` names the process track (default: the name of the table of the first request).
     """
     reqs = [r for r in requests if r.timeline]
     if not reqs:
@@ -170,8 +171,10 @@ def to_perfetto(
             "args": args,
         }
 
+    if process is None:
+        process = _table_of(reqs[0], table).name
     events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "pdlife"}}
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process}}
     ]
     for tid, req in enumerate(reqs, start=1):
         tbl = _table_of(req, table)
@@ -190,13 +193,21 @@ def to_perfetto(
             events.append(visit(tid, tbl.name, entered_state, entered_at, rec.time, left))
             entered_state, entered_at = rec.dest, rec.time
             if rec.dest in tbl.finals:
-                reason = rec.reason.value if rec.reason is not None else None
+                reason = _reason_name(rec.reason)
                 args = {"rid": rec.rid, "reason": reason, "detail": req.detail}
                 events.append({**base, "ph": "i", "s": "t", "name": rec.dest.name, "args": args})
         if entered_state not in tbl.finals:
             still_open = {"rid": req.rid, "open": True}
             events.append(visit(tid, tbl.name, entered_state, entered_at, end, still_open))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _reason_name(reason: enum.Enum | None) -> str | int | None:
+    # The value when it is JSON-friendly (FailureReason's wire names), else the member name.
+    if reason is None:
+        return None
+    value = reason.value
+    return value if isinstance(value, (str, int)) else reason.name
 
 
 # -- TTFT phases ----------------------------------------------------------------------------

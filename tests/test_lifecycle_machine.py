@@ -127,7 +127,7 @@ def test_batches_failures_and_aborts_in_mixed_states() -> None:
     assert o.state(reqs)["counts"] == {P.BOOTSTRAPPING: 1, P.WAITING: 3}
     assert list(o.lc.in_state(P.WAITING)) == ["a", "b", "c"]
     o.lc.fire("schedule", [b, c])
-    d.abort("client went away")
+    d.abort("client went away", reason=FailureReason.ABORTED)
     assert o.state(reqs) == {
         "states": {"a": P.WAITING, "b": P.FORWARD, "c": P.FORWARD, "d": P.FAILED},
         "counts": {P.WAITING: 1, P.FORWARD: 2},
@@ -173,7 +173,7 @@ def test_illegal_single_events_raise_naming_request_state_event_and_change_nothi
     with pytest.raises(IllegalTransition):
         a.schedule()
     assert o.state(reqs) == before
-    a.fail(FailureReason.REJECTED, "too long")
+    a.fail("too long", reason=FailureReason.REJECTED)
     after = o.state(reqs)
     for event in PREFILL_TABLE.events:  # final states are absorbing
         with pytest.raises(IllegalTransition):

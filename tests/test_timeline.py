@@ -63,7 +63,7 @@ def test_records_replay_the_timeline_through_the_table() -> None:
     failed = prefill_request("b")
     lc.admit(failed)
     clock.now += 1
-    failed.fail(FailureReason.BOOTSTRAP_TIMEOUT, "no peer")
+    failed.fail("no peer", reason=FailureReason.BOOTSTRAP_TIMEOUT)
     assert records(failed) == [
         TransitionRecord("b", P.BOOTSTRAPPING, "fail", P.FAILED, 13.0,
                          FailureReason.BOOTSTRAP_TIMEOUT)
@@ -138,7 +138,7 @@ def test_an_answer_replays_and_exports_like_its_record_given_the_table() -> None
     aborted = prefill_request("b")
     lc.admit(aborted)
     clock.now += 1
-    aborted.fail(FailureReason.BOOTSTRAP_TIMEOUT, "no peer")
+    aborted.fail("no peer", reason=FailureReason.BOOTSTRAP_TIMEOUT)
     answers = [_answer(served), _answer(aborted)]
     for req, answer in zip((served, aborted), answers, strict=True):
         assert records(answer, PREFILL_TABLE) == records(req)

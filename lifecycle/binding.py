@@ -1,0 +1,174 @@
+"""Binding a table to code: guards on the record class, hooks of the owner, trigger methods.
+
+Rules of this module
+--------------------
+1. A guard is a plain method of the record class, ``def g(self) -> bool`` or
+   ``def g(self, event) -> bool``; a hook is any callable ``hook(req)`` or
+   ``hook(req, event)``. Which of the two forms a callable has is read from its signature once,
+   when the table is bound (:func:`check_guards`, :func:`hook_takes_event`), and every firing
+   path calls it the same way; ``event`` is a :class:`Firing`.
+2. Names are checked when the binding is made, never when an event fires: a guard the record
+   class does not have, or a callable of another shape, raises
+   :class:`~lifecycle.errors.InvalidTable` (guards) or :class:`~lifecycle.errors.MissingHook`
+   (hooks) before anything fires.
+3. A record class bound to a table gets one trigger method per event (:func:`install_triggers`):
+   ``order.pay()`` is ``order.fire("pay")``. mypy cannot see methods made at run time; a class
+   that wants it to declares them as ``pay: ClassVar[Trigger]``, and each such declaration is
+   checked against the table's events.
+
+This module knows names and classes, not tables, so the table module can use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import inspect
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import attrs
+
+from lifecycle.errors import InvalidTable, MissingHook
+
+#: Attributes of every record; an event may not have one of these names.
+RESERVED = frozenset(
+    {"rid", "state", "reason", "detail", "timeline", "owner", "is_final", "fire"}
+)
+
+_TRIGGER_ANNOTATION = re.compile(r"(typing\.)?ClassVar\[\s*(lifecycle\.)?Trigger\s*\]")
+
+
+@attrs.frozen
+class Firing:
+    """What a guard or hook that takes a second argument is told: ``event`` is being fired to
+    move a request from ``source`` to ``dest``, with ``reason`` and ``detail`` (set only on
+    edges into a final state)."""
+
+    event: str
+    source: enum.IntEnum
+    dest: enum.IntEnum
+    reason: enum.Enum | None = None
+    detail: str = ""
+
+
+class Trigger(Protocol):
+    """The type of a generated trigger method; declare ``pay: ClassVar[Trigger]`` on a record
+    class so that mypy sees ``order.pay()``. Calling it fires the event for that one request;
+    ``detail`` and ``reason`` go with an event into a final state."""
+
+    def __call__(self, detail: str = "", *, reason: enum.Enum | None = None) -> None: ...
+
+
+def _suggest(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _takes_event(fn: Callable[..., Any], first: str, what: str) -> bool:
+    """Whether ``fn`` takes a second positional argument after its ``first`` one; raise
+    ``ValueError`` naming ``what`` if it cannot be called with one or two arguments."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False  # no signature to read (a builtin): call it with the one argument
+    positional = [
+        p for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    star = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    kw_required = [
+        p.name for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+    ]
+    if len(required) > 2 or kw_required or (not positional and not star):
+        raise ValueError(f"{what} must take ({first}) or ({first}, event)")
+    return star or len(positional) >= 2
+
+
+def check_guards(table: str, guards: Mapping[str, str], record: type) -> dict[str, bool]:
+    """Check that every guard (name → the event whose edge names it) is a plain method of
+    ``record``; return, per guard, whether it takes the event argument."""
+    out: dict[str, bool] = {}
+    for name, event in guards.items():
+        where = f"{table}: guard {name!r} of event {event!r}"
+        static = inspect.getattr_static(record, name, None)
+        if static is None:
+            methods = [n for n in dir(record) if not n.startswith("_")]
+            raise InvalidTable(
+                f"{where} is not a method of {record.__name__}{_suggest(name, methods)}"
+            )
+        if not inspect.isfunction(static):
+            raise InvalidTable(
+                f"{where}: {record.__name__}.{name} is a {type(static).__name__}, not a plain "
+                f"method def {name}(self) or def {name}(self, event)"
+            )
+        try:
+            out[name] = _takes_event(static, "self", f"{where}: {record.__name__}.{name}")
+        except ValueError as exc:
+            raise InvalidTable(str(exc)) from None
+    return out
+
+
+def hook_takes_event(table: str, name: str, hook: Callable[..., Any]) -> bool:
+    """Whether the hook ``name`` takes the event argument; raise
+    :class:`~lifecycle.errors.MissingHook` if it takes neither one nor two."""
+    try:
+        return _takes_event(hook, "req", f"{table}: hook {name!r}")
+    except ValueError as exc:
+        raise MissingHook(str(exc)) from None
+
+
+def _declared_triggers(record: type) -> set[str]:
+    names = set()
+    for klass in record.__mro__:
+        for name, ann in vars(klass).get("__annotations__", {}).items():
+            text = ann if isinstance(ann, str) else repr(ann)
+            if _TRIGGER_ANNOTATION.fullmatch(text.strip()):
+                names.add(name)
+    return names
+
+
+def _trigger(event: str, doc: str) -> Callable[..., None]:
+    def trigger(self: Any, detail: str = "", *, reason: enum.Enum | None = None) -> None:
+        if not isinstance(detail, str):
+            raise TypeError(
+                f"{event}(): detail is a string; pass the reason by keyword (reason=...)"
+            )
+        self.fire(event, reason=reason, detail=detail)
+
+    trigger.__name__ = trigger.__qualname__ = event
+    trigger.__doc__ = f"Fire {event!r} for this request{': ' + doc if doc else ''}."
+    trigger._lifecycle_trigger = True  # type: ignore[attr-defined]
+    return trigger
+
+
+def install_triggers(table: str, events: Mapping[str, str], record: type) -> None:
+    """Give ``record`` one trigger method per event (event name → its doc), checking the
+    ``ClassVar[Trigger]`` declarations against the events and refusing a name the class
+    already uses for something else."""
+    if not callable(getattr(record, "fire", None)):
+        raise InvalidTable(
+            f"{table}: record class {record.__name__} has no fire method; derive it from "
+            f"lifecycle.Tracked"
+        )
+    for name in sorted(_declared_triggers(record) - set(events)):
+        raise InvalidTable(
+            f"{table}: {record.__name__}.{name} is declared a Trigger, but the table has no "
+            f"event {name!r}{_suggest(name, events)}"
+        )
+    for event, doc in events.items():
+        if not event.isidentifier():
+            continue  # still fired by name: req.fire(event)
+        if event in RESERVED:
+            raise InvalidTable(f"{table}: event {event!r} is a name every record uses")
+        existing = inspect.getattr_static(record, event, None)
+        if existing is not None and not getattr(existing, "_lifecycle_trigger", False):
+            raise InvalidTable(
+                f"{table}: {record.__name__}.{event} already exists; the table makes a "
+                f"trigger method of that name for event {event!r} (to declare it for mypy, "
+                f"write {event}: ClassVar[Trigger])"
+            )
+        setattr(record, event, _trigger(event, doc))

@@ -1,0 +1,510 @@
+"""The stateful test machine behind :func:`lifecycle.testing.lifecycle_state_machine`.
+
+Theory of operation
+-------------------
+The machine keeps its own model of every request it admitted: the state the *table* says it
+must be in (a dict lookup, independent of the machine under test). Each rule computes what must
+happen from that model and the request's guards, fires, then checks the outcome: a legal event
+moved the request (or the whole batch) to the edge's destination; an illegal one raised
+:class:`~lifecycle.errors.IllegalTransition` (:class:`~lifecycle.errors.GuardFailed` for a
+guard that refused) and changed nothing — for a batch, no request of it.
+
+It checks the framework *and* the embedder's code:
+
+* **guards are pure** — before an event is fired, its guards are evaluated twice on the same
+  record: the same answer both times, and no field of the record changed;
+* **one evaluation per guard** — firing evaluates each guard at most once per request (the
+  refusal message comes from that evaluation);
+* **once-hooks run exactly once** — every hook the table lists in ``once`` (its resource hooks)
+  ran at most once for a live request and exactly once for a finished one, counting every call,
+  from ``after`` and ``on_enter`` alike, whatever edges the table gives them;
+* **hooks do not raise**, and each ran as often as the edges taken call for;
+* the index, the finished counters, the timelines (only table edges, monotone) agree with the
+  model, and the embedder's own ``invariants`` hold for every request after every step.
+
+A broken rule raises :class:`RuleBroken`, whose message names the rule, then shows the event
+program of the failing run (Hypothesis shrinks it first) and the timeline of the request
+concerned; it holds names and states, never reprs of records.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from lifecycle.binding import hook_takes_event
+from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError
+from lifecycle.invariants import expected_hook_calls, timeline_violations
+from lifecycle.machine import Lifecycle
+from lifecycle.table import Edge, LifecycleTable
+
+#: An event name no table defines; the machine mixes it in as an always-illegal event.
+UNKNOWN_EVENT = "no_such_event"
+
+
+class RuleBroken(AssertionError):
+    """A lifecycle rule was broken; the message names it and shows the program and timeline."""
+
+
+@attrs.frozen
+class MachineConfig:
+    """What a :class:`LifecycleMachine` subclass is about."""
+
+    table: LifecycleTable
+    make_request: Callable[[str], Any]
+    hooks: Mapping[str, Callable[..., None]] = attrs.field(factory=dict)
+    satisfy: Callable[[Any, Edge], None] | None = None
+    invariants: tuple[Callable[[Any], object], ...] = ()
+
+
+@attrs.frozen
+class _Snapshot:
+    states: tuple[enum.IntEnum | None, ...]
+    timelines: tuple[int, ...]
+    reasons: tuple[enum.Enum | None, ...]
+    counts: dict[enum.IntEnum, int]
+    finished: dict[tuple[enum.IntEnum, enum.Enum | None], int]
+    hook_calls: dict[str, dict[str, int]]
+    fired: int
+
+
+def _fields(req: Any) -> dict[str, Any]:
+    """The record's own fields, copied, for telling whether something changed them."""
+    out: dict[str, Any] = {}
+    for f in attrs.fields(type(req)):
+        if f.name in ("owner", "timeline"):
+            continue
+        value = getattr(req, f.name)
+        try:
+            out[f.name] = copy.deepcopy(value)
+        except Exception:  # an uncopyable field: compare it by identity
+            out[f.name] = value
+    return out
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """Fires random events at a real :class:`Lifecycle`; see the module docstring.
+
+    Subclasses set :attr:`config` (use :func:`lifecycle.testing.lifecycle_state_machine`).
+    """
+
+    config: ClassVar[MachineConfig]
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = self.config
+        self.table = cfg.table
+        self.now = 0.0
+        self.program: list[str] = []
+        self.hook_calls: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        self.lifecycle: Lifecycle[Any] = Lifecycle(
+            cfg.table, self._counting_hooks(cfg.hooks), clock=self._clock
+        )
+        # A second owner, so batches can be offered a request that is not ours.
+        self.other: Lifecycle[Any] = Lifecycle(
+            cfg.table, self._counting_hooks({}), clock=self._clock
+        )
+        self.requests: dict[str, Any] = {}
+        self.model: dict[str, enum.IntEnum] = {}
+        self.serial = 0
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _counting_hooks(self, user: Mapping[str, Callable[..., None]]) -> dict[str, Any]:
+        def counting(name: str) -> Callable[[Any, Any], None]:
+            inner = user.get(name)
+            takes = inner is not None and hook_takes_event(self.table.name, name, inner)
+
+            def hook(req: Any, event: Any) -> None:
+                self.hook_calls[req.rid][name] += 1
+                if inner is not None:
+                    inner(req, event) if takes else inner(req)
+
+            return hook
+
+        return {name: counting(name) for name in self.table.hooks()}
+
+    # -- reports ----------------------------------------------------------------------------
+
+    def _timeline(self, rid: str) -> list[str]:
+        req = self.requests.get(rid)
+        if req is None:
+            return []
+        lines, state = [], self.table.initial
+        for t, event in req.timeline:
+            if event == "":
+                lines.append(f"  {t:9.3f}  admitted in {state.name}")
+                continue
+            edge = self.table.lookup.get((state, event))
+            if edge is None:
+                lines.append(f"  {t:9.3f}  {event} from {state.name}: no such edge")
+                break
+            lines.append(f"  {t:9.3f}  {event}: {state.name} -> {edge.dest.name}")
+            state = edge.dest
+        if req.state in self.table.finals:
+            reason = req.reason.name if req.reason is not None else "none"
+            lines.append(f"  ended {req.state.name}, reason {reason}, detail {req.detail!r}")
+        return lines
+
+    def broken(self, rule_name: str, message: str, rid: str | None = None) -> RuleBroken:
+        """The error for a broken rule, with the program so far and ``rid``'s timeline."""
+        text = [f"rule broken: {rule_name}", f"  {message}", "event program:"]
+        text += [f"  {i}. {step}" for i, step in enumerate(self.program, start=1)]
+        if rid is not None:
+            text += [f"timeline of {rid}:", *self._timeline(rid)]
+        return RuleBroken("\n".join(text))
+
+    # -- building blocks of the rules -------------------------------------------------------
+
+    def _new(self) -> Any:
+        self.serial += 1
+        return self.config.make_request(f"r{self.serial}")
+
+    def _snapshot(self) -> _Snapshot:
+        reqs = list(self.requests.values())
+        return _Snapshot(
+            states=tuple(r.state for r in reqs),
+            timelines=tuple(len(r.timeline) for r in reqs),
+            reasons=tuple(r.reason for r in reqs),
+            counts=self.lifecycle.counts(),
+            finished=dict(self.lifecycle.finished),
+            hook_calls={k: dict(v) for k, v in self.hook_calls.items()},
+            fired=self.lifecycle.transitions_fired,
+        )
+
+    def _unchanged(self, before: _Snapshot, what: str) -> None:
+        if self._snapshot() != before:
+            raise self.broken("a refused event changes nothing", f"{what} changed the state")
+
+    def _draw_event(self, data: st.DataObject, state: enum.IntEnum) -> str:
+        # Mostly the state's forward events (failure is easy to reach, depth is not), else any
+        # event at all, including one no table has.
+        progress = [
+            str(e.event)
+            for e in self.table.edges
+            if e.source is state and e.event not in self.table.failure_events
+        ]
+        anything = st.sampled_from([*map(str, self.table.events), UNKNOWN_EVENT])
+        if not progress:
+            return data.draw(anything, label="event")
+        forward = st.sampled_from(progress)
+        return data.draw(st.one_of(forward, forward, forward, anything), label="event")
+
+    def _draw_reason(self, data: st.DataObject) -> enum.Enum | None:
+        reasons = self.table.reasons
+        if reasons is None:
+            return None
+        return data.draw(st.none() | st.sampled_from(list(reasons)), label="reason")
+
+    def _maybe_satisfy(self, data: st.DataObject, reqs: Sequence[Any], event: str) -> None:
+        satisfy = self.config.satisfy
+        if satisfy is None or not data.draw(st.booleans(), label="satisfy guards"):
+            return
+        for r in reqs:
+            edge = self.table.lookup.get((self.model[r.rid], event))
+            if edge is not None:
+                satisfy(r, edge)
+
+    def _pure_refusal(self, req: Any, event: str, edge: Edge | None) -> str:
+        """Why ``event`` would be refused for ``req``, checking that its guards are pure."""
+        if edge is None or not edge.guarded or req.owner is not self.lifecycle:
+            return "" if edge is not None else "no edge"
+        guards = ", ".join((*edge.conditions, *edge.unless))
+        before = _fields(req)
+        first: str = self.lifecycle.refusal(req, event)
+        after = _fields(req)
+        second: str = self.lifecycle.refusal(req, event)
+        changed = [k for k in before if before[k] != after.get(k)]
+        if changed:
+            raise self.broken(
+                "guards are pure",
+                f"evaluating the guards of {event!r} ({guards}) on {req.rid} changed its "
+                f"{', '.join(changed)}",
+                req.rid,
+            )
+        if first != second:
+            raise self.broken(
+                "guards are pure",
+                f"the guards of {event!r} ({guards}) answered differently when evaluated twice "
+                f"on {req.rid}: {first or 'allowed'}, then {second or 'allowed'}",
+                req.rid,
+            )
+        return first
+
+    def _fire(self, fire: Callable[[], None], reqs: Sequence[Any], edge: Edge | None) -> None:
+        """Run ``fire``, checking it evaluated each guard at most once per request and that no
+        hook raised; exceptions other than a hook's propagate."""
+        evaluated = self.lifecycle.guards_evaluated
+        try:
+            fire()
+        except HookFailed as exc:
+            rid, hook, error = exc.errors[0]
+            raise self.broken(
+                "hooks do not raise",
+                f"hook {hook!r} raised {type(error).__name__}: {error} for {rid}",
+                rid,
+            ) from None
+        finally:
+            used = self.lifecycle.guards_evaluated - evaluated
+            most = len(reqs) * (len(edge.conditions) + len(edge.unless)) if edge else 0
+            if used > most:
+                raise self.broken(
+                    "one evaluation per guard",
+                    f"firing {edge.event if edge else '?'} at {len(reqs)} request(s) evaluated "
+                    f"guards {used} times; at most {most}",
+                    reqs[0].rid,
+                )
+
+    def _moved(self, reqs: Sequence[Any], edge: Edge, before: int) -> None:
+        if self.lifecycle.transitions_fired != before + len(reqs):
+            raise self.broken("the counters count", "transitions_fired did not grow by the batch")
+        for r in reqs:
+            if r.state is not edge.dest or tuple(r.timeline[-1]) != (self.now, edge.event):
+                raise self.broken(
+                    "a legal event moves", f"{r.rid} is not in {edge.dest.name} after "
+                    f"{edge.event}", r.rid,
+                )
+            self.model[r.rid] = edge.dest
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(n=st.integers(min_value=1, max_value=4), data=st.data())
+    def admit(self, n: int, data: st.DataObject) -> None:
+        """Admit ``n`` new requests; then maybe admit a tracked request again, or a new one
+        under a live id, which must fail and change nothing."""
+        new = []
+        for _ in range(n):
+            req = self._new()
+            self.lifecycle.admit(req)
+            if req.state is not self.table.initial or req.timeline != [(self.now, "")]:
+                raise self.broken("admission", f"{req.rid} was not admitted", req.rid)
+            self.requests[req.rid] = req
+            self.model[req.rid] = self.table.initial
+            new.append(req.rid)
+        self.program.append(f"admit {', '.join(new)}")
+        if not data.draw(st.booleans(), label="admit again"):
+            return
+        rid = data.draw(st.sampled_from(sorted(self.requests)), label="again")
+        old = self.requests[rid]
+        before = self._snapshot()
+        for req in (old, self.config.make_request(rid)) if rid in self.lifecycle else (old,):
+            try:
+                self.lifecycle.admit(req)
+            except LifecycleError:
+                continue
+            raise self.broken("admission", f"admitting {rid} again was accepted", rid)
+        self.program.append(f"admit {rid} again: refused")
+        self._unchanged(before, f"admitting {rid} again")
+
+    def _tick(self, data: st.DataObject) -> None:
+        self.now += data.draw(st.sampled_from([0.0, 0.001, 0.5, 3.0]), label="dt")
+
+    @precondition(lambda self: bool(self.requests))
+    @rule(data=st.data())
+    def fire_one(self, data: st.DataObject) -> None:
+        """One event at one request (any state, finished ones too), by either path."""
+        self._tick(data)
+        live = sorted(r.rid for r in self.lifecycle.live())
+        every = st.sampled_from(sorted(self.requests))
+        rid = data.draw(st.one_of(st.sampled_from(live), every) if live else every, label="rid")
+        req = self.requests[rid]
+        event = self._draw_event(data, self.model[rid])
+        reason = self._draw_reason(data) if event in self.table.failure_events else None
+        self._maybe_satisfy(data, [req], event)
+        edge = self.table.lookup.get((self.model[rid], event))
+        refusal = self._pure_refusal(req, event, edge)
+        one_by_one = data.draw(st.booleans(), label="one by one")
+        before = self._snapshot()
+        how = f"{rid}.{event}()" if one_by_one else f"fire {event} [{rid}]"
+        try:
+            if one_by_one:
+                self._fire(lambda: self.lifecycle.trigger(req, event, reason=reason), [req], edge)
+            else:
+                self._fire(lambda: self.lifecycle.fire(event, [req], reason=reason), [req], edge)
+        except GuardFailed as exc:
+            self.program.append(f"{how}: refused, {exc.why}")
+            if edge is None or not refusal or exc.why != refusal:
+                raise self.broken("guards decide", f"{how} was refused: {exc.why}", rid) from None
+            self._unchanged(before, how)
+            return
+        except IllegalTransition:
+            self.program.append(f"{how}: refused, no edge from {self.model[rid].name}")
+            if edge is not None:
+                raise self.broken("table edges are taken", f"{how} was refused", rid) from None
+            self._unchanged(before, how)
+            return
+        self.program.append(f"{how} -> {req.state.name}")
+        if edge is None or refusal:
+            raise self.broken("illegal events are refused", f"{how} was accepted", rid)
+        self._moved([req], edge, before.fired)
+
+    def _batch(self, data: st.DataObject, state: enum.IntEnum) -> tuple[list[Any], str]:
+        members = sorted(self.lifecycle.in_state(state))
+        # Often the whole state: batches are how a scheduler fires, and deep states fill up
+        # with requests faster this way.
+        rids = data.draw(
+            st.just(members) | st.lists(st.sampled_from(members), min_size=1, max_size=8,
+                                        unique=True),
+            label="batch",
+        )
+        batch = [self.requests[r] for r in rids]
+        intruder = data.draw(
+            st.sampled_from(["none", "none", "other_state", "duplicate", "foreign"]),
+            label="intruder",
+        )
+        if intruder == "other_state":
+            others = sorted(r for r in self.requests if self.model[r] is not state)
+            if not others:
+                return batch, "none"
+            batch.insert(data.draw(st.integers(0, len(batch))),
+                         self.requests[data.draw(st.sampled_from(others))])
+        elif intruder == "duplicate":
+            batch.append(batch[0])
+        elif intruder == "foreign":
+            stranger = self._new()
+            self.other.admit(stranger)
+            if stranger.state is not state:
+                return batch, "none"
+            batch.insert(data.draw(st.integers(0, len(batch))), stranger)
+        return batch, intruder
+
+    @precondition(lambda self: len(self.lifecycle) > 0)
+    @rule(data=st.data())
+    def fire_batch(self, data: st.DataObject) -> None:
+        """One event at a batch of requests that share a state, sometimes with an intruder
+        (a request of another state, a finished one, a duplicate, another owner's)."""
+        self._tick(data)
+        live = [s for s, n in self.lifecycle.counts().items() if n]
+        state = data.draw(st.sampled_from(live), label="state")
+        batch, intruder = self._batch(data, state)
+        event = self._draw_event(data, state)
+        reason = self._draw_reason(data) if event in self.table.failure_events else None
+        self._maybe_satisfy(data, [r for r in batch if r.rid in self.model], event)
+        edge = self.table.lookup.get((state, event))
+        ours = [r for r in batch if r.rid in self.requests and r is self.requests[r.rid]]
+        legal = intruder == "none" and edge is not None and not any(
+            [self._pure_refusal(r, event, edge) for r in ours]
+        )
+        how = f"fire {event} [{', '.join(r.rid for r in batch)}]"
+        if intruder != "none":
+            how += f" ({intruder.replace('_', ' ')} intruder)"
+        before = self._snapshot()
+        try:
+            self._fire(lambda: self.lifecycle.fire(event, batch, reason=reason), batch, edge)
+        except LifecycleError as exc:
+            self.program.append(f"{how}: refused")
+            if legal:
+                raise self.broken("legal batches move", f"{how} was refused: {exc}") from None
+            self._unchanged(before, how)
+            return
+        self.program.append(f"{how} -> {edge.dest.name if edge else '?'}")
+        if not legal or edge is None:
+            raise self.broken("illegal batches are refused", f"{how} was accepted")
+        self._moved(batch, edge, before.fired)
+
+    @precondition(lambda self: len(self.lifecycle) > 0 and bool(self.table.failure_events))
+    @rule(data=st.data())
+    def fail_many(self, data: st.DataObject) -> None:
+        """A failure event for live requests of any mix of states."""
+        live = sorted(r.rid for r in self.lifecycle.live())
+        rids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True),
+                         label="victims")
+        event = data.draw(st.sampled_from([str(e) for e in self.table.failure_events]),
+                          label="failure event")
+        reason = self._draw_reason(data)
+        victims = [self.requests[r] for r in rids]
+        self.program.append(f"fail [{', '.join(rids)}] by {event}")
+        self._fire(lambda: self.lifecycle.fail(victims, reason, "injected", event=event),
+                   victims, None)
+        for r in victims:
+            self.model[r.rid] = self.table.lookup[(self.model[r.rid], event)].dest
+            if r.state is not self.model[r.rid] or r.detail != "injected" or (
+                reason is not None and r.reason is not reason
+            ):
+                raise self.broken("failures end requests", f"{r.rid} after {event}", r.rid)
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def states_match_the_model(self) -> None:
+        for rid, r in self.requests.items():
+            if r.state is not self.model[rid]:
+                raise self.broken(
+                    "states follow the table",
+                    f"{rid} is in {r.state.name}, the table says {self.model[rid].name}", rid,
+                )
+
+    @invariant()
+    def index_matches_states(self) -> None:
+        try:
+            self.lifecycle.check_index()
+        except AssertionError as exc:
+            raise self.broken("the index files every live request", str(exc)) from None
+        for rid, r in self.requests.items():
+            if r.state in self.table.finals:
+                filed = rid not in self.lifecycle
+            else:
+                filed = self.lifecycle.in_state(r.state).get(rid) is r
+            if not filed:
+                raise self.broken("the index files every live request", f"{rid} misfiled", rid)
+
+    @invariant()
+    def timelines_replay(self) -> None:
+        for rid, r in self.requests.items():
+            for problem in timeline_violations(r, self.table):
+                raise self.broken("timelines replay through the table", problem, rid)
+
+    @invariant()
+    def once_hooks_run_exactly_once(self) -> None:
+        for rid, r in self.requests.items():
+            final = r.state in self.table.finals
+            for hook in sorted(self.table.once):
+                n = self.hook_calls.get(rid, collections.Counter())[hook]
+                if n > 1 or (final and n != 1):
+                    raise self.broken(
+                        f"once-hook {hook!r} runs exactly once per request",
+                        f"hook {hook!r} ran {n} times for {rid}, which is "
+                        f"{'finished' if final else 'live'} in {r.state.name}",
+                        rid,
+                    )
+
+    @invariant()
+    def hooks_ran_as_the_edges_say(self) -> None:
+        for rid, r in self.requests.items():
+            want = expected_hook_calls(r, self.table)
+            got = self.hook_calls.get(rid, collections.Counter())
+            if +got != +want:
+                raise self.broken(
+                    "hooks run as the edges say", f"{rid}: ran {dict(got)}, expected "
+                    f"{dict(want)}", rid,
+                )
+
+    @invariant()
+    def finished_counters(self) -> None:
+        done = collections.Counter(
+            (r.state, r.reason) for r in self.requests.values() if r.state in self.table.finals
+        )
+        if +self.lifecycle.finished != done:
+            raise self.broken("finished counters count", "they differ from the requests")
+
+    @invariant()
+    def embedder_invariants(self) -> None:
+        for check in self.config.invariants:
+            name = getattr(check, "__name__", repr(check))
+            for rid, r in self.requests.items():
+                try:
+                    ok = check(r)
+                except AssertionError as exc:
+                    raise self.broken(f"invariant {name}", str(exc) or "failed", rid) from None
+                if ok is False:
+                    raise self.broken(f"invariant {name}", f"false for {rid}", rid)
