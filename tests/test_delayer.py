@@ -7,6 +7,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
+from lifecycle.testing import FakeClock
 from scheduler.dist.gather import GatherShapeError, StaticGather
 from scheduler.prefill.delayer import (
     DelayerConfig,
@@ -21,16 +22,6 @@ from scheduler.prefill.delayer import (
 )
 
 NOW = 1000.0
-
-
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self, now: float = NOW) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def run(
@@ -258,6 +249,7 @@ def test_watermark_flag_needs_local_prefillable() -> None:
 
 def test_negotiate_advances_and_resets_state() -> None:
     clock = FakeClock()
+    clock.now = NOW
     delayer = make_delayer(StaticGather([[[1, 0, 0, 0, 0]], [[0, 0, 0, 0, 0]]], position=(0, 0)),
                            clock, dp_size=2, max_delay_passes=3)
     reasons = []

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from lifecycle.testing import FakeClock
 from scheduler.dist.gather import TorchDistributedGather, min_reduce
 from scheduler.prefill.delayer import DelayerConfig, PrefillDelayer
 from tests.distributed import free_port, run_ranks
@@ -42,17 +43,6 @@ SCENARIOS: dict[str, tuple[int, float | None, list[tuple[tuple[bool, ...], tuple
 SKEW_PASSES = 8
 
 
-class _SkewedClock:
-    """Rank r's clock runs at (1 + r) times rank 0's: 30 ms of rank-0 time per pass."""
-
-    def __init__(self, rank: int) -> None:
-        self.rate = 0.03 * (1 + rank)
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -72,7 +62,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 results[f"{mode}/{name}"] = [out.allow, out.reason]
             # The queue trigger (min(int(10 * 0.5), 4) = 4 > 2 waiting) with a 100 ms deadline,
             # every rank's clock running at its own rate.
-            clock = _SkewedClock(rank)
+            clock = FakeClock()
+            # Rank r's clock runs at (1 + r) times rank 0's: 30 ms of rank-0 time per pass.
+            rate = 0.03 * (1 + rank)
             config = DelayerConfig(queue_min_ratio=0.5, max_delay_ms=100, mode=mode)
             delayer = PrefillDelayer(config, gather, dp_size=WORLD, attn_tp_size=1,
                                      enable_dp_attention=True, clock=clock)
@@ -81,7 +73,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 out = delayer.negotiate(True, 0.9, running_batch=10, max_prefill_bs=4,
                                         max_running_requests=100, waiting_queue_len=2)
                 allows.append(out.allow)
-                clock.now += clock.rate
+                clock.now += rate
             results[f"{mode}/skew"] = allows
         pair = dist.new_group([0, 1], backend="gloo")  # every rank must take part in new_group
         if rank < 2:

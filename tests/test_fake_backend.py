@@ -8,14 +8,7 @@ import pytest
 
 from kv.fake import FakeDecodeManager, FakeKVManager, FaultPlan, RoomFaults
 from kv.transfer import KVPoll, TransferUsageError
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from lifecycle.testing import FakeClock
 
 
 def _drain(q: queue.SimpleQueue[int]) -> list[int]:
@@ -52,7 +45,7 @@ def test_readiness_is_pushed_when_a_poll_would_change() -> None:
 
 
 def test_delays_in_polls_and_seconds() -> None:
-    clock = ManualClock()
+    clock = FakeClock()
     plan = FaultPlan(handshake_delay_polls=2, transfer_delay_s=1.5)
     manager = FakeKVManager(plan, clock)
     sender = manager.create_sender("x", 3)

@@ -19,6 +19,7 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
+from lifecycle.testing import FakeClock
 from tests.mooncake_harness import DecodePeer
 from tests.transfer_harness import GEOMETRY, drive, eventually, make_pool
 
@@ -26,14 +27,6 @@ pytestmark = pytest.mark.mooncake
 
 _TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
 TOKEN = "t0ken"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
