@@ -32,12 +32,11 @@ from attrs.validators import ge, le
 
 from kv.transfer import (
     REASON_ABORTED,
-    REASON_OTHER_RANK,
-    TERMINAL,
     KVPoll,
     SendCursor,
     TransferError,
     TransferUsageError,
+    accepts_call,
 )
 
 logger = logging.getLogger(__name__)
@@ -161,11 +160,8 @@ class FakeKVSender:
         return self._status
 
     def init(self, num_pages: int, slot: int) -> None:
-        if self._status == KVPoll.FAILED:
-            return
-        if self._status != KVPoll.WAITING_FOR_INPUT:
-            raise TransferUsageError(self.room, f"init() while {self._status.name}")
-        self._cursor.init(num_pages, slot)
+        if accepts_call(self.room, self._status, "init()"):
+            self._cursor.init(num_pages, slot)
 
     def send(self, pages: Sequence[int], last: bool) -> None:
         if self._status == KVPoll.FAILED:
@@ -185,12 +181,10 @@ class FakeKVSender:
             self._announce()
 
     def failure_exception(self) -> TransferError:
-        if self._status == KVPoll.FAILED:
-            return TransferError(self.room, self._reason, self.bootstrap_addr)
-        return TransferError(self.room, REASON_OTHER_RANK, self.bootstrap_addr)
+        return TransferError.reported(self.room, self._status, self._reason, self.bootstrap_addr)
 
     def abort(self) -> None:
-        if self._status not in TERMINAL:
+        if not self._status.terminal:
             self._fail(REASON_ABORTED)
 
     def clear(self) -> None:
@@ -234,21 +228,17 @@ class FakeKVReceiver:
             self._set(KVPoll.WAITING_FOR_INPUT)
 
     def send_metadata(self, pages: Sequence[int], slot: int) -> None:
-        if self._status == KVPoll.FAILED:
-            return
-        if self._status != KVPoll.WAITING_FOR_INPUT:
-            raise TransferUsageError(self.room, f"send_metadata() while {self._status.name}")
-        self._set(KVPoll.SUCCESS)
+        if accepts_call(self.room, self._status, "send_metadata()"):
+            self._set(KVPoll.SUCCESS)
 
     def poll(self) -> KVPoll:
         return self._status
 
     def failure_exception(self) -> TransferError:
-        reason = self._reason if self._status == KVPoll.FAILED else REASON_OTHER_RANK
-        return TransferError(self.room, reason, self.bootstrap_addr)
+        return TransferError.reported(self.room, self._status, self._reason, self.bootstrap_addr)
 
     def abort(self) -> None:
-        if self._status not in TERMINAL:
+        if not self._status.terminal:
             self._set(KVPoll.FAILED, REASON_ABORTED)
 
     def clear(self) -> None:

@@ -5,16 +5,14 @@ Theory of operation
 A :class:`LocalTransferHub` maps bootstrap addresses to prefill managers. A decode receiver
 (:mod:`kv.local_decode`) for room R ``init()``s by looking its prefill manager up in the hub
 (checking that the two pools have the same page geometry), then ``send_metadata(dst_pages,
-dst_slot)`` hands the prefill manager a :class:`Link`: the destination of room R. The prefill
+dst_slot)`` hands the prefill manager a link: the destination of room R. The prefill
 sender for R attaches to the link (at once if it exists, else when it is created) and reports
 WAITING_FOR_INPUT.
 
-Room state: each end of a room reports a :class:`Side` (its status and failure reason). Until
-the two ends meet, each changes only its own side; from then on the link is the one owner of
-both: every change that concerns the room (a chunk queued or copied, a failure, an abort from
-either end) is a method of :class:`Link`, which moves both sides together. Every change happens
-under the hub's lock (copies run outside it) and pushes the room onto the ``ready`` queue of
-each side whose state changed, including when a failed room becomes quiescent.
+Room state (:mod:`kv.local_link`): each end of a room reports a :class:`~kv.local_link.Side`;
+until the two ends meet each changes only its own, and from then on the
+:class:`~kv.local_link.Link` is the one owner of both. Every change happens under the hub's lock
+(copies run outside it).
 
 Each ``send(pages, last)`` queues a chunk for the prefill manager's transfer worker thread,
 which copies the pages from the prefill pool into the decode pool for all layers and both K
@@ -43,19 +41,11 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from kv.local_link import Link, Side
 from kv.metadata import MetadataBuffers
 from kv.pages import coalesce
 from kv.pool import KVPool
-from kv.transfer import (
-    REASON_ABORTED,
-    REASON_OTHER_RANK,
-    REASON_PEER_ABORTED,
-    TERMINAL,
-    KVPoll,
-    SendCursor,
-    TransferError,
-    TransferUsageError,
-)
+from kv.transfer import KVPoll, SendCursor, TransferError, TransferUsageError, accepts_call
 
 logger = logging.getLogger(__name__)
 
@@ -96,102 +86,6 @@ class LocalTransferHub:
     def lookup(self, addr: str) -> LocalKVManager | None:
         """The prefill manager at ``addr``; the caller holds :attr:`lock`."""
         return self._prefill.get(addr)
-
-
-@attrs.define(eq=False)
-class Side:
-    """What one end of a room reports: its status and why it failed. Changed only under the
-    hub's lock; every change is announced on the end's ``ready`` queue (unless ``muted``: a
-    cleared receiver is no one's news)."""
-
-    room: int
-    ready: queue.SimpleQueue[int] = attrs.field(repr=False)
-    end: str  # "sender" or "receiver", for logs
-    status: KVPoll = KVPoll.BOOTSTRAPPING
-    reason: str = ""
-    muted: bool = False
-
-    def set(self, status: KVPoll) -> None:
-        self.status = status
-        self.announce()
-
-    def fail(self, reason: str) -> None:
-        if self.status in TERMINAL:
-            return
-        self.reason = reason
-        logger.debug("local %s room %d failed: %s", self.end, self.room, reason)
-        self.set(KVPoll.FAILED)
-
-    def announce(self) -> None:
-        if not self.muted:
-            self.ready.put(self.room)
-
-
-@attrs.define(eq=False)
-class Link:
-    """Room R from the moment its receiver sent the destination: where its pages go, and the
-    one owner of both sides' state (the receiver's, and the sender's once it attached)."""
-
-    decode: Side
-    dst_pool: KVPool
-    dst_metadata: MetadataBuffers
-    dst_pages: list[int]
-    dst_slot: int
-    prefill: Side | None = None
-    closed: bool = False  # the sender was cleared: aborts from decode are late, and dropped
-    aborted_by_decode: bool = False  # before a sender attached
-    inflight: int = 0  # chunks queued or being copied
-
-    def attach(self, prefill: Side) -> None:
-        self.prefill = prefill
-        if self.aborted_by_decode:
-            prefill.fail(REASON_PEER_ABORTED)
-        else:
-            prefill.set(KVPoll.WAITING_FOR_INPUT)
-
-    def fail(self, reason: str) -> None:
-        """Both sides fail (a copy that raised, too few destination pages)."""
-        if self.prefill is not None:
-            self.prefill.fail(reason)
-        self.decode.fail(reason)
-
-    def abort(self, by: Side) -> None:
-        """The end ``by`` aborted: it fails as aborted and the other end as aborted by its
-        peer (a sender that attaches later, when it does); nothing once ``by`` concluded, and
-        nothing to the receiver once the sender was cleared (the abort is late)."""
-        if by.status in TERMINAL:
-            return
-        by.fail(REASON_ABORTED)
-        if self.closed:
-            return
-        other = self.prefill if by is self.decode else self.decode
-        if other is None:
-            self.aborted_by_decode = True
-        else:
-            other.fail(REASON_PEER_ABORTED)
-
-    def queue_chunk(self) -> None:
-        assert self.prefill is not None
-        self.inflight += 1
-        self.prefill.status = KVPoll.TRANSFERRING
-
-    def copying(self) -> bool:
-        """Whether a queued chunk is still wanted: the transfer is on and the sender live."""
-        return (self.prefill is not None and self.prefill.status == KVPoll.TRANSFERRING
-                and not self.closed)
-
-    def chunk_done(self, *, copied: bool, last: bool, error: str) -> None:
-        assert self.prefill is not None
-        self.inflight -= 1
-        if error:
-            self.fail(error)
-        elif copied and last and self.prefill.status == KVPoll.TRANSFERRING:
-            self.prefill.set(KVPoll.SUCCESS)
-            self.decode.set(KVPoll.SUCCESS)
-        elif self.inflight == 0 and KVPoll.FAILED in (self.prefill.status, self.decode.status):
-            # A failed room became quiescent: its owners may now free the pages.
-            self.prefill.announce()
-            self.decode.announce()
 
 
 @attrs.frozen
@@ -375,8 +269,7 @@ class LocalEndpoint:
     def failure_exception(self) -> TransferError:
         with self._lock:
             side = self._side
-            reason = side.reason if side.status == KVPoll.FAILED else REASON_OTHER_RANK
-        return TransferError(self.room, reason, self.bootstrap_addr)
+            return TransferError.reported(self.room, side.status, side.reason, self.bootstrap_addr)
 
     def quiescent(self) -> bool:
         with self._lock:
@@ -396,7 +289,7 @@ class LocalEndpoint:
 
     def _abort_locked(self) -> None:
         if self._link is None:
-            self._side.fail(REASON_ABORTED)
+            self._side.abort()
         else:
             self._link.abort(self._side)
 
@@ -416,15 +309,15 @@ class LocalKVSender(LocalEndpoint):
 
     def init(self, num_pages: int, slot: int) -> None:
         with self._lock:
-            if self._side.status == KVPoll.FAILED:
+            link = self._link
+            if not accepts_call(self.room, self._side.status, "init()", ready=link is not None):
                 return
-            if self._side.status != KVPoll.WAITING_FOR_INPUT or self._link is None:
-                raise TransferUsageError(self.room, f"init() while {self._side.status.name}")
+            assert link is not None
             check_slot(self.room, slot, self._manager.metadata, "prefill")
             self._cursor.init(num_pages, slot)
-            have = len(self._link.dst_pages)
+            have = len(link.dst_pages)
             if num_pages > have:
-                self._link.fail(
+                link.fail(
                     f"the decode peer gave {have} destination pages, {num_pages} are needed"
                 )
 

@@ -13,18 +13,11 @@ from __future__ import annotations
 import queue
 from collections.abc import Sequence
 
-from kv.local import (
-    Link,
-    LocalEndpoint,
-    LocalKVManager,
-    LocalTransferHub,
-    Side,
-    check_pages,
-    check_slot,
-)
+from kv.local import LocalEndpoint, LocalKVManager, LocalTransferHub, check_pages, check_slot
+from kv.local_link import Link, Side
 from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
-from kv.transfer import KVPoll, TransferUsageError
+from kv.transfer import KVPoll, accepts_call
 
 
 class LocalDecodeManager:
@@ -74,16 +67,16 @@ class LocalKVReceiver(LocalEndpoint):
         dst = [int(p) for p in pages]
         manager = self._manager
         with self._lock:
-            status = self._side.status
-            if status == KVPoll.FAILED:
+            prefill = self._prefill
+            if not accepts_call(self.room, self._side.status, "send_metadata()",
+                                ready=prefill is not None):
                 return
-            if status != KVPoll.WAITING_FOR_INPUT or self._prefill is None:
-                raise TransferUsageError(self.room, f"send_metadata() while {status.name}")
+            assert prefill is not None
             check_pages(self.room, dst, manager.pool, "decode")
             check_slot(self.room, slot, manager.metadata, "decode")
             self._link = Link(self._side, manager.pool, manager.metadata, dst, slot)
             self._side.set(KVPoll.TRANSFERRING)
-            self._prefill.deliver(self._link)
+            prefill.deliver(self._link)
 
     def _forget(self) -> None:
         self._side.muted = True

@@ -50,7 +50,7 @@ from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, kv_dtype_name, p
 from kv.mooncake_rooms import Chunk, Owed, PrefillRoom, PrefillRooms
 from kv.mooncake_writes import WritePipeline
 from kv.pool import KVPool
-from kv.transfer import TERMINAL, KVPoll, TransferError
+from kv.transfer import REASON_ABORTED, KVPoll, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class MooncakeKVSender:
     def poll(self) -> KVPoll:
         if self._latched is None:
             status = self._rooms.poll(self._rec)
-            if status not in TERMINAL:
+            if not status.terminal:
                 return status
             self._latched = status
         return self._latched
@@ -210,7 +210,7 @@ class MooncakeKVSender:
         return self._rooms.failure(self._rec)
 
     def abort(self) -> None:
-        self._notify([self._rooms.abort(self._rec)])
+        self._notify([self._rooms.fail(self._rec, REASON_ABORTED)])
 
     def clear(self) -> None:
         self._rooms.clear(self._rec)

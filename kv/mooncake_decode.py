@@ -40,14 +40,7 @@ from kv.mooncake_engine import (
     push_socket,
 )
 from kv.pool import KVPool
-from kv.transfer import (
-    REASON_ABORTED,
-    REASON_OTHER_RANK,
-    TERMINAL,
-    KVPoll,
-    TransferError,
-    TransferUsageError,
-)
+from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError, accepts_call
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +199,7 @@ class MooncakeDecodeManager:
             self._draining.clear()
             for rec in rooms:
                 rec.awaiting_prefill = False  # a prefill that is gone writes nothing more
-                if rec.status not in TERMINAL:
+                if not rec.status.terminal:
                     rec.status, rec.reason = KVPoll.FAILED, reason
         for rec in rooms:
             self.ready.put(rec.room)
@@ -242,7 +235,7 @@ class MooncakeDecodeManager:
             if rec is None or not rec.awaiting_prefill:
                 raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
             rec.awaiting_prefill = False
-            if rec.status not in TERMINAL:
+            if not rec.status.terminal:
                 rec.status = KVPoll(msg.poll)
                 rec.reason = msg.reason or "prefill reported a failure"
         self.ready.put(msg.room)
@@ -268,10 +261,8 @@ class MooncakeKVReceiver:
             raise TransferUsageError(self.room, f"slot {slot} is not a metadata row")
         arr = np.asarray(pages, dtype=np.int64)
         with mgr._lock:
-            if rec.status == KVPoll.FAILED:
+            if not accepts_call(self.room, rec.status, "send_metadata()"):
                 return
-            if rec.status != KVPoll.WAITING_FOR_INPUT:
-                raise TransferUsageError(self.room, f"send_metadata() while {rec.status.name}")
             rec.status = KVPoll.TRANSFERRING
             rec.slot = slot
             rec.awaiting_prefill = True
@@ -295,13 +286,12 @@ class MooncakeKVReceiver:
 
     def failure_exception(self) -> TransferError:
         rec = self._rec
-        reason = rec.reason if rec.status == KVPoll.FAILED else REASON_OTHER_RANK
-        return TransferError(rec.room, reason, self._mgr.prefill.session)
+        return TransferError.reported(rec.room, rec.status, rec.reason, self._mgr.prefill.session)
 
     def abort(self) -> None:
         mgr, rec = self._mgr, self._rec
         with mgr._lock:
-            if rec.status in TERMINAL:
+            if rec.status.terminal:
                 return
             rec.status, rec.reason = KVPoll.FAILED, REASON_ABORTED
             tell_prefill = rec.awaiting_prefill

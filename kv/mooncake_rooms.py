@@ -38,14 +38,12 @@ import numpy as np
 
 from kv import wire
 from kv.transfer import (
-    REASON_ABORTED,
-    REASON_OTHER_RANK,
     REASON_PEER_ABORTED,
-    TERMINAL,
     KVPoll,
     SendCursor,
     TransferError,
     TransferUsageError,
+    accepts_call,
 )
 
 _TOMBSTONES = 65536
@@ -180,15 +178,15 @@ class PrefillRooms:
         if not 0 <= slot < self._num_slots:
             raise TransferUsageError(rec.room, f"slot {slot} not in 0..{self._num_slots - 1}")
         with self._lock:
-            if rec.status == KVPoll.FAILED:
+            dest = rec.dest
+            if not accepts_call(rec.room, rec.status, "init()", ready=dest is not None):
                 return None
-            if rec.status != KVPoll.WAITING_FOR_INPUT or rec.dest is None:
-                raise TransferUsageError(rec.room, f"init() while {rec.status.name}")
+            assert dest is not None
             rec.cursor.init(num_pages, slot)
-            if num_pages <= len(rec.dest.pages):
+            if num_pages <= len(dest.pages):
                 return None
-            self._fail(rec, f"decode session {rec.dest.session} offered "
-                            f"{len(rec.dest.pages)} pages, the request needs {num_pages}")
+            self._fail(rec, f"decode session {dest.session} offered {len(dest.pages)} pages, "
+                            f"the request needs {num_pages}")
             return self._settle(rec)
 
     def chunk(self, rec: PrefillRoom, pages: Sequence[int], last: bool) -> Chunk | None:
@@ -219,13 +217,13 @@ class PrefillRooms:
     def failure(self, rec: PrefillRoom) -> TransferError:
         with self._lock:
             peer = rec.dest.session if rec.dest is not None else ""
-            if rec.status != KVPoll.FAILED:
-                return TransferError(rec.room, REASON_OTHER_RANK, peer)
-            return TransferError(rec.room, rec.reason, peer, timeout=rec.timed_out)
+            return TransferError.reported(rec.room, rec.status, rec.reason, peer,
+                                          timeout=rec.timed_out)
 
-    def abort(self, rec: PrefillRoom) -> Owed | None:
+    def fail(self, rec: PrefillRoom, reason: str) -> Owed | None:
+        """Fail the room (its sender aborted it); the status owed to decode, if any."""
         with self._lock:
-            self._fail(rec, REASON_ABORTED)
+            self._fail(rec, reason)
             return self._settle(rec)
 
     def clear(self, rec: PrefillRoom) -> None:
@@ -284,7 +282,7 @@ class PrefillRooms:
             self.ready.put(rec.room)
 
     def _fail(self, rec: PrefillRoom, reason: str, *, timed_out: bool = False) -> bool:
-        if rec.status in TERMINAL:
+        if rec.status.terminal:
             return False
         rec.status = KVPoll.FAILED
         rec.reason = reason
@@ -310,4 +308,4 @@ class PrefillRooms:
         return [self._settle(r) for r in failed]
 
     def _live(self, rec: PrefillRoom) -> bool:
-        return self._rooms.get(rec.room) is rec and rec.status not in TERMINAL
+        return self._rooms.get(rec.room) is rec and not rec.status.terminal

@@ -68,6 +68,11 @@ class KVPoll(enum.IntEnum):
     TRANSFERRING = 3
     SUCCESS = 4
 
+    @property
+    def terminal(self) -> bool:
+        """SUCCESS or FAILED: the states a sender or receiver never leaves."""
+        return self in (KVPoll.SUCCESS, KVPoll.FAILED)
+
 
 class TransferError(Exception):
     """Why a room failed; ``peer`` names the decode (or prefill) endpoint when known."""
@@ -80,6 +85,17 @@ class TransferError(Exception):
         where = f" (peer {peer})" if peer else ""
         super().__init__(f"room {room}: {reason}{where}")
 
+    @classmethod
+    def reported(
+        cls, room: int, status: KVPoll, reason: str, peer: str = "", *, timeout: bool = False
+    ) -> TransferError:
+        """What ``failure_exception()`` returns for an end in ``status`` that recorded
+        ``reason``: its own failure, or :data:`REASON_OTHER_RANK` when it did not fail itself
+        (the FAILED its owner saw came from another rank through the MIN)."""
+        if status != KVPoll.FAILED:
+            return cls(room, REASON_OTHER_RANK, peer)
+        return cls(room, reason, peer, timeout=timeout)
+
 
 class TransferUsageError(Exception):
     """The caller broke the sender/receiver protocol (a bug in the caller, not a failed
@@ -90,9 +106,6 @@ class TransferUsageError(Exception):
         super().__init__(f"room {room}: {message}")
 
 
-# The states a sender or receiver never leaves.
-TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
-
 # The reason a sender reports when the failure was seen only through another rank's poll.
 REASON_OTHER_RANK = "failed on another rank"
 # The reason a sender (receiver) reports when its own side aborted the room.
@@ -100,6 +113,18 @@ REASON_ABORTED = "aborted"
 # The reason a sender reports when the decode side aborted the room; a local-backend receiver
 # reports it when the prefill side did (a Mooncake receiver reports the reason prefill sent).
 REASON_PEER_ABORTED = "aborted by the peer"
+
+
+def accepts_call(room: int, status: KVPoll, call: str, *, ready: bool = True) -> bool:
+    """Whether ``call`` (``init()``, ``send_metadata()``: legal only in WAITING_FOR_INPUT, and
+    only when the end is ``ready`` for it) goes ahead. False once the end FAILED: the call is
+    ignored, because the caller may not have seen the failure yet. Any other state is misuse:
+    :class:`TransferUsageError`."""
+    if status == KVPoll.FAILED:
+        return False
+    if status != KVPoll.WAITING_FOR_INPUT or not ready:
+        raise TransferUsageError(room, f"{call} while {status.name}")
+    return True
 
 
 @attrs.define

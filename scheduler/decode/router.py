@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from kv.fake import FakeDecodeManager, FakeKVReceiver
 from kv.metadata import MetadataBuffers
-from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError, TransferUsageError
+from kv.transfer import DecodeKVManager, KVReceiver, TransferUsageError
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
@@ -75,12 +75,11 @@ class _MergedReady:
         raise queue.Empty
 
 
-class LocalPrefillFake:
+class LocalPrefillFake(FakeDecodeManager):
     """Decode-side fake: computes the prompt locally instead of receiving its KV."""
 
     def __init__(self, runner: ModelRunner, metadata: MetadataBuffers) -> None:
-        self._inner = FakeDecodeManager()
-        self.ready = self._inner.ready
+        super().__init__()
         self._runner = runner
         self._metadata = metadata
         self._lock = threading.Lock()
@@ -103,50 +102,35 @@ class LocalPrefillFake:
             prompt = self._prompts.get(room)
         if prompt is None:
             raise TransferUsageError(room, "no prompt registered for this fake room")
-        inner = self._inner.create_receiver(bootstrap_addr, room)
-        return _ComputingReceiver(self, inner, prompt[0], prompt[1])
+        return _ComputingReceiver(self, bootstrap_addr, room, prompt)
 
-    def close(self) -> None:
-        self._inner.close()
+    def compute(self, receiver: _ComputingReceiver, pages: Sequence[int], slot: int) -> None:
+        """Write the KV of the receiver's prompt into ``pages`` and its first token into
+        metadata row ``slot``, as the transfer would have; the prompt is forgotten."""
+        rid, input_ids = receiver.prompt
+        first = self._runner.forward(ForwardBatch((ForwardItem(rid, input_ids, 0, tuple(pages)),)))
+        self._metadata.write(slot, first[0], 0, None, receiver.room)
+        self.forget(receiver.room)
 
 
-class _ComputingReceiver:
+class _ComputingReceiver(FakeKVReceiver):
     """A fake receiver whose ``send_metadata`` writes the KV and the row the transfer would."""
 
     def __init__(
-        self, owner: LocalPrefillFake, inner: FakeKVReceiver, rid: str, input_ids: tuple[int, ...]
+        self, owner: LocalPrefillFake, bootstrap_addr: str, room: int,
+        prompt: tuple[str, tuple[int, ...]],
     ) -> None:
+        super().__init__(owner, bootstrap_addr, room)
         self._owner = owner
-        self._inner = inner
-        self._rid = rid
-        self._input_ids = input_ids
-        self.room = inner.room
-
-    def init(self) -> None:
-        self._inner.init()
+        self.prompt = prompt
 
     def send_metadata(self, pages: Sequence[int], slot: int) -> None:
-        item = ForwardItem(self._rid, self._input_ids, 0, tuple(pages))
-        first = self._owner._runner.forward(ForwardBatch((item,)))[0]
-        self._owner._metadata.write(slot, first, 0, None, self.room)
-        self._owner.forget(self.room)
-        self._inner.send_metadata(pages, slot)
-
-    def poll(self) -> KVPoll:
-        return self._inner.poll()
-
-    def failure_exception(self) -> TransferError:
-        return self._inner.failure_exception()
-
-    def abort(self) -> None:
-        self._inner.abort()
+        self._owner.compute(self, pages, slot)
+        super().send_metadata(pages, slot)
 
     def clear(self) -> None:
         self._owner.forget(self.room)
-        self._inner.clear()
-
-    def quiescent(self) -> bool:
-        return self._inner.quiescent()
+        super().clear()
 
 
 class DecodeKVRouter:
