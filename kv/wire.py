@@ -167,14 +167,8 @@ def decode(data: bytes, token: str | None = None) -> Message:
         raise WireError("too_large", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
     try:
         body = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=MAX_MESSAGE_BYTES,
-            max_str_len=_MAX_STR,
-            max_array_len=MAX_FIELDS,
-            max_map_len=MAX_FIELDS,
-            max_ext_len=0,
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES,
+            max_str_len=_MAX_STR, max_array_len=MAX_FIELDS, max_map_len=MAX_FIELDS, max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many unrelated types on garbage
         raise WireError("malformed", f"not msgpack: {type(exc).__name__}") from None
