@@ -8,6 +8,7 @@ import attrs
 import pytest
 
 from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
+from lifecycle.testing import FakeClock
 from lifecycle.timeline import (
     InvalidTimeline,
     Timed,
@@ -23,21 +24,19 @@ from tests.strategies import prefill_request
 P = PrefillState
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 10.0
-
-    def __call__(self) -> float:
-        return self.now
+def _clock() -> FakeClock:
+    clock = FakeClock()
+    clock.now = 10.0  # the records below read absolute times
+    return clock
 
 
-def _lifecycle(clock: Clock) -> Lifecycle[PrefillRequest]:
+def _lifecycle(clock: FakeClock) -> Lifecycle[PrefillRequest]:
     return Lifecycle(
         PREFILL_TABLE, {"release": lambda r: None, "respond": lambda r: None}, clock=clock
     )
 
 
-def _served(clock: Clock, lc: Lifecycle[PrefillRequest], rid: str) -> PrefillRequest:
+def _served(clock: FakeClock, lc: Lifecycle[PrefillRequest], rid: str) -> PrefillRequest:
     req = prefill_request(rid)
     lc.admit(req)
     for dt, event in ((0.5, "bootstrapped"), (0.25, "schedule"), (0.125, "chunk_done"),
@@ -50,7 +49,7 @@ def _served(clock: Clock, lc: Lifecycle[PrefillRequest], rid: str) -> PrefillReq
 
 
 def test_records_replay_the_timeline_through_the_table() -> None:
-    clock = Clock()
+    clock = _clock()
     lc = _lifecycle(clock)
     req = _served(clock, lc, "a")
     assert records(req) == [
@@ -86,7 +85,7 @@ def test_a_timeline_the_table_cannot_take_is_reported() -> None:
 
 
 def test_perfetto_export_has_one_track_per_request_and_a_slice_per_state() -> None:
-    clock = Clock()
+    clock = _clock()
     lc = _lifecycle(clock)
     done = _served(clock, lc, "a")
     live = prefill_request("b")
@@ -132,7 +131,7 @@ def _answer(req: PrefillRequest) -> Timed:
 
 
 def test_an_answer_replays_and_exports_like_its_record_given_the_table() -> None:
-    clock = Clock()
+    clock = _clock()
     lc = _lifecycle(clock)
     served = _served(clock, lc, "a")
     aborted = prefill_request("b")
@@ -154,7 +153,7 @@ def test_an_answer_replays_and_exports_like_its_record_given_the_table() -> None
 
 
 def test_origin_puts_traces_on_one_time_axis() -> None:
-    clock = Clock()
+    clock = _clock()
     lc = _lifecycle(clock)
     req = _served(clock, lc, "a")  # admitted at 10.0
     shifted = to_perfetto([req], origin=9.5, pid=2)["traceEvents"]
@@ -170,7 +169,7 @@ def test_origin_puts_traces_on_one_time_axis() -> None:
 
 
 def test_ttft_phases() -> None:
-    clock = Clock()
+    clock = _clock()
     lc = _lifecycle(clock)
     req = _served(clock, lc, "a")
     phases = ttft_phases(req.timeline)
