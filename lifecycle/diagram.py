@@ -33,24 +33,43 @@ class DiagramError(LifecycleError):
     """A diagram could not be rendered (e.g. Graphviz is not installed)."""
 
 
-def _graph(table: LifecycleTable, engine: Literal["graphviz", "mermaid"]) -> Any:
+#: The node that stands for every live state when failure edges are collapsed.
+ANY_LIVE = "ANY_LIVE"
+_ANY_LIVE_LABEL = "any live state"
+
+
+def _edges(table: LifecycleTable, collapse: bool) -> list[dict[str, Any]]:
+    """The transitions to draw: the table's edges, or with ``collapse`` its failure edges
+    replaced by one edge per (failure event, destination) from :data:`ANY_LIVE`."""
+    out: list[dict[str, Any]] = []
+    collapsed: dict[tuple[str, str], None] = {}
+    for e in table.edges:
+        if collapse and e.event in table.failure_events:
+            collapsed[(str(e.event), e.dest.name)] = None
+            continue
+        out.append({
+            "trigger": str(e.event),
+            "source": e.source.name,
+            "dest": e.dest.name,
+            "conditions": list(e.conditions),
+            "unless": list(e.unless),
+        })
+    out += [{"trigger": ev, "source": ANY_LIVE, "dest": dest} for ev, dest in collapsed]
+    return out
+
+
+def _graph(
+    table: LifecycleTable, engine: Literal["graphviz", "mermaid"], collapse: bool = False
+) -> Any:
     # Imported here: diagram generation is an offline tool, and GraphMachine pulls in
     # the diagram backends.
     from transitions.extensions import GraphMachine
 
+    collapse = collapse and bool(table.failure_events)
     machine = GraphMachine(
         model=None,
-        states=[s.name for s in table.states],
-        transitions=[
-            {
-                "trigger": e.event,
-                "source": e.source.name,
-                "dest": e.dest.name,
-                "conditions": list(e.conditions),
-                "unless": list(e.unless),
-            }
-            for e in table.edges
-        ],
+        states=[s.name for s in table.states] + ([ANY_LIVE] if collapse else []),
+        transitions=_edges(table, collapse),
         initial=table.initial.name,
         auto_transitions=False,
         show_conditions=True,
@@ -64,32 +83,51 @@ def _finals(table: LifecycleTable) -> list[str]:
     return [s.name for s in table.states if s in table.finals]
 
 
-def mermaid(table: LifecycleTable) -> str:
-    """A mermaid ``stateDiagram-v2`` of ``table``."""
-    lines = str(_graph(table, "mermaid").draw(None)).splitlines()
+def _used_classes_only(lines: list[str]) -> list[str]:
+    # GraphMachine declares a class for every styling it knows; keep those a state uses.
+    used = {m.group(1) for line in lines if (m := re.match(r"\s*class \S+ (\S+)$", line))}
+    return [
+        line for line in lines
+        if not (m := re.match(r"\s*classDef (\S+) ", line)) or m.group(1) in used
+    ]
+
+
+def mermaid(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
+    """A mermaid ``stateDiagram-v2`` of ``table``; ``collapse_failures`` draws each failure
+    event once, from a node standing for every live state."""
+    lines = str(_graph(table, "mermaid", collapse_failures).draw(None)).splitlines()
     if lines[:3] == ["---", table.name, "---"]:
         lines[1] = f"title: {table.name} lifecycle"
     lines += [f"  {name} --> [*]" for name in _finals(table)]
     # Mermaid spells the styling statement `class`.
     lines = [re.sub(r"^(\s*)Class ", r"\1class ", line) for line in lines]
+    lines = [
+        line.replace(f'state "{ANY_LIVE}" as', f'state "{_ANY_LIVE_LABEL}" as')
+        for line in _used_classes_only(lines)
+    ]
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
-def _digraph(table: LifecycleTable) -> Any:
-    graph = _graph(table, "graphviz")
+def _digraph(table: LifecycleTable, collapse: bool) -> Any:
+    graph = _graph(table, "graphviz", collapse)
+    # A self-loop drawn on the node's lower side, so its label does not sit on the label of
+    # the edge coming in from above.
+    graph.body = [re.sub(r"^\t(\w+) -> \1 \[", r"\t\1:s -> \1:s [", line) for line in graph.body]
     for name in _finals(table):
         graph.node(name, peripheries="2")
+    if collapse and table.failure_events:
+        graph.node(ANY_LIVE, label=_ANY_LIVE_LABEL, style="dashed,rounded")
     graph.node("__start", label="", shape="point", width="0.15")
     graph.edge("__start", table.initial.name)
     return graph
 
 
-def dot(table: LifecycleTable) -> str:
+def dot(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
     """Graphviz source of ``table`` (final states drawn with a double border)."""
-    return str(_digraph(table).source)
+    return str(_digraph(table, collapse_failures).source)
 
 
-def svg(table: LifecycleTable) -> str:
+def svg(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
     """An SVG of ``table``, rendered by Graphviz's ``dot`` program."""
     try:
         import graphviz
@@ -98,7 +136,8 @@ def svg(table: LifecycleTable) -> str:
             "SVG output needs the 'graphviz' Python package: pip install 'pdlife[diagrams]'"
         ) from exc
     try:
-        return str(_digraph(table).pipe(format="svg", encoding="utf-8"))
+        graph = _digraph(table, collapse_failures)
+        return str(graph.pipe(format="svg", encoding="utf-8"))
     except graphviz.ExecutableNotFound as exc:
         raise DiagramError(
             "SVG output needs Graphviz's 'dot' program on PATH "
@@ -110,17 +149,31 @@ def _cell(names: Iterable[str]) -> str:
     return ", ".join(f"`{n}`" for n in names) or "—"
 
 
-def transition_table(table: LifecycleTable) -> str:
-    """The transitions of ``table`` as a markdown table: one row per edge, in table order."""
+def transition_table(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
+    """The transitions of ``table`` as a markdown table: one row per edge, in table order;
+    with ``collapse_failures``, the edges of a failure event that agree on destination, hooks
+    and doc share one row (from "any live state" when they leave every live state)."""
     rows = [
         "| event | from | to | guards | hooks | when |",
         "|---|---|---|---|---|---|",
     ]
+    groups: dict[tuple[str, str, tuple[str, ...], str], list[str]] = {}
+    for e in table.edges:
+        if collapse_failures and e.event in table.failure_events:
+            key = (str(e.event), e.dest.name, table.hooks_of(e), e.doc)
+            groups.setdefault(key, []).append(e.source.name)
+    live = [s.name for s in table.live_states()]
     for e in table.edges:
         guards = [*e.conditions, *(f"not {g}" for g in e.unless)]
-        hooks = [*e.after, *table.on_enter.get(e.dest, ())]
+        hooks = table.hooks_of(e)
+        source = e.source.name
+        if collapse_failures and e.event in table.failure_events:
+            sources = groups.pop((str(e.event), e.dest.name, hooks, e.doc), None)
+            if sources is None:
+                continue  # already written with its group
+            source = _ANY_LIVE_LABEL if sources == live else ", ".join(sources)
         rows.append(
-            f"| `{e.event}` | {e.source.name} | {e.dest.name} | {_cell(guards)} "
+            f"| `{e.event}` | {source} | {e.dest.name} | {_cell(guards)} "
             f"| {_cell(hooks)} | {e.doc} |"
         )
     return "\n".join(rows) + "\n"
@@ -135,24 +188,25 @@ def resources_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def markdown(table: LifecycleTable) -> str:
+def markdown(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
     """The transition table of ``table``, and for the prefill table its ownership table."""
-    text = f"### {table.name}: transitions\n\n{transition_table(table)}"
+    rows = transition_table(table, collapse_failures=collapse_failures)
+    text = f"### {table.name}: transitions\n\n{rows}"
     if table is PREFILL_TABLE:
         text += f"\n### {table.name}: resources by state\n\n{resources_table()}"
     return text
 
 
-def render(table: LifecycleTable, fmt: str) -> str:
+def render(table: LifecycleTable, fmt: str, *, collapse_failures: bool = False) -> str:
     """``table`` in one of :data:`FORMATS`."""
     if fmt == "mermaid":
-        return mermaid(table)
+        return mermaid(table, collapse_failures=collapse_failures)
     if fmt == "dot":
-        return dot(table)
+        return dot(table, collapse_failures=collapse_failures)
     if fmt == "svg":
-        return svg(table)
+        return svg(table, collapse_failures=collapse_failures)
     if fmt == "md":
-        return markdown(table)
+        return markdown(table, collapse_failures=collapse_failures)
     raise DiagramError(f"unknown diagram format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 

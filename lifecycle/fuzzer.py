@@ -30,27 +30,28 @@ concerned; it holds names and states, never reprs of records.
 from __future__ import annotations
 
 import collections
-import copy
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from lifecycle.binding import hook_takes_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError
-from lifecycle.invariants import expected_hook_calls, timeline_violations
+from lifecycle.fuzz_checks import (
+    MachineInvariants,
+    RuleBroken,
+    field_strategies,
+    record_fields,
+    report,
+)
 from lifecycle.machine import Lifecycle
 from lifecycle.table import Edge, LifecycleTable
 
 #: An event name no table defines; the machine mixes it in as an always-illegal event.
 UNKNOWN_EVENT = "no_such_event"
-
-
-class RuleBroken(AssertionError):
-    """A lifecycle rule was broken; the message names it and shows the program and timeline."""
 
 
 @attrs.frozen
@@ -62,6 +63,7 @@ class MachineConfig:
     hooks: Mapping[str, Callable[..., None]] = attrs.field(factory=dict)
     satisfy: Callable[[Any, Edge], None] | None = None
     invariants: tuple[Callable[[Any], object], ...] = ()
+    redraw_fields: bool = False
 
 
 @attrs.frozen
@@ -75,21 +77,7 @@ class _Snapshot:
     fired: int
 
 
-def _fields(req: Any) -> dict[str, Any]:
-    """The record's own fields, copied, for telling whether something changed them."""
-    out: dict[str, Any] = {}
-    for f in attrs.fields(type(req)):
-        if f.name in ("owner", "timeline"):
-            continue
-        value = getattr(req, f.name)
-        try:
-            out[f.name] = copy.deepcopy(value)
-        except Exception:  # an uncopyable field: compare it by identity
-            out[f.name] = value
-    return out
-
-
-class LifecycleMachine(RuleBasedStateMachine):
+class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     """Fires random events at a real :class:`Lifecycle`; see the module docstring.
 
     Subclasses set :attr:`config` (use :func:`lifecycle.testing.lifecycle_state_machine`).
@@ -115,6 +103,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
         self.requests: dict[str, Any] = {}
         self.model: dict[str, enum.IntEnum] = {}
+        self.checks = cfg.invariants
         self.serial = 0
 
     def _clock(self) -> float:
@@ -134,35 +123,10 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         return {name: counting(name) for name in self.table.hooks()}
 
-    # -- reports ----------------------------------------------------------------------------
-
-    def _timeline(self, rid: str) -> list[str]:
-        req = self.requests.get(rid)
-        if req is None:
-            return []
-        lines, state = [], self.table.initial
-        for t, event in req.timeline:
-            if event == "":
-                lines.append(f"  {t:9.3f}  admitted in {state.name}")
-                continue
-            edge = self.table.lookup.get((state, event))
-            if edge is None:
-                lines.append(f"  {t:9.3f}  {event} from {state.name}: no such edge")
-                break
-            lines.append(f"  {t:9.3f}  {event}: {state.name} -> {edge.dest.name}")
-            state = edge.dest
-        if req.state in self.table.finals:
-            reason = req.reason.name if req.reason is not None else "none"
-            lines.append(f"  ended {req.state.name}, reason {reason}, detail {req.detail!r}")
-        return lines
-
     def broken(self, rule_name: str, message: str, rid: str | None = None) -> RuleBroken:
         """The error for a broken rule, with the program so far and ``rid``'s timeline."""
-        text = [f"rule broken: {rule_name}", f"  {message}", "event program:"]
-        text += [f"  {i}. {step}" for i, step in enumerate(self.program, start=1)]
-        if rid is not None:
-            text += [f"timeline of {rid}:", *self._timeline(rid)]
-        return RuleBroken("\n".join(text))
+        req = self.requests.get(rid) if rid is not None else None
+        return report(rule_name, message, self.program, req, self.table)
 
     # -- building blocks of the rules -------------------------------------------------------
 
@@ -207,22 +171,33 @@ class LifecycleMachine(RuleBasedStateMachine):
         return data.draw(st.none() | st.sampled_from(list(reasons)), label="reason")
 
     def _maybe_satisfy(self, data: st.DataObject, reqs: Sequence[Any], event: str) -> None:
-        satisfy = self.config.satisfy
-        if satisfy is None or not data.draw(st.booleans(), label="satisfy guards"):
+        satisfy, redraw = self.config.satisfy, self.config.redraw_fields
+        if (satisfy is None and not redraw) or not data.draw(st.booleans(), label="satisfy"):
             return
         for r in reqs:
             edge = self.table.lookup.get((self.model[r.rid], event))
-            if edge is not None:
+            if edge is None:
+                continue
+            if satisfy is not None:
                 satisfy(r, edge)
+            elif edge.guarded:
+                values = {
+                    name: data.draw(strategy, label=name)
+                    for name, strategy in field_strategies(type(r)).items()
+                }
+                for name, value in values.items():
+                    setattr(r, name, value)
+                shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+                self.program.append(f"{r.rid}: fields set to {shown}")
 
     def _pure_refusal(self, req: Any, event: str, edge: Edge | None) -> str:
         """Why ``event`` would be refused for ``req``, checking that its guards are pure."""
         if edge is None or not edge.guarded or req.owner is not self.lifecycle:
             return "" if edge is not None else "no edge"
         guards = ", ".join((*edge.conditions, *edge.unless))
-        before = _fields(req)
+        before = record_fields(req)
         first: str = self.lifecycle.refusal(req, event)
-        after = _fields(req)
+        after = record_fields(req)
         second: str = self.lifecycle.refusal(req, event)
         changed = [k for k in before if before[k] != after.get(k)]
         if changed:
@@ -432,79 +407,3 @@ class LifecycleMachine(RuleBasedStateMachine):
                 reason is not None and r.reason is not reason
             ):
                 raise self.broken("failures end requests", f"{r.rid} after {event}", r.rid)
-
-    # -- invariants ------------------------------------------------------------------------
-
-    @invariant()
-    def states_match_the_model(self) -> None:
-        for rid, r in self.requests.items():
-            if r.state is not self.model[rid]:
-                raise self.broken(
-                    "states follow the table",
-                    f"{rid} is in {r.state.name}, the table says {self.model[rid].name}", rid,
-                )
-
-    @invariant()
-    def index_matches_states(self) -> None:
-        try:
-            self.lifecycle.check_index()
-        except AssertionError as exc:
-            raise self.broken("the index files every live request", str(exc)) from None
-        for rid, r in self.requests.items():
-            if r.state in self.table.finals:
-                filed = rid not in self.lifecycle
-            else:
-                filed = self.lifecycle.in_state(r.state).get(rid) is r
-            if not filed:
-                raise self.broken("the index files every live request", f"{rid} misfiled", rid)
-
-    @invariant()
-    def timelines_replay(self) -> None:
-        for rid, r in self.requests.items():
-            for problem in timeline_violations(r, self.table):
-                raise self.broken("timelines replay through the table", problem, rid)
-
-    @invariant()
-    def once_hooks_run_exactly_once(self) -> None:
-        for rid, r in self.requests.items():
-            final = r.state in self.table.finals
-            for hook in sorted(self.table.once):
-                n = self.hook_calls.get(rid, collections.Counter())[hook]
-                if n > 1 or (final and n != 1):
-                    raise self.broken(
-                        f"once-hook {hook!r} runs exactly once per request",
-                        f"hook {hook!r} ran {n} times for {rid}, which is "
-                        f"{'finished' if final else 'live'} in {r.state.name}",
-                        rid,
-                    )
-
-    @invariant()
-    def hooks_ran_as_the_edges_say(self) -> None:
-        for rid, r in self.requests.items():
-            want = expected_hook_calls(r, self.table)
-            got = self.hook_calls.get(rid, collections.Counter())
-            if +got != +want:
-                raise self.broken(
-                    "hooks run as the edges say", f"{rid}: ran {dict(got)}, expected "
-                    f"{dict(want)}", rid,
-                )
-
-    @invariant()
-    def finished_counters(self) -> None:
-        done = collections.Counter(
-            (r.state, r.reason) for r in self.requests.values() if r.state in self.table.finals
-        )
-        if +self.lifecycle.finished != done:
-            raise self.broken("finished counters count", "they differ from the requests")
-
-    @invariant()
-    def embedder_invariants(self) -> None:
-        for check in self.config.invariants:
-            name = getattr(check, "__name__", repr(check))
-            for rid, r in self.requests.items():
-                try:
-                    ok = check(r)
-                except AssertionError as exc:
-                    raise self.broken(f"invariant {name}", str(exc) or "failed", rid) from None
-                if ok is False:
-                    raise self.broken(f"invariant {name}", f"false for {rid}", rid)

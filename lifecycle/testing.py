@@ -31,7 +31,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from lifecycle.fuzzer import UNKNOWN_EVENT, LifecycleMachine, MachineConfig, RuleBroken
+from lifecycle.fuzz_checks import RuleBroken
+from lifecycle.fuzzer import UNKNOWN_EVENT, LifecycleMachine, MachineConfig
 from lifecycle.prefill import PrefillRequest
 from lifecycle.reasons import FailureReason
 from lifecycle.table import Edge, LifecycleTable
@@ -154,6 +155,7 @@ def lifecycle_state_machine(
     *,
     satisfy: Callable[[Any, Edge], None] | None = None,
     invariants: Iterable[Callable[[Any], object]] = (),
+    redraw_fields: bool = False,
     explain: bool = False,
 ) -> type[LifecycleMachine]:
     """A :class:`~lifecycle.fuzzer.LifecycleMachine` subclass for ``table``.
@@ -164,10 +166,15 @@ def lifecycle_state_machine(
     guards hold for ``req``; the machine calls it before some of the events it fires, so that
     guarded edges get taken as well as refused. ``invariants`` are checks of one record each,
     run on every request after every step (raise ``AssertionError`` or return ``False`` when
-    broken). Use ``.TestCase`` of the result in pytest; its settings are
+    broken). Without ``satisfy``, ``redraw_fields`` has the machine set the record's plain
+    fields (numbers, strings, booleans, enums) to drawn values before some guarded events
+    instead (what ``pdlife fuzz --load`` does). Use ``.TestCase`` of the result in pytest; its
+    settings are
     :func:`fuzz_settings` (``explain`` turns Hypothesis's explain phase back on).
     """
-    config = MachineConfig(table, make_request, dict(hooks or {}), satisfy, tuple(invariants))
+    config = MachineConfig(
+        table, make_request, dict(hooks or {}), satisfy, tuple(invariants), redraw_fields
+    )
     name = f"{table.name.title().replace('_', '')}LifecycleMachine"
     machine: type[LifecycleMachine] = type(name, (LifecycleMachine,), {"config": config})
     machine.TestCase.settings = fuzz_settings(explain=explain)

@@ -31,7 +31,11 @@ BROKEN = dict(SPEC, edges=EDGES + (Edge("revive", S.DONE, S.NEW),))
 def build():
     return TABLE
 
+def RAISES():
+    raise ValueError("no table today")
+
 NOT_A_TABLE = 42
+BAD_SPEC = {"colour": "blue"}
 """
 
 
@@ -77,6 +81,9 @@ def test_validate_a_broken_user_table_names_the_edge(
         ("no_such_module_xyz:T", "cannot import 'no_such_module_xyz'"),
         ("user_tables:MISSING", "has no attribute 'MISSING'"),
         ("user_tables:NOT_A_TABLE", "is a int; expected a LifecycleTable"),
+        ("user_tables:S", "is the class S, not a table; expected a LifecycleTable"),
+        ("user_tables:RAISES", "user_tables:RAISES() raised ValueError: no table today"),
+        ("user_tables:BAD_SPEC", "is not a dict of make_table arguments"),
     ],
 )
 def test_bad_load_targets_are_usage_errors(
@@ -85,7 +92,20 @@ def test_bad_load_targets_are_usage_errors(
     with pytest.raises(SystemExit) as info:
         main(["validate", "--load", spec])
     assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one line
+
+
+def test_validate_refuses_a_record_class_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "--load", "examples.orders:Order"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "pdlife validate: --load: examples.orders:Order is the class Order, not a table; "
+        "expected a LifecycleTable, a dict of make_table arguments, or a function returning "
+        "one (a record class goes to --record)\n"
+    )
 
 
 def test_diagram_formats(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -97,10 +117,31 @@ def test_diagram_formats(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     target = tmp_path / "prefill.svg"
     assert main(["diagram", "--table", "prefill", "--format", "svg", "--out", str(target)]) == 0
     assert "<svg" in target.read_text()
+
+
+@pytest.mark.parametrize("fmt", ["dot", "svg"])
+def test_one_table_per_dot_or_svg_output(
+    fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["diagram", "--format", "svg"])
+        main(["diagram", "--format", fmt])
     assert info.value.code == 2
-    assert "an SVG shows one table" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--format {fmt} draws one table per output: add --table prefill or --table decode" \
+        in err
+    assert main(["diagram", "--format", fmt, "--out", str(tmp_path)]) == 0
+    for name in ("prefill", "decode"):
+        text = (tmp_path / f"{name}.{fmt}").read_text()
+        assert text.count("digraph") == 1 if fmt == "dot" else text.count("<svg") == 1
+        assert name in text
+
+
+def test_diagram_collapses_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--table", "decode", "--collapse-failures"]) == 0
+    out = capsys.readouterr().out
+    assert "ANY_LIVE --> FAILED: fail | abort" in out and "PREALLOC --> FAILED" not in out
+    assert main(["diagram", "--table", "decode", "--format", "md", "--collapse-failures"]) == 0
+    assert "| `abort` | any live state | FAILED |" in capsys.readouterr().out
 
 
 def test_diagram_of_a_user_table(user_module: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -129,6 +170,22 @@ def test_every_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert out.startswith(f"usage: pdlife {name}")
     assert next(c for c in SUBCOMMANDS if c.name == name).description.split()[0] in out
+
+
+def test_validate_without_torch_or_the_scheduler() -> None:
+    # The CLI's start-up for validate imports neither torch nor fastapi nor the scheduler's
+    # loop: building the parser declares only the arguments of the command that runs.
+    probe = (
+        "import sys; from scheduler.cli.main import main; status = main(['validate']); "
+        "heavy = [m for m in ('torch', 'fastapi', 'scheduler.prefill', 'hypothesis') "
+        "if m in sys.modules]; print('heavy:', heavy); sys.exit(status)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+        check=False, cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "heavy: []"
 
 
 def test_the_console_script() -> None:

@@ -69,13 +69,48 @@ def test_dot_and_svg(table: LifecycleTable) -> None:
     source = dot(table)
     assert source.startswith(f"digraph {table.name} {{")
     for e in table.edges:
-        assert f"{e.source.name} -> {e.dest.name}" in source
+        # A self-loop is drawn on the node's lower side (its label clear of the edge in).
+        loop = e.source is e.dest
+        port = ":s" if loop else ""
+        assert f"{e.source.name}{port} -> {e.dest.name}{port}" in source
     for final in table.finals:
         assert f"{final.name} [peripheries=2]" in source
     assert f"__start -> {table.initial.name}" in source
     image = svg(table)
     assert image.lstrip().startswith(("<?xml", "<svg"))
     assert "<svg" in image and "BOOTSTRAPPING" in image
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
+def test_collapsed_failures_draw_each_failure_event_once(table: LifecycleTable) -> None:
+    text = mermaid(table, collapse_failures=True)
+    progress = [e for e in table.edges if e.event not in table.failure_events]
+    # The progress edges, one edge for both failure events, the start and the two finals.
+    assert text.count("-->") == len(progress) + 1 + 1 + len(table.finals)
+    assert 'state "any live state" as ANY_LIVE' in text
+    assert "ANY_LIVE --> FAILED: fail | abort" in text
+    assert "BOOTSTRAPPING --> FAILED" not in text
+    source = dot(table, collapse_failures=True)
+    assert 'ANY_LIVE [label="any live state" style="dashed,rounded"]' in source
+    assert "ANY_LIVE -> FAILED" in source and "WAITING -> FAILED" not in source
+    rows = markdown(table, collapse_failures=True)
+    assert "| `fail` | any live state | FAILED |" in rows
+    assert rows.count("| `abort` |") == 1
+    assert mermaid(table, collapse_failures=False) == mermaid(table)
+
+
+def test_mermaid_declares_only_the_classes_it_uses() -> None:
+    lines = mermaid(PREFILL_TABLE).splitlines()
+    declared = [line.split()[1] for line in lines if line.strip().startswith("classDef ")]
+    used = {line.split()[2] for line in lines if line.strip().startswith("class ")}
+    assert declared == ["s_default"] and used == {"s_default"}
+
+
+def test_the_prefill_self_loop_label_is_clear_of_schedule() -> None:
+    # The chunk_done loop is drawn under FORWARD, schedule comes in from the upper left.
+    source = dot(PREFILL_TABLE)
+    assert "FORWARD:s -> FORWARD:s [label=" in source
+    assert "WAITING -> FORWARD [label=schedule]" in source
 
 
 def test_svg_without_graphviz_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,8 +2,10 @@
 
 Every subcommand is one :class:`Subcommand` record (name, one-line summary, description, a
 function that declares its arguments, a function that runs it and returns the exit status),
-listed once in :data:`SUBCOMMANDS`; :func:`main` builds the parser from that list. Commands
-import what they need when they run, so ``pdlife --help`` stays fast.
+listed once in :data:`SUBCOMMANDS`; :func:`main` builds the parser from that list. Only the
+subcommand being run declares its arguments (some defaults come from modules that import
+torch), and commands import what they need when they run, so ``pdlife --help``, ``pdlife
+validate``, ``pdlife diagram`` and ``pdlife fuzz --load`` start without torch.
 
 Exit statuses: 0 success, 1 the thing checked is wrong (an invalid table, stale docs),
 2 bad usage (argparse's convention, also for a ``--load`` target that cannot be loaded).
@@ -12,216 +14,52 @@ Exit statuses: 0 success, 1 the thing checked is wrong (an invalid table, stale 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-from lifecycle import TABLES, LifecycleTable, make_table, validate
-from lifecycle.errors import InvalidTable
+import attrs
+
 from scheduler.cli.bench import BENCH
 from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.demo import DEMO
-from scheduler.cli.fuzz import FUZZ
+from scheduler.cli.fuzz import FUZZ as SCHEDULER_FUZZ
 from scheduler.cli.serve import GENERATE, SERVE
+from scheduler.cli.tables import DIAGRAM, DOCS_LIFECYCLE, VALIDATE, load_table
 
-DOCS_LIFECYCLE = Path(__file__).resolve().parents[2] / "docs" / "lifecycle.md"
-
-
-# -- loading tables ---------------------------------------------------------------------------
+__all__ = ["DOCS_LIFECYCLE", "SUBCOMMANDS", "build_parser", "load_table", "main"]
 
 
-def load_table(spec: str) -> LifecycleTable:
-    """The table named by ``module:ATTR``: a LifecycleTable, a dict of :func:`make_table`
-    arguments, or a callable returning either. Raises InvalidTable for a broken definition."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"--load wants module:ATTR (e.g. mypkg.lifecycles:TABLE), got {spec!r}")
-    # As `python -m` does: modules in the working directory are importable.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"--load: cannot import {module_name!r}: {exc}") from exc
-    try:
-        obj: Any = getattr(module, attr)
-    except AttributeError:
-        raise UsageError(f"--load: module {module_name!r} has no attribute {attr!r}") from None
-    if callable(obj) and not isinstance(obj, LifecycleTable):
-        obj = obj()
-    if isinstance(obj, dict):
-        obj = make_table(**obj)
-    if not isinstance(obj, LifecycleTable):
-        raise UsageError(
-            f"--load: {spec} is a {type(obj).__name__}; expected a LifecycleTable, a dict of "
-            f"make_table arguments, or a callable returning one"
-        )
-    return obj
+def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
+    from scheduler.cli.fuzz_table import table_fuzz_arguments
+
+    SCHEDULER_FUZZ.add_arguments(parser)
+    table_fuzz_arguments(parser)
 
 
-def _tables(args: argparse.Namespace) -> dict[str, LifecycleTable]:
-    if args.load:
-        table = load_table(args.load)
-        return {table.name: table}
-    if args.table == "all":
-        return dict(TABLES)
-    return {args.table: TABLES[args.table]}
+def _fuzz(args: argparse.Namespace) -> int:
+    # --load fuzzes one's own lifecycle table; otherwise the whole prefill scheduler.
+    if args.load is None:
+        for flag in ("record", "satisfy"):
+            if getattr(args, flag):
+                raise UsageError(f"--{flag} goes with --load")
+        return SCHEDULER_FUZZ.run(args)
+    from scheduler.cli.fuzz_table import run_table_fuzz
+
+    for name in ("examples", "steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return run_table_fuzz(args)
 
 
-def _table_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--table",
-        choices=[*TABLES, "all"],
-        default="all",
-        help="which shipped lifecycle table (default: all)",
-    )
-    parser.add_argument(
-        "--load",
-        metavar="MODULE:ATTR",
-        help="use your own table instead: a LifecycleTable, a dict of make_table arguments, "
-        "or a callable returning one (modules in the working directory are importable)",
-    )
-
-
-# -- validate ---------------------------------------------------------------------------------
-
-
-def _validate_arguments(parser: argparse.ArgumentParser) -> None:
-    _table_arguments(parser)
-
-
-def _names(states: Sequence[Any]) -> str:
-    return ", ".join(s.name for s in states)
-
-
-def _validate(args: argparse.Namespace) -> int:
-    try:
-        tables = _tables(args)
-        for table in tables.values():
-            validate(table)
-    except InvalidTable as exc:
-        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
-        return 1
-    for name, table in tables.items():
-        live = table.live_states()
-        finals = [s for s in table.states if s in table.finals]
-        failure = ", ".join(table.failure_events) or "none declared"
-        print(f"{name}: valid")
-        print(f"  states   {len(table.states)}: {_names(list(table.states))}")
-        print(f"  initial  {table.initial.name}; finals: {_names(finals)}")
-        print(f"  edges    {len(table.edges)} over {len(table.events)} events")
-        print("  checks passed:")
-        print(f"    - one initial state ({table.initial.name}), not final")
-        print("    - no edge leaves a final state (final states are absorbing)")
-        print("    - at most one edge per (state, event)")
-        print(f"    - every state is reachable from {table.initial.name}")
-        print(f"    - every live state ({_names(live)}) can reach a final state")
-        print(f"    - failure events ({failure}) legal and unguarded from every live state")
-    return 0
-
-
-VALIDATE = Subcommand(
-    name="validate",
-    summary="check lifecycle tables against the definition rules",
-    description=(
-        "Check lifecycle tables: one initial state, nothing leaves a final state, every state "
-        "reachable, no trap states, failure events legal from every live state. The shipped "
-        "tables are checked when imported; --load checks your own. Exits 1 naming the "
-        "offending state or edge if a rule is broken."
-    ),
-    add_arguments=_validate_arguments,
-    run=_validate,
+FUZZ = attrs.evolve(
+    SCHEDULER_FUZZ,
+    add_arguments=_fuzz_arguments,
+    run=_fuzz,
+    description=SCHEDULER_FUZZ.description
+    + " With --load MODULE:TABLE it fuzzes your own lifecycle table instead (its record "
+    "class from --record or the table), checking pure guards, once-only hooks and the "
+    "table's rules; exit status 1 names the rule broken.",
 )
-
-
-# -- diagram ----------------------------------------------------------------------------------
-
-
-def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
-    from lifecycle.diagram import FORMATS
-
-    _table_arguments(parser)
-    parser.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="mermaid",
-        help="mermaid stateDiagram-v2, Graphviz dot source, SVG (needs Graphviz's dot "
-        "program), or a markdown transition table (default: mermaid)",
-    )
-    parser.add_argument("--out", metavar="FILE", help="write here instead of standard output")
-    parser.add_argument(
-        "--write-docs",
-        metavar="FILE",
-        nargs="?",
-        const=str(DOCS_LIFECYCLE),
-        help="regenerate the generated blocks of the lifecycle doc in place "
-        f"(default FILE: {DOCS_LIFECYCLE.relative_to(DOCS_LIFECYCLE.parents[1])})",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="with --write-docs: write nothing, exit 1 if the doc is out of date",
-    )
-
-
-def _write_docs(path: Path, check: bool) -> int:
-    from lifecycle.diagram import sync_docs
-
-    old = path.read_text(encoding="utf-8")
-    new = sync_docs(old, TABLES)
-    if new == old:
-        print(f"{path}: up to date")
-        return 0
-    if check:
-        print(f"{path}: out of date; run: pdlife diagram --write-docs", file=sys.stderr)
-        return 1
-    path.write_text(new, encoding="utf-8")
-    print(f"{path}: regenerated")
-    return 0
-
-
-def _diagram(args: argparse.Namespace) -> int:
-    from lifecycle.diagram import DiagramError, render
-
-    if args.check and not args.write_docs:
-        raise UsageError("--check goes with --write-docs")
-    try:
-        if args.write_docs:
-            return _write_docs(Path(args.write_docs), args.check)
-        tables = _tables(args)
-        if args.format == "svg" and len(tables) > 1:
-            raise UsageError("an SVG shows one table: add --table prefill or --table decode")
-        text = "\n".join(render(t, args.format) for t in tables.values())
-    except InvalidTable as exc:
-        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
-        return 1
-    except DiagramError as exc:
-        print(f"pdlife diagram: {exc}", file=sys.stderr)
-        return 1
-    if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-DIAGRAM = Subcommand(
-    name="diagram",
-    summary="draw the lifecycle tables (mermaid, dot, svg, markdown)",
-    description=(
-        "Render lifecycle tables, generated from the same table the machine runs on. "
-        "Output is deterministic, so it can be diffed. --write-docs regenerates the "
-        "diagrams and tables embedded in the lifecycle doc."
-    ),
-    add_arguments=_diagram_arguments,
-    run=_diagram,
-)
-
-
-# -- the command ------------------------------------------------------------------------------
 
 #: Every subcommand, in the order ``pdlife --help`` lists them. Add new ones here.
 SUBCOMMANDS: tuple[Subcommand, ...] = (
@@ -229,7 +67,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command``, only that subcommand declares its arguments."""
     parser = argparse.ArgumentParser(
         prog="pdlife",
         description="pdlife: the prefill side of prefill/decode-disaggregated LLM serving, "
@@ -239,13 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in SUBCOMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.summary, description=cmd.description,
                            epilog=cmd.epilog or None)
-        cmd.add_arguments(p)
+        if command is None or cmd.name == command:
+            cmd.add_arguments(p)
         p.set_defaults(run=cmd.run)
     return parser
 
 
+def _command_of(argv: Sequence[str]) -> str:
+    # The subcommand is the first argument that is not an option; "" when there is none
+    # (then no subcommand's arguments are needed: the top-level help or a usage error).
+    names = {cmd.name for cmd in SUBCOMMANDS}
+    first = next((a for a in argv if not a.startswith("-")), "")
+    return first if first in names else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     try:
         status: int = args.run(args)

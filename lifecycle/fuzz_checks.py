@@ -1,0 +1,204 @@
+"""The fuzzer's invariants, its failure reports, and what it knows of records' fields (see
+:mod:`lifecycle.fuzzer`).
+
+A report names the rule broken, the event program of the failing run and the timeline of the
+request concerned, in states and event names; it never shows a record's repr.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import enum
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant
+
+from lifecycle.invariants import expected_hook_calls, timeline_violations
+from lifecycle.machine import Lifecycle
+from lifecycle.table import LifecycleTable
+
+
+class RuleBroken(AssertionError):
+    """A lifecycle rule was broken; the message names it and shows the program and timeline."""
+
+
+def record_fields(req: Any) -> dict[str, Any]:
+    """The record's own fields, copied, for telling whether something changed them."""
+    out: dict[str, Any] = {}
+    for f in attrs.fields(type(req)):
+        if f.name in ("owner", "timeline"):
+            continue
+        value = getattr(req, f.name)
+        try:
+            out[f.name] = copy.deepcopy(value)
+        except Exception:  # an uncopyable field: compare it by identity
+            out[f.name] = value
+    return out
+
+
+#: The fields every record has; the fuzzer never sets them.
+_TRACKED_FIELDS = frozenset({"rid", "state", "reason", "detail", "timeline", "owner"})
+_SIMPLE: dict[Any, st.SearchStrategy[Any]] = {
+    int: st.integers(min_value=-1, max_value=100),
+    float: st.floats(min_value=-1.0, max_value=100.0),
+    bool: st.booleans(),
+    str: st.sampled_from(["", "x", "1 Main St"]),
+}
+
+
+def _strategy(tp: Any) -> st.SearchStrategy[Any] | None:
+    if tp in _SIMPLE:
+        return _SIMPLE[tp]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return st.sampled_from(list(tp))
+    args = typing.get_args(tp)
+    if args and type(None) in args and len(args) == 2:
+        inner = _strategy(next(a for a in args if a is not type(None)))
+        return None if inner is None else st.none() | inner
+    return None
+
+
+_FIELD_STRATEGIES: dict[type, dict[str, st.SearchStrategy[Any]]] = {}
+
+
+def field_strategies(record: type) -> dict[str, st.SearchStrategy[Any]]:
+    """Strategies for the record's own plain fields (numbers, strings, booleans, enums, and
+    optional ones), by name; the fuzzer draws them when it has no ``satisfy`` to make a guard
+    hold, so that guards are seen both ways."""
+    if record in _FIELD_STRATEGIES:
+        return _FIELD_STRATEGIES[record]
+    try:
+        hints = typing.get_type_hints(record)
+    except Exception:  # a hint that does not resolve: draw nothing for this class
+        hints = {}
+    out = _FIELD_STRATEGIES[record] = {}
+    for f in attrs.fields(record) if hints else ():
+        strategy = _strategy(hints.get(f.name))
+        if f.name not in _TRACKED_FIELDS and f.init and strategy is not None:
+            out[f.name] = strategy
+    return out
+
+
+def timeline_lines(req: Any, table: LifecycleTable) -> list[str]:
+    """``req``'s timeline replayed through ``table``, one line per step."""
+    lines, state = [], table.initial
+    for t, event in req.timeline:
+        if event == "":
+            lines.append(f"  {t:9.3f}  admitted in {state.name}")
+            continue
+        edge = table.lookup.get((state, event))
+        if edge is None:
+            lines.append(f"  {t:9.3f}  {event} from {state.name}: no such edge")
+            break
+        lines.append(f"  {t:9.3f}  {event}: {state.name} -> {edge.dest.name}")
+        state = edge.dest
+    if req.state in table.finals:
+        reason = req.reason.name if req.reason is not None else "none"
+        lines.append(f"  ended {req.state.name}, reason {reason}, detail {req.detail!r}")
+    return lines
+
+
+def report(
+    rule_name: str, message: str, program: Sequence[str], req: Any, table: LifecycleTable
+) -> RuleBroken:
+    """The error for a broken rule: the rule, what broke it, the program, the timeline."""
+    text = [f"rule broken: {rule_name}", f"  {message}", "event program:"]
+    text += [f"  {i}. {step}" for i, step in enumerate(program, start=1)]
+    if req is not None:
+        text += [f"timeline of {req.rid}:", *timeline_lines(req, table)]
+    return RuleBroken("\n".join(text))
+
+
+class MachineInvariants:
+    """The invariants a :class:`~lifecycle.fuzzer.LifecycleMachine` checks after every step."""
+
+    table: LifecycleTable
+    lifecycle: Lifecycle[Any]
+    requests: dict[str, Any]
+    model: dict[str, enum.IntEnum]
+    hook_calls: dict[str, collections.Counter[str]]
+    checks: tuple[Callable[[Any], object], ...]
+
+    def broken(self, rule_name: str, message: str, rid: str | None = None) -> RuleBroken:
+        raise NotImplementedError
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def states_match_the_model(self) -> None:
+        for rid, r in self.requests.items():
+            if r.state is not self.model[rid]:
+                raise self.broken(
+                    "states follow the table",
+                    f"{rid} is in {r.state.name}, the table says {self.model[rid].name}", rid,
+                )
+
+    @invariant()
+    def index_matches_states(self) -> None:
+        try:
+            self.lifecycle.check_index()
+        except AssertionError as exc:
+            raise self.broken("the index files every live request", str(exc)) from None
+        for rid, r in self.requests.items():
+            if r.state in self.table.finals:
+                filed = rid not in self.lifecycle
+            else:
+                filed = self.lifecycle.in_state(r.state).get(rid) is r
+            if not filed:
+                raise self.broken("the index files every live request", f"{rid} misfiled", rid)
+
+    @invariant()
+    def timelines_replay(self) -> None:
+        for rid, r in self.requests.items():
+            for problem in timeline_violations(r, self.table):
+                raise self.broken("timelines replay through the table", problem, rid)
+
+    @invariant()
+    def once_hooks_run_exactly_once(self) -> None:
+        for rid, r in self.requests.items():
+            final = r.state in self.table.finals
+            for hook in sorted(self.table.once):
+                n = self.hook_calls.get(rid, collections.Counter())[hook]
+                if n > 1 or (final and n != 1):
+                    raise self.broken(
+                        f"once-hook {hook!r} runs exactly once per request",
+                        f"hook {hook!r} ran {n} times for {rid}, which is "
+                        f"{'finished' if final else 'live'} in {r.state.name}",
+                        rid,
+                    )
+
+    @invariant()
+    def hooks_ran_as_the_edges_say(self) -> None:
+        for rid, r in self.requests.items():
+            want = expected_hook_calls(r, self.table)
+            got = self.hook_calls.get(rid, collections.Counter())
+            if +got != +want:
+                raise self.broken(
+                    "hooks run as the edges say", f"{rid}: ran {dict(got)}, expected "
+                    f"{dict(want)}", rid,
+                )
+
+    @invariant()
+    def finished_counters(self) -> None:
+        done = collections.Counter(
+            (r.state, r.reason) for r in self.requests.values() if r.state in self.table.finals
+        )
+        if +self.lifecycle.finished != done:
+            raise self.broken("finished counters count", "they differ from the requests")
+
+    @invariant()
+    def embedder_invariants(self) -> None:
+        for check in self.checks:
+            name = getattr(check, "__name__", repr(check))
+            for rid, r in self.requests.items():
+                try:
+                    ok = check(r)
+                except AssertionError as exc:
+                    raise self.broken(f"invariant {name}", str(exc) or "failed", rid) from None
+                if ok is False:
+                    raise self.broken(f"invariant {name}", f"false for {rid}", rid)

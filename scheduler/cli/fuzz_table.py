@@ -1,0 +1,118 @@
+"""``pdlife fuzz --load MODULE:TABLE``: fuzz one's own lifecycle table from the command line.
+
+The table's :class:`~lifecycle.fuzzer.LifecycleMachine` (``lifecycle.testing``) fires random
+legal and illegal events at records of ``--record`` (default: the class the table was built
+with, ``make_table(..., record=...)``), singly and in batches. Its hooks are counting stand-ins:
+what is checked is the table and the record's guards (pure, one evaluation each), and that
+every hook in the table's ``once`` runs exactly once per request. So that guarded edges are
+taken as well as refused, the machine sets the record's plain fields to drawn values before
+some guarded events, or calls ``--satisfy``, a function ``satisfy(record, edge)`` that makes
+the edge's guards hold.
+
+On a broken rule it prints the report (the rule, the shrunk event program, the request's
+timeline) and the command that reruns the search, and exits 1; 3 when the code under test
+raised (a guard, the record class, ``--satisfy``); 4 when Hypothesis itself gave up. Nothing
+here imports torch or the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from lifecycle.errors import InvalidTable
+from scheduler.cli.command import UsageError
+from scheduler.cli.tables import load_object, load_table, loadable_class
+
+
+def table_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "your own lifecycle table (--load fuzzes it instead of the scheduler; --examples, "
+        "--steps and --seed apply)"
+    )
+    group.add_argument("--load", metavar="MODULE:TABLE",
+                       help="the table: a LifecycleTable, a dict of make_table arguments, or "
+                       "a function returning one")
+    group.add_argument("--record", metavar="MODULE:CLASS",
+                       help="the record class, built as CLASS(rid) (default: the table's "
+                       "record=)")
+    group.add_argument("--satisfy", metavar="MODULE:FUNC",
+                       help="satisfy(record, edge) makes the edge's guards hold")
+    group.add_argument("--explain", action="store_true",
+                       help="run Hypothesis's explain phase on a failure (slow)")
+
+
+def _record_class(args: argparse.Namespace, table: Any) -> type:
+    record: type | None = loadable_class(args.record, "--record") if args.record else table.record
+    if record is None:
+        raise UsageError(f"--record is needed: table {table.name!r} was built without record=")
+    try:
+        record("probe")
+    except Exception as exc:
+        raise UsageError(
+            f"--record: {record.__name__}('probe') raised {type(exc).__name__}: {exc}; the "
+            f"fuzzer builds records as CLASS(rid)"
+        ) from None
+    return record
+
+
+def _rerun(args: argparse.Namespace) -> str:
+    parts = [f"pdlife fuzz --load {args.load}"]
+    parts += [f"--record {args.record}"] if args.record else []
+    parts += [f"--satisfy {args.satisfy}"] if args.satisfy else []
+    parts.append(f"--examples {args.examples} --steps {args.steps} --seed {args.seed}")
+    return " ".join(parts)
+
+
+def run_table_fuzz(args: argparse.Namespace) -> int:
+    """Fuzz the table ``args.load`` names; print the outcome; the exit status."""
+    from hypothesis import seed
+    from hypothesis.errors import HypothesisException
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from lifecycle.testing import RuleBroken, fuzz_settings, lifecycle_state_machine
+
+    try:
+        table = load_table(args.load)
+    except InvalidTable as exc:
+        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
+        return 1
+    record = _record_class(args, table)
+    satisfy: Callable[..., None] | None = None
+    if args.satisfy:
+        satisfy = load_object(args.satisfy, "--satisfy")
+        if not callable(satisfy):
+            raise UsageError(f"--satisfy: {args.satisfy} is not callable")
+    machine = seed(args.seed)(lifecycle_state_machine(
+        table, record, satisfy=satisfy, redraw_fields=satisfy is None, explain=args.explain
+    ))
+    run_settings = fuzz_settings(
+        explain=args.explain, max_examples=args.examples, stateful_step_count=args.steps,
+        database=None, derandomize=False, print_blob=False,
+    )
+    print(f"fuzzing table {table.name!r} with {record.__name__} records: {args.examples} "
+          f"programs of up to {args.steps} steps, seed {args.seed}", flush=True)
+    started = time.monotonic()
+    try:
+        run_state_machine_as_test(machine, settings=run_settings)
+    except RuleBroken as exc:
+        print(f"\n{exc}\n")
+        print(f"FAILED after {time.monotonic() - started:.1f} s (seed {args.seed}); rerun: "
+              f"{_rerun(args)}")
+        return 1
+    except HypothesisException as exc:
+        traceback.print_exception(exc)
+        print(f"\nERROR: Hypothesis gave up ({type(exc).__name__}); this says nothing about "
+              "the table.")
+        return 4
+    except Exception as exc:  # a guard, the record class or --satisfy raised
+        traceback.print_exception(exc)
+        print(f"\nFAILED: the code under test raised {type(exc).__name__}: {exc}")
+        print(f"rerun: {_rerun(args)}")
+        return 3
+    print(f"ok: {args.examples} programs kept every rule ({time.monotonic() - started:.1f} s)")
+    return 0

@@ -1,0 +1,284 @@
+"""``pdlife validate`` and ``pdlife diagram``: the lifecycle tables, shipped or loaded.
+
+``--load MODULE:ATTR`` names one's own table; modules in the working directory are importable,
+as with ``python -m``. What cannot be loaded is a one-line usage error (exit 2); a table that
+breaks a definition rule is exit 1, naming the rule. Neither command imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lifecycle import TABLES, LifecycleTable, make_table, validate
+from lifecycle.errors import InvalidTable
+from scheduler.cli.command import Subcommand, UsageError
+
+DOCS_LIFECYCLE = Path(__file__).resolve().parents[2] / "docs" / "lifecycle.md"
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def load_object(spec: str, flag: str = "--load") -> Any:
+    """The attribute ``module:ATTR`` names. Import failures are usage errors, except a table
+    that breaks a definition rule while its module is imported (InvalidTable, exit 1)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{flag} wants module:ATTR (e.g. mypkg.lifecycles:TABLE), got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"{flag}: cannot import {module_name!r}: {exc}") from None
+    except InvalidTable:
+        raise
+    except Exception as exc:  # the user's module: report it in one line
+        raise UsageError(
+            f"{flag}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"{flag}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def load_table(spec: str) -> LifecycleTable:
+    """The table named by ``module:ATTR``: a LifecycleTable, a dict of :func:`make_table`
+    arguments, or a function returning either. Raises InvalidTable for a broken definition."""
+    obj = load_object(spec)
+    expected = "expected a LifecycleTable, a dict of make_table arguments, or a function "
+    if isinstance(obj, type):
+        raise UsageError(
+            f"--load: {spec} is the class {obj.__name__}, not a table; {expected}returning one"
+            + (" (a record class goes to --record)" if hasattr(obj, "fire") else "")
+        )
+    if callable(obj) and not isinstance(obj, LifecycleTable):
+        try:
+            obj = obj()
+        except InvalidTable:
+            raise
+        except Exception as exc:
+            raise UsageError(f"--load: {spec}() raised {type(exc).__name__}: {exc}") from None
+    if isinstance(obj, dict):
+        try:
+            obj = make_table(**obj)
+        except TypeError as exc:
+            raise UsageError(f"--load: {spec} is not a dict of make_table arguments: {exc}") \
+                from None
+    if not isinstance(obj, LifecycleTable):
+        raise UsageError(f"--load: {spec} is a {type(obj).__name__}; {expected}returning one")
+    return obj
+
+
+def _tables(args: argparse.Namespace) -> dict[str, LifecycleTable]:
+    if args.load:
+        table = load_table(args.load)
+        return {table.name: table}
+    if args.table == "all":
+        return dict(TABLES)
+    return {args.table: TABLES[args.table]}
+
+
+def table_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--table",
+        choices=[*TABLES, "all"],
+        default="all",
+        help="which shipped lifecycle table (default: all)",
+    )
+    parser.add_argument(
+        "--load",
+        metavar="MODULE:ATTR",
+        help="use your own table instead: a LifecycleTable, a dict of make_table arguments, "
+        "or a function returning one (modules in the working directory are importable)",
+    )
+
+
+# -- validate ---------------------------------------------------------------------------------
+
+
+def _names(states: Sequence[Any]) -> str:
+    return ", ".join(s.name for s in states)
+
+
+def _report(name: str, table: LifecycleTable) -> None:
+    live = table.live_states()
+    finals = [s for s in table.states if s in table.finals]
+    failure = ", ".join(table.failure_events) or "none declared"
+    print(f"{name}: valid")
+    print(f"  states   {len(table.states)}: {_names(list(table.states))}")
+    print(f"  initial  {table.initial.name}; finals: {_names(finals)}")
+    print(f"  edges    {len(table.edges)} over {len(table.events)} events")
+    if table.once:
+        print(f"  once     {', '.join(sorted(table.once))} (run exactly once per request)")
+    print("  checks passed:")
+    print(f"    - one initial state ({table.initial.name}), not final")
+    print("    - no edge leaves a final state (final states are absorbing)")
+    print("    - at most one edge per (state, event)")
+    print(f"    - every state is reachable from {table.initial.name}")
+    print(f"    - every live state ({_names(live)}) can reach a final state")
+    print(f"    - failure events ({failure}) legal and unguarded from every live state")
+    if table.record is not None:
+        print(f"    - guards are methods of {table.record.__name__}")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        tables = _tables(args)
+        for table in tables.values():
+            validate(table)
+    except InvalidTable as exc:
+        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
+        return 1
+    for name, table in tables.items():
+        _report(name, table)
+    return 0
+
+
+VALIDATE = Subcommand(
+    name="validate",
+    summary="check lifecycle tables against the definition rules",
+    description=(
+        "Check lifecycle tables: one initial state, nothing leaves a final state, every state "
+        "reachable, no trap states, failure events legal from every live state, guards are "
+        "methods of the record class. The shipped tables are checked when imported; --load "
+        "checks your own. Exits 1 naming the offending state or edge if a rule is broken, 2 "
+        "if --load names something that is not a table."
+    ),
+    add_arguments=table_arguments,
+    run=_validate,
+)
+
+
+# -- diagram ----------------------------------------------------------------------------------
+
+
+def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
+    from lifecycle.diagram import FORMATS
+
+    table_arguments(parser)
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="mermaid",
+        help="mermaid stateDiagram-v2, Graphviz dot source, SVG (needs Graphviz's dot "
+        "program), or a markdown transition table (default: mermaid)",
+    )
+    parser.add_argument(
+        "--collapse-failures",
+        action="store_true",
+        help="draw each failure event once, from one 'any live state' node, instead of once "
+        "per live state",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="PATH",
+        help="write here instead of standard output; an existing directory gets one file per "
+        "table (NAME.FORMAT)",
+    )
+    parser.add_argument(
+        "--write-docs",
+        metavar="FILE",
+        nargs="?",
+        const=str(DOCS_LIFECYCLE),
+        help="regenerate the generated blocks of the lifecycle doc in place "
+        f"(default FILE: {DOCS_LIFECYCLE.relative_to(DOCS_LIFECYCLE.parents[1])})",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="with --write-docs: write nothing, exit 1 if the doc is out of date",
+    )
+
+
+def _write_docs(path: Path, check: bool) -> int:
+    from lifecycle.diagram import sync_docs
+
+    old = path.read_text(encoding="utf-8")
+    new = sync_docs(old, TABLES)
+    if new == old:
+        print(f"{path}: up to date")
+        return 0
+    if check:
+        print(f"{path}: out of date; run: pdlife diagram --write-docs", file=sys.stderr)
+        return 1
+    path.write_text(new, encoding="utf-8")
+    print(f"{path}: regenerated")
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from lifecycle.diagram import render
+
+    tables = _tables(args)
+    out = Path(args.out) if args.out else None
+    texts = {
+        name: render(t, args.format, collapse_failures=args.collapse_failures)
+        for name, t in _checked(tables, args, out).items()
+    }
+    if out is not None and out.is_dir():
+        for name, text in texts.items():
+            (out / f"{name}.{args.format}").write_text(text, encoding="utf-8")
+            print(out / f"{name}.{args.format}")
+    elif out is not None:
+        out.write_text("\n".join(texts.values()), encoding="utf-8")
+    else:
+        sys.stdout.write("\n".join(texts.values()))
+    return 0
+
+
+def _checked(
+    tables: dict[str, LifecycleTable], args: argparse.Namespace, out: Path | None
+) -> dict[str, LifecycleTable]:
+    # A dot graph or an SVG holds one table: several need a directory to go into.
+    if len(tables) > 1 and args.format in ("dot", "svg") and not (out and out.is_dir()):
+        raise UsageError(
+            f"--format {args.format} draws one table per output: add --table "
+            f"{' or --table '.join(tables)}, or --out DIR for one file per table"
+        )
+    return tables
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    from lifecycle.diagram import DiagramError
+
+    if args.check and not args.write_docs:
+        raise UsageError("--check goes with --write-docs")
+    try:
+        if args.write_docs:
+            return _write_docs(Path(args.write_docs), args.check)
+        return _render(args)
+    except InvalidTable as exc:
+        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
+        return 1
+    except DiagramError as exc:
+        print(f"pdlife diagram: {exc}", file=sys.stderr)
+        return 1
+
+
+DIAGRAM = Subcommand(
+    name="diagram",
+    summary="draw the lifecycle tables (mermaid, dot, svg, markdown)",
+    description=(
+        "Render lifecycle tables, generated from the same table the machine runs on. "
+        "Output is deterministic, so it can be diffed. --write-docs regenerates the "
+        "diagrams and tables embedded in the lifecycle doc."
+    ),
+    add_arguments=_diagram_arguments,
+    run=_diagram,
+)
+
+
+def loadable_class(spec: str, flag: str) -> type:
+    """The class ``module:ATTR`` names (for ``--record``)."""
+    obj = load_object(spec, flag)
+    if not inspect.isclass(obj):
+        raise UsageError(f"{flag}: {spec} is a {type(obj).__name__}, not a class")
+    return obj
