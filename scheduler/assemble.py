@@ -13,7 +13,7 @@ as it exists, so a caller whose construction fails half-way can release what was
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, Protocol
 
 from kv.bootstrap import BootstrapServer
@@ -123,7 +123,7 @@ def build_decode(
     metadata_slots: int,
     runner_factory: RunnerFactory,
     closers: Closers,
-    eos_token_id: int | None,
+    eos_token_id: int | Iterable[int] | None,
     max_running_requests: int = 256,
     waiting_timeout: float = 300.0,
     clock: Callable[[], float] = time.monotonic,

@@ -26,10 +26,11 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
 from lifecycle import SamplingParams
-from scheduler.assemble import Closers, build_decode, build_prefill, close_all
+from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
 from scheduler.decode.peer import DecodeResponse
 from scheduler.messages import LOCAL_HOST, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
+from scheduler.model.select import ServedModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.runner import ModelRunner
@@ -66,10 +67,21 @@ class EmbeddedPair:
         faults: FaultPlan | None = None,
         delayer: PrefillDelayer | None = None,
         model: LlamaModel | None = None,
+        served: ServedModel | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``served`` (from :func:`scheduler.model.select.load_model`) runs a real checkpoint or
+        the reference model on both sides; without it, ``model`` or ``config.model`` is the
+        reference model."""
         self.config = config
-        self.model = model or LlamaModel(config.model, device=resolve_device(config.device))
+        self.served = served
+        runner_factory: RunnerFactory = PagedModelRunner
+        eos: int | tuple[int, ...] = config.model.eos_token_id
+        if served is not None:
+            self.model = served.model
+            runner_factory, eos = served.runner, served.eos_token_ids
+        else:
+            self.model = model or LlamaModel(config.model, device=resolve_device(config.device))
         self.bootstrap: BootstrapServer | None = None
         self._closers: Closers = []
         hub = LocalTransferHub()
@@ -86,15 +98,15 @@ class EmbeddedPair:
             self.prefill = build_prefill(
                 self.model, backend=config.backend, config=config.scheduler,
                 pages=config.prefill_pages, metadata_slots=config.metadata_slots,
-                runner_factory=PagedModelRunner, closers=self._closers, hub=hub,
+                runner_factory=runner_factory, closers=self._closers, hub=hub,
                 bootstrap=self.bootstrap, faults=faults, delayer=delayer, clock=clock,
                 on_response=self._on_prefill, overlap=config.overlap,
             )
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_kv, hub),
                 page_size=config.scheduler.page_size, pages=config.decode_pages,
-                metadata_slots=config.metadata_slots, runner_factory=PagedModelRunner,
-                closers=self._closers, eos_token_id=config.model.eos_token_id, clock=clock,
+                metadata_slots=config.metadata_slots, runner_factory=runner_factory,
+                closers=self._closers, eos_token_id=eos, clock=clock,
                 on_response=self._on_decode, check_invariants=config.scheduler.check_invariants,
             )
         except BaseException:

@@ -1,4 +1,4 @@
-"""Shared test configuration: Hypothesis profiles, torch threads.
+"""Shared test configuration: Hypothesis profiles, torch threads, the real model (loaded once).
 
 ``ci`` (the default, and what CI runs) is bounded so the suite fits the CI budget; ``dev`` is
 larger for local fuzzing: ``HYPOTHESIS_PROFILE=dev pytest``.
@@ -7,7 +7,9 @@ larger for local fuzzing: ``HYPOTHESIS_PROFILE=dev pytest``.
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -31,3 +33,30 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# -- the real model, loaded once per test session ------------------------------------------------
+
+@pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """SmolLM2-135M-Instruct on pdlife's Llama runner (float32), with its tokenizer."""
+    from scheduler.model.select import load_model
+
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2() -> Any:
+    """The same GGUF file loaded by Hugging Face transformers (float32): the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from scheduler.model.shipped import shipped_path
+
+    hf_logging.disable_progress_bar()
+    path = shipped_path("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model, tokenizer

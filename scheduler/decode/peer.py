@@ -26,7 +26,7 @@ import heapq
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import attrs
@@ -78,7 +78,7 @@ class DecodePeer:
         kv: DecodeKVManager,
         metadata: MetadataBuffers,
         slots: SlotAllocator,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         max_running_requests: int = 256,
         waiting_timeout: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
@@ -90,7 +90,10 @@ class DecodePeer:
         self.kv = kv
         self.metadata = metadata
         self.slots = slots
-        self.eos_token_id = eos_token_id
+        # The model's end-of-sequence ids (a real checkpoint may have several).
+        self.eos_token_ids: frozenset[int] = (
+            frozenset() if eos_token_id is None
+            else frozenset((eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id))
         self.max_running_requests = max_running_requests
         self.waiting_timeout = waiting_timeout
         self.clock = clock
@@ -305,7 +308,7 @@ class DecodePeer:
         last = req.output_ids[-1]
         if last in sampling.stop_token_ids:
             return True
-        return not sampling.ignore_eos and last == self.eos_token_id
+        return not sampling.ignore_eos and last in self.eos_token_ids
 
     def finish_reason(self, req: DecodeRequest) -> str:
         if req.state is S.FAILED:

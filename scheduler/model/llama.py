@@ -1,0 +1,302 @@
+"""A Llama-family decoder in torch over the paged KV pool, for real checkpoints.
+
+Theory of operation
+-------------------
+:class:`RealModel` holds a checkpoint's weights (float32 by default, bfloat16 by option), fused
+for speed (Q, K and V in one matmul; gate and up in one), and computes a packed batch of items:
+the tokens of every item are concatenated (not padded to a common length), run through RMSNorm,
+the fused projections, RoPE (theta and scaling from the checkpoint), grouped-query attention and
+the SwiGLU MLP; each item writes its K/V into the pool at its pages and attends over the earlier
+chunks read back from the pool plus its own tokens, causally. A decode step is an item of one
+token. Only each item's last position goes through the output head (tied to the embedding or
+not).
+
+The arithmetic is batch-invariant (:mod:`scheduler.model.invariant`): a token's floats do not
+depend on which items share its batch, how its prompt was chunked, or whether it was computed
+by the prefill server or by the decode peer. So a disaggregated run gives the tokens of the
+colocated run (:func:`generate`: the whole prompt in one forward, then one token at a time).
+
+:class:`LlamaRunner` is the scheduler's :class:`~scheduler.runner.ModelRunner` over one pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import attrs
+import torch
+
+from kv.pages import pages_needed
+from kv.pool import KVPool
+from scheduler.model.checkpoint import Checkpoint, LlamaConfig, rope_inv_freq
+from scheduler.model.invariant import Span, pad_rows, paged_attention
+from scheduler.model.reference import ModelInputError, resolve_device
+from scheduler.runner import ForwardBatch, ForwardItem
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``float32`` or ``bfloat16`` (the compute and KV cache dtype)."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32 or bfloat16, got {name}")
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@attrs.frozen(eq=False)
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [hidden, q + 2 kv], transposed for x @ w
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [hidden, 2 intermediate]
+    down: torch.Tensor
+
+
+class RealModel:
+    """A checkpoint's weights on a device, and the batched forward over a paged pool."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        dtype: str | torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.config: LlamaConfig = checkpoint.config
+        self.dtype = parse_dtype(dtype)
+        self.device = resolve_device(device)
+        self.fingerprint = checkpoint.fingerprint
+        t, c = checkpoint.tensors, self.config
+
+        def weight(name: str) -> torch.Tensor:
+            return t[name].to(self.device, self.dtype)
+
+        def fused(*names: str) -> torch.Tensor:
+            return torch.cat([t[n] for n in names]).T.contiguous().to(self.device, self.dtype)
+
+        self._layers = [
+            _Layer(
+                attn_norm=weight(f"layers.{i}.attn_norm"),
+                qkv=fused(f"layers.{i}.q", f"layers.{i}.k", f"layers.{i}.v"),
+                o=t[f"layers.{i}.o"].T.contiguous().to(self.device, self.dtype),
+                mlp_norm=weight(f"layers.{i}.mlp_norm"),
+                gate_up=fused(f"layers.{i}.gate", f"layers.{i}.up"),
+                down=t[f"layers.{i}.down"].T.contiguous().to(self.device, self.dtype),
+            )
+            for i in range(c.layers)
+        ]
+        self._embed = weight("embed")
+        self._head = weight("lm_head") if "lm_head" in t else self._embed
+        self._norm = weight("norm")
+        inv_freq = rope_inv_freq(c, t.get("rope_freqs"))
+        freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        self._cos = angles.cos().to(self.device, self.dtype)
+        self._sin = angles.sin().to(self.device, self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return c.layers * 2 * c.kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
+        """An empty KV pool shaped for this model (layers, KV heads, head dim, dtype)."""
+        c = self.config
+        return KVPool(num_layers=c.layers, num_pages=num_pages, page_size=page_size,
+                      kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=self.dtype,
+                      device=self.device)
+
+    def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
+        stops = set(stop_token_ids)
+        if not ignore_eos:
+            stops.update(self.eos_token_ids)
+        return frozenset(stops)
+
+    # -- the forward ---------------------------------------------------------------------------
+
+    def logits(self, pool: KVPool, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """Write every item's K/V into ``pool``; the float32 logits after each item's last
+        token, ``[len(items), vocab]``."""
+        with torch.inference_mode():
+            spans, tokens, positions, new_slots = self._plan(pool, items)
+            x = pad_rows(self._embed[tokens])
+            cos = pad_rows(self._cos[positions])[:, None, :]
+            sin = pad_rows(self._sin[positions])[:, None, :]
+            for layer in range(self.config.layers):
+                x = self._layer(layer, x, cos, sin, pool, spans, new_slots)
+            last = torch.tensor([s.row + s.n - 1 for s in spans], device=self.device)
+            h = _rms_norm(pad_rows(x.index_select(0, last)), self._norm, self.config.rms_eps)
+            return (h @ self._head.T).float()[: len(items)]
+
+    def _layer(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool,
+        spans: list[Span], new_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        c, w, rows = self.config, self._layers[layer], x.shape[0]
+        q_dim, kv_dim = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        qkv = _rms_norm(x, w.attn_norm, c.rms_eps) @ w.qkv
+        q = _rotate(qkv[:, :q_dim].view(rows, c.heads, c.head_dim), cos, sin)
+        k = _rotate(qkv[:, q_dim : q_dim + kv_dim].view(rows, c.kv_heads, c.head_dim), cos, sin)
+        v = qkv[:, q_dim + kv_dim :].view(rows, c.kv_heads, c.head_dim)
+        kv = pool.buffer[layer].view(2, -1, c.kv_heads, c.head_dim)
+        n = new_slots.shape[0]
+        kv[0].index_copy_(0, new_slots, k[:n].to(pool.dtype))
+        kv[1].index_copy_(0, new_slots, v[:n].to(pool.dtype))
+        attn = paged_attention(q, spans, kv, c.kv_heads).view(rows, q_dim)
+        x = x + attn @ w.o
+        gate_up = _rms_norm(x, w.mlp_norm, c.rms_eps) @ w.gate_up
+        gate, up = gate_up[:, : c.intermediate], gate_up[:, c.intermediate :]
+        return x + (torch.nn.functional.silu(gate) * up) @ w.down
+
+    def _plan(
+        self, pool: KVPool, items: Sequence[ForwardItem]
+    ) -> tuple[list[Span], torch.Tensor, torch.Tensor, torch.Tensor]:
+        spans: list[Span] = []
+        tokens: list[int] = []
+        positions: list[torch.Tensor] = []
+        new_slots: list[torch.Tensor] = []
+        for item in items:
+            slots = self._slots(pool, item)
+            spans.append(Span(len(tokens), item.start, len(item.input_ids), slots))
+            tokens.extend(item.input_ids)
+            positions.append(torch.arange(item.start, item.start + len(item.input_ids)))
+            new_slots.append(slots[item.start :])
+        dev = self.device
+        return (spans, torch.tensor(tokens, dtype=torch.int64, device=dev),
+                torch.cat(positions).to(dev), torch.cat(new_slots))
+
+    def _slots(self, pool: KVPool, item: ForwardItem) -> torch.Tensor:
+        """Flat pool slots (``page * page_size + offset``) of positions ``0 .. start+n-1``."""
+        ps, n = pool.page_size, len(item.input_ids)
+        end = item.start + n
+        if n == 0 or item.start < 0:
+            raise ModelInputError(
+                item.rid, f"needs >= 1 input token at start >= 0, got {n} at {item.start}")
+        if end > self.config.max_position:
+            raise ModelInputError(
+                item.rid, f"positions up to {end - 1} exceed the model's context "
+                f"{self.config.max_position}")
+        needed = pages_needed(end, ps)
+        if len(item.pages) < needed:
+            raise ModelInputError(
+                item.rid, f"{end} tokens need {needed} pages of {ps}, got {len(item.pages)}")
+        pages = list(item.pages[:needed])
+        if not 0 <= min(pages) <= max(pages) < pool.num_pages:
+            raise ModelInputError(
+                item.rid, f"page indices must be in 0..{pool.num_pages - 1}, got {pages}")
+        if not 0 <= min(item.input_ids) <= max(item.input_ids) < self.config.vocab_size:
+            raise ModelInputError(
+                item.rid, f"token ids must be in 0..{self.config.vocab_size - 1}")
+        table = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        pos = torch.arange(end, device=self.device)
+        return table[pos // ps] * ps + pos % ps
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaRunner:
+    """The :class:`~scheduler.runner.ModelRunner` of a :class:`RealModel` over one pool."""
+
+    def __init__(self, model: RealModel, pool: KVPool) -> None:
+        c = model.config
+        geometry = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
+        if geometry != (c.layers, c.kv_heads, c.head_dim, model.dtype):
+            raise ValueError(
+                f"pool (layers, kv_heads, head_dim, dtype) = {geometry} does not fit the model's "
+                f"{(c.layers, c.kv_heads, c.head_dim, model.dtype)}; build it with make_pool")
+        if pool.device != model.device:
+            raise ValueError(f"the pool is on {pool.device}, the model on {model.device}")
+        self.model = model
+        self.pool = pool
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        """Write every item's K/V into the pool; return each item's greedy next token."""
+        if not batch.items:
+            return []
+        ids: list[int] = self.model.logits(self.pool, batch.items).argmax(-1).tolist()
+        return ids
+
+
+def generate_batch(
+    model: RealModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    page_size: int = 16,
+    logits_out: list[list[torch.Tensor]] | None = None,
+) -> list[list[int]]:
+    """Greedy continuations of every prompt, batched: all prompts in one prefill forward, then
+    one decode step for all of them per forward (no stop tokens: exactly ``max_new_tokens``
+    each). Batch invariance makes each equal :func:`generate` of that prompt alone."""
+    if max_new_tokens < 1 or not prompts or not all(prompts):
+        raise ModelInputError("generate", "needs prompts of >= 1 token and max_new_tokens >= 1")
+    needs = [pages_needed(len(p) + max_new_tokens - 1, page_size) for p in prompts]
+    pool = model.make_pool(num_pages=sum(needs), page_size=page_size)
+    starts = [sum(needs[:i]) for i in range(len(prompts))]
+    pages = [tuple(range(s, s + n)) for s, n in zip(starts, needs, strict=True)]
+    items = [ForwardItem(f"p{i}", tuple(p), 0, pages[i]) for i, p in enumerate(prompts)]
+    outs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(max_new_tokens):
+        logits = model.logits(pool, items)
+        for i, row in enumerate(logits):
+            outs[i].append(int(row.argmax()))
+            if logits_out is not None:
+                logits_out[i].append(row)
+        items = [ForwardItem(it.rid, (outs[i][-1],), len(prompts[i]) + len(outs[i]) - 1,
+                             it.pages) for i, it in enumerate(items)]
+    return outs
+
+
+def generate(
+    model: RealModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    page_size: int = 16,
+    logits_out: list[torch.Tensor] | None = None,
+) -> list[int]:
+    """The colocated run: the whole prompt in one forward over a private pool, then one token at
+    a time; greedy, ending after (and including) a stop token. Each step's logits are appended
+    to ``logits_out`` when given."""
+    if not prompt_ids:
+        raise ModelInputError("generate", "the prompt is empty; it needs at least one token")
+    if max_new_tokens < 1:
+        raise ModelInputError("generate", f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    total = len(prompt_ids) + max_new_tokens - 1
+    pool = model.make_pool(num_pages=max(1, pages_needed(total, page_size)), page_size=page_size)
+    pages = tuple(range(pool.num_pages))
+    stops = model.stop_ids(stop_token_ids, ignore_eos)
+    out: list[int] = []
+    item = ForwardItem("generate", tuple(prompt_ids), 0, pages)
+    while True:
+        logits = model.logits(pool, [item])[0]
+        if logits_out is not None:
+            logits_out.append(logits)
+        out.append(int(logits.argmax()))
+        if len(out) >= max_new_tokens or out[-1] in stops:
+            return out
+        item = ForwardItem("generate", (out[-1],), len(prompt_ids) + len(out) - 1, pages)
+

@@ -1,0 +1,146 @@
+"""Model selection: the one function that turns ``--model`` into a model, its runner and tokenizer.
+
+``reference`` is the fixed-point reference model with the byte tokenizer (exact; the fuzzers'
+and most tests' model); a shipped name (``smollm2``, :mod:`scheduler.model.shipped`) or a path
+(a ``.gguf`` file or a Hugging Face directory) is a real checkpoint on the Llama runner. The
+CLI, the service, the demo and the benchmarks all call :func:`load_model`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from kv.pool import KVPool
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.model.reference import (
+    LlamaModel,
+    ModelConfig,
+    PagedModelRunner,
+    ReferenceModel,
+    resolve_device,
+)
+from scheduler.runner import ModelRunner
+
+REFERENCE = "reference"
+
+
+class Tokenizer(Protocol):
+    """What serving asks of a tokenizer (the byte tokenizer and :class:`ChatTokenizer`)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+@attrs.frozen(eq=False)
+class ServedModel:
+    """A loaded model and everything serving needs around it."""
+
+    name: str
+    model: Any  # has make_pool(num_pages=, page_size=)
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_position: int
+    fingerprint: str
+    kv_bytes_per_token: int
+    is_reference: bool
+
+    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
+        pool: KVPool = self.model.make_pool(num_pages=num_pages, page_size=page_size)
+        return pool
+
+    def runner(self, model: Any, pool: KVPool) -> ModelRunner:
+        """A runner over ``pool`` (the signature of :data:`scheduler.assemble.RunnerFactory`)."""
+        if self.is_reference:
+            return PagedModelRunner(model, pool)
+        from scheduler.model.llama import LlamaRunner
+
+        return LlamaRunner(model, pool)
+
+    def pages_for(self, budget_bytes: int, page_size: int) -> int:
+        """Pages of ``page_size`` tokens that fit a KV budget of ``budget_bytes``."""
+        pages = budget_bytes // (self.kv_bytes_per_token * page_size)
+        if pages < 1:
+            raise ValueError(
+                f"a KV budget of {budget_bytes} bytes holds no page of {page_size} tokens "
+                f"({self.kv_bytes_per_token * page_size} bytes per page)")
+        return int(pages)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                 stop_token_ids: Iterable[int] = (), ignore_eos: bool = False) -> list[int]:
+        """The colocated greedy run (what disaggregated serving must equal)."""
+        if self.is_reference:
+            return ReferenceModel(self.model).generate(
+                prompt_ids, max_new_tokens, stop_token_ids, ignore_eos)
+        from scheduler.model.llama import generate
+
+        return generate(self.model, prompt_ids, max_new_tokens,
+                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+
+    def encode(self, text: str, *, chat: bool = False) -> list[int]:
+        """``text`` as token ids; with ``chat`` as one user message through the chat template
+        (the reference model has none: BOS and the bytes)."""
+        if self.is_reference:
+            ids: list[int] = self.tokenizer.encode(text, add_bos=chat)
+            return ids
+        if chat:
+            return list(self.tokenizer.encode_chat([{"role": "user", "content": text}]))
+        return list(self.tokenizer.encode(text))
+
+    def encode_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        if self.is_reference:
+            raise ValueError("the reference model has no chat template")
+        return list(self.tokenizer.encode_chat(messages))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out: str = self.tokenizer.decode(ids)
+        return out
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    reference: ModelConfig | None = None,
+) -> ServedModel:
+    """``reference``, a shipped model's name, or a path to a GGUF file or HF directory."""
+    if spec == REFERENCE:
+        return reference_model(reference or ModelConfig(), device=device)
+    from scheduler.model.checkpoint import load_checkpoint
+    from scheduler.model.hf_tokenizer import load_tokenizer
+    from scheduler.model.llama import RealModel
+    from scheduler.model.shipped import SHIPPED, shipped_path
+
+    path = shipped_path(spec) if spec in SHIPPED else Path(spec)
+    checkpoint = load_checkpoint(path)
+    tokenizer = load_tokenizer(checkpoint.tokenizer)
+    model = RealModel(checkpoint, dtype=dtype, device=device,
+                      eos_token_ids=tokenizer.eos_token_ids)
+    return ServedModel(
+        name=spec, model=model, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
+        vocab_size=checkpoint.config.vocab_size, max_position=checkpoint.config.max_position,
+        fingerprint=f"{checkpoint.fingerprint}-{str(model.dtype).removeprefix('torch.')}",
+        kv_bytes_per_token=model.kv_bytes_per_token, is_reference=False,
+    )
+
+
+def reference_model(config: ModelConfig, *, device: str | torch.device = "cpu") -> ServedModel:
+    """The fixed-point reference model of ``config`` with its byte tokenizer."""
+    model = LlamaModel(config, device=resolve_device(device))
+    digest = hashlib.sha256(repr(attrs.astuple(config)).encode()).hexdigest()[:16]
+    per_token = config.layers * 2 * config.kv_heads * config.head_dim * (
+        torch.finfo(config.dtype).bits // 8)
+    return ServedModel(
+        name=REFERENCE, model=model, tokenizer=ByteTokenizer(),
+        eos_token_ids=(config.eos_token_id,), vocab_size=config.vocab_size,
+        max_position=config.max_position, fingerprint=f"reference-{digest}",
+        kv_bytes_per_token=per_token, is_reference=True,
+    )

@@ -1,0 +1,85 @@
+"""The checkpoint's tokenizer equals transformers' on text and on chat messages.
+
+pdlife rebuilds SmolLM2's byte-level BPE from the GGUF metadata (and reads a ``tokenizer.json``
+directory); transformers builds its own from the same file. Both must give the same ids,
+special tokens included, and the chat template must render the same text.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.model.checkpoint import CheckpointError, TokenizerSource
+from scheduler.model.hf_tokenizer import from_gguf_fields, load_tokenizer
+from tests.real_prompts import CONVERSATIONS, PROMPTS
+
+TEXTS = (
+    *PROMPTS,
+    "  two  spaces\n\n\ttab and trailing ",
+    "Ünïcödé — emoji 🎉, 中文 and العربية",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "x=3.14159*r**2; print(f'{x:.2f}')  # 1234567890",
+    "",
+)
+
+
+def test_text_encodes_as_transformers_does(smollm2, hf_smollm2):
+    _, hf_tok = hf_smollm2
+    tok = smollm2.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text), text
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True), text
+
+
+def test_special_tokens_stay_whole(smollm2):
+    tok = smollm2.tokenizer
+    assert tok.encode("<|im_start|>user<|im_end|>")[0] == 1
+    assert tok.encode("<|im_start|>user<|im_end|>")[-1] == 2
+    assert tok.decode([1, 4093, 2], skip_special_tokens=False) == "<|im_start|>user<|im_end|>"
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2,), 49152)
+
+
+def test_chat_messages_encode_as_transformers_does(smollm2, hf_smollm2):
+    _, hf_tok = hf_smollm2
+    tok = smollm2.tokenizer
+    for messages in (*CONVERSATIONS, *([{"role": "user", "content": p}] for p in PROMPTS)):
+        text = tok.apply_chat_template(messages)
+        assert text == hf_tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False)
+        expected = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert tok.encode_chat(messages) == list(expected["input_ids"])
+    # The template's default system prompt, and no generation prompt when asked for none.
+    plain = tok.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=False)
+    assert plain.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert plain.endswith("<|im_end|>\n")
+
+
+def test_a_tokenizer_json_directory_encodes_the_same(smollm2, hf_smollm2, tmp_path):
+    _, hf_tok = hf_smollm2
+    hf_tok.save_pretrained(tmp_path)
+    tok = load_tokenizer(TokenizerSource(directory=tmp_path))
+    for text in TEXTS:
+        assert tok.encode(text) == smollm2.tokenizer.encode(text), text
+    for messages in CONVERSATIONS:
+        assert tok.encode_chat(messages) == smollm2.tokenizer.encode_chat(messages)
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
+
+
+def test_unsupported_tokenizers_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="'llama' is not supported"):
+        from_gguf_fields({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        load_tokenizer(TokenizerSource(directory=tmp_path))
+
+
+def test_a_checkpoint_without_a_chat_template_says_so():
+    tok = from_gguf_fields({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1],
+        "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+    })
+    assert tok.encode("ab") == [0, 2]  # BOS added, as the file asks
+    assert tok.encode("ab", add_special_tokens=False) == [2]
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.encode_chat([{"role": "user", "content": "ab"}])
