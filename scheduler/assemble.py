@@ -24,8 +24,8 @@ from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.transfer import DecodeKVManager, KVManager
-from scheduler.decode.peer import DecodePeer, DecodeResponse
-from scheduler.messages import LOCAL_HOST, Response
+from scheduler.decode.peer import DecodePeer
+from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.prefill.scheduler import PrefillScheduler

@@ -27,8 +27,7 @@ from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
 from lifecycle import SamplingParams
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
-from scheduler.decode.peer import DecodeResponse
-from scheduler.messages import LOCAL_HOST, NewRequest, Response
+from scheduler.messages import LOCAL_HOST, DecodeResponse, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
 from scheduler.model.select import ServedModel
 from scheduler.prefill.config import SchedulerConfig

@@ -1,8 +1,9 @@
-"""What crosses a scheduler's boundary: new requests, aborts, and the prefill side's answer.
+"""What crosses a scheduler's boundary: new requests, aborts, and both sides' answers.
 
 Both the prefill scheduler and the decode peer take :class:`NewRequest` and :class:`AbortRequest`
 on their thread-safe inboxes (a PD router sends the same request to both); the prefill scheduler
-answers each request exactly once with a :class:`Response`.
+answers each request exactly once with a :class:`Response`, the decode peer with a
+:class:`DecodeResponse`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import attrs
 
-from lifecycle import FailureReason, PrefillState, SamplingParams
+from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
 from lifecycle.prefill import as_token_ids
 
 # Requests for this bootstrap host use the fake transfer backend (SGLang's warm-up and
@@ -55,9 +56,20 @@ class AbortRequest:
     rid: str
 
 
+class _Answer:
+    """What both sides' answers share: the HTTP status their outcome maps to."""
+
+    __slots__ = ()
+    reason: FailureReason | None
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.reason is None else self.reason.http_status
+
+
 @attrs.frozen
-class Response:
-    """The one answer a request gets."""
+class Response(_Answer):
+    """The one answer a request gets from the prefill side."""
 
     rid: str
     state: PrefillState
@@ -72,9 +84,23 @@ class Response:
     def ok(self) -> bool:
         return self.state is PrefillState.DONE
 
+
+@attrs.frozen
+class DecodeResponse(_Answer):
+    """The one answer a request gets from the decode side: the tokens it generated."""
+
+    rid: str
+    state: DecodeState
+    reason: FailureReason | None
+    detail: str
+    output_ids: tuple[int, ...]
+    finish_reason: str  # "length", "stop" or "abort"
+    prompt_tokens: int
+    timeline: tuple[tuple[float, str], ...] = ()
+
     @property
-    def http_status(self) -> int:
-        return 200 if self.reason is None else self.reason.http_status
+    def ok(self) -> bool:
+        return self.state is DecodeState.DONE
 
 
 T = TypeVar("T")

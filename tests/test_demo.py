@@ -17,7 +17,6 @@ from rich.console import Console
 
 from lifecycle import DecodeState, FailureReason, PrefillState
 from scheduler.cli.demo import main
-from scheduler.decode.peer import DecodeResponse
 from scheduler.demo.options import MIN_REQUESTS, DemoOptions
 from scheduler.demo.report import trace
 from scheduler.demo.run import (
@@ -30,7 +29,7 @@ from scheduler.demo.run import (
     run_demo,
     scheduler_config,
 )
-from scheduler.messages import Response
+from scheduler.messages import DecodeResponse, Response
 from scheduler.model.reference import LlamaModel
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,7 @@
 """The decode peer: the decode lifecycle over a KV receiver, and the router that gives a
 decode peer one KV manager per prefill server."""
 
-from scheduler.decode.peer import DecodePeer, DecodeResponse
+from scheduler.decode.peer import DecodePeer
+from scheduler.messages import DecodeResponse
 
 __all__ = ["DecodePeer", "DecodeResponse"]

@@ -29,14 +29,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import cast
 
-import attrs
-
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.pages import pages_needed
 from kv.release import Releaser
 from kv.transfer import DecodeKVManager, KVPoll, KVReceiver
 from lifecycle import DECODE_TABLE, DecodeRequest, DecodeState, FailureReason, Lifecycle
-from scheduler.messages import AbortRequest, NewRequest, take_all
+from scheduler.messages import AbortRequest, DecodeResponse, NewRequest, take_all
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,26 +44,6 @@ S = DecodeState
 def receiver_of(req: DecodeRequest) -> KVReceiver | None:
     """The request's receiver (the record holds it untyped: lifecycle/ does not know kv/)."""
     return cast("KVReceiver | None", req.receiver)
-
-
-@attrs.frozen
-class DecodeResponse:
-    rid: str
-    state: DecodeState
-    reason: FailureReason | None
-    detail: str
-    output_ids: tuple[int, ...]
-    finish_reason: str  # "length", "stop" or "abort"
-    prompt_tokens: int
-    timeline: tuple[tuple[float, str], ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.state is S.DONE
-
-    @property
-    def http_status(self) -> int:
-        return 200 if self.reason is None else self.reason.http_status
 
 
 class DecodePeer:

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 import attrs
 
 from lifecycle import PrefillState, SamplingParams
-from scheduler.decode.peer import DecodeResponse
-from scheduler.messages import Response
+from scheduler.messages import DecodeResponse, Response
 
 
 @attrs.frozen

@@ -29,9 +29,8 @@ from rich.text import Text
 from lifecycle import DECODE_TABLE, PREFILL_TABLE, Lifecycle
 from lifecycle.diagram import DiagramError, render
 from lifecycle.timeline import records, to_perfetto, ttft_phases
-from scheduler.decode.peer import DecodeResponse
 from scheduler.demo.records import RunData
-from scheduler.messages import Response
+from scheduler.messages import DecodeResponse, Response
 
 logger = logging.getLogger(__name__)
 

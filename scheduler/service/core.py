@@ -50,9 +50,9 @@ from kv.pool import KVPool
 from kv.wire import DroppedMessages
 from lifecycle import FailureReason
 from scheduler.assemble import Closers, build_decode, build_prefill, close_all
-from scheduler.decode.peer import DecodePeer, DecodeResponse
+from scheduler.decode.peer import DecodePeer
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
-from scheduler.messages import NewRequest, Response
+from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, PagedModelRunner, resolve_device
 from scheduler.prefill.scheduler import PrefillScheduler

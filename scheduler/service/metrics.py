@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kv.wire import DroppedMessages
-from scheduler.decode.peer import DecodeResponse
+from scheduler.messages import DecodeResponse
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
