@@ -1,0 +1,217 @@
+"""Loading real checkpoints: GGUF (several quantization types) and Hugging Face directories.
+
+Tiny Llama models are made with transformers (random weights), written as a Hugging Face
+directory (``save_pretrained``) or as a GGUF file (llama.cpp's layout: Q/K rows permuted, types
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q6_K), loaded by pdlife and checked against
+transformers computing the same weights. Checkpoints of other architectures are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from scheduler.model.checkpoint import CheckpointError, UnsupportedCheckpoint, load_checkpoint
+from scheduler.model.gguf_checkpoint import permute_rotary_rows, unpermute_rotary_rows
+from scheduler.model.hf_tokenizer import from_gguf_fields
+from scheduler.model.llama import RealModel
+from scheduler.model.select import load_model
+from scheduler.runner import ForwardItem
+
+VOCAB = 96
+TYPES = {  # GGUF tensor name part -> its type in the written file
+    "token_embd": Q.Q8_0, "output": Q.F16, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1,
+    "attn_v": Q.Q5_0, "attn_output": Q.Q5_1, "ffn_gate": Q.BF16, "ffn_up": Q.Q6_K,
+    "ffn_down": Q.Q8_0,
+}
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def tiny_hf_model(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=256, tie_word_embeddings=False,
+                  max_position_embeddings=256, rms_norm_eps=1e-5)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**fields)).eval()
+    with torch.no_grad():  # norms away from 1, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def our_logits(model: RealModel, ids: list[int]) -> torch.Tensor:
+    pool = model.make_pool(num_pages=4, page_size=16)
+    return model.logits(pool, [ForwardItem("t", tuple(ids), 0, (0, 1, 2, 3))])[0]
+
+
+IDS = [3, 17, 42, 5, 88, 1, 60, 23, 9, 71]
+
+
+def test_a_hugging_face_directory_computes_as_transformers(tmp_path):
+    hf = tiny_hf_model(rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 500000.0})
+    hf.save_pretrained(tmp_path)
+    checkpoint = load_checkpoint(tmp_path)
+    assert checkpoint.format == "safetensors"
+    assert not checkpoint.config.tie_word_embeddings
+    assert checkpoint.config.rope_scaling is not None
+    assert checkpoint.config.rope_scaling.kind == "llama3"
+    ours = our_logits(RealModel(checkpoint), IDS)
+    torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_tied_heads_and_linear_rope_scaling_load_from_a_directory(tmp_path):
+    hf = tiny_hf_model(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    hf.save_pretrained(tmp_path)
+    checkpoint = load_checkpoint(tmp_path)
+    assert checkpoint.config.tie_word_embeddings and "lm_head" not in checkpoint.tensors
+    ours = our_logits(RealModel(checkpoint), IDS)
+    torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+
+
+def _q6_k_bytes(rows: int, cols: int) -> np.ndarray:
+    """Random but well-formed Q6_K blocks (``gguf`` cannot quantize K-quants, only read them)."""
+    rng = np.random.default_rng(0)
+    blocks = np.zeros((rows * cols // 256, 210), dtype=np.uint8)
+    blocks[:, :192] = rng.integers(0, 256, (blocks.shape[0], 192))
+    blocks[:, 192:208] = rng.integers(-8, 9, (blocks.shape[0], 16)).astype(np.int8).view(np.uint8)
+    blocks[:, 208:210] = np.full((blocks.shape[0], 1), 0.002, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(path: Path, hf, *, architecture: str = "llama") -> None:
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges(["t 1"])
+    for name, tensor in hf.state_dict().items():
+        gguf_name, kind = _gguf_name(name)
+        data = tensor.float().numpy()
+        if kind == "attn_q":
+            data = permute_rotary_rows(tensor.float(), c.num_attention_heads).numpy()
+        elif kind == "attn_k":
+            data = permute_rotary_rows(tensor.float(), c.num_key_value_heads).numpy()
+        qtype = TYPES.get(kind, Q.F32)
+        if qtype == Q.Q6_K:
+            w.add_tensor(gguf_name, _q6_k_bytes(*data.shape), raw_dtype=qtype)
+        elif qtype == Q.F32:
+            w.add_tensor(gguf_name, data)
+        else:
+            w.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gguf_name(hf_name: str) -> tuple[str, str]:
+    base = hf_name.removesuffix(".weight")
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if base in top:
+        return f"{top[base]}.weight", top[base]
+    _, _, layer, part = base.split(".", 3)
+    return f"blk.{layer}.{HF_TO_GGUF[part]}.weight", HF_TO_GGUF[part]
+
+
+def test_a_quantized_gguf_computes_as_transformers_reading_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    write_gguf(tmp_path / "tiny.gguf", tiny_hf_model())
+    checkpoint = load_checkpoint(tmp_path / "tiny.gguf")
+    assert checkpoint.format == "gguf" and not checkpoint.config.tie_word_embeddings
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    ours = our_logits(RealModel(checkpoint), IDS)
+    torch.testing.assert_close(ours, hf_logits(reference, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_the_rotary_permutation_round_trips():
+    w = torch.arange(4 * 16 * 3, dtype=torch.float32).reshape(4 * 16, 3)
+    assert torch.equal(unpermute_rotary_rows(permute_rotary_rows(w, 4), 4), w)
+    assert not torch.equal(permute_rotary_rows(w, 4), w)
+
+
+def test_other_architectures_are_refused_by_name(tmp_path):
+    hf = tiny_hf_model()
+    write_gguf(tmp_path / "qwen.gguf", hf, architecture="qwen2")
+    with pytest.raises(UnsupportedCheckpoint, match="'qwen2'"):
+        load_checkpoint(tmp_path / "qwen.gguf")
+    directory = tmp_path / "gpt2"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UnsupportedCheckpoint, match="'gpt2'"):
+        load_checkpoint(directory)
+
+
+def test_missing_or_broken_checkpoints_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file"):
+        load_checkpoint(tmp_path / "absent.gguf")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match=r"not a \.gguf file"):
+        load_checkpoint(tmp_path / "notes.txt")
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        load_checkpoint(tmp_path / "bad.gguf")
+    hf = tiny_hf_model()
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
+    with pytest.raises(CheckpointError, match=r"'layers\.2\.attn_norm' is missing"):
+        load_checkpoint(tmp_path / "hf")
+
+
+def test_fingerprints_tell_checkpoints_apart(tmp_path):
+    tiny_hf_model().save_pretrained(tmp_path / "a")
+    tiny_hf_model(rms_norm_eps=1e-6).save_pretrained(tmp_path / "b")
+    a, a_again = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "a")
+    assert a.fingerprint == a_again.fingerprint
+    assert a.fingerprint != load_checkpoint(tmp_path / "b").fingerprint
+
+
+def test_model_selection_names_the_reference_and_paths(tmp_path):
+    tiny_hf_model().save_pretrained(tmp_path)
+    words = from_gguf_fields({"tokenizer.ggml.model": "gpt2",
+                              "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)]})
+    words.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    served = load_model(str(tmp_path), dtype="bfloat16")
+    assert not served.is_reference and served.max_position == 256
+    assert served.generate([3, 5], 2, ignore_eos=True)[0] in range(VOCAB)
+    pool = served.make_pool(num_pages=2, page_size=16)
+    assert pool.dtype == torch.bfloat16 and pool.num_layers == 2
+    assert served.pages_for(2 * 16 * served.kv_bytes_per_token, 16) == 2
+    reference = load_model("reference")
+    assert reference.is_reference and reference.fingerprint.startswith("reference-")
+    assert reference.decode(reference.generate(reference.encode("hi"), 3)) is not None
