@@ -7,6 +7,10 @@ lifecycle's ``release`` hook gives them to :class:`Releaser`, which frees them n
 sender (receiver) is quiescent, and otherwise keeps them until :meth:`Releaser.reap` finds it
 quiescent. ``clear()`` — forgetting the room — comes after that, so a late message for the room
 is still recognised as such. The prefill and the decode scheduler each keep one releaser.
+
+With the prefix cache on, a request's page table mixes the tree's pages (locked through its
+:class:`~kv.radix.PrefixHold`) and its own; the releaser frees its own pages and unlocks the
+hold at the same moment, so no tree page it used can be evicted while the transfer reads it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import attrs
+
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
+from kv.radix import PrefixHold
 
 
 class Transfer(Protocol):
@@ -26,6 +33,17 @@ class Transfer(Protocol):
     def clear(self) -> None: ...
 
 
+@attrs.frozen
+class _Held:
+    """One finished request's resources, waiting for its transfer to go quiescent."""
+
+    transfer: Transfer | None
+    pages: list[int]
+    slot: int | None
+    on_clear: Callable[[], object] | None
+    hold: PrefixHold | None
+
+
 class Releaser:
     """Frees pages and slots exactly once, never while a transfer may still use them."""
 
@@ -33,7 +51,7 @@ class Releaser:
         self.pool = pool
         self.slots = slots
         self.metadata = metadata
-        self._held: list[tuple[Transfer, list[int], int | None, Callable[[], object] | None]] = []
+        self._held: list[_Held] = []
 
     def release(
         self,
@@ -41,13 +59,16 @@ class Releaser:
         pages: Sequence[int],
         slot: int | None,
         on_clear: Callable[[], object] | None = None,
+        hold: PrefixHold | None = None,
     ) -> None:
-        """Free ``pages`` and ``slot`` once ``transfer`` is quiescent; then ``clear()`` it and
-        call ``on_clear`` (the owner forgets the room only then, so it is not reused early)."""
+        """Free ``pages`` and ``slot`` and release the prefix-cache ``hold`` once ``transfer``
+        is quiescent; then ``clear()`` it and call ``on_clear`` (the owner forgets the room
+        only then, so it is not reused early)."""
+        held = _Held(transfer, list(pages), slot, on_clear, hold)
         if transfer is not None and not transfer.quiescent():
-            self._held.append((transfer, list(pages), slot, on_clear))
+            self._held.append(held)
             return
-        self._finish(transfer, pages, slot, on_clear)
+        self._finish(held)
 
     def reap(self) -> bool:
         """Free what became quiescent; True if anything was freed."""
@@ -55,8 +76,8 @@ class Releaser:
             return False
         keep = []
         for held in self._held:
-            if held[0].quiescent():
-                self._finish(*held)
+            if held.transfer is None or held.transfer.quiescent():
+                self._finish(held)
             else:
                 keep.append(held)
         freed = len(keep) != len(self._held)
@@ -69,25 +90,25 @@ class Releaser:
 
     def held_page_lists(self) -> list[list[int]]:
         """The pages held back, one list per request (for conservation checks)."""
-        return [held[1] for held in self._held]
+        return [held.pages for held in self._held]
+
+    def held_prefix_holds(self) -> list[PrefixHold]:
+        """The prefix-cache holds kept until their transfer is quiescent (for lock checks)."""
+        return [held.hold for held in self._held if held.hold is not None]
 
     @property
     def held_slots(self) -> int:
-        return sum(1 for held in self._held if held[2] is not None)
+        return sum(1 for held in self._held if held.slot is not None)
 
-    def _finish(
-        self,
-        transfer: Transfer | None,
-        pages: Sequence[int],
-        slot: int | None,
-        on_clear: Callable[[], object] | None,
-    ) -> None:
-        if transfer is not None:
-            transfer.clear()
-        if on_clear is not None:
-            on_clear()
-        if pages:
-            self.pool.allocator.free(list(pages))
-        if slot is not None:
-            self.metadata.clear(slot)
-            self.slots.free(slot)
+    def _finish(self, held: _Held) -> None:
+        if held.transfer is not None:
+            held.transfer.clear()
+        if held.on_clear is not None:
+            held.on_clear()
+        if held.pages:
+            self.pool.allocator.free(held.pages)
+        if held.hold is not None:
+            held.hold.release()
+        if held.slot is not None:
+            self.metadata.clear(held.slot)
+            self.slots.free(held.slot)

@@ -102,6 +102,12 @@ class PrefillRequest(Tracked):
     # results has been processed, so pages are never freed under a running forward.
     pending_abort: FailureReason | None = attrs.field(default=None, kw_only=True)
     on_device: int = attrs.field(default=0, kw_only=True)
+    # The prefix cache: ``cached`` prompt tokens were found computed in the cache when the
+    # request was scheduled (their pages are the cache's, not computed again); ``prefix`` is
+    # the request's hold on the cache (a ``kv.radix.PrefixHold``; None with the cache off),
+    # given up with its pages.
+    cached: int = attrs.field(default=0, kw_only=True)
+    prefix: object | None = attrs.field(default=None, kw_only=True, repr=False)
 
     def fully_computed(self) -> bool:
         return self.computed >= len(self.input_ids)

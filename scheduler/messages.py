@@ -79,6 +79,8 @@ class Response(_Answer):
     prompt_tokens: int
     # The request's lifecycle timeline, ``(monotonic time, event)`` pairs (lifecycle.timeline).
     timeline: tuple[tuple[float, str], ...] = ()
+    # Prompt tokens found in the prefix cache, not computed (SGLang's ``cached_tokens``).
+    cached_tokens: int = 0
 
     @property
     def ok(self) -> bool:

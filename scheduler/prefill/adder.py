@@ -6,6 +6,11 @@ SGLang's budgets, on the prefill server (where max_new_tokens is 1 and nothing d
 admitted even past max_prefill_tokens; a chunk is cut at a page boundary; a chunked request
 continues first on the next pass; at most one request is mid-chunk at a time. The PrefillDelayer
 gates the batch before its first new request is admitted.
+
+With the prefix cache on, a new request starts after its cached prefix (``lookup``): only the
+uncached tokens count against the token budgets, and the page budget is the free pages plus
+those eviction could free, less the cached pages that locking the prefix takes out of reach of
+eviction (SGLang's ``rem_total_tokens`` over free + evictable).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from kv.pages import pages_needed
+from kv.radix import Match
 from lifecycle import PrefillRequest
 
 
@@ -32,12 +38,14 @@ class Stop(enum.Enum):
 
 @attrs.frozen
 class Chunk:
-    """``req`` computes tokens ``start .. start+length-1`` and needs ``new_pages`` more pages."""
+    """``req`` computes tokens ``start .. start+length-1`` and needs ``new_pages`` more pages.
+    A first chunk may start after a cached ``prefix`` (the prefix cache's match)."""
 
     req: PrefillRequest
     start: int
     length: int
     new_pages: int
+    prefix: Match | None = None
 
     @property
     def last(self) -> bool:
@@ -56,6 +64,8 @@ class Plan:
 
 # gate(running, waiting_len) -> allowed; asked once, before the first new request.
 Gate = Callable[[int, int], bool]
+# lookup(req) -> the cached prefix of a request scheduled for the first time.
+Lookup = Callable[[PrefillRequest], Match]
 
 
 @attrs.define
@@ -71,9 +81,16 @@ class Budget:
     def spent(self) -> bool:
         return self.input_tokens <= 0 or (self.chunk_tokens is not None and self.chunk_tokens <= 0)
 
-    def cut(self, req: PrefillRequest, page_size: int, first: bool) -> Chunk | Stop:
-        """The next chunk of ``req`` that fits, or why none does."""
-        start = req.scheduled
+    def cut(
+        self, req: PrefillRequest, page_size: int, first: bool, prefix: Match | None = None
+    ) -> Chunk | Stop:
+        """The next chunk of ``req`` that fits, or why none does; a request scheduled for the
+        first time starts after its cached ``prefix``."""
+        start, held, locking = req.scheduled, len(req.pages), 0
+        if prefix is not None:
+            held, locking = len(prefix.pages), prefix.unlocked
+            start = held * page_size
+        pages = self.pages - locking  # locking the prefix takes its pages out of eviction
         remaining = len(req.input_ids) - start
         length = remaining
         if self.chunk_tokens is not None and remaining > self.chunk_tokens:
@@ -82,28 +99,30 @@ class Budget:
                 return Stop.BUDGET
         if not first and pages_needed(length, page_size) * page_size > self.input_tokens:
             return Stop.BUDGET
-        new_pages = pages_needed(start + length, page_size) - len(req.pages)
-        if new_pages > self.pages:
+        new_pages = pages_needed(start + length, page_size) - held
+        if new_pages > pages:
             # Fit what the pool can hold when chunking; otherwise wait for pages.
             if self.chunk_tokens is None:
                 return Stop.NO_PAGES
-            fit = (len(req.pages) + self.pages) * page_size - start
+            fit = (held + pages) * page_size - start
             length = min(length, fit // page_size * page_size)
             if length <= 0:
                 return Stop.NO_PAGES
-            new_pages = pages_needed(start + length, page_size) - len(req.pages)
-        return Chunk(req, start, length, new_pages)
+            new_pages = pages_needed(start + length, page_size) - held
+        return Chunk(req, start, length, new_pages, prefix)
 
     def take(self, chunk: Chunk) -> None:
-        self.pages -= chunk.new_pages
+        self.pages -= chunk.new_pages + (chunk.prefix.unlocked if chunk.prefix else 0)
         self.input_tokens -= chunk.length
         if self.chunk_tokens is not None:
             self.chunk_tokens -= chunk.length
 
 
-def _add(plan: Plan, budget: Budget, req: PrefillRequest, page_size: int) -> Stop | None:
+def _add(
+    plan: Plan, budget: Budget, req: PrefillRequest, page_size: int, prefix: Match | None = None
+) -> Stop | None:
     """Add the next chunk of ``req`` to ``plan``; why the batch stops, if it does."""
-    chunk = budget.cut(req, page_size, first=not plan.chunks)
+    chunk = budget.cut(req, page_size, first=not plan.chunks, prefix=prefix)
     if isinstance(chunk, Stop):
         return chunk
     plan.chunks.append(chunk)
@@ -127,9 +146,12 @@ def plan_batch(
     max_running_requests: int,
     prefill_max_requests: int | None,
     gate: Gate | None = None,
+    lookup: Lookup | None = None,
 ) -> Plan:
-    """Plan one batch; pure apart from the gate. ``running`` counts requests holding pages;
-    ``waiting`` are WAITING requests in arrival order, ``continuing`` the request mid-chunk."""
+    """Plan one batch; pure apart from the gate and the lookup. ``running`` counts requests
+    holding pages; ``waiting`` are WAITING requests in the policy's order, ``continuing`` the
+    request mid-chunk; ``free_pages`` counts what eviction could free too, and ``lookup``
+    finds a new request's cached prefix (None: no prefix cache)."""
     plan = Plan()
     budget = Budget(max_prefill_tokens, chunked_prefill_size, free_pages)
     if continuing is not None:
@@ -153,7 +175,7 @@ def plan_batch(
             if not gate(running, waiting_len):
                 plan.stop = Stop.DELAYED
                 break
-        stop = _add(plan, budget, req, page_size)
+        stop = _add(plan, budget, req, page_size, None if lookup is None else lookup(req))
         if stop is not None:
             plan.stop = stop
             break

@@ -56,6 +56,7 @@ class SchedulerMetrics:
             "pdlife_rejected_inputs", "Requests refused at the boundary, by reason.",
             ["reason"], registry=r,
         )
+        self.prefix = PrefixCacheMetrics(r)
 
     def on_finished(self, req: PrefillRequest) -> None:
         state = req.state
@@ -72,3 +73,41 @@ class SchedulerMetrics:
     def set_counts(self, counts: Mapping[enum.IntEnum, int]) -> None:
         for state, n in counts.items():
             self.requests.labels(state=state.name.lower()).set(n)
+
+
+class PrefixCacheMetrics:
+    """The prefix cache's series (docs/prefix-cache.md); they stay 0 with the cache off."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.hit_tokens = Counter(
+            "pdlife_prefix_cache_hit_tokens",
+            "Prompt tokens of scheduled requests found in the prefix cache (not computed).",
+            registry=r,
+        )
+        self.query_tokens = Counter(
+            "pdlife_prefix_cache_query_tokens",
+            "Prompt tokens of requests looked up in the prefix cache when scheduled.", registry=r,
+        )
+        self.hit_rate = Gauge(
+            "pdlife_prefix_cache_hit_rate",
+            "Hit tokens over looked-up prompt tokens since the server started.", registry=r,
+        )
+        self.evicted_pages = Counter(
+            "pdlife_prefix_cache_evicted_pages",
+            "KV pages the prefix cache evicted (least recently used first).", registry=r,
+        )
+        self.pages = Gauge(
+            "pdlife_prefix_cache_pages", "KV pages the prefix cache owns (tree size).", registry=r
+        )
+        self.evictable_pages = Gauge(
+            "pdlife_prefix_cache_evictable_pages",
+            "Prefix-cache pages no live request locks: what eviction could free.", registry=r,
+        )
+        self._hits = self._queries = 0
+
+    def on_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._hits += cached_tokens
+        self._queries += prompt_tokens
+        self.hit_tokens.inc(cached_tokens)
+        self.query_tokens.inc(prompt_tokens)
+        self.hit_rate.set(self._hits / self._queries if self._queries else 0.0)

@@ -25,6 +25,11 @@ and fires them; the work around each step lives in its own module. One pass
 7. **reap** — the releaser frees the pages and slots of finished requests whose transfer has
    stopped touching them.
 
+With the prefix cache on (:mod:`.prefix`), step 4 starts each new request after its cached
+prefix, step 5 locks those prefixes and evicts what the batch needs, step 6 inserts each
+landed chunk's whole pages into the tree, and the releaser unlocks a request's prefix when it
+frees its own pages.
+
 Two sub-states the table does not draw have one owner each: BOOTSTRAPPING·handshaken (the
 destination arrived, no metadata slot yet) is :class:`~.readiness.SlotQueue`;
 FORWARD·on-device (a batch holding the request is on the device, and a failure that arrives
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.release import Releaser
@@ -59,6 +64,7 @@ from scheduler.prefill.delayer import DelayerPass, PrefillDelayer
 from scheduler.prefill.forward import Device, DeviceWorker, Launched, Results, prepare, start
 from scheduler.prefill.metrics import SchedulerMetrics
 from scheduler.prefill.on_device import defer_failure, failure_deferred, settle_failure
+from scheduler.prefill.prefix import PrefixCache
 from scheduler.prefill.readiness import Deadlines, Readiness, SlotQueue
 from scheduler.runner import ModelRunner
 from scheduler.stepping import step_until
@@ -118,6 +124,7 @@ class PrefillScheduler:
         self._slot_queue = SlotQueue()
         self._results = Results(self.pool, config.page_size, metadata, self.metrics)
         self._releaser = Releaser(self.pool, slots, metadata)
+        self.prefix = PrefixCache(self.pool, self.metrics.prefix) if config.radix_cache else None
         self._device = (device or DeviceWorker(self.pool.device)) if overlap else None
         self._inflight: Launched | None = None  # overlap: the batch on the device
         self._continuing: PrefillRequest | None = None  # mid-chunk, continued first
@@ -170,6 +177,8 @@ class PrefillScheduler:
         m.kv_pages_used.set(self.pages_held)
         m.kv_usage.set(self.pool_usage())
         m.slots_used.set(self.slots.num_slots - self.slots.available())
+        if self.prefix is not None:
+            self.prefix.set_gauges()
 
     def idle(self) -> bool:
         """Nothing live, nothing in flight, nothing held back by the releaser, nothing queued."""
@@ -194,11 +203,20 @@ class PrefillScheduler:
 
     @property
     def pages_held(self) -> int:
-        """Pages held by live requests and by the releaser."""
+        """Pages held by live requests, by the releaser and by the prefix cache."""
         return self.pool.allocator.in_use()
 
     def pool_usage(self) -> float:
-        return self.pool.usage()
+        """The fraction of the pool in use; prefix-cache pages eviction could free count as
+        free (SGLang's token usage)."""
+        if self.prefix is None:
+            return self.pool.usage()
+        return 1.0 - self.prefix.pages_available() / self.pool.num_pages
+
+    def owned_pages(self, req: PrefillRequest) -> list[int]:
+        """The pages of ``req``'s page table that are its own: all of them, or with the prefix
+        cache on those it has not inserted (the rest are the tree's, maybe shared)."""
+        return req.pages if self.prefix is None else self.prefix.owned_pages(req)
 
     # -- failing: now, or deferred while on the device ---------------------------------------
 
@@ -258,15 +276,21 @@ class PrefillScheduler:
         running = len(self.lifecycle.in_state(S.FORWARD)) + len(
             self.lifecycle.in_state(S.TRANSFERRING)
         )
-        cfg = self.config
+        cfg, prefix = self.config, self.prefix
+        queue: Iterable[PrefillRequest] = waiting.values()
+        if prefix is not None:
+            prefix.new_pass()
+            queue = prefix.order(queue, len(waiting), cfg.schedule_policy)
         plan = plan_batch(
-            continuing=continuing, waiting=waiting.values(), waiting_len=len(waiting),
-            running=running, free_pages=self.pool.allocator.available(),
+            continuing=continuing, waiting=queue, waiting_len=len(waiting),
+            running=running,
+            free_pages=self.pool.allocator.available() if prefix is None
+            else prefix.pages_available(),
             page_size=cfg.page_size, max_prefill_tokens=cfg.max_prefill_tokens,
             chunked_prefill_size=cfg.chunked_prefill_size,
             max_running_requests=cfg.max_running_requests,
             prefill_max_requests=cfg.prefill_max_requests,
-            gate=self._gate(delayer_pass),
+            gate=self._gate(delayer_pass), lookup=None if prefix is None else prefix.match,
         )
         if plan.stop is Stop.DELAYED and continuing is None:
             return Plan(stop=Stop.DELAYED)
@@ -289,6 +313,9 @@ class PrefillScheduler:
     def _launch(self, plan: Plan) -> Launched:
         new = [c.req for c in plan.chunks if c.req.state is S.WAITING]
         self._continuing = next((c.req for c in plan.chunks if not c.last), None)
+        if self.prefix is not None:
+            self.prefix.admit([(c.req, c.prefix) for c in plan.chunks if c.prefix is not None],
+                              sum(c.new_pages for c in plan.chunks))
         batch = prepare(plan, self.pool, self.config.page_size)
         self.lifecycle.fire("schedule", new)
         self._max_prefill_bs = max(self._max_prefill_bs, len(plan.chunks))
@@ -296,6 +323,9 @@ class PrefillScheduler:
 
     def _land(self, launched: Launched) -> None:
         landed = self._results.land(launched)
+        if self.prefix is not None:
+            for req in landed.chunk_done + landed.prefilled:
+                self.prefix.insert(req)
         self.lifecycle.fire("chunk_done", landed.chunk_done)
         self.lifecycle.fire("prefilled", landed.prefilled)
         deadline = self.clock() + self.config.transfer_timeout
@@ -311,8 +341,9 @@ class PrefillScheduler:
         self._slot_queue.discard(req)
         if self._continuing is req:
             self._continuing = None
-        self._releaser.release(sender_of(req), req.pages, req.slot, forget_room)
-        req.sender, req.pages, req.slot = None, [], None
+        own, hold = (req.pages, None) if self.prefix is None else self.prefix.release_of(req)
+        self._releaser.release(sender_of(req), own, req.slot, forget_room, hold)
+        req.sender, req.pages, req.slot, req.prefix = None, [], None, None
 
     def _respond(self, req: PrefillRequest) -> None:
         self.metrics.on_finished(req)
@@ -320,7 +351,7 @@ class PrefillScheduler:
         assert isinstance(state, PrefillState)
         self._emit(Response(
             req.rid, state, req.reason, req.detail, req.first_token, len(req.input_ids),
-            tuple(req.timeline),
+            tuple(req.timeline), req.cached,
         ))
 
     def _emit(self, response: Response) -> None:
@@ -330,12 +361,17 @@ class PrefillScheduler:
     # -- invariants -------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Conservation (invariant 3) and the index (invariant 4); cheap enough for tests."""
+        """Conservation (invariant 3), the index (invariant 4) and, with the prefix cache on,
+        its ownership and locks (invariant 7); cheap enough for tests."""
         self.lifecycle.check_index()
         live = list(self.lifecycle.live())
-        self.pool.allocator.check_conservation(
-            [r.pages for r in live] + self._releaser.held_page_lists()
-        )
+        held = [self.owned_pages(r) for r in live] + self._releaser.held_page_lists()
+        if self.prefix is not None:
+            held.append(list(self.prefix.tree.pages()))
+            problems = self.prefix.violations(live, self._releaser.held_prefix_holds())
+            if problems:
+                raise AssertionError("prefix cache: " + "; ".join(problems))
+        self.pool.allocator.check_conservation(held)
         slots_held = sum(1 for r in live if r.slot is not None) + self._releaser.held_slots
         if self.slots.available() + slots_held != self.slots.num_slots:
             raise AssertionError(

@@ -1,0 +1,164 @@
+"""The prefix cache on the prefill side: the radix tree (:mod:`kv.radix`) at each step of a pass.
+
+- **plan** — :meth:`PrefixCache.match` gives the longest cached prefix of a waiting request
+  (whole pages, and never the whole prompt: the last token is always computed, since its
+  logits give the first output token). The adder counts only the uncached tokens against its
+  budgets, and free plus evictable pages against the pool; ``lpm`` orders the waiting queue by
+  match length (:meth:`PrefixCache.order`).
+- **launch** — :meth:`PrefixCache.admit` locks the match of each newly scheduled request (its
+  page table starts with the tree's pages, ``req.cached`` tokens of it), then evicts
+  least-recently-used unlocked leaves if the batch needs more pages than are free.
+- **land** — :meth:`PrefixCache.insert` gives the tree a request's computed whole pages after
+  each chunk; the request's lock moves to the end of what it inserted.
+- **release** — :meth:`PrefixCache.release_of` splits a finished request's page table into its
+  own pages and its hold; the :class:`~kv.release.Releaser` frees the one and unlocks the other
+  once the transfer is quiescent, so a tree page is never evicted while a transfer reads it.
+
+Ownership (invariant 7): a page is free, or the tree's, or held by exactly one live request
+that has not inserted it; a tree node's lock count equals the requests (live, or finished with
+their transfer still reading) whose path runs through it. :meth:`PrefixCache.violations`
+checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+from kv.pages import pages_needed
+from kv.pool import KVPool
+from kv.radix import Match, PrefixHold, RadixCache
+from lifecycle import PrefillRequest, PrefillState
+from scheduler.prefill.metrics import PrefixCacheMetrics
+
+# lpm looks every waiting request up; past this many it orders by arrival, as SGLang does, so
+# a pass stays cheap under a long queue.
+LPM_MAX_QUEUE = 128
+
+
+def hold_of(req: PrefillRequest) -> PrefixHold | None:
+    """The request's hold on the prefix cache (only :meth:`PrefixCache.admit` stores one)."""
+    return cast("PrefixHold | None", req.prefix)
+
+
+class PrefixCache:
+    """The radix tree over ``pool``'s pages and what the pass does with it."""
+
+    def __init__(self, pool: KVPool, metrics: PrefixCacheMetrics) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.tree = RadixCache(pool.allocator, pool.page_size)
+        self.metrics = metrics
+        self._matches: dict[str, Match] = {}  # this pass's lookups, by request id
+
+    # -- plan ----------------------------------------------------------------------------------
+
+    def new_pass(self) -> None:
+        """Forget the previous pass's lookups (evictions may have made them stale)."""
+        self._matches.clear()
+
+    def match(self, req: PrefillRequest) -> Match:
+        """The longest cached prefix of ``req``'s prompt, leaving at least one token to
+        compute; looked up once per pass."""
+        found = self._matches.get(req.rid)
+        if found is None:
+            limit = (len(req.input_ids) - 1) // self.page_size
+            found = self._matches[req.rid] = self.tree.match(req.input_ids, max_pages=limit)
+        return found
+
+    def order(
+        self, waiting: Iterable[PrefillRequest], count: int, policy: str
+    ) -> Iterable[PrefillRequest]:
+        """The ``count`` waiting requests (arrival order) in the order ``policy`` schedules
+        them."""
+        if policy != "lpm" or count > LPM_MAX_QUEUE:
+            return waiting
+        return sorted(waiting, key=lambda r: -len(self.match(r).pages))  # stable: fcfs ties
+
+    def pages_available(self) -> int:
+        """Pages a batch may use: the free ones and those eviction could free."""
+        return self.pool.allocator.available() + self.tree.evictable
+
+    # -- launch --------------------------------------------------------------------------------
+
+    def admit(self, starts: Iterable[tuple[PrefillRequest, Match]], new_pages: int) -> None:
+        """Lock the match of each request scheduled for the first time (its page table begins
+        with the match's pages), then evict until ``new_pages`` pages are free."""
+        for req, found in starts:
+            req.prefix = PrefixHold(self.tree, found)
+            req.pages = list(found.pages)
+            req.cached = req.computed = req.scheduled = len(found.pages) * self.page_size
+            self.metrics.on_lookup(len(req.input_ids), req.cached)
+        short = new_pages - self.pool.allocator.available()
+        if short > 0:
+            self.metrics.evicted_pages.inc(self.tree.evict(short))
+
+    # -- land ----------------------------------------------------------------------------------
+
+    def insert(self, req: PrefillRequest) -> None:
+        """Cache the whole pages ``req`` has computed so far."""
+        hold = hold_of(req)
+        assert hold is not None, f"{req.rid}: computed pages without a prefix hold"
+        full = req.computed // self.page_size
+        hold.insert(req.input_ids[: full * self.page_size], req.pages[:full])
+
+    # -- release -------------------------------------------------------------------------------
+
+    def release_of(self, req: PrefillRequest) -> tuple[list[int], PrefixHold | None]:
+        """What a finished request gives back: its own pages and its hold."""
+        hold = hold_of(req)
+        return (req.pages if hold is None else hold.own(req.pages)), hold
+
+    def set_gauges(self) -> None:
+        self.metrics.pages.set(self.tree.size)
+        self.metrics.evictable_pages.set(self.tree.evictable)
+
+    # -- invariant 7 ---------------------------------------------------------------------------
+
+    def owned_pages(self, req: PrefillRequest) -> list[int]:
+        """The pages of ``req``'s page table that are its own, not the tree's."""
+        return self.release_of(req)[0]
+
+    def violations(
+        self, live: Iterable[PrefillRequest], held_back: Iterable[PrefixHold]
+    ) -> list[str]:
+        """How the live requests, the holds kept until their transfer is quiescent and the tree
+        break invariant 7 (conservation itself is the allocator's check)."""
+        out: list[str] = []
+        holders = []
+        tree_pages = set(self.tree.pages())
+        for req in live:
+            hold = hold_of(req)
+            if hold is None:
+                if req.pages or req.state in (PrefillState.FORWARD, PrefillState.TRANSFERRING):
+                    out.append(f"{req.rid}: in {req.state!r} with pages but no prefix hold")
+                continue
+            if hold.node is None:
+                out.append(f"{req.rid}: a live request whose prefix hold was released")
+                continue
+            holders.append(hold.node)
+            out += _hold_violations(req, hold, tree_pages)
+        for hold in held_back:
+            if hold.node is None:
+                out.append(f"{hold!r}: held back, but already released")
+            else:
+                holders.append(hold.node)
+        return out + self.tree.violations(holders)
+
+
+def _hold_violations(req: PrefillRequest, hold: PrefixHold, tree_pages: set[int]) -> list[str]:
+    """A live request's page table against its hold: the tree's pages of it are exactly the
+    shared ones, all on the path it locks, and its cached prefix is page-aligned."""
+    out = []
+    shared_in_table = {p for p in req.pages if p in tree_pages}
+    if shared_in_table != hold.shared:
+        out.append(f"{req.rid}: tree pages in its page table {sorted(shared_in_table)} "
+                   f"!= the hold's {sorted(hold.shared)}")
+    assert hold.node is not None
+    path = {p for n in hold.node.path() for p in n.pages}
+    if not hold.shared <= path:
+        out.append(f"{req.rid}: shared pages {sorted(hold.shared - path)} off its locked path")
+    ps = hold.cache.page_size
+    if req.cached % ps or pages_needed(req.cached, ps) > len(req.pages):
+        out.append(f"{req.rid}: cached {req.cached} tokens over {len(req.pages)} pages")
+    return out
