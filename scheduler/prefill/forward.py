@@ -112,11 +112,12 @@ def prepare(plan: Plan, pool: KVPool, page_size: int) -> ForwardBatch:
     for chunk in plan.chunks:
         req = chunk.req
         if chunk.new_pages:
-            # A first chunk goes where the whole prompt fits; later ones continue its run.
-            if req.pages:
+            # A first chunk (after its cached prefix, if any) goes where the rest of the prompt
+            # fits; later ones continue its run.
+            if chunk.start > req.cached:
                 pages = pool.allocator.alloc(chunk.new_pages, after=req.pages[-1])
             else:
-                whole = pages_needed(len(req.input_ids), page_size)
+                whole = pages_needed(len(req.input_ids), page_size) - len(req.pages)
                 pages = pool.allocator.alloc(chunk.new_pages, fit=whole)
             if pages is None:  # the adder counted free pages; this cannot happen
                 raise AssertionError(f"{req.rid}: {chunk.new_pages} pages planned, not free")
@@ -196,7 +197,7 @@ class Results:
         sender = sender_of(req)
         assert sender is not None and req.slot is not None
         req.first_token = token
-        self._metadata.write(req.slot, token, 0, None, req.bootstrap_room)
+        self._metadata.write(req.slot, token, req.cached, None, req.bootstrap_room)
         pages = req.pages[req.sent // self._page_size :]
         req.sent = req.computed
         sender.send(pages, True)
