@@ -24,7 +24,7 @@ from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.transfer import DecodeKVManager, KVManager
-from scheduler.decode.peer import DecodePeer
+from scheduler.decode import DecodeConfig, DecodePeer
 from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
@@ -124,11 +124,9 @@ def build_decode(
     runner_factory: RunnerFactory,
     closers: Closers,
     eos_token_id: int | Iterable[int] | None,
-    max_running_requests: int = 256,
-    waiting_timeout: float = 300.0,
+    config: DecodeConfig | None = None,
     clock: Callable[[], float] = time.monotonic,
     on_response: Callable[[DecodeResponse], None] | None = None,
-    check_invariants: bool = False,
 ) -> DecodePeer:
     """A decode peer over a fresh pool; ``kv_for`` builds its KV manager."""
     pool = model.make_pool(num_pages=pages, page_size=page_size)
@@ -142,9 +140,7 @@ def build_decode(
         metadata=metadata,
         slots=SlotAllocator(metadata_slots),
         eos_token_id=eos_token_id,
-        max_running_requests=max_running_requests,
-        waiting_timeout=waiting_timeout,
+        config=config,
         clock=clock,
         on_response=on_response,
-        check_invariants=check_invariants,
     )

@@ -27,6 +27,7 @@ from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
 from lifecycle import SamplingParams
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
+from scheduler.decode import DecodeConfig
 from scheduler.messages import LOCAL_HOST, DecodeResponse, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
 from scheduler.model.select import ServedModel
@@ -105,8 +106,8 @@ class EmbeddedPair:
                 self.model, kv_for=functools.partial(self._decode_kv, hub),
                 page_size=config.scheduler.page_size, pages=config.decode_pages,
                 metadata_slots=config.metadata_slots, runner_factory=runner_factory,
-                closers=self._closers, eos_token_id=eos, clock=clock,
-                on_response=self._on_decode, check_invariants=config.scheduler.check_invariants,
+                closers=self._closers, eos_token_id=eos, clock=clock, on_response=self._on_decode,
+                config=DecodeConfig(check_invariants=config.scheduler.check_invariants),
             )
         except BaseException:
             close_all(self._closers)

@@ -34,6 +34,7 @@ from kv.pages import pages_needed
 from kv.release import Releaser
 from kv.transfer import DecodeKVManager, KVPoll, KVReceiver
 from lifecycle import DECODE_TABLE, DecodeRequest, DecodeState, FailureReason, Lifecycle
+from scheduler.decode.config import DecodeConfig
 from scheduler.messages import AbortRequest, DecodeResponse, NewRequest, take_all
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
@@ -57,11 +58,9 @@ class DecodePeer:
         metadata: MetadataBuffers,
         slots: SlotAllocator,
         eos_token_id: int | Iterable[int] | None = None,
-        max_running_requests: int = 256,
-        waiting_timeout: float = 300.0,
+        config: DecodeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_response: Callable[[DecodeResponse], None] | None = None,
-        check_invariants: bool = False,
     ) -> None:
         self.runner = runner
         self.pool = runner.pool
@@ -72,15 +71,14 @@ class DecodePeer:
         self.eos_token_ids: frozenset[int] = (
             frozenset() if eos_token_id is None
             else frozenset((eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id))
-        self.max_running_requests = max_running_requests
-        self.waiting_timeout = waiting_timeout
+        self.config = config = config or DecodeConfig()
         self.clock = clock
         self.on_response = on_response
         self.lifecycle: Lifecycle[DecodeRequest] = Lifecycle(
             DECODE_TABLE,
             {"release": self._release, "respond": self._respond},
             clock=clock,
-            check=check_invariants,
+            check=config.check_invariants,
         )
         self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
         self._rooms: dict[int, DecodeRequest] = {}
@@ -149,7 +147,7 @@ class DecodePeer:
             logger.warning("request %r: bootstrap failed: %s", req.rid, exc)
             self._fail(req, FailureReason.BOOTSTRAP_FAILED, str(exc))
             return
-        req.deadline = self.clock() + self.waiting_timeout
+        req.deadline = self.clock() + self.config.waiting_timeout
         heapq.heappush(self._deadlines, (req.deadline, req.rid))
 
     def _refuse(self, new: NewRequest, why: str) -> None:
@@ -180,7 +178,7 @@ class DecodePeer:
                 S.BOOTSTRAPPING, S.PREALLOC, S.RECEIVING
             ):
                 self._fail(req, FailureReason.TRANSFER_TIMEOUT,
-                           f"no KV from prefill within {self.waiting_timeout:g} s")
+                           f"no KV from prefill within {self.config.waiting_timeout:g} s")
         bootstrapped: list[DecodeRequest] = []
         received: list[DecodeRequest] = []
         for req in changed.values():
@@ -225,7 +223,7 @@ class DecodePeer:
         )
         ready: list[DecodeRequest] = []
         for req in prealloc.values():
-            if running + len(ready) >= self.max_running_requests:
+            if running + len(ready) >= self.config.max_running_requests:
                 break
             need = pages_needed(len(req.input_ids), self.pool.page_size)
             # Keep room for every running request's next page, so decoding cannot deadlock.

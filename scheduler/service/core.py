@@ -50,7 +50,7 @@ from kv.pool import KVPool
 from kv.wire import DroppedMessages
 from lifecycle import FailureReason
 from scheduler.assemble import Closers, build_decode, build_prefill, close_all
-from scheduler.decode.peer import DecodePeer
+from scheduler.decode import DecodeConfig, DecodePeer
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.byte_tokenizer import ByteTokenizer
@@ -141,8 +141,9 @@ class Service:
                 page_size=c.scheduler.page_size, pages=c.pool_pages,
                 metadata_slots=c.metadata_slots, runner_factory=runner_factory,
                 closers=self._closers, eos_token_id=c.model.eos_token_id,
-                max_running_requests=c.scheduler.max_running_requests,
-                waiting_timeout=c.waiting_timeout, on_response=self._on_decode,
+                config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
+                                    waiting_timeout=c.waiting_timeout),
+                on_response=self._on_decode,
             )
 
     def _decode_router(
