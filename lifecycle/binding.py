@@ -66,9 +66,25 @@ def _suggest(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# (code object, bound) -> whether it takes the event: reading a signature is slow, and
+# lifecycles are built often (one per fuzzed example) from the same functions.
+_FORMS: dict[tuple[object, bool], bool] = {}
+
+
 def _takes_event(fn: Callable[..., Any], first: str, what: str) -> bool:
     """Whether ``fn`` takes a second positional argument after its ``first`` one; raise
     ``ValueError`` naming ``what`` if it cannot be called with one or two arguments."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    key = (code, hasattr(fn, "__self__"))
+    if code is not None and key in _FORMS:
+        return _FORMS[key]
+    takes = _read_form(fn, first, what)
+    if code is not None:
+        _FORMS[key] = takes
+    return takes
+
+
+def _read_form(fn: Callable[..., Any], first: str, what: str) -> bool:
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -102,8 +118,8 @@ def check_guards(table: str, guards: Mapping[str, str], record: type) -> dict[st
             )
         if not inspect.isfunction(static):
             raise InvalidTable(
-                f"{where}: {record.__name__}.{name} is a {type(static).__name__}, not a plain "
-                f"method def {name}(self) or def {name}(self, event)"
+                f"{where}: {record.__name__}.{name} is a {type(static).__name__}, not a "
+                f"method: write def {name}(self) or def {name}(self, event)"
             )
         try:
             out[name] = _takes_event(static, "self", f"{where}: {record.__name__}.{name}")

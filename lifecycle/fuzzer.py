@@ -53,6 +53,13 @@ from lifecycle.table import Edge, LifecycleTable
 #: An event name no table defines; the machine mixes it in as an always-illegal event.
 UNKNOWN_EVENT = "no_such_event"
 
+# Strategies built once (building one per draw is most of a step's cost).
+_BOOLEANS = st.booleans()
+_TICKS = st.sampled_from((0.0, 0.001, 0.5, 3.0))
+_INTRUDERS = st.sampled_from(("none", "none", "other_state", "duplicate", "foreign"))
+# Per table: its strategies by key, built on first use.
+_TABLE_STRATEGIES: dict[int, tuple[LifecycleTable, dict[Any, st.SearchStrategy[Any]]]] = {}
+
 
 @attrs.frozen
 class MachineConfig:
@@ -104,7 +111,10 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.requests: dict[str, Any] = {}
         self.model: dict[str, enum.IntEnum] = {}
         self.checks = cfg.invariants
+        self.touched: set[str] = set()
         self.serial = 0
+        entry = _TABLE_STRATEGIES.setdefault(id(cfg.table), (cfg.table, {}))
+        self._strategies = entry[1]
 
     def _clock(self) -> float:
         return self.now
@@ -158,21 +168,26 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             for e in self.table.edges
             if e.source is state and e.event not in self.table.failure_events
         ]
-        anything = st.sampled_from([*map(str, self.table.events), UNKNOWN_EVENT])
-        if not progress:
-            return data.draw(anything, label="event")
-        forward = st.sampled_from(progress)
-        return data.draw(st.one_of(forward, forward, forward, anything), label="event")
+        key = ("event", state)
+        strategy = self._strategies.get(key)
+        if strategy is None:
+            anything = st.sampled_from((*map(str, self.table.events), UNKNOWN_EVENT))
+            forward = st.sampled_from(tuple(progress)) if progress else anything
+            strategy = self._strategies[key] = st.one_of(forward, forward, forward, anything)
+        return data.draw(strategy, label="event")
 
     def _draw_reason(self, data: st.DataObject) -> enum.Enum | None:
         reasons = self.table.reasons
         if reasons is None:
             return None
-        return data.draw(st.none() | st.sampled_from(list(reasons)), label="reason")
+        strategy = self._strategies.get("reason")
+        if strategy is None:
+            strategy = self._strategies["reason"] = st.none() | st.sampled_from(list(reasons))
+        return data.draw(strategy, label="reason")
 
     def _maybe_satisfy(self, data: st.DataObject, reqs: Sequence[Any], event: str) -> None:
         satisfy, redraw = self.config.satisfy, self.config.redraw_fields
-        if (satisfy is None and not redraw) or not data.draw(st.booleans(), label="satisfy"):
+        if (satisfy is None and not redraw) or not data.draw(_BOOLEANS, label="satisfy"):
             return
         for r in reqs:
             edge = self.table.lookup.get((self.model[r.rid], event))
@@ -257,7 +272,8 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     def admit(self, n: int, data: st.DataObject) -> None:
         """Admit ``n`` new requests; then maybe admit a tracked request again, or a new one
         under a live id, which must fail and change nothing."""
-        new = []
+        new: list[str] = []
+        self.touched = set()
         for _ in range(n):
             req = self._new()
             self.lifecycle.admit(req)
@@ -266,8 +282,9 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             self.requests[req.rid] = req
             self.model[req.rid] = self.table.initial
             new.append(req.rid)
+            self.touched.add(req.rid)
         self.program.append(f"admit {', '.join(new)}")
-        if not data.draw(st.booleans(), label="admit again"):
+        if not data.draw(_BOOLEANS, label="admit again"):
             return
         rid = data.draw(st.sampled_from(sorted(self.requests)), label="again")
         old = self.requests[rid]
@@ -282,23 +299,25 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self._unchanged(before, f"admitting {rid} again")
 
     def _tick(self, data: st.DataObject) -> None:
-        self.now += data.draw(st.sampled_from([0.0, 0.001, 0.5, 3.0]), label="dt")
+        self.now += data.draw(_TICKS, label="dt")
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
     def fire_one(self, data: st.DataObject) -> None:
         """One event at one request (any state, finished ones too), by either path."""
+        self.touched = set()
         self._tick(data)
         live = sorted(r.rid for r in self.lifecycle.live())
         every = st.sampled_from(sorted(self.requests))
         rid = data.draw(st.one_of(st.sampled_from(live), every) if live else every, label="rid")
         req = self.requests[rid]
+        self.touched.add(rid)
         event = self._draw_event(data, self.model[rid])
         reason = self._draw_reason(data) if event in self.table.failure_events else None
         self._maybe_satisfy(data, [req], event)
         edge = self.table.lookup.get((self.model[rid], event))
         refusal = self._pure_refusal(req, event, edge)
-        one_by_one = data.draw(st.booleans(), label="one by one")
+        one_by_one = data.draw(_BOOLEANS, label="one by one")
         before = self._snapshot()
         how = f"{rid}.{event}()" if one_by_one else f"fire {event} [{rid}]"
         try:
@@ -334,7 +353,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         )
         batch = [self.requests[r] for r in rids]
         intruder = data.draw(
-            st.sampled_from(["none", "none", "other_state", "duplicate", "foreign"]),
+            _INTRUDERS,
             label="intruder",
         )
         if intruder == "other_state":
@@ -358,10 +377,12 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     def fire_batch(self, data: st.DataObject) -> None:
         """One event at a batch of requests that share a state, sometimes with an intruder
         (a request of another state, a finished one, a duplicate, another owner's)."""
+        self.touched = set()
         self._tick(data)
         live = [s for s, n in self.lifecycle.counts().items() if n]
         state = data.draw(st.sampled_from(live), label="state")
         batch, intruder = self._batch(data, state)
+        self.touched = {r.rid for r in batch}
         event = self._draw_event(data, state)
         reason = self._draw_reason(data) if event in self.table.failure_events else None
         self._maybe_satisfy(data, [r for r in batch if r.rid in self.model], event)
@@ -398,6 +419,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                           label="failure event")
         reason = self._draw_reason(data)
         victims = [self.requests[r] for r in rids]
+        self.touched = set(rids)
         self.program.append(f"fail [{', '.join(rids)}] by {event}")
         self._fire(lambda: self.lifecycle.fail(victims, reason, "injected", event=event),
                    victims, None)

@@ -193,7 +193,10 @@ def make_table(
 
 def guard_methods(table: LifecycleTable, record: type) -> dict[str, bool]:
     """Check ``table``'s guards against ``record``; per guard, whether it takes the event."""
-    named_by = {g: str(e.event) for e in reversed(table.edges) for g in (*e.conditions, *e.unless)}
+    named_by: dict[str, str] = {}
+    for e in table.edges:
+        for g in (*e.conditions, *e.unless):
+            named_by.setdefault(g, str(e.event))
     return check_guards(table.name, named_by, record)
 
 

@@ -1,0 +1,101 @@
+"""The order lifecycle of docs/framework.md: the example runs as documented, its table is
+fuzzed here as an embedder would in CI, and ``pdlife fuzz --load`` finds a double release
+planted in a copy of it, naming the hook, without importing torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from examples.orders import ORDER_TABLE, Order, Shop, holds_nothing_once_ended, satisfy
+from lifecycle.testing import fuzz_settings, lifecycle_state_machine
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "orders.py"
+
+
+def test_the_example_runs_as_documented() -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == ("table order: 6 states, 9 edges, events pay, ship, deliver, cancel, fail; "
+                      "valid")
+    assert out[1] == ("refused: request 'a' in state CREATED cannot take event 'pay': "
+                      "paid_in_full is false")
+    assert out[2] == ("refused: request 'c' in state PAID cannot take event 'ship': "
+                      "has_address is false")
+    lines = {line.split(":")[0]: line for line in out[3:7]}
+    assert re.match(r"a: DELIVERED .*\[pay:PAID -> ship:SHIPPED -> deliver:DELIVERED\]", lines["a"])
+    assert "b: FAILED    reason=lost_in_transit detail='the van was stolen'" in lines["b"]
+    assert "c: CANCELLED reason=- detail='customer changed mind'" in lines["c"]
+    assert "d: FAILED    reason=payment_declined detail='card expired' [fail:FAILED]" in lines["d"]
+    assert "refunds: b, c; stock 9 of 10" in out
+    assert "perfetto trace: 18 events, process 'order'" in out
+    assert "  ANY_LIVE --> CANCELLED: cancel" in out
+    assert out[-1] == "ok"
+
+
+# Fuzzing the order lifecycle in CI, with the shop's own hooks and an invariant of its own.
+_shop = Shop(stock=10**6)
+TestOrderLifecycle = lifecycle_state_machine(
+    ORDER_TABLE,
+    lambda rid: Order(rid, total=30),
+    hooks={"release": _shop.release, "notify": _shop.notify, "refund": _shop.refund},
+    satisfy=satisfy,
+    invariants=[holds_nothing_once_ended],
+).TestCase
+TestOrderLifecycle.settings = fuzz_settings(stateful_step_count=30)
+
+
+_PROBE = """
+import sys
+from scheduler.cli.main import main
+status = main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules)
+sys.exit(status)
+"""
+
+
+def test_pdlife_fuzz_finds_a_planted_double_release_naming_the_hook(tmp_path: Path) -> None:
+    source = EXAMPLE.read_text()
+    planted = source.replace('doc="handed to the carrier"',
+                             'after="release", doc="handed to the carrier"')
+    assert planted != source
+    (tmp_path / "orders_bug.py").write_text(planted)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, "fuzz", "--load", "orders_bug:ORDER_TABLE",
+         "--record", "orders_bug:Order", "--examples", "300"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert "rule broken: once-hook 'release' runs exactly once per request" in out
+    assert re.search(r"hook 'release' ran 2 times for r\d+, which is finished in", out)
+    assert "event program:\n  1. admit r1" in out and "ship: PAID -> SHIPPED" in out
+    assert "rerun: pdlife fuzz --load orders_bug:ORDER_TABLE --record orders_bug:Order " \
+           "--examples 300 --steps 50 --seed 0" in out
+    assert "Traceback" not in out + done.stderr and "Order(" not in out
+    assert out.splitlines()[-1] == "torch imported: False"
+
+
+def test_pdlife_fuzz_passes_the_example_and_refuses_what_is_not_a_record(tmp_path: Path) -> None:
+    ok = subprocess.run(
+        [sys.executable, "-c", _PROBE, "fuzz", "--load", "examples.orders:ORDER_TABLE",
+         "--satisfy", "examples.orders:satisfy", "--examples", "30", "--steps", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "ok: 30 programs kept every rule" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-c", _PROBE, "fuzz", "--load", "examples.orders:ORDER_TABLE",
+         "--record", "examples.orders:satisfy"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr == ("pdlife fuzz: --record: examples.orders:satisfy is a function, not a "
+                          "class\n")

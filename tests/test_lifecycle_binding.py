@@ -1,0 +1,352 @@
+"""Binding a table to code: guards and hooks called by their signature on both firing paths,
+names checked before anything fires, trigger methods from the table, event enums, reasons,
+and what a batch looks like when a hook raises."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+
+from lifecycle import (
+    Edge,
+    Firing,
+    GuardFailed,
+    HookFailed,
+    IllegalTransition,
+    InvalidTable,
+    Lifecycle,
+    LifecycleError,
+    LifecycleTable,
+    MissingHook,
+    Tracked,
+    Trigger,
+    make_table,
+)
+from lifecycle.timeline import to_perfetto
+
+
+class S(enum.IntEnum):
+    FAILED = 0
+    CANCELLED = 1
+    CREATED = 2
+    PAID = 3
+    DONE = 4
+
+
+class E(enum.StrEnum):
+    PAY = "pay"
+    FINISH = "finish"
+    CANCEL = "cancel"
+    FAIL = "fail"
+
+
+class Why(enum.Enum):
+    DECLINED = "declined"
+
+
+LIVE = (S.CREATED, S.PAID)
+FINALS = (S.DONE, S.CANCELLED, S.FAILED)
+
+
+def edges(pay_guard: str = "paid_in_full", finish_guard: str = "ready") -> tuple[Edge, ...]:
+    return (
+        Edge(E.PAY, S.CREATED, S.PAID, conditions=pay_guard, after="charge"),
+        Edge(E.FINISH, S.PAID, S.DONE, unless=finish_guard),
+        *(Edge(E.CANCEL, s, S.CANCELLED) for s in LIVE),
+        *(Edge(E.FAIL, s, S.FAILED) for s in LIVE),
+    )
+
+
+def table(record: type | None = None, **overrides: Any) -> LifecycleTable:
+    kwargs: dict[str, Any] = {
+        "events": E,
+        "initial": S.CREATED,
+        "finals": FINALS,
+        "edges": edges(),
+        "failure_events": (E.CANCEL, E.FAIL),
+        "on_enter": {f: ("release", "notify") for f in FINALS},
+        "reasons": Why,
+        "record": record,
+    }
+    kwargs.update(overrides)
+    return make_table("shop", S, **kwargs)
+
+
+# Guards in both forms: one without the event, one told what is being fired.
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class Order(Tracked):
+    total: int = attrs.field(default=10, kw_only=True)
+    paid: int = attrs.field(default=0, kw_only=True)
+    seen: list[Firing] = attrs.field(factory=list, kw_only=True, repr=False)
+
+    pay: ClassVar[Trigger]
+
+    def paid_in_full(self) -> bool:
+        return self.paid >= self.total
+
+    def ready(self, event: Firing) -> bool:
+        self.seen.append(event)
+        return False
+
+
+TABLE = table(Order)
+
+
+class Shop:
+    """Hooks in both forms, recording what they were called with."""
+
+    def __init__(self, raising: str = "") -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.raising = raising
+        self.lc: Lifecycle[Order] = Lifecycle(
+            TABLE, {"charge": self.charge, "release": self.release, "notify": self.notify}
+        )
+
+    def charge(self, order: Order) -> None:
+        self.calls.append(("charge", order.rid, order.state.name if order.state else "?"))
+
+    def release(self, order: Order) -> None:
+        self.calls.append(("release", order.rid, order.state.name if order.state else "?"))
+        if order.rid == self.raising:
+            raise RuntimeError("the warehouse is closed")
+
+    def notify(self, order: Order, event: Firing) -> None:
+        self.calls.append(("notify", order.rid, f"{event.source.name}>{event.event}"))
+
+    def orders(self, *rids: str, paid: int = 0) -> list[Order]:
+        out = [Order(rid, paid=paid) for rid in rids]
+        for o in out:
+            self.lc.admit(o)
+        return out
+
+
+@pytest.mark.parametrize("one_by_one", [True, False], ids=["trigger", "batch"])
+def test_guards_and_hooks_in_both_forms_on_both_paths(one_by_one: bool) -> None:
+    shop = Shop()
+    (a,) = shop.orders("a")
+    fire = (lambda ev, o: o.fire(ev)) if one_by_one else (lambda ev, o: shop.lc.fire(ev, [o]))
+    with pytest.raises(GuardFailed, match="paid_in_full is false"):
+        fire(E.PAY, a)
+    a.paid = 10
+    fire(E.PAY, a)
+    with pytest.raises(IllegalTransition):
+        fire(E.PAY, a)  # no edge from PAID
+    fire(E.FINISH, a)  # unless=ready: ready() is False, so it fires
+    assert a.state is S.DONE
+    assert [(f.event, f.source, f.dest) for f in a.seen] == [(E.FINISH, S.PAID, S.DONE)]
+    assert shop.calls == [
+        ("charge", "a", "PAID"), ("release", "a", "DONE"), ("notify", "a", "PAID>finish"),
+    ]
+
+
+def test_a_misspelt_guard_is_refused_before_anything_fires_with_one_message() -> None:
+    misspelt = edges(pay_guard="paid_in_ful")
+    with pytest.raises(InvalidTable) as at_definition:
+        table(Order, edges=misspelt)
+    # Without record=, the class is checked when a lifecycle first admits one of its records.
+    unbound = table(None, edges=misspelt)
+    lc: Lifecycle[Order] = Lifecycle(unbound, {"charge": print, "release": print, "notify": print})
+    with pytest.raises(InvalidTable) as at_admission:
+        lc.admit(Order("a"))
+    assert str(at_definition.value) == str(at_admission.value) == (
+        "shop: guard 'paid_in_ful' of event 'pay' is not a method of Order "
+        "(did you mean 'paid_in_full'?)"
+    )
+    assert len(lc) == 0
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class Odd(Tracked):
+    def paid_in_full(self, event: Firing, extra: int) -> bool:
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({}, "shop: guard 'paid_in_full' of event 'pay': Odd.paid_in_full must take (self) or "
+             "(self, event)"),
+        ({"edges": edges(pay_guard="ready")},
+         "Odd.ready is a property, not a method: write def ready(self)"),
+    ],
+)
+def test_guards_of_the_wrong_shape_are_refused(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidTable, match=re.escape(message)):
+        table(Odd, **overrides)
+
+
+def test_hooks_are_checked_when_the_lifecycle_is_built() -> None:
+    hooks: dict[str, Any] = {"charge": print, "release": print, "notify": print}
+    with pytest.raises(MissingHook, match=r"not supplied: \['notify'\]"):
+        Lifecycle(TABLE, {k: v for k, v in hooks.items() if k != "notify"})
+    with pytest.raises(MissingHook, match=r"does not name: \['relaese'\]"):
+        Lifecycle(TABLE, {**hooks, "relaese": print})
+    with pytest.raises(MissingHook, match=r"hook 'notify' must take \(req\) or \(req, event\)"):
+        Lifecycle(TABLE, {**hooks, "notify": lambda a, b, c: None})
+
+
+def test_trigger_methods_come_from_the_table() -> None:
+    for event in E:
+        method = getattr(Order, event.value)
+        assert callable(method) and method.__name__ == event.value
+    shop = Shop()
+    (a,) = shop.orders("a", paid=10)
+    a.pay()
+    a.cancel("changed my mind")  # a detail without a reason is kept
+    assert (a.state, a.reason, a.detail) == (S.CANCELLED, None, "changed my mind")
+    with pytest.raises(TypeError, match="pass the reason by keyword"):
+        shop.orders("b")[0].fail(Why.DECLINED)  # type: ignore[arg-type]
+
+
+def test_trigger_names_are_checked_against_the_class() -> None:
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class Typo(Tracked):
+        payy: ClassVar[Trigger]
+
+        def paid_in_full(self) -> bool:
+            return True
+
+        def ready(self) -> bool:
+            return True
+
+    with pytest.raises(InvalidTable, match=re.escape(
+        "Typo.payy is declared a Trigger, but the table has no event 'payy' (did you mean 'pay'?)"
+    )):
+        table(Typo)
+
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class Clash(Tracked):
+        finish: int = 0
+
+        def paid_in_full(self) -> bool:
+            return True
+
+        def ready(self) -> bool:
+            return True
+
+    with pytest.raises(InvalidTable, match=r"Clash\.finish already exists"):
+        table(Clash)
+
+
+def test_events_are_an_enum_per_table() -> None:
+    assert TABLE.event_type is E and TABLE.events == tuple(E)
+    plain = table(Order, edges=tuple(attrs.evolve(e, event=str(e.event)) for e in edges()))
+    assert all(isinstance(e.event, E) for e in plain.edges)  # names looked up in the enum
+    assert plain.edge(S.CREATED, "pay") is plain.edge(S.CREATED, E.PAY)
+    with pytest.raises(InvalidTable, match="edge event 'payy' is not a member of E"):
+        table(Order, edges=(Edge("payy", S.CREATED, S.PAID), *edges()[1:]))
+    with pytest.raises(InvalidTable, match=r"E has events no edge takes: \['finish'\]"):
+        kept = tuple(e for e in edges() if e.event is not E.FINISH)
+        table(Order, edges=(*kept, Edge(E.PAY, S.PAID, S.DONE)))
+    shop = Shop()
+    (a,) = shop.orders("a")
+    with pytest.raises(IllegalTransition) as info:
+        shop.lc.fire("finsh", [a])
+    assert str(info.value) == (
+        "request 'a' in state CREATED cannot take event 'finsh': table 'shop' has no such "
+        "event (its events: pay, finish, cancel, fail)"
+    )
+
+
+def test_reasons_belong_to_the_table_and_only_end_requests() -> None:
+    shop = Shop()
+    a, b = shop.orders("a", "b", paid=10)
+
+    class Other(enum.Enum):
+        X = 1
+
+    with pytest.raises(LifecycleError, match=re.escape("reason <Other.X: 1> is not a Why")):
+        shop.lc.fire(E.FAIL, [a], reason=Other.X)
+    with pytest.raises(LifecycleError, match="'pay' leads to PAID, not a final state"):
+        shop.lc.fire(E.PAY, [a], detail="early")
+    assert a.state is S.CREATED and not shop.calls
+    shop.lc.fire(E.FAIL, [a, b], reason=Why.DECLINED, detail="card expired")
+    assert shop.lc.finished == {(S.FAILED, Why.DECLINED): 2}
+    assert (a.reason, a.detail) == (Why.DECLINED, "card expired")
+
+
+def test_once_hooks_default_to_the_final_states_hooks() -> None:
+    assert TABLE.once == {"release", "notify"}
+    assert table(Order, once=("release",)).once == {"release"}
+    with pytest.raises(InvalidTable, match=r"once names hooks the table does not run: \['x'\]"):
+        table(Order, once=("x",))
+
+
+def test_a_raising_hook_never_splits_a_batch() -> None:
+    # The batch path: all three move, every hook of every one runs, the error is reported.
+    batch_shop = Shop(raising="y")
+    x, y, z = batch_shop.orders("x", "y", "z")
+    with pytest.raises(HookFailed) as info:
+        batch_shop.lc.fire(E.CANCEL, [x, y, z])
+    assert [o.state for o in (x, y, z)] == [S.CANCELLED] * 3
+    assert len(batch_shop.lc) == 0
+    assert [(h, rid) for h, rid, _ in batch_shop.calls] == [
+        ("release", "x"), ("notify", "x"), ("release", "y"), ("notify", "y"),
+        ("release", "z"), ("notify", "z"),
+    ]
+    assert [(rid, hook) for rid, hook, _ in info.value.errors] == [("y", "release")]
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert str(info.value) == (
+        "hook 'release' raised RuntimeError: the warehouse is closed for request 'y'; event "
+        "'cancel' took effect, the requests are CANCELLED"
+    )
+    # The trigger path leaves the same state.
+    one_shop = Shop(raising="y")
+    (y1,) = one_shop.orders("y")
+    with pytest.raises(HookFailed):
+        y1.cancel()
+    assert y1.state is S.CANCELLED and len(one_shop.lc) == 0
+    assert one_shop.calls == [c for c in batch_shop.calls if c[1] == "y"]
+    assert one_shop.lc.finished == {(S.CANCELLED, None): 1}
+
+
+calls: list[str] = []
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class Counted(Tracked):
+    """Counts its guard's evaluations outside the record (the record does not change)."""
+
+    def paid_in_full(self) -> bool:
+        calls.append(self.rid)
+        return self.rid != "b"
+
+    def ready(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("one_by_one", [True, False], ids=["trigger", "batch"])
+def test_a_refusal_comes_from_the_one_evaluation(one_by_one: bool) -> None:
+    tbl = table(Counted)
+    lc: Lifecycle[Counted] = Lifecycle(tbl, {"charge": print, "release": print, "notify": print})
+    a, b = Counted("a"), Counted("b")
+    lc.admit(a)
+    lc.admit(b)
+    calls.clear()
+    with pytest.raises(GuardFailed, match="paid_in_full is false"):
+        if one_by_one:
+            b.fire(E.PAY)
+        else:
+            lc.fire(E.PAY, [a, b])
+    assert calls == (["b"] if one_by_one else ["a", "b"])
+    assert lc.guards_evaluated == len(calls)
+    assert a.state is b.state is S.CREATED
+
+
+def test_perfetto_names_the_process_after_the_table() -> None:
+    shop = Shop()
+    (a,) = shop.orders("a")
+    a.cancel()
+    trace = to_perfetto([a])
+    assert trace["traceEvents"][0] == {
+        "ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "shop"},
+    }
+    assert to_perfetto([a], process="orders")["traceEvents"][0]["args"]["name"] == "orders"

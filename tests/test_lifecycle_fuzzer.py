@@ -1,0 +1,172 @@
+"""The lifecycle fuzzer checks the embedder's code: once-only hooks whatever the table says,
+pure guards, hooks that do not raise, the embedder's invariants; its reports name the rule and
+show the shrunk event program and the request's timeline, and it reports fast by default."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import Phase
+from hypothesis.stateful import run_state_machine_as_test
+
+from examples.orders import (
+    ORDER_TABLE,
+    Order,
+    OrderState,
+    Shop,
+    holds_nothing_once_ended,
+    satisfy,
+)
+from lifecycle import Firing, LifecycleTable, make_table
+from lifecycle.testing import (
+    LifecycleMachine,
+    RuleBroken,
+    fuzz_settings,
+    lifecycle_state_machine,
+)
+
+
+def _with_ship_releasing(table: LifecycleTable) -> LifecycleTable:
+    # The planted bug: shipping gives the stock reservation up, and so does every final state.
+    edges = [attrs.evolve(e, after=("release",)) if e.event == "ship" else e for e in table.edges]
+    return make_table(
+        "order", table.states, events=table.event_type, initial=table.initial,
+        finals=table.finals, edges=edges, failure_events=table.failure_events,
+        on_enter=table.on_enter, reasons=table.reasons,
+    )
+
+
+DOUBLE_RELEASE = _with_ship_releasing(ORDER_TABLE)
+
+
+def _broken(machine: type[LifecycleMachine], examples: int = 300) -> str:
+    """The report of the first broken rule (fails the test if none was found)."""
+    with pytest.raises(RuleBroken) as info:
+        run_state_machine_as_test(
+            machine, settings=fuzz_settings(max_examples=examples, stateful_step_count=30,
+                                            database=None),
+        )
+    text = str(info.value)
+    assert "event program:\n  1. admit r1" in text
+    assert "Order(" not in text and "object at 0x" not in text  # no reprs of records
+    return text
+
+
+def _shop_hooks() -> dict[str, Any]:
+    shop = Shop(stock=10**6)
+    return {"release": shop.release, "notify": shop.notify, "refund": shop.refund}
+
+
+def test_the_order_table_and_the_shop_keep_every_rule() -> None:
+    machine = lifecycle_state_machine(
+        ORDER_TABLE, lambda rid: Order(rid, total=30), _shop_hooks(), satisfy=satisfy,
+        invariants=[holds_nothing_once_ended],
+    )
+    run_state_machine_as_test(
+        machine, settings=fuzz_settings(max_examples=60, stateful_step_count=30, database=None)
+    )
+
+
+def test_a_hook_run_twice_by_the_table_is_reported_naming_it() -> None:
+    # Counting hooks only: the table's own edges call release twice on the way to a final.
+    # Without satisfy, the machine draws the order's fields, so the guarded edges are taken.
+    text = _broken(lifecycle_state_machine(DOUBLE_RELEASE, Order, redraw_fields=True))
+    assert text.startswith("rule broken: once-hook 'release' runs exactly once per request\n")
+    assert re.search(r"hook 'release' ran 2 times for (r\d+), which is finished in ", text)
+    assert "fields set to" in text
+    assert "ship: PAID -> SHIPPED" in text.split("timeline of r")[1]
+
+
+def test_a_hook_that_raises_is_reported_naming_it() -> None:
+    def notify(order: Order) -> None:
+        if order.state is OrderState.CANCELLED:
+            raise ValueError("the mail server is down")
+
+    text = _broken(lifecycle_state_machine(ORDER_TABLE, Order, {"notify": notify}))
+    assert text.startswith("rule broken: hooks do not raise\n")
+    assert "hook 'notify' raised ValueError: the mail server is down for r1" in text
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class ChargingOrder(Order):
+    """Charges the card every time the guard is asked."""
+
+    charges: int = attrs.field(default=0, kw_only=True)
+
+    def paid_in_full(self) -> bool:
+        self.charges += 1
+        return self.paid >= self.total
+
+
+def test_a_guard_that_changes_the_record_is_reported() -> None:
+    text = _broken(lifecycle_state_machine(ORDER_TABLE, ChargingOrder, satisfy=satisfy))
+    assert text.startswith("rule broken: guards are pure\n")
+    assert "evaluating the guards of 'pay' (paid_in_full) on r1 changed its charges" in text
+
+
+_coin = itertools.cycle([True, False])
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class FlakyOrder(Order):
+    def has_address(self, event: Firing) -> bool:
+        return next(_coin)
+
+
+def test_a_guard_that_answers_differently_is_reported() -> None:
+    text = _broken(lifecycle_state_machine(ORDER_TABLE, FlakyOrder, satisfy=satisfy))
+    assert text.startswith("rule broken: guards are pure\n")
+    assert "the guards of 'ship' (has_address) answered differently when evaluated twice" in text
+
+
+def test_an_embedders_invariant_is_checked_after_every_step() -> None:
+    def never_cancelled_after_paying(order: Order) -> None:
+        cancelled = order.state is OrderState.CANCELLED
+        assert not (cancelled and order.paid), "a paid order was cancelled"
+
+    text = _broken(lifecycle_state_machine(
+        ORDER_TABLE, lambda rid: Order(rid, total=5), satisfy=satisfy,
+        invariants=[never_cancelled_after_paying],
+    ))
+    assert text.startswith("rule broken: invariant never_cancelled_after_paying\n"
+                           "  a paid order was cancelled\n")
+    assert "ended CANCELLED" in text
+
+
+def test_hooks_in_the_event_form_are_counted_and_called() -> None:
+    seen: list[str] = []
+
+    def notify(order: Order, event: Firing) -> None:
+        seen.append(f"{event.source.name}>{event.dest.name}")
+
+    machine = lifecycle_state_machine(ORDER_TABLE, Order, {"notify": notify}, satisfy=satisfy)
+    run_state_machine_as_test(
+        machine, settings=fuzz_settings(max_examples=20, stateful_step_count=20, database=None)
+    )
+    assert seen and all(s.split(">")[1] in {"DELIVERED", "CANCELLED", "FAILED"} for s in seen)
+
+
+def test_the_machines_report_fast_unless_asked() -> None:
+    assert Phase.explain not in fuzz_settings().phases
+    assert Phase.explain in fuzz_settings(explain=True).phases
+    assert fuzz_settings(max_examples=7).max_examples == 7
+    machine = lifecycle_state_machine(ORDER_TABLE, Order)
+    assert Phase.explain not in machine.TestCase.settings.phases
+    slow = lifecycle_state_machine(ORDER_TABLE, Order, explain=True)
+    assert Phase.explain in slow.TestCase.settings.phases
+
+
+def test_a_failure_event_is_drawn_with_the_tables_reasons() -> None:
+    reasons: set[object] = set()
+    machine = lifecycle_state_machine(
+        ORDER_TABLE, Order, {"notify": lambda order: reasons.add(order.reason)}
+    )
+    run_state_machine_as_test(
+        machine, settings=fuzz_settings(max_examples=30, stateful_step_count=20, database=None)
+    )
+    assert reasons - {None}
+    assert reasons <= {None, *(ORDER_TABLE.reasons or ())}
