@@ -57,6 +57,8 @@ class DecodeRequest(Tracked):
     slot: int | None = attrs.field(default=None, kw_only=True)
     receiver: object | None = attrs.field(default=None, kw_only=True, repr=False)
     output_ids: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
+    # Prompt tokens the prefill side found in its prefix cache (from the metadata row).
+    cached_tokens: int = attrs.field(default=0, kw_only=True)
     deadline: float | None = attrs.field(default=None, kw_only=True)
     reason: FailureReason | None = attrs.field(default=None, kw_only=True)
 

@@ -99,6 +99,8 @@ class DecodeResponse(_Answer):
     finish_reason: str  # "length", "stop" or "abort"
     prompt_tokens: int
     timeline: tuple[tuple[float, str], ...] = ()
+    # Prompt tokens the prefill side found in its prefix cache (its metadata row's count).
+    cached_tokens: int = 0
 
     @property
     def ok(self) -> bool:

@@ -116,6 +116,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest max_new_tokens accepted (default: the model's max position)")
     sched.add_argument("--overlap", action="store_true",
                        help="prefill: launch the next batch before processing the previous one")
+    sched.add_argument("--disable-radix-cache", action="store_true",
+                       help="prefill: turn the prefix cache off, so every prompt is computed "
+                       "in full (docs/prefix-cache.md)")
+    sched.add_argument("--schedule-policy", choices=("fcfs", "lpm"), default="fcfs",
+                       help="prefill: the waiting queue's order, arrival (fcfs) or longest "
+                       "cached prefix first (lpm, needs the prefix cache) (default: fcfs)")
     times = parser.add_argument_group("timeouts and limits")
     times.add_argument("--bootstrap-timeout", type=float, default=300.0,
                        help="prefill: seconds to wait for decode's destination (default: 300)")
@@ -171,6 +177,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 max_running_requests=args.max_running_requests,
                 bootstrap_timeout=args.bootstrap_timeout,
                 transfer_timeout=args.transfer_timeout,
+                radix_cache=not args.disable_radix_cache,
+                schedule_policy=args.schedule_policy,
             ),
             pool_pages=args.pool_pages,
             metadata_slots=args.metadata_slots,
@@ -274,7 +282,7 @@ SERVE = Subcommand(
         "Not supported: sampling other than greedy (SGLang's other sampling fields, "
         "temperature, top_p, json_schema, regex and the rest, are accepted and ignored), "
         "return_logprob (refused with 400), the OpenAI endpoints "
-        "(/v1/completions, /v1/chat/completions), prefix caching, tensor parallelism and "
+        "(/v1/completions, /v1/chat/completions), tensor parallelism and "
         "different prefill/decode layouts. SGLang's router refuses text batches and "
         "per-prompt sampling_params lists before a worker sees them (input_ids batches go "
         "through), and does not forward /abort_request (docs/operations.md)."

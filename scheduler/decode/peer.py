@@ -208,6 +208,7 @@ class DecodePeer:
                     self.kv.ready.put(req.bootstrap_room)
                     continue
                 req.output_ids.append(row.first_token)
+                req.cached_tokens = row.cached_tokens
                 received.append(req)
         self.lifecycle.fire("bootstrapped", bootstrapped)
         self.lifecycle.fire("received", received)
@@ -313,6 +314,7 @@ class DecodePeer:
             DecodeResponse(
                 req.rid, state, req.reason, req.detail, tuple(req.output_ids),
                 self.finish_reason(req), len(req.input_ids), tuple(req.timeline),
+                req.cached_tokens,
             )
         )
 

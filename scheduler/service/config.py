@@ -116,6 +116,7 @@ class Answer:
     reason: FailureReason | None
     prompt_tokens: int
     e2e_latency: float
+    cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
 
 
 def check_item(

@@ -55,6 +55,7 @@ from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, PagedModelRunner, resolve_device
+from scheduler.prefill.prefix import PrefixCache
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
 from scheduler.service.config import (
@@ -74,9 +75,15 @@ __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", 
 logger = logging.getLogger(__name__)
 
 
-def _pool_view(pool: KVPool) -> dict[str, int]:
-    return {"free_pages": pool.allocator.available(), "used_pages": pool.allocator.in_use(),
-            "total_pages": pool.num_pages}
+def _pool_view(pool: KVPool, prefix: PrefixCache | None = None) -> dict[str, int]:
+    """Occupancy as a new request sees it: prefix-cache pages nobody locks count as free
+    (eviction frees them on demand); ``prefix_cache_pages`` is the cache's size."""
+    evictable = 0 if prefix is None else prefix.tree.evictable
+    view = {"free_pages": pool.allocator.available() + evictable,
+            "used_pages": pool.allocator.in_use() - evictable, "total_pages": pool.num_pages}
+    if prefix is not None:
+        view["prefix_cache_pages"] = prefix.tree.size
+    return view
 
 
 class Service:
@@ -310,6 +317,7 @@ class Service:
             reason=resp.reason,
             prompt_tokens=resp.prompt_tokens,
             e2e_latency=time.monotonic() - pending.started,
+            cached_tokens=resp.cached_tokens,
         ))
 
     def _on_decode(self, resp: DecodeResponse) -> None:
@@ -330,6 +338,7 @@ class Service:
             reason=reason,
             prompt_tokens=resp.prompt_tokens,
             e2e_latency=time.monotonic() - pending.started,
+            cached_tokens=resp.cached_tokens,
         ))
 
     def _find(self, rid: str, side: str) -> Pending | None:
@@ -387,7 +396,7 @@ class Service:
         if self.prefill is not None:
             requests["prefill"] = {s.name.lower(): n for s, n in self.prefill.lifecycle.counts()
                                    .items()}
-            pools["prefill"] = _pool_view(self.prefill.pool)
+            pools["prefill"] = _pool_view(self.prefill.pool, self.prefill.prefix)
         if self.decode is not None:
             counts = self.decode.lifecycle.counts()
             requests["decode"] = {s.name.lower(): n for s, n in counts.items()}

@@ -55,13 +55,14 @@ def _finish(answer: Answer) -> FinishReason:
 
 
 def _answer_body(service: Service, rid: str, ids: Sequence[int], prompt_tokens: int,
-                 latency: float, finish: FinishReason | None) -> dict[str, Any]:
+                 latency: float, finish: FinishReason | None,
+                 cached_tokens: int = 0) -> dict[str, Any]:
     body = GenerateAnswer(
         text=service.tokenizer.decode(ids),
         output_ids=list(ids),
         meta_info=MetaInfo(
             id=rid, finish_reason=finish, prompt_tokens=prompt_tokens,
-            completion_tokens=len(ids), e2e_latency=latency,
+            completion_tokens=len(ids), e2e_latency=latency, cached_tokens=cached_tokens,
         ),
     ).model_dump()
     if finish is not None:  # SGLang's finish_reason carries only the keys of its type
@@ -71,7 +72,7 @@ def _answer_body(service: Service, rid: str, ids: Sequence[int], prompt_tokens: 
 
 def _final_body(service: Service, answer: Answer) -> dict[str, Any]:
     return _answer_body(service, answer.rid, answer.output_ids, answer.prompt_tokens,
-                        answer.e2e_latency, _finish(answer))
+                        answer.e2e_latency, _finish(answer), answer.cached_tokens)
 
 
 # -- input ------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class MetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     e2e_latency: float
+    cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
 
 
 class GenerateAnswer(BaseModel):
