@@ -24,7 +24,7 @@ from typing import cast
 
 from kv.pages import pages_needed
 from kv.transfer import KVManager, KVSender
-from lifecycle import FailureReason, Lifecycle, PrefillRequest, PrefillState
+from lifecycle import FailureReason, Lifecycle, PrefillEvent, PrefillRequest, PrefillState
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, AbortRequest, NewRequest, Response, take_all
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.metrics import SchedulerMetrics
@@ -108,7 +108,9 @@ class Admission:
         if not why and key in self._rooms:
             why = f"bootstrap room {req.bootstrap_room} is in use by a live request"
         if why:
-            self.lifecycle.fire("fail", [req], reason=FailureReason.REJECTED, detail=why)
+            self.lifecycle.fire(
+                PrefillEvent.FAIL, [req], reason=FailureReason.REJECTED, detail=why
+            )
             return
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
         try:
@@ -116,7 +118,7 @@ class Admission:
         except Exception as exc:  # a backend refusing a sender fails the request, not the loop
             logger.exception("creating the sender of %r failed", req.rid)
             self.lifecycle.fire(
-                "fail", [req], reason=FailureReason.BOOTSTRAP_FAILED, detail=str(exc)
+                PrefillEvent.FAIL, [req], reason=FailureReason.BOOTSTRAP_FAILED, detail=str(exc)
             )
             return
         self._rooms[key] = seq

@@ -54,7 +54,14 @@ from collections.abc import Callable, Iterable
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.release import Releaser
 from kv.transfer import KVManager
-from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
+from lifecycle import (
+    PREFILL_TABLE,
+    FailureReason,
+    Lifecycle,
+    PrefillEvent,
+    PrefillRequest,
+    PrefillState,
+)
 from scheduler.dist.ranks import RankSync, SingleRank
 from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.prefill.adder import Plan, Stop, plan_batch
@@ -235,7 +242,7 @@ class PrefillScheduler:
         sender = sender_of(req)
         if sender is not None:
             sender.abort()
-        event = "abort" if reason is FailureReason.ABORTED else "fail"
+        event = PrefillEvent.ABORT if reason is FailureReason.ABORTED else PrefillEvent.FAIL
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
     def _settle(self, req: PrefillRequest) -> None:
@@ -248,7 +255,7 @@ class PrefillScheduler:
     def _poll(self) -> bool:
         polled = self._readiness.poll(self.clock())
         queued = [self._slot_queue.add(req) for req in polled.handshaken]
-        self.lifecycle.fire("transferred", polled.transferred)
+        self.lifecycle.fire(PrefillEvent.TRANSFERRED, polled.transferred)
         for req, reason, detail in polled.failed:
             self._slot_queue.discard(req)
             self._fail(req, reason, detail)
@@ -259,7 +266,7 @@ class PrefillScheduler:
         if not len(self._slot_queue):
             return False
         ready = self._slot_queue.take(self.slots, self.config.page_size)
-        self.lifecycle.fire("bootstrapped", ready)
+        self.lifecycle.fire(PrefillEvent.BOOTSTRAPPED, ready)
         return bool(ready)
 
     # -- 4. plan, 5. launch, 6. land --------------------------------------------------------
@@ -317,7 +324,7 @@ class PrefillScheduler:
             self.prefix.admit([(c.req, c.prefix) for c in plan.chunks if c.prefix is not None],
                               sum(c.new_pages for c in plan.chunks))
         batch = prepare(plan, self.pool, self.config.page_size)
-        self.lifecycle.fire("schedule", new)
+        self.lifecycle.fire(PrefillEvent.SCHEDULE, new)
         self._max_prefill_bs = max(self._max_prefill_bs, len(plan.chunks))
         return start(plan, batch, self.runner, self._device)
 
@@ -326,8 +333,8 @@ class PrefillScheduler:
         if self.prefix is not None:
             for req in landed.chunk_done + landed.prefilled:
                 self.prefix.insert(req)
-        self.lifecycle.fire("chunk_done", landed.chunk_done)
-        self.lifecycle.fire("prefilled", landed.prefilled)
+        self.lifecycle.fire(PrefillEvent.CHUNK_DONE, landed.chunk_done)
+        self.lifecycle.fire(PrefillEvent.PREFILLED, landed.prefilled)
         deadline = self.clock() + self.config.transfer_timeout
         for req in landed.prefilled:
             self._deadlines.arm(req, self._admission.seq_of(req), deadline)
