@@ -33,7 +33,14 @@ from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.pages import pages_needed
 from kv.release import Releaser
 from kv.transfer import DecodeKVManager, KVPoll, KVReceiver
-from lifecycle import DECODE_TABLE, DecodeRequest, DecodeState, FailureReason, Lifecycle
+from lifecycle import (
+    DECODE_TABLE,
+    DecodeEvent,
+    DecodeRequest,
+    DecodeState,
+    FailureReason,
+    Lifecycle,
+)
 from scheduler.decode.config import DecodeConfig
 from scheduler.messages import AbortRequest, DecodeResponse, NewRequest, take_all
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
@@ -161,7 +168,7 @@ class DecodePeer:
         receiver = receiver_of(req)
         if receiver is not None:
             receiver.abort()
-        event = "abort" if reason is FailureReason.ABORTED else "fail"
+        event = DecodeEvent.ABORT if reason is FailureReason.ABORTED else DecodeEvent.FAIL
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
     def _poll(self) -> bool:
@@ -210,9 +217,9 @@ class DecodePeer:
                 req.output_ids.append(row.first_token)
                 req.cached_tokens = row.cached_tokens
                 received.append(req)
-        self.lifecycle.fire("bootstrapped", bootstrapped)
-        self.lifecycle.fire("received", received)
-        self.lifecycle.fire("finished", [r for r in received if self._finished(r)])
+        self.lifecycle.fire(DecodeEvent.BOOTSTRAPPED, bootstrapped)
+        self.lifecycle.fire(DecodeEvent.RECEIVED, received)
+        self.lifecycle.fire(DecodeEvent.FINISHED, [r for r in received if self._finished(r)])
         return bool(changed)
 
     def _preallocate(self) -> bool:
@@ -244,7 +251,7 @@ class DecodePeer:
             receiver = receiver_of(req)
             assert receiver is not None and req.slot is not None
             receiver.send_metadata(req.pages, req.slot)
-        self.lifecycle.fire("preallocated", ready)
+        self.lifecycle.fire(DecodeEvent.PREALLOCATED, ready)
         return bool(ready)
 
     def _decode(self) -> bool:
@@ -269,13 +276,13 @@ class DecodePeer:
             tokens = self.runner.forward(ForwardBatch(tuple(items)))
         except Exception as exc:  # the batch's requests fail; the loop goes on
             logger.error("decode step of %d requests failed: %r", len(reqs), exc)
-            self.lifecycle.fire("fail", reqs, reason=FailureReason.INTERNAL,
+            self.lifecycle.fire(DecodeEvent.FAIL, reqs, reason=FailureReason.INTERNAL,
                                 detail=f"the model forward failed: {exc!r}")
             return True
         self.steps += 1
         for req, token in zip(reqs, tokens, strict=True):
             req.output_ids.append(token)
-        self.lifecycle.fire("finished", [r for r in reqs if self._finished(r)])
+        self.lifecycle.fire(DecodeEvent.FINISHED, [r for r in reqs if self._finished(r)])
         return True
 
     def _finished(self, req: DecodeRequest) -> bool:
