@@ -28,17 +28,17 @@ BENCH_DIR = ROOT / "bench"
 @attrs.frozen
 class Benchmark:
     name: str
-    seconds: int  # about how long one run takes on a 2-core machine
+    seconds: int  # about how long one run takes on an idle 2-core machine
     measures: str
 
 
 #: In the order `pdlife bench` runs them with no names given (the quick ones first).
 ALL = (
-    Benchmark("lifecycle", 40, "a request's lifecycle: pdlife against plain transitions"),
-    Benchmark("scale", 30, "a scheduler pass with 100 against 10,000 waiting requests"),
+    Benchmark("lifecycle", 50, "a request's lifecycle: pdlife against plain transitions"),
+    Benchmark("scale", 60, "a scheduler pass with 100 against 10,000 waiting requests"),
     Benchmark("delayer", 30, "the PrefillDelayer across data-parallel ranks"),
-    Benchmark("e2e", 120, "prefill throughput and TTFT against the forward passes alone"),
-    Benchmark("transfer", 180, "KV transfer: pdlife's backends against the raw engine"),
+    Benchmark("e2e", 40, "prefill throughput and TTFT against the forward passes alone"),
+    Benchmark("transfer", 120, "KV transfer: pdlife's backends against the raw engine"),
     Benchmark("soak", 90, "10,000 requests under injected faults: nothing lost or leaked"),
 )
 BY_NAME = {b.name: b for b in ALL}
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"no bench/ folder at {BENCH_DIR}: run from a source checkout")
     chosen = plan(args.names)
     total = sum(b.seconds for b in chosen)
-    print(f"pdlife bench: {len(chosen)} benchmark(s), about {_duration(total)} on 2 cores")
+    print(f"pdlife bench: {len(chosen)} benchmark(s), about {_duration(total)} on 2 idle cores")
     for b in chosen:
         print(f"  {b.name:<10} ~{_duration(b.seconds):>8}  {b.measures}")
     if args.list:
