@@ -140,7 +140,7 @@ def _metric(rig: Rig, name: str) -> float:
 
 def test_a_shared_prefix_is_computed_once_and_reported_as_cached() -> None:
     rig = Rig(model=True)
-    a, b = SYSTEM + (1, 2, 3), SYSTEM + (7, 8)
+    a, b = (*SYSTEM, 1, 2, 3), (*SYSTEM, 7, 8)
     rig.submit("a", a)
     rig.finish()
     rig.submit("b", b)
@@ -180,7 +180,7 @@ def test_a_prefix_computed_in_chunks_is_shared_chunk_by_chunk() -> None:
     second = rig.req("b")
     assert second.cached == 24
     rig.finish()
-    c = b + (9,)
+    c = (*b, 9)
     rig.submit("c", c)
     third = rig.run_until("c", S.TRANSFERRING, "handshake")
     assert third.cached == 44  # b's chunks (and its last, partial page: no) are cached
@@ -208,7 +208,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_page() -> None:
 def test_the_same_new_prefix_twice_in_one_batch_is_computed_twice_and_cached_once() -> None:
     rig = Rig(chunked_prefill_size=64)
     for rid in ("a", "b"):
-        rig.submit(rid, SYSTEM + (1, 2))
+        rig.submit(rid, (*SYSTEM, 1, 2))
     rig.pump("handshake")
     rig.pump("handshake")
     assert rig.req("a").state is rig.req("b").state is S.TRANSFERRING
@@ -260,10 +260,10 @@ def test_eviction_never_frees_a_page_a_held_back_transfer_reads() -> None:
 def test_lpm_schedules_the_longest_cached_prefix_first() -> None:
     def first_scheduled(policy: str) -> str:
         rig = Rig(prefill_max_requests=1, schedule_policy=policy)
-        rig.submit("warm", SYSTEM + (1,))
+        rig.submit("warm", (*SYSTEM, 1))
         rig.finish()
         rig.submit("cold", tuple(range(1, 21)))
-        rig.submit("hot", SYSTEM + (2, 3, 4, 5))
+        rig.submit("hot", (*SYSTEM, 2, 3, 4, 5))
         rig.step()
         rig.pump("handshake")  # both bootstrapped in one pass, then one is scheduled
         scheduled = [r for r in ("cold", "hot") if rig.req(r).state is not S.WAITING]
@@ -272,6 +272,25 @@ def test_lpm_schedules_the_longest_cached_prefix_first() -> None:
 
     assert first_scheduled("fcfs") == "cold"
     assert first_scheduled("lpm") == "hot"
+
+
+@pytest.mark.parametrize(("policy", "cached"), [("fcfs", 0), ("lpm", 32)])
+def test_lpm_leaves_a_request_for_the_next_pass_when_its_batch_computes_its_prefix(
+    policy: str, cached: int
+) -> None:
+    """Two new requests share a 32-token prefix nobody has computed. fcfs computes it twice in
+    one batch; lpm schedules the first and leaves the second a pass, to find it cached."""
+    rig = Rig(chunked_prefill_size=128, schedule_policy=policy)
+    shared = tuple(range(100, 132))
+    rig.submit("a", (*shared, 1, 2))
+    rig.submit("b", (*shared, 3, 4))
+    rig.step()
+    rig.pump("handshake")
+    assert rig.req("a").state is S.TRANSFERRING
+    assert rig.req("b").state is (S.TRANSFERRING if policy == "fcfs" else S.WAITING)
+    rig.finish()
+    assert (rig.answer("a").cached_tokens, rig.answer("b").cached_tokens) == (0, cached)
+    rig.assert_no_leak()
 
 
 def test_lpm_needs_the_prefix_cache() -> None:
@@ -283,24 +302,24 @@ def test_lpm_needs_the_prefix_cache() -> None:
 
 def test_the_adder_counts_only_uncached_tokens_and_the_pages_locking_takes() -> None:
     rig = Rig(pages=32)
-    rig.submit("warm", SYSTEM + (1,))
+    rig.submit("warm", (*SYSTEM, 1))
     rig.finish()
     tree = rig.prefix.tree
-    req = PrefillRequest("x", input_ids=SYSTEM + (9, 9, 9, 9, 9), state=S.WAITING)
+    req = PrefillRequest("x", input_ids=(*SYSTEM, 9, 9, 9, 9, 9), state=S.WAITING)
     found = tree.match(req.input_ids, max_pages=(len(req.input_ids) - 1) // PS)
     assert found.unlocked == 4
     common = dict(continuing=None, waiting=[req], waiting_len=1, running=0, page_size=PS,
                   chunked_prefill_size=8, max_running_requests=8, prefill_max_requests=None)
     # 5 uncached tokens against max_prefill_tokens, not 21; 2 new pages + 4 locked ones.
-    plan = plan_batch(free_pages=6, max_prefill_tokens=5, lookup=lambda r: found, **common)
+    plan = plan_batch(free_pages=6, max_prefill_tokens=5, lookup=lambda r, batch: found, **common)
     (chunk,) = plan.chunks
     assert (chunk.start, chunk.length, chunk.new_pages, chunk.prefix) == (16, 5, 2, found)
     # One page short once the match is locked: a chunk of what fits (one page) ...
-    (chunk,) = plan_batch(free_pages=5, max_prefill_tokens=64, lookup=lambda r: found,
+    (chunk,) = plan_batch(free_pages=5, max_prefill_tokens=64, lookup=lambda r, batch: found,
                           **common).chunks
     assert (chunk.start, chunk.length, chunk.new_pages) == (16, 4, 1)
     # ... and with no page left beside the ones locking takes, nothing: it waits for pages.
-    plan = plan_batch(free_pages=4, max_prefill_tokens=64, lookup=lambda r: found, **common)
+    plan = plan_batch(free_pages=4, max_prefill_tokens=64, lookup=lambda r, batch: found, **common)
     assert (plan.chunks, plan.stop) == ([], Stop.NO_PAGES)
 
 
@@ -309,13 +328,13 @@ def test_outputs_equal_the_colocated_reference_with_the_cache_on(overlap: bool) 
     rig = Rig(model=True, overlap=overlap, pages=128, slots=8, chunked_prefill_size=12,
               max_prefill_tokens=24, schedule_policy="lpm")
     prompts = {
-        "r0": SYSTEM + (1, 2, 3),
+        "r0": (*SYSTEM, 1, 2, 3),
         "r1": SYSTEM,
-        "r2": SYSTEM + (1, 2, 3, 4, 5, 6, 7, 8, 9),
+        "r2": (*SYSTEM, 1, 2, 3, 4, 5, 6, 7, 8, 9),
         "r3": SYSTEM[:10],
         "r4": tuple(range(60, 97)),
-        "r5": SYSTEM + (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
-        "r6": tuple(range(60, 81)) + (5,),
+        "r5": (*SYSTEM, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
+        "r6": (*tuple(range(60, 81)), 5),
     }
     for rid, prompt in prompts.items():
         rig.submit(rid, prompt)
@@ -332,13 +351,13 @@ def test_outputs_equal_the_colocated_reference_with_the_cache_on(overlap: bool) 
 # -- abort and failure in every state, with shared nodes ----------------------------------------
 
 VICTIM = SYSTEM + tuple(range(1, 21))  # shares the warm system prompt; 3 chunks of its own
-OTHER = SYSTEM + (77, 78, 79)
+OTHER = (*SYSTEM, 77, 78, 79)
 
 
 def _victim_in(rig: Rig, where: str) -> PrefillRequest:
     """Warm the tree with the system prompt, start OTHER (sharing it), and bring the victim to
     ``where``."""
-    rig.submit("warm", SYSTEM + (5,))
+    rig.submit("warm", (*SYSTEM, 5))
     rig.finish()
     rig.submit("victim", VICTIM)
     rig.submit("other", OTHER)
@@ -393,11 +412,11 @@ def test_abort_and_failure_in_every_state_leave_shared_nodes_intact(where: str, 
     assert not rig.answer("victim").ok
     assert rig.answer("other").first_token == echo_next_token(OTHER)
     # The shared system prompt is still cached and still right: a late request reads it.
-    rig.submit("late", SYSTEM + (42,))
+    rig.submit("late", (*SYSTEM, 42))
     late = rig.run_until("late", S.TRANSFERRING, "handshake")
     assert late.cached == 16
     rig.finish()
-    assert rig.answer("late").first_token == echo_next_token(SYSTEM + (42,))
+    assert rig.answer("late").first_token == echo_next_token((*SYSTEM, 42))
     rig.assert_no_leak()
 
 

@@ -36,11 +36,11 @@ def test_cached_tokens_reach_the_client_and_outputs_stay_the_reference() -> None
                              max_new_tokens_limit=32, max_body_bytes=4096)
         with running_service(config) as service:
             async with asgi_client(service) as client:
-                first = await _answer(client, "a", SYSTEM + [1, 2])
-                second = await _answer(client, "b", SYSTEM + [3, 4, 5])
+                first = await _answer(client, "a", [*SYSTEM, 1, 2])
+                second = await _answer(client, "b", [*SYSTEM, 3, 4, 5])
                 assert first["meta_info"]["cached_tokens"] == 0
                 assert second["meta_info"]["cached_tokens"] == 40
-                for body, prompt in ((first, SYSTEM + [1, 2]), (second, SYSTEM + [3, 4, 5])):
+                for body, prompt in ((first, [*SYSTEM, 1, 2]), (second, [*SYSTEM, 3, 4, 5])):
                     assert body["output_ids"] == REFERENCE.generate(prompt, 4)
                 for _ in range(2000):
                     info: dict[str, Any] = (await client.get("/server_info")).json()

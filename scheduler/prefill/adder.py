@@ -16,7 +16,7 @@ eviction (SGLang's ``rem_total_tokens`` over free + evictable).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -64,8 +64,10 @@ class Plan:
 
 # gate(running, waiting_len) -> allowed; asked once, before the first new request.
 Gate = Callable[[int, int], bool]
-# lookup(req) -> the cached prefix of a request scheduled for the first time.
-Lookup = Callable[[PrefillRequest], Match]
+# lookup(req, batch) -> the cached prefix of a request scheduled for the first time, or None
+# to leave it for a later pass (the requests already in ``batch`` are about to compute more of
+# its prompt, which it would then find cached).
+Lookup = Callable[[PrefillRequest, Sequence[PrefillRequest]], Match | None]
 
 
 @attrs.define
@@ -175,7 +177,12 @@ def plan_batch(
             if not gate(running, waiting_len):
                 plan.stop = Stop.DELAYED
                 break
-        stop = _add(plan, budget, req, page_size, None if lookup is None else lookup(req))
+        prefix = None
+        if lookup is not None:
+            prefix = lookup(req, [c.req for c in plan.chunks])
+            if prefix is None:
+                continue
+        stop = _add(plan, budget, req, page_size, prefix)
         if stop is not None:
             plan.stop = stop
             break

@@ -22,7 +22,7 @@ checks it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 from kv.pages import pages_needed
@@ -34,6 +34,10 @@ from scheduler.prefill.metrics import PrefixCacheMetrics
 # lpm looks every waiting request up; past this many it orders by arrival, as SGLang does, so
 # a pass stays cheap under a long queue.
 LPM_MAX_QUEUE = 128
+# lpm leaves a request for the next pass when a request already in the batch is about to compute
+# at least this many more tokens of its prompt than the cache holds (SGLang's in-batch prefix
+# check): next pass it finds them cached instead of computing them a second time.
+IN_BATCH_MIN_TOKENS = 32
 
 
 def hold_of(req: PrefillRequest) -> PrefixHold | None:
@@ -44,8 +48,9 @@ def hold_of(req: PrefillRequest) -> PrefixHold | None:
 class PrefixCache:
     """The radix tree over ``pool``'s pages and what the pass does with it."""
 
-    def __init__(self, pool: KVPool, metrics: PrefixCacheMetrics) -> None:
+    def __init__(self, pool: KVPool, metrics: PrefixCacheMetrics, policy: str = "fcfs") -> None:
         self.pool = pool
+        self.policy = policy
         self.page_size = pool.page_size
         self.tree = RadixCache(pool.allocator, pool.page_size)
         self.metrics = metrics
@@ -66,12 +71,24 @@ class PrefixCache:
             found = self._matches[req.rid] = self.tree.match(req.input_ids, max_pages=limit)
         return found
 
-    def order(
-        self, waiting: Iterable[PrefillRequest], count: int, policy: str
-    ) -> Iterable[PrefillRequest]:
-        """The ``count`` waiting requests (arrival order) in the order ``policy`` schedules
+    def lookup(self, req: PrefillRequest, batch: Sequence[PrefillRequest]) -> Match | None:
+        """The adder's lookup: ``req``'s match, or None under ``lpm`` when a request of
+        ``batch`` shares at least :data:`IN_BATCH_MIN_TOKENS` more of its prompt than the
+        cache holds (it waits a pass and finds them cached)."""
+        found = self.match(req)
+        if self.policy != "lpm" or not batch:
+            return found
+        limit = (len(req.input_ids) - 1) // self.page_size
+        shared = max(_common_pages(req.input_ids, other.input_ids, self.page_size, limit)
+                     for other in batch)
+        if (shared - len(found.pages)) * self.page_size >= IN_BATCH_MIN_TOKENS:
+            return None
+        return found
+
+    def order(self, waiting: Iterable[PrefillRequest], count: int) -> Iterable[PrefillRequest]:
+        """The ``count`` waiting requests (arrival order) in the order the policy schedules
         them."""
-        if policy != "lpm" or count > LPM_MAX_QUEUE:
+        if self.policy != "lpm" or count > LPM_MAX_QUEUE:
             return waiting
         return sorted(waiting, key=lambda r: -len(self.match(r).pages))  # stable: fcfs ties
 
@@ -144,6 +161,20 @@ class PrefixCache:
             else:
                 holders.append(hold.node)
         return out + self.tree.violations(holders)
+
+
+def _common_pages(a: Sequence[int], b: Sequence[int], page_size: int, limit: int) -> int:
+    """Whole pages ``a`` and ``b`` share from the start, at most ``limit`` (a binary search
+    over prefix comparisons, each a C-level tuple compare)."""
+    lo, hi = 0, min(limit, len(b) // page_size)
+    ta, tb = tuple(a), tuple(b)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ta[: mid * page_size] == tb[: mid * page_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _hold_violations(req: PrefillRequest, hold: PrefixHold, tree_pages: set[int]) -> list[str]:

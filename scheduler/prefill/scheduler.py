@@ -131,7 +131,8 @@ class PrefillScheduler:
         self._slot_queue = SlotQueue()
         self._results = Results(self.pool, config.page_size, metadata, self.metrics)
         self._releaser = Releaser(self.pool, slots, metadata)
-        self.prefix = PrefixCache(self.pool, self.metrics.prefix) if config.radix_cache else None
+        self.prefix = (PrefixCache(self.pool, self.metrics.prefix, config.schedule_policy)
+                       if config.radix_cache else None)
         self._device = (device or DeviceWorker(self.pool.device)) if overlap else None
         self._inflight: Launched | None = None  # overlap: the batch on the device
         self._continuing: PrefillRequest | None = None  # mid-chunk, continued first
@@ -287,7 +288,7 @@ class PrefillScheduler:
         queue: Iterable[PrefillRequest] = waiting.values()
         if prefix is not None:
             prefix.new_pass()
-            queue = prefix.order(queue, len(waiting), cfg.schedule_policy)
+            queue = prefix.order(queue, len(waiting))
         plan = plan_batch(
             continuing=continuing, waiting=queue, waiting_len=len(waiting),
             running=running,
@@ -297,7 +298,7 @@ class PrefillScheduler:
             chunked_prefill_size=cfg.chunked_prefill_size,
             max_running_requests=cfg.max_running_requests,
             prefill_max_requests=cfg.prefill_max_requests,
-            gate=self._gate(delayer_pass), lookup=None if prefix is None else prefix.match,
+            gate=self._gate(delayer_pass), lookup=None if prefix is None else prefix.lookup,
         )
         if plan.stop is Stop.DELAYED and continuing is None:
             return Plan(stop=Stop.DELAYED)
