@@ -29,7 +29,7 @@ from typing import Any
 
 from transitions import Machine
 
-from lifecycle import PREFILL_TABLE, Lifecycle, PrefillRequest
+from lifecycle import PREFILL_TABLE, Lifecycle, PrefillEvent, PrefillRequest
 
 PROMPT = list(range(256))
 BATCH = 64
@@ -121,12 +121,12 @@ def pdlife_batched(n: int) -> list[Any]:
         batch = [PrefillRequest(f"r{i}", input_ids=PROMPT) for i in range(start, stop)]
         for r in batch:
             lc.admit(r)
-        fire("bootstrapped", batch)
-        fire("schedule", batch)
+        fire(PrefillEvent.BOOTSTRAPPED, batch)
+        fire(PrefillEvent.SCHEDULE, batch)
         for r in batch:
             r.computed = len(r.input_ids)
-        fire("prefilled", batch)
-        fire("transferred", batch)
+        fire(PrefillEvent.PREFILLED, batch)
+        fire(PrefillEvent.TRANSFERRED, batch)
         out.extend(batch)
     return out
 

@@ -18,12 +18,14 @@ from lifecycle import (
     Lifecycle,
     LifecycleError,
     MissingHook,
+    PrefillEvent,
     PrefillRequest,
     PrefillState,
 )
 from tests.strategies import prefill_request
 
 P = PrefillState
+Ev = PrefillEvent
 
 
 class Clock:
@@ -123,10 +125,10 @@ def test_batches_failures_and_aborts_in_mixed_states() -> None:
     o = Owner()
     reqs = o.admit("a", "b", "c", "d")
     a, b, c, d = reqs
-    o.lc.fire("bootstrapped", [a, b, c])
+    o.lc.fire(Ev.BOOTSTRAPPED, [a, b, c])
     assert o.state(reqs)["counts"] == {P.BOOTSTRAPPING: 1, P.WAITING: 3}
     assert list(o.lc.in_state(P.WAITING)) == ["a", "b", "c"]
-    o.lc.fire("schedule", [b, c])
+    o.lc.fire(Ev.SCHEDULE, [b, c])
     d.abort("client went away", reason=FailureReason.ABORTED)
     assert o.state(reqs) == {
         "states": {"a": P.WAITING, "b": P.FORWARD, "c": P.FORWARD, "d": P.FAILED},
@@ -188,24 +190,24 @@ def test_guards_choose_between_chunk_done_and_prefilled() -> None:
     o = Owner()
     reqs = o.admit("a", "b")
     a, b = reqs
-    o.lc.fire("bootstrapped", reqs)
-    o.lc.fire("schedule", reqs)
+    o.lc.fire(Ev.BOOTSTRAPPED, reqs)
+    o.lc.fire(Ev.SCHEDULE, reqs)
     before = o.state(reqs)
     with pytest.raises(GuardFailed, match="fully_computed is false"):
         a.prefilled()
     with pytest.raises(GuardFailed, match="fully_computed is false"):
-        o.lc.fire("prefilled", [a])
+        o.lc.fire(Ev.PREFILLED, [a])
     a.computed = 8
     with pytest.raises(GuardFailed, match="fully_computed is true"):
         a.chunk_done()
     # One request of the batch fails its guard: the batch is refused, nobody moves.
     with pytest.raises(GuardFailed) as info:
-        o.lc.fire("prefilled", [a, b])
+        o.lc.fire(Ev.PREFILLED, [a, b])
     assert info.value.rid == "b"
     assert o.state(reqs) == before
-    o.lc.fire("chunk_done", [b])
+    o.lc.fire(Ev.CHUNK_DONE, [b])
     b.computed = 8
-    o.lc.fire("prefilled", [a, b])
+    o.lc.fire(Ev.PREFILLED, [a, b])
     assert o.state(reqs)["counts"] == {P.TRANSFERRING: 2}
 
 
@@ -215,26 +217,26 @@ def test_batch_atomicity_mixed_states_duplicates_and_foreign_requests() -> None:
     reqs = o.admit("a", "b", "c")
     a, b, c = reqs
     (stranger,) = other.admit("s")
-    o.lc.fire("bootstrapped", [a, b])
+    o.lc.fire(Ev.BOOTSTRAPPED, [a, b])
     before = o.state(reqs)
 
     with pytest.raises(IllegalTransition) as info:  # c is still BOOTSTRAPPING
-        o.lc.fire("schedule", [a, b, c])
+        o.lc.fire(Ev.SCHEDULE, [a, b, c])
     assert (info.value.rid, info.value.state) == ("c", P.BOOTSTRAPPING)
     assert "the batch is in state WAITING" in str(info.value)
     with pytest.raises(IllegalTransition):  # the first request decides the edge
-        o.lc.fire("bootstrapped", [c, a])
+        o.lc.fire(Ev.BOOTSTRAPPED, [c, a])
     with pytest.raises(LifecycleError, match="appears twice"):
-        o.lc.fire("schedule", [a, b, a])
+        o.lc.fire(Ev.SCHEDULE, [a, b, a])
     with pytest.raises(LifecycleError, match="belongs to another lifecycle"):
-        o.lc.fire("bootstrapped", [c, stranger])
+        o.lc.fire(Ev.BOOTSTRAPPED, [c, stranger])
     with pytest.raises(LifecycleError, match="belongs to another lifecycle"):
-        o.lc.trigger(stranger, "bootstrapped")
+        o.lc.trigger(stranger, Ev.BOOTSTRAPPED)
     with pytest.raises(LifecycleError, match="never admitted"):
         prefill_request("loose").bootstrapped()
     assert o.state(reqs) == before
     assert other.state([stranger])["states"] == {"s": P.BOOTSTRAPPING}
-    o.lc.fire("schedule", [])  # an empty batch is a no-op
+    o.lc.fire(Ev.SCHEDULE, [])  # an empty batch is a no-op
     assert o.state(reqs) == before
 
 
@@ -256,20 +258,20 @@ def _walk(fire_one: bool) -> tuple[list[list[tuple[float, str]]], list[tuple[str
     reqs = o.admit("a", "b", "c")
     a, b, c = reqs
 
-    def fire(event: str, batch: list[PrefillRequest], **kw: Any) -> None:
+    def fire(event: PrefillEvent, batch: list[PrefillRequest], **kw: Any) -> None:
         if fire_one:
             for r in batch:
                 o.lc.trigger(r, event, **kw)
         else:
             o.lc.fire(event, batch, **kw)
 
-    fire("bootstrapped", [a, b, c])
-    fire("schedule", [a, b])
-    fire("abort", [c], reason=FailureReason.ABORTED)
+    fire(Ev.BOOTSTRAPPED, [a, b, c])
+    fire(Ev.SCHEDULE, [a, b])
+    fire(Ev.ABORT, [c], reason=FailureReason.ABORTED)
     a.computed = b.computed = 8
-    fire("prefilled", [a, b])
-    fire("transferred", [a])
-    fire("fail", [b], reason=FailureReason.TRANSFER_FAILED)
+    fire(Ev.PREFILLED, [a, b])
+    fire(Ev.TRANSFERRED, [a])
+    fire(Ev.FAIL, [b], reason=FailureReason.TRANSFER_FAILED)
     assert collections.Counter(r.reason for r in reqs) == {
         None: 1, FailureReason.ABORTED: 1, FailureReason.TRANSFER_FAILED: 1
     }
