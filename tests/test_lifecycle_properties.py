@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 
 import attrs
-from hypothesis import given, settings
+from hypothesis import given
 
 from lifecycle import (
     DECODE_TABLE,
@@ -20,11 +20,11 @@ from lifecycle import (
     Tracked,
     make_table,
 )
-from lifecycle.testing import lifecycle_state_machine, satisfy_prefill_guards
+from lifecycle.testing import fuzz_settings, lifecycle_state_machine, satisfy_prefill_guards
 from lifecycle.timeline import records
 from tests.strategies import decode_request, event_sequences, legal_walks, prefill_request
 
-STATEFUL = settings(stateful_step_count=30)
+STATEFUL = fuzz_settings(stateful_step_count=30)
 
 TestPrefillLifecycle = lifecycle_state_machine(
     PREFILL_TABLE, prefill_request, satisfy=satisfy_prefill_guards
@@ -64,7 +64,7 @@ JOB_TABLE = make_table(
 class JobRecord(Tracked):
     retries_left: int = attrs.field(default=0, kw_only=True)
 
-    def can_retry(self, _event: object = None) -> bool:
+    def can_retry(self) -> bool:
         return self.retries_left > 0
 
 
