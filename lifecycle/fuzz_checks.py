@@ -11,7 +11,7 @@ import collections
 import copy
 import enum
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -82,6 +82,48 @@ def field_strategies(record: type) -> dict[str, st.SearchStrategy[Any]]:
         if f.name not in _TRACKED_FIELDS and f.init and strategy is not None:
             out[f.name] = strategy
     return out
+
+
+def redraw_fields(data: st.DataObject, req: Any) -> str:
+    """Set ``req``'s plain fields to drawn values; what was set, for the event program."""
+    values = {
+        name: data.draw(strategy, label=name)
+        for name, strategy in field_strategies(type(req)).items()
+    }
+    for name, value in values.items():
+        setattr(req, name, value)
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
+
+
+@attrs.frozen
+class Snapshot:
+    """What a refused event must leave as it was."""
+
+    states: tuple[enum.IntEnum | None, ...]
+    timelines: tuple[int, ...]
+    reasons: tuple[enum.Enum | None, ...]
+    counts: dict[enum.IntEnum, int]
+    finished: dict[tuple[enum.IntEnum, enum.Enum | None], int]
+    hook_calls: dict[str, dict[str, int]]
+    fired: int
+
+    @classmethod
+    def of(
+        cls,
+        requests: Iterable[Any],
+        lifecycle: Lifecycle[Any],
+        hook_calls: Mapping[str, collections.Counter[str]],
+    ) -> Snapshot:
+        reqs = list(requests)
+        return cls(
+            states=tuple(r.state for r in reqs),
+            timelines=tuple(len(r.timeline) for r in reqs),
+            reasons=tuple(r.reason for r in reqs),
+            counts=lifecycle.counts(),
+            finished=dict(lifecycle.finished),
+            hook_calls={k: dict(v) for k, v in hook_calls.items()},
+            fired=lifecycle.transitions_fired,
+        )
 
 
 def timeline_lines(req: Any, table: LifecycleTable) -> list[str]:

@@ -43,8 +43,9 @@ from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, Lifecyc
 from lifecycle.fuzz_checks import (
     MachineInvariants,
     RuleBroken,
-    field_strategies,
+    Snapshot,
     record_fields,
+    redraw_fields,
     report,
 )
 from lifecycle.machine import Lifecycle
@@ -73,17 +74,6 @@ class MachineConfig:
     redraw_fields: bool = False
 
 
-@attrs.frozen
-class _Snapshot:
-    states: tuple[enum.IntEnum | None, ...]
-    timelines: tuple[int, ...]
-    reasons: tuple[enum.Enum | None, ...]
-    counts: dict[enum.IntEnum, int]
-    finished: dict[tuple[enum.IntEnum, enum.Enum | None], int]
-    hook_calls: dict[str, dict[str, int]]
-    fired: int
-
-
 class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     """Fires random events at a real :class:`Lifecycle`; see the module docstring.
 
@@ -101,13 +91,12 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.hook_calls: dict[str, collections.Counter[str]] = collections.defaultdict(
             collections.Counter
         )
+        clock = lambda: self.now  # noqa: E731 - the machine moves time itself
         self.lifecycle: Lifecycle[Any] = Lifecycle(
-            cfg.table, self._counting_hooks(cfg.hooks), clock=self._clock
+            cfg.table, self._counting_hooks(cfg.hooks), clock=clock
         )
         # A second owner, so batches can be offered a request that is not ours.
-        self.other: Lifecycle[Any] = Lifecycle(
-            cfg.table, self._counting_hooks({}), clock=self._clock
-        )
+        self.other: Lifecycle[Any] = Lifecycle(cfg.table, self._counting_hooks({}), clock=clock)
         self.requests: dict[str, Any] = {}
         self.model: dict[str, enum.IntEnum] = {}
         self.checks = cfg.invariants
@@ -115,9 +104,6 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.serial = 0
         entry = _TABLE_STRATEGIES.setdefault(id(cfg.table), (cfg.table, {}))
         self._strategies = entry[1]
-
-    def _clock(self) -> float:
-        return self.now
 
     def _counting_hooks(self, user: Mapping[str, Callable[..., None]]) -> dict[str, Any]:
         def counting(name: str) -> Callable[[Any, Any], None]:
@@ -144,46 +130,38 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.serial += 1
         return self.config.make_request(f"r{self.serial}")
 
-    def _snapshot(self) -> _Snapshot:
-        reqs = list(self.requests.values())
-        return _Snapshot(
-            states=tuple(r.state for r in reqs),
-            timelines=tuple(len(r.timeline) for r in reqs),
-            reasons=tuple(r.reason for r in reqs),
-            counts=self.lifecycle.counts(),
-            finished=dict(self.lifecycle.finished),
-            hook_calls={k: dict(v) for k, v in self.hook_calls.items()},
-            fired=self.lifecycle.transitions_fired,
-        )
+    def _snapshot(self) -> Snapshot:
+        return Snapshot.of(self.requests.values(), self.lifecycle, self.hook_calls)
 
-    def _unchanged(self, before: _Snapshot, what: str) -> None:
+    def _unchanged(self, before: Snapshot, what: str) -> None:
         if self._snapshot() != before:
             raise self.broken("a refused event changes nothing", f"{what} changed the state")
 
     def _draw_event(self, data: st.DataObject, state: enum.IntEnum) -> str:
         # Mostly the state's forward events (failure is easy to reach, depth is not), else any
         # event at all, including one no table has.
-        progress = [
-            str(e.event)
-            for e in self.table.edges
-            if e.source is state and e.event not in self.table.failure_events
-        ]
-        key = ("event", state)
-        strategy = self._strategies.get(key)
+        strategy = self._strategies.get(("event", state))
         if strategy is None:
+            progress = tuple(
+                str(e.event) for e in self.table.edges
+                if e.source is state and e.event not in self.table.failure_events
+            )
             anything = st.sampled_from((*map(str, self.table.events), UNKNOWN_EVENT))
-            forward = st.sampled_from(tuple(progress)) if progress else anything
-            strategy = self._strategies[key] = st.one_of(forward, forward, forward, anything)
-        return data.draw(strategy, label="event")
+            forward = st.sampled_from(progress) if progress else anything
+            strategy = st.one_of(forward, forward, forward, anything)
+            self._strategies[("event", state)] = strategy
+        event: str = data.draw(strategy, label="event")
+        return event
 
     def _draw_reason(self, data: st.DataObject) -> enum.Enum | None:
-        reasons = self.table.reasons
-        if reasons is None:
+        if self.table.reasons is None:
             return None
         strategy = self._strategies.get("reason")
         if strategy is None:
-            strategy = self._strategies["reason"] = st.none() | st.sampled_from(list(reasons))
-        return data.draw(strategy, label="reason")
+            strategy = st.none() | st.sampled_from(list(self.table.reasons))
+            self._strategies["reason"] = strategy
+        reason: enum.Enum | None = data.draw(strategy, label="reason")
+        return reason
 
     def _maybe_satisfy(self, data: st.DataObject, reqs: Sequence[Any], event: str) -> None:
         satisfy, redraw = self.config.satisfy, self.config.redraw_fields
@@ -196,14 +174,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             if satisfy is not None:
                 satisfy(r, edge)
             elif edge.guarded:
-                values = {
-                    name: data.draw(strategy, label=name)
-                    for name, strategy in field_strategies(type(r)).items()
-                }
-                for name, value in values.items():
-                    setattr(r, name, value)
-                shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-                self.program.append(f"{r.rid}: fields set to {shown}")
+                self.program.append(f"{r.rid}: fields set to {redraw_fields(data, r)}")
 
     def _pure_refusal(self, req: Any, event: str, edge: Edge | None) -> str:
         """Why ``event`` would be refused for ``req``, checking that its guards are pure."""

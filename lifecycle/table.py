@@ -126,6 +126,27 @@ def _normalise_events(
     return tuple(out)
 
 
+def _lookup(
+    name: str, states: type[enum.IntEnum], edges: tuple[Edge, ...]
+) -> dict[tuple[enum.IntEnum, str], Edge]:
+    lookup: dict[tuple[enum.IntEnum, str], Edge] = {}
+    for e in edges:
+        for s in (e.source, e.dest):
+            if not isinstance(s, states):
+                raise InvalidTable(
+                    f"{name}: edge {str(e.event)!r} names {s!r}, not a {states.__name__}"
+                )
+        key = (e.source, e.event)
+        if key in lookup:
+            # One event from one state has one outcome: a second edge would make the table
+            # ambiguous, and the guards are checks, not a dispatch mechanism.
+            raise InvalidTable(
+                f"{name}: two edges for event {str(e.event)!r} from state {e.source.name}"
+            )
+        lookup[key] = e
+    return lookup
+
+
 def make_table(
     name: str,
     states: type[enum.IntEnum],
@@ -149,21 +170,7 @@ def make_table(
     """
     edges = _normalise_events(name, events, tuple(edges))
     finals = frozenset(finals)
-    lookup: dict[tuple[enum.IntEnum, str], Edge] = {}
-    for e in edges:
-        for s in (e.source, e.dest):
-            if not isinstance(s, states):
-                raise InvalidTable(
-                    f"{name}: edge {str(e.event)!r} names {s!r}, not a {states.__name__}"
-                )
-        key = (e.source, e.event)
-        if key in lookup:
-            # One event from one state has one outcome: a second edge would make the table
-            # ambiguous, and the guards are checks, not a dispatch mechanism.
-            raise InvalidTable(
-                f"{name}: two edges for event {str(e.event)!r} from state {e.source.name}"
-            )
-        lookup[key] = e
+    lookup = _lookup(name, states, edges)
     all_events = tuple(dict.fromkeys(e.event for e in edges))
     by_name = {str(e): e for e in all_events}
     entered = {s: _names(hs) for s, hs in (on_enter or {}).items()}

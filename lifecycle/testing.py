@@ -31,6 +31,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
+from lifecycle.errors import MissingHook
 from lifecycle.fuzz_checks import RuleBroken
 from lifecycle.fuzzer import UNKNOWN_EVENT, LifecycleMachine, MachineConfig
 from lifecycle.prefill import PrefillRequest
@@ -172,6 +173,9 @@ def lifecycle_state_machine(
     settings are
     :func:`fuzz_settings` (``explain`` turns Hypothesis's explain phase back on).
     """
+    unknown = sorted(set(hooks or {}) - table.hooks())
+    if unknown:
+        raise MissingHook(f"{table.name}: hooks given that the table does not name: {unknown}")
     config = MachineConfig(
         table, make_request, dict(hooks or {}), satisfy, tuple(invariants), redraw_fields
     )

@@ -150,56 +150,68 @@ def to_perfetto(
     reqs = [r for r in requests if r.timeline]
     if not reqs:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
-    zero = origin if origin is not None else min(r.timeline[0][0] for r in reqs)
-    end = now if now is not None else max(r.timeline[-1][0] for r in reqs)
-
-    def us(t: float) -> float:
-        return round((t - zero) * 1e6, 3)
-
-    def visit(
-        tid: int, cat: str, state: enum.IntEnum, start: float, stop: float, args: dict[str, Any]
-    ) -> dict[str, Any]:
-        # One complete slice: the stay in ``state`` from ``start`` to ``stop``.
-        return {
-            "ph": "X",
-            "pid": pid,
-            "tid": tid,
-            "cat": cat,
-            "name": state.name,
-            "ts": us(start),
-            "dur": round(max(stop - start, 0.0) * 1e6, 3),
-            "args": args,
-        }
-
+    axis = _Axis(
+        pid=pid,
+        zero=origin if origin is not None else min(r.timeline[0][0] for r in reqs),
+        end=now if now is not None else max(r.timeline[-1][0] for r in reqs),
+    )
     if process is None:
         process = _table_of(reqs[0], table).name
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process}}
     ]
     for tid, req in enumerate(reqs, start=1):
-        tbl = _table_of(req, table)
-        events.append(
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": req.rid}}
-        )
+        events += axis.track(tid, req, _table_of(req, table))
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+@attrs.frozen
+class _Axis:
+    """One process's time axis in a trace: microseconds since ``zero``; open stays end at
+    ``end``."""
+
+    pid: int
+    zero: float
+    end: float
+
+    def us(self, t: float) -> float:
+        return round((t - self.zero) * 1e6, 3)
+
+    def visit(
+        self, tid: int, cat: str, state: enum.IntEnum, start: float, stop: float,
+        args: dict[str, Any],
+    ) -> dict[str, Any]:
+        """One complete slice: the stay in ``state`` from ``start`` to ``stop``."""
+        return {
+            "ph": "X", "pid": self.pid, "tid": tid, "cat": cat, "name": state.name,
+            "ts": self.us(start), "dur": round(max(stop - start, 0.0) * 1e6, 3), "args": args,
+        }
+
+    def track(self, tid: int, req: Timed, tbl: LifecycleTable) -> list[dict[str, Any]]:
+        """The events of one request's track: its name, a slice per state, instants."""
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "thread_name", "pid": self.pid, "tid": tid,
+             "args": {"name": req.rid}}
+        ]
         entered_state, entered_at = tbl.initial, req.timeline[0][0]
         for rec in records(req, tbl):
-            base = {"pid": pid, "tid": tid, "cat": tbl.name, "ts": us(rec.time)}
+            base = {"pid": self.pid, "tid": tid, "cat": tbl.name, "ts": self.us(rec.time)}
             if rec.dest is rec.source:
                 events.append(
                     {**base, "ph": "i", "s": "t", "name": rec.event, "args": {"rid": rec.rid}}
                 )
                 continue
             left = {"rid": rec.rid, "exit": rec.event}
-            events.append(visit(tid, tbl.name, entered_state, entered_at, rec.time, left))
+            events.append(self.visit(tid, tbl.name, entered_state, entered_at, rec.time, left))
             entered_state, entered_at = rec.dest, rec.time
             if rec.dest in tbl.finals:
-                reason = _reason_name(rec.reason)
-                args = {"rid": rec.rid, "reason": reason, "detail": req.detail}
+                args = {"rid": rec.rid, "reason": _reason_name(rec.reason), "detail": req.detail}
                 events.append({**base, "ph": "i", "s": "t", "name": rec.dest.name, "args": args})
         if entered_state not in tbl.finals:
             still_open = {"rid": req.rid, "open": True}
-            events.append(visit(tid, tbl.name, entered_state, entered_at, end, still_open))
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+            events.append(self.visit(tid, tbl.name, entered_state, entered_at, self.end,
+                                     still_open))
+        return events
 
 
 def _reason_name(reason: enum.Enum | None) -> str | int | None:
