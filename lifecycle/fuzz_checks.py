@@ -18,6 +18,7 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant
 
+from lifecycle.binding import hook_takes_event
 from lifecycle.invariants import expected_hook_calls, timeline_violations
 from lifecycle.machine import Lifecycle
 from lifecycle.table import LifecycleTable
@@ -82,6 +83,28 @@ def field_strategies(record: type) -> dict[str, st.SearchStrategy[Any]]:
         if f.name not in _TRACKED_FIELDS and f.init and strategy is not None:
             out[f.name] = strategy
     return out
+
+
+def counting_hooks(
+    table: LifecycleTable,
+    user: Mapping[str, Callable[..., None]],
+    calls: Mapping[str, collections.Counter[str]],
+) -> dict[str, Callable[[Any, Any], None]]:
+    """A hook for every hook ``table`` names that counts its calls per request in ``calls``
+    (a defaultdict), then calls the embedder's hook of that name, if given, in its form."""
+
+    def counting(name: str) -> Callable[[Any, Any], None]:
+        inner = user.get(name)
+        takes = inner is not None and hook_takes_event(table.name, name, inner)
+
+        def hook(req: Any, event: Any) -> None:
+            calls[req.rid][name] += 1
+            if inner is not None:
+                inner(req, event) if takes else inner(req)
+
+        return hook
+
+    return {name: counting(name) for name in table.hooks()}
 
 
 def redraw_fields(data: st.DataObject, req: Any) -> str:

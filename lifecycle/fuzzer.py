@@ -38,12 +38,12 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from lifecycle.binding import hook_takes_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError
 from lifecycle.fuzz_checks import (
     MachineInvariants,
     RuleBroken,
     Snapshot,
+    counting_hooks,
     record_fields,
     redraw_fields,
     report,
@@ -88,15 +88,16 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.table = cfg.table
         self.now = 0.0
         self.program: list[str] = []
+        self.attempt = ""  # the step under way, until its outcome is in the program
         self.hook_calls: dict[str, collections.Counter[str]] = collections.defaultdict(
             collections.Counter
         )
         clock = lambda: self.now  # noqa: E731 - the machine moves time itself
-        self.lifecycle: Lifecycle[Any] = Lifecycle(
-            cfg.table, self._counting_hooks(cfg.hooks), clock=clock
-        )
+        hooks = counting_hooks(cfg.table, cfg.hooks, self.hook_calls)
+        self.lifecycle: Lifecycle[Any] = Lifecycle(cfg.table, hooks, clock=clock)
         # A second owner, so batches can be offered a request that is not ours.
-        self.other: Lifecycle[Any] = Lifecycle(cfg.table, self._counting_hooks({}), clock=clock)
+        others = counting_hooks(cfg.table, {}, self.hook_calls)
+        self.other: Lifecycle[Any] = Lifecycle(cfg.table, others, clock=clock)
         self.requests: dict[str, Any] = {}
         self.model: dict[str, enum.IntEnum] = {}
         self.checks = cfg.invariants
@@ -105,24 +106,15 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         entry = _TABLE_STRATEGIES.setdefault(id(cfg.table), (cfg.table, {}))
         self._strategies = entry[1]
 
-    def _counting_hooks(self, user: Mapping[str, Callable[..., None]]) -> dict[str, Any]:
-        def counting(name: str) -> Callable[[Any, Any], None]:
-            inner = user.get(name)
-            takes = inner is not None and hook_takes_event(self.table.name, name, inner)
-
-            def hook(req: Any, event: Any) -> None:
-                self.hook_calls[req.rid][name] += 1
-                if inner is not None:
-                    inner(req, event) if takes else inner(req)
-
-            return hook
-
-        return {name: counting(name) for name in self.table.hooks()}
+    def _done(self, step: str) -> None:
+        self.program.append(step)
+        self.attempt = ""
 
     def broken(self, rule_name: str, message: str, rid: str | None = None) -> RuleBroken:
         """The error for a broken rule, with the program so far and ``rid``'s timeline."""
         req = self.requests.get(rid) if rid is not None else None
-        return report(rule_name, message, self.program, req, self.table)
+        steps = [*self.program, f"{self.attempt}   <- here"] if self.attempt else self.program
+        return report(rule_name, message, steps, req, self.table)
 
     # -- building blocks of the rules -------------------------------------------------------
 
@@ -174,7 +166,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             if satisfy is not None:
                 satisfy(r, edge)
             elif edge.guarded:
-                self.program.append(f"{r.rid}: fields set to {redraw_fields(data, r)}")
+                self._done(f"{r.rid}: fields set to {redraw_fields(data, r)}")
 
     def _pure_refusal(self, req: Any, event: str, edge: Edge | None) -> str:
         """Why ``event`` would be refused for ``req``, checking that its guards are pure."""
@@ -254,7 +246,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             self.model[req.rid] = self.table.initial
             new.append(req.rid)
             self.touched.add(req.rid)
-        self.program.append(f"admit {', '.join(new)}")
+        self._done(f"admit {', '.join(new)}")
         if not data.draw(_BOOLEANS, label="admit again"):
             return
         rid = data.draw(st.sampled_from(sorted(self.requests)), label="again")
@@ -266,7 +258,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             except LifecycleError:
                 continue
             raise self.broken("admission", f"admitting {rid} again was accepted", rid)
-        self.program.append(f"admit {rid} again: refused")
+        self._done(f"admit {rid} again: refused")
         self._unchanged(before, f"admitting {rid} again")
 
     def _tick(self, data: st.DataObject) -> None:
@@ -287,28 +279,28 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         reason = self._draw_reason(data) if event in self.table.failure_events else None
         self._maybe_satisfy(data, [req], event)
         edge = self.table.lookup.get((self.model[rid], event))
-        refusal = self._pure_refusal(req, event, edge)
         one_by_one = data.draw(_BOOLEANS, label="one by one")
+        how = self.attempt = f"{rid}.{event}()" if one_by_one else f"fire {event} [{rid}]"
+        refusal = self._pure_refusal(req, event, edge)
         before = self._snapshot()
-        how = f"{rid}.{event}()" if one_by_one else f"fire {event} [{rid}]"
         try:
             if one_by_one:
                 self._fire(lambda: self.lifecycle.trigger(req, event, reason=reason), [req], edge)
             else:
                 self._fire(lambda: self.lifecycle.fire(event, [req], reason=reason), [req], edge)
         except GuardFailed as exc:
-            self.program.append(f"{how}: refused, {exc.why}")
+            self._done(f"{how}: refused, {exc.why}")
             if edge is None or not refusal or exc.why != refusal:
                 raise self.broken("guards decide", f"{how} was refused: {exc.why}", rid) from None
             self._unchanged(before, how)
             return
         except IllegalTransition:
-            self.program.append(f"{how}: refused, no edge from {self.model[rid].name}")
+            self._done(f"{how}: refused, no edge from {self.model[rid].name}")
             if edge is not None:
                 raise self.broken("table edges are taken", f"{how} was refused", rid) from None
             self._unchanged(before, how)
             return
-        self.program.append(f"{how} -> {req.state.name}")
+        self._done(f"{how} -> {req.state.name}")
         if edge is None or refusal:
             raise self.broken("illegal events are refused", f"{how} was accepted", rid)
         self._moved([req], edge, before.fired)
@@ -358,23 +350,24 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         reason = self._draw_reason(data) if event in self.table.failure_events else None
         self._maybe_satisfy(data, [r for r in batch if r.rid in self.model], event)
         edge = self.table.lookup.get((state, event))
+        how = f"fire {event} [{', '.join(r.rid for r in batch)}]"
+        if intruder != "none":
+            how += f" ({intruder.replace('_', ' ')} intruder)"
+        self.attempt = how
         ours = [r for r in batch if r.rid in self.requests and r is self.requests[r.rid]]
         legal = intruder == "none" and edge is not None and not any(
             [self._pure_refusal(r, event, edge) for r in ours]
         )
-        how = f"fire {event} [{', '.join(r.rid for r in batch)}]"
-        if intruder != "none":
-            how += f" ({intruder.replace('_', ' ')} intruder)"
         before = self._snapshot()
         try:
             self._fire(lambda: self.lifecycle.fire(event, batch, reason=reason), batch, edge)
         except LifecycleError as exc:
-            self.program.append(f"{how}: refused")
+            self._done(f"{how}: refused")
             if legal:
                 raise self.broken("legal batches move", f"{how} was refused: {exc}") from None
             self._unchanged(before, how)
             return
-        self.program.append(f"{how} -> {edge.dest.name if edge else '?'}")
+        self._done(f"{how} -> {edge.dest.name if edge else '?'}")
         if not legal or edge is None:
             raise self.broken("illegal batches are refused", f"{how} was accepted")
         self._moved(batch, edge, before.fired)
@@ -391,9 +384,10 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         reason = self._draw_reason(data)
         victims = [self.requests[r] for r in rids]
         self.touched = set(rids)
-        self.program.append(f"fail [{', '.join(rids)}] by {event}")
+        self.attempt = f"fail [{', '.join(rids)}] by {event}"
         self._fire(lambda: self.lifecycle.fail(victims, reason, "injected", event=event),
                    victims, None)
+        self._done(self.attempt)
         for r in victims:
             self.model[r.rid] = self.table.lookup[(self.model[r.rid], event)].dest
             if r.state is not self.model[r.rid] or r.detail != "injected" or (

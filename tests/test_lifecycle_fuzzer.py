@@ -106,6 +106,8 @@ def test_a_guard_that_changes_the_record_is_reported() -> None:
     text = _broken(lifecycle_state_machine(ORDER_TABLE, ChargingOrder, satisfy=satisfy))
     assert text.startswith("rule broken: guards are pure\n")
     assert "evaluating the guards of 'pay' (paid_in_full) on r1 changed its charges" in text
+    # The step under way when the rule broke ends the program.
+    assert re.search(r"\n  \d+\. (r1\.pay\(\)|fire pay \[r1\])   <- here\ntimeline", text)
 
 
 _coin = itertools.cycle([True, False])
