@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from examples.orders import ORDER_TABLE, Order, Shop, holds_nothing_once_ended, satisfy
+from lifecycle.diagram import mermaid
 from lifecycle.testing import fuzz_settings, lifecycle_state_machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,24 @@ def test_the_example_runs_as_documented() -> None:
     assert "perfetto trace: 18 events, process 'order'" in out
     assert "  ANY_LIVE --> CANCELLED: cancel" in out
     assert out[-1] == "ok"
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+def test_the_guide_shows_the_examples_code_and_diagram() -> None:
+    guide = (ROOT / "docs" / "framework.md").read_text()
+    source = EXAMPLE.read_text()
+    blocks = _python_blocks(guide)
+    # The enums, the table and the shop's hooks are the example's own lines.
+    for start in ("class OrderState(", "ORDER_TABLE = make_table(", "    def release("):
+        block = next(b for b in blocks if start in b)
+        snippet = block[block.index(start):].split("\n\n")[0]
+        assert snippet in source, snippet
+    assert f"```mermaid\n{mermaid(ORDER_TABLE, collapse_failures=True)}```" in guide
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/framework.md" in readme
 
 
 # Fuzzing the order lifecycle in CI, with the shop's own hooks and an invariant of its own.
