@@ -87,8 +87,6 @@ def expected_hook_calls(req: Tracked, table: LifecycleTable) -> collections.Coun
     it took plus the ``on_enter`` hooks of every state it entered."""
     calls: collections.Counter[str] = collections.Counter()
     for rec in records(req, table):
-        edge = table.lookup[(rec.source, rec.event)]
-        calls.update(edge.after)
-        calls.update(table.on_enter.get(rec.dest, ()))
+        calls.update(table.hooks_of(table.lookup[(rec.source, rec.event)]))
     return calls
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from lifecycle.binding import Firing
 from lifecycle.errors import LifecycleError
 from lifecycle.table import LifecycleTable
 
@@ -29,7 +30,7 @@ class Owner(Protocol):
         self, req: Any, event: str, *, reason: enum.Enum | None = None, detail: str = ""
     ) -> None: ...
 
-    def _moved_by_machine(self, req: Any, firing: Any) -> None: ...
+    def _moved_by_machine(self, req: Any, firing: Firing) -> None: ...
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)
