@@ -9,12 +9,18 @@ Another 5% of requests are aborted by the client on both sides a few passes afte
 sent, in whatever state they reached. Rooms are numbered by the pair from 1 in submission
 order, which is how a fault finds its request.
 
+The prefill side runs the prefix cache (``--disable-radix-cache`` turns it off): half the
+prompts start with one of a few shared system prompts, so faults and aborts land on requests
+whose pages are shared through the radix tree.
+
 Checked at the end: every request got exactly one answer from prefill and one from decode,
 both pools and both slot allocators are full again, both schedulers' invariants hold, and a
-fresh request is answered with the colocated reference's tokens. Last line:
-``RESULT soak requests=<n> lost=<n> duplicated=<n> leaked_pages=<n> leaked_slots=<n>
-seconds=<t>``; the exit status is 1 if any count is not zero or the fresh request's tokens
-differ.
+fresh request (which shares a cached system prompt) is answered with the colocated reference's
+tokens. With the cache, the pages the tree still owns are not leaked as long as no request
+locks them: ``leaked_pages`` counts pages neither free nor evictable cache pages, so a lock
+that outlived its request counts. Last line: ``RESULT soak requests=<n> lost=<n>
+duplicated=<n> leaked_pages=<n> leaked_slots=<n> seconds=<t> hit_rate=<cached ÷ prompt
+tokens>``; the exit status is 1 if any count is not zero or the fresh request's tokens differ.
 """
 
 from __future__ import annotations
@@ -81,20 +87,18 @@ class FaultySender:
         return bool(self.inner.quiescent())
 
 
-class FaultyManager:
-    """The prefill side's local manager, with the senders of ``faults`` rooms wrapped."""
+def inject_faults(manager: Any, faults: dict[int, str]) -> None:
+    """Wrap the senders ``manager`` creates for the rooms of ``faults``. The manager itself
+    stays the scheduler's (its identity keys the scheduler's room registry, its queue pushes
+    readiness); only its ``create_sender`` is replaced, on this instance."""
+    create = manager.create_sender
 
-    def __init__(self, inner: Any, faults: dict[int, str]) -> None:
-        self.inner, self.faults = inner, faults
-        self.ready = inner.ready
+    def create_sender(bootstrap_addr: str, room: int) -> Any:
+        sender = create(bootstrap_addr, room)
+        kind = faults.get(room)
+        return sender if kind is None else FaultySender(sender, kind, manager.ready.put)
 
-    def create_sender(self, bootstrap_addr: str, room: int) -> Any:
-        sender = self.inner.create_sender(bootstrap_addr, room)
-        kind = self.faults.get(room)
-        return sender if kind is None else FaultySender(sender, kind, self.ready.put)
-
-    def close(self) -> None:
-        self.inner.close()
+    manager.create_sender = create_sender
 
 
 def _counting(inner: Callable[[Any], None], counts: collections.Counter[str]
@@ -107,14 +111,22 @@ def _counting(inner: Callable[[Any], None], counts: collections.Counter[str]
     return on_response
 
 
-def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
+def _prompt(rng: random.Random, systems: list[list[int]]) -> list[int]:
+    """Half the prompts start with a shared system prompt."""
+    own = [rng.randrange(256) for _ in range(rng.randrange(1, 24))]
+    return (rng.choice(systems) if rng.random() < 0.5 else []) + own
+
+
+def soak(requests: int, wave: int, seed: int, overlap: bool, cache: bool) -> dict[str, Any]:
     rng = random.Random(seed)
     model = ModelConfig.tiny(seed)
     config = PairConfig(
         model=model,
-        scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16, max_prefill_tokens=512),
+        scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16, max_prefill_tokens=512,
+                                  radix_cache=cache),
         prefill_pages=512, decode_pages=512, metadata_slots=64, overlap=overlap,
     )
+    systems = [[rng.randrange(256) for _ in range(n)] for n in (8, 13, 16, 20)]
     pair = EmbeddedPair(config)
     faults: dict[int, str] = {}
     aborts: dict[int, list[str]] = collections.defaultdict(list)
@@ -127,7 +139,7 @@ def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
             faults[i + 1] = TRANSFER
         elif roll < 0.15:
             aborts[i % wave].append(rid)  # aborted after (its index in the wave) passes, capped
-    pair.prefill.kv = FaultyManager(pair.prefill_kv, faults)
+    inject_faults(pair.prefill_kv, faults)
     prefill_counts: collections.Counter[str] = collections.Counter()
     decode_counts: collections.Counter[str] = collections.Counter()
     pair.prefill.on_response = _counting(pair.prefill.on_response, prefill_counts)
@@ -137,8 +149,8 @@ def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
     for first in range(0, requests, wave):
         batch = rids[first : first + wave]
         for rid in batch:
-            prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 24))]
-            pair.submit(rid, prompt, SamplingParams(max_new_tokens=rng.randrange(1, 4)))
+            pair.submit(rid, _prompt(rng, systems),
+                        SamplingParams(max_new_tokens=rng.randrange(1, 4)))
         for n in range(8):  # a few passes, then the client aborts land in whatever state
             pair.step()
             for rid in (r for k in range(n * wave // 8, (n + 1) * wave // 8)
@@ -149,7 +161,12 @@ def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
 
     pair.prefill.check_invariants()
     pair.decode.check_invariants()
-    leaked_pages = pair.prefill_pool.allocator.in_use() + pair.decode_pool.allocator.in_use()
+    prefix = pair.prefill.prefix
+    cached = 0 if prefix is None else prefix.tree.evictable  # owned by the tree, unlocked
+    leaked_pages = (pair.prefill_pool.allocator.in_use() - cached
+                    + pair.decode_pool.allocator.in_use())
+    prompt_tokens = sum(r.prompt_tokens for r in pair.prefill_responses.values())
+    hit_rate = sum(r.cached_tokens for r in pair.prefill_responses.values()) / prompt_tokens
     leaked_slots = (pair.prefill.slots.num_slots - pair.prefill.slots.available()) + (
         pair.decode.slots.num_slots - pair.decode.slots.available())
     lost = sum(1 for r in rids if not prefill_counts[r] or not decode_counts[r])
@@ -158,7 +175,7 @@ def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
         "done" if r.ok else r.reason.value for r in pair.prefill_responses.values()
     )
     # Healthy afterwards: a fresh request gets the colocated reference's tokens.
-    prompt = [rng.randrange(256) for _ in range(21)]
+    prompt = systems[-1] + [rng.randrange(256) for _ in range(21)]
     pair.submit("fresh", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
     fresh = pair.run_until_done(["fresh"])["fresh"]
     want = ReferenceModel(pair.model).generate(prompt, 4, (), True)
@@ -166,6 +183,7 @@ def soak(requests: int, wave: int, seed: int, overlap: bool) -> dict[str, Any]:
     pair.close()
     return dict(requests=requests, lost=lost, duplicated=duplicated, leaked_pages=leaked_pages,
                 leaked_slots=leaked_slots, seconds=seconds, outcomes=outcomes, healthy=healthy,
+                hit_rate=hit_rate,
                 injected=collections.Counter(faults.values()),
                 aborted=sum(len(v) for v in aborts.values()))
 
@@ -176,16 +194,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wave", type=int, default=200, help="requests sent per wave")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overlap", action="store_true", help="the overlap loop on prefill")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="run the prefill side without the prefix cache")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)  # every injected failure is logged; the counts matter
-    r = soak(args.requests, args.wave, args.seed, args.overlap)
+    r = soak(args.requests, args.wave, args.seed, args.overlap, not args.disable_radix_cache)
     print(f"injected: {dict(r['injected'])}, client aborts: {r['aborted']}")
     print(f"prefill outcomes: {dict(sorted(r['outcomes'].items()))}")
     print(f"fresh request after the soak answered like the reference: {r['healthy']}")
     bad = r["lost"] or r["duplicated"] or r["leaked_pages"] or r["leaked_slots"]
     print(f"RESULT soak requests={r['requests']} lost={r['lost']} duplicated={r['duplicated']} "
           f"leaked_pages={r['leaked_pages']} leaked_slots={r['leaked_slots']} "
-          f"seconds={r['seconds']:.1f}")
+          f"seconds={r['seconds']:.1f} hit_rate={r['hit_rate']:.3f}")
     return 1 if bad or not r["healthy"] else 0
 
 
