@@ -200,6 +200,7 @@ def main() -> int:
     for order in (a, b, c, d):
         steps = " -> ".join(f"{r.event}:{r.dest.name}" for r in records(order))
         reason = order.reason.value if order.reason else "-"
+        assert order.state is not None  # admitted
         print(f"{order.rid}: {order.state.name:9} reason={reason} detail={order.detail!r} "
               f"[{steps}]")
     print("outbox:", "; ".join(shop.outbox))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -350,3 +351,25 @@ def test_perfetto_names_the_process_after_the_table() -> None:
         "ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "shop"},
     }
     assert to_perfetto([a], process="orders")["traceEvents"][0]["args"]["name"] == "orders"
+
+
+def test_mypy_sees_declared_trigger_methods_and_event_enums(tmp_path: Path) -> None:
+    from mypy import api
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from examples.orders import Order, OrderEvent\n"
+        "order = Order('a')\n"
+        "order.pay()\n"
+        "order.cancel('changed my mind')\n"
+        "order.fire(OrderEvent.SHIP)\n"
+        "order.shp()\n"
+        "order.fire(OrderEvent.SHP)\n"
+    )
+    out, _err, status = api.run(["--strict", "--cache-dir", str(tmp_path / "cache"), str(probe)])
+    assert status == 1
+    errors = [line.split(": error: ")[1] for line in out.splitlines() if ": error: " in line]
+    assert errors == [
+        '"Order" has no attribute "shp"; maybe "ship"?  [attr-defined]',
+        '"type[OrderEvent]" has no attribute "SHP"  [attr-defined]',
+    ]
