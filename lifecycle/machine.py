@@ -94,7 +94,11 @@ class Lifecycle(Generic[R]):
         *,
         clock: Callable[[], float] = time.monotonic,
         check: bool = False,
+        record: type[R] | None = None,
     ) -> None:
+        """``hooks`` by name, each ``hook(req)`` or ``hook(req, event)``; ``record``, the record
+        class, to check the table's guards against now rather than at the first admission (a
+        table built with ``record=`` is checked already)."""
         given = dict(hooks or {})
         missing = sorted(table.hooks() - given.keys())
         if missing:
@@ -130,8 +134,9 @@ class Lifecycle(Generic[R]):
         }
         # Per record class: per guard, whether it takes the event argument.
         self._guard_forms: dict[type, dict[str, bool]] = {}
-        if table.record is not None:
-            self._bind(table.record)
+        for cls in (table.record, record):
+            if cls is not None and cls not in self._guard_forms:
+                self._bind(cls)
 
     def _bind(self, record: type) -> dict[str, bool]:
         forms = self._guard_forms[record] = guard_methods(self.table, record)

@@ -153,7 +153,9 @@ def test_a_misspelt_guard_is_refused_before_anything_fires_with_one_message() ->
     lc: Lifecycle[Order] = Lifecycle(unbound, {"charge": print, "release": print, "notify": print})
     with pytest.raises(InvalidTable) as at_admission:
         lc.admit(Order("a"))
-    assert str(at_definition.value) == str(at_admission.value) == (
+    with pytest.raises(InvalidTable) as at_construction:
+        Lifecycle(unbound, {"charge": print, "release": print, "notify": print}, record=Order)
+    assert str(at_definition.value) == str(at_admission.value) == str(at_construction.value) == (
         "shop: guard 'paid_in_ful' of event 'pay' is not a method of Order "
         "(did you mean 'paid_in_full'?)"
     )
