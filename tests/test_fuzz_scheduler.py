@@ -15,9 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from scheduler.cli.fuzz import FUZZ, run_fuzz
-from scheduler.testing.fakes import tiny_model
+from scheduler.runner import ForwardBatch
+from scheduler.testing.fakes import PageEchoRunner, echo_runner_factory, tiny_model
 from scheduler.testing.machine import scheduler_machine
 
 _DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
@@ -72,7 +74,7 @@ def test_the_cli_reports_a_broken_scheduler_with_its_program_and_rerun_line() ->
     # A reference that disagrees with the runner stands in for a scheduler that corrupts
     # a request's pages: the first DONE response breaks the first-token check.
     out = io.StringIO()
-    args = _args("--examples", "50", "--steps", "20", "--seed", "9", "--loop", "overlap")
+    args = _args("--examples", "50", "--steps", "10", "--seed", "2", "--loop", "overlap")
     status = run_fuzz(
         args, lambda loop: scheduler_machine(loop=loop, reference=lambda prompt: -1), out
     )
@@ -80,9 +82,63 @@ def test_the_cli_reports_a_broken_scheduler_with_its_program_and_rerun_line() ->
     assert status == 1
     assert "first token" in text
     assert "Failing test case" in text and "state.submit(" in text  # the shrunk program
-    assert "FAILED: the overlap loop broke an invariant (seed 9)" in text
-    assert ("rerun: pdlife fuzz --examples 50 --seed 9 --steps 20 --loop overlap "
+    assert "FAILED: the overlap loop broke an invariant (seed 2)" in text
+    assert "invariant 1 (every admission is answered once" in text  # names the invariant
+    assert ("rerun: pdlife fuzz --examples 50 --seed 2 --steps 10 --loop overlap "
             "--model echo") in text
+
+
+class _WrongLengthRunner(PageEchoRunner):
+    """A model runner that answers one token too few: the scheduler's results step raises."""
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        return super().forward(batch)[:-1]
+
+
+def _wrong_length_runner(num_pages: int, page_size: int) -> _WrongLengthRunner:
+    echo = echo_runner_factory(num_pages, page_size)
+    return _WrongLengthRunner(echo.pool)
+
+
+def test_the_cli_reports_an_exception_of_the_code_under_test_as_such() -> None:
+    out = io.StringIO()
+    args = _args("--examples", "30", "--steps", "6", "--seed", "4", "--loop", "normal")
+    status = run_fuzz(
+        args, lambda loop: scheduler_machine(loop=loop, runner_factory=_wrong_length_runner),
+        out,
+    )
+    text = out.getvalue()
+    assert status == 3
+    assert "FAILED: the code under test raised in the normal loop (seed 4)" in text
+    assert "step() raised ValueError" in text
+    assert "broke an invariant" not in text
+    assert "rerun: pdlife fuzz --examples 30 --seed 4 --steps 6 --loop normal" in text
+
+
+def test_the_cli_reports_an_error_of_the_fuzz_machine_itself() -> None:
+    # A rule whose behaviour depends on something outside the drawn choices (here a counter
+    # that survives between runs of the same program): Hypothesis cannot replay it.
+    calls = [0]
+
+    def flaky_machine(loop: str) -> type[RuleBasedStateMachine]:
+        base = scheduler_machine(loop=loop)
+
+        class Flaky(base):  # type: ignore[misc,valid-type]
+            @rule()
+            def not_replayable(self) -> None:
+                calls[0] += 1
+                if calls[0] == 5:
+                    raise RuntimeError("a bug in the machine")
+
+        return Flaky
+
+    out = io.StringIO()
+    args = _args("--examples", "50", "--steps", "10", "--seed", "1", "--loop", "normal")
+    status = run_fuzz(args, flaky_machine, out)
+    text = out.getvalue()
+    assert status == 4, text[-2000:]
+    assert "ERROR: the fuzz machine itself failed on the normal loop (seed 1)" in text
+    assert "broke an invariant" not in text
 
 
 def test_the_cli_refuses_bad_budgets() -> None:

@@ -2,9 +2,12 @@
 
 Each loop (normal, overlap, or both in turn) runs ``--examples`` random programs of up to
 ``--steps`` rules from ``--seed``. On a failure Hypothesis shrinks the program; the command
-prints it (every rule and every value drawn), the seed, and the command line that reruns
-exactly this search, and exits 1. Nothing is written to Hypothesis's example database, so a
-run depends on its arguments only.
+prints it (every rule and every value drawn), what kind of failure it is, the seed, and the
+command line that reruns exactly this search. Exit status: 0 every program kept the
+invariants; 1 an invariant was broken (the report names it); 2 bad arguments; 3 the code under
+test raised; 4 the fuzz machine itself failed (an exception in its own code, or data generation
+that did not replay). Nothing is written to Hypothesis's example database, and the machine runs
+no thread beside its rules, so a run depends on its arguments only.
 """
 
 from __future__ import annotations
@@ -50,11 +53,14 @@ def run_fuzz(
     out: TextIO = sys.stdout,
 ) -> int:
     """Fuzz every loop ``args.loop`` names with the machine ``make_machine(loop)``; print the
-    report to ``out``; 0 if every program kept the invariants, else 1."""
+    report to ``out``. Returns the exit status: 0 if every program kept the invariants, else
+    the :class:`~scheduler.testing.verdicts.Kind` of the failure (1 an invariant broken, 3 the
+    code under test raised, 4 the fuzz machine itself failed)."""
     from hypothesis import HealthCheck, seed, settings
     from hypothesis.stateful import run_state_machine_as_test
 
     from scheduler.testing.machine import iter_loops
+    from scheduler.testing.verdicts import EXIT_OK, classify
 
     run_settings = settings(
         max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
@@ -68,17 +74,28 @@ def run_fuzz(
               f"rules, seed {args.seed}", file=out, flush=True)
         try:
             run_state_machine_as_test(machine, settings=run_settings)
-        except Exception as exc:  # the report is the point: print it all, exit 1
+        except Exception as exc:  # the report is the point: print it all
             traceback.print_exception(exc, file=out)
-            print(f"\nFAILED: the {loop} loop broke an invariant (seed {args.seed}); the "
-                  "shrunk program is above.", file=out)
+            verdict = classify(exc)
+            print(f"\n{_HEADLINES[verdict.kind].format(loop=loop, seed=args.seed)}", file=out)
+            print(f"  {verdict.summary}", file=out)
             print(f"rerun: {_rerun(args, loop)}", file=out)
-            return 1
+            return int(verdict.kind)
         print(f"  ok: {args.examples} programs in {time.monotonic() - started:.1f} s",
               file=out, flush=True)
     print(f"ok: every program kept the invariants (loop {args.loop}, seed {args.seed})",
           file=out)
-    return 0
+    return EXIT_OK
+
+
+# The first line of a failure's report, by its kind (scheduler.testing.verdicts.Kind).
+_HEADLINES = {
+    1: "FAILED: the {loop} loop broke an invariant (seed {seed}); the shrunk program is above.",
+    3: "FAILED: the code under test raised in the {loop} loop (seed {seed}); the shrunk "
+       "program is above.",
+    4: "ERROR: the fuzz machine itself failed on the {loop} loop (seed {seed}); this says "
+       "nothing about the scheduler.",
+}
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -109,7 +126,9 @@ FUZZ = Subcommand(
         "every state, handshakes, bootstrap and transfer failures and timeouts, forward "
         "errors and clock jumps against a real prefill scheduler, checking the lifecycle "
         "invariants after every step and that every pool is full again at the end. On a "
-        "failure prints the shrunk program and the command that reruns it, and exits 1."
+        "failure prints the shrunk program and the command that reruns it. Exit status: 0 "
+        "ok, 1 an invariant broken, 2 bad arguments, 3 the code under test raised, 4 the fuzz "
+        "machine itself failed."
     ),
     add_arguments=_arguments,
     run=_fuzz,

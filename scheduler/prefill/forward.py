@@ -171,6 +171,9 @@ class Results:
                 # Its pages are free to reuse once it lands: the forward has ended.
                 defer_failure(chunk.req, FailureReason.INTERNAL,
                                 f"the model forward failed: {error!r}")
+        elif tokens is None or len(tokens) != len(chunks):
+            raise ValueError(f"the model runner answered {0 if tokens is None else len(tokens)} "
+                             f"tokens for a batch of {len(chunks)} requests")
         else:
             self._metrics.batches.inc()
             self._metrics.prefill_tokens.inc(launched.plan.num_tokens)

@@ -1,18 +1,19 @@
 """The whole-scheduler Hypothesis machine and the fakes at its boundaries (public; see
 ``docs/fuzzing.md``)."""
 
+from scheduler.testing.device import SteppedDevice
 from scheduler.testing.fakes import tiny_model
-from scheduler.testing.machine import (
-    LOOPS,
-    SchedulerMachine,
-    iter_loops,
-    scheduler_configs,
-    scheduler_machine,
-)
+from scheduler.testing.machine import SchedulerMachine, iter_loops, scheduler_machine
+from scheduler.testing.setup import LOOPS, MachineSetup, scheduler_configs
+from scheduler.testing.verdicts import CodeUnderTestError, InvariantViolation
 
 __all__ = [
     "LOOPS",
+    "CodeUnderTestError",
+    "InvariantViolation",
+    "MachineSetup",
     "SchedulerMachine",
+    "SteppedDevice",
     "iter_loops",
     "scheduler_configs",
     "scheduler_machine",

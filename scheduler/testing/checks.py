@@ -1,0 +1,71 @@
+"""The checks the scheduler fuzzing machine (:mod:`.machine`) runs that need no memory of
+earlier steps: pages and who may touch them, one response, the deadlines after a pass.
+Each raises :class:`~scheduler.testing.verdicts.InvariantViolation` naming its invariant."""
+
+from __future__ import annotations
+
+from kv.pages import pages_needed
+from kv.pool import KVPool
+from lifecycle import PREFILL_TABLE, FailureReason, PrefillRequest, PrefillState
+from lifecycle.invariants import timeline_violations
+from scheduler.messages import Response
+from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.runner import ModelRunner
+from scheduler.testing.fakes import Reference, ScriptedKVManager
+from scheduler.testing.setup import prompt_of
+from scheduler.testing.verdicts import invariant
+
+S = PrefillState
+
+
+def check_pages(sched: PrefillScheduler, scripted: ScriptedKVManager, runner: ModelRunner) -> None:
+    """Invariant 3: no page held twice or held while free; none free while a transfer reads it
+    or a forward writes it (the runner's own record)."""
+    with invariant(3):
+        held = set(sched.pool.allocator.held_pages())
+        owned = [p for r in sched.lifecycle.live() for p in r.pages]
+        assert len(owned) == len(set(owned)), "a page is held by two live requests"
+        assert set(owned) <= held, f"live requests hold free pages {set(owned) - held}"
+        read = {p for s in scripted.senders for p in s.reading}
+        assert read <= held, f"pages {sorted(read - held)} are free while a transfer reads them"
+        violations = getattr(runner, "violations", []) + scripted.violations
+        assert not violations, violations
+
+
+def check_response(resp: Response, pool: KVPool, reference: Reference | None) -> None:
+    """Invariants 1 and 2 for one answer: a final state with a reason exactly when FAILED,
+    ``rejected`` for a prompt that can never fit, the reference's first token when DONE, and a
+    timeline that replays through the table."""
+    with invariant(1):
+        assert resp.state in (S.DONE, S.FAILED), resp
+        assert (resp.state is S.DONE) == (resp.reason is None), resp
+        never_fits = resp.prompt_tokens == 0 or pages_needed(
+            resp.prompt_tokens, pool.page_size) > pool.num_pages
+        if never_fits:
+            assert resp.reason is FailureReason.REJECTED, resp
+        if not resp.timeline:  # refused before admission: only a duplicate id
+            assert resp.reason is FailureReason.REJECTED and "already live" in resp.detail, resp
+        if resp.ok and reference is not None:
+            want = reference(prompt_of(resp.rid, resp.prompt_tokens))
+            assert resp.first_token == want, (
+                f"{resp.rid}: first token {resp.first_token} != {want}"
+            )
+    if resp.timeline:
+        replay = PrefillRequest(resp.rid, state=resp.state, timeline=list(resp.timeline))
+        with invariant(2):
+            assert timeline_violations(replay, PREFILL_TABLE) == [], resp
+
+
+def check_deadlines(sched: PrefillScheduler, now: float) -> None:
+    """Invariant 5 after a pass: nothing live is past its state's deadline."""
+    cfg = sched.config
+    with invariant(5):
+        for req in sched.lifecycle.live():
+            if req.state is S.BOOTSTRAPPING:
+                assert now < req.timeline[0][0] + cfg.bootstrap_timeout, req
+            elif req.state is S.TRANSFERRING:
+                assert now < _entered(req, "prefilled") + cfg.transfer_timeout, req
+
+
+def _entered(req: PrefillRequest, event: str) -> float:
+    return next(t for t, e in reversed(req.timeline) if e == event)

@@ -1,0 +1,62 @@
+"""What a scheduler fuzzing machine runs: the loops, the fake host's faults, the budgets drawn
+when none is given, and the prompts submissions carry (:class:`MachineSetup`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+from hypothesis import strategies as st
+
+from kv.fake import FaultPlan
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.testing.fakes import Reference, RunnerFactory, echo_next_token, echo_runner_factory
+
+LOOPS = ("normal", "overlap", "both")
+#: The fake host's faults by default: every kind, often, with delays on the clock.
+FAKE_HOST_FAULTS = FaultPlan(
+    seed=1, bootstrap_failure=0.2, bootstrap_timeout=0.1, transfer_failure=0.2,
+    handshake_delay_polls=1, transfer_delay_s=0.5,
+)
+
+
+@attrs.frozen
+class MachineSetup:
+    """What a :class:`SchedulerMachine` runs; fields left None are drawn per example."""
+
+    config: SchedulerConfig | None = None
+    runner_factory: RunnerFactory = echo_runner_factory
+    reference: Reference | None = echo_next_token
+    pages: int | None = attrs.field(default=None)
+    slots: int | None = None
+    loop: str = attrs.field(default="both", validator=attrs.validators.in_(LOOPS))
+    faults: FaultPlan = attrs.field(factory=lambda: FAKE_HOST_FAULTS)
+    # Called at the end of every example with its program (SchedulerMachine.program).
+    on_program: Callable[[tuple[str, ...]], None] | None = None
+
+    @pages.validator
+    def _check_pages(self, _attr: object, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError(f"MachineSetup.pages must be >= 1 or None, got {value}")
+
+
+def scheduler_configs(page_size: int = 4) -> st.SearchStrategy[SchedulerConfig]:
+    """Small budgets that make chunking, page exhaustion and the batch caps likely."""
+    return st.builds(
+        SchedulerConfig,
+        page_size=st.just(page_size),
+        chunked_prefill_size=st.sampled_from([None, page_size, 2 * page_size, 3 * page_size]),
+        max_prefill_tokens=st.sampled_from([page_size, 4 * page_size, 16384]),
+        max_running_requests=st.sampled_from([1, 2, 8]),
+        prefill_max_requests=st.sampled_from([None, 1, 2]),
+        bootstrap_timeout=st.just(10.0),
+        transfer_timeout=st.just(10.0),
+        check_invariants=st.just(True),
+    )
+
+
+def prompt_of(rid: str, length: int) -> tuple[int, ...]:
+    """The prompt a submission of ``rid`` with ``length`` tokens carries (reproducible, so a
+    response can be checked against the reference from its rid and token count)."""
+    salt = sum(map(ord, rid))
+    return tuple((salt + 7 * i * i + 3 * i) % 256 for i in range(length))
