@@ -23,12 +23,13 @@ from lifecycle.prefill import (
     SamplingParams,
 )
 from lifecycle.reasons import FailureReason
-from lifecycle.record import Tracked
+from lifecycle.record import ADMITTED, Tracked
 from lifecycle.table import Edge, LifecycleTable, make_table, validate
 
 TABLES = {"prefill": PREFILL_TABLE, "decode": DECODE_TABLE}
 
 __all__ = [
+    "ADMITTED",
     "DECODE_TABLE",
     "PREFILL_TABLE",
     "TABLES",

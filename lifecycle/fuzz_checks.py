@@ -21,6 +21,7 @@ from hypothesis.stateful import invariant
 from lifecycle.binding import hook_takes_event
 from lifecycle.invariants import expected_hook_calls, timeline_violations
 from lifecycle.machine import Lifecycle
+from lifecycle.record import ADMITTED
 from lifecycle.table import LifecycleTable
 
 
@@ -152,8 +153,8 @@ class Snapshot:
 def timeline_lines(req: Any, table: LifecycleTable) -> list[str]:
     """``req``'s timeline replayed through ``table``, one line per step."""
     lines, state = [], table.initial
-    for t, event in req.timeline:
-        if event == "":
+    for step, (t, event) in enumerate(req.timeline):
+        if step == 0 and event == ADMITTED:
             lines.append(f"  {t:9.3f}  admitted in {state.name}")
             continue
         edge = table.lookup.get((state, event))

@@ -49,6 +49,7 @@ from lifecycle.fuzz_checks import (
     report,
 )
 from lifecycle.machine import Lifecycle
+from lifecycle.record import ADMITTED
 from lifecycle.table import Edge, LifecycleTable
 
 #: An event name no table defines; the machine mixes it in as an always-illegal event.
@@ -240,7 +241,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         for _ in range(n):
             req = self._new()
             self.lifecycle.admit(req)
-            if req.state is not self.table.initial or req.timeline != [(self.now, "")]:
+            if req.state is not self.table.initial or req.timeline != [(self.now, ADMITTED)]:
                 raise self.broken("admission", f"{req.rid} was not admitted", req.rid)
             self.requests[req.rid] = req
             self.model[req.rid] = self.table.initial

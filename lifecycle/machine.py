@@ -52,7 +52,7 @@ from transitions import Machine, MachineError
 
 from lifecycle.binding import Firing, hook_takes_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
-from lifecycle.record import Tracked
+from lifecycle.record import ADMITTED, Tracked
 from lifecycle.table import Edge, LifecycleTable, guard_methods
 
 R = TypeVar("R", bound=Tracked)
@@ -189,7 +189,7 @@ class Lifecycle(Generic[R]):
         initial = self.table.initial
         req.owner = self
         req.state = initial
-        req.timeline.append((self.clock(), ""))
+        req.timeline.append((self.clock(), ADMITTED))
         self._index[initial][req.rid] = req
         self._by_rid[req.rid] = req
 

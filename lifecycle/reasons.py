@@ -23,6 +23,10 @@ class FailureReason(enum.Enum):
     def http_status(self) -> int:
         return _HTTP_STATUS[self]
 
+    def __str__(self) -> str:
+        # The wire name (``aborted``), as logs and messages should show it.
+        return self.value
+
 
 _HTTP_STATUS = {
     FailureReason.REJECTED: 400,

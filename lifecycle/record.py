@@ -19,6 +19,9 @@ from lifecycle.binding import Firing
 from lifecycle.errors import LifecycleError
 from lifecycle.table import LifecycleTable
 
+#: The event name a timeline's first entry carries: the request's admission into its lifecycle.
+ADMITTED = "admitted"
+
 
 class Owner(Protocol):
     """What a record needs of the :class:`~lifecycle.machine.Lifecycle` that admitted it."""
@@ -38,8 +41,9 @@ class Tracked:
     """A request as the lifecycle sees it.
 
     ``timeline`` holds ``(monotonic_time, event)`` pairs, the admission first with event
-    ``""``. The states are not stored: every (state, event) pair has one destination, so the
-    states follow from replaying the events through the table (:mod:`lifecycle.timeline`).
+    :data:`ADMITTED` (``"admitted"``). The states are not stored: every (state, event) pair
+    has one destination, so the states follow from replaying the events through the table
+    (:mod:`lifecycle.timeline`).
     ``reason`` and ``detail`` say how the request ended; they are set on entering a final
     state, from what that event was fired with. A subclass may narrow ``reason`` to its
     table's reason enum by declaring the field again.

@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-A request stores only ``(monotonic_time, event)`` pairs (admission first, with event ``""``):
+A request stores only ``(monotonic_time, event)`` pairs (admission first, with event
+``"admitted"``, :data:`~lifecycle.record.ADMITTED`):
 every ``(state, event)`` pair of a table has one destination, so the states follow from
 replaying the events through the table from its initial state. :func:`records` does that replay
 and returns one :class:`TransitionRecord` per transition; a timeline that takes an edge the table
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 import attrs
 
 from lifecycle.errors import LifecycleError
-from lifecycle.record import Tracked
+from lifecycle.record import ADMITTED, Tracked
 from lifecycle.table import LifecycleTable
 
 
@@ -52,7 +53,7 @@ class TransitionRecord:
 
 class Timed(Protocol):
     """What a timeline is read from: the request id, the ``(monotonic_time, event)`` pairs
-    (admission first, with event ``""``), and the failure reason and detail it ended with.
+    (admission first, with event ``"admitted"``), and the failure reason and detail it ended with.
     :class:`~lifecycle.record.Tracked` records have them, and so do answers that copy them."""
 
     @property
@@ -88,7 +89,7 @@ def records(req: Timed, table: LifecycleTable | None = None) -> list[TransitionR
     if not timeline:
         return []
     admitted_at, first = timeline[0]
-    if first != "":
+    if first != ADMITTED:
         raise InvalidTimeline(f"request {req.rid!r}: the timeline does not start with admission")
     state = table.initial
     last = admitted_at
@@ -257,7 +258,7 @@ def ttft_phases(timeline: Sequence[tuple[float, str]]) -> TtftPhases:
     at: dict[str, float] = {}
     for t, event in timeline:
         at.setdefault(event, t)
-    marks = [at.get("")] + [at.get(e) for e in _PHASE_ENDS]
+    marks = [at.get(ADMITTED)] + [at.get(e) for e in _PHASE_ENDS]
     spans: list[float | None] = []
     for start, stop in itertools.pairwise(marks):
         spans.append(stop - start if start is not None and stop is not None else None)

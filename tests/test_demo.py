@@ -128,14 +128,14 @@ def test_options_are_validated() -> None:
 
 def test_trace_is_built_from_the_answers_on_one_time_axis() -> None:
     served = Response("a", PrefillState.DONE, None, "", 7, 20, (
-        (100.0, ""), (100.5, "bootstrapped"), (100.75, "schedule"), (101.0, "prefilled"),
+        (100.0, "admitted"), (100.5, "bootstrapped"), (100.75, "schedule"), (101.0, "prefilled"),
         (102.0, "transferred"),
     ))
     failed = Response("b", PrefillState.FAILED, FailureReason.BOOTSTRAP_FAILED, "no peer", None,
-                      16, ((101.0, ""), (101.25, "fail")))
+                      16, ((101.0, "admitted"), (101.25, "fail")))
     # Decode admits "a" before prefill does: its events set the zero.
     decoded = DecodeResponse("a", DecodeState.DONE, None, "", (7, 8), "length", 20, (
-        (99.0, ""), (100.5, "bootstrapped"), (100.5, "preallocated"), (102.0, "received"),
+        (99.0, "admitted"), (100.5, "bootstrapped"), (100.5, "preallocated"), (102.0, "received"),
         (103.0, "finished"),
     ))
     events = trace([served, failed], [decoded])["traceEvents"]

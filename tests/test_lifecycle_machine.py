@@ -89,7 +89,7 @@ def test_happy_path_with_chunks_one_request_at_a_time() -> None:
         "live": 1,
         "finished": {},
         "hooks": [],
-        "timelines": {"a": [""]},
+        "timelines": {"a": ["admitted"]},
     }
     a.bootstrapped()
     a.schedule()
@@ -104,7 +104,7 @@ def test_happy_path_with_chunks_one_request_at_a_time() -> None:
         "live": 1,
         "finished": {},
         "hooks": [],
-        "timelines": {"a": ["", "bootstrapped", "schedule", "chunk_done", "prefilled"]},
+        "timelines": {"a": ["admitted", "bootstrapped", "schedule", "chunk_done", "prefilled"]},
     }
     a.transferred()
     assert o.state(reqs) == {
@@ -114,7 +114,7 @@ def test_happy_path_with_chunks_one_request_at_a_time() -> None:
         "finished": {(P.DONE, None): 1},
         "hooks": [("release", "a", P.DONE), ("respond", "a", P.DONE)],
         "timelines": {
-            "a": ["", "bootstrapped", "schedule", "chunk_done", "prefilled", "transferred"]
+            "a": ["admitted", "bootstrapped", "schedule", "chunk_done", "prefilled", "transferred"]
         },
     }
     assert [t for t, _ in a.timeline] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
@@ -137,10 +137,10 @@ def test_batches_failures_and_aborts_in_mixed_states() -> None:
         "finished": {(P.FAILED, FailureReason.ABORTED): 1},
         "hooks": [("release", "d", P.FAILED), ("respond", "d", P.FAILED)],
         "timelines": {
-            "a": ["", "bootstrapped"],
-            "b": ["", "bootstrapped", "schedule"],
-            "c": ["", "bootstrapped", "schedule"],
-            "d": ["", "abort"],
+            "a": ["admitted", "bootstrapped"],
+            "b": ["admitted", "bootstrapped", "schedule"],
+            "c": ["admitted", "bootstrapped", "schedule"],
+            "d": ["admitted", "abort"],
         },
     }
     assert d.reason is FailureReason.ABORTED and d.detail == "client went away"

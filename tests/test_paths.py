@@ -97,7 +97,7 @@ def test_walk_prefill_path_asserting_the_whole_state(path: TestPath) -> None:
     req.sender = object()
     owner.lc.admit(req)
     assert resource_violations(req) == []
-    expected_timeline = [""]
+    expected_timeline = ["admitted"]
     for step, edge in enumerate(path.edges, start=1):
         satisfy_prefill_guards(req, edge)
         owner.before(req, edge.event)

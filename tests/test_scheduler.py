@@ -103,7 +103,8 @@ def test_a_chunked_request_walks_every_state():
     assert h.answered() == {"a": (S.DONE, None)}
     assert h.responses[0].first_token == req.first_token
     assert [e for _, e in req.timeline] == [
-        "", "bootstrapped", "schedule", "chunk_done", "chunk_done", "prefilled", "transferred"
+        "admitted", "bootstrapped", "schedule", "chunk_done", "chunk_done", "prefilled",
+        "transferred",
     ]
     h.assert_empty()
 
@@ -316,7 +317,7 @@ def test_abort_while_the_batch_is_on_the_device_waits_for_its_result():
     stepper.join(30)
     h.sched.run_until(lambda: len(h.responses) == 1)
     assert h.answered() == {"a": (S.FAILED, FailureReason.ABORTED)}
-    assert [e for _, e in req.timeline] == ["", "bootstrapped", "schedule", "abort"]
+    assert [e for _, e in req.timeline] == ["admitted", "bootstrapped", "schedule", "abort"]
     h.sched.close()
     h.assert_empty()
 

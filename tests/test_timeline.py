@@ -7,7 +7,14 @@ import json
 import attrs
 import pytest
 
-from lifecycle import PREFILL_TABLE, FailureReason, Lifecycle, PrefillRequest, PrefillState
+from lifecycle import (
+    ADMITTED,
+    PREFILL_TABLE,
+    FailureReason,
+    Lifecycle,
+    PrefillRequest,
+    PrefillState,
+)
 from lifecycle.testing import FakeClock
 from lifecycle.timeline import (
     InvalidTimeline,
@@ -73,11 +80,24 @@ def test_records_replay_the_timeline_through_the_table() -> None:
     assert records(fresh) == [] and replayed_state(fresh) is P.BOOTSTRAPPING
 
 
+def test_the_first_event_is_the_admission_and_reasons_print_their_wire_names() -> None:
+    clock = _clock()
+    lc = _lifecycle(clock)
+    req = prefill_request("a")
+    lc.admit(req)
+    req.abort("the client went away", reason=FailureReason.ABORTED)
+    assert [event for _, event in req.timeline] == [ADMITTED, "abort"]
+    assert ADMITTED == "admitted"
+    assert str(req.reason) == "aborted" and f"{req.reason}" == "aborted"
+    assert repr(FailureReason.ABORTED) == "<FailureReason.ABORTED: 'aborted'>"
+    assert {str(r) for r in FailureReason} == {r.value for r in FailureReason}
+
+
 def test_a_timeline_the_table_cannot_take_is_reported() -> None:
-    req = PrefillRequest("x", timeline=[(1.0, ""), (2.0, "schedule")])
+    req = PrefillRequest("x", timeline=[(1.0, "admitted"), (2.0, "schedule")])
     with pytest.raises(InvalidTimeline, match="'x': step 1 takes event 'schedule' from BOOT"):
         records(req, PREFILL_TABLE)
-    backwards = PrefillRequest("y", timeline=[(5.0, ""), (4.0, "abort")])
+    backwards = PrefillRequest("y", timeline=[(5.0, "admitted"), (4.0, "abort")])
     with pytest.raises(InvalidTimeline, match="goes back in time"):
         records(backwards, PREFILL_TABLE)
     with pytest.raises(InvalidTimeline, match="never admitted"):
