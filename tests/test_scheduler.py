@@ -16,6 +16,7 @@ from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner,
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch
+from scheduler.testing.device import SteppedDevice
 
 S = PrefillState
 MODEL = LlamaModel(ModelConfig.tiny(seed=3))
@@ -31,6 +32,7 @@ class Harness:
         slots: int = 4,
         overlap: bool = False,
         runner: object | None = None,
+        device: SteppedDevice | None = None,
         **config: object,
     ) -> None:
         self.clock = FakeClock()
@@ -49,6 +51,7 @@ class Harness:
             clock=self.clock,
             on_response=self.responses.append,
             overlap=overlap,
+            device=device,
         )
         self.rooms = 0
 
@@ -320,6 +323,28 @@ def test_abort_while_the_batch_is_on_the_device_waits_for_its_result():
     assert [e for _, e in req.timeline] == ["admitted", "bootstrapped", "schedule", "abort"]
     h.sched.close()
     h.assert_empty()
+
+
+def test_the_overlap_loop_runs_forwards_on_the_device_it_is_given():
+    device = SteppedDevice()
+    h = Harness(overlap=True, device=device)
+    h.submit("a", 12)
+    h.step()  # launched: the forward waits on the device
+    req = h.sched.lifecycle.get("a")
+    assert req is not None and req.on_device == 1 and device.busy and device.finished == 0
+    h.sched.abort("a")
+    h.step()  # the abort is deferred; landing the batch runs its forward, then settles it
+    assert device.finished == 1 and not device.busy
+    assert h.answered() == {"a": (S.FAILED, FailureReason.ABORTED)}
+    assert [e for _, e in req.timeline] == ["admitted", "bootstrapped", "schedule", "abort"]
+    h.sched.close()
+    assert device.closed
+    h.assert_empty()
+
+
+def test_a_device_needs_the_overlap_loop():
+    with pytest.raises(ValueError, match="only the overlap loop"):
+        Harness(device=SteppedDevice())
 
 
 @pytest.mark.parametrize("overlap", [False, True])
