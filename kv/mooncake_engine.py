@@ -22,7 +22,10 @@ import zmq
 
 from kv import wire
 from kv.metadata import MetadataBuffers
+from kv.native_log import HARMLESS, HARMLESS_ON_TCP, engine_log_captured
 from kv.pool import KVPool
+
+logger = logging.getLogger(__name__)
 
 
 class MooncakeError(Exception):
@@ -78,10 +81,13 @@ class MooncakeEngine:
                 "the Mooncake backend needs `pip install mooncake-transfer-engine-non-cuda` and "
                 f"Debian's libibverbs1: {exc}"
             ) from exc
-        self._engine = TransferEngine()
-        rc = self._engine.initialize(
-            config.hostname, "P2PHANDSHAKE", config.protocol, config.device
-        )
+        # The engine prints a few harmless ERROR/WARNING lines as it starts (kv.native_log).
+        harmless = HARMLESS_ON_TCP if config.protocol == "tcp" else HARMLESS
+        with engine_log_captured(logger, harmless):
+            self._engine = TransferEngine()
+            rc = self._engine.initialize(
+                config.hostname, "P2PHANDSHAKE", config.protocol, config.device
+            )
         if rc != 0:
             raise MooncakeError(
                 f"TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE, "
