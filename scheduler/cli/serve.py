@@ -145,6 +145,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                     help="the transfer engine's transport: tcp everywhere, rdma where the "
                     "hardware has it (needs --mooncake-device) (default: tcp)")
     mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
+    obs = parser.add_argument_group("tracing (docs/operations.md#traces)")
+    obs.add_argument("--enable-trace", action="store_true",
+                     help="export an OpenTelemetry span tree per finished request (needs the "
+                     "trace extra: pip install 'pdlife[trace]')")
+    obs.add_argument("--otlp-traces-endpoint", default="localhost:4318", metavar="HOST:PORT",
+                     help="the collector's OTLP/HTTP endpoint, HOST:PORT (spans go to "
+                     "/v1/traces there) or a full URL (default: %(default)s)")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                         default="info", help="the server's log level; debug adds an access log "
                         "line per HTTP request (default: info)")
@@ -165,6 +172,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError(f"--backend {args.backend} needs --role prefill or --role decode")
     else:
         role = args.role
+    if args.enable_trace:
+        _check_trace_extra()
     try:
         return ServeConfig(
             role=role,
@@ -195,9 +204,23 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             model_name=args.model_name,
             device=args.device,
             overlap=args.overlap,
+            otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
         )
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
+
+
+def _check_trace_extra() -> None:
+    import importlib
+
+    try:
+        for module in ("opentelemetry.sdk.trace",
+                       "opentelemetry.exporter.otlp.proto.http.trace_exporter"):
+            importlib.import_module(module)
+    except ImportError as exc:
+        raise UsageError(
+            f"--enable-trace needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({exc}); "
+            "install them with: pip install 'pdlife[trace]'") from None
 
 
 def _serve(args: argparse.Namespace) -> int:

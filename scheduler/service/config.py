@@ -45,6 +45,8 @@ class ServeConfig:
     model_name: str = "pdlife-reference-llama"
     device: str = "cpu"
     overlap: bool = False
+    # Where finished requests' spans go over OTLP/HTTP (``HOST:PORT`` or a URL); None: no tracing.
+    otlp_traces_endpoint: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.backend == "local") != (self.role == "both"):

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kv.bootstrap import BootstrapServer
 from kv.local import LocalTransferHub
@@ -70,6 +70,9 @@ from scheduler.service.engine_loop import EngineLoop
 from scheduler.service.metrics import DroppedMessagesCollector, ServiceMetrics
 from scheduler.service.pending import Pending
 
+if TYPE_CHECKING:
+    from scheduler.service.tracing import LifecycleTracer
+
 __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", "Unavailable"]
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,7 @@ class Service:
         config: ServeConfig,
         *,
         runner_factory: Callable[[LlamaModel, KVPool], ModelRunner] = PagedModelRunner,
+        tracer: LifecycleTracer | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = ByteTokenizer()
@@ -119,6 +123,14 @@ class Service:
             self.prefill.metrics.registry if self.prefill is not None else None
         )
         self.metrics.registry.register(DroppedMessagesCollector(self._dropped_messages))
+        if tracer is None and config.otlp_traces_endpoint is not None:
+            from scheduler.service.tracing import otlp_tracer
+
+            tracer = otlp_tracer(config.otlp_traces_endpoint, role=config.role,
+                                 backend=config.backend)
+        self.tracer = tracer  # spans of finished requests (scheduler.service.tracing); or off
+        if tracer is not None:
+            self._closers.append(tracer.close)
         engines: list[Any] = [e for e in (self.prefill, self.decode) if e is not None]
         self.loop = EngineLoop(engines, on_crash=self._on_crash, after_pass=self._after_pass)
         self._after_pass()
@@ -224,16 +236,18 @@ class Service:
         if self.decode_kv is not None and not item.fake:
             self.decode_kv.connect(item.bootstrap_addr)
 
-    def start(self, item: Item, *, stream: bool) -> Pending:
+    def start(self, item: Item, *, stream: bool,
+              carrier: dict[str, str] | None = None) -> Pending:
         """Register and submit ``item``; the returned Pending's future gets its Answer.
-        Must be called on the event loop the handler awaits on."""
+        ``carrier`` holds the caller's trace headers. Must be called on the event loop the
+        handler awaits on."""
         loop = asyncio.get_running_loop()
         sides = {"prefill"} if self.config.role == "prefill" else {"decode"}
         if self.config.role == "both":
             sides = {"prefill", "decode"}
         pending = Pending(
             item=item, loop=loop, future=loop.create_future(), started=time.monotonic(),
-            waiting_on=sides, progress=asyncio.Queue() if stream else None,
+            waiting_on=sides, progress=asyncio.Queue() if stream else None, carrier=carrier,
         )
         new = NewRequest(
             item.rid, item.input_ids, bootstrap_host=item.bootstrap_host,
@@ -298,6 +312,8 @@ class Service:
         pending = self._find(resp.rid, "prefill")
         if pending is None:
             return
+        if self.tracer is not None:
+            pending.answers.append(resp)
         if self.config.role == "both":
             if not resp.ok:
                 # The decode side cannot get this request's KV any more.
@@ -324,6 +340,8 @@ class Service:
         pending = self._find(resp.rid, "decode")
         if pending is None:
             return
+        if self.tracer is not None:
+            pending.answers.append(resp)
         status, reason, message = resp.http_status, resp.reason, resp.detail
         failed = pending.prefill_failure
         if failed is not None and not resp.ok:
@@ -360,6 +378,8 @@ class Service:
             del self._pending[item.rid]
             self._streams.pop(item.rid, None)
             self._idle.notify_all()
+        if self.tracer is not None:
+            self.tracer.finished(pending)
         if item.fake and self.decode_kv is not None:
             self.decode_kv.fake.forget(item.bootstrap_room)
 

@@ -9,7 +9,7 @@ import logging
 
 import attrs
 
-from scheduler.messages import Response
+from scheduler.messages import DecodeResponse, Response
 from scheduler.service.config import Answer, Item
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,9 @@ class Pending:
     progress: asyncio.Queue[tuple[int, ...]] | None = None
     prefill_failure: Response | None = None
     streamed: int = 0  # output tokens handed to the stream (engine thread only)
+    # With tracing on: the caller's trace headers, and the engines' answers (engine thread).
+    carrier: dict[str, str] | None = None
+    answers: list[Response | DecodeResponse] = attrs.field(factory=list)
 
     def resolve(self, answer: Answer) -> None:
         """Hand ``answer`` to the waiting handler (any thread; at most once takes effect)."""

@@ -133,6 +133,13 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     return items, batch
 
 
+def _trace_carrier(service: Service, request: Request) -> dict[str, str] | None:
+    """The caller's W3C trace headers, when the service traces requests."""
+    if service.tracer is None:
+        return None
+    return {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
+
+
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -186,9 +193,10 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
     except PeerUnreachable as exc:
         return rejected(service, "bootstrap_failed", 500, str(exc))
     started: list[Pending] = []
+    carrier = _trace_carrier(service, request)
     try:
         for item in items:
-            started.append(service.start(item, stream=body.stream))
+            started.append(service.start(item, stream=body.stream, carrier=carrier))
     except (BadRequest, Unavailable) as exc:
         for p in started:
             service.abort(p.item.rid)
