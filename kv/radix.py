@@ -14,7 +14,8 @@ children of one node never start with the same page.
 - :meth:`RadixCache.insert` walks the same way with a request's computed pages. Where the tree
   already holds a page for a position, the caller's page there is a duplicate and stays the
   caller's; past the end of the tree a new leaf *adopts* the caller's remaining pages: from then
-  on the tree owns them.
+  on the tree owns them. :meth:`RadixCache.extend` adds a leaf under a known node, the way a
+  request caches its next pages below the path it holds.
 - :meth:`RadixCache.lock` counts one more user of a node and of every node above it (a request
   uses its whole path); :meth:`RadixCache.unlock` undoes it. A node with a lock count above zero
   is never evicted.
@@ -176,6 +177,26 @@ class RadixCache:
         self._touch(node)
         return Inserted(node, adopted)
 
+    def extend(self, node: Node, tokens: Sequence[int], pages: Sequence[int]) -> Node | None:
+        """Cache ``pages`` (whole pages of ``tokens``, which continue ``node``'s path) as a new
+        leaf under ``node`` and return it; or None, adopting nothing, when ``node`` already has a
+        child for the first page of ``tokens``: someone cached the same continuation first, and
+        the caller's pages are duplicates that stay the caller's."""
+        ps = self.page_size
+        if not pages or len(tokens) != len(pages) * ps:
+            raise RadixError(f"{len(tokens)} tokens are not {len(pages)} (> 0) whole pages")
+        if node is not self.root and node.parent is None:
+            raise RadixError(f"extend() under {node!r}, which was evicted")
+        key = tuple(tokens)
+        if key[:ps] in node.children:
+            return None
+        leaf = Node(key, list(pages), node, node.end + len(pages), next(self._serials))
+        node.children[key[:ps]] = leaf
+        self._size += len(pages)
+        self._evictable += len(pages)
+        self._touch(leaf)
+        return leaf
+
     def _common_pages(self, child: Node, tokens: Sequence[int], at: int, limit: int) -> int:
         """How many of ``child``'s pages match ``tokens`` from page ``at`` (at most up to page
         ``limit``); at least 1, since the child was found by its first page."""
@@ -319,30 +340,45 @@ class RadixCache:
 
 
 class PrefixHold:
-    """What one request holds of a :class:`RadixCache`: a lock on ``node`` (its cached path)
-    and the pages of its page table that are the tree's (``shared``). Every other page of its
-    page table is the request's own, freed when it is released."""
+    """What one request holds of a :class:`RadixCache`: a lock on ``node``, the end of its
+    cached path, whose pages are the first ``node.end`` pages of its page table (``shared``).
+    Every other page of its page table is the request's own, freed when it is released.
+
+    The path grows as the request caches its computed pages below it (:meth:`insert`), until
+    it meets pages someone else cached for the same tokens first. From there on the request
+    keeps its pages as its own and caches nothing more (``diverged``): it never locks a path
+    that is not its page table, so it never pins more pages than its prompt needs (a request
+    that needs the whole pool still gets it)."""
 
     def __init__(self, cache: RadixCache, match: Match | None = None) -> None:
         self.cache = cache
         self.node: Node | None = cache.root if match is None else match.node
         self.shared: set[int] = set() if match is None else set(match.pages)
+        self.diverged = False
         cache.lock(self.node)
 
     def __repr__(self) -> str:
         return f"PrefixHold({self.node!r}, shared={len(self.shared)} pages)"
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
-        """Cache the request's computed whole pages (``tokens`` are theirs); move the lock to
-        the end of the inserted path. Returns how many pages the tree adopted."""
-        if self.node is None:
+        """Cache the request's computed whole pages (``pages`` is its page table so far,
+        ``tokens`` their tokens) below its path and move the lock to the new end. Returns how
+        many pages the tree adopted (0 once diverged)."""
+        node = self.node
+        if node is None:
             raise RadixError("insert() after release()")
-        done = self.cache.insert(tokens, pages)
-        self.cache.lock(done.node)  # lock the new end before letting go of the old one
-        self.cache.unlock(self.node)
-        self.node = done.node
-        self.shared.update(done.adopted)
-        return len(done.adopted)
+        ps, end = self.cache.page_size, node.end
+        if self.diverged or len(pages) <= end:
+            return 0
+        leaf = self.cache.extend(node, tokens[end * ps : len(pages) * ps], pages[end:])
+        if leaf is None:
+            self.diverged = True
+            return 0
+        self.cache.lock(leaf)  # lock the new end before letting go of the old one
+        self.cache.unlock(node)
+        self.node = leaf
+        self.shared.update(leaf.pages)
+        return len(leaf.pages)
 
     def own(self, pages: Sequence[int]) -> list[int]:
         """The pages of the page table ``pages`` that are the request's, not the tree's."""

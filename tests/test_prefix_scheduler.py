@@ -220,6 +220,23 @@ def test_the_same_new_prefix_twice_in_one_batch_is_computed_twice_and_cached_onc
     rig.assert_no_leak()
 
 
+def test_a_request_that_meets_duplicates_never_pins_more_pages_than_its_prompt() -> None:
+    """Found by the fuzzer (a scheduler that never went idle): b computes the same first page
+    as a in one batch, so a caches it first and b's copy is a duplicate. b needs the whole
+    pool; had it locked a's pages too, it could never get its last page."""
+    rig = Rig(pages=6, chunked_prefill_size=16)
+    b = tuple(range(1, 25))  # 6 pages: the whole pool
+    rig.submit("a", (*b[:8], 99))  # 3 pages; a's first chunk and b's share page 0
+    rig.submit("b", b)
+    rig.step()
+    rig.pump("handshake")
+    assert rig.req("b").state is S.FORWARD and rig.prefix.tree.size == 2
+    assert rig.prefix.tree.evictable == 0  # a's pages: locked by a alone ...
+    rig.finish()  # ... and evictable once a is done, so b gets the whole pool
+    assert rig.answer("b").ok and rig.answer("b").first_token == echo_next_token(b)
+    rig.assert_no_leak()
+
+
 def test_eviction_frees_least_recently_used_leaves_before_a_request_waits() -> None:
     rig = Rig(pages=16, chunked_prefill_size=64)
     a, b = tuple(range(1, 25)), tuple(range(101, 125))  # 6 whole pages each

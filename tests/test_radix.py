@@ -129,6 +129,34 @@ def test_hold_insert_moves_the_lock_and_shares_adopted_pages() -> None:
         hold.insert([5, 5], table[:1])
 
 
+def test_a_hold_that_meets_pages_cached_first_keeps_its_own_and_caches_nothing_more() -> None:
+    cache = _cache(8)
+    mine = PrefixHold(cache)  # matched nothing; computes [1, 1] [2, 2] [3, 3]
+    theirs = _pages(cache, 1)
+    cache.insert([1, 1], theirs)  # someone cached the first page meanwhile
+    table = _pages(cache, 2)
+    assert mine.insert([1, 1, 2, 2], table) == 0 and mine.diverged
+    table += _pages(cache, 1)
+    assert mine.insert([1, 1, 2, 2, 3, 3], table) == 0
+    # It locks nothing of theirs: their page stays evictable, its pages stay its own.
+    assert mine.node is cache.root and cache.evictable == 1 and mine.own(table) == table
+    assert cache.evict(8) == 1
+    mine.release()
+    cache.allocator.free(table)
+    assert cache.allocator.available() == 8
+
+
+def test_extend_refuses_an_evicted_node_and_empty_pages() -> None:
+    cache = _cache()
+    cache.insert([1, 1], _pages(cache, 1))
+    node = cache.match([1, 1]).node
+    with pytest.raises(RadixError, match="whole pages"):
+        cache.extend(node, [], [])
+    cache.evict(1)
+    with pytest.raises(RadixError, match="evicted"):
+        cache.extend(node, [2, 2], _pages(cache, 1))
+
+
 def test_unlock_without_a_lock_raises_and_changes_nothing() -> None:
     cache = _cache()
     cache.insert([1, 1], _pages(cache, 1))
@@ -219,17 +247,19 @@ class RadixAgainstModel(RuleBasedStateMachine):
             return
         r.table += pages
         n = len(r.table)
-        before = set(self.cached.values())
+        assert r.hold.node is not None
+        end, diverged = r.hold.node.end, r.hold.diverged
         adopted = r.hold.insert(r.tokens[: n * PS], r.table)
-        new = {}
-        for i in range(1, n + 1):
-            key = r.tokens[: i * PS]
-            if key not in self.cached:
-                new[key] = r.table[i - 1]
+        # The model: a request caches the pages past its path unless someone cached the next
+        # page's prefix first; then it keeps its pages and caches nothing more.
+        if diverged or r.tokens[: (end + 1) * PS] in self.cached:
+            assert adopted == 0 and r.hold.diverged
+            return
+        new = {r.tokens[: i * PS]: r.table[i - 1] for i in range(end + 1, n + 1)}
+        assert not set(new) & set(self.cached)
         self.cached.update(new)
-        assert adopted == len(new)
-        assert set(new.values()).isdisjoint(before)
-        assert r.hold.shared >= set(new.values())
+        assert adopted == len(new) and r.hold.node.end == n
+        assert r.hold.shared == set(r.table)
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())

@@ -29,6 +29,7 @@ from kv.pages import pages_needed
 from kv.pool import KVPool
 from kv.radix import Match, PrefixHold, RadixCache
 from lifecycle import PrefillRequest, PrefillState
+from scheduler.prefill.adder import Chunk
 from scheduler.prefill.metrics import PrefixCacheMetrics
 
 # lpm looks every waiting request up; past this many it orders by arrival, as SGLang does, so
@@ -58,10 +59,6 @@ class PrefixCache:
 
     # -- plan ----------------------------------------------------------------------------------
 
-    def new_pass(self) -> None:
-        """Forget the previous pass's lookups (evictions may have made them stale)."""
-        self._matches.clear()
-
     def match(self, req: PrefillRequest) -> Match:
         """The longest cached prefix of ``req``'s prompt, leaving at least one token to
         compute; looked up once per pass."""
@@ -85,9 +82,13 @@ class PrefixCache:
             return None
         return found
 
-    def order(self, waiting: Iterable[PrefillRequest], count: int) -> Iterable[PrefillRequest]:
-        """The ``count`` waiting requests (arrival order) in the order the policy schedules
-        them."""
+    def begin_pass(
+        self, waiting: Iterable[PrefillRequest], count: int
+    ) -> Iterable[PrefillRequest]:
+        """Start a pass's planning: forget the previous pass's lookups (evictions may have made
+        them stale) and return the ``count`` waiting requests (arrival order) in the order the
+        policy schedules them."""
+        self._matches.clear()
         if self.policy != "lpm" or count > LPM_MAX_QUEUE:
             return waiting
         return sorted(waiting, key=lambda r: -len(self.match(r).pages))  # stable: fcfs ties
@@ -111,6 +112,14 @@ class PrefixCache:
             self.metrics.evicted_pages.inc(self.tree.evict(short))
 
     # -- land ----------------------------------------------------------------------------------
+
+    def insert_landed(self, chunks: Iterable[Chunk], landed: Iterable[PrefillRequest]) -> None:
+        """Insert the ``landed`` requests' pages in batch order: the first scheduled caches a
+        prefix two of them computed, the others keep their copies."""
+        done = {id(req) for req in landed}
+        for chunk in chunks:
+            if id(chunk.req) in done:
+                self.insert(chunk.req)
 
     def insert(self, req: PrefillRequest) -> None:
         """Cache the whole pages ``req`` has computed so far."""

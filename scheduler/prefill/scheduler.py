@@ -25,10 +25,8 @@ and fires them; the work around each step lives in its own module. One pass
 7. **reap** — the releaser frees the pages and slots of finished requests whose transfer has
    stopped touching them.
 
-With the prefix cache on (:mod:`.prefix`), step 4 starts each new request after its cached
-prefix, step 5 locks those prefixes and evicts what the batch needs, step 6 inserts each
-landed chunk's whole pages into the tree, and the releaser unlocks a request's prefix when it
-frees its own pages.
+The prefix cache (:mod:`.prefix`) takes part in steps 4 to 7: match, lock and evict, insert,
+unlock.
 
 Two sub-states the table does not draw have one owner each: BOOTSTRAPPING·handshaken (the
 destination arrived, no metadata slot yet) is :class:`~.readiness.SlotQueue`;
@@ -215,11 +213,16 @@ class PrefillScheduler:
         return self.pool.allocator.in_use()
 
     def pool_usage(self) -> float:
-        """The fraction of the pool in use; prefix-cache pages eviction could free count as
-        free (SGLang's token usage)."""
+        """The fraction of the pool in use; evictable prefix-cache pages count as free."""
         if self.prefix is None:
             return self.pool.usage()
         return 1.0 - self.prefix.pages_available() / self.pool.num_pages
+
+    def prefix_violations(self) -> list[str]:
+        """How the prefix cache breaks invariant 7 now (nothing with the cache off)."""
+        held_back = self._releaser.held_prefix_holds()
+        return [] if self.prefix is None else self.prefix.violations(self.lifecycle.live(),
+                                                                     held_back)
 
     def owned_pages(self, req: PrefillRequest) -> list[int]:
         """The pages of ``req``'s page table that are its own: all of them, or with the prefix
@@ -287,13 +290,10 @@ class PrefillScheduler:
         cfg, prefix = self.config, self.prefix
         queue: Iterable[PrefillRequest] = waiting.values()
         if prefix is not None:
-            prefix.new_pass()
-            queue = prefix.order(queue, len(waiting))
+            queue = prefix.begin_pass(queue, len(waiting))
         plan = plan_batch(
-            continuing=continuing, waiting=queue, waiting_len=len(waiting),
-            running=running,
-            free_pages=self.pool.allocator.available() if prefix is None
-            else prefix.pages_available(),
+            continuing=continuing, waiting=queue, waiting_len=len(waiting), running=running,
+            free_pages=prefix.pages_available() if prefix else self.pool.allocator.available(),
             page_size=cfg.page_size, max_prefill_tokens=cfg.max_prefill_tokens,
             chunked_prefill_size=cfg.chunked_prefill_size,
             max_running_requests=cfg.max_running_requests,
@@ -332,8 +332,7 @@ class PrefillScheduler:
     def _land(self, launched: Launched) -> None:
         landed = self._results.land(launched)
         if self.prefix is not None:
-            for req in landed.chunk_done + landed.prefilled:
-                self.prefix.insert(req)
+            self.prefix.insert_landed(launched.plan.chunks, landed.chunk_done + landed.prefilled)
         self.lifecycle.fire(PrefillEvent.CHUNK_DONE, landed.chunk_done)
         self.lifecycle.fire(PrefillEvent.PREFILLED, landed.prefilled)
         deadline = self.clock() + self.config.transfer_timeout
@@ -376,7 +375,7 @@ class PrefillScheduler:
         held = [self.owned_pages(r) for r in live] + self._releaser.held_page_lists()
         if self.prefix is not None:
             held.append(list(self.prefix.tree.pages()))
-            problems = self.prefix.violations(live, self._releaser.held_prefix_holds())
+            problems = self.prefix_violations()
             if problems:
                 raise AssertionError("prefix cache: " + "; ".join(problems))
         self.pool.allocator.check_conservation(held)
