@@ -12,11 +12,13 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kv.transfer import REASON_PEER_REFUSED
 from lifecycle import PrefillState
 from lifecycle.prefill import PrefillRequest
 from lifecycle.timeline import ttft_phases
 
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_PHASES = ("bootstrap_wait", "queue_wait", "forward", "transfer")
 
 
 class SchedulerMetrics:
@@ -38,6 +40,8 @@ class SchedulerMetrics:
             "Time spent in each TTFT phase (bootstrap wait, queue wait, forward, transfer).",
             ["phase"], buckets=_PHASE_BUCKETS, registry=r,
         )
+        for name in _PHASES:  # exported at 0 from the start, so rate() sees the first requests
+            self.phase.labels(phase=name)
         self.kv_pages_used = Gauge("pdlife_kv_pages_used", "KV pages held.", registry=r)
         self.kv_pages_total = Gauge("pdlife_kv_pages_total", "KV pages in the pool.", registry=r)
         self.kv_usage = Gauge("pdlife_kv_usage_ratio", "Fraction of KV pages held.", registry=r)
@@ -56,6 +60,11 @@ class SchedulerMetrics:
             "pdlife_rejected_inputs", "Requests refused at the boundary, by reason.",
             ["reason"], registry=r,
         )
+        self.peer_refusals = Counter(
+            "pdlife_peer_refusals", "Rooms this prefill side refused, told to the decode peer "
+            "(sent), and requests that failed because the decode peer refused their room "
+            "(received).", ["direction"], registry=r,
+        )
         self.prefix = PrefixCacheMetrics(r)
 
     def on_finished(self, req: PrefillRequest) -> None:
@@ -63,9 +72,11 @@ class SchedulerMetrics:
         assert state is not None
         reason = req.reason.value if req.reason is not None else ""
         self.finished.labels(state=state.name.lower(), reason=reason).inc()
+        if state is PrefillState.FAILED and f"{REASON_PEER_REFUSED}:" in req.detail:
+            self.peer_refusals.labels(direction="received").inc()
         if state is PrefillState.DONE:
             phases = ttft_phases(req.timeline)
-            for name in ("bootstrap_wait", "queue_wait", "forward", "transfer"):
+            for name in _PHASES:
                 seconds = getattr(phases, name)
                 if seconds is not None:
                     self.phase.labels(phase=name).observe(seconds)
