@@ -25,6 +25,7 @@ from scheduler.cli.demo import DEMO
 from scheduler.cli.fuzz import FUZZ as SCHEDULER_FUZZ
 from scheduler.cli.serve import GENERATE, SERVE
 from scheduler.cli.tables import DIAGRAM, DOCS_LIFECYCLE, VALIDATE, load_table
+from scheduler.cli.top import TOP
 
 __all__ = ["DOCS_LIFECYCLE", "SUBCOMMANDS", "build_parser", "load_table", "main"]
 
@@ -63,7 +64,7 @@ FUZZ = attrs.evolve(
 
 #: Every subcommand, in the order ``pdlife --help`` lists them. Add new ones here.
 SUBCOMMANDS: tuple[Subcommand, ...] = (
-    DEMO, SERVE, GENERATE, DIAGRAM, VALIDATE, FUZZ, BENCH
+    DEMO, SERVE, GENERATE, TOP, DIAGRAM, VALIDATE, FUZZ, BENCH
 )
 
 

@@ -41,6 +41,11 @@ class SchedulerMetrics:
         )
         for name in _PHASES:  # exported at 0 from the start, so rate() sees the first requests
             self.phase.labels(phase=name)
+        self.ttft = Histogram(
+            "pdlife_ttft_seconds",
+            "Time to first token on the prefill side: admission to the end of the transfer.",
+            buckets=_PHASE_BUCKETS, registry=r,
+        )
         self.kv_pages_used = Gauge("pdlife_kv_pages_used", "KV pages held.", registry=r)
         self.kv_pages_total = Gauge("pdlife_kv_pages_total", "KV pages in the pool.", registry=r)
         self.kv_usage = Gauge("pdlife_kv_usage_ratio", "Fraction of KV pages held.", registry=r)
@@ -68,6 +73,8 @@ class SchedulerMetrics:
         self.finished.labels(state=state.name.lower(), reason=reason).inc()
         if state is PrefillState.DONE:
             phases = ttft_phases(req.timeline)
+            if phases.total is not None:
+                self.ttft.observe(phases.total)
             for name in _PHASES:
                 seconds = getattr(phases, name)
                 if seconds is not None:

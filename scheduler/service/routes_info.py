@@ -70,6 +70,7 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         model_path=config.model_name,
         page_size=config.scheduler.page_size,
         pool_pages=config.pool_pages,
+        metadata_slots=config.metadata_slots,
         max_new_tokens_limit=config.new_tokens_limit,
         max_position=config.model.max_position,
         bootstrap_port=(

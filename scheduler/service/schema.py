@@ -92,6 +92,7 @@ class ServerInfo(BaseModel):
     model_path: str
     page_size: int
     pool_pages: int
+    metadata_slots: int
     max_new_tokens_limit: int
     max_position: int
     bootstrap_port: int | None

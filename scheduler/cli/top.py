@@ -1,0 +1,183 @@
+"""``pdlife top URL [URL ...]``: running workers, live in the terminal.
+
+Each refresh reads every worker's ``/server_info`` and ``/metrics`` at once (one thread per
+worker, each with ``--timeout``), computes the view (:mod:`.top_view`) and redraws one table,
+a column per worker. A worker that cannot be read says why in its column; the others go on.
+Ctrl-C ends it, exit status 0. ``--once`` prints one table (two scrapes ``--interval`` apart, so
+rates exist) and exits 1 if a worker was unreachable, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from scheduler.cli.command import Subcommand, UsageError
+
+if TYPE_CHECKING:
+    import httpx
+    from rich.table import Table
+
+    from scheduler.cli.top_view import History, WorkerView
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("urls", nargs="+", metavar="URL",
+                        help="a worker's base URL (http://host:port, or host:port), as pdlife "
+                        "serve prints it; several for a prefill/decode fleet")
+    parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+                        help="seconds between refreshes (default: %(default)s)")
+    parser.add_argument("--iterations", type=int, default=0, metavar="N",
+                        help="stop after N refreshes; 0 runs until Ctrl-C (default: 0)")
+    parser.add_argument("--once", action="store_true",
+                        help="print one table and exit, without the live screen (two scrapes "
+                        "--interval apart, so rates exist); exit status 1 if a worker was "
+                        "unreachable")
+    parser.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="how long one worker may take to answer, per request "
+                        "(default: %(default)s)")
+
+
+def _url(text: str) -> str:
+    return (text if "://" in text else f"http://{text}").rstrip("/")
+
+
+def _scrape(client: httpx.Client, history: History) -> WorkerView:
+    """One worker read once (its view, or why it could not be read)."""
+    import httpx
+
+    from scheduler.cli.top_view import Scrape, parse_metrics
+
+    try:
+        info = client.get(f"{history.url}/server_info")
+        info.raise_for_status()
+        metrics = client.get(f"{history.url}/metrics")
+        metrics.raise_for_status()
+        scrape = Scrape(time.monotonic(), info.json(), parse_metrics(metrics.text))
+    except httpx.HTTPStatusError as exc:
+        return history.unreachable(f"{exc.request.url.path} answered "
+                                   f"{exc.response.status_code}")
+    except httpx.HTTPError as exc:
+        return history.unreachable(f"unreachable ({type(exc).__name__}: {exc or 'no answer'})")
+    except ValueError as exc:  # not JSON, not Prometheus text
+        return history.unreachable(f"unreadable answer ({exc})")
+    return history.add(scrape)
+
+
+def _refresh(pool: ThreadPoolExecutor, client: httpx.Client,
+             histories: Sequence[History]) -> list[WorkerView]:
+    return list(pool.map(lambda h: _scrape(client, h), histories))
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _per_s(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}/s"
+
+
+def _cells(view: WorkerView) -> list[str]:
+    """A worker's column, one cell per row of :data:`_ROWS`."""
+    if view.error is not None:
+        return [f"[bold red]{view.error}[/]"] + ["—"] * (len(_ROWS) - 1)
+    status = "[green]healthy[/]" if view.healthy else "[bold red]unhealthy[/]"
+    if view.draining:
+        status += ", [yellow]draining[/]"
+    requests = "\n".join(
+        f"{side}: " + (", ".join(f"{state} {n}" for state, n in states.items()) or "none")
+        for side, states in view.requests.items())
+    pools = "\n".join(
+        f"{side}: {used}/{total_} ({used / total_:.0%})" if total_ else f"{side}: —"
+        for side, (used, total_) in view.kv_pool.items())
+    failures = ", ".join(f"{r} {n}" for r, n in view.failures.items()) or "none"
+    slots = "—" if view.slots is None else f"{view.slots[0]}/{view.slots[1]}"
+    gbps = "—" if view.transfer_gbps is None else f"{view.transfer_gbps:.3f} GB/s"
+    return [f"{view.role}, {status}", requests or "—", _per_s(view.admissions_per_s),
+            _per_s(view.completions_per_s), failures,
+            f"{_ms(view.ttft_p50)} / {_ms(view.ttft_p99)}", pools or "—", slots, gbps]
+
+
+_ROWS = ("worker", "requests by state", "admitted", "completed", "failures (total)",
+         "TTFT p50 / p99 (1 min)", "KV pool used", "metadata slots", "KV sent")
+
+
+def render(views: Sequence[WorkerView], refreshed: str = "") -> Table:
+    """The table of ``views``: a row per quantity, a column per worker."""
+    from rich.table import Table
+
+    table = Table(title=f"pdlife top {refreshed}".rstrip(),
+                  caption="Ctrl-C to quit" if refreshed else None, show_lines=True)
+    table.add_column("", style="bold")
+    for view in views:
+        table.add_column(view.url, overflow="fold")
+    columns = [_cells(v) for v in views]
+    for i, name in enumerate(_ROWS):
+        table.add_row(name, *(c[i] for c in columns))
+    return table
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    import httpx
+    from rich.console import Console
+    from rich.live import Live
+
+    from scheduler.cli.top_view import History
+
+    if args.interval <= 0 or args.timeout <= 0 or args.iterations < 0:
+        raise UsageError("--interval and --timeout must be > 0, --iterations >= 0")
+    histories = [History(_url(u)) for u in args.urls]
+    console = Console()
+    pause = threading.Event()  # never set: an interruptible wait between refreshes
+    with httpx.Client(timeout=args.timeout) as client, ThreadPoolExecutor(
+            len(histories), thread_name_prefix="pdlife-top") as pool:
+        try:
+            if args.once:
+                _refresh(pool, client, histories)
+                pause.wait(args.interval)
+                views = _refresh(pool, client, histories)
+                console.print(render(views))
+                return 1 if any(v.error is not None for v in views) else 0
+            with Live(console=console, auto_refresh=False) as live:
+                done = 0
+                while True:
+                    views = _refresh(pool, client, histories)
+                    live.update(render(views, time.strftime("%H:%M:%S")), refresh=True)
+                    done += 1
+                    if done == args.iterations:
+                        break
+                    pause.wait(args.interval)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+TOP = Subcommand(
+    name="top",
+    summary="watch running workers live: requests by state, rates, failures, TTFT, KV usage",
+    description=(
+        "A live view of pdlife serve workers (prefill, decode or local), refreshed every "
+        "--interval seconds from their /server_info and /metrics: requests per lifecycle state, "
+        "admissions and completions per second, failures by reason, TTFT p50/p99 over the "
+        "last minute (prefill workers), KV pool and metadata-slot usage, KV bytes sent per "
+        "second. A worker that cannot be read says why in its column. Ctrl-C quits."
+    ),
+    epilog=(
+        "Example: pdlife top 127.0.0.1:30000 127.0.0.1:30001. Rates and TTFT need two "
+        "refreshes; TTFT comes from pdlife_ttft_seconds, which only prefill workers (and "
+        "--backend local) have. For history and alerts scrape the same /metrics with "
+        "Prometheus (docs/operations.md)."
+    ),
+    add_arguments=_arguments,
+    run=_run,
+)

@@ -1,0 +1,195 @@
+"""What ``pdlife top`` shows of a worker, computed from what it scraped (no I/O here).
+
+Theory of operation
+-------------------
+Every refresh scrapes each worker's ``/server_info`` (JSON) and ``/metrics`` (Prometheus text)
+into a :class:`Scrape`. A worker's :class:`History` keeps its scrapes of the last minute and
+turns the newest into a :class:`WorkerView`:
+
+- requests per state, pool usage and health come from the newest ``/server_info``;
+- rates (admissions, completions, transfer bytes per second) are differences of counters
+  between the two newest scrapes; a request was admitted when it is live or finished, so
+  admissions are the growth of ``finished + live``;
+- TTFT p50/p99 over the last minute are quantiles of the growth of ``pdlife_ttft_seconds``'s
+  buckets since the oldest scrape of that minute, interpolated within a bucket as Prometheus'
+  ``histogram_quantile`` does;
+- failures by reason are totals since the worker started.
+
+Counters are read from the side that answers the worker's requests: the prefill scheduler's on
+a prefill worker, the decode peer's on a decode worker and on ``--backend local``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+#: How far back the TTFT quantiles look, in seconds.
+WINDOW_S = 60.0
+
+Labels = tuple[tuple[str, str], ...]
+Samples = dict[tuple[str, Labels], float]
+
+# The series of each side: live requests by state, finished requests by state and reason.
+_LIVE = {"prefill": "pdlife_requests", "decode": "pdlife_decode_requests"}
+_FINISHED = {"prefill": "pdlife_requests_finished_total",
+             "decode": "pdlife_decode_requests_finished_total"}
+_SENT = "pdlife_transfer_bytes_total"  # prefill workers (and local) only
+
+
+def parse_metrics(text: str) -> Samples:
+    """Prometheus text as ``{(sample name, sorted labels): value}``."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return samples
+
+
+def total(samples: Samples, name: str, **match: str) -> float:
+    """The sum of the ``name`` samples whose labels include ``match``."""
+    want = set(match.items())
+    return sum(v for (n, labels), v in samples.items() if n == name and want <= set(labels))
+
+
+def by_label(samples: Samples, name: str, label: str, **match: str) -> dict[str, float]:
+    """The ``name`` samples that match, summed per value of ``label``."""
+    want = set(match.items())
+    out: dict[str, float] = {}
+    for (n, labels), v in samples.items():
+        if n == name and want <= set(labels):
+            key = dict(labels).get(label, "")
+            out[key] = out.get(key, 0.0) + v
+    return out
+
+
+def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The ``q`` quantile of a histogram given as cumulative counts per upper bound (``le``),
+    interpolated linearly within its bucket; ``None`` without observations. A quantile in the
+    ``+Inf`` bucket is the largest finite bound."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+def histogram(samples: Samples, name: str) -> dict[float, float]:
+    """The cumulative bucket counts of histogram ``name`` (all label sets summed), by ``le``."""
+    return {float(le): v for le, v in by_label(samples, f"{name}_bucket", "le").items()}
+
+
+@attrs.frozen
+class Scrape:
+    """One refresh of one worker: when (monotonic seconds), its ``/server_info``, its
+    ``/metrics``."""
+
+    time: float
+    info: Mapping[str, Any]
+    samples: Samples
+
+
+@attrs.frozen
+class WorkerView:
+    """One worker as ``pdlife top`` shows it; ``error`` says why it could not be read, and
+    then the rest is empty. Rates and quantiles are ``None`` until two scrapes exist."""
+
+    url: str
+    error: str | None = None
+    role: str = ""
+    healthy: bool = False
+    draining: bool = False
+    requests: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
+    admissions_per_s: float | None = None
+    completions_per_s: float | None = None
+    failures: Mapping[str, int] = attrs.field(factory=dict)
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    kv_pool: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)  # side: (used, total)
+    slots: tuple[int, int] | None = None  # prefill metadata slots (used, total)
+    transfer_gbps: float | None = None
+
+
+class History:
+    """The scrapes of one worker over the last :data:`WINDOW_S` seconds."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._scrapes: deque[Scrape] = deque()
+
+    def add(self, scrape: Scrape) -> WorkerView:
+        """Record ``scrape`` and return the worker's view as of it."""
+        self._scrapes.append(scrape)
+        # Keep the newest scrape older than the window too: the window's baseline.
+        while len(self._scrapes) > 2 and self._scrapes[1].time <= scrape.time - WINDOW_S:
+            self._scrapes.popleft()
+        return self._view()
+
+    def unreachable(self, error: str) -> WorkerView:
+        return WorkerView(url=self.url, error=error)
+
+    def _view(self) -> WorkerView:
+        new = self._scrapes[-1]
+        info, now = new.info, new.samples
+        side = "prefill" if info.get("role") == "prefill" else "decode"
+        failed = by_label(now, _FINISHED[side], "reason", state="failed")
+        view = WorkerView(
+            url=self.url,
+            role=str(info.get("role", "?")),
+            healthy=bool(info.get("healthy")),
+            draining=bool(info.get("draining")),
+            requests=info.get("requests", {}),
+            failures={reason or "?": int(n) for reason, n in sorted(failed.items()) if n},
+            kv_pool={s: (p["used_pages"], p["total_pages"])
+                     for s, p in info.get("kv_pool", {}).items()},
+            slots=_slots(info, now),
+        )
+        if len(self._scrapes) < 2:
+            return view
+        old = self._scrapes[-2]
+        dt = new.time - old.time
+        if dt <= 0:
+            return view
+        window = _growth(histogram(now, "pdlife_ttft_seconds"),
+                         histogram(self._scrapes[0].samples, "pdlife_ttft_seconds"))
+
+        def rate(read: Callable[[Samples], float]) -> float:
+            return max(read(new.samples) - read(old.samples), 0.0) / dt
+
+        return attrs.evolve(
+            view,
+            admissions_per_s=rate(lambda s: total(s, _FINISHED[side]) + total(s, _LIVE[side])),
+            completions_per_s=rate(lambda s: total(s, _FINISHED[side], state="done")),
+            ttft_p50=quantile(0.5, window),
+            ttft_p99=quantile(0.99, window),
+            transfer_gbps=(rate(lambda s: total(s, _SENT)) / 1e9
+                           if any(name == _SENT for name, _ in now) else None),
+        )
+
+
+def _growth(now: Mapping[float, float], before: Mapping[float, float]) -> dict[float, float]:
+    """Bucket counts added since ``before`` (all of ``now`` if the worker restarted since)."""
+    if any(now.get(le, 0.0) < v for le, v in before.items()):
+        return dict(now)
+    return {le: v - before.get(le, 0.0) for le, v in now.items()}
+
+
+def _slots(info: Mapping[str, Any], samples: Samples) -> tuple[int, int] | None:
+    if "prefill" not in info.get("requests", {}) or "metadata_slots" not in info:
+        return None
+    return int(total(samples, "pdlife_metadata_slots_used")), int(info["metadata_slots"])

@@ -1,0 +1,135 @@
+"""``pdlife top``: the view computed from scraped text (quantiles, rates, the one-minute window,
+failures), and runs against a real ``pdlife serve`` worker and an unreachable one."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+
+from scheduler.cli.main import main
+from scheduler.cli.top import _scrape, render
+from scheduler.cli.top_view import History, Scrape, parse_metrics, quantile
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.metrics import SchedulerMetrics
+from tests.service_harness import Server, free_port
+
+MODEL = ModelConfig.tiny()
+INFO = {"role": "prefill", "healthy": True, "draining": False, "metadata_slots": 8,
+        "requests": {"prefill": {"bootstrapping": 1, "waiting": 0, "forward": 0,
+                                 "transferring": 2}},
+        "kv_pool": {"prefill": {"used_pages": 16, "free_pages": 48, "total_pages": 64}}}
+
+
+def test_quantiles_interpolate_within_a_bucket_as_prometheus_does() -> None:
+    buckets = {0.1: 5.0, 0.2: 10.0, math.inf: 10.0}
+    assert quantile(0.5, buckets) == pytest.approx(0.1)
+    assert quantile(0.99, buckets) == pytest.approx(0.198)
+    assert quantile(0.25, buckets) == pytest.approx(0.05)
+    assert quantile(0.99, {0.1: 1.0, math.inf: 4.0}) == 0.1  # in +Inf: the largest bound
+    assert quantile(0.5, {0.1: 0.0, math.inf: 0.0}) is None
+    assert quantile(0.5, {}) is None
+
+
+def test_views_from_a_schedulers_real_metrics_text() -> None:
+    metrics = SchedulerMetrics()
+    history = History("http://w")
+
+    def scrape(at: float, live: int) -> Scrape:
+        metrics.requests.labels(state="bootstrapping").set(live)
+        return Scrape(at, INFO, parse_metrics(generate_latest(metrics.registry).decode()))
+
+    metrics.finished.labels(state="done", reason="").inc(4)
+    first = history.add(scrape(100.0, live=1))
+    assert first.admissions_per_s is None and first.ttft_p50 is None  # one scrape: no rates
+    assert first.kv_pool == {"prefill": (16, 64)}
+    assert first.slots == (0, 8)
+    # Two seconds later: 6 more done, 2 failed, 1 more live, 4 GB sent, 6 TTFTs of ~40 ms.
+    metrics.finished.labels(state="done", reason="").inc(6)
+    metrics.finished.labels(state="failed", reason="transfer_failed").inc(2)
+    metrics.transfer_bytes.inc(4e9)
+    metrics.slots_used.set(3)
+    for _ in range(6):
+        metrics.ttft.observe(0.04)
+    second = history.add(scrape(102.0, live=2))
+    assert second.admissions_per_s == pytest.approx((6 + 2 + 1) / 2)
+    assert second.completions_per_s == pytest.approx(3.0)
+    assert second.transfer_gbps == pytest.approx(2.0)
+    assert second.failures == {"transfer_failed": 2}
+    assert second.slots == (3, 8)
+    assert second.ttft_p50 is not None and 0.025 < second.ttft_p50 <= 0.05
+    assert second.ttft_p99 is not None and second.ttft_p50 <= second.ttft_p99 <= 0.05
+    # A minute and more without requests: the TTFT window is empty again; totals stay.
+    third = history.add(scrape(170.0, live=2))
+    assert third.ttft_p50 is None and third.completions_per_s == 0.0
+    assert third.failures == {"transfer_failed": 2}
+    table = render([third, history.unreachable("unreachable (ConnectError: refused)")])
+    assert [c.header for c in table.columns] == ["", "http://w", "http://w"]
+
+
+def test_a_worker_that_restarted_counts_its_new_histogram() -> None:
+    history = History("http://w")
+    before = SchedulerMetrics()
+    for _ in range(50):
+        before.ttft.observe(2.0)
+    history.add(Scrape(0.0, INFO, parse_metrics(generate_latest(before.registry).decode())))
+    after = SchedulerMetrics()  # the worker restarted: its counters began again
+    after.ttft.observe(0.003)
+    view = history.add(Scrape(1.0, INFO, parse_metrics(generate_latest(after.registry).decode())))
+    assert view.ttft_p99 is not None and view.ttft_p99 <= 0.005
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = Server(tmp_path_factory.mktemp("top") / "serve.log", "--backend", "local",
+                    "--hidden", str(MODEL.hidden), "--heads", str(MODEL.heads), "--kv-heads",
+                    str(MODEL.kv_heads), "--head-dim", str(MODEL.head_dim), "--intermediate",
+                    str(MODEL.intermediate), "--log-level", "warning")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def _generate(url: str, n: int) -> None:
+    for i in range(n):
+        r = httpx.post(f"{url}/generate", timeout=30, json={
+            "input_ids": [i + 1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.multiprocess
+def test_a_real_worker_is_read_between_requests(worker: Server) -> None:
+    history = History(worker.url)
+    with httpx.Client(timeout=5) as client:
+        first = _scrape(client, history)
+        assert first.error is None and first.role == "both" and first.healthy
+        assert set(first.requests) == {"prefill", "decode"}
+        _generate(worker.url, 3)
+        second = _scrape(client, history)
+    assert second.completions_per_s is not None and second.completions_per_s > 0
+    assert second.ttft_p50 is not None and second.ttft_p50 > 0
+    assert second.transfer_gbps is not None and second.transfer_gbps > 0
+    assert second.kv_pool["decode"][1] > 0
+
+
+@pytest.mark.multiprocess
+def test_pdlife_top_runs_a_bounded_number_of_refreshes_and_names_the_unreachable(
+    worker: Server, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["top", worker.url, "--iterations", "2", "--interval", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert worker.url in out and "healthy" in out and "TTFT p50 / p99" in out
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["top", worker.url.removeprefix("http://"), dead, "--once",
+                 "--interval", "0.1"]) == 1
+    out = capsys.readouterr().out
+    assert "unreachable (ConnectError" in out
+    assert "both, healthy" in out
