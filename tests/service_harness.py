@@ -27,7 +27,7 @@ from scheduler.service.app import create_app
 from scheduler.service.core import ServeConfig, Service
 
 ROOT = Path(__file__).resolve().parent.parent
-_PDLIFE = "import sys; from scheduler.cli.main import main; sys.exit(main())"
+PDLIFE = "import sys; from scheduler.cli.main import main; sys.exit(main())"
 _POLL_S = 0.05
 
 
@@ -92,7 +92,7 @@ class Server(Process):
     def __init__(self, log: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__([sys.executable, "-c", _PDLIFE, "serve", "--host", "127.0.0.1",
+        super().__init__([sys.executable, "-c", PDLIFE, "serve", "--host", "127.0.0.1",
                           "--port", str(self.port), *args], log)
 
     def wait_healthy(self, timeout: float = 60.0) -> None:

@@ -1,9 +1,11 @@
 """``pdlife top``: the view computed from scraped text (quantiles, rates, the one-minute window,
-failures), and runs against a real ``pdlife serve`` worker and an unreachable one."""
+failures), and runs against a real ``pdlife serve`` worker and an unreachable one, and Ctrl-C."""
 
 from __future__ import annotations
 
 import math
+import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,10 +15,10 @@ from prometheus_client import generate_latest
 
 from scheduler.cli.main import main
 from scheduler.cli.top import _scrape, render
-from scheduler.cli.top_view import History, Scrape, parse_metrics, quantile
+from scheduler.cli.top_view import History, Scrape, parse_metrics, quantile, total
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.metrics import SchedulerMetrics
-from tests.service_harness import Server, free_port
+from tests.service_harness import PDLIFE, Process, Server, free_port, wait_for
 
 MODEL = ModelConfig.tiny()
 INFO = {"role": "prefill", "healthy": True, "draining": False, "metadata_slots": 8,
@@ -133,3 +135,24 @@ def test_pdlife_top_runs_a_bounded_number_of_refreshes_and_names_the_unreachable
     out = capsys.readouterr().out
     assert "unreachable (ConnectError" in out
     assert "both, healthy" in out
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_ends_pdlife_top_cleanly(worker: Server, tmp_path: Path) -> None:
+    def info_reads() -> float:
+        text = httpx.get(f"{worker.url}/metrics", timeout=5).text
+        return total(parse_metrics(text), "pdlife_http_requests_total", route="/server_info")
+
+    before = info_reads()
+    top = Process([sys.executable, "-c", PDLIFE, "top", worker.url, "--interval", "0.1"],
+                  tmp_path / "top.log", env={"COLUMNS": "200"})
+    try:
+        wait_for(lambda: info_reads() >= before + 2, 60, "pdlife top refreshing")
+        top.check_alive("pdlife top")
+        top.signal(signal.SIGINT)
+        assert top.wait(timeout=30) == 0, top.tail()
+        out = top.tail()
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out
+        assert worker.url in out
+    finally:
+        top.stop()
