@@ -6,7 +6,10 @@ Each prefill rank registers itself with ``PUT /route`` (its rank, the ZeroMQ end
 takes decode control messages, its transfer-engine session, page size and KV dtype). A decode
 peer reads the table with ``GET /route``: 503 until every expected rank has registered, then the
 whole table, from which it checks that page size and KV dtype match its own pool before it sends
-anything. ``GET /health`` answers ``OK`` for liveness probes.
+anything. ``GET /health`` answers ``OK`` for liveness probes. ``POST /refusal`` is how a decode
+peer says it will never ask for a room's KV (it refused the request, or gave up before the
+handshake): the room and the reason go to every listener the prefill ranks in this process
+added (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
 
 The server is stdlib ``ThreadingHTTPServer`` in a daemon thread; it binds loopback unless told
 otherwise and port 0 picks a free port. Bodies are size-limited JSON validated field by field: a
@@ -22,6 +25,7 @@ import http.client
 import json
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -32,6 +36,8 @@ from kv.wire import KV_DTYPES
 logger = logging.getLogger(__name__)
 
 _MAX_BODY = 64 << 10
+_MAX_ROOM = (1 << 64) - 1
+_MAX_REASON = 512
 
 
 class BootstrapError(Exception):
@@ -106,6 +112,7 @@ class BootstrapServer:
         self._token = token
         self._lock = threading.Lock()
         self._ranks: dict[int, RankInfo] = {}
+        self._refusal_listeners: list[Callable[[int, str], None]] = []
         self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
@@ -122,6 +129,12 @@ class BootstrapServer:
     def ranks(self) -> dict[int, RankInfo]:
         with self._lock:
             return dict(self._ranks)
+
+    def add_refusal_listener(self, listener: Callable[[int, str], None]) -> None:
+        """Call ``listener(room, reason)`` (on an HTTP thread) for every refusal a decode peer
+        posts."""
+        with self._lock:
+            self._refusal_listeners.append(listener)
 
     def close(self) -> None:
         self._httpd.shutdown()
@@ -149,6 +162,24 @@ class BootstrapServer:
                     )
             self._ranks[info.rank] = info
         logger.info("prefill rank %d registered at %s", info.rank, info.endpoint)
+        return 200, "OK"
+
+    def _refused(self, body: Any) -> tuple[int, str]:
+        if not isinstance(body, dict) or set(body) != {"room", "reason"}:
+            return 400, "expected {\"room\": <uint64>, \"reason\": <string>}"
+        room, reason = body["room"], body["reason"]
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= _MAX_ROOM:
+            return 400, f"room must be a uint64, got {room!r}"
+        if not isinstance(reason, str) or len(reason) > _MAX_REASON:
+            return 400, f"reason must be a string of at most {_MAX_REASON} characters"
+        with self._lock:
+            listeners = list(self._refusal_listeners)
+        logger.info("decode peer refused room %d: %s", room, reason)
+        for listener in listeners:
+            try:
+                listener(room, reason)
+            except Exception:  # one rank's bug must not keep the refusal from the others
+                logger.exception("a refusal listener failed for room %d", room)
         return 200, "OK"
 
     def _table(self) -> tuple[int, Any]:
@@ -192,19 +223,26 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
             else:
                 self._reply(404, {"error": f"no route {path}"})
 
-        def do_PUT(self) -> None:
-            path = self._path()
+        def _body(self, route: str) -> bytes | None:
+            """The request's body, once it is known to be for ``route`` and authorized;
+            None after answering the error."""
             length_header = self.headers.get("Content-Length", "")
             if not length_header.isdigit() or int(length_header) > _MAX_BODY:
                 self.close_connection = True
                 self._reply(400, {"error": f"Content-Length must be 0..{_MAX_BODY}"})
-                return
+                return None
             raw = self.rfile.read(int(length_header))
             if not server._authorized(self.headers.get("Authorization")):
                 self._reply(401, {"error": "missing or wrong token"})
-                return
-            if path != "/route":
-                self._reply(404, {"error": f"no route {path}"})
+                return None
+            if self._path() != route:
+                self._reply(404, {"error": f"no route {self._path()}"})
+                return None
+            return raw
+
+        def do_PUT(self) -> None:
+            raw = self._body("/route")
+            if raw is None:
                 return
             try:
                 info = RankInfo.from_json(json.loads(raw))
@@ -212,6 +250,18 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
                 self._reply(400, {"error": f"bad rank registration: {exc}"})
                 return
             status, detail = server._register(info)
+            self._reply(status, {"status": detail} if status == 200 else {"error": detail})
+
+        def do_POST(self) -> None:
+            raw = self._body("/refusal")
+            if raw is None:
+                return
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                self._reply(400, {"error": f"bad refusal: {exc}"})
+                return
+            status, detail = server._refused(body)
             self._reply(status, {"status": detail} if status == 200 else {"error": detail})
 
     return Handler
@@ -244,6 +294,11 @@ class BootstrapClient:
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise BootstrapError(self.addr, 200, f"unreadable route table: {exc}") from None
+
+    def refuse(self, room: int, reason: str) -> None:
+        """Tell the prefill server that this decode side will never ask for ``room``."""
+        body = {"room": room, "reason": reason[:_MAX_REASON]}
+        self._request("POST", "/refusal", json.dumps(body).encode())
 
     def health(self) -> bool:
         try:

@@ -111,6 +111,9 @@ class FakeKVManager:
     def create_sender(self, bootstrap_addr: str, room: int) -> FakeKVSender:
         return FakeKVSender(self, bootstrap_addr, room, self.faults.decide(room))
 
+    def refuse(self, room: int, reason: str) -> None:
+        """No decode peer pairs with a fake room: nobody to tell."""
+
     def close(self) -> None:
         """Nothing to release: no threads, no buffers."""
 
@@ -202,6 +205,9 @@ class FakeDecodeManager:
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> FakeKVReceiver:
         return FakeKVReceiver(self, bootstrap_addr, room)
+
+    def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        """No prefill server pairs with a fake room: nobody to tell."""
 
     def close(self) -> None:
         """Nothing to release."""

@@ -28,6 +28,12 @@ Aborts: an abort on either side fails that side with ``REASON_ABORTED`` and the 
 ``REASON_PEER_ABORTED`` (a receiver that aborts before its sender exists marks the link, and the
 sender fails when it attaches). Late messages: a link is closed when its sender is cleared; an
 abort from a receiver whose link is closed is dropped, so a reused room is never poisoned.
+
+Refusals (:mod:`kv.refusal`): a room the prefill side refused (:meth:`LocalKVManager.refuse`) or
+whose sender failed before its link came fails the receiver's link with the refusal, now or
+when it is delivered; a room the decode side refused (:meth:`LocalKVManager.peer_refused`, through
+:meth:`~kv.local_decode.LocalDecodeManager.refuse`) fails its waiting sender, now or when it is
+created.
 """
 
 from __future__ import annotations
@@ -45,7 +51,16 @@ from kv.local_link import Link, Side
 from kv.metadata import MetadataBuffers
 from kv.pages import coalesce
 from kv.pool import KVPool
-from kv.transfer import KVPoll, SendCursor, TransferError, TransferUsageError, accepts_call
+from kv.refusal import RefusedRooms
+from kv.transfer import (
+    REASON_PEER_REFUSED,
+    KVPoll,
+    SendCursor,
+    TransferError,
+    TransferUsageError,
+    accepts_call,
+    refusal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +180,8 @@ class LocalKVManager:
         self._lock = hub.lock
         self._senders: dict[int, LocalKVSender] = {}
         self._pending: dict[int, Link] = {}
+        self._refused = RefusedRooms()  # rooms this side will not serve
+        self._peer_refused = RefusedRooms()  # rooms the decode side will not ask for
         self._chunks: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
         self._stats = LocalTransferStats(0, 0, 0, 0.0)
         self._closed = False
@@ -182,10 +199,31 @@ class LocalKVManager:
                 raise TransferUsageError(room, "the room already has a live sender; clear() it")
             sender = LocalKVSender(self, bootstrap_addr, room)
             self._senders[room] = sender
+            refused = self._peer_refused.pop(room)
             link = self._pending.pop(room, None)
-            if link is not None:
+            if refused is not None:
+                sender._side.fail(refusal(refused))
+            elif link is not None:
                 sender._attach(link)
             return sender
+
+    def refuse(self, room: int, reason: str) -> None:
+        """This side will not serve ``room``: a receiver's destination for it, waiting or
+        still to come, fails with the refusal (any thread)."""
+        with self._lock:
+            self._refused.add(room, reason)
+            link = self._pending.pop(room, None)
+            if link is not None:
+                link.decode.fail(refusal(reason))
+
+    def peer_refused(self, room: int, reason: str) -> None:
+        """The decode side will never send ``room``'s destination: its sender fails now if it
+        waits for one, or when it is created (the caller holds the hub's lock)."""
+        sender = self._senders.get(room)
+        if sender is None:
+            self._peer_refused.add(room, reason)
+        elif sender._link is None:
+            sender._side.fail(refusal(reason))
 
     def stats(self) -> LocalTransferStats:
         with self._lock:
@@ -207,6 +245,12 @@ class LocalKVManager:
         room = link.decode.room
         sender = self._senders.get(room)
         if sender is not None and sender._attach(link):
+            return
+        refused = self._refused.get(room)
+        if sender is not None and sender._link is None and sender._side.status == KVPoll.FAILED:
+            refused = sender._side.reason  # failed before its link came
+        if refused is not None:
+            link.decode.fail(refusal(refused))
             return
         superseded = self._pending.get(room)
         if superseded is not None:
@@ -351,7 +395,11 @@ class LocalKVSender(LocalEndpoint):
         return True
 
     def _forget(self) -> None:
-        if self._manager._senders.get(self.room) is self:
-            del self._manager._senders[self.room]
+        manager = self._manager
+        if manager._senders.get(self.room) is self:
+            del manager._senders[self.room]
         if self._link is not None:
             self._link.closed = True
+        elif not self._side.reason.startswith(REASON_PEER_REFUSED):
+            # Ended before the receiver's destination came: a late one gets the refusal.
+            manager._refused.add(self.room, self._side.reason)

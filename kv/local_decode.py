@@ -32,6 +32,14 @@ class LocalDecodeManager:
     def create_receiver(self, bootstrap_addr: str, room: int) -> LocalKVReceiver:
         return LocalKVReceiver(self, bootstrap_addr, room)
 
+    def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        """Tell the prefill manager at ``bootstrap_addr`` that this side will never send
+        ``room``'s destination (any thread)."""
+        with self.hub.lock:
+            prefill = self.hub.lookup(bootstrap_addr)
+            if prefill is not None:
+                prefill.peer_refused(room, reason)
+
     def close(self) -> None:
         """Nothing to release: the copies run on the prefill manager's worker."""
 

@@ -26,7 +26,9 @@ blacklists the session: its other live rooms fail at once (they cannot succeed) 
 to it are skipped, while other sessions are untouched. A fresh ``Register`` from the session
 clears the blacklist. A dead decode peer fails within about a second (TCP connection refused).
 A worker exception fails its room; the worker keeps running. An ``Abort`` from decode fails the
-room with ``REASON_PEER_ABORTED``. Readiness goes to ``ready``.
+room with ``REASON_PEER_ABORTED``. A room refused on either side fails the other side's request
+for it at once (:meth:`MooncakeKVManager.refuse`, :meth:`MooncakeKVManager.peer_refused`;
+:mod:`kv.refusal`). Readiness goes to ``ready``.
 
 Rooms: ``clear()`` forgets a room and leaves a tombstone, so a late ``Destination``/``Abort`` for
 it is ignored instead of poisoning a later request that reuses the room number. ``quiescent()``
@@ -115,6 +117,15 @@ class MooncakeKVManager:
     def live_rooms(self) -> int:
         return len(self._rooms)
 
+    def refuse(self, room: int, reason: str) -> None:
+        """This rank will not serve ``room``: decode's destination for it is answered with the
+        refusal (see :mod:`kv.refusal`; any thread)."""
+        self._tell_decode([self._rooms.refuse(room, reason)])
+
+    def peer_refused(self, room: int, reason: str) -> None:
+        """The decode peer will never ask for ``room`` (a bootstrap refusal listener)."""
+        self._rooms.peer_refused(room, reason)
+
     def close(self) -> None:
         self._control.stop()
         self._writes.close()
@@ -130,7 +141,7 @@ class MooncakeKVManager:
         if isinstance(msg, wire.Register):
             self._on_register(msg)
         elif isinstance(msg, wire.Destination):
-            self._rooms.destination(msg)
+            self._tell_decode([self._rooms.destination(msg)])
         elif isinstance(msg, wire.Abort):
             self._tell_decode([self._rooms.peer_abort(msg)])
         else:

@@ -3,11 +3,14 @@ and the per-request receiver (the prefill side is :mod:`kv.mooncake`).
 
 The decode manager looks the prefill rank up at its bootstrap endpoint, refuses one whose page
 size or KV dtype differs, sends one ``Register`` with its engine session and memory layout, and
-then per room a ``Destination`` or an ``Abort``. A receiver reports SUCCESS only when prefill's
-``Status`` said so *and* the metadata row in its slot carries its own room (the metadata gate);
-a FAILED ``Status`` fails it with prefill's reason (``REASON_ABORTED`` when prefill aborted the
-room). Any ``Status`` also means prefill no longer writes the room's pages, which is what
-:meth:`MooncakeKVReceiver.quiescent` reports.
+then per room a ``Destination`` or an ``Abort``; a room it will never ask for (refused, or failed
+before its destination) it reports to the prefill's bootstrap endpoint instead
+(:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`). A receiver reports SUCCESS only when
+prefill's ``Status`` said so *and* the metadata row in its slot carries its own room (the
+metadata gate); a FAILED ``Status`` fails it with prefill's reason (``REASON_ABORTED`` when
+prefill aborted the room, a refusal when prefill refused it). Any ``Status`` also means
+prefill no longer writes the room's pages, which is what :meth:`MooncakeKVReceiver.quiescent`
+reports.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s``. After ``heartbeat_max_failures`` failures in a row the prefill counts
@@ -40,6 +43,7 @@ from kv.mooncake_engine import (
     push_socket,
 )
 from kv.pool import KVPool
+from kv.refusal import RefusalPoster
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError, accepts_call
 
 logger = logging.getLogger(__name__)
@@ -74,6 +78,7 @@ class MooncakeDecodeManager:
         self.bootstrap_addr = bootstrap_addr
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._refusals = RefusalPoster(token=self.config.token)
         self.prefill = self._lookup(bootstrap_addr, rank)
         self._control = ControlEndpoint(
             self.config, pool, metadata, self._handle, name="mooncake-status", log=logger
@@ -160,8 +165,14 @@ class MooncakeDecodeManager:
             self.ready.put(room)
         return MooncakeKVReceiver(self, rec)
 
+    def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        """Tell the prefill's bootstrap endpoint that this side will never send ``room``'s
+        destination (:mod:`kv.refusal`; any thread, never blocks)."""
+        self._refusals.tell(bootstrap_addr, room, reason)
+
     def close(self) -> None:
         self._stop.set()
+        self._refusals.close()
         self._heartbeat.join(timeout=10)
         self._control.stop()
         with self._push_lock:

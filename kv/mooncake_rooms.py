@@ -24,6 +24,12 @@ reuses the room number.
 
 Decode reads a FAILED ``Status`` as "prefill no longer writes into these pages", so it is owed
 only once the failed room is quiescent: no chunk of it queued or being written.
+
+Refusals (:mod:`kv.refusal`): a room this rank refused (:meth:`PrefillRooms.refuse`), or that
+failed before its destination came, is recorded, and a destination for it is answered with a
+FAILED ``Status`` naming the refusal instead of being kept or dropped; a live room's own first
+destination is still its own. A room the decode peer refused (:meth:`PrefillRooms.peer_refused`)
+fails at once while it waits for its destination, or as soon as it is created.
 """
 
 from __future__ import annotations
@@ -37,13 +43,16 @@ import attrs
 import numpy as np
 
 from kv import wire
+from kv.refusal import RefusedRooms
 from kv.transfer import (
     REASON_PEER_ABORTED,
+    REASON_PEER_REFUSED,
     KVPoll,
     SendCursor,
     TransferError,
     TransferUsageError,
     accepts_call,
+    refusal,
 )
 
 _TOMBSTONES = 65536
@@ -114,6 +123,8 @@ class PrefillRooms:
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._sessions: dict[str, wire.Register] = {}
         self._blacklist: set[str] = set()
+        self._refused = RefusedRooms(clock=clock)  # rooms this rank will not serve
+        self._peer_refused = RefusedRooms(clock=clock)  # rooms decode will not ask for
 
     def __len__(self) -> int:
         with self._lock:
@@ -126,23 +137,49 @@ class PrefillRooms:
             self._sessions[reg.session] = reg
             self._blacklist.discard(reg.session)
 
-    def destination(self, dest: wire.Destination) -> None:
-        """Attach ``dest`` to its room, or keep it until the room's sender exists; raises
-        :class:`~kv.wire.WireError` for a destination that must be dropped."""
+    def destination(self, dest: wire.Destination) -> Owed | None:
+        """Attach ``dest`` to its room, or keep it until the room's sender exists; for a room
+        that failed before its handshake or was refused, the refusal owed to decode instead.
+        Raises :class:`~kv.wire.WireError` for a destination that must be dropped."""
         with self._lock:
             wire.check_destination(dest, self._sessions)
             rec = self._rooms.get(dest.room)
-            if rec is None:
-                if dest.room in self._tombstones:
-                    raise wire.WireError("stale_room", f"room {dest.room} was already cleared")
-                self._early[dest.room] = dest
-                if len(self._early) > self._max_early:
-                    evicted, _ = self._early.popitem(last=False)
-                    raise wire.WireError("early_overflow", f"evicted early room {evicted}")
-                return
-            if rec.dest is not None:
+            if rec is not None and rec.dest is None:
+                if rec.status == KVPoll.FAILED:
+                    return self._refusal(dest, rec.reason)
+                self._accept(rec, dest)
+                return None
+            refused = self._refused.get(dest.room)
+            if refused is not None:
+                return self._refusal(dest, refused)
+            if rec is not None:
                 raise wire.WireError("duplicate_destination", f"room {dest.room}")
-            self._accept(rec, dest)
+            if dest.room in self._tombstones:
+                raise wire.WireError("stale_room", f"room {dest.room} was already cleared")
+            self._early[dest.room] = dest
+            if len(self._early) > self._max_early:
+                evicted, _ = self._early.popitem(last=False)
+                raise wire.WireError("early_overflow", f"evicted early room {evicted}")
+            return None
+
+    def refuse(self, room: int, reason: str) -> Owed | None:
+        """This rank will not serve ``room``: a destination for it, already waiting or still
+        to come, is answered with the refusal (the status owed now, if one waited)."""
+        with self._lock:
+            self._refused.add(room, reason)
+            early = self._early.pop(room, None)
+            return None if early is None else self._refusal(early, reason)
+
+    def peer_refused(self, room: int, reason: str) -> None:
+        """Decode will never send ``room``'s destination: the room fails now if it waits for
+        one, or when it is created (a room that has its destination is paired; decode aborts
+        those with an ``Abort``)."""
+        with self._lock:
+            rec = self._rooms.get(room)
+            if rec is None:
+                self._peer_refused.add(room, reason)
+            elif rec.dest is None:
+                self._fail(rec, refusal(reason))
 
     def peer_abort(self, msg: wire.Abort) -> Owed | None:
         """Decode aborted a room; raises :class:`~kv.wire.WireError` if the abort is stale or
@@ -170,7 +207,10 @@ class PrefillRooms:
             self._rooms[room] = rec
             self._tombstones.pop(room, None)
             early = self._early.pop(room, None)
-            if early is not None:
+            refused = self._peer_refused.pop(room)
+            if refused is not None:
+                self._fail(rec, refusal(refused))
+            elif early is not None:
                 self._accept(rec, early)
         return rec
 
@@ -232,6 +272,10 @@ class PrefillRooms:
                 del self._rooms[rec.room]
                 self._early.pop(rec.room, None)
                 self._tombstones[rec.room] = None
+                # Failed before decode's destination came: a late one gets the refusal.
+                if (rec.dest is None and rec.status == KVPoll.FAILED
+                        and not rec.reason.startswith(REASON_PEER_REFUSED)):
+                    self._refused.add(rec.room, rec.reason)
                 if len(self._tombstones) > _TOMBSTONES:
                     self._tombstones.popitem(last=False)
 
@@ -273,6 +317,9 @@ class PrefillRooms:
         return [o for o in owed if o is not None]
 
     # -- callers hold self._lock -----------------------------------------------------------------
+
+    def _refusal(self, dest: wire.Destination, reason: str) -> Owed:
+        return Owed(dest.session, dest.room, KVPoll.FAILED, refusal(reason))
 
     def _accept(self, rec: PrefillRoom, dest: wire.Destination) -> None:
         rec.dest = dest

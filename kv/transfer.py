@@ -36,6 +36,14 @@ through the MIN) the reason is :data:`REASON_OTHER_RANK`. A room aborted on its 
 :data:`REASON_PEER_ABORTED` (so the prefill scheduler answers an abort, not a transfer failure),
 and so does a local-backend receiver whose room the prefill side aborted.
 
+Refusals (no stranded peer): a side that refuses a request, or fails it before the handshake,
+tells its peer, which fails its own request for the room at once with :func:`refusal` of the
+reason (``peer refused: draining``) instead of waiting for a timeout. Prefill keeps a short-lived
+record of such rooms (:meth:`KVManager.refuse`, and every room that fails before its destination
+came) and answers a destination for one with the refusal; decode tells prefill's control plane
+(:meth:`DecodeKVManager.refuse`), and a room prefill learns of that way fails at once, or as soon
+as its sender is created. ``TransferError.refused`` tells such a failure apart.
+
 Readiness is pushed: whenever a sender's poll result may have changed (handshake arrived,
 transfer concluded, failure), and when a failed sender becomes quiescent, the manager puts its
 room on :attr:`KVManager.ready`, a thread-safe queue the scheduler drains, so a scheduler pass
@@ -85,6 +93,11 @@ class TransferError(Exception):
         where = f" (peer {peer})" if peer else ""
         super().__init__(f"room {room}: {reason}{where}")
 
+    @property
+    def refused(self) -> bool:
+        """The peer refused the room (or failed it before the handshake): see :func:`refusal`."""
+        return self.reason.startswith(f"{REASON_PEER_REFUSED}:")
+
     @classmethod
     def reported(
         cls, room: int, status: KVPoll, reason: str, peer: str = "", *, timeout: bool = False
@@ -113,6 +126,14 @@ REASON_ABORTED = "aborted"
 # The reason a sender reports when the decode side aborted the room; a local-backend receiver
 # reports it when the prefill side did (a Mooncake receiver reports the reason prefill sent).
 REASON_PEER_ABORTED = "aborted by the peer"
+# What the reason of a room starts with when the peer refused it, or failed it before the
+# handshake, and said so (see :func:`refusal`).
+REASON_PEER_REFUSED = "peer refused"
+
+
+def refusal(reason: str) -> str:
+    """The reason a room fails with when its peer refused it for ``reason``."""
+    return f"{REASON_PEER_REFUSED}: {reason}"
 
 
 def accepts_call(room: int, status: KVPoll, call: str, *, ready: bool = True) -> bool:
@@ -202,6 +223,11 @@ class KVManager(Protocol):
 
     def create_sender(self, bootstrap_addr: str, room: int) -> KVSender: ...
 
+    def refuse(self, room: int, reason: str) -> None:
+        """This side will not serve ``room`` (it refused the request, or failed it before the
+        decode peer's destination came): a destination for it, already here or later, is
+        answered with :func:`refusal` of ``reason`` instead of waiting (thread-safe)."""
+
     def close(self) -> None: ...
 
 
@@ -232,5 +258,11 @@ class DecodeKVManager(Protocol):
     def ready(self) -> ReadyRooms: ...
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> KVReceiver: ...
+
+    def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        """Tell the prefill peer at ``bootstrap_addr`` that this side will never send a
+        destination for ``room`` (refused, or failed before asking), so the peer fails its
+        request for the room with :func:`refusal` of ``reason`` now, or when it arrives
+        (thread-safe; never blocks on the network)."""
 
     def close(self) -> None: ...

@@ -24,7 +24,7 @@ from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.transfer import DecodeKVManager, KVManager
-from scheduler.decode import DecodeConfig, DecodePeer
+from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
@@ -89,6 +89,7 @@ def build_prefill(
         mooncake_kv = MooncakeKVManager(pool, metadata, rank=0, config=mooncake)
         closers.append(mooncake_kv.close)
         mooncake_kv.register_to_bootstrap(bootstrap.address)
+        bootstrap.add_refusal_listener(mooncake_kv.peer_refused)
         kv = mooncake_kv
     elif backend == "local":
         if hub is None:
@@ -127,6 +128,7 @@ def build_decode(
     config: DecodeConfig | None = None,
     clock: Callable[[], float] = time.monotonic,
     on_response: Callable[[DecodeResponse], None] | None = None,
+    metrics: DecodeMetrics | None = None,
 ) -> DecodePeer:
     """A decode peer over a fresh pool; ``kv_for`` builds its KV manager."""
     pool = model.make_pool(num_pages=pages, page_size=page_size)
@@ -143,4 +145,5 @@ def build_decode(
         config=config,
         clock=clock,
         on_response=on_response,
+        metrics=metrics,
     )

@@ -2,7 +2,8 @@
 decode peer one KV manager per prefill server."""
 
 from scheduler.decode.config import DecodeConfig
+from scheduler.decode.metrics import DecodeMetrics
 from scheduler.decode.peer import DecodePeer
 from scheduler.messages import DecodeResponse
 
-__all__ = ["DecodeConfig", "DecodePeer", "DecodeResponse"]
+__all__ = ["DecodeConfig", "DecodeMetrics", "DecodePeer", "DecodeResponse"]

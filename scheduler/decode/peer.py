@@ -17,6 +17,13 @@ an empty metadata row.
 The pages, slot and room of a request whose receiver may still be written by the prefill side
 (an abort, a failure) stay reserved by a :class:`~kv.release.Releaser` until the receiver is
 quiescent and cleared.
+
+No stranded prefill (invariant 8): a request this peer refuses, or fails before it sent its
+destination (BOOTSTRAPPING, PREALLOC: an abort, the waiting timeout, a pool it can never fit),
+is refused to its prefill peer through the KV manager (``refuse``), which fails its half at once
+instead of at its bootstrap timeout; not when the failure came from the prefill side, and not
+for a room a live request holds (the refusal would fail that request's prefill half). A request
+the prefill peer refused fails ``bootstrap_failed`` with the peer's reason.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import cast
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.pages import pages_needed
 from kv.release import Releaser
-from kv.transfer import DecodeKVManager, KVPoll, KVReceiver
+from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError
 from lifecycle import (
     DECODE_TABLE,
     DecodeEvent,
@@ -42,7 +49,14 @@ from lifecycle import (
     Lifecycle,
 )
 from scheduler.decode.config import DecodeConfig
-from scheduler.messages import AbortRequest, DecodeResponse, NewRequest, take_all
+from scheduler.decode.metrics import DecodeMetrics
+from scheduler.messages import (
+    FAKE_BOOTSTRAP_HOST,
+    AbortRequest,
+    DecodeResponse,
+    NewRequest,
+    take_all,
+)
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -68,6 +82,7 @@ class DecodePeer:
         config: DecodeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_response: Callable[[DecodeResponse], None] | None = None,
+        metrics: DecodeMetrics | None = None,
     ) -> None:
         self.runner = runner
         self.pool = runner.pool
@@ -92,12 +107,23 @@ class DecodePeer:
         self._deadlines: list[tuple[float, str]] = []
         self._releaser = Releaser(self.pool, slots, metadata)
         self.steps = 0
+        self.metrics = metrics or DecodeMetrics()
+        self.metrics.kv_pages_total.set(self.pool.num_pages)
 
     def submit(self, req: NewRequest) -> None:
         self._inbox.put(req)
 
     def abort(self, rid: str) -> None:
         self._inbox.put(AbortRequest(rid))
+
+    def refuse_room(self, host: str, port: int, room: int, why: str) -> None:
+        """Tell the prefill peer at ``host:port`` that this side will never ask for ``room``'s
+        KV, so it fails its half of the request at once (thread-safe; the fake host has no
+        peer). For requests refused before they reach the peer, and by the peer itself."""
+        if host == FAKE_BOOTSTRAP_HOST:
+            return
+        self.kv.refuse(f"{host}:{port}", room, why)
+        self.metrics.peer_refusals.labels(direction="sent").inc()
 
     def idle(self) -> bool:
         return len(self.lifecycle) == 0 and not self._releaser and self._inbox.empty()
@@ -110,6 +136,7 @@ class DecodePeer:
         worked |= self._preallocate()
         worked |= self._decode()
         worked |= self._releaser.reap()
+        self.metrics.set_gauges(self.lifecycle.counts(), self.pool.allocator.in_use())
         return worked
 
     def _receive(self) -> bool:
@@ -137,11 +164,9 @@ class DecodePeer:
         if n == 0 or pages_needed(n + req.sampling.max_new_tokens, self.pool.page_size) > (
             self.pool.num_pages
         ):
-            self.lifecycle.fire(
-                "fail", [req], reason=FailureReason.REJECTED,
-                detail=f"prompt of {n} tokens plus {req.sampling.max_new_tokens} new tokens "
-                       f"cannot fit the decode KV pool",
-            )
+            self._fail(req, FailureReason.REJECTED,
+                       f"prompt of {n} tokens plus {req.sampling.max_new_tokens} new tokens "
+                       f"cannot fit the decode KV pool")
             return
         self._rooms[req.bootstrap_room] = req
         try:
@@ -152,7 +177,7 @@ class DecodePeer:
             receiver.init()
         except Exception as exc:  # a peer that cannot be reached fails this request only
             logger.warning("request %r: bootstrap failed: %s", req.rid, exc)
-            self._fail(req, FailureReason.BOOTSTRAP_FAILED, str(exc))
+            self._fail(req, FailureReason.BOOTSTRAP_FAILED, str(exc), tell_peer=False)
             return
         req.deadline = self.clock() + self.config.waiting_timeout
         heapq.heappush(self._deadlines, (req.deadline, req.rid))
@@ -160,14 +185,20 @@ class DecodePeer:
     def _refuse(self, new: NewRequest, why: str) -> None:
         # Refused before admission (its id or room cannot be tracked): answered directly.
         logger.warning("request %r refused: %s", new.rid, why)
-        if self.on_response is not None:
-            self.on_response(DecodeResponse(
-                new.rid, S.FAILED, FailureReason.REJECTED, why, (), "abort", len(new.input_ids)))
+        if new.bootstrap_room not in self._rooms:  # a live request's room is its own
+            self.refuse_room(new.bootstrap_host, new.bootstrap_port, new.bootstrap_room, why)
+        self._answer(DecodeResponse(
+            new.rid, S.FAILED, FailureReason.REJECTED, why, (), "abort", len(new.input_ids)))
 
-    def _fail(self, req: DecodeRequest, reason: FailureReason, detail: str) -> None:
+    def _fail(self, req: DecodeRequest, reason: FailureReason, detail: str, *,
+              tell_peer: bool = True) -> None:
+        """Fail ``req``; before its destination went out, tell the prefill peer unless the
+        failure came from there (``tell_peer``)."""
         receiver = receiver_of(req)
         if receiver is not None:
             receiver.abort()
+        if tell_peer and req.state in (S.BOOTSTRAPPING, S.PREALLOC):
+            self.refuse_room(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, detail)
         event = DecodeEvent.ABORT if reason is FailureReason.ABORTED else DecodeEvent.FAIL
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
@@ -194,12 +225,7 @@ class DecodePeer:
                 continue
             poll = receiver.poll()
             if poll == KVPoll.FAILED:
-                err = receiver.failure_exception()
-                reason = (
-                    FailureReason.BOOTSTRAP_FAILED if req.state is S.BOOTSTRAPPING
-                    else FailureReason.TRANSFER_FAILED
-                )
-                self._fail(req, reason, str(err))
+                self._fail_from_peer(req, receiver.failure_exception())
             elif req.state is S.BOOTSTRAPPING and poll >= KVPoll.WAITING_FOR_INPUT:
                 bootstrapped.append(req)
             elif req.state is S.RECEIVING and poll == KVPoll.SUCCESS:
@@ -221,6 +247,15 @@ class DecodePeer:
         self.lifecycle.fire(DecodeEvent.RECEIVED, received)
         self.lifecycle.fire(DecodeEvent.FINISHED, [r for r in received if self._finished(r)])
         return bool(changed)
+
+    def _fail_from_peer(self, req: DecodeRequest, err: TransferError) -> None:
+        """The receiver failed: the prefill side refused the room, the transfer failed, or the
+        prefill is gone. Nothing to tell the peer."""
+        if err.refused:
+            self.metrics.peer_refusals.labels(direction="received").inc()
+        before_kv = req.state is S.BOOTSTRAPPING or err.refused
+        reason = FailureReason.BOOTSTRAP_FAILED if before_kv else FailureReason.TRANSFER_FAILED
+        self._fail(req, reason, str(err), tell_peer=False)
 
     def _preallocate(self) -> bool:
         prealloc = self.lifecycle.in_state(S.PREALLOC)
@@ -313,17 +348,20 @@ class DecodePeer:
         req.receiver, req.pages, req.slot = None, [], None
 
     def _respond(self, req: DecodeRequest) -> None:
-        if self.on_response is None:
-            return
         state = req.state
         assert isinstance(state, DecodeState)
-        self.on_response(
+        self._answer(
             DecodeResponse(
                 req.rid, state, req.reason, req.detail, tuple(req.output_ids),
                 self.finish_reason(req), len(req.input_ids), tuple(req.timeline),
                 req.cached_tokens,
             )
         )
+
+    def _answer(self, resp: DecodeResponse) -> None:
+        self.metrics.on_answer(resp)
+        if self.on_response is not None:
+            self.on_response(resp)
 
     def check_invariants(self) -> None:
         self.lifecycle.check_index()

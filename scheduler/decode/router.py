@@ -14,6 +14,10 @@ router pairs it with, and a Mooncake decode manager is bound to one prefill boot
 - :meth:`DecodeKVRouter.create_receiver` (engine loop) hands the room to its address's manager;
   an address that was never connected fails that request's bootstrap, nothing else.
 - ``ready`` merges every manager's readiness queue (and rooms put back by the peer).
+- :meth:`DecodeKVRouter.refuse` tells a prefill server of a room this side will never ask for,
+  connected or not: through the local manager, or a :class:`~kv.refusal.RefusalPoster` to the
+  prefill's bootstrap endpoint (a refused request may be the first one for that server, and
+  connecting just to refuse would cost an engine).
 
 Requests for the fake bootstrap host (``2.2.2.2``, SGLang's warm-up and health path) never
 reach a prefill server. :class:`LocalPrefillFake` serves them: a fake receiver whose
@@ -33,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 from kv.fake import FakeDecodeManager, FakeKVReceiver
 from kv.metadata import MetadataBuffers
+from kv.refusal import RefusalPoster
 from kv.transfer import DecodeKVManager, KVReceiver, TransferUsageError
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
@@ -138,7 +143,8 @@ class DecodeKVRouter:
 
     ``factory(addr)`` builds the manager of a prefill server; with ``default`` instead, that one
     manager serves every real request (the in-process local backend); with neither, only fake
-    requests are served (the fake backend).
+    requests are served (the fake backend). ``refusals`` delivers refusals to prefill servers
+    when managers come from ``factory``.
     """
 
     def __init__(
@@ -147,12 +153,14 @@ class DecodeKVRouter:
         fake: LocalPrefillFake,
         factory: Callable[[str], DecodeKVManager] | None = None,
         default: DecodeKVManager | None = None,
+        refusals: RefusalPoster | None = None,
     ) -> None:
         if factory is not None and default is not None:
             raise ValueError("give factory (one manager per peer) or default, not both")
         self.fake = fake
         self._factory = factory
         self._default = default
+        self._refusals = refusals
         self._lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}
         self._managers: dict[str, DecodeKVManager] = {}
@@ -205,7 +213,19 @@ class DecodeKVRouter:
             raise TransferUsageError(room, f"no KV manager for prefill {bootstrap_addr}")
         return manager.create_receiver(bootstrap_addr, room)
 
+    def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        """Tell the prefill at ``bootstrap_addr`` that ``room`` will never be asked for (any
+        thread; never blocks)."""
+        if is_fake(bootstrap_addr):
+            return
+        if self._default is not None:
+            self._default.refuse(bootstrap_addr, room, reason)
+        elif self._refusals is not None:
+            self._refusals.tell(bootstrap_addr, room, reason)
+
     def close(self) -> None:
+        if self._refusals is not None:
+            self._refusals.close()
         with self._lock:
             managers = self._all()
             self._managers.clear()

@@ -12,6 +12,11 @@ SGLang's warm-up path — and a bootstrap deadline.
 A room stays reserved until the sender of the request that held it is cleared (the scheduler's
 releaser calls the function :meth:`Admission.forget` returns): a new sender for the room before
 then would meet one the backend still tracks.
+
+A refused request's room is refused to the decode peer too (:meth:`Admission.refuse_room`, the
+KV manager's ``refuse``), so decode fails its half of the request at once instead of waiting for
+KV that will never come (invariant 8). That holds for a room in use as well: the live request
+keeps its own destination, and only a second one is answered with the refusal.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ class Admission:
         if new.rid in self.lifecycle:
             logger.warning("request id %r is already live; refused", new.rid)
             self._refuse_duplicate(req)
+            self.refuse_room(new.bootstrap_host, new.bootstrap_port, new.bootstrap_room,
+                             f"request id {new.rid!r} is already live")
             return
         self.lifecycle.admit(req)
         seq = self._next
@@ -111,6 +118,7 @@ class Admission:
             self.lifecycle.fire(
                 PrefillEvent.FAIL, [req], reason=FailureReason.REJECTED, detail=why
             )
+            self.refuse_room(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, why)
             return
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
         try:
@@ -120,9 +128,19 @@ class Admission:
             self.lifecycle.fire(
                 PrefillEvent.FAIL, [req], reason=FailureReason.BOOTSTRAP_FAILED, detail=str(exc)
             )
+            self.refuse_room(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room,
+                             str(exc))
             return
         self._rooms[key] = seq
         self._arm_deadline(req, seq, self._clock() + self.config.bootstrap_timeout)
+
+    def refuse_room(self, host: str, port: int, room: int, why: str) -> None:
+        """Tell the decode peer of ``room`` that this side will not serve it (thread-safe; the
+        fake host has no peer)."""
+        if host == FAKE_BOOTSTRAP_HOST and self._fake_kv is not None:
+            return
+        self._kv.refuse(room, why)
+        self._metrics.peer_refusals.labels(direction="sent").inc()
 
     def _refuse_duplicate(self, req: PrefillRequest) -> None:
         # A duplicate id cannot enter the lifecycle (ids are its keys); answer it directly.

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kv.transfer import REASON_PEER_REFUSED
 from lifecycle import PrefillState
 from lifecycle.prefill import PrefillRequest
 from lifecycle.timeline import ttft_phases
@@ -64,6 +65,11 @@ class SchedulerMetrics:
             "pdlife_rejected_inputs", "Requests refused at the boundary, by reason.",
             ["reason"], registry=r,
         )
+        self.peer_refusals = Counter(
+            "pdlife_peer_refusals", "Rooms this prefill side refused, told to the decode peer "
+            "(sent), and requests that failed because the decode peer refused their room "
+            "(received).", ["direction"], registry=r,
+        )
         self.prefix = PrefixCacheMetrics(r)
 
     def on_finished(self, req: PrefillRequest) -> None:
@@ -71,6 +77,8 @@ class SchedulerMetrics:
         assert state is not None
         reason = req.reason.value if req.reason is not None else ""
         self.finished.labels(state=state.name.lower(), reason=reason).inc()
+        if state is PrefillState.FAILED and f"{REASON_PEER_REFUSED}:" in req.detail:
+            self.peer_refusals.labels(direction="received").inc()
         if state is PrefillState.DONE:
             phases = ttft_phases(req.timeline)
             if phases.total is not None:

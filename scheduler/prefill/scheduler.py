@@ -149,6 +149,11 @@ class PrefillScheduler:
     def abort(self, rid: str) -> None:
         self._admission.put(AbortRequest(rid))
 
+    def refuse_room(self, host: str, port: int, room: int, why: str) -> None:
+        """A request this scheduler never saw was refused before it (a service's own checks):
+        tell its decode peer, which then fails the room at once. Thread-safe."""
+        self._admission.refuse_room(host, port, room, why)
+
     # -- the pass ---------------------------------------------------------------------------
 
     def step(self) -> bool:

@@ -47,10 +47,11 @@ from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
+from kv.refusal import RefusalPoster
 from kv.wire import DroppedMessages
 from lifecycle import FailureReason
 from scheduler.assemble import Closers, build_decode, build_prefill, close_all
-from scheduler.decode import DecodeConfig, DecodePeer
+from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.byte_tokenizer import ByteTokenizer
@@ -119,9 +120,8 @@ class Service:
         except BaseException:
             self._close_backends()
             raise
-        self.metrics = ServiceMetrics(
-            self.prefill.metrics.registry if self.prefill is not None else None
-        )
+        engine = self.prefill if self.prefill is not None else self.decode
+        self.metrics = ServiceMetrics(engine.metrics.registry if engine is not None else None)
         self.metrics.registry.register(DroppedMessagesCollector(self._dropped_messages))
         if tracer is None and config.otlp_traces_endpoint is not None:
             from scheduler.service.tracing import otlp_tracer
@@ -163,6 +163,8 @@ class Service:
                 config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
                                     waiting_timeout=c.waiting_timeout),
                 on_response=self._on_decode,
+                # One registry for /metrics: the prefill scheduler's, when there is one.
+                metrics=DecodeMetrics(self.prefill.metrics.registry if self.prefill else None),
             )
 
     def _decode_router(
@@ -176,6 +178,7 @@ class Service:
             router = DecodeKVRouter(
                 fake=fake,
                 factory=lambda addr: MooncakeDecodeManager(pool, meta, addr, config=c.mooncake),
+                refusals=RefusalPoster(token=c.mooncake.token),
             )
         elif c.backend == "local":
             router = DecodeKVRouter(fake=fake, default=LocalDecodeManager(pool, meta, hub=hub))
@@ -346,7 +349,6 @@ class Service:
         failed = pending.prefill_failure
         if failed is not None and not resp.ok:
             status, reason, message = failed.http_status, failed.reason, failed.detail
-        self.metrics.on_decode_finished(resp)
         self._done(pending, "decode", Answer(
             rid=resp.rid,
             status=status,
@@ -421,5 +423,4 @@ class Service:
             counts = self.decode.lifecycle.counts()
             requests["decode"] = {s.name.lower(): n for s, n in counts.items()}
             pools["decode"] = _pool_view(self.decode.pool)
-            self.metrics.set_decode(counts, pools["decode"])
         self.snapshot = {"requests": requests, "kv_pool": pools}

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service.core import Answer, Service
+from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.schema import ErrorBody, ErrorDetail
 
 
@@ -32,13 +33,19 @@ def rejected(
     return error(status, reason, message, rid)
 
 
+def unavailable_reason(service: Service) -> tuple[str, str] | None:
+    """Why the server cannot take requests now (kind, message), or None when it can."""
+    if not service.healthy:
+        return "unhealthy", f"the engine loop failed: {service.loop.failure!r}"
+    if service.draining:
+        return "draining", "the server is draining (shutting down)"
+    return None
+
+
 def unavailable(service: Service) -> JSONResponse | None:
     """The 503 of a server that cannot take requests now, or None when it can."""
-    if not service.healthy:
-        return error(503, "unhealthy", f"the engine loop failed: {service.loop.failure!r}")
-    if service.draining:
-        return error(503, "draining", "the server is draining (shutting down)")
-    return None
+    why = unavailable_reason(service)
+    return None if why is None else error(503, *why)
 
 
 def failure_kind(answer: Answer) -> str:
@@ -106,8 +113,9 @@ def install_error_handlers(app: FastAPI, service: Service) -> None:
         if "json" not in request.headers.get("content-type", ""):
             return rejected(service, "invalid_request", 400,
                             "send a JSON object with Content-Type: application/json")
-        parts = plain_validation_errors(errors)[:5]
-        return rejected(service, "invalid_request", 400, "; ".join(parts) or "invalid request")
+        message = "; ".join(plain_validation_errors(errors)[:5]) or "invalid request"
+        refuse_peers(service, peer_rooms(exc.body), "invalid_request", message)
+        return rejected(service, "invalid_request", 400, message)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, invalid)

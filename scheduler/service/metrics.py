@@ -1,13 +1,12 @@
 """Prometheus metrics of the HTTP service (names prefixed ``pdlife_``).
 
-They live in the prefill scheduler's registry when the service has one (so ``/metrics`` is one
-registry), else in a registry of their own. Decode gauges are set once per engine pass from
-counts the decode peer already keeps.
+They live in the registry of the service's engines (the prefill scheduler's, else the decode
+peer's, whose own series are :class:`~scheduler.decode.metrics.DecodeMetrics`), so ``/metrics``
+is one registry.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -15,7 +14,6 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kv.wire import DroppedMessages
-from scheduler.messages import DecodeResponse
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -43,36 +41,7 @@ class ServiceMetrics:
             "pdlife_service_draining", "1 once the service stopped admitting requests.",
             registry=r,
         )
-        self.decode_requests = Gauge(
-            "pdlife_decode_requests", "Live decode requests by lifecycle state.", ["state"],
-            registry=r,
-        )
-        self.decode_finished = Counter(
-            "pdlife_decode_requests_finished", "Decode requests that ended, by final state "
-            "and reason.", ["state", "reason"], registry=r,
-        )
-        self.decode_tokens = Counter(
-            "pdlife_decode_output_tokens", "Output tokens of finished decode requests.",
-            registry=r,
-        )
-        self.decode_pages_used = Gauge(
-            "pdlife_decode_kv_pages_used", "Decode KV pages held.", registry=r
-        )
-        self.decode_pages_total = Gauge(
-            "pdlife_decode_kv_pages_total", "Decode KV pages in the pool.", registry=r
-        )
         self.healthy.set(1)
-
-    def on_decode_finished(self, resp: DecodeResponse) -> None:
-        reason = resp.reason.value if resp.reason is not None else ""
-        self.decode_finished.labels(state=resp.state.name.lower(), reason=reason).inc()
-        self.decode_tokens.inc(len(resp.output_ids))
-
-    def set_decode(self, counts: dict[enum.IntEnum, int], pool: dict[str, int]) -> None:
-        for state, n in counts.items():
-            self.decode_requests.labels(state=state.name.lower()).set(n)
-        self.decode_pages_used.set(pool["used_pages"])
-        self.decode_pages_total.set(pool["total_pages"])
 
 
 class DroppedMessagesCollector(Collector):

@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from scheduler.decode.router import PeerUnreachable
 from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
-from scheduler.service.errors import error, failure_kind, rejected, unavailable
+from scheduler.service.errors import error, failure_kind, rejected, unavailable_reason
+from scheduler.service.refusals import peer_rooms, refuse_items, refuse_peers
 from scheduler.service.routes_info import ServiceDep
 from scheduler.service.schema import (
     ERRORS,
@@ -176,21 +177,24 @@ async def abort_request(body: AbortBody, service: ServiceDep) -> Response:
 )
 async def generate(body: GenerateRequest, request: Request, service: ServiceDep) -> Response:
     """Generate for one prompt or a batch (SGLang's ``/generate``)."""
-    refused = unavailable(service)
-    if refused is not None:
+    why = unavailable_reason(service)
+    if why is not None:
         service.metrics.http_rejected.labels(reason="unavailable").inc()
-        return refused
+        refuse_peers(service, peer_rooms(body.model_dump()), *why)
+        return error(503, *why)
     try:
         items, batch = _items(service, body)
         if body.stream and batch:
             raise BadRequest("bad_batch", "streaming a batch is not supported")
     except BadRequest as exc:
+        refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
         return rejected(service, exc.reason, exc.status, str(exc), exc.rid)
     try:
         for addr_item in {i.bootstrap_addr: i for i in items}.values():
             if service.needs_connect(addr_item):
                 await asyncio.to_thread(service.connect_peer, addr_item)
     except PeerUnreachable as exc:
+        refuse_items(service, items, "bootstrap_failed", str(exc))
         return rejected(service, "bootstrap_failed", 500, str(exc))
     started: list[Pending] = []
     carrier = _trace_carrier(service, request)
@@ -199,7 +203,9 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
             started.append(service.start(item, stream=body.stream, carrier=carrier))
     except (BadRequest, Unavailable) as exc:
         for p in started:
-            service.abort(p.item.rid)
+            service.abort(p.item.rid)  # the engines tell their peers
+        kind = exc.reason if isinstance(exc, BadRequest) else "unavailable"
+        refuse_items(service, items[len(started):], kind, str(exc))
         if isinstance(exc, BadRequest):
             return rejected(service, exc.reason, exc.status, str(exc), exc.rid)
         return rejected(service, "unavailable", 503, str(exc))

@@ -146,6 +146,7 @@ class ScriptedKVManager:
         self.live: dict[int, ScriptedSender] = {}
         self.senders: list[ScriptedSender] = []
         self.violations: list[str] = []  # contract breaches the scheduler survived
+        self.refused: list[tuple[int, str]] = []  # rooms refused to the decode peer, with why
 
     def is_free(self, page: int) -> bool:
         return page not in self._held()
@@ -162,6 +163,9 @@ class ScriptedKVManager:
         self.live[room] = sender
         self.senders.append(sender)
         return sender
+
+    def refuse(self, room: int, reason: str) -> None:
+        self.refused.append((room, reason))
 
     def close(self) -> None:
         """Nothing to release."""

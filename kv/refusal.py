@@ -1,0 +1,135 @@
+"""Refused rooms: the short-lived record a side keeps of them, and the decode side's messenger
+that tells a prefill server's bootstrap endpoint about them.
+
+Theory of operation
+-------------------
+A PD router sends each request to a prefill and a decode server with the same bootstrap room.
+When one of them refuses the request (draining, bad input, a room in use) or fails it before the
+handshake, the other must not wait for a timeout (invariant 8). Both sides know the room and the
+prefill server's bootstrap address from the request:
+
+- prefill keeps a :class:`RefusedRooms` record of the rooms it will never serve, and answers a
+  decode destination for one of them, now or later, with the refusal;
+- decode tells the prefill server's bootstrap endpoint (``POST /refusal``, through a
+  :class:`RefusalPoster`), which hands the room to the prefill ranks: a live request for it fails
+  at once, and one that arrives later fails as soon as its sender is created (prefill keeps a
+  second record for those).
+
+Both records are bounded (the oldest entry goes first) and entries expire: a room number is the
+router's random 64-bit choice, so a refusal is about one request, and a record that outlived it
+must not refuse a later request that drew the same number. The default lifetime is as long as a
+decode request may wait for its KV (``--waiting-timeout``, 300 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kv.bootstrap import BootstrapClient, BootstrapError
+
+logger = logging.getLogger(__name__)
+
+#: How many refused rooms a record keeps, and for how many seconds.
+CAPACITY = 4096
+TTL_S = 300.0
+
+
+class RefusedRooms:
+    """Rooms refused recently, each with why. Not thread-safe: its owner's lock guards it."""
+
+    def __init__(
+        self, *, capacity: int = CAPACITY, ttl_s: float = TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity < 1 or ttl_s <= 0:
+            raise ValueError(f"capacity must be >= 1 and ttl_s > 0, got {capacity}, {ttl_s}")
+        self._capacity = capacity
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._rooms: OrderedDict[int, tuple[float, str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._rooms)
+
+    def add(self, room: int, reason: str) -> None:
+        self._rooms.pop(room, None)
+        self._rooms[room] = (self._clock() + self._ttl_s, reason)
+        while len(self._rooms) > self._capacity:
+            self._rooms.popitem(last=False)
+
+    def get(self, room: int) -> str | None:
+        """Why ``room`` was refused, unless it was not or the record expired."""
+        self._expire()
+        entry = self._rooms.get(room)
+        return None if entry is None else entry[1]
+
+    def pop(self, room: int) -> str | None:
+        self._expire()
+        entry = self._rooms.pop(room, None)
+        return None if entry is None else entry[1]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._rooms:
+            room, (until, _) = next(iter(self._rooms.items()))
+            if until > now:
+                return
+            del self._rooms[room]
+
+
+class RefusalPoster:
+    """Tells prefill bootstrap endpoints of rooms this decode side refused, on a thread of its
+    own so the caller (the engine loop, an HTTP handler) never waits on the network. A refusal
+    that cannot be delivered (the prefill is unreachable, the queue is full) is logged and
+    dropped: the prefill's own timeout is then the fallback."""
+
+    def __init__(self, *, token: str | None = None, timeout_s: float = 2.0,
+                 capacity: int = 10_000) -> None:
+        self._token = token
+        self._timeout_s = timeout_s
+        self._queue: queue.Queue[tuple[str, int, str] | None] = queue.Queue(capacity)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.delivered = 0
+
+    def tell(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        """Queue ``room``'s refusal for the prefill at ``bootstrap_addr`` (any thread)."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pdlife-refusals",
+                                                daemon=True)
+                self._thread.start()
+        try:
+            self._queue.put_nowait((bootstrap_addr, room, reason))
+        except queue.Full:
+            logger.warning("refusal of room %d for prefill %s dropped: %d refusals queued",
+                           room, bootstrap_addr, self._queue.maxsize)
+
+    def close(self) -> None:
+        """Deliver what is queued, then stop."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            addr, room, reason = item
+            try:
+                BootstrapClient(addr, timeout_s=self._timeout_s, token=self._token).refuse(
+                    room, reason)
+                self.delivered += 1
+            except (BootstrapError, ValueError) as exc:
+                logger.warning("could not tell prefill %s that room %d was refused: %s",
+                               addr, room, exc)

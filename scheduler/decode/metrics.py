@@ -1,0 +1,56 @@
+"""Prometheus metrics of a decode peer (names prefixed ``pdlife_decode_``).
+
+As the prefill scheduler's :class:`~scheduler.prefill.metrics.SchedulerMetrics`: each peer owns
+its own registry unless it is given one (``pdlife serve`` gives it the registry ``/metrics``
+serves). Counters are fed from the answers the peer gives; the gauges are set once per pass from
+counts the peer already keeps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from scheduler.messages import DecodeResponse
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Gauge(
+            "pdlife_decode_requests", "Live decode requests by lifecycle state.", ["state"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "pdlife_decode_requests_finished", "Decode requests that ended, by final state "
+            "and reason.", ["state", "reason"], registry=r,
+        )
+        self.output_tokens = Counter(
+            "pdlife_decode_output_tokens", "Output tokens of finished decode requests.",
+            registry=r,
+        )
+        self.kv_pages_used = Gauge(
+            "pdlife_decode_kv_pages_used", "Decode KV pages held.", registry=r
+        )
+        self.kv_pages_total = Gauge(
+            "pdlife_decode_kv_pages_total", "Decode KV pages in the pool.", registry=r
+        )
+        self.peer_refusals = Counter(
+            "pdlife_decode_peer_refusals", "Rooms this decode side refused or gave up before "
+            "asking for their KV, told to the prefill peer (sent), and rooms the prefill peer "
+            "refused (received).", ["direction"], registry=r,
+        )
+
+    def on_answer(self, resp: DecodeResponse) -> None:
+        """Count one answer (every request gets exactly one)."""
+        reason = resp.reason.value if resp.reason is not None else ""
+        self.finished.labels(state=resp.state.name.lower(), reason=reason).inc()
+        self.output_tokens.inc(len(resp.output_ids))
+
+    def set_gauges(self, counts: Mapping[enum.IntEnum, int], pages_used: int) -> None:
+        for state, n in counts.items():
+            self.requests.labels(state=state.name.lower()).set(n)
+        self.kv_pages_used.set(pages_used)

@@ -1,0 +1,299 @@
+"""No stranded peer (invariant 8), below the HTTP service: a room one side refuses, or fails
+before the handshake, fails on the other side at once with ``peer refused: ...``, over the local
+backend, over Mooncake (both managers in this process, the bootstrap endpoint between them), and
+through a prefill scheduler and a decode peer stepped together. Timeouts are never the cause:
+the schedulers' clock does not move."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
+from kv.local import LocalKVManager, LocalTransferHub
+from kv.local_decode import LocalDecodeManager
+from kv.metadata import MetadataBuffers
+from kv.mooncake import MooncakeKVManager
+from kv.mooncake_decode import MooncakeDecodeManager
+from kv.refusal import RefusedRooms
+from kv.transfer import KVPoll, TransferError
+from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
+from lifecycle.testing import FakeClock
+from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.messages import NewRequest
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.stepping import step_until
+from tests.transfer_harness import drive, eventually, make_pool
+
+ADDR = "local:refusals"
+
+
+def _refused(err: TransferError, why: str) -> bool:
+    return err.refused and f"peer refused: {why}" in err.reason
+
+
+# -- the record --------------------------------------------------------------------------------
+
+
+def test_the_record_is_bounded_and_expires() -> None:
+    clock = FakeClock()
+    rooms = RefusedRooms(capacity=2, ttl_s=10.0, clock=clock)
+    rooms.add(1, "one")
+    rooms.add(2, "two")
+    rooms.add(3, "three")  # the oldest goes
+    assert (rooms.get(1), rooms.get(2), rooms.get(3), len(rooms)) == (None, "two", "three", 2)
+    clock.now += 9.5
+    rooms.add(2, "again")  # refreshed
+    clock.now += 1.0
+    assert (rooms.get(3), rooms.get(2)) == (None, "again")
+    assert rooms.pop(2) == "again" and rooms.pop(2) is None and len(rooms) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        RefusedRooms(capacity=0)
+
+
+# -- local backend -----------------------------------------------------------------------------
+
+
+class Local:
+    def __init__(self) -> None:
+        hub = LocalTransferHub()
+        self.prefill = LocalKVManager(make_pool(), MetadataBuffers(4), hub=hub,
+                                      bootstrap_addr=ADDR)
+        self.decode = LocalDecodeManager(make_pool(), MetadataBuffers(4), hub=hub)
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+@pytest.fixture
+def local() -> Iterator[Local]:
+    pair = Local()
+    yield pair
+    pair.close()
+
+
+def test_local_a_prefill_refusal_fails_the_destination_sent_before_or_after(local: Local) -> None:
+    early = local.decode.create_receiver(ADDR, 1)
+    early.init()
+    early.send_metadata([0, 1], 0)
+    local.prefill.refuse(1, "draining")
+    local.prefill.refuse(2, "prompt_too_long")
+    late = local.decode.create_receiver(ADDR, 2)
+    late.init()
+    late.send_metadata([2], 1)
+    for receiver, why in ((early, "draining"), (late, "prompt_too_long")):
+        assert receiver.poll() == KVPoll.FAILED
+        assert _refused(receiver.failure_exception(), why)
+        assert receiver.quiescent()
+
+
+def test_local_a_prefill_room_ended_before_its_destination_answers_it(local: Local) -> None:
+    sender = local.prefill.create_sender(ADDR, 3)
+    sender.abort()  # the client went away while the room waited for decode
+    before_clear = local.decode.create_receiver(ADDR, 3)
+    before_clear.init()
+    before_clear.send_metadata([0], 0)
+    assert _refused(before_clear.failure_exception(), "aborted")
+    sender.clear()
+    after_clear = local.decode.create_receiver(ADDR, 3)
+    after_clear.init()
+    after_clear.send_metadata([1], 1)
+    assert after_clear.poll() == KVPoll.FAILED
+    assert _refused(after_clear.failure_exception(), "aborted")
+
+
+def test_local_a_decode_refusal_fails_the_sender_waiting_or_still_to_come(local: Local) -> None:
+    waiting = local.prefill.create_sender(ADDR, 4)
+    local.decode.refuse(ADDR, 4, "draining")
+    local.decode.refuse(ADDR, 5, "bootstrap_room must be non-zero")
+    assert drive(local.prefill, waiting, {KVPoll.FAILED})[-1] == KVPoll.FAILED
+    assert _refused(waiting.failure_exception(), "draining")
+    later = local.prefill.create_sender(ADDR, 5)
+    assert later.poll() == KVPoll.FAILED
+    assert _refused(later.failure_exception(), "bootstrap_room must be non-zero")
+    local.decode.refuse("local:nobody", 6, "no prefill there")  # nobody to tell: no error
+
+
+def test_local_a_refused_room_in_use_keeps_its_own_destination(local: Local) -> None:
+    sender = local.prefill.create_sender(ADDR, 7)
+    local.prefill.refuse(7, "bootstrap room 7 is in use by a live request")
+    own = local.decode.create_receiver(ADDR, 7)
+    own.init()
+    own.send_metadata([0], 0)
+    assert sender.poll() == KVPoll.WAITING_FOR_INPUT and own.poll() == KVPoll.TRANSFERRING
+    local.decode.refuse(ADDR, 7, "a paired room is not refused")
+    assert sender.poll() == KVPoll.WAITING_FOR_INPUT
+
+
+# -- Mooncake: both managers here, the bootstrap endpoint between them -------------------------
+
+
+class Mooncake:
+    def __init__(self) -> None:
+        self.bootstrap = BootstrapServer()
+        self.prefill = MooncakeKVManager(make_pool(), MetadataBuffers(4))
+        self.prefill.register_to_bootstrap(self.bootstrap.address)
+        self.bootstrap.add_refusal_listener(self.prefill.peer_refused)
+        self.decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(4),
+                                            self.bootstrap.address)
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+        self.bootstrap.close()
+
+
+@pytest.fixture
+def mooncake() -> Iterator[Mooncake]:
+    pair = Mooncake()
+    yield pair
+    pair.close()
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_decode_refusal_reaches_prefill_through_its_bootstrap(
+    mooncake: Mooncake,
+) -> None:
+    addr = mooncake.bootstrap.address
+    waiting = mooncake.prefill.create_sender(addr, 11)
+    mooncake.decode.refuse(addr, 11, "draining: the server is draining (shutting down)")
+    mooncake.decode.refuse(addr, 12, "invalid_request: max_new_tokens: must be >= 1")
+    assert drive(mooncake.prefill, waiting, {KVPoll.FAILED})[-1] == KVPoll.FAILED
+    assert _refused(waiting.failure_exception(), "draining: the server is draining")
+    eventually(lambda: mooncake.decode._refusals.delivered == 2, "both refusals delivered")
+    later = mooncake.prefill.create_sender(addr, 12)
+    assert later.poll() == KVPoll.FAILED
+    assert _refused(later.failure_exception(), "invalid_request: max_new_tokens")
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_prefill_refusal_answers_decode_destinations(mooncake: Mooncake) -> None:
+    addr = mooncake.bootstrap.address
+    early = mooncake.decode.create_receiver(addr, 13)
+    early.init()
+    early.send_metadata([0, 1], 0)
+    # The destination waits on prefill (no sender yet) until prefill refuses the room.
+    mooncake.prefill.refuse(13, "draining: the server is draining (shutting down)")
+    mooncake.prefill.refuse(14, "prompt_too_long: 9000 tokens exceed the KV pool")
+    late = mooncake.decode.create_receiver(addr, 14)
+    late.init()
+    late.send_metadata([2], 1)
+    for receiver, why in ((early, "draining"), (late, "prompt_too_long")):
+        eventually(lambda r=receiver: r.poll() == KVPoll.FAILED, f"room {receiver.room} failed")
+        assert _refused(receiver.failure_exception(), why)
+        assert receiver.quiescent()
+
+
+@pytest.mark.mooncake
+def test_mooncake_bad_refusals_are_refused_by_the_bootstrap(mooncake: Mooncake) -> None:
+    client = BootstrapClient(mooncake.bootstrap.address)
+    for room in (-1, 1 << 64, True):
+        with pytest.raises(BootstrapError, match="room must be a uint64"):
+            client._request("POST", "/refusal", f'{{"room": {str(room).lower()}, '
+                                                '"reason": "x"}'.encode())
+    with pytest.raises(BootstrapError, match="400"):
+        client._request("POST", "/refusal", b'{"room": 1}')
+    with pytest.raises(BootstrapError, match="404"):
+        client._request("POST", "/route", b"{}")
+
+
+# -- a prefill scheduler and a decode peer, stepped together -----------------------------------
+
+
+class Pair:
+    """An embedded pair (local backend) on a clock that never moves: no timeout can fire."""
+
+    def __init__(self, prefill_pages: int, decode_pages: int) -> None:
+        self.clock = FakeClock()
+        self.pair = EmbeddedPair(
+            PairConfig(model=ModelConfig.tiny(), prefill_pages=prefill_pages,
+                       decode_pages=decode_pages,
+                       scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16)),
+            clock=self.clock,
+        )
+
+    def send(self, rid: str, room: int, prompt: int, new_tokens: int, *,
+             prefill: bool = True, decode: bool = True) -> None:
+        new = NewRequest(rid, tuple(i % 200 for i in range(prompt)),
+                         bootstrap_host=self.pair.bootstrap_host,
+                         bootstrap_port=self.pair.bootstrap_port, bootstrap_room=room,
+                         sampling=SamplingParams(new_tokens, (), True))
+        if prefill:
+            self.pair.prefill.submit(new)
+        if decode:
+            self.pair.decode.submit(new)
+
+    def run(self, rids: list[str]) -> None:
+        p, d = self.pair.prefill_responses, self.pair.decode_responses
+        step_until(self.pair.step, lambda: all(r in p and r in d for r in rids), 30,
+                   lambda: f"unanswered: prefill {set(rids) - set(p)}, decode {set(rids) - set(d)}")
+
+    def refusals(self, side: str, direction: str) -> float:
+        metrics = self.pair.prefill.metrics if side == "prefill" else self.pair.decode.metrics
+        name = "pdlife_peer_refusals_total" if side == "prefill" else (
+            "pdlife_decode_peer_refusals_total")
+        value = metrics.registry.get_sample_value(name, {"direction": direction})
+        return value or 0.0
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair(prefill_pages=32, decode_pages=64)
+    yield p
+    p.pair.close()
+
+
+def test_a_request_decode_refuses_fails_on_prefill_at_once(pair: Pair) -> None:
+    pair.send("too-long-for-decode", 21, prompt=100, new_tokens=200)  # 300 > 256 decode tokens
+    pair.send("room-zero", 0, prompt=8, new_tokens=2)
+    pair.run(["too-long-for-decode", "room-zero"])
+    p, d = pair.pair.prefill_responses, pair.pair.decode_responses
+    assert d["too-long-for-decode"].reason is FailureReason.REJECTED
+    assert d["room-zero"].reason is FailureReason.REJECTED
+    for rid, why in (("too-long-for-decode", "cannot fit the decode KV pool"),
+                     ("room-zero", "bootstrap_room must be non-zero")):
+        assert (p[rid].state, p[rid].reason) == (PrefillState.FAILED,
+                                                 FailureReason.BOOTSTRAP_FAILED), p[rid]
+        assert "peer refused: " in p[rid].detail and why in p[rid].detail, p[rid].detail
+    assert pair.refusals("decode", "sent") == 2 and pair.refusals("prefill", "received") == 2
+    assert pair.pair.idle()
+
+
+def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
+    pair.send("too-long-for-prefill", 22, prompt=140, new_tokens=2)  # 140 > 128 prefill tokens
+    pair.run(["too-long-for-prefill"])
+    p, d = pair.pair.prefill_responses, pair.pair.decode_responses
+    assert p["too-long-for-prefill"].reason is FailureReason.REJECTED
+    answer = d["too-long-for-prefill"]
+    assert (answer.state, answer.reason) == (DecodeState.FAILED, FailureReason.BOOTSTRAP_FAILED)
+    assert "peer refused: the prompt has 140 tokens" in answer.detail, answer.detail
+    assert pair.refusals("prefill", "sent") == 1 and pair.refusals("decode", "received") == 1
+    assert pair.pair.idle()
+
+
+def test_a_request_one_side_gives_up_on_before_the_handshake_fails_on_the_other(
+    pair: Pair,
+) -> None:
+    # Each side gets its half first and gives it up (its client aborts) before the handshake;
+    # the other half arrives after that.
+    pair.send("prefill-only", 23, prompt=8, new_tokens=2, decode=False)
+    pair.send("decode-only", 24, prompt=8, new_tokens=2, prefill=False)
+    pair.pair.prefill.abort("prefill-only")
+    pair.pair.decode.abort("decode-only")
+    step_until(pair.pair.step, lambda: "prefill-only" in pair.pair.prefill_responses
+               and "decode-only" in pair.pair.decode_responses, 30, lambda: "both aborted")
+    pair.send("prefill-only", 23, prompt=8, new_tokens=2, prefill=False)
+    pair.send("decode-only", 24, prompt=8, new_tokens=2, decode=False)
+    pair.run(["prefill-only", "decode-only"])
+    p, d = pair.pair.prefill_responses, pair.pair.decode_responses
+    assert p["prefill-only"].reason is FailureReason.ABORTED
+    assert d["decode-only"].reason is FailureReason.ABORTED
+    late_decode, late_prefill = d["prefill-only"], p["decode-only"]
+    assert late_decode.reason is FailureReason.BOOTSTRAP_FAILED
+    assert "peer refused: aborted" in late_decode.detail, late_decode.detail
+    assert late_prefill.reason is FailureReason.BOOTSTRAP_FAILED
+    assert "peer refused: aborted by the client" in late_prefill.detail, late_prefill.detail
+    assert pair.pair.idle()

@@ -1,0 +1,186 @@
+"""No stranded peer (invariant 8) between real ``pdlife serve`` processes over Mooncake: when one
+worker of a PD pair refuses a request (bad input, room 0, draining), the other fails its half of
+the request at once with ``peer refused: ...`` instead of holding it until its timeout. The test
+plays the PD router: it posts each request to a prefill and a decode worker with the same
+bootstrap fields.
+
+Every timeout of the workers is 600 s, longer than any wait here: a request that fails within
+the test's waits failed because of the refusal, which its message names.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from scheduler.model.reference import ModelConfig
+from tests.service_harness import Server, free_port, idle, wait_for
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]
+
+MODEL = ModelConfig.tiny()
+# Page size 4: the prefill pool holds 256 tokens, the decode pool 512.
+COMMON = ["--backend", "mooncake", "--page-size", "4", "--bootstrap-timeout", "600",
+          "--waiting-timeout", "600", "--drain-timeout", "600", "--log-level", "warning",
+          "--hidden", str(MODEL.hidden), "--layers", str(MODEL.layers), "--heads",
+          str(MODEL.heads), "--kv-heads", str(MODEL.kv_heads), "--head-dim",
+          str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate), "--max-position",
+          str(MODEL.max_position), "--seed", str(MODEL.seed)]
+WAIT_S = 120
+
+
+def prefill_server(log: Path) -> tuple[Server, int]:
+    port = free_port()
+    return Server(log, "--role", "prefill", "--bootstrap-port", str(port), "--pool-pages", "64",
+                  *COMMON), port
+
+
+def decode_server(log: Path) -> Server:
+    return Server(log, "--role", "decode", "--pool-pages", "128", *COMMON)
+
+
+class Pair:
+    def __init__(self, tmp: Path) -> None:
+        self.prefill, self.bootstrap_port = prefill_server(tmp / "prefill.log")
+        self.decode = decode_server(tmp / "decode.log")
+        self.pool = ThreadPoolExecutor(8)
+
+    def body(self, rid: str, room: int, prompt: int, new_tokens: int = 2,
+             bootstrap_port: int | None = None) -> dict[str, Any]:
+        return {"input_ids": [(7 * k) % 256 for k in range(prompt)], "rid": rid,
+                "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True},
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap_port or self.bootstrap_port, "bootstrap_room": room}
+
+    def post(self, server: Server, body: dict[str, Any]) -> Future[httpx.Response]:
+        return self.pool.submit(httpx.post, f"{server.url}/generate", json=body,
+                                timeout=WAIT_S)
+
+    def stop(self) -> None:
+        self.pool.shutdown()
+        self.decode.stop()
+        self.prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = Pair(tmp_path_factory.mktemp("stranded"))
+    try:
+        p.prefill.wait_healthy()
+        p.decode.wait_healthy()
+        yield p
+    finally:
+        p.stop()
+
+
+def failed_with(response: httpx.Response, status: int, kind: str, *fragments: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == kind, error
+    for fragment in fragments:
+        assert fragment in error["message"], error
+
+
+def counter(server: Server, name: str, direction: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    line = f'{name}{{direction="{direction}"}} '
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
+
+
+def until_idle(*servers: Server) -> None:
+    for server in servers:
+        wait_for(lambda s=server: idle(s.get("/server_info")), 60, f"{server.url} idle")
+
+
+def test_a_request_decode_refuses_fails_on_prefill_at_once(pair: Pair) -> None:
+    # 200 + 400 tokens do not fit the decode pool (512); 200 fit the prefill pool (256).
+    too_long = pair.body("decode-too-long", 101, prompt=200, new_tokens=400)
+    room_zero = pair.body("room-zero", 0, prompt=20)  # decode's engine refuses room 0
+    calls = [(pair.post(pair.prefill, b), pair.post(pair.decode, b)) for b in (too_long,
+                                                                               room_zero)]
+    (p_long, d_long), (p_zero, d_zero) = [(p.result(WAIT_S), d.result(WAIT_S)) for p, d in calls]
+    failed_with(d_long, 400, "prompt_too_long")
+    failed_with(p_long, 500, "bootstrap_failed", "peer refused: prompt_too_long")
+    failed_with(d_zero, 400, "rejected")
+    failed_with(p_zero, 500, "bootstrap_failed", "peer refused: bootstrap_room must be non-zero")
+    assert counter(pair.decode, "pdlife_decode_peer_refusals_total", "sent") >= 2
+    assert counter(pair.prefill, "pdlife_peer_refusals_total", "received") >= 2
+    until_idle(pair.prefill, pair.decode)
+
+
+def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
+    # 300 tokens do not fit the prefill pool (256); 302 fit the decode pool (512).
+    after = pair.body("prefill-too-long-first", 102, prompt=300)
+    refused = pair.post(pair.prefill, after).result(WAIT_S)
+    failed_with(refused, 400, "prompt_too_long")
+    # Decode's handshake comes after the refusal: the refusal answers it.
+    failed_with(pair.post(pair.decode, after).result(WAIT_S), 500, "bootstrap_failed",
+                "peer refused: prompt_too_long")
+    # Both at once: decode's handshake may come first, and is answered when prefill refuses.
+    together = pair.body("prefill-too-long-together", 103, prompt=300)
+    on_prefill, on_decode = pair.post(pair.prefill, together), pair.post(pair.decode, together)
+    failed_with(on_prefill.result(WAIT_S), 400, "prompt_too_long")
+    failed_with(on_decode.result(WAIT_S), 500, "bootstrap_failed",
+                "peer refused: prompt_too_long")
+    assert counter(pair.prefill, "pdlife_peer_refusals_total", "sent") >= 2
+    assert counter(pair.decode, "pdlife_decode_peer_refusals_total", "received") >= 2
+    until_idle(pair.prefill, pair.decode)
+
+
+def held_draining(server: Server, hold: dict[str, Any], peer: Pair) -> Future[httpx.Response]:
+    """Start ``server`` draining with ``hold`` in flight (a request whose other half never
+    comes), so it keeps refusing new requests with 503 ``draining``."""
+    held = peer.post(server, hold)
+    wait_for(lambda: server.get("/server_info")["live_requests"] == 1, 60, "the held request")
+    server.signal(signal.SIGTERM)
+    wait_for(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503, 60,
+             "draining")
+    return held
+
+
+def test_a_draining_decode_fails_the_request_on_prefill_at_once(
+    pair: Pair, tmp_path: Path
+) -> None:
+    decode = decode_server(tmp_path / "draining-decode.log")
+    try:
+        decode.wait_healthy()
+        held = held_draining(decode, pair.body("held-on-decode", 104, prompt=10), pair)
+        body = pair.body("to-a-draining-decode", 105, prompt=20)
+        on_prefill, on_decode = pair.post(pair.prefill, body), pair.post(decode, body)
+        failed_with(on_decode.result(WAIT_S), 503, "draining")
+        failed_with(on_prefill.result(WAIT_S), 500, "bootstrap_failed",
+                    "peer refused: draining")
+        decode.signal(signal.SIGKILL)
+        decode.wait(30)
+        with pytest.raises(httpx.TransportError):
+            held.result(WAIT_S)
+    finally:
+        decode.stop()
+    until_idle(pair.prefill)
+
+
+def test_a_draining_prefill_fails_the_request_on_decode_at_once(
+    pair: Pair, tmp_path: Path
+) -> None:
+    prefill, port = prefill_server(tmp_path / "draining-prefill.log")
+    try:
+        prefill.wait_healthy()
+        held = held_draining(prefill, pair.body("held-on-prefill", 106, prompt=10,
+                                                bootstrap_port=port), pair)
+        body = pair.body("to-a-draining-prefill", 107, prompt=20, bootstrap_port=port)
+        on_prefill, on_decode = pair.post(prefill, body), pair.post(pair.decode, body)
+        failed_with(on_prefill.result(WAIT_S), 503, "draining")
+        failed_with(on_decode.result(WAIT_S), 500, "bootstrap_failed", "peer refused: draining")
+        prefill.signal(signal.SIGKILL)
+        prefill.wait(30)
+        with pytest.raises(httpx.TransportError):
+            held.result(WAIT_S)
+    finally:
+        prefill.stop()
+    until_idle(pair.decode)
