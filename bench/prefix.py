@@ -96,6 +96,9 @@ def run(served: ServedModel, prompts: dict[str, list[int]], cache: bool, page_si
         prefill_pages=pages, decode_pages=pages, metadata_slots=len(prompts),
     )
     pair = EmbeddedPair(config, served=served)
+    # Without the cache, the last requests wait minutes for prefill on a CPU: longer than the
+    # decode peer's default wait for KV (300 s), which would abort them.
+    pair.decode.config = attrs.evolve(pair.decode.config, waiting_timeout=7200.0)
     try:
         start = time.perf_counter()
         for rid, prompt in prompts.items():
