@@ -1,0 +1,49 @@
+"""The decode peer's own metrics, outside the HTTP service: its registry by default, or one it
+shares with a prefill scheduler."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from lifecycle import SamplingParams
+from scheduler.decode import DecodeMetrics
+from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.config import SchedulerConfig
+
+
+def test_a_decode_peer_counts_its_answers_and_sets_its_gauges() -> None:
+    pair = EmbeddedPair(PairConfig(model=ModelConfig.tiny(), prefill_pages=64, decode_pages=96,
+                                   scheduler=SchedulerConfig(page_size=4)))
+    try:
+        metrics = pair.decode.metrics
+        assert metrics.registry is not pair.prefill.metrics.registry
+        value = metrics.registry.get_sample_value
+        assert value("pdlife_decode_kv_pages_total") == 96
+        for i, new_tokens in enumerate((3, 5, 7)):
+            pair.submit(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(new_tokens, (), True))
+        pair.submit("rejected", list(range(1, 200)), SamplingParams(300, (), True))
+        outcomes = pair.run_until_done(["r0", "r1", "r2", "rejected"])
+        assert value("pdlife_decode_requests_finished_total",
+                     {"state": "done", "reason": ""}) == 3
+        assert value("pdlife_decode_requests_finished_total",
+                     {"state": "failed", "reason": "rejected"}) == 1
+        assert value("pdlife_decode_output_tokens_total") == 3 + 5 + 7
+        assert outcomes["rejected"].decode is not None
+        assert value("pdlife_decode_peer_refusals_total", {"direction": "sent"}) == 1
+        assert value("pdlife_decode_kv_pages_used") == 0
+        assert value("pdlife_decode_requests", {"state": "decoding"}) == 0
+    finally:
+        pair.close()
+
+
+def test_decode_metrics_share_a_registry_with_the_prefill_scheduler() -> None:
+    pair = EmbeddedPair(PairConfig(model=ModelConfig.tiny(), prefill_pages=32, decode_pages=32))
+    try:
+        shared = DecodeMetrics(pair.prefill.metrics.registry)
+        shared.kv_pages_total.set(32)
+        text = generate_latest(pair.prefill.metrics.registry).decode()
+        assert "pdlife_decode_kv_pages_total 32.0" in text
+        assert "pdlife_kv_pages_total 32.0" in text
+    finally:
+        pair.close()
