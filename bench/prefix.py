@@ -47,6 +47,7 @@ TEXT = (
     "point the reader to the front desk. Books may be borrowed for three weeks and renewed "
     "twice unless someone has reserved them; films for one week. The reading room is quiet. "
 )
+WAIT_S = 7200.0  # every deadline of a run
 WORDS = ("when", "can", "I", "borrow", "renew", "a", "book", "film", "room", "the", "archive",
          "how", "late", "is", "open", "on", "Sunday", "fine", "for", "children", "event", "pay")
 
@@ -92,13 +93,14 @@ def run(served: ServedModel, prompts: dict[str, list[int]], cache: bool, page_si
         pages: int) -> Run:
     config = PairConfig(
         scheduler=SchedulerConfig(page_size=page_size, radix_cache=cache,
-                                  schedule_policy="lpm" if cache else "fcfs"),
+                                  schedule_policy="lpm" if cache else "fcfs",
+                                  bootstrap_timeout=WAIT_S, transfer_timeout=WAIT_S),
         prefill_pages=pages, decode_pages=pages, metadata_slots=len(prompts),
     )
     pair = EmbeddedPair(config, served=served)
-    # Without the cache, the last requests wait minutes for prefill on a CPU: longer than the
-    # decode peer's default wait for KV (300 s), which would abort them.
-    pair.decode.config = attrs.evolve(pair.decode.config, waiting_timeout=7200.0)
+    # Without the cache, the last requests wait many minutes on a CPU (for prefill, and for the
+    # decode pool to take them): longer than the default deadlines (300 s).
+    pair.decode.config = attrs.evolve(pair.decode.config, waiting_timeout=WAIT_S)
     try:
         start = time.perf_counter()
         for rid, prompt in prompts.items():
