@@ -81,6 +81,7 @@ from scheduler.testing.fakes import (
     echo_next_token,
     echo_runner_factory,
 )
+from scheduler.testing.prefix import check_prefix_cache, drain_prefix_cache
 from scheduler.testing.setup import (
     MachineSetup,
     prompt_of,
@@ -225,6 +226,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert answered == self.submitted, (
                 f"answers {answered} != submissions {self.submitted}"
             )
+        drain_prefix_cache(sched)  # nothing locked; then the tree's pages go back too
         with invariant(3):
             assert self.pool.allocator.available() == self.pool.num_pages, "pages leaked"
             assert sched.slots.available() == sched.slots.num_slots, "metadata slots leaked"
@@ -358,6 +360,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._track()
         with invariant(4):
             sched.lifecycle.check_index()
+        check_prefix_cache(sched)  # before check_invariants(), which checks it too
         with invariant(3):
             sched.check_invariants()  # conservation of pages and slots
         check_pages(sched, self.scripted, self.runner)

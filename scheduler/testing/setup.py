@@ -41,8 +41,10 @@ class MachineSetup:
 
 
 def scheduler_configs(page_size: int = 4) -> st.SearchStrategy[SchedulerConfig]:
-    """Small budgets that make chunking, page exhaustion and the batch caps likely."""
-    return st.builds(
+    """Small budgets that make chunking, page exhaustion and the batch caps likely; the prefix
+    cache off, on (fcfs) or on (lpm)."""
+    caching = st.sampled_from([(False, "fcfs"), (True, "fcfs"), (True, "lpm")])
+    return st.tuples(st.builds(
         SchedulerConfig,
         page_size=st.just(page_size),
         chunked_prefill_size=st.sampled_from([None, page_size, 2 * page_size, 3 * page_size]),
@@ -52,11 +54,15 @@ def scheduler_configs(page_size: int = 4) -> st.SearchStrategy[SchedulerConfig]:
         bootstrap_timeout=st.just(10.0),
         transfer_timeout=st.just(10.0),
         check_invariants=st.just(True),
-    )
+    ), caching).map(lambda drawn: attrs.evolve(
+        drawn[0], radix_cache=drawn[1][0], schedule_policy=drawn[1][1]))
 
 
 def prompt_of(rid: str, length: int) -> tuple[int, ...]:
     """The prompt a submission of ``rid`` with ``length`` tokens carries (reproducible, so a
-    response can be checked against the reference from its rid and token count)."""
+    response can be checked against the reference from its rid and token count). The first
+    0 to 24 tokens are one of three families', so prompts share prefixes (the prefix cache)."""
     salt = sum(map(ord, rid))
-    return tuple((salt + 7 * i * i + 3 * i) % 256 for i in range(length))
+    family, shared = salt % 3, 4 * (salt % 7)
+    return tuple(((family if i < shared else salt) * 31 + 7 * i * i + 3 * i) % 256
+                 for i in range(length))

@@ -27,6 +27,7 @@ INVARIANTS: dict[int, str] = {
     3: "conservation and ownership of pages and metadata slots",
     4: "the per-state collections are exactly the requests in each state",
     5: "timelines are monotone; deadlines and aborts take effect",
+    7: "prefix cache: a page is free, the tree's, or one request's; locks equal their users",
 }
 
 
