@@ -23,7 +23,7 @@ import torch
 
 from lifecycle import SamplingParams
 from lifecycle.timeline import ttft_phases
-from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch
@@ -59,22 +59,31 @@ def run_lifecycle(model: LlamaModel, prompts: dict[str, list[int]], overlap: boo
     pair = EmbeddedPair(cfg, model=model)
     recorder = RecordingRunner(pair.prefill.runner)  # type: ignore[arg-type]
     pair.prefill.runner = recorder
+    seconds, out, ttfts = serve_once(pair, prompts, timeout=1800)
+    assert all(o.decode is not None and o.decode.ok for o in out.values())
+    return seconds, ttfts, recorder.batches
+
+
+def serve_once(pair: EmbeddedPair, prompts: dict[str, list[int]], timeout: float
+               ) -> tuple[float, dict[str, Outcome], list[float]]:
+    """Submit every prompt for one output token at once, drive ``pair`` until all are answered,
+    close it. Returns the wall seconds, the outcomes (every prefill answer ok), and each
+    request's prefill-side time to first token (admission to the transfer's conclusion)."""
     try:
         start = time.perf_counter()
         for rid, prompt in prompts.items():
             pair.submit(rid, prompt, SamplingParams(max_new_tokens=1))
-        out = pair.run_until_done(prompts, timeout=1800)
+        out = pair.run_until_done(prompts, timeout=timeout)
         seconds = time.perf_counter() - start
     finally:
         pair.close()
-    assert all(o.prefill.ok and o.decode is not None and o.decode.ok for o in out.values())
     ttfts = []
     for rid in prompts:
-        # The prefill side's time to first token: admission to the transfer's conclusion.
+        assert out[rid].prefill.ok, out[rid].prefill
         req_ttft = ttft_phases(out[rid].prefill.timeline).total
         assert req_ttft is not None
         ttfts.append(req_ttft)
-    return seconds, ttfts, recorder.batches
+    return seconds, out, ttfts
 
 
 def run_forward_only(model: LlamaModel, batches: list[ForwardBatch], pages: int,

@@ -27,14 +27,12 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 import attrs
 import torch
 
-from lifecycle import SamplingParams
-from lifecycle.timeline import ttft_phases
+from bench.e2e import serve_once
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.select import REFERENCE, ServedModel, load_model
 from scheduler.model.shipped import ShippedModelMissing, shipped_path
@@ -58,7 +56,7 @@ class Run:
     ttft_p50: float
     prompt_tokens: int
     cached_tokens: int
-    first_tokens: dict[str, int]
+    first_tokens: dict[str, int | None]
 
 
 def pick_model(name: str) -> str:
@@ -101,22 +99,8 @@ def run(served: ServedModel, prompts: dict[str, list[int]], cache: bool, page_si
     # Without the cache, the last requests wait many minutes on a CPU (for prefill, and for the
     # decode pool to take them): longer than the default deadlines (300 s).
     pair.decode.config = attrs.evolve(pair.decode.config, waiting_timeout=WAIT_S)
-    try:
-        start = time.perf_counter()
-        for rid, prompt in prompts.items():
-            pair.submit(rid, prompt, SamplingParams(max_new_tokens=1))
-        out = pair.run_until_done(prompts, timeout=7200)
-        seconds = time.perf_counter() - start
-    finally:
-        pair.close()
-    ttfts, first = [], {}
-    for rid, outcome in out.items():
-        resp = outcome.prefill
-        assert resp.ok and resp.first_token is not None, resp
-        total = ttft_phases(resp.timeline).total
-        assert total is not None
-        ttfts.append(total)
-        first[rid] = resp.first_token
+    seconds, out, ttfts = serve_once(pair, prompts, timeout=WAIT_S)
+    first = {rid: o.prefill.first_token for rid, o in out.items()}
     return Run(seconds, statistics.median(ttfts), sum(len(p) for p in prompts.values()),
                sum(o.prefill.cached_tokens for o in out.values()), first)
 
