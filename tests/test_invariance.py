@@ -10,28 +10,48 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.model.invariant import KEY_BLOCK, MIN_ROWS, Span, pad_rows, paged_attention
+from scheduler.model.invariant import (
+    KEY_BLOCK,
+    MIN_ATTENTION_ROWS,
+    MIN_ROWS,
+    Span,
+    pad_rows,
+    paged_attention,
+)
 
 # SmolLM2-135M: hidden 576, Q+K+V 960, gate+up 3072, intermediate 1536, vocabulary 49152.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize(("inner", "outer"), SHAPES)
 def test_matmul_rows_do_not_depend_on_the_batch(inner, outer, threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(inner + outer)
-        w = torch.randn(inner, outer, generator=gen) / inner**0.5
-        x = torch.randn(1200, inner, generator=gen)
-        full = x @ w
-        for rows in (1, 2, 3, 5, 7, 11, 15, 16, 17, 40, 300):
-            for offset in (0, 13, 1200 - rows):
-                part = pad_rows(x[offset : offset + rows]) @ w
-                assert torch.equal(part[:rows], full[offset : offset + rows]), (rows, offset)
-    finally:
-        torch.set_num_threads(previous)
+    gen = torch.Generator().manual_seed(inner + outer)
+    w = torch.randn(inner, outer, generator=gen) / inner**0.5
+    x = torch.randn(1200, inner, generator=gen)
+    full = x @ w
+    for rows in (1, 2, 3, 5, 7, 11, 15, 16, 17, 40, 300):
+        for offset in (0, 13, 1200 - rows):
+            part = pad_rows(x[offset : offset + rows]) @ w
+            assert torch.equal(part[:rows], full[offset : offset + rows]), (rows, offset)
+
+
+@pytest.mark.parametrize("keys", [KEY_BLOCK, 4 * KEY_BLOCK])
+def test_batched_attention_matmul_rows_do_not_depend_on_the_batch(keys, threads):
+    gen = torch.Generator().manual_seed(keys)
+    q = torch.randn(6, 3, 300, 64, generator=gen)
+    k = torch.randn(6, 3, 64, keys, generator=gen)
+    full = q @ k
+    for rows in (MIN_ATTENTION_ROWS, 9, 17, 100):
+        for batch in (1, 2, 6):
+            assert torch.equal(q[:batch, :, :rows] @ k[:batch], full[:batch, :, :rows])
 
 
 def test_the_output_head_rows_do_not_depend_on_the_batch():
@@ -48,7 +68,7 @@ def _kv(length: int, kv_heads: int, d: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("length", [1, 17, KEY_BLOCK, KEY_BLOCK + 1, 700])
-def test_attention_of_a_position_does_not_depend_on_chunks_or_company(length):
+def test_attention_of_a_position_does_not_depend_on_chunks_or_company(length, threads):
     heads, kv_heads, d = 9, 3, 64
     kv = _kv(1000, kv_heads, d, length)
     q = torch.randn(length, heads, d, generator=torch.Generator().manual_seed(7))

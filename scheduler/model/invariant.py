@@ -13,7 +13,8 @@ depends on the batch. Three rules make it so:
    on the number of rows M: with very few rows it takes other paths (on the machines measured,
    rows computed with M = 1..11 differ from the same rows computed in a larger batch; with
    M >= 12 every row matched, for M up to 4096, at any offset, with 1 or 2 threads). So every
-   matmul over tokens is padded to at least 16 rows (:func:`pad_rows`). RMSNorm, SiLU, the
+   matmul over tokens is padded to at least 16 rows (:func:`pad_rows`); the batched attention
+   matmuls (where only M <= 3 differed) to at least :data:`MIN_ATTENTION_ROWS`. RMSNorm, SiLU, the
    rotary products and the residual adds are row-wise elementwise ops or per-row reductions of a
    fixed length, which are row-independent too. ``tests/test_invariance.py`` checks all of this
    on the machine at hand.
@@ -23,8 +24,8 @@ depends on the batch. Three rules make it so:
    order could depend on the batch (how many keys the chunk sees, how many queries are batched),
    so keys are cut into blocks of :data:`KEY_BLOCK` *absolute* positions (block ``b`` holds
    ``b*KEY_BLOCK .. (b+1)*KEY_BLOCK-1``, the last padded and masked); each block's partial sums
-   come from a matmul of fixed inner length, and the blocks are added in block order by a
-   sequential scan (``cumsum``). Blocks past a query's position hold exact zeros, and adding
+   come from a matmul of fixed inner length, and the blocks are added one after another, in
+   block order. Blocks past a query's position hold exact zeros, and adding
    zero changes nothing, so a query sees the same sums whether its chunk ends right after it
    or a thousand positions later.
 3. **The same code for every shape.** Prefill chunks, one-token chunks and decode steps go
@@ -46,10 +47,13 @@ import torch
 
 #: Fewest rows of any matmul over tokens (rule 1).
 MIN_ROWS = 16
+#: Fewest query rows of an attention matmul (one per head sharing a KV head and position): the
+#: batched matmul keeps a row's arithmetic from 4 rows up, on the machines measured.
+MIN_ATTENTION_ROWS = 8
 #: Keys per attention block, in absolute positions (rule 2).
 KEY_BLOCK = 128
 #: Most query positions of one item computed in one attention matmul (bounds the score memory).
-QUERY_TILE = 256
+QUERY_TILE = 128
 #: Items with at most this many query positions share one batched attention matmul.
 SMALL_ITEM = 16
 
@@ -76,21 +80,12 @@ class Span:
         return self.start + self.n
 
 
-def tiles(spans: Sequence[Span], tile: int = QUERY_TILE) -> list[Span]:
-    """Every span cut into pieces of at most ``tile`` query positions."""
-    out: list[Span] = []
-    for s in spans:
-        for t in range(0, s.n, tile):
-            n = min(tile, s.n - t)
-            out.append(Span(s.row + t, s.start + t, n, s.slots[: s.start + t + n]))
-    return out
-
-
-def groups(spans: Sequence[Span]) -> list[list[Span]]:
-    """Spans batched into one attention matmul: all the small ones together, each big one alone."""
-    small = [s for s in spans if s.n <= SMALL_ITEM]
-    big = [[s] for s in spans if s.n > SMALL_ITEM]
-    return ([small] if small else []) + big
+def tiles(span: Span, tile: int | None = None) -> list[Span]:
+    """``span`` cut into pieces of at most ``tile`` (:data:`QUERY_TILE`) query positions."""
+    tile = tile or QUERY_TILE
+    return [Span(span.row + t, span.start + t, min(tile, span.n - t),
+                 span.slots[: span.start + t + min(tile, span.n - t)])
+            for t in range(0, span.n, tile)]
 
 
 def paged_attention(
@@ -98,49 +93,80 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q`` (``[rows, heads, head_dim]``) over the keys
     and values in ``kv`` (``[2, slots, kv_heads, head_dim]``, the pool's layer); rows outside
-    every span are left zero."""
+    every span are left zero.
+
+    The small spans (decode steps, short chunks) share one batched matmul; a long span is cut
+    into query tiles that share its gathered keys."""
     out = torch.zeros_like(q)
-    for group in groups(tiles(spans)):
-        rows = torch.cat([torch.arange(s.row, s.row + s.n) for s in group]).to(q.device)
-        attended = _attend(q, group, kv, kv_heads)
-        out.index_copy_(0, rows, attended)
+    # Scaled once, with a zero row at the end for the padding rows of a matmul to read.
+    q = torch.cat([q * (1.0 / math.sqrt(q.shape[-1])), q.new_zeros((1, *q.shape[1:]))])
+    small = [s for s in spans if s.n <= SMALL_ITEM]
+    if small:
+        _attend(q, small, _gather(kv, small), out)
+    for span in spans:
+        if span.n > SMALL_ITEM:
+            keys = _gather(kv, [span])
+            for tile in tiles(span):
+                _attend(q, [tile], keys[:, :, : _blocks(tile.end) * KEY_BLOCK], out)
     return out
 
 
-def _attend(
-    q: torch.Tensor, group: Sequence[Span], kv: torch.Tensor, kv_heads: int
-) -> torch.Tensor:
-    """One batched attention over the spans of ``group``; returns their rows, in span order."""
-    dev, (_, heads, d) = q.device, q.shape
-    share = heads // kv_heads
-    n_pad = max(max(s.n for s in group), math.ceil(MIN_ROWS / share))
-    keys = math.ceil(max(s.end for s in group) / KEY_BLOCK) * KEY_BLOCK
-    count = len(group)
-    # Gather rows (a row index past the end of q reads a zero row) and key slots (slot 0 pads).
-    zero_row = q.shape[0]
-    row_index = torch.full((count, n_pad), zero_row, dtype=torch.int64)
-    slot_table = torch.zeros((count, keys), dtype=torch.int64, device=dev)
-    qpos = torch.zeros((count, n_pad), dtype=torch.int64)
+def _blocks(positions: int) -> int:
+    return math.ceil(positions / KEY_BLOCK)
+
+
+def _gather(kv: torch.Tensor, group: Sequence[Span]) -> torch.Tensor:
+    """``[2, len(group), keys, kv_heads, head_dim]``: each span's keys and values read from
+    the pool, padded with slot 0 (masked) to whole key blocks."""
+    keys = _blocks(max(s.end for s in group)) * KEY_BLOCK
+    table = torch.zeros((len(group), keys), dtype=torch.int64, device=kv.device)
+    for i, s in enumerate(group):
+        table[i, : s.end] = s.slots
+    return kv.index_select(1, table.view(-1)).view(2, len(group), keys, *kv.shape[2:])
+
+
+def _attend(q: torch.Tensor, group: Sequence[Span], kv: torch.Tensor, out: torch.Tensor) -> None:
+    """One batched attention of the spans of ``group`` (their keys and values gathered in
+    ``kv``); writes their rows of ``out``."""
+    dev, (_, heads, d), (_, count, keys, kv_heads, _) = q.device, q.shape, kv.shape
+    share, blocks = heads // kv_heads, kv.shape[2] // KEY_BLOCK
+    n_pad = max(max(s.n for s in group), math.ceil(MIN_ATTENTION_ROWS / share))
+    # Rows past a span's end read q's last (zero) row and attend to every key (finite,
+    # discarded).
+    row_index = torch.full((count, n_pad), q.shape[0] - 1, dtype=torch.int64)
+    qpos = torch.full((count, n_pad), keys, dtype=torch.int64)
     for i, s in enumerate(group):
         row_index[i, : s.n] = torch.arange(s.row, s.row + s.n)
         qpos[i, : s.n] = torch.arange(s.start, s.end)
-        slot_table[i, : s.end] = s.slots
-    padded = torch.cat([q, q.new_zeros((1, heads, d))])
-    queries = padded.index_select(0, row_index.view(-1).to(dev)).view(
-        count, n_pad, kv_heads, share, d).permute(0, 2, 3, 1, 4).reshape(
-        count, kv_heads, share * n_pad, d)
-    gathered = kv.index_select(1, slot_table.view(-1)).view(2, count, keys, kv_heads, d)
-    k = gathered[0].transpose(1, 2)  # [count, kv_heads, keys, d]
-    v = gathered[1].transpose(1, 2).reshape(count, kv_heads, keys // KEY_BLOCK, KEY_BLOCK, d)
-    scores = (queries @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
-    masked = torch.arange(keys, device=dev)[None, None, :] > qpos.to(dev)[:, :, None]
-    masked = masked[:, None].expand(count, share, n_pad, keys).reshape(count, 1, -1, keys)
-    scores.masked_fill_(masked, -math.inf)
-    probs = (scores - scores.amax(-1, keepdim=True)).exp_()
-    blocks = probs.view(count, kv_heads, share * n_pad, keys // KEY_BLOCK, KEY_BLOCK)
-    sums = blocks.sum(-1).cumsum(-1)[..., -1:]  # [count, kv_heads, rows, 1], block order
-    partial = blocks.transpose(2, 3).to(v.dtype) @ v  # [count, kv_heads, blocks, rows, d]
-    total = partial.float().cumsum(2)[:, :, -1]  # the blocks added in block order
-    attended = (total / sums).to(q.dtype).view(count, kv_heads, share, n_pad, d)
-    attended = attended.permute(0, 3, 1, 2, 4).reshape(count, n_pad, heads, d)
-    return torch.cat([attended[i, : s.n] for i, s in enumerate(group)])
+    rows = share * n_pad
+    queries = q.index_select(0, row_index.view(-1).to(dev)).view(
+        count, n_pad, kv_heads, share, d).permute(2, 0, 3, 1, 4).reshape(
+        kv_heads, count, rows, d)
+    # Per KV head, the gathered keys and values are strided [count, keys, d] matrices that the
+    # matmuls read in place (no copy into another layout).
+    scores = q.new_empty((kv_heads, count, rows, keys))
+    for h in range(kv_heads):
+        torch.bmm(queries[h], kv[0, :, :, h].transpose(1, 2), out=scores[h])
+    scores = scores.float()
+    # Keys before the earliest query are visible to every row: mask only from there on.
+    lo = min(s.start for s in group) + 1
+    if lo < keys:
+        masked = torch.arange(lo, keys)[None, None, :] > qpos[:, :, None]
+        masked = masked[:, None].expand(count, share, n_pad, keys - lo).reshape(
+            1, count, rows, keys - lo)
+        scores[..., lo:].masked_fill_(masked.to(dev), -math.inf)
+    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_().to(q.dtype)
+    sums = probs.float().view(kv_heads, count, rows, blocks, KEY_BLOCK).sum(-1)
+    # The key blocks added in block order: a query sees the same sums whatever follows it.
+    total = torch.zeros((kv_heads, count, rows, d), dtype=torch.float32, device=dev)
+    for b in range(blocks):
+        part = slice(b * KEY_BLOCK, (b + 1) * KEY_BLOCK)
+        for h in range(kv_heads):
+            total[h] += torch.bmm(probs[h, :, :, part], kv[1, :, part, h]).float()
+    norm = sums[..., 0]
+    for b in range(1, blocks):
+        norm = norm + sums[..., b]
+    attended = (total / norm[..., None]).to(q.dtype).view(kv_heads, count, share, n_pad, d)
+    attended = attended.permute(1, 3, 0, 2, 4).reshape(count, n_pad, heads, d)
+    for i, s in enumerate(group):
+        out[s.row : s.row + s.n] = attended[i, : s.n]

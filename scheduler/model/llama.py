@@ -21,6 +21,7 @@ colocated run (:func:`generate`: the whole prompt in one forward, then one token
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -30,12 +31,14 @@ import torch
 from kv.pages import pages_needed
 from kv.pool import KVPool
 from scheduler.model.checkpoint import Checkpoint, LlamaConfig, rope_inv_freq
-from scheduler.model.invariant import Span, pad_rows, paged_attention
+from scheduler.model.invariant import MIN_ROWS, Span, pad_rows, paged_attention
 from scheduler.model.reference import ModelInputError, resolve_device
 from scheduler.runner import ForwardBatch, ForwardItem
 
 logger = logging.getLogger(__name__)
 
+#: Rows of the MLP computed together (their intermediate activations fit in cache).
+ROW_CHUNK = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -154,6 +157,12 @@ class RealModel:
         kv[0].index_copy_(0, new_slots, k[:n].to(pool.dtype))
         kv[1].index_copy_(0, new_slots, v[:n].to(pool.dtype))
         attn = paged_attention(q, spans, kv, c.kv_heads).view(rows, q_dim)
+        return torch.cat([self._mlp(w, x[part], attn[part]) for part in row_chunks(rows)])
+
+    def _mlp(self, w: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The output projection and the SwiGLU MLP of some rows (kept small enough that the
+        MLP's intermediate activations stay in cache)."""
+        c = self.config
         x = x + attn @ w.o
         gate_up = _rms_norm(x, w.mlp_norm, c.rms_eps) @ w.gate_up
         gate, up = gate_up[:, : c.intermediate], gate_up[:, c.intermediate :]
@@ -201,6 +210,15 @@ class RealModel:
         table = torch.tensor(pages, dtype=torch.int64, device=self.device)
         pos = torch.arange(end, device=self.device)
         return table[pos // ps] * ps + pos % ps
+
+
+def row_chunks(rows: int, size: int = ROW_CHUNK) -> list[slice]:
+    """``0 .. rows`` cut into slices of ``size`` rows; a short tail joins the slice before it,
+    so every slice keeps at least ``MIN_ROWS`` rows (batch invariance, rule 1)."""
+    cuts = [*range(0, rows, size), rows]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] < MIN_ROWS:
+        del cuts[-2]
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
