@@ -4,7 +4,8 @@
   (whole pages, and never the whole prompt: the last token is always computed, since its
   logits give the first output token). The adder counts only the uncached tokens against its
   budgets, and free plus evictable pages against the pool; ``lpm`` orders the waiting queue by
-  match length (:meth:`PrefixCache.order`).
+  match length (:meth:`PrefixCache.begin_pass`) and leaves for the next pass a request whose
+  prefix the batch is about to compute (:meth:`PrefixCache.lookup`).
 - **launch** — :meth:`PrefixCache.admit` locks the match of each newly scheduled request (its
   page table starts with the tree's pages, ``req.cached`` tokens of it), then evicts
   least-recently-used unlocked leaves if the batch needs more pages than are free.
@@ -187,17 +188,18 @@ def _common_pages(a: Sequence[int], b: Sequence[int], page_size: int, limit: int
 
 
 def _hold_violations(req: PrefillRequest, hold: PrefixHold, tree_pages: set[int]) -> list[str]:
-    """A live request's page table against its hold: the tree's pages of it are exactly the
-    shared ones, all on the path it locks, and its cached prefix is page-aligned."""
+    """A live request's page table against its hold: it begins with the pages of the path it
+    locks, which are the shared ones; no other page of it is the tree's; its cached prefix is
+    page-aligned."""
     out = []
-    shared_in_table = {p for p in req.pages if p in tree_pages}
-    if shared_in_table != hold.shared:
-        out.append(f"{req.rid}: tree pages in its page table {sorted(shared_in_table)} "
-                   f"!= the hold's {sorted(hold.shared)}")
     assert hold.node is not None
-    path = {p for n in hold.node.path() for p in n.pages}
-    if not hold.shared <= path:
-        out.append(f"{req.rid}: shared pages {sorted(hold.shared - path)} off its locked path")
+    path = [p for n in reversed(list(hold.node.path())) for p in n.pages]
+    if req.pages[: len(path)] != path or hold.shared != set(path):
+        out.append(f"{req.rid}: its page table {req.pages} does not begin with its locked path "
+                   f"{path} (shared: {sorted(hold.shared)})")
+    elsewhere = [p for p in req.pages[len(path) :] if p in tree_pages]
+    if elsewhere:
+        out.append(f"{req.rid}: tree pages {elsewhere} in its page table, off its locked path")
     ps = hold.cache.page_size
     if req.cached % ps or pages_needed(req.cached, ps) > len(req.pages):
         out.append(f"{req.rid}: cached {req.cached} tokens over {len(req.pages)} pages")
