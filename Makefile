@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml | system-deps
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/pdlife demo
+	$(BIN)/pdlife demo --model smollm2 --requests 16
 
 test: setup
 	$(BIN)/ruff check lifecycle kv scheduler tests bench examples

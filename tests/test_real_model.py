@@ -17,6 +17,7 @@ The real model is loaded once per session (``tests/conftest.py``). Every prompt 
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import pytest
@@ -151,3 +152,21 @@ def test_disaggregated_equals_colocated_local(smollm2, inputs, colocated, page_s
 def test_disaggregated_equals_colocated_mooncake(smollm2, inputs, colocated):
     run_pair(smollm2, inputs, colocated, page_size=16, chunk=48, overlap=False,
              backend="mooncake")
+
+
+def test_the_demo_answers_real_questions_and_checks_them(smollm2, tmp_path):
+    from rich.console import Console
+
+    from scheduler.demo.options import MIN_REQUESTS, DemoOptions
+    from scheduler.demo.run import run_demo
+
+    console = Console(file=io.StringIO(), width=120)
+    options = DemoOptions(requests=MIN_REQUESTS + 2, model="smollm2", out=tmp_path)
+    result = run_demo(options, console=console, served=smollm2)
+    assert result.status == 0, console.file.getvalue()
+    summary = result.summary
+    assert summary["verification"]["checked"] >= 2
+    assert summary["verification"]["matched"] == summary["verification"]["checked"]
+    examples = {e["prompt"]: e["answer"] for e in summary["examples"]}
+    assert examples["What is the capital of France?"] == "The capital of France is Paris."
+    assert "Some answers of smollm2" in console.file.getvalue()

@@ -29,6 +29,10 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         f"{MAX_PROMPT_RANGE[1]}); prompts range from 16 to this, and chunked "
                         f"prefill cuts the longest in four or more chunks "
                         f"(default: {d.max_prompt})")
+    parser.add_argument("--model", default=d.model, metavar="MODEL",
+                        help="reference (the exact fixed-point model, byte prompts), smollm2 "
+                        "(SmolLM2-135M-Instruct answering chat questions), or a path to a GGUF "
+                        "file or Hugging Face directory (default: reference)")
     parser.add_argument("--out", metavar="DIR", default=str(d.out),
                         help=f"where the diagrams, the trace and the summary go "
                         f"(default: {d.out})")
@@ -38,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         options = DemoOptions(
             requests=args.requests, backend=args.backend, loop=args.loop, seed=args.seed,
-            max_prompt=args.max_prompt, out=args.out,
+            max_prompt=args.max_prompt, out=args.out, model=args.model,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -50,7 +54,13 @@ def _run(args: argparse.Namespace) -> int:
         # The reference model is small: on two shared cores a second intra-op thread only
         # adds waiting (measured: the default run's serving phase 2 s with one, 42 s with two).
         torch.set_num_threads(1)
-    return run_demo(options).status
+    from scheduler.model.checkpoint import CheckpointError
+    from scheduler.model.shipped import ShippedModelMissing
+
+    try:
+        return run_demo(options).status
+    except (CheckpointError, ShippedModelMissing) as exc:
+        raise UsageError(str(exc)) from None
 
 
 DEMO = Subcommand(

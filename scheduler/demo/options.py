@@ -53,3 +53,6 @@ class DemoOptions:
     max_prompt: int = attrs.field(default=2048, validator=_max_prompt)
     out: Path = attrs.field(default=Path("pdlife-out"), converter=Path)
     timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    #: ``reference`` (byte prompts of generated text), ``smollm2`` or a checkpoint path (chat
+    #: questions through the checkpoint's template, answered in readable text).
+    model: str = "reference"

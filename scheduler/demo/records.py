@@ -25,6 +25,8 @@ class DemoRequest:
     fault: str = ""
     room: int = 0
     abort_in: PrefillState | None = None
+    #: The question as typed, when the prompt is a chat message (real models).
+    text: str = ""
 
     @property
     def disaggregated(self) -> bool:
@@ -92,6 +94,9 @@ class RunData:
     checked: int
     mismatches: list[Mismatch]
     problems: list[str]
+    #: A few served requests as text, ``(prompt, answer)`` (real models only).
+    examples: list[tuple[str, str]] = attrs.field(factory=list)
+    model: str = "reference"
 
     @property
     def passed(self) -> bool:

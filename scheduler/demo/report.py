@@ -184,7 +184,8 @@ def build_summary(data: RunData) -> dict[str, Any]:
         throughput["kv_copy_gb_per_s"] = _sig(data.kv_bytes / data.kv_copy_seconds / 1e9)
     return {
         "run": {"requests": data.requests, "backend": data.backend, "loop": data.loop,
-                "seed": data.seed, "serve_seconds": round(secs, 3)},
+                "seed": data.seed, "model": data.model, "serve_seconds": round(secs, 3)},
+        "examples": [{"prompt": p, "answer": a} for p, a in data.examples],
         "planned": dict(sorted(planned.items())),
         "prefill": _outcomes(data.prefill.values()),
         "decode": _outcomes(data.decode.values()),
@@ -312,6 +313,12 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     for reason, n in summary["delayer_outcomes"].items():
         delayer.add_row(reason, str(n), _DELAYER_MEANING.get(reason, ""))
     _show(console, "PrefillDelayer outcomes (one decision per pass)", delayer)
+    if summary["examples"]:
+        examples = _table("prompt", "answer (served disaggregated)")
+        examples.columns[0].justify = examples.columns[1].justify = "left"
+        for e in summary["examples"]:
+            examples.add_row(e["prompt"], e["answer"])
+        _show(console, f"Some answers of {summary['run']['model']}", examples)
 
 
 def finish_report(data: RunData, out: Path, console: Console) -> dict[str, Any]:

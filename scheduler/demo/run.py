@@ -48,6 +48,7 @@ from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, ReferenceModel
+from scheduler.model.select import REFERENCE, ServedModel, load_model
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import DelayerConfig, PrefillDelayer
 from scheduler.stepping import step_or_rest
@@ -67,6 +68,33 @@ _WORDS = (
     "to", "in", "is", "for", "with", "on", "while", "when", "each", "every", "request",
     "server", "model",
 )
+
+
+#: The questions a real model's workload asks (through its chat template).
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a prime number is.",
+    "List three colours of the rainbow.",
+    "How many legs does a spider have?",
+    "Give me a tip for learning to cook.",
+    "Translate 'good morning' into Spanish.",
+    "What is the boiling point of water at sea level?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Why is the sky blue? Answer briefly.",
+    "Suggest a name for a friendly robot.",
+    "What does a bee make?",
+)
+#: A long question: its prompt takes several chunks (an abort can land between them).
+LONG_QUESTION = (
+    "Summarise in one sentence: The history of astronomy is a long story of patient "
+    "observation. Ancient farmers watched the rising of bright stars to know when to plant; "
+    "sailors steered by the pole star; priests kept calendars of eclipses. With the telescope "
+    "came moons around Jupiter, phases of Venus and the slow realisation that the Earth is one "
+    "planet among many."
+)
+#: ``--max-prompt`` for a real model's workload (its chunk size follows from it).
+REAL_MAX_PROMPT = 128
 
 
 def fault_plan(seed: int) -> FaultPlan:
@@ -104,9 +132,11 @@ def scheduler_config(max_prompt: int) -> SchedulerConfig:
 
 
 def make_workload(
-    requests: int, seed: int, plan: FaultPlan, max_prompt: int = 2048
+    requests: int, seed: int, plan: FaultPlan, max_prompt: int = 2048,
+    served: ServedModel | None = None,
 ) -> list[DemoRequest]:
-    """``requests`` seeded requests with prompts of 16 to ``max_prompt`` tokens:
+    """``requests`` seeded requests with prompts of 16 to ``max_prompt`` tokens (with a real
+    ``served`` model: chat questions, answered until EOS or up to 48 tokens):
     ``requests // 12`` (at least 2) with injected faults, ``requests // 16`` (at least 3)
     aborted, spread through the submission order."""
     rng = random.Random(seed)
@@ -133,29 +163,41 @@ def make_workload(
             length = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
         stops = (ord("."),) if rng.random() < 0.25 else ()
         sampling = SamplingParams(max_new_tokens=rng.randint(1, 32), stop_token_ids=stops)
+        text, prompt = "", None
+        if served is not None:
+            long = abort_in is PrefillState.FORWARD
+            text = LONG_QUESTION if long else QUESTIONS[i % len(QUESTIONS)]
+            prompt = tuple(served.encode(text, chat=True))
+            sampling = SamplingParams(max_new_tokens=rng.randint(16, 48))
         fake_room = 0
         if fault:
             room += 1
             while _fault_of(plan, room) != fault:
                 room += 1
             fake_room = room
-        out.append(DemoRequest(f"r{i:03d}", _text(rng, length), sampling, fault, fake_room,
-                               abort_in))
+        out.append(DemoRequest(f"r{i:03d}", prompt or _text(rng, length), sampling, fault,
+                               fake_room, abort_in, text))
     return out
 
 
 # -- the run --------------------------------------------------------------------------------
 
 #: The colocated output a served request must match: ``(model, request) -> output ids``.
-Reference = Callable[[LlamaModel, DemoRequest], Sequence[int]]
+Reference = Callable[[Any, DemoRequest], Sequence[int]]
 
 
-def colocated_reference(model: LlamaModel, req: DemoRequest) -> list[int]:
-    """``req``'s output from the colocated reference run (no pages, no transfer)."""
+def colocated_reference(model: Any, req: DemoRequest) -> list[int]:
+    """``req``'s output from the colocated run (no chunks, no transfer, alone) of the
+    reference model or a real one."""
     s = req.sampling
-    return ReferenceModel(model).generate(
-        req.prompt, s.max_new_tokens, s.stop_token_ids, s.ignore_eos, rid=req.rid
-    )
+    if isinstance(model, LlamaModel):
+        return ReferenceModel(model).generate(
+            req.prompt, s.max_new_tokens, s.stop_token_ids, s.ignore_eos, rid=req.rid
+        )
+    from scheduler.model.llama import generate
+
+    return generate(model, req.prompt, s.max_new_tokens, stop_token_ids=s.stop_token_ids,
+                    ignore_eos=s.ignore_eos)
 
 
 class DemoTimeout(RuntimeError):
@@ -173,12 +215,30 @@ class DemoResult:
     out: Path
 
 
-def _make_pair(options: DemoOptions, plan: FaultPlan, delayer: PrefillDelayer) -> EmbeddedPair:
+def _make_pair(options: DemoOptions, plan: FaultPlan, delayer: PrefillDelayer,
+               served: ServedModel | None) -> EmbeddedPair:
     config = PairConfig(
-        scheduler=scheduler_config(options.max_prompt), overlap=options.loop == "overlap",
-        backend=options.backend,
+        scheduler=scheduler_config(_max_prompt(options, served)),
+        overlap=options.loop == "overlap", backend=options.backend,
     )
-    return EmbeddedPair(config, faults=plan, delayer=delayer)
+    return EmbeddedPair(config, faults=plan, delayer=delayer, served=served)
+
+
+def _max_prompt(options: DemoOptions, served: ServedModel | None) -> int:
+    return options.max_prompt if served is None else REAL_MAX_PROMPT
+
+
+def _examples(workload: Sequence[DemoRequest], pair: EmbeddedPair,
+              served: ServedModel | None, count: int = 4) -> list[tuple[str, str]]:
+    """A few served questions with their answers, as text."""
+    if served is None:
+        return []
+    out: list[tuple[str, str]] = []
+    for req in workload:
+        answer = pair.decode_responses.get(req.rid)
+        if req.text and answer is not None and answer.ok and len(out) < count:
+            out.append((req.text, served.decode(answer.output_ids).strip()))
+    return out
 
 
 def _serve(
@@ -281,20 +341,26 @@ def run_demo(
     *,
     reference: Reference = colocated_reference,
     console: Console | None = None,
+    served: ServedModel | None = None,
 ) -> DemoResult:
-    """Serve the workload of ``options``, check it, print the summary and write the outputs."""
+    """Serve the workload of ``options``, check it, print the summary and write the outputs.
+    ``served`` is ``options.model`` already loaded (else it is loaded here)."""
     console = console or Console()
     plan = fault_plan(options.seed)
-    workload = make_workload(options.requests, options.seed, plan, options.max_prompt)
+    if served is None and options.model != REFERENCE:
+        served = load_model(options.model)
+    workload = make_workload(options.requests, options.seed, plan,
+                             _max_prompt(options, served), served)
     delayer = PrefillDelayer(
         DelayerConfig(), StaticGather(), dp_size=1, attn_tp_size=1, enable_dp_attention=False
     )
     console.print(
         f"pdlife demo: {options.requests} requests ({sum(len(r.prompt) for r in workload)} "
-        f"prompt tokens), backend {options.backend}, {options.loop} loop, seed {options.seed}",
+        f"prompt tokens), model {options.model}, backend {options.backend}, {options.loop} loop, "
+        f"seed {options.seed}",
         soft_wrap=True,
     )
-    pair = _make_pair(options, plan, delayer)
+    pair = _make_pair(options, plan, delayer, served)
     with Progress(console, total=len(workload)) as progress:
         try:
             seconds = _serve(pair, workload, progress, options.timeout_s)
@@ -316,7 +382,7 @@ def run_demo(
         decode=dict(pair.decode_responses), serve_seconds=seconds,
         prefill_tokens=int(tokens or 0), kv_bytes=kv_bytes, kv_copy_seconds=kv_copy_seconds,
         delayer_outcomes=dict(delayer.outcomes), checked=checked, mismatches=mismatches,
-        problems=problems,
+        problems=problems, examples=_examples(workload, pair, served), model=options.model,
     )
     summary = finish_report(data, options.out, console)
     return DemoResult(0 if data.passed else 1, summary, options.out)
