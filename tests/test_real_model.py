@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 
 import pytest
 import torch
@@ -170,3 +171,40 @@ def test_the_demo_answers_real_questions_and_checks_them(smollm2, tmp_path):
     examples = {e["prompt"]: e["answer"] for e in summary["examples"]}
     assert examples["What is the capital of France?"] == "The capital of France is Paris."
     assert "Some answers of smollm2" in console.file.getvalue()
+
+
+def test_the_service_serves_the_real_model(smollm2, colocated):
+    from scheduler.service.config import ServeConfig
+    from tests.service_harness import asgi_client, run, running_service
+
+    config = ServeConfig(role="both", backend="local", served=smollm2, model_name="smollm2",
+                         scheduler=SchedulerConfig(page_size=16, chunked_prefill_size=32),
+                         pool_pages=64, metadata_slots=8)
+    assert config.max_position == 8192 and config.vocab_size == 49152
+
+    async def main() -> None:
+        with running_service(config) as service:
+            async with asgi_client(service) as client:
+                prompt = PROMPTS[0]
+                r = await client.post("/generate", json={
+                    "text": smollm2.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": prompt}]),
+                    "sampling_params": {"max_new_tokens": MAX_NEW}})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["output_ids"] == colocated["chat0"]
+                assert body["text"].strip() == "The capital of France is Paris."
+                info = (await client.get("/model_info")).json()
+                assert info["model_path"] == "smollm2"
+
+    run(main())
+
+
+def test_pdlife_generate_answers_with_the_real_model(capsys, colocated):
+    from scheduler.cli.main import main
+
+    assert main(["generate", "--model", "smollm2", "--chat", "--prompt", PROMPTS[0],
+                 "--max-new-tokens", str(MAX_NEW)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["output_ids"] == colocated["chat0"]
+    assert answer["text"] == "The capital of France is Paris."

@@ -51,6 +51,7 @@ def byte_size(text: str) -> int:
             f"not a size: {text!r} (bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB)")
     return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
+_REFERENCE_NAME = "pdlife-reference-llama"
 _MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
                 "max_position", "seed")
 
@@ -69,6 +70,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                            help=f"(default: {default})")
     group.add_argument("--device", default="cpu",
                        help="cpu, cuda, or auto (CUDA when available) (default: cpu)")
+    group.add_argument("--model", default="reference", metavar="MODEL",
+                       help="reference (the fixed-point model; the flags above shape it), "
+                       "smollm2 (SmolLM2-135M-Instruct, shipped), or a path to a .gguf file or "
+                       "a Hugging Face directory (default: reference)")
+    group.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="a real model's weights and KV cache (default: float32)")
 
 
 def model_config(args: argparse.Namespace) -> Any:
@@ -96,13 +103,16 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-port", type=int, default=8998,
                         help="prefill role, mooncake: the bootstrap endpoint's port, on --host "
                         "(default: %(default)s)")
-    parser.add_argument("--model-name", default="pdlife-reference-llama",
+    parser.add_argument("--model-name", default=_REFERENCE_NAME,
                         help="the name /model_info and /v1/models report (default: %(default)s)")
     add_model_arguments(parser)
     sched = parser.add_argument_group("scheduling and memory")
     sched.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
     sched.add_argument("--pool-pages", type=int, default=2048,
                        help="KV pool pages per role (default: 2048)")
+    sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
+                       help="size the KV pool by memory instead (e.g. 2GiB): as many pages as "
+                       "fit, from the model's layers, KV heads, head dim and dtype")
     sched.add_argument("--metadata-slots", type=int, default=64,
                        help="metadata rows, i.e. requests between bootstrap and transfer "
                        "(default: 64)")
@@ -174,6 +184,17 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         role = args.role
     if args.enable_trace:
         _check_trace_extra()
+    served = load_served(args) if args.model != "reference" else None
+    pool_pages = args.pool_pages
+    if args.kv_cache_memory is not None:
+        sizing = served if served is not None else load_served(args)
+        try:
+            pool_pages = sizing.pages_for(args.kv_cache_memory, args.page_size)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    model_name = args.model_name
+    if served is not None and model_name == _REFERENCE_NAME:
+        model_name = args.model
     try:
         return ServeConfig(
             role=role,
@@ -189,7 +210,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 radix_cache=not args.disable_radix_cache,
                 schedule_policy=args.schedule_policy,
             ),
-            pool_pages=args.pool_pages,
+            pool_pages=pool_pages,
             metadata_slots=args.metadata_slots,
             waiting_timeout=args.waiting_timeout,
             max_new_tokens_limit=args.max_new_tokens_limit,
@@ -201,8 +222,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 device=args.mooncake_device, connect_timeout_s=args.connect_timeout,
                 bootstrap_timeout_s=args.bootstrap_timeout,
             ),
-            model_name=args.model_name,
+            model_name=model_name,
             device=args.device,
+            served=served,
             overlap=args.overlap,
             otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
         )
@@ -318,10 +340,27 @@ SERVE = Subcommand(
 # -- generate ---------------------------------------------------------------------------------
 
 
+def load_served(args: argparse.Namespace) -> Any:
+    """The :class:`~scheduler.model.select.ServedModel` that ``--model`` names."""
+    from scheduler.model.checkpoint import CheckpointError
+    from scheduler.model.select import load_model
+    from scheduler.model.shipped import ShippedModelMissing
+
+    try:
+        return load_model(args.model, dtype=args.dtype, device=args.device,
+                          reference=model_config(args))
+    except (CheckpointError, ShippedModelMissing, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (byte-level tokens, as /generate's text)")
+    prompt.add_argument("--prompt", help="prompt text (the model's tokenizer, as /generate's "
+                        "text)")
     prompt.add_argument("--input-ids", help="prompt token ids, comma-separated")
+    parser.add_argument("--chat", action="store_true",
+                        help="send --prompt as one user message through the model's chat "
+                        "template")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="(default: 16)")
     parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
@@ -336,24 +375,20 @@ def _ids(text: str, flag: str) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from scheduler.model.byte_tokenizer import ByteTokenizer
-    from scheduler.model.reference import (
-        LlamaModel,
-        ModelInputError,
-        ReferenceModel,
-        resolve_device,
-    )
+    from scheduler.model.reference import ModelInputError
 
-    tokenizer = ByteTokenizer()
-    ids = tokenizer.encode(args.prompt) if args.prompt is not None else _ids(
+    if args.chat and args.prompt is None:
+        raise UsageError("--chat needs --prompt")
+    served = load_served(args)
+    ids = served.encode(args.prompt, chat=args.chat) if args.prompt is not None else _ids(
         args.input_ids, "--input-ids")
-    reference = ReferenceModel(LlamaModel(model_config(args), device=resolve_device(args.device)))
     try:
-        out = reference.generate(ids, args.max_new_tokens,
-                                 _ids(args.stop_token_ids, "--stop-token-ids"), args.ignore_eos)
+        out = served.generate(ids, args.max_new_tokens,
+                              stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
+                              ignore_eos=args.ignore_eos)
     except ModelInputError as exc:
         raise UsageError(str(exc)) from exc
-    json.dump({"text": tokenizer.decode(out), "output_ids": out, "prompt_tokens": len(ids)},
+    json.dump({"text": served.decode(out), "output_ids": out, "prompt_tokens": len(ids)},
               sys.stdout)
     sys.stdout.write("\n")
     return 0
@@ -361,11 +396,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 GENERATE = Subcommand(
     name="generate",
-    summary="run the colocated reference model and print its answer as JSON",
+    summary="run the colocated model and print its answer as JSON",
     description=(
-        "Greedy generation with the colocated reference model (no pages, no transfer), from "
-        "the same model flags and defaults as pdlife serve, so a served answer can be checked: "
-        "prints {text, output_ids, prompt_tokens}."
+        "Greedy generation with the colocated model (--model: the reference model, smollm2 "
+        "or a checkpoint path; the whole prompt in one forward, then one token at a time, no "
+        "transfer), from the same model flags and defaults as pdlife serve, so a served answer "
+        "can be checked: prints {text, output_ids, prompt_tokens}."
     ),
     add_arguments=_generate_arguments,
     run=_generate,

@@ -9,7 +9,7 @@ enough), so the engines never meet input that would fail their loop.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -47,6 +47,9 @@ class ServeConfig:
     overlap: bool = False
     # Where finished requests' spans go over OTLP/HTTP (``HOST:PORT`` or a URL); None: no tracing.
     otlp_traces_endpoint: str | None = None
+    # A loaded model (scheduler.model.select.ServedModel) to serve instead of the reference
+    # model that ``model`` shapes: a real checkpoint, with its tokenizer and EOS ids.
+    served: Any = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if (self.backend == "local") != (self.role == "both"):
@@ -56,15 +59,28 @@ class ServeConfig:
                 "roles need the mooncake or fake backend"
             )
         limit = self.max_new_tokens_limit
-        if limit is not None and not 1 <= limit <= self.model.max_position:
+        if limit is not None and not 1 <= limit <= self.max_position:
             raise ValueError(
-                f"ServeConfig.max_new_tokens_limit must be in 1..{self.model.max_position} "
+                f"ServeConfig.max_new_tokens_limit must be in 1..{self.max_position} "
                 f"(the model's max_position), got {limit}"
             )
 
     @property
+    def max_position(self) -> int:
+        """The served model's context, in positions."""
+        return int(self.served.max_position if self.served else self.model.max_position)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.served.vocab_size if self.served else self.model.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.served.eos_token_ids) if self.served else (self.model.eos_token_id,)
+
+    @property
     def new_tokens_limit(self) -> int:
-        return self.max_new_tokens_limit or self.model.max_position
+        return self.max_new_tokens_limit or self.max_position
 
     @property
     def answered_by(self) -> Literal["prefill", "decode"]:
@@ -154,7 +170,7 @@ def check_item(
 
 
 def _check_prompt(config: ServeConfig, rid: str, input_ids: Sequence[int]) -> None:
-    vocab = config.model.vocab_size
+    vocab = config.vocab_size
     if not input_ids:
         raise BadRequest("empty_prompt", f"request {rid!r}: the prompt is empty")
     if min(input_ids) < 0 or max(input_ids) >= vocab:
@@ -167,7 +183,7 @@ def _check_prompt(config: ServeConfig, rid: str, input_ids: Sequence[int]) -> No
 
 def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -> None:
     """The answer's length limit, the model's context and the KV pool."""
-    c, m = config, config.model
+    c = config
     limit = c.new_tokens_limit
     if not 1 <= max_new_tokens <= limit:
         raise BadRequest(
@@ -175,11 +191,11 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
             f"request {rid!r}: sampling_params.max_new_tokens must be in 1..{limit}, "
             f"got {max_new_tokens}",
         )
-    if n + max_new_tokens - 1 > m.max_position:
+    if n + max_new_tokens - 1 > c.max_position:
         raise BadRequest(
             "prompt_too_long",
             f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
-            f"exceeds the model's context of {m.max_position} positions",
+            f"exceeds the model's context of {c.max_position} positions",
         )
     need = n + (max_new_tokens if c.role != "prefill" else 0)
     if pages_needed(need, c.scheduler.page_size) > c.pool_pages:

@@ -97,12 +97,19 @@ class Service:
         self,
         config: ServeConfig,
         *,
-        runner_factory: Callable[[LlamaModel, KVPool], ModelRunner] = PagedModelRunner,
+        runner_factory: Callable[[Any, KVPool], ModelRunner] = PagedModelRunner,
         tracer: LifecycleTracer | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = ByteTokenizer()
-        self.model = LlamaModel(config.model, device=resolve_device(config.device))
+        self.tokenizer: Any = ByteTokenizer()
+        self.model: Any
+        if config.served is not None:
+            # A real checkpoint (or a loaded reference model): its tokenizer and runner.
+            self.tokenizer, self.model = config.served.tokenizer, config.served.model
+            if runner_factory is PagedModelRunner:
+                runner_factory = config.served.runner
+        else:
+            self.model = LlamaModel(config.model, device=resolve_device(config.device))
         self.bootstrap: BootstrapServer | None = None
         self.prefill: PrefillScheduler | None = None
         self.decode: DecodePeer | None = None
@@ -137,7 +144,7 @@ class Service:
 
     # -- construction -----------------------------------------------------------------------
 
-    def _build(self, runner_factory: Callable[[LlamaModel, KVPool], ModelRunner]) -> None:
+    def _build(self, runner_factory: Callable[[Any, KVPool], ModelRunner]) -> None:
         c = self.config
         hub = LocalTransferHub()
         if c.role in ("prefill", "both"):
@@ -159,7 +166,7 @@ class Service:
                 self.model, kv_for=functools.partial(self._decode_router, hub),
                 page_size=c.scheduler.page_size, pages=c.pool_pages,
                 metadata_slots=c.metadata_slots, runner_factory=runner_factory,
-                closers=self._closers, eos_token_id=c.model.eos_token_id,
+                closers=self._closers, eos_token_id=c.eos_token_ids,
                 config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
                                     waiting_timeout=c.waiting_timeout),
                 on_response=self._on_decode,

@@ -72,7 +72,7 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         pool_pages=config.pool_pages,
         metadata_slots=config.metadata_slots,
         max_new_tokens_limit=config.new_tokens_limit,
-        max_position=config.model.max_position,
+        max_position=config.max_position,
         bootstrap_port=(
             int(service.bootstrap.address.rpartition(":")[2])
             if service.bootstrap is not None else None
@@ -90,7 +90,7 @@ def _model_info(service: ServiceDep) -> ModelInfo:
     config = service.config
     return ModelInfo(
         model_path=config.model_name, tokenizer_path=None, is_generation=True,
-        vocab_size=config.model.vocab_size, max_position=config.model.max_position,
+        vocab_size=config.vocab_size, max_position=config.max_position,
     )
 
 
@@ -107,7 +107,7 @@ async def models(service: ServiceDep) -> ModelList:
     config = service.config
     return ModelList(data=[ModelCard(
         id=config.model_name, created=_STARTED, owned_by="pdlife", root=config.model_name,
-        max_model_len=config.model.max_position,
+        max_model_len=config.max_position,
     )])
 
 
