@@ -41,6 +41,9 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    #: The fingerprint of the model whose K/V the pool holds ("" when unnamed): pages of one
+    #: model's KV mean nothing to another with the same shapes.
+    model: str = ""
 
     def mismatches(self, other: KVGeometry) -> list[str]:
         """``"field: mine vs theirs"`` for every field that differs (empty when compatible)."""
@@ -217,6 +220,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        model: str = "",
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -233,6 +237,7 @@ class KVPool:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.model = model
         self.buffer = torch.zeros(
             (num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype=dtype, device=device
         )
@@ -259,6 +264,7 @@ class KVPool:
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             dtype=self.dtype,
+            model=self.model,
         )
 
     def usage(self) -> float:

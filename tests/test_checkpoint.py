@@ -215,3 +215,30 @@ def test_model_selection_names_the_reference_and_paths(tmp_path):
     reference = load_model("reference")
     assert reference.is_reference and reference.fingerprint.startswith("reference-")
     assert reference.decode(reference.generate(reference.encode("hi"), 3)) is not None
+
+
+def test_pools_of_different_models_refuse_to_exchange_pages(tmp_path):
+    from kv.local import LocalKVManager, LocalTransferHub
+    from kv.local_decode import LocalDecodeManager
+    from kv.metadata import MetadataBuffers
+    from kv.pool import KVGeometryError
+
+    tiny_hf_model().save_pretrained(tmp_path / "a")
+    tiny_hf_model(rms_norm_eps=1e-6).save_pretrained(tmp_path / "b")
+    a, b = RealModel(load_checkpoint(tmp_path / "a")), RealModel(load_checkpoint(tmp_path / "b"))
+    pool_a = a.make_pool(num_pages=4, page_size=16)
+    pool_b = b.make_pool(num_pages=4, page_size=16)
+    assert pool_a.geometry.mismatches(a.make_pool(num_pages=8, page_size=16).geometry) == []
+    assert [m.split(":")[0] for m in pool_a.geometry.mismatches(pool_b.geometry)] == ["model"]
+    hub = LocalTransferHub()
+    prefill = LocalKVManager(pool_a, MetadataBuffers(2), hub=hub, bootstrap_addr="local:0")
+    decode = LocalDecodeManager(pool_b, MetadataBuffers(2), hub=hub)
+    try:
+        receiver = decode.create_receiver("local:0", 1)
+        with pytest.raises(KVGeometryError, match="model: "):
+            receiver.init()
+    finally:
+        prefill.close()
+        close = getattr(decode, "close", None)
+        if close is not None:
+            close()

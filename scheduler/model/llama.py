@@ -79,7 +79,8 @@ class RealModel:
         self.config: LlamaConfig = checkpoint.config
         self.dtype = parse_dtype(dtype)
         self.device = resolve_device(device)
-        self.fingerprint = checkpoint.fingerprint
+        # The checkpoint's weights and the dtype they run in name the KV this model writes.
+        self.fingerprint = f"{checkpoint.fingerprint}-{str(self.dtype).removeprefix('torch.')}"
         t, c = checkpoint.tensors, self.config
 
         def weight(name: str) -> torch.Tensor:
@@ -118,7 +119,7 @@ class RealModel:
         c = self.config
         return KVPool(num_layers=c.layers, num_pages=num_pages, page_size=page_size,
                       kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-                      device=self.device)
+                      device=self.device, model=self.fingerprint)
 
     def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
         stops = set(stop_token_ids)

@@ -127,7 +127,7 @@ def load_model(
     return ServedModel(
         name=spec, model=model, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
         vocab_size=checkpoint.config.vocab_size, max_position=checkpoint.config.max_position,
-        fingerprint=f"{checkpoint.fingerprint}-{str(model.dtype).removeprefix('torch.')}",
+        fingerprint=model.fingerprint,
         kv_bytes_per_token=model.kv_bytes_per_token, is_reference=False,
     )
 
