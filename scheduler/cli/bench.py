@@ -42,6 +42,8 @@ ALL = (
     Benchmark("soak", 90, "10,000 requests under injected faults: nothing lost or leaked"),
     Benchmark("prefix", 780, "64 requests sharing a 1,024-token system prompt: the prefix "
               "cache against none (SmolLM2 if installed)"),
+    Benchmark("model", 240, "SmolLM2: pdlife's paged runner against transformers (prefill, "
+              "decode)"),
 )
 BY_NAME = {b.name: b for b in ALL}
 
