@@ -85,14 +85,16 @@ class RefusedRooms:
 
 class RefusalPoster:
     """Tells prefill bootstrap endpoints of rooms this decode side refused, on a thread of its
-    own so the caller (the engine loop, an HTTP handler) never waits on the network. A refusal
-    that cannot be delivered (the prefill is unreachable, the queue is full) is logged and
-    dropped: the prefill's own timeout is then the fallback."""
+    own so the caller (the engine loop, an HTTP handler) never waits on the network. A post that
+    gets no answer is tried ``attempts`` times; a refusal that cannot be delivered (the prefill
+    is unreachable, the queue is full) is logged and dropped: the prefill's own timeout is then
+    the fallback."""
 
-    def __init__(self, *, token: str | None = None, timeout_s: float = 2.0,
+    def __init__(self, *, token: str | None = None, timeout_s: float = 5.0, attempts: int = 3,
                  capacity: int = 10_000) -> None:
         self._token = token
         self._timeout_s = timeout_s
+        self._attempts = attempts
         self._queue: queue.Queue[tuple[str, int, str] | None] = queue.Queue(capacity)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -127,9 +129,18 @@ class RefusalPoster:
         while (item := self._queue.get()) is not None:
             addr, room, reason = item
             try:
-                BootstrapClient(addr, timeout_s=self._timeout_s, token=self._token).refuse(
-                    room, reason)
+                self._deliver(BootstrapClient(addr, timeout_s=self._timeout_s,
+                                              token=self._token), room, reason)
                 self.delivered += 1
             except (BootstrapError, ValueError) as exc:
                 logger.warning("could not tell prefill %s that room %d was refused: %s",
                                addr, room, exc)
+
+    def _deliver(self, client: BootstrapClient, room: int, reason: str) -> None:
+        for attempt in range(1, self._attempts + 1):
+            try:
+                client.refuse(room, reason)
+                return
+            except BootstrapError as exc:
+                if exc.status != 0 or attempt == self._attempts:  # refused, or out of tries
+                    raise

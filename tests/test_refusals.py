@@ -6,6 +6,8 @@ the schedulers' clock does not move."""
 
 from __future__ import annotations
 
+import logging
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +18,7 @@ from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
-from kv.refusal import RefusedRooms
+from kv.refusal import RefusalPoster, RefusedRooms
 from kv.transfer import KVPoll, TransferError
 from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
 from lifecycle.testing import FakeClock
@@ -51,6 +53,21 @@ def test_the_record_is_bounded_and_expires() -> None:
     assert rooms.pop(2) == "again" and rooms.pop(2) is None and len(rooms) == 0
     with pytest.raises(ValueError, match="capacity"):
         RefusedRooms(capacity=0)
+
+
+def test_a_refusal_nobody_takes_is_logged_and_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "kv.refusal")
+    poster = RefusalPoster(timeout_s=1.0, attempts=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
+        poster.tell(nobody, 31, "draining")
+        eventually(lambda: any("could not tell prefill" in r.getMessage()
+                               for r in caplog.records), "the failed delivery logged")
+    poster.close()
+    poster.tell(nobody, 32, "after close")  # ignored
+    assert poster.delivered == 0
+    assert "room 31" in caplog.records[0].getMessage()
 
 
 # -- local backend -----------------------------------------------------------------------------
