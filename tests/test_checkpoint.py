@@ -18,10 +18,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from scheduler.model.checkpoint import CheckpointError, UnsupportedCheckpoint, load_checkpoint
+from scheduler.model.checkpoint import CheckpointError, UnsupportedCheckpoint
 from scheduler.model.gguf_checkpoint import permute_rotary_rows, unpermute_rotary_rows
 from scheduler.model.hf_tokenizer import from_gguf_fields
 from scheduler.model.llama import RealModel
+from scheduler.model.loader import load_checkpoint
 from scheduler.model.select import load_model
 from scheduler.runner import ForwardItem
 

@@ -5,8 +5,9 @@ A :class:`Checkpoint` is what the Llama runner needs, whatever the file format: 
 layout: ``[out_features, in_features]``, rotary halves as ``rotate_half`` expects), the
 tokenizer's source and a fingerprint of the weights.
 
-- :func:`load_checkpoint` takes a ``.gguf`` file (:mod:`scheduler.model.gguf_checkpoint`
-  dequantizes it) or a directory with ``config.json`` and ``*.safetensors``.
+- :func:`scheduler.model.loader.load_checkpoint` takes a ``.gguf`` file
+  (:mod:`scheduler.model.gguf_checkpoint` dequantizes it) or a directory with ``config.json``
+  and ``*.safetensors``.
 - A checkpoint of another architecture is refused with :class:`UnsupportedCheckpoint` naming
   it. Nothing here touches the network: a model is a local path.
 
@@ -18,7 +19,6 @@ carries per-frequency RoPE factors (GGUF files of Llama 3.1 do).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,17 +31,6 @@ import torch
 LLAMA_ARCHITECTURES = frozenset({"llama"})
 
 _LAYER_PARTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
-_HF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "q",
-    "self_attn.k_proj": "k",
-    "self_attn.v_proj": "v",
-    "self_attn.o_proj": "o",
-    "post_attention_layernorm": "mlp_norm",
-    "mlp.gate_proj": "gate",
-    "mlp.up_proj": "up",
-    "mlp.down_proj": "down",
-}
 
 
 class CheckpointError(ValueError):
@@ -167,101 +156,6 @@ def refuse_architecture(where: Path, architecture: object) -> None:
         raise UnsupportedCheckpoint(
             f"{where}: the checkpoint's architecture is {architecture!r}; pdlife's runner "
             f"computes Llama-family checkpoints ({', '.join(sorted(LLAMA_ARCHITECTURES))})")
-
-
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """A GGUF file or a Hugging Face directory (``config.json`` + ``*.safetensors``)."""
-    where = Path(path)
-    if where.is_dir():
-        return _load_hf_directory(where)
-    if where.is_file() and where.suffix == ".gguf":
-        from scheduler.model.gguf_checkpoint import load_gguf
-
-        return load_gguf(where)
-    if where.is_file():
-        raise CheckpointError(f"{where}: not a .gguf file nor a directory with config.json")
-    raise CheckpointError(f"{where}: no such file or directory")
-
-
-def _hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
-    refuse_architecture(where, raw.get("model_type"))
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise UnsupportedCheckpoint(f"{where}: {flag}=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedCheckpoint(f"{where}: hidden_act {raw['hidden_act']!r} is not silu")
-    heads = int(raw["num_attention_heads"])
-    hidden = int(raw["hidden_size"])
-    scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
-    rope_theta = float(raw.get("rope_theta", scaling.get("rope_theta", 10000.0)))
-    return LlamaConfig(
-        vocab_size=int(raw["vocab_size"]),
-        hidden=hidden,
-        layers=int(raw["num_hidden_layers"]),
-        heads=heads,
-        kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate=int(raw["intermediate_size"]),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        max_position=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope_scaling=hf_rope_scaling(where, scaling),
-    )
-
-
-def hf_rope_scaling(where: Path, raw: Mapping[str, Any]) -> RopeScaling | None:
-    """Hugging Face's ``rope_scaling`` (or 5.x ``rope_parameters``) as a :class:`RopeScaling`."""
-    kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind == "linear":
-        return RopeScaling("linear", float(raw["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3", float(raw["factor"]), float(raw.get("low_freq_factor", 1.0)),
-            float(raw.get("high_freq_factor", 4.0)),
-            int(raw.get("original_max_position_embeddings", 8192)),
-        )
-    raise UnsupportedCheckpoint(f"{where}: RoPE scaling {kind!r} is not supported")
-
-
-def _load_hf_directory(where: Path) -> Checkpoint:
-    from safetensors.torch import load_file
-
-    config_file = where / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{where}: no config.json (a Hugging Face directory needs one)")
-    config = _hf_config(where, json.loads(config_file.read_text()))
-    files = sorted(where.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{where}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(str(file)).items():
-            tensors[_hf_name(where, name)] = tensor.to(torch.float32)
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head", None)
-    check_tensors(where, config, tensors)
-    return Checkpoint(
-        name=where.name, path=where, format="safetensors", config=config, tensors=tensors,
-        tokenizer=TokenizerSource(directory=where), fingerprint=fingerprint(config, tensors),
-    )
-
-
-def _hf_name(where: Path, name: str) -> str:
-    base = name.removesuffix(".weight")
-    if base == "model.embed_tokens":
-        return "embed"
-    if base == "model.norm":
-        return "norm"
-    if base == "lm_head":
-        return "lm_head"
-    parts = base.split(".", 3)
-    layer = len(parts) == 4 and parts[:2] == ["model", "layers"]
-    if layer and parts[3] in _HF_LAYER_NAMES and name.endswith(".weight"):
-        return f"layers.{parts[2]}.{_HF_LAYER_NAMES[parts[3]]}"
-    raise UnsupportedCheckpoint(f"{where}: tensor {name!r} is not part of a Llama decoder")
 
 
 def rope_inv_freq(config: LlamaConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:

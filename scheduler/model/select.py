@@ -114,9 +114,9 @@ def load_model(
     """``reference``, a shipped model's name, or a path to a GGUF file or HF directory."""
     if spec == REFERENCE:
         return reference_model(reference or ModelConfig(), device=device)
-    from scheduler.model.checkpoint import load_checkpoint
     from scheduler.model.hf_tokenizer import load_tokenizer
     from scheduler.model.llama import RealModel
+    from scheduler.model.loader import load_checkpoint
     from scheduler.model.shipped import SHIPPED, shipped_path
 
     path = shipped_path(spec) if spec in SHIPPED else Path(spec)
