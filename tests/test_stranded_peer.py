@@ -133,6 +133,20 @@ def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
     until_idle(pair.prefill, pair.decode)
 
 
+def test_a_refusal_never_fails_a_live_request_that_holds_the_room(pair: Pair) -> None:
+    body = pair.body("retried", 108, prompt=20)
+    first = pair.post(pair.decode, body)
+    wait_for(lambda: pair.decode.get("/server_info")["requests"]["decode"]["receiving"] == 1,
+             60, "the first try waiting for its KV")
+    failed_with(pair.post(pair.decode, body).result(WAIT_S), 400, "duplicate_rid")
+    # The refused retry named room 108, which the first try holds: prefill was not told.
+    assert pair.post(pair.prefill, body).result(WAIT_S).status_code == 200
+    answer = first.result(WAIT_S)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["output_ids"]) == 2
+    until_idle(pair.prefill, pair.decode)
+
+
 def held_draining(server: Server, hold: dict[str, Any], peer: Pair) -> Future[httpx.Response]:
     """Start ``server`` draining with ``hold`` in flight (a request whose other half never
     comes), so it keeps refusing new requests with 503 ``draining``."""

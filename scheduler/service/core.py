@@ -304,6 +304,12 @@ class Service:
         with self._lock:
             return len(self._pending)
 
+    def live_rooms(self) -> set[tuple[str, int, int]]:
+        """The bootstrap host, port and room of every live request."""
+        with self._lock:
+            items = [p.item for p in self._pending.values()]
+        return {(i.bootstrap_host, i.bootstrap_port, i.bootstrap_room) for i in items}
+
     def begin_drain(self) -> None:
         with self._lock:
             if not self._draining:

@@ -44,15 +44,18 @@ def peer_rooms(body: Any) -> Iterator[tuple[str, int, int]]:
 def refuse_peers(service: Service, rooms: Iterator[tuple[str, int, int]], kind: str,
                  message: str) -> None:
     """Tell the peers of ``rooms`` that this worker refused their request (``kind`` is the
-    error type the client got)."""
+    error type the client got). A room a live request holds is left alone: its refusal would
+    fail that request's other half (a retried request, a duplicate rid)."""
     if service.config.backend != "mooncake":
         return
     engine = service.prefill if service.prefill is not None else service.decode
     if engine is None:
         return
     why = f"{kind}: {message}"[:_MAX_REASON]
+    held = service.live_rooms()
     for host, port, room in rooms:
-        engine.refuse_room(host, port, room, why)
+        if (host, port, room) not in held:
+            engine.refuse_room(host, port, room, why)
 
 
 def refuse_items(service: Service, items: list[Item], kind: str, message: str) -> None:
