@@ -95,20 +95,31 @@ def paged_attention(
     and values in ``kv`` (``[2, slots, kv_heads, head_dim]``, the pool's layer); rows outside
     every span are left zero.
 
-    The small spans (decode steps, short chunks) share one batched matmul; a long span is cut
-    into query tiles that share its gathered keys."""
+    The small spans (decode steps, short chunks) of similar lengths share one batched matmul;
+    a long span is cut into query tiles that share its gathered keys."""
     out = torch.zeros_like(q)
     # Scaled once, with a zero row at the end for the padding rows of a matmul to read.
     q = torch.cat([q * (1.0 / math.sqrt(q.shape[-1])), q.new_zeros((1, *q.shape[1:]))])
-    small = [s for s in spans if s.n <= SMALL_ITEM]
-    if small:
-        _attend(q, small, _gather(kv, small), out)
+    for group in _by_length([s for s in spans if s.n <= SMALL_ITEM]):
+        _attend(q, group, _gather(kv, group), out)
     for span in spans:
         if span.n > SMALL_ITEM:
             keys = _gather(kv, [span])
             for tile in tiles(span):
                 _attend(q, [tile], keys[:, :, : _blocks(tile.end) * KEY_BLOCK], out)
     return out
+
+
+def _by_length(spans: Sequence[Span]) -> list[list[Span]]:
+    """Small spans in groups of similar key lengths (the longest at most twice the shortest,
+    in key blocks), so that padding every span to its group's longest wastes little."""
+    groups: list[list[Span]] = []
+    for s in sorted(spans, key=lambda s: s.end):
+        if groups and _blocks(s.end) <= 2 * _blocks(groups[-1][0].end):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
 
 
 def _blocks(positions: int) -> int:
