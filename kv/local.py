@@ -29,11 +29,9 @@ Aborts: an abort on either side fails that side with ``REASON_ABORTED`` and the 
 sender fails when it attaches). Late messages: a link is closed when its sender is cleared; an
 abort from a receiver whose link is closed is dropped, so a reused room is never poisoned.
 
-Refusals (:mod:`kv.refusal`): a room the prefill side refused (:meth:`LocalKVManager.refuse`) or
-whose sender failed before its link came fails the receiver's link with the refusal, now or
-when it is delivered; a room the decode side refused (:meth:`LocalKVManager.peer_refused`, through
-:meth:`~kv.local_decode.LocalDecodeManager.refuse`) fails its waiting sender, now or when it is
-created.
+Refusals (:mod:`kv.refusal`): a link for a room this side refused, or whose sender ended before
+the link came, fails with the refusal; a room the decode side refused fails its sender while it
+waits for its link, or as it is created.
 """
 
 from __future__ import annotations
@@ -208,8 +206,7 @@ class LocalKVManager:
             return sender
 
     def refuse(self, room: int, reason: str) -> None:
-        """This side will not serve ``room``: a receiver's destination for it, waiting or
-        still to come, fails with the refusal (any thread)."""
+        """This side will not serve ``room``: its links, waiting or to come, fail (any thread)."""
         with self._lock:
             self._refused.add(room, reason)
             link = self._pending.pop(room, None)
