@@ -1,5 +1,6 @@
 """The checks the scheduler fuzzing machine (:mod:`.machine`) runs that need no memory of
-earlier steps: pages and who may touch them, one response, the deadlines after a pass.
+earlier steps (or keep it in what they are given): pages and who may touch them, the requests
+seen live, one response, the deadlines after a pass.
 Each raises :class:`~scheduler.testing.verdicts.InvariantViolation` naming its invariant."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from kv.pages import pages_needed
 from kv.pool import KVPool
 from lifecycle import PREFILL_TABLE, FailureReason, PrefillRequest, PrefillState
-from lifecycle.invariants import timeline_violations
+from lifecycle.invariants import resource_violations, timeline_violations
 from scheduler.messages import Response
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
@@ -32,6 +33,32 @@ def check_pages(sched: PrefillScheduler, scripted: ScriptedKVManager, runner: Mo
         assert read <= held, f"pages {sorted(read - held)} are free while a transfer reads them"
         violations = getattr(runner, "violations", []) + scripted.violations
         assert not violations, violations
+
+
+def check_requests(sched: PrefillScheduler, seen: dict[int, PrefillRequest]) -> None:
+    """Invariants 1 to 4 for every request object ``seen`` live and not yet checked final: its
+    timeline replays through the table, it holds what its state owns, only FORWARD requests are
+    on the device, a final one is out of the lifecycle (and leaves ``seen``: it is checked once
+    more through its response), a live one is filed under its state; no slot is held twice."""
+    live = {r.rid: r for r in sched.lifecycle.live()}
+    for key, req in list(seen.items()):
+        with invariant(2):
+            assert timeline_violations(req, PREFILL_TABLE) == [], req
+        with invariant(3):
+            assert resource_violations(req) == [], resource_violations(req)
+            if req.on_device:
+                assert req.state is S.FORWARD and sched.overlap, req
+        if req.is_final:
+            with invariant(1):
+                assert live.get(req.rid) is not req and req.on_device == 0, req
+            del seen[key]
+            continue
+        with invariant(4):
+            assert req.state is not None and live[req.rid] is req
+            assert sched.lifecycle.in_state(req.state)[req.rid] is req
+    with invariant(3):
+        slots = [r.slot for r in live.values() if r.slot is not None]
+        assert len(slots) == len(set(slots)), f"a metadata slot is held twice: {sorted(slots)}"
 
 
 def check_response(resp: Response, pool: KVPool, reference: Reference | None) -> None:

@@ -5,15 +5,7 @@ fired by hand). This module fuzzes the *scheduler*: a real
 :class:`~scheduler.prefill.PrefillScheduler` with a real model runner (or any
 :class:`~scheduler.runner.ModelRunner`) and a transfer backend whose every move the test
 decides. It lives in ``scheduler/`` because ``lifecycle/`` may not import upward. An embedder
-points it at their own configuration::
-
-    from scheduler.prefill.config import SchedulerConfig
-    from scheduler.testing.machine import scheduler_machine
-
-    TestMyScheduler = scheduler_machine(
-        config=SchedulerConfig(page_size=4, chunked_prefill_size=8, check_invariants=True),
-        runner_factory=lambda num_pages, page_size: MyRunner(num_pages, page_size),
-    ).TestCase
+points it at their own configuration with :func:`scheduler_machine` (``docs/fuzzing.md``).
 
 Theory of operation
 -------------------
@@ -36,17 +28,13 @@ the machine's own model (:class:`Observed`, taken after every rule). The product
 loop keeps its device thread; ``tests/test_scheduler_device_stress.py`` runs that thread under
 load.
 
-After every rule the machine checks invariants 1 to 5 of ``docs/architecture.md`` (invariant 6,
-ranks agreeing, is covered by the TP tests): one response per admission, entering one final
-state once; every timeline replays through the prefill table, monotone; conservation of pages
-and slots (``check_invariants``) plus ownership by state
-(``lifecycle.invariants.resource_violations``); no page free while a forward or a transfer may
-touch it; the per-state collections equal the states; after a pass, no live request past its
-state's deadline. At teardown it drives the scheduler to quiescence and asserts every pool is
-full again and every sender was cleared. A broken check raises
-:class:`~scheduler.testing.verdicts.InvariantViolation` naming the invariant; an exception out of
-the scheduler is wrapped as :class:`~scheduler.testing.verdicts.CodeUnderTestError`; anything
-else is the machine's own error (:func:`~scheduler.testing.verdicts.classify`).
+After every rule the machine checks invariants 1 to 5 of ``docs/architecture.md``
+(:mod:`.checks`; invariant 6, ranks agreeing, is covered by the TP tests); at teardown it drives
+the scheduler to quiescence and asserts every pool is full again and every sender was cleared.
+A broken check raises :class:`~scheduler.testing.verdicts.InvariantViolation` naming the
+invariant; an exception out of the scheduler is wrapped as
+:class:`~scheduler.testing.verdicts.CodeUnderTestError`; anything else is the machine's own
+error (:func:`~scheduler.testing.verdicts.classify`).
 """
 
 from __future__ import annotations
@@ -63,13 +51,17 @@ from hypothesis.stateful import invariant as invariant_rule
 
 from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
-from lifecycle import PREFILL_TABLE, FailureReason, PrefillRequest, PrefillState
-from lifecycle.invariants import resource_violations, timeline_violations
+from lifecycle import FailureReason, PrefillRequest, PrefillState
 from lifecycle.testing import FakeClock
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
-from scheduler.testing.checks import check_deadlines, check_pages, check_response
+from scheduler.testing.checks import (
+    check_deadlines,
+    check_pages,
+    check_requests,
+    check_response,
+)
 from scheduler.testing.device import SteppedDevice
 from scheduler.testing.fakes import (
     DECODE_HOST,
@@ -364,33 +356,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         with invariant(3):
             sched.check_invariants()  # conservation of pages and slots
         check_pages(sched, self.scripted, self.runner)
-        self._check_requests(sched)
+        check_requests(sched, self.seen)
         self._check_responses()
         self._observe()
         self._settled = True
-
-    def _check_requests(self, sched: PrefillScheduler) -> None:
-        live = {r.rid: r for r in sched.lifecycle.live()}
-        for key, req in list(self.seen.items()):
-            with invariant(2):
-                assert timeline_violations(req, PREFILL_TABLE) == [], req
-            with invariant(3):
-                assert resource_violations(req) == [], resource_violations(req)
-                if req.on_device:
-                    assert req.state is S.FORWARD and sched.overlap, req
-            if req.is_final:
-                with invariant(1):
-                    assert live.get(req.rid) is not req and req.on_device == 0, req
-                # Final states are absorbing (checked above); a finished request is checked
-                # once more through its response, not on every later step.
-                del self.seen[key]
-                continue
-            with invariant(4):
-                assert req.state is not None and live[req.rid] is req
-                assert sched.lifecycle.in_state(req.state)[req.rid] is req
-        with invariant(3):
-            slots = [r.slot for r in live.values() if r.slot is not None]
-            assert len(slots) == len(set(slots)), f"a metadata slot is held twice: {sorted(slots)}"
 
     def _check_responses(self) -> None:
         answered = collections.Counter(r.rid for r in self.responses)
