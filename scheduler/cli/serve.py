@@ -52,8 +52,17 @@ def byte_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
 _REFERENCE_NAME = "pdlife-reference-llama"
-_MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
-                "max_position", "seed")
+#: The reference model's shape flags and what each sets (real checkpoints bring their own).
+_MODEL_FLAGS = {
+    "hidden": "hidden size",
+    "layers": "decoder layers",
+    "heads": "attention heads",
+    "kv_heads": "KV heads (grouped-query attention; divides --heads)",
+    "head_dim": "dimension of one head",
+    "intermediate": "MLP width",
+    "max_position": "longest sequence, prompt and answer together",
+    "seed": "seed of its weights",
+}
 
 
 def _model_defaults() -> dict[str, Any]:
@@ -67,7 +76,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (shared by serve and generate)")
     for name, default in _model_defaults().items():
         group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
-                           help=f"(default: {default})")
+                           help=f"reference model: {_MODEL_FLAGS[name]} (default: {default})")
     group.add_argument("--device", default="cpu",
                        help="cpu, cuda, or auto (CUDA when available) (default: cpu)")
     group.add_argument("--model", default="reference", metavar="MODEL",
