@@ -296,7 +296,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             self._unchanged(before, how)
             return
         except IllegalTransition:
-            self._done(f"{how}: refused, no edge from {self.model[rid].name}")
+            self._done(f"{how}: refused, {self.model[rid].name} has no such edge")
             if edge is not None:
                 raise self.broken("table edges are taken", f"{how} was refused", rid) from None
             self._unchanged(before, how)

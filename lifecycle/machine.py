@@ -279,7 +279,7 @@ class Lifecycle(Generic[R]):
         if event not in self.table.events:
             known = ", ".join(str(e) for e in self.table.events)
             return f"table {self.table.name!r} has no such event (its events: {known})"
-        return f"no edge from {state.name}"
+        return f"{state.name} has no {event!r} edge"
 
     def _firing(self, edge: Edge, reason: enum.Enum | None, detail: str) -> Firing:
         if (reason is not None or detail) and edge.dest not in self.table.finals:
