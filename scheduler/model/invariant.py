@@ -169,11 +169,13 @@ def _attend(q: torch.Tensor, group: Sequence[Span], kv: torch.Tensor, out: torch
     probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_().to(q.dtype)
     sums = probs.float().view(kv_heads, count, rows, blocks, KEY_BLOCK).sum(-1)
     # The key blocks added in block order: a query sees the same sums whatever follows it.
-    total = torch.zeros((kv_heads, count, rows, d), dtype=torch.float32, device=dev)
+    total = torch.zeros((kv_heads * count, rows, d), dtype=torch.float32, device=dev)
     for b in range(blocks):
         part = slice(b * KEY_BLOCK, (b + 1) * KEY_BLOCK)
-        for h in range(kv_heads):
-            total[h] += torch.bmm(probs[h, :, :, part], kv[1, :, part, h]).float()
+        values = kv[1, :, part].permute(2, 0, 1, 3).reshape(kv_heads * count, KEY_BLOCK, d)
+        total += torch.bmm(probs[..., part].reshape(kv_heads * count, rows, KEY_BLOCK),
+                           values).float()
+    total = total.view(kv_heads, count, rows, d)
     norm = sums[..., 0]
     for b in range(1, blocks):
         norm = norm + sums[..., b]
