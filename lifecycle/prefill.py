@@ -20,7 +20,8 @@ the KV transfer poll results are.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -55,18 +56,91 @@ def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+#: The most top logprobs a request may ask for per position (OpenAI's limit, the metadata row's).
+TOP_LOGPROBS_MAX = 20
+
+
+class GrammarKind(enum.StrEnum):
+    """How a structured-output constraint is written."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"  # any JSON object (OpenAI's ``response_format`` json_object)
+    REGEX = "regex"
+    EBNF = "ebnf"  # a Lark grammar
+
+
+@attrs.frozen
+class GrammarSpec:
+    """A structured-output constraint: its kind and its source text (a JSON schema as JSON)."""
+
+    kind: GrammarKind = attrs.field(converter=GrammarKind)
+    source: str = ""
+
+
+def _in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: ``value`` in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``)."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+        ok = (lo < value if lo_open else lo <= value) and value <= hi
+        if not ok:
+            bounds = f"{'(' if lo_open else '['}{lo}, {hi}]"
+            raise ValueError(f"{attribute.name} must be in {bounds}, got {value}")
+    return check
+
+
 @attrs.frozen
 class SamplingParams:
-    """What the client asked of the generation (validated at the boundary)."""
+    """What the client asked of the generation (validated at the boundary).
+
+    ``temperature`` 0 is greedy (ties go to the lowest token id); above 0 the next token is drawn
+    from the softmax of ``logits / temperature`` restricted by ``top_k`` (0 = no limit),
+    ``top_p`` and ``min_p``, with the uniform number of output position ``i`` taken from the
+    request's ``seed`` (``scheduler.sample`` defines the stream, so the prefill side can draw
+    position 0 and the decode side the rest). ``stop`` strings are matched on the decoded text.
+    ``return_logprob`` asks for each output token's logprob (and ``top_logprobs_num``
+    alternatives); input logprobs start at ``logprob_start_len`` (-1: none).
+    """
 
     max_new_tokens: int = attrs.field(default=16)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=as_token_ids)
     ignore_eos: bool = False
+    temperature: float = attrs.field(default=0.0, kw_only=True, validator=_in(0.0, 100.0))
+    top_p: float = attrs.field(default=1.0, kw_only=True, validator=_in(0.0, 1.0, lo_open=True))
+    top_k: int = attrs.field(default=0, kw_only=True, validator=_in(0, 1 << 31))
+    min_p: float = attrs.field(default=0.0, kw_only=True, validator=_in(0.0, 1.0))
+    seed: int | None = attrs.field(default=None, kw_only=True)
+    stop: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    return_logprob: bool = attrs.field(default=False, kw_only=True)
+    top_logprobs_num: int = attrs.field(default=0, kw_only=True,
+                                        validator=_in(0, TOP_LOGPROBS_MAX))
+    logprob_start_len: int = attrs.field(default=-1, kw_only=True)
+    grammar: GrammarSpec | None = attrs.field(default=None, kw_only=True)
 
     @max_new_tokens.validator
     def _check_max_new(self, _attr: object, value: int) -> None:
         if not 1 <= value <= 1 << 20:
             raise ValueError(f"max_new_tokens must be in 1..{1 << 20}, got {value}")
+
+    @seed.validator
+    def _check_seed(self, _attr: object, value: int | None) -> None:
+        if value is not None and not 0 <= value < 1 << 64:
+            raise ValueError(f"seed must be in 0 .. 2**64 - 1, got {value}")
+
+    @logprob_start_len.validator
+    def _check_start(self, _attr: object, value: int) -> None:
+        if value < -1:
+            raise ValueError(f"logprob_start_len must be -1 (no input logprobs) or >= 0, "
+                             f"got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the next token is the argmax (temperature 0, or a top-k of 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing else asked: a runner's ``forward`` answers it alone."""
+        return self.greedy and not self.return_logprob and self.grammar is None
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)

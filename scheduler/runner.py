@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
+import torch
 
 from kv.pool import KVPool
 
@@ -24,6 +25,9 @@ class ForwardItem:
     input_ids: Sequence[int]
     start: int
     pages: Sequence[int]
+    # Whether :meth:`LogitsRunner.logits` returns the logits of every position of this item
+    # (input logprobs), not only its last one.
+    all_logits: bool = False
 
 
 @attrs.frozen
@@ -42,3 +46,19 @@ class ModelRunner(Protocol):
     pool: KVPool
 
     def forward(self, batch: ForwardBatch) -> list[int]: ...
+
+
+@runtime_checkable
+class LogitsRunner(ModelRunner, Protocol):
+    """A runner that can also hand back logits, for sampling, logprobs and grammars.
+
+    :meth:`logits` writes the K/V as :meth:`forward` does and returns float32 logits of shape
+    ``[rows, vocab]``: per item in batch order, one row for its last position, or one row for
+    each of its positions when ``item.all_logits``. Greedy requests with nothing else asked
+    (``SamplingParams.plain``) only need :meth:`forward`; a runner without :meth:`logits`
+    serves only those.
+    """
+
+    vocab_size: int
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor: ...

@@ -21,7 +21,7 @@ PACKAGES = ("lifecycle", "kv", "scheduler")
 #: itself). ``kv`` and ``lifecycle`` sit below all of them.
 SCHEDULER_LEVELS: tuple[tuple[str, ...], ...] = (
     ("scheduler.messages", "scheduler.runner", "scheduler.stepping"),
-    ("scheduler.model", "scheduler.dist"),
+    ("scheduler.model", "scheduler.dist", "scheduler.sample"),
     ("scheduler.prefill", "scheduler.decode"),
     ("scheduler.assemble",),
     ("scheduler.embedded",),

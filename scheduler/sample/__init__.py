@@ -1,0 +1,1 @@
+"""Turning logits into tokens: the seeded stream, the sampler, logprobs, and constraints."""
