@@ -56,6 +56,17 @@ class AbortRequest:
     rid: str
 
 
+@attrs.frozen
+class TokenLogprob:
+    """A token's logprob and, when asked, the ``top`` alternatives at its position
+    (``(token, logprob)`` pairs, most likely first). ``logprob`` is None for the first prompt
+    token, which nothing predicts."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class _Answer:
     """What both sides' answers share: the HTTP status their outcome maps to."""
 
@@ -81,6 +92,10 @@ class Response(_Answer):
     timeline: tuple[tuple[float, str], ...] = ()
     # Prompt tokens found in the prefix cache, not computed (SGLang's ``cached_tokens``).
     cached_tokens: int = 0
+    # With ``return_logprob``: the first output token's logprob, and the prompt tokens' from
+    # ``logprob_start_len`` on.
+    output_logprob: TokenLogprob | None = None
+    input_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -101,6 +116,11 @@ class DecodeResponse(_Answer):
     timeline: tuple[tuple[float, str], ...] = ()
     # Prompt tokens the prefill side found in its prefix cache (its metadata row's count).
     cached_tokens: int = 0
+    # With ``return_logprob``: one per output token (the first from the metadata row).
+    output_logprobs: tuple[TokenLogprob, ...] = ()
+    # What stopped a "stop" finish: a stop token id, a stop string, or None (EOS, or the
+    # grammar completed).
+    matched_stop: int | str | None = None
 
     @property
     def ok(self) -> bool:
