@@ -8,7 +8,7 @@ Commands (one JSON object per line):
 - ``{"cmd": "recv", "room": R, "num_pages": N}``: allocate pages and a slot, create the
   receiver, send the destination; prints ``posted`` with the pages and slot.
 - ``{"cmd": "abort", "room": R}``, ``{"cmd": "release", "room": R}`` (clear, free pages/slot).
-- ``{"cmd": "dump", "path": P}``: save the pool buffer and metadata rooms; prints ``dumped``.
+- ``{"cmd": "dump", "path": P}``: save the pool buffer, metadata rooms and rows; prints ``dumped``.
 - ``{"cmd": "exit"}``.
 
 Whenever a room concludes it prints ``{"event": "done", "room", "status", "reason"}``.
@@ -100,7 +100,9 @@ def main() -> None:
                 slots.free(slot)
                 reported.discard(room)
             elif kind == "dump":
-                torch.save({"kv": pool.buffer, "room": metadata.room[:, 0].clone()}, cmd["path"])
+                torch.save({"kv": pool.buffer, "room": metadata.room[:, 0].clone(),
+                            "rows": {n: getattr(metadata, n).clone()
+                                     for n in MetadataBuffers.FIELDS}}, cmd["path"])
                 _emit(event="dumped", path=cmd["path"])
         for room, (rx, _, _) in live.items():
             status = rx.poll()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kv.metadata import MetadataBuffers, MetadataError, MetadataRow, SlotAllocator
+from lifecycle import TOP_LOGPROBS_MAX
 
 BIG_ROOM = (1 << 64) - 3  # rooms are unsigned 64-bit; this one is negative as int64
 
@@ -53,10 +54,12 @@ def test_bad_slots_and_rooms_are_rejected() -> None:
 def test_rows_are_padded_and_buffer_infos_describe_them() -> None:
     buf = MetadataBuffers(5)
     infos = buf.buffer_infos()
-    assert [i.name for i in infos] == ["output_ids", "cached_tokens", "logprob", "room"]
-    for info, tensor in zip(infos, (buf.output_ids, buf.cached_tokens, buf.logprob, buf.room),
-                            strict=True):
-        assert info.item_len >= 64
+    assert [i.name for i in infos] == ["output_ids", "cached_tokens", "logprob",
+                                       "top_logprob_ids", "top_logprob_vals", "room"]
+    tensors = (buf.output_ids, buf.cached_tokens, buf.logprob, buf.top_logprob_ids,
+               buf.top_logprob_vals, buf.room)
+    for info, tensor in zip(infos, tensors, strict=True):
+        assert info.item_len >= 64 and info.item_len % 64 == 0
         assert info.length == 5 * info.item_len
         assert info.ptr == tensor.data_ptr()
     buf.write(3, first_token=77, cached_tokens=0, logprob=None, room=9)
@@ -68,10 +71,32 @@ def test_rows_are_padded_and_buffer_infos_describe_them() -> None:
 
 def test_copy_row_from_moves_the_whole_row() -> None:
     src, dst = MetadataBuffers(2), MetadataBuffers(4)
-    src.write(1, first_token=5, cached_tokens=2, logprob=-0.5, room=BIG_ROOM)
-    dst.write(3, first_token=9, cached_tokens=9, logprob=None, room=17)
+    src.write(1, first_token=5, cached_tokens=2, logprob=-0.5, room=BIG_ROOM,
+              top=[(5, -0.5), (8, -1.5)])
+    dst.write(3, first_token=9, cached_tokens=9, logprob=None, room=17, top=[(1, -0.25)] * 3)
     dst.copy_row_from(src, 1, 3)
-    assert dst.read(3, expected_room=BIG_ROOM) == MetadataRow(5, 2, -0.5, BIG_ROOM)
+    assert dst.read(3, expected_room=BIG_ROOM) == MetadataRow(
+        5, 2, -0.5, BIG_ROOM, top=((5, -0.5), (8, -1.5)))
+
+
+def test_top_logprobs_fill_the_row_up_to_the_limit() -> None:
+    buf = MetadataBuffers(2)
+    top = [(1000 + i, -0.5 * i) for i in range(TOP_LOGPROBS_MAX)]  # halves: exact in float32
+    buf.write(0, first_token=1000, cached_tokens=0, logprob=0.0, room=3, top=top)
+    row = buf.read(0, expected_room=3)
+    assert row is not None and row.top == tuple(top)
+    # TOP_LOGPROBS_MAX int32/float32 items, padded to whole 64-byte blocks.
+    assert buf.top_logprob_ids.shape[1] * 4 == -(-TOP_LOGPROBS_MAX * 4 // 64) * 64
+    with pytest.raises(ValueError, match="top logprobs"):
+        buf.write(1, first_token=1, cached_tokens=0, logprob=None, room=4, top=[*top, (1, 0.0)])
+    # A shorter list replaces the whole old one; clearing drops it.
+    buf.write(0, first_token=1, cached_tokens=0, logprob=None, room=3, top=[(7, -1.0)])
+    row = buf.read(0)
+    assert row is not None and row.top == ((7, -1.0),)
+    buf.clear(0)
+    buf.write(0, first_token=1, cached_tokens=0, logprob=None, room=3)
+    row = buf.read(0)
+    assert row is not None and row.top == ()
 
 
 def test_slot_allocator_is_fifo_and_waits_when_exhausted() -> None:

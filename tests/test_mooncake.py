@@ -65,7 +65,10 @@ def test_many_chunked_rooms_land_byte_for_byte(
                 KVPoll.WAITING_FOR_INPUT
             )
             sender.init(n, i)
-            metadata.write(i, first_token=1000 + i, cached_tokens=0, logprob=None, room=room)
+            # The first token's logprob and top alternatives travel in the row too.
+            top = [(2000 + i + j, -0.25 * j) for j in range(i % 4 * 6)]
+            metadata.write(i, first_token=1000 + i, cached_tokens=i, logprob=-0.5 * i,
+                           room=room, top=top)
             plan[room] = (sender, src, dst, dslot)
         # Chunks of every room interleaved, as the scheduler sends them.
         cut = {room: len(src) // 2 for room, (_, src, _, _) in plan.items()}
@@ -83,6 +86,11 @@ def test_many_chunked_rooms_land_byte_for_byte(
         for room, (_, src, dst, dslot) in plan.items():
             assert torch.equal(landed["kv"][:, :, dst], pool.buffer[:, :, src]), room
             assert int(landed["room"][dslot]) == room - (1 << 64)  # int64 bits of the room
+            i = room - (1 << 63)
+            for field, theirs in landed["rows"].items():  # every field, byte for byte
+                mine = getattr(metadata, field)[i]
+                assert torch.equal(theirs[dslot].view(torch.uint8), mine.view(torch.uint8))
+            assert int(landed["rows"]["top_logprob_ids"][dslot, 0]) == (2000 + i if i % 4 else -1)
         assert manager.dropped_messages.total == 0
     finally:
         peer.close()

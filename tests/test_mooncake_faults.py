@@ -55,11 +55,13 @@ class RawDecode:
         self.token = token
         self.session = "127.0.0.1:9"
         pool = manager.pool
+        infos = manager.metadata.buffer_infos()
         self.register = wire.Register(
             session=self.session, status_endpoint="tcp://127.0.0.1:9", kv_ptr=1 << 20,
             num_layers=pool.num_layers, num_pages=16, page_size=pool.page_size,
             page_bytes=pool.page_bytes, kv_dtype="float32",
-            meta_ptrs=tuple(1 << 30 for _ in range(4)), meta_item_lens=(64, 64, 64, 64),
+            meta_ptrs=tuple(1 << 30 for _ in infos),
+            meta_item_lens=tuple(i.item_len for i in infos),
             num_slots=4,
         )
 
