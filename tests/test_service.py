@@ -183,7 +183,8 @@ BAD_INPUTS = [
     ("duplicate_rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "distinct"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "sampling_params": [{}]}).encode(), "entries"),
     ("bad_batch", json.dumps({"text": "a", "sampling_params": [{}]}).encode(), "not a batch"),
-    ("unsupported", json.dumps({"text": "a", "return_logprob": True}).encode(), "return_logprob"),
+    ("unsupported", json.dumps({"text": "a", "sampling_params": {"repetition_penalty": 1.2}}
+                               ).encode(), "repetition_penalty"),
 ]
 
 

@@ -143,25 +143,22 @@ def check_item(
     *,
     rid: str,
     input_ids: Sequence[int],
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int],
-    ignore_eos: bool,
+    sampling: SamplingParams,
     bootstrap_host: str | None,
     bootstrap_port: int | None,
     bootstrap_room: int | None,
 ) -> Item:
     """One prompt as an :class:`Item`, or :class:`BadRequest` (carrying ``rid``) saying what is
-    wrong. Fake-host requests (and every request of the fake and local backends) take their room
-    from ``rooms``: no prefill server pairs with them."""
+    wrong (``sampling`` comes from :func:`.sampling.sampling_params_from`, which checks the
+    fields on their own; this checks them against the server). Fake-host requests (and every
+    request of the fake and local backends) take their room from ``rooms``: no prefill server
+    pairs with them."""
     try:
         if not rid or len(rid) > _MAX_RID_LEN:
             raise BadRequest("bad_rid",
                              f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
         _check_prompt(config, rid, input_ids)
-        _check_lengths(config, rid, len(input_ids), max_new_tokens)
-        if min(stop_token_ids, default=0) < 0:
-            raise BadRequest("bad_stop_token", f"request {rid!r}: stop_token_ids must be >= 0")
-        sampling = SamplingParams(max_new_tokens, tuple(stop_token_ids), ignore_eos)
+        _check_lengths(config, rid, len(input_ids), sampling.max_new_tokens)
         return _with_bootstrap(config, rooms, rid, tuple(input_ids), sampling,
                                bootstrap_host, bootstrap_port, bootstrap_room)
     except BadRequest as exc:

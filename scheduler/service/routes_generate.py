@@ -19,11 +19,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lifecycle import SamplingParams
 from scheduler.decode.router import PeerUnreachable
 from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
 from scheduler.service.errors import error, failure_kind, rejected, unavailable_reason
 from scheduler.service.refusals import peer_rooms, refuse_items, refuse_peers
 from scheduler.service.routes_info import ServiceDep
+from scheduler.service.sampling import sampling_params_from
 from scheduler.service.schema import (
     ERRORS,
     AbortAnswer,
@@ -91,8 +93,7 @@ def _per_item(value: Any, n: int, name: str, batch: bool) -> list[Any]:
 
 
 def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
-    if body.return_logprob:
-        raise BadRequest("unsupported", "return_logprob is not supported by this server")
+    _refuse_unsupported(body)
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("bad_prompt", "give exactly one of text or input_ids")
     prompts: list[list[int]]
@@ -123,8 +124,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     params = _per_item(body.sampling_params or SamplingParamsBody(), n, "sampling_params", batch)
     items = [
         service.check(
-            rid=rid, input_ids=prompt, max_new_tokens=sp.max_new_tokens,
-            stop_token_ids=sp.stop_token_ids or (), ignore_eos=sp.ignore_eos,
+            rid=rid, input_ids=prompt, sampling=_sampling(service, body, sp, rid),
             bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
         )
         for rid, prompt, sp, host, port, room in zip(
@@ -132,6 +132,34 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
         )
     ]
     return items, batch
+
+
+def _sampling(service: Service, body: GenerateRequest, sp: SamplingParamsBody,
+              rid: str) -> SamplingParams:
+    try:
+        return sampling_params_from(
+            sp, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+            logprob_start_len=body.logprob_start_len,
+            max_new_tokens_limit=service.config.new_tokens_limit)
+    except BadRequest as exc:
+        exc.rid = rid
+        raise
+
+
+#: Top-level SGLang fields pdlife cannot honour, with the value that asks for nothing.
+_NEUTRAL_TOP: dict[str, Any] = {
+    "token_ids_logprob": None, "return_hidden_states": False, "input_embeds": None,
+    "image_data": None, "audio_data": None, "video_data": None, "lora_path": None,
+    "custom_logit_processor": None, "session_params": None,
+}
+
+
+def _refuse_unsupported(body: GenerateRequest) -> None:
+    for name, neutral in _NEUTRAL_TOP.items():
+        value = getattr(body, name)
+        if value != neutral:
+            raise BadRequest("unsupported", f"{name} is not supported by this server "
+                             f"(leave it out, or send {json.dumps(neutral)})")
 
 
 def _trace_carrier(service: Service, request: Request) -> dict[str, str] | None:

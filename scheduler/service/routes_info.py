@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from lifecycle import SamplingParams
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.service.core import Service, Unavailable
 from scheduler.service.errors import error, failure_kind, unavailable
@@ -44,7 +45,7 @@ async def health_generate(service: ServiceDep) -> Response:
         return refused
     item = service.check(
         rid=f"health-{uuid.uuid4().hex}", input_ids=service.tokenizer.encode("health"),
-        max_new_tokens=1, stop_token_ids=(), ignore_eos=True,
+        sampling=SamplingParams(1, ignore_eos=True),
         bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_port=None, bootstrap_room=None,
     )
     try:

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lifecycle import TOP_LOGPROBS_MAX
+
 Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 
 
@@ -14,13 +16,43 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+Stop = str | list[str] | None
+TokenIds = list[Annotated[int, Field(ge=0)]] | None
+
+
 class SamplingParamsBody(_Strict):
-    """``sampling_params`` of a ``/generate`` body (SGLang's): greedy decoding; other SGLang
-    sampling fields are accepted and ignored."""
+    """``sampling_params`` of a ``/generate`` body, with SGLang's names. Decoding is greedy unless
+    ``temperature`` > 0 (SGLang's default is 1.0; pdlife's is greedy). A field pdlife cannot
+    honour (a penalty, ``min_new_tokens``, ``logit_bias``, ``n`` > 1, ...) is refused with 400
+    unless it has its neutral value; fields SGLang does not have are ignored."""
 
     max_new_tokens: int = Field(default=16, ge=1, description="at most the server's limit")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    temperature: float = Field(default=0.0, ge=0, le=100, description="0: greedy")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1, description="-1: no limit (0 is refused)")
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    sampling_seed: int | None = Field(
+        default=None, ge=0, le=(1 << 64) - 1,
+        description="the seed of the sampled stream (default: the request's bootstrap room)")
+    stop: Stop = Field(default=None, description="strings that end the answer")
+    stop_token_ids: TokenIds = None
     ignore_eos: bool = False
+    no_stop_trim: bool = Field(default=False, description="keep a matched stop in the text")
+    skip_special_tokens: bool = True
+    json_schema: str | None = Field(default=None, description="a JSON schema, as JSON text")
+    regex: str | None = None
+    ebnf: str | None = Field(default=None, description="a Lark grammar")
+    n: int = Field(default=1, ge=1, description="only 1 is supported")
+    # SGLang fields pdlife cannot honour: refused with 400 unless neutral.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    stop_regex: str | list[str] | None = None
+    structural_tag: str | None = None
+    custom_params: dict[str, Any] | None = None
+    spaces_between_special_tokens: bool = True
 
 
 class GenerateRequest(_Strict):
@@ -31,13 +63,28 @@ class GenerateRequest(_Strict):
     sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = Field(
         None, description="one for every prompt, or a list with one per prompt of a batch"
     )
-    return_logprob: bool = Field(False, description="not supported: true is refused with 400")
+    return_logprob: bool = Field(False, description="logprobs in meta_info")
+    top_logprobs_num: int = Field(0, ge=0, le=TOP_LOGPROBS_MAX,
+                                  description="alternatives per position")
+    logprob_start_len: int = Field(-1, ge=-1, description="first prompt position with "
+                                   "input logprobs; -1: none")
+    return_text_in_logprobs: bool = Field(False, description="each logprob's token text")
     stream: bool = Field(False, description="server-sent events, ending with data: [DONE]")
     rid: str | list[str] | None = Field(None, description="request id(s); generated if absent")
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | list[
         Annotated[int, Field(ge=0, le=65535)]] | None = None
     bootstrap_room: Room | list[Room] | None = None
+    # SGLang fields pdlife cannot honour: refused with 400 unless absent.
+    token_ids_logprob: list[int] | None = None
+    return_hidden_states: bool = False
+    input_embeds: list[Any] | None = None
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
 
 
 class FinishReason(BaseModel):

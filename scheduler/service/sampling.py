@@ -1,0 +1,134 @@
+"""From a client's sampling fields to the :class:`~lifecycle.SamplingParams` a request carries.
+
+One place decides what pdlife honours. Every field of SGLang's ``sampling_params`` is either
+mapped (temperature, top-k/p, min-p, the seed, stops, a grammar, the logprob options) or refused
+with a 400 that names it when its value is not the neutral one: a client that asks for a
+repetition penalty must not get an answer without one, untold. Fields SGLang does not have are
+ignored (the router adds several). Both HTTP APIs come here: ``/generate`` with its own body, the
+OpenAI endpoints after translating their names into a :class:`SamplingParamsBody`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from lifecycle import GrammarKind, GrammarSpec, SamplingParams
+from scheduler.sample.constraint import GrammarError
+from scheduler.service.config import BadRequest
+from scheduler.service.schema import SamplingParamsBody
+
+#: SGLang sampling fields pdlife cannot honour, with the value that asks for nothing.
+NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "logit_bias": None,
+    "stop_regex": None,
+    "structural_tag": None,
+    "custom_params": None,
+    "spaces_between_special_tokens": True,
+}
+
+#: The structured-output fields, at most one of which a request may set.
+GRAMMAR_FIELDS: dict[str, GrammarKind] = {
+    "json_schema": GrammarKind.JSON_SCHEMA,
+    "regex": GrammarKind.REGEX,
+    "ebnf": GrammarKind.EBNF,
+}
+
+
+def sampling_params_from(
+    sp: SamplingParamsBody,
+    *,
+    return_logprob: bool = False,
+    top_logprobs_num: int = 0,
+    logprob_start_len: int = -1,
+    max_new_tokens_limit: int = 1 << 20,
+) -> SamplingParams:
+    """The request's :class:`SamplingParams`, or :class:`BadRequest` naming the field to change
+    (reason ``unsupported`` for a field pdlife cannot honour, ``bad_grammar`` for a grammar
+    that does not parse or compile, ``bad_sampling`` for a value out of range). The server's own
+    limits beyond ``max_new_tokens_limit`` (the prompt and the answer against the context and
+    the pool) are :func:`~.config.check_item`'s."""
+    refuse_unsupported(sp)
+    if not 1 <= sp.max_new_tokens <= max_new_tokens_limit:
+        raise BadRequest("bad_max_new_tokens", "sampling_params.max_new_tokens must be in "
+                         f"1..{max_new_tokens_limit}, got {sp.max_new_tokens}")
+    if sp.top_k == 0 or sp.top_k < -1:
+        raise BadRequest("bad_sampling", "sampling_params.top_k must be -1 (no limit) or >= 1, "
+                         f"got {sp.top_k}")
+    stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
+    if "" in stop:
+        raise BadRequest("bad_sampling", "sampling_params.stop: a stop string must not be empty")
+    stop_ids = tuple(sp.stop_token_ids or ())
+    if min(stop_ids, default=0) < 0:
+        raise BadRequest("bad_stop_token", "sampling_params.stop_token_ids must be >= 0")
+    try:
+        return SamplingParams(
+            sp.max_new_tokens, stop_ids, sp.ignore_eos,
+            temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), min_p=sp.min_p,
+            seed=sp.sampling_seed, stop=stop,  # type: ignore[arg-type]  # attrs: tuple converter
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+            grammar=grammar_of(sp),
+        )
+    except ValueError as exc:  # SamplingParams' own range checks
+        raise BadRequest("bad_sampling", f"sampling_params: {exc}") from exc
+
+
+def refuse_unsupported(sp: SamplingParamsBody) -> None:
+    """:class:`BadRequest` for the first field pdlife cannot honour that asks for something."""
+    for name, neutral in NEUTRAL.items():
+        value = getattr(sp, name)
+        if value != neutral and not (neutral is None and value in ({}, [], "")):
+            raise BadRequest("unsupported", f"sampling_params.{name}={value!r} is not supported "
+                             f"by this server (leave it out, or send {neutral!r})")
+    if sp.n != 1:
+        raise BadRequest("unsupported", f"sampling_params.n={sp.n}: only n=1 is supported "
+                         "(send separate requests, each with its own sampling_seed)")
+
+
+def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
+    """The request's structured-output constraint, checked: at most one grammar field, a JSON
+    schema that parses, and a grammar the compiler accepts."""
+    given = {name: getattr(sp, name) for name in GRAMMAR_FIELDS if getattr(sp, name) is not None}
+    if len(given) > 1:
+        raise BadRequest("bad_grammar", "give at most one of sampling_params.json_schema, regex "
+                         f"and ebnf (got {', '.join(given)})")
+    if not given:
+        return None
+    ((name, source),) = given.items()
+    if name == "json_schema":
+        try:
+            schema = json.loads(source)
+        except json.JSONDecodeError as exc:
+            raise BadRequest("bad_grammar",
+                             f"sampling_params.json_schema is not valid JSON: {exc}") from exc
+        if not isinstance(schema, dict | bool):
+            raise BadRequest("bad_grammar", "sampling_params.json_schema must be a JSON schema "
+                             f"(an object or a boolean), got {type(schema).__name__}")
+    spec = GrammarSpec(GRAMMAR_FIELDS[name], source)
+    check = _grammar_check()
+    if check is not None:
+        try:
+            check(spec)
+        except GrammarError as exc:
+            raise BadRequest("bad_grammar",
+                             f"sampling_params.{name} does not compile: {exc}") from exc
+    return spec
+
+
+def _grammar_check() -> Callable[[GrammarSpec], None] | None:
+    """The grammar compiler's ``check``, when this build has one."""
+    try:
+        module = importlib.import_module("scheduler.sample.grammar")
+    except ModuleNotFoundError as exc:
+        if exc.name != "scheduler.sample.grammar":
+            raise
+        return None
+    check: Callable[[GrammarSpec], None] = module.check
+    return check
