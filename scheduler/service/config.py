@@ -16,7 +16,7 @@ import attrs
 from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from lifecycle import FailureReason, SamplingParams
-from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST, TokenLogprob
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
 
@@ -103,6 +103,15 @@ class Unavailable(Exception):
 
 
 @attrs.frozen
+class AnswerOptions:
+    """How a request wants its answer written (SGLang's fields; the engines never see them)."""
+
+    no_stop_trim: bool = False  # keep a matched stop token's or string's text
+    skip_special_tokens: bool = True
+    return_text_in_logprobs: bool = False
+
+
+@attrs.frozen
 class Item:
     """One prompt of a ``/generate`` call, checked and ready to submit."""
 
@@ -112,6 +121,7 @@ class Item:
     bootstrap_host: str
     bootstrap_port: int
     bootstrap_room: int
+    options: AnswerOptions = AnswerOptions()
 
     @property
     def fake(self) -> bool:
@@ -135,6 +145,10 @@ class Answer:
     prompt_tokens: int
     e2e_latency: float
     cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
+    # With ``return_logprob``: the prompt's (prefill side) and the output tokens'.
+    input_logprobs: tuple[TokenLogprob, ...] = ()
+    output_logprobs: tuple[TokenLogprob, ...] = ()
+    matched_stop: int | str | None = None  # the stop token or string that ended the answer
 
 
 def check_item(

@@ -331,6 +331,7 @@ class Service:
         if self.tracer is not None:
             pending.answers.append(resp)
         if self.config.role == "both":
+            pending.input_logprobs = resp.input_logprobs
             if not resp.ok:
                 # The decode side cannot get this request's KV any more.
                 pending.prefill_failure = resp
@@ -350,6 +351,8 @@ class Service:
             prompt_tokens=resp.prompt_tokens,
             e2e_latency=time.monotonic() - pending.started,
             cached_tokens=resp.cached_tokens,
+            input_logprobs=resp.input_logprobs if ok else (),
+            output_logprobs=(resp.output_logprob,) if ok and resp.output_logprob else (),
         ))
 
     def _on_decode(self, resp: DecodeResponse) -> None:
@@ -372,6 +375,9 @@ class Service:
             prompt_tokens=resp.prompt_tokens,
             e2e_latency=time.monotonic() - pending.started,
             cached_tokens=resp.cached_tokens,
+            input_logprobs=pending.input_logprobs,
+            output_logprobs=resp.output_logprobs,
+            matched_stop=resp.matched_stop,
         ))
 
     def _find(self, rid: str, side: str) -> Pending | None:

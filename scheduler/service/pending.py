@@ -9,7 +9,7 @@ import logging
 
 import attrs
 
-from scheduler.messages import DecodeResponse, Response
+from scheduler.messages import DecodeResponse, Response, TokenLogprob
 from scheduler.service.config import Answer, Item
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ class Pending:
     waiting_on: set[str]
     progress: asyncio.Queue[tuple[int, ...]] | None = None
     prefill_failure: Response | None = None
+    # Colocated (role both): the prefill side's input logprobs, for the decode side's answer.
+    input_logprobs: tuple[TokenLogprob, ...] = ()
     streamed: int = 0  # output tokens handed to the stream (engine thread only)
     # With tracing on: the caller's trace headers, and the engines' answers (engine thread).
     carrier: dict[str, str] | None = None

@@ -13,14 +13,17 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lifecycle import SamplingParams
 from scheduler.decode.router import PeerUnreachable
+from scheduler.service.answers import answer_body, final_body
+from scheduler.service.config import AnswerOptions
 from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
 from scheduler.service.errors import error, failure_kind, rejected, unavailable_reason
 from scheduler.service.refusals import peer_rooms, refuse_items, refuse_peers
@@ -32,50 +35,14 @@ from scheduler.service.schema import (
     AbortBody,
     ErrorBody,
     ErrorDetail,
-    FinishReason,
     GenerateAnswer,
     GenerateRequest,
-    MetaInfo,
     SamplingParamsBody,
 )
 
 logger = logging.getLogger(__name__)
 
 router = APIRouter()
-
-
-# -- answers ----------------------------------------------------------------------------------
-
-
-def _finish(answer: Answer) -> FinishReason:
-    ids = answer.output_ids
-    if answer.finish_reason == "abort":
-        return FinishReason(type="abort", message=answer.message or "aborted",
-                            status_code=answer.status)
-    if answer.finish_reason == "length":
-        return FinishReason(type="length", length=len(ids))
-    return FinishReason(type="stop", matched=ids[-1] if ids else None)
-
-
-def _answer_body(service: Service, rid: str, ids: Sequence[int], prompt_tokens: int,
-                 latency: float, finish: FinishReason | None,
-                 cached_tokens: int = 0) -> dict[str, Any]:
-    body = GenerateAnswer(
-        text=service.tokenizer.decode(ids),
-        output_ids=list(ids),
-        meta_info=MetaInfo(
-            id=rid, finish_reason=finish, prompt_tokens=prompt_tokens,
-            completion_tokens=len(ids), e2e_latency=latency, cached_tokens=cached_tokens,
-        ),
-    ).model_dump()
-    if finish is not None:  # SGLang's finish_reason carries only the keys of its type
-        body["meta_info"]["finish_reason"] = finish.model_dump(exclude_none=True)
-    return body
-
-
-def _final_body(service: Service, answer: Answer) -> dict[str, Any]:
-    return _answer_body(service, answer.rid, answer.output_ids, answer.prompt_tokens,
-                        answer.e2e_latency, _finish(answer), answer.cached_tokens)
 
 
 # -- input ------------------------------------------------------------------------------------
@@ -123,10 +90,11 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     rooms = _per_item(body.bootstrap_room, n, "bootstrap_room", batch)
     params = _per_item(body.sampling_params or SamplingParamsBody(), n, "sampling_params", batch)
     items = [
-        service.check(
+        attrs.evolve(service.check(
             rid=rid, input_ids=prompt, sampling=_sampling(service, body, sp, rid),
             bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
-        )
+        ), options=AnswerOptions(sp.no_stop_trim, sp.skip_special_tokens,
+                                 body.return_text_in_logprobs))
         for rid, prompt, sp, host, port, room in zip(
             rids, prompts, params, hosts, ports, rooms, strict=True
         )
@@ -264,7 +232,8 @@ async def _wait(service: Service, request: Request, pending: list[Pending],
     for answer in answers:
         if answer.status != 200:
             return error(answer.status, failure_kind(answer), answer.message, answer.rid)
-    bodies = [_final_body(service, a) for a in answers]
+    bodies = [final_body(service.tokenizer, p.item, a) for p, a in zip(pending, answers,
+                                                                        strict=True)]
     return JSONResponse(bodies if batch else bodies[0])
 
 
@@ -288,14 +257,15 @@ async def _stream(service: Service, pending: Pending) -> AsyncIterator[bytes]:
                 more.cancel()
                 continue
             emitted.extend(more.result())
-            yield _sse(_answer_body(service, item.rid, emitted, len(item.input_ids),
-                                    time.monotonic() - pending.started, None))
+            yield _sse(answer_body(service.tokenizer, item, ids=emitted,
+                                   prompt_tokens=len(item.input_ids),
+                                   latency=time.monotonic() - pending.started, finish=None))
         answer = pending.future.result()
         if answer.status != 200:
             yield _sse(ErrorBody(error=ErrorDetail(
                 message=answer.message, type=failure_kind(answer), rid=answer.rid)).model_dump())
         else:
-            yield _sse(_final_body(service, answer))
+            yield _sse(final_body(service.tokenizer, item, answer))
         yield b"data: [DONE]\n\n"
         finished = True
     finally:

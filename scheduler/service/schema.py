@@ -90,9 +90,15 @@ class GenerateRequest(_Strict):
 class FinishReason(BaseModel):
     type: Literal["length", "stop", "abort"]
     length: int | None = None
-    matched: int | None = None
+    matched: int | str | None = Field(default=None,
+                                      description="the stop token id or stop string")
     message: str | None = None
     status_code: int | None = None
+
+
+#: One position's logprob: ``[logprob, token_id, text]`` (text null unless asked for; the first
+#: prompt token's logprob is null).
+LogprobEntry = tuple[float | None, int, str | None]
 
 
 class MetaInfo(BaseModel):
@@ -102,6 +108,11 @@ class MetaInfo(BaseModel):
     completion_tokens: int
     e2e_latency: float
     cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
+    # With return_logprob (the top lists only with top_logprobs_num > 0): see docs/operations.md.
+    input_token_logprobs: list[LogprobEntry] | None = None
+    output_token_logprobs: list[LogprobEntry] | None = None
+    input_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    output_top_logprobs: list[list[LogprobEntry] | None] | None = None
 
 
 class GenerateAnswer(BaseModel):

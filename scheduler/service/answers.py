@@ -1,0 +1,114 @@
+"""The bodies of ``/generate`` answers, in SGLang's shapes: the text (trimmed before a matched
+stop), ``finish_reason``, and the logprob fields of ``meta_info``.
+
+Logprobs follow SGLang's ``meta_info``: ``input_token_logprobs`` and ``output_token_logprobs``
+are lists of ``[logprob, token_id, text]`` triples (``text`` null unless
+``return_text_in_logprobs``; the first prompt token's logprob is null, nothing predicts it);
+``input_top_logprobs`` and ``output_top_logprobs``, present only when ``top_logprobs_num`` > 0,
+hold one list of such triples per position (null where a position has none). Which side fills
+which field is the role's: a prefill worker answers its input logprobs and the first output
+token's, a decode worker the output tokens' with an empty ``input_token_logprobs`` (SGLang's
+router prepends the prefill's there), a colocated worker all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from scheduler.messages import TokenLogprob
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.service.config import Answer, Item
+from scheduler.service.schema import FinishReason, GenerateAnswer, MetaInfo
+
+#: The ``meta_info`` keys that only logprob answers carry.
+LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                "output_top_logprobs")
+
+
+def decode(tokenizer: Any, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    """The text of ``ids``. The byte tokenizer's special tokens have no text either way."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.decode(ids)
+    text: str = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return text
+
+
+def answer_text(tokenizer: Any, item: Item, ids: Sequence[int],
+                matched: int | str | None) -> str:
+    """The answer's text as SGLang gives it: a matched stop token's or stop string's text is cut
+    off (at the string's first occurrence) unless ``no_stop_trim``."""
+    trim = matched is not None and not item.options.no_stop_trim
+    if trim and isinstance(matched, int) and ids:
+        ids = ids[:-1]
+    text = decode(tokenizer, ids, skip_special_tokens=item.options.skip_special_tokens)
+    if trim and isinstance(matched, str):
+        at = text.find(matched)
+        text = text if at < 0 else text[:at]
+    return text
+
+
+def finish_reason(answer: Answer) -> FinishReason:
+    ids = answer.output_ids
+    if answer.finish_reason == "abort":
+        return FinishReason(type="abort", message=answer.message or "aborted",
+                            status_code=answer.status)
+    if answer.finish_reason == "length":
+        return FinishReason(type="length", length=len(ids))
+    # A stop token, a stop string, else what ended the answer: EOS, or a completed grammar.
+    matched = answer.matched_stop
+    return FinishReason(type="stop", matched=matched if matched is not None else (
+        ids[-1] if ids else None))
+
+
+def _triples(tokenizer: Any, pairs: Iterable[tuple[float | None, int]],
+             with_text: bool) -> list[list[Any]]:
+    return [[lp, tok, decode(tokenizer, [tok], skip_special_tokens=False) if with_text else None]
+            for lp, tok in pairs]
+
+
+def logprob_fields(tokenizer: Any, item: Item, inputs: Sequence[TokenLogprob],
+                   outputs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The logprob keys of ``meta_info`` (none unless the request asked for logprobs)."""
+    sampling, text = item.sampling, item.options.return_text_in_logprobs
+    if not sampling.return_logprob:
+        return {}
+    fields: dict[str, Any] = {
+        "input_token_logprobs": _triples(tokenizer, ((t.logprob, t.token) for t in inputs), text),
+        "output_token_logprobs": _triples(tokenizer, ((t.logprob, t.token) for t in outputs),
+                                          text),
+    }
+    if sampling.top_logprobs_num > 0:
+        for key, entries in (("input_top_logprobs", inputs), ("output_top_logprobs", outputs)):
+            fields[key] = [_triples(tokenizer, ((lp, tok) for tok, lp in t.top), text)
+                           if t.top else None for t in entries]
+    return fields
+
+
+def answer_body(tokenizer: Any, item: Item, *, ids: Sequence[int], prompt_tokens: int,
+                latency: float, finish: FinishReason | None, cached_tokens: int = 0,
+                input_logprobs: Sequence[TokenLogprob] = (),
+                output_logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    """One answer (or stream chunk: ``finish`` None) for ``item``, ``ids`` generated so far."""
+    matched = finish.matched if finish is not None and finish.type == "stop" else None
+    body = GenerateAnswer(
+        text=answer_text(tokenizer, item, ids, matched),
+        output_ids=list(ids),
+        meta_info=MetaInfo(
+            id=item.rid, finish_reason=finish, prompt_tokens=prompt_tokens,
+            completion_tokens=len(ids), e2e_latency=latency, cached_tokens=cached_tokens,
+        ),
+    ).model_dump(exclude={"meta_info": set(LOGPROB_KEYS)})
+    if finish is not None:  # SGLang's finish_reason carries only the keys of its type
+        body["meta_info"]["finish_reason"] = finish.model_dump(exclude_none=True)
+    body["meta_info"].update(logprob_fields(tokenizer, item, input_logprobs, output_logprobs))
+    return body
+
+
+def final_body(tokenizer: Any, item: Item, answer: Answer) -> dict[str, Any]:
+    """The answer of a request that ended well."""
+    return answer_body(tokenizer, item, ids=answer.output_ids,
+                       prompt_tokens=answer.prompt_tokens, latency=answer.e2e_latency,
+                       finish=finish_reason(answer), cached_tokens=answer.cached_tokens,
+                       input_logprobs=answer.input_logprobs,
+                       output_logprobs=answer.output_logprobs)
