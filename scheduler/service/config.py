@@ -39,6 +39,12 @@ class ServeConfig:
     waiting_timeout: float = attrs.field(default=300.0, validator=attrs.validators.gt(0))
     max_new_tokens_limit: int | None = None
     max_body_bytes: int = attrs.field(default=8 << 20, validator=attrs.validators.gt(0))
+    # Requests holding no KV pages yet, beyond which new ones get 503 (scheduler.service.shedding);
+    # None: no bound.
+    max_queued_requests: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    # Clients must send ``Authorization: Bearer <api_key>`` (but to the health probes); None: open.
+    api_key: str | None = attrs.field(default=None, repr=False)
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = attrs.field(default=8998, validator=attrs.validators.ge(0))
     mooncake: MooncakeConfig = attrs.field(factory=MooncakeConfig)
