@@ -57,11 +57,24 @@ def test_http2_probes_are_answered_and_not_counted(server: Server) -> None:
     assert "Invalid HTTP request" not in server.tail(20000)
 
 
-def test_an_oversized_body_gets_its_413_even_when_sent_whole(server: Server) -> None:
-    # urllib writes the whole body before it reads: the answer must still arrive.
-    data = json.dumps({"text": "x" * 200_000}).encode()
-    request = urllib.request.Request(f"{server.url}/generate", data=data,
-                                     headers={"content-type": "application/json"})
+def _chunks(size: int) -> Iterator[bytes]:
+    for _ in range(size // 65536):
+        yield b"x" * 65536
+
+
+@pytest.mark.parametrize("body", ["200KB", "16MiB", "16MiB-chunked"])
+def test_an_oversized_body_gets_its_413_even_when_sent_whole(server: Server, body: str) -> None:
+    # urllib writes the whole body before it reads: the answer must still arrive, with a
+    # declared length far beyond the socket buffers, and without one (chunked).
+    headers = {"content-type": "application/json"}
+    data: bytes | Iterator[bytes]
+    if body == "200KB":
+        data = json.dumps({"text": "x" * 200_000}).encode()
+    elif body == "16MiB":
+        data = json.dumps({"text": "x" * (16 << 20)}).encode()
+    else:
+        data, headers["transfer-encoding"] = _chunks(16 << 20), "chunked"
+    request = urllib.request.Request(f"{server.url}/generate", data=data, headers=headers)
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 413
