@@ -10,13 +10,12 @@ OpenAI endpoints after translating their names into a :class:`SamplingParamsBody
 
 from __future__ import annotations
 
-import importlib
 import json
-from collections.abc import Callable
 from typing import Any
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
 from scheduler.sample.constraint import GrammarError
+from scheduler.sample.grammar import check as check_grammar
 from scheduler.service.config import BadRequest
 from scheduler.service.schema import SamplingParamsBody
 
@@ -112,23 +111,10 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
             raise BadRequest("bad_grammar", "sampling_params.json_schema must be a JSON schema "
                              f"(an object or a boolean), got {type(schema).__name__}")
     spec = GrammarSpec(GRAMMAR_FIELDS[name], source)
-    check = _grammar_check()
-    if check is not None:
-        try:
-            check(spec)
-        except GrammarError as exc:
-            raise BadRequest("bad_grammar",
-                             f"sampling_params.{name} does not compile: {exc}") from exc
+    try:
+        check_grammar(spec)
+    except GrammarError as exc:
+        raise BadRequest("bad_grammar",
+                         f"sampling_params.{name} does not compile: {exc}") from exc
     return spec
 
-
-def _grammar_check() -> Callable[[GrammarSpec], None] | None:
-    """The grammar compiler's ``check``, when this build has one."""
-    try:
-        module = importlib.import_module("scheduler.sample.grammar")
-    except ModuleNotFoundError as exc:
-        if exc.name != "scheduler.sample.grammar":
-            raise
-        return None
-    check: Callable[[GrammarSpec], None] = module.check
-    return check
