@@ -30,6 +30,8 @@ from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
+from scheduler.sample.constraint import ConstraintCompiler
+from scheduler.sample.request import Detokenize
 
 if TYPE_CHECKING:
     from scheduler.model.select import ServedModel
@@ -103,10 +105,12 @@ def build_prefill(
     clock: Callable[[], float] = time.monotonic,
     on_response: Callable[[Response], None] | None = None,
     overlap: bool = False,
+    compiler: ConstraintCompiler | None = None,
 ) -> PrefillScheduler:
     """A prefill scheduler over a fresh pool and ``backend``'s KV manager. ``local`` needs the
     ``hub`` its decode peer shares; ``mooncake`` needs the ``bootstrap`` endpoint its rank
-    registers at. Requests for the fake bootstrap host always get the fake backend."""
+    registers at. Requests for the fake bootstrap host always get the fake backend.
+    ``compiler`` compiles grammars (None: requests with one are refused)."""
     pool = model.make_pool(num_pages=pages, page_size=config.page_size)
     metadata = MetadataBuffers(metadata_slots)
     fake_kv = FakeKVManager(faults, clock=clock)
@@ -138,6 +142,7 @@ def build_prefill(
         clock=clock,
         on_response=on_response,
         overlap=overlap,
+        compiler=compiler,
     )
     closers.append(scheduler.close)
     return scheduler
@@ -157,8 +162,11 @@ def build_decode(
     clock: Callable[[], float] = time.monotonic,
     on_response: Callable[[DecodeResponse], None] | None = None,
     metrics: DecodeMetrics | None = None,
+    compiler: ConstraintCompiler | None = None,
+    detokenize: Detokenize | None = None,
 ) -> DecodePeer:
-    """A decode peer over a fresh pool; ``kv_for`` builds its KV manager."""
+    """A decode peer over a fresh pool; ``kv_for`` builds its KV manager. ``compiler`` and
+    ``detokenize`` serve grammars and stop strings (None: requests with them are refused)."""
     pool = model.make_pool(num_pages=pages, page_size=page_size)
     metadata = MetadataBuffers(metadata_slots)
     runner = runner_factory(model, pool)
@@ -174,4 +182,6 @@ def build_decode(
         clock=clock,
         on_response=on_response,
         metrics=metrics,
+        compiler=compiler,
+        detokenize=detokenize,
     )

@@ -34,6 +34,8 @@ from scheduler.model.select import ServedModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.runner import ModelRunner
+from scheduler.sample.constraint import ConstraintCompiler
+from scheduler.sample.request import Detokenize
 from scheduler.stepping import step_until
 
 
@@ -69,10 +71,13 @@ class EmbeddedPair:
         model: LlamaModel | None = None,
         served: ServedModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        compiler: ConstraintCompiler | None = None,
+        detokenize: Detokenize | None = None,
     ) -> None:
         """``served`` (from :func:`scheduler.model.select.load_model`) runs a real checkpoint or
         the reference model on both sides; without it, ``model`` or ``config.model`` is the
-        reference model."""
+        reference model. ``compiler`` (both sides) and ``detokenize`` (decode) serve grammars
+        and stop strings; without them such requests are refused."""
         self.config = config
         self.served = served
         runner_factory: RunnerFactory = PagedModelRunner
@@ -100,7 +105,7 @@ class EmbeddedPair:
                 pages=config.prefill_pages, metadata_slots=config.metadata_slots,
                 runner_factory=runner_factory, closers=self._closers, hub=hub,
                 bootstrap=self.bootstrap, faults=faults, delayer=delayer, clock=clock,
-                on_response=self._on_prefill, overlap=config.overlap,
+                on_response=self._on_prefill, overlap=config.overlap, compiler=compiler,
             )
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_kv, hub),
@@ -108,6 +113,7 @@ class EmbeddedPair:
                 metadata_slots=config.metadata_slots, runner_factory=runner_factory,
                 closers=self._closers, eos_token_id=eos, clock=clock, on_response=self._on_decode,
                 config=DecodeConfig(check_invariants=config.scheduler.check_invariants),
+                compiler=compiler, detokenize=detokenize,
             )
         except BaseException:
             close_all(self._closers)

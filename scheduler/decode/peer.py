@@ -1,4 +1,4 @@
-"""The decode peer: receives a request's KV from prefill and continues greedy decoding.
+"""The decode peer: receives a request's KV from prefill and continues decoding.
 
 Theory of operation
 -------------------
@@ -10,9 +10,10 @@ metadata slot (none free: it waits, in arrival order); ``preallocated`` sends th
 prefill (RECEIVING). When the receiver reports SUCCESS the metadata row must have landed with the
 request's own room (a torn or foreign row fails the request); its first token starts the output
 (``received``, DECODING). Every pass runs one decode step for all DECODING requests, growing
-their pages as the sequence grows; ``finished`` at max_new_tokens or a stop token. A decode step
-that raised fails its requests (``internal``) and the loop goes on. Room 0 is refused: it marks
-an empty metadata row.
+their pages as the sequence grows; ``finished`` at max_new_tokens, a stop token, a stop string
+or a completed grammar. Tokens are greedy, or sampled from the request's seeded stream, with
+logprobs when asked (:mod:`.sampling`). A decode step that raised fails its requests
+(``internal``) and the loop goes on. Room 0 is refused: it marks an empty metadata row.
 
 The pages, slot and room of a request whose receiver may still be written by the prefill side
 (an abort, a failure) stay reserved by a :class:`~kv.release.Releaser` until the receiver is
@@ -50,6 +51,7 @@ from lifecycle import (
 )
 from scheduler.decode.config import DecodeConfig
 from scheduler.decode.metrics import DecodeMetrics
+from scheduler.decode.sampling import DecodeSampling
 from scheduler.messages import (
     FAKE_BOOTSTRAP_HOST,
     AbortRequest,
@@ -58,6 +60,8 @@ from scheduler.messages import (
     take_all,
 )
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+from scheduler.sample.constraint import ConstraintCompiler
+from scheduler.sample.request import Detokenize
 
 logger = logging.getLogger(__name__)
 S = DecodeState
@@ -83,7 +87,11 @@ class DecodePeer:
         clock: Callable[[], float] = time.monotonic,
         on_response: Callable[[DecodeResponse], None] | None = None,
         metrics: DecodeMetrics | None = None,
+        compiler: ConstraintCompiler | None = None,
+        detokenize: Detokenize | None = None,
     ) -> None:
+        """``compiler`` compiles grammars and ``detokenize`` decodes output for stop strings;
+        without them, requests with grammars or stop strings are refused."""
         self.runner = runner
         self.pool = runner.pool
         self.kv = kv
@@ -106,6 +114,7 @@ class DecodePeer:
         self._rooms: dict[int, DecodeRequest] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._releaser = Releaser(self.pool, slots, metadata)
+        self._sampling = DecodeSampling(runner, compiler, detokenize)
         self.steps = 0
         self.metrics = metrics or DecodeMetrics()
         self.metrics.kv_pages_total.set(self.pool.num_pages)
@@ -167,6 +176,10 @@ class DecodePeer:
             self._fail(req, FailureReason.REJECTED,
                        f"prompt of {n} tokens plus {req.sampling.max_new_tokens} new tokens "
                        f"cannot fit the decode KV pool")
+            return
+        refused = self._sampling.admit(req)
+        if refused:
+            self._fail(req, FailureReason.REJECTED, refused)
             return
         self._rooms[req.bootstrap_room] = req
         try:
@@ -242,6 +255,10 @@ class DecodePeer:
                     continue
                 req.output_ids.append(row.first_token)
                 req.cached_tokens = row.cached_tokens
+                rejected = self._sampling.first(req, row)
+                if rejected:
+                    self._fail(req, FailureReason.INTERNAL, rejected)
+                    continue
                 received.append(req)
         self.lifecycle.fire(DecodeEvent.BOOTSTRAPPED, bootstrapped)
         self.lifecycle.fire(DecodeEvent.RECEIVED, received)
@@ -308,16 +325,20 @@ class DecodePeer:
         if not items:
             return False
         try:
-            tokens = self.runner.forward(ForwardBatch(tuple(items)))
+            tokens, sampled = self._sampling.step(reqs, ForwardBatch(tuple(items)))
         except Exception as exc:  # the batch's requests fail; the loop goes on
             logger.error("decode step of %d requests failed: %r", len(reqs), exc)
             self.lifecycle.fire(DecodeEvent.FAIL, reqs, reason=FailureReason.INTERNAL,
                                 detail=f"the model forward failed: {exc!r}")
             return True
         self.steps += 1
-        for req, token in zip(reqs, tokens, strict=True):
+        for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
             req.output_ids.append(token)
-        self.lifecycle.fire(DecodeEvent.FINISHED, [r for r in reqs if self._finished(r)])
+            rejected = self._sampling.landed(req, None if sampled is None else sampled[i])
+            if rejected:
+                self._fail(req, FailureReason.INTERNAL, rejected)
+        self.lifecycle.fire(DecodeEvent.FINISHED,
+                            [r for r in reqs if r.state is S.DECODING and self._finished(r)])
         return True
 
     def _finished(self, req: DecodeRequest) -> bool:
@@ -325,7 +346,7 @@ class DecodePeer:
         if len(req.output_ids) >= sampling.max_new_tokens:
             return True
         last = req.output_ids[-1]
-        if last in sampling.stop_token_ids:
+        if last in sampling.stop_token_ids or self._sampling.stopped(req):
             return True
         return not sampling.ignore_eos and last in self.eos_token_ids
 
@@ -350,11 +371,12 @@ class DecodePeer:
     def _respond(self, req: DecodeRequest) -> None:
         state = req.state
         assert isinstance(state, DecodeState)
+        finish = self.finish_reason(req)
+        logprobs, matched = self._sampling.take(req, finish)
         self._answer(
             DecodeResponse(
-                req.rid, state, req.reason, req.detail, tuple(req.output_ids),
-                self.finish_reason(req), len(req.input_ids), tuple(req.timeline),
-                req.cached_tokens,
+                req.rid, state, req.reason, req.detail, tuple(req.output_ids), finish,
+                len(req.input_ids), tuple(req.timeline), req.cached_tokens, logprobs, matched,
             )
         )
 

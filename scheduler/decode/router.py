@@ -25,7 +25,9 @@ reach a prefill server. :class:`LocalPrefillFake` serves them: a fake receiver w
 row, so the decode peer continues exactly as if the KV had been transferred (the answer is the
 same as the colocated reference's). The room of such a request is the service's to choose
 (:meth:`LocalPrefillFake.expect` registers the prompt under it); no room 0, so the metadata
-gate can read the row back.
+gate can read the row back. A request registered with its sampling parameters gets its first
+token drawn as the prefill side would draw it (its seeded stream's position 0, its grammar's
+mask when the fake has the compiler) and its logprob in the row.
 """
 
 from __future__ import annotations
@@ -39,10 +41,18 @@ from kv.fake import FakeDecodeManager, FakeKVReceiver
 from kv.metadata import MetadataBuffers
 from kv.refusal import RefusalPoster
 from kv.transfer import DecodeKVManager, KVReceiver, TransferUsageError
+from lifecycle import SamplingParams
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
-from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+from scheduler.runner import ForwardBatch, ForwardItem, LogitsRunner, ModelRunner
+from scheduler.sample.batch import ItemPlan, LogitsForward
+from scheduler.sample.constraint import ConstraintCompiler
+from scheduler.sample.sampler import RowSpec
+from scheduler.sample.stream import request_seed
 
 logger = logging.getLogger(__name__)
+
+# A fake request's id, prompt and sampling.
+_Prompt = tuple[str, tuple[int, ...], SamplingParams]
 
 
 class PeerUnreachable(Exception):
@@ -83,19 +93,23 @@ class _MergedReady:
 class LocalPrefillFake(FakeDecodeManager):
     """Decode-side fake: computes the prompt locally instead of receiving its KV."""
 
-    def __init__(self, runner: ModelRunner, metadata: MetadataBuffers) -> None:
+    def __init__(self, runner: ModelRunner, metadata: MetadataBuffers,
+                 compiler: ConstraintCompiler | None = None) -> None:
         super().__init__()
         self._runner = runner
         self._metadata = metadata
+        self._compiler = compiler
         self._lock = threading.Lock()
-        self._prompts: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._prompts: dict[int, _Prompt] = {}
 
-    def expect(self, room: int, rid: str, input_ids: Sequence[int]) -> None:
-        """Register the prompt of a fake request before it is submitted (any thread)."""
+    def expect(self, room: int, rid: str, input_ids: Sequence[int],
+               sampling: SamplingParams | None = None) -> None:
+        """Register the prompt of a fake request, and how its first token is chosen (None:
+        greedy), before it is submitted (any thread)."""
         if room == 0:
             raise ValueError("room 0 cannot be read back from a metadata row; choose another")
         with self._lock:
-            self._prompts[room] = (rid, tuple(input_ids))
+            self._prompts[room] = (rid, tuple(input_ids), sampling or SamplingParams())
 
     def forget(self, room: int) -> None:
         """Drop the prompt of a finished fake request (any thread)."""
@@ -112,9 +126,23 @@ class LocalPrefillFake(FakeDecodeManager):
     def compute(self, receiver: _ComputingReceiver, pages: Sequence[int], slot: int) -> None:
         """Write the KV of the receiver's prompt into ``pages`` and its first token into
         metadata row ``slot``, as the transfer would have; the prompt is forgotten."""
-        rid, input_ids = receiver.prompt
-        first = self._runner.forward(ForwardBatch((ForwardItem(rid, input_ids, 0, tuple(pages)),)))
-        self._metadata.write(slot, first[0], 0, None, receiver.room)
+        rid, input_ids, params = receiver.prompt
+        batch = ForwardBatch((ForwardItem(rid, input_ids, 0, tuple(pages)),))
+        if params.plain or not isinstance(self._runner, LogitsRunner):
+            # The decode peer refuses what needs logits from a runner without them.
+            self._metadata.write(slot, self._runner.forward(batch)[0], 0, None, receiver.room)
+        else:
+            mask = None
+            if params.grammar is not None and self._compiler is not None:
+                mask = self._compiler.compile(params.grammar).allowed()
+            row = RowSpec(params, request_seed(params, receiver.room), 0, mask)
+            forward = LogitsForward(self._runner, [ItemPlan(row)])
+            forward(batch)
+            assert forward.results is not None
+            sampled = forward.results[0].sampled
+            lp = sampled.logprob
+            self._metadata.write(slot, sampled.token, 0, None if lp is None else lp.logprob,
+                                 receiver.room, () if lp is None else lp.top)
         self.forget(receiver.room)
 
 
@@ -122,8 +150,7 @@ class _ComputingReceiver(FakeKVReceiver):
     """A fake receiver whose ``send_metadata`` writes the KV and the row the transfer would."""
 
     def __init__(
-        self, owner: LocalPrefillFake, bootstrap_addr: str, room: int,
-        prompt: tuple[str, tuple[int, ...]],
+        self, owner: LocalPrefillFake, bootstrap_addr: str, room: int, prompt: _Prompt,
     ) -> None:
         super().__init__(owner, bootstrap_addr, room)
         self._owner = owner

@@ -131,7 +131,7 @@ class RealModel:
 
     def logits(self, pool: KVPool, items: Sequence[ForwardItem]) -> torch.Tensor:
         """Write every item's K/V into ``pool``; the float32 logits after each item's last
-        token, ``[len(items), vocab]``."""
+        token, or after each of its tokens when ``item.all_logits`` (rows in item order)."""
         with torch.inference_mode():
             spans, tokens, positions, new_slots = self._plan(pool, items)
             x = pad_rows(self._embed[tokens])
@@ -139,9 +139,11 @@ class RealModel:
             sin = pad_rows(self._sin[positions])[:, None, :]
             for layer in range(self.config.layers):
                 x = self._layer(layer, x, cos, sin, pool, spans, new_slots)
-            last = torch.tensor([s.row + s.n - 1 for s in spans], device=self.device)
-            h = _rms_norm(pad_rows(x.index_select(0, last)), self._norm, self.config.rms_eps)
-            return (h @ self._head.T).float()[: len(items)]
+            rows = [r for s, item in zip(spans, items, strict=True)
+                    for r in (range(s.row, s.row + s.n) if item.all_logits else (s.row + s.n - 1,))]
+            picked = torch.tensor(rows, device=self.device)
+            h = _rms_norm(pad_rows(x.index_select(0, picked)), self._norm, self.config.rms_eps)
+            return (h @ self._head.T).float()[: len(rows)]
 
     def _layer(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool,
@@ -249,12 +251,25 @@ class LlamaRunner:
         self.model = model
         self.pool = pool
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Write every item's K/V into the pool; return each item's greedy next token."""
         if not batch.items:
             return []
-        ids: list[int] = self.model.logits(self.pool, batch.items).argmax(-1).tolist()
+        last = [attrs.evolve(item, all_logits=False) if item.all_logits else item
+                for item in batch.items]
+        ids: list[int] = self.model.logits(self.pool, last).argmax(-1).tolist()
         return ids
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Write every item's K/V into the pool; the float32 logits of each item's last
+        position, or of all its positions when ``all_logits``."""
+        if not batch.items:
+            return torch.empty((0, self.vocab_size), device=self.model.device)
+        return self.model.logits(self.pool, batch.items)
 
 
 def generate_batch(

@@ -27,14 +27,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import attrs
 import torch
 
 from kv.pages import pages_needed
 from kv.pool import KVPool
-from scheduler.model.byte_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 from scheduler.model.fixed_point import (
     WEIGHT_FRAC_BITS,
     WEIGHT_LIMIT,
@@ -48,13 +46,12 @@ from scheduler.model.fixed_point import (
     silu,
     to_grid,
 )
+from scheduler.model.reference_config import ModelConfig as ModelConfig
 from scheduler.runner import ForwardBatch, ForwardItem
 
 logger = logging.getLogger(__name__)
 
 _RMS_EPS = 1e-5
-# The K/V cache dtypes that hold activation-grid values (20 significant bits) exactly.
-_CACHE_DTYPES = (torch.float32, torch.float64)
 
 
 class ModelInputError(ValueError):
@@ -64,84 +61,6 @@ class ModelInputError(ValueError):
     def __init__(self, rid: str, problem: str) -> None:
         super().__init__(f"request {rid!r}: {problem}")
         self.rid = rid
-
-
-def _int_in(lo: int, hi: int) -> Callable[[Any, attrs.Attribute[int], int], None]:
-    def check(_instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise ValueError(
-                f"ModelConfig.{attribute.name} must be an integer in {lo}..{hi}, got {value!r}"
-            )
-
-    return check
-
-
-def _above_one(_instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 1.0):
-        raise ValueError(f"ModelConfig.{attribute.name} must be a finite number > 1, got {value!r}")
-
-
-def _cache_dtype(_instance: Any, attribute: attrs.Attribute[torch.dtype], value: Any) -> None:
-    if value not in _CACHE_DTYPES:
-        raise ValueError(
-            f"ModelConfig.{attribute.name} must be torch.float32 or torch.float64 (they hold the "
-            f"model's fixed-point K/V exactly), got {value!r}"
-        )
-
-
-@attrs.frozen
-class ModelConfig:
-    """Shape and seed of the reference model.
-
-    The upper bounds keep every sum of the fixed-point arithmetic below 2**53 units, which is
-    what makes it exact (``fixed_point``). ``dtype`` is the K/V cache dtype: the pool
-    the model writes into must have it.
-    """
-
-    vocab_size: int = attrs.field(default=VOCAB_SIZE, validator=_int_in(2, 1 << 20))
-    hidden: int = attrs.field(default=64, validator=_int_in(1, 8192))
-    layers: int = attrs.field(default=2, validator=_int_in(1, 256))
-    heads: int = attrs.field(default=4, validator=_int_in(1, 1024))
-    kv_heads: int = attrs.field(default=2, validator=_int_in(1, 1024))
-    head_dim: int = attrs.field(default=16, validator=_int_in(2, 4096))
-    intermediate: int = attrs.field(default=128, validator=_int_in(1, 1 << 20))
-    rope_theta: float = attrs.field(default=10000.0, validator=_above_one)
-    max_position: int = attrs.field(default=8192, validator=_int_in(1, 1 << 17))
-    seed: int = attrs.field(default=0, validator=_int_in(0, 2**63 - 1))
-    dtype: torch.dtype = attrs.field(default=torch.float32, validator=_cache_dtype)
-    eos_token_id: int = attrs.field(default=EOS_TOKEN_ID, validator=_int_in(0, (1 << 20) - 1))
-
-    def __attrs_post_init__(self) -> None:
-        if self.heads % self.kv_heads:
-            raise ValueError(
-                f"ModelConfig.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.heads * self.head_dim > 1 << 16:
-            raise ValueError(
-                f"ModelConfig.heads * head_dim must be at most {1 << 16}, "
-                f"got {self.heads * self.head_dim}"
-            )
-        if self.eos_token_id >= self.vocab_size:
-            raise ValueError(
-                f"ModelConfig.eos_token_id must be in 0..{self.vocab_size - 1}, "
-                f"got {self.eos_token_id}"
-            )
-
-    @classmethod
-    def tiny(cls, seed: int = 0) -> ModelConfig:
-        """The smallest useful shape (still GQA, still two layers), for fuzzing."""
-        return cls(
-            hidden=32,
-            layers=2,
-            heads=2,
-            kv_heads=1,
-            head_dim=8,
-            intermediate=48,
-            max_position=4096,
-            seed=seed,
-        )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -262,10 +181,14 @@ class LlamaModel:
         gate, up = fix(h @ w.w_gate.T), fix(h @ w.w_up.T)
         return fix(x + fix(silu(gate, self._exp) * up) @ w.w_down.T)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 logits of each row of the final residual stream (exact: a sum of
+        products on the grid)."""
+        return rms_norm(x, self._final_norm, _RMS_EPS) @ self._lm_head.T
+
     def next_tokens(self, x_last: torch.Tensor) -> list[int]:
         """The greedy next token of each row of the final residual stream."""
-        logits = rms_norm(x_last, self._final_norm, _RMS_EPS) @ self._lm_head.T
-        ids: list[int] = greedy_token_ids(logits).tolist()
+        ids: list[int] = greedy_token_ids(self.logits(x_last)).tolist()
         return ids
 
     def check_tokens(self, rid: str, token_ids: Sequence[int]) -> None:
@@ -298,9 +221,11 @@ class ReferenceModel:
         stop_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
         rid: str = "reference",
+        choose: Callable[[torch.Tensor, int], int] | None = None,
     ) -> list[int]:
-        """Greedy output tokens after ``prompt_ids``: up to ``max_new_tokens``, ending early
-        after (and including) a stop token."""
+        """Output tokens after ``prompt_ids``: up to ``max_new_tokens``, ending early after
+        (and including) a stop token. ``choose(logits, i)`` picks output position ``i``'s
+        token from its float64 logits (default: greedy)."""
         m, c = self.model, self.model.config
         if not prompt_ids:
             raise ModelInputError(rid, "the prompt is empty; it needs at least one token")
@@ -319,14 +244,16 @@ class ReferenceModel:
         cache_k = torch.zeros(shape, dtype=c.dtype, device=m.device)
         cache_v = torch.zeros(shape, dtype=c.dtype, device=m.device)
         stops = m.stop_ids(stop_token_ids, ignore_eos)
-        out = [self._forward(list(prompt_ids), 0, cache_k, cache_v)]
+        pick = choose or (lambda logits, _i: int(greedy_token_ids(logits)))
+        out = [pick(self._forward(list(prompt_ids), 0, cache_k, cache_v), 0)]
         while len(out) < max_new_tokens and out[-1] not in stops:
-            out.append(self._forward([out[-1]], len(prompt_ids) + len(out) - 1, cache_k, cache_v))
+            logits = self._forward([out[-1]], len(prompt_ids) + len(out) - 1, cache_k, cache_v)
+            out.append(pick(logits, len(out)))
         return out
 
     def _forward(
         self, token_ids: list[int], start: int, cache_k: torch.Tensor, cache_v: torch.Tensor
-    ) -> int:
+    ) -> torch.Tensor:
         m, end = self.model, start + len(token_ids)
         x = m.embed(torch.tensor(token_ids, dtype=torch.int64, device=m.device))
         positions = torch.arange(start, end, device=m.device)
@@ -337,7 +264,7 @@ class ReferenceModel:
             keys = cache_k[layer, :end].to(torch.float64)
             attn = m.attend(q, keys, cache_v[layer, :end].to(torch.float64), start)
             x = m.layer_output(layer, x, attn)
-        return m.next_tokens(x[-1:])[0]
+        return m.logits(x[-1])
 
 
 class PagedModelRunner:
@@ -358,10 +285,33 @@ class PagedModelRunner:
         self.model = model.to(pool.device)
         self.pool = pool
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Write every item's K/V into the pool; return each item's greedy next token."""
         if not batch.items:
             return []
+        x, sizes = self._run(batch)
+        last = torch.tensor(sizes, device=self.pool.device).cumsum(0) - 1
+        return self.model.next_tokens(x[last])
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Write every item's K/V into the pool; the exact float64 logits of each item's last
+        position, or of all its positions when ``all_logits``."""
+        if not batch.items:
+            return torch.empty((0, self.vocab_size), dtype=torch.float64)
+        x, sizes = self._run(batch)
+        rows: list[int] = []
+        end = 0
+        for item, n in zip(batch.items, sizes, strict=True):
+            end += n
+            rows.extend(range(end - n, end) if item.all_logits else (end - 1,))
+        return self.model.logits(x[torch.tensor(rows, device=self.pool.device)])
+
+    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
+        """The final residual stream of every position of the batch, and the items' sizes."""
         m, c, dev = self.model, self.model.config, self.pool.device
         history = [self._slots(item) for item in batch.items]
         sizes = [len(item.input_ids) for item in batch.items]
@@ -389,8 +339,7 @@ class PagedModelRunner:
                 parts.append(m.attend(q[offset : offset + n], keys, values, item.start))
                 offset += n
             x = m.layer_output(layer, x, torch.cat(parts))
-        last = torch.tensor(sizes, device=dev).cumsum(0) - 1
-        return m.next_tokens(x[last])
+        return x, sizes
 
     def _slots(self, item: ForwardItem) -> torch.Tensor:
         """Flat pool slots (``page * page_size + offset``) of positions ``0 .. start+n-1``."""

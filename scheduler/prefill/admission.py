@@ -4,8 +4,10 @@ Requests and aborts arrive on a thread-safe inbox (the only state another thread
 Admitting a request gives it an *admission number* — the same on every rank, since every rank
 admits the same requests in the same order — which names it in the ranks' agreement on what to
 poll and in the deadline heap. A request is refused (``rejected``, 400) when its prompt can never
-fit the KV pool or is empty, when its id is live (it never enters the lifecycle: ids are its
-keys) or when its bootstrap room is held by a live request or a sender not yet cleared.
+fit the KV pool or is empty, when its sampling cannot be honoured (``vet``: no logits, no
+grammar backend, a grammar that does not compile), when its id is live (it never enters the
+lifecycle: ids are its keys) or when its bootstrap room is held by a live request or a sender
+not yet cleared.
 Otherwise it gets its KV sender — from the fake backend for the bootstrap host ``2.2.2.2``,
 SGLang's warm-up path — and a bootstrap deadline.
 
@@ -60,8 +62,11 @@ class Admission:
         clock: Callable[[], float],
         metrics: SchedulerMetrics,
         respond: Callable[[Response], None],
+        vet: Callable[[PrefillRequest], str] = lambda _req: "",
     ) -> None:
+        """``vet(req)`` says why a request's sampling is refused ("" when it is not)."""
         self.lifecycle = lifecycle
+        self._vet = vet
         self.config = config
         self.num_pages = num_pages
         self.managers = tuple(m for m in (kv, fake_kv) if m is not None)
@@ -109,7 +114,7 @@ class Admission:
         self._next += 1
         self._by_seq[seq] = req
         self._seq_of[req.rid] = seq
-        why = self._never_fits(req)
+        why = self._never_fits(req) or self._vet(req)
         manager = self.manager_for(req)
         key = (id(manager), req.bootstrap_room)
         if not why and key in self._rooms:

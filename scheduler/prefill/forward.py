@@ -7,7 +7,9 @@ runs the forward: inline in the normal loop, on a :class:`Device` in the overlap
 a non-last chunk go to the sender (a partial page waits for the next chunk); a last chunk writes
 the metadata row and sends the rest — and returns what the pass must fire. A forward that
 raised defers an ``internal`` failure on each of its requests; whatever was deferred settles as
-the last batch holding a request lands.
+the last batch holding a request lands. A batch with requests that sample or want logprobs runs
+a :class:`~scheduler.sample.batch.LogitsForward` instead of ``runner.forward``
+(:mod:`.sampling`); its per-item results are read here, after the forward's result.
 
 The device is injectable. :class:`DeviceWorker`, the default, is one thread (on CUDA it also
 launches on its own stream, so the next batch's kernels queue behind the running ones without
@@ -30,6 +32,7 @@ from kv.metadata import MetadataBuffers
 from kv.pages import pages_needed
 from kv.pool import KVPool
 from lifecycle import FailureReason, PrefillRequest
+from scheduler.messages import TokenLogprob
 from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import sender_of
 from scheduler.prefill.metrics import SchedulerMetrics
@@ -39,7 +42,9 @@ from scheduler.prefill.on_device import (
     put_on_device,
     take_off_device,
 )
+from scheduler.prefill.sampling import PrefillSampling
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+from scheduler.sample.batch import LogitsForward
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +94,13 @@ class DeviceWorker:
 @attrs.frozen
 class Launched:
     """A batch whose forward was started: its result is ``job``'s, or ``tokens``/``error``
-    when it ran inline."""
+    when it ran inline. ``sampled`` holds the per-item results of a sampling forward."""
 
     plan: Plan
     job: DeviceJob | None
     tokens: list[int] | None
     error: BaseException | None = None
+    sampled: LogitsForward | None = None
 
     def outcome(self) -> tuple[list[int] | None, BaseException | None]:
         """Wait for the forward; (tokens, None) or (None, the error it raised)."""
@@ -131,14 +137,17 @@ def prepare(plan: Plan, pool: KVPool, page_size: int) -> ForwardBatch:
     return ForwardBatch(tuple(items))
 
 
-def start(plan: Plan, batch: ForwardBatch, runner: ModelRunner, device: Device | None) -> Launched:
-    """Run the forward of ``batch`` on ``device``, or inline when there is none."""
+def start(plan: Plan, batch: ForwardBatch, runner: ModelRunner, device: Device | None,
+          sampled: LogitsForward | None = None) -> Launched:
+    """Run the forward of ``batch`` (``sampled`` when given, else ``runner.forward``) on
+    ``device``, or inline when there is none."""
+    forward = runner.forward if sampled is None else sampled
     if device is not None:
-        return Launched(plan, device.submit(runner.forward, batch), None)
+        return Launched(plan, device.submit(forward, batch), None, sampled=sampled)
     try:
-        return Launched(plan, None, runner.forward(batch))
+        return Launched(plan, None, forward(batch), sampled=sampled)
     except Exception as exc:  # the batch's requests fail; the loop goes on
-        return Launched(plan, None, None, exc)
+        return Launched(plan, None, None, exc, sampled)
 
 
 @attrs.frozen
@@ -148,6 +157,8 @@ class Landed:
     chunk_done: list[PrefillRequest] = attrs.Factory(list)
     prefilled: list[PrefillRequest] = attrs.Factory(list)
     settle: list[PrefillRequest] = attrs.Factory(list)
+    # Requests whose grammar rejected their first token, and the error (fail them, 500).
+    rejected: list[tuple[PrefillRequest, str]] = attrs.Factory(list)
 
 
 class Results:
@@ -155,11 +166,13 @@ class Results:
 
     def __init__(
         self, pool: KVPool, page_size: int, metadata: MetadataBuffers, metrics: SchedulerMetrics,
+        sampling: PrefillSampling,
     ) -> None:
         self._pool = pool
         self._page_size = page_size
         self._metadata = metadata
         self._metrics = metrics
+        self._sampling = sampling
         self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
 
     def land(self, launched: Launched) -> Landed:
@@ -178,6 +191,7 @@ class Results:
             self._metrics.batches.inc()
             self._metrics.prefill_tokens.inc(launched.plan.num_tokens)
         out = Landed()
+        results = None if launched.sampled is None else launched.sampled.results
         for i, chunk in enumerate(chunks):
             req = chunk.req
             due = take_off_device(req)
@@ -188,19 +202,28 @@ class Results:
                     out.settle.append(req)
                 continue
             assert tokens is not None  # a failed forward deferred a failure on every request
+            logprob = None
+            if results is not None:
+                rejected = self._sampling.land(req, chunk.last, results[i])
+                if rejected:
+                    out.rejected.append((req, rejected))
+                    continue
+                logprob = results[i].sampled.logprob
             if chunk.last:
-                self._send_last(req, tokens[i])
+                self._send_last(req, tokens[i], logprob)
                 out.prefilled.append(req)
             else:
                 self._send_full_pages(req)
                 out.chunk_done.append(req)
         return out
 
-    def _send_last(self, req: PrefillRequest, token: int) -> None:
+    def _send_last(self, req: PrefillRequest, token: int, logprob: TokenLogprob | None) -> None:
         sender = sender_of(req)
         assert sender is not None and req.slot is not None
         req.first_token = token
-        self._metadata.write(req.slot, token, req.cached, None, req.bootstrap_room)
+        self._metadata.write(req.slot, token, req.cached,
+                             None if logprob is None else logprob.logprob, req.bootstrap_room,
+                             () if logprob is None else logprob.top)
         pages = req.pages[req.sent // self._page_size :]
         req.sent = req.computed
         sender.send(pages, True)

@@ -2,7 +2,8 @@
 
 - **plan** — :meth:`PrefixCache.match` gives the longest cached prefix of a waiting request
   (whole pages, and never the whole prompt: the last token is always computed, since its
-  logits give the first output token). The adder counts only the uncached tokens against its
+  logits give the first output token; nor a position whose logits score a prompt token the
+  request wants the logprob of). The adder counts only the uncached tokens against its
   budgets, and free plus evictable pages against the pool; ``lpm`` orders the waiting queue by
   match length (:meth:`PrefixCache.begin_pass`) and leaves for the next pass a request whose
   prefix the batch is about to compute (:meth:`PrefixCache.lookup`).
@@ -32,6 +33,7 @@ from kv.radix import Match, PrefixHold, RadixCache
 from lifecycle import PrefillRequest, PrefillState
 from scheduler.prefill.adder import Chunk
 from scheduler.prefill.metrics import PrefixCacheMetrics
+from scheduler.sample.logprobs import first_scored_position, wants_input_logprobs
 
 # lpm looks every waiting request up; past this many it orders by arrival, as SGLang does, so
 # a pass stays cheap under a long queue.
@@ -65,9 +67,17 @@ class PrefixCache:
         compute; looked up once per pass."""
         found = self._matches.get(req.rid)
         if found is None:
-            limit = (len(req.input_ids) - 1) // self.page_size
-            found = self._matches[req.rid] = self.tree.match(req.input_ids, max_pages=limit)
+            found = self._matches[req.rid] = self.tree.match(req.input_ids,
+                                                             max_pages=self._limit(req))
         return found
+
+    def _limit(self, req: PrefillRequest) -> int:
+        """The most pages of ``req``'s prompt a match may cover: never its last token, and
+        never a position whose logits score a prompt token it wants the logprob of."""
+        computed_from = len(req.input_ids) - 1
+        if wants_input_logprobs(req.sampling, len(req.input_ids)):
+            computed_from = min(computed_from, first_scored_position(req.sampling))
+        return computed_from // self.page_size
 
     def lookup(self, req: PrefillRequest, batch: Sequence[PrefillRequest]) -> Match | None:
         """The adder's lookup: ``req``'s match, or None under ``lpm`` when a request of
@@ -76,7 +86,7 @@ class PrefixCache:
         found = self.match(req)
         if self.policy != "lpm" or not batch:
             return found
-        limit = (len(req.input_ids) - 1) // self.page_size
+        limit = self._limit(req)
         shared = max(_common_pages(req.input_ids, other.input_ids, self.page_size, limit)
                      for other in batch)
         if (shared - len(found.pages)) * self.page_size >= IN_BATCH_MIN_TOKENS:

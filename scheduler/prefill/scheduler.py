@@ -71,7 +71,9 @@ from scheduler.prefill.metrics import SchedulerMetrics
 from scheduler.prefill.on_device import defer_failure, failure_deferred, settle_failure
 from scheduler.prefill.prefix import PrefixCache
 from scheduler.prefill.readiness import Deadlines, Readiness, SlotQueue
+from scheduler.prefill.sampling import PrefillSampling
 from scheduler.runner import ModelRunner
+from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.stepping import step_until
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class PrefillScheduler:
     """The prefill side of one rank. Not thread-safe except :meth:`submit` and :meth:`abort`.
 
     ``overlap`` selects the overlap loop; its forwards run on ``device`` (default: a
-    :class:`~.forward.DeviceWorker` thread on the pool's device).
+    :class:`~.forward.DeviceWorker` thread on the pool's device). ``compiler`` compiles the
+    grammars of structured-output requests (None: such requests are refused).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class PrefillScheduler:
         metrics: SchedulerMetrics | None = None,
         overlap: bool = False,
         device: Device | None = None,
+        compiler: ConstraintCompiler | None = None,
     ) -> None:
         _check_arguments(config, runner, overlap, device)
         self.config, self.runner, self.pool = config, runner, runner.pool
@@ -118,16 +122,18 @@ class PrefillScheduler:
             clock=clock, check=config.check_invariants,
         )
         self._deadlines = Deadlines()
+        self._sampling = PrefillSampling(runner, compiler)
         self._admission = Admission(
             lifecycle=self.lifecycle, config=config, num_pages=self.pool.num_pages, kv=kv,
             fake_kv=fake_kv, arm_deadline=self._deadlines.arm, clock=clock,
-            metrics=self.metrics, respond=self._emit,
+            metrics=self.metrics, respond=self._emit, vet=self._sampling.admit,
         )
         self._readiness = Readiness(
             admission=self._admission, deadlines=self._deadlines, ranks=self.ranks, config=config,
         )
         self._slot_queue = SlotQueue()
-        self._results = Results(self.pool, config.page_size, metadata, self.metrics)
+        self._results = Results(self.pool, config.page_size, metadata, self.metrics,
+                                self._sampling)
         self._releaser = Releaser(self.pool, slots, metadata)
         self.prefix = (PrefixCache(self.pool, self.metrics.prefix, config.schedule_policy)
                        if config.radix_cache else None)
@@ -329,10 +335,11 @@ class PrefillScheduler:
         if self.prefix is not None:
             self.prefix.admit([(c.req, c.prefix) for c in plan.chunks if c.prefix is not None],
                               sum(c.new_pages for c in plan.chunks))
-        batch = prepare(plan, self.pool, self.config.page_size)
+        batch, sampled = self._sampling.forward_for(
+            plan, prepare(plan, self.pool, self.config.page_size))
         self.lifecycle.fire(PrefillEvent.SCHEDULE, new)
         self._max_prefill_bs = max(self._max_prefill_bs, len(plan.chunks))
-        return start(plan, batch, self.runner, self._device)
+        return start(plan, batch, self.runner, self._device, sampled)
 
     def _land(self, launched: Launched) -> None:
         landed = self._results.land(launched)
@@ -345,6 +352,8 @@ class PrefillScheduler:
             self._deadlines.arm(req, self._admission.seq_of(req), deadline)
         for req in landed.settle:
             self._settle(req)
+        for req, grammar_error in landed.rejected:
+            self._fail(req, FailureReason.INTERNAL, grammar_error)
 
     # -- release and respond (lifecycle hooks) ----------------------------------------------
 
@@ -361,9 +370,10 @@ class PrefillScheduler:
         self.metrics.on_finished(req)
         state = req.state
         assert isinstance(state, PrefillState)
+        output_logprob, input_logprobs = self._sampling.take(req.rid, state is S.DONE)
         self._emit(Response(
             req.rid, state, req.reason, req.detail, req.first_token, len(req.input_ids),
-            tuple(req.timeline), req.cached,
+            tuple(req.timeline), req.cached, output_logprob, input_logprobs,
         ))
 
     def _emit(self, response: Response) -> None:

@@ -1,0 +1,117 @@
+"""Sampling on the decode side: each step's tokens, the first token's row, grammars, stop strings.
+
+The decode peer admits a request's sampling as the prefill side does
+(:mod:`scheduler.sample.request`: what it cannot honour is refused, 400), and also stop
+strings, which need ``detokenize``. Then, per request that needs more than greedy ``forward``:
+
+- the **first token** comes from the metadata row with its logprob and top alternatives; it is
+  fed to the request's own constraint (compiled from the same spec as the prefill side's);
+- each **decode step** runs ``runner.logits`` and the sampler when any request of the batch
+  samples or wants logprobs (else ``runner.forward``, as before); output position ``i`` draws
+  the ``i``-th number of the request's seeded stream, the prefill side having drawn position 0;
+- after each token the constraint accepts it (a rejection fails the request, 500, naming the
+  grammar error; a completed grammar stops the answer) and the tail of the decoded output that
+  can hold a new match is searched for the stop strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kv.metadata import MetadataRow
+from lifecycle import DecodeRequest
+from scheduler.messages import TokenLogprob
+from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
+from scheduler.sample.batch import ItemPlan, LogitsForward
+from scheduler.sample.constraint import ConstraintCompiler, GrammarError
+from scheduler.sample.request import Detokenize, RequestSampling, Sampling, SamplingRefused
+from scheduler.sample.sampler import Sampled
+
+
+class DecodeSampling:
+    """The sampling state of the decode peer's live requests, by request id."""
+
+    def __init__(self, runner: ModelRunner, compiler: ConstraintCompiler | None = None,
+                 detokenize: Detokenize | None = None) -> None:
+        self._runner = runner
+        self._sampling = Sampling(runner, compiler, detokenize, stop_strings=True)
+        self._detokenize = detokenize
+        self._states: dict[str, RequestSampling] = {}
+
+    def admit(self, req: DecodeRequest) -> str:
+        """Why ``req`` is refused (400), or "" when it is admitted."""
+        try:
+            state = self._sampling.admit(req.rid, req.sampling, req.bootstrap_room,
+                                         req.input_ids)
+        except SamplingRefused as exc:
+            return str(exc)
+        if state is not None:
+            self._states[req.rid] = state
+        return ""
+
+    def first(self, req: DecodeRequest, row: MetadataRow) -> str:
+        """Take the first output token (already appended) from its metadata row; the grammar's
+        error when it rejects the token, else ""."""
+        state = self._states.get(req.rid)
+        if state is None:
+            return ""
+        if state.params.return_logprob:
+            state.output_logprobs.append(TokenLogprob(row.first_token, row.logprob, row.top))
+        return self._after(req, state)
+
+    def step(self, reqs: Sequence[DecodeRequest],
+             batch: ForwardBatch) -> tuple[list[int], list[Sampled] | None]:
+        """One decode step's tokens, with what the sampler says of each (None: the batch ran
+        the runner's greedy ``forward``)."""
+        states = [self._states.get(r.rid) for r in reqs]
+        if not any(s is not None and not s.params.plain for s in states):
+            return self._runner.forward(batch), None
+        assert isinstance(self._runner, LogitsRunner)  # admission refused it otherwise
+        forward = LogitsForward(self._runner, [
+            ItemPlan() if s is None else ItemPlan(s.row(len(r.output_ids)))
+            for r, s in zip(reqs, states, strict=True)])
+        tokens = forward(batch)
+        assert forward.results is not None
+        return tokens, [r.sampled for r in forward.results]
+
+    def landed(self, req: DecodeRequest, sampled: Sampled | None) -> str:
+        """Take a decode step's token (already appended); the grammar's error when it rejects
+        the token, else ""."""
+        state = self._states.get(req.rid)
+        if state is None:
+            return ""
+        if sampled is not None and sampled.logprob is not None:
+            state.output_logprobs.append(sampled.logprob)
+        return self._after(req, state)
+
+    def _after(self, req: DecodeRequest, state: RequestSampling) -> str:
+        token = req.output_ids[-1]
+        try:
+            state.accept(token)
+        except GrammarError as exc:
+            return f"the grammar rejected output token {token}: {exc}"
+        stops = req.sampling.stop
+        if stops and state.matched_stop is None and self._detokenize is not None:
+            # A new match ends in the newest token's text: decode only the tokens it can span.
+            longest = max(len(s) for s in stops)
+            tail = self._detokenize(req.output_ids[-(longest + 1):])
+            state.matched_stop = next((s for s in stops if s in tail), None)
+        return ""
+
+    def stopped(self, req: DecodeRequest) -> bool:
+        """Whether the request's grammar completed or its output holds a stop string."""
+        state = self._states.get(req.rid)
+        return state is not None and (state.grammar_done or state.matched_stop is not None)
+
+    def take(self, req: DecodeRequest,
+             finish_reason: str) -> tuple[tuple[TokenLogprob, ...], int | str | None]:
+        """Forget the request (it is answered); its output logprobs and what matched its stop:
+        a stop token id, a stop string, or None."""
+        state = self._states.pop(req.rid, None)
+        if finish_reason != "stop" or not req.output_ids:
+            matched: int | str | None = None
+        elif req.output_ids[-1] in req.sampling.stop_token_ids:
+            matched = req.output_ids[-1]
+        else:
+            matched = None if state is None else state.matched_stop
+        return (() if state is None else tuple(state.output_logprobs)), matched

@@ -1,0 +1,108 @@
+"""One request's sampling on one side: what admission checks, and the state a side keeps.
+
+Both the prefill scheduler and the decode peer admit a request through
+:meth:`Sampling.admit`: a request whose sampling the side cannot honour is refused (a reason
+that maps to 400), never served greedily instead — it needs logits and the runner has none, or
+a grammar and the side has no compiler, or a grammar that does not compile, or stop strings and
+the side cannot detokenize. A request that needs more than a runner's greedy ``forward`` gets a
+:class:`RequestSampling`: its stream's seed, its compiled constraint, and the logprobs gathered
+so far. The side keeps it by request id until the request is answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from lifecycle import SamplingParams
+from scheduler.messages import TokenLogprob
+from scheduler.runner import LogitsRunner, ModelRunner
+from scheduler.sample.constraint import Constraint, ConstraintCompiler, GrammarError
+from scheduler.sample.logprobs import first_entries, wants_input_logprobs
+from scheduler.sample.sampler import RowSpec
+from scheduler.sample.stream import request_seed
+
+#: Turns output token ids into text (for stop strings).
+Detokenize = Callable[[Sequence[int]], str]
+
+
+class SamplingRefused(ValueError):
+    """A request's sampling this side cannot honour; the message says why (answered 400)."""
+
+
+@attrs.define(eq=False)
+class RequestSampling:
+    """A request's seed, constraint and logprobs on one side."""
+
+    params: SamplingParams
+    seed: int
+    constraint: Constraint | None = None
+    input_logprobs: list[TokenLogprob] = attrs.Factory(list)
+    output_logprobs: list[TokenLogprob] = attrs.Factory(list)
+    # The stop string the decoded output contains (the decode side stops on it).
+    matched_stop: str | None = None
+    # The constraint is complete: the answer stops.
+    grammar_done: bool = False
+
+    def row(self, position: int) -> RowSpec:
+        """The spec of output position ``position``'s row (the constraint's mask now)."""
+        mask = None if self.constraint is None else self.constraint.allowed()
+        return RowSpec(self.params, self.seed, position, mask)
+
+    def accept(self, token: int) -> None:
+        """Feed ``token`` to the constraint (``grammar_done`` says whether it is now complete).
+        Raises :class:`GrammarError` when it rejects the token."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
+            self.grammar_done = self.constraint.finished()
+
+
+def needs_logits(params: SamplingParams, prompt_len: int) -> bool:
+    """Whether a request needs a runner's logits, not only its greedy ``forward``."""
+    return not params.plain or wants_input_logprobs(params, prompt_len)
+
+
+class Sampling:
+    """A side's admission of sampling: refuses what it cannot honour, prepares the rest."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        compiler: ConstraintCompiler | None = None,
+        detokenize: Detokenize | None = None,
+        *,
+        stop_strings: bool = False,
+    ) -> None:
+        """``stop_strings``: this side matches stop strings (the decode peer), so they need
+        ``detokenize``."""
+        self.logits = isinstance(runner, LogitsRunner)
+        self.compiler = compiler
+        self.detokenize = detokenize
+        self._stop_strings = stop_strings
+
+    def admit(self, rid: str, params: SamplingParams, room: int,
+              prompt: Sequence[int]) -> RequestSampling | None:
+        """The request's sampling state, or None when greedy ``forward`` serves it alone.
+        Raises :class:`SamplingRefused`."""
+        if needs_logits(params, len(prompt)) and not self.logits:
+            raise SamplingRefused(
+                f"request {rid!r}: sampling, logprobs and grammars need a model runner that "
+                f"returns logits; this one serves only greedy requests without logprobs")
+        if self._stop_strings and params.stop and self.detokenize is None:
+            raise SamplingRefused(f"request {rid!r}: stop strings need a tokenizer to decode "
+                                  f"the output, and this server has none")
+        constraint = None
+        if params.grammar is not None:
+            if self.compiler is None:
+                raise SamplingRefused(f"request {rid!r}: this server has no grammar backend "
+                                      f"for {params.grammar.kind} constraints")
+            try:
+                constraint = self.compiler.compile(params.grammar)
+            except GrammarError as exc:
+                raise SamplingRefused(f"request {rid!r}: the {params.grammar.kind} grammar "
+                                      f"does not compile: {exc}") from exc
+        if not needs_logits(params, len(prompt)) and not (self._stop_strings and params.stop):
+            return None
+        return RequestSampling(params, request_seed(params, room), constraint,
+                               first_entries(params, prompt))

@@ -1,0 +1,113 @@
+"""The sampler: one row of logits per request becomes its next token (and, when asked, its logprob).
+
+Per row, in order:
+
+1. **mask** — a constraint's allowed tokens (a mask that allows nothing is not applied: the
+   constraint then rejects whatever comes, and the request fails naming its grammar);
+2. **greedy** (``SamplingParams.greedy``) — the lowest id of the maximum, the rule
+   ``fixed_point.greedy_token_ids`` and ``torch.argmax`` follow, so greedy over a runner's
+   logits is its ``forward``;
+3. otherwise **sample** — ``softmax(logits / temperature)`` in float64 on the CPU; tokens in
+   the order (probability descending, id ascending); kept: the first ``top_k`` (0: all), the
+   smallest prefix whose mass reaches ``top_p`` (at least one token), those with probability
+   at least ``min_p`` times the largest. Each filter keeps a prefix of the order, so together
+   they keep the shortest of the three. The token is the first kept one whose cumulative mass
+   exceeds ``u * total`` (``total``: the kept mass, i.e. renormalised), ``u`` the draw of the
+   row's output position in the request's seeded stream (:mod:`.stream`).
+
+Rows that are greedy with nothing else asked take the argmax on the device and skip the rest.
+:class:`RowSpec` is immutable (the mask is computed before the forward starts), so sampling can
+run on the device thread as part of the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from lifecycle import SamplingParams
+from scheduler.messages import TokenLogprob
+from scheduler.sample.logprobs import scaled, top_tokens
+from scheduler.sample.stream import uniform
+
+
+@attrs.frozen(eq=False)
+class RowSpec:
+    """How one row of logits becomes a token: the request's parameters, its stream's seed, the
+    output position drawn, and the tokens a constraint allows (None: any)."""
+
+    params: SamplingParams
+    seed: int = 0
+    position: int = 0
+    mask: torch.Tensor | None = None
+
+    @property
+    def argmax_only(self) -> bool:
+        return self.params.greedy and not self.params.return_logprob and self.mask is None
+
+
+@attrs.frozen
+class Sampled:
+    """A row's token, and its logprob when the request asked (``return_logprob``)."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+
+
+def sample(logits: torch.Tensor, specs: Sequence[RowSpec]) -> list[Sampled]:
+    """One token per row of ``logits`` (``[len(specs), vocab]``, any float dtype and device)."""
+    if logits.shape[0] != len(specs):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(specs)} requests")
+    out: list[Sampled | None] = [None] * len(specs)
+    fast = [i for i, s in enumerate(specs) if s.argmax_only]
+    if fast:
+        picked = logits[fast].argmax(-1).tolist() if len(fast) < len(specs) else (
+            logits.argmax(-1).tolist())
+        for i, token in zip(fast, picked, strict=True):
+            out[i] = Sampled(int(token))
+    rest = [i for i, s in enumerate(specs) if not s.argmax_only]
+    if rest:
+        rows = logits[rest].to("cpu", torch.float64)
+        for j, i in enumerate(rest):
+            out[i] = _sample_row(rows[j], specs[i])
+    return [s for s in out if s is not None]
+
+
+def _sample_row(row: torch.Tensor, spec: RowSpec) -> Sampled:
+    params = spec.params
+    mask = spec.mask
+    if mask is not None and bool(mask.any()):
+        row = row.masked_fill(~mask.to(row.device), -float("inf"))
+    if params.greedy:
+        token = int(row.argmax())
+    else:
+        token = _draw(row, params, uniform(spec.seed, spec.position))
+    if not params.return_logprob:
+        return Sampled(token)
+    logprobs = torch.log_softmax(scaled(row, params), -1)
+    top = top_tokens(logprobs[None], params.top_logprobs_num)[0]
+    return Sampled(token, TokenLogprob(token, float(logprobs[token]), top))
+
+
+def _draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:
+    probs = torch.softmax(row / params.temperature, -1)
+    # Stable on equal probabilities: the lower id first.
+    ordered, ids = probs.sort(descending=True, stable=True)
+    mass = ordered.cumsum(0)
+    keep = int((mass - ordered < params.top_p).sum())
+    if params.top_k:
+        keep = min(keep, params.top_k)
+    if params.min_p > 0.0:
+        keep = min(keep, int((ordered >= params.min_p * ordered[0]).sum()))
+    keep = max(keep, 1)
+    kept = mass[:keep]
+    index = int(torch.searchsorted(kept, u * float(kept[-1]), right=True))
+    return int(ids[min(index, keep - 1)])
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The greedy token of each row (the lowest id of the maximum)."""
+    ids: list[int] = logits.argmax(-1).tolist()
+    return ids
