@@ -15,7 +15,11 @@ The server is stdlib ``ThreadingHTTPServer`` in a daemon thread; it binds loopba
 otherwise and port 0 picks a free port. Bodies are size-limited JSON validated field by field: a
 bad request gets a 4xx with a reason and changes nothing, and never ends the server. With a shared
 token, every route but ``/health`` requires ``Authorization: Bearer <token>`` (constant-time
-compare).
+compare); a refused peer is logged with its address (the first time, then every 100th) and
+counted (:attr:`BootstrapServer.unauthorized`). ``GET /route`` also says whether this endpoint
+requires a token (``token_required``), so a decode peer whose token is useless here (prefill
+would never check it, and decode would drop prefill's unauthenticated statuses) refuses to
+register instead of failing every room at its timeout.
 """
 
 from __future__ import annotations
@@ -88,11 +92,17 @@ class RankInfo:
 
 @attrs.frozen
 class PrefillInfo:
-    """What ``GET /route`` tells a decode peer: every rank, and the shared geometry."""
+    """What ``GET /route`` tells a decode peer: every rank, the shared geometry, and whether the
+    endpoint requires a peer token."""
 
     page_size: int
     kv_dtype: str
     ranks: tuple[RankInfo, ...]
+    token_required: bool = False
+
+
+#: A refused peer is logged the first time and then every this many refusals (all are counted).
+_LOG_EVERY = 100
 
 
 class BootstrapServer:
@@ -113,6 +123,7 @@ class BootstrapServer:
         self._lock = threading.Lock()
         self._ranks: dict[int, RankInfo] = {}
         self._refusal_listeners: list[Callable[[int, str], None]] = []
+        self._unauthorized = 0
         self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
@@ -141,11 +152,27 @@ class BootstrapServer:
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
+    @property
+    def unauthorized(self) -> int:
+        """Requests refused for a missing or wrong token since the server started."""
+        with self._lock:
+            return self._unauthorized
+
     def _authorized(self, header: str | None) -> bool:
         if self._token is None:
             return True
         want = f"Bearer {self._token}".encode()
-        return header is not None and hmac.compare_digest(header.encode("latin-1"), want)
+        got = (header or "").encode("latin-1", "replace")
+        return hmac.compare_digest(got, want)
+
+    def _refused_peer(self, peer: str, method: str, path: str) -> None:
+        with self._lock:
+            self._unauthorized += 1
+            n = self._unauthorized
+        if n == 1 or n % _LOG_EVERY == 0:
+            logger.warning(
+                "refused %s %s from %s: missing or wrong peer token (refusal %d; both workers "
+                "need the same --peer-token-file or PDLIFE_PEER_TOKEN)", method, path, peer, n)
 
     def _register(self, info: RankInfo) -> tuple[int, str]:
         with self._lock:
@@ -190,7 +217,7 @@ class BootstrapServer:
                 }
             ranks = [attrs.asdict(self._ranks[r]) for r in sorted(self._ranks)]
         return 200, {"page_size": ranks[0]["page_size"], "kv_dtype": ranks[0]["kv_dtype"],
-                     "ranks": ranks}
+                     "ranks": ranks, "token_required": self._token is not None}
 
 
 def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
@@ -212,12 +239,21 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
         def _path(self) -> str:
             return self.path.split("?", 1)[0]
 
+        def _authorized(self) -> bool:
+            """True when the peer sent the token; otherwise answers 401 and counts it."""
+            if server._authorized(self.headers.get("Authorization")):
+                return True
+            server._refused_peer(f"{self.client_address[0]}:{self.client_address[1]}",
+                                 self.command, self._path())
+            self._reply(401, {"error": "missing or wrong peer token"})
+            return False
+
         def do_GET(self) -> None:
             path = self._path()
             if path == "/health":
                 self._reply(200, "OK")
-            elif not server._authorized(self.headers.get("Authorization")):
-                self._reply(401, {"error": "missing or wrong token"})
+            elif not self._authorized():
+                pass
             elif path == "/route":
                 self._reply(*server._table())
             else:
@@ -232,8 +268,7 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
                 self._reply(400, {"error": f"Content-Length must be 0..{_MAX_BODY}"})
                 return None
             raw = self.rfile.read(int(length_header))
-            if not server._authorized(self.headers.get("Authorization")):
-                self._reply(401, {"error": "missing or wrong token"})
+            if not self._authorized():
                 return None
             if self._path() != route:
                 self._reply(404, {"error": f"no route {self._path()}"})
@@ -290,7 +325,8 @@ class BootstrapClient:
             table = json.loads(body)
             ranks = tuple(RankInfo.from_json(r) for r in table["ranks"])
             return PrefillInfo(
-                page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks
+                page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks,
+                token_required=table.get("token_required") is True,
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise BootstrapError(self.addr, 200, f"unreadable route table: {exc}") from None

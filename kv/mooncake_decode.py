@@ -39,6 +39,7 @@ from kv.mooncake_engine import (
     IncompatiblePeerError,
     MooncakeConfig,
     MooncakeError,
+    PeerAuthError,
     kv_dtype_name,
     push_socket,
 )
@@ -133,10 +134,21 @@ class MooncakeDecodeManager:
                 table = client.lookup()
                 break
             except BootstrapError as exc:
+                if exc.status == 401:
+                    raise PeerAuthError(
+                        f"prefill bootstrap {bootstrap_addr} refused this decode's peer token "
+                        f"({'none was sent' if self.config.token is None else 'a wrong one'}): "
+                        "start both workers with the same --peer-token-file or "
+                        "PDLIFE_PEER_TOKEN") from exc
                 if exc.status not in (0, 503) or time.monotonic() >= deadline:
                     raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
                 if self._stop.wait(0.05):  # closing
                     raise MooncakeError("prefill bootstrap lookup stopped: closing") from exc
+        if self.config.token is not None and not table.token_required:
+            raise PeerAuthError(
+                f"prefill at {bootstrap_addr} does not authenticate its peers but this decode "
+                "has a peer token (it would drop prefill's unauthenticated statuses): start "
+                "both workers with the same --peer-token-file or PDLIFE_PEER_TOKEN")
         dtype = kv_dtype_name(self.pool)
         if table.page_size != self.pool.page_size or table.kv_dtype != dtype:
             raise IncompatiblePeerError(

@@ -36,6 +36,11 @@ class IncompatiblePeerError(MooncakeError):
     """The prefill server's page size or KV dtype differs from the decode pool's."""
 
 
+class PeerAuthError(MooncakeError):
+    """The prefill server refused this side's peer token, or the two sides disagree on whether
+    peers authenticate; the fix is the same token on both workers."""
+
+
 @attrs.frozen
 class MooncakeConfig:
     """Engine and control-plane settings of one side."""
@@ -56,7 +61,9 @@ class MooncakeConfig:
     # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).
     heartbeat_interval_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
     heartbeat_max_failures: int = attrs.field(default=2, validator=attrs.validators.ge(1))
-    token: str | None = None
+    # The shared peer token: the bootstrap endpoint and every control message require it. Never
+    # in a repr (configs get logged).
+    token: str | None = attrs.field(default=None, repr=False)
     # The engine's log level (Mooncake reads MC_LOG_LEVEL: INFO, WARNING or ERROR), applied when
     # the process environment does not set MC_LOG_LEVEL itself; the engine library reads it once,
     # so the first engine of a process decides. At INFO it logs every connection and segment.

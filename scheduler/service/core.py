@@ -25,7 +25,9 @@ answered; ids are unique among live requests. Rooms of fake-host requests, and o
 of the fake and local backends, are the service's own (no prefill server pairs with them): they
 are replaced by a fresh service-local room.
 
-Drain: :meth:`Service.begin_drain` stops admission; :meth:`Service.wait_drained` returns when
+Load shedding: beyond ``max_queued_requests`` requests that hold no KV pages yet,
+:meth:`Service.start` refuses new ones (:mod:`.shedding`). Drain: :meth:`Service.begin_drain`
+stops admission; :meth:`Service.wait_drained` returns when
 no request is live. A failed engine loop fails every live request (500) and makes the service
 unhealthy for good.
 """
@@ -46,6 +48,7 @@ from kv.local import LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
+from kv.mooncake_engine import PeerAuthError
 from kv.pool import KVPool
 from kv.refusal import RefusalPoster
 from kv.wire import DroppedMessages
@@ -68,8 +71,9 @@ from scheduler.service.config import (
     check_item,
 )
 from scheduler.service.engine_loop import EngineLoop
-from scheduler.service.metrics import DroppedMessagesCollector, ServiceMetrics
+from scheduler.service.metrics import DroppedMessagesCollector, PeerAuthCollector, ServiceMetrics
 from scheduler.service.pending import Pending
+from scheduler.service.shedding import QueueBound
 
 if TYPE_CHECKING:
     from scheduler.service.tracing import LifecycleTracer
@@ -120,6 +124,8 @@ class Service:
         self._streams: dict[str, Pending] = {}
         self._rooms = itertools.count(1)
         self._draining = False
+        self._queue = QueueBound(config.max_queued_requests)
+        self._decode_auth_refused = 0  # prefill servers that refused this decode's peer token
         self._idle = threading.Condition(self._lock)
         self.snapshot: dict[str, Any] = {}
         try:
@@ -130,6 +136,7 @@ class Service:
         engine = self.prefill if self.prefill is not None else self.decode
         self.metrics = ServiceMetrics(engine.metrics.registry if engine is not None else None)
         self.metrics.registry.register(DroppedMessagesCollector(self._dropped_messages))
+        self.metrics.registry.register(PeerAuthCollector(self._peer_auth_failures))
         if tracer is None and config.otlp_traces_endpoint is not None:
             from scheduler.service.tracing import otlp_tracer
 
@@ -184,7 +191,7 @@ class Service:
         if c.backend == "mooncake":
             router = DecodeKVRouter(
                 fake=fake,
-                factory=lambda addr: MooncakeDecodeManager(pool, meta, addr, config=c.mooncake),
+                factory=lambda addr: self._mooncake_decode(pool, meta, addr),
                 refusals=RefusalPoster(token=c.mooncake.token),
             )
         elif c.backend == "local":
@@ -193,6 +200,26 @@ class Service:
             router = DecodeKVRouter(fake=fake)
         self.decode_kv = router
         return router
+
+    def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
+                         addr: str) -> MooncakeDecodeManager:
+        try:
+            return MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake)
+        except PeerAuthError:
+            with self._lock:
+                self._decode_auth_refused += 1
+            raise
+
+    def _peer_auth_failures(self) -> dict[str, int]:
+        """Peers refused for their token: by this prefill's bootstrap endpoint, and prefill
+        servers that refused this decode's."""
+        failures = {}
+        if self.bootstrap is not None:
+            failures["prefill"] = self.bootstrap.unauthorized
+        if self.decode_kv is not None and self.config.backend == "mooncake":
+            with self._lock:
+                failures["decode"] = self._decode_auth_refused
+        return failures
 
     def _dropped_messages(self) -> Iterator[tuple[str, DroppedMessages]]:
         if self.prefill is not None:
@@ -250,7 +277,9 @@ class Service:
               carrier: dict[str, str] | None = None) -> Pending:
         """Register and submit ``item``; the returned Pending's future gets its Answer.
         ``carrier`` holds the caller's trace headers. Must be called on the event loop the
-        handler awaits on."""
+        handler awaits on. Raises :class:`Unavailable` (draining, failed),
+        :class:`BadRequest` (a live rid) or :class:`~.shedding.Overloaded` (both: the queue is
+        at ``max_queued_requests``), having registered nothing."""
         loop = asyncio.get_running_loop()
         sides = {"prefill"} if self.config.role == "prefill" else {"decode"}
         if self.config.role == "both":
@@ -272,6 +301,7 @@ class Service:
             if item.rid in self._pending:
                 raise BadRequest("duplicate_rid", f"request id {item.rid!r} is already live",
                                  rid=item.rid)
+            self._queue.check(len(self._pending), item.rid)
             self._pending[item.rid] = pending
             if stream and self.decode is not None:
                 self._streams[item.rid] = pending
@@ -397,6 +427,7 @@ class Service:
             if pending.waiting_on:
                 return
             del self._pending[item.rid]
+            self._queue.ended()
             self._streams.pop(item.rid, None)
             self._idle.notify_all()
         if self.tracer is not None:
@@ -442,4 +473,6 @@ class Service:
             counts = self.decode.lifecycle.counts()
             requests["decode"] = {s.name.lower(): n for s, n in counts.items()}
             pools["decode"] = _pool_view(self.decode.pool)
+        with self._lock:
+            self._queue.published(requests)
         self.snapshot = {"requests": requests, "kv_pool": pools}

@@ -7,7 +7,7 @@ is one registry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -64,4 +64,23 @@ class DroppedMessagesCollector(Collector):
                 totals[(side, reason)] = totals.get((side, reason), 0) + n
         for (side, reason), n in sorted(totals.items()):
             family.add_metric([side, reason], n)
+        yield family
+
+
+class PeerAuthCollector(Collector):
+    """``pdlife_peer_auth_failures_total{side}``: peers refused for a missing or wrong peer token,
+    read at scrape time. ``prefill``: requests this prefill's bootstrap endpoint answered 401;
+    ``decode``: prefill servers that refused this decode's token (or disagreed on whether peers
+    authenticate) when it tried to register."""
+
+    def __init__(self, sources: Callable[[], Mapping[str, int]]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "pdlife_peer_auth_failures",
+            "Peers refused for a missing or wrong peer token, by side.", labels=["side"],
+        )
+        for side, n in sorted(self._sources().items()):
+            family.add_metric([side], n)
         yield family

@@ -1,8 +1,9 @@
-"""ASGI middleware of the ``pdlife serve`` app: HTTP/2 probes, the body-size limit and the
-HTTP metrics."""
+"""ASGI middleware of the ``pdlife serve`` app: HTTP/2 probes, the API key, the body-size
+limit, ``Retry-After`` on 503 answers and the HTTP metrics."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -38,6 +39,80 @@ class Http2Probe:
             await send({"type": "http.response.body", "body": b""})
             return
         await self.app(scope, receive, send)
+
+
+def _error_response(status: int, kind: str, message: str,
+                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> tuple[Message, Message]:
+    """The start and body messages of an error answer in the API's shape."""
+    data = json.dumps(ErrorBody(error=ErrorDetail(message=message, type=kind)).model_dump())
+    start = {"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+        *headers]}
+    return start, {"type": "http.response.body", "body": data.encode()}
+
+
+#: Routes open without the API key: the health probes (SGLang's router sends them without one).
+OPEN_ROUTES = frozenset({"/health", "/health_generate"})
+
+
+class ApiKey:
+    """Every route but ``open_routes`` requires ``Authorization: Bearer <key>`` (SGLang's
+    ``--api-key``; OpenAI clients send it so). Anything else is answered 401 with the API's error
+    body before the app, or the body limit, reads a byte of the body; the key is compared in
+    constant time."""
+
+    def __init__(self, app: ASGIApp, key: str, on_reject: Callable[[], None],
+                 open_routes: frozenset[str] = OPEN_ROUTES) -> None:
+        if not key:
+            raise ValueError("the API key must not be empty")
+        self.app = app
+        self.key = key.encode()
+        self.on_reject = on_reject
+        self.open_routes = open_routes
+
+    def authorized(self, scope: Scope) -> bool:
+        header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
+        scheme, _, credentials = bytes(header).partition(b" ")
+        # compare_digest on bytes of any length; a wrong scheme still costs the comparison.
+        match = hmac.compare_digest(credentials.strip(), self.key)
+        return match and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("path", "") in self.open_routes
+                or self.authorized(scope)):
+            await self.app(scope, receive, send)
+            return
+        self.on_reject()
+        start, body = _error_response(
+            401, "unauthorized",
+            "missing or wrong API key: send the header Authorization: Bearer <key>",
+            ((b"www-authenticate", b"Bearer"), (b"connection", b"close")))
+        await send(start)
+        await send(body)
+
+
+class RetryAfter:
+    """Adds ``Retry-After`` to every 503 answer that has none: the server is draining, failed
+    or overloaded (:mod:`.shedding`), and a client or router should come back later or go
+    elsewhere."""
+
+    def __init__(self, app: ASGIApp, seconds: int) -> None:
+        self.app = app
+        self.value = str(seconds).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_header(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers") or ())
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"retry-after", self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, with_header)
 
 
 class BodyLimit:
@@ -90,13 +165,11 @@ class BodyLimit:
                 break
             discarded += len(message.get("body", b""))
             more = message.get("more_body", False)
-        body = ErrorBody(error=ErrorDetail(
-            message=f"the request body exceeds {self.limit} bytes", type="body_too_large"))
-        data = json.dumps(body.model_dump()).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": data})
+        start, body = _error_response(
+            413, "body_too_large", f"the request body exceeds {self.limit} bytes",
+            ((b"connection", b"close"),))
+        await send(start)
+        await send(body)
 
 
 class HttpMetrics:

@@ -1,0 +1,101 @@
+"""Load shedding: the bound on queued requests (``--max-queued-requests``, SGLang's flag).
+
+Theory of operation
+-------------------
+A request is *queued* from the moment the service registers it until an engine gives it KV
+pages: on prefill the inbox, BOOTSTRAPPING (the wait for decode's destination counts) and
+WAITING; on decode the inbox, BOOTSTRAPPING and PREALLOC. Requests holding pages are bounded
+already (``--max-running-requests``, the metadata slots, the KV pool); with this bound every
+state has one, so the live requests, and the memory they hold, are bounded too. Beyond it
+:meth:`QueueBound.check` raises :class:`Overloaded`: the request is refused before it is
+registered, so it leaves nothing behind, and the HTTP answer is 503 with ``Retry-After``.
+
+Engine state is read on the engine thread only; the HTTP side sees the counts the service
+publishes after every pass. Between two passes requests may have been given pages (they still
+count as queued: the bound errs on refusing) or have finished (the published counts still list
+them as running, which would err on admitting). So the bound also counts the requests that ended
+since the last publication, and uses
+
+    queued <= live - (running_at_publication - ended_since)
+
+which holds because a request that held pages at the publication still holds them or has ended
+since (lifecycles only move forward). A request is admitted only while this upper bound is below
+the limit, so the limit holds exactly, whatever the timing. The estimate is exact while nothing
+runs (requests waiting for their peer), which is how the tests drive a queue to its bound.
+
+Role ``both`` runs both engines on one request: each side's count of page-holding requests is a
+lower bound on the requests that hold pages, and the larger one is used.
+
+Every method is called with the service's lock held: :meth:`QueueBound.published` and
+:meth:`QueueBound.ended` from the engine thread, :meth:`QueueBound.check` from HTTP handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from scheduler.service.config import BadRequest, Unavailable
+
+#: Seconds a refused client is told to wait (``Retry-After``); a queue drains in about that.
+RETRY_AFTER_S = 1
+
+#: The lifecycle states, per engine, whose requests hold KV pages (what the bound does not count).
+RUNNING_STATES = {
+    "prefill": frozenset({"forward", "transferring"}),
+    "decode": frozenset({"receiving", "decoding"}),
+}
+
+
+class Overloaded(BadRequest, Unavailable):
+    """The queue is at ``--max-queued-requests``: 503 ``overloaded``, try again later.
+
+    It is a refusal with a reason and a status (routes answer it as they answer a
+    :class:`BadRequest`: typed, counted, and told to the request's peer) and an
+    :class:`Unavailable` (for callers that only ask whether the server takes requests now).
+    """
+
+    def __init__(self, queued: int, limit: int, *, rid: str | None = None) -> None:
+        super().__init__(
+            "overloaded",
+            f"the server is overloaded: {queued} requests queued, the limit is {limit} "
+            f"(--max-queued-requests); retry after {RETRY_AFTER_S} s",
+            rid=rid, status=503,
+        )
+        self.retry_after_s = RETRY_AFTER_S
+
+
+class QueueBound:
+    """At most ``limit`` queued requests (None: no bound)."""
+
+    def __init__(self, limit: int | None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None, got {limit}")
+        self.limit = limit
+        self._running = 0
+        self._ended = 0
+
+    def published(self, requests: Mapping[str, Mapping[str, int]]) -> None:
+        """The engines' live requests per state (``{"prefill": {"forward": 2, ...}, ...}``),
+        counted after a pass."""
+        self._running = max(
+            (sum(n for state, n in states.items() if state in RUNNING_STATES[engine])
+             for engine, states in requests.items()),
+            default=0,
+        )
+        self._ended = 0
+
+    def ended(self) -> None:
+        """A live request ended (it is no longer registered)."""
+        self._ended += 1
+
+    def queued(self, live: int) -> int:
+        """An upper bound on the queued requests among ``live`` registered ones."""
+        return live - max(0, self._running - self._ended)
+
+    def check(self, live: int, rid: str) -> None:
+        """Raise :class:`Overloaded` unless one more request fits the bound."""
+        if self.limit is None:
+            return
+        queued = self.queued(live)
+        if queued >= self.limit:
+            raise Overloaded(queued, self.limit, rid=rid)
