@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
-from scheduler.service.config import BadRequest
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.service.config import BadRequest, ServeConfig
+from scheduler.service.core import Service
 from scheduler.service.sampling import NEUTRAL, sampling_params_from
 from scheduler.service.schema import SamplingParamsBody
+from tests.service_harness import asgi_client, run, running_service
 
 
 def mapped(**fields: Any) -> SamplingParams:
@@ -100,3 +106,85 @@ def test_out_of_range_values_are_refused_with_the_field_and_range(
     exc = refused(**fields)
     assert exc.reason == reason
     assert says in str(exc)
+
+
+# -- through /generate ------------------------------------------------------------------------
+
+MODEL = ModelConfig.tiny(seed=3)
+CONFIG = ServeConfig(role="both", backend="local", model=MODEL,
+                     scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16),
+                     pool_pages=64, metadata_slots=8, max_new_tokens_limit=32)
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Service]:
+    with running_service(CONFIG) as s:
+        yield s
+
+
+def post(service: Service, *bodies: dict[str, Any]) -> list[httpx.Response]:
+    async def main() -> list[httpx.Response]:
+        async with asgi_client(service) as client:
+            return [await client.post("/generate", json=b) for b in bodies]
+    answers: list[httpx.Response] = run(main())
+    return answers
+
+
+HTTP_REFUSALS = [
+    ({"temperature": -1}, "invalid_request", "sampling_params.temperature"),
+    ({"top_p": 0}, "invalid_request", "sampling_params.top_p"),
+    ({"top_p": 1.5}, "invalid_request", "sampling_params.top_p"),
+    ({"top_k": 0}, "bad_sampling", "top_k must be -1 (no limit) or >= 1"),
+    ({"top_k": -2}, "invalid_request", "sampling_params.top_k"),
+    ({"min_p": 2}, "invalid_request", "sampling_params.min_p"),
+    ({"stop": 5}, "invalid_request", "sampling_params.stop"),
+    ({"json_schema": "{"}, "bad_grammar", "json_schema is not valid JSON"),
+    ({"regex": "(", "ebnf": "start: \"a\""}, "bad_grammar", "at most one of"),
+    ({"n": 2}, "unsupported", "only n=1 is supported"),
+    ({"frequency_penalty": 0.5}, "unsupported", "sampling_params.frequency_penalty"),
+    ({"logit_bias": {"1": 2.0}}, "unsupported", "sampling_params.logit_bias"),
+    ({"min_new_tokens": 3}, "unsupported", "sampling_params.min_new_tokens"),
+]
+TOP_REFUSALS = [
+    ({"top_logprobs_num": 21}, "invalid_request", "top_logprobs_num"),
+    ({"logprob_start_len": -2}, "invalid_request", "logprob_start_len"),
+    ({"token_ids_logprob": [1, 2]}, "unsupported", "token_ids_logprob"),
+    ({"return_hidden_states": True}, "unsupported", "return_hidden_states"),
+    ({"image_data": "http://x/y.png"}, "unsupported", "image_data"),
+    ({"lora_path": "adapter"}, "unsupported", "lora_path"),
+]
+
+
+@pytest.mark.parametrize(("sampling", "reason", "says"), HTTP_REFUSALS,
+                         ids=[f"{next(iter(s))}-{r}" for s, r, _ in HTTP_REFUSALS])
+def test_generate_refuses_sampling_fields_with_400_naming_them(
+        service: Service, sampling: dict[str, Any], reason: str, says: str) -> None:
+    (r,) = post(service, {"text": "hi", "sampling_params": sampling})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == reason
+    assert says in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("fields", "reason", "says"), TOP_REFUSALS,
+                         ids=[f"{next(iter(s))}-{r}" for s, r, _ in TOP_REFUSALS])
+def test_generate_refuses_top_level_fields_it_cannot_honour(
+        service: Service, fields: dict[str, Any], reason: str, says: str) -> None:
+    (r,) = post(service, {"text": "hi", **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == reason
+    assert says in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_ignored_and_neutral_values_accepted(service: Service) -> None:
+    plain, extra = post(
+        service,
+        {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}},
+        {"input_ids": [5, 6, 7], "router_added": {"x": 1}, "return_hidden_states": False,
+         "sampling_params": {"max_new_tokens": 4, "some_future_field": True, "n": 1,
+                             "frequency_penalty": 0, "presence_penalty": 0.0,
+                             "repetition_penalty": 1, "min_new_tokens": 0, "logit_bias": {},
+                             "top_k": -1, "temperature": 0, "skip_special_tokens": True}},
+    )
+    assert plain.status_code == extra.status_code == 200, (plain.text, extra.text)
+    assert plain.json()["output_ids"] == extra.json()["output_ids"]
+    assert "input_token_logprobs" not in plain.json()["meta_info"]

@@ -71,9 +71,13 @@ def plain_validation_errors(errors: Sequence[Any]) -> list[str]:
     A field whose type is a union (``text``: a string or a list of strings) gets an error from
     every member. Where the value has one member's type and breaks that member's constraint,
     only that error is kept (``max_new_tokens: 0`` says ``>= 1``, not "not a list"); where the
-    value has none of the types, the field gets one message naming them.
+    value has none of the types, the field gets one message naming them. Where the value is an
+    object of a member that is a model (``sampling_params``: a body or a list of them), only
+    that member's errors count, read the same way (``sampling_params.stop: should be one of
+    list[str], str``).
     """
     by_field: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    into_model: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for error in errors:
         loc = list(error.get("loc", ()))[1:]  # drop "body"
         cut = next((i for i, part in enumerate(loc) if _is_union_tag(part)), len(loc))
@@ -81,8 +85,17 @@ def plain_validation_errors(errors: Sequence[Any]) -> list[str]:
         tag = str(loc[cut]) if cut < len(loc) else ""
         where = ".".join([root, *(str(p) for p in loc[cut + 1:] if not _is_union_tag(p))])
         by_field.setdefault(root, []).append((tag, where, error))
+        field = next((p for p in loc[cut + 1:] if not isinstance(p, int)), None)
+        if isinstance(field, str) and not _is_union_tag(field):
+            # A field of the member (of an item of it): the value is that model's object.
+            inner = {**error, "loc": ("body", *loc[:cut], *loc[cut + 1:])}
+            into_model.setdefault(root, {}).setdefault(tag, []).append(inner)
     messages: list[str] = []
     for root, found in by_field.items():
+        models = into_model.get(root, {})
+        if len(models) == 1:
+            messages.extend(plain_validation_errors(next(iter(models.values()))))
+            continue
         tags = sorted({tag for tag, _, _ in found if tag})
         relevant = [(where, e) for _, where, e in found if not _is_type_mismatch(e)]
         if relevant or len(tags) < 2:
