@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from lifecycle.prefill import SamplingParams
+from lifecycle.prefill import DEFAULT_SAMPLING, SamplingParams
 from lifecycle.reasons import FailureReason
 from lifecycle.record import Tracked
 from lifecycle.table import Edge, make_table
@@ -52,7 +52,7 @@ class DecodeRequest(Tracked):
     bootstrap_host: str = attrs.field(default="", kw_only=True)
     bootstrap_port: int = attrs.field(default=0, kw_only=True)
     bootstrap_room: int = attrs.field(default=0, kw_only=True)
-    sampling: SamplingParams = attrs.field(factory=SamplingParams, kw_only=True, repr=False)
+    sampling: SamplingParams = attrs.field(default=DEFAULT_SAMPLING, kw_only=True, repr=False)
     pages: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
     slot: int | None = attrs.field(default=None, kw_only=True)
     receiver: object | None = attrs.field(default=None, kw_only=True, repr=False)

@@ -46,9 +46,10 @@ import collections
 import enum
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
-from transitions import Machine, MachineError
+from transitions import Machine
+from transitions.core import Event, EventData, State, Transition
 
 from lifecycle.binding import Firing, hook_takes_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
@@ -78,10 +79,51 @@ def shared_machine(table: LifecycleTable) -> Machine:
         initial=None,
         auto_transitions=False,
         send_event=True,
-        after_state_change="_after_transition",
+        after_state_change=_machine_moved,
     )
     _MACHINES[id(table)] = (table, machine)
     return machine
+
+
+def _machine_moved(event_data: EventData) -> None:
+    # The machine's after_state_change callback: it has set the state of the request
+    # (``event_data.model``); the lifecycle that owns it does the rest of the move.
+    req = cast(Tracked, event_data.model)
+    owner = req.owner
+    assert owner is not None
+    owner._moved_by_machine(req, event_data.kwargs["firing"])
+
+
+class _Step(Generic[R]):
+    """One edge as one lifecycle fires it: the edge, its guards and hooks, the index buckets it
+    moves requests between, and the shared machine's objects for it (the trigger path)."""
+
+    __slots__ = ("dst_bucket", "edge", "final", "firing", "guards", "hooks", "machine_event",
+                 "machine_source", "src_bucket", "transition")
+
+    def __init__(
+        self,
+        edge: Edge,
+        machine: Machine,
+        src_bucket: dict[str, R],
+        dst_bucket: dict[str, R] | None,
+        hooks: tuple[tuple[str, Hook, bool], ...],
+    ) -> None:
+        self.edge = edge
+        #: The Firing of an event fired without a reason or detail (the common case).
+        self.firing = Firing(edge.event, edge.source, edge.dest)
+        self.guards: tuple[tuple[str, bool], ...] = (
+            *((g, True) for g in edge.conditions), *((g, False) for g in edge.unless)
+        )
+        self.hooks = hooks
+        self.src_bucket = src_bucket
+        #: None for a final destination: the request leaves the index.
+        self.dst_bucket = dst_bucket
+        self.final = dst_bucket is None
+        self.machine_event: Event = machine.events[str(edge.event)]
+        self.machine_source: State = machine.get_state(edge.source)
+        (self.transition,) = self.machine_event.transitions[edge.source.name]
+        assert isinstance(self.transition, Transition)
 
 
 class Lifecycle(Generic[R]):
@@ -122,13 +164,11 @@ class Lifecycle(Generic[R]):
         #: How many guard evaluations firing has made (the fuzzer checks there is one per
         #: guard per request fired at, refusal or not).
         self.guards_evaluated = 0
-        self._edge_hooks: dict[tuple[enum.IntEnum, str], tuple[tuple[str, Hook, bool], ...]] = {
-            (e.source, e.event): tuple((h, given[h], takes[h]) for h in table.hooks_of(e))
-            for e in table.edges
-        }
-        self._edge_guards: dict[tuple[enum.IntEnum, str], tuple[tuple[str, bool], ...]] = {
-            (e.source, e.event): (
-                *((g, True) for g in e.conditions), *((g, False) for g in e.unless)
+        # One step per edge: everything firing it needs, looked up once here.
+        self._steps: dict[tuple[enum.IntEnum, str], _Step[R]] = {
+            (e.source, e.event): _Step(
+                e, self._machine, self._index[e.source], self._index.get(e.dest),
+                tuple((h, given[h], takes[h]) for h in table.hooks_of(e)),
             )
             for e in table.edges
         }
@@ -171,10 +211,10 @@ class Lifecycle(Generic[R]):
         if req.owner is not self:
             return f"request {req.rid!r} is not tracked by this lifecycle"
         assert req.state is not None
-        edge = self.table.lookup.get((req.state, event))
-        if edge is None:
+        step = self._steps.get((req.state, event))
+        if step is None:
             return self._no_edge(req.state, event)
-        return self._refusal(edge, req, self._firing(edge, reason, detail))
+        return self._refusal(step, req, self._firing(step, reason, detail))
 
     # -- admission --------------------------------------------------------------------------
 
@@ -203,18 +243,22 @@ class Lifecycle(Generic[R]):
             raise LifecycleError(f"request {req.rid!r} belongs to another lifecycle")
         state = req.state
         assert state is not None
-        edge = self.table.lookup.get((state, event))
-        if edge is None:
+        step = self._steps.get((state, event))
+        if step is None:
             raise IllegalTransition(req.rid, state, event, self._no_edge(state, event))
-        firing = self._firing(edge, reason, detail)
-        if edge.guarded:
-            why = self._refusal(edge, req, firing)
+        firing = step.firing if reason is None and not detail else self._firing(
+            step, reason, detail
+        )
+        if step.guards:
+            why = self._refusal(step, req, firing)
             if why:
                 raise GuardFailed(req.rid, state, event, why)
-        try:
-            self._machine.events[str(event)].trigger(req, firing=firing)
-        except MachineError:  # pragma: no cover - the edge was looked up above
-            raise IllegalTransition(req.rid, state, event) from None
+        # The library's own transition for this edge: it sets the state and calls back
+        # (_machine_moved) for the rest. Event.trigger would look up again what the step holds.
+        step.transition.execute(
+            EventData(step.machine_source, step.machine_event, self._machine, req, (),
+                      {"firing": firing})
+        )
 
     def fire(
         self,
@@ -232,10 +276,12 @@ class Lifecycle(Generic[R]):
         src = first.state
         if src is None:
             raise LifecycleError(f"request {first.rid!r} was never admitted to a lifecycle")
-        edge = self.table.lookup.get((src, event))
-        if edge is None:
+        step = self._steps.get((src, event))
+        if step is None:
             raise IllegalTransition(first.rid, src, event, self._no_edge(src, event))
-        firing = self._firing(edge, reason, detail)
+        firing = step.firing if reason is None and not detail else self._firing(
+            step, reason, detail
+        )
         for r in reqs:
             if r.state is not src:
                 raise IllegalTransition(
@@ -243,14 +289,14 @@ class Lifecycle(Generic[R]):
                 )
             if r.owner is not self:
                 raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
-        if len({id(r) for r in reqs}) != len(reqs):
+        if len(set(map(id, reqs))) != len(reqs):
             raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
-        if edge.guarded:
+        if step.guards:
             for r in reqs:
-                why = self._refusal(edge, r, firing)
+                why = self._refusal(step, r, firing)
                 if why:
                     raise GuardFailed(r.rid, src, event, why)
-        self._move(reqs, edge, firing)
+        self._move(reqs, step, firing)
 
     def fail(
         self,
@@ -281,8 +327,9 @@ class Lifecycle(Generic[R]):
             return f"table {self.table.name!r} has no such event (its events: {known})"
         return f"{state.name} has no {event!r} edge"
 
-    def _firing(self, edge: Edge, reason: enum.Enum | None, detail: str) -> Firing:
-        if (reason is not None or detail) and edge.dest not in self.table.finals:
+    def _firing(self, step: _Step[R], reason: enum.Enum | None, detail: str) -> Firing:
+        edge = step.edge
+        if (reason is not None or detail) and not step.final:
             raise LifecycleError(
                 f"event {str(edge.event)!r} leads to {edge.dest.name}, not a final state: a "
                 f"reason or detail goes only with an event that ends a request"
@@ -294,10 +341,10 @@ class Lifecycle(Generic[R]):
             )
         return Firing(edge.event, edge.source, edge.dest, reason, detail)
 
-    def _refusal(self, edge: Edge, req: R, firing: Firing) -> str:
+    def _refusal(self, step: _Step[R], req: R, firing: Firing) -> str:
         forms = self._guard_forms[type(req)]
         refused = []
-        for name, wanted in self._edge_guards[(edge.source, edge.event)]:
+        for name, wanted in step.guards:
             method = getattr(req, name)
             self.guards_evaluated += 1
             held = bool(method(firing) if forms[name] else method())
@@ -307,34 +354,48 @@ class Lifecycle(Generic[R]):
 
     def _moved_by_machine(self, req: R, firing: Firing) -> None:
         # The trigger path: the shared machine set the state; the rest is the batch path's.
-        self._move([req], self.table.lookup[(firing.source, firing.event)], firing)
+        self._move([req], self._steps[(firing.source, firing.event)], firing)
 
-    def _move(self, reqs: Sequence[R], edge: Edge, firing: Firing) -> None:
-        now = self.clock()
-        src, dst, event = edge.source, edge.dest, edge.event
-        src_bucket = self._index[src]
-        dst_bucket = self._index.get(dst)
-        by_rid = self._by_rid
-        for r in reqs:
-            del src_bucket[r.rid]
-            r.state = dst
-            r.timeline.append((now, event))
-            if dst_bucket is None:
-                del by_rid[r.rid]
-                if firing.reason is not None:
-                    r.reason = firing.reason
-                if firing.detail:
-                    r.detail = firing.detail
-                self.finished[(dst, r.reason)] += 1
-            else:
+    def _move(self, reqs: Sequence[R], step: _Step[R], firing: Firing) -> None:
+        dst = step.edge.dest
+        # One timeline entry for the batch: a tuple, so every request may share it.
+        entry = (self.clock(), step.edge.event)
+        src_bucket = step.src_bucket
+        dst_bucket = step.dst_bucket
+        if dst_bucket is not None:
+            for r in reqs:
+                del src_bucket[r.rid]
+                r.state = dst
+                r.timeline.append(entry)
                 dst_bucket[r.rid] = r
+        else:
+            self._end(reqs, step, firing, entry)
         self.transitions_fired += len(reqs)
-        hooks = self._edge_hooks[(src, event)]
-        errors = _run_hooks(reqs, hooks, firing) if hooks else []
+        errors = _run_hooks(reqs, step.hooks, firing) if step.hooks else []
         if self.check:
             self.check_index()
         if errors:
-            raise HookFailed(event, dst, errors) from errors[0][2]
+            raise HookFailed(step.edge.event, dst, errors) from errors[0][2]
+
+    def _end(
+        self, reqs: Sequence[R], step: _Step[R], firing: Firing, entry: tuple[float, str]
+    ) -> None:
+        """The move into a final state: out of the index, with the reason, counted."""
+        dst = step.edge.dest
+        src_bucket = step.src_bucket
+        by_rid = self._by_rid
+        finished = self.finished
+        reason, detail = firing.reason, firing.detail
+        for r in reqs:
+            del src_bucket[r.rid]
+            del by_rid[r.rid]
+            r.state = dst
+            r.timeline.append(entry)
+            if reason is not None:
+                r.reason = reason
+            if detail:
+                r.detail = detail
+            finished[(dst, r.reason)] += 1
 
     # -- invariants -------------------------------------------------------------------------
 

@@ -143,6 +143,11 @@ class SamplingParams:
         return self.greedy and not self.return_logprob and self.grammar is None
 
 
+#: What a request that asks for nothing gets: one shared instance (it is frozen), because
+#: building and validating a SamplingParams costs more than the rest of a record.
+DEFAULT_SAMPLING = SamplingParams()
+
+
 @attrs.define(slots=True, eq=False, weakref_slot=False)
 class PrefillRequest(Tracked):
     """A request on the prefill server.
@@ -161,7 +166,7 @@ class PrefillRequest(Tracked):
     bootstrap_host: str = attrs.field(default="", kw_only=True)
     bootstrap_port: int = attrs.field(default=0, kw_only=True)
     bootstrap_room: int = attrs.field(default=0, kw_only=True)
-    sampling: SamplingParams = attrs.field(factory=SamplingParams, kw_only=True, repr=False)
+    sampling: SamplingParams = attrs.field(default=DEFAULT_SAMPLING, kw_only=True, repr=False)
     scheduled: int = attrs.field(default=0, kw_only=True)
     computed: int = attrs.field(default=0, kw_only=True)
     sent: int = attrs.field(default=0, kw_only=True)

@@ -68,9 +68,3 @@ class Tracked:
         if owner is None:
             raise LifecycleError(f"request {self.rid!r} was never admitted to a lifecycle")
         owner.trigger(self, event, reason=reason, detail=detail)
-
-    def _after_transition(self, event_data: Any) -> None:
-        # Called by the shared transitions.Machine after it changed the state (trigger path).
-        owner = self.owner
-        assert owner is not None
-        owner._moved_by_machine(self, event_data.kwargs["firing"])
