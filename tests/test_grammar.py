@@ -1,0 +1,214 @@
+"""The llguidance grammar backend on both tokenizers: every grammar kind compiles, bad grammars
+are refused with llguidance's message, masks cover the model's vocabulary, a rejected token
+leaves the matcher as it was, and SmolLM2's greedy answers under a mask parse and validate."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from kv.pages import pages_needed
+from lifecycle import GrammarKind, GrammarSpec
+from scheduler.assemble import constraint_compiler
+from scheduler.model.byte_tokenizer import EOS_TOKEN_ID
+from scheduler.model.reference import ModelConfig
+from scheduler.model.select import ServedModel, reference_model
+from scheduler.runner import ForwardItem
+from scheduler.sample.constraint import Constraint, GrammarError
+from scheduler.sample.grammar import LLGuidanceCompiler, check
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+
+#: A spec of every kind and a text it matches.
+MATCHING = [
+    (GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(PERSON)), '{"name": "Ada", "age": 36}'),
+    (GrammarSpec(GrammarKind.JSON_OBJECT), '{"x": [1, 2.5, {"y": null}], "z": "w"}'),
+    (GrammarSpec(GrammarKind.REGEX, PHONE), "555-0123"),
+    (GrammarSpec(GrammarKind.EBNF, 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]+/'),
+     "maybe 42"),
+    (GrammarSpec(GrammarKind.EBNF, 'root ::= "yes" | "no"'), "no"),  # GBNF, as SGLang writes it
+]
+
+#: Specs that do not compile, and a piece of the message that says why.
+BAD = [
+    (GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object",'), "not valid JSON"),
+    (GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "thing"}'), "Invalid type: thing"),
+    (GrammarSpec(GrammarKind.JSON_SCHEMA, "[1, 2]"), "must be an object or boolean"),
+    (GrammarSpec(GrammarKind.REGEX, "(abc"), "unclosed group"),
+    (GrammarSpec(GrammarKind.EBNF, "start: foo"), 'unknown name: "foo"'),
+    (GrammarSpec(GrammarKind.EBNF, 'start: "a" <|no_such_token|>'), "unknown special token"),
+]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2: ServedModel) -> LLGuidanceCompiler:
+    return constraint_compiler(smollm2)
+
+
+@pytest.fixture(scope="module")
+def byte_model() -> ServedModel:
+    return reference_model(ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def byte(byte_model: ServedModel) -> LLGuidanceCompiler:
+    return constraint_compiler(byte_model)
+
+
+@pytest.fixture(params=["smollm2", "byte"])
+def served_and_compiler(request: pytest.FixtureRequest) -> tuple[ServedModel, LLGuidanceCompiler]:
+    if request.param == "smollm2":
+        return request.getfixturevalue("smollm2"), request.getfixturevalue("smol")
+    return request.getfixturevalue("byte_model"), request.getfixturevalue("byte")
+
+
+def _walk(constraint: Constraint, tokens: list[int], vocab_size: int) -> None:
+    """Accept ``tokens`` one by one, each allowed by the mask before it."""
+    for token in tokens:
+        mask = constraint.allowed()
+        assert mask is not None
+        assert mask.dtype == torch.bool and mask.shape == (vocab_size,)
+        assert bool(mask[token]), f"token {token} is masked out"
+        constraint.accept(token)
+
+
+@pytest.mark.parametrize(("spec", "text"), MATCHING, ids=lambda v: getattr(v, "kind", None))
+def test_every_kind_compiles_and_accepts_a_matching_text_then_eos(
+    served_and_compiler: tuple[ServedModel, LLGuidanceCompiler], spec: GrammarSpec, text: str
+) -> None:
+    served, compiler = served_and_compiler
+    compiler.check(spec)
+    check(spec)
+    constraint = compiler.compile(spec)
+    _walk(constraint, served.encode(text), served.vocab_size)
+    (eos,) = served.eos_token_ids
+    mask = constraint.allowed()
+    assert mask is not None and bool(mask[eos])
+    constraint.accept(eos)
+    assert constraint.finished()
+
+
+@pytest.mark.parametrize(("spec", "why"), BAD, ids=[b[1] for b in BAD])
+def test_a_spec_that_does_not_compile_raises_with_llguidances_message(
+    served_and_compiler: tuple[ServedModel, LLGuidanceCompiler], spec: GrammarSpec, why: str
+) -> None:
+    _, compiler = served_and_compiler
+    with pytest.raises(GrammarError, match=re.escape(why)) as compiled:
+        compiler.compile(spec)
+    assert str(compiled.value).startswith(spec.kind.value)
+    with pytest.raises(GrammarError, match=re.escape(why)):
+        compiler.check(spec)
+
+
+def test_check_without_a_tokenizer_sees_the_grammar_but_not_special_tokens() -> None:
+    for spec, why in BAD[:-1]:
+        with pytest.raises(GrammarError, match=re.escape(why)):
+            check(spec)
+    check(BAD[-1][0])  # which special tokens exist is the tokenizer's to say
+
+
+def test_a_masked_out_token_raises_and_leaves_the_matcher_unchanged(
+    served_and_compiler: tuple[ServedModel, LLGuidanceCompiler],
+) -> None:
+    served, compiler = served_and_compiler
+    constraint = compiler.compile(GrammarSpec(GrammarKind.JSON_OBJECT))
+    before = constraint.allowed()
+    (letter,) = served.encode("x")
+    assert not bool(before[letter])
+    with pytest.raises(GrammarError, match=f"does not allow token {letter}"):
+        constraint.accept(letter)
+    with pytest.raises(GrammarError, match="outside the grammar's vocabulary"):
+        constraint.accept(served.vocab_size + 5)
+    assert torch.equal(constraint.allowed(), before)
+    _walk(constraint, served.encode("{}"), served.vocab_size)
+    assert constraint.finished()
+
+
+def test_finished_after_a_complete_json_object_and_only_eos_is_allowed(
+    served_and_compiler: tuple[ServedModel, LLGuidanceCompiler],
+) -> None:
+    served, compiler = served_and_compiler
+    constraint = compiler.compile(GrammarSpec(GrammarKind.JSON_OBJECT))
+    tokens = served.encode('{"a": {"b": [true]}}')
+    _walk(constraint, tokens[:-1], served.vocab_size)
+    assert not constraint.finished()
+    constraint.accept(tokens[-1])
+    assert constraint.finished()
+    mask = constraint.allowed()
+    assert mask is not None
+    assert mask.nonzero().flatten().tolist() == list(served.eos_token_ids)
+
+
+def test_eos_is_refused_before_the_grammar_is_complete(
+    served_and_compiler: tuple[ServedModel, LLGuidanceCompiler],
+) -> None:
+    served, compiler = served_and_compiler
+    constraint = compiler.compile(GrammarSpec(GrammarKind.REGEX, PHONE))
+    _walk(constraint, served.encode("555-01"), served.vocab_size)
+    (eos,) = served.eos_token_ids
+    assert not bool(constraint.allowed()[eos])
+    with pytest.raises(GrammarError):
+        constraint.accept(eos)
+    assert not constraint.finished()
+
+
+def test_a_model_vocabulary_wider_than_the_tokenizer_is_padded_with_false() -> None:
+    wide = reference_model(ModelConfig(vocab_size=300))
+    constraint = constraint_compiler(wide).compile(GrammarSpec(GrammarKind.REGEX, "a+"))
+    constraint.accept(ord("a"))
+    mask = constraint.allowed()
+    assert mask.shape == (300,)
+    assert mask.nonzero().flatten().tolist() == [ord("a"), EOS_TOKEN_ID]
+
+
+# -- SmolLM2's greedy answers under a mask -------------------------------------------------------
+
+def _greedy(served: ServedModel, prompt: str, constraint: Constraint, max_new: int) -> str:
+    """Greedy decoding with the constraint's mask applied to every step's logits, until the
+    grammar is finished (or EOS, or ``max_new`` tokens)."""
+    ids = served.encode(prompt, chat=True)
+    model: Any = served.model
+    pool = model.make_pool(num_pages=pages_needed(len(ids) + max_new, 16), page_size=16)
+    pages = tuple(range(pool.num_pages))
+    item = ForwardItem("grammar", tuple(ids), 0, pages)
+    out: list[int] = []
+    while len(out) < max_new:
+        logits = model.logits(pool, [item])[0]
+        mask = constraint.allowed()
+        assert mask is not None
+        token = int(logits.masked_fill(~mask, float("-inf")).argmax())
+        constraint.accept(token)
+        out.append(token)
+        if constraint.finished() or token in served.eos_token_ids:
+            break
+        item = ForwardItem("grammar", (token,), len(ids) + len(out) - 1, pages)
+    assert constraint.finished(), f"unfinished after {len(out)} tokens: {served.decode(out)!r}"
+    return served.decode(out)
+
+
+def test_smollm2_greedy_json_under_the_schema_validates(
+    smollm2: ServedModel, smol: LLGuidanceCompiler
+) -> None:
+    constraint = smol.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(PERSON)))
+    text = _greedy(smollm2, "Describe Ada, aged 36, as JSON with the fields name and age.",
+                   constraint, max_new=60)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_smollm2_greedy_text_under_a_regex_matches_it(
+    smollm2: ServedModel, smol: LLGuidanceCompiler
+) -> None:
+    constraint = smol.compile(GrammarSpec(GrammarKind.REGEX, PHONE))
+    text = _greedy(smollm2, "Write a phone number like 555-0123.", constraint, max_new=20)
+    assert re.fullmatch(PHONE, text)
