@@ -3,19 +3,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
 import pytest
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
+from scheduler.messages import TokenLogprob
+from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
-from scheduler.service.config import BadRequest, ServeConfig
+from scheduler.service.answers import LOGPROB_KEYS, answer_text, final_body, finish_reason
+from scheduler.service.config import Answer, AnswerOptions, BadRequest, Item, ServeConfig
 from scheduler.service.core import Service
 from scheduler.service.sampling import NEUTRAL, sampling_params_from
-from scheduler.service.schema import SamplingParamsBody
+from scheduler.service.schema import GenerateAnswer, SamplingParamsBody
 from tests.service_harness import asgi_client, run, running_service
 
 
@@ -42,7 +45,8 @@ def test_every_field_reaches_sampling_params() -> None:
                  logprob_start_len=0)
     assert got == SamplingParams(
         9, (3, 4), True, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**64 - 1,
-        stop=("\n\n", "END"), return_logprob=True, top_logprobs_num=20, logprob_start_len=0,
+        stop=("\n\n", "END"),  # type: ignore[arg-type]  # attrs: tuple converter
+        return_logprob=True, top_logprobs_num=20, logprob_start_len=0,
         grammar=GrammarSpec(GrammarKind.REGEX, "[a-z]+"))
 
 
@@ -130,7 +134,7 @@ def post(service: Service, *bodies: dict[str, Any]) -> list[httpx.Response]:
     return answers
 
 
-HTTP_REFUSALS = [
+HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"temperature": -1}, "invalid_request", "sampling_params.temperature"),
     ({"top_p": 0}, "invalid_request", "sampling_params.top_p"),
     ({"top_p": 1.5}, "invalid_request", "sampling_params.top_p"),
@@ -145,7 +149,7 @@ HTTP_REFUSALS = [
     ({"logit_bias": {"1": 2.0}}, "unsupported", "sampling_params.logit_bias"),
     ({"min_new_tokens": 3}, "unsupported", "sampling_params.min_new_tokens"),
 ]
-TOP_REFUSALS = [
+TOP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"top_logprobs_num": 21}, "invalid_request", "top_logprobs_num"),
     ({"logprob_start_len": -2}, "invalid_request", "logprob_start_len"),
     ({"token_ids_logprob": [1, 2]}, "unsupported", "token_ids_logprob"),
@@ -188,3 +192,67 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted(service: Service
     assert plain.status_code == extra.status_code == 200, (plain.text, extra.text)
     assert plain.json()["output_ids"] == extra.json()["output_ids"]
     assert "input_token_logprobs" not in plain.json()["meta_info"]
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+BYTES = ByteTokenizer()
+
+
+def item(options: AnswerOptions | None = None, **sampling: Any) -> Item:
+    return Item("r", (1, 2, 3), SamplingParams(8, **sampling), "2.2.2.2", 0, 1,
+                options or AnswerOptions())
+
+
+def done(ids: Sequence[int], finish: str = "stop", matched: int | str | None = None,
+         **kw: Any) -> Answer:
+    return Answer(rid="r", status=200, output_ids=tuple(ids), finish_reason=finish, message="",
+                  reason=None, prompt_tokens=3, e2e_latency=0.1, matched_stop=matched, **kw)
+
+
+def test_a_matched_stop_is_cut_from_the_text_unless_no_stop_trim() -> None:
+    ids = BYTES.encode("one. two. three")
+    keep = AnswerOptions(no_stop_trim=True)
+    assert answer_text(BYTES, item(), ids, ". t") == "one"  # at the string's first occurrence
+    assert answer_text(BYTES, item(keep), ids, ". t") == "one. two. three"
+    assert answer_text(BYTES, item(), ids, ord("e")) == "one. two. thre"  # a stop token
+    assert answer_text(BYTES, item(keep), ids, ord("e")) == "one. two. three"
+    assert answer_text(BYTES, item(), ids, None) == "one. two. three"
+
+
+def test_finish_reason_stop_names_what_matched() -> None:
+    assert finish_reason(done([65, 66], matched="B")).model_dump(exclude_none=True) == {
+        "type": "stop", "matched": "B"}
+    assert finish_reason(done([65, 257])).matched == 257  # EOS (or a completed grammar)
+    assert finish_reason(done([65, 66], "length")).model_dump(exclude_none=True) == {
+        "type": "length", "length": 2}
+
+
+def test_logprob_fields_have_sglang_shapes() -> None:
+    inputs = (TokenLogprob(1, None), TokenLogprob(2, -0.5, ((2, -0.5), (9, -1.5))),
+              TokenLogprob(3, -2.0, ((7, -0.1),)))
+    outputs = (TokenLogprob(65, -0.25, ((65, -0.25), (66, -3.0))),
+               TokenLogprob(66, -1.0, ((67, -0.5), (66, -1.0))))
+    asked = item(return_logprob=True, top_logprobs_num=2)
+    body = final_body(BYTES, asked, done([65, 66], "length", input_logprobs=inputs,
+                                         output_logprobs=outputs))
+    meta = body["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 1, None], [-0.5, 2, None], [-2.0, 3, None]]
+    assert meta["output_token_logprobs"] == [[-0.25, 65, None], [-1.0, 66, None]]
+    assert meta["input_top_logprobs"] == [None, [[-0.5, 2, None], [-1.5, 9, None]],
+                                          [[-0.1, 7, None]]]
+    assert meta["output_top_logprobs"] == [[[-0.25, 65, None], [-3.0, 66, None]],
+                                           [[-0.5, 67, None], [-1.0, 66, None]]]
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    GenerateAnswer.model_validate(body)  # the published schema holds it
+    # Token text only when asked; top lists only with top_logprobs_num > 0.
+    text = item(AnswerOptions(return_text_in_logprobs=True), return_logprob=True)
+    meta = final_body(BYTES, text, done([65], "length", output_logprobs=outputs[:1]))[
+        "meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.25, 65, "A"]]
+    assert meta["input_token_logprobs"] == []
+    assert "output_top_logprobs" not in meta and "input_top_logprobs" not in meta
+    # Nothing of it without return_logprob.
+    meta = final_body(BYTES, item(), done([65], "length", output_logprobs=outputs[:1]))[
+        "meta_info"]
+    assert not set(LOGPROB_KEYS) & set(meta)
