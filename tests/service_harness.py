@@ -89,11 +89,11 @@ class Process:
 class Server(Process):
     """``pdlife serve`` on a free loopback port."""
 
-    def __init__(self, log: Path, *args: str) -> None:
+    def __init__(self, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__([sys.executable, "-c", PDLIFE, "serve", "--host", "127.0.0.1",
-                          "--port", str(self.port), *args], log)
+                          "--port", str(self.port), *args], log, env=env)
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         def healthy() -> bool:

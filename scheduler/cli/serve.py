@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import attrs
 
 from scheduler.cli.command import Subcommand, UsageError
+from scheduler.cli.credentials import API_KEY_ENV, PEER_TOKEN_ENV, api_key, peer_token
 
 if TYPE_CHECKING:
     from scheduler.service.config import Role, ServeConfig
@@ -164,6 +165,18 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                     help="the transfer engine's transport: tcp everywhere, rdma where the "
                     "hardware has it (needs --mooncake-device) (default: tcp)")
     mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
+    sec = parser.add_argument_group("security and overload (docs/security.md)")
+    sec.add_argument("--peer-token-file", metavar="PATH",
+                     help="mooncake: a file whose first line is the token prefill and decode "
+                     "workers share; the bootstrap endpoint and every control message require "
+                     f"it (default: ${PEER_TOKEN_ENV}, else none). Never on the command line")
+    sec.add_argument("--api-key", metavar="KEY",
+                     help="clients must send Authorization: Bearer KEY on every route but "
+                     "/health and /health_generate (SGLang's flag; ps shows it: "
+                     f"${API_KEY_ENV} gives it unseen) (default: none)")
+    sec.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                     help="requests waiting for KV pages (the bootstrap wait counts) beyond "
+                     "which new ones get 503 with Retry-After (default: no bound)")
     obs = parser.add_argument_group("tracing (docs/operations.md#traces)")
     obs.add_argument("--enable-trace", action="store_true",
                      help="export an OpenTelemetry span tree per finished request (needs the "
@@ -224,12 +237,15 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             waiting_timeout=args.waiting_timeout,
             max_new_tokens_limit=args.max_new_tokens_limit,
             max_body_bytes=args.max_body_bytes,
+            max_queued_requests=args.max_queued_requests,
+            api_key=api_key(args.api_key),
             bootstrap_host=args.host,
             bootstrap_port=args.bootstrap_port,
             mooncake=MooncakeConfig(
                 hostname=args.mooncake_host, protocol=args.mooncake_protocol,
                 device=args.mooncake_device, connect_timeout_s=args.connect_timeout,
                 bootstrap_timeout_s=args.bootstrap_timeout,
+                token=peer_token(args.peer_token_file),
             ),
             model_name=model_name,
             device=args.device,

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kv.bootstrap import BootstrapServer
+from kv.listeners import ExposureCheck
 from kv.local import LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
@@ -126,6 +127,8 @@ class Service:
         self._draining = False
         self._queue = QueueBound(config.max_queued_requests)
         self._decode_auth_refused = 0  # prefill servers that refused this decode's peer token
+        # Warns if a transfer engine listens beyond the configured addresses (it binds all).
+        self._exposure = ExposureCheck(config.bootstrap_host, config.mooncake.hostname)
         self._idle = threading.Condition(self._lock)
         self.snapshot: dict[str, Any] = {}
         try:
@@ -168,6 +171,7 @@ class Service:
             )
             if self.bootstrap is not None:
                 logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)
+                self._exposure()
         if c.role in ("decode", "both"):
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_router, hub),
@@ -204,11 +208,13 @@ class Service:
     def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
                          addr: str) -> MooncakeDecodeManager:
         try:
-            return MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake)
+            manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake)
         except PeerAuthError:
             with self._lock:
                 self._decode_auth_refused += 1
             raise
+        self._exposure()
+        return manager
 
     def _peer_auth_failures(self) -> dict[str, int]:
         """Peers refused for their token: by this prefill's bootstrap endpoint, and prefill
