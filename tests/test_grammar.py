@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from kv.pages import pages_needed
-from lifecycle import GrammarKind, GrammarSpec
+from lifecycle import GrammarKind, GrammarSpec, SamplingParams
 from scheduler.assemble import constraint_compiler
+from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
 from scheduler.model.byte_tokenizer import EOS_TOKEN_ID
 from scheduler.model.reference import ModelConfig
 from scheduler.model.select import ServedModel, reference_model
+from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardItem
 from scheduler.sample.constraint import Constraint, GrammarError
 from scheduler.sample.grammar import LLGuidanceCompiler, check
@@ -29,6 +31,8 @@ PERSON = {
     "additionalProperties": False,
 }
 PHONE = r"[0-9]{3}-[0-9]{4}"
+ADA = "Describe Ada, aged 36, as JSON with the fields name and age."
+CALL = "Write a phone number like 555-0123."
 
 #: A spec of every kind and a text it matches.
 MATCHING = [
@@ -174,9 +178,9 @@ def test_a_model_vocabulary_wider_than_the_tokenizer_is_padded_with_false() -> N
 
 # -- SmolLM2's greedy answers under a mask -------------------------------------------------------
 
-def _greedy(served: ServedModel, prompt: str, constraint: Constraint, max_new: int) -> str:
+def _greedy(served: ServedModel, prompt: str, constraint: Constraint, max_new: int) -> list[int]:
     """Greedy decoding with the constraint's mask applied to every step's logits, until the
-    grammar is finished (or EOS, or ``max_new`` tokens)."""
+    grammar is finished (or EOS, or ``max_new`` tokens): the colocated constrained run."""
     ids = served.encode(prompt, chat=True)
     model: Any = served.model
     pool = model.make_pool(num_pages=pages_needed(len(ids) + max_new, 16), page_size=16)
@@ -194,15 +198,14 @@ def _greedy(served: ServedModel, prompt: str, constraint: Constraint, max_new: i
             break
         item = ForwardItem("grammar", (token,), len(ids) + len(out) - 1, pages)
     assert constraint.finished(), f"unfinished after {len(out)} tokens: {served.decode(out)!r}"
-    return served.decode(out)
+    return out
 
 
 def test_smollm2_greedy_json_under_the_schema_validates(
     smollm2: ServedModel, smol: LLGuidanceCompiler
 ) -> None:
     constraint = smol.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(PERSON)))
-    text = _greedy(smollm2, "Describe Ada, aged 36, as JSON with the fields name and age.",
-                   constraint, max_new=60)
+    text = smollm2.decode(_greedy(smollm2, ADA, constraint, max_new=60))
     jsonschema.validate(json.loads(text), PERSON)
 
 
@@ -210,5 +213,64 @@ def test_smollm2_greedy_text_under_a_regex_matches_it(
     smollm2: ServedModel, smol: LLGuidanceCompiler
 ) -> None:
     constraint = smol.compile(GrammarSpec(GrammarKind.REGEX, PHONE))
-    text = _greedy(smollm2, "Write a phone number like 555-0123.", constraint, max_new=20)
+    text = smollm2.decode(_greedy(smollm2, CALL, constraint, max_new=20))
     assert re.fullmatch(PHONE, text)
+
+
+# -- through the embedded pair: the prefill masks the first token, the decode side the rest -----
+
+def _pair_answers(served: ServedModel, compiler: LLGuidanceCompiler,
+                  requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Outcome]:
+    config = PairConfig(scheduler=SchedulerConfig(page_size=16, check_invariants=True),
+                        prefill_pages=64, decode_pages=64)
+    pair = EmbeddedPair(config, served=served, compiler=compiler)
+    try:
+        for rid, (prompt, params) in requests.items():
+            pair.submit(rid, prompt, params)
+        out = pair.run_until_done(requests, timeout=600)
+        assert pair.prefill_pool.allocator.available() == 64
+        assert pair.decode_pool.allocator.available() == 64
+        return out
+    finally:
+        pair.close()
+
+
+def test_smollm2_disaggregated_grammar_answers_validate_and_equal_the_colocated_walk(
+    smollm2: ServedModel, smol: LLGuidanceCompiler
+) -> None:
+    person = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(PERSON))
+    phone = GrammarSpec(GrammarKind.REGEX, PHONE)
+    requests = {
+        "json": (smollm2.encode(ADA, chat=True), SamplingParams(60, grammar=person)),
+        "phone": (smollm2.encode(CALL, chat=True), SamplingParams(20, grammar=phone)),
+        "drawn": (smollm2.encode(CALL, chat=True),
+                  SamplingParams(20, grammar=phone, temperature=1.5, seed=7)),
+    }
+    out = _pair_answers(smollm2, smol, requests)
+    for got in out.values():
+        assert got.prefill.ok and got.decode is not None and got.decode.ok, got
+        assert got.decode.output_ids[0] == got.prefill.first_token
+        assert got.decode.finish_reason == "stop", got.decode
+    answer = out["json"].decode
+    assert answer is not None
+    jsonschema.validate(json.loads(smollm2.decode(answer.output_ids)), PERSON)
+    assert list(answer.output_ids) == _greedy(smollm2, ADA, smol.compile(person), 60)
+    for rid in ("phone", "drawn"):
+        drawn = out[rid].decode
+        assert drawn is not None
+        assert re.fullmatch(PHONE, smollm2.decode(drawn.output_ids)), rid
+
+
+def test_the_reference_model_answers_under_a_grammar_through_the_pair(
+    byte_model: ServedModel, byte: LLGuidanceCompiler
+) -> None:
+    """The untrained reference model's bytes, masked, still spell what the grammar says."""
+    grammar = GrammarSpec(GrammarKind.EBNF, 'start: ("ab" | "c")+ "."')
+    prompt = byte_model.encode("grammar", chat=True)
+    out = _pair_answers(byte_model, byte, {
+        f"r{seed}": (prompt, SamplingParams(40, grammar=grammar, temperature=1.0, seed=seed))
+        for seed in range(3)})
+    for rid, got in out.items():
+        assert got.decode is not None and got.decode.ok, got
+        assert got.decode.finish_reason == "stop", got.decode
+        assert re.fullmatch(r"(ab|c)+\.", byte_model.decode(got.decode.output_ids)), rid
