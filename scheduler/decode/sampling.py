@@ -24,7 +24,7 @@ from scheduler.messages import TokenLogprob
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.sample.batch import ItemPlan, LogitsForward
 from scheduler.sample.constraint import ConstraintCompiler, GrammarError
-from scheduler.sample.request import Detokenize, RequestSampling, Sampling, SamplingRefused
+from scheduler.sample.request import Detokenize, RequestSampling, Sampling
 from scheduler.sample.sampler import Sampled
 
 
@@ -36,18 +36,11 @@ class DecodeSampling:
         self._runner = runner
         self._sampling = Sampling(runner, compiler, detokenize, stop_strings=True)
         self._detokenize = detokenize
-        self._states: dict[str, RequestSampling] = {}
+        self._states = self._sampling.states
 
     def admit(self, req: DecodeRequest) -> str:
         """Why ``req`` is refused (400), or "" when it is admitted."""
-        try:
-            state = self._sampling.admit(req.rid, req.sampling, req.bootstrap_room,
-                                         req.input_ids)
-        except SamplingRefused as exc:
-            return str(exc)
-        if state is not None:
-            self._states[req.rid] = state
-        return ""
+        return self._sampling.admit(req.rid, req.sampling, req.bootstrap_room, req.input_ids)
 
     def first(self, req: DecodeRequest, row: MetadataRow) -> str:
         """Take the first output token (already appended) from its metadata row; the grammar's

@@ -26,7 +26,7 @@ from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.sample.batch import UNREAD, ItemPlan, ItemResult, LogitsForward, Scoring
 from scheduler.sample.constraint import ConstraintCompiler, GrammarError
 from scheduler.sample.logprobs import needs_all_logits
-from scheduler.sample.request import RequestSampling, Sampling, SamplingRefused
+from scheduler.sample.request import Sampling
 
 
 class PrefillSampling:
@@ -35,18 +35,11 @@ class PrefillSampling:
     def __init__(self, runner: ModelRunner, compiler: ConstraintCompiler | None = None) -> None:
         self._runner = runner
         self._sampling = Sampling(runner, compiler)
-        self._states: dict[str, RequestSampling] = {}
+        self._states = self._sampling.states
 
     def admit(self, req: PrefillRequest) -> str:
         """Why ``req`` is refused (400), or "" when it is admitted."""
-        try:
-            state = self._sampling.admit(req.rid, req.sampling, req.bootstrap_room,
-                                         req.input_ids)
-        except SamplingRefused as exc:
-            return str(exc)
-        if state is not None:
-            self._states[req.rid] = state
-        return ""
+        return self._sampling.admit(req.rid, req.sampling, req.bootstrap_room, req.input_ids)
 
     def forward_for(self, plan: Plan, batch: ForwardBatch) -> tuple[ForwardBatch,
                                                                      LogitsForward | None]:

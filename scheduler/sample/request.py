@@ -64,7 +64,8 @@ def needs_logits(params: SamplingParams, prompt_len: int) -> bool:
 
 
 class Sampling:
-    """A side's admission of sampling: refuses what it cannot honour, prepares the rest."""
+    """A side's admission of sampling (refuses what it cannot honour, prepares the rest) and
+    the :class:`RequestSampling` of its live requests, by request id (``states``)."""
 
     def __init__(
         self,
@@ -80,9 +81,21 @@ class Sampling:
         self.compiler = compiler
         self.detokenize = detokenize
         self._stop_strings = stop_strings
+        self.states: dict[str, RequestSampling] = {}
 
-    def admit(self, rid: str, params: SamplingParams, room: int,
-              prompt: Sequence[int]) -> RequestSampling | None:
+    def admit(self, rid: str, params: SamplingParams, room: int, prompt: Sequence[int]) -> str:
+        """Why the request is refused (400), or "" when it is admitted; its state, when it
+        needs one, is kept in ``states`` until the side forgets it."""
+        try:
+            state = self.prepare(rid, params, room, prompt)
+        except SamplingRefused as exc:
+            return str(exc)
+        if state is not None:
+            self.states[rid] = state
+        return ""
+
+    def prepare(self, rid: str, params: SamplingParams, room: int,
+                prompt: Sequence[int]) -> RequestSampling | None:
         """The request's sampling state, or None when greedy ``forward`` serves it alone.
         Raises :class:`SamplingRefused`."""
         if needs_logits(params, len(prompt)) and not self.logits:
