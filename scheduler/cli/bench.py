@@ -40,6 +40,8 @@ ALL = (
     Benchmark("e2e", 40, "prefill throughput and TTFT against the forward passes alone"),
     Benchmark("transfer", 120, "KV transfer: pdlife's backends against the raw engine"),
     Benchmark("soak", 90, "10,000 requests under injected faults: nothing lost or leaked"),
+    Benchmark("overload", 70, "ten times what a server holds: the queue bound against none "
+              "(refusals, tail latency, leaks, memory)"),
     Benchmark("prefix", 780, "64 requests sharing a 1,024-token system prompt: the prefix "
               "cache against none (SmolLM2 if installed)"),
     Benchmark("model", 240, "SmolLM2: pdlife's paged runner against transformers (prefill, "
