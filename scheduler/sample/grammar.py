@@ -28,6 +28,7 @@ import json
 from collections.abc import Callable, Sequence
 
 import llguidance
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -62,7 +63,7 @@ class LLGuidanceCompiler:
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceConstraint:
         """A fresh matcher for ``spec``; raises :class:`GrammarError` if it does not compile."""
-        matcher = llguidance.LLMatcher(self.tokenizer, _grammar_text(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(_message(spec, matcher.get_error()))
         return LLGuidanceConstraint(matcher, spec.kind, self)
@@ -79,6 +80,7 @@ class LLGuidanceConstraint:
         self._tokenizer = compiler.tokenizer
         self._vocab_size = compiler.vocab_size
         self._eos = frozenset(compiler.tokenizer.eos_tokens)
+        self._bits = np.zeros((compiler.tokenizer.vocab_size + 31) // 32, dtype=np.uint32)
         self.accepted = 0  # tokens consumed so far
 
     def __repr__(self) -> str:
@@ -87,12 +89,15 @@ class LLGuidanceConstraint:
 
     def allowed(self) -> torch.Tensor:
         """A bool mask of the model's vocabulary size: the tokens the grammar allows next."""
-        # One byte per tokenizer token (0 or 200): a single copy into a tensor, which is cheaper
-        # than unpacking llguidance's bitmask with tensor ops.
-        bias = self._matcher.compute_logit_bias()
+        # llguidance writes its bitmask (bit i of 32-bit word j: token 32j+i, in the machine's
+        # byte order, little-endian wherever torch serves) into our buffer; numpy unpacks it,
+        # low bit first, into one byte per token, which torch reads as bool without a copy
+        # (7 us for 49k tokens; llguidance's byte-per-token mask compared with 0 took 55 us).
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._matcher.is_error():
             raise GrammarError(f"{self._kind.value} grammar: {self._matcher.get_error()}")
-        mask = torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
+        unpacked = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
+        mask = torch.from_numpy(unpacked).view(torch.bool)
         if mask.numel() >= self._vocab_size:
             return mask[: self._vocab_size]
         padded = torch.zeros(self._vocab_size, dtype=torch.bool)
@@ -130,7 +135,7 @@ def check(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer | None = None) ->
     a millisecond); a grammar that names special tokens needs the tokenizer to be checked
     fully."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        _grammar_text(spec), tokenizer)
+        grammar_text(spec), tokenizer)
     if is_error:
         raise GrammarError(_message(spec, messages[0]))
 
@@ -186,9 +191,9 @@ class _Vocabulary:
         return self._encode(text)
 
 
-def _grammar_text(spec: GrammarSpec) -> str:
-    """llguidance's grammar text for ``spec``; a source that is not even its kind's syntax
-    raises :class:`GrammarError`."""
+def grammar_text(spec: GrammarSpec) -> str:
+    """llguidance's grammar text for ``spec`` (what an ``LLMatcher`` is built from); a source
+    that is not even its kind's syntax raises :class:`GrammarError`."""
     if spec.kind is GrammarKind.JSON_SCHEMA:
         try:  # llguidance's own message would point into its wrapping of the schema
             json.loads(spec.source)
