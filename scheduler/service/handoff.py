@@ -1,0 +1,138 @@
+"""What a generating route does between checking its input and answering, whatever its API:
+admit the checked items, then wait for their answers (or the client's going away), or follow a
+stream's new tokens.
+
+Theory of operation: :func:`admit` connects the decode role to the prefill servers the items
+name (off the event loop: a first lookup may block), then registers and submits each item
+(:meth:`Service.start`). What it refuses it raises as :class:`Refusal`, after telling the
+items' peers (:mod:`.refusals`) and aborting what it had already started, so the route only
+has to answer the refusal in its own error shape. :func:`wait` returns the answers, or None
+when the client went away first (its requests are aborted). :func:`new_tokens` yields the
+tokens the decode side produced after every pass until the request's future is resolved; the
+route reads the final :class:`Answer` from the future, and aborts the request if its stream is
+closed before that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from fastapi import Request
+
+from scheduler.decode.router import PeerUnreachable
+from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
+from scheduler.service.errors import unavailable_reason
+from scheduler.service.refusals import refuse_items, refuse_peers
+
+logger = logging.getLogger(__name__)
+
+
+class Refusal(Exception):
+    """A request the service will not run: ``kind`` is the error type, ``status`` the HTTP
+    status, ``param`` the request field to change (when one is to blame), ``label`` the
+    ``pdlife_http_rejected_total`` reason (``kind`` unless said)."""
+
+    def __init__(self, kind: str, status: int, message: str, rid: str | None = None, *,
+                 param: str | None = None, label: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.rid = rid
+        self.param = param
+        self.label = label or kind
+
+    @classmethod
+    def of(cls, exc: BadRequest, *, param: str | None = None) -> Refusal:
+        return cls(exc.reason, exc.status, str(exc), exc.rid, param=param)
+
+
+def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> None:
+    """:class:`Refusal` (503) when the server takes no requests now; the peers of ``rooms``
+    are told."""
+    why = unavailable_reason(service)
+    if why is not None:
+        refuse_peers(service, rooms, *why)
+        raise Refusal(why[0], 503, why[1], label="unavailable")
+
+
+def count(service: Service, refusal: Refusal) -> None:
+    """Count a refusal (``pdlife_http_rejected_total``, by its label)."""
+    service.metrics.http_rejected.labels(reason=refusal.label).inc()
+
+
+async def admit(service: Service, request: Request, items: list[Item], *,
+                stream: bool) -> list[Pending]:
+    """Start ``items`` (see the module's theory), or :class:`Refusal`."""
+    try:
+        for addr_item in {i.bootstrap_addr: i for i in items}.values():
+            if service.needs_connect(addr_item):
+                await asyncio.to_thread(service.connect_peer, addr_item)
+    except PeerUnreachable as exc:
+        refuse_items(service, items, "bootstrap_failed", str(exc))
+        raise Refusal("bootstrap_failed", 500, str(exc)) from exc
+    started: list[Pending] = []
+    carrier = trace_carrier(service, request)
+    try:
+        for item in items:
+            started.append(service.start(item, stream=stream, carrier=carrier))
+    except (BadRequest, Unavailable) as exc:
+        for p in started:
+            service.abort(p.item.rid)  # the engines tell their peers
+        kind = exc.reason if isinstance(exc, BadRequest) else "unavailable"
+        refuse_items(service, items[len(started):], kind, str(exc))
+        if isinstance(exc, BadRequest):
+            raise Refusal.of(exc) from exc
+        raise Refusal("unavailable", 503, str(exc)) from exc
+    return started
+
+
+def trace_carrier(service: Service, request: Request) -> dict[str, str] | None:
+    """The caller's W3C trace headers, when the service traces requests."""
+    if service.tracer is None:
+        return None
+    return {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def wait(service: Service, request: Request, pending: list[Pending]) -> list[Answer] | None:
+    """Every answer of ``pending``, or None (and an abort of them all) if the client goes away
+    first. Only the answers' own futures are awaited (nothing wraps them that a cancellation
+    could leave unretrieved)."""
+    futures = [p.future for p in pending]
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        while waiting := [f for f in futures if not f.done()]:
+            either: set[asyncio.Future[Any]] = {*waiting, gone}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done() and not all(f.done() for f in futures):
+                for p in pending:
+                    service.abort(p.item.rid)
+                logger.info("client went away; aborted %s", [p.item.rid for p in pending])
+                return None
+    finally:
+        gone.cancel()
+    return [f.result() for f in futures]
+
+
+async def new_tokens(pending: Pending) -> AsyncIterator[tuple[int, ...]]:
+    """The tokens decode produces for a streamed request, a pass's worth at a time, until its
+    answer is in ``pending.future`` (tokens of the last pass may come only with the answer)."""
+    progress = pending.progress
+    assert progress is not None, "new_tokens needs a request started with stream=True"
+    while not pending.future.done():
+        more = asyncio.ensure_future(progress.get())
+        either: set[asyncio.Future[Any]] = {more, pending.future}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not more.done():
+            more.cancel()
+            continue
+        yield more.result()

@@ -1,0 +1,215 @@
+"""OpenAI's answer shapes: a completion, a chat completion, their streamed chunks, logprobs and
+usage, written from a request's :class:`~.config.Answer`.
+
+The text is the one ``/generate`` answers (:func:`~.answers.answer_text`: a matched stop is cut
+off unless ``no_stop_trim``). A stream sends only text that cannot change any more: a trailing
+incomplete UTF-8 character, a tail that may still become a stop string, and a last token that may
+be a stop token are held back until more tokens or the answer come (:class:`StreamText`), so the
+chunks add up to exactly the text of the unstreamed answer. Logprobs of a streamed answer come
+with its last chunk (the engines hand the HTTP side tokens, not logprobs, while decoding).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from scheduler.messages import TokenLogprob
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.service.answers import answer_text, decode, finish_reason
+from scheduler.service.config import Answer, Item
+from scheduler.service.openai_schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+)
+
+#: What a logprob that is not a number (a token no path can take) is written as: JSON has no
+#: infinity, and OpenAI writes -9999.0.
+FLOOR_LOGPROB = -9999.0
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(answer: Answer) -> Usage:
+    n = len(answer.output_ids)
+    return Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=n,
+                 total_tokens=answer.prompt_tokens + n,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=answer.cached_tokens))
+
+
+def final_text(tokenizer: Any, item: Item, answer: Answer) -> str:
+    finish = finish_reason(answer)
+    return answer_text(tokenizer, item, answer.output_ids,
+                       finish.matched if finish.type == "stop" else None)
+
+
+# -- logprobs -----------------------------------------------------------------------------------
+
+
+def _number(logprob: float | None) -> float:
+    return logprob if logprob is not None and math.isfinite(logprob) else FLOOR_LOGPROB
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet, reversed: printable bytes stand for themselves, the others for
+    the characters from U+0100 on, in byte order (GPT-2's table)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(0x100 + shifted)] = byte
+            shifted += 1
+    return table
+
+
+def token_bytes(tokenizer: Any, token: int) -> list[int]:
+    """The bytes a token stands for (a byte-level token may be part of a UTF-8 character)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return [token] if token < 256 else []
+    piece: str = tokenizer.token(token)
+    table = _byte_of_char()
+    if piece and all(ch in table for ch in piece):
+        return [table[ch] for ch in piece]
+    return list(decode(tokenizer, [token], skip_special_tokens=False).encode())
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return decode(tokenizer, [token], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob],
+                        top: int) -> CompletionLogprobs:
+    """``/v1/completions`` logprobs: the tokens' texts, logprobs, ``top`` alternatives (by
+    text) and text offsets."""
+    texts = [_token_text(tokenizer, e.token) for e in entries]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    tops: list[dict[str, float]] | None = None
+    if top > 0:
+        tops = [{} for _ in entries]
+        for alternatives, e in zip(tops, entries, strict=True):
+            for tok, lp in e.top[:top]:  # most likely first: it keeps a text two tokens share
+                alternatives.setdefault(_token_text(tokenizer, tok), _number(lp))
+    return CompletionLogprobs(tokens=texts, token_logprobs=[_number(e.logprob) for e in entries],
+                              top_logprobs=tops, text_offset=offsets)
+
+
+def _top(tokenizer: Any, token: int, logprob: float | None) -> TopLogprob:
+    return TopLogprob(token=_token_text(tokenizer, token), logprob=_number(logprob),
+                      bytes=token_bytes(tokenizer, token))
+
+
+def chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int) -> ChatLogprobs:
+    """``/v1/chat/completions`` logprobs: per token its text, logprob, bytes and ``top``
+    alternatives."""
+    return ChatLogprobs(content=[
+        TokenLogprobEntry(**_top(tokenizer, e.token, e.logprob).model_dump(),
+                          top_logprobs=[_top(tokenizer, tok, lp) for tok, lp in e.top[:top]])
+        for e in entries])
+
+
+# -- whole answers ------------------------------------------------------------------------------
+
+
+def completion_body(tokenizer: Any, item: Item, answer: Answer, model: str) -> dict[str, Any]:
+    sampling = item.sampling
+    logprobs = completion_logprobs(tokenizer, answer.output_logprobs, sampling.top_logprobs_num
+                                   ) if sampling.return_logprob else None
+    return CompletionResponse(
+        id=item.rid, created=now(), model=model, usage=usage(answer),
+        choices=[CompletionChoice(index=0, text=final_text(tokenizer, item, answer),
+                                  logprobs=logprobs, finish_reason=answer.finish_reason)],
+    ).model_dump()
+
+
+def chat_body(tokenizer: Any, item: Item, answer: Answer, model: str) -> dict[str, Any]:
+    sampling = item.sampling
+    logprobs = chat_logprobs(tokenizer, answer.output_logprobs, sampling.top_logprobs_num
+                             ) if sampling.return_logprob else None
+    return ChatCompletionResponse(
+        id=item.rid, created=now(), model=model, usage=usage(answer),
+        choices=[ChatChoice(index=0, message=AssistantMessage(
+            content=final_text(tokenizer, item, answer)), logprobs=logprobs,
+            finish_reason=answer.finish_reason)],
+    ).model_dump()
+
+
+# -- streams ------------------------------------------------------------------------------------
+
+
+class StreamText:
+    """The text of a streamed answer, sent only once it cannot change (see the module)."""
+
+    def __init__(self, tokenizer: Any, item: Item) -> None:
+        self.tokenizer = tokenizer
+        self.item = item
+        self.ids: list[int] = []
+        self.sent = ""
+        trim = not item.options.no_stop_trim
+        self._stops = item.sampling.stop if trim else ()
+        self._hold_token = trim and bool(item.sampling.stop_token_ids)
+
+    def more(self, tokens: Sequence[int]) -> str:
+        """The text ``tokens`` add that is safe to send now (maybe empty)."""
+        self.ids.extend(tokens)
+        ids = self.ids[:-1] if self._hold_token else self.ids
+        text = decode(self.tokenizer, ids,
+                      skip_special_tokens=self.item.options.skip_special_tokens)
+        text = text.rstrip("\ufffd")
+        if self._stops:
+            cut = min((at for at in (text.find(s) for s in self._stops) if at >= 0),
+                      default=len(text))
+            hold = max(len(s) for s in self._stops) - 1
+            text = text[:min(cut, len(text) - hold)]
+        return self._send(text)
+
+    def rest(self, final: str) -> str:
+        """What the answer's ``final`` text adds to what was sent."""
+        return self._send(final)
+
+    def _send(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def completion_chunk(item: Item, created: int, model: str, text: str, *,
+                     finish: str | None = None,
+                     logprobs: CompletionLogprobs | None = None) -> dict[str, Any]:
+    return {"id": item.rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                         "logprobs": None if logprobs is None else logprobs.model_dump()}]}
+
+
+def chat_chunk(item: Item, created: int, model: str, delta: dict[str, str], *,
+               finish: str | None = None,
+               logprobs: ChatLogprobs | None = None) -> dict[str, Any]:
+    return {"id": item.rid, "object": "chat.completion.chunk", "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                         "logprobs": None if logprobs is None else logprobs.model_dump()}]}
+
+
+def usage_chunk(item: Item, created: int, model: str, answer: Answer, *,
+                chat: bool) -> dict[str, Any]:
+    """``stream_options.include_usage``'s last chunk: no choices, the usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": item.rid, "object": kind, "created": created, "model": model, "choices": [],
+            "usage": usage(answer).model_dump()}

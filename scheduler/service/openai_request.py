@@ -1,0 +1,215 @@
+"""From an OpenAI request body to the checked :class:`~.config.Item` the engines run.
+
+The prompt: ``/v1/completions`` takes one text (encoded as ``/generate`` encodes ``text``) or
+token ids; ``/v1/chat/completions`` renders its messages with the model's chat template and
+encodes the result. The sampling fields are renamed into SGLang's ``sampling_params``
+(``max_tokens`` → ``max_new_tokens``, ``seed`` → ``sampling_seed``, ``response_format`` →
+``json_schema``) and go through :func:`~.sampling.sampling_params_from`, the one place that
+decides what pdlife honours; its refusals come back under the OpenAI field's name. Fields only
+the OpenAI API has (several prompts, ``echo``, tools, ...) are refused here when they ask for
+something.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import attrs
+from jinja2.exceptions import TemplateError
+from pydantic import ValidationError
+
+from lifecycle import SamplingParams
+from scheduler.service.config import AnswerOptions, BadRequest, Item
+from scheduler.service.core import Service
+from scheduler.service.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    SamplingFields,
+    TextPart,
+)
+from scheduler.service.sampling import sampling_params_from
+from scheduler.service.schema import SamplingParamsBody
+
+#: What ``response_format`` json_object asks for, as a JSON schema (SGLang's mapping).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+#: OpenAI fields pdlife cannot honour, with the values that ask for nothing.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "return_hidden_states": (False,),
+    "lora_path": (None, ""),
+    "echo": (False,),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "continue_final_message": (False,),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "chat_template_kwargs": (None, {}),
+}
+
+_SGLANG_FIELD = re.compile(r"sampling_params\.(\w+)")
+
+
+class FieldError(BadRequest):
+    """A refusal that names the request field to change (OpenAI's ``param``)."""
+
+    def __init__(self, reason: str, message: str, param: str | None, *,
+                 status: int = 400) -> None:
+        super().__init__(reason, message, status=status)
+        self.param = param
+
+
+def completion_item(service: Service, body: CompletionRequest) -> Item:
+    """The checked item of a ``/v1/completions`` body, or :class:`FieldError`."""
+    _refuse_unsupported(body)
+    logprobs = body.logprobs is not None
+    sampling = _sampling(service, body, body.max_tokens, "max_tokens", return_logprob=logprobs,
+                         top=body.logprobs or 0)
+    return _item(service, body, "cmpl", _prompt(service, body), sampling, "max_tokens")
+
+
+def chat_item(service: Service, body: ChatCompletionRequest) -> Item:
+    """The checked item of a ``/v1/chat/completions`` body, or :class:`FieldError`."""
+    _refuse_unsupported(body)
+    if body.top_logprobs and not body.logprobs:
+        raise FieldError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
+    prompt = _chat_prompt(service, body)
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    asked = body.max_completion_tokens or body.max_tokens
+    max_new = asked if asked is not None else _room_left(service, len(prompt))
+    sampling = _sampling(service, body, max_new, name, return_logprob=body.logprobs,
+                         top=body.top_logprobs)
+    return _item(service, body, "chatcmpl", prompt, sampling, name)
+
+
+# -- prompts ------------------------------------------------------------------------------------
+
+
+def _prompt(service: Service, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > 1:
+            raise FieldError("bad_batch", f"prompt holds {len(prompt)} prompts; this server "
+                             "takes one per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(service.tokenizer.encode(prompt))
+    return [int(t) for t in prompt]  # type: ignore[arg-type]  # ints, by the check above
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part.text for part in content)
+
+
+def _chat_prompt(service: Service, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = service.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise FieldError("no_chat_template", f"the model {service.config.model_name!r} has no "
+                         "chat template: send the prompt to /v1/completions", "messages")
+    messages: list[dict[str, Any]] = []
+    for m in body.messages:
+        message: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    try:
+        return list(tokenizer.encode_chat(messages))
+    except (ValueError, TemplateError) as exc:
+        raise FieldError("bad_messages", f"the chat template refused the messages: {exc}",
+                         "messages") from exc
+
+
+def _room_left(service: Service, prompt_tokens: int) -> int:
+    """The default answer length of a chat: what the server's limit, the context and (decode)
+    the KV pool leave after the prompt; at least 1 (a prompt that leaves nothing is refused
+    by the check)."""
+    c = service.config
+    room = [c.new_tokens_limit, c.max_position - prompt_tokens + 1]
+    if c.role != "prefill":
+        room.append(c.pool_pages * c.scheduler.page_size - prompt_tokens)
+    return max(1, min(room))
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+
+def _refuse_unsupported(body: SamplingFields) -> None:
+    for name, neutral in _NEUTRAL.items():
+        if name in type(body).model_fields and getattr(body, name) not in neutral:
+            raise FieldError("unsupported", f"{name}={getattr(body, name)!r} is not supported "
+                             f"by this server (leave it out, or send {neutral[0]!r})", name)
+
+
+def _json_schema(fmt: ResponseFormat | None) -> str | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise FieldError("bad_grammar", "response_format json_schema needs "
+                         "json_schema.schema", "response_format.json_schema")
+    return json.dumps(fmt.json_schema.schema_)
+
+
+def _sampling(service: Service, body: SamplingFields, max_new: int, max_name: str, *,
+              return_logprob: bool, top: int) -> SamplingParams:
+    names = {"max_new_tokens": max_name, "sampling_seed": "seed", "min_new_tokens": "min_tokens",
+             "json_schema": "response_format"}
+    schema = _json_schema(body.response_format)
+    try:
+        sp = SamplingParamsBody(
+            max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, min_p=body.min_p, sampling_seed=body.seed, stop=body.stop,
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+            no_stop_trim=body.no_stop_trim, skip_special_tokens=body.skip_special_tokens,
+            json_schema=schema, regex=body.regex, ebnf=body.ebnf,
+            n=body.n, frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
+            min_new_tokens=body.min_tokens, logit_bias=body.logit_bias,
+        )
+        return sampling_params_from(sp, return_logprob=return_logprob, top_logprobs_num=top,
+                                    max_new_tokens_limit=service.config.new_tokens_limit)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else None
+        param = names.get(field or "", field)
+        raise FieldError("invalid_request", f"{param}: {first['msg']}", param) from exc
+    except BadRequest as exc:
+        raise _renamed(exc, names) from exc
+
+
+def _renamed(exc: BadRequest, names: dict[str, str]) -> FieldError:
+    """``exc`` in the OpenAI field names: ``sampling_params.sampling_seed`` becomes ``seed``."""
+    found = _SGLANG_FIELD.search(str(exc))
+    field = found.group(1) if found else None
+    param = names.get(field, field) if field else None
+    message = _SGLANG_FIELD.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc))
+    return FieldError(exc.reason, message, param, status=exc.status)
+
+
+# -- the item -----------------------------------------------------------------------------------
+
+
+def _item(service: Service, body: SamplingFields, prefix: str, prompt: list[int],
+          sampling: SamplingParams, max_name: str) -> Item:
+    rid = body.rid or f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        item = service.check(
+            rid=rid, input_ids=prompt, sampling=sampling, bootstrap_host=body.bootstrap_host,
+            bootstrap_port=body.bootstrap_port, bootstrap_room=body.bootstrap_room,
+        )
+    except BadRequest as exc:
+        renamed = _renamed(exc, {"max_new_tokens": max_name})
+        renamed.rid = rid
+        if renamed.param is None and exc.reason in ("empty_prompt", "bad_token_id",
+                                                    "prompt_too_long"):
+            renamed.param = "messages" if prefix == "chatcmpl" else "prompt"
+        raise renamed from exc
+    return attrs.evolve(item, options=AnswerOptions(body.no_stop_trim, body.skip_special_tokens))

@@ -1,0 +1,222 @@
+"""The bodies of the OpenAI endpoints, ``/v1/completions`` and ``/v1/chat/completions``
+(pydantic models: the published schema).
+
+Requests take OpenAI's fields, SGLang's extensions of them (``top_k``, ``min_p``, ``regex``,
+``ebnf``, ``stop_token_ids``, ``ignore_eos``, ...) and the bootstrap fields a PD router adds.
+Unknown fields are ignored, as SGLang does (the router adds several); a known field pdlife
+cannot honour is declared here with its neutral value so that :mod:`.openai_format` can refuse
+anything else with a 400 that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lifecycle import TOP_LOGPROBS_MAX
+
+#: OpenAI's bound on ``logprobs`` of ``/v1/completions``.
+COMPLETION_LOGPROBS_MAX = 5
+
+Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored; known ones must have their type.
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = Field(False, description="a last chunk with the usage, no choices")
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field("schema", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema",
+                                                  description="the JSON schema (required)")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(_Body):
+    """What both endpoints share: sampling, stops, logprob-free structured output, the PD
+    router's bootstrap fields, and the fields pdlife refuses unless neutral."""
+
+    model: str | None = Field(None, description="echoed in the answer; any name is served")
+    temperature: float = Field(1.0, ge=0, le=100, description="0: greedy (OpenAI's default: 1)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1: no limit")
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, le=(1 << 64) - 1,
+                             description="the same seed gives the same tokens")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings that end the answer")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = Field(False, description="keep a matched stop in the text")
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = Field(None, description="a Lark grammar")
+    n: int = Field(1, ge=1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    rid: str | None = Field(None, max_length=256, description="request id; generated if absent")
+    bootstrap_host: str | None = None
+    bootstrap_port: Port | None = None
+    bootstrap_room: Room | None = None
+    # Fields pdlife cannot honour: refused with 400 unless neutral.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    return_hidden_states: bool = False
+    lora_path: Any = None
+
+
+class CompletionRequest(SamplingFields):
+    """``/v1/completions``: one prompt, text or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="one prompt: a string or token ids (a list of one of them is accepted)")
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX,
+                                 description="alternatives per token; 0: the chosen token only")
+    # Refused unless neutral.
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``/v1/chat/completions``: messages through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: what the "
+                                              "context and the server's limit leave")
+    max_tokens: int | None = Field(None, ge=1, description="older name of the above")
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=TOP_LOGPROBS_MAX, description="needs logprobs")
+    # Accepted and without effect: pdlife has no reasoning parser.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    # Refused unless neutral.
+    continue_final_message: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry]
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": OpenAIError, "description": "the request can never be served as sent"},
+    413: {"description": "the body exceeds the server's limit"},
+    500: {"model": OpenAIError, "description": "bootstrap, transfer or internal failure"},
+    503: {"model": OpenAIError, "description": "draining, or the engine loop failed"},
+}

@@ -1,0 +1,208 @@
+"""The OpenAI endpoints: ``/v1/completions`` and ``/v1/chat/completions``, plain or streamed.
+
+Both run on either worker role with the body a PD router sends (its bootstrap fields added):
+the decode worker answers the whole completion, the prefill worker (whose answer the router
+drops) a completion of its one token, as ``/generate`` does. Every error, including a body that
+is not JSON or fails the schema, is OpenAI's error object ``{"error": {"message", "type",
+"param", "code"}}``: ``type`` ``invalid_request_error`` for a 4xx, ``server_error`` otherwise;
+``code`` is the reason ``/generate`` would give (``unsupported``, ``prompt_too_long``,
+``draining``, ``transfer_failed``, ...); ``param`` names the field to change, when there is one.
+A refusal is told to the request's peer, as on ``/generate``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.service.config import BadRequest
+from scheduler.service.core import Answer, Item, Pending, Service
+from scheduler.service.errors import failure_kind, plain_validation_errors
+from scheduler.service.handoff import Refusal, admit, check_available, count, new_tokens, wait
+from scheduler.service.openai_format import (
+    StreamText,
+    chat_body,
+    chat_chunk,
+    chat_logprobs,
+    completion_body,
+    completion_chunk,
+    completion_logprobs,
+    final_text,
+    now,
+    usage_chunk,
+)
+from scheduler.service.openai_request import FieldError, chat_item, completion_item
+from scheduler.service.openai_schema import (
+    OPENAI_ERRORS,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIError,
+    OpenAIErrorDetail,
+    SamplingFields,
+)
+from scheduler.service.refusals import peer_rooms, refuse_peers
+from scheduler.service.routes_info import ServiceDep, service_of
+
+logger = logging.getLogger(__name__)
+
+Body = TypeVar("Body", bound=SamplingFields)
+
+
+def openai_error(status: int, message: str, code: str, param: str | None = None
+                 ) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = OpenAIError(error=OpenAIErrorDetail(message=message, type=kind, param=param,
+                                               code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _refused(service: Service, refusal: Refusal) -> JSONResponse:
+    count(service, refusal)
+    return openai_error(refusal.status, str(refusal), refusal.kind, refusal.param)
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose refusals of the body itself (not JSON, not the schema) are OpenAI errors
+    too; the app's handlers would answer them in ``/generate``'s shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except RequestValidationError as exc:
+                return _invalid(service_of(request), request, exc)
+            except StarletteHTTPException as exc:
+                if exc.status_code != 400:
+                    raise
+                return _refused(service_of(request), Refusal(
+                    "malformed_json", 400, f"the body is not valid JSON: {exc.detail}"))
+
+        return route
+
+
+def _invalid(service: Service, request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if bad_json:
+        why = bad_json[0].get("ctx", {}).get("error", "")
+        return _refused(service, Refusal("malformed_json", 400,
+                                         f"the body is not valid JSON: {why}"))
+    if "json" not in request.headers.get("content-type", ""):
+        return _refused(service, Refusal(
+            "invalid_request", 400, "send a JSON object with Content-Type: application/json"))
+    messages = plain_validation_errors(errors)
+    message = "; ".join(messages[:5]) or "invalid request"
+    param = messages[0].partition(":")[0] if messages else None
+    refuse_peers(service, peer_rooms(exc.body), "invalid_request", message)
+    return _refused(service, Refusal("invalid_request", 400, message, param=param))
+
+
+router = APIRouter(route_class=OpenAIRoute)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses={
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the completion, or a stream of chunks"},
+    **OPENAI_ERRORS})
+async def completions(body: CompletionRequest, request: Request,
+                      service: ServiceDep) -> Response:
+    """OpenAI's completions: one prompt, text or token ids."""
+    return await _serve(service, request, body, completion_item, chat=False)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the chat completion, or a stream of chunks"},
+    **OPENAI_ERRORS})
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           service: ServiceDep) -> Response:
+    """OpenAI's chat completions: the messages through the model's chat template."""
+    return await _serve(service, request, body, chat_item, chat=True)
+
+
+async def _serve(service: Service, request: Request, body: Body,
+                 build: Callable[[Service, Body], Item], *, chat: bool) -> Response:
+    model = body.model or service.config.model_name
+    try:
+        check_available(service, peer_rooms(body.model_dump()))
+        try:
+            item = build(service, body)
+        except BadRequest as exc:
+            refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
+            raise Refusal.of(exc, param=exc.param if isinstance(exc, FieldError) else None
+                             ) from exc
+        (pending,) = await admit(service, request, [item], stream=body.stream)
+    except Refusal as refusal:
+        return _refused(service, refusal)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_stream(service, pending, model, chat=chat,
+                                         include_usage=include_usage),
+                                 media_type="text/event-stream")
+    answers = await wait(service, request, [pending])
+    if answers is None:
+        return Response(status_code=499)
+    (answer,) = answers
+    if answer.status != 200:
+        return openai_error(answer.status, answer.message, failure_kind(answer))
+    write = chat_body if chat else completion_body
+    return JSONResponse(write(service.tokenizer, item, answer, model))
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _stream(service: Service, pending: Pending, model: str, *, chat: bool,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """The chunks of one answer, then ``data: [DONE]``; a stream closed before the answer
+    aborts the request."""
+    item, created = pending.item, now()
+    text = StreamText(service.tokenizer, item)
+    finished = False
+
+    def chunk(delta: str, **final: Any) -> dict[str, Any]:
+        if chat:
+            return chat_chunk(item, created, model, {"content": delta} if delta else {}, **final)
+        return completion_chunk(item, created, model, delta, **final)
+
+    try:
+        if chat:
+            yield _sse(chat_chunk(item, created, model, {"role": "assistant", "content": ""}))
+        async for tokens in new_tokens(pending):
+            delta = text.more(tokens)
+            if delta:
+                yield _sse(chunk(delta))
+        answer: Answer = pending.future.result()
+        if answer.status != 200:
+            yield _sse(OpenAIError(error=OpenAIErrorDetail(
+                message=answer.message, type="server_error", param=None,
+                code=failure_kind(answer))).model_dump())
+        else:
+            tokenizer, sampling = service.tokenizer, item.sampling
+            logprobs: Any = None
+            if sampling.return_logprob:
+                write = chat_logprobs if chat else completion_logprobs
+                logprobs = write(tokenizer, answer.output_logprobs, sampling.top_logprobs_num)
+            rest = text.rest(final_text(tokenizer, item, answer))
+            yield _sse(chunk(rest, finish=answer.finish_reason, logprobs=logprobs))
+            if include_usage:
+                yield _sse(usage_chunk(item, created, model, answer, chat=chat))
+        yield b"data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:
+            service.abort(item.rid)
+            logger.info("stream of %r closed early; aborted", item.rid)

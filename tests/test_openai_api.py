@@ -1,0 +1,368 @@
+"""The OpenAI endpoints in process (ASGI transport): completions against the colocated reference
+model, plain and streamed, with logprobs; the body a PD router sends; OpenAI error objects for
+every refusal; chat on SmolLM2 through the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import httpx
+import httpx2
+import openai
+import pytest
+
+from lifecycle import SamplingParams
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.service.answers import answer_text
+from scheduler.service.app import create_app
+from scheduler.service.config import AnswerOptions, Item, ServeConfig
+from scheduler.service.core import Service
+from scheduler.service.openai_format import StreamText, token_bytes
+from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
+
+MODEL = ModelConfig.tiny(seed=3)
+SCHED = SchedulerConfig(page_size=4, chunked_prefill_size=16, check_invariants=True)
+REFERENCE = ReferenceModel(LlamaModel(MODEL))
+TOKENIZER = ByteTokenizer()
+#: What SGLang's router (0.3.2) adds to a chat body in PD mode (logged from a stub worker).
+ROUTER_CHAT_FIELDS: dict[str, Any] = {
+    "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+    "stream_reasoning": True, "return_hidden_states": False,
+}
+ROUTER_COMPLETION_FIELDS: dict[str, Any] = {
+    "echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
+
+
+def config(role: str = "both", backend: str = "local", **kw: Any) -> ServeConfig:
+    return ServeConfig(role=role, backend=backend, model=MODEL, scheduler=SCHED,  # type: ignore[arg-type]
+                       pool_pages=64, metadata_slots=8, max_new_tokens_limit=32, **kw)
+
+
+def greedy(prompt: list[int], n: int, ignore_eos: bool = False) -> list[int]:
+    return REFERENCE.generate(prompt, n, (), ignore_eos)
+
+
+async def post(client: httpx.AsyncClient, path: str, **body: Any) -> httpx.Response:
+    return await client.post(path, json=body)
+
+
+def sse(text: str) -> list[dict[str, Any]]:
+    chunks, done = tokens_of_stream(text)
+    assert done, text
+    return chunks
+
+
+# -- completions on the reference model -----------------------------------------------------------
+
+
+def test_completions_equal_the_reference_plain_streamed_and_as_token_ids() -> None:
+    prompt = "Hello, pdlife!"
+    want = TOKENIZER.decode(greedy(TOKENIZER.encode(prompt), 12, ignore_eos=True))
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+                r = await post(client, "/v1/completions", **body, model="m")
+                assert r.status_code == 200, r.text
+                got = r.json()
+                assert got["object"] == "text_completion" and got["model"] == "m"
+                assert got["id"].startswith("cmpl-") and isinstance(got["created"], int)
+                (choice,) = got["choices"]
+                assert choice == {"index": 0, "text": want, "logprobs": None,
+                                  "finish_reason": "length"}
+                assert got["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12,
+                                        "total_tokens": len(prompt) + 12,
+                                        "prompt_tokens_details": {"cached_tokens": 0}}
+                for as_ids in (TOKENIZER.encode(prompt), [TOKENIZER.encode(prompt)], [prompt]):
+                    r = await post(client, "/v1/completions", **{**body, "prompt": as_ids})
+                    assert r.json()["choices"][0]["text"] == want, as_ids
+                r = await post(client, "/v1/completions", **body, stream=True,
+                               stream_options={"include_usage": True})
+                chunks = sse(r.text)
+                *texts, usage = chunks
+                assert "".join(c["choices"][0]["text"] for c in texts) == want
+                assert [c["choices"][0]["finish_reason"] for c in texts][-1] == "length"
+                assert all(c["choices"][0]["finish_reason"] is None for c in texts[:-1])
+                assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+                r = await post(client, "/v1/completions", **body, stream=True)
+                assert "usage" not in sse(r.text)[-1]
+
+    run(main())
+
+
+def test_completion_logprobs_describe_the_answer() -> None:
+    prompt = TOKENIZER.encode("logprobs")
+    want = greedy(prompt, 8, ignore_eos=True)
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                for top in (0, 3):
+                    r = await post(client, "/v1/completions", prompt=prompt, max_tokens=8,
+                                   temperature=0, ignore_eos=True, logprobs=top)
+                    assert r.status_code == 200, r.text
+                    choice = r.json()["choices"][0]
+                    lp = choice["logprobs"]
+                    assert lp["tokens"] == [TOKENIZER.decode([t]) for t in want]
+                    assert lp["text_offset"] == list(range(8))  # one character per byte here
+                    assert all(v <= 0 for v in lp["token_logprobs"])
+                    if top == 0:
+                        assert lp["top_logprobs"] is None
+                        continue
+                    for token, value, alternatives in zip(
+                            lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+                        # Greedy: the chosen token is the most likely one.
+                        assert 1 <= len(alternatives) <= top
+                        assert alternatives[token] == value == max(alternatives.values())
+
+    run(main())
+
+
+def test_the_body_a_pd_router_sends_is_accepted_on_both_roles() -> None:
+    prompt = TOKENIZER.encode("routed")
+    want = greedy(prompt, 6, ignore_eos=True)
+    body = {"model": "pdlife", "prompt": "routed", "max_tokens": 6, "temperature": 0.0,
+            "ignore_eos": True, "stream": False, **ROUTER_COMPLETION_FIELDS,
+            "bootstrap_host": "2.2.2.2", "bootstrap_port": 8998, "bootstrap_room": 12345,
+            "some_future_field": {"x": 1}}
+
+    async def main() -> None:
+        # The fake backend: prefill answers its one token, decode computes the prompt itself.
+        for role, expected in (("prefill", want[:1]), ("decode", want)):
+            with running_service(config(role, "fake")) as service:
+                async with asgi_client(service) as client:
+                    r = await post(client, "/v1/completions", **body)
+                    assert r.status_code == 200, r.text
+                    choice = r.json()["choices"][0]
+                    assert choice["text"] == TOKENIZER.decode(expected), role
+                    assert r.json()["usage"]["completion_tokens"] == len(expected)
+                    r = await post(client, "/v1/completions", **body | {"stream": True})
+                    assert "".join(c["choices"][0]["text"] for c in sse(r.text)) == \
+                        TOKENIZER.decode(expected)
+
+    run(main())
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
+    ("/v1/completions", {"prompt": ["one", "two"]}, "bad_batch", "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "unsupported", "n"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "unsupported",
+     "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -1.0}, "unsupported",
+     "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"3": 5.0}}, "unsupported", "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported", "echo"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "unsupported", "best_of"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "invalid_request",
+     "response_format.type"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}},
+     "bad_grammar", "response_format.json_schema"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, "invalid_request", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "invalid_request", "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "invalid_request", "top_p"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, "invalid_request", "seed"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "bad_sampling", "stop"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 33}, "bad_max_new_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": ""}, "empty_prompt", "prompt"),
+    ("/v1/completions", {"prompt": [1, 999]}, "bad_token_id", "prompt"),
+    ("/v1/completions", {}, "invalid_request", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+     "no_chat_template", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, "invalid_request", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 21, "logprobs": True}, "invalid_request",
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function"}]}, "unsupported", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "invalid_request",
+     "messages.0.content.0.type"),
+    ("/v1/chat/completions", {"messages": []}, "invalid_request", "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "code", "param"), REFUSED,
+                         ids=[f"{p[4:]}-{c}-{m}" for p, _, c, m in REFUSED])
+def test_refusals_are_openai_errors_naming_the_field(path: str, body: dict[str, Any], code: str,
+                                                     param: str | None) -> None:
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await post(client, path, **body)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert error["type"] == "invalid_request_error"
+                assert (error["code"], error["param"]) == (code, param), error
+                if code == "unsupported":
+                    assert param is not None and param in error["message"]
+                metrics = (await client.get("/metrics")).text
+                assert f'pdlife_http_rejected_total{{reason="{code}"}} 1.0' in metrics
+
+    run(main())
+
+
+def test_a_body_that_is_not_json_and_a_draining_server_answer_openai_errors() -> None:
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await client.post("/v1/completions", content=b"{nope",
+                                      headers={"content-type": "application/json"})
+                assert r.status_code == 400
+                assert r.json()["error"]["code"] == "malformed_json"
+                r = await client.post("/v1/chat/completions", content=b"prompt=x",
+                                      headers={"content-type": "text/plain"})
+                assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_request")
+                service.begin_drain()
+                r = await post(client, "/v1/completions", prompt="x")
+                assert r.status_code == 503
+                assert r.json()["error"] == {
+                    "message": "the server is draining (shutting down)", "type": "server_error",
+                    "param": None, "code": "draining"}
+
+    run(main())
+
+
+# -- streaming text -----------------------------------------------------------------------------
+
+
+def _item(**sampling: Any) -> Item:
+    return Item("s", (1,), SamplingParams(16, **sampling), "local", 0, 1)
+
+
+@pytest.mark.parametrize("no_stop_trim", [False, True])
+def test_a_stream_never_sends_text_a_stop_will_cut(no_stop_trim: bool) -> None:
+    item = attrs.evolve(_item(stop=("XY", "QQQ")),
+                        options=AnswerOptions(no_stop_trim=no_stop_trim))
+    ids = TOKENIZER.encode("abXcQQXY")
+    text = StreamText(TOKENIZER, item)
+    sent = "".join(text.more([t]) for t in ids)
+    final = answer_text(TOKENIZER, item, ids, "XY")
+    assert final == ("abXcQQXY" if no_stop_trim else "abXcQQ")
+    if not no_stop_trim:
+        assert "XY" not in sent and final.startswith(sent)
+    assert sent + text.rest(final) == final
+
+
+def test_a_stream_holds_back_an_incomplete_character_and_a_possible_stop_token() -> None:
+    snowman = TOKENIZER.encode("a☃")
+    text = StreamText(TOKENIZER, _item())
+    assert [text.more([t]) for t in snowman] == ["a", "", "", "☃"]
+    held = StreamText(TOKENIZER, _item(stop_token_ids=(ord("!"),)))
+    assert [held.more([t]) for t in TOKENIZER.encode("ab!")] == ["", "a", "b"]
+    assert held.rest(answer_text(TOKENIZER, held.item, TOKENIZER.encode("ab!"), ord("!"))) == ""
+
+
+# -- chat on SmolLM2, through the official client -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_config(smollm2: Any) -> ServeConfig:
+    return ServeConfig(role="both", backend="local", served=smollm2, model_name="smollm2",
+                       scheduler=SchedulerConfig(page_size=16, chunked_prefill_size=64),
+                       pool_pages=64, metadata_slots=8)
+
+
+@contextlib.asynccontextmanager
+async def openai_client(service: Service) -> AsyncIterator[openai.AsyncOpenAI]:
+    # The openai client's own HTTP library (httpx2) over the app, in process.
+    transport = httpx2.ASGITransport(app=create_app(service))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://pdlife/v1") as http:
+        yield openai.AsyncOpenAI(base_url="http://pdlife/v1", api_key="none", http_client=http,
+                                 max_retries=0)
+
+
+QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_answers_as_the_colocated_model_through_the_openai_client(
+        smollm2: Any, chat_config: ServeConfig) -> None:
+    want_ids = smollm2.generate(smollm2.encode_messages(QUESTION), 16)
+    want = smollm2.decode(want_ids)
+    assert want == "The capital of France is Paris."
+
+    async def main() -> None:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                r = await client.chat.completions.create(
+                    model="smollm2", messages=QUESTION, max_tokens=16, temperature=0,
+                    logprobs=True, top_logprobs=2)
+                choice = r.choices[0]
+                assert (choice.message.role, choice.message.content) == ("assistant", want)
+                assert choice.finish_reason == "stop"
+                assert r.object == "chat.completion" and r.model == "smollm2"
+                assert r.usage is not None and r.usage.completion_tokens == len(want_ids)
+                assert choice.logprobs is not None and choice.logprobs.content is not None
+                entries = choice.logprobs.content
+                assert [e.token for e in entries] == [
+                    smollm2.tokenizer.decode([t], skip_special_tokens=False) for t in want_ids]
+                assert "".join(e.token for e in entries[:-1]) == want  # the last is EOS
+                for e, token in zip(entries, want_ids, strict=True):
+                    assert bytes(e.bytes or []) == bytes(token_bytes(smollm2.tokenizer, token))
+                    assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+                    assert e.top_logprobs[0].logprob == e.logprob
+                # The same as text parts, streamed, with the usage chunk.
+                parts: Any = [{"role": "user", "content": [
+                    {"type": "text", "text": "What is the capital of France?"}]}]
+                stream = await client.chat.completions.create(
+                    model="smollm2", messages=parts, max_completion_tokens=16,
+                    temperature=0, stream=True, stream_options={"include_usage": True})
+                chunks = [c async for c in stream]
+                assert chunks[0].choices[0].delta.role == "assistant"
+                assert "".join(c.choices[0].delta.content or "" for c in chunks
+                               if c.choices) == want
+                assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+                assert chunks[-1].choices == [] and chunks[-1].usage is not None
+
+    run(main())
+
+
+def test_chat_sampling_with_a_seed_reproduces(
+        smollm2: Any, chat_config: ServeConfig) -> None:
+    async def main() -> None:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                async def sampled(seed: int) -> str:
+                    r = await client.chat.completions.create(
+                        model="smollm2", messages=QUESTION, max_tokens=10,
+                        temperature=1.0, top_p=0.95, seed=seed)
+                    return r.choices[0].message.content or ""
+
+                first, again, other = await asyncio.gather(sampled(7), sampled(7), sampled(8))
+                assert first == again and first
+                # Ten sampled tokens of two seeds: equal only by a rare accident.
+                assert first != other
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.chat.completions.create(
+                        model="smollm2", messages=QUESTION, frequency_penalty=1.0)
+                assert refused.value.code == "unsupported"
+                assert refused.value.param == "frequency_penalty"
+
+    run(main())
+
+
+def test_the_openapi_schema_lists_the_openai_bodies() -> None:
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                schema = (await client.get("/openapi.json")).json()
+                for path in ("/v1/completions", "/v1/chat/completions"):
+                    assert "requestBody" in schema["paths"][path]["post"]
+                assert "ChatCompletionRequest" in schema["components"]["schemas"]
+                assert json.dumps(schema)  # serialisable
+
+    run(main())
