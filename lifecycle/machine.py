@@ -46,7 +46,7 @@ import collections
 import enum
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar
 
 from transitions import Machine
 from transitions.core import Event, EventData, State, Transition
@@ -70,7 +70,7 @@ def shared_machine(table: LifecycleTable) -> Machine:
     entry = _MACHINES.get(id(table))
     if entry is not None:
         return entry[1]
-    machine = Machine(
+    machine = _TableMachine(
         model=None,
         states=table.states,
         transitions=[
@@ -79,19 +79,29 @@ def shared_machine(table: LifecycleTable) -> Machine:
         initial=None,
         auto_transitions=False,
         send_event=True,
-        after_state_change=_machine_moved,
     )
     _MACHINES[id(table)] = (table, machine)
     return machine
 
 
-def _machine_moved(event_data: EventData) -> None:
-    # The machine's after_state_change callback: it has set the state of the request
-    # (``event_data.model``); the lifecycle that owns it does the rest of the move.
-    req = cast(Tracked, event_data.model)
-    owner = req.owner
-    assert owner is not None
-    owner._moved_by_machine(req, event_data.kwargs["firing"])
+class _NamedState(State):
+    """A transitions State that reads its enum member's name once: ``State.name`` recomputes
+    it on every access, and the library reads it several times per transition (its logging
+    arguments are built whether or not anything is logged)."""
+
+    def __init__(self, name: str | enum.Enum, *args: Any, **kwargs: Any) -> None:
+        super().__init__(name, *args, **kwargs)
+        self._plain_name: str = name.name if isinstance(name, enum.Enum) else name
+
+    @property
+    def name(self) -> str:
+        return self._plain_name
+
+
+class _TableMachine(Machine):
+    """The shared machine: transitions' Machine with the state class above."""
+
+    state_cls = _NamedState
 
 
 class _Step(Generic[R]):
@@ -253,12 +263,13 @@ class Lifecycle(Generic[R]):
             why = self._refusal(step, req, firing)
             if why:
                 raise GuardFailed(req.rid, state, event, why)
-        # The library's own transition for this edge: it sets the state and calls back
-        # (_machine_moved) for the rest. Event.trigger would look up again what the step holds.
+        # The library's own transition for this edge sets the state (Event.trigger would look
+        # up again what the step holds); then the rest of the move, as on the batch path.
         step.transition.execute(
             EventData(step.machine_source, step.machine_event, self._machine, req, (),
                       {"firing": firing})
         )
+        self._move([req], step, firing)
 
     def fire(
         self,
@@ -351,10 +362,6 @@ class Lifecycle(Generic[R]):
             if held is not wanted:
                 refused.append(f"{name} is {'false' if wanted else 'true'}")
         return "; ".join(refused)
-
-    def _moved_by_machine(self, req: R, firing: Firing) -> None:
-        # The trigger path: the shared machine set the state; the rest is the batch path's.
-        self._move([req], self._steps[(firing.source, firing.event)], firing)
 
     def _move(self, reqs: Sequence[R], step: _Step[R], firing: Firing) -> None:
         dst = step.edge.dest

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import attrs
 
-from lifecycle.binding import Firing
 from lifecycle.errors import LifecycleError
 from lifecycle.table import LifecycleTable
 
@@ -32,8 +31,6 @@ class Owner(Protocol):
     def trigger(
         self, req: Any, event: str, *, reason: enum.Enum | None = None, detail: str = ""
     ) -> None: ...
-
-    def _moved_by_machine(self, req: Any, firing: Firing) -> None: ...
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)
