@@ -4,15 +4,19 @@ read. The check is middleware, so a route added to the app later is covered too.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
+from scheduler.cli.credentials import API_KEY_ENV
+from scheduler.cli.main import main
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.service.app import create_app
 from scheduler.service.core import ServeConfig
 from scheduler.service.middleware import ApiKey
-from tests.service_harness import run, running_service
+from tests.service_harness import Server, run, running_service
 
 KEY = "k3y-0123456789abcdef"
 MODEL = ModelConfig.tiny(seed=3)
@@ -123,3 +127,23 @@ def test_the_key_is_never_in_a_repr_and_never_empty() -> None:
     with pytest.raises(ValueError, match="must not be empty"):
         ApiKey(lambda *_: None, "", on_reject=lambda: None)  # type: ignore[arg-type,return-value]
 
+
+
+@pytest.mark.multiprocess
+def test_pdlife_top_reads_a_keyed_worker_with_the_key_from_the_environment(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = Server(tmp_path / "serve.log", "--backend", "local", "--page-size", "4",
+                    "--pool-pages", "64", env={API_KEY_ENV: KEY})
+    try:
+        worker.wait_healthy()
+        monkeypatch.setenv("COLUMNS", "200")
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+        assert main(["top", worker.url, "--once", "--interval", "0.1"]) == 1
+        assert f"answered 401 (the worker wants an API key: set {API_KEY_ENV})" in (
+            capsys.readouterr().out)
+        monkeypatch.setenv(API_KEY_ENV, KEY)
+        assert main(["top", worker.url, "--once", "--interval", "0.1"]) == 0
+        assert "both, healthy" in capsys.readouterr().out
+    finally:
+        worker.stop()

@@ -4,7 +4,8 @@ Each refresh reads every worker's ``/server_info`` and ``/metrics`` at once (one
 worker, each with ``--timeout``), computes the view (:mod:`.top_view`) and redraws one table,
 a column per worker. A worker that cannot be read says why in its column; the others go on.
 Ctrl-C ends it, exit status 0. ``--once`` prints one table (two scrapes ``--interval`` apart, so
-rates exist) and exits 1 if a worker was unreachable, for scripts.
+rates exist) and exits 1 if a worker was unreachable, for scripts. Workers started with an API
+key are read with the key in ``PDLIFE_API_KEY``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from scheduler.cli.command import Subcommand, UsageError
+from scheduler.cli.credentials import API_KEY_ENV, api_key
 
 if TYPE_CHECKING:
     import httpx
@@ -59,8 +61,10 @@ def _scrape(client: httpx.Client, history: History) -> WorkerView:
         metrics.raise_for_status()
         scrape = Scrape(time.monotonic(), info.json(), parse_metrics(metrics.text))
     except httpx.HTTPStatusError as exc:
+        hint = f" (the worker wants an API key: set {API_KEY_ENV})" if (
+            exc.response.status_code == 401) else ""
         return history.unreachable(f"{exc.request.url.path} answered "
-                                   f"{exc.response.status_code}")
+                                   f"{exc.response.status_code}{hint}")
     except httpx.HTTPError as exc:
         return history.unreachable(f"unreachable ({type(exc).__name__}: {exc or 'no answer'})")
     except ValueError as exc:  # not JSON, not Prometheus text
@@ -139,7 +143,9 @@ def _run(args: argparse.Namespace) -> int:
     histories = [History(_url(u)) for u in args.urls]
     console = Console()
     pause = threading.Event()  # never set: an interruptible wait between refreshes
-    with httpx.Client(timeout=args.timeout) as client, ThreadPoolExecutor(
+    key = api_key(None)
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    with httpx.Client(timeout=args.timeout, headers=headers) as client, ThreadPoolExecutor(
             len(histories), thread_name_prefix="pdlife-top") as pool:
         try:
             if args.once:
@@ -173,7 +179,8 @@ TOP = Subcommand(
         "second. A worker that cannot be read says why in its column. Ctrl-C quits."
     ),
     epilog=(
-        "Example: pdlife top 127.0.0.1:30000 127.0.0.1:30001. Rates and TTFT need two "
+        "Example: pdlife top 127.0.0.1:30000 127.0.0.1:30001. Workers that require an API "
+        f"key are read with ${API_KEY_ENV}. Rates and TTFT need two "
         "refreshes; TTFT comes from pdlife_ttft_seconds, which only prefill workers (and "
         "--backend local) have. For history and alerts scrape the same /metrics with "
         "Prometheus (docs/operations.md)."
