@@ -52,11 +52,12 @@ class ModelRunner(Protocol):
 class LogitsRunner(ModelRunner, Protocol):
     """A runner that can also hand back logits, for sampling, logprobs and grammars.
 
-    :meth:`logits` writes the K/V as :meth:`forward` does and returns float32 logits of shape
-    ``[rows, vocab]``: per item in batch order, one row for its last position, or one row for
-    each of its positions when ``item.all_logits``. Greedy requests with nothing else asked
-    (``SamplingParams.plain``) only need :meth:`forward`; a runner without :meth:`logits`
-    serves only those.
+    :meth:`logits` writes the K/V as :meth:`forward` does and returns float32 logits (float64
+    for the exact reference model) of shape ``[rows, vocab]``: per item in batch order, one row
+    for its last position, or one row for each of its positions when ``item.all_logits``. The
+    greedy token of an item's last row (the lowest id among ties) is :meth:`forward`'s. Greedy
+    requests with nothing else asked (``SamplingParams.plain``) only need :meth:`forward`; a
+    runner without :meth:`logits` serves only those.
     """
 
     vocab_size: int
