@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.service.answers import answer_text, decode, finish_reason
@@ -127,27 +129,31 @@ def chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int) -> 
 # -- whole answers ------------------------------------------------------------------------------
 
 
-def completion_body(tokenizer: Any, item: Item, answer: Answer, model: str) -> dict[str, Any]:
+def answer_logprobs(tokenizer: Any, item: Item, answer: Answer, *,
+                    chat: bool) -> ChatLogprobs | CompletionLogprobs | None:
+    """The answer's logprobs in its endpoint's shape, or None when not asked for."""
     sampling = item.sampling
-    logprobs = completion_logprobs(tokenizer, answer.output_logprobs, sampling.top_logprobs_num
-                                   ) if sampling.return_logprob else None
-    return CompletionResponse(
-        id=item.rid, created=now(), model=model, usage=usage(answer),
-        choices=[CompletionChoice(index=0, text=final_text(tokenizer, item, answer),
-                                  logprobs=logprobs, finish_reason=answer.finish_reason)],
-    ).model_dump()
+    if not sampling.return_logprob:
+        return None
+    write = chat_logprobs if chat else completion_logprobs
+    return write(tokenizer, answer.output_logprobs, sampling.top_logprobs_num)
 
 
-def chat_body(tokenizer: Any, item: Item, answer: Answer, model: str) -> dict[str, Any]:
-    sampling = item.sampling
-    logprobs = chat_logprobs(tokenizer, answer.output_logprobs, sampling.top_logprobs_num
-                             ) if sampling.return_logprob else None
-    return ChatCompletionResponse(
-        id=item.rid, created=now(), model=model, usage=usage(answer),
-        choices=[ChatChoice(index=0, message=AssistantMessage(
-            content=final_text(tokenizer, item, answer)), logprobs=logprobs,
-            finish_reason=answer.finish_reason)],
-    ).model_dump()
+def answer_body(tokenizer: Any, item: Item, answer: Answer, model: str, *,
+                chat: bool) -> dict[str, Any]:
+    """A whole chat completion (``chat``) or completion."""
+    text, finish = final_text(tokenizer, item, answer), answer.finish_reason
+    logprobs = answer_logprobs(tokenizer, item, answer, chat=chat)
+    head: dict[str, Any] = {"id": item.rid, "created": now(), "model": model,
+                            "usage": usage(answer)}
+    if chat:
+        assert not isinstance(logprobs, CompletionLogprobs)
+        return ChatCompletionResponse(**head, choices=[ChatChoice(
+            index=0, message=AssistantMessage(content=text), logprobs=logprobs,
+            finish_reason=finish)]).model_dump()
+    assert not isinstance(logprobs, ChatLogprobs)
+    return CompletionResponse(**head, choices=[CompletionChoice(
+        index=0, text=text, logprobs=logprobs, finish_reason=finish)]).model_dump()
 
 
 # -- streams ------------------------------------------------------------------------------------
@@ -190,26 +196,37 @@ class StreamText:
         return delta
 
 
-def completion_chunk(item: Item, created: int, model: str, text: str, *,
-                     finish: str | None = None,
-                     logprobs: CompletionLogprobs | None = None) -> dict[str, Any]:
-    return {"id": item.rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish,
-                         "logprobs": None if logprobs is None else logprobs.model_dump()}]}
+@attrs.frozen
+class Chunks:
+    """The chunks of one streamed answer, a chat completion's (``chat``) or a completion's."""
 
+    item: Item
+    model: str
+    chat: bool
+    created: int = attrs.field(factory=now)
 
-def chat_chunk(item: Item, created: int, model: str, delta: dict[str, str], *,
-               finish: str | None = None,
-               logprobs: ChatLogprobs | None = None) -> dict[str, Any]:
-    return {"id": item.rid, "object": "chat.completion.chunk", "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                         "logprobs": None if logprobs is None else logprobs.model_dump()}]}
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.item.rid, "object": kind, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
 
+    def opening(self) -> dict[str, Any] | None:
+        """A chat stream's first chunk: the assistant's role."""
+        if not self.chat:
+            return None
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "finish_reason": None, "logprobs": None}])
 
-def usage_chunk(item: Item, created: int, model: str, answer: Answer, *,
-                chat: bool) -> dict[str, Any]:
-    """``stream_options.include_usage``'s last chunk: no choices, the usage."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": item.rid, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": usage(answer).model_dump()}
+    def text(self, delta: str, *, finish: str | None = None,
+             logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                                  "logprobs": None if logprobs is None else logprobs.model_dump()}
+        if self.chat:
+            choice["delta"] = {"content": delta} if delta else {}
+        else:
+            choice["text"] = delta
+        return self._chunk([choice])
+
+    def usage(self, answer: Answer) -> dict[str, Any]:
+        """``stream_options.include_usage``'s last chunk: no choices, the usage."""
+        return self._chunk([], usage=usage(answer).model_dump())

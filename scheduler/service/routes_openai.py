@@ -28,16 +28,11 @@ from scheduler.service.core import Answer, Item, Pending, Service
 from scheduler.service.errors import failure_kind, plain_validation_errors
 from scheduler.service.handoff import Refusal, admit, check_available, count, new_tokens, wait
 from scheduler.service.openai_format import (
+    Chunks,
     StreamText,
-    chat_body,
-    chat_chunk,
-    chat_logprobs,
-    completion_body,
-    completion_chunk,
-    completion_logprobs,
+    answer_body,
+    answer_logprobs,
     final_text,
-    now,
-    usage_chunk,
 )
 from scheduler.service.openai_request import FieldError, chat_item, completion_item
 from scheduler.service.openai_schema import (
@@ -112,20 +107,21 @@ def _invalid(service: Service, request: Request, exc: RequestValidationError) ->
 router = APIRouter(route_class=OpenAIRoute)
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses={
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-          "description": "the completion, or a stream of chunks"},
-    **OPENAI_ERRORS})
+def _responses(what: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                  "description": f"the {what}, or a stream of chunks"}, **OPENAI_ERRORS}
+
+
+@router.post("/v1/completions", response_model=CompletionResponse,
+             responses=_responses("completion"))
 async def completions(body: CompletionRequest, request: Request,
                       service: ServiceDep) -> Response:
     """OpenAI's completions: one prompt, text or token ids."""
     return await _serve(service, request, body, completion_item, chat=False)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-          "description": "the chat completion, or a stream of chunks"},
-    **OPENAI_ERRORS})
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses=_responses("chat completion"))
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            service: ServiceDep) -> Response:
     """OpenAI's chat completions: the messages through the model's chat template."""
@@ -157,8 +153,7 @@ async def _serve(service: Service, request: Request, body: Body,
     (answer,) = answers
     if answer.status != 200:
         return openai_error(answer.status, answer.message, failure_kind(answer))
-    write = chat_body if chat else completion_body
-    return JSONResponse(write(service.tokenizer, item, answer, model))
+    return JSONResponse(answer_body(service.tokenizer, item, answer, model, chat=chat))
 
 
 def _sse(data: Any) -> bytes:
@@ -169,37 +164,29 @@ async def _stream(service: Service, pending: Pending, model: str, *, chat: bool,
                   include_usage: bool) -> AsyncIterator[bytes]:
     """The chunks of one answer, then ``data: [DONE]``; a stream closed before the answer
     aborts the request."""
-    item, created = pending.item, now()
-    text = StreamText(service.tokenizer, item)
+    item, tokenizer = pending.item, service.tokenizer
+    chunks = Chunks(item, model, chat)
+    text = StreamText(tokenizer, item)
     finished = False
-
-    def chunk(delta: str, **final: Any) -> dict[str, Any]:
-        if chat:
-            return chat_chunk(item, created, model, {"content": delta} if delta else {}, **final)
-        return completion_chunk(item, created, model, delta, **final)
-
     try:
-        if chat:
-            yield _sse(chat_chunk(item, created, model, {"role": "assistant", "content": ""}))
+        opening = chunks.opening()
+        if opening is not None:
+            yield _sse(opening)
         async for tokens in new_tokens(pending):
             delta = text.more(tokens)
             if delta:
-                yield _sse(chunk(delta))
+                yield _sse(chunks.text(delta))
         answer: Answer = pending.future.result()
         if answer.status != 200:
             yield _sse(OpenAIError(error=OpenAIErrorDetail(
                 message=answer.message, type="server_error", param=None,
                 code=failure_kind(answer))).model_dump())
         else:
-            tokenizer, sampling = service.tokenizer, item.sampling
-            logprobs: Any = None
-            if sampling.return_logprob:
-                write = chat_logprobs if chat else completion_logprobs
-                logprobs = write(tokenizer, answer.output_logprobs, sampling.top_logprobs_num)
             rest = text.rest(final_text(tokenizer, item, answer))
-            yield _sse(chunk(rest, finish=answer.finish_reason, logprobs=logprobs))
+            yield _sse(chunks.text(rest, finish=answer.finish_reason,
+                                   logprobs=answer_logprobs(tokenizer, item, answer, chat=chat)))
             if include_usage:
-                yield _sse(usage_chunk(item, created, model, answer, chat=chat))
+                yield _sse(chunks.usage(answer))
         yield b"data: [DONE]\n\n"
         finished = True
     finally:
