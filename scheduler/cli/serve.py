@@ -349,9 +349,10 @@ SERVE = Subcommand(
         "drain had to abort requests at --drain-timeout, 1 if the engine loop failed)."
     ),
     epilog=(
-        "Not supported: sampling other than greedy (SGLang's other sampling fields, "
-        "temperature, top_p, json_schema, regex and the rest, are accepted and ignored), "
-        "return_logprob (refused with 400), the OpenAI endpoints "
+        "/generate takes SGLang's sampling fields (temperature, top_p, top_k, min_p, "
+        "sampling_seed, stop strings, json_schema/regex/ebnf) and logprob fields; one pdlife "
+        "cannot honour (a penalty, min_new_tokens, logit_bias, n > 1, ...) is refused with "
+        "400 naming it (docs/operations.md lists them all). Not supported: the OpenAI endpoints "
         "(/v1/completions, /v1/chat/completions), tensor parallelism and "
         "different prefill/decode layouts. SGLang's router refuses text batches and "
         "per-prompt sampling_params lists before a worker sees them (input_ids batches go "
