@@ -167,6 +167,8 @@ class Lifecycle(Generic[R]):
         self._machine = shared_machine(table)
         self._index: dict[enum.IntEnum, dict[str, R]] = {s: {} for s in table.live_states()}
         self._by_rid: dict[str, R] = {}
+        self._initial = table.initial
+        self._admitted = self._index[table.initial]
         self.finished: collections.Counter[tuple[enum.IntEnum, enum.Enum | None]] = (
             collections.Counter()
         )
@@ -236,11 +238,10 @@ class Lifecycle(Generic[R]):
             raise LifecycleError(f"request id {req.rid!r} is already live")
         if type(req) not in self._guard_forms:
             self._bind(type(req))
-        initial = self.table.initial
         req.owner = self
-        req.state = initial
+        req.state = self._initial
         req.timeline.append((self.clock(), ADMITTED))
-        self._index[initial][req.rid] = req
+        self._admitted[req.rid] = req
         self._by_rid[req.rid] = req
 
     # -- firing -----------------------------------------------------------------------------
@@ -354,14 +355,13 @@ class Lifecycle(Generic[R]):
 
     def _refusal(self, step: _Step[R], req: R, firing: Firing) -> str:
         forms = self._guard_forms[type(req)]
-        refused = []
+        refused = ""
         for name, wanted in step.guards:
             method = getattr(req, name)
             self.guards_evaluated += 1
-            held = bool(method(firing) if forms[name] else method())
-            if held is not wanted:
-                refused.append(f"{name} is {'false' if wanted else 'true'}")
-        return "; ".join(refused)
+            if bool(method(firing) if forms[name] else method()) is not wanted:
+                refused += f"{'; ' if refused else ''}{name} is {'false' if wanted else 'true'}"
+        return refused
 
     def _move(self, reqs: Sequence[R], step: _Step[R], firing: Firing) -> None:
         dst = step.edge.dest
@@ -398,11 +398,14 @@ class Lifecycle(Generic[R]):
             del by_rid[r.rid]
             r.state = dst
             r.timeline.append(entry)
-            if reason is not None:
-                r.reason = reason
             if detail:
                 r.detail = detail
-            finished[(dst, r.reason)] += 1
+            if reason is None:
+                finished[(dst, r.reason)] += 1
+            else:
+                r.reason = reason
+        if reason is not None:
+            finished[(dst, reason)] += len(reqs)
 
     # -- invariants -------------------------------------------------------------------------
 
