@@ -16,6 +16,7 @@ closed before that.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -136,3 +137,24 @@ async def new_tokens(pending: Pending) -> AsyncIterator[tuple[int, ...]]:
             more.cancel()
             continue
         yield more.result()
+
+
+def sse(data: Any) -> bytes:
+    """One server-sent event: ``data: <JSON>``."""
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def events(service: Service, pending: Pending,
+                 chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """``chunks`` as server-sent events, then ``data: [DONE]``; a stream closed before that (the
+    client went away) aborts the request."""
+    finished = False
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        yield b"data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:
+            service.abort(pending.item.rid)
+            logger.info("stream of %r closed early; aborted", pending.item.rid)

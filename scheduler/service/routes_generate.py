@@ -1,14 +1,13 @@
 """SGLang's request endpoints: ``/generate`` (one prompt or a batch, plain or streamed) and
 ``/abort_request``.
 
-Handlers never touch an engine: they check the input (:meth:`Service.check`), register and
-submit (:meth:`Service.start`), and await the request's future (see :mod:`.core` for the
-hand-off). A client that goes away aborts its requests.
+Handlers never touch an engine: they check the input (:meth:`Service.check`), then admit, wait
+and stream through :mod:`.handoff` (register and submit, await the request's future; see
+:mod:`.core` for the hand-off). A client that goes away aborts its requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -21,12 +20,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lifecycle import SamplingParams
-from scheduler.decode.router import PeerUnreachable
 from scheduler.service.answers import answer_body, final_body
 from scheduler.service.config import AnswerOptions
-from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
-from scheduler.service.errors import error, failure_kind, rejected, unavailable_reason
-from scheduler.service.refusals import peer_rooms, refuse_items, refuse_peers
+from scheduler.service.core import BadRequest, Item, Pending, Service
+from scheduler.service.errors import error, failure_kind, rejected
+from scheduler.service.handoff import (
+    Refusal,
+    admit,
+    check_available,
+    count,
+    events,
+    new_tokens,
+    wait,
+)
+from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep
 from scheduler.service.sampling import sampling_params_from
 from scheduler.service.schema import (
@@ -130,20 +137,6 @@ def _refuse_unsupported(body: GenerateRequest) -> None:
                              f"(leave it out, or send {json.dumps(neutral)})")
 
 
-def _trace_carrier(service: Service, request: Request) -> dict[str, str] | None:
-    """The caller's W3C trace headers, when the service traces requests."""
-    if service.tracer is None:
-        return None
-    return {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
-
-
-async def _until_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 # -- routes -----------------------------------------------------------------------------------
 
 
@@ -173,102 +166,46 @@ async def abort_request(body: AbortBody, service: ServiceDep) -> Response:
 )
 async def generate(body: GenerateRequest, request: Request, service: ServiceDep) -> Response:
     """Generate for one prompt or a batch (SGLang's ``/generate``)."""
-    why = unavailable_reason(service)
-    if why is not None:
-        service.metrics.http_rejected.labels(reason="unavailable").inc()
-        refuse_peers(service, peer_rooms(body.model_dump()), *why)
-        return error(503, *why)
     try:
-        items, batch = _items(service, body)
-        if body.stream and batch:
-            raise BadRequest("bad_batch", "streaming a batch is not supported")
-    except BadRequest as exc:
-        refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
-        return rejected(service, exc.reason, exc.status, str(exc), exc.rid)
-    try:
-        for addr_item in {i.bootstrap_addr: i for i in items}.values():
-            if service.needs_connect(addr_item):
-                await asyncio.to_thread(service.connect_peer, addr_item)
-    except PeerUnreachable as exc:
-        refuse_items(service, items, "bootstrap_failed", str(exc))
-        return rejected(service, "bootstrap_failed", 500, str(exc))
-    started: list[Pending] = []
-    carrier = _trace_carrier(service, request)
-    try:
-        for item in items:
-            started.append(service.start(item, stream=body.stream, carrier=carrier))
-    except (BadRequest, Unavailable) as exc:
-        for p in started:
-            service.abort(p.item.rid)  # the engines tell their peers
-        kind = exc.reason if isinstance(exc, BadRequest) else "unavailable"
-        refuse_items(service, items[len(started):], kind, str(exc))
-        if isinstance(exc, BadRequest):
-            return rejected(service, exc.reason, exc.status, str(exc), exc.rid)
-        return rejected(service, "unavailable", 503, str(exc))
+        check_available(service, peer_rooms(body.model_dump()))
+        try:
+            items, batch = _items(service, body)
+            if body.stream and batch:
+                raise BadRequest("bad_batch", "streaming a batch is not supported")
+        except BadRequest as exc:
+            refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
+            raise Refusal.of(exc) from exc
+        started = await admit(service, request, items, stream=body.stream)
+    except Refusal as refusal:
+        count(service, refusal)
+        return error(refusal.status, refusal.kind, str(refusal), refusal.rid)
     if body.stream:
-        return StreamingResponse(_stream(service, started[0]), media_type="text/event-stream")
-    return await _wait(service, request, started, batch)
-
-
-async def _wait(service: Service, request: Request, pending: list[Pending],
-                batch: bool) -> Response:
-    """Every answer of ``pending``, or 499 and an abort of them all if the client goes away
-    first. Only the answers' own futures are awaited (nothing wraps them that a cancellation
-    could leave unretrieved)."""
-    futures = [p.future for p in pending]
-    gone = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        while waiting := [f for f in futures if not f.done()]:
-            either: set[asyncio.Future[Any]] = {*waiting, gone}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if gone.done() and not all(f.done() for f in futures):
-                for p in pending:
-                    service.abort(p.item.rid)
-                logger.info("client went away; aborted %s", [p.item.rid for p in pending])
-                return Response(status_code=499)
-    finally:
-        gone.cancel()
-    answers: list[Answer] = [f.result() for f in futures]
+        return StreamingResponse(events(service, started[0], _chunks(service, started[0])),
+                                 media_type="text/event-stream")
+    answers = await wait(service, request, started)
+    if answers is None:
+        return Response(status_code=499)
     for answer in answers:
         if answer.status != 200:
             return error(answer.status, failure_kind(answer), answer.message, answer.rid)
-    bodies = [final_body(service.tokenizer, p.item, a) for p, a in zip(pending, answers,
+    bodies = [final_body(service.tokenizer, p.item, a) for p, a in zip(started, answers,
                                                                         strict=True)]
     return JSONResponse(bodies if batch else bodies[0])
 
 
-def _sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
-
-
-async def _stream(service: Service, pending: Pending) -> AsyncIterator[bytes]:
+async def _chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str, Any]]:
     """SGLang's stream: cumulative ``text``/``output_ids`` per chunk, the last one with its
-    ``finish_reason``, then ``data: [DONE]``. A client that disconnects aborts the request."""
-    item, progress = pending.item, pending.progress
-    assert progress is not None
+    ``finish_reason`` (or an error)."""
+    item = pending.item
     emitted: list[int] = []
-    finished = False
-    try:
-        while not pending.future.done():
-            more = asyncio.ensure_future(progress.get())
-            either: set[asyncio.Future[Any]] = {more, pending.future}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if not more.done():
-                more.cancel()
-                continue
-            emitted.extend(more.result())
-            yield _sse(answer_body(service.tokenizer, item, ids=emitted,
-                                   prompt_tokens=len(item.input_ids),
-                                   latency=time.monotonic() - pending.started, finish=None))
-        answer = pending.future.result()
-        if answer.status != 200:
-            yield _sse(ErrorBody(error=ErrorDetail(
-                message=answer.message, type=failure_kind(answer), rid=answer.rid)).model_dump())
-        else:
-            yield _sse(final_body(service.tokenizer, item, answer))
-        yield b"data: [DONE]\n\n"
-        finished = True
-    finally:
-        if not finished:
-            service.abort(item.rid)
-            logger.info("stream of %r closed early; aborted", item.rid)
+    async for tokens in new_tokens(pending):
+        emitted.extend(tokens)
+        yield answer_body(service.tokenizer, item, ids=emitted,
+                          prompt_tokens=len(item.input_ids),
+                          latency=time.monotonic() - pending.started, finish=None)
+    answer = pending.future.result()
+    if answer.status != 200:
+        yield ErrorBody(error=ErrorDetail(
+            message=answer.message, type=failure_kind(answer), rid=answer.rid)).model_dump()
+    else:
+        yield final_body(service.tokenizer, item, answer)

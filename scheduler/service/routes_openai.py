@@ -12,8 +12,6 @@ A refusal is told to the request's peer, as on ``/generate``.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -26,7 +24,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from scheduler.service.config import BadRequest
 from scheduler.service.core import Answer, Item, Pending, Service
 from scheduler.service.errors import failure_kind, plain_validation_errors
-from scheduler.service.handoff import Refusal, admit, check_available, count, new_tokens, wait
+from scheduler.service.handoff import (
+    Refusal,
+    admit,
+    check_available,
+    count,
+    events,
+    new_tokens,
+    wait,
+)
 from scheduler.service.openai_format import (
     Chunks,
     StreamText,
@@ -47,8 +53,6 @@ from scheduler.service.openai_schema import (
 )
 from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep, service_of
-
-logger = logging.getLogger(__name__)
 
 Body = TypeVar("Body", bound=SamplingFields)
 
@@ -144,8 +148,8 @@ async def _serve(service: Service, request: Request, body: Body,
         return _refused(service, refusal)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(service, pending, model, chat=chat,
-                                         include_usage=include_usage),
+        chunks = _chunks(service, pending, model, chat=chat, include_usage=include_usage)
+        return StreamingResponse(events(service, pending, chunks),
                                  media_type="text/event-stream")
     answers = await wait(service, request, [pending])
     if answers is None:
@@ -156,40 +160,28 @@ async def _serve(service: Service, request: Request, body: Body,
     return JSONResponse(answer_body(service.tokenizer, item, answer, model, chat=chat))
 
 
-def _sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
-
-
-async def _stream(service: Service, pending: Pending, model: str, *, chat: bool,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """The chunks of one answer, then ``data: [DONE]``; a stream closed before the answer
-    aborts the request."""
+async def _chunks(service: Service, pending: Pending, model: str, *, chat: bool,
+                  include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of one answer: text only once it cannot change (:class:`StreamText`), the
+    last with the finish reason and the logprobs, then the usage if asked; or an error."""
     item, tokenizer = pending.item, service.tokenizer
     chunks = Chunks(item, model, chat)
     text = StreamText(tokenizer, item)
-    finished = False
-    try:
-        opening = chunks.opening()
-        if opening is not None:
-            yield _sse(opening)
-        async for tokens in new_tokens(pending):
-            delta = text.more(tokens)
-            if delta:
-                yield _sse(chunks.text(delta))
-        answer: Answer = pending.future.result()
-        if answer.status != 200:
-            yield _sse(OpenAIError(error=OpenAIErrorDetail(
-                message=answer.message, type="server_error", param=None,
-                code=failure_kind(answer))).model_dump())
-        else:
-            rest = text.rest(final_text(tokenizer, item, answer))
-            yield _sse(chunks.text(rest, finish=answer.finish_reason,
-                                   logprobs=answer_logprobs(tokenizer, item, answer, chat=chat)))
-            if include_usage:
-                yield _sse(chunks.usage(answer))
-        yield b"data: [DONE]\n\n"
-        finished = True
-    finally:
-        if not finished:
-            service.abort(item.rid)
-            logger.info("stream of %r closed early; aborted", item.rid)
+    opening = chunks.opening()
+    if opening is not None:
+        yield opening
+    async for tokens in new_tokens(pending):
+        delta = text.more(tokens)
+        if delta:
+            yield chunks.text(delta)
+    answer: Answer = pending.future.result()
+    if answer.status != 200:
+        yield OpenAIError(error=OpenAIErrorDetail(
+            message=answer.message, type="server_error", param=None,
+            code=failure_kind(answer))).model_dump()
+        return
+    rest = text.rest(final_text(tokenizer, item, answer))
+    yield chunks.text(rest, finish=answer.finish_reason,
+                      logprobs=answer_logprobs(tokenizer, item, answer, chat=chat))
+    if include_usage:
+        yield chunks.usage(answer)
