@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
@@ -14,12 +17,18 @@ from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
-from scheduler.service.answers import LOGPROB_KEYS, answer_text, final_body, finish_reason
+from scheduler.service.answers import (
+    LOGPROB_KEYS,
+    answer_text,
+    final_body,
+    final_text,
+    finish_reason,
+)
 from scheduler.service.config import Answer, AnswerOptions, BadRequest, Item, ServeConfig
 from scheduler.service.core import Service
 from scheduler.service.sampling import NEUTRAL, sampling_params_from
 from scheduler.service.schema import GenerateAnswer, SamplingParamsBody
-from tests.service_harness import asgi_client, run, running_service
+from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
 
 
 def mapped(**fields: Any) -> SamplingParams:
@@ -218,6 +227,10 @@ def test_a_matched_stop_is_cut_from_the_text_unless_no_stop_trim() -> None:
     assert answer_text(BYTES, item(), ids, ord("e")) == "one. two. thre"  # a stop token
     assert answer_text(BYTES, item(keep), ids, ord("e")) == "one. two. three"
     assert answer_text(BYTES, item(), ids, None) == "one. two. three"
+    # A completed grammar's last token matched no stop: the text keeps it.
+    assert final_text(BYTES, item(), done(ids)) == "one. two. three"
+    assert final_text(BYTES, item(), done(ids, matched=ord("e"))) == "one. two. thre"
+    assert final_text(BYTES, item(), done(ids, "length", matched=ord("e"))) == "one. two. three"
 
 
 def test_finish_reason_stop_names_what_matched() -> None:
@@ -256,3 +269,100 @@ def test_logprob_fields_have_sglang_shapes() -> None:
     meta = final_body(BYTES, item(), done([65], "length", output_logprobs=outputs[:1]))[
         "meta_info"]
     assert not set(LOGPROB_KEYS) & set(meta)
+
+
+# -- end to end (the reference model, colocated) ----------------------------------------------
+
+PROMPT = [72, 101, 108, 108, 111]
+
+
+def generate(service: Service, **body: Any) -> dict[str, Any]:
+    (r,) = post(service, {"input_ids": PROMPT, **body})
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def test_a_seeded_draw_repeats_and_differs_from_greedy(service: Service) -> None:
+    fixed = {"max_new_tokens": 10, "ignore_eos": True}
+    greedy = generate(service, sampling_params=fixed)["output_ids"]
+    drawn = {**fixed, "temperature": 1.0, "sampling_seed": 42}
+    first = generate(service, sampling_params=drawn)["output_ids"]
+    assert generate(service, sampling_params=drawn)["output_ids"] == first
+    assert first != greedy
+    assert generate(service, sampling_params={**drawn, "sampling_seed": 43})["output_ids"] != first
+    # top_k 1 is greedy whatever the temperature.
+    assert generate(service, sampling_params={**drawn, "top_k": 1})["output_ids"] == greedy
+
+
+def test_logprob_answers_have_sglang_shapes_and_lengths(service: Service) -> None:
+    answer = generate(service, return_logprob=True, top_logprobs_num=3, logprob_start_len=0,
+                      return_text_in_logprobs=True,
+                      sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+    meta, ids = answer["meta_info"], answer["output_ids"]
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == len(ids) == 6
+    assert [tok for _, tok, _ in meta["output_token_logprobs"]] == ids
+    assert [tok for _, tok, _ in meta["input_token_logprobs"]] == PROMPT
+    assert meta["input_token_logprobs"][0][0] is None  # nothing predicts the first token
+    assert all(lp <= 0 for lp, _, _ in meta["input_token_logprobs"][1:])
+    assert [text for _, _, text in meta["output_token_logprobs"]] == [
+        BYTES.decode([t]) for t in ids]
+    assert meta["input_top_logprobs"][0] is None
+    for top, (lp, tok, _) in zip(meta["output_top_logprobs"], meta["output_token_logprobs"],
+                                 strict=True):
+        assert len(top) == 3
+        assert top[0][:2] == [lp, tok]  # greedy: the chosen token is the most likely
+        assert [e[0] for e in top] == sorted((e[0] for e in top), reverse=True)
+    # Without top_logprobs_num: no top lists; without logprob_start_len: no input logprobs.
+    meta = generate(service, return_logprob=True,
+                    sampling_params={"max_new_tokens": 2, "ignore_eos": True})["meta_info"]
+    assert meta["input_token_logprobs"] == []
+    assert len(meta["output_token_logprobs"]) == 2
+    assert "output_top_logprobs" not in meta
+
+
+def test_stop_strings_and_tokens_end_and_trim_the_answer(service: Service) -> None:
+    full = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+    ids, text = full["output_ids"], full["text"]
+    stop = BYTES.decode(ids[3:5])
+    cut = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True,
+                                             "stop": stop})
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["output_ids"] == ids[:5]
+    assert cut["text"] == text[:text.find(stop)]
+    kept = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True,
+                                              "stop": [stop], "no_stop_trim": True})
+    assert kept["text"] == BYTES.decode(ids[:5])
+    token = generate(service, sampling_params={"max_new_tokens": 12, "stop_token_ids": [ids[2]]})
+    assert token["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
+    assert token["output_ids"] == ids[:3]
+    assert token["text"] == BYTES.decode(ids[:2])
+
+
+def test_a_grammar_shapes_the_answer_and_keeps_its_last_token(service: Service) -> None:
+    answer = generate(service, sampling_params={"max_new_tokens": 12, "regex": "[a-c]{3}x",
+                                                "temperature": 0.8, "sampling_seed": 5})
+    assert re.fullmatch("[a-c]{3}x", answer["text"])
+    assert answer["meta_info"]["finish_reason"]["type"] == "stop"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    answer = generate(service, sampling_params={"max_new_tokens": 24,
+                                                "json_schema": json.dumps(schema)})
+    assert answer["meta_info"]["finish_reason"] == {"type": "stop",
+                                                    "matched": answer["output_ids"][-1]}
+    jsonschema.validate(json.loads(answer["text"]), schema)  # the closing brace is kept
+
+
+def test_a_stream_ends_with_the_whole_answer_and_its_logprobs(service: Service) -> None:
+    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    (r,) = post(service, body)
+    chunks, done = tokens_of_stream(r.text)
+    assert done
+    last = chunks[-1]
+    plain = generate(service, return_logprob=True,
+                     sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+    assert last["output_ids"] == plain["output_ids"]
+    assert last["meta_info"]["output_token_logprobs"] == plain["meta_info"][
+        "output_token_logprobs"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])

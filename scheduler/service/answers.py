@@ -48,6 +48,13 @@ def answer_text(tokenizer: Any, item: Item, ids: Sequence[int],
     return text
 
 
+def final_text(tokenizer: Any, item: Item, answer: Answer) -> str:
+    """The text of a finished answer: trimmed of the stop token or string that ended it (not of
+    the last token of a completed grammar, which matched no stop)."""
+    matched = answer.matched_stop if answer.finish_reason == "stop" else None
+    return answer_text(tokenizer, item, answer.output_ids, matched)
+
+
 def finish_reason(answer: Answer) -> FinishReason:
     ids = answer.output_ids
     if answer.finish_reason == "abort":
@@ -85,14 +92,15 @@ def logprob_fields(tokenizer: Any, item: Item, inputs: Sequence[TokenLogprob],
     return fields
 
 
-def answer_body(tokenizer: Any, item: Item, *, ids: Sequence[int], prompt_tokens: int,
-                latency: float, finish: FinishReason | None, cached_tokens: int = 0,
-                input_logprobs: Sequence[TokenLogprob] = (),
-                output_logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
-    """One answer (or stream chunk: ``finish`` None) for ``item``, ``ids`` generated so far."""
-    matched = finish.matched if finish is not None and finish.type == "stop" else None
+def answer_body(tokenizer: Any, item: Item, *, ids: Sequence[int], text: str,
+                prompt_tokens: int, latency: float, finish: FinishReason | None,
+                cached_tokens: int = 0, input_logprobs: Sequence[TokenLogprob] = (),
+                output_logprobs: Sequence[TokenLogprob] = (),
+                with_logprobs: bool = True) -> dict[str, Any]:
+    """One answer (or stream chunk: ``finish`` None) for ``item``, ``ids`` generated so far;
+    its logprob fields (when asked for) unless not ``with_logprobs``."""
     body = GenerateAnswer(
-        text=answer_text(tokenizer, item, ids, matched),
+        text=text,
         output_ids=list(ids),
         meta_info=MetaInfo(
             id=item.rid, finish_reason=finish, prompt_tokens=prompt_tokens,
@@ -101,13 +109,16 @@ def answer_body(tokenizer: Any, item: Item, *, ids: Sequence[int], prompt_tokens
     ).model_dump(exclude={"meta_info": set(LOGPROB_KEYS)})
     if finish is not None:  # SGLang's finish_reason carries only the keys of its type
         body["meta_info"]["finish_reason"] = finish.model_dump(exclude_none=True)
-    body["meta_info"].update(logprob_fields(tokenizer, item, input_logprobs, output_logprobs))
+    if with_logprobs:
+        body["meta_info"].update(logprob_fields(tokenizer, item, input_logprobs,
+                                                output_logprobs))
     return body
 
 
 def final_body(tokenizer: Any, item: Item, answer: Answer) -> dict[str, Any]:
     """The answer of a request that ended well."""
     return answer_body(tokenizer, item, ids=answer.output_ids,
+                       text=final_text(tokenizer, item, answer),
                        prompt_tokens=answer.prompt_tokens, latency=answer.e2e_latency,
                        finish=finish_reason(answer), cached_tokens=answer.cached_tokens,
                        input_logprobs=answer.input_logprobs,

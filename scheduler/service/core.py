@@ -54,12 +54,18 @@ from kv.pool import KVPool
 from kv.refusal import RefusalPoster
 from kv.wire import DroppedMessages
 from lifecycle import FailureReason
-from scheduler.assemble import Closers, build_decode, build_prefill, close_all
+from scheduler.assemble import (
+    Closers,
+    build_decode,
+    build_prefill,
+    close_all,
+    constraint_compiler,
+)
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.messages import DecodeResponse, NewRequest, Response
-from scheduler.model.byte_tokenizer import ByteTokenizer
-from scheduler.model.reference import LlamaModel, PagedModelRunner, resolve_device
+from scheduler.model.reference import PagedModelRunner
+from scheduler.model.select import reference_model
 from scheduler.prefill.prefix import PrefixCache
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
@@ -106,15 +112,15 @@ class Service:
         tracer: LifecycleTracer | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer: Any = ByteTokenizer()
-        self.model: Any
-        if config.served is not None:
-            # A real checkpoint (or a loaded reference model): its tokenizer and runner.
-            self.tokenizer, self.model = config.served.tokenizer, config.served.model
-            if runner_factory is PagedModelRunner:
-                runner_factory = config.served.runner
-        else:
-            self.model = LlamaModel(config.model, device=resolve_device(config.device))
+        # A real checkpoint, or the reference model ``config.model`` shapes: its tokenizer,
+        # runner and grammar compiler.
+        served = config.served if config.served is not None else reference_model(
+            config.model, device=config.device)
+        self.tokenizer: Any = served.tokenizer
+        self.model: Any = served.model
+        if runner_factory is PagedModelRunner:
+            runner_factory = served.runner
+        self._compiler = constraint_compiler(served)
         self.bootstrap: BootstrapServer | None = None
         self.prefill: PrefillScheduler | None = None
         self.decode: DecodePeer | None = None
@@ -167,7 +173,7 @@ class Service:
                 self.model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
                 metadata_slots=c.metadata_slots, runner_factory=runner_factory,
                 closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
-                on_response=self._on_prefill, overlap=c.overlap,
+                on_response=self._on_prefill, overlap=c.overlap, compiler=self._compiler,
             )
             if self.bootstrap is not None:
                 logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)
@@ -180,7 +186,8 @@ class Service:
                 closers=self._closers, eos_token_id=c.eos_token_ids,
                 config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
                                     waiting_timeout=c.waiting_timeout),
-                on_response=self._on_decode,
+                on_response=self._on_decode, compiler=self._compiler,
+                detokenize=self.tokenizer.decode,
                 # One registry for /metrics: the prefill scheduler's, when there is one.
                 metrics=DecodeMetrics(self.prefill.metrics.registry if self.prefill else None),
             )
@@ -413,8 +420,17 @@ class Service:
             cached_tokens=resp.cached_tokens,
             input_logprobs=pending.input_logprobs,
             output_logprobs=resp.output_logprobs,
-            matched_stop=resp.matched_stop,
+            matched_stop=self._matched_stop(resp),
         ))
+
+    def _matched_stop(self, resp: DecodeResponse) -> int | str | None:
+        """The stop token or string that ended ``resp``: the decode side's, or an EOS (a
+        completed grammar that ended on another token matched none)."""
+        ids = resp.output_ids
+        if resp.matched_stop is None and resp.finish_reason == "stop" and ids and (
+                ids[-1] in self.config.eos_token_ids):
+            return ids[-1]
+        return resp.matched_stop
 
     def _find(self, rid: str, side: str) -> Pending | None:
         with self._lock:
