@@ -31,6 +31,14 @@ PDLIFE = "import sys; from scheduler.cli.main import main; sys.exit(main())"
 _POLL_S = 0.05
 
 
+def model_flags(model: Any) -> list[str]:
+    """The ``pdlife serve`` flags that build the reference model ``model`` (a ModelConfig)."""
+    names = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "max_position",
+             "seed")
+    return [arg for name in names
+            for arg in (f"--{name.replace('_', '-')}", str(getattr(model, name)))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,15 +17,12 @@ import pytest
 from kv.bootstrap import BootstrapClient
 from kv.listeners import Listener, listening, wider_than
 from scheduler.model.reference import ModelConfig
-from tests.service_harness import Server, free_port
+from tests.service_harness import Server, free_port, model_flags
 
 MODEL = ModelConfig.tiny()
 COMMON = ["--backend", "mooncake", "--page-size", "4", "--pool-pages", "64",
           "--mooncake-host", "127.0.0.1", "--log-level", "info",
-          "--hidden", str(MODEL.hidden), "--layers", str(MODEL.layers), "--heads",
-          str(MODEL.heads), "--kv-heads", str(MODEL.kv_heads), "--head-dim",
-          str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate), "--max-position",
-          str(MODEL.max_position), "--seed", str(MODEL.seed)]
+          *model_flags(MODEL)]
 #: The transfer engine's port range (Mooncake's default MC_MIN_RPC_PORT..MC_MAX_RPC_PORT).
 ENGINE_PORTS = range(15000, 17001)
 WARNING = re.compile(r"listens on every interface \(([^)]*)\)")

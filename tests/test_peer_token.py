@@ -28,7 +28,7 @@ from kv.mooncake_engine import MooncakeConfig, PeerAuthError
 from scheduler.cli.command import UsageError
 from scheduler.cli.credentials import MIN_PEER_TOKEN_CHARS, PEER_TOKEN_ENV, peer_token
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
-from tests.service_harness import Server, free_port, idle, wait_for
+from tests.service_harness import Server, free_port, idle, model_flags, wait_for
 from tests.transfer_harness import make_pool
 
 TOKEN = "peer-token-0123456789-abcdef"
@@ -120,10 +120,7 @@ def test_the_token_is_read_from_a_file_or_the_environment(tmp_path: Path,
 MODEL = ModelConfig.tiny()
 COMMON = ["--backend", "mooncake", "--page-size", "4", "--pool-pages", "64",
           "--bootstrap-timeout", "600", "--waiting-timeout", "600", "--log-level", "info",
-          "--hidden", str(MODEL.hidden), "--layers", str(MODEL.layers), "--heads",
-          str(MODEL.heads), "--kv-heads", str(MODEL.kv_heads), "--head-dim",
-          str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate), "--max-position",
-          str(MODEL.max_position), "--seed", str(MODEL.seed)]
+          *model_flags(MODEL)]
 WAIT_S = 120
 
 

@@ -15,16 +15,13 @@ import pytest
 
 from scheduler.cli.credentials import API_KEY_ENV
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
-from tests.service_harness import Process, Server, free_port, idle, wait_for
+from tests.service_harness import Process, Server, free_port, idle, model_flags, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]
 
 KEY = "router-key-0123456789"
 MODEL = ModelConfig.tiny()
-MODEL_FLAGS = ["--hidden", str(MODEL.hidden), "--layers", str(MODEL.layers), "--heads",
-               str(MODEL.heads), "--kv-heads", str(MODEL.kv_heads), "--head-dim",
-               str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate),
-               "--max-position", str(MODEL.max_position), "--seed", str(MODEL.seed)]
+MODEL_FLAGS = model_flags(MODEL)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
