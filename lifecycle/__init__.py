@@ -14,7 +14,7 @@ from lifecycle.errors import (
     LifecycleError,
     MissingHook,
 )
-from lifecycle.machine import Lifecycle, shared_machine
+from lifecycle.machine import Lifecycle
 from lifecycle.prefill import (
     PREFILL_TABLE,
     TOP_LOGPROBS_MAX,
@@ -27,6 +27,7 @@ from lifecycle.prefill import (
 )
 from lifecycle.reasons import FailureReason
 from lifecycle.record import ADMITTED, Tracked
+from lifecycle.steps import shared_machine
 from lifecycle.table import Edge, LifecycleTable, make_table, validate
 
 TABLES = {"prefill": PREFILL_TABLE, "decode": DECODE_TABLE}

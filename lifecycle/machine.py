@@ -26,13 +26,23 @@ There are two ways to fire an event, and both go through the same three steps:
 
 The two paths:
 
-* ``req.<event>()`` (or ``req.fire(event)``) — one request. After the checks, the move is made
-  through the table's one shared ``transitions.Machine`` (``model=None``,
-  ``auto_transitions=False``; no ``add_model``: that costs O(n) and kilobytes per request),
-  which sets the state and calls back for the rest of step 2 and step 3.
+* ``req.<event>()`` (or ``req.fire(event)``) — one request. After the checks, the state is
+  set by the table's one shared ``transitions.Machine`` (``model=None``,
+  ``auto_transitions=False``; no ``add_model``: that costs O(n) and kilobytes per request):
+  the edge's own ``transitions.Transition`` is executed for the request, then the rest of
+  step 2 and step 3 are the batch path's. The transition is executed directly rather than
+  through ``Event.trigger``, which would look up again the source state and the transition
+  the check already found; the machine has no callbacks of its own, so nothing of the
+  library's runs between its setting the state and the lifecycle's move. Most of this path's
+  cost is the library's (docs/benchmarks.md has the figures).
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
-  looked up once for the batch. This is the scheduler's path and is several times cheaper per
-  request than firing one by one.
+  looked up once for the batch, the clock read once, and the batch shares one timeline entry
+  (a tuple). This is the scheduler's path and is several times cheaper per request than firing
+  one by one.
+
+Each edge is held as a :class:`~lifecycle.steps.Step`, built once per lifecycle: the edge, its
+guards and hooks, the index buckets it moves between, its ``Firing`` for an event without a
+reason, and the shared machine's objects for it.
 
 Guards are methods of the record and hooks are callables of the owner, each called as
 ``f(req)`` or ``f(req, event)`` according to its signature (:mod:`lifecycle.binding`); the
@@ -46,94 +56,15 @@ import collections
 import enum
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic
 
-from transitions import Machine
-from transitions.core import Event, EventData, State, Transition
+from transitions.core import EventData
 
 from lifecycle.binding import Firing, hook_takes_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
-from lifecycle.record import ADMITTED, Tracked
-from lifecycle.table import Edge, LifecycleTable, guard_methods
-
-R = TypeVar("R", bound=Tracked)
-#: A hook: ``hook(req)`` or ``hook(req, event)`` (``event`` is a :class:`Firing`).
-Hook = Callable[..., None]
-
-# id(table) -> (table, machine). Holding the table keeps it alive, so its id cannot be reused
-# by a later table (which would otherwise be handed this table's machine).
-_MACHINES: dict[int, tuple[LifecycleTable, Machine]] = {}
-
-
-def shared_machine(table: LifecycleTable) -> Machine:
-    """The one ``transitions.Machine`` of ``table`` (built on first use)."""
-    entry = _MACHINES.get(id(table))
-    if entry is not None:
-        return entry[1]
-    machine = _TableMachine(
-        model=None,
-        states=table.states,
-        transitions=[
-            {"trigger": str(e.event), "source": e.source, "dest": e.dest} for e in table.edges
-        ],
-        initial=None,
-        auto_transitions=False,
-        send_event=True,
-    )
-    _MACHINES[id(table)] = (table, machine)
-    return machine
-
-
-class _NamedState(State):
-    """A transitions State that reads its enum member's name once: ``State.name`` recomputes
-    it on every access, and the library reads it several times per transition (its logging
-    arguments are built whether or not anything is logged)."""
-
-    def __init__(self, name: str | enum.Enum, *args: Any, **kwargs: Any) -> None:
-        super().__init__(name, *args, **kwargs)
-        self._plain_name: str = name.name if isinstance(name, enum.Enum) else name
-
-    @property
-    def name(self) -> str:
-        return self._plain_name
-
-
-class _TableMachine(Machine):
-    """The shared machine: transitions' Machine with the state class above."""
-
-    state_cls = _NamedState
-
-
-class _Step(Generic[R]):
-    """One edge as one lifecycle fires it: the edge, its guards and hooks, the index buckets it
-    moves requests between, and the shared machine's objects for it (the trigger path)."""
-
-    __slots__ = ("dst_bucket", "edge", "final", "firing", "guards", "hooks", "machine_event",
-                 "machine_source", "src_bucket", "transition")
-
-    def __init__(
-        self,
-        edge: Edge,
-        machine: Machine,
-        src_bucket: dict[str, R],
-        dst_bucket: dict[str, R] | None,
-        hooks: tuple[tuple[str, Hook, bool], ...],
-    ) -> None:
-        self.edge = edge
-        #: The Firing of an event fired without a reason or detail (the common case).
-        self.firing = Firing(edge.event, edge.source, edge.dest)
-        self.guards: tuple[tuple[str, bool], ...] = (
-            *((g, True) for g in edge.conditions), *((g, False) for g in edge.unless)
-        )
-        self.hooks = hooks
-        self.src_bucket = src_bucket
-        #: None for a final destination: the request leaves the index.
-        self.dst_bucket = dst_bucket
-        self.final = dst_bucket is None
-        self.machine_event: Event = machine.events[str(edge.event)]
-        self.machine_source: State = machine.get_state(edge.source)
-        (self.transition,) = self.machine_event.transitions[edge.source.name]
-        assert isinstance(self.transition, Transition)
+from lifecycle.record import ADMITTED
+from lifecycle.steps import Hook, R, Step, shared_machine
+from lifecycle.table import LifecycleTable, guard_methods
 
 
 class Lifecycle(Generic[R]):
@@ -177,8 +108,8 @@ class Lifecycle(Generic[R]):
         #: guard per request fired at, refusal or not).
         self.guards_evaluated = 0
         # One step per edge: everything firing it needs, looked up once here.
-        self._steps: dict[tuple[enum.IntEnum, str], _Step[R]] = {
-            (e.source, e.event): _Step(
+        self._steps: dict[tuple[enum.IntEnum, str], Step[R]] = {
+            (e.source, e.event): Step(
                 e, self._machine, self._index[e.source], self._index.get(e.dest),
                 tuple((h, given[h], takes[h]) for h in table.hooks_of(e)),
             )
@@ -339,7 +270,7 @@ class Lifecycle(Generic[R]):
             return f"table {self.table.name!r} has no such event (its events: {known})"
         return f"{state.name} has no {event!r} edge"
 
-    def _firing(self, step: _Step[R], reason: enum.Enum | None, detail: str) -> Firing:
+    def _firing(self, step: Step[R], reason: enum.Enum | None, detail: str) -> Firing:
         edge = step.edge
         if (reason is not None or detail) and not step.final:
             raise LifecycleError(
@@ -353,7 +284,7 @@ class Lifecycle(Generic[R]):
             )
         return Firing(edge.event, edge.source, edge.dest, reason, detail)
 
-    def _refusal(self, step: _Step[R], req: R, firing: Firing) -> str:
+    def _refusal(self, step: Step[R], req: R, firing: Firing) -> str:
         forms = self._guard_forms[type(req)]
         refused = ""
         for name, wanted in step.guards:
@@ -363,7 +294,7 @@ class Lifecycle(Generic[R]):
                 refused += f"{'; ' if refused else ''}{name} is {'false' if wanted else 'true'}"
         return refused
 
-    def _move(self, reqs: Sequence[R], step: _Step[R], firing: Firing) -> None:
+    def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing) -> None:
         dst = step.edge.dest
         # One timeline entry for the batch: a tuple, so every request may share it.
         entry = (self.clock(), step.edge.event)
@@ -385,7 +316,7 @@ class Lifecycle(Generic[R]):
             raise HookFailed(step.edge.event, dst, errors) from errors[0][2]
 
     def _end(
-        self, reqs: Sequence[R], step: _Step[R], firing: Firing, entry: tuple[float, str]
+        self, reqs: Sequence[R], step: Step[R], firing: Firing, entry: tuple[float, str]
     ) -> None:
         """The move into a final state: out of the index, with the reason, counted."""
         dst = step.edge.dest

@@ -1,0 +1,101 @@
+"""The shared ``transitions`` machine of a table, and each edge as a lifecycle fires it.
+
+A table has one ``transitions.Machine`` (:func:`shared_machine`), shared by every
+:class:`~lifecycle.machine.Lifecycle` on it: no model is added to it, and it has no callbacks,
+conditions or automatic transitions; it holds the states and transitions, and the trigger path
+executes the edge's ``transitions.Transition`` on it to set a request's state. A
+:class:`Step` is one edge as one lifecycle fires it, with everything firing needs looked up
+once, when the lifecycle is built.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from transitions import Machine
+from transitions.core import Event, State, Transition
+
+from lifecycle.binding import Firing
+from lifecycle.record import Tracked
+from lifecycle.table import Edge, LifecycleTable
+
+R = TypeVar("R", bound=Tracked)
+#: A hook: ``hook(req)`` or ``hook(req, event)`` (``event`` is a :class:`Firing`).
+Hook = Callable[..., None]
+
+# id(table) -> (table, machine). Holding the table keeps it alive, so its id cannot be reused
+# by a later table (which would otherwise be handed this table's machine).
+_MACHINES: dict[int, tuple[LifecycleTable, Machine]] = {}
+
+
+def shared_machine(table: LifecycleTable) -> Machine:
+    """The one ``transitions.Machine`` of ``table`` (built on first use)."""
+    entry = _MACHINES.get(id(table))
+    if entry is not None:
+        return entry[1]
+    machine = _TableMachine(
+        model=None,
+        states=table.states,
+        transitions=[
+            {"trigger": str(e.event), "source": e.source, "dest": e.dest} for e in table.edges
+        ],
+        initial=None,
+        auto_transitions=False,
+        send_event=True,
+    )
+    _MACHINES[id(table)] = (table, machine)
+    return machine
+
+
+class _NamedState(State):
+    """A transitions State that reads its enum member's name once: ``State.name`` recomputes
+    it on every access, and the library reads it several times per transition (its logging
+    arguments are built whether or not anything is logged)."""
+
+    def __init__(self, name: str | enum.Enum, *args: Any, **kwargs: Any) -> None:
+        super().__init__(name, *args, **kwargs)
+        self._plain_name: str = name.name if isinstance(name, enum.Enum) else name
+
+    @property
+    def name(self) -> str:
+        return self._plain_name
+
+
+class _TableMachine(Machine):
+    """The shared machine: transitions' Machine with the state class above."""
+
+    state_cls = _NamedState
+
+
+class Step(Generic[R]):
+    """One edge as one lifecycle fires it: the edge, its guards and hooks, the index buckets it
+    moves requests between, and the shared machine's objects for it (the trigger path)."""
+
+    __slots__ = ("dst_bucket", "edge", "final", "firing", "guards", "hooks", "machine_event",
+                 "machine_source", "src_bucket", "transition")
+
+    def __init__(
+        self,
+        edge: Edge,
+        machine: Machine,
+        src_bucket: dict[str, R],
+        dst_bucket: dict[str, R] | None,
+        hooks: tuple[tuple[str, Hook, bool], ...],
+    ) -> None:
+        self.edge = edge
+        #: The Firing of an event fired without a reason or detail (the common case).
+        self.firing = Firing(edge.event, edge.source, edge.dest)
+        self.guards: tuple[tuple[str, bool], ...] = (
+            *((g, True) for g in edge.conditions), *((g, False) for g in edge.unless)
+        )
+        self.hooks = hooks
+        self.src_bucket = src_bucket
+        #: None for a final destination: the request leaves the index.
+        self.dst_bucket = dst_bucket
+        self.final = dst_bucket is None
+        self.machine_event: Event = machine.events[str(edge.event)]
+        self.machine_source: State = machine.get_state(edge.source)
+        (self.transition,) = self.machine_event.transitions[edge.source.name]
+        assert isinstance(self.transition, Transition)
