@@ -26,8 +26,16 @@ from lifecycle import (
     SamplingParams,
 )
 from lifecycle.testing import FakeClock
+from scheduler.decode import DecodePeer
+from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
-from scheduler.messages import NewRequest, Response, TokenLogprob
+from scheduler.messages import (
+    FAKE_BOOTSTRAP_HOST,
+    DecodeResponse,
+    NewRequest,
+    Response,
+    TokenLogprob,
+)
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
@@ -35,6 +43,7 @@ from scheduler.runner import ForwardBatch, ForwardItem
 from scheduler.sample.constraint import Constraint, GrammarError
 from scheduler.sample.request import Sampling
 from scheduler.sample.sampler import RowSpec, sample
+from scheduler.stepping import step_until
 
 CONFIG = ModelConfig.tiny(seed=11)
 MODEL = LlamaModel(CONFIG)
@@ -464,3 +473,34 @@ def test_a_runner_without_logits_refuses_what_needs_them(params: SamplingParams)
     assert "logits" in answers["r"].detail
     assert answers["plain"].ok
     sched.close()
+
+
+# -- the fake bootstrap host: the decode side computes the prompt itself ----------------------
+
+
+def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> None:
+    pool = MODEL.make_pool(num_pages=32, page_size=4)
+    runner = PagedModelRunner(MODEL, pool)
+    metadata = MetadataBuffers(4)
+    fake = LocalPrefillFake(runner, metadata)
+    answers: list[DecodeResponse] = []
+    peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
+                      slots=SlotAllocator(4), on_response=answers.append)
+    requests = {"warm": attrs.evolve(WARM, seed=21), "room": attrs.evolve(WARM, seed=None),
+                "plain": SamplingParams(max_new_tokens=5, ignore_eos=True)}
+    for i, (rid, params) in enumerate(requests.items()):
+        room = 500 + i
+        fake.expect(room, rid, PROMPTS["p17"], params)
+        peer.submit(NewRequest(rid, tuple(PROMPTS["p17"]), bootstrap_host=FAKE_BOOTSTRAP_HOST,
+                               bootstrap_room=room, sampling=params))
+    step_until(peer.step, lambda: len(answers) == 3, 30.0, lambda: f"answered: {answers}")
+    got = {a.rid: a for a in answers}
+    for i, (rid, params) in enumerate(requests.items()):
+        rows: list[torch.Tensor] = []
+        seed = 500 + i if params.seed is None else params.seed
+        assert list(got[rid].output_ids) == colocated(PROMPTS["p17"], params, seed, rows), rid
+        if params.return_logprob:
+            first = got[rid].output_logprobs[0]
+            want = torch.log_softmax(rows[0] / params.temperature, -1)
+            assert first.logprob == pytest.approx(float(want[first.token]), abs=1e-5)
+            assert len(first.top) == TOP
