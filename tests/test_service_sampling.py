@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,7 +28,7 @@ from scheduler.service.answers import (
 from scheduler.service.config import Answer, AnswerOptions, BadRequest, Item, ServeConfig
 from scheduler.service.core import Service
 from scheduler.service.sampling import NEUTRAL, sampling_params_from
-from scheduler.service.schema import GenerateAnswer, SamplingParamsBody
+from scheduler.service.schema import GenerateAnswer, GenerateRequest, SamplingParamsBody
 from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
 
 
@@ -366,3 +367,11 @@ def test_a_stream_ends_with_the_whole_answer_and_its_logprobs(service: Service) 
     assert last["meta_info"]["output_token_logprobs"] == plain["meta_info"][
         "output_token_logprobs"]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_operations_md_lists_every_generate_field() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = docs[docs.index("`POST /generate` takes SGLang's fields"):
+                   docs.index("**The seeded stream.**")]
+    fields = [*GenerateRequest.model_fields, *SamplingParamsBody.model_fields]
+    assert [f for f in fields if f"`{f}`" not in section] == []
