@@ -21,7 +21,7 @@ import attrs
 
 from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
-from scheduler.service.answers import answer_text, decode, finish_reason
+from scheduler.service.answers import decode, final_text
 from scheduler.service.config import Answer, Item
 from scheduler.service.openai_schema import (
     AssistantMessage,
@@ -51,12 +51,6 @@ def usage(answer: Answer) -> Usage:
     return Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=n,
                  total_tokens=answer.prompt_tokens + n,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=answer.cached_tokens))
-
-
-def final_text(tokenizer: Any, item: Item, answer: Answer) -> str:
-    finish = finish_reason(answer)
-    return answer_text(tokenizer, item, answer.output_ids,
-                       finish.matched if finish.type == "stop" else None)
 
 
 # -- logprobs -----------------------------------------------------------------------------------

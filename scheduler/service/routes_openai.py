@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scheduler.service.answers import final_text
 from scheduler.service.config import BadRequest
 from scheduler.service.core import Answer, Item, Pending, Service
 from scheduler.service.errors import failure_kind, plain_validation_errors
@@ -33,13 +34,7 @@ from scheduler.service.handoff import (
     new_tokens,
     wait,
 )
-from scheduler.service.openai_format import (
-    Chunks,
-    StreamText,
-    answer_body,
-    answer_logprobs,
-    final_text,
-)
+from scheduler.service.openai_format import Chunks, StreamText, answer_body, answer_logprobs
 from scheduler.service.openai_request import FieldError, chat_item, completion_item
 from scheduler.service.openai_schema import (
     OPENAI_ERRORS,
