@@ -29,6 +29,7 @@ import gc
 import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from transitions import Machine
@@ -162,11 +163,11 @@ class DictRequest:
         self.state = S.BOOTSTRAPPING
 
 
-def plain_dict(n: int) -> list[Any]:
+def _dict_lifecycles(n: int, make: Callable[[str], Any]) -> list[Any]:
     table = DICT_TABLE
     out = []
     for i in range(n):
-        r = DictRequest(f"r{i}")
+        r = make(f"r{i}")
         r.state = table[(r.state, "bootstrapped")]
         r.state = table[(r.state, "schedule")]
         r.computed = len(r.input_ids)
@@ -175,21 +176,14 @@ def plain_dict(n: int) -> list[Any]:
         r.state = table[(r.state, "transferred")]
         out.append(r)
     return out
+
+
+def plain_dict(n: int) -> list[Any]:
+    return _dict_lifecycles(n, DictRequest)
 
 
 def plain_dict_pdlife_record(n: int) -> list[Any]:
-    table = DICT_TABLE
-    out = []
-    for i in range(n):
-        r: Any = PrefillRequest(f"r{i}", input_ids=PROMPT, state=S.BOOTSTRAPPING)
-        r.state = table[(r.state, "bootstrapped")]
-        r.state = table[(r.state, "schedule")]
-        r.computed = len(r.input_ids)
-        if r.computed >= len(r.input_ids):
-            r.state = table[(r.state, "prefilled")]
-        r.state = table[(r.state, "transferred")]
-        out.append(r)
-    return out
+    return _dict_lifecycles(n, partial(PrefillRequest, input_ids=PROMPT, state=S.BOOTSTRAPPING))
 
 
 VARIANTS: dict[str, Callable[[int], list[Any]]] = {
