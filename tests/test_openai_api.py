@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -25,6 +26,7 @@ from scheduler.service.app import create_app
 from scheduler.service.config import AnswerOptions, Item, ServeConfig
 from scheduler.service.core import Service
 from scheduler.service.openai_format import StreamText, token_bytes
+from scheduler.service.openai_schema import ChatCompletionRequest, CompletionRequest
 from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
 
 MODEL = ModelConfig.tiny(seed=3)
@@ -159,6 +161,11 @@ def test_the_body_a_pd_router_sends_is_accepted_on_both_roles() -> None:
 REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {"prompt": ["one", "two"]}, "bad_batch", "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "unsupported", "n"),
+    # SGLang's router sends n > 1 with one bootstrap room per sample.
+    ("/v1/completions", {"prompt": "x", "n": 2, "bootstrap_host": ["h", "h"],
+                         "bootstrap_port": [9, 9], "bootstrap_room": [5, 6]}, "unsupported", "n"),
+    ("/v1/completions", {"prompt": "x", "bootstrap_host": ["h"], "bootstrap_port": [9],
+                         "bootstrap_room": [5]}, "bad_bootstrap", "bootstrap_host"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "unsupported",
      "frequency_penalty"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": -1.0}, "unsupported",
@@ -366,3 +373,10 @@ def test_the_openapi_schema_lists_the_openai_bodies() -> None:
                 assert json.dumps(schema)  # serialisable
 
     run(main())
+
+
+def test_operations_md_lists_every_openai_field() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = docs[docs.index("### The OpenAI API"):docs.index("## Metrics")]
+    fields = {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields}
+    assert sorted(f for f in fields if f"`{f}`" not in section) == []

@@ -200,10 +200,16 @@ def _renamed(exc: BadRequest, names: dict[str, str]) -> FieldError:
 def _item(service: Service, body: SamplingFields, prefix: str, prompt: list[int],
           sampling: SamplingParams, max_name: str) -> Item:
     rid = body.rid or f"{prefix}-{uuid.uuid4().hex}"
+    host, port, room = body.bootstrap_host, body.bootstrap_port, body.bootstrap_room
+    for name, value in (("bootstrap_host", host), ("bootstrap_port", port),
+                        ("bootstrap_room", room)):
+        if isinstance(value, list):
+            raise FieldError("bad_bootstrap", f"{name} must be one value: this server takes "
+                             "one answer per request", name)
     try:
         item = service.check(
-            rid=rid, input_ids=prompt, sampling=sampling, bootstrap_host=body.bootstrap_host,
-            bootstrap_port=body.bootstrap_port, bootstrap_room=body.bootstrap_room,
+            rid=rid, input_ids=prompt, sampling=sampling, bootstrap_host=host,
+            bootstrap_port=port, bootstrap_room=room,
         )
     except BadRequest as exc:
         renamed = _renamed(exc, {"max_new_tokens": max_name})

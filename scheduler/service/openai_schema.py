@@ -71,9 +71,10 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: str | None = Field(None, max_length=256, description="request id; generated if absent")
-    bootstrap_host: str | None = None
-    bootstrap_port: Port | None = None
-    bootstrap_room: Room | None = None
+    # The router sends a list of each (one per sample) when n > 1, which is refused.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: Port | list[Port] | None = None
+    bootstrap_room: Room | list[Room] | None = None
     # Fields pdlife cannot honour: refused with 400 unless neutral.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
