@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,22 +45,27 @@ def references(cases: list[tuple[list[int], int]]) -> list[list[int]]:
 
 
 class Cluster:
-    """Router, prefill and decode processes; :meth:`stop` ends whichever were started."""
+    """Router, prefill and decode processes; :meth:`stop` ends whichever were started. Both
+    workers serve the model ``model_flags`` name (the tiny reference model unless said), and get
+    ``startup_timeout`` seconds to turn healthy."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, model_flags: Sequence[str] = tuple(MODEL_FLAGS), *,
+                 startup_timeout: float = 60.0) -> None:
         self.tmp = tmp
+        self.model_flags = list(model_flags)
+        self.startup_timeout = startup_timeout  # seconds for a worker to load and turn healthy
         self.procs: list[Process] = []
 
     def start(self) -> None:
         tmp = self.tmp
         bootstrap = free_port()
         common = ["--backend", "mooncake", "--chunked-prefill-size", "64",
-                  "--max-new-tokens-limit", "4096", *MODEL_FLAGS]
+                  "--max-new-tokens-limit", "4096", *self.model_flags]
         self.prefill = self._add(Server(tmp / "prefill.log", "--role", "prefill",
                                         "--bootstrap-port", str(bootstrap), *common))
         self.decode = self._add(Server(tmp / "decode.log", "--role", "decode", *common))
-        self.prefill.wait_healthy()
-        self.decode.wait_healthy()
+        self.prefill.wait_healthy(self.startup_timeout)
+        self.decode.wait_healthy(self.startup_timeout)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.router = self._add(Process([
