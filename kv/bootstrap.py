@@ -3,13 +3,14 @@
 Theory of operation
 -------------------
 Each prefill rank registers itself with ``PUT /route`` (its rank, the ZeroMQ endpoint where it
-takes decode control messages, its transfer-engine session, page size and KV dtype). A decode
-peer reads the table with ``GET /route``: 503 until every expected rank has registered, then the
-whole table, from which it checks that page size and KV dtype match its own pool before it sends
-anything. ``GET /health`` answers ``OK`` for liveness probes. ``POST /refusal`` is how a decode
-peer says it will never ask for a room's KV (it refused the request, or gave up before the
-handshake): the room and the reason go to every listener the prefill ranks in this process
-added (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
+takes decode control messages, its transfer-engine session, page size, KV dtype and the model
+whose KV its pool holds). A decode peer reads the table with ``GET /route``: 503 until every
+expected rank has registered, then the whole table, from which it checks that the model, page
+size and KV dtype match its own pool before it sends anything. ``GET /health`` answers ``OK``
+for liveness probes. ``POST /refusal`` is how a decode peer says it will never ask for a room's
+KV (it refused the request, or gave up before the handshake): the room and the reason go to
+every listener the prefill ranks in this process added
+(:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
 
 The server is stdlib ``ThreadingHTTPServer`` in a daemon thread; it binds loopback unless told
 otherwise and port 0 picks a free port. Bodies are size-limited JSON validated field by field: a
@@ -35,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from kv.model_id import MAX_MODEL_NAME, describe_model
 from kv.wire import KV_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,15 @@ class RankInfo:
         validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)]
     )
     kv_dtype: str = attrs.field(validator=attrs.validators.in_(KV_DTYPES))
+    #: The model whose KV the rank's pool holds: its fingerprint (compared) and its name.
+    model: str = attrs.field(default="", validator=[
+        attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
+    model_name: str = attrs.field(default="", validator=[
+        attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
+
+    @property
+    def model_label(self) -> str:
+        return describe_model(self.model_name, self.model)
 
     @endpoint.validator
     def _check_endpoint(self, attribute: attrs.Attribute[str], value: str) -> None:
@@ -92,13 +103,19 @@ class RankInfo:
 
 @attrs.frozen
 class PrefillInfo:
-    """What ``GET /route`` tells a decode peer: every rank, the shared geometry, and whether the
-    endpoint requires a peer token."""
+    """What ``GET /route`` tells a decode peer: every rank, the shared geometry and model, and
+    whether the endpoint requires a peer token."""
 
     page_size: int
     kv_dtype: str
     ranks: tuple[RankInfo, ...]
     token_required: bool = False
+    model: str = ""
+    model_name: str = ""
+
+    @property
+    def model_label(self) -> str:
+        return describe_model(self.model_name, self.model)
 
 
 #: A refused peer is logged the first time and then every this many refusals (all are counted).
@@ -187,6 +204,9 @@ class BootstrapServer:
                         f" but rank {other.rank} has page_size={other.page_size}"
                         f" kv_dtype={other.kv_dtype}"
                     )
+                if other.rank != info.rank and other.model != info.model:
+                    return 400, (f"rank {info.rank} serves model {info.model_label} but rank "
+                                 f"{other.rank} serves {other.model_label}")
             self._ranks[info.rank] = info
         logger.info("prefill rank %d registered at %s", info.rank, info.endpoint)
         return 200, "OK"
@@ -217,6 +237,7 @@ class BootstrapServer:
                 }
             ranks = [attrs.asdict(self._ranks[r]) for r in sorted(self._ranks)]
         return 200, {"page_size": ranks[0]["page_size"], "kv_dtype": ranks[0]["kv_dtype"],
+                     "model": ranks[0]["model"], "model_name": ranks[0]["model_name"],
                      "ranks": ranks, "token_required": self._token is not None}
 
 
@@ -327,6 +348,7 @@ class BootstrapClient:
             return PrefillInfo(
                 page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks,
                 token_required=table.get("token_required") is True,
+                model=ranks[0].model, model_name=ranks[0].model_name,
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise BootstrapError(self.addr, 200, f"unreadable route table: {exc}") from None

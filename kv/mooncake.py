@@ -8,8 +8,9 @@ registered. The prefill side only ever *writes* into decode memory; decode never
 memory. The decode side is :mod:`kv.mooncake_decode`.
 
 Control messages (:mod:`kv.wire`) travel over ZeroMQ PUSH → PULL. Decode looks the prefill rank
-up at the bootstrap endpoint (:mod:`kv.bootstrap`), refuses one whose page size or KV dtype
-differs, and sends one ``Register`` with its session and memory layout; then, per room, a
+up at the bootstrap endpoint (:mod:`kv.bootstrap`), refuses one that serves another model
+(:mod:`kv.model_id`) or whose page size or KV dtype differs, and sends one ``Register`` with its
+session, memory layout and model (prefill checks the model too); then, per room, a
 ``Destination`` (pages and metadata slot) or an ``Abort``. The prefill listener thread validates
 every message and drops (logs, counts) bad ones; it never dies of one.
 
@@ -48,6 +49,7 @@ import zmq
 from kv import wire
 from kv.bootstrap import BootstrapClient, RankInfo
 from kv.metadata import MetadataBuffers
+from kv.model_id import describe_model
 from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, kv_dtype_name, push_socket
 from kv.mooncake_rooms import Chunk, Owed, PrefillRoom, PrefillRooms
 from kv.mooncake_writes import WritePipeline
@@ -104,6 +106,8 @@ class MooncakeKVManager:
             session=self.session,
             page_size=self.pool.page_size,
             kv_dtype=kv_dtype_name(self.pool),
+            model=self.pool.model,
+            model_name=self.pool.model_name,
         )
 
     def register_to_bootstrap(self, bootstrap_addr: str) -> None:
@@ -148,6 +152,13 @@ class MooncakeKVManager:
             raise wire.WireError("unexpected_type", f"{type(msg).__name__} is not for prefill")
 
     def _on_register(self, reg: wire.Register) -> None:
+        if reg.model != self.pool.model:
+            raise wire.WireError(
+                "incompatible_model",
+                f"session {reg.session}: its pool holds the KV of model "
+                f"{describe_model(reg.model_name, reg.model)}, this rank's of "
+                f"{describe_model(self.pool.model_name, self.pool.model)}",
+            )
         mine = (self.pool.page_size, kv_dtype_name(self.pool), self.pool.page_bytes,
                 self.pool.num_layers, self._meta_item_lens)
         theirs = (reg.page_size, reg.kv_dtype, reg.page_bytes, reg.num_layers, reg.meta_item_lens)

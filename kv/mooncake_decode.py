@@ -1,8 +1,9 @@
 """The decode side of the Mooncake backend: the manager that registers with a prefill rank,
 and the per-request receiver (the prefill side is :mod:`kv.mooncake`).
 
-The decode manager looks the prefill rank up at its bootstrap endpoint, refuses one whose page
-size or KV dtype differs, sends one ``Register`` with its engine session and memory layout, and
+The decode manager looks the prefill rank up at its bootstrap endpoint, refuses one that serves
+another model (:mod:`kv.model_id`) or whose page size or KV dtype differs, sends one
+``Register`` with its engine session, memory layout and model, and
 then per room a ``Destination`` or an ``Abort``; a room it will never ask for (refused, or failed
 before its destination) it reports to the prefill's bootstrap endpoint instead
 (:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`). A receiver reports SUCCESS only when
@@ -34,6 +35,7 @@ import numpy as np
 from kv import wire
 from kv.bootstrap import BootstrapClient, BootstrapError, RankInfo
 from kv.metadata import MetadataBuffers, MetadataError
+from kv.model_id import describe_model
 from kv.mooncake_engine import (
     ControlEndpoint,
     IncompatiblePeerError,
@@ -106,6 +108,8 @@ class MooncakeDecodeManager:
             meta_ptrs=tuple(i.ptr for i in infos),
             meta_item_lens=tuple(i.item_len for i in infos),
             num_slots=metadata.num_slots,
+            model=pool.model,
+            model_name=pool.model_name,
         )
         self._send(self._register)
         # The status socket is bound, so nothing sent to it is lost before its thread runs.
@@ -149,6 +153,12 @@ class MooncakeDecodeManager:
                 f"prefill at {bootstrap_addr} does not authenticate its peers but this decode "
                 "has a peer token (it would drop prefill's unauthenticated statuses): start "
                 "both workers with the same --peer-token-file or PDLIFE_PEER_TOKEN")
+        if table.model != self.pool.model:
+            mine = describe_model(self.pool.model_name, self.pool.model)
+            raise IncompatiblePeerError(
+                f"prefill at {bootstrap_addr} serves model {table.model_label}, this decode "
+                f"serves {mine}: one model's KV means nothing to another; start both with the "
+                "same --model and --dtype")
         dtype = kv_dtype_name(self.pool)
         if table.page_size != self.pool.page_size or table.kv_dtype != dtype:
             raise IncompatiblePeerError(

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
+from kv.model_id import MAX_MODEL_NAME, describe_model
 from kv.pages import kv_bytes
 
 
@@ -29,7 +30,7 @@ class KVPoolError(Exception):
 
 
 class KVGeometryError(ValueError):
-    """Two pools that must exchange pages disagree on their page layout."""
+    """Two pools that must exchange pages disagree on their page layout or their model."""
 
 
 @attrs.frozen
@@ -44,14 +45,25 @@ class KVGeometry:
     #: The fingerprint of the model whose K/V the pool holds ("" when unnamed): pages of one
     #: model's KV mean nothing to another with the same shapes.
     model: str = ""
+    #: What the model was loaded as (``smollm2``, a path), for messages only: two copies of
+    #: one checkpoint loaded under different names are the same model.
+    model_name: str = attrs.field(default="", eq=False)
+
+    @property
+    def model_label(self) -> str:
+        return describe_model(self.model_name, self.model)
 
     def mismatches(self, other: KVGeometry) -> list[str]:
-        """``"field: mine vs theirs"`` for every field that differs (empty when compatible)."""
-        return [
-            f"{f.name}: {getattr(self, f.name)} vs {getattr(other, f.name)}"
-            for f in attrs.fields(KVGeometry)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
+        """``"field: mine vs theirs"`` for every field that differs (empty when compatible);
+        the models are named by :func:`describe_model`."""
+        out = []
+        for f in attrs.fields(KVGeometry):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.eq and mine != theirs:
+                if f.name == "model":
+                    mine, theirs = self.model_label, other.model_label
+                out.append(f"{f.name}: {mine} vs {theirs}")
+        return out
 
 
 class PageAllocator:
@@ -221,6 +233,7 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         model: str = "",
+        model_name: str = "",
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -238,6 +251,7 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.model = model
+        self.model_name = model_name[:MAX_MODEL_NAME]
         self.buffer = torch.zeros(
             (num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype=dtype, device=device
         )
@@ -265,6 +279,7 @@ class KVPool:
             head_dim=self.head_dim,
             dtype=self.dtype,
             model=self.model,
+            model_name=self.model_name,
         )
 
     def usage(self) -> float:

@@ -7,7 +7,8 @@ Four messages cross the network, each a msgpack map with a type tag ``"t"``:
 decode → prefill
     :class:`Register` once per (decode manager, prefill rank): the decode session id
     (``host:rpc_port`` of its transfer engine), the ZeroMQ endpoint where it wants statuses, and
-    the layout of its registered memory (KV pool base pointer and geometry, metadata buffers).
+    the layout of its registered memory (KV pool base pointer and geometry, metadata buffers),
+    and the model whose KV its pool holds (fingerprint and name).
     :class:`Destination` once per room: the decode pages and metadata slot to write into.
     :class:`Abort` when decode gives up on a room.
 prefill → decode
@@ -78,6 +79,9 @@ class Register:
     meta_ptrs: tuple[int, ...]
     meta_item_lens: tuple[int, ...]
     num_slots: int
+    #: The decode pool's model: its fingerprint (compared) and name (for messages).
+    model: str = ""
+    model_name: str = ""
 
     @property
     def kv_bytes(self) -> int:
@@ -132,6 +136,8 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "meta_ptrs": list(msg.meta_ptrs),
             "meta_item_lens": list(msg.meta_item_lens),
             "num_slots": msg.num_slots,
+            "model": msg.model,
+            "model_name": msg.model_name,
         }
     elif isinstance(msg, Destination):
         body = {
@@ -300,6 +306,8 @@ def _parse_register(body: dict[Any, Any]) -> Register:
         meta_ptrs=meta_ptrs,
         meta_item_lens=meta_item_lens,
         num_slots=_int(body, "num_slots", 1, 1 << 24),
+        model=_str(body, "model", allow_empty=True),
+        model_name=_str(body, "model_name", allow_empty=True),
     )
     if reg.kv_ptr + reg.kv_bytes > _MAX_U64:
         raise WireError("bad_field", "kv_ptr: the pool would extend past the address space")

@@ -46,6 +46,14 @@ def smollm2() -> Any:
 
 
 @pytest.fixture(scope="session")
+def smollm2_bf16() -> Any:
+    """SmolLM2-135M-Instruct on pdlife's Llama runner in bfloat16 (weights, matmuls, KV)."""
+    from scheduler.model.select import load_model
+
+    return load_model("smollm2", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2() -> Any:
     """The same GGUF file loaded by Hugging Face transformers (float32): the reference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

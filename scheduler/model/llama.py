@@ -73,8 +73,11 @@ class RealModel:
         dtype: str | torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         eos_token_ids: Sequence[int] = (),
+        name: str | None = None,
     ) -> None:
         self.checkpoint = checkpoint
+        #: What the model was loaded as (``--model``), naming it in messages.
+        self.name = checkpoint.name if name is None else name
         self.eos_token_ids = tuple(eos_token_ids)
         self.config: LlamaConfig = checkpoint.config
         self.dtype = parse_dtype(dtype)
@@ -119,7 +122,7 @@ class RealModel:
         c = self.config
         return KVPool(num_layers=c.layers, num_pages=num_pages, page_size=page_size,
                       kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-                      device=self.device, model=self.fingerprint)
+                      device=self.device, model=self.fingerprint, model_name=self.name)
 
     def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
         stops = set(stop_token_ids)

@@ -24,6 +24,7 @@ K/V was written or read.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -137,6 +138,12 @@ class LlamaModel:
         target = resolve_device(device)
         return self if _same_device(target, self.device) else LlamaModel(self.config, target)
 
+    @property
+    def fingerprint(self) -> str:
+        """Names this model's KV (:mod:`kv.model_id`): the config decides every weight."""
+        digest = hashlib.sha256(repr(attrs.astuple(self.config)).encode()).hexdigest()[:16]
+        return f"reference-{digest}"
+
     def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
         """An empty KV pool shaped for this model, on its device."""
         c = self.config
@@ -148,6 +155,8 @@ class LlamaModel:
             head_dim=c.head_dim,
             dtype=c.dtype,
             device=self.device,
+            model=self.fingerprint,
+            model_name="reference",
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ CLI, the service, the demo and the benchmarks all call :func:`load_model`.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,7 +122,7 @@ def load_model(
     checkpoint = load_checkpoint(path)
     tokenizer = load_tokenizer(checkpoint.tokenizer)
     model = RealModel(checkpoint, dtype=dtype, device=device,
-                      eos_token_ids=tokenizer.eos_token_ids)
+                      eos_token_ids=tokenizer.eos_token_ids, name=spec)
     return ServedModel(
         name=spec, model=model, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
         vocab_size=checkpoint.config.vocab_size, max_position=checkpoint.config.max_position,
@@ -135,12 +134,11 @@ def load_model(
 def reference_model(config: ModelConfig, *, device: str | torch.device = "cpu") -> ServedModel:
     """The fixed-point reference model of ``config`` with its byte tokenizer."""
     model = LlamaModel(config, device=resolve_device(device))
-    digest = hashlib.sha256(repr(attrs.astuple(config)).encode()).hexdigest()[:16]
     per_token = config.layers * 2 * config.kv_heads * config.head_dim * (
         torch.finfo(config.dtype).bits // 8)
     return ServedModel(
         name=REFERENCE, model=model, tokenizer=ByteTokenizer(),
         eos_token_ids=(config.eos_token_id,), vocab_size=config.vocab_size,
-        max_position=config.max_position, fingerprint=f"reference-{digest}",
+        max_position=config.max_position, fingerprint=model.fingerprint,
         kv_bytes_per_token=per_token, is_reference=True,
     )
