@@ -11,7 +11,7 @@ once, when the lifecycle is built.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 from transitions import Machine
@@ -64,9 +64,23 @@ class _NamedState(State):
 
 
 class _TableMachine(Machine):
-    """The shared machine: transitions' Machine with the state class above."""
+    """The shared machine: transitions' Machine with the state class above, and a state lookup
+    that finds an enum member or a name in one dict lookup (the library turns a member into
+    its name first, which costs more than the lookup)."""
 
     state_cls = _NamedState
+    _by_key: Mapping[str | enum.Enum, State] = {}
+
+    def add_states(self, states: Any, *args: Any, **kwargs: Any) -> None:
+        super().add_states(states, *args, **kwargs)
+        by_key: dict[str | enum.Enum, State] = {}
+        for name, state in self.states.items():
+            by_key[name] = by_key[state.value] = state
+        self._by_key = by_key
+
+    def get_state(self, state: str | enum.Enum) -> State:
+        found = self._by_key.get(state)
+        return found if found is not None else super().get_state(state)
 
 
 class Step(Generic[R]):
