@@ -362,6 +362,30 @@ def test_chat_sampling_with_a_seed_reproduces(
     run(main())
 
 
+def test_stop_strings_end_the_answer_plain_and_streamed(smollm2: Any,
+                                                      chat_config: ServeConfig) -> None:
+    # Greedy, the model continues "The capital of France is" with " Paris.\n\nThe answer is".
+    async def main() -> None:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                plain = await client.completions.create(
+                    model="smollm2", prompt="The capital of France is", max_tokens=8,
+                    temperature=0, stop=["."])
+                stream = await client.completions.create(
+                    model="smollm2", prompt="The capital of France is", max_tokens=8,
+                    temperature=0, stop=["."], stream=True)
+                chunks = [c async for c in stream]
+                kept = await client.completions.create(
+                    model="smollm2", prompt="The capital of France is", max_tokens=8,
+                    temperature=0, stop=["."], extra_body={"no_stop_trim": True})
+        assert (plain.choices[0].text, plain.choices[0].finish_reason) == (" Paris", "stop")
+        assert "".join(c.choices[0].text for c in chunks) == " Paris"
+        assert kept.choices[0].text == " Paris."
+        assert plain.usage is not None and plain.usage.completion_tokens == 2
+
+    run(main())
+
+
 def test_the_openapi_schema_lists_the_openai_bodies() -> None:
     async def main() -> None:
         with running_service(config()) as service:
