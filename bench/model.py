@@ -21,6 +21,12 @@ Last line: ``RESULT model prefill_ratio=<> decode_ratio=<> max_logit_diff=<>``.
 from __future__ import annotations
 
 import argparse
+import os
+
+# transformers' GGUF loader draws a tqdm progress bar that its own switch does not reach; tqdm
+# reads TQDM_* defaults when it is first imported (importing torch does).
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 import statistics
 import time
 from collections.abc import Callable

@@ -7,6 +7,12 @@ larger for local fuzzing: ``HYPOTHESIS_PROFILE=dev pytest``.
 from __future__ import annotations
 
 import os
+
+# transformers' GGUF loader draws a tqdm progress bar that transformers' own switch
+# (``disable_progress_bar``) does not reach; tqdm reads TQDM_* defaults when it is first
+# imported, which importing torch does.
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 from typing import Any
 
 import pytest
