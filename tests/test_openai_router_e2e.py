@@ -44,12 +44,9 @@ CAT_SCHEMA: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # Two processes load SmolLM2 at once on shared cores: give them time.
-    started = Cluster(tmp_path_factory.mktemp("openai-router"), SMOLLM2, startup_timeout=240)
-    try:
-        started.start()
+    with Cluster(tmp_path_factory.mktemp("openai-router"), SMOLLM2,
+                 startup_timeout=240) as started:
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture(scope="module")

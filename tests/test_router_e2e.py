@@ -78,6 +78,17 @@ class Cluster:
         ], tmp / "router.log"))
         wait_for(self._routes, 60, "router serving /generate")
 
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def _add(self, proc: Any) -> Any:
         self.procs.append(proc)
         return proc
