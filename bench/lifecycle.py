@@ -33,8 +33,16 @@ from functools import partial
 from typing import Any
 
 from transitions import Machine
+from transitions.core import EventData
 
-from lifecycle import PREFILL_TABLE, Lifecycle, PrefillEvent, PrefillRequest
+from lifecycle import (
+    PREFILL_TABLE,
+    Lifecycle,
+    PrefillEvent,
+    PrefillRequest,
+    PrefillState,
+    shared_machine,
+)
 
 PROMPT = list(range(256))
 BATCH = 64
@@ -199,6 +207,70 @@ VARIANTS: dict[str, Callable[[int], list[Any]]] = {
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+# -- where (c) goes (--breakdown) -----------------------------------------------------------
+
+HAPPY_PATH = (
+    (PrefillEvent.BOOTSTRAPPED, PrefillState.BOOTSTRAPPING),
+    (PrefillEvent.SCHEDULE, PrefillState.WAITING),
+    (PrefillEvent.PREFILLED, PrefillState.FORWARD),
+    (PrefillEvent.TRANSFERRED, PrefillState.TRANSFERRING),
+)
+
+
+def records_only(n: int) -> list[Any]:
+    return [PrefillRequest(f"r{i}", input_ids=PROMPT) for i in range(n)]
+
+
+def records_admitted(n: int) -> list[Any]:
+    lc = _lifecycle()
+    out = []
+    for i in range(n):
+        r = PrefillRequest(f"r{i}", input_ids=PROMPT)
+        lc.admit(r)
+        out.append(r)
+    return out
+
+
+def _library_path(n: int, through_event: bool) -> list[Any]:
+    """The records and the four events through the shared machine alone: each edge's
+    ``Transition.execute`` (what (c) calls), or ``Event.trigger`` (the library's entry)."""
+    machine = shared_machine(PREFILL_TABLE)
+    edges = [
+        (machine.get_state(src), machine.events[ev], machine.events[ev].transitions[src.name][0])
+        for ev, src in HAPPY_PATH
+    ]
+    out = []
+    for i in range(n):
+        r = PrefillRequest(f"r{i}", input_ids=PROMPT, state=PrefillState.BOOTSTRAPPING)
+        for source, event, transition in edges:
+            if through_event:
+                event.trigger(r)
+            else:
+                transition.execute(EventData(source, event, machine, r, (), {}))
+        out.append(r)
+    return out
+
+
+def breakdown(n: int, repeats: int, clock: Callable[[], float]) -> None:
+    """Print where (c)'s time goes: the record, admission, the library, pdlife's own work."""
+    record = best_time(records_only, n, repeats, clock)
+    admitted = best_time(records_admitted, n, repeats, clock)
+    library = best_time(partial(_library_path, through_event=False), n, repeats, clock)
+    triggered = best_time(partial(_library_path, through_event=True), n, repeats, clock)
+    whole = best_time(pdlife_one_by_one, n, repeats, clock)
+    rows = {
+        "the record (PrefillRequest)": record,
+        "admission": admitted - record,
+        "transitions: 4 x Transition.execute": library - record,
+        "pdlife: checks, index, timeline, hooks": whole - (admitted - record) - library,
+        "c) in all": whole,
+        "(transitions through Event.trigger instead)": triggered - record,
+    }
+    print("where c) goes, us per request lifecycle:")
+    for name, us in rows.items():
+        print(f"  {name:46} {us:7.2f}")
+
+
 def best_time(
     run: Callable[[int], list[Any]], n: int, repeats: int, clock: Callable[[], float]
 ) -> float:
@@ -232,7 +304,13 @@ def main() -> None:
     parser.add_argument("--memory-requests", type=int, default=2_000)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or this process's CPU time (default: wall)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print where c)'s time goes (the record, admission, the "
+                             "transitions library, pdlife) and exit")
     args = parser.parse_args()
+    if args.breakdown:
+        breakdown(args.requests, args.repeats, CLOCKS[args.clock])
+        return
 
     print(f"{args.requests} request lifecycles per run, best of {args.repeats}, "
           f"{args.clock} time")
