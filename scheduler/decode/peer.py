@@ -34,7 +34,7 @@ import heapq
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
@@ -57,6 +57,7 @@ from scheduler.messages import (
     AbortRequest,
     DecodeResponse,
     NewRequest,
+    TokenLogprob,
     take_all,
 )
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
@@ -133,6 +134,11 @@ class DecodePeer:
             return
         self.kv.refuse(f"{host}:{port}", room, why)
         self.metrics.peer_refusals.labels(direction="sent").inc()
+
+    def output_logprobs(self, rid: str) -> Sequence[TokenLogprob]:
+        """The output logprobs live request ``rid`` has so far, one per output token when it
+        asked for logprobs (else none). Engine thread only; the list grows as it decodes."""
+        return self._sampling.output_logprobs(rid)
 
     def idle(self) -> bool:
         return len(self.lifecycle) == 0 and not self._releaser and self._inbox.empty()

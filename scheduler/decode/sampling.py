@@ -91,6 +91,12 @@ class DecodeSampling:
             state.matched_stop = next((s for s in stops if s in tail), None)
         return ""
 
+    def output_logprobs(self, rid: str) -> Sequence[TokenLogprob]:
+        """The output logprobs gathered so far for live request ``rid`` (none if it asked for
+        none)."""
+        state = self._states.get(rid)
+        return () if state is None else state.output_logprobs
+
     def stopped(self, req: DecodeRequest) -> bool:
         """Whether the request's grammar completed or its output holds a stop string."""
         state = self._states.get(req.rid)

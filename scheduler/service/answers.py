@@ -95,10 +95,9 @@ def logprob_fields(tokenizer: Any, item: Item, inputs: Sequence[TokenLogprob],
 def answer_body(tokenizer: Any, item: Item, *, ids: Sequence[int], text: str,
                 prompt_tokens: int, latency: float, finish: FinishReason | None,
                 cached_tokens: int = 0, input_logprobs: Sequence[TokenLogprob] = (),
-                output_logprobs: Sequence[TokenLogprob] = (),
-                with_logprobs: bool = True) -> dict[str, Any]:
-    """One answer (or stream chunk: ``finish`` None) for ``item``, ``ids`` generated so far;
-    its logprob fields (when asked for) unless not ``with_logprobs``."""
+                output_logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    """One answer (or stream chunk: ``finish`` None) for ``item``, ``ids`` generated so far,
+    with its logprob fields when asked for (a chunk's: those of the answer so far)."""
     body = GenerateAnswer(
         text=text,
         output_ids=list(ids),
@@ -109,9 +108,7 @@ def answer_body(tokenizer: Any, item: Item, *, ids: Sequence[int], text: str,
     ).model_dump(exclude={"meta_info": set(LOGPROB_KEYS)})
     if finish is not None:  # SGLang's finish_reason carries only the keys of its type
         body["meta_info"]["finish_reason"] = finish.model_dump(exclude_none=True)
-    if with_logprobs:
-        body["meta_info"].update(logprob_fields(tokenizer, item, input_logprobs,
-                                                output_logprobs))
+    body["meta_info"].update(logprob_fields(tokenizer, item, input_logprobs, output_logprobs))
     return body
 
 

@@ -16,9 +16,10 @@ One :class:`.EngineLoop` thread owns and steps the engines. Request handlers
 run on the HTTP event loop: :meth:`Service.start` registers a :class:`Pending` under the request
 id, submits to the engines and wakes the loop; the engines' ``on_response`` callbacks (engine
 thread) find the Pending and resolve its asyncio future with
-``loop.call_soon_threadsafe``. Streaming decode requests also get their new tokens after every
-pass (``after_pass`` runs on the engine thread, the only place engine state may be read). A
-snapshot of counts and pool usage is published after every pass for ``/server_info``.
+``loop.call_soon_threadsafe``. Streaming decode requests also get their new tokens, with their
+logprobs when asked, after every pass (``after_pass`` runs on the engine thread, the only place
+engine state may be read). A snapshot of counts and pool usage is published after every pass for
+``/server_info``.
 
 A request id is live from :meth:`Service.start` until every engine it was submitted to has
 answered; ids are unique among live requests. Rooms of fake-host requests, and of every request
@@ -480,11 +481,9 @@ class Service:
                 streams = list(self._streams.values())
             for p in streams:
                 req = self.decode.lifecycle.get(p.item.rid)
-                if req is None or len(req.output_ids) <= p.streamed:
-                    continue
-                tokens = tuple(req.output_ids[p.streamed :])
-                p.streamed += len(tokens)
-                p.push(tokens)
+                if req is not None:
+                    p.follow(req.output_ids, self.decode.output_logprobs(req.rid)
+                             if req.sampling.return_logprob else None)
         requests: dict[str, dict[str, int]] = {}
         pools: dict[str, dict[str, int]] = {}
         if self.prefill is not None:

@@ -8,9 +8,10 @@ name (off the event loop: a first lookup may block), then registers and submits 
 items' peers (:mod:`.refusals`) and aborting what it had already started, so the route only
 has to answer the refusal in its own error shape. :func:`wait` returns the answers, or None
 when the client went away first (its requests are aborted). :func:`new_tokens` yields the
-tokens the decode side produced after every pass until the request's future is resolved; the
-route reads the final :class:`Answer` from the future, and aborts the request if its stream is
-closed before that.
+tokens the decode side produced after every pass, with their logprobs when the request asked
+for them (:class:`~.pending.Progress`), until the request's future is resolved; the route reads
+the final :class:`Answer` from the future, and aborts the request if its stream is closed before
+that.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fastapi import Request
 from scheduler.decode.router import PeerUnreachable
 from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
 from scheduler.service.errors import unavailable_reason
+from scheduler.service.pending import Progress
 from scheduler.service.refusals import refuse_items, refuse_peers
 
 logger = logging.getLogger(__name__)
@@ -124,9 +126,10 @@ async def wait(service: Service, request: Request, pending: list[Pending]) -> li
     return [f.result() for f in futures]
 
 
-async def new_tokens(pending: Pending) -> AsyncIterator[tuple[int, ...]]:
-    """The tokens decode produces for a streamed request, a pass's worth at a time, until its
-    answer is in ``pending.future`` (tokens of the last pass may come only with the answer)."""
+async def new_tokens(pending: Pending) -> AsyncIterator[Progress]:
+    """The tokens decode produces for a streamed request (with their logprobs when asked), a
+    pass's worth at a time, until its answer is in ``pending.future`` (tokens of the last pass
+    may come only with the answer)."""
     progress = pending.progress
     assert progress is not None, "new_tokens needs a request started with stream=True"
     while not pending.future.done():

@@ -5,13 +5,16 @@ The text is the one ``/generate`` answers (:func:`~.answers.answer_text`: a matc
 off unless ``no_stop_trim``). A stream sends only text that cannot change any more: a trailing
 incomplete UTF-8 character, a tail that may still become a stop string, and a last token that may
 be a stop token are held back until more tokens or the answer come (:class:`StreamText`), so the
-chunks add up to exactly the text of the unstreamed answer. Logprobs of a streamed answer come
-with its last chunk (the engines hand the HTTP side tokens, not logprobs, while decoding).
+chunks add up to exactly the text of the unstreamed answer. A streamed answer's logprobs come
+with its chunks (:class:`StreamLogprobs`): a token's with the chunk that sends the last of its
+text, the rest (a trimmed stop, text a stop string cut) with the last chunk, so the chunks'
+logprobs too add up to the unstreamed answer's (completions' ``text_offset`` counts on).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -90,12 +93,12 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return decode(tokenizer, [token], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob],
-                        top: int) -> CompletionLogprobs:
+def completion_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int,
+                        start: int = 0) -> CompletionLogprobs:
     """``/v1/completions`` logprobs: the tokens' texts, logprobs, ``top`` alternatives (by
-    text) and text offsets."""
+    text) and text offsets (the first token's text at ``start``)."""
     texts = [_token_text(tokenizer, e.token) for e in entries]
-    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    offsets = list(itertools.accumulate((len(t) for t in texts), initial=start))[:-1]
     tops: list[dict[str, float]] | None = None
     if top > 0:
         tops = [{} for _ in entries]
@@ -123,21 +126,23 @@ def chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int) -> 
 # -- whole answers ------------------------------------------------------------------------------
 
 
-def answer_logprobs(tokenizer: Any, item: Item, answer: Answer, *,
-                    chat: bool) -> ChatLogprobs | CompletionLogprobs | None:
-    """The answer's logprobs in its endpoint's shape, or None when not asked for."""
+def answer_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob], *,
+                    chat: bool, start: int = 0) -> ChatLogprobs | CompletionLogprobs | None:
+    """The logprobs of output tokens ``entries`` in the endpoint's shape (completions: the
+    first token's text at ``start``), or None when the request did not ask for them."""
     sampling = item.sampling
     if not sampling.return_logprob:
         return None
-    write = chat_logprobs if chat else completion_logprobs
-    return write(tokenizer, answer.output_logprobs, sampling.top_logprobs_num)
+    if chat:
+        return chat_logprobs(tokenizer, entries, sampling.top_logprobs_num)
+    return completion_logprobs(tokenizer, entries, sampling.top_logprobs_num, start)
 
 
 def answer_body(tokenizer: Any, item: Item, answer: Answer, model: str, *,
                 chat: bool) -> dict[str, Any]:
     """A whole chat completion (``chat``) or completion."""
     text, finish = final_text(tokenizer, item, answer), answer.finish_reason
-    logprobs = answer_logprobs(tokenizer, item, answer, chat=chat)
+    logprobs = answer_logprobs(tokenizer, item, answer.output_logprobs, chat=chat)
     head: dict[str, Any] = {"id": item.rid, "created": now(), "model": model,
                             "usage": usage(answer)}
     if chat:
@@ -164,6 +169,9 @@ class StreamText:
         trim = not item.options.no_stop_trim
         self._stops = item.sampling.stop if trim else ()
         self._hold_token = trim and bool(item.sampling.stop_token_ids)
+        # The leading tokens whose whole text is in ``sent`` (counted when logprobs are asked).
+        self.released = 0
+        self._count = item.sampling.return_logprob
 
     def more(self, tokens: Sequence[int]) -> str:
         """The text ``tokens`` add that is safe to send now (maybe empty)."""
@@ -177,7 +185,18 @@ class StreamText:
                       default=len(text))
             hold = max(len(s) for s in self._stops) - 1
             text = text[:min(cut, len(text) - hold)]
-        return self._send(text)
+        delta = self._send(text)
+        if delta and self._count:
+            self._release()
+        return delta
+
+    def _release(self) -> None:
+        skip = self.item.options.skip_special_tokens
+        while self.released < len(self.ids):
+            text = decode(self.tokenizer, self.ids[:self.released + 1], skip_special_tokens=skip)
+            if not self.sent.startswith(text):
+                return
+            self.released += 1
 
     def rest(self, final: str) -> str:
         """What the answer's ``final`` text adds to what was sent."""
@@ -188,6 +207,39 @@ class StreamText:
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+class StreamLogprobs:
+    """The logprobs of a streamed answer, each sent with the chunk that releases its token's
+    text (see the module)."""
+
+    def __init__(self, tokenizer: Any, item: Item, *, chat: bool) -> None:
+        self.tokenizer = tokenizer
+        self.item = item
+        self.chat = chat
+        self.entries: list[TokenLogprob] = []  # received from the engines
+        self.sent = 0
+        self._offset = 0  # completions: the text offset of the next token sent
+
+    def more(self, entries: Sequence[TokenLogprob]) -> None:
+        self.entries.extend(entries)
+
+    def upto(self, released: int) -> ChatLogprobs | CompletionLogprobs | None:
+        """The logprobs of the tokens before ``released`` not sent yet (a chunk's)."""
+        end = max(self.sent, min(released, len(self.entries)))
+        return self._send(self.entries[self.sent:end])
+
+    def rest(self, answer: Answer) -> ChatLogprobs | CompletionLogprobs | None:
+        """The logprobs of the answer's tokens not sent yet (the last chunk's)."""
+        return self._send(answer.output_logprobs[self.sent:])
+
+    def _send(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | CompletionLogprobs | None:
+        logprobs = answer_logprobs(self.tokenizer, self.item, entries, chat=self.chat,
+                                   start=self._offset)
+        self.sent += len(entries)
+        if isinstance(logprobs, CompletionLogprobs):
+            self._offset += sum(len(t) for t in logprobs.tokens)
+        return logprobs
 
 
 @attrs.frozen

@@ -1,11 +1,13 @@
 """A live request as the HTTP side waits on it: the future its handler awaits and, for a
-stream, the queue of new tokens. The engine thread resolves and pushes; the handler's event loop
-receives, through ``call_soon_threadsafe``."""
+stream, the queue of what each engine pass added (new tokens, and their logprobs when asked).
+The engine thread resolves and pushes; the handler's event loop receives, through
+``call_soon_threadsafe``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import attrs
 
@@ -13,6 +15,15 @@ from scheduler.messages import DecodeResponse, Response, TokenLogprob
 from scheduler.service.config import Answer, Item
 
 logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Progress:
+    """What engine passes added to a streamed answer: new output tokens and, when the request
+    asked for logprobs, one logprob per token (else none)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -24,7 +35,7 @@ class Pending:
     future: asyncio.Future[Answer]
     started: float
     waiting_on: set[str]
-    progress: asyncio.Queue[tuple[int, ...]] | None = None
+    progress: asyncio.Queue[Progress] | None = None
     prefill_failure: Response | None = None
     # Colocated (role both): the prefill side's input logprobs, for the decode side's answer.
     input_logprobs: tuple[TokenLogprob, ...] = ()
@@ -45,10 +56,20 @@ class Pending:
         except RuntimeError:  # the handler's event loop is gone: nobody is waiting
             logger.debug("answer for %r dropped: its event loop is closed", self.item.rid)
 
-    def push(self, tokens: tuple[int, ...]) -> None:
-        if self.progress is None:
+    def follow(self, output_ids: Sequence[int],
+               logprobs: Sequence[TokenLogprob] | None) -> None:
+        """Push the output tokens beyond those already streamed (engine thread). ``logprobs``:
+        the request's output logprobs so far, or None when it did not ask for them; a token
+        goes out with its logprob, so only tokens whose logprob is known are pushed; and none
+        before the prefill side of a colocated request answered (its input logprobs are then
+        known to every chunk)."""
+        end = len(output_ids) if logprobs is None else min(len(output_ids), len(logprobs))
+        if end <= self.streamed or self.progress is None or "prefill" in self.waiting_on:
             return
+        start, self.streamed = self.streamed, end
+        progress = Progress(tuple(output_ids[start:end]),
+                            () if logprobs is None else tuple(logprobs[start:end]))
         try:
-            self.loop.call_soon_threadsafe(self.progress.put_nowait, tokens)
+            self.loop.call_soon_threadsafe(self.progress.put_nowait, progress)
         except RuntimeError:
             logger.debug("stream tokens for %r dropped: its event loop is closed", self.item.rid)

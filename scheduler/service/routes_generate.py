@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lifecycle import SamplingParams
+from scheduler.messages import TokenLogprob
 from scheduler.service.answers import answer_body, answer_text, final_body
 from scheduler.service.config import AnswerOptions
 from scheduler.service.core import BadRequest, Item, Pending, Service
@@ -194,18 +195,20 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
 
 
 async def _chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str, Any]]:
-    """SGLang's stream: cumulative ``text``/``output_ids`` per chunk, the last one with its
-    ``finish_reason`` and logprobs (or an error). The engines hand the stream tokens, not
-    logprobs, while decoding: earlier chunks carry no logprob fields."""
+    """SGLang's stream: cumulative ``text``/``output_ids`` per chunk and, when asked, the
+    logprob fields of the answer so far (SGLang's ``meta_info`` of a stream that is not
+    incremental); the last one with its ``finish_reason`` (or an error)."""
     item = pending.item
     emitted: list[int] = []
-    async for tokens in new_tokens(pending):
-        emitted.extend(tokens)
+    logprobs: list[TokenLogprob] = []
+    async for progress in new_tokens(pending):
+        emitted.extend(progress.tokens)
+        logprobs.extend(progress.logprobs)
         yield answer_body(service.tokenizer, item, ids=emitted,
                           text=answer_text(service.tokenizer, item, emitted, None),
                           prompt_tokens=len(item.input_ids),
                           latency=time.monotonic() - pending.started, finish=None,
-                          with_logprobs=False)
+                          input_logprobs=pending.input_logprobs, output_logprobs=logprobs)
     answer = pending.future.result()
     if answer.status != 200:
         yield ErrorBody(error=ErrorDetail(

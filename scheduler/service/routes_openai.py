@@ -34,7 +34,7 @@ from scheduler.service.handoff import (
     new_tokens,
     wait,
 )
-from scheduler.service.openai_format import Chunks, StreamText, answer_body, answer_logprobs
+from scheduler.service.openai_format import Chunks, StreamLogprobs, StreamText, answer_body
 from scheduler.service.openai_request import FieldError, chat_item, completion_item
 from scheduler.service.openai_schema import (
     OPENAI_ERRORS,
@@ -157,18 +157,21 @@ async def _serve(service: Service, request: Request, body: Body,
 
 async def _chunks(service: Service, pending: Pending, model: str, *, chat: bool,
                   include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """The chunks of one answer: text only once it cannot change (:class:`StreamText`), the
-    last with the finish reason and the logprobs, then the usage if asked; or an error."""
+    """The chunks of one answer: text only once it cannot change (:class:`StreamText`), with
+    the logprobs of the tokens whose text it completes (:class:`StreamLogprobs`), the last with
+    the finish reason and the remaining logprobs, then the usage if asked; or an error."""
     item, tokenizer = pending.item, service.tokenizer
     chunks = Chunks(item, model, chat)
     text = StreamText(tokenizer, item)
+    logprobs = StreamLogprobs(tokenizer, item, chat=chat)
     opening = chunks.opening()
     if opening is not None:
         yield opening
-    async for tokens in new_tokens(pending):
-        delta = text.more(tokens)
+    async for progress in new_tokens(pending):
+        logprobs.more(progress.logprobs)
+        delta = text.more(progress.tokens)
         if delta:
-            yield chunks.text(delta)
+            yield chunks.text(delta, logprobs=logprobs.upto(text.released))
     answer: Answer = pending.future.result()
     if answer.status != 200:
         yield OpenAIError(error=OpenAIErrorDetail(
@@ -176,7 +179,6 @@ async def _chunks(service: Service, pending: Pending, model: str, *, chat: bool,
             code=failure_kind(answer))).model_dump()
         return
     rest = text.rest(final_text(tokenizer, item, answer))
-    yield chunks.text(rest, finish=answer.finish_reason,
-                      logprobs=answer_logprobs(tokenizer, item, answer, chat=chat))
+    yield chunks.text(rest, finish=answer.finish_reason, logprobs=logprobs.rest(answer))
     if include_usage:
         yield chunks.usage(answer)
