@@ -23,7 +23,8 @@ from scheduler.cli.bench import BENCH
 from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.demo import DEMO
 from scheduler.cli.fuzz import FUZZ as SCHEDULER_FUZZ
-from scheduler.cli.serve import GENERATE, SERVE
+from scheduler.cli.generate import GENERATE
+from scheduler.cli.serve import SERVE
 from scheduler.cli.tables import DIAGRAM, DOCS_LIFECYCLE, VALIDATE, load_table
 from scheduler.cli.top import TOP
 

@@ -1,8 +1,7 @@
-"""``pdlife serve`` (an SGLang-compatible prefill or decode worker) and ``pdlife generate`` (the
-colocated reference run, to check a served answer).
+"""``pdlife serve``: an SGLang-compatible prefill or decode worker.
 
-Both build the reference model from the same flags with the same defaults, so a served output
-and ``pdlife generate`` agree token for token when started alike.
+The model flags are ``pdlife generate``'s too (:mod:`scheduler.cli.model_flags`), so a served
+output and the colocated run agree token for token when started alike.
 
 Shutdown: the first SIGTERM or SIGINT starts a drain (``/generate`` and ``/health`` answer 503,
 requests in flight finish), then the server exits 0; after ``--drain-timeout`` seconds what is
@@ -15,19 +14,17 @@ promptly.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
-
-import attrs
+from typing import TYPE_CHECKING, NoReturn
 
 from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.credentials import API_KEY_ENV, PEER_TOKEN_ENV, api_key, peer_token
+from scheduler.cli.model_flags import REFERENCE_NAME, add_model_arguments, load_served, model_config
 
 if TYPE_CHECKING:
     from scheduler.service.config import Role, ServeConfig
@@ -52,52 +49,36 @@ def byte_size(text: str) -> int:
             f"not a size: {text!r} (bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB)")
     return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
-_REFERENCE_NAME = "pdlife-reference-llama"
-#: The reference model's shape flags and what each sets (real checkpoints bring their own).
-_MODEL_FLAGS = {
-    "hidden": "hidden size",
-    "layers": "decoder layers",
-    "heads": "attention heads",
-    "kv_heads": "KV heads (grouped-query attention; divides --heads)",
-    "head_dim": "dimension of one head",
-    "intermediate": "MLP width",
-    "max_position": "longest sequence, prompt and answer together",
-    "seed": "seed of its weights",
+
+#: The flags that take a plain number, by group: flag -> (default, what it sets). The default's
+#: type is the flag's.
+_NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
+    "scheduling and memory": {
+        "--page-size": (16, "tokens per KV page"),
+        "--pool-pages": (2048, "KV pool pages per role"),
+        "--metadata-slots": (64, "metadata rows, i.e. requests between bootstrap and transfer"),
+        "--chunked-prefill-size": (8192, "tokens per prefill chunk, 0 to disable chunking"),
+        "--max-prefill-tokens": (16384, "tokens per prefill batch"),
+        "--max-running-requests": (256, "requests holding KV pages at once"),
+    },
+    "timeouts and limits": {
+        "--bootstrap-timeout": (300.0, "prefill: seconds to wait for decode's destination"),
+        "--transfer-timeout": (300.0, "prefill: seconds for a transfer to conclude"),
+        "--waiting-timeout": (300.0, "decode: seconds to wait for a request's KV"),
+        "--connect-timeout": (30.0, "decode: seconds to look a prefill server up"),
+        "--drain-timeout": (60.0, "on SIGTERM: seconds to let requests finish before aborting "
+                            "them"),
+    },
 }
 
 
-def _model_defaults() -> dict[str, Any]:
-    from scheduler.model.reference import ModelConfig
-
-    return {f.name: f.default for f in attrs.fields(ModelConfig) if f.name in _MODEL_FLAGS}
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The reference model's shape and seed (ModelConfig's defaults)."""
-    group = parser.add_argument_group("model (shared by serve and generate)")
-    for name, default in _model_defaults().items():
-        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
-                           help=f"reference model: {_MODEL_FLAGS[name]} (default: {default})")
-    group.add_argument("--device", default="cpu",
-                       help="cpu, cuda, or auto (CUDA when available) (default: cpu)")
-    group.add_argument("--model", default="reference", metavar="MODEL",
-                       help="reference (the fixed-point model; the flags above shape it), "
-                       "smollm2 (SmolLM2-135M-Instruct, shipped), or a path to a .gguf file or "
-                       "a Hugging Face directory (default: reference)")
-    group.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="a real model's weights and KV cache (default: float32)")
-
-
-def model_config(args: argparse.Namespace) -> Any:
-    from scheduler.model.reference import ModelConfig
-
-    try:
-        return ModelConfig(**{name: getattr(args, name) for name in _MODEL_FLAGS})
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-
-
-# -- serve ------------------------------------------------------------------------------------
+def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The group ``title`` with its plain-number flags (:data:`_NUMBERS`) declared."""
+    group = parser.add_argument_group(title)
+    for flag, (default, text) in _NUMBERS[title].items():
+        group.add_argument(flag, type=type(default), default=default,
+                           help=f"{text} (default: {default:g})")
+    return group
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,25 +94,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-port", type=int, default=8998,
                         help="prefill role, mooncake: the bootstrap endpoint's port, on --host "
                         "(default: %(default)s)")
-    parser.add_argument("--model-name", default=_REFERENCE_NAME,
+    parser.add_argument("--model-name", default=REFERENCE_NAME,
                         help="the name /model_info and /v1/models report (default: %(default)s)")
     add_model_arguments(parser)
-    sched = parser.add_argument_group("scheduling and memory")
-    sched.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
-    sched.add_argument("--pool-pages", type=int, default=2048,
-                       help="KV pool pages per role (default: 2048)")
+    sched = _number_group(parser, "scheduling and memory")
     sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                        help="size the KV pool by memory instead (e.g. 2GiB): as many pages as "
                        "fit, from the model's layers, KV heads, head dim and dtype")
-    sched.add_argument("--metadata-slots", type=int, default=64,
-                       help="metadata rows, i.e. requests between bootstrap and transfer "
-                       "(default: 64)")
-    sched.add_argument("--chunked-prefill-size", type=int, default=8192,
-                       help="tokens per prefill chunk, 0 to disable chunking (default: 8192)")
-    sched.add_argument("--max-prefill-tokens", type=int, default=16384,
-                       help="tokens per prefill batch (default: 16384)")
-    sched.add_argument("--max-running-requests", type=int, default=256,
-                       help="requests holding KV pages at once (default: 256)")
     sched.add_argument("--max-new-tokens-limit", type=int, default=None,
                        help="largest max_new_tokens accepted (default: the model's max position)")
     sched.add_argument("--overlap", action="store_true",
@@ -142,18 +111,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--schedule-policy", choices=("fcfs", "lpm"), default="fcfs",
                        help="prefill: the waiting queue's order, arrival (fcfs) or longest "
                        "cached prefix first (lpm, needs the prefix cache) (default: fcfs)")
-    times = parser.add_argument_group("timeouts and limits")
-    times.add_argument("--bootstrap-timeout", type=float, default=300.0,
-                       help="prefill: seconds to wait for decode's destination (default: 300)")
-    times.add_argument("--transfer-timeout", type=float, default=300.0,
-                       help="prefill: seconds for a transfer to conclude (default: 300)")
-    times.add_argument("--waiting-timeout", type=float, default=300.0,
-                       help="decode: seconds to wait for a request's KV (default: 300)")
-    times.add_argument("--connect-timeout", type=float, default=30.0,
-                       help="decode: seconds to look a prefill server up (default: 30)")
-    times.add_argument("--drain-timeout", type=float, default=60.0,
-                       help="on SIGTERM: seconds to let requests finish before aborting them "
-                       "(default: 60)")
+    times = _number_group(parser, "timeouts and limits")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
                        "(65536, 64KiB, 8MiB) (default: 8MiB)")
@@ -215,7 +173,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
     model_name = args.model_name
-    if served is not None and model_name == _REFERENCE_NAME:
+    if served is not None and model_name == REFERENCE_NAME:
         model_name = args.model
     try:
         return ServeConfig(
@@ -362,73 +320,3 @@ SERVE = Subcommand(
     run=_serve,
 )
 
-
-# -- generate ---------------------------------------------------------------------------------
-
-
-def load_served(args: argparse.Namespace) -> Any:
-    """The :class:`~scheduler.model.select.ServedModel` that ``--model`` names."""
-    from scheduler.model.checkpoint import CheckpointError
-    from scheduler.model.select import load_model
-    from scheduler.model.shipped import ShippedModelMissing
-
-    try:
-        return load_model(args.model, dtype=args.dtype, device=args.device,
-                          reference=model_config(args))
-    except (CheckpointError, ShippedModelMissing, ValueError) as exc:
-        raise UsageError(str(exc)) from exc
-
-
-def _generate_arguments(parser: argparse.ArgumentParser) -> None:
-    prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (the model's tokenizer, as /generate's "
-                        "text)")
-    prompt.add_argument("--input-ids", help="prompt token ids, comma-separated")
-    parser.add_argument("--chat", action="store_true",
-                        help="send --prompt as one user message through the model's chat "
-                        "template")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="(default: 16)")
-    parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
-    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    add_model_arguments(parser)
-
-
-def _ids(text: str, flag: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} wants comma-separated integers, got {text!r}") from None
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from scheduler.model.reference import ModelInputError
-
-    if args.chat and args.prompt is None:
-        raise UsageError("--chat needs --prompt")
-    served = load_served(args)
-    ids = served.encode(args.prompt, chat=args.chat) if args.prompt is not None else _ids(
-        args.input_ids, "--input-ids")
-    try:
-        out = served.generate(ids, args.max_new_tokens,
-                              stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
-                              ignore_eos=args.ignore_eos)
-    except ModelInputError as exc:
-        raise UsageError(str(exc)) from exc
-    json.dump({"text": served.decode(out), "output_ids": out, "prompt_tokens": len(ids)},
-              sys.stdout)
-    sys.stdout.write("\n")
-    return 0
-
-
-GENERATE = Subcommand(
-    name="generate",
-    summary="run the colocated model and print its answer as JSON",
-    description=(
-        "Greedy generation with the colocated model (--model: the reference model, smollm2 "
-        "or a checkpoint path; the whole prompt in one forward, then one token at a time, no "
-        "transfer), from the same model flags and defaults as pdlife serve, so a served answer "
-        "can be checked: prints {text, output_ids, prompt_tokens}."
-    ),
-    add_arguments=_generate_arguments,
-    run=_generate,
-)

@@ -1,0 +1,69 @@
+"""``pdlife generate``: the colocated reference run, to check a served answer.
+
+It builds the model from the same flags as ``pdlife serve`` (:mod:`scheduler.cli.model_flags`),
+so the two agree token for token when started alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from scheduler.cli.command import Subcommand, UsageError
+from scheduler.cli.model_flags import add_model_arguments, load_served
+
+
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (the model's tokenizer, as /generate's "
+                        "text)")
+    prompt.add_argument("--input-ids", help="prompt token ids, comma-separated")
+    parser.add_argument("--chat", action="store_true",
+                        help="send --prompt as one user message through the model's chat "
+                        "template")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="(default: 16)")
+    parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    add_model_arguments(parser)
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} wants comma-separated integers, got {text!r}") from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from scheduler.model.reference import ModelInputError
+
+    if args.chat and args.prompt is None:
+        raise UsageError("--chat needs --prompt")
+    served = load_served(args)
+    ids = served.encode(args.prompt, chat=args.chat) if args.prompt is not None else _ids(
+        args.input_ids, "--input-ids")
+    try:
+        out = served.generate(ids, args.max_new_tokens,
+                              stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
+                              ignore_eos=args.ignore_eos)
+    except ModelInputError as exc:
+        raise UsageError(str(exc)) from exc
+    json.dump({"text": served.decode(out), "output_ids": out, "prompt_tokens": len(ids)},
+              sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+GENERATE = Subcommand(
+    name="generate",
+    summary="run the colocated model and print its answer as JSON",
+    description=(
+        "Greedy generation with the colocated model (--model: the reference model, smollm2 "
+        "or a checkpoint path; the whole prompt in one forward, then one token at a time, no "
+        "transfer), from the same model flags and defaults as pdlife serve, so a served answer "
+        "can be checked: prints {text, output_ids, prompt_tokens}."
+    ),
+    add_arguments=_generate_arguments,
+    run=_generate,
+)

@@ -1,0 +1,74 @@
+"""The model flags ``pdlife serve`` and ``pdlife generate`` share, and what they build.
+
+Both commands read ``--model`` and the reference model's shape from the same flags with the same
+defaults (:class:`~scheduler.model.reference.ModelConfig`'s), so a served answer and ``pdlife
+generate`` agree token for token when started alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+
+from scheduler.cli.command import UsageError
+
+#: The name ``/model_info`` reports for the reference model when ``--model-name`` is not given.
+REFERENCE_NAME = "pdlife-reference-llama"
+#: The reference model's shape flags and what each sets (real checkpoints bring their own).
+_MODEL_FLAGS = {
+    "hidden": "hidden size",
+    "layers": "decoder layers",
+    "heads": "attention heads",
+    "kv_heads": "KV heads (grouped-query attention; divides --heads)",
+    "head_dim": "dimension of one head",
+    "intermediate": "MLP width",
+    "max_position": "longest sequence, prompt and answer together",
+    "seed": "seed of its weights",
+}
+
+
+def _model_defaults() -> dict[str, Any]:
+    from scheduler.model.reference import ModelConfig
+
+    return {f.name: f.default for f in attrs.fields(ModelConfig) if f.name in _MODEL_FLAGS}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The reference model's shape and seed (ModelConfig's defaults)."""
+    group = parser.add_argument_group("model (shared by serve and generate)")
+    for name, default in _model_defaults().items():
+        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
+                           help=f"reference model: {_MODEL_FLAGS[name]} (default: {default})")
+    group.add_argument("--device", default="cpu",
+                       help="cpu, cuda, or auto (CUDA when available) (default: cpu)")
+    group.add_argument("--model", default="reference", metavar="MODEL",
+                       help="reference (the fixed-point model; the flags above shape it), "
+                       "smollm2 (SmolLM2-135M-Instruct, shipped), or a path to a .gguf file or "
+                       "a Hugging Face directory (default: reference)")
+    group.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="a real model's weights and KV cache (default: float32)")
+
+
+def model_config(args: argparse.Namespace) -> Any:
+    """The reference model's :class:`~scheduler.model.reference.ModelConfig` the flags give."""
+    from scheduler.model.reference import ModelConfig
+
+    try:
+        return ModelConfig(**{name: getattr(args, name) for name in _MODEL_FLAGS})
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def load_served(args: argparse.Namespace) -> Any:
+    """The :class:`~scheduler.model.select.ServedModel` that ``--model`` names."""
+    from scheduler.model.checkpoint import CheckpointError
+    from scheduler.model.select import load_model
+    from scheduler.model.shipped import ShippedModelMissing
+
+    try:
+        return load_model(args.model, dtype=args.dtype, device=args.device,
+                          reference=model_config(args))
+    except (CheckpointError, ShippedModelMissing, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
