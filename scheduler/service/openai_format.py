@@ -191,12 +191,14 @@ class StreamText:
         return delta
 
     def _release(self) -> None:
+        # The longest run of tokens whose text was all sent (a shorter run may end inside a
+        # character, so search from the longest; held back are only the last few).
         skip = self.item.options.skip_special_tokens
-        while self.released < len(self.ids):
-            text = decode(self.tokenizer, self.ids[:self.released + 1], skip_special_tokens=skip)
-            if not self.sent.startswith(text):
+        for end in range(len(self.ids), self.released, -1):
+            if self.sent.startswith(decode(self.tokenizer, self.ids[:end],
+                                           skip_special_tokens=skip)):
+                self.released = end
                 return
-            self.released += 1
 
     def rest(self, final: str) -> str:
         """What the answer's ``final`` text adds to what was sent."""
