@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 import attrs
 
 from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
-from lifecycle.prefill import as_token_ids
+from lifecycle.prefill import DEFAULT_SAMPLING, as_token_ids
 
 # Requests for this bootstrap host use the fake transfer backend (SGLang's warm-up and
 # health-check path).
@@ -36,7 +36,7 @@ class NewRequest:
     bootstrap_host: str = attrs.field(validator=attrs.validators.min_len(1))
     bootstrap_port: int = 0
     bootstrap_room: int = 0
-    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    sampling: SamplingParams = DEFAULT_SAMPLING  # frozen: one shared default
 
     def record_fields(self) -> dict[str, Any]:
         """The fields a request record (prefill or decode) takes from the request."""
