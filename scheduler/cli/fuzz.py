@@ -59,7 +59,7 @@ def run_fuzz(
     from hypothesis import HealthCheck, seed, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from scheduler.testing.machine import iter_loops
+    from scheduler.testing.setup import iter_loops
     from scheduler.testing.verdicts import EXIT_OK, classify
 
     run_settings = settings(

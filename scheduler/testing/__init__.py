@@ -3,8 +3,8 @@
 
 from scheduler.testing.device import SteppedDevice
 from scheduler.testing.fakes import tiny_model
-from scheduler.testing.machine import SchedulerMachine, iter_loops, scheduler_machine
-from scheduler.testing.setup import LOOPS, MachineSetup, scheduler_configs
+from scheduler.testing.machine import SchedulerMachine, scheduler_machine
+from scheduler.testing.setup import LOOPS, MachineSetup, iter_loops, scheduler_configs
 from scheduler.testing.verdicts import CodeUnderTestError, InvariantViolation
 
 __all__ = [

@@ -1,9 +1,12 @@
 """The checks the scheduler fuzzing machine (:mod:`.machine`) runs that need no memory of
 earlier steps (or keep it in what they are given): pages and who may touch them, the requests
-seen live, one response, the deadlines after a pass.
+seen live, the answers, the deadlines and the aborts after a pass, and what quiescence leaves.
 Each raises :class:`~scheduler.testing.verdicts.InvariantViolation` naming its invariant."""
 
 from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
 
 from kv.pages import pages_needed
 from kv.pool import KVPool
@@ -61,6 +64,14 @@ def check_requests(sched: PrefillScheduler, seen: dict[int, PrefillRequest]) -> 
         assert len(slots) == len(set(slots)), f"a metadata slot is held twice: {sorted(slots)}"
 
 
+def check_answer_counts(responses: Sequence[Response], submitted: collections.Counter[str]) -> None:
+    """Invariant 1 so far: no request id is answered more often than it was submitted."""
+    answered = collections.Counter(r.rid for r in responses)
+    with invariant(1):
+        for rid, n in answered.items():
+            assert n <= submitted[rid], f"{rid!r} answered {n} times, submitted {submitted[rid]}"
+
+
 def check_response(resp: Response, pool: KVPool, reference: Reference | None) -> None:
     """Invariants 1 and 2 for one answer: a final state with a reason exactly when FAILED,
     ``rejected`` for a prompt that can never fit, the reference's first token when DONE, and a
@@ -94,6 +105,48 @@ def check_deadlines(sched: PrefillScheduler, now: float) -> None:
                 assert now < req.timeline[0][0] + cfg.bootstrap_timeout, req
             elif req.state is S.TRANSFERRING:
                 assert now < _entered(req, "prefilled") + cfg.transfer_timeout, req
+
+
+def check_aborts(pending: Sequence[tuple[PrefillRequest, FailureReason | None]]) -> None:
+    """Invariant 5 after a pass: each request aborted while live before it (with the failure it
+    already had) ended aborted, or failed earlier, or waits for its batch to leave the device
+    with the abort deferred."""
+    with invariant(5):
+        for req, earlier in pending:
+            if req.is_final:
+                assert req.reason is FailureReason.ABORTED or earlier is not None, (
+                    f"{req.rid}: aborted while live, ended {req.reason}"
+                )
+            else:
+                assert req.pending_abort is not None and req.on_device > 0, (
+                    f"{req.rid}: an abort was received but {req.state!r} stays live, "
+                    f"on_device={req.on_device}"
+                )
+
+
+def check_all_answered(
+    sched: PrefillScheduler,
+    responses: Sequence[Response],
+    submitted: collections.Counter[str],
+    passes: int,
+) -> None:
+    """Invariant 1 once the scheduler was driven to rest for ``passes`` passes: it is idle and
+    every submission was answered exactly once."""
+    with invariant(1):
+        assert sched.idle(), f"the scheduler did not quiesce in {passes} passes"
+        answered = collections.Counter(r.rid for r in responses)
+        assert answered == submitted, f"answers {answered} != submissions {submitted}"
+
+
+def check_all_free(sched: PrefillScheduler, scripted: ScriptedKVManager) -> None:
+    """Invariant 3 at rest, once the prefix cache is drained: every page and slot is free
+    again and every scripted sender was cleared."""
+    with invariant(3):
+        assert sched.pool.allocator.available() == sched.pool.num_pages, "pages leaked"
+        assert sched.slots.available() == sched.slots.num_slots, "metadata slots leaked"
+        assert sched.pages_held == 0
+        uncleared = [s.room for s in scripted.senders if not s.cleared]
+        assert not uncleared, f"senders of rooms {uncleared} never cleared"
 
 
 def _entered(req: PrefillRequest, event: str) -> float:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -57,6 +57,10 @@ from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.testing.checks import (
+    check_aborts,
+    check_all_answered,
+    check_all_free,
+    check_answer_counts,
     check_deadlines,
     check_pages,
     check_requests,
@@ -212,19 +216,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.clock.now += 0.5 if resting < 3 else max(self.config.bootstrap_timeout,
                                                           self.config.transfer_timeout)
             self.check_everything()
-        with invariant(1):
-            assert sched.idle(), f"the scheduler did not quiesce in {_QUIESCE_PASSES} passes"
-            answered = collections.Counter(r.rid for r in self.responses)
-            assert answered == self.submitted, (
-                f"answers {answered} != submissions {self.submitted}"
-            )
+        check_all_answered(sched, self.responses, self.submitted, _QUIESCE_PASSES)
         drain_prefix_cache(sched)  # nothing locked; then the tree's pages go back too
-        with invariant(3):
-            assert self.pool.allocator.available() == self.pool.num_pages, "pages leaked"
-            assert sched.slots.available() == sched.slots.num_slots, "metadata slots leaked"
-            assert sched.pages_held == 0
-            uncleared = [s.room for s in self.scripted.senders if not s.cleared]
-            assert not uncleared, f"senders of rooms {uncleared} never cleared"
+        check_all_free(sched, self.scripted)
 
     # -- rules ------------------------------------------------------------------------------
 
@@ -272,17 +266,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.step()
         self._track()
         check_deadlines(self.sched, self.clock.now)
-        with invariant(5):
-            for req, earlier in pending:
-                if req.is_final:
-                    assert req.reason is FailureReason.ABORTED or earlier is not None, (
-                        f"{req.rid}: aborted while live, ended {req.reason}"
-                    )
-                else:
-                    assert req.pending_abort is not None and req.on_device > 0, (
-                        f"{req.rid}: an abort was received but {req.state!r} stays live, "
-                        f"on_device={req.on_device}"
-                    )
+        check_aborts(pending)
 
     @precondition(lambda self: self.sched is not None and bool(self.submitted))
     @rule(data=st.data())
@@ -357,20 +341,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             sched.check_invariants()  # conservation of pages and slots
         check_pages(sched, self.scripted, self.runner)
         check_requests(sched, self.seen)
-        self._check_responses()
-        self._observe()
-        self._settled = True
-
-    def _check_responses(self) -> None:
-        answered = collections.Counter(r.rid for r in self.responses)
-        with invariant(1):
-            for rid, n in answered.items():
-                assert n <= self.submitted[rid], (
-                    f"{rid!r} answered {n} times, submitted {self.submitted[rid]}"
-                )
+        check_answer_counts(self.responses, self.submitted)
         for resp in self.responses[self._checked:]:
             check_response(resp, self.pool, self.setup.reference)
         self._checked = len(self.responses)
+        self._observe()
+        self._settled = True
 
 
 def scheduler_machine(
@@ -407,8 +383,3 @@ def scheduler_machine(
         fields["faults"] = faults
     setup = MachineSetup(**fields)
     return type(f"SchedulerMachine_{loop}", (SchedulerMachine,), {"setup": setup})
-
-
-def iter_loops(loop: str) -> Iterator[str]:
-    """The loops ``loop`` names: ``both`` is normal then overlap."""
-    yield from (("normal", "overlap") if loop == "both" else (loop,))

@@ -3,7 +3,7 @@ when none is given, and the prompts submissions carry (:class:`MachineSetup`).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 from hypothesis import strategies as st
@@ -18,6 +18,11 @@ FAKE_HOST_FAULTS = FaultPlan(
     seed=1, bootstrap_failure=0.2, bootstrap_timeout=0.1, transfer_failure=0.2,
     handshake_delay_polls=1, transfer_delay_s=0.5,
 )
+
+
+def iter_loops(loop: str) -> Iterator[str]:
+    """The loops ``loop`` names: ``both`` is normal then overlap."""
+    yield from (("normal", "overlap") if loop == "both" else (loop,))
 
 
 @attrs.frozen
