@@ -1,5 +1,6 @@
 """ASGI middleware of the ``pdlife serve`` app: HTTP/2 probes, the API key, the body-size
-limit, ``Retry-After`` on 503 answers and the HTTP metrics."""
+limit, ``Retry-After`` on 503 answers and the HTTP metrics. Each acts on HTTP requests only
+(:class:`HttpMiddleware`); other scopes pass through untouched."""
 
 from __future__ import annotations
 
@@ -24,16 +25,30 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _DISCARD_LIMIT = 64 << 20
 
 
-class Http2Probe:
-    """Answers an HTTP/2 prior-knowledge probe (``PRI *``, which SGLang's router sends to find
-    out whether a worker speaks HTTP/2) with 505 and a closed connection, before any metrics
-    count it: the probe is not a request of a client."""
+class HttpMiddleware:
+    """Middleware over ``app`` that handles HTTP requests in :meth:`http` and passes every other
+    scope (lifespan, websockets) to ``app`` as it is."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "PRI":
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class Http2Probe(HttpMiddleware):
+    """Answers an HTTP/2 prior-knowledge probe (``PRI *``, which SGLang's router sends to find
+    out whether a worker speaks HTTP/2) with 505 and a closed connection, before any metrics
+    count it: the probe is not a request of a client."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("method") == "PRI":
             await send({"type": "http.response.start", "status": 505, "headers": [
                 (b"content-length", b"0"), (b"connection", b"close")]})
             await send({"type": "http.response.body", "body": b""})
@@ -55,7 +70,7 @@ def _error_response(status: int, kind: str, message: str,
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 
 
-class ApiKey:
+class ApiKey(HttpMiddleware):
     """Every route but ``open_routes`` requires ``Authorization: Bearer <key>`` (SGLang's
     ``--api-key``; OpenAI clients send it so). Anything else is answered 401 with the API's error
     body before the app, or the body limit, reads a byte of the body; the key is compared in
@@ -65,7 +80,7 @@ class ApiKey:
                  open_routes: frozenset[str] = OPEN_ROUTES) -> None:
         if not key:
             raise ValueError("the API key must not be empty")
-        self.app = app
+        super().__init__(app)
         self.key = key.encode()
         self.on_reject = on_reject
         self.open_routes = open_routes
@@ -77,9 +92,8 @@ class ApiKey:
         match = hmac.compare_digest(credentials.strip(), self.key)
         return match and scheme.lower() == b"bearer"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope.get("path", "") in self.open_routes
-                or self.authorized(scope)):
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("path", "") in self.open_routes or self.authorized(scope):
             await self.app(scope, receive, send)
             return
         self.on_reject()
@@ -91,20 +105,16 @@ class ApiKey:
         await send(body)
 
 
-class RetryAfter:
+class RetryAfter(HttpMiddleware):
     """Adds ``Retry-After`` to every 503 answer that has none: the server is draining, failed
     or overloaded (:mod:`.shedding`), and a client or router should come back later or go
     elsewhere."""
 
     def __init__(self, app: ASGIApp, seconds: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.value = str(seconds).encode()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def with_header(message: Message) -> None:
             if message["type"] == "http.response.start" and message["status"] == 503:
                 headers = list(message.get("headers") or ())
@@ -115,18 +125,15 @@ class RetryAfter:
         await self.app(scope, receive, with_header)
 
 
-class BodyLimit:
+class BodyLimit(HttpMiddleware):
     """Answers 413 to a body over ``limit`` bytes before the app sees any of it."""
 
     def __init__(self, app: ASGIApp, limit: int, on_reject: Callable[[], None]) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
         self.on_reject = on_reject
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await self._reject(receive, send)
@@ -172,18 +179,15 @@ class BodyLimit:
         await send(body)
 
 
-class HttpMetrics:
+class HttpMetrics(HttpMiddleware):
     """Counts every answer by route, method and status; times it to its first byte."""
 
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics, routes: frozenset[str]) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
         self.routes = routes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         route = path if path in self.routes else "other"
         start = time.monotonic()
