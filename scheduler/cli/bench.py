@@ -37,6 +37,8 @@ ALL = (
     Benchmark("lifecycle", 50, "a request's lifecycle: pdlife against plain transitions"),
     Benchmark("scale", 60, "a scheduler pass with 100 against 10,000 waiting requests"),
     Benchmark("delayer", 30, "the PrefillDelayer across data-parallel ranks"),
+    Benchmark("tracing", 25, "the service loop with tracing off against on, and what each "
+              "costs a request"),
     Benchmark("e2e", 40, "prefill throughput and TTFT against the forward passes alone"),
     Benchmark("transfer", 120, "KV transfer: pdlife's backends against the raw engine"),
     Benchmark("soak", 90, "10,000 requests under injected faults: nothing lost or leaked"),
