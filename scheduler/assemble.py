@@ -8,13 +8,18 @@ caller passes as ``kv_for``.
 
 Everything built here that holds a thread, a socket or a port is appended to ``closers`` as soon
 as it exists, so a caller whose construction fails half-way can release what was built.
+
+What only tunes an engine (its clock, its answer callback, the grammar compiler, ...) passes
+through to :class:`~scheduler.prefill.scheduler.PrefillScheduler` or
+:class:`~scheduler.decode.DecodePeer` as given (:class:`PrefillOptions`,
+:class:`DecodeOptions`), so each default is the engine's own.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Required, TypedDict, Unpack
 
 from kv.bootstrap import BootstrapServer
 from kv.fake import FakeKVManager, FaultPlan
@@ -51,6 +56,29 @@ class PoolModel(Protocol):
 RunnerFactory = Callable[[Any, KVPool], ModelRunner]
 #: Builds the decode side's KV manager over its pool and buffers (given the side's runner).
 DecodeKVFactory = Callable[[KVPool, MetadataBuffers, ModelRunner], DecodeKVManager]
+
+
+class PrefillOptions(TypedDict, total=False):
+    """What :func:`build_prefill` passes to the prefill scheduler unchanged."""
+
+    delayer: PrefillDelayer | None
+    clock: Callable[[], float]
+    on_response: Callable[[Response], None] | None
+    overlap: bool
+    compiler: ConstraintCompiler | None
+
+
+class DecodeOptions(TypedDict, total=False):
+    """What :func:`build_decode` passes to the decode peer unchanged. ``eos_token_id`` is
+    required, so no caller forgets it (None, said outright, never stops at an end of sequence)."""
+
+    eos_token_id: Required[int | Iterable[int] | None]
+    config: DecodeConfig | None
+    clock: Callable[[], float]
+    on_response: Callable[[DecodeResponse], None] | None
+    metrics: DecodeMetrics | None
+    compiler: ConstraintCompiler | None
+    detokenize: Detokenize | None
 
 
 def close_all(closers: Closers) -> list[BaseException]:
@@ -101,19 +129,15 @@ def build_prefill(
     bootstrap: BootstrapServer | None = None,
     mooncake: MooncakeConfig | None = None,
     faults: FaultPlan | None = None,
-    delayer: PrefillDelayer | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    on_response: Callable[[Response], None] | None = None,
-    overlap: bool = False,
-    compiler: ConstraintCompiler | None = None,
+    **options: Unpack[PrefillOptions],
 ) -> PrefillScheduler:
     """A prefill scheduler over a fresh pool and ``backend``'s KV manager. ``local`` needs the
     ``hub`` its decode peer shares; ``mooncake`` needs the ``bootstrap`` endpoint its rank
-    registers at. Requests for the fake bootstrap host always get the fake backend.
-    ``compiler`` compiles grammars (None: requests with one are refused)."""
+    registers at. Requests for the fake bootstrap host always get the fake backend, on the
+    scheduler's clock."""
     pool = model.make_pool(num_pages=pages, page_size=config.page_size)
     metadata = MetadataBuffers(metadata_slots)
-    fake_kv = FakeKVManager(faults, clock=clock)
+    fake_kv = FakeKVManager(faults, clock=options.get("clock", time.monotonic))
     kv: KVManager
     if backend == "mooncake":
         if bootstrap is None:
@@ -132,17 +156,8 @@ def build_prefill(
     else:
         kv = fake_kv
     scheduler = PrefillScheduler(
-        config=config,
-        runner=runner_factory(model, pool),
-        kv=kv,
-        fake_kv=fake_kv,
-        metadata=metadata,
-        slots=SlotAllocator(metadata_slots),
-        delayer=delayer,
-        clock=clock,
-        on_response=on_response,
-        overlap=overlap,
-        compiler=compiler,
+        config=config, runner=runner_factory(model, pool), kv=kv, fake_kv=fake_kv,
+        metadata=metadata, slots=SlotAllocator(metadata_slots), **options,
     )
     closers.append(scheduler.close)
     return scheduler
@@ -157,31 +172,13 @@ def build_decode(
     metadata_slots: int,
     runner_factory: RunnerFactory,
     closers: Closers,
-    eos_token_id: int | Iterable[int] | None,
-    config: DecodeConfig | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    on_response: Callable[[DecodeResponse], None] | None = None,
-    metrics: DecodeMetrics | None = None,
-    compiler: ConstraintCompiler | None = None,
-    detokenize: Detokenize | None = None,
+    **options: Unpack[DecodeOptions],
 ) -> DecodePeer:
-    """A decode peer over a fresh pool; ``kv_for`` builds its KV manager. ``compiler`` and
-    ``detokenize`` serve grammars and stop strings (None: requests with them are refused)."""
+    """A decode peer over a fresh pool; ``kv_for`` builds its KV manager."""
     pool = model.make_pool(num_pages=pages, page_size=page_size)
     metadata = MetadataBuffers(metadata_slots)
     runner = runner_factory(model, pool)
     kv = kv_for(pool, metadata, runner)
     closers.append(kv.close)
-    return DecodePeer(
-        runner=runner,
-        kv=kv,
-        metadata=metadata,
-        slots=SlotAllocator(metadata_slots),
-        eos_token_id=eos_token_id,
-        config=config,
-        clock=clock,
-        on_response=on_response,
-        metrics=metrics,
-        compiler=compiler,
-        detokenize=detokenize,
-    )
+    return DecodePeer(runner=runner, kv=kv, metadata=metadata,
+                      slots=SlotAllocator(metadata_slots), **options)
