@@ -27,12 +27,8 @@ LOGPROBS = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("router"))
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
+    with Cluster(tmp_path_factory.mktemp("router")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +98,10 @@ def test_a_stream_through_the_router_ends_with_the_output_logprobs(cluster: Clus
     same_logprobs(last["meta_info"]["output_token_logprobs"],
                   want["meta_info"]["output_token_logprobs"])
     assert last["meta_info"]["input_token_logprobs"] == []  # not merged into a stream
+    for chunk in chunks:  # the decode worker's chunks, passed on: the output logprobs so far
+        n = len(chunk["output_ids"])
+        assert chunk["meta_info"]["output_token_logprobs"] == last["meta_info"][
+            "output_token_logprobs"][:n]
 
 
 def test_grammars_stops_and_refusals_through_the_router(cluster: Cluster,

@@ -187,12 +187,8 @@ def test_router_end_to_end_over_mooncake(tmp_path: Path) -> None:
     with ThreadPoolExecutor(1) as pool:
         # The reference runs while the processes start.
         want = pool.submit(references, cases)
-        cluster = Cluster(tmp_path)
-        try:
-            cluster.start()
+        with Cluster(tmp_path) as cluster:
             run_checks(cluster, cases, want.result())
-        finally:
-            cluster.stop()
 
 
 def run_checks(cluster: Cluster, cases: list[tuple[list[int], int]], want: list[list[int]]
