@@ -88,7 +88,8 @@ def refuse_unsupported(sp: SamplingParamsBody) -> None:
                              f"by this server (leave it out, or send {neutral!r})")
     if sp.n != 1:
         raise BadRequest("unsupported", f"sampling_params.n={sp.n}: only n=1 is supported "
-                         "(send separate requests, each with its own sampling_params.sampling_seed)")
+                         "(send separate requests, each with its own "
+                         "sampling_params.sampling_seed)")
 
 
 def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
