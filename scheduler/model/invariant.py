@@ -98,8 +98,11 @@ def paged_attention(
     The small spans (decode steps, short chunks) of similar lengths share one batched matmul;
     a long span is cut into query tiles that share its gathered keys."""
     out = torch.zeros_like(q)
-    # Scaled once, with a zero row at the end for the padding rows of a matmul to read.
-    q = torch.cat([q * (1.0 / math.sqrt(q.shape[-1])), q.new_zeros((1, *q.shape[1:]))])
+    # Scaled once, with a zero row at the end for the padding rows of a matmul to read. The
+    # scale carries log2(e): the softmax is computed as powers of two, exp(s) = 2^(s log2 e),
+    # because torch's exp2 is about four times faster than its exp on the CPU.
+    scale = math.log2(math.e) / math.sqrt(q.shape[-1])
+    q = torch.cat([q * scale, q.new_zeros((1, *q.shape[1:]))])
     for group in _by_length([s for s in spans if s.n <= SMALL_ITEM]):
         _attend(q, group, _gather(kv, group), out)
     for span in spans:
@@ -166,7 +169,7 @@ def _attend(q: torch.Tensor, group: Sequence[Span], kv: torch.Tensor, out: torch
         masked = masked[:, None].expand(count, share, n_pad, keys - lo).reshape(
             1, count, rows, keys - lo)
         scores[..., lo:].masked_fill_(masked.to(dev), -math.inf)
-    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_().to(q.dtype)
+    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp2_().to(q.dtype)
     sums = probs.float().view(kv_heads, count, rows, blocks, KEY_BLOCK).sum(-1)
     # The key blocks added in block order: a query sees the same sums whatever follows it.
     total = torch.zeros((kv_heads * count, rows, d), dtype=torch.float32, device=dev)

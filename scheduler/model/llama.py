@@ -8,8 +8,9 @@ the tokens of every item are concatenated (not padded to a common length), run t
 the fused projections, RoPE (theta and scaling from the checkpoint), grouped-query attention and
 the SwiGLU MLP; each item writes its K/V into the pool at its pages and attends over the earlier
 chunks read back from the pool plus its own tokens, causally. A decode step is an item of one
-token. Only each item's last position goes through the output head (tied to the embedding or
-not).
+token. Only each item's last position (every position, for an item that asks for all logits)
+goes through the output head (tied to the embedding or not), and through the last layer's
+attention and MLP: the other positions of the last layer only write their K/V.
 
 The arithmetic is batch-invariant (:mod:`scheduler.model.invariant`): a token's floats do not
 depend on which items share its batch, how its prompt was chunked, or whether it was computed
@@ -140,30 +141,41 @@ class RealModel:
             x = pad_rows(self._embed[tokens])
             cos = pad_rows(self._cos[positions])[:, None, :]
             sin = pad_rows(self._sin[positions])[:, None, :]
-            for layer in range(self.config.layers):
+            last = self.config.layers - 1
+            for layer in range(last):
                 x = self._layer(layer, x, cos, sin, pool, spans, new_slots)
-            rows = [r for s, item in zip(spans, items, strict=True)
-                    for r in (range(s.row, s.row + s.n) if item.all_logits else (s.row + s.n - 1,))]
-            picked = torch.tensor(rows, device=self.device)
-            h = _rms_norm(pad_rows(x.index_select(0, picked)), self._norm, self.config.rms_eps)
+            # The last layer's output is read only where logits are asked for: every item
+            # writes its K/V there, but only those positions attend and go through the MLP.
+            wanted = [s if item.all_logits else Span(s.row + s.n - 1, s.end - 1, 1, s.slots)
+                      for s, item in zip(spans, items, strict=True)]
+            rows = [r for s in wanted for r in range(s.row, s.row + s.n)]
+            x = self._layer(last, x, cos, sin, pool, wanted, new_slots, rows)
+            h = _rms_norm(x, self._norm, self.config.rms_eps)
             return (h @ self._head.T).float()[: len(rows)]
 
     def _layer(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool,
-        spans: list[Span], new_slots: torch.Tensor,
+        spans: list[Span], new_slots: torch.Tensor, rows: list[int] | None = None,
     ) -> torch.Tensor:
-        c, w, rows = self.config, self._layers[layer], x.shape[0]
+        """One decoder layer over the packed rows ``x``: every row's K/V goes into the pool,
+        the rows of ``spans`` attend. Returns every row's output, or with ``rows`` only
+        theirs (in that order, padded to :data:`MIN_ROWS`)."""
+        c, w, n_rows = self.config, self._layers[layer], x.shape[0]
         q_dim, kv_dim = c.heads * c.head_dim, c.kv_heads * c.head_dim
         qkv = _rms_norm(x, w.attn_norm, c.rms_eps) @ w.qkv
-        q = _rotate(qkv[:, :q_dim].view(rows, c.heads, c.head_dim), cos, sin)
-        k = _rotate(qkv[:, q_dim : q_dim + kv_dim].view(rows, c.kv_heads, c.head_dim), cos, sin)
-        v = qkv[:, q_dim + kv_dim :].view(rows, c.kv_heads, c.head_dim)
+        q = _rotate(qkv[:, :q_dim].view(n_rows, c.heads, c.head_dim), cos, sin)
+        k = _rotate(qkv[:, q_dim : q_dim + kv_dim].view(n_rows, c.kv_heads, c.head_dim), cos, sin)
+        v = qkv[:, q_dim + kv_dim :].view(n_rows, c.kv_heads, c.head_dim)
         kv = pool.buffer[layer].view(2, -1, c.kv_heads, c.head_dim)
         n = new_slots.shape[0]
         kv[0].index_copy_(0, new_slots, k[:n].to(pool.dtype))
         kv[1].index_copy_(0, new_slots, v[:n].to(pool.dtype))
-        attn = paged_attention(q, spans, kv, c.kv_heads).view(rows, q_dim)
-        return torch.cat([self._mlp(w, x[part], attn[part]) for part in row_chunks(rows)])
+        attn = paged_attention(q, spans, kv, c.kv_heads).view(n_rows, q_dim)
+        if rows is not None:
+            picked = torch.tensor(rows, device=self.device)
+            x = pad_rows(x.index_select(0, picked))
+            attn = pad_rows(attn.index_select(0, picked))
+        return torch.cat([self._mlp(w, x[part], attn[part]) for part in row_chunks(x.shape[0])])
 
     def _mlp(self, w: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The output projection and the SwiGLU MLP of some rows (kept small enough that the
