@@ -6,10 +6,16 @@ backend, release — and every batch the scheduler formed is recorded. The same 
 run back to back through the same model on a fresh pool (forward only: no scheduler, no
 transfer). Both run in this process, alternating, for each loop (normal and overlap); the ratio
 of throughputs tells how much the lifecycle costs on top of the model. A loop's figure is the
-median of its rounds' ratios; the better loop's goes on the RESULT line.
+median of its rounds' ratios; the better loop's goes on the RESULT line, with the overlap loop's
+lifecycle throughput over the normal loop's (the median of the rounds, each round running the
+two loops back to back).
 
-Last line: ``RESULT e2e ratio=<lifecycle ÷ forward-only throughput> ttft_p50_ms=.. ttft_p99_ms=..
-loop=<the better loop>``.
+``--model reference`` (the default) is the fixed-point reference model; ``--model smollm2`` (or
+a path) a real checkpoint, with a smaller default workload (it computes about a hundred prompt
+tokens a second per core).
+
+Last line: ``RESULT e2e ratio=<lifecycle ÷ forward-only throughput> overlap_vs_normal=<overlap
+÷ normal lifecycle throughput> ttft_p50_ms=.. ttft_p99_ms=.. loop=<the better loop> model=..``.
 """
 
 from __future__ import annotations
@@ -24,15 +30,18 @@ import torch
 from lifecycle import SamplingParams
 from lifecycle.timeline import ttft_phases
 from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
-from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
+from scheduler.model.select import ServedModel, load_model
 from scheduler.prefill.config import SchedulerConfig
-from scheduler.runner import ForwardBatch
+from scheduler.runner import ForwardBatch, ModelRunner
+
+#: The default workload of each kind of model: requests, shortest and longest prompt.
+WORKLOADS = {"reference": (64, 128, 1024), "real": (12, 64, 512)}
 
 
 class RecordingRunner:
     """The model runner, keeping every batch it ran."""
 
-    def __init__(self, inner: PagedModelRunner) -> None:
+    def __init__(self, inner: ModelRunner) -> None:
         self.inner = inner
         self.pool = inner.pool
         self.batches: list[ForwardBatch] = []
@@ -42,12 +51,13 @@ class RecordingRunner:
         return self.inner.forward(batch)
 
 
-def workload(n: int, lo: int, hi: int, seed: int) -> dict[str, list[int]]:
+def workload(n: int, lo: int, hi: int, seed: int, vocab: int = 256) -> dict[str, list[int]]:
     rnd = random.Random(seed)
-    return {f"r{i}": [rnd.randrange(256) for _ in range(rnd.randint(lo, hi))] for i in range(n)}
+    return {f"r{i}": [rnd.randrange(vocab) for _ in range(rnd.randint(lo, hi))]
+            for i in range(n)}
 
 
-def run_lifecycle(model: LlamaModel, prompts: dict[str, list[int]], overlap: bool,
+def run_lifecycle(served: ServedModel, prompts: dict[str, list[int]], overlap: bool,
                   page_size: int, chunk: int) -> tuple[float, list[float], list[ForwardBatch]]:
     total = sum(len(p) for p in prompts.values())
     pages = total // page_size + len(prompts) + 16
@@ -56,8 +66,8 @@ def run_lifecycle(model: LlamaModel, prompts: dict[str, list[int]], overlap: boo
                                   max_prefill_tokens=chunk),
         prefill_pages=pages, decode_pages=pages, metadata_slots=len(prompts), overlap=overlap,
     )
-    pair = EmbeddedPair(cfg, model=model)
-    recorder = RecordingRunner(pair.prefill.runner)  # type: ignore[arg-type]
+    pair = EmbeddedPair(cfg, served=served)
+    recorder = RecordingRunner(pair.prefill.runner)
     pair.prefill.runner = recorder
     seconds, out, ttfts = serve_once(pair, prompts, timeout=1800)
     assert all(o.decode is not None and o.decode.ok for o in out.values())
@@ -86,9 +96,10 @@ def serve_once(pair: EmbeddedPair, prompts: dict[str, list[int]], timeout: float
     return seconds, out, ttfts
 
 
-def run_forward_only(model: LlamaModel, batches: list[ForwardBatch], pages: int,
+def run_forward_only(served: ServedModel, batches: list[ForwardBatch], pages: int,
                      page_size: int) -> float:
-    runner = PagedModelRunner(model, model.make_pool(num_pages=pages, page_size=page_size))
+    runner = served.runner(served.model,
+                           served.make_pool(num_pages=pages, page_size=page_size))
     start = time.perf_counter()
     for batch in batches:
         runner.forward(batch)
@@ -102,45 +113,60 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--min-len", type=int, default=128)
-    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--model", default="reference",
+                    help="reference (default), smollm2, or a GGUF file / Hugging Face directory")
+    ap.add_argument("--requests", type=int,
+                    help="requests (default: 64 on the reference model, 12 on a real one)")
+    ap.add_argument("--min-len", type=int, help="shortest prompt (default: 128; real: 64)")
+    ap.add_argument("--max-len", type=int, help="longest prompt (default: 1024; real: 512)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: on 2 shared cores more threads only "
+                         "contend with the transfer worker and made passes 5-30x slower)")
     args = ap.parse_args()
-    # The reference model is small: intra-op threads only contend with the transfer worker
-    # (on 2 shared cores they made passes 5-30x slower, at random). Both sides run alike.
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
 
-    model = LlamaModel(ModelConfig())
-    prompts = workload(args.requests, args.min_len, args.max_len, args.seed)
+    served = load_model(args.model)
+    defaults = WORKLOADS["reference" if served.is_reference else "real"]
+    requests, lo, hi = (given if given is not None else default for given, default in zip(
+        (args.requests, args.min_len, args.max_len), defaults, strict=True))
+    # The reference model reads bytes; a real one any id of its vocabulary.
+    vocab = 256 if served.is_reference else served.vocab_size
+    prompts = workload(requests, lo, hi, args.seed, vocab)
     tokens = sum(len(p) for p in prompts.values())
     pages = tokens // args.page_size + len(prompts) + 16
-    print(f"workload: {len(prompts)} requests, {tokens} prompt tokens, page size "
-          f"{args.page_size}, chunk {args.chunk}")
+    print(f"model {args.model}, {args.threads} thread(s); workload: {len(prompts)} requests, "
+          f"{tokens} prompt tokens, page size {args.page_size}, chunk {args.chunk}")
     ratios: dict[str, list[float]] = {"normal": [], "overlap": []}
     ttfts_of: dict[str, list[float]] = {"normal": [], "overlap": []}
+    speedups: list[float] = []  # per round: normal lifecycle seconds / overlap's
     for round_ in range(args.rounds):
+        lifecycle_s: dict[str, float] = {}
         for loop in ("normal", "overlap"):
-            life_s, ttfts, batches = run_lifecycle(model, prompts, loop == "overlap",
+            life_s, ttfts, batches = run_lifecycle(served, prompts, loop == "overlap",
                                                    args.page_size, args.chunk)
-            fwd_s = run_forward_only(model, batches, pages, args.page_size)
+            lifecycle_s[loop] = life_s
+            fwd_s = run_forward_only(served, batches, pages, args.page_size)
             ratio = fwd_s / life_s
             print(f"round {round_} {loop:8s} lifecycle {life_s:7.3f} s "
                   f"({tokens / life_s:8.0f} tok/s)  forward-only {fwd_s:7.3f} s "
                   f"({tokens / fwd_s:8.0f} tok/s)  ratio {ratio:.3f}  batches {len(batches)}")
             ratios[loop].append(ratio)
             ttfts_of[loop] += ttfts
+        speedups.append(lifecycle_s["normal"] / lifecycle_s["overlap"])
+        print(f"round {round_} overlap vs normal lifecycle throughput {speedups[-1]:.3f}")
     for name, rs in ratios.items():
         print(f"{name}: median ratio {statistics.median(rs):.3f} (rounds "
               + " ".join(f"{r:.3f}" for r in rs)
               + f"), ttft p50 {statistics.median(ttfts_of[name]) * 1e3:.1f} ms")
     loop = max(ratios, key=lambda k: statistics.median(ratios[k]))
     ratio, ttfts = statistics.median(ratios[loop]), ttfts_of[loop]
-    print(f"RESULT e2e ratio={ratio:.3f} ttft_p50_ms={percentile(ttfts, 0.5) * 1e3:.1f} "
-          f"ttft_p99_ms={percentile(ttfts, 0.99) * 1e3:.1f} loop={loop}")
+    print(f"RESULT e2e ratio={ratio:.3f} overlap_vs_normal={statistics.median(speedups):.3f} "
+          f"ttft_p50_ms={percentile(ttfts, 0.5) * 1e3:.1f} "
+          f"ttft_p99_ms={percentile(ttfts, 0.99) * 1e3:.1f} loop={loop} model={args.model}")
 
 
 if __name__ == "__main__":
