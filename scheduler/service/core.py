@@ -2,15 +2,9 @@
 
 Theory of operation
 -------------------
-A :class:`Service` builds the engines of its role over one reference model:
-
-- ``prefill``: a :class:`~scheduler.prefill.PrefillScheduler` whose KV manager is the chosen
-  backend's (Mooncake: it also runs the bootstrap endpoint and registers its rank there); a fake
-  manager serves requests for the fake bootstrap host ``2.2.2.2``.
-- ``decode``: a :class:`~scheduler.decode.DecodePeer` over a
-  :class:`~scheduler.decode.router.DecodeKVRouter` (one Mooncake manager per prefill server).
-- ``both`` (the ``local`` backend): both engines in one process, the local backend copying pages
-  from one pool to the other; one ``/generate`` runs the whole request.
+A :class:`Service` builds the engines of its role over one model (:class:`.Engines`: a prefill
+scheduler, a decode peer, or both in one process with the ``local`` backend, where one
+``/generate`` runs the whole request).
 
 One :class:`.EngineLoop` thread owns and steps the engines. Request handlers
 run on the HTTP event loop: :meth:`Service.start` registers a :class:`Pending` under the request
@@ -36,40 +30,17 @@ unhealthy for good.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from kv.bootstrap import BootstrapServer
-from kv.listeners import ExposureCheck
-from kv.local import LocalTransferHub
-from kv.local_decode import LocalDecodeManager
-from kv.metadata import MetadataBuffers
-from kv.mooncake_decode import MooncakeDecodeManager
-from kv.mooncake_engine import PeerAuthError
-from kv.pool import KVPool
-from kv.refusal import RefusalPoster
-from kv.wire import DroppedMessages
 from lifecycle import FailureReason
-from scheduler.assemble import (
-    Closers,
-    build_decode,
-    build_prefill,
-    close_all,
-    constraint_compiler,
-)
-from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
-from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
+from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
-from scheduler.prefill.prefix import PrefixCache
-from scheduler.prefill.scheduler import PrefillScheduler
-from scheduler.runner import ModelRunner
 from scheduler.service.config import (
     Answer,
     BadRequest,
@@ -79,6 +50,7 @@ from scheduler.service.config import (
     check_item,
 )
 from scheduler.service.engine_loop import EngineLoop
+from scheduler.service.engines import Engines
 from scheduler.service.metrics import DroppedMessagesCollector, PeerAuthCollector, ServiceMetrics
 from scheduler.service.pending import Pending
 from scheduler.service.shedding import QueueBound
@@ -91,17 +63,6 @@ __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", 
 logger = logging.getLogger(__name__)
 
 
-def _pool_view(pool: KVPool, prefix: PrefixCache | None = None) -> dict[str, int]:
-    """Occupancy as a new request sees it: prefix-cache pages nobody locks count as free
-    (eviction frees them on demand); ``prefix_cache_pages`` is the cache's size."""
-    evictable = 0 if prefix is None else prefix.tree.evictable
-    view = {"free_pages": pool.allocator.available() + evictable,
-            "used_pages": pool.allocator.in_use() - evictable, "total_pages": pool.num_pages}
-    if prefix is not None:
-        view["prefix_cache_pages"] = prefix.tree.size
-    return view
-
-
 class Service:
     """Engines of one role, their loop, and the requests waiting on them."""
 
@@ -109,7 +70,7 @@ class Service:
         self,
         config: ServeConfig,
         *,
-        runner_factory: Callable[[Any, KVPool], ModelRunner] = PagedModelRunner,
+        runner_factory: RunnerFactory = PagedModelRunner,
         tracer: LifecycleTracer | None = None,
     ) -> None:
         self.config = config
@@ -121,144 +82,49 @@ class Service:
         self.model: Any = served.model
         if runner_factory is PagedModelRunner:
             runner_factory = served.runner
-        self._compiler = constraint_compiler(served)
-        self.bootstrap: BootstrapServer | None = None
-        self.prefill: PrefillScheduler | None = None
-        self.decode: DecodePeer | None = None
-        self.decode_kv: DecodeKVRouter | None = None
-        self._closers: Closers = []
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
         self._streams: dict[str, Pending] = {}
         self._rooms = itertools.count(1)
         self._draining = False
         self._queue = QueueBound(config.max_queued_requests)
-        self._decode_auth_refused = 0  # prefill servers that refused this decode's peer token
-        # Warns if a transfer engine listens beyond the configured addresses (it binds all).
-        self._exposure = ExposureCheck(config.bootstrap_host, config.mooncake.hostname)
         self._idle = threading.Condition(self._lock)
         self.snapshot: dict[str, Any] = {}
-        try:
-            self._build(runner_factory)
-        except BaseException:
-            self._close_backends()
-            raise
+        self.engines = engines = Engines(
+            config, self.model, runner_factory=runner_factory,
+            compiler=constraint_compiler(served), detokenize=self.tokenizer.decode,
+            on_prefill=self._on_prefill, on_decode=self._on_decode,
+        )
+        self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv
+        self.prefill, self.decode = engines.prefill, engines.decode
         engine = self.prefill if self.prefill is not None else self.decode
         self.metrics = ServiceMetrics(engine.metrics.registry if engine is not None else None)
-        self.metrics.registry.register(DroppedMessagesCollector(self._dropped_messages))
-        self.metrics.registry.register(PeerAuthCollector(self._peer_auth_failures))
+        self.metrics.registry.register(DroppedMessagesCollector(engines.dropped_messages))
+        self.metrics.registry.register(PeerAuthCollector(engines.peer_auth_failures))
         if tracer is None and config.otlp_traces_endpoint is not None:
             from scheduler.service.tracing import otlp_tracer
 
             tracer = otlp_tracer(config.otlp_traces_endpoint, role=config.role,
                                  backend=config.backend)
         self.tracer = tracer  # spans of finished requests (scheduler.service.tracing); or off
-        if tracer is not None:
-            self._closers.append(tracer.close)
-        engines: list[Any] = [e for e in (self.prefill, self.decode) if e is not None]
-        self.loop = EngineLoop(engines, on_crash=self._on_crash, after_pass=self._after_pass)
+        stepped: list[Any] = [e for e in (self.prefill, self.decode) if e is not None]
+        self.loop = EngineLoop(stepped, on_crash=self._on_crash, after_pass=self._after_pass)
         self._after_pass()
-
-    # -- construction -----------------------------------------------------------------------
-
-    def _build(self, runner_factory: Callable[[Any, KVPool], ModelRunner]) -> None:
-        c = self.config
-        hub = LocalTransferHub()
-        if c.role in ("prefill", "both"):
-            if c.backend == "mooncake":
-                self.bootstrap = BootstrapServer(
-                    c.bootstrap_host, c.bootstrap_port, token=c.mooncake.token
-                )
-                self._closers.append(self.bootstrap.close)
-            self.prefill = build_prefill(
-                self.model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
-                metadata_slots=c.metadata_slots, runner_factory=runner_factory,
-                closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
-                on_response=self._on_prefill, overlap=c.overlap, compiler=self._compiler,
-            )
-            if self.bootstrap is not None:
-                logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)
-                self._exposure()
-        if c.role in ("decode", "both"):
-            self.decode = build_decode(
-                self.model, kv_for=functools.partial(self._decode_router, hub),
-                page_size=c.scheduler.page_size, pages=c.pool_pages,
-                metadata_slots=c.metadata_slots, runner_factory=runner_factory,
-                closers=self._closers, eos_token_id=c.eos_token_ids,
-                config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
-                                    waiting_timeout=c.waiting_timeout),
-                on_response=self._on_decode, compiler=self._compiler,
-                detokenize=self.tokenizer.decode,
-                # One registry for /metrics: the prefill scheduler's, when there is one.
-                metrics=DecodeMetrics(self.prefill.metrics.registry if self.prefill else None),
-            )
-
-    def _decode_router(
-        self, hub: LocalTransferHub, pool: KVPool, meta: MetadataBuffers, runner: ModelRunner
-    ) -> DecodeKVRouter:
-        """Decode's KV layer: one Mooncake manager per prefill server a request names, the
-        local hub's manager, and the fake prefill of fake-host requests."""
-        c = self.config
-        fake = LocalPrefillFake(runner, meta)
-        if c.backend == "mooncake":
-            router = DecodeKVRouter(
-                fake=fake,
-                factory=lambda addr: self._mooncake_decode(pool, meta, addr),
-                refusals=RefusalPoster(token=c.mooncake.token),
-            )
-        elif c.backend == "local":
-            router = DecodeKVRouter(fake=fake, default=LocalDecodeManager(pool, meta, hub=hub))
-        else:
-            router = DecodeKVRouter(fake=fake)
-        self.decode_kv = router
-        return router
-
-    def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
-                         addr: str) -> MooncakeDecodeManager:
-        try:
-            manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake)
-        except PeerAuthError:
-            with self._lock:
-                self._decode_auth_refused += 1
-            raise
-        self._exposure()
-        return manager
-
-    def _peer_auth_failures(self) -> dict[str, int]:
-        """Peers refused for their token: by this prefill's bootstrap endpoint, and prefill
-        servers that refused this decode's."""
-        failures = {}
-        if self.bootstrap is not None:
-            failures["prefill"] = self.bootstrap.unauthorized
-        if self.decode_kv is not None and self.config.backend == "mooncake":
-            with self._lock:
-                failures["decode"] = self._decode_auth_refused
-        return failures
-
-    def _dropped_messages(self) -> Iterator[tuple[str, DroppedMessages]]:
-        if self.prefill is not None:
-            dropped = getattr(self.prefill.kv, "dropped_messages", None)
-            if dropped is not None:
-                yield "prefill", dropped
-        if self.decode_kv is not None:
-            for manager in self.decode_kv.managers():
-                dropped = getattr(manager, "dropped_messages", None)
-                if dropped is not None:
-                    yield "decode", dropped
 
     def start_loop(self) -> None:
         self.loop.start()
 
     def close(self) -> None:
-        """Stop the loop and release the backends (threads, sockets, the bootstrap port)."""
+        """Stop the loop, then end the tracer and release the backends (threads, sockets, the
+        bootstrap port)."""
         try:
             self.loop.stop()
         finally:
-            self._close_backends()
-
-    def _close_backends(self) -> None:
-        for exc in close_all(self._closers):
-            logger.error("closing a backend failed", exc_info=exc)
+            closers = [self.engines.close]
+            if self.tracer is not None:
+                closers.append(self.tracer.close)
+            for exc in close_all(closers):
+                logger.error("closing the tracer failed", exc_info=exc)
 
     # -- admission (HTTP side) --------------------------------------------------------------
 
@@ -369,11 +235,9 @@ class Service:
     # -- answers (engine thread) ------------------------------------------------------------
 
     def _on_prefill(self, resp: Response) -> None:
-        pending = self._find(resp.rid, "prefill")
+        pending = self._received(resp, "prefill")
         if pending is None:
             return
-        if self.tracer is not None:
-            pending.answers.append(resp)
         if self.config.role == "both":
             pending.input_logprobs = resp.input_logprobs
             if not resp.ok:
@@ -400,11 +264,9 @@ class Service:
         ))
 
     def _on_decode(self, resp: DecodeResponse) -> None:
-        pending = self._find(resp.rid, "decode")
+        pending = self._received(resp, "decode")
         if pending is None:
             return
-        if self.tracer is not None:
-            pending.answers.append(resp)
         status, reason, message = resp.http_status, resp.reason, resp.detail
         failed = pending.prefill_failure
         if failed is not None and not resp.ok:
@@ -433,12 +295,16 @@ class Service:
             return ids[-1]
         return resp.matched_stop
 
-    def _find(self, rid: str, side: str) -> Pending | None:
+    def _received(self, resp: Response | DecodeResponse, side: str) -> Pending | None:
+        """The request ``side`` answered with ``resp`` (kept for its trace when tracing), or
+        None when it is not waiting on that side."""
         with self._lock:
-            pending = self._pending.get(rid)
+            pending = self._pending.get(resp.rid)
         if pending is None or side not in pending.waiting_on:
-            logger.warning("%s answered request %r, which is not waiting on it", side, rid)
+            logger.warning("%s answered request %r, which is not waiting on it", side, resp.rid)
             return None
+        if self.tracer is not None:
+            pending.answers.append(resp)
         return pending
 
     def _done(self, pending: Pending, side: str, answer: Answer | None) -> None:
@@ -484,16 +350,7 @@ class Service:
                 if req is not None:
                     p.follow(req.output_ids, self.decode.output_logprobs(req.rid)
                              if req.sampling.return_logprob else None)
-        requests: dict[str, dict[str, int]] = {}
-        pools: dict[str, dict[str, int]] = {}
-        if self.prefill is not None:
-            requests["prefill"] = {s.name.lower(): n for s, n in self.prefill.lifecycle.counts()
-                                   .items()}
-            pools["prefill"] = _pool_view(self.prefill.pool, self.prefill.prefix)
-        if self.decode is not None:
-            counts = self.decode.lifecycle.counts()
-            requests["decode"] = {s.name.lower(): n for s, n in counts.items()}
-            pools["decode"] = _pool_view(self.decode.pool)
+        snapshot = self.engines.snapshot()
         with self._lock:
-            self._queue.published(requests)
-        self.snapshot = {"requests": requests, "kv_pool": pools}
+            self._queue.published(snapshot["requests"])
+        self.snapshot = snapshot

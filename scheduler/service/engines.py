@@ -1,0 +1,208 @@
+"""The engines of one ``pdlife serve`` role and the backends under them: built, observed, closed.
+
+:class:`Engines` builds what :class:`~scheduler.service.config.ServeConfig` asks for through
+:mod:`scheduler.assemble`:
+
+- ``prefill``: a :class:`~scheduler.prefill.PrefillScheduler` whose KV manager is the chosen
+  backend's (Mooncake: it also runs the bootstrap endpoint and registers its rank there); a fake
+  manager serves requests for the fake bootstrap host ``2.2.2.2``.
+- ``decode``: a :class:`~scheduler.decode.DecodePeer` over a
+  :class:`~scheduler.decode.router.DecodeKVRouter` (one Mooncake manager per prefill server).
+- ``both`` (the ``local`` backend): both engines, the local backend copying pages from one pool
+  to the other.
+
+It also reads what the service publishes about them: request counts and pool occupancy after
+every pass (:meth:`Engines.snapshot`, engine thread), peers refused for their token, control
+messages dropped. The engines' answers go to the callbacks the caller gives; what a request
+becomes once answered is the caller's (:class:`~scheduler.service.core.Service`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kv.bootstrap import BootstrapServer
+from kv.listeners import ExposureCheck
+from kv.local import LocalTransferHub
+from kv.local_decode import LocalDecodeManager
+from kv.metadata import MetadataBuffers
+from kv.mooncake_decode import MooncakeDecodeManager
+from kv.mooncake_engine import PeerAuthError
+from kv.pool import KVPool
+from kv.refusal import RefusalPoster
+from kv.wire import DroppedMessages
+from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
+from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
+from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
+from scheduler.messages import DecodeResponse, Response
+from scheduler.prefill.prefix import PrefixCache
+from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.runner import ModelRunner
+from scheduler.sample.constraint import ConstraintCompiler
+from scheduler.sample.request import Detokenize
+from scheduler.service.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def pool_view(pool: KVPool, prefix: PrefixCache | None = None) -> dict[str, int]:
+    """Occupancy as a new request sees it: prefix-cache pages nobody locks count as free
+    (eviction frees them on demand); ``prefix_cache_pages`` is the cache's size."""
+    evictable = 0 if prefix is None else prefix.tree.evictable
+    view = {"free_pages": pool.allocator.available() + evictable,
+            "used_pages": pool.allocator.in_use() - evictable, "total_pages": pool.num_pages}
+    if prefix is not None:
+        view["prefix_cache_pages"] = prefix.tree.size
+    return view
+
+
+class Engines:
+    """The prefill scheduler, the decode peer (or both) of ``config.role`` over ``model``, and
+    everything that holds a thread, a socket or a port under them. A construction that fails
+    half-way releases what it built."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        model: Any,
+        *,
+        runner_factory: RunnerFactory,
+        compiler: ConstraintCompiler | None,
+        detokenize: Detokenize | None,
+        on_prefill: Callable[[Response], None],
+        on_decode: Callable[[DecodeResponse], None],
+    ) -> None:
+        self.config = config
+        self.bootstrap: BootstrapServer | None = None
+        self.prefill: PrefillScheduler | None = None
+        self.decode: DecodePeer | None = None
+        self.decode_kv: DecodeKVRouter | None = None
+        self._closers: Closers = []
+        self._lock = threading.Lock()
+        self._decode_auth_refused = 0  # prefill servers that refused this decode's peer token
+        # Warns if a transfer engine listens beyond the configured addresses (it binds all).
+        self._exposure = ExposureCheck(config.bootstrap_host, config.mooncake.hostname)
+        c = self.config
+        hub = LocalTransferHub()
+        try:
+            if c.role in ("prefill", "both"):
+                self.prefill = self._build_prefill(model, runner_factory, hub, compiler,
+                                                   on_prefill)
+            if c.role in ("decode", "both"):
+                self.decode = build_decode(
+                    model, kv_for=functools.partial(self._decode_router, hub),
+                    page_size=c.scheduler.page_size, pages=c.pool_pages,
+                    metadata_slots=c.metadata_slots, runner_factory=runner_factory,
+                    closers=self._closers, eos_token_id=c.eos_token_ids,
+                    config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
+                                        waiting_timeout=c.waiting_timeout),
+                    on_response=on_decode, compiler=compiler, detokenize=detokenize,
+                    # One registry for /metrics: the prefill scheduler's, when there is one.
+                    metrics=DecodeMetrics(self.prefill.metrics.registry if self.prefill else None),
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_prefill(self, model: Any, runner_factory: RunnerFactory, hub: LocalTransferHub,
+                       compiler: ConstraintCompiler | None,
+                       on_response: Callable[[Response], None]) -> PrefillScheduler:
+        """The prefill scheduler, and with Mooncake its bootstrap endpoint (rank 0 registers
+        there)."""
+        c = self.config
+        if c.backend == "mooncake":
+            self.bootstrap = BootstrapServer(
+                c.bootstrap_host, c.bootstrap_port, token=c.mooncake.token
+            )
+            self._closers.append(self.bootstrap.close)
+        prefill = build_prefill(
+            model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
+            metadata_slots=c.metadata_slots, runner_factory=runner_factory,
+            closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
+            on_response=on_response, overlap=c.overlap, compiler=compiler,
+        )
+        if self.bootstrap is not None:
+            logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)
+            self._exposure()
+        return prefill
+
+    def _decode_router(
+        self, hub: LocalTransferHub, pool: KVPool, meta: MetadataBuffers, runner: ModelRunner
+    ) -> DecodeKVRouter:
+        """Decode's KV layer: one Mooncake manager per prefill server a request names, the
+        local hub's manager, and the fake prefill of fake-host requests."""
+        c = self.config
+        fake = LocalPrefillFake(runner, meta)
+        if c.backend == "mooncake":
+            router = DecodeKVRouter(
+                fake=fake,
+                factory=lambda addr: self._mooncake_decode(pool, meta, addr),
+                refusals=RefusalPoster(token=c.mooncake.token),
+            )
+        elif c.backend == "local":
+            router = DecodeKVRouter(fake=fake, default=LocalDecodeManager(pool, meta, hub=hub))
+        else:
+            router = DecodeKVRouter(fake=fake)
+        self.decode_kv = router
+        return router
+
+    def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
+                         addr: str) -> MooncakeDecodeManager:
+        try:
+            manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake)
+        except PeerAuthError:
+            with self._lock:
+                self._decode_auth_refused += 1
+            raise
+        self._exposure()
+        return manager
+
+    def close(self) -> None:
+        """Release the backends (threads, sockets, the bootstrap port), newest first; a failure
+        is logged and the rest are still released."""
+        for exc in close_all(self._closers):
+            logger.error("closing a backend failed", exc_info=exc)
+
+    # -- what the service publishes ---------------------------------------------------------
+
+    def peer_auth_failures(self) -> dict[str, int]:
+        """Peers refused for their token: by this prefill's bootstrap endpoint, and prefill
+        servers that refused this decode's."""
+        failures = {}
+        if self.bootstrap is not None:
+            failures["prefill"] = self.bootstrap.unauthorized
+        if self.decode_kv is not None and self.config.backend == "mooncake":
+            with self._lock:
+                failures["decode"] = self._decode_auth_refused
+        return failures
+
+    def dropped_messages(self) -> Iterator[tuple[str, DroppedMessages]]:
+        """Each side's count of control messages dropped, by side."""
+        if self.prefill is not None:
+            dropped = getattr(self.prefill.kv, "dropped_messages", None)
+            if dropped is not None:
+                yield "prefill", dropped
+        if self.decode_kv is not None:
+            for manager in self.decode_kv.managers():
+                dropped = getattr(manager, "dropped_messages", None)
+                if dropped is not None:
+                    yield "decode", dropped
+
+    def snapshot(self) -> dict[str, Any]:
+        """Requests by state and pool occupancy, per side (engine thread: the only place engine
+        state may be read)."""
+        requests: dict[str, dict[str, int]] = {}
+        pools: dict[str, dict[str, int]] = {}
+        if self.prefill is not None:
+            counts = self.prefill.lifecycle.counts()
+            requests["prefill"] = {s.name.lower(): n for s, n in counts.items()}
+            pools["prefill"] = pool_view(self.prefill.pool, self.prefill.prefix)
+        if self.decode is not None:
+            decode_counts = self.decode.lifecycle.counts()
+            requests["decode"] = {s.name.lower(): n for s, n in decode_counts.items()}
+            pools["decode"] = pool_view(self.decode.pool)
+        return {"requests": requests, "kv_pool": pools}
