@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from kv.layouts import TPLayout
 from lifecycle import DecodeRequest, PrefillRequest, SamplingParams
 from lifecycle.testing import event_sequences, failure_reasons, legal_walks
 from scheduler.prefill.delayer import DelayerConfig
@@ -18,6 +19,7 @@ __all__ = [
     "decode_request",
     "event_sequences",
     "failure_reasons",
+    "layout_pairs",
     "legal_walks",
     "prefill_request",
     "prompts",
@@ -76,6 +78,27 @@ def alloc_free_ops(max_ops: int = 60) -> st.SearchStrategy[list[tuple[str, int]]
         st.tuples(st.just("free"), st.integers(min_value=0, max_value=1000)),
     )
     return st.lists(op, max_size=max_ops)
+
+
+#: TP sizes SGLang deployments use, powers of two and not.
+_TP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@st.composite
+def layout_pairs(draw: st.DrawFn) -> tuple[TPLayout, TPLayout]:
+    """A prefill and a decode TP layout of one model that a slice plan can join: TP sizes that
+    divide one another, a head count that splits or replicates evenly on both sides (any head
+    count for MLA)."""
+    mla = draw(st.booleans())
+    tp = draw(st.sampled_from(_TP_SIZES))
+    td = draw(st.sampled_from([t for t in _TP_SIZES if t % tp == 0 or tp % t == 0]))
+    if mla:
+        heads = draw(st.integers(min_value=1, max_value=4))
+    else:
+        heads = draw(st.sampled_from([
+            h for h in range(1, 49) if all(h % t == 0 or t % h == 0 for t in (tp, td))
+        ]))
+    return TPLayout(tp, heads, mla), TPLayout(td, heads, mla)
 
 
 # -- PrefillDelayer ------------------------------------------------------------------------------
