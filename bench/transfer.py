@@ -6,8 +6,11 @@
 2. Local: :class:`kv.local.LocalKVManager` moving the same pages between two in-process pools,
    against one ``torch`` copy of the same number of bytes.
 
-Geometry is Llama-3-8B-like: 32 layers, page size 16, 8 KV heads of 128, bfloat16 (2 MiB per
-page over all layers). Where the pages come from:
+``--model`` picks the KV geometry: ``synthetic`` (the default) is Llama-3-8B-like, 32 layers,
+page size 16, 8 KV heads of 128, bfloat16 (2 MiB per page over all layers); ``smollm2``,
+``reference`` or a checkpoint path take the layers, KV heads, head dim and dtype of that
+model's pool (``--dtype`` for a real one: SmolLM2 in float32 is 30 layers of 3 KV heads of 64,
+720 KiB a page). Where the pages come from:
 
 * ``churned`` (the RESULT line): the prefill pool's own :class:`kv.pool.PageAllocator` first
   serves ``--churn`` arrivals and departures of requests of 256 to 2,048 tokens (the prompt
@@ -22,9 +25,10 @@ Each round sends every request once, pdlife then the baseline, so both see the s
 load; a figure is the median over ``--iters`` rounds after a warm-up, and a ratio is the median
 of the per-round ratios.
 
-Last line: ``RESULT transfer ratio=<pdlife/raw> pdlife_gbps= raw_gbps= local_ratio=<local/torch>``
-for the churned pool. Two pools of ``--pages`` pages are live at a time (about 4.5 GiB at the
-default 1,152); a smaller ``--pages`` (and ``--max-pages``) fits a smaller machine.
+Last line: ``RESULT transfer ratio=<pdlife/raw> pdlife_gbps= raw_gbps= local_ratio=<local/torch>
+model=<the geometry>`` for the churned pool. Two pools of ``--pages`` pages are live at a time
+(about 4.5 GiB at the default 1,152 synthetic pages); a smaller ``--pages`` (and
+``--max-pages``) fits a smaller machine.
 """
 
 from __future__ import annotations
@@ -48,9 +52,41 @@ from kv.pool import KVPool, PageAllocator
 from kv.transfer import KVManager, KVPoll, KVSender
 from tests.mooncake_harness import DecodePeer
 
-GEOMETRY = {"num_layers": 32, "page_size": 16, "kv_heads": 8, "head_dim": 128}
-DTYPE = torch.bfloat16
 Plan = list[list[int]]
+PAGE_SIZE = 16
+
+
+@attrs.frozen
+class Shape:
+    """The KV geometry the pools are built with."""
+
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def pool(self, pages: int) -> KVPool:
+        return KVPool(num_layers=self.num_layers, num_pages=pages, page_size=PAGE_SIZE,
+                      kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+
+    @property
+    def page_mib(self) -> float:
+        """MiB of one page over every layer, K and V."""
+        return self.pool(1).bytes_of_pages(1) / (1 << 20)
+
+
+SYNTHETIC = Shape("synthetic", num_layers=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+
+def shape_of(model: str, dtype: str) -> Shape:
+    """``synthetic``, or the geometry of the pool that model ``model`` (in ``dtype``) makes."""
+    if model == SYNTHETIC.name:
+        return SYNTHETIC
+    from scheduler.model.select import load_model
+
+    pool = load_model(model, dtype=dtype).make_pool(num_pages=1, page_size=PAGE_SIZE)
+    return Shape(model, pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
 
 
 @attrs.frozen
@@ -109,12 +145,12 @@ def shredded_requests(num_pages: int, requests: int, pages_each: int, run_pages:
     return [free[i * pages_each : (i + 1) * pages_each] for i in range(requests)]
 
 
-def describe(name: str, plan: Plan, pool_pages: int) -> str:
+def describe(name: str, plan: Plan, pool_pages: int, shape: Shape) -> str:
     pages = sum(len(p) for p in plan)
     runs = sum(len(coalesce(p, list(range(len(p))))) for p in plan)
     return (f"{name}: {len(plan)} requests, {pages} of {pool_pages} pages "
-            f"({pages * 2} MiB per round), {pages / runs:.1f} pages per run, "
-            f"at most {runs * 2 * GEOMETRY['num_layers']} blocks per round")
+            f"({pages * shape.page_mib:.0f} MiB per round), {pages / runs:.1f} pages per run, "
+            f"at most {runs * 2 * shape.num_layers} blocks per round")
 
 
 def wait_all(manager: KVManager, senders: dict[int, KVSender], until: set[KVPoll]) -> None:
@@ -161,17 +197,18 @@ def measure(iters: int, total: int, pdlife: Callable[[], float], base: Callable[
                    ratios)
 
 
-def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str, Figures]:
+def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape
+                   ) -> dict[str, Figures]:
     server = BootstrapServer()
-    pool = KVPool(num_pages=args.pages, dtype=DTYPE, **GEOMETRY)
+    pool = shape.pool(args.pages)
     pool.buffer.view(torch.int16).random_()
     slots = max(len(plan) for plan in plans.values())
     metadata = MetadataBuffers(slots)
     manager = MooncakeKVManager(pool, metadata)
     manager.register_to_bootstrap(server.address)
-    peer = DecodePeer(server.address, layers=GEOMETRY["num_layers"], pages=args.pages,
-                      page_size=GEOMETRY["page_size"], heads=GEOMETRY["kv_heads"],
-                      dim=GEOMETRY["head_dim"], dtype="bfloat16", slots=slots)
+    peer = DecodePeer(server.address, layers=shape.num_layers, pages=args.pages,
+                      page_size=PAGE_SIZE, heads=shape.kv_heads, dim=shape.head_dim,
+                      dtype=str(shape.dtype).removeprefix("torch."), slots=slots)
     from mooncake.engine import TransferEngine  # after the manager set the engine's log level
 
     engine = TransferEngine()
@@ -219,11 +256,12 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str
     return results
 
 
-def bench_local(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str, Figures]:
+def bench_local(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape
+                ) -> dict[str, Figures]:
     hub = LocalTransferHub()
-    src_pool = KVPool(num_pages=args.pages, dtype=DTYPE, **GEOMETRY)
+    src_pool = shape.pool(args.pages)
     src_pool.buffer.view(torch.int16).random_()
-    dst_pool = KVPool(num_pages=args.pages, dtype=DTYPE, **GEOMETRY)
+    dst_pool = shape.pool(args.pages)
     slots = max(len(plan) for plan in plans.values())
     metadata, dst_metadata = MetadataBuffers(slots), MetadataBuffers(slots)
     manager = LocalKVManager(src_pool, metadata, hub=hub, bootstrap_addr="local:bench")
@@ -274,7 +312,13 @@ def bench_local(args: argparse.Namespace, plans: dict[str, Plan]) -> dict[str, F
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pages", type=int, default=1152, help="pages per pool (2 MiB each)")
+    ap.add_argument("--model", default=SYNTHETIC.name,
+                    help="the KV geometry: synthetic (default: 32 layers, 8 KV heads of 128, "
+                         "bfloat16), or a model's: smollm2, reference, a checkpoint path")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="a real model's KV dtype (default: float32)")
+    ap.add_argument("--pages", type=int, default=1152,
+                    help="pages per pool (2 MiB each on the synthetic geometry)")
     ap.add_argument("--requests", type=int, default=10, help="requests per churned round")
     ap.add_argument("--min-pages", type=int, default=16, help="smallest request (16 tokens/page)")
     ap.add_argument("--max-pages", type=int, default=128, help="largest request")
@@ -285,16 +329,20 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    shape = shape_of(args.model, args.dtype)
     plans = {
         "churned": churned_requests(args.pages, args.requests, args.min_pages, args.max_pages,
                                     args.churn, args.seed),
         "shredded": shredded_requests(args.pages, args.shredded_requests, args.shredded_pages,
                                       args.run_pages, args.seed),
     }
+    print(f"geometry {shape.name}: {shape.num_layers} layers, {shape.kv_heads} KV heads of "
+          f"{shape.head_dim}, {str(shape.dtype).removeprefix('torch.')}, page size {PAGE_SIZE} "
+          f"({shape.page_mib:.2f} MiB a page)")
     for name, plan in plans.items():
-        print(describe(name, plan, args.pages))
-    mooncake = bench_mooncake(args, plans)
-    local = bench_local(args, plans)
+        print(describe(name, plan, args.pages, shape))
+    mooncake = bench_mooncake(args, plans, shape)
+    local = bench_local(args, plans, shape)
     for name in plans:
         m, lo = mooncake[name], local[name]
         print(f"{name}:\n"
@@ -304,7 +352,7 @@ def main() -> None:
               f" ratio {lo.ratio:.3f} (rounds {lo.spread()})")
     m, lo = mooncake["churned"], local["churned"]
     print(f"RESULT transfer ratio={m.ratio:.3f} pdlife_gbps={m.pdlife_gbps:.3f} "
-          f"raw_gbps={m.base_gbps:.3f} local_ratio={lo.ratio:.3f}")
+          f"raw_gbps={m.base_gbps:.3f} local_ratio={lo.ratio:.3f} model={shape.name}")
 
 
 if __name__ == "__main__":
