@@ -95,6 +95,7 @@ class TPLayout:
         return range(head * replicas, (head + 1) * replicas)
 
     def check_rank(self, rank: int) -> None:
+        """Raise :class:`LayoutError` unless ``rank`` is one of this side's ranks."""
         if not 0 <= rank < self.tp_size:
             raise LayoutError(
                 f"rank {rank} is not in TP size {self.tp_size} (0..{self.tp_size - 1})"
@@ -153,6 +154,7 @@ class SlicePlan:
         return tuple(s for s in self.slices if s.decode_rank == decode_rank)
 
     def between(self, prefill_rank: int, decode_rank: int) -> tuple[HeadSlice, ...]:
+        """What ``prefill_rank`` writes into ``decode_rank`` (empty when nothing)."""
         return tuple(s for s in self.sends(prefill_rank) if s.decode_rank == decode_rank)
 
     def sources(self, decode_rank: int) -> tuple[int, ...]:
