@@ -14,24 +14,31 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import httpx
 import pytest
 
+from scheduler.cli.credentials import API_KEY_ENV
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
-from tests.service_harness import Process, Server, free_port, idle, tokens_of_stream, wait_for
+from tests.service_harness import (
+    Process,
+    Server,
+    free_port,
+    idle,
+    model_flags,
+    tokens_of_stream,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]
 
 # The tiny shape keeps the exact-arithmetic reference affordable on two CPU cores.
 MODEL = ModelConfig.tiny()
-MODEL_FLAGS = ["--hidden", str(MODEL.hidden), "--layers", str(MODEL.layers), "--heads",
-               str(MODEL.heads), "--kv-heads", str(MODEL.kv_heads), "--head-dim",
-               str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate),
-               "--max-position", str(MODEL.max_position), "--seed", str(MODEL.seed)]
+MODEL_FLAGS = model_flags(MODEL)
 REFERENCE = ReferenceModel(LlamaModel(MODEL))
 LONG_NEW_TOKENS = 3000
+P = TypeVar("P", bound=Process)
 
 
 def workload() -> list[tuple[list[int], int]]:
@@ -47,13 +54,17 @@ def references(cases: list[tuple[list[int], int]]) -> list[list[int]]:
 class Cluster:
     """Router, prefill and decode processes; :meth:`stop` ends whichever were started. Both
     workers serve the model ``model_flags`` name (the tiny reference model unless said), and get
-    ``startup_timeout`` seconds to turn healthy."""
+    ``startup_timeout`` seconds to turn healthy. With ``api_key`` all three require it: the
+    router takes SGLang's flag and passes the key on, the prefill takes the flag, the decode the
+    environment; :attr:`headers` carry it."""
 
     def __init__(self, tmp: Path, model_flags: Sequence[str] = tuple(MODEL_FLAGS), *,
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, api_key: str | None = None) -> None:
         self.tmp = tmp
         self.model_flags = list(model_flags)
         self.startup_timeout = startup_timeout  # seconds for a worker to load and turn healthy
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.procs: list[Process] = []
 
     def start(self) -> None:
@@ -61,9 +72,11 @@ class Cluster:
         bootstrap = free_port()
         common = ["--backend", "mooncake", "--chunked-prefill-size", "64",
                   "--max-new-tokens-limit", "4096", *self.model_flags]
+        key_flag = ["--api-key", self.api_key] if self.api_key else []
         self.prefill = self._add(Server(tmp / "prefill.log", "--role", "prefill",
-                                        "--bootstrap-port", str(bootstrap), *common))
-        self.decode = self._add(Server(tmp / "decode.log", "--role", "decode", *common))
+                                        "--bootstrap-port", str(bootstrap), *key_flag, *common))
+        self.decode = self._add(Server(tmp / "decode.log", "--role", "decode", *common,
+                                       env={API_KEY_ENV: self.api_key} if self.api_key else None))
         self.prefill.wait_healthy(self.startup_timeout)
         self.decode.wait_healthy(self.startup_timeout)
         self.port = free_port()
@@ -71,7 +84,7 @@ class Cluster:
         self.router = self._add(Process([
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", self.prefill.url, str(bootstrap), "--decode", self.decode.url,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", "127.0.0.1", "--port", str(self.port), *key_flag,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--policy", "round_robin", "--worker-startup-check-interval", "1",
             "--disable-retries", "--disable-circuit-breaker", "--log-level", "warn",
@@ -89,14 +102,14 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _add(self, proc: Any) -> Any:
+    def _add(self, proc: P) -> P:
         self.procs.append(proc)
         return proc
 
     def _routes(self) -> bool:
         self.router.check_alive("sglang router")
         try:
-            r = httpx.post(f"{self.url}/generate", timeout=10,
+            r = httpx.post(f"{self.url}/generate", headers=self.headers, timeout=10,
                            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
         except httpx.TransportError:
             return False
