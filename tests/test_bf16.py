@@ -16,7 +16,7 @@ bfloat16; RMSNorm and the softmax in float32).
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -55,7 +55,8 @@ def colocated(smollm2_bf16: Any, inputs: dict[str, list[int]]) -> dict[str, list
 ], ids=["local-normal", "mooncake-overlap"])
 def test_bf16_pair_equals_the_bf16_colocated_run(
         smollm2_bf16: Any, inputs: dict[str, list[int]], colocated: dict[str, list[int]],
-        backend: str, page_size: int, chunk: int, overlap: bool) -> None:
+        backend: Literal["local", "mooncake"], page_size: int, chunk: int, overlap: bool,
+) -> None:
     pages = sum(len(ids) + MAX_NEW for ids in inputs.values()) // page_size + 2 * len(inputs)
     cfg = PairConfig(
         scheduler=SchedulerConfig(page_size=page_size, chunked_prefill_size=chunk,
