@@ -221,6 +221,11 @@ def test_oversized_body_unknown_abort_and_non_json() -> None:
                 r = await gen(client, input_ids=[1] * 3000)
                 assert r.status_code == 413
                 assert "exceeds 4096 bytes" in r.json()["error"]["message"]
+                r = await client.post("/v1/completions", json={"prompt": [1] * 3000})
+                assert r.status_code == 413
+                assert r.json()["error"] == {
+                    "message": "the request body exceeds 4096 bytes", "param": None,
+                    "type": "invalid_request_error", "code": "body_too_large"}
                 r = await client.post("/abort_request", json={"rid": "nobody"})
                 assert r.status_code == 404
                 assert r.json()["error"] == {"message": "no live request has rid 'nobody'",
@@ -230,7 +235,7 @@ def test_oversized_body_unknown_abort_and_non_json() -> None:
                 assert r.status_code == 400
                 assert "application/json" in r.json()["error"]["message"]
                 metrics = (await client.get("/metrics")).text
-                assert rejected(metrics, "body_too_large") == 1.0
+                assert rejected(metrics, "body_too_large") == 2.0
                 assert rejected(metrics, "unknown_rid") == 1.0
                 await settled(client)
 

@@ -95,7 +95,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill role, mooncake: the bootstrap endpoint's port, on --host "
                         "(default: %(default)s)")
     parser.add_argument("--model-name", default=REFERENCE_NAME,
-                        help="the name /model_info and /v1/models report (default: %(default)s)")
+                        help="the name /model_info and /v1/models report (default: --model's "
+                        f"value; {REFERENCE_NAME} for the reference model)")
     add_model_arguments(parser)
     sched = _number_group(parser, "scheduling and memory")
     sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
@@ -310,9 +311,10 @@ SERVE = Subcommand(
         "/generate takes SGLang's sampling fields (temperature, top_p, top_k, min_p, "
         "sampling_seed, stop strings, json_schema/regex/ebnf) and logprob fields; one pdlife "
         "cannot honour (a penalty, min_new_tokens, logit_bias, n > 1, ...) is refused with "
-        "400 naming it (docs/operations.md lists them all). Not supported: the OpenAI endpoints "
-        "(/v1/completions, /v1/chat/completions), tensor parallelism and "
-        "different prefill/decode layouts. SGLang's router refuses text batches and "
+        "400 naming it (docs/operations.md lists them all). The OpenAI API: /v1/completions, "
+        "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "
+        "and /v1/models. Not supported: tensor parallelism and different prefill/decode "
+        "layouts. SGLang's router refuses text batches and "
         "per-prompt sampling_params lists before a worker sees them (input_ids batches go "
         "through), and does not forward /abort_request (docs/operations.md)."
     ),

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from scheduler.service.metrics import ServiceMetrics
+from scheduler.service.openai_schema import OpenAIError, OpenAIErrorDetail
 from scheduler.service.schema import ErrorBody, ErrorDetail
 
 Scope = MutableMapping[str, Any]
@@ -56,10 +57,18 @@ class Http2Probe(HttpMiddleware):
         await self.app(scope, receive, send)
 
 
-def _error_response(status: int, kind: str, message: str,
+def _error_response(scope: Scope, status: int, kind: str, message: str,
                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> tuple[Message, Message]:
-    """The start and body messages of an error answer in the API's shape."""
-    data = json.dumps(ErrorBody(error=ErrorDetail(message=message, type=kind)).model_dump())
+    """The start and body messages of an error answer in the shape of the route's API: OpenAI's
+    error object (``kind`` as its ``code``) under ``/v1/``, ``/generate``'s elsewhere."""
+    error: ErrorBody | OpenAIError
+    if str(scope.get("path", "")).startswith("/v1/"):
+        error = OpenAIError(error=OpenAIErrorDetail(
+            message=message, type="invalid_request_error" if status < 500 else "server_error",
+            param=None, code=kind))
+    else:
+        error = ErrorBody(error=ErrorDetail(message=message, type=kind))
+    data = json.dumps(error.model_dump())
     start = {"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
         *headers]}
@@ -98,7 +107,7 @@ class ApiKey(HttpMiddleware):
             return
         self.on_reject()
         start, body = _error_response(
-            401, "unauthorized",
+            scope, 401, "unauthorized",
             "missing or wrong API key: send the header Authorization: Bearer <key>",
             ((b"www-authenticate", b"Bearer"), (b"connection", b"close")))
         await send(start)
@@ -136,7 +145,7 @@ class BodyLimit(HttpMiddleware):
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(receive, send)
+            await self._reject(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -148,7 +157,7 @@ class BodyLimit(HttpMiddleware):
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await self._reject(receive, send, more=message.get("more_body", False))
+                await self._reject(scope, receive, send, more=message.get("more_body", False))
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -163,7 +172,8 @@ class BodyLimit(HttpMiddleware):
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, receive: Receive, send: Send, more: bool = True) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, more: bool = True
+                      ) -> None:
         self.on_reject()
         discarded = 0
         while more and discarded <= _DISCARD_LIMIT:
@@ -173,7 +183,7 @@ class BodyLimit(HttpMiddleware):
             discarded += len(message.get("body", b""))
             more = message.get("more_body", False)
         start, body = _error_response(
-            413, "body_too_large", f"the request body exceeds {self.limit} bytes",
+            scope, 413, "body_too_large", f"the request body exceeds {self.limit} bytes",
             ((b"connection", b"close"),))
         await send(start)
         await send(body)
