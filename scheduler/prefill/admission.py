@@ -173,6 +173,10 @@ class Admission:
 
     # -- the registry -------------------------------------------------------------------------
 
+    def __len__(self) -> int:
+        """Live admissions: admitted and not yet forgotten."""
+        return len(self._by_seq)
+
     def by_seq(self, seq: int) -> PrefillRequest | None:
         return self._by_seq.get(seq)
 

@@ -35,10 +35,23 @@ S = PrefillState
 class Deadlines:
     """The bootstrap and transfer deadlines, a heap of ``(deadline, number, state)``. An entry
     counts only while the request is still in that state with that deadline (re-arming or
-    :meth:`disarm` leaves stale entries behind, which :meth:`expired` drops)."""
+    :meth:`disarm` leaves stale entries behind, which :meth:`expired` drops).
+
+    Every request that passes through leaves stale entries that would otherwise stay until
+    their deadlines pass: about two per request over a bootstrap timeout, whatever the number
+    waiting. So when stale entries outnumber the live admissions (each holds at most one entry
+    that counts) by :data:`STALE_SLACK`, :meth:`expired` rebuilds the heap from the entries
+    that count; amortised over the pushes since the last rebuild, that is O(1) per entry."""
+
+    #: How far the heap may outgrow twice the live admissions before it is rebuilt.
+    STALE_SLACK = 1024
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, int]] = []
+
+    def __len__(self) -> int:
+        """Entries held, stale ones included."""
+        return len(self._heap)
 
     def arm(self, req: PrefillRequest, seq: int, deadline: float) -> None:
         """``req`` (admission number ``seq``) must leave its current state by ``deadline``."""
@@ -56,10 +69,20 @@ class Deadlines:
         heap = self._heap
         while heap and heap[0][0] <= now:
             deadline, seq, state = heapq.heappop(heap)
-            req = admission.by_seq(seq)
-            if req is not None and req.state == state and req.deadline == deadline:
+            if _counts(admission, deadline, seq, state):
                 out.add(seq)
+        if len(heap) > 2 * len(admission) + self.STALE_SLACK:
+            # A set: re-arming with the same deadline in the same state repeats an entry.
+            self._heap = list({e for e in heap if _counts(admission, *e)})
+            heapq.heapify(self._heap)
         return out
+
+
+def _counts(admission: Admission, deadline: float, seq: int, state: int) -> bool:
+    """Whether a deadline entry still holds: its request is live, in that state, with that
+    deadline."""
+    req = admission.by_seq(seq)
+    return req is not None and req.state == state and req.deadline == deadline
 
 
 class SlotQueue:
