@@ -35,7 +35,8 @@ class Benchmark:
 #: In the order `pdlife bench` runs them with no names given (the quick ones first).
 ALL = (
     Benchmark("lifecycle", 50, "a request's lifecycle: pdlife against plain transitions"),
-    Benchmark("scale", 60, "a scheduler pass with 100 against 10,000 waiting requests"),
+    Benchmark("scale", 35, "a scheduler pass with 100 against 10,000 and 100,000 waiting "
+              "requests; memory per waiting request"),
     Benchmark("delayer", 30, "the PrefillDelayer across data-parallel ranks"),
     Benchmark("tracing", 25, "the service loop with tracing off against on, and what each "
               "costs a request"),
