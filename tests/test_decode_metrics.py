@@ -47,3 +47,26 @@ def test_decode_metrics_share_a_registry_with_the_prefill_scheduler() -> None:
         assert "pdlife_kv_pages_total 32.0" in text
     finally:
         pair.close()
+
+
+def test_finished_requests_do_not_pile_up_in_the_decode_deadline_heap() -> None:
+    """Each admitted request pushes one waiting deadline; a finished request's entry is stale.
+    The heap is rebuilt once stale entries outgrow the live requests by the slack, so its size
+    follows the requests in flight, not the request rate times the waiting timeout."""
+    pair = EmbeddedPair(PairConfig(model=ModelConfig.tiny(), prefill_pages=64, decode_pages=64,
+                                   scheduler=SchedulerConfig(page_size=4)))
+    try:
+        pair.decode.stale_slack = 4
+        sizes = []
+        for wave in range(6):
+            rids = [f"w{wave}-{i}" for i in range(4)]
+            for i, rid in enumerate(rids):
+                pair.submit(rid, [1 + i, 2, 3], SamplingParams(2, (), True))
+            outcomes = pair.run_until_done(rids)
+            assert all(o.decode is not None and o.decode.ok for o in outcomes.values())
+            sizes.append(len(pair.decode._deadlines))
+        # 24 requests went through; without the rebuild the heap would hold 24 entries.
+        assert max(sizes) <= 2 * 4 + 4 + 4, sizes
+        assert len(pair.decode.lifecycle) == 0
+    finally:
+        pair.close()

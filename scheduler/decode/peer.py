@@ -76,6 +76,9 @@ def receiver_of(req: DecodeRequest) -> KVReceiver | None:
 class DecodePeer:
     """The decode side of one rank. Not thread-safe except :meth:`submit` and :meth:`abort`."""
 
+    #: How far the deadline heap may outgrow twice the live requests before it is rebuilt.
+    stale_slack = 1024
+
     def __init__(
         self,
         *,
@@ -201,6 +204,10 @@ class DecodePeer:
         req.deadline = self.clock() + self.config.waiting_timeout
         heapq.heappush(self._deadlines, (req.deadline, req.rid))
 
+    def _deadline_counts(self, deadline: float, rid: str) -> bool:
+        req = self.lifecycle.get(rid)
+        return req is not None and req.deadline == deadline
+
     def _refuse(self, new: NewRequest, why: str) -> None:
         # Refused before admission (its id or room cannot be tracked): answered directly.
         logger.warning("request %r refused: %s", new.rid, why)
@@ -236,6 +243,11 @@ class DecodePeer:
             ):
                 self._fail(req, FailureReason.TRANSFER_TIMEOUT,
                            f"no KV from prefill within {self.config.waiting_timeout:g} s")
+        if len(self._deadlines) > 2 * len(self.lifecycle) + self.stale_slack:
+            # Finished requests leave their entries until the deadline passes: rate x timeout
+            # of them. Rebuilt from the ones that count, amortised O(1) per entry.
+            self._deadlines = [e for e in self._deadlines if self._deadline_counts(*e)]
+            heapq.heapify(self._deadlines)
         bootstrapped: list[DecodeRequest] = []
         received: list[DecodeRequest] = []
         for req in changed.values():
