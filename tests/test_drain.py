@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -14,48 +15,58 @@ import pytest
 
 from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size
 from scheduler.model.reference import ModelConfig
-from tests.service_harness import Server, free_port, tokens_of_stream, wait_for
+from tests.service_harness import Server, free_port, model_flags, tokens_of_stream, wait_for
 
 MODEL = ModelConfig.tiny()
 NEW_TOKENS = 300
 
 
 @pytest.mark.multiprocess
+@pytest.mark.mooncake
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> None:
-    server = Server(
-        tmp_path / "serve.log", "--backend", "local", "--hidden", str(MODEL.hidden),
-        "--heads", str(MODEL.heads), "--kv-heads", str(MODEL.kv_heads), "--head-dim",
-        str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate),
-    )
+    """A decode worker holds a streamed request that waits for its prefill: the test alone
+    decides when the KV comes (it sends the prefill its half only after the probes), so the
+    request is in flight while the drain refuses new work, however the threads are scheduled."""
+    bootstrap_port = free_port()
+    flags = ["--backend", "mooncake", *model_flags(MODEL)]
+    prefill = Server(tmp_path / "prefill.log", "--role", "prefill", "--bootstrap-port",
+                     str(bootstrap_port), *flags)
+    decode = Server(tmp_path / "decode.log", "--role", "decode", *flags)
     try:
-        server.wait_healthy()
-        body = {"input_ids": [3, 1, 4, 1, 5], "stream": True,
-                "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
-        with httpx.Client(base_url=server.url, timeout=60) as client, client.stream(
-            "POST", "/generate", json=body
-        ) as stream:
-            assert stream.status_code == 200
-            lines = stream.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            # The request is in flight: its first tokens arrived, the rest are being decoded.
-            server.signal(signal.SIGTERM)
-            with httpx.Client(base_url=server.url, timeout=10) as probe:
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        body = {"input_ids": [3, 1, 4, 1, 5], "rid": "held", "stream": True,
+                "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+                "bootstrap_room": 11}
+        with httpx.Client(timeout=120) as client, ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(client.post, f"{decode.url}/generate", json=body)
+            wait_for(lambda: decode.get("/server_info")["live_requests"] == 1, 30,
+                     "the decode worker holding the request")
+            decode.signal(signal.SIGTERM)
+            wait_for(lambda: "draining: no new requests" in decode.tail(200_000), 30,
+                     "the decode worker draining")
+            with httpx.Client(base_url=decode.url, timeout=10) as probe:
                 health = probe.get("/health")
                 assert health.status_code == 503
                 assert health.json()["error"]["type"] == "draining"
                 refused = probe.post("/generate", json={"input_ids": [1]})
                 assert refused.status_code == 503
                 assert refused.json()["error"]["type"] == "draining"
-            rest = "\n\n".join([first, *lines])
-        chunks, done = tokens_of_stream(rest)
+            # Only now does the KV leave the prefill: the held request decodes to its end.
+            assert client.post(f"{prefill.url}/generate", json=body).status_code == 200
+            answer = streamed.result(timeout=120)
+        assert answer.status_code == 200, answer.text
+        chunks, done = tokens_of_stream(answer.text)
         assert done
         last = chunks[-1]
         assert last["meta_info"]["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
         assert len(last["output_ids"]) == NEW_TOKENS
-        assert server.wait(timeout=30) == 0, server.tail()
-        assert "drained; shutting down" in server.tail()
+        assert decode.wait(timeout=30) == 0, decode.tail()
+        assert "drained; shutting down" in decode.tail()
     finally:
-        server.stop()
+        decode.stop()
+        prefill.stop()
 
 
 @pytest.mark.multiprocess
