@@ -160,10 +160,11 @@ def test_the_body_a_pd_router_sends_is_accepted_on_both_roles() -> None:
 
 REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {"prompt": ["one", "two"]}, "bad_batch", "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "unsupported", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "bad_sampling", "n"),
     # SGLang's router sends n > 1 with one bootstrap room per sample.
     ("/v1/completions", {"prompt": "x", "n": 2, "bootstrap_host": ["h", "h"],
-                         "bootstrap_port": [9, 9], "bootstrap_room": [5, 6]}, "unsupported", "n"),
+                         "bootstrap_port": [9, 9], "bootstrap_room": [5]}, "bad_bootstrap",
+     "bootstrap_room"),
     ("/v1/completions", {"prompt": "x", "bootstrap_host": ["h"], "bootstrap_port": [9],
                          "bootstrap_room": [5]}, "bad_bootstrap", "bootstrap_host"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "unsupported",

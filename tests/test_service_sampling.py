@@ -86,7 +86,6 @@ def test_sglang_spellings_map_to_pdlife_values() -> None:
     ({"structural_tag": "{}"}, "sampling_params.structural_tag"),
     ({"custom_params": {"x": 1}}, "sampling_params.custom_params"),
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
-    ({"n": 2}, "only n=1 is supported"),
 ])
 def test_fields_pdlife_cannot_honour_are_refused_by_name(fields: dict[str, Any],
                                                          says: str) -> None:
@@ -154,7 +153,7 @@ HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"stop": 5}, "invalid_request", "sampling_params.stop"),
     ({"json_schema": "{"}, "bad_grammar", "json_schema is not valid JSON"),
     ({"regex": "(", "ebnf": "start: \"a\""}, "bad_grammar", "at most one of"),
-    ({"n": 2}, "unsupported", "only n=1 is supported"),
+    ({"n": 17}, "bad_sampling", "sampling_params.n must be in 1..16, got 17"),
     ({"frequency_penalty": 0.5}, "unsupported", "sampling_params.frequency_penalty"),
     ({"logit_bias": {"1": 2.0}}, "unsupported", "sampling_params.logit_bias"),
     ({"min_new_tokens": 3}, "unsupported", "sampling_params.min_new_tokens"),

@@ -11,7 +11,7 @@ when the client went away first (its requests are aborted). :func:`new_tokens` y
 tokens the decode side produced after every pass, with their logprobs when the request asked
 for them (:class:`~.pending.Progress`), until the request's future is resolved; the route reads
 the final :class:`Answer` from the future, and aborts the request if its stream is closed before
-that.
+that. :func:`merged` interleaves the streams of a request's samples (``n`` > 1).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -31,6 +31,8 @@ from scheduler.service.pending import Progress
 from scheduler.service.refusals import refuse_items, refuse_peers
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Refusal(Exception):
@@ -147,10 +149,10 @@ def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
 
-async def events(service: Service, pending: Pending,
+async def events(service: Service, pending: list[Pending],
                  chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """``chunks`` as server-sent events, then ``data: [DONE]``; a stream closed before that (the
-    client went away) aborts the request."""
+    client went away) aborts the requests of ``pending``."""
     finished = False
     try:
         async for chunk in chunks:
@@ -159,5 +161,26 @@ async def events(service: Service, pending: Pending,
         finished = True
     finally:
         if not finished:
-            service.abort(pending.item.rid)
-            logger.info("stream of %r closed early; aborted", pending.item.rid)
+            for p in pending:
+                service.abort(p.item.rid)
+            logger.info("stream of %s closed early; aborted", [p.item.rid for p in pending])
+
+
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of ``streams`` (the samples of one request) as each comes, until all end."""
+    ahead: dict[asyncio.Future[T], AsyncIterator[T]] = {
+        asyncio.ensure_future(anext(s)): s for s in streams}
+    try:
+        while ahead:
+            done, _ = await asyncio.wait(ahead, return_when=asyncio.FIRST_COMPLETED)
+            for f in done:
+                stream = ahead.pop(f)
+                try:
+                    item = f.result()
+                except StopAsyncIteration:
+                    continue
+                yield item
+                ahead[asyncio.ensure_future(anext(stream))] = stream
+    finally:
+        for f in ahead:
+            f.cancel()

@@ -49,11 +49,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(answer: Answer) -> Usage:
-    n = len(answer.output_ids)
-    return Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=n,
-                 total_tokens=answer.prompt_tokens + n,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=answer.cached_tokens))
+def usage(answers: Sequence[Answer]) -> Usage:
+    """The usage of one request's choices (SGLang's sums): the prompt counted once, every
+    choice's completion tokens and cached tokens."""
+    prompt = answers[0].prompt_tokens
+    n = sum(len(a.output_ids) for a in answers)
+    cached = sum(a.cached_tokens for a in answers)
+    return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 # -- logprobs -----------------------------------------------------------------------------------
@@ -138,21 +141,36 @@ def answer_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob],
     return completion_logprobs(tokenizer, entries, sampling.top_logprobs_num, start)
 
 
-def answer_body(tokenizer: Any, item: Item, answer: Answer, model: str, *,
-                chat: bool) -> dict[str, Any]:
-    """A whole chat completion (``chat``) or completion."""
-    text, finish = final_text(tokenizer, item, answer), answer.finish_reason
-    logprobs = answer_logprobs(tokenizer, item, answer.output_logprobs, chat=chat)
-    head: dict[str, Any] = {"id": item.rid, "created": now(), "model": model,
-                            "usage": usage(answer)}
+def answer_body(tokenizer: Any, rid: str, choices: Sequence[tuple[Item, Answer]], model: str,
+                *, chat: bool) -> dict[str, Any]:
+    """A whole chat completion (``chat``) or completion: one choice per (item, answer), indexed
+    in order, and their usage."""
+    head: dict[str, Any] = {"id": rid, "created": now(), "model": model,
+                            "usage": usage([answer for _, answer in choices])}
     if chat:
-        assert not isinstance(logprobs, CompletionLogprobs)
         return ChatCompletionResponse(**head, choices=[ChatChoice(
-            index=0, message=AssistantMessage(content=text), logprobs=logprobs,
-            finish_reason=finish)]).model_dump()
-    assert not isinstance(logprobs, ChatLogprobs)
+            index=i, message=AssistantMessage(content=final_text(tokenizer, item, answer)),
+            logprobs=_chat_only(answer_logprobs(tokenizer, item, answer.output_logprobs,
+                                                chat=True)),
+            finish_reason=answer.finish_reason) for i, (item, answer) in enumerate(choices)]
+        ).model_dump()
     return CompletionResponse(**head, choices=[CompletionChoice(
-        index=0, text=text, logprobs=logprobs, finish_reason=finish)]).model_dump()
+        index=i, text=final_text(tokenizer, item, answer),
+        logprobs=_completion_only(answer_logprobs(tokenizer, item, answer.output_logprobs,
+                                                  chat=False)),
+        finish_reason=answer.finish_reason) for i, (item, answer) in enumerate(choices)]
+    ).model_dump()
+
+
+def _chat_only(logprobs: ChatLogprobs | CompletionLogprobs | None) -> ChatLogprobs | None:
+    assert not isinstance(logprobs, CompletionLogprobs)
+    return logprobs
+
+
+def _completion_only(logprobs: ChatLogprobs | CompletionLogprobs | None
+                     ) -> CompletionLogprobs | None:
+    assert not isinstance(logprobs, ChatLogprobs)
+    return logprobs
 
 
 # -- streams ------------------------------------------------------------------------------------
@@ -246,28 +264,31 @@ class StreamLogprobs:
 
 @attrs.frozen
 class Chunks:
-    """The chunks of one streamed answer, a chat completion's (``chat``) or a completion's."""
+    """The chunks of one streamed answer, a chat completion's (``chat``) or a completion's:
+    request ``rid``'s choice ``index``."""
 
-    item: Item
+    rid: str
     model: str
     chat: bool
+    index: int = 0
     created: int = attrs.field(factory=now)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.item.rid, "object": kind, "created": self.created,
+        return {"id": self.rid, "object": kind, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
 
     def opening(self) -> dict[str, Any] | None:
         """A chat stream's first chunk: the assistant's role."""
         if not self.chat:
             return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+        return self._chunk([{"index": self.index,
+                             "delta": {"role": "assistant", "content": ""},
                              "finish_reason": None, "logprobs": None}])
 
     def text(self, delta: str, *, finish: str | None = None,
              logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": finish,
                                   "logprobs": None if logprobs is None else logprobs.model_dump()}
         if self.chat:
             choice["delta"] = {"content": delta} if delta else {}
@@ -275,6 +296,7 @@ class Chunks:
             choice["text"] = delta
         return self._chunk([choice])
 
-    def usage(self, answer: Answer) -> dict[str, Any]:
-        """``stream_options.include_usage``'s last chunk: no choices, the usage."""
-        return self._chunk([], usage=usage(answer).model_dump())
+    def usage(self, answers: Sequence[Answer]) -> dict[str, Any]:
+        """``stream_options.include_usage``'s last chunk: no choices, the usage of all
+        ``answers`` (the request's choices)."""
+        return self._chunk([], usage=usage(answers).model_dump())

@@ -31,7 +31,7 @@ from scheduler.service.openai_schema import (
     SamplingFields,
     TextPart,
 )
-from scheduler.service.sampling import sampling_params_from
+from scheduler.service.sampling import sample, samples_per_prompt, sampling_params_from
 from scheduler.service.schema import SamplingParamsBody
 
 #: What ``response_format`` json_object asks for, as a JSON schema (SGLang's mapping).
@@ -64,17 +64,19 @@ class FieldError(BadRequest):
         self.param = param
 
 
-def completion_item(service: Service, body: CompletionRequest) -> Item:
-    """The checked item of a ``/v1/completions`` body, or :class:`FieldError`."""
+def completion_items(service: Service, body: CompletionRequest) -> list[Item]:
+    """The checked items of a ``/v1/completions`` body (one per choice), or
+    :class:`FieldError`."""
     _refuse_unsupported(body)
     logprobs = body.logprobs is not None
-    sampling = _sampling(service, body, body.max_tokens, "max_tokens", return_logprob=logprobs,
-                         top=body.logprobs or 0)
-    return _item(service, body, "cmpl", _prompt(service, body), sampling, "max_tokens")
+    sp = _sampling_body(body, body.max_tokens)
+    return _items(service, body, "cmpl", _prompt(service, body), sp, "max_tokens",
+                  return_logprob=logprobs, top=body.logprobs or 0)
 
 
-def chat_item(service: Service, body: ChatCompletionRequest) -> Item:
-    """The checked item of a ``/v1/chat/completions`` body, or :class:`FieldError`."""
+def chat_items(service: Service, body: ChatCompletionRequest) -> list[Item]:
+    """The checked items of a ``/v1/chat/completions`` body (one per choice), or
+    :class:`FieldError`."""
     _refuse_unsupported(body)
     if body.top_logprobs and not body.logprobs:
         raise FieldError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
@@ -82,9 +84,9 @@ def chat_item(service: Service, body: ChatCompletionRequest) -> Item:
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     asked = body.max_completion_tokens or body.max_tokens
     max_new = asked if asked is not None else _room_left(service, len(prompt))
-    sampling = _sampling(service, body, max_new, name, return_logprob=body.logprobs,
-                         top=body.top_logprobs)
-    return _item(service, body, "chatcmpl", prompt, sampling, name)
+    sp = _sampling_body(body, max_new)
+    return _items(service, body, "chatcmpl", prompt, sp, name, return_logprob=body.logprobs,
+                  top=body.top_logprobs)
 
 
 # -- prompts ------------------------------------------------------------------------------------
@@ -158,31 +160,38 @@ def _json_schema(fmt: ResponseFormat | None) -> str | None:
     return json.dumps(fmt.json_schema.schema_)
 
 
-def _sampling(service: Service, body: SamplingFields, max_new: int, max_name: str, *,
-              return_logprob: bool, top: int) -> SamplingParams:
-    names = {"max_new_tokens": max_name, "sampling_seed": "seed", "min_new_tokens": "min_tokens",
-             "json_schema": "response_format"}
-    schema = _json_schema(body.response_format)
+#: SGLang's names of the OpenAI fields, as refusals name them.
+_NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed",
+          "min_new_tokens": "min_tokens", "json_schema": "response_format"}
+
+
+def _sampling_body(body: SamplingFields, max_new: int) -> SamplingParamsBody:
+    """``body``'s sampling fields under SGLang's names."""
     try:
-        sp = SamplingParamsBody(
+        return SamplingParamsBody(
             max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, min_p=body.min_p, sampling_seed=body.seed, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             no_stop_trim=body.no_stop_trim, skip_special_tokens=body.skip_special_tokens,
-            json_schema=schema, regex=body.regex, ebnf=body.ebnf,
+            json_schema=_json_schema(body.response_format), regex=body.regex, ebnf=body.ebnf,
             n=body.n, frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
             min_new_tokens=body.min_tokens, logit_bias=body.logit_bias,
         )
-        return sampling_params_from(sp, return_logprob=return_logprob, top_logprobs_num=top,
-                                    max_new_tokens_limit=service.config.new_tokens_limit)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else None
-        param = names.get(field or "", field)
+        param = _NAMES.get(field or "", field)
         raise FieldError("invalid_request", f"{param}: {first['msg']}", param) from exc
+
+
+def _sampling(service: Service, sp: SamplingParamsBody, max_name: str, *,
+              return_logprob: bool, top: int) -> SamplingParams:
+    try:
+        return sampling_params_from(sp, return_logprob=return_logprob, top_logprobs_num=top,
+                                    max_new_tokens_limit=service.config.new_tokens_limit)
     except BadRequest as exc:
-        raise _renamed(exc, names) from exc
+        raise _renamed(exc, {**_NAMES, "max_new_tokens": max_name}) from exc
 
 
 def _renamed(exc: BadRequest, names: dict[str, str]) -> FieldError:
@@ -197,17 +206,40 @@ def _renamed(exc: BadRequest, names: dict[str, str]) -> FieldError:
 # -- the item -----------------------------------------------------------------------------------
 
 
-def _item(service: Service, body: SamplingFields, prefix: str, prompt: list[int],
-          sampling: SamplingParams, max_name: str) -> Item:
-    rid = body.rid or f"{prefix}-{uuid.uuid4().hex}"
-    host, port, room = body.bootstrap_host, body.bootstrap_port, body.bootstrap_room
-    for name, value in (("bootstrap_host", host), ("bootstrap_port", port),
-                        ("bootstrap_room", room)):
-        if isinstance(value, list):
-            raise FieldError("bad_bootstrap", f"{name} must be one value: this server takes "
-                             "one answer per request", name)
+def _items(service: Service, body: SamplingFields, prefix: str, prompt: list[int],
+           sp: SamplingParamsBody, max_name: str, *, return_logprob: bool,
+           top: int) -> list[Item]:
+    """One checked item per choice: with ``n`` > 1 choice ``i`` is request ``<rid>_<i>`` with
+    its own seed (:func:`~.sampling.sample`) and its own entry of the bootstrap lists the
+    router sends."""
     try:
-        item = service.check(
+        n = samples_per_prompt([sp], 1, service.config.max_queued_requests)
+    except BadRequest as exc:
+        raise _renamed(exc, _NAMES) from exc
+    rid = body.rid or f"{prefix}-{uuid.uuid4().hex}"
+    fields = []
+    for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        value = getattr(body, name)
+        if isinstance(value, list) and (n == 1 or len(value) != n):
+            raise FieldError("bad_bootstrap", f"{name} has {len(value)} entries for n={n} "
+                             "choices (give one value, or with n > 1 one per choice)", name)
+        fields.append(value if isinstance(value, list) else [value] * n)
+    items = []
+    for i, (host, port, room) in enumerate(zip(*fields, strict=True)):
+        one = sample(sp, i) if n > 1 else sp
+        item_rid = f"{rid}_{i}" if n > 1 else rid
+        sampling = _sampling(service, one, max_name, return_logprob=return_logprob, top=top)
+        items.append(_check(service, item_rid, prompt, sampling, host, port, room, max_name,
+                            prefix))
+    options = AnswerOptions(body.no_stop_trim, body.skip_special_tokens)
+    return [attrs.evolve(item, options=options) for item in items]
+
+
+def _check(service: Service, rid: str, prompt: list[int], sampling: SamplingParams,
+           host: str | None, port: int | None, room: int | None, max_name: str,
+           prefix: str) -> Item:
+    try:
+        return service.check(
             rid=rid, input_ids=prompt, sampling=sampling, bootstrap_host=host,
             bootstrap_port=port, bootstrap_room=room,
         )
@@ -218,4 +250,3 @@ def _item(service: Service, body: SamplingFields, prefix: str, prompt: list[int]
                                                     "prompt_too_long"):
             renamed.param = "messages" if prefix == "chatcmpl" else "prompt"
         raise renamed from exc
-    return attrs.evolve(item, options=AnswerOptions(body.no_stop_trim, body.skip_special_tokens))

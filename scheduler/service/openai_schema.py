@@ -66,12 +66,12 @@ class SamplingFields(_Body):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = Field(None, description="a Lark grammar")
-    n: int = Field(1, ge=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, description="choices (at most 16)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: str | None = Field(None, max_length=256, description="request id; generated if absent")
-    # The router sends a list of each (one per sample) when n > 1, which is refused.
+    # The router sends a list of each (one per sample) when n > 1.
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: Port | list[Port] | None = None
     bootstrap_room: Room | list[Room] | None = None

@@ -36,7 +36,7 @@ from scheduler.service.handoff import (
 )
 from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep
-from scheduler.service.sampling import sampling_params_from
+from scheduler.service.sampling import sample, samples_per_prompt, sampling_params_from
 from scheduler.service.schema import (
     ERRORS,
     AbortAnswer,
@@ -56,18 +56,23 @@ router = APIRouter()
 # -- input ------------------------------------------------------------------------------------
 
 
-def _per_item(value: Any, n: int, name: str, batch: bool) -> list[Any]:
-    """A batch field: one value per prompt, or one value shared by all."""
+def _per_item(value: Any, n: int, name: str, many: bool) -> list[Any]:
+    """A batch field: one value per prompt (or per sample, for the bootstrap fields), or one
+    value shared by all."""
     if isinstance(value, list):
-        if not batch:
-            raise BadRequest("bad_batch", f"{name} is a list but the prompt is not a batch")
+        if not many:
+            raise BadRequest("bad_batch", f"{name} is a list but the prompt is not a batch "
+                             "and asks for one sample")
         if len(value) != n:
-            raise BadRequest("bad_batch", f"{name} has {len(value)} entries for {n} prompts")
+            raise BadRequest("bad_batch", f"{name} has {len(value)} entries for {n} "
+                             "prompts or samples")
         return value
     return [value] * n
 
 
 def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
+    """The checked items of a body (``n`` of them per prompt, prompt-major), and whether the
+    answer is a list (a batch, or ``n`` > 1)."""
     _refuse_unsupported(body)
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("bad_prompt", "give exactly one of text or input_ids")
@@ -83,20 +88,28 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
         prompts = [list(p) for p in ids] if batch else [list(ids)]  # type: ignore[arg-type]
     if batch and not prompts:
         raise BadRequest("empty_prompt", "the batch is empty")
-    n = len(prompts)
+    count = len(prompts)
+    params = _per_item(body.sampling_params or SamplingParamsBody(), count, "sampling_params",
+                       batch)
+    n = samples_per_prompt(params, count, service.config.max_queued_requests)
+    many = batch or n > 1
     if isinstance(body.rid, list):
-        rids = _per_item(body.rid, n, "rid", batch)
+        rids = _per_item(body.rid, count, "rid", batch)
     elif body.rid is not None:
-        rids = [body.rid] if not batch else [f"{body.rid}-{i}" for i in range(n)]
+        rids = [body.rid] if not batch else [f"{body.rid}-{i}" for i in range(count)]
     else:
         base = uuid.uuid4().hex
-        rids = [base] if not batch else [f"{base}-{i}" for i in range(n)]
-    if len(set(rids)) != n:
+        rids = [base] if not batch else [f"{base}-{i}" for i in range(count)]
+    if n > 1:  # SGLang's: each prompt's samples are prompt-major, ``<rid>_<i>``
+        rids = [f"{rid}_{i}" for rid in rids for i in range(n)]
+        prompts = [prompt for prompt in prompts for _ in range(n)]
+        params = [sample(sp, i) for sp in params for i in range(n)]
+    total = len(rids)
+    if len(set(rids)) != total:
         raise BadRequest("duplicate_rid", "the rids of a batch must be distinct")
-    hosts = _per_item(body.bootstrap_host, n, "bootstrap_host", batch)
-    ports = _per_item(body.bootstrap_port, n, "bootstrap_port", batch)
-    rooms = _per_item(body.bootstrap_room, n, "bootstrap_room", batch)
-    params = _per_item(body.sampling_params or SamplingParamsBody(), n, "sampling_params", batch)
+    hosts = _per_item(body.bootstrap_host, total, "bootstrap_host", many)
+    ports = _per_item(body.bootstrap_port, total, "bootstrap_port", many)
+    rooms = _per_item(body.bootstrap_room, total, "bootstrap_room", many)
     items = [
         attrs.evolve(service.check(
             rid=rid, input_ids=prompt, sampling=_sampling(service, body, sp, rid),
@@ -107,7 +120,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
             rids, prompts, params, hosts, ports, rooms, strict=True
         )
     ]
-    return items, batch
+    return items, many
 
 
 def _sampling(service: Service, body: GenerateRequest, sp: SamplingParamsBody,
@@ -161,18 +174,19 @@ async def abort_request(body: AbortBody, service: ServiceDep) -> Response:
     response_model=GenerateAnswer | list[GenerateAnswer],
     responses={
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-              "description": "the answer (a list for a batch), or a stream of answers"},
+              "description": "the answer (a list for a batch or n > 1), or a stream of answers"},
         **ERRORS,
     },
 )
 async def generate(body: GenerateRequest, request: Request, service: ServiceDep) -> Response:
-    """Generate for one prompt or a batch (SGLang's ``/generate``)."""
+    """Generate for one prompt or a batch, ``sampling_params.n`` answers each (SGLang's
+    ``/generate``)."""
     try:
         check_available(service, peer_rooms(body.model_dump()))
         try:
             items, batch = _items(service, body)
             if body.stream and batch:
-                raise BadRequest("bad_batch", "streaming a batch is not supported")
+                raise BadRequest("bad_batch", "streaming a batch (or n > 1) is not supported")
         except BadRequest as exc:
             refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
             raise Refusal.of(exc) from exc
@@ -181,7 +195,7 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
         count(service, refusal)
         return error(refusal.status, refusal.kind, str(refusal), refusal.rid)
     if body.stream:
-        return StreamingResponse(events(service, started[0], _chunks(service, started[0])),
+        return StreamingResponse(events(service, started, _chunks(service, started[0])),
                                  media_type="text/event-stream")
     answers = await wait(service, request, started)
     if answers is None:

@@ -8,6 +8,10 @@ is not JSON or fails the schema, is OpenAI's error object ``{"error": {"message"
 ``code`` is the reason ``/generate`` would give (``unsupported``, ``prompt_too_long``,
 ``draining``, ``transfer_failed``, ...); ``param`` names the field to change, when there is one.
 A refusal is told to the request's peer, as on ``/generate``.
+
+``n`` > 1 runs ``n`` requests, one per choice (:func:`~.openai_request.chat_items`); a stream
+interleaves their chunks as they come, each carrying its choice's ``index``, and the usage
+covers them all.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
+import attrs
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,11 +36,12 @@ from scheduler.service.handoff import (
     check_available,
     count,
     events,
+    merged,
     new_tokens,
     wait,
 )
 from scheduler.service.openai_format import Chunks, StreamLogprobs, StreamText, answer_body
-from scheduler.service.openai_request import FieldError, chat_item, completion_item
+from scheduler.service.openai_request import FieldError, chat_items, completion_items
 from scheduler.service.openai_schema import (
     OPENAI_ERRORS,
     ChatCompletionRequest,
@@ -116,7 +122,7 @@ def _responses(what: str) -> dict[int | str, dict[str, Any]]:
 async def completions(body: CompletionRequest, request: Request,
                       service: ServiceDep) -> Response:
     """OpenAI's completions: one prompt, text or token ids."""
-    return await _serve(service, request, body, completion_item, chat=False)
+    return await _serve(service, request, body, completion_items, chat=False)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -124,46 +130,60 @@ async def completions(body: CompletionRequest, request: Request,
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            service: ServiceDep) -> Response:
     """OpenAI's chat completions: the messages through the model's chat template."""
-    return await _serve(service, request, body, chat_item, chat=True)
+    return await _serve(service, request, body, chat_items, chat=True)
 
 
 async def _serve(service: Service, request: Request, body: Body,
-                 build: Callable[[Service, Body], Item], *, chat: bool) -> Response:
+                 build: Callable[[Service, Body], list[Item]], *, chat: bool) -> Response:
     model = body.model or service.config.model_name
     try:
         check_available(service, peer_rooms(body.model_dump()))
         try:
-            item = build(service, body)
+            items = build(service, body)
         except BadRequest as exc:
             refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
             raise Refusal.of(exc, param=exc.param if isinstance(exc, FieldError) else None
                              ) from exc
-        (pending,) = await admit(service, request, [item], stream=body.stream)
+        started = await admit(service, request, items, stream=body.stream)
     except Refusal as refusal:
         return _refused(service, refusal)
+    # The answer's id: the request's rid, which choice i's ``<rid>_<i>`` extends when n > 1.
+    rid = items[0].rid.rpartition("_")[0] if len(items) > 1 else items[0].rid
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _chunks(service, pending, model, chat=chat, include_usage=include_usage)
-        return StreamingResponse(events(service, pending, chunks),
+        chunks = _stream(service, started, Chunks(rid, model, chat), include_usage)
+        return StreamingResponse(events(service, started, chunks),
                                  media_type="text/event-stream")
-    answers = await wait(service, request, [pending])
+    answers = await wait(service, request, started)
     if answers is None:
         return Response(status_code=499)
-    (answer,) = answers
-    if answer.status != 200:
-        return openai_error(answer.status, answer.message, failure_kind(answer))
-    return JSONResponse(answer_body(service.tokenizer, item, answer, model, chat=chat))
+    for answer in answers:
+        if answer.status != 200:
+            return openai_error(answer.status, answer.message, failure_kind(answer))
+    return JSONResponse(answer_body(service.tokenizer, rid, list(zip(items, answers,
+                                                                      strict=True)),
+                                    model, chat=chat))
 
 
-async def _chunks(service: Service, pending: Pending, model: str, *, chat: bool,
+async def _stream(service: Service, started: list[Pending], chunks: Chunks,
                   include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """The chunks of one answer: text only once it cannot change (:class:`StreamText`), with
+    """The chunks of every choice as they come, then the usage of all if asked."""
+    streams = [_chunks(service, p, attrs.evolve(chunks, index=i)) for i, p in enumerate(started)]
+    async for chunk in merged(streams):
+        yield chunk
+    answers = [p.future.result() for p in started]
+    if include_usage and all(a.status == 200 for a in answers):
+        yield chunks.usage(answers)
+
+
+async def _chunks(service: Service, pending: Pending,
+                  chunks: Chunks) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of one choice: text only once it cannot change (:class:`StreamText`), with
     the logprobs of the tokens whose text it completes (:class:`StreamLogprobs`), the last with
-    the finish reason and the remaining logprobs, then the usage if asked; or an error."""
+    the finish reason and the remaining logprobs; or an error."""
     item, tokenizer = pending.item, service.tokenizer
-    chunks = Chunks(item, model, chat)
     text = StreamText(tokenizer, item)
-    logprobs = StreamLogprobs(tokenizer, item, chat=chat)
+    logprobs = StreamLogprobs(tokenizer, item, chat=chunks.chat)
     opening = chunks.opening()
     if opening is not None:
         yield opening
@@ -180,5 +200,3 @@ async def _chunks(service: Service, pending: Pending, model: str, *, chat: bool,
         return
     rest = text.rest(final_text(tokenizer, item, answer))
     yield chunks.text(rest, finish=answer.finish_reason, logprobs=logprobs.rest(answer))
-    if include_usage:
-        yield chunks.usage(answer)

@@ -32,6 +32,11 @@ NEUTRAL: dict[str, Any] = {
     "spaces_between_special_tokens": True,
 }
 
+#: The most samples (``n``) one request may ask for per prompt.
+MAX_N = 16
+
+_SEEDS = 1 << 64
+
 #: The structured-output fields, at most one of which a request may set.
 GRAMMAR_FIELDS: dict[str, GrammarKind] = {
     "json_schema": GrammarKind.JSON_SCHEMA,
@@ -86,10 +91,6 @@ def refuse_unsupported(sp: SamplingParamsBody) -> None:
         if value != neutral and not (neutral is None and value in ({}, [], "")):
             raise BadRequest("unsupported", f"sampling_params.{name}={value!r} is not supported "
                              f"by this server (leave it out, or send {neutral!r})")
-    if sp.n != 1:
-        raise BadRequest("unsupported", f"sampling_params.n={sp.n}: only n=1 is supported "
-                         "(send separate requests, each with its own "
-                         "sampling_params.sampling_seed)")
 
 
 def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
@@ -119,3 +120,30 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
                          f"sampling_params.{name} does not compile: {exc}") from exc
     return spec
 
+
+
+def samples_per_prompt(params: list[SamplingParamsBody], prompts: int,
+                       queue_limit: int | None) -> int:
+    """The ``n`` of a request's prompts (one for all of them), or :class:`BadRequest` (reason
+    ``bad_sampling``) when it is beyond :data:`MAX_N`, or when the request's samples
+    (``n`` times ``prompts``) could never be queued at once under ``queue_limit``
+    (``--max-queued-requests``)."""
+    ns = {sp.n for sp in params}
+    if len(ns) > 1:
+        raise BadRequest("bad_batch", "the prompts of a batch must ask for the same "
+                         f"sampling_params.n, got {sorted(ns)}")
+    (n,) = ns
+    if not 1 <= n <= MAX_N:
+        raise BadRequest("bad_sampling", f"sampling_params.n must be in 1..{MAX_N}, got {n}")
+    if queue_limit is not None and n * prompts > queue_limit:
+        raise BadRequest("bad_sampling", f"sampling_params.n={n} asks for {n * prompts} "
+                         f"requests, more than the server queues ({queue_limit}, "
+                         "--max-queued-requests)")
+    return n
+
+
+def sample(sp: SamplingParamsBody, i: int) -> SamplingParamsBody:
+    """Sample ``i``'s sampling fields (of ``sp.n``): one answer, seeded ``sampling_seed + i``
+    (mod 2**64) when a seed is given; without one each sample's own bootstrap room seeds it."""
+    seed = None if sp.sampling_seed is None else (sp.sampling_seed + i) % _SEEDS
+    return sp.model_copy(update={"n": 1, "sampling_seed": seed})

@@ -42,7 +42,7 @@ class SamplingParamsBody(_Strict):
     json_schema: str | None = Field(default=None, description="a JSON schema, as JSON text")
     regex: str | None = None
     ebnf: str | None = Field(default=None, description="a Lark grammar")
-    n: int = Field(default=1, ge=1, description="only 1 is supported")
+    n: int = Field(default=1, ge=1, description="answers per prompt (at most 16)")
     # SGLang fields pdlife cannot honour: refused with 400 unless neutral.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
