@@ -23,12 +23,12 @@ from kv import wire
 from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
-from kv.mooncake_decode import MooncakeDecodeManager, MooncakeKVReceiver
+from kv.mooncake_decode import MooncakeDecodeManager
 from tests.transfer_harness import (
     NUM_PAGES,
     NUM_SLOTS,
-    DecodeReadback,
     HarnessSession,
+    InProcessDecode,
     make_pool,
 )
 
@@ -128,8 +128,10 @@ class DecodePeer:
 # -- the contract harness (tests/transfer_harness.py) ---------------------------------------
 
 
-class _MooncakeSession(DecodeReadback):
+class _MooncakeSession(InProcessDecode):
     """Prefill manager and a real decode manager, each with its own engine, over loopback TCP."""
+
+    decode: MooncakeDecodeManager
 
     def __init__(self) -> None:
         self.server = BootstrapServer()
@@ -144,19 +146,8 @@ class _MooncakeSession(DecodeReadback):
         self.decode = MooncakeDecodeManager(
             self.decode_pool, self.decode_metadata, self.bootstrap_addr
         )
-        self.receivers: dict[int, list[MooncakeKVReceiver]] = {}
-        self.destinations: dict[int, tuple[list[int], int]] = {}
-
-    def connect_decode(self, room: int, num_pages: int) -> None:
-        pages = self.decode_pool.allocator.alloc(num_pages)
-        slot = self.decode_slots.alloc()
-        assert pages is not None and slot is not None, "decode side of the harness is full"
-        pages.reverse()  # destination runs break where source runs do not
-        receiver = self.decode.create_receiver(self.bootstrap_addr, room)
-        receiver.init()
-        receiver.send_metadata(pages, slot)
-        self.receivers.setdefault(room, []).append(receiver)
-        self.destinations[room] = (pages, slot)
+        self.receivers = {}
+        self.destinations = {}
 
     def late_message(self, room: int) -> None:
         for receiver in self.receivers.pop(room, []):

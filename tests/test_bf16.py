@@ -21,10 +21,8 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from lifecycle import SamplingParams
-from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardItem
+from tests.pair_check import check_pair, pages_for
 from tests.real_prompts import PROMPTS
 
 #: Tokens per request.
@@ -57,26 +55,9 @@ def test_bf16_pair_equals_the_bf16_colocated_run(
         smollm2_bf16: Any, inputs: dict[str, list[int]], colocated: dict[str, list[int]],
         backend: Literal["local", "mooncake"], page_size: int, chunk: int, overlap: bool,
 ) -> None:
-    pages = sum(len(ids) + MAX_NEW for ids in inputs.values()) // page_size + 2 * len(inputs)
-    cfg = PairConfig(
-        scheduler=SchedulerConfig(page_size=page_size, chunked_prefill_size=chunk,
-                                  max_prefill_tokens=256, check_invariants=True),
-        prefill_pages=pages, decode_pages=pages, overlap=overlap, backend=backend,
-    )
-    pair = EmbeddedPair(cfg, served=smollm2_bf16)
-    try:
-        assert pair.prefill_pool.dtype == pair.decode_pool.dtype == torch.bfloat16
-        for rid, ids in inputs.items():
-            pair.submit(rid, ids, SamplingParams(max_new_tokens=MAX_NEW))
-        out = pair.run_until_done(inputs, timeout=600)
-        for rid in inputs:
-            got = out[rid]
-            assert got.prefill.ok and got.decode is not None and got.decode.ok, got
-            assert list(got.decode.output_ids) == colocated[rid], rid
-        assert pair.prefill_pool.allocator.available() == pages
-        assert pair.decode_pool.allocator.available() == pages
-    finally:
-        pair.close()
+    check_pair(inputs, colocated, page_size=page_size, chunk=chunk, overlap=overlap,
+               max_new=MAX_NEW, pages=pages_for(inputs, MAX_NEW, page_size), backend=backend,
+               max_prefill_tokens=256, served=smollm2_bf16, pool_dtype=torch.bfloat16)
 
 
 def path_logits(served: Any, prompt: list[int], continuation: list[int]) -> torch.Tensor:

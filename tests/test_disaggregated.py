@@ -9,15 +9,14 @@ several chunk sizes.
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle import SamplingParams
-from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
-from scheduler.prefill.config import SchedulerConfig
+from tests.pair_check import check_pair
 
 MODEL = LlamaModel(ModelConfig())
 REFERENCE = ReferenceModel(MODEL)
@@ -25,30 +24,12 @@ MAX_NEW = 6
 
 
 def run_pair(prompts: dict[str, list[int]], *, page_size: int, chunk: int | None,
-             overlap: bool, backend: str = "local", max_new: int = MAX_NEW) -> None:
-    pages = 8192 // page_size + 8
-    cfg = PairConfig(
-        scheduler=SchedulerConfig(page_size=page_size, chunked_prefill_size=chunk,
-                                  check_invariants=True),
-        prefill_pages=pages, decode_pages=pages, overlap=overlap, backend=backend,
-    )
-    pair = EmbeddedPair(cfg, model=MODEL)
-    try:
-        for rid, prompt in prompts.items():
-            pair.submit(rid, prompt, SamplingParams(max_new_tokens=max_new))
-        out = pair.run_until_done(prompts, timeout=240)
-        for rid, prompt in prompts.items():
-            expected = REFERENCE.generate(prompt, max_new)
-            got = out[rid]
-            assert got.prefill.ok and got.decode is not None and got.decode.ok, got
-            assert got.prefill.first_token == expected[0], rid
-            assert list(got.decode.output_ids) == expected, rid
-        pair.prefill.check_invariants()
-        pair.decode.check_invariants()
-        assert pair.prefill_pool.allocator.available() == pages
-        assert pair.decode_pool.allocator.available() == pages
-    finally:
-        pair.close()
+             overlap: bool, backend: Literal["local", "mooncake"] = "local",
+             max_new: int = MAX_NEW) -> None:
+    expected = {rid: REFERENCE.generate(prompt, max_new) for rid, prompt in prompts.items()}
+    check_pair(prompts, expected, page_size=page_size, chunk=chunk, overlap=overlap,
+               max_new=max_new, pages=8192 // page_size + 8, backend=backend, model=MODEL,
+               timeout=240)
 
 
 def prompts_of(lengths: list[int], seed: int) -> dict[str, list[int]]:

@@ -24,11 +24,10 @@ import json
 import pytest
 import torch
 
-from lifecycle import SamplingParams
-from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.llama import generate_batch
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardItem
+from tests.pair_check import check_pair, pages_for
 from tests.real_prompts import PROMPTS
 
 CONTINUATION = 32
@@ -117,42 +116,20 @@ def test_the_chat_answer_is_readable(smollm2, colocated):
     assert colocated["chat0"][-1] in smollm2.eos_token_ids
 
 
-def run_pair(smollm2, inputs, colocated, *, page_size: int, chunk: int | None,
-             overlap: bool, backend: str = "local") -> None:
-    pages = sum(len(ids) + MAX_NEW for ids in inputs.values()) // page_size + 2 * len(inputs)
-    cfg = PairConfig(
-        scheduler=SchedulerConfig(page_size=page_size, chunked_prefill_size=chunk,
-                                  max_prefill_tokens=512, check_invariants=True),
-        prefill_pages=pages, decode_pages=pages, overlap=overlap, backend=backend,
-    )
-    pair = EmbeddedPair(cfg, served=smollm2)
-    try:
-        for rid, ids in inputs.items():
-            pair.submit(rid, ids, SamplingParams(max_new_tokens=MAX_NEW))
-        out = pair.run_until_done(inputs, timeout=600)
-        for rid in inputs:
-            got = out[rid]
-            assert got.prefill.ok and got.decode is not None and got.decode.ok, got
-            assert list(got.decode.output_ids) == colocated[rid], rid
-        pair.prefill.check_invariants()
-        pair.decode.check_invariants()
-        assert pair.prefill_pool.allocator.available() == pages
-        assert pair.decode_pool.allocator.available() == pages
-    finally:
-        pair.close()
-
-
 @pytest.mark.parametrize(("page_size", "chunk", "overlap"),
                          [(16, 32, False), (4, 12, True)], ids=["normal", "overlap"])
 def test_disaggregated_equals_colocated_local(smollm2, inputs, colocated, page_size, chunk,
                                               overlap):
-    run_pair(smollm2, inputs, colocated, page_size=page_size, chunk=chunk, overlap=overlap)
+    check_pair(inputs, colocated, page_size=page_size, chunk=chunk, overlap=overlap,
+               max_new=MAX_NEW, pages=pages_for(inputs, MAX_NEW, page_size),
+               max_prefill_tokens=512, served=smollm2)
 
 
 @pytest.mark.mooncake
 def test_disaggregated_equals_colocated_mooncake(smollm2, inputs, colocated):
-    run_pair(smollm2, inputs, colocated, page_size=16, chunk=48, overlap=False,
-             backend="mooncake")
+    check_pair(inputs, colocated, page_size=16, chunk=48, overlap=False, max_new=MAX_NEW,
+               pages=pages_for(inputs, MAX_NEW, 16), backend="mooncake",
+               max_prefill_tokens=512, served=smollm2)
 
 
 def test_the_demo_answers_real_questions_and_checks_them(smollm2, tmp_path):

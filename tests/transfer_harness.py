@@ -20,10 +20,10 @@ import torch
 
 from kv.fake import FakeKVManager, FaultPlan
 from kv.local import LocalKVManager, LocalTransferHub
-from kv.local_decode import LocalDecodeManager, LocalKVReceiver
+from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers, MetadataRow, SlotAllocator
 from kv.pool import KVPool
-from kv.transfer import KVManager, KVPoll, KVSender
+from kv.transfer import DecodeKVManager, KVManager, KVPoll, KVReceiver, KVSender
 
 GEOMETRY = {"num_layers": 2, "page_size": 4, "kv_heads": 2, "head_dim": 8}
 NUM_PAGES = 32
@@ -158,13 +158,30 @@ class FakeHarness:
 # -- local --------------------------------------------------------------------------------
 
 
-class DecodeReadback:
-    """Reading back what landed on the decode side, for sessions that record each room's
-    destination pages and slot in ``destinations``."""
+class InProcessDecode:
+    """The decode side played in-process by a real decode manager: the handshake of a room
+    (:meth:`connect_decode`) records its receivers and its destination pages and slot, from
+    which what landed is read back."""
 
+    bootstrap_addr: str
+    decode: DecodeKVManager
     decode_pool: KVPool
     decode_metadata: MetadataBuffers
+    decode_slots: SlotAllocator
+    receivers: dict[int, list[KVReceiver]]
     destinations: dict[int, tuple[list[int], int]]
+
+    def connect_decode(self, room: int, num_pages: int) -> None:
+        pages = self.decode_pool.allocator.alloc(num_pages)
+        slot = self.decode_slots.alloc()
+        assert pages is not None and slot is not None, "decode side of the harness is full"
+        # Reversed, so destination runs break where source runs do not.
+        pages.reverse()
+        receiver = self.decode.create_receiver(self.bootstrap_addr, room)
+        receiver.init()
+        receiver.send_metadata(pages, slot)
+        self.receivers.setdefault(room, []).append(receiver)
+        self.destinations[room] = (pages, slot)
 
     def decode_kv(self, room: int) -> torch.Tensor:
         pages, _ = self.destinations[room]
@@ -175,7 +192,7 @@ class DecodeReadback:
         return self.decode_metadata.read(slot, expected_room=room)
 
 
-class _LocalSession(DecodeReadback):
+class _LocalSession(InProcessDecode):
     bootstrap_addr = "local:contract"
 
     def __init__(self) -> None:
@@ -192,20 +209,8 @@ class _LocalSession(DecodeReadback):
         self.decode_metadata = MetadataBuffers(2 * NUM_SLOTS)
         self.decode_slots = SlotAllocator(2 * NUM_SLOTS)
         self.decode = LocalDecodeManager(self.decode_pool, self.decode_metadata, hub=self.hub)
-        self.receivers: dict[int, list[LocalKVReceiver]] = {}
-        self.destinations: dict[int, tuple[list[int], int]] = {}
-
-    def connect_decode(self, room: int, num_pages: int) -> None:
-        pages = self.decode_pool.allocator.alloc(num_pages)
-        slot = self.decode_slots.alloc()
-        assert pages is not None and slot is not None, "decode side of the harness is full"
-        # Reversed, so destination runs break where source runs do not.
-        pages.reverse()
-        receiver = self.decode.create_receiver(self.bootstrap_addr, room)
-        receiver.init()
-        receiver.send_metadata(pages, slot)
-        self.receivers.setdefault(room, []).append(receiver)
-        self.destinations[room] = (pages, slot)
+        self.receivers = {}
+        self.destinations = {}
 
     def late_message(self, room: int) -> None:
         for receiver in self.receivers.pop(room, []):
