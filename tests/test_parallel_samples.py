@@ -140,10 +140,11 @@ def test_the_router_body_with_a_room_per_sample_runs_on_prefill_and_decode() -> 
                     assert r.status_code == 400, r.text
                     assert r.json()["error"]["type"] == "bad_batch"
         # The prefill answers each sample's first token, the decode the whole sample (its
-        # first token the fake backend's own, not the prefill's), each drawn from its seed.
+        # first token drawn by the fake backend the prefill's way), each from its seed.
         assert [len(ids) for ids in samples["prefill"]] == [1, 1]
         assert [len(ids) for ids in samples["decode"]] == [6, 6]
         assert samples["prefill"][0] != samples["prefill"][1]
+        assert [ids[0] for ids in samples["decode"]] == [ids[0] for ids in samples["prefill"]]
         assert samples["decode"][0][1:] != samples["decode"][1][1:]
 
     run(main())

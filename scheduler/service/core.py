@@ -186,7 +186,8 @@ class Service:
             if stream and self.decode is not None:
                 self._streams[item.rid] = pending
         if item.fake and self.decode_kv is not None:
-            self.decode_kv.fake.expect(item.bootstrap_room, item.rid, item.input_ids)
+            self.decode_kv.fake.expect(item.bootstrap_room, item.rid, item.input_ids,
+                                      item.sampling)
         if self.prefill is not None:
             self.prefill.submit(new)
         if self.decode is not None:

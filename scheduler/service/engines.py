@@ -94,7 +94,7 @@ class Engines:
                                                    on_prefill)
             if c.role in ("decode", "both"):
                 self.decode = build_decode(
-                    model, kv_for=functools.partial(self._decode_router, hub),
+                    model, kv_for=functools.partial(self._decode_router, hub, compiler),
                     page_size=c.scheduler.page_size, pages=c.pool_pages,
                     metadata_slots=c.metadata_slots, runner_factory=runner_factory,
                     closers=self._closers, eos_token_id=c.eos_token_ids,
@@ -131,12 +131,13 @@ class Engines:
         return prefill
 
     def _decode_router(
-        self, hub: LocalTransferHub, pool: KVPool, meta: MetadataBuffers, runner: ModelRunner
+        self, hub: LocalTransferHub, compiler: ConstraintCompiler | None, pool: KVPool,
+        meta: MetadataBuffers, runner: ModelRunner,
     ) -> DecodeKVRouter:
         """Decode's KV layer: one Mooncake manager per prefill server a request names, the
         local hub's manager, and the fake prefill of fake-host requests."""
         c = self.config
-        fake = LocalPrefillFake(runner, meta)
+        fake = LocalPrefillFake(runner, meta, compiler)
         if c.backend == "mooncake":
             router = DecodeKVRouter(
                 fake=fake,
