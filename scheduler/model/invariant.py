@@ -102,7 +102,10 @@ def paged_attention(
     # scale carries log2(e): the softmax is computed as powers of two, exp(s) = 2^(s log2 e),
     # because torch's exp2 is about four times faster than its exp on the CPU.
     scale = math.log2(math.e) / math.sqrt(q.shape[-1])
-    q = torch.cat([q * scale, q.new_zeros((1, *q.shape[1:]))])
+    scaled = q.new_empty((q.shape[0] + 1, *q.shape[1:]))
+    torch.mul(q, scale, out=scaled[:-1])
+    scaled[-1].zero_()
+    q = scaled
     for group in _by_length([s for s in spans if s.n <= SMALL_ITEM]):
         _attend(q, group, _gather(kv, group), out)
     for span in spans:
