@@ -34,8 +34,9 @@ from scheduler.model.select import ServedModel, load_model
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch, ModelRunner
 
-#: The default workload of each kind of model: requests, shortest and longest prompt.
-WORKLOADS = {"reference": (64, 128, 1024), "real": (12, 64, 512)}
+#: The default workload of each kind of model: requests, shortest and longest prompt, and the
+#: chunk (the most prompt tokens of one forward).
+WORKLOADS = {"reference": (64, 128, 1024, 2048), "real": (16, 64, 512, 1024)}
 
 
 class RecordingRunner:
@@ -120,7 +121,8 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, help="shortest prompt (default: 128; real: 64)")
     ap.add_argument("--max-len", type=int, help="longest prompt (default: 1024; real: 512)")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--chunk", type=int,
+                    help="most prompt tokens per forward (default: 2048; real: 1024)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
@@ -131,23 +133,24 @@ def main() -> None:
 
     served = load_model(args.model)
     defaults = WORKLOADS["reference" if served.is_reference else "real"]
-    requests, lo, hi = (given if given is not None else default for given, default in zip(
-        (args.requests, args.min_len, args.max_len), defaults, strict=True))
+    requests, lo, hi, chunk = (given if given is not None else default for given, default in zip(
+        (args.requests, args.min_len, args.max_len, args.chunk), defaults, strict=True))
     # The reference model reads bytes; a real one any id of its vocabulary.
     vocab = 256 if served.is_reference else served.vocab_size
     prompts = workload(requests, lo, hi, args.seed, vocab)
     tokens = sum(len(p) for p in prompts.values())
     pages = tokens // args.page_size + len(prompts) + 16
     print(f"model {args.model}, {args.threads} thread(s); workload: {len(prompts)} requests, "
-          f"{tokens} prompt tokens, page size {args.page_size}, chunk {args.chunk}")
+          f"{tokens} prompt tokens, page size {args.page_size}, chunk {chunk}")
     ratios: dict[str, list[float]] = {"normal": [], "overlap": []}
     ttfts_of: dict[str, list[float]] = {"normal": [], "overlap": []}
     speedups: list[float] = []  # per round: normal lifecycle seconds / overlap's
     for round_ in range(args.rounds):
         lifecycle_s: dict[str, float] = {}
-        for loop in ("normal", "overlap"):
+        # The loops take turns going first, so a drift in the machine's load favours neither.
+        for loop in ("normal", "overlap") if round_ % 2 == 0 else ("overlap", "normal"):
             life_s, ttfts, batches = run_lifecycle(served, prompts, loop == "overlap",
-                                                   args.page_size, args.chunk)
+                                                   args.page_size, chunk)
             lifecycle_s[loop] = life_s
             fwd_s = run_forward_only(served, batches, pages, args.page_size)
             ratio = fwd_s / life_s
