@@ -2,8 +2,10 @@
 
 Theory of operation
 -------------------
-:class:`LlamaModel` holds seeded weights and the per-position arithmetic of a Llama decoder
-(RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output head). Two drivers run it:
+:class:`LlamaModel` (:mod:`scheduler.model.decoder`) holds seeded weights and the per-position
+arithmetic of a Llama decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output
+head). This module holds the two drivers that run it, and re-exports the model, its config and
+:class:`ModelInputError`, so ``scheduler.model.reference`` stays the one import of the model:
 
 - :class:`PagedModelRunner` is the scheduler's :class:`~scheduler.runner.ModelRunner`. For each
   batch item it writes the K/V of the item's tokens into the pool at ``pages[p // page_size]``,
@@ -24,197 +26,19 @@ K/V was written or read.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 
-import attrs
 import torch
 
 from kv.pages import pages_needed
 from kv.pool import KVPool
-from scheduler.model.fixed_point import (
-    WEIGHT_FRAC_BITS,
-    WEIGHT_LIMIT,
-    causal_attention,
-    exp_table,
-    fix,
-    greedy_token_ids,
-    rms_norm,
-    rope_tables,
-    rotate,
-    silu,
-    to_grid,
-)
+from scheduler.model.decoder import LlamaModel as LlamaModel
+from scheduler.model.decoder import ModelInputError as ModelInputError
+from scheduler.model.decoder import resolve_device as resolve_device
+from scheduler.model.decoder import same_device
+from scheduler.model.fixed_point import greedy_token_ids
 from scheduler.model.reference_config import ModelConfig as ModelConfig
 from scheduler.runner import ForwardBatch, ForwardItem
-
-logger = logging.getLogger(__name__)
-
-_RMS_EPS = 1e-5
-
-
-class ModelInputError(ValueError):
-    """A forward item or generation request the model cannot compute (bad ids, positions past
-    ``max_position``, a page table too short). The request should be failed, not retried."""
-
-    def __init__(self, rid: str, problem: str) -> None:
-        super().__init__(f"request {rid!r}: {problem}")
-        self.rid = rid
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    return a.type == "cpu" or a.index is None or b.index is None or a.index == b.index
-
-
-@attrs.frozen(eq=False)
-class _Layer:
-    attn_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
-    mlp_norm: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
-
-
-class LlamaModel:
-    """Seeded weights and the per-position arithmetic; drivers own the K/V cache."""
-
-    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
-        self.config = config
-        self.device = resolve_device(device)
-        # Weights and tables are made on the CPU and moved, so every device gets the same bits.
-        gen = torch.Generator().manual_seed(config.seed)
-        h, i = config.hidden, config.intermediate
-        q_dim, kv_dim = config.heads * config.head_dim, config.kv_heads * config.head_dim
-
-        def weight(out_dim: int, in_dim: int) -> torch.Tensor:
-            w = torch.randn((out_dim, in_dim), generator=gen, dtype=torch.float64)
-            return to_grid(w / math.sqrt(in_dim), WEIGHT_FRAC_BITS, WEIGHT_LIMIT).to(self.device)
-
-        def ones(dim: int) -> torch.Tensor:
-            return torch.ones(dim, dtype=torch.float64, device=self.device)
-
-        self._embed = fix(
-            torch.randn((config.vocab_size, h), generator=gen, dtype=torch.float64)
-        ).to(self.device)
-        self._layers = [
-            _Layer(
-                attn_norm=ones(h),
-                wq=weight(q_dim, h),
-                wk=weight(kv_dim, h),
-                wv=weight(kv_dim, h),
-                wo=weight(h, q_dim),
-                mlp_norm=ones(h),
-                w_gate=weight(i, h),
-                w_up=weight(i, h),
-                w_down=weight(h, i),
-            )
-            for _ in range(config.layers)
-        ]
-        self._final_norm = ones(h)
-        self._lm_head = weight(config.vocab_size, h)
-        cos, sin = rope_tables(config.head_dim, config.rope_theta, config.max_position)
-        self._cos, self._sin = cos.to(self.device), sin.to(self.device)
-        self._exp = exp_table().to(self.device)
-        self._q_scale = 1.0 / math.sqrt(config.head_dim)
-        logger.debug("built reference model %s on %s", config, self.device)
-
-    def to(self, device: str | torch.device) -> LlamaModel:
-        """This model on ``device`` (itself when already there; the seed rebuilds the rest)."""
-        target = resolve_device(device)
-        return self if _same_device(target, self.device) else LlamaModel(self.config, target)
-
-    @property
-    def fingerprint(self) -> str:
-        """Names this model's KV (:mod:`kv.model_id`): the config decides every weight."""
-        digest = hashlib.sha256(repr(attrs.astuple(self.config)).encode()).hexdigest()[:16]
-        return f"reference-{digest}"
-
-    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
-        """An empty KV pool shaped for this model, on its device."""
-        c = self.config
-        return KVPool(
-            num_layers=c.layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            kv_heads=c.kv_heads,
-            head_dim=c.head_dim,
-            dtype=c.dtype,
-            device=self.device,
-            model=self.fingerprint,
-            model_name="reference",
-        )
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``[n]`` token ids to the ``[n, hidden]`` residual stream."""
-        return self._embed[token_ids]
-
-    def attention_inputs(
-        self, layer: int, x: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``[n, heads, head_dim]`` (scaled), keys and values ``[n, kv_heads, head_dim]``
-        of ``x`` at ``positions``, RoPE applied to queries and keys."""
-        c, w, n = self.config, self._layers[layer], x.shape[0]
-        h = rms_norm(x, w.attn_norm, _RMS_EPS)
-        q = fix(h @ w.wq.T).view(n, c.heads, c.head_dim)
-        k = fix(h @ w.wk.T).view(n, c.kv_heads, c.head_dim)
-        v = fix(h @ w.wv.T).view(n, c.kv_heads, c.head_dim)
-        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
-        return fix(rotate(q, cos, sin) * self._q_scale), fix(rotate(k, cos, sin)), v
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
-    ) -> torch.Tensor:
-        """Causal attention of queries at ``q_start ..`` over the keys of positions ``0 ..``."""
-        return causal_attention(q, k, v, q_start, self._exp)
-
-    def layer_output(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the layer's output projection and SwiGLU MLP."""
-        w = self._layers[layer]
-        x = fix(x + attn @ w.wo.T)
-        h = rms_norm(x, w.mlp_norm, _RMS_EPS)
-        gate, up = fix(h @ w.w_gate.T), fix(h @ w.w_up.T)
-        return fix(x + fix(silu(gate, self._exp) * up) @ w.w_down.T)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The float64 logits of each row of the final residual stream (exact: a sum of
-        products on the grid)."""
-        return rms_norm(x, self._final_norm, _RMS_EPS) @ self._lm_head.T
-
-    def next_tokens(self, x_last: torch.Tensor) -> list[int]:
-        """The greedy next token of each row of the final residual stream."""
-        ids: list[int] = greedy_token_ids(self.logits(x_last)).tolist()
-        return ids
-
-    def check_tokens(self, rid: str, token_ids: Sequence[int]) -> None:
-        """Raise :class:`ModelInputError` unless every id is in the vocabulary."""
-        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.config.vocab_size:
-            raise ModelInputError(
-                rid,
-                f"token ids must be in 0..{self.config.vocab_size - 1}, got "
-                f"{min(token_ids)}..{max(token_ids)}",
-            )
-
-    def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
-        """The ids that end a generation: ``stop_token_ids``, and EOS unless ``ignore_eos``."""
-        stops = set(stop_token_ids)
-        if not ignore_eos:
-            stops.add(self.config.eos_token_id)
-        return frozenset(stops)
 
 
 class ReferenceModel:
@@ -283,7 +107,7 @@ class PagedModelRunner:
         self, model: LlamaModel, pool: KVPool, device: str | torch.device | None = None
     ) -> None:
         c = model.config
-        if device is not None and not _same_device(resolve_device(device), pool.device):
+        if device is not None and not same_device(resolve_device(device), pool.device):
             raise ValueError(f"the pool is on {pool.device}, not on the requested {device}")
         geometry = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
         if geometry != (c.layers, c.kv_heads, c.head_dim, c.dtype):
@@ -337,8 +161,7 @@ class PagedModelRunner:
         x = m.embed(tokens)
         for layer in range(c.layers):
             q, k, v = m.attention_inputs(layer, x, positions)
-            k_slots = self.pool.k(layer).view(-1, c.kv_heads, c.head_dim)
-            v_slots = self.pool.v(layer).view(-1, c.kv_heads, c.head_dim)
+            k_slots, v_slots = self.pool.kv_slots(layer)
             k_slots.index_copy_(0, new_slots, k.to(self.pool.dtype))
             v_slots.index_copy_(0, new_slots, v.to(self.pool.dtype))
             parts, offset = [], 0
@@ -351,7 +174,7 @@ class PagedModelRunner:
         return x, sizes
 
     def _slots(self, item: ForwardItem) -> torch.Tensor:
-        """Flat pool slots (``page * page_size + offset``) of positions ``0 .. start+n-1``."""
+        """The rows of :meth:`KVPool.kv_slots` that hold positions ``0 .. start+n-1``."""
         ps, n = self.pool.page_size, len(item.input_ids)
         end = item.start + n
         if n == 0 or item.start < 0:
@@ -376,7 +199,7 @@ class PagedModelRunner:
         self.model.check_tokens(item.rid, item.input_ids)
         page_table = torch.tensor(pages, dtype=torch.int64, device=self.pool.device)
         pos = torch.arange(end, device=self.pool.device)
-        return page_table[pos // ps] * ps + pos % ps
+        return self.pool.slot_rows(page_table[pos // ps] * ps + pos % ps)
 
 
 def greedy_decode_from_pool(
