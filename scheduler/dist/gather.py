@@ -22,7 +22,8 @@ exactly ``dp_size * attn_tp_size`` ranks ordered DP-major (the order in which th
 its groups), so the flat gather result reshapes to ``[dp][tp]``.
 
 ``min_reduce`` combines per-request poll results (``KVPoll``-ordered ints, where the MIN is the
-most pessimistic state) across the ranks of a TP group over gloo.
+most pessimistic state) across the ranks of a TP group over gloo. ``all_gather_rows`` gathers
+rows of any length, one per rank (the keys to agree on, a pipeline stage's view of its requests).
 """
 
 from __future__ import annotations
@@ -154,3 +155,24 @@ def min_reduce(values: Sequence[int], group: Any) -> list[int]:
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     reduced: list[int] = tensor.tolist()
     return reduced
+
+
+def all_gather_rows(values: Sequence[int], group: Any) -> list[list[int]]:
+    """Every rank's ``values`` (each rank's list may have its own length), in rank order of
+    ``group`` (a gloo group; None is the default group).
+
+    Two collectives: the lengths, then the rows padded to the longest. Every rank must call it
+    the same number of times, in the same order.
+    """
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    width = max(lengths)
+    if width == 0:
+        return [[] for _ in range(world)]
+    padded = torch.zeros(width, dtype=torch.int64)
+    padded[: len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    gathered = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [g[:n].tolist() for g, n in zip(gathered, lengths, strict=True)]

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
 import torch.distributed as dist
 
-from scheduler.dist.gather import min_reduce
+from scheduler.dist.gather import all_gather_rows, min_reduce
 
 
 class RankSync(Protocol):
@@ -42,18 +41,7 @@ class TorchRanks:
         self.world = dist.get_world_size(group)
 
     def agree_keys(self, keys: Sequence[int]) -> list[int]:
-        local = torch.tensor(list(keys), dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([len(local)], dtype=torch.int64), group=self.group)
-        width = max(int(s.item()) for s in sizes)
-        if width == 0:
-            return []
-        padded = torch.full((width,), -1, dtype=torch.int64)
-        padded[: len(local)] = local
-        gathered = [torch.empty(width, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(gathered, padded, group=self.group)
-        union = {int(x) for g in gathered for x in g.tolist() if x >= 0}
-        return sorted(union)
+        return sorted({k for row in all_gather_rows(keys, self.group) for k in row})
 
     def min_reduce(self, values: Sequence[int]) -> list[int]:
         return min_reduce(values, self.group)
