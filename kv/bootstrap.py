@@ -3,13 +3,13 @@
 Theory of operation
 -------------------
 Each prefill rank registers itself with ``PUT /route`` (its rank, the ZeroMQ endpoint where it
-takes decode control messages, its transfer-engine session, page size, KV dtype and the model
-whose KV its pool holds). A decode peer reads the table with ``GET /route``: 503 until every
-expected rank has registered, then the whole table, from which it checks that the model, page
-size and KV dtype match its own pool before it sends anything. ``GET /health`` answers ``OK``
-for liveness probes. ``POST /refusal`` is how a decode peer says it will never ask for a room's
-KV (it refused the request, or gave up before the handshake): the room and the reason go to
-every listener the prefill ranks in this process added
+takes decode control messages, its transfer-engine session, page size, KV dtype, pool layout and
+the model whose KV its pool holds). A decode peer reads the table with ``GET /route``: 503 until
+every expected rank has registered, then the whole table, from which it checks that the model,
+page size, KV dtype and pool layout match its own pool before it sends anything.
+``GET /health`` answers ``OK`` for liveness probes. ``POST /refusal`` is how a decode peer says
+it will never ask for a room's KV (it refused the request, or gave up before the handshake): the
+room and the reason go to every listener the prefill ranks in this process added
 (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
 
 The server is stdlib ``ThreadingHTTPServer`` in a daemon thread; it binds loopback unless told
@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from kv.model_id import MAX_MODEL_NAME, describe_model
+from kv.pool_layout import KV_LAYOUTS, KVLayout
 from kv.wire import KV_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ class RankInfo:
         attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
     model_name: str = attrs.field(default="", validator=[
         attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
+    #: The order of the rank's pool tensor (:mod:`kv.pool_layout`).
+    kv_layout: str = attrs.field(default=KVLayout.LAYER_MAJOR.value,
+                                 validator=attrs.validators.in_(KV_LAYOUTS))
 
     @property
     def model_label(self) -> str:
@@ -112,6 +116,7 @@ class PrefillInfo:
     token_required: bool = False
     model: str = ""
     model_name: str = ""
+    kv_layout: str = KVLayout.LAYER_MAJOR.value
 
     @property
     def model_label(self) -> str:
@@ -196,14 +201,9 @@ class BootstrapServer:
             if info.rank >= self.expected_ranks:
                 return 400, f"rank {info.rank} not in 0..{self.expected_ranks - 1}"
             for other in self._ranks.values():
-                if other.rank != info.rank and (
-                    other.page_size != info.page_size or other.kv_dtype != info.kv_dtype
-                ):
-                    return 400, (
-                        f"rank {info.rank} has page_size={info.page_size} kv_dtype={info.kv_dtype}"
-                        f" but rank {other.rank} has page_size={other.page_size}"
-                        f" kv_dtype={other.kv_dtype}"
-                    )
+                if other.rank != info.rank and _pool_settings(other) != _pool_settings(info):
+                    return 400, (f"rank {info.rank} has {_pool_settings(info)} but rank "
+                                 f"{other.rank} has {_pool_settings(other)}")
                 if other.rank != info.rank and other.model != info.model:
                     return 400, (f"rank {info.rank} serves model {info.model_label} but rank "
                                  f"{other.rank} serves {other.model_label}")
@@ -237,8 +237,14 @@ class BootstrapServer:
                 }
             ranks = [attrs.asdict(self._ranks[r]) for r in sorted(self._ranks)]
         return 200, {"page_size": ranks[0]["page_size"], "kv_dtype": ranks[0]["kv_dtype"],
-                     "model": ranks[0]["model"], "model_name": ranks[0]["model_name"],
-                     "ranks": ranks, "token_required": self._token is not None}
+                     "kv_layout": ranks[0]["kv_layout"], "model": ranks[0]["model"],
+                     "model_name": ranks[0]["model_name"], "ranks": ranks,
+                     "token_required": self._token is not None}
+
+
+def _pool_settings(info: RankInfo) -> str:
+    """What every rank's pool must share, as a message shows it."""
+    return f"page_size={info.page_size} kv_dtype={info.kv_dtype} kv_layout={info.kv_layout}"
 
 
 def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
@@ -349,6 +355,7 @@ class BootstrapClient:
                 page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks,
                 token_required=table.get("token_required") is True,
                 model=ranks[0].model, model_name=ranks[0].model_name,
+                kv_layout=ranks[0].kv_layout,
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise BootstrapError(self.addr, 200, f"unreadable route table: {exc}") from None

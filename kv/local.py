@@ -16,13 +16,10 @@ until the two ends meet each changes only its own, and from then on the
 
 Each ``send(pages, last)`` queues a chunk for the prefill manager's transfer worker thread,
 which copies the pages from the prefill pool into the decode pool for all layers and both K
-and V: page lists are coalesced into runs consecutive on both sides and each run moves as one
-slice copy of a ``[layers * 2, pages, page_elems]`` view (between CPU pools a small run goes
-through numpy byte views, a large one through torch's multi-threaded copy); between device pools
-badly scattered lists move with one ``index_select`` / ``index_copy_`` instead. The last chunk
-also copies the metadata row (its room last). When it lands, the sender and the receiver both
-conclude SUCCESS. A copy that raises fails the room on both sides with the error as the reason;
-the worker carries on.
+and V (:mod:`kv.local_copy`: one slice copy per run of pages consecutive on both sides and per
+region of the pool's layout). The last chunk also copies the metadata row (its room last). When
+it lands, the sender and the receiver both conclude SUCCESS. A copy that raises fails the room on
+both sides with the error as the reason; the worker carries on.
 
 Aborts: an abort on either side fails that side with ``REASON_ABORTED`` and the other with
 ``REASON_PEER_ABORTED`` (a receiver that aborts before its sender exists marks the link, and the
@@ -43,11 +40,10 @@ import time
 from collections.abc import Sequence
 
 import attrs
-import torch
 
+from kv.local_copy import copy_pages
 from kv.local_link import Link, Side
 from kv.metadata import MetadataBuffers
-from kv.pages import coalesce
 from kv.pool import KVPool
 from kv.refusal import RefusedRooms
 from kv.transfer import (
@@ -61,11 +57,6 @@ from kv.transfer import (
 )
 
 logger = logging.getLogger(__name__)
-
-# On an accelerator, above this many runs one gather/scatter over the page dimension beats a
-# launch per run.
-_MAX_SLICE_RUNS = 16
-_PARALLEL_COPY_BYTES = 1 << 20  # a run at least this large is copied by torch
 
 
 @attrs.frozen
@@ -108,39 +99,6 @@ class _Chunk:
     dst_pages: list[int]
     last: bool
     src_slot: int
-
-
-def _copy_pages(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[int]) -> None:
-    src_view, dst_view = src.page_view(), dst.page_view()
-    runs = coalesce(src_pages, dst_pages)
-    if src_view.device.type == "cpu" and dst_view.device.type == "cpu":
-        # A large run goes through torch's copy, which spreads it over the intra-op threads.
-        # A small one goes through numpy's single memcpy: torch opens a parallel region per
-        # call, and on a busy host with few cores each region can stall on a descheduled
-        # thread, which dominates when a chunk has many small runs.
-        src_bytes = src_view.view(torch.uint8).numpy()
-        dst_bytes = dst_view.view(torch.uint8).numpy()
-        row_bytes = src_bytes.shape[0] * src_bytes.shape[2]
-        for r in runs:
-            if r.length * row_bytes >= _PARALLEL_COPY_BYTES:
-                dst_view[:, r.dst_start : r.dst_start + r.length].copy_(
-                    src_view[:, r.src_start : r.src_start + r.length]
-                )
-            else:
-                dst_bytes[:, r.dst_start : r.dst_start + r.length] = src_bytes[
-                    :, r.src_start : r.src_start + r.length
-                ]
-        return
-    if len(runs) <= _MAX_SLICE_RUNS:
-        for r in runs:
-            dst_view[:, r.dst_start : r.dst_start + r.length].copy_(
-                src_view[:, r.src_start : r.src_start + r.length]
-            )
-        return
-    src_idx = torch.tensor(src_pages, dtype=torch.long, device=src_view.device)
-    dst_idx = torch.tensor(dst_pages, dtype=torch.long, device=dst_view.device)
-    gathered = src_view.index_select(1, src_idx).to(dst_view.device)
-    dst_view.index_copy_(1, dst_idx, gathered)
 
 
 def check_pages(room: int, pages: list[int], pool: KVPool, side: str) -> None:
@@ -272,7 +230,7 @@ class LocalKVManager:
         started = time.perf_counter()
         if wanted:
             try:
-                _copy_pages(self.pool, link.dst_pool, chunk.src_pages, chunk.dst_pages)
+                copy_pages(self.pool, link.dst_pool, chunk.src_pages, chunk.dst_pages)
                 if chunk.last:
                     link.dst_metadata.copy_row_from(self.metadata, chunk.src_slot, link.dst_slot)
             except Exception as exc:

@@ -9,8 +9,9 @@ memory. The decode side is :mod:`kv.mooncake_decode`.
 
 Control messages (:mod:`kv.wire`) travel over ZeroMQ PUSH → PULL. Decode looks the prefill rank
 up at the bootstrap endpoint (:mod:`kv.bootstrap`), refuses one that serves another model
-(:mod:`kv.model_id`) or whose page size or KV dtype differs, and sends one ``Register`` with its
-session, memory layout and model (prefill checks the model too); then, per room, a
+(:mod:`kv.model_id`) or whose page size, KV dtype or pool layout (:mod:`kv.pool_layout`)
+differs, and sends one ``Register`` with its session, memory layout and model (prefill checks
+them too); then, per room, a
 ``Destination`` (pages and metadata slot) or an ``Abort``. The prefill listener thread validates
 every message and drops (logs, counts) bad ones; it never dies of one.
 
@@ -108,6 +109,7 @@ class MooncakeKVManager:
             kv_dtype=kv_dtype_name(self.pool),
             model=self.pool.model,
             model_name=self.pool.model_name,
+            kv_layout=self.pool.layout.value,
         )
 
     def register_to_bootstrap(self, bootstrap_addr: str) -> None:
@@ -160,13 +162,14 @@ class MooncakeKVManager:
                 f"{describe_model(self.pool.model_name, self.pool.model)}",
             )
         mine = (self.pool.page_size, kv_dtype_name(self.pool), self.pool.page_bytes,
-                self.pool.num_layers, self._meta_item_lens)
-        theirs = (reg.page_size, reg.kv_dtype, reg.page_bytes, reg.num_layers, reg.meta_item_lens)
+                self.pool.num_layers, self.pool.layout.value, self._meta_item_lens)
+        theirs = (reg.page_size, reg.kv_dtype, reg.page_bytes, reg.num_layers, reg.kv_layout,
+                  reg.meta_item_lens)
         if mine != theirs:
             raise wire.WireError(
                 "incompatible_layout",
-                f"session {reg.session}: (page_size, kv_dtype, page_bytes, layers, metadata item "
-                f"lens) {theirs} differ from this rank's {mine}",
+                f"session {reg.session}: (page_size, kv_dtype, page_bytes, layers, kv_layout, "
+                f"metadata item lens) {theirs} differ from this rank's {mine}",
             )
         self._rooms.register(reg)
         with self._push_lock:

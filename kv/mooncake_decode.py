@@ -2,7 +2,7 @@
 and the per-request receiver (the prefill side is :mod:`kv.mooncake`).
 
 The decode manager looks the prefill rank up at its bootstrap endpoint, refuses one that serves
-another model (:mod:`kv.model_id`) or whose page size or KV dtype differs, sends one
+another model (:mod:`kv.model_id`) or whose page size, KV dtype or pool layout differs, sends one
 ``Register`` with its engine session, memory layout and model, and
 then per room a ``Destination`` or an ``Abort``; a room it will never ask for (refused, or failed
 before its destination) it reports to the prefill's bootstrap endpoint instead
@@ -110,6 +110,7 @@ class MooncakeDecodeManager:
             num_slots=metadata.num_slots,
             model=pool.model,
             model_name=pool.model_name,
+            kv_layout=pool.layout.value,
         )
         self._send(self._register)
         # The status socket is bound, so nothing sent to it is lost before its thread runs.
@@ -159,12 +160,14 @@ class MooncakeDecodeManager:
                 f"prefill at {bootstrap_addr} serves model {table.model_label}, this decode "
                 f"serves {mine}: one model's KV means nothing to another; start both with the "
                 "same --model and --dtype")
-        dtype = kv_dtype_name(self.pool)
-        if table.page_size != self.pool.page_size or table.kv_dtype != dtype:
+        dtype, layout = kv_dtype_name(self.pool), self.pool.layout.value
+        if (table.page_size, table.kv_dtype, table.kv_layout) != (
+                self.pool.page_size, dtype, layout):
             raise IncompatiblePeerError(
                 f"prefill at {bootstrap_addr} has page_size={table.page_size} "
-                f"kv_dtype={table.kv_dtype}, this decode pool has page_size={self.pool.page_size} "
-                f"kv_dtype={dtype}; start both with the same settings"
+                f"kv_dtype={table.kv_dtype} kv_layout={table.kv_layout}, this decode pool has "
+                f"page_size={self.pool.page_size} kv_dtype={dtype} kv_layout={layout}; start "
+                "both with the same --page-size, --dtype and --kv-layout"
             )
         ranks = {r.rank: r for r in table.ranks}
         if rank not in ranks:

@@ -33,7 +33,8 @@ class MooncakeError(Exception):
 
 
 class IncompatiblePeerError(MooncakeError):
-    """The prefill server's page size or KV dtype differs from the decode pool's."""
+    """The prefill server's model, page size, KV dtype or pool layout differs from the decode
+    pool's."""
 
 
 class PeerAuthError(MooncakeError):

@@ -6,8 +6,9 @@ Theory of operation
 the decode session, so a room's chunks stay in order. A worker takes every chunk queued at that
 moment (at most ``_MAX_BATCH_CHUNKS``), groups them by decode session, coalesces their page
 pairs into runs consecutive on both sides (:func:`kv.pages.coalesce`; a run may continue from
-one request into the next) and submits one engine write covering every run of every layer's K
-and V, then the metadata rows of the chunks that are last.
+one request into the next) and submits one engine write covering every run in every region of
+the pool (one block per run with the page-major layout, one per run and layer half with the
+layer-major one: :mod:`kv.pool_layout`), then the metadata rows of the chunks that are last.
 
 It submits the next write without waiting for the previous one while at most
 ``max_blocks_in_flight`` blocks (what the TCP transport queues per peer) are in flight, cutting
@@ -230,18 +231,20 @@ class WritePipeline:
                 for i in range(0, len(src), step)]
 
     def _blocks(self, chunks: list[Chunk], reg: wire.Register) -> _Blocks:
-        """Addresses and lengths of every run of every layer half, layer-half major."""
+        """Addresses and lengths of every run in every region of the pool, region major: one
+        block per run page-major, one per run and layer half layer-major (the registration
+        was checked to have this pool's layout)."""
         runs = coalesce([p for c in chunks for p in c.src],
                         np.concatenate([c.dst for c in chunks]).tolist())
         if not runs:
             return [], [], []
         r = np.array(runs, dtype=np.int64)
         pool = self._pool
-        pb = pool.page_bytes
-        halves = np.arange(2 * pool.num_layers, dtype=np.int64)[:, None]
-        src = pool.buffer.data_ptr() + (halves * pool.num_pages + r[:, 0]) * pb
-        dst = reg.kv_ptr + (halves * reg.num_pages + r[:, 1]) * pb
-        lens = np.broadcast_to(r[:, 2] * pb, src.shape)
+        rb = pool.region_page_bytes
+        regions = np.arange(pool.regions, dtype=np.int64)[:, None]
+        src = pool.buffer.data_ptr() + (regions * pool.num_pages + r[:, 0]) * rb
+        dst = reg.kv_ptr + (regions * reg.num_pages + r[:, 1]) * rb
+        lens = np.broadcast_to(r[:, 2] * rb, src.shape)
         return src.ravel().tolist(), dst.ravel().tolist(), lens.ravel().tolist()
 
     def _rows(self, chunks: list[Chunk], reg: wire.Register) -> _Blocks:

@@ -1,10 +1,13 @@
 """The paged KV pool and its page allocator.
 
-Layout: one contiguous tensor ``[layers, 2 (K, V), pages, page_size, kv_heads, head_dim]``.
-For a given layer and K/V half, the pages are contiguous and page-major, so one page of one
-layer is a contiguous run of ``page_bytes`` bytes and a run of consecutive pages is one
-contiguous region: a transfer engine moves a run with one write per layer half. That is why
-:class:`PageAllocator` works to keep each request's pages consecutive.
+Layout: one contiguous tensor, in one of two orders (:mod:`kv.pool_layout`): layer-major
+``[layers, 2 (K, V), pages, page_size, kv_heads, head_dim]`` (SGLang's), where a run of
+consecutive pages is one contiguous region per layer half, or page-major ``[pages, layers, 2,
+page_size, kv_heads, head_dim]``, where a run of consecutive pages is one contiguous region. A
+transfer moves a run with one write per region (:attr:`KVPool.regions`). That is why
+:class:`PageAllocator` works to keep each request's pages consecutive. Whatever the order, the
+model reads and writes one layer through :meth:`KVPool.kv_slots` and :meth:`KVPool.slot_rows`,
+and :meth:`KVPool.by_layer` shows the pool in layer-major order (strided when it is not).
 
 Ownership: the allocator knows which pages are free; the owner of a request knows which pages
 the request holds. :meth:`PageAllocator.check_conservation` compares the two, so invariant
@@ -22,6 +25,7 @@ import torch
 
 from kv.model_id import MAX_MODEL_NAME, describe_model
 from kv.pages import kv_bytes
+from kv.pool_layout import KVLayout
 
 
 class KVPoolError(Exception):
@@ -48,6 +52,8 @@ class KVGeometry:
     #: What the model was loaded as (``smollm2``, a path), for messages only: two copies of
     #: one checkpoint loaded under different names are the same model.
     model_name: str = attrs.field(default="", eq=False)
+    #: The order of the pool's tensor: the same pages sit at other offsets in another order.
+    layout: KVLayout = KVLayout.LAYER_MAJOR
 
     @property
     def model_label(self) -> str:
@@ -234,6 +240,7 @@ class KVPool:
         device: str | torch.device = "cpu",
         model: str = "",
         model_name: str = "",
+        layout: KVLayout | str = KVLayout.LAYER_MAJOR,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -252,9 +259,10 @@ class KVPool:
         self.dtype = dtype
         self.model = model
         self.model_name = model_name[:MAX_MODEL_NAME]
-        self.buffer = torch.zeros(
-            (num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype=dtype, device=device
-        )
+        self.layout = KVLayout.parse(layout)
+        shape = self.layout.shape(num_layers=num_layers, num_pages=num_pages,
+                                  page_size=page_size, kv_heads=kv_heads, head_dim=head_dim)
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages)
 
     @property
@@ -271,6 +279,18 @@ class KVPool:
         return kv_bytes(num_pages, page_bytes=self.page_bytes, num_layers=self.num_layers)
 
     @property
+    def regions(self) -> int:
+        """Contiguous regions a run of consecutive pages occupies (``2 x layers`` layer-major,
+        1 page-major): what a transfer moves per run."""
+        return self.layout.regions(self.num_layers)
+
+    @property
+    def region_page_bytes(self) -> int:
+        """Bytes of one page within one region; region ``r`` of page ``p`` starts at byte
+        ``(r * num_pages + p) * region_page_bytes`` of the buffer."""
+        return self.page_bytes * 2 * self.num_layers // self.regions
+
+    @property
     def geometry(self) -> KVGeometry:
         return KVGeometry(
             num_layers=self.num_layers,
@@ -280,6 +300,7 @@ class KVPool:
             dtype=self.dtype,
             model=self.model,
             model_name=self.model_name,
+            layout=self.layout,
         )
 
     def usage(self) -> float:
@@ -288,14 +309,51 @@ class KVPool:
         return self.allocator.in_use() / self.num_pages
 
     def page_view(self) -> torch.Tensor:
-        """``[layers * 2, pages, page_elems]`` view: one row per layer half, one page a row
-        slice. Copies of whole pages across all layers index dimension 1."""
-        return self.buffer.view(self.num_layers * 2, self.num_pages, -1)
+        """``[regions, pages, region_page_elems]`` view: a run of pages is a slice of dimension
+        1 in each region (see :attr:`regions`). Copies of whole pages across all layers index
+        dimension 1."""
+        return self.buffer.view(self.regions, self.num_pages, -1)
+
+    def by_layer(self) -> torch.Tensor:
+        """``[layers, 2, pages, page_size, kv_heads, head_dim]`` view, whatever the layout
+        (strided when page-major)."""
+        if self.layout is KVLayout.LAYER_MAJOR:
+            return self.buffer
+        return self.buffer.permute(1, 2, 0, 3, 4, 5)
 
     def k(self, layer: int) -> torch.Tensor:
         """``[pages, page_size, kv_heads, head_dim]`` view of one layer's keys."""
-        return self.buffer[layer, 0]
+        return self.by_layer()[layer, 0]
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.buffer[layer, 1]
+        return self.by_layer()[layer, 1]
 
+    def kv_slots(self, layer: int) -> torch.Tensor:
+        """``[2 (K, V), rows, kv_heads, head_dim]`` view of one layer, for gathering and
+        scattering token slots: the K and V of slot ``s`` (``page * page_size + offset``) are
+        row ``slot_rows(s)`` of ``[0]`` and ``[1]``. Each half alone has no overlapping rows,
+        so it can be written with ``index_copy_``.
+
+        Layer-major, the rows are the layer's slots themselves. Page-major, the rows step
+        through the buffer one token at a time from this layer's first key, so a row index
+        skips the other layers' parts of each page; rows between a page's slots belong to
+        other layers and are never named by :meth:`slot_rows`.
+        """
+        heads, dim, ps = self.kv_heads, self.head_dim, self.page_size
+        if self.layout is KVLayout.LAYER_MAJOR:
+            return self.buffer[layer].view(2, -1, heads, dim)
+        token = heads * dim
+        page_rows = 2 * self.num_layers * ps
+        rows = (self.num_pages - 1) * page_rows + ps
+        return self.buffer.as_strided(
+            (2, rows, heads, dim), (ps * token, token, dim, 1),
+            self.buffer.storage_offset() + layer * 2 * ps * token,
+        )
+
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of :meth:`kv_slots` that hold the token slots ``slots`` (int64, any shape;
+        the same rows in every layer)."""
+        if self.layout is KVLayout.LAYER_MAJOR:
+            return slots
+        ps = self.page_size
+        return slots // ps * (2 * self.num_layers * ps) + slots % ps

@@ -2,10 +2,10 @@
 
 When prefill and decode run different TP sizes a page of one prefill rank holds other heads
 than a page of a decode rank (:mod:`kv.layouts`), so a transfer moves head slices, not whole
-pages. In the pool layout ``[layers, 2, pages, page_size, kv_heads, head_dim]`` a slice of a
-run of pages is strided (one piece per token slot), so each run and slice is one strided
-tensor copy over every layer, K and V. This is the local backend's byte copy; the Mooncake
-backend will express the same slices as engine blocks.
+pages. A slice of a run of pages is strided (one piece per token slot) in either pool layout,
+so each run and slice is one strided tensor copy over every layer, K and V, of the pools'
+layer-major views (:meth:`kv.pool.KVPool.by_layer`). This is the local backend's byte copy;
+the Mooncake backend will express the same slices as engine blocks.
 """
 
 from __future__ import annotations
@@ -62,18 +62,19 @@ def copy_head_slices(
     runs = coalesce(src_pages, dst_pages)
     if not runs or not slices:
         return
+    src_kv, dst_kv = src.by_layer(), dst.by_layer()
     if len(runs) <= _MAX_SLICE_RUNS:
         for r in runs:
             for s in slices:
-                dst.buffer[:, :, r.dst_start : r.dst_start + r.length, :, _cut(s.dst_heads)].copy_(
-                    src.buffer[:, :, r.src_start : r.src_start + r.length, :, _cut(s.src_heads)]
+                dst_kv[:, :, r.dst_start : r.dst_start + r.length, :, _cut(s.dst_heads)].copy_(
+                    src_kv[:, :, r.src_start : r.src_start + r.length, :, _cut(s.src_heads)]
                 )
         return
     src_idx = torch.tensor(list(src_pages), dtype=torch.long, device=src.device)
     dst_idx = torch.tensor(list(dst_pages), dtype=torch.long, device=dst.device)
-    gathered = src.buffer.index_select(2, src_idx).to(dst.device)
+    gathered = src_kv.index_select(2, src_idx).to(dst.device)
     for s in slices:
-        dst.buffer[:, :, :, :, _cut(s.dst_heads)].index_copy_(
+        dst_kv[:, :, :, :, _cut(s.dst_heads)].index_copy_(
             2, dst_idx, gathered[:, :, :, :, _cut(s.src_heads)]
         )
 

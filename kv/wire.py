@@ -7,8 +7,8 @@ Four messages cross the network, each a msgpack map with a type tag ``"t"``:
 decode → prefill
     :class:`Register` once per (decode manager, prefill rank): the decode session id
     (``host:rpc_port`` of its transfer engine), the ZeroMQ endpoint where it wants statuses, and
-    the layout of its registered memory (KV pool base pointer and geometry, metadata buffers),
-    and the model whose KV its pool holds (fingerprint and name).
+    the layout of its registered memory (KV pool base pointer, geometry and order, metadata
+    buffers), and the model whose KV its pool holds (fingerprint and name).
     :class:`Destination` once per room: the decode pages and metadata slot to write into.
     :class:`Abort` when decode gives up on a room.
 prefill → decode
@@ -37,6 +37,7 @@ import msgpack
 import numpy as np
 
 from kv.pages import kv_bytes
+from kv.pool_layout import KV_LAYOUTS, KVLayout
 from kv.transfer import KVPoll
 
 MAX_MESSAGE_BYTES = 16 << 20
@@ -82,6 +83,8 @@ class Register:
     #: The decode pool's model: its fingerprint (compared) and name (for messages).
     model: str = ""
     model_name: str = ""
+    #: The order of the decode pool's tensor (:mod:`kv.pool_layout`).
+    kv_layout: str = KVLayout.LAYER_MAJOR.value
 
     @property
     def kv_bytes(self) -> int:
@@ -138,6 +141,7 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "num_slots": msg.num_slots,
             "model": msg.model,
             "model_name": msg.model_name,
+            "kv_layout": msg.kv_layout,
         }
     elif isinstance(msg, Destination):
         body = {
@@ -287,6 +291,9 @@ def _parse_register(body: dict[Any, Any]) -> Register:
     kv_dtype = _str(body, "kv_dtype")
     if kv_dtype not in KV_DTYPES:
         raise WireError("bad_field", f"kv_dtype: {kv_dtype!r} not one of {sorted(KV_DTYPES)}")
+    kv_layout = _str(body, "kv_layout")
+    if kv_layout not in KV_LAYOUTS:
+        raise WireError("bad_field", f"kv_layout: {kv_layout!r} not one of {list(KV_LAYOUTS)}")
     meta_ptrs = _int_list(body, "meta_ptrs", 1, _MAX_U64)
     meta_item_lens = _int_list(body, "meta_item_lens", 1, 1 << 20)
     if len(meta_ptrs) != len(meta_item_lens):
@@ -308,6 +315,7 @@ def _parse_register(body: dict[Any, Any]) -> Register:
         num_slots=_int(body, "num_slots", 1, 1 << 24),
         model=_str(body, "model", allow_empty=True),
         model_name=_str(body, "model_name", allow_empty=True),
+        kv_layout=kv_layout,
     )
     if reg.kv_ptr + reg.kv_bytes > _MAX_U64:
         raise WireError("bad_field", "kv_ptr: the pool would extend past the address space")

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from kv.pool import KVPool
+from kv.pool_layout import KVLayout
 from scheduler.model.fixed_point import (
     WEIGHT_FRAC_BITS,
     WEIGHT_LIMIT,
@@ -128,8 +129,9 @@ class LlamaModel:
         digest = hashlib.sha256(repr(attrs.astuple(self.config)).encode()).hexdigest()[:16]
         return f"reference-{digest}"
 
-    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
-        """An empty KV pool shaped for this model, on its device."""
+    def make_pool(self, *, num_pages: int, page_size: int,
+                  layout: KVLayout = KVLayout.LAYER_MAJOR) -> KVPool:
+        """An empty KV pool shaped for this model, on its device, in ``layout``."""
         c = self.config
         return KVPool(
             num_layers=c.layers,
@@ -141,6 +143,7 @@ class LlamaModel:
             device=self.device,
             model=self.fingerprint,
             model_name="reference",
+            layout=layout,
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

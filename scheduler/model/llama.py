@@ -31,6 +31,7 @@ import torch
 
 from kv.pages import pages_needed
 from kv.pool import KVPool
+from kv.pool_layout import KVLayout
 from scheduler.model.checkpoint import Checkpoint, LlamaConfig, rope_inv_freq
 from scheduler.model.invariant import MIN_ROWS, Span, pad_rows, paged_attention
 from scheduler.model.reference import ModelInputError, resolve_device
@@ -119,12 +120,15 @@ class RealModel:
         c = self.config
         return c.layers * 2 * c.kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
 
-    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
-        """An empty KV pool shaped for this model (layers, KV heads, head dim, dtype)."""
+    def make_pool(self, *, num_pages: int, page_size: int,
+                  layout: KVLayout = KVLayout.LAYER_MAJOR) -> KVPool:
+        """An empty KV pool shaped for this model (layers, KV heads, head dim, dtype), in
+        ``layout``."""
         c = self.config
         return KVPool(num_layers=c.layers, num_pages=num_pages, page_size=page_size,
                       kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-                      device=self.device, model=self.fingerprint, model_name=self.name)
+                      device=self.device, model=self.fingerprint, model_name=self.name,
+                      layout=layout)
 
     def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
         stops = set(stop_token_ids)
@@ -168,7 +172,7 @@ class RealModel:
                      cos, sin)
         q, k = qk[:, : c.heads], qk[:, c.heads :]
         v = qkv[:, q_dim + kv_dim :].view(n_rows, c.kv_heads, c.head_dim)
-        kv = pool.buffer[layer].view(2, -1, c.kv_heads, c.head_dim)
+        kv = pool.kv_slots(layer)
         n = new_slots.shape[0]
         kv[0].index_copy_(0, new_slots, k[:n].to(pool.dtype))
         kv[1].index_copy_(0, new_slots, v[:n].to(pool.dtype))
@@ -211,7 +215,7 @@ class RealModel:
                 torch.cat(positions).to(dev), torch.cat(new_slots))
 
     def _slots(self, pool: KVPool, item: ForwardItem) -> torch.Tensor:
-        """Flat pool slots (``page * page_size + offset``) of positions ``0 .. start+n-1``."""
+        """The rows of :meth:`KVPool.kv_slots` that hold positions ``0 .. start+n-1``."""
         ps, n = pool.page_size, len(item.input_ids)
         end = item.start + n
         if n == 0 or item.start < 0:
@@ -234,7 +238,7 @@ class RealModel:
                 item.rid, f"token ids must be in 0..{self.config.vocab_size - 1}")
         table = torch.tensor(pages, dtype=torch.int64, device=self.device)
         pos = torch.arange(end, device=self.device)
-        return table[pos // ps] * ps + pos % ps
+        return pool.slot_rows(table[pos // ps] * ps + pos % ps)
 
 
 def row_chunks(rows: int, size: int = ROW_CHUNK) -> list[slice]:

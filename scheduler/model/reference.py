@@ -161,8 +161,7 @@ class PagedModelRunner:
         x = m.embed(tokens)
         for layer in range(c.layers):
             q, k, v = m.attention_inputs(layer, x, positions)
-            k_slots = self.pool.k(layer).view(-1, c.kv_heads, c.head_dim)
-            v_slots = self.pool.v(layer).view(-1, c.kv_heads, c.head_dim)
+            k_slots, v_slots = self.pool.kv_slots(layer)
             k_slots.index_copy_(0, new_slots, k.to(self.pool.dtype))
             v_slots.index_copy_(0, new_slots, v.to(self.pool.dtype))
             parts, offset = [], 0
@@ -175,7 +174,7 @@ class PagedModelRunner:
         return x, sizes
 
     def _slots(self, item: ForwardItem) -> torch.Tensor:
-        """Flat pool slots (``page * page_size + offset``) of positions ``0 .. start+n-1``."""
+        """The rows of :meth:`KVPool.kv_slots` that hold positions ``0 .. start+n-1``."""
         ps, n = self.pool.page_size, len(item.input_ids)
         end = item.start + n
         if n == 0 or item.start < 0:
@@ -200,7 +199,7 @@ class PagedModelRunner:
         self.model.check_tokens(item.rid, item.input_ids)
         page_table = torch.tensor(pages, dtype=torch.int64, device=self.pool.device)
         pos = torch.arange(end, device=self.pool.device)
-        return page_table[pos // ps] * ps + pos % ps
+        return self.pool.slot_rows(page_table[pos // ps] * ps + pos % ps)
 
 
 def greedy_decode_from_pool(

@@ -1,0 +1,58 @@
+"""The byte copies of the local transfer backend: pages of one pool into pages of another.
+
+Page lists are coalesced into runs consecutive on both sides (:func:`kv.pages.coalesce`) and
+each run moves as one slice copy of the pools' ``[regions, pages, region_page_elems]`` views
+(:meth:`kv.pool.KVPool.page_view`): one region per layer half with the layer-major layout, one
+region in all with the page-major one, so a run of a page-major pool is one contiguous copy.
+Between CPU pools a small run goes through numpy byte views, a large one through torch's
+multi-threaded copy; between device pools badly scattered lists move with one ``index_select`` /
+``index_copy_`` instead. Both pools must share one geometry, layout included (the receiver
+checks it when it pairs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv.pages import coalesce
+from kv.pool import KVPool
+
+# On an accelerator, above this many runs one gather/scatter over the page dimension beats a
+# launch per run.
+_MAX_SLICE_RUNS = 16
+_PARALLEL_COPY_BYTES = 1 << 20  # a run at least this large is copied by torch
+
+
+def copy_pages(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[int]) -> None:
+    """Copy page ``src_pages[i]`` of ``src`` into page ``dst_pages[i]`` of ``dst`` for every
+    ``i``: every layer, K and V."""
+    src_view, dst_view = src.page_view(), dst.page_view()
+    runs = coalesce(src_pages, dst_pages)
+    if src_view.device.type == "cpu" and dst_view.device.type == "cpu":
+        # A large run goes through torch's copy, which spreads it over the intra-op threads.
+        # A small one goes through numpy's single memcpy: torch opens a parallel region per
+        # call, and on a busy host with few cores each region can stall on a descheduled
+        # thread, which dominates when a chunk has many small runs.
+        src_bytes = src_view.view(torch.uint8).numpy()
+        dst_bytes = dst_view.view(torch.uint8).numpy()
+        row_bytes = src_bytes.shape[0] * src_bytes.shape[2]
+        for r in runs:
+            if r.length * row_bytes >= _PARALLEL_COPY_BYTES:
+                dst_view[:, r.dst_start : r.dst_start + r.length].copy_(
+                    src_view[:, r.src_start : r.src_start + r.length]
+                )
+            else:
+                dst_bytes[:, r.dst_start : r.dst_start + r.length] = src_bytes[
+                    :, r.src_start : r.src_start + r.length
+                ]
+        return
+    if len(runs) <= _MAX_SLICE_RUNS:
+        for r in runs:
+            dst_view[:, r.dst_start : r.dst_start + r.length].copy_(
+                src_view[:, r.src_start : r.src_start + r.length]
+            )
+        return
+    src_idx = torch.tensor(src_pages, dtype=torch.long, device=src_view.device)
+    dst_idx = torch.tensor(dst_pages, dtype=torch.long, device=dst_view.device)
+    gathered = src_view.index_select(1, src_idx).to(dst_view.device)
+    dst_view.index_copy_(1, dst_idx, gathered)
