@@ -165,6 +165,8 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {"prompt": "x", "n": 2, "bootstrap_host": ["h", "h"],
                          "bootstrap_port": [9, 9], "bootstrap_room": [5]}, "bad_bootstrap",
      "bootstrap_room"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "bootstrap_host": "h", "bootstrap_port": 9,
+                         "bootstrap_room": 5}, "bad_bootstrap", "bootstrap_room"),
     ("/v1/completions", {"prompt": "x", "bootstrap_host": ["h"], "bootstrap_port": [9],
                          "bootstrap_room": [5]}, "bad_bootstrap", "bootstrap_host"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "unsupported",

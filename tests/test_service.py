@@ -181,6 +181,11 @@ BAD_INPUTS = [
     ("bad_batch", json.dumps({"text": ["a", "b"], "stream": True}).encode(), "stream"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "rid": ["x"]}).encode(), "entries"),
     ("duplicate_rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "distinct"),
+    ("bad_batch", json.dumps({"text": ["a", "b"], "bootstrap_host": "h", "bootstrap_port": 9,
+                              "bootstrap_room": 5}).encode(), "room of its own"),
+    ("bad_batch", json.dumps({"text": "a", "sampling_params": {"n": 2}, "bootstrap_host": "h",
+                              "bootstrap_port": 9, "bootstrap_room": [5, 5]}).encode(),
+     "distinct rooms"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "sampling_params": [{}]}).encode(), "entries"),
     ("bad_batch", json.dumps({"text": "a", "sampling_params": [{}]}).encode(), "not a batch"),
     ("unsupported", json.dumps({"text": "a", "sampling_params": {"repetition_penalty": 1.2}}

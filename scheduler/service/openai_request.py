@@ -31,7 +31,12 @@ from scheduler.service.openai_schema import (
     SamplingFields,
     TextPart,
 )
-from scheduler.service.sampling import sample, samples_per_prompt, sampling_params_from
+from scheduler.service.sampling import (
+    check_own_rooms,
+    sample,
+    samples_per_prompt,
+    sampling_params_from,
+)
 from scheduler.service.schema import SamplingParamsBody
 
 #: What ``response_format`` json_object asks for, as a JSON schema (SGLang's mapping).
@@ -224,6 +229,10 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompt: list[int
             raise FieldError("bad_bootstrap", f"{name} has {len(value)} entries for n={n} "
                              "choices (give one value, or with n > 1 one per choice)", name)
         fields.append(value if isinstance(value, list) else [value] * n)
+    try:
+        check_own_rooms(zip(*fields, strict=True))
+    except BadRequest as exc:
+        raise FieldError("bad_bootstrap", str(exc), "bootstrap_room") from exc
     items = []
     for i, (host, port, room) in enumerate(zip(*fields, strict=True)):
         one = sample(sp, i) if n > 1 else sp

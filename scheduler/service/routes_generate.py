@@ -36,7 +36,12 @@ from scheduler.service.handoff import (
 )
 from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep
-from scheduler.service.sampling import sample, samples_per_prompt, sampling_params_from
+from scheduler.service.sampling import (
+    check_own_rooms,
+    sample,
+    samples_per_prompt,
+    sampling_params_from,
+)
 from scheduler.service.schema import (
     ERRORS,
     AbortAnswer,
@@ -110,6 +115,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     hosts = _per_item(body.bootstrap_host, total, "bootstrap_host", many)
     ports = _per_item(body.bootstrap_port, total, "bootstrap_port", many)
     rooms = _per_item(body.bootstrap_room, total, "bootstrap_room", many)
+    check_own_rooms(zip(hosts, ports, rooms, strict=True))
     items = [
         attrs.evolve(service.check(
             rid=rid, input_ids=prompt, sampling=_sampling(service, body, sp, rid),

@@ -11,6 +11,7 @@ OpenAI endpoints after translating their names into a :class:`SamplingParamsBody
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
@@ -140,6 +141,16 @@ def samples_per_prompt(params: list[SamplingParamsBody], prompts: int,
                          f"requests, more than the server queues ({queue_limit}, "
                          "--max-queued-requests)")
     return n
+
+
+def check_own_rooms(targets: Iterable[tuple[str | None, int | None, int | None]]) -> None:
+    """:class:`BadRequest` (``bad_batch``) when two items of one request (prompts of a batch,
+    or samples of ``n``) name the same bootstrap room of one decode peer (``(host, port, room)``):
+    the second would be refused as a room in use, and unseeded samples would draw alike."""
+    given = [t for t in targets if t[2] is not None]
+    if len(set(given)) != len(given):
+        raise BadRequest("bad_batch", "bootstrap_room: every prompt and every one of the n "
+                         "samples needs a room of its own; send a list of distinct rooms")
 
 
 def sample(sp: SamplingParamsBody, i: int) -> SamplingParamsBody:
