@@ -172,10 +172,16 @@ class LlamaModel:
     def layer_output(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer's output projection and SwiGLU MLP."""
         w = self._layers[layer]
-        x = fix(x + attn @ w.wo.T)
+        x = fix(x + self.project(attn, w.wo))
         h = rms_norm(x, w.mlp_norm, _RMS_EPS)
         gate, up = fix(h @ w.w_gate.T), fix(h @ w.w_up.T)
-        return fix(x + fix(silu(gate, self._exp) * up) @ w.w_down.T)
+        return fix(x + self.project(fix(silu(gate, self._exp) * up), w.w_down))
+
+    def project(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``a @ w.T`` for the two products that sum over heads or MLP rows (the attention
+        output and the MLP down projection), exact on the grid: the sharded model
+        (:mod:`scheduler.model.sharded`) sums them over its TP ranks."""
+        return a @ w.T
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The float64 logits of each row of the final residual stream (exact: a sum of
