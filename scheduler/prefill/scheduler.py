@@ -15,7 +15,8 @@ and fires them; the work around each step lives in its own module. One pass
    decode peer aborted the room), or a handshake into the slot queue;
 3. **promote** — handshaken requests take a metadata slot in arrival order (none free: they
    wait, never fail) and fire ``bootstrapped``;
-4. **plan** — the PrefillAdder (:mod:`.adder`) picks the batch, behind the PrefillDelayer gate;
+4. **plan** — the PrefillAdder (:mod:`.adder`) picks the batch, behind the PrefillDelayer gate,
+   a chunked request's next chunk first (:mod:`.planner`);
 5. **launch** — pages are allocated, new requests fire ``schedule``, the forward starts
    (:mod:`.forward`): inline in the normal loop, on the device in the overlap loop;
 6. **land** — a batch's results: this pass's in the normal loop, the *previous* pass's in the
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.release import Releaser
@@ -62,13 +63,14 @@ from lifecycle import (
 )
 from scheduler.dist.ranks import RankSync, SingleRank
 from scheduler.messages import AbortRequest, NewRequest, Response
-from scheduler.prefill.adder import Plan, Stop, plan_batch
+from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import Admission, sender_of
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import DelayerPass, PrefillDelayer
 from scheduler.prefill.forward import Device, DeviceWorker, Launched, Results, prepare, start
 from scheduler.prefill.metrics import SchedulerMetrics
-from scheduler.prefill.on_device import defer_failure, failure_deferred, settle_failure
+from scheduler.prefill.on_device import defer_failure, settle_failure
+from scheduler.prefill.planner import Planner
 from scheduler.prefill.prefix import PrefixCache
 from scheduler.prefill.readiness import Deadlines, Readiness, SlotQueue
 from scheduler.prefill.sampling import PrefillSampling
@@ -139,10 +141,8 @@ class PrefillScheduler:
                        if config.radix_cache else None)
         self._device = (device or DeviceWorker(self.pool.device)) if overlap else None
         self._inflight: Launched | None = None  # overlap: the batch on the device
-        self._continuing: PrefillRequest | None = None  # mid-chunk, continued first
-        # The largest batch so far (SGLang's max_prefill_bs, which the delayer's slot and
-        # queue conditions compare against).
-        self._max_prefill_bs = 0
+        self._planner = Planner(lifecycle=self.lifecycle, config=config, pool=self.pool,
+                                prefix=self.prefix)
         self.passes = 0
         self.last_batch_size = 0  # requests in the batch launched by the latest pass
         self.metrics.kv_pages_total.set(self.pool.num_pages)
@@ -171,7 +171,7 @@ class PrefillScheduler:
         delayer_pass = (
             DelayerPass(self.delayer, self.pool_usage()) if self.delayer is not None else None
         )
-        plan = self._plan(delayer_pass)  # 4
+        plan = self._planner.plan(delayer_pass)  # 4
         launched = self._launch(plan) if plan.chunks else None  # 5
         self.last_batch_size = len(plan.chunks)
         if self.overlap:  # 6
@@ -284,61 +284,17 @@ class PrefillScheduler:
         self.lifecycle.fire(PrefillEvent.BOOTSTRAPPED, ready)
         return bool(ready)
 
-    # -- 4. plan, 5. launch, 6. land --------------------------------------------------------
-
-    def _plan(self, delayer_pass: DelayerPass | None) -> Plan:
-        waiting = self.lifecycle.in_state(S.WAITING)
-        continuing = self._continuing
-        if continuing is not None and (
-            continuing.state is not S.FORWARD or failure_deferred(continuing)
-        ):
-            continuing = self._continuing = None
-        if not waiting and continuing is None:
-            return Plan()
-        running = len(self.lifecycle.in_state(S.FORWARD)) + len(
-            self.lifecycle.in_state(S.TRANSFERRING)
-        )
-        cfg, prefix = self.config, self.prefix
-        queue: Iterable[PrefillRequest] = waiting.values()
-        if prefix is not None:
-            queue = prefix.begin_pass(queue, len(waiting))
-        plan = plan_batch(
-            continuing=continuing, waiting=queue, waiting_len=len(waiting), running=running,
-            free_pages=prefix.pages_available() if prefix else self.pool.allocator.available(),
-            page_size=cfg.page_size, max_prefill_tokens=cfg.max_prefill_tokens,
-            chunked_prefill_size=cfg.chunked_prefill_size,
-            max_running_requests=cfg.max_running_requests,
-            prefill_max_requests=cfg.prefill_max_requests,
-            gate=self._gate(delayer_pass), lookup=None if prefix is None else prefix.lookup,
-        )
-        if plan.stop is Stop.DELAYED and continuing is None:
-            return Plan(stop=Stop.DELAYED)
-        return plan
-
-    def _gate(self, delayer_pass: DelayerPass | None) -> Callable[[int, int], bool] | None:
-        if delayer_pass is None:
-            return None
-
-        def gate(running_now: int, waiting_len: int) -> bool:
-            return delayer_pass.allow(
-                local_prefillable=True, running_batch=running_now,
-                max_prefill_bs=self._max_prefill_bs,
-                max_running_requests=self.config.max_running_requests,
-                waiting_queue_len=waiting_len,
-            )
-
-        return gate
+    # -- 5. launch, 6. land --------------------------------------------------------------
 
     def _launch(self, plan: Plan) -> Launched:
         new = [c.req for c in plan.chunks if c.req.state is S.WAITING]
-        self._continuing = next((c.req for c in plan.chunks if not c.last), None)
+        self._planner.launched(plan)
         if self.prefix is not None:
             self.prefix.admit([(c.req, c.prefix) for c in plan.chunks if c.prefix is not None],
                               sum(c.new_pages for c in plan.chunks))
         batch, sampled = self._sampling.forward_for(
             plan, prepare(plan, self.pool, self.config.page_size))
         self.lifecycle.fire(PrefillEvent.SCHEDULE, new)
-        self._max_prefill_bs = max(self._max_prefill_bs, len(plan.chunks))
         return start(plan, batch, self.runner, self._device, sampled)
 
     def _land(self, launched: Launched) -> None:
@@ -360,8 +316,7 @@ class PrefillScheduler:
     def _release(self, req: PrefillRequest) -> None:
         forget_room = self._admission.forget(req)
         self._slot_queue.discard(req)
-        if self._continuing is req:
-            self._continuing = None
+        self._planner.forget(req)
         own, hold = (req.pages, None) if self.prefix is None else self.prefix.release_of(req)
         self._releaser.release(sender_of(req), own, req.slot, forget_room, hold)
         req.sender, req.pages, req.slot, req.prefix = None, [], None, None
