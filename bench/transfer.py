@@ -1,8 +1,10 @@
-"""KV transfer throughput: pdlife's backends against the raw mechanisms under them.
+"""KV transfer throughput: pdlife's backends against the raw mechanisms under them, for both
+pool layouts (:mod:`kv.pool_layout`).
 
 1. Mooncake: many requests' pages sent by :class:`kv.mooncake.MooncakeKVManager` to a decode
-   process over loopback TCP, against the raw TransferEngine writing the same bytes as one
-   contiguous region per layer (one batch write).
+   process over loopback TCP, against the raw TransferEngine writing the same bytes in one batch
+   write: as one contiguous region for the page-major pool (the physical limit: no layout can
+   need fewer blocks), as one contiguous region per layer for the layer-major pool.
 2. Local: :class:`kv.local.LocalKVManager` moving the same pages between two in-process pools,
    against one ``torch`` copy of the same number of bytes.
 
@@ -25,9 +27,11 @@ Each round sends every request once, pdlife then the baseline, so both see the s
 load; a figure is the median over ``--iters`` rounds after a warm-up, and a ratio is the median
 of the per-round ratios.
 
-Last line: ``RESULT transfer ratio=<pdlife/raw> pdlife_gbps= raw_gbps= local_ratio=<local/torch>
-model=<the geometry>`` for the churned pool. Two pools of ``--pages`` pages are live at a time
-(about 4.5 GiB at the default 1,152 synthetic pages); a smaller ``--pages`` (and
+Last line, for the churned pool: ``RESULT transfer ratio=<page-major pdlife / raw one region>
+layer_major_ratio=<layer-major pdlife / raw one region per layer> local_ratio=<page-major local /
+torch> layer_major_local_ratio=<...> pdlife_gbps=<page-major pdlife> raw_gbps=<raw one region>
+layer_major_gbps=<layer-major pdlife> model=<the geometry>``. Two pools of ``--pages`` pages are
+live at a time (about 4.5 GiB at the default 1,152 synthetic pages); a smaller ``--pages`` (and
 ``--max-pages``) fits a smaller machine.
 """
 
@@ -49,6 +53,7 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.pages import coalesce
 from kv.pool import KVPool, PageAllocator
+from kv.pool_layout import KVLayout
 from kv.transfer import KVManager, KVPoll, KVSender
 from tests.mooncake_harness import DecodePeer
 
@@ -66,9 +71,10 @@ class Shape:
     head_dim: int
     dtype: torch.dtype
 
-    def pool(self, pages: int) -> KVPool:
+    def pool(self, pages: int, layout: KVLayout = KVLayout.LAYER_MAJOR) -> KVPool:
         return KVPool(num_layers=self.num_layers, num_pages=pages, page_size=PAGE_SIZE,
-                      kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+                      kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                      layout=layout)
 
     @property
     def page_mib(self) -> float:
@@ -150,7 +156,8 @@ def describe(name: str, plan: Plan, pool_pages: int, shape: Shape) -> str:
     runs = sum(len(coalesce(p, list(range(len(p))))) for p in plan)
     return (f"{name}: {len(plan)} requests, {pages} of {pool_pages} pages "
             f"({pages * shape.page_mib:.0f} MiB per round), {pages / runs:.1f} pages per run, "
-            f"at most {runs * 2 * shape.num_layers} blocks per round")
+            f"at most {runs} blocks per round page-major, {runs * 2 * shape.num_layers} "
+            "layer-major")
 
 
 def wait_all(manager: KVManager, senders: dict[int, KVSender], until: set[KVPoll]) -> None:
@@ -197,10 +204,10 @@ def measure(iters: int, total: int, pdlife: Callable[[], float], base: Callable[
                    ratios)
 
 
-def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape
-                   ) -> dict[str, Figures]:
+def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape,
+                   layout: KVLayout) -> dict[str, Figures]:
     server = BootstrapServer()
-    pool = shape.pool(args.pages)
+    pool = shape.pool(args.pages, layout)
     pool.buffer.view(torch.int16).random_()
     slots = max(len(plan) for plan in plans.values())
     metadata = MetadataBuffers(slots)
@@ -208,22 +215,25 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     manager.register_to_bootstrap(server.address)
     peer = DecodePeer(server.address, layers=shape.num_layers, pages=args.pages,
                       page_size=PAGE_SIZE, heads=shape.kv_heads, dim=shape.head_dim,
-                      dtype=str(shape.dtype).removeprefix("torch."), slots=slots)
+                      dtype=str(shape.dtype).removeprefix("torch."), slots=slots,
+                      layout=layout.value)
     from mooncake.engine import TransferEngine  # after the manager set the engine's log level
 
     engine = TransferEngine()
     engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     base = pool.buffer.data_ptr()
     engine.register_memory(base, pool.buffer.numel() * pool.buffer.element_size())
-    layer_stride = 2 * pool.num_pages * pool.page_bytes
+    # The baseline's regions: the whole buffer as one, or one per layer (K and V together).
+    regions = 1 if layout is KVLayout.PAGE_MAJOR else pool.num_layers
+    stride = pool.buffer.numel() * pool.buffer.element_size() // regions
     next_room = 1
     results: dict[str, Figures] = {}
     try:
-        dst = [peer.info["kv_ptr"] + layer * layer_stride for layer in range(pool.num_layers)]
-        src = [base + layer * layer_stride for layer in range(pool.num_layers)]
+        dst = [peer.info["kv_ptr"] + i * stride for i in range(regions)]
+        src = [base + i * stride for i in range(regions)]
         for name, plan in plans.items():
             total = pool.bytes_of_pages(sum(len(p) for p in plan))
-            lens = [total // pool.num_layers] * pool.num_layers
+            lens = [total // regions] * regions
 
             def raw(lens: list[int] = lens) -> float:
                 start = time.perf_counter()
@@ -256,12 +266,12 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     return results
 
 
-def bench_local(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape
-                ) -> dict[str, Figures]:
+def bench_local(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape,
+                layout: KVLayout) -> dict[str, Figures]:
     hub = LocalTransferHub()
-    src_pool = shape.pool(args.pages)
+    src_pool = shape.pool(args.pages, layout)
     src_pool.buffer.view(torch.int16).random_()
-    dst_pool = shape.pool(args.pages)
+    dst_pool = shape.pool(args.pages, layout)
     slots = max(len(plan) for plan in plans.values())
     metadata, dst_metadata = MetadataBuffers(slots), MetadataBuffers(slots)
     manager = LocalKVManager(src_pool, metadata, hub=hub, bootstrap_addr="local:bench")
@@ -326,9 +336,11 @@ def main() -> None:
     ap.add_argument("--shredded-requests", type=int, default=16)
     ap.add_argument("--shredded-pages", type=int, default=4, help="pages per shredded request")
     ap.add_argument("--run-pages", type=int, default=4, help="free run length when shredded")
-    ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--iters", type=int, default=9, help="timed rounds (at least 5)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.iters < 5:
+        ap.error("--iters must be at least 5: the figures are medians of the rounds")
     shape = shape_of(args.model, args.dtype)
     plans = {
         "churned": churned_requests(args.pages, args.requests, args.min_pages, args.max_pages,
@@ -341,18 +353,28 @@ def main() -> None:
           f"({shape.page_mib:.2f} MiB a page)")
     for name, plan in plans.items():
         print(describe(name, plan, args.pages, shape))
-    mooncake = bench_mooncake(args, plans, shape)
-    local = bench_local(args, plans, shape)
+    mooncake: dict[KVLayout, dict[str, Figures]] = {}
+    local: dict[KVLayout, dict[str, Figures]] = {}
+    for layout in (KVLayout.PAGE_MAJOR, KVLayout.LAYER_MAJOR):
+        mooncake[layout] = bench_mooncake(args, plans, shape, layout)
+        local[layout] = bench_local(args, plans, shape, layout)
     for name in plans:
-        m, lo = mooncake[name], local[name]
-        print(f"{name}:\n"
-              f"  mooncake  pdlife {m.pdlife_gbps:5.2f} GB/s, raw engine {m.base_gbps:5.2f} GB/s,"
-              f" ratio {m.ratio:.3f} (rounds {m.spread()})\n"
-              f"  local     pdlife {lo.pdlife_gbps:5.2f} GB/s, torch copy {lo.base_gbps:5.2f} GB/s,"
-              f" ratio {lo.ratio:.3f} (rounds {lo.spread()})")
-    m, lo = mooncake["churned"], local["churned"]
-    print(f"RESULT transfer ratio={m.ratio:.3f} pdlife_gbps={m.pdlife_gbps:.3f} "
-          f"raw_gbps={m.base_gbps:.3f} local_ratio={lo.ratio:.3f} model={shape.name}")
+        print(f"{name}:")
+        for layout, raw_name in ((KVLayout.PAGE_MAJOR, "raw one region"),
+                                 (KVLayout.LAYER_MAJOR, "raw region per layer")):
+            m, lo = mooncake[layout][name], local[layout][name]
+            print(f"  {layout.value}\n"
+                  f"    mooncake  pdlife {m.pdlife_gbps:5.2f} GB/s, {raw_name} "
+                  f"{m.base_gbps:5.2f} GB/s, ratio {m.ratio:.3f} (rounds {m.spread()})\n"
+                  f"    local     pdlife {lo.pdlife_gbps:5.2f} GB/s, torch copy "
+                  f"{lo.base_gbps:5.2f} GB/s, ratio {lo.ratio:.3f} (rounds {lo.spread()})")
+    page = mooncake[KVLayout.PAGE_MAJOR]["churned"]
+    layer = mooncake[KVLayout.LAYER_MAJOR]["churned"]
+    print(f"RESULT transfer ratio={page.ratio:.3f} layer_major_ratio={layer.ratio:.3f} "
+          f"local_ratio={local[KVLayout.PAGE_MAJOR]['churned'].ratio:.3f} "
+          f"layer_major_local_ratio={local[KVLayout.LAYER_MAJOR]['churned'].ratio:.3f} "
+          f"pdlife_gbps={page.pdlife_gbps:.3f} raw_gbps={page.base_gbps:.3f} "
+          f"layer_major_gbps={layer.pdlife_gbps:.3f} model={shape.name}")
 
 
 if __name__ == "__main__":

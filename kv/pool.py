@@ -25,7 +25,7 @@ import torch
 
 from kv.model_id import MAX_MODEL_NAME, describe_model
 from kv.pages import kv_bytes
-from kv.pool_layout import KVLayout
+from kv.pool_layout import KVLayout, parse_kv_layout
 
 
 class KVPoolError(Exception):
@@ -259,7 +259,7 @@ class KVPool:
         self.dtype = dtype
         self.model = model
         self.model_name = model_name[:MAX_MODEL_NAME]
-        self.layout = KVLayout.parse(layout)
+        self.layout = parse_kv_layout(layout)
         shape = self.layout.shape(num_layers=num_layers, num_pages=num_pages,
                                   page_size=page_size, kv_heads=kv_heads, head_dim=head_dim)
         self.buffer = torch.zeros(shape, dtype=dtype, device=device)

@@ -30,16 +30,6 @@ class KVLayout(enum.StrEnum):
     LAYER_MAJOR = "layer_major"
     PAGE_MAJOR = "page_major"
 
-    @classmethod
-    def parse(cls, value: str | KVLayout) -> KVLayout:
-        """``value`` as a layout; ValueError naming the layouts there are."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"kv layout must be one of {', '.join(KV_LAYOUTS)}, got {value!r}"
-            ) from None
-
     def regions(self, num_layers: int) -> int:
         """The contiguous regions a run of consecutive pages occupies: one per layer half
         (layer-major), or one (page-major)."""
@@ -55,5 +45,20 @@ class KVLayout(enum.StrEnum):
         return (num_pages, num_layers, 2, *page)
 
 
+def parse_kv_layout(value: str | KVLayout) -> KVLayout:
+    """``value`` as a layout; ValueError naming the layouts there are (an attrs converter)."""
+    try:
+        return KVLayout(value)
+    except ValueError:
+        raise ValueError(
+            f"kv layout must be one of {', '.join(KV_LAYOUTS)}, got {value!r}"
+        ) from None
+
+
 #: The layout names, in the order help texts list them.
 KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
+
+#: The layout of both sides of a pdlife pair (``pdlife serve``, the embedded pair) unless told
+#: otherwise: page-major, whose run of pages is one transfer block (docs/backends.md#pool-layouts).
+#: A :class:`~kv.pool.KVPool` built without a layout is layer-major, SGLang's.
+DEFAULT_KV_LAYOUT = KVLayout.PAGE_MAJOR

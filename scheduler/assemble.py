@@ -28,6 +28,7 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
+from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout
 from kv.transfer import DecodeKVManager, KVManager
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
@@ -49,7 +50,7 @@ Closers = list[Callable[[], None]]
 class PoolModel(Protocol):
     """A model that sizes the KV pool it writes into."""
 
-    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool: ...
+    def make_pool(self, *, num_pages: int, page_size: int, layout: KVLayout) -> KVPool: ...
 
 
 #: Builds a side's model runner over its pool (the model is the caller's).
@@ -129,13 +130,14 @@ def build_prefill(
     bootstrap: BootstrapServer | None = None,
     mooncake: MooncakeConfig | None = None,
     faults: FaultPlan | None = None,
+    kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
     **options: Unpack[PrefillOptions],
 ) -> PrefillScheduler:
-    """A prefill scheduler over a fresh pool and ``backend``'s KV manager. ``local`` needs the
-    ``hub`` its decode peer shares; ``mooncake`` needs the ``bootstrap`` endpoint its rank
-    registers at. Requests for the fake bootstrap host always get the fake backend, on the
-    scheduler's clock."""
-    pool = model.make_pool(num_pages=pages, page_size=config.page_size)
+    """A prefill scheduler over a fresh pool (in ``kv_layout``) and ``backend``'s KV manager.
+    ``local`` needs the ``hub`` its decode peer shares; ``mooncake`` needs the ``bootstrap``
+    endpoint its rank registers at. Requests for the fake bootstrap host always get the fake
+    backend, on the scheduler's clock."""
+    pool = model.make_pool(num_pages=pages, page_size=config.page_size, layout=kv_layout)
     metadata = MetadataBuffers(metadata_slots)
     fake_kv = FakeKVManager(faults, clock=options.get("clock", time.monotonic))
     kv: KVManager
@@ -172,10 +174,12 @@ def build_decode(
     metadata_slots: int,
     runner_factory: RunnerFactory,
     closers: Closers,
+    kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
     **options: Unpack[DecodeOptions],
 ) -> DecodePeer:
-    """A decode peer over a fresh pool; ``kv_for`` builds its KV manager."""
-    pool = model.make_pool(num_pages=pages, page_size=page_size)
+    """A decode peer over a fresh pool (in ``kv_layout``, the prefill side's); ``kv_for``
+    builds its KV manager."""
+    pool = model.make_pool(num_pages=pages, page_size=page_size, layout=kv_layout)
     metadata = MetadataBuffers(metadata_slots)
     runner = runner_factory(model, pool)
     kv = kv_for(pool, metadata, runner)

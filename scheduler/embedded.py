@@ -25,6 +25,7 @@ from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
+from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from lifecycle import SamplingParams
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
 from scheduler.decode import DecodeConfig
@@ -51,6 +52,8 @@ class PairConfig:
     backend: Literal["local", "mooncake"] = attrs.field(
         default="local", validator=attrs.validators.in_(("local", "mooncake"))
     )
+    #: Both pools' layout (docs/backends.md#pool-layouts).
+    kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)
 
 
 @attrs.frozen
@@ -104,14 +107,16 @@ class EmbeddedPair:
                 self.model, backend=config.backend, config=config.scheduler,
                 pages=config.prefill_pages, metadata_slots=config.metadata_slots,
                 runner_factory=runner_factory, closers=self._closers, hub=hub,
-                bootstrap=self.bootstrap, faults=faults, delayer=delayer, clock=clock,
-                on_response=self._on_prefill, overlap=config.overlap, compiler=compiler,
+                bootstrap=self.bootstrap, faults=faults, kv_layout=config.kv_layout,
+                delayer=delayer, clock=clock, on_response=self._on_prefill,
+                overlap=config.overlap, compiler=compiler,
             )
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_kv, hub),
                 page_size=config.scheduler.page_size, pages=config.decode_pages,
                 metadata_slots=config.metadata_slots, runner_factory=runner_factory,
-                closers=self._closers, eos_token_id=eos, clock=clock, on_response=self._on_decode,
+                closers=self._closers, kv_layout=config.kv_layout, eos_token_id=eos,
+                clock=clock, on_response=self._on_decode,
                 config=DecodeConfig(check_invariants=config.scheduler.check_invariants),
                 compiler=compiler, detokenize=detokenize,
             )

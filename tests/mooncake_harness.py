@@ -24,11 +24,13 @@ from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
+from kv.pool_layout import KVLayout
 from tests.transfer_harness import (
     NUM_PAGES,
     NUM_SLOTS,
     HarnessSession,
     InProcessDecode,
+    layout_name,
     make_pool,
 )
 
@@ -133,14 +135,14 @@ class _MooncakeSession(InProcessDecode):
 
     decode: MooncakeDecodeManager
 
-    def __init__(self) -> None:
+    def __init__(self, layout: KVLayout) -> None:
         self.server = BootstrapServer()
         self.bootstrap_addr = self.server.address
-        self.prefill_pool = make_pool()
+        self.prefill_pool = make_pool(layout=layout)
         self.prefill_metadata = MetadataBuffers(NUM_SLOTS)
         self.manager = MooncakeKVManager(self.prefill_pool, self.prefill_metadata)
         self.manager.register_to_bootstrap(self.bootstrap_addr)
-        self.decode_pool = make_pool(2 * NUM_PAGES)
+        self.decode_pool = make_pool(2 * NUM_PAGES, layout=layout)
         self.decode_metadata = MetadataBuffers(2 * NUM_SLOTS)
         self.decode_slots = SlotAllocator(2 * NUM_SLOTS)
         self.decode = MooncakeDecodeManager(
@@ -163,9 +165,12 @@ class _MooncakeSession(InProcessDecode):
 
 
 class MooncakeHarness:
-    name = "mooncake"
     moves_data = True
     marks: tuple[pytest.MarkDecorator, ...] = (pytest.mark.mooncake,)
 
+    def __init__(self, layout: KVLayout = KVLayout.LAYER_MAJOR) -> None:
+        self.layout = layout
+        self.name = layout_name("mooncake", layout)
+
     def make(self) -> HarnessSession:
-        return _MooncakeSession()
+        return _MooncakeSession(self.layout)

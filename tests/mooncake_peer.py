@@ -8,7 +8,8 @@ Commands (one JSON object per line):
 - ``{"cmd": "recv", "room": R, "num_pages": N}``: allocate pages and a slot, create the
   receiver, send the destination; prints ``posted`` with the pages and slot.
 - ``{"cmd": "abort", "room": R}``, ``{"cmd": "release", "room": R}`` (clear, free pages/slot).
-- ``{"cmd": "dump", "path": P}``: save the pool buffer, metadata rooms and rows; prints ``dumped``.
+- ``{"cmd": "dump", "path": P}``: save the pool (layer-major, whatever ``--layout``), metadata
+  rooms and rows; prints ``dumped``.
 - ``{"cmd": "exit"}``.
 
 Whenever a room concludes it prints ``{"event": "done", "room", "status", "reason"}``.
@@ -29,6 +30,7 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake_decode import MooncakeDecodeManager, MooncakeKVReceiver
 from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
+from kv.pool_layout import KV_LAYOUTS, KVLayout
 from kv.transfer import KVPoll
 
 
@@ -55,10 +57,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--token", default=None)
+    ap.add_argument("--layout", default=KVLayout.LAYER_MAJOR.value, choices=KV_LAYOUTS)
     args = ap.parse_args()
 
     pool = KVPool(num_layers=args.layers, num_pages=args.pages, page_size=args.page_size,
-                  kv_heads=args.heads, head_dim=args.dim, dtype=getattr(torch, args.dtype))
+                  kv_heads=args.heads, head_dim=args.dim, dtype=getattr(torch, args.dtype),
+                  layout=args.layout)
     metadata = MetadataBuffers(args.slots)
     slots = SlotAllocator(args.slots)
     mgr = MooncakeDecodeManager(pool, metadata, args.bootstrap,
@@ -100,7 +104,7 @@ def main() -> None:
                 slots.free(slot)
                 reported.discard(room)
             elif kind == "dump":
-                torch.save({"kv": pool.buffer, "room": metadata.room[:, 0].clone(),
+                torch.save({"kv": pool.by_layer().contiguous(), "room": metadata.room[:, 0].clone(),
                             "rows": {n: getattr(metadata, n).clone()
                                      for n in MetadataBuffers.FIELDS}}, cmd["path"])
                 _emit(event="dumped", path=cmd["path"])

@@ -14,6 +14,7 @@ from typing import Literal
 import attrs
 import torch
 
+from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import LlamaModel
@@ -31,18 +32,20 @@ def check_pair(prompts: Mapping[str, Sequence[int]], expected: Mapping[str, Sequ
                backend: Literal["local", "mooncake"] = "local",
                max_prefill_tokens: int | None = None,
                model: LlamaModel | None = None, served: ServedModel | None = None,
-               pool_dtype: torch.dtype | None = None, timeout: float = 600.0) -> None:
-    """Run ``prompts`` (rid → input ids) through a pair of ``pages`` pages a side and check each
-    request's output against ``expected`` (rid → tokens); ``pool_dtype``, if given, is both
-    pools' dtype."""
+               pool_dtype: torch.dtype | None = None, timeout: float = 600.0,
+               kv_layout: KVLayout = DEFAULT_KV_LAYOUT) -> None:
+    """Run ``prompts`` (rid → input ids) through a pair of ``pages`` pages a side (pools in
+    ``kv_layout``) and check each request's output against ``expected`` (rid → tokens);
+    ``pool_dtype``, if given, is both pools' dtype."""
     scheduler = SchedulerConfig(page_size=page_size, chunked_prefill_size=chunk,
                                 check_invariants=True)
     if max_prefill_tokens is not None:
         scheduler = attrs.evolve(scheduler, max_prefill_tokens=max_prefill_tokens)
     cfg = PairConfig(scheduler=scheduler, prefill_pages=pages, decode_pages=pages,
-                     overlap=overlap, backend=backend)
+                     overlap=overlap, backend=backend, kv_layout=kv_layout)
     pair = EmbeddedPair(cfg, model=model, served=served)
     try:
+        assert pair.prefill_pool.layout == pair.decode_pool.layout == kv_layout
         if pool_dtype is not None:
             assert pair.prefill_pool.dtype == pair.decode_pool.dtype == pool_dtype
         for rid, ids in prompts.items():

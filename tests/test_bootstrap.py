@@ -18,9 +18,11 @@ def server() -> Iterator[BootstrapServer]:
     srv.close()
 
 
-def _rank(rank: int, page_size: int = 16, dtype: str = "bfloat16") -> RankInfo:
+def _rank(rank: int, page_size: int = 16, dtype: str = "bfloat16",
+          layout: str = "layer_major") -> RankInfo:
     return RankInfo(rank=rank, endpoint=f"tcp://127.0.0.1:{7000 + rank}",
-                    session=f"127.0.0.1:{8000 + rank}", page_size=page_size, kv_dtype=dtype)
+                    session=f"127.0.0.1:{8000 + rank}", page_size=page_size, kv_dtype=dtype,
+                    kv_layout=layout)
 
 
 def _raw(srv: BootstrapServer, method: str, path: str, body: bytes = b"",
@@ -68,6 +70,9 @@ def test_health(server: BootstrapServer) -> None:
                  "kv_dtype": "bfloat16"}).encode(),
      json.dumps({"rank": 5, "endpoint": "tcp://a:1", "session": "a:1", "page_size": 16,
                  "kv_dtype": "bfloat16"}).encode(),
+     json.dumps({"rank": 0, "endpoint": "tcp://a:1", "session": "a:1", "page_size": 16,
+                 "kv_dtype": "bfloat16", "model": "", "model_name": "",
+                 "kv_layout": "head_major"}).encode(),
      b"\xff\xfe"],
 )
 def test_bad_registrations_get_400_and_change_nothing(server: BootstrapServer,
@@ -84,7 +89,16 @@ def test_ranks_must_agree_on_geometry(server: BootstrapServer) -> None:
     with pytest.raises(BootstrapError) as err:
         client.register(_rank(1, page_size=32))
     assert err.value.status == 400
+    with pytest.raises(BootstrapError, match=r"kv_layout=page_major .* kv_layout=layer_major"):
+        client.register(_rank(1, layout="page_major"))
     assert set(server.ranks()) == {0}
+
+
+def test_the_table_carries_the_pool_layout(server: BootstrapServer) -> None:
+    client = BootstrapClient(server.address)
+    for rank in (0, 1):
+        client.register(_rank(rank, layout="page_major"))
+    assert client.lookup().kv_layout == "page_major"
 
 
 def test_unknown_route_is_404(server: BootstrapServer) -> None:

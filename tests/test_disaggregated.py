@@ -2,8 +2,8 @@
 
 The prefill scheduler and the decode peer run in one process (EmbeddedPair) over the local
 backend (pages copied between pools) and over Mooncake (pages cross loopback TCP through the
-bootstrap endpoint and the ZeroMQ control plane), with both loops, page sizes 1, 16 and 64 and
-several chunk sizes.
+bootstrap endpoint and the ZeroMQ control plane), with both loops, page sizes 1, 16 and 64,
+several chunk sizes, and both pool layouts.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from tests.pair_check import check_pair
 
@@ -25,11 +26,11 @@ MAX_NEW = 6
 
 def run_pair(prompts: dict[str, list[int]], *, page_size: int, chunk: int | None,
              overlap: bool, backend: Literal["local", "mooncake"] = "local",
-             max_new: int = MAX_NEW) -> None:
+             max_new: int = MAX_NEW, kv_layout: KVLayout = DEFAULT_KV_LAYOUT) -> None:
     expected = {rid: REFERENCE.generate(prompt, max_new) for rid, prompt in prompts.items()}
     check_pair(prompts, expected, page_size=page_size, chunk=chunk, overlap=overlap,
                max_new=max_new, pages=8192 // page_size + 8, backend=backend, model=MODEL,
-               timeout=240)
+               timeout=240, kv_layout=kv_layout)
 
 
 def prompts_of(lengths: list[int], seed: int) -> dict[str, list[int]]:
@@ -56,6 +57,14 @@ def test_a_long_prompt_in_many_chunks_matches_reference(overlap):
 def test_mooncake_backend_matches_reference(overlap):
     run_pair(prompts_of([1, 17, 200, 1200], 7), page_size=16, chunk=512, overlap=overlap,
              backend="mooncake")
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def test_the_other_pool_layout_matches_reference(backend):
+    """The layout a pair does not default to serves alike (the tests above run the default)."""
+    other = next(layout for layout in KVLayout if layout is not DEFAULT_KV_LAYOUT)
+    run_pair(prompts_of([1, 17, 200, 1200], 8), page_size=16, chunk=256, overlap=False,
+             backend=backend, kv_layout=other)
 
 
 @settings(max_examples=6)

@@ -12,6 +12,7 @@ from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager, LocalKVReceiver
 from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
+from kv.pool_layout import KVLayout
 from kv.transfer import REASON_PEER_ABORTED, KVPoll, TransferUsageError
 from tests.transfer_harness import drive, eventually
 
@@ -19,9 +20,10 @@ ADDR = "local:test"
 _TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
 
 
-def _pool(num_pages: int = 64, dtype: torch.dtype = torch.float32, **kw: int) -> KVPool:
+def _pool(num_pages: int = 64, dtype: torch.dtype = torch.float32,
+          layout: KVLayout = KVLayout.LAYER_MAJOR, **kw: int) -> KVPool:
     geometry = {"num_layers": 3, "page_size": 2, "kv_heads": 2, "head_dim": 4, **kw}
-    return KVPool(num_pages=num_pages, dtype=dtype, **geometry)
+    return KVPool(num_pages=num_pages, dtype=dtype, layout=layout, **geometry)
 
 
 class _Side:
@@ -71,6 +73,7 @@ def _transfer(side: _Side, room: int, src: list[int], dst: list[int], chunks: in
 LARGE_PAGES = {"page_size": 16, "kv_heads": 8, "head_dim": 128}
 
 
+@pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize(
     ("dtype", "scattered", "geometry"),
     [
@@ -82,9 +85,10 @@ LARGE_PAGES = {"page_size": 16, "kv_heads": 8, "head_dim": 128}
     ids=["runs-f32", "runs-bf16", "scattered-f32", "large-runs-f32"],
 )
 def test_multi_chunk_transfer_is_byte_exact(
-    dtype: torch.dtype, scattered: bool, geometry: dict[str, int]
+    dtype: torch.dtype, scattered: bool, geometry: dict[str, int], layout: KVLayout
 ) -> None:
-    side = _Side(_pool(dtype=dtype, **geometry), _pool(dtype=dtype, **geometry))
+    side = _Side(_pool(dtype=dtype, layout=layout, **geometry),
+                 _pool(dtype=dtype, layout=layout, **geometry))
     try:
         generator = torch.Generator().manual_seed(1)
         bits = torch.randint(-(2**15), 2**15, side.prefill.pool.buffer.shape, generator=generator)
@@ -96,8 +100,8 @@ def test_multi_chunk_transfer_is_byte_exact(
             src = [*range(3, 20), *range(30, 40), 50, 51]
             dst = [*range(5, 22), *range(40, 52)]
         _transfer(side, room=77, src=src, dst=dst, chunks=3)
-        decode = side.decode.pool.buffer
-        prefill = side.prefill.pool.buffer
+        decode = side.decode.pool.by_layer()
+        prefill = side.prefill.pool.by_layer()
         assert torch.equal(
             decode[:, :, dst].view(torch.uint8), prefill[:, :, src].view(torch.uint8)
         )
@@ -117,6 +121,16 @@ def test_geometry_mismatch_is_a_clear_error_at_handshake() -> None:
     try:
         receiver = side.decode.create_receiver(ADDR, 1)
         with pytest.raises(KVGeometryError, match=r"page_size: 2 vs 4.*dtype"):
+            receiver.init()
+    finally:
+        side.close()
+
+
+def test_a_layout_mismatch_is_refused_naming_both_layouts() -> None:
+    side = _Side(_pool(layout=KVLayout.PAGE_MAJOR), _pool(layout=KVLayout.LAYER_MAJOR))
+    try:
+        receiver = side.decode.create_receiver(ADDR, 1)
+        with pytest.raises(KVGeometryError, match=r"layout: page_major vs layer_major"):
             receiver.init()
     finally:
         side.close()

@@ -15,6 +15,7 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import IncompatiblePeerError, MooncakeConfig
+from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
 from tests.transfer_harness import GEOMETRY, drive, make_pool
@@ -25,9 +26,11 @@ _TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
 
 
 @pytest.fixture
-def prefill() -> Iterator[tuple[BootstrapServer, MooncakeKVManager]]:
+def prefill(request: pytest.FixtureRequest) -> Iterator[tuple[BootstrapServer, MooncakeKVManager]]:
+    """A prefill rank over a pool of random bits, in the layout the test asks for (indirect
+    parametrisation), layer-major otherwise."""
     server = BootstrapServer()
-    pool = make_pool(128)
+    pool = make_pool(128, layout=getattr(request, "param", KVLayout.LAYER_MAJOR))
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(1)))
     manager = MooncakeKVManager(pool, MetadataBuffers(32))
     manager.register_to_bootstrap(server.address)
@@ -36,18 +39,20 @@ def prefill() -> Iterator[tuple[BootstrapServer, MooncakeKVManager]]:
     server.close()
 
 
-def _peer(server: BootstrapServer, pages: int = 128) -> DecodePeer:
+def _peer(server: BootstrapServer, pages: int = 128,
+          layout: KVLayout = KVLayout.LAYER_MAJOR) -> DecodePeer:
     return DecodePeer(server.address, layers=GEOMETRY["num_layers"], pages=pages,
                       page_size=GEOMETRY["page_size"], heads=GEOMETRY["kv_heads"],
-                      dim=GEOMETRY["head_dim"], slots=32)
+                      dim=GEOMETRY["head_dim"], slots=32, layout=layout.value)
 
 
+@pytest.mark.parametrize("prefill", list(KVLayout), indirect=True)
 def test_many_chunked_rooms_land_byte_for_byte(
     prefill: tuple[BootstrapServer, MooncakeKVManager], tmp_path: Path
 ) -> None:
     server, manager = prefill
     pool, metadata = manager.pool, manager.metadata
-    peer = _peer(server)
+    peer = _peer(server, layout=pool.layout)
     try:
         rng = random.Random(7)
         free = list(range(pool.num_pages))
@@ -84,7 +89,7 @@ def test_many_chunked_rooms_land_byte_for_byte(
         peer.dump(dump)
         landed = torch.load(dump)
         for room, (_, src, dst, dslot) in plan.items():
-            assert torch.equal(landed["kv"][:, :, dst], pool.buffer[:, :, src]), room
+            assert torch.equal(landed["kv"][:, :, dst], pool.by_layer()[:, :, src]), room
             assert int(landed["room"][dslot]) == room - (1 << 64)  # int64 bits of the room
             i = room - (1 << 63)
             for field, theirs in landed["rows"].items():  # every field, byte for byte
@@ -96,18 +101,19 @@ def test_many_chunked_rooms_land_byte_for_byte(
         peer.close()
 
 
+@pytest.mark.parametrize("layout", list(KVLayout))
 def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
-    tmp_path: Path,
+    tmp_path: Path, layout: KVLayout
 ) -> None:
     """Rooms whose pages continue from one into the next on both sides may go out as one run;
     a budget of 8 blocks in flight cuts every send into many overlapping engine writes."""
     server = BootstrapServer()
-    pool = make_pool(128)
+    pool = make_pool(128, layout=layout)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(2)))
     metadata = MetadataBuffers(32)
     manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(max_blocks_in_flight=8))
     manager.register_to_bootstrap(server.address)
-    peer = _peer(server)
+    peer = _peer(server, layout=layout)
     try:
         plan = {}
         for i in range(6):
@@ -130,7 +136,7 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
         peer.dump(dump)
         landed = torch.load(dump)
         for room, (_, src, dst, dslot) in plan.items():
-            assert torch.equal(landed["kv"][:, :, dst], pool.buffer[:, :, src]), room
+            assert torch.equal(landed["kv"][:, :, dst], pool.by_layer()[:, :, src]), room
             assert int(landed["room"][dslot]) == room
     finally:
         peer.close()
@@ -146,3 +152,13 @@ def test_decode_refuses_a_prefill_with_another_page_size(
         MooncakeDecodeManager(make_pool(page_size=8), MetadataBuffers(4), server.address)
     with pytest.raises(IncompatiblePeerError, match="kv_dtype"):
         MooncakeDecodeManager(make_pool(dtype=torch.float16), MetadataBuffers(4), server.address)
+
+
+def test_decode_refuses_a_prefill_with_another_pool_layout(
+    prefill: tuple[BootstrapServer, MooncakeKVManager],
+) -> None:
+    server, _ = prefill
+    with pytest.raises(IncompatiblePeerError, match=r"prefill .* kv_layout=layer_major, "
+                       r"this decode .* kv_layout=page_major"):
+        MooncakeDecodeManager(make_pool(layout=KVLayout.PAGE_MAJOR), MetadataBuffers(4),
+                              server.address)

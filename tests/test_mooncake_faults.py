@@ -18,6 +18,7 @@ from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
+from kv.pool_layout import KVLayout
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from lifecycle.testing import FakeClock
 from tests.mooncake_harness import DecodePeer
@@ -140,13 +141,19 @@ def test_malformed_and_unauthenticated_messages_are_dropped(
     assert drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
 
 
-def test_incompatible_registration_is_refused(manager: MooncakeKVManager) -> None:
+def test_incompatible_registration_is_refused(
+    manager: MooncakeKVManager, caplog: pytest.LogCaptureFixture
+) -> None:
     raw = RawDecode(manager)
     try:
         raw.send(attrs.evolve(raw.register, page_size=8))
         _dropped(manager, "incompatible_layout")
         raw.send(raw.destination(1, [0]))
         _dropped(manager, "unknown_session")
+        # A pool of the other layout: the same bytes per page, at other offsets.
+        raw.send(attrs.evolve(raw.register, kv_layout=KVLayout.PAGE_MAJOR.value))
+        _dropped(manager, "incompatible_layout", 2)
+        assert "'page_major'" in caplog.text and "'layer_major'" in caplog.text
     finally:
         raw.close()
 

@@ -1,7 +1,8 @@
 """The transfer contract (kv/transfer.py), run over every backend harness.
 
 To cover another backend, write its harness (see tests/transfer_harness.py) and append it to
-``HARNESSES`` below; the data tests pick it up too when its ``moves_data`` is True.
+``HARNESSES`` below, and, when it moves data, to ``DATA_HARNESSES`` in every pool layout: the
+byte-for-byte tests run those.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from itertools import pairwise
 import pytest
 import torch
 
+from kv.pool_layout import KVLayout
 from kv.transfer import REASON_OTHER_RANK, KVPoll, KVSender, TransferError, TransferUsageError
 from tests.mooncake_harness import MooncakeHarness
 from tests.transfer_harness import (
@@ -25,6 +27,10 @@ from tests.transfer_harness import (
 )
 
 HARNESSES: list[BackendHarness] = [FakeHarness(), LocalHarness(), MooncakeHarness()]
+#: Every harness that moves data, in every pool layout.
+DATA_HARNESSES: list[BackendHarness] = [
+    harness(layout) for harness in (LocalHarness, MooncakeHarness) for layout in KVLayout
+]
 
 ROOM = (1 << 63) + 12345  # above the int64 range: rooms are unsigned 64-bit
 
@@ -43,7 +49,7 @@ def session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
     s.close()
 
 
-@pytest.fixture(params=_params([h for h in HARNESSES if h.moves_data]))
+@pytest.fixture(params=_params(DATA_HARNESSES))
 def data_session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
     harness: BackendHarness = request.param
     s = harness.make()
@@ -215,7 +221,7 @@ def test_multi_chunk_transfer_lands_byte_for_byte(data_session: HarnessSession) 
     sender.send(src[7:], last=True)
     assert drive(session.manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
     landed = session.decode_kv(ROOM)
-    expected = pool.buffer[:, :, src]
+    expected = pool.by_layer()[:, :, src]
     assert torch.equal(landed.view(torch.int32), expected.view(torch.int32))
     row = session.decode_row(ROOM)
     assert row is not None

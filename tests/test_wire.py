@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv import wire
+from kv.pool_layout import KV_LAYOUTS
 
 sessions = st.builds(
     lambda host, port: f"{host}:{port}",
@@ -29,6 +30,7 @@ registers = st.builds(
     page_size=st.integers(1, 64),
     page_bytes=st.integers(1, 1 << 20),
     kv_dtype=st.sampled_from(sorted(wire.KV_DTYPES)),
+    kv_layout=st.sampled_from(KV_LAYOUTS),
     meta_ptrs=st.just((4096, 8192)),
     meta_item_lens=st.just((64, 64)),
     num_slots=st.integers(1, 1024),
@@ -171,7 +173,8 @@ def test_check_destination_against_the_registered_pool() -> None:
 def test_register_validates_layout_fields() -> None:
     body = msgpack.unpackb(wire.encode(_register()))
     for field, value in [("kv_dtype", "int4"), ("meta_item_lens", [64, 64]),
-                         ("status_endpoint", "ipc:///x"), ("num_pages", 0)]:
+                         ("status_endpoint", "ipc:///x"), ("num_pages", 0),
+                         ("kv_layout", "head_major"), ("kv_layout", 1)]:
         bad = dict(body, **{field: value})
         with pytest.raises(wire.WireError):
             wire.decode(msgpack.packb(bad))

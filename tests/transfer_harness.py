@@ -23,6 +23,7 @@ from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers, MetadataRow, SlotAllocator
 from kv.pool import KVPool
+from kv.pool_layout import KVLayout
 from kv.transfer import DecodeKVManager, KVManager, KVPoll, KVReceiver, KVSender
 
 GEOMETRY = {"num_layers": 2, "page_size": 4, "kv_heads": 2, "head_dim": 8}
@@ -52,7 +53,8 @@ class HarnessSession(Protocol):
 
     def decode_kv(self, room: int) -> torch.Tensor:
         """``[layers, 2, num_pages, page_size, kv_heads, head_dim]``: what landed in ``room``'s
-        destination pages, in the order they were given (backends that move data only)."""
+        destination pages, in the order they were given, whatever the pools' layout (backends
+        that move data only)."""
 
     def decode_row(self, room: int) -> MetadataRow | None:
         """What landed in ``room``'s decode metadata slot (backends that move data only)."""
@@ -64,6 +66,7 @@ class BackendHarness(Protocol):
     name: str
     moves_data: bool
     marks: tuple[pytest.MarkDecorator, ...]
+    layout: KVLayout
 
     def make(self) -> HarnessSession: ...
 
@@ -150,6 +153,7 @@ class FakeHarness:
     name = "fake"
     moves_data = False
     marks: tuple[pytest.MarkDecorator, ...] = ()
+    layout = KVLayout.LAYER_MAJOR
 
     def make(self) -> HarnessSession:
         return _FakeSession()
@@ -185,7 +189,7 @@ class InProcessDecode:
 
     def decode_kv(self, room: int) -> torch.Tensor:
         pages, _ = self.destinations[room]
-        return self.decode_pool.buffer[:, :, pages].clone()
+        return self.decode_pool.by_layer()[:, :, pages].clone()
 
     def decode_row(self, room: int) -> MetadataRow | None:
         _, slot = self.destinations[room]
@@ -195,9 +199,9 @@ class InProcessDecode:
 class _LocalSession(InProcessDecode):
     bootstrap_addr = "local:contract"
 
-    def __init__(self) -> None:
+    def __init__(self, layout: KVLayout) -> None:
         self.hub = LocalTransferHub()
-        self.prefill_pool = make_pool()
+        self.prefill_pool = make_pool(layout=layout)
         self.prefill_metadata = MetadataBuffers(NUM_SLOTS)
         self.manager = LocalKVManager(
             self.prefill_pool,
@@ -205,7 +209,7 @@ class _LocalSession(InProcessDecode):
             hub=self.hub,
             bootstrap_addr=self.bootstrap_addr,
         )
-        self.decode_pool = make_pool(2 * NUM_PAGES)
+        self.decode_pool = make_pool(2 * NUM_PAGES, layout=layout)
         self.decode_metadata = MetadataBuffers(2 * NUM_SLOTS)
         self.decode_slots = SlotAllocator(2 * NUM_SLOTS)
         self.decode = LocalDecodeManager(self.decode_pool, self.decode_metadata, hub=self.hub)
@@ -222,9 +226,17 @@ class _LocalSession(InProcessDecode):
 
 
 class LocalHarness:
-    name = "local"
     moves_data = True
     marks: tuple[pytest.MarkDecorator, ...] = ()
 
+    def __init__(self, layout: KVLayout = KVLayout.LAYER_MAJOR) -> None:
+        self.layout = layout
+        self.name = layout_name("local", layout)
+
     def make(self) -> HarnessSession:
-        return _LocalSession()
+        return _LocalSession(self.layout)
+
+
+def layout_name(backend: str, layout: KVLayout) -> str:
+    """A harness's test id: the backend's name, and the pool layout unless it is layer-major."""
+    return backend if layout is KVLayout.LAYER_MAJOR else f"{backend}-{layout.value}"

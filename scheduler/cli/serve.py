@@ -22,6 +22,7 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
+from kv.pool_layout import DEFAULT_KV_LAYOUT, KV_LAYOUTS
 from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.credentials import API_KEY_ENV, PEER_TOKEN_ENV, api_key, peer_token
 from scheduler.cli.model_flags import REFERENCE_NAME, add_model_arguments, load_served, model_config
@@ -99,6 +100,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         f"value; {REFERENCE_NAME} for the reference model)")
     add_model_arguments(parser)
     sched = _number_group(parser, "scheduling and memory")
+    sched.add_argument("--kv-layout", choices=KV_LAYOUTS, default=DEFAULT_KV_LAYOUT.value,
+                       help="the KV pool's order: page_major (one transfer block per run of "
+                       "pages) or layer_major (SGLang's, for an SGLang peer); prefill and decode "
+                       "must agree (default: %(default)s)")
     sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                        help="size the KV pool by memory instead (e.g. 2GiB): as many pages as "
                        "fit, from the model's layers, KV heads, head dim and dtype")
@@ -207,6 +212,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 token=peer_token(args.peer_token_file),
             ),
             model_name=model_name,
+            kv_layout=args.kv_layout,
             device=args.device,
             served=served,
             overlap=args.overlap,

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from kv.pool import KVPool
+from kv.pool_layout import KVLayout
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import (
     LlamaModel,
@@ -51,8 +52,10 @@ class ServedModel:
     kv_bytes_per_token: int
     is_reference: bool
 
-    def make_pool(self, *, num_pages: int, page_size: int) -> KVPool:
-        pool: KVPool = self.model.make_pool(num_pages=num_pages, page_size=page_size)
+    def make_pool(self, *, num_pages: int, page_size: int,
+                  layout: KVLayout = KVLayout.LAYER_MAJOR) -> KVPool:
+        pool: KVPool = self.model.make_pool(num_pages=num_pages, page_size=page_size,
+                                            layout=layout)
         return pool
 
     def runner(self, model: Any, pool: KVPool) -> ModelRunner:

@@ -15,6 +15,7 @@ import attrs
 
 from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
+from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from lifecycle import FailureReason, SamplingParams
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST, TokenLogprob
 from scheduler.model.reference import ModelConfig
@@ -48,6 +49,8 @@ class ServeConfig:
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = attrs.field(default=8998, validator=attrs.validators.ge(0))
     mooncake: MooncakeConfig = attrs.field(factory=MooncakeConfig)
+    #: The KV pool's layout; a decode server and its prefill servers must agree on it.
+    kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)
     model_name: str = "pdlife-reference-llama"
     device: str = "cpu"
     overlap: bool = False

@@ -97,7 +97,7 @@ class Engines:
                     model, kv_for=functools.partial(self._decode_router, hub, compiler),
                     page_size=c.scheduler.page_size, pages=c.pool_pages,
                     metadata_slots=c.metadata_slots, runner_factory=runner_factory,
-                    closers=self._closers, eos_token_id=c.eos_token_ids,
+                    closers=self._closers, kv_layout=c.kv_layout, eos_token_id=c.eos_token_ids,
                     config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
                                         waiting_timeout=c.waiting_timeout),
                     on_response=on_decode, compiler=compiler, detokenize=detokenize,
@@ -123,7 +123,7 @@ class Engines:
             model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
             metadata_slots=c.metadata_slots, runner_factory=runner_factory,
             closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
-            on_response=on_response, overlap=c.overlap, compiler=compiler,
+            kv_layout=c.kv_layout, on_response=on_response, overlap=c.overlap, compiler=compiler,
         )
         if self.bootstrap is not None:
             logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)
