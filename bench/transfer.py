@@ -3,8 +3,10 @@ pool layouts (:mod:`kv.pool_layout`).
 
 1. Mooncake: many requests' pages sent by :class:`kv.mooncake.MooncakeKVManager` to a decode
    process over loopback TCP, against the raw TransferEngine writing the same bytes in one batch
-   write: as one contiguous region for the page-major pool (the physical limit: no layout can
-   need fewer blocks), as one contiguous region per layer for the layer-major pool.
+   write: as one contiguous region for the page-major pool (no layout can need fewer blocks), as
+   one contiguous region per layer for the layer-major pool, and, for both, as contiguous blocks
+   of the size pdlife cuts long runs into (``MooncakeConfig.max_block_bytes``): the TCP
+   transport moves each block as one serial stream, so that is the faster of the raw writes.
 2. Local: :class:`kv.local.LocalKVManager` moving the same pages between two in-process pools,
    against one ``torch`` copy of the same number of bytes.
 
@@ -29,8 +31,9 @@ of the per-round ratios.
 
 Last line, for the churned pool: ``RESULT transfer ratio=<page-major pdlife / raw one region>
 layer_major_ratio=<layer-major pdlife / raw one region per layer> local_ratio=<page-major local /
-torch> layer_major_local_ratio=<...> pdlife_gbps=<page-major pdlife> raw_gbps=<raw one region>
-layer_major_gbps=<layer-major pdlife> model=<the geometry>``. Two pools of ``--pages`` pages are
+torch> pdlife_gbps=<page-major pdlife> raw_gbps=<raw one region> blocks_ratio=<page-major pdlife
+/ raw blocks> raw_blocks_gbps= layer_major_gbps=<layer-major pdlife> layer_major_local_ratio=
+model=<the geometry>``. Two pools of ``--pages`` pages are
 live at a time (about 4.5 GiB at the default 1,152 synthetic pages); a smaller ``--pages`` (and
 ``--max-pages``) fits a smaller machine.
 """
@@ -51,6 +54,7 @@ from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
+from kv.mooncake_engine import MooncakeConfig
 from kv.pages import coalesce
 from kv.pool import KVPool, PageAllocator
 from kv.pool_layout import KVLayout
@@ -189,23 +193,31 @@ def timed(total: int, seconds: float) -> float:
     return total / seconds / 1e9
 
 
-def measure(iters: int, total: int, pdlife: Callable[[], float], base: Callable[[], float]
-            ) -> Figures:
-    """Alternate pdlife and baseline rounds; medians of GB/s and of per-round ratios."""
+def measure(iters: int, total: int, pdlife: Callable[[], float],
+            bases: dict[str, Callable[[], float]]) -> dict[str, Figures]:
+    """Rounds of pdlife then each baseline in turn; per baseline, medians of GB/s and of the
+    per-round ratios."""
     ours: list[float] = []
-    theirs: list[float] = []
+    theirs: dict[str, list[float]] = {name: [] for name in bases}
     for it in range(iters + 1):
-        a, b = timed(total, pdlife()), timed(total, base())
+        a = timed(total, pdlife())
+        b = {name: timed(total, base()) for name, base in bases.items()}
         if it:
             ours.append(a)
-            theirs.append(b)
-    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
-    return Figures(statistics.median(ours), statistics.median(theirs), statistics.median(ratios),
-                   ratios)
+            for name in bases:
+                theirs[name].append(b[name])
+    figures = {}
+    for name, gbps in theirs.items():
+        ratios = [a / b for a, b in zip(ours, gbps, strict=True)]
+        figures[name] = Figures(statistics.median(ours), statistics.median(gbps),
+                                statistics.median(ratios), ratios)
+    return figures
 
 
 def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape,
-                   layout: KVLayout) -> dict[str, Figures]:
+                   layout: KVLayout) -> dict[str, dict[str, Figures]]:
+    """Per plan, pdlife against the raw engine writing the same bytes as ``regions`` (one region,
+    or one per layer) and as ``blocks`` (contiguous blocks of pdlife's ``max_block_bytes``)."""
     server = BootstrapServer()
     pool = shape.pool(args.pages, layout)
     pool.buffer.view(torch.int16).random_()
@@ -227,20 +239,29 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     regions = 1 if layout is KVLayout.PAGE_MAJOR else pool.num_layers
     stride = pool.buffer.numel() * pool.buffer.element_size() // regions
     next_room = 1
-    results: dict[str, Figures] = {}
+    results: dict[str, dict[str, Figures]] = {}
     try:
-        dst = [peer.info["kv_ptr"] + i * stride for i in range(regions)]
-        src = [base + i * stride for i in range(regions)]
-        for name, plan in plans.items():
-            total = pool.bytes_of_pages(sum(len(p) for p in plan))
-            lens = [total // regions] * regions
-
-            def raw(lens: list[int] = lens) -> float:
+        def raw(src: list[int], dst: list[int], lens: list[int]) -> Callable[[], float]:
+            def write() -> float:
                 start = time.perf_counter()
                 rc = engine.batch_transfer_sync_write(peer.info["session"], src, dst, lens)
                 if rc != 0:
                     raise SystemExit(f"raw engine write failed: rc={rc}")
                 return time.perf_counter() - start
+            return write
+
+        peer_base = peer.info["kv_ptr"]
+        for name, plan in plans.items():
+            total = pool.bytes_of_pages(sum(len(p) for p in plan))
+            block = manager.config.max_block_bytes
+            pieces = range(0, total, block)
+            bases = {
+                "regions": raw([base + i * stride for i in range(regions)],
+                               [peer_base + i * stride for i in range(regions)],
+                               [total // regions] * regions),
+                "blocks": raw([base + at for at in pieces], [peer_base + at for at in pieces],
+                              [min(block, total - at) for at in pieces]),
+            }
 
             def ours(plan: Plan = plan) -> float:
                 nonlocal next_room
@@ -257,7 +278,7 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
                     peer.command(cmd="release", room=room)
                 return seconds
 
-            results[name] = measure(args.iters, total, ours, raw)
+            results[name] = measure(args.iters, total, ours, bases)
         engine.unregister_memory(base)
     finally:
         peer.close()
@@ -313,7 +334,7 @@ def bench_local(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape,
                     dst_metadata.clear(slot)
                 return seconds
 
-            results[name] = measure(args.iters, total, ours, copy)
+            results[name] = measure(args.iters, total, ours, {"copy": copy})["copy"]
     finally:
         manager.close()
         decode.close()
@@ -353,28 +374,35 @@ def main() -> None:
           f"({shape.page_mib:.2f} MiB a page)")
     for name, plan in plans.items():
         print(describe(name, plan, args.pages, shape))
-    mooncake: dict[KVLayout, dict[str, Figures]] = {}
+    mooncake: dict[KVLayout, dict[str, dict[str, Figures]]] = {}
     local: dict[KVLayout, dict[str, Figures]] = {}
     for layout in (KVLayout.PAGE_MAJOR, KVLayout.LAYER_MAJOR):
         mooncake[layout] = bench_mooncake(args, plans, shape, layout)
         local[layout] = bench_local(args, plans, shape, layout)
+    block_mib = MooncakeConfig().max_block_bytes / (1 << 20)
     for name in plans:
         print(f"{name}:")
         for layout, raw_name in ((KVLayout.PAGE_MAJOR, "raw one region"),
                                  (KVLayout.LAYER_MAJOR, "raw region per layer")):
-            m, lo = mooncake[layout][name], local[layout][name]
+            m, blocks = mooncake[layout][name]["regions"], mooncake[layout][name]["blocks"]
+            lo = local[layout][name]
             print(f"  {layout.value}\n"
                   f"    mooncake  pdlife {m.pdlife_gbps:5.2f} GB/s, {raw_name} "
-                  f"{m.base_gbps:5.2f} GB/s, ratio {m.ratio:.3f} (rounds {m.spread()})\n"
+                  f"{m.base_gbps:5.2f} GB/s, ratio {m.ratio:.3f} (rounds {m.spread()}); "
+                  f"raw {block_mib:g} MiB blocks {blocks.base_gbps:5.2f} GB/s, "
+                  f"ratio {blocks.ratio:.3f}\n"
                   f"    local     pdlife {lo.pdlife_gbps:5.2f} GB/s, torch copy "
                   f"{lo.base_gbps:5.2f} GB/s, ratio {lo.ratio:.3f} (rounds {lo.spread()})")
     page = mooncake[KVLayout.PAGE_MAJOR]["churned"]
-    layer = mooncake[KVLayout.LAYER_MAJOR]["churned"]
-    print(f"RESULT transfer ratio={page.ratio:.3f} layer_major_ratio={layer.ratio:.3f} "
+    layer = mooncake[KVLayout.LAYER_MAJOR]["churned"]["regions"]
+    print(f"RESULT transfer ratio={page['regions'].ratio:.3f} "
+          f"layer_major_ratio={layer.ratio:.3f} "
           f"local_ratio={local[KVLayout.PAGE_MAJOR]['churned'].ratio:.3f} "
+          f"pdlife_gbps={page['regions'].pdlife_gbps:.3f} raw_gbps={page['regions'].base_gbps:.3f} "
+          f"blocks_ratio={page['blocks'].ratio:.3f} raw_blocks_gbps={page['blocks'].base_gbps:.3f} "
+          f"layer_major_gbps={layer.pdlife_gbps:.3f} "
           f"layer_major_local_ratio={local[KVLayout.LAYER_MAJOR]['churned'].ratio:.3f} "
-          f"pdlife_gbps={page.pdlife_gbps:.3f} raw_gbps={page.base_gbps:.3f} "
-          f"layer_major_gbps={layer.pdlife_gbps:.3f} model={shape.name}")
+          f"model={shape.name}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ class MooncakeConfig:
     # Engine write blocks a transfer worker keeps submitted at once (the TCP transport queues
     # 1024 per peer by default: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
     max_blocks_in_flight: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    # A run longer than this many bytes (in one region of the pool) is written as several
+    # blocks: the TCP transport moves each block as one serial stream, so blocks of about a MiB
+    # keep several streams busy where one block per run would leave one (docs/backends.md).
+    max_block_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(4096))
     max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     # Decode side: the prefill bootstrap's /health is checked every heartbeat_interval_s; after
     # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).

@@ -8,7 +8,8 @@ moment (at most ``_MAX_BATCH_CHUNKS``), groups them by decode session, coalesces
 pairs into runs consecutive on both sides (:func:`kv.pages.coalesce`; a run may continue from
 one request into the next) and submits one engine write covering every run in every region of
 the pool (one block per run with the page-major layout, one per run and layer half with the
-layer-major one: :mod:`kv.pool_layout`), then the metadata rows of the chunks that are last.
+layer-major one: :mod:`kv.pool_layout`; a block longer than ``max_block_bytes`` is cut into
+pieces of that size, :func:`cut_blocks`), then the metadata rows of the chunks that are last.
 
 It submits the next write without waiting for the previous one while at most
 ``max_blocks_in_flight`` blocks (what the TCP transport queues per peer) are in flight, cutting
@@ -75,6 +76,19 @@ class _Write:
 _Blocks = tuple[list[int], list[int], list[int]]  # source addresses, destinations, lengths
 
 
+def cut_blocks(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, max_bytes: int) -> _Blocks:
+    """The blocks ``(src[i], dst[i], lens[i])``, each longer than ``max_bytes`` cut into
+    consecutive pieces of ``max_bytes`` (the last one shorter), in order."""
+    pieces = -(-lens // max_bytes)
+    if not len(lens) or pieces.max() <= 1:
+        return src.tolist(), dst.tolist(), lens.tolist()
+    block = np.repeat(np.arange(len(lens)), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    offset = (np.arange(len(block)) - first) * max_bytes
+    return ((src[block] + offset).tolist(), (dst[block] + offset).tolist(),
+            np.minimum(lens[block] - offset, max_bytes).tolist())
+
+
 def _take(q: queue.SimpleQueue[Chunk | None], *, block: bool) -> tuple[list[Chunk], bool]:
     """The chunks queued now (waiting for the first when ``block``), and whether the stop
     marker came."""
@@ -121,6 +135,7 @@ class WritePipeline:
         self._meta_item_lens = [i.item_len for i in infos]
         self._rooms = rooms
         self._max_blocks = config.max_blocks_in_flight
+        self._max_block_bytes = config.max_block_bytes
         self._notify = notify
         self._queues: list[queue.SimpleQueue[Chunk | None]] = [
             queue.SimpleQueue() for _ in range(config.num_workers)
@@ -245,7 +260,7 @@ class WritePipeline:
         src = pool.buffer.data_ptr() + (regions * pool.num_pages + r[:, 0]) * rb
         dst = reg.kv_ptr + (regions * reg.num_pages + r[:, 1]) * rb
         lens = np.broadcast_to(r[:, 2] * rb, src.shape)
-        return src.ravel().tolist(), dst.ravel().tolist(), lens.ravel().tolist()
+        return cut_blocks(src.ravel(), dst.ravel(), lens.ravel(), self._max_block_bytes)
 
     def _rows(self, chunks: list[Chunk], reg: wire.Register) -> _Blocks:
         """The metadata rows of the chunks that are last, every field."""

@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import IncompatiblePeerError, MooncakeConfig
+from kv.mooncake_writes import cut_blocks
 from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
@@ -106,12 +108,14 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
     tmp_path: Path, layout: KVLayout
 ) -> None:
     """Rooms whose pages continue from one into the next on both sides may go out as one run;
-    a budget of 8 blocks in flight cuts every send into many overlapping engine writes."""
+    a budget of 8 blocks in flight cuts every send into many overlapping engine writes, and
+    blocks of at most 4 KiB cut the page-major runs (1 KiB a page) into pieces."""
     server = BootstrapServer()
     pool = make_pool(128, layout=layout)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(2)))
     metadata = MetadataBuffers(32)
-    manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(max_blocks_in_flight=8))
+    config = MooncakeConfig(max_blocks_in_flight=8, max_block_bytes=4096)
+    manager = MooncakeKVManager(pool, metadata, config=config)
     manager.register_to_bootstrap(server.address)
     peer = _peer(server, layout=layout)
     try:
@@ -142,6 +146,14 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
         peer.close()
         manager.close()
         server.close()
+
+
+def test_long_blocks_are_cut_into_consecutive_pieces() -> None:
+    src, dst = np.array([0, 100, 200]), np.array([1000, 2000, 3000])
+    assert cut_blocks(src, dst, np.array([10, 4, 3]), 4) == (
+        [0, 4, 8, 100, 200], [1000, 1004, 1008, 2000, 3000], [4, 4, 2, 4, 3])
+    assert cut_blocks(src, dst, np.array([4, 4, 3]), 4) == (
+        [0, 100, 200], [1000, 2000, 3000], [4, 4, 3])
 
 
 def test_decode_refuses_a_prefill_with_another_page_size(
