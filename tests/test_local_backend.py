@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -116,21 +117,21 @@ def test_multi_chunk_transfer_is_byte_exact(
         side.close()
 
 
-def test_geometry_mismatch_is_a_clear_error_at_handshake() -> None:
-    side = _Side(_pool(), _pool(page_size=4, dtype=torch.float16))
+@pytest.mark.parametrize(
+    ("prefill", "decode", "message"),
+    [
+        ({}, {"page_size": 4, "dtype": torch.float16}, r"page_size: 2 vs 4.*dtype"),
+        ({"layout": KVLayout.PAGE_MAJOR}, {}, r"layout: page_major vs layer_major"),
+    ],
+    ids=["page_size-dtype", "layout"],
+)
+def test_geometry_mismatch_is_a_clear_error_at_handshake(
+    prefill: dict[str, Any], decode: dict[str, Any], message: str
+) -> None:
+    side = _Side(_pool(**prefill), _pool(**decode))
     try:
         receiver = side.decode.create_receiver(ADDR, 1)
-        with pytest.raises(KVGeometryError, match=r"page_size: 2 vs 4.*dtype"):
-            receiver.init()
-    finally:
-        side.close()
-
-
-def test_a_layout_mismatch_is_refused_naming_both_layouts() -> None:
-    side = _Side(_pool(layout=KVLayout.PAGE_MAJOR), _pool(layout=KVLayout.LAYER_MAJOR))
-    try:
-        receiver = side.decode.create_receiver(ADDR, 1)
-        with pytest.raises(KVGeometryError, match=r"layout: page_major vs layer_major"):
+        with pytest.raises(KVGeometryError, match=message):
             receiver.init()
     finally:
         side.close()
