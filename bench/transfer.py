@@ -241,14 +241,35 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     next_room = 1
     results: dict[str, dict[str, Figures]] = {}
     try:
+        session = peer.info["session"]
+        # pdlife's flow control: writes of at most half the blocks in flight, the oldest waited
+        # for once more would be in flight. (One write of some 1,800 blocks at once made the
+        # peer's engine reject some of them as outside its registered memory, and fail every
+        # write after: seen with Mooncake 0.3.13.post1.)
+        step = max(1, manager.config.max_blocks_in_flight // 2)
+
         def raw(src: list[int], dst: list[int], lens: list[int]) -> Callable[[], float]:
             def write() -> float:
                 start = time.perf_counter()
-                rc = engine.batch_transfer_sync_write(peer.info["session"], src, dst, lens)
-                if rc != 0:
-                    raise SystemExit(f"raw engine write failed: rc={rc}")
+                batches: list[tuple[int, int]] = []
+                for at in range(0, len(src), step):
+                    while batches and sum(n for _, n in batches) + step > 2 * step:
+                        wait_batch(batches.pop(0)[0])
+                    part = slice(at, at + step)
+                    batch = engine.batch_transfer_async_write(session, src[part], dst[part],
+                                                              lens[part])
+                    if not batch:
+                        raise SystemExit("the raw engine refused a write")
+                    batches.append((batch, len(src[part])))
+                for batch, _ in batches:
+                    wait_batch(batch)
                 return time.perf_counter() - start
             return write
+
+        def wait_batch(batch: int) -> None:
+            rc = engine.get_batch_transfer_status([batch])
+            if rc != 0:
+                raise SystemExit(f"raw engine write failed: rc={rc}")
 
         peer_base = peer.info["kv_ptr"]
         for name, plan in plans.items():
