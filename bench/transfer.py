@@ -41,7 +41,6 @@ live at a time (about 4.5 GiB at the default 1,152 synthetic pages); a smaller `
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from bench.transfer_plans import Plan, churned_requests, shredded_requests
 from kv.bootstrap import BootstrapServer
 from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
@@ -56,12 +56,11 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.pages import coalesce
-from kv.pool import KVPool, PageAllocator
+from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from kv.transfer import KVManager, KVPoll, KVSender
 from tests.mooncake_harness import DecodePeer
 
-Plan = list[list[int]]
 PAGE_SIZE = 16
 
 
@@ -111,48 +110,6 @@ class Figures:
 
     def spread(self) -> str:
         return f"{min(self.rounds):.2f}-{max(self.rounds):.2f}"
-
-
-def churned_requests(num_pages: int, requests: int, min_pages: int, max_pages: int,
-                     churn: int, seed: int) -> Plan:
-    """Page lists for ``requests`` requests allocated by a :class:`PageAllocator` after
-    ``churn`` arrivals of requests of ``min_pages``-``max_pages`` pages at up to 75% occupancy,
-    each departure the oldest of a few."""
-    if max_pages > num_pages:
-        raise SystemExit(f"a request of {max_pages} pages does not fit a pool of {num_pages}")
-    rng = random.Random(seed)
-    alloc = PageAllocator(num_pages)
-    live: Plan = []
-
-    def depart() -> None:
-        alloc.free(live.pop(min(int(rng.expovariate(1 / 3)), len(live) - 1)))
-
-    for _ in range(churn):
-        n = rng.randint(min_pages, max_pages)
-        while (pages := alloc.alloc(n)) is None:
-            depart()
-        live.append(pages)
-        while alloc.in_use() > 0.75 * num_pages:
-            depart()
-    plan: Plan = []
-    for _ in range(requests):
-        n = rng.randint(min_pages, max_pages)
-        while (pages := alloc.alloc(n)) is None:
-            alloc.free(live.pop(0))
-        plan.append(pages)
-    return plan
-
-
-def shredded_requests(num_pages: int, requests: int, pages_each: int, run_pages: int,
-                      seed: int) -> Plan:
-    """Page lists for ``requests`` requests, drawn from free runs of ``run_pages`` pages."""
-    runs = [list(range(s, min(s + run_pages, num_pages))) for s in range(0, num_pages, run_pages)]
-    random.Random(seed).shuffle(runs)
-    free = [p for run in runs for p in run]
-    need = requests * pages_each
-    if need > len(free):
-        raise SystemExit(f"pool of {num_pages} pages cannot hold {need}")
-    return [free[i * pages_each : (i + 1) * pages_each] for i in range(requests)]
 
 
 def describe(name: str, plan: Plan, pool_pages: int, shape: Shape) -> str:

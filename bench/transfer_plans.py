@@ -1,0 +1,52 @@
+"""Where the transfer benchmark's pages come from: page lists of requests in a pool after churn,
+or in a pool shredded into short free runs (:mod:`bench.transfer`)."""
+
+from __future__ import annotations
+
+import random
+
+from kv.pool import PageAllocator
+
+Plan = list[list[int]]
+
+
+def churned_requests(num_pages: int, requests: int, min_pages: int, max_pages: int,
+                     churn: int, seed: int) -> Plan:
+    """Page lists for ``requests`` requests allocated by a :class:`PageAllocator` after
+    ``churn`` arrivals of requests of ``min_pages``-``max_pages`` pages at up to 75% occupancy,
+    each departure the oldest of a few."""
+    if max_pages > num_pages:
+        raise SystemExit(f"a request of {max_pages} pages does not fit a pool of {num_pages}")
+    rng = random.Random(seed)
+    alloc = PageAllocator(num_pages)
+    live: Plan = []
+
+    def depart() -> None:
+        alloc.free(live.pop(min(int(rng.expovariate(1 / 3)), len(live) - 1)))
+
+    for _ in range(churn):
+        n = rng.randint(min_pages, max_pages)
+        while (pages := alloc.alloc(n)) is None:
+            depart()
+        live.append(pages)
+        while alloc.in_use() > 0.75 * num_pages:
+            depart()
+    plan: Plan = []
+    for _ in range(requests):
+        n = rng.randint(min_pages, max_pages)
+        while (pages := alloc.alloc(n)) is None:
+            alloc.free(live.pop(0))
+        plan.append(pages)
+    return plan
+
+
+def shredded_requests(num_pages: int, requests: int, pages_each: int, run_pages: int,
+                      seed: int) -> Plan:
+    """Page lists for ``requests`` requests, drawn from free runs of ``run_pages`` pages."""
+    runs = [list(range(s, min(s + run_pages, num_pages))) for s in range(0, num_pages, run_pages)]
+    random.Random(seed).shuffle(runs)
+    free = [p for run in runs for p in run]
+    need = requests * pages_each
+    if need > len(free):
+        raise SystemExit(f"pool of {num_pages} pages cannot hold {need}")
+    return [free[i * pages_each : (i + 1) * pages_each] for i in range(requests)]
