@@ -63,3 +63,14 @@ class LogitsRunner(ModelRunner, Protocol):
     vocab_size: int
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+def check_pool_fits(pool: KVPool, layers: int, kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> None:
+    """:class:`ValueError` unless ``pool`` holds K/V of a model of this shape (as the model's
+    ``make_pool`` builds it)."""
+    geometry = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
+    if geometry != (layers, kv_heads, head_dim, dtype):
+        raise ValueError(
+            f"pool (layers, kv_heads, head_dim, dtype) = {geometry} does not fit the model's "
+            f"{(layers, kv_heads, head_dim, dtype)}; build it with the model's make_pool")

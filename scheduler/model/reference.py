@@ -38,7 +38,7 @@ from scheduler.model.decoder import resolve_device as resolve_device
 from scheduler.model.decoder import same_device
 from scheduler.model.fixed_point import greedy_token_ids
 from scheduler.model.reference_config import ModelConfig as ModelConfig
-from scheduler.runner import ForwardBatch, ForwardItem
+from scheduler.runner import ForwardBatch, ForwardItem, check_pool_fits
 
 
 class ReferenceModel:
@@ -109,12 +109,7 @@ class PagedModelRunner:
         c = model.config
         if device is not None and not same_device(resolve_device(device), pool.device):
             raise ValueError(f"the pool is on {pool.device}, not on the requested {device}")
-        geometry = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
-        if geometry != (c.layers, c.kv_heads, c.head_dim, c.dtype):
-            raise ValueError(
-                f"pool (layers, kv_heads, head_dim, dtype) = {geometry} does not fit the model's "
-                f"{(c.layers, c.kv_heads, c.head_dim, c.dtype)}; build it with model.make_pool"
-            )
+        check_pool_fits(pool, c.layers, c.kv_heads, c.head_dim, c.dtype)
         self.model = model.to(pool.device)
         self.pool = pool
 
