@@ -54,16 +54,17 @@ from __future__ import annotations
 
 import collections
 import enum
+import operator
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic
+from typing import Generic
 
 from transitions.core import EventData
 
 from lifecycle.binding import Firing, hook_takes_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
 from lifecycle.record import ADMITTED
-from lifecycle.steps import Hook, R, Step, shared_machine
+from lifecycle.steps import Hook, R, Step, refusal_text, run_hooks, shared_machine
 from lifecycle.table import LifecycleTable, guard_methods
 
 
@@ -121,9 +122,10 @@ class Lifecycle(Generic[R]):
             if cls is not None and cls not in self._guard_forms:
                 self._bind(cls)
 
-    def _bind(self, record: type) -> dict[str, bool]:
+    def _bind(self, record: type) -> None:
         forms = self._guard_forms[record] = guard_methods(self.table, record)
-        return forms
+        for step in self._steps.values():
+            step.bind(record, forms)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -225,20 +227,12 @@ class Lifecycle(Generic[R]):
         firing = step.firing if reason is None and not detail else self._firing(
             step, reason, detail
         )
-        for r in reqs:
-            if r.state is not src:
-                raise IllegalTransition(
-                    r.rid, r.state or src, event, f"the batch is in state {src.name}"
-                )
-            if r.owner is not self:
-                raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
-        if len(set(map(id, reqs))) != len(reqs):
-            raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+        # One pass over the batch: all in ``src``, all ours, none twice (live requests of one
+        # lifecycle have distinct ids); a second pass names the culprit, on a refusal only.
+        if len({r.rid for r in reqs if r.state is src and r.owner is self}) != len(reqs):
+            self._refuse_batch(reqs, src, event)
         if step.guards:
-            for r in reqs:
-                why = self._refusal(step, r, firing)
-                if why:
-                    raise GuardFailed(r.rid, src, event, why)
+            self._check_guards(step, reqs, firing)
         self._move(reqs, step, firing)
 
     def fail(
@@ -284,15 +278,45 @@ class Lifecycle(Generic[R]):
             )
         return Firing(edge.event, edge.source, edge.dest, reason, detail)
 
+    def _refuse_batch(self, reqs: Sequence[R], src: enum.IntEnum, event: str) -> None:
+        """Raise for the first request of a batch that cannot fire (as the check found)."""
+        for r in reqs:
+            if r.state is not src:
+                raise IllegalTransition(
+                    r.rid, r.state or src, event, f"the batch is in state {src.name}"
+                )
+            if r.owner is not self:
+                raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
+        raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+
     def _refusal(self, step: Step[R], req: R, firing: Firing) -> str:
-        forms = self._guard_forms[type(req)]
         refused = ""
-        for name, wanted in step.guards:
-            method = getattr(req, name)
+        for name, guard, takes_event, wanted in step.guard_calls[type(req)]:
             self.guards_evaluated += 1
-            if bool(method(firing) if forms[name] else method()) is not wanted:
-                refused += f"{'; ' if refused else ''}{name} is {'false' if wanted else 'true'}"
+            if bool(guard(req, firing) if takes_event else guard(req)) is not wanted:
+                refused += f"{'; ' if refused else ''}{refusal_text(name, wanted)}"
         return refused
+
+    def _check_guards(self, step: Step[R], reqs: Sequence[R], firing: Firing) -> None:
+        """Evaluate every guard of ``step`` once per request, in batch order; raise
+        :class:`GuardFailed` for the first request refused (after all its guards)."""
+        edge = step.edge
+        if len(step.guards) != 1:
+            for r in reqs:
+                why = self._refusal(step, r, firing)
+                if why:
+                    raise GuardFailed(r.rid, edge.source, edge.event, why)
+            return
+        # One guard (every guard of the prefill table): the loop without the string building.
+        calls, evaluated = step.guard_calls, 0
+        try:
+            for r in reqs:
+                ((name, guard, takes_event, wanted),) = calls[type(r)]
+                evaluated += 1
+                if bool(guard(r, firing) if takes_event else guard(r)) is not wanted:
+                    raise GuardFailed(r.rid, edge.source, edge.event, refusal_text(name, wanted))
+        finally:
+            self.guards_evaluated += evaluated
 
     def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing) -> None:
         dst = step.edge.dest
@@ -309,7 +333,7 @@ class Lifecycle(Generic[R]):
         else:
             self._end(reqs, step, firing, entry)
         self.transitions_fired += len(reqs)
-        errors = _run_hooks(reqs, step.hooks, firing) if step.hooks else []
+        errors = run_hooks(reqs, step.hooks, firing) if step.hooks else []
         if self.check:
             self.check_index()
         if errors:
@@ -322,21 +346,22 @@ class Lifecycle(Generic[R]):
         dst = step.edge.dest
         src_bucket = step.src_bucket
         by_rid = self._by_rid
-        finished = self.finished
         reason, detail = firing.reason, firing.detail
         for r in reqs:
             del src_bucket[r.rid]
             del by_rid[r.rid]
             r.state = dst
             r.timeline.append(entry)
-            if detail:
+        if detail:
+            for r in reqs:
                 r.detail = detail
-            if reason is None:
-                finished[(dst, r.reason)] += 1
-            else:
-                r.reason = reason
         if reason is not None:
-            finished[(dst, reason)] += len(reqs)
+            for r in reqs:
+                r.reason = reason
+            self.finished[(dst, reason)] += len(reqs)
+        else:  # each ends with the reason it holds (most often None): counted by reason
+            for held, n in collections.Counter(map(operator.attrgetter("reason"), reqs)).items():
+                self.finished[(dst, held)] += n
 
     # -- invariants -------------------------------------------------------------------------
 
@@ -352,20 +377,3 @@ class Lifecycle(Generic[R]):
             total += len(bucket)
         if total != len(self._by_rid):
             raise AssertionError(f"index: {total} requests filed, {len(self._by_rid)} live")
-
-
-def _run_hooks(
-    reqs: Sequence[Any], hooks: tuple[tuple[str, Hook, bool], ...], firing: Firing
-) -> list[tuple[str, str, BaseException]]:
-    """Call every hook for every request; return the ones that raised."""
-    errors: list[tuple[str, str, BaseException]] = []
-    for r in reqs:
-        for name, hook, takes_event in hooks:
-            try:
-                if takes_event:
-                    hook(r, firing)
-                else:
-                    hook(r)
-            except Exception as exc:  # reported together once every hook has run
-                errors.append((r.rid, name, exc))
-    return errors

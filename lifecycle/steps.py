@@ -11,7 +11,7 @@ once, when the lifecycle is built.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from transitions import Machine
@@ -83,12 +83,17 @@ class _TableMachine(Machine):
         return found if found is not None else super().get_state(state)
 
 
+#: A guard as a step calls it on one record class: its name, the function, whether it takes the
+#: event, and the answer that lets the edge fire (True for ``conditions``, False for ``unless``).
+GuardCall = tuple[str, Callable[..., Any], bool, bool]
+
+
 class Step(Generic[R]):
     """One edge as one lifecycle fires it: the edge, its guards and hooks, the index buckets it
     moves requests between, and the shared machine's objects for it (the trigger path)."""
 
-    __slots__ = ("dst_bucket", "edge", "final", "firing", "guards", "hooks", "machine_event",
-                 "machine_source", "src_bucket", "transition")
+    __slots__ = ("dst_bucket", "edge", "final", "firing", "guard_calls", "guards", "hooks",
+                 "machine_event", "machine_source", "src_bucket", "transition")
 
     def __init__(
         self,
@@ -104,6 +109,9 @@ class Step(Generic[R]):
         self.guards: tuple[tuple[str, bool], ...] = (
             *((g, True) for g in edge.conditions), *((g, False) for g in edge.unless)
         )
+        #: Per record class bound to the lifecycle, the guards as they are called
+        #: (:meth:`bind`): the functions are looked up once, not per request fired at.
+        self.guard_calls: dict[type, tuple[GuardCall, ...]] = {}
         self.hooks = hooks
         self.src_bucket = src_bucket
         #: None for a final destination: the request leaves the index.
@@ -113,3 +121,33 @@ class Step(Generic[R]):
         self.machine_source: State = machine.get_state(edge.source)
         (self.transition,) = self.machine_event.transitions[edge.source.name]
         assert isinstance(self.transition, Transition)
+
+    def bind(self, record: type, takes_event: Mapping[str, bool]) -> None:
+        """Make the guard calls of ``record``, whose guards were checked (``takes_event``: per
+        guard, whether it takes the event)."""
+        self.guard_calls[record] = tuple(
+            (name, getattr(record, name), takes_event[name], wanted) for name, wanted in self.guards
+        )
+
+
+def refusal_text(guard: str, wanted: bool) -> str:
+    """How a refusal names a guard that did not give the ``wanted`` answer."""
+    return f"{guard} is {'false' if wanted else 'true'}"
+
+
+def run_hooks(
+    reqs: Sequence[Any], hooks: tuple[tuple[str, Hook, bool], ...], firing: Firing
+) -> list[tuple[str, str, BaseException]]:
+    """Call every hook for every request, each request's in table order; return the ones that
+    raised (request id, hook name, exception)."""
+    errors: list[tuple[str, str, BaseException]] = []
+    for r in reqs:
+        for name, hook, takes_event in hooks:
+            try:
+                if takes_event:
+                    hook(r, firing)
+                else:
+                    hook(r)
+            except Exception as exc:  # reported together once every hook has run
+                errors.append((r.rid, name, exc))
+    return errors
