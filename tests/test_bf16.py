@@ -7,7 +7,7 @@ bfloat16; RMSNorm and the softmax in float32).
 - **Close to float32.** Along the same token path, the bfloat16 logits are within
   :data:`MAX_LOGIT_DIFF` of the float32 ones at every position, within
   :data:`TYPICAL_LOGIT_DIFF` at the median position, and the greedy choice agrees at
-  :data:`MIN_AGREEMENT` of positions. Measured here: at most 1.0, median 0.44, 115 of 118
+  :data:`MIN_AGREEMENT` of positions. Measured here: at most 1.14, median 0.40, 83 of 85
   positions agree. The bound is looser than that because bfloat16 keeps 8 bits of mantissa:
   on logits of magnitude 25-40, transformers' own bfloat16 forward of the same file differs
   from its float32 one by up to 4.3 at some positions of these prompts (pdlife's by 4.2 there).
@@ -38,7 +38,7 @@ MIN_AGREEMENT = 0.9
 @pytest.fixture(scope="module")
 def inputs(smollm2_bf16: Any) -> dict[str, list[int]]:
     return {f"{kind}{i}": smollm2_bf16.encode(p, chat=kind == "chat")
-            for i, p in enumerate(PROMPTS[:6]) for kind in ("raw", "chat")}
+            for i, p in enumerate(PROMPTS[:4]) for kind in ("raw", "chat")}
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,9 @@ def _gather(kv: torch.Tensor, group: Sequence[Span]) -> torch.Tensor:
     table = torch.zeros((len(group), keys), dtype=torch.int64, device=kv.device)
     for i, s in enumerate(group):
         table[i, : s.end] = s.slots
-    return kv.index_select(1, table.view(-1)).view(2, len(group), keys, *kv.shape[2:])
+    # Advanced indexing, not index_select: on a strided view of the pool (page-major's
+    # kv_slots) index_select copies the whole view first, hundreds of times slower.
+    return kv[:, table.view(-1)].view(2, len(group), keys, *kv.shape[2:])
 
 
 def _attend(q: torch.Tensor, group: Sequence[Span], kv: torch.Tensor, out: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ from kv.pool_layout import KVLayout
 from scheduler.model.checkpoint import Checkpoint, LlamaConfig, rope_inv_freq
 from scheduler.model.invariant import MIN_ROWS, Span, pad_rows, paged_attention
 from scheduler.model.reference import ModelInputError, resolve_device
-from scheduler.runner import ForwardBatch, ForwardItem
+from scheduler.runner import ForwardBatch, ForwardItem, check_pool_fits
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +92,22 @@ class RealModel:
         def weight(name: str) -> torch.Tensor:
             return t[name].to(self.device, self.dtype)
 
-        def fused(*names: str) -> torch.Tensor:
-            return torch.cat([t[n] for n in names]).T.contiguous().to(self.device, self.dtype)
+        def for_matmul(*names: str) -> torch.Tensor:
+            """``[in, out]`` for ``x @ w``, the rows of the named ``[out, in]`` tensors fused.
+            float32 keeps it contiguous; bfloat16 keeps ``[out, in]`` contiguous and reads
+            it transposed: CPU bfloat16 matmuls without native bfloat16 instructions take a
+            path about ten times slower for a contiguous ``[in, out]`` operand."""
+            w = torch.cat([t[n] for n in names]).to(self.device, self.dtype)
+            return w.contiguous().T if self.dtype == torch.bfloat16 else w.T.contiguous()
 
         self._layers = [
             _Layer(
                 attn_norm=weight(f"layers.{i}.attn_norm"),
-                qkv=fused(f"layers.{i}.q", f"layers.{i}.k", f"layers.{i}.v"),
-                o=t[f"layers.{i}.o"].T.contiguous().to(self.device, self.dtype),
+                qkv=for_matmul(f"layers.{i}.q", f"layers.{i}.k", f"layers.{i}.v"),
+                o=for_matmul(f"layers.{i}.o"),
                 mlp_norm=weight(f"layers.{i}.mlp_norm"),
-                gate_up=fused(f"layers.{i}.gate", f"layers.{i}.up"),
-                down=t[f"layers.{i}.down"].T.contiguous().to(self.device, self.dtype),
+                gate_up=for_matmul(f"layers.{i}.gate", f"layers.{i}.up"),
+                down=for_matmul(f"layers.{i}.down"),
             )
             for i in range(c.layers)
         ]
@@ -271,11 +276,7 @@ class LlamaRunner:
 
     def __init__(self, model: RealModel, pool: KVPool) -> None:
         c = model.config
-        geometry = (pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
-        if geometry != (c.layers, c.kv_heads, c.head_dim, model.dtype):
-            raise ValueError(
-                f"pool (layers, kv_heads, head_dim, dtype) = {geometry} does not fit the model's "
-                f"{(c.layers, c.kv_heads, c.head_dim, model.dtype)}; build it with make_pool")
+        check_pool_fits(pool, c.layers, c.kv_heads, c.head_dim, model.dtype)
         if pool.device != model.device:
             raise ValueError(f"the pool is on {pool.device}, the model on {model.device}")
         self.model = model
