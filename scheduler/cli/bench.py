@@ -41,7 +41,8 @@ ALL = (
     Benchmark("tracing", 25, "the service loop with tracing off against on, and what each "
               "costs a request"),
     Benchmark("e2e", 40, "prefill throughput and TTFT against the forward passes alone"),
-    Benchmark("transfer", 120, "KV transfer: pdlife's backends against the raw engine"),
+    Benchmark("transfer", 300, "KV transfer in both pool layouts: pdlife's backends against "
+              "the raw engine"),
     Benchmark("soak", 90, "10,000 requests under injected faults: nothing lost or leaked"),
     Benchmark("overload", 70, "ten times what a server holds: the queue bound against none "
               "(refusals, tail latency, leaks, memory)"),
