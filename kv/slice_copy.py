@@ -72,7 +72,9 @@ def copy_head_slices(
         return
     src_idx = torch.tensor(list(src_pages), dtype=torch.long, device=src.device)
     dst_idx = torch.tensor(list(dst_pages), dtype=torch.long, device=dst.device)
-    gathered = src_kv.index_select(2, src_idx).to(dst.device)
+    # Advanced indexing, not index_select, which first copies a strided view (page-major's
+    # by_layer) whole.
+    gathered = src_kv[:, :, src_idx].to(dst.device)
     for s in slices:
         dst_kv[:, :, :, :, _cut(s.dst_heads)].index_copy_(
             2, dst_idx, gathered[:, :, :, :, _cut(s.src_heads)]

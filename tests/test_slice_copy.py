@@ -12,14 +12,16 @@ import torch
 
 from kv.layouts import SlicePlan, TPLayout, plan_slices
 from kv.pool import KVGeometryError, KVPool
+from kv.pool_layout import KVLayout
 from kv.slice_copy import check_sliced_geometry, copy_head_slices
 
 LAYERS, PAGE_SIZE, HEAD_DIM, NUM_PAGES = 3, 4, 8, 40
 
 
-def _pool(kv_heads: int, seed: int) -> KVPool:
+def _pool(kv_heads: int, seed: int, layout: KVLayout = KVLayout.LAYER_MAJOR) -> KVPool:
     pool = KVPool(num_layers=LAYERS, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
-                  kv_heads=kv_heads, head_dim=HEAD_DIM, dtype=torch.bfloat16, model="m")
+                  kv_heads=kv_heads, head_dim=HEAD_DIM, dtype=torch.bfloat16, model="m",
+                  layout=layout)
     gen = torch.Generator().manual_seed(seed)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
     return pool
@@ -29,21 +31,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 
 
-def _land(plan: SlicePlan, src_pages: list[int], dst_pages: list[int]) -> None:
-    """Copy a request's random whole-model KV from every prefill rank to the decode ranks and
-    check what every decode pool holds afterwards."""
+def _land(plan: SlicePlan, src_pages: list[int], dst_pages: list[int],
+          layout: KVLayout = KVLayout.LAYER_MAJOR) -> None:
+    """Copy a request's random whole-model KV from every prefill rank to the decode ranks (pools
+    in ``layout``) and check what every decode pool holds afterwards."""
     heads = plan.prefill.kv_heads
     gen = torch.Generator().manual_seed(len(src_pages) * 1000 + heads)
     model_kv = torch.randn((LAYERS, 2, len(src_pages), PAGE_SIZE, heads, HEAD_DIM),
                            generator=gen).to(torch.bfloat16)
     prefill = []
     for p in range(plan.prefill.tp_size):
-        pool = _pool(plan.prefill.heads_per_rank, seed=p)
+        pool = _pool(plan.prefill.heads_per_rank, seed=p, layout=layout)
         held = plan.prefill.heads_of(p)
-        pool.buffer[:, :, src_pages] = model_kv[:, :, :, :, held.start : held.stop]
+        pool.by_layer()[:, :, src_pages] = model_kv[:, :, :, :, held.start : held.stop]
         prefill.append(pool)
-    decode = [_pool(plan.decode.heads_per_rank, seed=100 + d) for d in range(plan.decode.tp_size)]
-    before = [pool.buffer.clone() for pool in decode]
+    decode = [_pool(plan.decode.heads_per_rank, seed=100 + d, layout=layout)
+              for d in range(plan.decode.tp_size)]
+    before = [pool.by_layer().clone() for pool in decode]
 
     for p, src in enumerate(prefill):
         for d in plan.destinations(p):
@@ -54,8 +58,9 @@ def _land(plan: SlicePlan, src_pages: list[int], dst_pages: list[int]) -> None:
     for d, pool in enumerate(decode):
         held = plan.decode.heads_of(d)
         want = model_kv[:, :, :, :, held.start : held.stop]
-        assert torch.equal(_bits(pool.buffer[:, :, dst_pages]), _bits(want)), f"decode rank {d}"
-        assert torch.equal(_bits(pool.buffer[:, :, others]), _bits(before[d][:, :, others]))
+        landed = pool.by_layer()
+        assert torch.equal(_bits(landed[:, :, dst_pages]), _bits(want)), f"decode rank {d}"
+        assert torch.equal(_bits(landed[:, :, others]), _bits(before[d][:, :, others]))
 
 
 #: A request's pages in a few runs (one copy per run and slice), and scattered over more runs
@@ -64,13 +69,14 @@ FEW_RUNS = ([3, 4, 5, 9, 10, 20, 21, 22], [30, 31, 0, 1, 2, 3, 17, 18])
 MANY_RUNS = (list(range(0, 40, 2)), list(range(39, 0, -2)))
 
 
+@pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("pages", [FEW_RUNS, MANY_RUNS], ids=["few_runs", "many_runs"])
 @pytest.mark.parametrize("decode_tp", [1, 2, 4])
 @pytest.mark.parametrize("prefill_tp", [1, 2, 4])
 def test_split_heads_land_byte_exact(
-    prefill_tp: int, decode_tp: int, pages: tuple[list[int], list[int]]
+    prefill_tp: int, decode_tp: int, pages: tuple[list[int], list[int]], layout: KVLayout
 ) -> None:
-    _land(plan_slices(TPLayout(prefill_tp, 8), TPLayout(decode_tp, 8)), *pages)
+    _land(plan_slices(TPLayout(prefill_tp, 8), TPLayout(decode_tp, 8)), *pages, layout=layout)
 
 
 @pytest.mark.parametrize("heads", [1, 2])
