@@ -2,11 +2,15 @@
 
 Theory of operation
 -------------------
-Each prefill rank registers itself with ``PUT /route`` (its rank, the ZeroMQ endpoint where it
-takes decode control messages, its transfer-engine session, page size, KV dtype, pool layout and
-the model whose KV its pool holds). A decode peer reads the table with ``GET /route``: 503 until
-every expected rank has registered, then the whole table, from which it checks that the model,
-page size, KV dtype and pool layout match its own pool before it sends anything.
+Each prefill rank registers itself with ``PUT /route`` (:class:`~kv.rank_table.RankInfo`: its
+rank, the ZeroMQ endpoint where it takes decode control messages, its transfer-engine session,
+page size, KV dtype, pool layout, head dim, the model whose KV its pool holds, and its place:
+TP, PP and DP rank and size, the model's KV heads and layers and its stage's layers). A
+registration that disagrees with the ranks already there is refused, naming both
+(:func:`~kv.rank_table.registration_conflict`). A decode peer reads the table with
+``GET /route``: 503 until every expected rank has registered, then the whole table, from which
+it checks that its own pool matches and computes which ranks to contact (:mod:`kv.routes`)
+before it sends anything.
 ``GET /health`` answers ``OK`` for liveness probes. ``POST /refusal`` is how a decode peer says
 it will never ask for a room's KV (it refused the request, or gave up before the handshake): the
 room and the reason go to every listener the prefill ranks in this process added
@@ -36,9 +40,7 @@ from typing import Any
 
 import attrs
 
-from kv.model_id import MAX_MODEL_NAME, describe_model
-from kv.pool_layout import KV_LAYOUTS, KVLayout
-from kv.wire import KV_DTYPES
+from kv.rank_table import PrefillInfo, RankInfo, registration_conflict
 
 logger = logging.getLogger(__name__)
 
@@ -59,68 +61,6 @@ class BootstrapError(Exception):
         self.status = status
         self.detail = detail
         super().__init__(f"bootstrap {addr}: {status or 'unreachable'}: {detail}")
-
-
-@attrs.frozen
-class RankInfo:
-    """One prefill rank, as registered at the bootstrap endpoint."""
-
-    rank: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
-    endpoint: str = attrs.field(validator=attrs.validators.instance_of(str))
-    session: str = attrs.field(validator=attrs.validators.instance_of(str))
-    page_size: int = attrs.field(
-        validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)]
-    )
-    kv_dtype: str = attrs.field(validator=attrs.validators.in_(KV_DTYPES))
-    #: The model whose KV the rank's pool holds: its fingerprint (compared) and its name.
-    model: str = attrs.field(default="", validator=[
-        attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
-    model_name: str = attrs.field(default="", validator=[
-        attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
-    #: The order of the rank's pool tensor (:mod:`kv.pool_layout`).
-    kv_layout: str = attrs.field(default=KVLayout.LAYER_MAJOR.value,
-                                 validator=attrs.validators.in_(KV_LAYOUTS))
-
-    @property
-    def model_label(self) -> str:
-        return describe_model(self.model_name, self.model)
-
-    @endpoint.validator
-    def _check_endpoint(self, attribute: attrs.Attribute[str], value: str) -> None:
-        if not value.startswith("tcp://"):
-            raise ValueError(f"endpoint must be 'tcp://host:port', got {value!r}")
-
-    @classmethod
-    def from_json(cls, body: Any) -> RankInfo:
-        """Raises ValueError/TypeError naming the field when ``body`` is not a valid rank."""
-        if not isinstance(body, dict):
-            raise TypeError(f"expected a JSON object, got {type(body).__name__}")
-        fields = {f.name for f in attrs.fields(cls)}
-        missing = fields - set(body)
-        extra = set(body) - fields
-        if missing or extra:
-            raise ValueError(f"missing fields {sorted(missing)}, unexpected {sorted(extra)}")
-        if any(isinstance(body[k], bool) for k in ("rank", "page_size")):
-            raise TypeError("rank and page_size must be integers")
-        return cls(**body)
-
-
-@attrs.frozen
-class PrefillInfo:
-    """What ``GET /route`` tells a decode peer: every rank, the shared geometry and model, and
-    whether the endpoint requires a peer token."""
-
-    page_size: int
-    kv_dtype: str
-    ranks: tuple[RankInfo, ...]
-    token_required: bool = False
-    model: str = ""
-    model_name: str = ""
-    kv_layout: str = KVLayout.LAYER_MAJOR.value
-
-    @property
-    def model_label(self) -> str:
-        return describe_model(self.model_name, self.model)
 
 
 #: A refused peer is logged the first time and then every this many refusals (all are counted).
@@ -198,16 +138,11 @@ class BootstrapServer:
 
     def _register(self, info: RankInfo) -> tuple[int, str]:
         with self._lock:
-            if info.rank >= self.expected_ranks:
-                return 400, f"rank {info.rank} not in 0..{self.expected_ranks - 1}"
-            for other in self._ranks.values():
-                if other.rank != info.rank and _pool_settings(other) != _pool_settings(info):
-                    return 400, (f"rank {info.rank} has {_pool_settings(info)} but rank "
-                                 f"{other.rank} has {_pool_settings(other)}")
-                if other.rank != info.rank and other.model != info.model:
-                    return 400, (f"rank {info.rank} serves model {info.model_label} but rank "
-                                 f"{other.rank} serves {other.model_label}")
-            self._ranks[info.rank] = info
+            problem = registration_conflict(info, self._ranks, self.expected_ranks)
+            if problem is None:
+                self._ranks[info.rank] = info
+        if problem is not None:
+            return 400, problem
         logger.info("prefill rank %d registered at %s", info.rank, info.endpoint)
         return 200, "OK"
 
@@ -240,11 +175,6 @@ class BootstrapServer:
                      "kv_layout": ranks[0]["kv_layout"], "model": ranks[0]["model"],
                      "model_name": ranks[0]["model_name"], "ranks": ranks,
                      "token_required": self._token is not None}
-
-
-def _pool_settings(info: RankInfo) -> str:
-    """What every rank's pool must share, as a message shows it."""
-    return f"page_size={info.page_size} kv_dtype={info.kv_dtype} kv_layout={info.kv_layout}"
 
 
 def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:

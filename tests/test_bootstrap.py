@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankInfo
+from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
+from kv.rank_table import RankInfo, RankPlace
 
 
 @pytest.fixture
@@ -19,10 +20,12 @@ def server() -> Iterator[BootstrapServer]:
 
 
 def _rank(rank: int, page_size: int = 16, dtype: str = "bfloat16",
-          layout: str = "layer_major") -> RankInfo:
+          layout: str = "layer_major", tp_size: int = 2) -> RankInfo:
     return RankInfo(rank=rank, endpoint=f"tcp://127.0.0.1:{7000 + rank}",
                     session=f"127.0.0.1:{8000 + rank}", page_size=page_size, kv_dtype=dtype,
-                    kv_layout=layout)
+                    kv_layout=layout, head_dim=8,
+                    place=RankPlace(tp_rank=rank, tp_size=tp_size, kv_heads=2, num_layers=2,
+                                    layer_start=0, layer_stop=2))
 
 
 def _raw(srv: BootstrapServer, method: str, path: str, body: bytes = b"",
@@ -109,13 +112,13 @@ def test_token_guards_routes_but_not_health() -> None:
     srv = BootstrapServer(token="s3cret")
     try:
         with pytest.raises(BootstrapError) as err:
-            BootstrapClient(srv.address).register(_rank(0))
+            BootstrapClient(srv.address).register(_rank(0, tp_size=1))
         assert err.value.status == 401
         with pytest.raises(BootstrapError):
             BootstrapClient(srv.address, token="wrong").lookup()
         good = BootstrapClient(srv.address, token="s3cret")
-        good.register(_rank(0))
-        assert good.lookup().ranks == (_rank(0),)
+        good.register(_rank(0, tp_size=1))
+        assert good.lookup().ranks == (_rank(0, tp_size=1),)
         assert BootstrapClient(srv.address).health()
     finally:
         srv.close()

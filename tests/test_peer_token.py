@@ -21,10 +21,11 @@ import msgpack
 import pytest
 import zmq
 
-from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer, RankInfo
+from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import MooncakeConfig, PeerAuthError
+from kv.rank_table import RankInfo, RankPlace
 from scheduler.cli.command import UsageError
 from scheduler.cli.credentials import MIN_PEER_TOKEN_CHARS, PEER_TOKEN_ENV, peer_token
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
@@ -37,7 +38,8 @@ OTHER = "another-token-0123456789-xyz"
 
 def _rank() -> RankInfo:
     return RankInfo(rank=0, endpoint="tcp://127.0.0.1:5555", session="127.0.0.1:16000",
-                    page_size=4, kv_dtype="float32")
+                    page_size=4, kv_dtype="float32", head_dim=8,
+                    place=RankPlace.single(num_layers=2, kv_heads=2))
 
 
 # -- in process -------------------------------------------------------------------------------
