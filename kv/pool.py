@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
+from kv.metadata import BufferInfo
 from kv.model_id import MAX_MODEL_NAME, describe_model
 from kv.pages import kv_bytes
 from kv.pool_layout import KVLayout, parse_kv_layout
@@ -307,6 +308,19 @@ class KVPool:
         """Fraction of pages in use (not free: held by requests, or held back until their
         transfer is quiescent), 0.0 .. 1.0."""
         return self.allocator.in_use() / self.num_pages
+
+    def buffer_infos(self, prefix: str = "") -> list[BufferInfo]:
+        """Every region of the buffer for a transfer engine, in memory order: page ``p`` of
+        region ``r`` is at ``ptr + p * item_len`` (``layer<l>.k``/``.v`` layer-major, one
+        ``pages`` page-major); ``prefix`` goes before each name."""
+        if self.layout is KVLayout.PAGE_MAJOR:
+            names = ["pages"]
+        else:
+            names = [f"layer{r // 2}.{'kv'[r % 2]}" for r in range(self.regions)]
+        item, base = self.region_page_bytes, self.buffer.data_ptr()
+        length = item * self.num_pages
+        return [BufferInfo(prefix + name, base + r * length, length, item)
+                for r, name in enumerate(names)]
 
     def page_view(self) -> torch.Tensor:
         """``[regions, pages, region_page_elems]`` view: a run of pages is a slice of dimension

@@ -11,6 +11,10 @@ is still recognised as such. The prefill and the decode scheduler each keep one 
 With the prefix cache on, a request's page table mixes the tree's pages (locked through its
 :class:`~kv.radix.PrefixHold`) and its own; the releaser frees its own pages and unlocks the
 hold at the same moment, so no tree page it used can be evicted while the transfer reads it.
+
+A hybrid model's state (:mod:`kv.state_pools`) goes with the pages: the SWA pages of the freed
+pages and the request's recurrent-state slot are freed at the same moment, never before the
+transfer that may read them is quiescent.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import attrs
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
 from kv.radix import PrefixHold
+from kv.state_pools import StatePools
 
 
 class Transfer(Protocol):
@@ -42,13 +47,16 @@ class _Held:
     slot: int | None
     on_clear: Callable[[], object] | None
     hold: PrefixHold | None
+    state_slot: int | None = None
 
 
 class Releaser:
     """Frees pages and slots exactly once, never while a transfer may still use them."""
 
-    def __init__(self, pool: KVPool, slots: SlotAllocator, metadata: MetadataBuffers) -> None:
+    def __init__(self, pool: KVPool, slots: SlotAllocator, metadata: MetadataBuffers,
+                 states: StatePools | None = None) -> None:
         self.pool = pool
+        self.states = states
         self.slots = slots
         self.metadata = metadata
         self._held: list[_Held] = []
@@ -60,11 +68,13 @@ class Releaser:
         slot: int | None,
         on_clear: Callable[[], object] | None = None,
         hold: PrefixHold | None = None,
+        state_slot: int | None = None,
     ) -> None:
-        """Free ``pages`` and ``slot`` and release the prefix-cache ``hold`` once ``transfer``
-        is quiescent; then ``clear()`` it and call ``on_clear`` (the owner forgets the room
-        only then, so it is not reused early)."""
-        held = _Held(transfer, list(pages), slot, on_clear, hold)
+        """Free ``pages`` (with their SWA pages), ``slot`` and the recurrent ``state_slot``
+        and release the prefix-cache ``hold`` once ``transfer`` is quiescent; then ``clear()``
+        it and call ``on_clear`` (the owner forgets the room only then, so it is not reused
+        early)."""
+        held = _Held(transfer, list(pages), slot, on_clear, hold, state_slot)
         if transfer is not None and not transfer.quiescent():
             self._held.append(held)
             return
@@ -100,11 +110,18 @@ class Releaser:
     def held_slots(self) -> int:
         return sum(1 for held in self._held if held.slot is not None)
 
+    @property
+    def held_state_slots(self) -> int:
+        """Recurrent-state slots held back (for conservation checks)."""
+        return sum(1 for held in self._held if held.state_slot is not None)
+
     def _finish(self, held: _Held) -> None:
         if held.transfer is not None:
             held.transfer.clear()
         if held.on_clear is not None:
             held.on_clear()
+        if self.states is not None:
+            self.states.release(held.pages, held.state_slot)
         if held.pages:
             self.pool.allocator.free(held.pages)
         if held.hold is not None:

@@ -149,3 +149,14 @@ def delayer_passes(draw: st.DrawFn, max_dp: int = 4) -> DelayerScenario:
                                      st.integers(0, 40)), min_size=1, max_size=25))
     steps = draw(st.lists(st.floats(0.0, 0.2), min_size=len(passes), max_size=len(passes)))
     return passes, steps
+
+
+@st.composite
+def chunked_prompts(draw: st.DrawFn, max_len: int = 120) -> tuple[int, int, list[int]]:
+    """``(page_size, length, progress)``: a prompt of ``length`` tokens computed in chunks,
+    ``progress`` the tokens computed after each chunk (increasing, the last is ``length``),
+    cut anywhere, not only at page boundaries."""
+    page_size = draw(st.sampled_from([1, 2, 4, 8]))
+    length = draw(st.integers(min_value=1, max_value=max_len))
+    cuts = draw(st.lists(st.integers(min_value=1, max_value=length), max_size=6, unique=True))
+    return page_size, length, sorted({*cuts, length})
