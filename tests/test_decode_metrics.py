@@ -56,7 +56,7 @@ def test_finished_requests_do_not_pile_up_in_the_decode_deadline_heap() -> None:
     pair = EmbeddedPair(PairConfig(model=ModelConfig.tiny(), prefill_pages=64, decode_pages=64,
                                    scheduler=SchedulerConfig(page_size=4)))
     try:
-        pair.decode.stale_slack = 4
+        pair.decode._deadlines.stale_slack = 4
         sizes = []
         for wave in range(6):
             rids = [f"w{wave}-{i}" for i in range(4)]

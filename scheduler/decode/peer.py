@@ -12,8 +12,10 @@ request's own room (a torn or foreign row fails the request); its first token st
 (``received``, DECODING). Every pass runs one decode step for all DECODING requests, growing
 their pages as the sequence grows; ``finished`` at max_new_tokens, a stop token, a stop string
 or a completed grammar. Tokens are greedy, or sampled from the request's seeded stream, with
-logprobs when asked (:mod:`.sampling`). A decode step that raised fails its requests
-(``internal``) and the loop goes on. Room 0 is refused: it marks an empty metadata row.
+logprobs when asked (:mod:`.sampling` holds both rules). A decode step that raised fails its
+requests (``internal``) and the loop goes on. Room 0 is refused: it marks an empty metadata row.
+A request still waiting for its KV when its waiting deadline passes (:mod:`.deadlines`) fails
+``transfer_timeout``.
 
 The pages, slot and room of a request whose receiver may still be written by the prefill side
 (an abort, a failure) stay reserved by a :class:`~kv.release.Releaser` until the receiver is
@@ -30,7 +32,6 @@ the prefill peer refused fails ``bootstrap_failed`` with the peer's reason.
 from __future__ import annotations
 
 import functools
-import heapq
 import logging
 import queue
 import time
@@ -50,8 +51,9 @@ from lifecycle import (
     Lifecycle,
 )
 from scheduler.decode.config import DecodeConfig
+from scheduler.decode.deadlines import WaitingDeadlines
 from scheduler.decode.metrics import DecodeMetrics
-from scheduler.decode.sampling import DecodeSampling
+from scheduler.decode.sampling import DecodeSampling, finish_reason
 from scheduler.messages import (
     FAKE_BOOTSTRAP_HOST,
     AbortRequest,
@@ -76,9 +78,6 @@ def receiver_of(req: DecodeRequest) -> KVReceiver | None:
 class DecodePeer:
     """The decode side of one rank. Not thread-safe except :meth:`submit` and :meth:`abort`."""
 
-    #: How far the deadline heap may outgrow twice the live requests before it is rebuilt.
-    stale_slack = 1024
-
     def __init__(
         self,
         *,
@@ -101,10 +100,6 @@ class DecodePeer:
         self.kv = kv
         self.metadata = metadata
         self.slots = slots
-        # The model's end-of-sequence ids (a real checkpoint may have several).
-        self.eos_token_ids: frozenset[int] = (
-            frozenset() if eos_token_id is None
-            else frozenset((eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id))
         self.config = config = config or DecodeConfig()
         self.clock = clock
         self.on_response = on_response
@@ -116,9 +111,9 @@ class DecodePeer:
         )
         self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
         self._rooms: dict[int, DecodeRequest] = {}
-        self._deadlines: list[tuple[float, str]] = []
+        self._deadlines = WaitingDeadlines()
         self._releaser = Releaser(self.pool, slots, metadata)
-        self._sampling = DecodeSampling(runner, compiler, detokenize)
+        self._sampling = DecodeSampling(runner, compiler, detokenize, eos_token_id)
         self.steps = 0
         self.metrics = metrics or DecodeMetrics()
         self.metrics.kv_pages_total.set(self.pool.num_pages)
@@ -201,12 +196,7 @@ class DecodePeer:
             logger.warning("request %r: bootstrap failed: %s", req.rid, exc)
             self._fail(req, FailureReason.BOOTSTRAP_FAILED, str(exc), tell_peer=False)
             return
-        req.deadline = self.clock() + self.config.waiting_timeout
-        heapq.heappush(self._deadlines, (req.deadline, req.rid))
-
-    def _deadline_counts(self, deadline: float, rid: str) -> bool:
-        req = self.lifecycle.get(rid)
-        return req is not None and req.deadline == deadline
+        self._deadlines.arm(req, self.clock() + self.config.waiting_timeout)
 
     def _refuse(self, new: NewRequest, why: str) -> None:
         # Refused before admission (its id or room cannot be tracked): answered directly.
@@ -234,20 +224,9 @@ class DecodePeer:
             req = self._rooms.get(room)
             if req is not None:
                 changed[req.rid] = req
-        now = self.clock()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, rid = heapq.heappop(self._deadlines)
-            req = self.lifecycle.get(rid)
-            if req is not None and req.deadline == deadline and req.state in (
-                S.BOOTSTRAPPING, S.PREALLOC, S.RECEIVING
-            ):
-                self._fail(req, FailureReason.TRANSFER_TIMEOUT,
-                           f"no KV from prefill within {self.config.waiting_timeout:g} s")
-        if len(self._deadlines) > 2 * len(self.lifecycle) + self.stale_slack:
-            # Finished requests leave their entries until the deadline passes: rate x timeout
-            # of them. Rebuilt from the ones that count, amortised O(1) per entry.
-            self._deadlines = [e for e in self._deadlines if self._deadline_counts(*e)]
-            heapq.heapify(self._deadlines)
+        for req in self._deadlines.expired(self.clock(), self.lifecycle):
+            self._fail(req, FailureReason.TRANSFER_TIMEOUT,
+                       f"no KV from prefill within {self.config.waiting_timeout:g} s")
         bootstrapped: list[DecodeRequest] = []
         received: list[DecodeRequest] = []
         for req in changed.values():
@@ -280,7 +259,8 @@ class DecodePeer:
                 received.append(req)
         self.lifecycle.fire(DecodeEvent.BOOTSTRAPPED, bootstrapped)
         self.lifecycle.fire(DecodeEvent.RECEIVED, received)
-        self.lifecycle.fire(DecodeEvent.FINISHED, [r for r in received if self._finished(r)])
+        self.lifecycle.fire(DecodeEvent.FINISHED,
+                            [r for r in received if self._sampling.finished(r)])
         return bool(changed)
 
     def _fail_from_peer(self, req: DecodeRequest, err: TransferError) -> None:
@@ -355,23 +335,10 @@ class DecodePeer:
             rejected = self._sampling.landed(req, None if sampled is None else sampled[i])
             if rejected:
                 self._fail(req, FailureReason.INTERNAL, rejected)
+        finished = self._sampling.finished
         self.lifecycle.fire(DecodeEvent.FINISHED,
-                            [r for r in reqs if r.state is S.DECODING and self._finished(r)])
+                            [r for r in reqs if r.state is S.DECODING and finished(r)])
         return True
-
-    def _finished(self, req: DecodeRequest) -> bool:
-        sampling = req.sampling
-        if len(req.output_ids) >= sampling.max_new_tokens:
-            return True
-        last = req.output_ids[-1]
-        if last in sampling.stop_token_ids or self._sampling.stopped(req):
-            return True
-        return not sampling.ignore_eos and last in self.eos_token_ids
-
-    def finish_reason(self, req: DecodeRequest) -> str:
-        if req.state is S.FAILED:
-            return "abort"
-        return "length" if len(req.output_ids) >= req.sampling.max_new_tokens else "stop"
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -389,7 +356,7 @@ class DecodePeer:
     def _respond(self, req: DecodeRequest) -> None:
         state = req.state
         assert isinstance(state, DecodeState)
-        finish = self.finish_reason(req)
+        finish = finish_reason(req)
         logprobs, matched = self._sampling.take(req, finish)
         self._answer(
             DecodeResponse(

@@ -12,14 +12,18 @@ strings, which need ``detokenize``. Then, per request that needs more than greed
 - after each token the constraint accepts it (a rejection fails the request, 500, naming the
   grammar error; a completed grammar stops the answer) and the tail of the decoded output that
   can hold a new match is searched for the stop strings.
+
+A request is finished (:meth:`DecodeSampling.finished`) at ``max_new_tokens``, a stop token, a
+matched stop string, a completed grammar or, unless it ignores EOS, one of the model's
+end-of-sequence ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kv.metadata import MetadataRow
-from lifecycle import DecodeRequest
+from lifecycle import DecodeRequest, DecodeState
 from scheduler.messages import TokenLogprob
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.sample.batch import ItemPlan, LogitsForward
@@ -32,8 +36,13 @@ class DecodeSampling:
     """The sampling state of the decode peer's live requests, by request id."""
 
     def __init__(self, runner: ModelRunner, compiler: ConstraintCompiler | None = None,
-                 detokenize: Detokenize | None = None) -> None:
+                 detokenize: Detokenize | None = None,
+                 eos_token_id: int | Iterable[int] | None = None) -> None:
         self._runner = runner
+        # The model's end-of-sequence ids (a real checkpoint may have several).
+        self.eos_token_ids: frozenset[int] = (
+            frozenset() if eos_token_id is None
+            else frozenset((eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id))
         self._sampling = Sampling(runner, compiler, detokenize, stop_strings=True)
         self._detokenize = detokenize
         self._states = self._sampling.states
@@ -102,6 +111,16 @@ class DecodeSampling:
         state = self._states.get(req.rid)
         return state is not None and (state.grammar_done or state.matched_stop is not None)
 
+    def finished(self, req: DecodeRequest) -> bool:
+        """Whether ``req`` (with at least one output token) has its whole answer."""
+        sampling = req.sampling
+        if len(req.output_ids) >= sampling.max_new_tokens:
+            return True
+        last = req.output_ids[-1]
+        if last in sampling.stop_token_ids or self.stopped(req):
+            return True
+        return not sampling.ignore_eos and last in self.eos_token_ids
+
     def take(self, req: DecodeRequest,
              finish_reason: str) -> tuple[tuple[TokenLogprob, ...], int | str | None]:
         """Forget the request (it is answered); its output logprobs and what matched its stop:
@@ -114,3 +133,10 @@ class DecodeSampling:
         else:
             matched = None if state is None else state.matched_stop
         return (() if state is None else tuple(state.output_logprobs)), matched
+
+
+def finish_reason(req: DecodeRequest) -> str:
+    """Why a request that ended stopped: ``abort`` (it failed), ``length`` or ``stop``."""
+    if req.state is DecodeState.FAILED:
+        return "abort"
+    return "length" if len(req.output_ids) >= req.sampling.max_new_tokens else "stop"

@@ -2,7 +2,9 @@
 admit the checked items, then wait for their answers (or the client's going away), or follow a
 stream's new tokens.
 
-Theory of operation: :func:`admit` connects the decode role to the prefill servers the items
+Theory of operation: :func:`checked` refuses a body while the server takes no requests, then
+builds the route's items from it; what building refuses is told to the body's peers and raised
+as a :class:`Refusal`. :func:`admit` connects the decode role to the prefill servers the items
 name (off the event loop: a first lookup may block), then registers and submits each item
 (:meth:`Service.start`). What it refuses it raises as :class:`Refusal`, after telling the
 items' peers (:mod:`.refusals`) and aborting what it had already started, so the route only
@@ -11,7 +13,9 @@ when the client went away first (its requests are aborted). :func:`new_tokens` y
 tokens the decode side produced after every pass, with their logprobs when the request asked
 for them (:class:`~.pending.Progress`), until the request's future is resolved; the route reads
 the final :class:`Answer` from the future, and aborts the request if its stream is closed before
-that. :func:`merged` interleaves the streams of a request's samples (``n`` > 1).
+that. :func:`answered` is :func:`wait` for a route that answers all or nothing: the answers, or
+the response to send instead. :func:`merged` interleaves the streams of a request's samples
+(``n`` > 1).
 """
 
 from __future__ import annotations
@@ -19,16 +23,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from scheduler.decode.router import PeerUnreachable
 from scheduler.service.core import Answer, BadRequest, Item, Pending, Service, Unavailable
 from scheduler.service.errors import unavailable_reason
 from scheduler.service.pending import Progress
-from scheduler.service.refusals import refuse_items, refuse_peers
+from scheduler.service.refusals import peer_rooms, refuse_items, refuse_peers
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,20 @@ def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> 
     if why is not None:
         refuse_peers(service, rooms, *why)
         raise Refusal(why[0], 503, why[1], label="unavailable")
+
+
+def checked(service: Service, body: BaseModel, build: Callable[[], T], *,
+            param: Callable[[BadRequest], str | None] = lambda exc: None) -> T:
+    """What ``build`` makes of ``body`` when the server takes requests, or :class:`Refusal`
+    (503 from :func:`check_available`, or ``build``'s :class:`BadRequest` with the field
+    ``param`` names); either way the body's peers are told."""
+    fields = body.model_dump()
+    check_available(service, peer_rooms(fields))
+    try:
+        return build()
+    except BadRequest as exc:
+        refuse_peers(service, peer_rooms(fields), exc.reason, str(exc))
+        raise Refusal.of(exc, param=param(exc)) from exc
 
 
 def count(service: Service, refusal: Refusal) -> None:
@@ -126,6 +146,19 @@ async def wait(service: Service, request: Request, pending: list[Pending]) -> li
     finally:
         gone.cancel()
     return [f.result() for f in futures]
+
+
+async def answered(service: Service, request: Request, pending: list[Pending],
+                   failed: Callable[[Answer], Response]) -> list[Answer] | Response:
+    """Every answer of ``pending`` when all succeeded; else the response to send: 499 when
+    the client went away first (see :func:`wait`), or ``failed`` of the first failed answer."""
+    answers = await wait(service, request, pending)
+    if answers is None:
+        return Response(status_code=499)
+    for answer in answers:
+        if answer.status != 200:
+            return failed(answer)
+    return answers
 
 
 async def new_tokens(pending: Pending) -> AsyncIterator[Progress]:

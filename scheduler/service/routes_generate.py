@@ -28,13 +28,12 @@ from scheduler.service.errors import error, failure_kind, rejected
 from scheduler.service.handoff import (
     Refusal,
     admit,
-    check_available,
+    answered,
+    checked,
     count,
     events,
     new_tokens,
-    wait,
 )
-from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep
 from scheduler.service.sampling import (
     check_own_rooms,
@@ -77,7 +76,7 @@ def _per_item(value: Any, n: int, name: str, many: bool) -> list[Any]:
 
 def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     """The checked items of a body (``n`` of them per prompt, prompt-major), and whether the
-    answer is a list (a batch, or ``n`` > 1)."""
+    answer is a list (a batch, or ``n`` > 1, which cannot be streamed)."""
     _refuse_unsupported(body)
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("bad_prompt", "give exactly one of text or input_ids")
@@ -126,6 +125,8 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
             rids, prompts, params, hosts, ports, rooms, strict=True
         )
     ]
+    if body.stream and many:
+        raise BadRequest("bad_batch", "streaming a batch (or n > 1) is not supported")
     return items, many
 
 
@@ -188,14 +189,7 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
     """Generate for one prompt or a batch, ``sampling_params.n`` answers each (SGLang's
     ``/generate``)."""
     try:
-        check_available(service, peer_rooms(body.model_dump()))
-        try:
-            items, batch = _items(service, body)
-            if body.stream and batch:
-                raise BadRequest("bad_batch", "streaming a batch (or n > 1) is not supported")
-        except BadRequest as exc:
-            refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
-            raise Refusal.of(exc) from exc
+        items, batch = checked(service, body, lambda: _items(service, body))
         started = await admit(service, request, items, stream=body.stream)
     except Refusal as refusal:
         count(service, refusal)
@@ -203,12 +197,10 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
     if body.stream:
         return StreamingResponse(events(service, started, _chunks(service, started[0])),
                                  media_type="text/event-stream")
-    answers = await wait(service, request, started)
-    if answers is None:
-        return Response(status_code=499)
-    for answer in answers:
-        if answer.status != 200:
-            return error(answer.status, failure_kind(answer), answer.message, answer.rid)
+    answers = await answered(service, request, started, lambda a: error(
+        a.status, failure_kind(a), a.message, a.rid))
+    if isinstance(answers, Response):
+        return answers
     bodies = [final_body(service.tokenizer, p.item, a) for p, a in zip(started, answers,
                                                                         strict=True)]
     return JSONResponse(bodies if batch else bodies[0])

@@ -33,12 +33,12 @@ from scheduler.service.errors import failure_kind, plain_validation_errors
 from scheduler.service.handoff import (
     Refusal,
     admit,
-    check_available,
+    answered,
+    checked,
     count,
     events,
     merged,
     new_tokens,
-    wait,
 )
 from scheduler.service.openai_format import Chunks, StreamLogprobs, StreamText, answer_body
 from scheduler.service.openai_request import FieldError, chat_items, completion_items
@@ -64,6 +64,11 @@ def openai_error(status: int, message: str, code: str, param: str | None = None
     body = OpenAIError(error=OpenAIErrorDetail(message=message, type=kind, param=param,
                                                code=code))
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _param(exc: BadRequest) -> str | None:
+    """The request field a refusal names (OpenAI's ``param``), when it names one."""
+    return exc.param if isinstance(exc, FieldError) else None
 
 
 def _refused(service: Service, refusal: Refusal) -> JSONResponse:
@@ -137,13 +142,7 @@ async def _serve(service: Service, request: Request, body: Body,
                  build: Callable[[Service, Body], list[Item]], *, chat: bool) -> Response:
     model = body.model or service.config.model_name
     try:
-        check_available(service, peer_rooms(body.model_dump()))
-        try:
-            items = build(service, body)
-        except BadRequest as exc:
-            refuse_peers(service, peer_rooms(body.model_dump()), exc.reason, str(exc))
-            raise Refusal.of(exc, param=exc.param if isinstance(exc, FieldError) else None
-                             ) from exc
+        items = checked(service, body, lambda: build(service, body), param=_param)
         started = await admit(service, request, items, stream=body.stream)
     except Refusal as refusal:
         return _refused(service, refusal)
@@ -154,12 +153,10 @@ async def _serve(service: Service, request: Request, body: Body,
         chunks = _stream(service, started, Chunks(rid, model, chat), include_usage)
         return StreamingResponse(events(service, started, chunks),
                                  media_type="text/event-stream")
-    answers = await wait(service, request, started)
-    if answers is None:
-        return Response(status_code=499)
-    for answer in answers:
-        if answer.status != 200:
-            return openai_error(answer.status, answer.message, failure_kind(answer))
+    answers = await answered(service, request, started, lambda a: openai_error(
+        a.status, a.message, failure_kind(a)))
+    if isinstance(answers, Response):
+        return answers
     return JSONResponse(answer_body(service.tokenizer, rid, list(zip(items, answers,
                                                                       strict=True)),
                                     model, chat=chat))
