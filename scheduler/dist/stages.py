@@ -267,6 +267,12 @@ class StageConsensus:
         self._phase[key] = Phase.TRANSFER
         self._classify(key)
 
+    def drop(self, key: int) -> None:
+        """``key`` ended on this stage for a reason every stage sees on the same pass (a
+        client's abort, relayed to every rank; a verdict already applied): forget it without
+        an agreement step. A no-op for a key this stage no longer holds."""
+        self._forget(key)
+
     def _classify(self, key: int) -> None:
         poll = self._poll[key]
         if poll in DECISIVE[self._phase[key]]:

@@ -63,8 +63,12 @@ class Admission:
         metrics: SchedulerMetrics,
         respond: Callable[[Response], None],
         vet: Callable[[PrefillRequest], str] = lambda _req: "",
+        relay: Callable[[list[NewRequest | AbortRequest]], list[NewRequest | AbortRequest]]
+        | None = None,
     ) -> None:
-        """``vet(req)`` says why a request's sampling is refused ("" when it is not)."""
+        """``vet(req)`` says why a request's sampling is refused ("" when it is not).
+        ``relay`` turns what arrived on this rank's inbox into what every rank of a mesh
+        admits this pass (:class:`scheduler.dist.relay.InboxRelay`); None: a rank alone."""
         self.lifecycle = lifecycle
         self._vet = vet
         self.config = config
@@ -75,6 +79,7 @@ class Admission:
         self._clock = clock
         self._metrics = metrics
         self._respond = respond
+        self._relay = relay
         self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
         self._next = 0
         self._by_seq: dict[int, PrefillRequest] = {}
@@ -92,6 +97,8 @@ class Admission:
     def receive(self, abort: Callable[[str], None]) -> bool:
         """Admit what arrived and hand each abort's id to ``abort``; True if anything did."""
         items = take_all(self._inbox)
+        if self._relay is not None:
+            items = self._relay(items)
         for item in items:
             if isinstance(item, AbortRequest):
                 abort(item.rid)
