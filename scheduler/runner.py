@@ -28,6 +28,11 @@ class ForwardItem:
     # Whether :meth:`LogitsRunner.logits` returns the logits of every position of this item
     # (input logprobs), not only its last one.
     all_logits: bool = False
+    # Hybrid models only. ``swa_pages[i]``: the sliding-window pool's page of the positions of
+    # ``pages[i]`` (-1 for a page wholly before every window this item's queries see);
+    # ``state_slot``: the request's slot of the recurrent state.
+    swa_pages: Sequence[int] = ()
+    state_slot: int = -1
 
 
 @attrs.frozen

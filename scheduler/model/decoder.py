@@ -9,6 +9,7 @@ explains why). An input the model cannot compute raises :class:`ModelInputError`
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -20,17 +21,21 @@ import torch
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from scheduler.model.fixed_point import (
+    DECAY_RANGE,
     WEIGHT_FRAC_BITS,
     WEIGHT_LIMIT,
     causal_attention,
     exp_table,
     fix,
+    from_units,
     greedy_token_ids,
+    linear_recurrence,
     rms_norm,
     rope_tables,
     rotate,
     silu,
     to_grid,
+    to_units,
 )
 from scheduler.model.reference_config import ModelConfig
 
@@ -112,6 +117,16 @@ class LlamaModel:
         ]
         self._final_norm = ones(h)
         self._lm_head = weight(config.vocab_size, h)
+        # Drawn after every other weight, so the weights of a model without recurrent layers
+        # are what they were before the recurrence existed.
+        lo, hi = DECAY_RANGE
+        self._decay = {
+            layer: torch.randint(lo, hi + 1, (config.recurrent_width,), generator=gen).to(
+                self.device
+            )
+            for layer in config.recurrent_layers
+        }
+        self._draft_of: tuple[ModelConfig, str] | None = None
         cos, sin = rope_tables(config.head_dim, config.rope_theta, config.max_position)
         self._cos, self._sin = cos.to(self.device), sin.to(self.device)
         self._exp = exp_table().to(self.device)
@@ -121,20 +136,67 @@ class LlamaModel:
     def to(self, device: str | torch.device) -> LlamaModel:
         """This model on ``device`` (itself when already there; the seed rebuilds the rest)."""
         target = resolve_device(device)
-        return self if same_device(target, self.device) else LlamaModel(self.config, target)
+        if same_device(target, self.device):
+            return self
+        if self._draft_of is not None:
+            return LlamaModel(self._draft_of[0], target).draft(self.config.layers)
+        return LlamaModel(self.config, target)
+
+    def draft(self, layers: int) -> LlamaModel:
+        """A draft model for speculative decoding: this model's first ``layers`` layers with
+        its embedding, final norm and output head (same vocabulary). The weights are shared,
+        not copied; the draft's greedy tokens often agree with this model's because it is
+        this model with its last layers skipped."""
+        if self._draft_of is not None:
+            raise ValueError("a draft model is not drafted from again; draft from the target")
+        model = copy.copy(self)
+        model.config = self.config.truncated(layers)
+        model._layers = self._layers[:layers]
+        model._decay = {i: d for i, d in self._decay.items() if i < layers}
+        model._draft_of = (self.config, self.fingerprint)
+        return model
 
     @property
     def fingerprint(self) -> str:
-        """Names this model's KV (:mod:`kv.model_id`): the config decides every weight."""
-        digest = hashlib.sha256(repr(attrs.astuple(self.config)).encode()).hexdigest()[:16]
+        """Names this model's KV (:mod:`kv.model_id`): the config decides every weight (a
+        draft's: its target's and its layer count)."""
+        if self._draft_of is not None:
+            return f"{self._draft_of[1]}-draft{self.config.layers}"
+        fields = attrs.asdict(self.config, recurse=False)
+        # Fields still at their defaults stay out, so a config that does not use a field
+        # added later keeps its fingerprint.
+        for name in ("swa_layers", "sliding_window", "recurrent_layers"):
+            if not fields[name]:
+                del fields[name]
+        digest = hashlib.sha256(repr(tuple(fields.values())).encode()).hexdigest()[:16]
         return f"reference-{digest}"
 
     def make_pool(self, *, num_pages: int, page_size: int,
                   layout: KVLayout = KVLayout.LAYER_MAJOR) -> KVPool:
-        """An empty KV pool shaped for this model, on its device, in ``layout``."""
+        """An empty KV pool for this model's full-attention layers, on its device, in
+        ``layout``."""
+        return self._pool(len(self.config.full_layers), num_pages, page_size, layout)
+
+    def make_swa_pool(self, *, num_pages: int, page_size: int,
+                      layout: KVLayout = KVLayout.LAYER_MAJOR) -> KVPool:
+        """An empty KV pool for this model's sliding-window layers (its own page indices)."""
+        if not self.config.swa_layers:
+            raise ValueError("this model has no sliding-window layers (ModelConfig.swa_layers)")
+        return self._pool(len(self.config.swa_layers), num_pages, page_size, layout)
+
+    def make_states(self, slots: int) -> torch.Tensor:
+        """Zeroed recurrent states: int64 ``[recurrent layers, slots, recurrent_width]``, one
+        slot per request (counts of the activation unit)."""
+        c = self.config
+        if not c.recurrent_layers:
+            raise ValueError("this model has no recurrent layers (ModelConfig.recurrent_layers)")
+        return torch.zeros((len(c.recurrent_layers), slots, c.recurrent_width),
+                           dtype=torch.int64, device=self.device)
+
+    def _pool(self, layers: int, num_pages: int, page_size: int, layout: KVLayout) -> KVPool:
         c = self.config
         return KVPool(
-            num_layers=c.layers,
+            num_layers=layers,
             num_pages=num_pages,
             page_size=page_size,
             kv_heads=c.kv_heads,
@@ -164,10 +226,44 @@ class LlamaModel:
         return fix(rotate(q, cos, sin) * self._q_scale), fix(rotate(k, cos, sin)), v
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+        key_start: int = 0,
     ) -> torch.Tensor:
-        """Causal attention of queries at ``q_start ..`` over the keys of positions ``0 ..``."""
-        return causal_attention(q, k, v, q_start, self._exp)
+        """Causal attention of ``layer``'s queries at ``q_start ..`` over the keys of positions
+        ``key_start ..`` (0 for a full-attention layer; a sliding-window layer's queries see
+        only their window, so its keys may start at :meth:`window_start` of ``q_start``)."""
+        return causal_attention(q, k, v, q_start, self._exp, key_start=key_start,
+                                window=self.window(layer))
+
+    @property
+    def exp_table(self) -> torch.Tensor:
+        """The model's ``exp(-x)`` table (:func:`~scheduler.model.fixed_point.exp_table`)."""
+        return self._exp
+
+    def window(self, layer: int) -> int:
+        """The positions ``layer``'s queries see: its window, or 0 for all of them."""
+        c = self.config
+        return c.sliding_window if layer in c.swa_layers else 0
+
+    def window_start(self, layer: int, position: int) -> int:
+        """The first key position a query of ``layer`` at ``position`` sees."""
+        w = self.window(layer)
+        return max(0, position - w + 1) if w else 0
+
+    def recurrent(
+        self, layer: int, x: torch.Tensor, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrent ``layer`` over the positions of ``x`` from ``state`` (int64
+        ``[recurrent_width]``, the state after the previous position; zeros at position 0).
+
+        The layer's input projection is its query weights and its output projection its
+        attention output weights (:meth:`layer_output`). Returns the layer's attention-shaped
+        output ``[n, recurrent_width]`` (the states on the grid) and the int64 states
+        ``[n, recurrent_width]``; the last row is the state to keep."""
+        w = self._layers[layer]
+        u = to_units(fix(rms_norm(x, w.attn_norm, _RMS_EPS) @ w.wq.T))
+        states = linear_recurrence(u, self._decay[layer], state)
+        return from_units(states), states
 
     def layer_output(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer's output projection and SwiGLU MLP."""

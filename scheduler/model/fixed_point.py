@@ -144,19 +144,42 @@ def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, table: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    table: torch.Tensor,
+    *,
+    key_start: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Softmax attention of queries at positions ``q_start ..`` over keys ``0 ..``, causally.
+    """Softmax attention of queries at positions ``q_start ..`` over keys ``key_start ..``,
+    causally; with ``window``, a query at ``p`` sees only keys ``p - window + 1 .. p``.
 
     ``q``: ``[n, heads, head_dim]``, already scaled by ``1/sqrt(head_dim)`` and on the grid;
-    ``k``, ``v``: ``[q_start + n, kv_heads, head_dim]`` on the grid (the whole history, then
-    this call's own positions). Query heads are grouped onto key heads (GQA). Returns
-    ``[n, heads * head_dim]`` on the grid.
+    ``k``, ``v``: ``[q_start + n - key_start, kv_heads, head_dim]`` on the grid (the history
+    from ``key_start``, then this call's own positions). Query heads are grouped onto key heads
+    (GQA). Returns ``[n, heads * head_dim]`` on the grid.
+
+    A key outside a query's window weighs exactly 0 and leaves the row's minimum alone, so
+    dropping keys that no query of the call can see (``key_start`` up to the first query's
+    window) changes no bit: every sum here is exact.
     """
     n, heads, head_dim = q.shape
     total, kv_heads, _ = k.shape
-    if total != q_start + n:
-        raise ValueError(f"{total} keys for queries at positions {q_start}..{q_start + n - 1}")
+    if total != q_start + n - key_start:
+        raise ValueError(
+            f"{total} keys from position {key_start} for queries at positions "
+            f"{q_start}..{q_start + n - 1}"
+        )
+    if window and key_start > max(0, q_start - window + 1):
+        raise ValueError(
+            f"keys from position {key_start} miss the window of {window} of the query at "
+            f"{q_start}"
+        )
+    if not window and key_start:
+        raise ValueError(f"full attention needs keys from position 0, got {key_start}")
+    first = q_start - key_start  # the first query's index among the keys
     group = heads // kv_heads
     # Each key head multiplies its whole query group in one bmm: rows are (group member, query).
     # Scaling queries by -2**12 (exact) makes scores come out as negated table positions, so
@@ -170,14 +193,18 @@ def causal_attention(
     block = max(1, _BLOCK_ELEMENTS // (heads * total))
     for r0 in range(0, n, block):
         r1 = min(n, r0 + block)
-        rows, visible = r1 - r0, q_start + r1
+        rows, visible = r1 - r0, first + r1
         q_block = qg[:, :, r0:r1].reshape(kv_heads, group * rows, head_dim)
         scores = torch.bmm(q_block, kt[..., :visible])
         # Only the block's own positions can lie in a row's future: mask that square alone.
         future = torch.ones((rows, rows), dtype=torch.bool, device=q.device).triu_(1)
-        scores.view(kv_heads, group, rows, visible)[..., q_start + r0 :].masked_fill_(
-            future, math.inf
-        )
+        by_row = scores.view(kv_heads, group, rows, visible)
+        by_row[..., first + r0 :].masked_fill_(future, math.inf)
+        if window:
+            # Key index j is position key_start + j; row r's query is at q_start + r0 + r.
+            keys = torch.arange(visible, device=q.device) + key_start
+            queries = torch.arange(r0, r1, device=q.device) + q_start
+            by_row.masked_fill_(keys[None, :] <= queries[:, None] - window, math.inf)
         # Masked keys become +inf and look up exp(-inf) = 0.
         scores.sub_(scores.amin(-1, keepdim=True)).clamp_(max=table.numel() - 1)
         weights = _lookup(table, scores)
@@ -185,3 +212,39 @@ def causal_attention(
         mixed = mixed[..., :head_dim] / mixed[..., head_dim:]
         out[:, :, r0:r1] = mixed.view(kv_heads, group, rows, head_dim)
     return fix(out.permute(2, 0, 1, 3).reshape(n, heads * head_dim))
+
+
+# The recurrence's decay per channel: ``a = decay / 2**DECAY_BITS``, in ``DECAY_RANGE``.
+DECAY_BITS = 8
+DECAY_RANGE = (1 << (DECAY_BITS - 1), (1 << DECAY_BITS) - 1)
+_STATE_LIMIT = int(ACT_LIMIT * 2**ACT_FRAC_BITS)
+
+
+def to_units(x: torch.Tensor) -> torch.Tensor:
+    """Activation-grid values as int64 counts of ``2**-ACT_FRAC_BITS`` (exact)."""
+    return (x * 2.0**ACT_FRAC_BITS).to(torch.int64)
+
+
+def from_units(units: torch.Tensor) -> torch.Tensor:
+    """int64 counts of ``2**-ACT_FRAC_BITS`` back to float64 grid values (exact)."""
+    return units.to(torch.float64) / 2.0**ACT_FRAC_BITS
+
+
+def linear_recurrence(
+    inputs: torch.Tensor, decay: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The states ``h_t = floor(decay * h_{t-1} / 2**DECAY_BITS) + u_t``, clamped to the
+    activation range, for ``u_t`` = row ``t`` of ``inputs``, from ``h_{-1} = state``.
+
+    Everything is int64 (counts of the activation unit; ``decay`` per channel in
+    ``DECAY_RANGE``), so the states are the same integers whether a sequence is scanned at once
+    or in pieces that hand the last state on: chunked equals unchunked by construction.
+    ``inputs``: ``[n, width]``; ``state``: ``[width]``. Returns ``[n, width]``.
+    """
+    out = torch.empty_like(inputs)
+    h = state
+    for t in range(inputs.shape[0]):
+        h = torch.div(decay * h, 1 << DECAY_BITS, rounding_mode="floor").add_(inputs[t])
+        h = h.clamp_(-_STATE_LIMIT, _STATE_LIMIT)
+        out[t] = h
+    return out

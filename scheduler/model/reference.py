@@ -76,42 +76,76 @@ class ReferenceModel:
         shape = (c.layers, positions, c.kv_heads, c.head_dim)
         cache_k = torch.zeros(shape, dtype=c.dtype, device=m.device)
         cache_v = torch.zeros(shape, dtype=c.dtype, device=m.device)
+        states = torch.zeros((len(c.recurrent_layers), c.recurrent_width), dtype=torch.int64,
+                             device=m.device)
         stops = m.stop_ids(stop_token_ids, ignore_eos)
         pick = choose or (lambda logits, _i: int(greedy_token_ids(logits)))
-        out = [pick(self._forward(list(prompt_ids), 0, cache_k, cache_v), 0)]
+        out = [pick(self._forward(list(prompt_ids), 0, cache_k, cache_v, states), 0)]
         while len(out) < max_new_tokens and out[-1] not in stops:
-            logits = self._forward([out[-1]], len(prompt_ids) + len(out) - 1, cache_k, cache_v)
+            position = len(prompt_ids) + len(out) - 1
+            logits = self._forward([out[-1]], position, cache_k, cache_v, states)
             out.append(pick(logits, len(out)))
         return out
 
     def _forward(
-        self, token_ids: list[int], start: int, cache_k: torch.Tensor, cache_v: torch.Tensor
+        self, token_ids: list[int], start: int, cache_k: torch.Tensor, cache_v: torch.Tensor,
+        states: torch.Tensor,
     ) -> torch.Tensor:
         m, end = self.model, start + len(token_ids)
         x = m.embed(torch.tensor(token_ids, dtype=torch.int64, device=m.device))
         positions = torch.arange(start, end, device=m.device)
         for layer in range(m.config.layers):
-            q, k, v = m.attention_inputs(layer, x, positions)
-            cache_k[layer, start:end] = k
-            cache_v[layer, start:end] = v
-            keys = cache_k[layer, :end].to(torch.float64)
-            attn = m.attend(q, keys, cache_v[layer, :end].to(torch.float64), start)
+            if layer in m.config.recurrent_layers:
+                row = m.config.pool_index(layer)
+                attn, h = m.recurrent(layer, x, states[row])
+                states[row] = h[-1]
+            else:
+                # Every position's K/V is kept; a sliding-window layer's mask hides the old ones.
+                q, k, v = m.attention_inputs(layer, x, positions)
+                cache_k[layer, start:end] = k
+                cache_v[layer, start:end] = v
+                keys = cache_k[layer, :end].to(torch.float64)
+                attn = m.attend(layer, q, keys, cache_v[layer, :end].to(torch.float64), start)
             x = m.layer_output(layer, x, attn)
         return m.logits(x[-1])
 
 
 class PagedModelRunner:
-    """The :class:`~scheduler.runner.ModelRunner` of the reference model over a paged pool."""
+    """The :class:`~scheduler.runner.ModelRunner` of the reference model over a paged pool.
+
+    A hybrid model (:class:`~scheduler.model.reference_config.LayerKind`) also needs
+    ``swa_pool`` (its sliding-window layers' K/V, own page indices: ``ForwardItem.swa_pages``)
+    and ``states`` (its recurrent layers' int64 states, :meth:`LlamaModel.make_states`:
+    ``ForwardItem.state_slot``); ``pool`` then holds the full-attention layers only.
+    """
 
     def __init__(
-        self, model: LlamaModel, pool: KVPool, device: str | torch.device | None = None
+        self, model: LlamaModel, pool: KVPool, device: str | torch.device | None = None, *,
+        swa_pool: KVPool | None = None, states: torch.Tensor | None = None,
     ) -> None:
         c = model.config
         if device is not None and not same_device(resolve_device(device), pool.device):
             raise ValueError(f"the pool is on {pool.device}, not on the requested {device}")
-        check_pool_fits(pool, c.layers, c.kv_heads, c.head_dim, c.dtype)
+        check_pool_fits(pool, len(c.full_layers), c.kv_heads, c.head_dim, c.dtype)
+        if bool(c.swa_layers) != (swa_pool is not None):
+            raise ValueError(f"a model with swa_layers {c.swa_layers!r} needs an SWA pool "
+                             "(make_swa_pool) exactly when it has sliding-window layers")
+        if swa_pool is not None:
+            check_pool_fits(swa_pool, len(c.swa_layers), c.kv_heads, c.head_dim, c.dtype)
+        if bool(c.recurrent_layers) != (states is not None):
+            raise ValueError(f"a model with recurrent_layers {c.recurrent_layers!r} needs "
+                             "states (make_states) exactly when it has recurrent layers")
+        if states is not None and (
+            states.dtype != torch.int64 or states.dim() != 3
+            or (states.shape[0], states.shape[2]) != (len(c.recurrent_layers), c.recurrent_width)
+            or not same_device(states.device, pool.device)
+        ):
+            raise ValueError(f"states {tuple(states.shape)} {states.dtype} on {states.device} "
+                             "do not fit the model; build them with make_states on its device")
         self.model = model.to(pool.device)
         self.pool = pool
+        self.swa_pool = swa_pool
+        self.states = states
 
     @property
     def vocab_size(self) -> int:
@@ -128,21 +162,42 @@ class PagedModelRunner:
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Write every item's K/V into the pool; the exact float64 logits of each item's last
         position, or of all its positions when ``all_logits``."""
+        return self.model.logits(self.hidden(batch))
+
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """Write every item's K/V into the pool; the final residual stream (on the activation
+        grid) of each item's last position, or of all its positions when ``all_logits``."""
         if not batch.items:
-            return torch.empty((0, self.vocab_size), dtype=torch.float64)
+            return torch.empty((0, self.model.config.hidden), dtype=torch.float64,
+                               device=self.pool.device)
         x, sizes = self._run(batch)
         rows: list[int] = []
         end = 0
         for item, n in zip(batch.items, sizes, strict=True):
             end += n
             rows.extend(range(end - n, end) if item.all_logits else (end - 1,))
-        return self.model.logits(x[torch.tensor(rows, device=self.pool.device)])
+        return x[torch.tensor(rows, device=self.pool.device)]
 
-    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
-        """The final residual stream of every position of the batch, and the items' sizes."""
+    def peek(self, item: ForwardItem) -> torch.Tensor:
+        """The exact float64 logits of ``item``'s last position, computed over the pools'
+        K/V of the positions before ``item.start`` without writing anything: no K/V, no
+        recurrent state, and no page is needed for ``item``'s own positions (the prefill side's
+        look past the prompt, :mod:`scheduler.model.speculative`)."""
+        x, _ = self._run(ForwardBatch((item,)), write=False)
+        return self.model.logits(x[-1:])
+
+    def _run(self, batch: ForwardBatch, write: bool = True) -> tuple[torch.Tensor, list[int]]:
+        """The final residual stream of every position of the batch, and the items' sizes.
+        Without ``write``, each item's own K/V joins the keys read from the pools instead of
+        being written, and recurrent states are left as they were."""
         m, c, dev = self.model, self.model.config, self.pool.device
-        history = [self._slots(item) for item in batch.items]
         sizes = [len(item.input_ids) for item in batch.items]
+        history = [self._slots(item, write) for item in batch.items]
+        # Sliding-window layers read positions from the first query's window start only.
+        swa_from = [m.window_start(c.swa_layers[0], i.start) if c.swa_layers else 0
+                    for i in batch.items]
+        swa_history = [self._swa_slots(i, lo, write)
+                       for i, lo in zip(batch.items, swa_from, strict=True)]
         tokens = torch.tensor(
             [t for item in batch.items for t in item.input_ids], dtype=torch.int64, device=dev
         )
@@ -152,25 +207,56 @@ class PagedModelRunner:
                 for i, n in zip(batch.items, sizes, strict=True)
             ]
         )
-        new_slots = torch.cat([s[i.start :] for i, s in zip(batch.items, history, strict=True)])
         x = m.embed(tokens)
         for layer in range(c.layers):
+            if layer in c.recurrent_layers:
+                x = m.layer_output(layer, x, self._recurrent(layer, x, batch.items, sizes, write))
+                continue
             q, k, v = m.attention_inputs(layer, x, positions)
-            k_slots, v_slots = self.pool.kv_slots(layer)
-            k_slots.index_copy_(0, new_slots, k.to(self.pool.dtype))
-            v_slots.index_copy_(0, new_slots, v.to(self.pool.dtype))
+            if layer in c.swa_layers:
+                assert self.swa_pool is not None  # __init__ checked it
+                pool, slots, key_from = self.swa_pool, swa_history, swa_from
+            else:
+                pool, slots, key_from = self.pool, history, [0] * len(sizes)
+            k_slots, v_slots = pool.kv_slots(c.pool_index(layer))
+            if write:
+                written = torch.cat([s[i.start - lo :] for i, s, lo in zip(
+                    batch.items, slots, key_from, strict=True)])
+                k_slots.index_copy_(0, written, k.to(pool.dtype))
+                v_slots.index_copy_(0, written, v.to(pool.dtype))
             parts, offset = [], 0
-            for item, slots, n in zip(batch.items, history, sizes, strict=True):
-                keys = k_slots.index_select(0, slots).to(torch.float64)
-                values = v_slots.index_select(0, slots).to(torch.float64)
-                parts.append(m.attend(q[offset : offset + n], keys, values, item.start))
+            for item, item_slots, lo, n in zip(batch.items, slots, key_from, sizes, strict=True):
+                keys = k_slots.index_select(0, item_slots)
+                values = v_slots.index_select(0, item_slots)
+                if not write:  # the pool's dtype holds the grid exactly: the same bits
+                    keys = torch.cat([keys, k[offset : offset + n].to(pool.dtype)])
+                    values = torch.cat([values, v[offset : offset + n].to(pool.dtype)])
+                parts.append(m.attend(layer, q[offset : offset + n], keys.to(torch.float64),
+                                      values.to(torch.float64), item.start, lo))
                 offset += n
             x = m.layer_output(layer, x, torch.cat(parts))
         return x, sizes
 
-    def _slots(self, item: ForwardItem) -> torch.Tensor:
-        """The rows of :meth:`KVPool.kv_slots` that hold positions ``0 .. start+n-1``."""
-        ps, n = self.pool.page_size, len(item.input_ids)
+    def _recurrent(self, layer: int, x: torch.Tensor, items: Sequence[ForwardItem],
+                   sizes: list[int], write: bool) -> torch.Tensor:
+        """Recurrent ``layer`` for every item, each from its slot's state (zeros at position
+        0), leaving the state after its last position in the slot when ``write``."""
+        assert self.states is not None  # __init__ checked it
+        states = self.states[self.model.config.pool_index(layer)]
+        parts, offset = [], 0
+        for item, n in zip(items, sizes, strict=True):
+            start = torch.zeros_like(states[0]) if item.start == 0 else states[item.state_slot]
+            attn, h = self.model.recurrent(layer, x[offset : offset + n], start)
+            if write:
+                states[item.state_slot] = h[-1]
+            parts.append(attn)
+            offset += n
+        return torch.cat(parts)
+
+    def _slots(self, item: ForwardItem, write: bool = True) -> torch.Tensor:
+        """The rows of :meth:`KVPool.kv_slots` that hold positions ``0 .. start+n-1`` (only
+        ``0 .. start-1`` without ``write``)."""
+        n = len(item.input_ids)
         end = item.start + n
         if n == 0 or item.start < 0:
             raise ModelInputError(
@@ -181,20 +267,40 @@ class PagedModelRunner:
                 item.rid,
                 f"positions up to {end - 1} exceed max_position {self.model.config.max_position}",
             )
-        needed = pages_needed(end, ps)
-        if len(item.pages) < needed:
-            raise ModelInputError(
-                item.rid, f"{end} tokens need {needed} pages of {ps}, got {len(item.pages)}"
-            )
-        pages = list(item.pages[:needed])
-        if not 0 <= min(pages) <= max(pages) < self.pool.num_pages:
-            raise ModelInputError(
-                item.rid, f"page indices must be in 0..{self.pool.num_pages - 1}, got {pages}"
-            )
         self.model.check_tokens(item.rid, item.input_ids)
-        page_table = torch.tensor(pages, dtype=torch.int64, device=self.pool.device)
-        pos = torch.arange(end, device=self.pool.device)
-        return self.pool.slot_rows(page_table[pos // ps] * ps + pos % ps)
+        if self.states is not None and not 0 <= item.state_slot < self.states.shape[1]:
+            raise ModelInputError(item.rid, f"state_slot must be in "
+                                  f"0..{self.states.shape[1] - 1}, got {item.state_slot}")
+        last = end if write else item.start
+        return _page_slots(self.pool, item.rid, "pages", item.pages, 0, last)
+
+    def _swa_slots(self, item: ForwardItem, lo: int, write: bool = True) -> torch.Tensor:
+        """The rows of the SWA pool's ``kv_slots`` that hold positions ``lo .. start+n-1``
+        (only ``lo .. start-1`` without ``write``)."""
+        if self.swa_pool is None:
+            return torch.empty(0, dtype=torch.int64)
+        end = item.start + len(item.input_ids) if write else item.start
+        return _page_slots(self.swa_pool, item.rid, "swa_pages", item.swa_pages, lo, end)
+
+
+def _page_slots(pool: KVPool, rid: str, name: str, pages: Sequence[int], lo: int,
+                end: int) -> torch.Tensor:
+    """The slot rows of ``pool`` that hold positions ``lo .. end-1``, whose page ``i`` is
+    ``pages[i]``; :class:`ModelInputError` unless those pages are listed and in the pool."""
+    ps = pool.page_size
+    needed = pages_needed(end, ps)
+    if len(pages) < needed:
+        raise ModelInputError(rid, f"{end} tokens need {needed} {name} of {ps}, got {len(pages)}")
+    used = list(pages[lo // ps : needed])
+    if not used:
+        return torch.empty(0, dtype=torch.int64, device=pool.device)
+    if not 0 <= min(used) <= max(used) < pool.num_pages:
+        raise ModelInputError(
+            rid, f"page indices ({name}) of positions {lo}..{end - 1} must be in "
+            f"0..{pool.num_pages - 1}, got {used}")
+    page_table = torch.tensor(used, dtype=torch.int64, device=pool.device)
+    pos = torch.arange(lo, end, device=pool.device)
+    return pool.slot_rows(page_table[pos // ps - lo // ps] * ps + pos % ps)
 
 
 def greedy_decode_from_pool(
