@@ -48,13 +48,16 @@ from typing import Any
 import zmq
 
 from kv import wire
-from kv.bootstrap import BootstrapClient, RankInfo
+from kv.bootstrap import BootstrapClient
 from kv.metadata import MetadataBuffers
 from kv.model_id import describe_model
 from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, kv_dtype_name, push_socket
-from kv.mooncake_rooms import Chunk, Owed, PrefillRoom, PrefillRooms
+from kv.mooncake_legs import Chunk, Owed, PrefillRoom
+from kv.mooncake_rooms import PrefillRooms
+from kv.mooncake_slices import target_of
 from kv.mooncake_writes import WritePipeline
 from kv.pool import KVPool
+from kv.rank_table import RankInfo, RankPlace
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError
 
 logger = logging.getLogger(__name__)
@@ -68,14 +71,20 @@ class MooncakeKVManager:
         pool: KVPool,
         metadata: MetadataBuffers,
         *,
-        rank: int = 0,
+        place: RankPlace | None = None,
         config: MooncakeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or MooncakeConfig()
         self.pool = pool
         self.metadata = metadata
-        self.rank = rank
+        self.place = place = place or RankPlace.single(num_layers=pool.num_layers,
+                                                       kv_heads=pool.kv_heads)
+        if (pool.kv_heads, pool.num_layers) != (place.heads_per_rank, len(place.layers)):
+            raise ValueError(
+                f"the pool holds {pool.kv_heads} heads of {pool.num_layers} layers, the rank's "
+                f"place {place.heads_per_rank} heads of {len(place.layers)} layers")
+        self.rank = place.rank
         self._meta_item_lens = tuple(i.item_len for i in metadata.buffer_infos())
         self._rooms = PrefillRooms(
             num_slots=metadata.num_slots,
@@ -110,6 +119,8 @@ class MooncakeKVManager:
             model=self.pool.model,
             model_name=self.pool.model_name,
             kv_layout=self.pool.layout.value,
+            head_dim=self.pool.head_dim,
+            place=self.place,
         )
 
     def register_to_bootstrap(self, bootstrap_addr: str) -> None:
@@ -126,7 +137,7 @@ class MooncakeKVManager:
     def refuse(self, room: int, reason: str) -> None:
         """This rank will not serve ``room``: decode's destination for it is answered with the
         refusal (see :mod:`kv.refusal`; any thread)."""
-        self._tell_decode([self._rooms.refuse(room, reason)])
+        self._tell_decode(self._rooms.refuse(room, reason))
 
     def peer_refused(self, room: int, reason: str) -> None:
         """The decode peer will never ask for ``room`` (a bootstrap refusal listener)."""
@@ -147,9 +158,9 @@ class MooncakeKVManager:
         if isinstance(msg, wire.Register):
             self._on_register(msg)
         elif isinstance(msg, wire.Destination):
-            self._tell_decode([self._rooms.destination(msg)])
+            self._tell_decode(self._rooms.destination(msg))
         elif isinstance(msg, wire.Abort):
-            self._tell_decode([self._rooms.peer_abort(msg)])
+            self._tell_decode(self._rooms.peer_abort(msg))
         else:
             raise wire.WireError("unexpected_type", f"{type(msg).__name__} is not for prefill")
 
@@ -161,17 +172,16 @@ class MooncakeKVManager:
                 f"{describe_model(reg.model_name, reg.model)}, this rank's of "
                 f"{describe_model(self.pool.model_name, self.pool.model)}",
             )
-        mine = (self.pool.page_size, kv_dtype_name(self.pool), self.pool.page_bytes,
-                self.pool.num_layers, self.pool.layout.value, self._meta_item_lens)
-        theirs = (reg.page_size, reg.kv_dtype, reg.page_bytes, reg.num_layers, reg.kv_layout,
-                  reg.meta_item_lens)
+        mine = (self.pool.page_size, kv_dtype_name(self.pool), self.pool.layout.value,
+                self._meta_item_lens)
+        theirs = (reg.page_size, reg.kv_dtype, reg.kv_layout, reg.meta_item_lens)
         if mine != theirs:
             raise wire.WireError(
                 "incompatible_layout",
-                f"session {reg.session}: (page_size, kv_dtype, page_bytes, layers, kv_layout, "
-                f"metadata item lens) {theirs} differ from this rank's {mine}",
+                f"session {reg.session}: (page_size, kv_dtype, kv_layout, metadata item lens) "
+                f"{theirs} differ from this rank's {mine}",
             )
-        self._rooms.register(reg)
+        self._rooms.register(target_of(self.pool, self.place, reg))
         with self._push_lock:
             old = self._push.pop(reg.session, None)
             if old is not None:
@@ -179,11 +189,9 @@ class MooncakeKVManager:
             self._push[reg.session] = push_socket(self._control.ctx, reg.status_endpoint)
         logger.info("decode session %s registered", reg.session)
 
-    def _tell_decode(self, owed: Sequence[Owed | None]) -> None:
+    def _tell_decode(self, owed: Sequence[Owed]) -> None:
         """Push the statuses owed to decode (any thread; never under the room table's lock)."""
         for o in owed:
-            if o is None:
-                continue
             data = wire.encode(wire.Status(o.room, int(o.poll), o.reason, self.rank),
                                self.config.token)
             with self._push_lock:
@@ -206,7 +214,7 @@ class MooncakeKVSender:
         rooms: PrefillRooms,
         rec: PrefillRoom,
         submit: Callable[[Chunk], None],
-        notify: Callable[[Sequence[Owed | None]], None],
+        notify: Callable[[Sequence[Owed]], None],
     ) -> None:
         self.room = rec.room
         self._rooms = rooms
@@ -216,11 +224,10 @@ class MooncakeKVSender:
         self._latched: KVPoll | None = None
 
     def init(self, num_pages: int, slot: int) -> None:
-        self._notify([self._rooms.init(self._rec, num_pages, slot)])
+        self._notify(self._rooms.init(self._rec, num_pages, slot))
 
     def send(self, pages: Sequence[int], last: bool) -> None:
-        chunk = self._rooms.chunk(self._rec, pages, last)
-        if chunk is not None:
+        for chunk in self._rooms.chunk(self._rec, pages, last):
             self._submit(chunk)
 
     def poll(self) -> KVPoll:
@@ -235,7 +242,7 @@ class MooncakeKVSender:
         return self._rooms.failure(self._rec)
 
     def abort(self) -> None:
-        self._notify([self._rooms.fail(self._rec, REASON_ABORTED)])
+        self._notify(self._rooms.fail(self._rec, REASON_ABORTED))
 
     def clear(self) -> None:
         self._rooms.clear(self._rec)

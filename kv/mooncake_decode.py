@@ -1,23 +1,29 @@
-"""The decode side of the Mooncake backend: the manager that registers with a prefill rank,
-and the per-request receiver (the prefill side is :mod:`kv.mooncake`).
+"""The decode side of the Mooncake backend: the manager that registers with a prefill server's
+ranks, and the per-request receiver (the prefill side is :mod:`kv.mooncake`).
 
-The decode manager looks the prefill rank up at its bootstrap endpoint, refuses one that serves
-another model (:mod:`kv.model_id`) or whose page size, KV dtype or pool layout differs, sends one
-``Register`` with its engine session, memory layout and model, and
-then per room a ``Destination`` or an ``Abort``; a room it will never ask for (refused, or failed
-before its destination) it reports to the prefill's bootstrap endpoint instead
-(:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`). A receiver reports SUCCESS only when
-prefill's ``Status`` said so *and* the metadata row in its slot carries its own room (the
-metadata gate); a FAILED ``Status`` fails it with prefill's reason (``REASON_ABORTED`` when
-prefill aborted the room, a refusal when prefill refused it). Any ``Status`` also means
-prefill no longer writes the room's pages, which is what :meth:`MooncakeKVReceiver.quiescent`
-reports.
+The decode manager is one decode rank (its place: TP rank and size, the model's KV heads; it
+holds every layer). It looks the prefill server up at its bootstrap endpoint and refuses one it
+cannot pair with (:mod:`kv.mooncake_peers`: another model, page size, KV dtype, pool layout, head
+dim, head or layer counts, TP sizes that do not divide), sends every prefill rank one
+``Register`` with its engine session, memory layout, model and place, and then per room a
+``Destination`` (or an ``Abort``) to the ranks the room's route names (:mod:`kv.routes`: the
+contacts of every pipeline stage of the DP replica serving the room); a room it will never ask
+for (refused, or failed before its destination) it reports to the prefill's bootstrap endpoint
+instead (:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`).
+
+A receiver reports SUCCESS only when every source of every stage (the ranks that write into
+this rank) said so in a ``Status`` *and* the metadata row in its slot carries its own room (the
+metadata gate). A FAILED ``Status`` from any contact fails it with that rank's reason
+(``REASON_ABORTED`` when prefill aborted the room, a refusal when prefill refused it), and the
+contacts that may still hold the room get an ``Abort``, so every prefill rank fails it and
+tells this side when it stopped writing. A source's ``Status`` also means it no longer writes
+the room's pages: :meth:`MooncakeKVReceiver.quiescent` is True once every source sent one.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s``. After ``heartbeat_max_failures`` failures in a row the prefill counts
 as gone: every room not yet concluded fails with a reason naming it and is quiescent (a prefill
 that is gone writes nothing more), and receivers created meanwhile fail at once. When the health
-check answers again, the manager looks the prefill rank up again and sends a fresh
+check answers again, the manager looks the prefill server up again and sends every rank a fresh
 ``Register``, so a restarted prefill server is used without restarting decode.
 """
 
@@ -26,27 +32,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
 from kv import wire
-from kv.bootstrap import BootstrapClient, BootstrapError, RankInfo
+from kv.bootstrap import BootstrapClient
 from kv.metadata import MetadataBuffers, MetadataError
-from kv.model_id import describe_model
-from kv.mooncake_engine import (
-    ControlEndpoint,
-    IncompatiblePeerError,
-    MooncakeConfig,
-    MooncakeError,
-    PeerAuthError,
-    kv_dtype_name,
-    push_socket,
-)
+from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, MooncakeError, kv_dtype_name
+from kv.mooncake_peers import PrefillPeers, decode_rank, lookup_prefill
 from kv.pool import KVPool
+from kv.rank_table import PrefillInfo, RankPlace
 from kv.refusal import RefusalPoster
+from kv.routes import IncompatibleRanksError
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError, accepts_call
 
 logger = logging.getLogger(__name__)
@@ -57,14 +56,25 @@ class _DecodeRoom:
     room: int
     status: KVPoll = KVPoll.BOOTSTRAPPING
     reason: str = ""
+    peer: str = ""  # who reported the failure
     slot: int = -1
-    # Destination sent, and no Status back yet: prefill may still write into the pages.
-    awaiting_prefill: bool = False
+    # The prefill ranks given the destination, and those of them that write into this rank.
+    contacts: tuple[int, ...] = ()
+    sources: tuple[int, ...] = ()
+    # Sources whose SUCCESS has not come yet.
+    waiting: set[int] = attrs.Factory(set)
+    # Sources with no Status back yet: they may still write into the pages.
+    awaiting: set[int] = attrs.Factory(set)
     row_landed: bool = False
+
+    def unreported(self) -> list[int]:
+        """The contacts that may still hold the room: sources with no Status back, and the
+        status-only ranks (which report only a failure)."""
+        return [r for r in self.contacts if r in self.awaiting or r not in self.sources]
 
 
 class MooncakeDecodeManager:
-    """Decode side: engine, status listener, one registration with prefill rank ``rank``."""
+    """Decode side: engine, status listener, a registration with every prefill rank."""
 
     def __init__(
         self,
@@ -72,27 +82,28 @@ class MooncakeDecodeManager:
         metadata: MetadataBuffers,
         bootstrap_addr: str,
         *,
-        rank: int = 0,
+        place: RankPlace | None = None,
         config: MooncakeConfig | None = None,
     ) -> None:
         self.config = config or MooncakeConfig()
         self.pool = pool
         self.metadata = metadata
         self.bootstrap_addr = bootstrap_addr
+        self.place = place or RankPlace.single(num_layers=pool.num_layers, kv_heads=pool.kv_heads)
+        self._me = decode_rank(pool, self.place)
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._refusals = RefusalPoster(token=self.config.token)
-        self.prefill = self._lookup(bootstrap_addr, rank)
+        table = lookup_prefill(bootstrap_addr, self.config, self._me, self._stop)
         self._control = ControlEndpoint(
             self.config, pool, metadata, self._handle, name="mooncake-status", log=logger
         )
         self.dropped_messages = self._control.dropped_messages
         self._lock = threading.Lock()
         self._rooms: dict[int, _DecodeRoom] = {}
-        # Cleared rooms whose Status (prefill's "no more writes") has not come back yet.
+        # Cleared rooms whose sources have not all sent their Status ("no more writes") yet.
         self._draining: dict[int, _DecodeRoom] = {}
-        self._push_lock = threading.Lock()
-        self._push = push_socket(self._control.ctx, self.prefill.endpoint)
+        self._peers = PrefillPeers(self._control.ctx, table, self._me, self.config.token)
         # Why the prefill counts as gone (see the heartbeat), or None while it answers.
         self._lost: str | None = None
         infos = metadata.buffer_infos()
@@ -111,8 +122,13 @@ class MooncakeDecodeManager:
             model=pool.model,
             model_name=pool.model_name,
             kv_layout=pool.layout.value,
+            kv_heads=self.place.kv_heads,
+            head_dim=pool.head_dim,
+            mla=self.place.mla,
+            tp_rank=self.place.tp_rank,
+            tp_size=self.place.tp_size,
         )
-        self._send(self._register)
+        self._peers.send_all(self._register)
         # The status socket is bound, so nothing sent to it is lost before its thread runs.
         self._control.start()
         self._heartbeat = threading.Thread(
@@ -125,54 +141,15 @@ class MooncakeDecodeManager:
         return self._control.session
 
     @property
+    def prefill(self) -> PrefillInfo:
+        """The prefill server's table, as last looked up."""
+        return self._peers.table
+
+    @property
     def lost(self) -> str | None:
         """Why the prefill counts as gone, or None while its health check answers."""
         with self._lock:
             return self._lost
-
-    def _lookup(self, bootstrap_addr: str, rank: int) -> RankInfo:
-        """The prefill rank's entry, waiting up to ``connect_timeout_s`` for all ranks."""
-        client = BootstrapClient(bootstrap_addr, token=self.config.token)
-        deadline = time.monotonic() + self.config.connect_timeout_s
-        while True:
-            try:
-                table = client.lookup()
-                break
-            except BootstrapError as exc:
-                if exc.status == 401:
-                    raise PeerAuthError(
-                        f"prefill bootstrap {bootstrap_addr} refused this decode's peer token "
-                        f"({'none was sent' if self.config.token is None else 'a wrong one'}): "
-                        "start both workers with the same --peer-token-file or "
-                        "PDLIFE_PEER_TOKEN") from exc
-                if exc.status not in (0, 503) or time.monotonic() >= deadline:
-                    raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
-                if self._stop.wait(0.05):  # closing
-                    raise MooncakeError("prefill bootstrap lookup stopped: closing") from exc
-        if self.config.token is not None and not table.token_required:
-            raise PeerAuthError(
-                f"prefill at {bootstrap_addr} does not authenticate its peers but this decode "
-                "has a peer token (it would drop prefill's unauthenticated statuses): start "
-                "both workers with the same --peer-token-file or PDLIFE_PEER_TOKEN")
-        if table.model != self.pool.model:
-            mine = describe_model(self.pool.model_name, self.pool.model)
-            raise IncompatiblePeerError(
-                f"prefill at {bootstrap_addr} serves model {table.model_label}, this decode "
-                f"serves {mine}: one model's KV means nothing to another; start both with the "
-                "same --model and --dtype")
-        dtype, layout = kv_dtype_name(self.pool), self.pool.layout.value
-        if (table.page_size, table.kv_dtype, table.kv_layout) != (
-                self.pool.page_size, dtype, layout):
-            raise IncompatiblePeerError(
-                f"prefill at {bootstrap_addr} has page_size={table.page_size} "
-                f"kv_dtype={table.kv_dtype} kv_layout={table.kv_layout}, this decode pool has "
-                f"page_size={self.pool.page_size} kv_dtype={dtype} kv_layout={layout}; start "
-                "both with the same --page-size, --dtype and --kv-layout"
-            )
-        ranks = {r.rank: r for r in table.ranks}
-        if rank not in ranks:
-            raise MooncakeError(f"prefill at {bootstrap_addr} has no rank {rank}")
-        return ranks[rank]
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> MooncakeKVReceiver:
         if bootstrap_addr != self.bootstrap_addr:
@@ -200,14 +177,8 @@ class MooncakeDecodeManager:
         self._refusals.close()
         self._heartbeat.join(timeout=10)
         self._control.stop()
-        with self._push_lock:
-            self._push.close()
+        self._peers.close()
         self._control.close()
-
-    def _send(self, msg: wire.Message) -> None:
-        data = wire.encode(msg, self.config.token)
-        with self._push_lock:
-            self._push.send(data)
 
     def _watch_prefill(self) -> None:
         cfg = self.config
@@ -234,7 +205,7 @@ class MooncakeDecodeManager:
             rooms = [*self._rooms.values(), *self._draining.values()]
             self._draining.clear()
             for rec in rooms:
-                rec.awaiting_prefill = False  # a prefill that is gone writes nothing more
+                rec.awaiting.clear()  # a prefill that is gone writes nothing more
                 if not rec.status.terminal:
                     rec.status, rec.reason = KVPoll.FAILED, reason
         for rec in rooms:
@@ -242,21 +213,20 @@ class MooncakeDecodeManager:
         logger.warning("%s; its %d rooms failed", reason, len(rooms))
 
     def _reconnect(self) -> None:
-        """The prefill answers again: look its rank up and register anew."""
+        """The prefill answers again: look its ranks up and register anew."""
         try:
-            info = self._lookup(self.bootstrap_addr, self.prefill.rank)
+            table = lookup_prefill(self.bootstrap_addr, self.config, self._me, self._stop)
         except MooncakeError as exc:
             logger.warning("prefill %s answers but cannot be used: %s", self.bootstrap_addr, exc)
             return
-        with self._push_lock:
-            self._push.close()
-            self._push = push_socket(self._control.ctx, info.endpoint)
-        self.prefill = info
-        self._send(self._register)
+        peers = PrefillPeers(self._control.ctx, table, self._me, self.config.token)
+        old, self._peers = self._peers, peers
+        old.close()
+        peers.send_all(self._register)
         with self._lock:
             self._lost = None
-        logger.info("prefill %s is back (session %s); registered again", self.bootstrap_addr,
-                    info.session)
+        logger.info("prefill %s is back (%d ranks); registered again", self.bootstrap_addr,
+                    len(table.ranks))
 
     def _handle(self, msg: wire.Message) -> None:
         if not isinstance(msg, wire.Status):
@@ -264,17 +234,34 @@ class MooncakeDecodeManager:
         self._on_status(msg)
 
     def _on_status(self, msg: wire.Status) -> None:
+        """A prefill rank concluded its side: a source's SUCCESS counts towards the room's, a
+        FAILED from any contact fails it, and the contacts that may still hold the room are
+        told to abort, so every prefill rank fails it."""
+        rank = msg.rank
         with self._lock:
             rec = self._rooms.get(msg.room)
-            if rec is None or not rec.awaiting_prefill:
-                rec = self._draining.pop(msg.room, None)
-            if rec is None or not rec.awaiting_prefill:
+            if rec is None or rank not in rec.awaiting:
+                rec = self._draining.get(msg.room)
+                if rec is None or rank not in rec.awaiting:
+                    rec = self._rooms.get(msg.room)
+            if rec is None or rank not in rec.contacts:
                 raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
-            rec.awaiting_prefill = False
-            if not rec.status.terminal:
-                rec.status = KVPoll(msg.poll)
+            rec.awaiting.discard(rank)
+            if not rec.awaiting and self._draining.get(msg.room) is rec:
+                del self._draining[msg.room]
+            abort: list[int] = []
+            if msg.poll == KVPoll.FAILED and not rec.status.terminal:
+                rec.status = KVPoll.FAILED
                 rec.reason = msg.reason or "prefill reported a failure"
+                rec.peer = self._peers.session(rank)
+                abort = [r for r in rec.unreported() if r != rank]
+            elif msg.poll == KVPoll.SUCCESS and rank in rec.waiting:
+                rec.waiting.discard(rank)
+                if not rec.waiting and not rec.status.terminal:
+                    rec.status = KVPoll.SUCCESS
         self.ready.put(msg.room)
+        if abort:
+            self._peers.send(abort, wire.Abort(msg.room, self.session))
 
 
 class MooncakeKVReceiver:
@@ -292,17 +279,29 @@ class MooncakeKVReceiver:
         self._mgr.ready.put(self.room)
 
     def send_metadata(self, pages: Sequence[int], slot: int) -> None:
+        """Give the destination to every prefill rank of the room's route."""
         mgr, rec = self._mgr, self._rec
         if not 0 <= slot < mgr.metadata.num_slots:
             raise TransferUsageError(self.room, f"slot {slot} is not a metadata row")
         arr = np.asarray(pages, dtype=np.int64)
+        try:
+            route = mgr._peers.route(self.room)
+        except IncompatibleRanksError as exc:
+            with mgr._lock:
+                if accepts_call(self.room, rec.status, "send_metadata()"):
+                    rec.status, rec.reason = KVPoll.FAILED, str(exc)
+            mgr.ready.put(self.room)
+            return
         with mgr._lock:
             if not accepts_call(self.room, rec.status, "send_metadata()"):
                 return
             rec.status = KVPoll.TRANSFERRING
             rec.slot = slot
-            rec.awaiting_prefill = True
-        mgr._send(wire.Destination(self.room, mgr.session, arr, slot))
+            rec.contacts = tuple(r.rank for r in route.contacts)
+            rec.sources = tuple(r.rank for r in route.sources)
+            rec.waiting = set(rec.sources)
+            rec.awaiting = set(rec.sources)
+        mgr._peers.send(rec.contacts, wire.Destination(self.room, mgr.session, arr, slot))
 
     def poll(self) -> KVPoll:
         mgr, rec = self._mgr, self._rec
@@ -322,7 +321,8 @@ class MooncakeKVReceiver:
 
     def failure_exception(self) -> TransferError:
         rec = self._rec
-        return TransferError.reported(rec.room, rec.status, rec.reason, self._mgr.prefill.session)
+        return TransferError.reported(rec.room, rec.status, rec.reason,
+                                      rec.peer or self._mgr.bootstrap_addr)
 
     def abort(self) -> None:
         mgr, rec = self._mgr, self._rec
@@ -330,19 +330,20 @@ class MooncakeKVReceiver:
             if rec.status.terminal:
                 return
             rec.status, rec.reason = KVPoll.FAILED, REASON_ABORTED
-            tell_prefill = rec.awaiting_prefill
+            tell = rec.unreported()
         mgr.ready.put(self.room)
-        if tell_prefill:
-            mgr._send(wire.Abort(self.room, mgr.session))
+        if tell:
+            mgr._peers.send(tell, wire.Abort(self.room, mgr.session))
 
     def clear(self) -> None:
         with self._mgr._lock:
             if self._mgr._rooms.get(self.room) is self._rec:
                 del self._mgr._rooms[self.room]
-                if self._rec.awaiting_prefill:
+                if self._rec.awaiting:
                     self._mgr._draining[self.room] = self._rec
 
     def quiescent(self) -> bool:
-        """False while prefill may still write into the room's pages (no Status back yet)."""
+        """False while a prefill rank may still write into the room's pages (a source sent no
+        Status back yet)."""
         with self._mgr._lock:
-            return not self._rec.awaiting_prefill
+            return not self._rec.awaiting

@@ -5,17 +5,24 @@ Theory of operation
 :class:`PrefillRooms` is the one owner of the prefill side's room state; the control listener,
 the senders and the transfer workers of :mod:`kv.mooncake` and :mod:`kv.mooncake_writes` change
 a room only through its methods. It does no I/O: a change that owes decode a ``Status`` returns
-an :class:`Owed` for the caller to push once the lock is released, and a chunk to write is
-returned for the caller to queue.
+the :class:`~kv.mooncake_legs.Owed` statuses for the caller to push once the lock is released,
+and the chunks to write are returned for the caller to queue.
 
-A room moves BOOTSTRAPPING → WAITING_FOR_INPUT (its ``Destination`` arrived) → TRANSFERRING
-(first chunk queued) → SUCCESS / FAILED; SUCCESS and FAILED latch. Readiness goes to
-:attr:`PrefillRooms.ready` whenever a poll result may have changed, and when a failed room
-becomes quiescent.
+A room serves one or more decode ranks (:mod:`kv.routes`: with decode at a larger TP size than
+prefill, or GQA replicas, one prefill rank writes into several): each one's ``Destination`` is a
+:class:`~kv.mooncake_legs.Leg`. A room moves BOOTSTRAPPING → WAITING_FOR_INPUT (the destination
+of every decode rank it waits for arrived) → TRANSFERRING (first chunk queued: one chunk per leg
+this rank writes into) → SUCCESS (the last chunk reached every leg; each of them is told) /
+FAILED (each leg is told); SUCCESS and FAILED latch. A status-only rank (it writes nothing,
+:meth:`kv.layouts.SlicePlan.status_only`) still waits for its destinations, succeeds with its
+last chunk without writing and tells no one. Readiness goes to :attr:`PrefillRooms.ready`
+whenever a poll result may have changed, and when a failed room becomes quiescent.
 
-Decode sessions: a ``Register`` makes a session known (and lifts its blacklist); a destination
-from an unknown session is refused. A session is blacklisted after a failed engine write: its
-live rooms fail at once, since none of them can succeed.
+Decode sessions: a ``Register`` makes a session known (and lifts its blacklist) with what this
+rank writes into it (:class:`~kv.mooncake_slices.Target`); a destination from an unknown session
+is refused, and so is one from a decode rank the room does not wait for (``not_a_contact``).
+A session is blacklisted after a failed engine write: its live rooms fail at once, since none
+of them can succeed.
 
 A destination that arrives before its sender exists waits (at most ``max_early_destinations``,
 oldest evicted first). ``clear()`` forgets a room and leaves a tombstone, so a late
@@ -34,71 +41,29 @@ fails at once while it waits for its destination, or as soon as it is created.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import attrs
-import numpy as np
-
 from kv import wire
+from kv.mooncake_legs import Chunk, Leg, Owed, PrefillRoom
+from kv.mooncake_slices import Target
 from kv.refusal import RefusedRooms
 from kv.transfer import (
     REASON_PEER_ABORTED,
     REASON_PEER_REFUSED,
     KVPoll,
-    SendCursor,
     TransferError,
     TransferUsageError,
     accepts_call,
     refusal,
 )
 
+logger = logging.getLogger(__name__)
+
 _TOMBSTONES = 65536
-
-
-@attrs.frozen
-class Owed:
-    """A ``Status`` owed to decode session ``session`` for ``room``."""
-
-    session: str
-    room: int
-    poll: KVPoll
-    reason: str = ""
-
-
-@attrs.define(eq=False)
-class PrefillRoom:
-    room: int
-    created: float
-    status: KVPoll = KVPoll.BOOTSTRAPPING
-    reason: str = ""
-    timed_out: bool = False
-    dest: wire.Destination | None = None
-    reg: wire.Register | None = None
-    cursor: SendCursor = attrs.field(init=False)
-    in_flight: int = 0
-    # Decode was told of the failure, after the room went quiescent (see PrefillRooms._settle).
-    notified: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        self.cursor = SendCursor(self.room)
-
-
-@attrs.frozen(eq=False)
-class Chunk:
-    """Pages of one room to write: source pages here, destination pages on decode."""
-
-    rec: PrefillRoom
-    src: Sequence[int]
-    dst: np.ndarray
-    last: bool
-
-    @property
-    def session(self) -> str:
-        assert self.rec.dest is not None
-        return self.rec.dest.session
 
 
 class PrefillRooms:
@@ -119,9 +84,10 @@ class PrefillRooms:
         self._clock = clock
         self._lock = threading.Lock()
         self._rooms: dict[int, PrefillRoom] = {}
-        self._early: OrderedDict[int, wire.Destination] = OrderedDict()
+        self._early: OrderedDict[int, list[wire.Destination]] = OrderedDict()
         self._tombstones: OrderedDict[int, None] = OrderedDict()
-        self._sessions: dict[str, wire.Register] = {}
+        self._regs: dict[str, wire.Register] = {}
+        self._targets: dict[str, Target] = {}
         self._blacklist: set[str] = set()
         self._refused = RefusedRooms(clock=clock)  # rooms this rank will not serve
         self._peer_refused = RefusedRooms(clock=clock)  # rooms decode will not ask for
@@ -132,67 +98,68 @@ class PrefillRooms:
 
     # -- control messages (listener thread) --------------------------------------------------
 
-    def register(self, reg: wire.Register) -> None:
+    def register(self, target: Target) -> None:
+        session = target.reg.session
         with self._lock:
-            self._sessions[reg.session] = reg
-            self._blacklist.discard(reg.session)
+            self._regs[session] = target.reg
+            self._targets[session] = target
+            self._blacklist.discard(session)
 
-    def destination(self, dest: wire.Destination) -> Owed | None:
+    def destination(self, dest: wire.Destination) -> list[Owed]:
         """Attach ``dest`` to its room, or keep it until the room's sender exists; for a room
         that failed before its handshake or was refused, the refusal owed to decode instead.
         Raises :class:`~kv.wire.WireError` for a destination that must be dropped."""
         with self._lock:
-            wire.check_destination(dest, self._sessions)
+            wire.check_destination(dest, self._regs)
             rec = self._rooms.get(dest.room)
-            if rec is not None and rec.dest is None:
+            if rec is not None and not rec.paired:
                 if rec.status == KVPoll.FAILED:
-                    return self._refusal(dest, rec.reason)
+                    return [self._refusal(dest, rec.reason)]
                 self._accept(rec, dest)
-                return None
+                return []
             refused = self._refused.get(dest.room)
             if refused is not None:
-                return self._refusal(dest, refused)
+                return [self._refusal(dest, refused)]
             if rec is not None:
                 raise wire.WireError("duplicate_destination", f"room {dest.room}")
             if dest.room in self._tombstones:
                 raise wire.WireError("stale_room", f"room {dest.room} was already cleared")
-            self._early[dest.room] = dest
+            self._early.setdefault(dest.room, []).append(dest)
             if len(self._early) > self._max_early:
                 evicted, _ = self._early.popitem(last=False)
                 raise wire.WireError("early_overflow", f"evicted early room {evicted}")
-            return None
+            return []
 
-    def refuse(self, room: int, reason: str) -> Owed | None:
+    def refuse(self, room: int, reason: str) -> list[Owed]:
         """This rank will not serve ``room``: a destination for it, already waiting or still
-        to come, is answered with the refusal (the status owed now, if one waited)."""
+        to come, is answered with the refusal (the statuses owed now, if some waited)."""
         with self._lock:
             self._refused.add(room, reason)
-            early = self._early.pop(room, None)
-            return None if early is None else self._refusal(early, reason)
+            return [self._refusal(d, reason) for d in self._early.pop(room, [])]
 
     def peer_refused(self, room: int, reason: str) -> None:
         """Decode will never send ``room``'s destination: the room fails now if it waits for
-        one, or when it is created (a room that has its destination is paired; decode aborts
+        one, or when it is created (a room that has its destinations is paired; decode aborts
         those with an ``Abort``)."""
         with self._lock:
             rec = self._rooms.get(room)
             if rec is None:
                 self._peer_refused.add(room, reason)
-            elif rec.dest is None:
+            elif not rec.legs:
                 self._fail(rec, refusal(reason))
 
-    def peer_abort(self, msg: wire.Abort) -> Owed | None:
+    def peer_abort(self, msg: wire.Abort) -> list[Owed]:
         """Decode aborted a room; raises :class:`~kv.wire.WireError` if the abort is stale or
         comes from another session."""
         with self._lock:
             rec = self._rooms.get(msg.room)
             # Decode aborts only rooms it sent a destination for, on the same ordered socket:
             # an abort for a room without one belongs to an earlier use of the room number.
-            if rec is None or rec.dest is None:
+            if rec is None or not rec.legs:
                 raise wire.WireError("stale_room", f"abort for unknown room {msg.room}")
-            if rec.dest.session != msg.session:
+            if all(leg.session != msg.session for leg in rec.legs.values()):
                 raise wire.WireError(
-                    "foreign_abort", f"room {msg.room} belongs to {rec.dest.session}"
+                    "foreign_abort", f"room {msg.room} belongs to {rec.sessions}"
                 )
             self._fail(rec, REASON_PEER_ABORTED)
             return self._settle(rec)
@@ -206,43 +173,50 @@ class PrefillRooms:
             rec = PrefillRoom(room=room, created=self._clock())
             self._rooms[room] = rec
             self._tombstones.pop(room, None)
-            early = self._early.pop(room, None)
+            early = self._early.pop(room, [])
             refused = self._peer_refused.pop(room)
             if refused is not None:
                 self._fail(rec, refusal(refused))
-            elif early is not None:
-                self._accept(rec, early)
+            for dest in early if refused is None else ():
+                try:
+                    self._accept(rec, dest)
+                except wire.WireError as exc:  # counted where it came in: it was kept then
+                    logger.warning("early destination dropped: %s", exc)
         return rec
 
-    def init(self, rec: PrefillRoom, num_pages: int, slot: int) -> Owed | None:
+    def init(self, rec: PrefillRoom, num_pages: int, slot: int) -> list[Owed]:
         if not 0 <= slot < self._num_slots:
             raise TransferUsageError(rec.room, f"slot {slot} not in 0..{self._num_slots - 1}")
         with self._lock:
-            dest = rec.dest
-            if not accepts_call(rec.room, rec.status, "init()", ready=dest is not None):
-                return None
-            assert dest is not None
+            if not accepts_call(rec.room, rec.status, "init()", ready=rec.paired):
+                return []
             rec.cursor.init(num_pages, slot)
-            if num_pages <= len(dest.pages):
-                return None
-            self._fail(rec, f"decode session {dest.session} offered {len(dest.pages)} pages, "
-                            f"the request needs {num_pages}")
+            short = [leg for leg in rec.legs.values() if len(leg.dest.pages) < num_pages]
+            if not short:
+                return []
+            self._fail(rec, f"decode session {short[0].session} offered "
+                            f"{len(short[0].dest.pages)} pages, the request needs {num_pages}")
             return self._settle(rec)
 
-    def chunk(self, rec: PrefillRoom, pages: Sequence[int], last: bool) -> Chunk | None:
-        """The chunk to write for ``send(pages, last)``, or None when there is nothing to
-        write (a failed room, an empty chunk that is not the last)."""
+    def chunk(self, rec: PrefillRoom, pages: Sequence[int], last: bool) -> list[Chunk]:
+        """The chunks to write for ``send(pages, last)``, one per decode rank this rank writes
+        into; none for a failed room or an empty chunk that is not the last. A status-only
+        rank's room succeeds with its last chunk, having written nothing."""
         with self._lock:
             if rec.status == KVPoll.FAILED:
-                return None
-            if rec.cursor.num_pages is None or rec.dest is None:
+                return []
+            if rec.cursor.num_pages is None or not rec.paired:
                 raise TransferUsageError(rec.room, f"send() before init() while {rec.status.name}")
             span = rec.cursor.advance(len(pages), last)
             if not self._live(rec) or (not pages and not last):
-                return None
-            rec.in_flight += 1
+                return []
+            writers = rec.writers
             rec.status = KVPoll.TRANSFERRING
-            return Chunk(rec, list(pages), rec.dest.pages[span], last)
+            if not writers and last:
+                rec.status = KVPoll.SUCCESS
+                self.ready.put(rec.room)
+            rec.in_flight += len(writers)
+            return [Chunk(rec, leg, list(pages), leg.dest.pages[span], last) for leg in writers]
 
     def poll(self, rec: PrefillRoom) -> KVPoll:
         """The room's status; a room still BOOTSTRAPPING past the bootstrap timeout fails."""
@@ -256,12 +230,11 @@ class PrefillRooms:
 
     def failure(self, rec: PrefillRoom) -> TransferError:
         with self._lock:
-            peer = rec.dest.session if rec.dest is not None else ""
-            return TransferError.reported(rec.room, rec.status, rec.reason, peer,
+            return TransferError.reported(rec.room, rec.status, rec.reason, rec.sessions,
                                           timeout=rec.timed_out)
 
-    def fail(self, rec: PrefillRoom, reason: str) -> Owed | None:
-        """Fail the room (its sender aborted it); the status owed to decode, if any."""
+    def fail(self, rec: PrefillRoom, reason: str) -> list[Owed]:
+        """Fail the room (its sender aborted it); the statuses owed to decode."""
         with self._lock:
             self._fail(rec, reason)
             return self._settle(rec)
@@ -272,8 +245,8 @@ class PrefillRooms:
                 del self._rooms[rec.room]
                 self._early.pop(rec.room, None)
                 self._tombstones[rec.room] = None
-                # Failed before decode's destination came: a late one gets the refusal.
-                if (rec.dest is None and rec.status == KVPoll.FAILED
+                # Failed before decode's destinations came: a late one gets the refusal.
+                if (not rec.paired and rec.status == KVPoll.FAILED
                         and not rec.reason.startswith(REASON_PEER_REFUSED)):
                     self._refused.add(rec.room, rec.reason)
                 if len(self._tombstones) > _TOMBSTONES:
@@ -297,9 +270,10 @@ class PrefillRooms:
     def conclude(
         self, chunks: Sequence[Chunk], session: str, error: str | None, engine_failed: bool
     ) -> list[Owed]:
-        """Chunks written to ``session`` are done: with ``error`` their rooms fail, else last
-        chunks succeed; a failed engine write blacklists the session. The statuses owed."""
-        owed: list[Owed | None] = []
+        """Chunks written to ``session`` are done: with ``error`` their rooms fail, else a room
+        whose last chunk reached every decode rank it writes into succeeds (and each of them is
+        told); a failed engine write blacklists the session. The statuses owed."""
+        owed: list[Owed] = []
         with self._lock:
             for chunk in chunks:
                 rec = chunk.rec
@@ -307,14 +281,18 @@ class PrefillRooms:
                 if error is not None:
                     self._fail(rec, error)
                 elif chunk.last and self._live(rec):
-                    rec.status = KVPoll.SUCCESS
-                    self.ready.put(rec.room)
-                    owed.append(Owed(session, rec.room, KVPoll.SUCCESS))
+                    rec.written.add(chunk.leg.target.decode_rank)
+                    writers = rec.writers
+                    if len(rec.written) == len(writers):
+                        rec.status = KVPoll.SUCCESS
+                        self.ready.put(rec.room)
+                        owed += [Owed(leg.session, rec.room, KVPoll.SUCCESS) for leg in writers]
             if engine_failed and session not in self._blacklist:
                 self._blacklist.add(session)
                 owed += self._fail_session(session)
-            owed += [self._settle(chunk.rec) for chunk in chunks]
-        return [o for o in owed if o is not None]
+            for chunk in chunks:
+                owed += self._settle(chunk.rec)
+        return owed
 
     # -- callers hold self._lock -----------------------------------------------------------------
 
@@ -322,9 +300,21 @@ class PrefillRooms:
         return Owed(dest.session, dest.room, KVPoll.FAILED, refusal(reason))
 
     def _accept(self, rec: PrefillRoom, dest: wire.Destination) -> None:
-        rec.dest = dest
-        rec.reg = self._sessions[dest.session]
-        if rec.status == KVPoll.BOOTSTRAPPING:
+        """Add ``dest`` as a leg of ``rec``; the room waits for its input once every decode
+        rank it serves gave its destination."""
+        target = self._targets[dest.session]
+        waits_for = rec.waits_for or target.waits_for
+        rank = target.decode_rank
+        if target.waits_for != waits_for or rank not in waits_for:
+            raise wire.WireError(
+                "not_a_contact", f"room {dest.room}: decode rank {rank} of session "
+                f"{dest.session} is not one of the ranks {waits_for} this rank serves")
+        if rank in rec.legs:
+            raise wire.WireError("duplicate_destination",
+                                 f"room {dest.room}: a second one from decode rank {rank}")
+        rec.waits_for = waits_for
+        rec.legs[rank] = Leg(dest, target)
+        if rec.paired and rec.status == KVPoll.BOOTSTRAPPING:
             rec.status = KVPoll.WAITING_FOR_INPUT
             self.ready.put(rec.room)
 
@@ -337,22 +327,25 @@ class PrefillRooms:
         self.ready.put(rec.room)
         return True
 
-    def _settle(self, rec: PrefillRoom) -> Owed | None:
-        """The FAILED status owed to decode once a failed room is quiescent, if any."""
+    def _settle(self, rec: PrefillRoom) -> list[Owed]:
+        """The FAILED statuses owed to every decode rank of a failed room once it is
+        quiescent, if any."""
         if rec.status != KVPoll.FAILED or rec.in_flight or rec.notified:
-            return None
+            return []
         rec.notified = True
-        if rec.dest is None:
-            return None
+        if not rec.legs:
+            return []
         self.ready.put(rec.room)  # quiescence is news to the owner of the pages
-        return Owed(rec.dest.session, rec.room, KVPoll.FAILED, rec.reason)
+        return [Owed(leg.session, rec.room, KVPoll.FAILED, rec.reason)
+                for leg in rec.legs.values()]
 
-    def _fail_session(self, session: str) -> list[Owed | None]:
+    def _fail_session(self, session: str) -> list[Owed]:
         """Fail every live room of a blacklisted session: none of them can succeed."""
         reason = f"decode session {session} was blacklisted after a failed transfer"
         failed = [r for r in self._rooms.values()
-                  if r.dest is not None and r.dest.session == session and self._fail(r, reason)]
-        return [self._settle(r) for r in failed]
+                  if any(leg.session == session for leg in r.legs.values())
+                  and self._fail(r, reason)]
+        return [o for r in failed for o in self._settle(r)]
 
     def _live(self, rec: PrefillRoom) -> bool:
         return self._rooms.get(rec.room) is rec and not rec.status.terminal

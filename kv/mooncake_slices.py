@@ -38,10 +38,13 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kv.layouts import HeadSlice
+from kv import wire
+from kv.layouts import HeadSlice, LayoutError
 from kv.pages import Run
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout, parse_kv_layout
+from kv.rank_table import RankPlace
+from kv.routes import sender_duty
 
 # Dimension names in the order of a pool's tensor, per layout ("B" is the bytes of one head).
 _ORDER = {
@@ -169,3 +172,61 @@ def _one_slice(src: PoolShape, dst: PoolShape, runs: np.ndarray, s: HeadSlice,
                 np.repeat(lens, len(src_in)))
     return ((src_in[:, None] + src_off).ravel(), (dst_in[:, None] + dst_off).ravel(),
             np.tile(lens, len(src_in)))
+
+
+@attrs.frozen(eq=False)
+class Target:
+    """What this prefill rank writes into one registered decode rank (its session): the head
+    slices, both pools' shapes, which decode ranks' destinations a room waits for, and whether
+    it writes the metadata row (only the stage that computes the first token does)."""
+
+    reg: wire.Register
+    slices: tuple[HeadSlice, ...]
+    waits_for: tuple[int, ...]
+    src: PoolShape
+    dst: PoolShape
+    rows: bool
+
+    @property
+    def decode_rank(self) -> int:
+        return self.reg.tp_rank
+
+
+def target_of(pool: KVPool, place: RankPlace, reg: wire.Register) -> Target:
+    """The target a decode registration describes, for the prefill rank at ``place`` with
+    ``pool``; raises :class:`~kv.wire.WireError` (``incompatible_layout``) naming both sides'
+    values when the two cannot exchange KV."""
+    mine = {"head_dim": pool.head_dim, "kv_heads": place.kv_heads, "mla": place.mla,
+            "layers": place.num_layers}
+    theirs = {"head_dim": reg.head_dim, "kv_heads": reg.kv_heads, "mla": reg.mla,
+              "layers": reg.num_layers}
+    problem = ""
+    if mine != theirs:
+        problem = f"(head_dim, model kv_heads, mla, layers) {theirs} differ from this rank's {mine}"
+    else:
+        decode = RankPlace(tp_rank=reg.tp_rank, tp_size=reg.tp_size, kv_heads=reg.kv_heads,
+                           mla=reg.mla, num_layers=reg.num_layers, layer_start=0,
+                           layer_stop=reg.num_layers)
+        try:
+            duty = sender_duty(place, decode)
+        except (LayoutError, ValueError) as exc:
+            problem = str(exc)
+        else:
+            heads = decode.heads_per_rank
+            want = pool.page_size * heads * pool.head_dim * pool.buffer.element_size()
+            if reg.page_bytes != want:
+                problem = (f"page_bytes {reg.page_bytes}, but {heads} heads per decode rank "
+                           f"make {want}")
+    if problem:
+        raise wire.WireError("incompatible_layout", f"session {reg.session}: {problem}")
+    head_bytes = pool.head_dim * pool.buffer.element_size()
+    return Target(
+        reg=reg,
+        slices=duty.slices(reg.tp_rank),
+        waits_for=duty.destinations,
+        src=PoolShape.of(pool, first_layer=place.layer_start),
+        dst=PoolShape(layout=reg.kv_layout, num_layers=reg.num_layers, num_pages=reg.num_pages,
+                      page_size=reg.page_size, kv_heads=decode.heads_per_rank,
+                      head_bytes=head_bytes),
+        rows=place.layer_stop == place.num_layers,
+    )

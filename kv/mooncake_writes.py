@@ -35,10 +35,11 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from kv import wire
 from kv.metadata import MetadataBuffers
 from kv.mooncake_engine import MooncakeConfig, MooncakeEngine
-from kv.mooncake_rooms import Chunk, Owed, PrefillRooms
+from kv.mooncake_legs import Chunk, Owed
+from kv.mooncake_rooms import PrefillRooms
+from kv.mooncake_slices import Target, slice_blocks
 from kv.pages import coalesce
 from kv.pool import KVPool
 
@@ -105,11 +106,11 @@ def _take(q: queue.SimpleQueue[Chunk | None], *, block: bool) -> tuple[list[Chun
 
 
 def _by_layout(chunks: list[Chunk]) -> list[list[Chunk]]:
-    """Consecutive chunks grouped while their rooms share one decode registration (a session
-    that registers again may bring another memory layout)."""
+    """Consecutive chunks grouped while they share one decode registration (a session that
+    registers again may bring another memory layout)."""
     groups: list[list[Chunk]] = []
     for c in chunks:
-        if groups and groups[-1][0].rec.reg is c.rec.reg:
+        if groups and groups[-1][0].leg.target is c.leg.target:
             groups[-1].append(c)
         else:
             groups.append([c])
@@ -235,9 +236,8 @@ class WritePipeline:
         # Chunks for one destination layout coalesce together, so a run that continues from
         # one request into the next on both sides is one block.
         for same_layout in _by_layout(live):
-            reg = same_layout[0].rec.reg
-            assert reg is not None
-            for blocks in (self._blocks(same_layout, reg), self._rows(same_layout, reg)):
+            target = same_layout[0].leg.target
+            for blocks in (self._blocks(same_layout, target), self._rows(same_layout, target)):
                 src += blocks[0]
                 dst += blocks[1]
                 lens += blocks[2]
@@ -245,36 +245,30 @@ class WritePipeline:
         return [(src[i : i + step], dst[i : i + step], lens[i : i + step])
                 for i in range(0, len(src), step)]
 
-    def _blocks(self, chunks: list[Chunk], reg: wire.Register) -> _Blocks:
-        """Addresses and lengths of every run in every region of the pool, region major: one
-        block per run page-major, one per run and layer half layer-major (the registration
-        was checked to have this pool's layout)."""
+    def _blocks(self, chunks: list[Chunk], target: Target) -> _Blocks:
+        """Addresses and lengths of what the chunks' runs of pages write into the target
+        (:func:`kv.mooncake_slices.slice_blocks`: whole pages are one block per run page-major,
+        one per run and layer half layer-major; head slices one per token slot)."""
         runs = coalesce([p for c in chunks for p in c.src],
                         np.concatenate([c.dst for c in chunks]).tolist())
-        if not runs:
-            return [], [], []
-        r = np.array(runs, dtype=np.int64)
-        pool = self._pool
-        rb = pool.region_page_bytes
-        regions = np.arange(pool.regions, dtype=np.int64)[:, None]
-        src = pool.buffer.data_ptr() + (regions * pool.num_pages + r[:, 0]) * rb
-        dst = reg.kv_ptr + (regions * reg.num_pages + r[:, 1]) * rb
-        lens = np.broadcast_to(r[:, 2] * rb, src.shape)
-        return cut_blocks(src.ravel(), dst.ravel(), lens.ravel(), self._max_block_bytes)
+        src, dst, lens = slice_blocks(target.src, target.dst, runs, target.slices)
+        return cut_blocks(src + self._pool.buffer.data_ptr(), dst + target.reg.kv_ptr, lens,
+                          self._max_block_bytes)
 
-    def _rows(self, chunks: list[Chunk], reg: wire.Register) -> _Blocks:
-        """The metadata rows of the chunks that are last, every field."""
+    def _rows(self, chunks: list[Chunk], target: Target) -> _Blocks:
+        """The metadata rows of the chunks that are last, every field (none from a stage that
+        does not compute the first token)."""
         src: list[int] = []
         dst: list[int] = []
         lens: list[int] = []
+        if not target.rows:
+            return src, dst, lens
         for chunk in chunks:
-            rec = chunk.rec
             if not chunk.last:
                 continue
-            assert rec.dest is not None
-            slot, dst_slot = rec.cursor.slot or 0, rec.dest.slot
-            for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens, reg.meta_ptrs,
-                                       strict=True):
+            slot, dst_slot = chunk.rec.cursor.slot or 0, chunk.leg.dest.slot
+            for ptr, item, dptr in zip(self._meta_ptrs, self._meta_item_lens,
+                                       target.reg.meta_ptrs, strict=True):
                 src.append(ptr + slot * item)
                 dst.append(dptr + dst_slot * item)
                 lens.append(item)

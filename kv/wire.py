@@ -8,7 +8,8 @@ decode → prefill
     :class:`Register` once per (decode manager, prefill rank): the decode session id
     (``host:rpc_port`` of its transfer engine), the ZeroMQ endpoint where it wants statuses, and
     the layout of its registered memory (KV pool base pointer, geometry and order, metadata
-    buffers), and the model whose KV its pool holds (fingerprint and name).
+    buffers), the model whose KV its pool holds (fingerprint and name), and its place: the
+    model's KV heads, head dim and MLA, and its TP rank and size (:mod:`kv.mooncake_slices`).
     :class:`Destination` once per room: the decode pages and metadata slot to write into.
     :class:`Abort` when decode gives up on a room.
 prefill → decode
@@ -44,6 +45,7 @@ MAX_MESSAGE_BYTES = 16 << 20
 MAX_ROOM = (1 << 64) - 1
 MAX_PAGES = 1 << 24
 MAX_FIELDS = 64
+MAX_TP = 1 << 12
 _MAX_U64 = (1 << 64) - 1
 _MAX_STR = 512
 
@@ -85,6 +87,13 @@ class Register:
     model_name: str = ""
     #: The order of the decode pool's tensor (:mod:`kv.pool_layout`).
     kv_layout: str = KVLayout.LAYER_MAJOR.value
+    #: The decode rank's place: the model's KV heads (all ranks together) and head dim, whether
+    #: they are an MLA latent, and the rank's TP rank and size; its pool holds every layer.
+    kv_heads: int = attrs.field(kw_only=True)
+    head_dim: int = attrs.field(kw_only=True)
+    mla: bool = attrs.field(default=False, kw_only=True)
+    tp_rank: int = attrs.field(default=0, kw_only=True)
+    tp_size: int = attrs.field(default=1, kw_only=True)
 
     @property
     def kv_bytes(self) -> int:
@@ -142,6 +151,11 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "model": msg.model,
             "model_name": msg.model_name,
             "kv_layout": msg.kv_layout,
+            "kv_heads": msg.kv_heads,
+            "head_dim": msg.head_dim,
+            "mla": msg.mla,
+            "tp_rank": msg.tp_rank,
+            "tp_size": msg.tp_size,
         }
     elif isinstance(msg, Destination):
         body = {
@@ -260,6 +274,13 @@ def _int(body: dict[Any, Any], name: str, lo: int, hi: int) -> int:
     return value
 
 
+def _bool(body: dict[Any, Any], name: str) -> bool:
+    value = body.get(name)
+    if not isinstance(value, bool):
+        raise WireError("bad_field", f"{name}: expected true or false, got {type(value).__name__}")
+    return value
+
+
 def _str(body: dict[Any, Any], name: str, *, allow_empty: bool = False) -> str:
     value = body.get(name)
     if not isinstance(value, str):
@@ -316,7 +337,14 @@ def _parse_register(body: dict[Any, Any]) -> Register:
         model=_str(body, "model", allow_empty=True),
         model_name=_str(body, "model_name", allow_empty=True),
         kv_layout=kv_layout,
+        kv_heads=_int(body, "kv_heads", 1, 1 << 16),
+        head_dim=_int(body, "head_dim", 1, 1 << 16),
+        mla=_bool(body, "mla"),
+        tp_rank=_int(body, "tp_rank", 0, MAX_TP - 1),
+        tp_size=_int(body, "tp_size", 1, MAX_TP),
     )
+    if reg.tp_rank >= reg.tp_size:
+        raise WireError("bad_field", f"tp_rank {reg.tp_rank} not in tp_size {reg.tp_size}")
     if reg.kv_ptr + reg.kv_bytes > _MAX_U64:
         raise WireError("bad_field", "kv_ptr: the pool would extend past the address space")
     return reg

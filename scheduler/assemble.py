@@ -34,6 +34,7 @@ from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
+from scheduler.prefill.mesh import MeshOptions
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
@@ -59,8 +60,9 @@ RunnerFactory = Callable[[Any, KVPool], ModelRunner]
 DecodeKVFactory = Callable[[KVPool, MetadataBuffers, ModelRunner], DecodeKVManager]
 
 
-class PrefillOptions(TypedDict, total=False):
-    """What :func:`build_prefill` passes to the prefill scheduler unchanged."""
+class PrefillOptions(MeshOptions, total=False):
+    """What :func:`build_prefill` passes to the prefill scheduler unchanged (with, on a mesh
+    rank, its agreements: :class:`~scheduler.prefill.mesh.MeshOptions`)."""
 
     delayer: PrefillDelayer | None
     clock: Callable[[], float]
@@ -144,7 +146,7 @@ def build_prefill(
     if backend == "mooncake":
         if bootstrap is None:
             raise ValueError("the mooncake backend needs the bootstrap endpoint to register at")
-        mooncake_kv = MooncakeKVManager(pool, metadata, rank=0, config=mooncake)
+        mooncake_kv = MooncakeKVManager(pool, metadata, config=mooncake)
         closers.append(mooncake_kv.close)
         mooncake_kv.register_to_bootstrap(bootstrap.address)
         bootstrap.add_refusal_listener(mooncake_kv.peer_refused)

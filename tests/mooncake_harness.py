@@ -155,7 +155,7 @@ class _MooncakeSession(InProcessDecode):
         for receiver in self.receivers.pop(room, []):
             # A decode that gave up late: the Abort reaches a prefill that already cleared the
             # room. Sent directly, because this receiver concluded and would not send it.
-            self.decode._send(wire.Abort(room, self.decode.session))
+            self.decode._peers.send_all(wire.Abort(room, self.decode.session))
             receiver.clear()
 
     def close(self) -> None:

@@ -122,7 +122,8 @@ def test_prefill_drops_a_registration_for_another_model(
         num_layers=prefill.pool.num_layers, num_pages=4, page_size=PAGE_SIZE,
         page_bytes=prefill.pool.page_bytes, kv_dtype="float32",
         meta_ptrs=tuple(1 << 30 for _ in infos), meta_item_lens=tuple(i.item_len for i in infos),
-        num_slots=4, model=pool.model, model_name=pool.model_name)
+        num_slots=4, model=pool.model, model_name=pool.model_name,
+        kv_heads=prefill.pool.kv_heads, head_dim=prefill.pool.head_dim)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)

@@ -63,7 +63,7 @@ class RawDecode:
             page_bytes=pool.page_bytes, kv_dtype="float32",
             meta_ptrs=tuple(1 << 30 for _ in infos),
             meta_item_lens=tuple(i.item_len for i in infos),
-            num_slots=4,
+            num_slots=4, kv_heads=pool.kv_heads, head_dim=pool.head_dim,
         )
 
     def send(self, msg: wire.Message | bytes) -> None:

@@ -34,6 +34,11 @@ registers = st.builds(
     meta_ptrs=st.just((4096, 8192)),
     meta_item_lens=st.just((64, 64)),
     num_slots=st.integers(1, 1024),
+    kv_heads=st.integers(1, 128),
+    head_dim=st.integers(1, 512),
+    mla=st.booleans(),
+    tp_rank=st.just(1),
+    tp_size=st.integers(2, 64),
 )
 destinations = st.builds(
     wire.Destination,
@@ -150,7 +155,7 @@ def test_pickle_is_not_accepted() -> None:
 
 def _register(num_pages: int = 16, num_slots: int = 4) -> wire.Register:
     return wire.Register("127.0.0.1:7000", "tcp://127.0.0.1:7001", 4096, 2, num_pages, 4, 256,
-                         "float32", (8192,), (64,), num_slots)
+                         "float32", (8192,), (64,), num_slots, kv_heads=2, head_dim=8)
 
 
 def test_check_destination_against_the_registered_pool() -> None:
@@ -174,7 +179,8 @@ def test_register_validates_layout_fields() -> None:
     body = msgpack.unpackb(wire.encode(_register()))
     for field, value in [("kv_dtype", "int4"), ("meta_item_lens", [64, 64]),
                          ("status_endpoint", "ipc:///x"), ("num_pages", 0),
-                         ("kv_layout", "head_major"), ("kv_layout", 1)]:
+                         ("kv_layout", "head_major"), ("kv_layout", 1), ("kv_heads", 0),
+                         ("head_dim", True), ("mla", 1), ("tp_rank", 1), ("tp_size", 0)]:
         bad = dict(body, **{field: value})
         with pytest.raises(wire.WireError):
             wire.decode(msgpack.packb(bad))
