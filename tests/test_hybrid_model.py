@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv.pages import pages_needed
-from kv.pool import KVPool
 from scheduler.model.fixed_point import DECAY_RANGE, linear_recurrence
 from scheduler.model.reference import (
     LlamaModel,
@@ -24,8 +23,9 @@ from scheduler.model.reference import (
     ReferenceModel,
 )
 from scheduler.model.reference_config import LayerKind
-from scheduler.model.request_kv import RELEASED, RequestKV, window_pages
+from scheduler.model.request_kv import RELEASED, RequestKV
 from scheduler.runner import ForwardBatch, ForwardItem
+from tests.hybrid_harness import make_runner, poison_free_pages, transfer
 
 TINY = ModelConfig.tiny()
 CONFIGS = {
@@ -37,26 +37,6 @@ CONFIGS = {
                           recurrent_layers=(3,)),
 }
 MODELS = {name: LlamaModel(config) for name, config in CONFIGS.items()}
-
-
-def make_runner(model: LlamaModel, pages: int, page_size: int, swa_pages: int,
-                slots: int) -> PagedModelRunner:
-    c = model.config
-    return PagedModelRunner(
-        model, model.make_pool(num_pages=pages, page_size=page_size),
-        swa_pool=model.make_swa_pool(num_pages=swa_pages, page_size=page_size)
-        if c.swa_layers else None,
-        states=model.make_states(slots) if c.recurrent_layers else None)
-
-
-def poison_free_pages(pool: KVPool | None) -> None:
-    """NaN in every free page: a forward that reads one gives NaN logits, not the reference's
-    tokens."""
-    if pool is None:
-        return
-    free = [p for start, n in pool.allocator.free_runs() for p in range(start, start + n)]
-    if free:
-        pool.page_view()[:, free] = float("nan")
 
 
 def step(runner: PagedModelRunner, items: list[ForwardItem]) -> list[int]:
@@ -90,30 +70,6 @@ def prefill(runner: PagedModelRunner, prompts: list[list[int]],
             if done[i] == len(prompts[i]):
                 firsts[i] = token
     return kvs, firsts
-
-
-def copy_pages(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[int]) -> None:
-    dst.page_view()[:, dst_pages] = src.page_view()[:, src_pages]
-
-
-def transfer(src: PagedModelRunner, dst: PagedModelRunner, kv: RequestKV, length: int,
-             dst_slot: int) -> RequestKV:
-    """What the last chunk's send moves: every full-attention page, the SWA pages of the last
-    window (``window_pages``) and the recurrent state slot."""
-    out = RequestKV(kv.rid, state_slot=dst_slot)
-    got = dst.pool.allocator.alloc(len(kv.pages))
-    assert got is not None
-    copy_pages(src.pool, dst.pool, kv.pages, got)
-    out.pages = got
-    if src.swa_pool is not None and dst.swa_pool is not None:
-        window = window_pages(src, length)
-        got = dst.swa_pool.allocator.alloc(len(window))
-        assert got is not None
-        copy_pages(src.swa_pool, dst.swa_pool, [kv.swa_pages[i] for i in window], got)
-        out.swa_pages = [RELEASED] * window.start + got
-    if src.states is not None and dst.states is not None:
-        dst.states[:, dst_slot] = src.states[:, kv.state_slot]
-    return out
 
 
 def run_pd(model: LlamaModel, prompts: list[list[int]], page_size: int, chunk: int,

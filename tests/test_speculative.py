@@ -1,0 +1,167 @@
+"""Greedy speculative decoding: the output equals plain greedy decoding exactly, for every
+hybrid configuration, after the prefill side's hand-off travelled to other pools; the hand-off
+holds what it says; the decode side does not recompute the draft's prefill."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv.pages import pages_needed
+from scheduler.model.fixed_point import PROB_FRAC_BITS, greedy_token_ids
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.model.request_kv import RequestKV
+from scheduler.model.speculative import (
+    Handoff,
+    SpeculativeDecoder,
+    SpeculativeStats,
+    prefill_handoff,
+    top_k,
+)
+from scheduler.runner import ForwardBatch
+from tests.hybrid_harness import copy_state, make_runner, transfer
+
+TINY = ModelConfig.tiny()
+TARGETS = {
+    "full": LlamaModel(attrs.evolve(TINY, layers=4)),
+    "swa": LlamaModel(attrs.evolve(TINY, layers=4, swa_layers=(1, 3), sliding_window=6)),
+    "recurrent": LlamaModel(attrs.evolve(TINY, layers=4, recurrent_layers=(1,))),
+    "mixed": LlamaModel(attrs.evolve(TINY, layers=4, swa_layers=(1,), sliding_window=5,
+                                     recurrent_layers=(2,))),
+}
+
+
+class RecordingRunner(PagedModelRunner):
+    """A paged runner that remembers where each of its forwards started."""
+
+    starts: list[int]
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        self.starts.extend(item.start for item in batch.items)
+        return super().forward(batch)
+
+
+def pair(target: LlamaModel, draft_layers: int, pages: int, page_size: int,
+         slots: int) -> tuple[PagedModelRunner, RecordingRunner]:
+    """A target runner and a draft runner whose pools have the target's page counts."""
+    draft = target.draft(draft_layers)
+    d = make_runner(draft, pages, page_size, pages, slots)
+    recording = RecordingRunner(draft, d.pool, swa_pool=d.swa_pool, states=d.states)
+    recording.starts = []
+    return make_runner(target, pages, page_size, pages, slots), recording
+
+
+def speculative_pd(target: LlamaModel, prompt: list[int], *, draft_layers: int, k: int,
+                   chunk: int, page_size: int, max_new: int, stops: tuple[int, ...] = (),
+                   ) -> tuple[list[int], Handoff, SpeculativeStats, list[int]]:
+    """Prefill with the hand-off in one set of pools, move both models' state to another, and
+    decode speculatively there: the output, the hand-off, the stats and the draft's forward
+    starts on the decode side."""
+    pages = pages_needed(len(prompt) + max_new + k + 1, page_size) + 1
+    p_target, p_draft = pair(target, draft_layers, pages, page_size, 2)
+    kv = RequestKV("r", state_slot=1)
+    handoff = prefill_handoff(p_target, p_draft, kv, prompt, chunk, k=4)
+    d_target, d_draft = pair(target, draft_layers, pages + 2, page_size, 3)
+    d_target.pool.allocator.alloc(2)
+    if d_target.swa_pool is not None:
+        d_target.swa_pool.allocator.alloc(1)
+    moved = transfer(p_target, d_target, kv, len(prompt), dst_slot=2)
+    copy_state(p_draft, d_draft, kv, moved, len(prompt))
+    decoder = SpeculativeDecoder(d_target, d_draft, k)
+    out = decoder.decode(moved, prompt, handoff, max_new, stop_token_ids=stops,
+                         ignore_eos=True)
+    return out, handoff, decoder.stats, d_draft.starts
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(TINY.vocab_size), k=n)
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+@pytest.mark.parametrize(("draft_layers", "k"), [(1, 1), (2, 3), (3, 5)])
+def test_speculative_equals_greedy(name: str, draft_layers: int, k: int) -> None:
+    target = TARGETS[name]
+    colocated = ReferenceModel(target)
+    for n, seed in ((1, 0), (13, 1), (40, 2)):
+        prompt = prompt_of(n, seed)
+        out, _, stats, _ = speculative_pd(target, prompt, draft_layers=draft_layers, k=k,
+                                          chunk=6, page_size=4, max_new=24)
+        assert out == colocated.generate(prompt, 24, ignore_eos=True)
+        assert stats.proposed > 0 and 0.0 <= stats.acceptance_rate <= 1.0
+
+
+@settings(max_examples=20)
+@given(name=st.sampled_from(list(TARGETS)), draft_layers=st.integers(1, 4),
+       k=st.integers(1, 6), chunk=st.integers(1, 16), page_size=st.sampled_from([1, 2, 5]),
+       n=st.integers(1, 30), max_new=st.integers(1, 16), seed=st.integers(0, 1000),
+       stop_count=st.integers(0, 20))
+def test_speculative_equals_greedy_with_stops(
+    name: str, draft_layers: int, k: int, chunk: int, page_size: int, n: int, max_new: int,
+    seed: int, stop_count: int,
+) -> None:
+    target = TARGETS[name]
+    prompt = prompt_of(n, seed)
+    stops = tuple(random.Random(seed).sample(range(TINY.vocab_size), stop_count))
+    out, _, _, _ = speculative_pd(target, prompt, draft_layers=draft_layers, k=k, chunk=chunk,
+                                  page_size=page_size, max_new=max_new, stops=stops)
+    expected = ReferenceModel(target).generate(prompt, max_new, stop_token_ids=stops,
+                                               ignore_eos=True)
+    assert out == expected
+
+
+def test_a_draft_that_is_the_target_is_always_accepted() -> None:
+    target = TARGETS["mixed"]
+    prompt = prompt_of(20, 3)
+    out, _, stats, _ = speculative_pd(target, prompt, draft_layers=4, k=3, chunk=8,
+                                      page_size=4, max_new=21)
+    assert out == ReferenceModel(target).generate(prompt, 21, ignore_eos=True)
+    # 20 tokens after the first: 5 rounds of 3 accepted proposals + the target's own token.
+    assert (stats.rounds, stats.proposed, stats.accepted) == (5, 15, 15)
+    assert stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_the_handoff_holds_the_draft_proposals_and_the_hidden_state(name: str) -> None:
+    target = TARGETS[name]
+    draft = target.draft(2)
+    prompt = prompt_of(17, 4)
+    out, handoff, _, starts = speculative_pd(target, prompt, draft_layers=2, k=2, chunk=5,
+                                             page_size=2, max_new=6)
+    assert handoff.first_token == out[0]
+    # The hidden state is on the activation grid (float32 holds it) and gives the first token.
+    assert torch.equal(handoff.hidden.float().double(), handoff.hidden)
+    assert int(greedy_token_ids(target.logits(handoff.hidden))) == handoff.first_token
+    # The proposals are the colocated draft's distribution after prompt + first token.
+    seen: list[torch.Tensor] = []
+
+    def capture(logits: torch.Tensor, _i: int) -> int:
+        seen.append(logits)
+        return int(greedy_token_ids(logits))
+
+    ReferenceModel(draft).generate([*prompt, handoff.first_token], 1, choose=capture)
+    ids, probs = top_k(seen[0], 4, draft.exp_table)
+    assert (list(handoff.top_ids), list(handoff.top_probs)) == (ids, probs)
+    assert list(handoff.top_probs) == sorted(handoff.top_probs, reverse=True)
+    assert 0 < sum(handoff.top_probs) <= 2**PROB_FRAC_BITS + 4
+    # The decode side's first draft forward starts at the first output token's position: it
+    # reads the prompt's draft K/V that came with the hand-off instead of recomputing it.
+    assert starts and min(starts) == len(prompt)
+
+
+def test_the_decoder_refuses_what_it_cannot_pair() -> None:
+    target = TARGETS["full"]
+    t, d = pair(target, 2, 8, 4, 1)
+    with pytest.raises(ValueError, match=r"k \(proposals per round\) must be >= 1"):
+        SpeculativeDecoder(t, d, 0)
+    other = LlamaModel(attrs.evolve(TINY, vocab_size=300))
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeDecoder(t, make_runner(other, 8, 4, 8, 1), 2)
+    with pytest.raises(ValueError, match="page count"):
+        SpeculativeDecoder(t, make_runner(target.draft(2), 9, 4, 9, 1), 2)
+    with pytest.raises(ValueError, match="draft"):
+        target.draft(2).draft(1)
