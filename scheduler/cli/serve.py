@@ -73,6 +73,17 @@ _NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
 }
 
 
+def positive_int(text: str) -> int:
+    """A whole number of at least 1 (a rank count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
     """The group ``title`` with its plain-number flags (:data:`_NUMBERS`) declared."""
     group = parser.add_argument_group(title)
@@ -117,6 +128,15 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--schedule-policy", choices=("fcfs", "lpm"), default="fcfs",
                        help="prefill: the waiting queue's order, arrival (fcfs) or longest "
                        "cached prefix first (lpm, needs the prefix cache) (default: fcfs)")
+    par = parser.add_argument_group("parallelism (prefill; docs/backends.md#parallel-layouts)")
+    par.add_argument("--tp-size", type=positive_int, default=1,
+                     help="tensor-parallel ranks per pipeline stage, each a process holding its "
+                     "KV heads (reference model, --backend fake) (default: 1)")
+    par.add_argument("--pp-size", type=positive_int, default=1,
+                     help="pipeline stages, each holding a range of the layers (default: 1)")
+    par.add_argument("--dp-size", type=positive_int, default=1,
+                     help="data-parallel replicas behind one bootstrap port (not built yet: "
+                     "only 1) (default: 1)")
     times = _number_group(parser, "timeouts and limits")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
@@ -216,6 +236,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             device=args.device,
             served=served,
             overlap=args.overlap,
+            tp_size=args.tp_size,
+            pp_size=args.pp_size,
+            dp_size=args.dp_size,
             otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
         )
     except (ValueError, TypeError) as exc:
@@ -246,7 +269,17 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = serve_config(args)
-    service = Service(config)
+    ranks = None
+    if config.tp_size * config.pp_size > 1:
+        from scheduler.service.ranks import Ranks
+
+        ranks = Ranks(config)  # this process is rank 0, behind the HTTP front
+    try:
+        service = Service(config, mesh=None if ranks is None else ranks.control)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT."""
@@ -281,7 +314,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        service.close()
+        try:
+            service.close()
+        finally:
+            if ranks is not None:
+                ranks.close()
     if service.loop.failure is not None:
         code = EXIT_ENGINE_FAILED
     elif server.aborted:
@@ -319,8 +356,9 @@ SERVE = Subcommand(
         "cannot honour (a penalty, min_new_tokens, logit_bias, n > 1, ...) is refused with "
         "400 naming it (docs/operations.md lists them all). The OpenAI API: /v1/completions, "
         "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "
-        "and /v1/models. Not supported: tensor parallelism and different prefill/decode "
-        "layouts. SGLang's router refuses text batches and "
+        "and /v1/models. --tp-size/--pp-size run a prefill of the reference model on TP x PP "
+        "rank processes (fake backend only for now); DP replicas and sliced KV sends to a "
+        "decode of another layout are not built yet. SGLang's router refuses text batches and "
         "per-prompt sampling_params lists before a worker sees them (input_ids batches go "
         "through), and does not forward /abort_request (docs/operations.md)."
     ),

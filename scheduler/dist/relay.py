@@ -11,7 +11,9 @@ that list (SGLang's TP workers receive their inputs the same way, broadcast from
 
 The wire form is msgpack (never pickle): the requests' plain fields, encoded by
 :func:`encode_items` and rebuilt, with their validators run again, by :func:`decode_items`.
-A pass with nothing new costs one broadcast of an eight-byte length.
+A pass with nothing new costs one broadcast of an eight-byte length. A negative length is the
+first rank's :meth:`InboxRelay.stop`: the other ranks' next exchange raises :class:`MeshStopped`,
+which ends their loops.
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ def decode_items(payload: bytes) -> list[Item]:
     return items
 
 
+class MeshStopped(Exception):
+    """The mesh's first rank stopped: this rank's loop ends (nothing more will come)."""
+
+
+_STOP = -1
+
+
 class InboxRelay:
     """Broadcasts the inbox of global rank ``src`` to every rank of ``group`` (a collective:
     every rank calls :meth:`exchange` once per pass)."""
@@ -100,6 +109,8 @@ class InboxRelay:
         size = torch.tensor([len(payload)], dtype=torch.int64)
         dist.broadcast(size, src=self.src, group=self.group)
         n = int(size.item())
+        if n == _STOP:
+            raise MeshStopped(f"rank {self.src} stopped the mesh")
         if n == 0:
             return []
         if self.rank == self.src:
@@ -110,3 +121,10 @@ class InboxRelay:
         if self.rank == self.src:
             return list(items)
         return decode_items(buffer.numpy().tobytes())
+
+    def stop(self) -> None:
+        """On ``src``, in place of a pass: every other rank's next :meth:`exchange` raises
+        :class:`MeshStopped`."""
+        if self.rank != self.src:
+            raise RelayError(f"rank {self.rank} cannot stop the mesh; rank {self.src} does")
+        dist.broadcast(torch.tensor([_STOP], dtype=torch.int64), src=self.src, group=self.group)

@@ -30,17 +30,25 @@ of the mesh or not, with the same arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from scheduler.dist.ranks import TorchRanks
+from scheduler.dist.ranks import RankSync, TorchRanks
 from scheduler.dist.relay import InboxRelay
 from scheduler.dist.stages import StageConsensus, TorchStageGather
 from scheduler.model.sharded import Mesh, build_mesh
 from scheduler.prefill.pipeline import StagePolls
+
+
+class MeshOptions(TypedDict, total=False):
+    """The :class:`~scheduler.prefill.scheduler.PrefillScheduler` arguments of a mesh rank."""
+
+    ranks: RankSync | None
+    relay: InboxRelay | None
+    stages: StagePolls | None
 
 
 @attrs.frozen(eq=False)
@@ -58,9 +66,9 @@ class MeshControl:
         """Whether this rank takes the requests (and answers them)."""
         return self.relay.rank == self.relay.src
 
-    def scheduler_options(self) -> dict[str, Any]:
+    def scheduler_options(self) -> MeshOptions:
         """The :class:`~scheduler.prefill.scheduler.PrefillScheduler` arguments of a rank."""
-        return {"ranks": self.ranks, "relay": self.relay, "stages": self.stages}
+        return MeshOptions(ranks=self.ranks, relay=self.relay, stages=self.stages)
 
     def all_agree(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on every rank (a collective)."""

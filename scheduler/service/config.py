@@ -13,12 +13,14 @@ from typing import Any, Literal
 
 import attrs
 
+from kv.layouts import LayoutError, TPLayout
 from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from lifecycle import FailureReason, SamplingParams
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST, TokenLogprob
 from scheduler.model.reference import ModelConfig
+from scheduler.model.sharded import ShardError, stage_layers
 from scheduler.prefill.config import SchedulerConfig
 
 Role = Literal["prefill", "decode", "both"]
@@ -59,8 +61,15 @@ class ServeConfig:
     # A loaded model (scheduler.model.select.ServedModel) to serve instead of the reference
     # model that ``model`` shapes: a real checkpoint, with its tokenizer and EOS ids.
     served: Any = attrs.field(default=None, eq=False, repr=False)
+    # The prefill's parallel layout: TP x PP ranks as processes (scheduler.service.ranks).
+    tp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    pp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    dp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     def __attrs_post_init__(self) -> None:
+        problem = self._parallel_problem()
+        if problem:
+            raise ValueError(problem)
         if (self.backend == "local") != (self.role == "both"):
             raise ValueError(
                 f"ServeConfig.role {self.role!r} with backend {self.backend!r}: the local "
@@ -73,6 +82,35 @@ class ServeConfig:
                 f"ServeConfig.max_new_tokens_limit must be in 1..{self.max_position} "
                 f"(the model's max_position), got {limit}"
             )
+
+    def _parallel_problem(self) -> str:
+        """Why the TP, PP and DP sizes cannot be served ("" when they can)."""
+        tp, pp, dp = self.tp_size, self.pp_size, self.dp_size
+        if tp * pp * dp == 1:
+            return ""
+        layout = f"TP {tp} x PP {pp} x DP {dp}"
+        if self.role != "prefill":
+            return (f"{layout}: only the prefill role runs on several ranks; a decode server "
+                    "is one rank (use --tp-size 1 --pp-size 1 --dp-size 1)")
+        if dp > 1:
+            return (f"{layout}: DP ranks behind one bootstrap port are not built yet; run one "
+                    "prefill server per DP replica (--dp-size 1)")
+        if self.backend != "fake":
+            return (f"{layout}: the {self.backend} backend does not send a sharded pool's "
+                    "slices yet; only --backend fake runs a prefill mesh")
+        if self.served is not None:
+            return (f"{layout}: only the reference model runs sharded "
+                    "(scheduler/model/sharded.py); drop --model or use TP 1 x PP 1")
+        m = self.model
+        for name, value in (("heads", m.heads), ("intermediate", m.intermediate)):
+            if value % tp:
+                return f"{layout}: the model's {name} ({value}) must be a multiple of TP {tp}"
+        try:
+            TPLayout(tp, m.kv_heads)
+            stage_layers(m.layers, pp, 0)
+        except (LayoutError, ShardError) as exc:
+            return f"{layout}: {exc}"
+        return ""
 
     @property
     def max_position(self) -> int:

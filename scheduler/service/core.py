@@ -41,6 +41,8 @@ from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
+from scheduler.model.sharded import ShardedLlama
+from scheduler.prefill.mesh import MeshControl
 from scheduler.service.config import (
     Answer,
     BadRequest,
@@ -72,7 +74,10 @@ class Service:
         *,
         runner_factory: RunnerFactory = PagedModelRunner,
         tracer: LifecycleTracer | None = None,
+        mesh: MeshControl | None = None,
     ) -> None:
+        """``mesh``: this process is rank 0 of a prefill mesh (:mod:`scheduler.service.ranks`);
+        its scheduler runs its shard of the reference model and agrees with the other ranks."""
         self.config = config
         # A real checkpoint, or the reference model ``config.model`` shapes: its tokenizer,
         # runner and grammar compiler.
@@ -80,6 +85,8 @@ class Service:
             config.model, device=config.device)
         self.tokenizer: Any = served.tokenizer
         self.model: Any = served.model
+        if mesh is not None:
+            self.model = ShardedLlama(config.model, mesh.mesh, config.device)
         if runner_factory is PagedModelRunner:
             runner_factory = served.runner
         self._lock = threading.Lock()
@@ -94,6 +101,7 @@ class Service:
             config, self.model, runner_factory=runner_factory,
             compiler=constraint_compiler(served), detokenize=self.tokenizer.decode,
             on_prefill=self._on_prefill, on_decode=self._on_decode,
+            prefill_options=None if mesh is None else mesh.scheduler_options(),
         )
         self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv
         self.prefill, self.decode = engines.prefill, engines.decode

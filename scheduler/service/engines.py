@@ -35,10 +35,17 @@ from kv.mooncake_engine import PeerAuthError
 from kv.pool import KVPool
 from kv.refusal import RefusalPoster
 from kv.wire import DroppedMessages
-from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
+from scheduler.assemble import (
+    Closers,
+    RunnerFactory,
+    build_decode,
+    build_prefill,
+    close_all,
+)
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.messages import DecodeResponse, Response
+from scheduler.prefill.mesh import MeshOptions
 from scheduler.prefill.prefix import PrefixCache
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
@@ -75,8 +82,12 @@ class Engines:
         detokenize: Detokenize | None,
         on_prefill: Callable[[Response], None],
         on_decode: Callable[[DecodeResponse], None],
+        prefill_options: MeshOptions | None = None,
     ) -> None:
+        """``prefill_options`` go to the prefill scheduler as they are (a mesh rank's
+        agreements: :mod:`scheduler.service.ranks`)."""
         self.config = config
+        self._prefill_options: MeshOptions = prefill_options or {}
         self.bootstrap: BootstrapServer | None = None
         self.prefill: PrefillScheduler | None = None
         self.decode: DecodePeer | None = None
@@ -124,6 +135,7 @@ class Engines:
             metadata_slots=c.metadata_slots, runner_factory=runner_factory,
             closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
             kv_layout=c.kv_layout, on_response=on_response, overlap=c.overlap, compiler=compiler,
+            **self._prefill_options,
         )
         if self.bootstrap is not None:
             logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)

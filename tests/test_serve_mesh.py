@@ -1,0 +1,81 @@
+"""``pdlife serve --tp-size --pp-size``: a prefill mesh of rank processes behind one HTTP front.
+
+One server of the reference model on TP 2 x PP 2 (four processes, fake backend) answers a
+batch with the colocated model's first tokens, shows its pool free again, and exits 0 on
+SIGTERM with its rank processes stopped by rank 0. The flags are checked before anything
+starts, with errors that say what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scheduler.cli.command import UsageError
+from scheduler.cli.serve import SERVE, serve_config
+from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
+from scheduler.service.config import ServeConfig
+from tests.service_harness import Server, idle, model_flags, wait_for
+
+MODEL = ModelConfig(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48,
+                    max_position=256, seed=9)
+PROMPTS = [[(7 * i + 3 * j + 1) % 250 for j in range(2 + 9 * i)] for i in range(4)]
+
+
+@pytest.mark.multiprocess
+def test_a_tp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> None:
+    server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "fake",
+                    *model_flags(MODEL), "--page-size", "4", "--chunked-prefill-size", "8",
+                    "--tp-size", "2", "--pp-size", "2", "--log-level", "info")
+    try:
+        server.wait_healthy(timeout=180)
+        r = httpx.post(f"{server.url}/generate", timeout=60, json={
+            "input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200, r.text
+        colocated = ReferenceModel(LlamaModel(MODEL))
+        assert [a["output_ids"] for a in r.json()] == [
+            colocated.generate(p, 1, ignore_eos=True) for p in PROMPTS]
+        wait_for(lambda: idle(server.get("/server_info")), 30, "the pool free again")
+        log = server.tail()
+        assert server.stop(timeout=60) == 0, log
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "3 rank processes beside this one" in log
+    assert "killing them" not in log and "a prefill rank failed" not in log, log
+
+
+def _config(*flags: str) -> ServeConfig:
+    parser = argparse.ArgumentParser()
+    SERVE.add_arguments(parser)
+    return serve_config(parser.parse_args(flags))
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (("--role", "decode", "--backend", "fake", "--tp-size", "2"),
+         "only the prefill role runs on several ranks"),
+        (("--role", "prefill", "--backend", "fake", "--dp-size", "2"),
+         "DP ranks behind one bootstrap port are not built yet"),
+        (("--role", "prefill", "--backend", "mooncake", "--tp-size", "2"),
+         "the mooncake backend does not send a sharded pool's slices yet"),
+        (("--role", "prefill", "--backend", "fake", "--tp-size", "3"),
+         r"the model's heads \(4\) must be a multiple of TP 3"),
+        (("--role", "prefill", "--backend", "fake", "--pp-size", "3"),
+         r"pp_size must be in 1\.\.2"),
+    ],
+)
+def test_layouts_that_cannot_be_served_are_refused(flags: tuple[str, ...], problem: str) -> None:
+    with pytest.raises(UsageError, match=problem):
+        _config(*flags)
+
+
+def test_rank_counts_are_positive() -> None:
+    with pytest.raises(SystemExit):
+        _config("--role", "prefill", "--backend", "fake", "--tp-size", "0")
+    config = _config("--role", "prefill", "--backend", "fake", "--tp-size", "2", "--pp-size", "2")
+    assert (config.tp_size, config.pp_size, config.dp_size) == (2, 2, 1)
