@@ -167,6 +167,11 @@ class MooncakeDecodeManager:
             self.ready.put(room)
         return MooncakeKVReceiver(self, rec)
 
+    def live_rooms(self) -> int:
+        """Rooms with a receiver, and cleared rooms a prefill rank may still write into."""
+        with self._lock:
+            return len(self._rooms) + len(self._draining)
+
     def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
         """Tell the prefill's bootstrap endpoint that this side will never send ``room``'s
         destination (:mod:`kv.refusal`; any thread, never blocks)."""

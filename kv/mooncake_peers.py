@@ -34,7 +34,7 @@ from kv.mooncake_engine import (
     push_socket,
 )
 from kv.pool import KVPool
-from kv.rank_table import PrefillInfo, RankPlace
+from kv.rank_table import PrefillInfo, RankInfo, RankPlace
 from kv.routes import DecodeRank, IncompatibleRanksError, PrefillRoute, check_pair, route
 
 
@@ -107,9 +107,9 @@ class PrefillPeers:
         self._lock = threading.Lock()
         self._sockets = {r.rank: push_socket(ctx, r.endpoint) for r in table.ranks}
         self._sessions = {r.rank: r.session for r in table.ranks}
-        self._routes: dict[int, PrefillRoute] = {}
+        self._routes: dict[int, PrefillRoute[RankInfo]] = {}
 
-    def route(self, room: int) -> PrefillRoute:
+    def route(self, room: int) -> PrefillRoute[RankInfo]:
         """Whom ``room``'s destination goes to and whose success completes it; raises
         :class:`~kv.routes.IncompatibleRanksError` when the table cannot serve it."""
         dp = room % self.table.ranks[0].place.dp_size

@@ -1,0 +1,251 @@
+"""The Mooncake backend between prefill and decode servers of different parallel layouts: head
+slices for different TP sizes, MLA's status-only ranks, and prefill pipeline stages.
+
+Every rank of both servers runs in this process with its own transfer engine, over loopback TCP
+(an engine starts in a fraction of a second, so each case builds its own servers). Each prefill
+rank's pool holds its heads of its stage's layers of one random whole-model KV; after the
+transfer every decode rank's pages must hold exactly its heads of every layer, byte for byte,
+nothing else in its pool may change, and its metadata row must carry the room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import attrs
+import pytest
+import torch
+
+from kv.bootstrap import BootstrapServer
+from kv.metadata import MetadataBuffers
+from kv.mooncake import MooncakeKVManager, MooncakeKVSender
+from kv.mooncake_decode import MooncakeDecodeManager, MooncakeKVReceiver
+from kv.pool import KVPool
+from kv.pool_layout import KVLayout
+from kv.rank_table import RankPlace
+from kv.transfer import KVPoll
+from tests.transfer_harness import drive
+
+pytestmark = [pytest.mark.mooncake]
+
+LAYERS, PAGE_SIZE, HEAD_DIM, PAGES, SLOTS = 3, 4, 8, 24, 4
+SRC_PAGES = [3, 4, 5, 9, 10, 20]
+DST_PAGES = [7, 8, 0, 1, 2, 15]
+_DONE = {KVPoll.SUCCESS, KVPoll.FAILED}
+
+
+@attrs.frozen
+class Layout:
+    prefill_tp: int
+    decode_tp: int
+    heads: int = 8
+    mla: bool = False
+    prefill_pp: int = 1
+    kv_layout: KVLayout = KVLayout.PAGE_MAJOR
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _stage_layers(pp: int, stage: int) -> range:
+    """Stage ``stage`` of ``pp``: later stages take the extra layer (as the sharded model)."""
+    base, extra = divmod(LAYERS, pp)
+    start = stage * base + max(0, stage - (pp - extra))
+    return range(start, start + base + (stage >= pp - extra))
+
+
+@attrs.define
+class Servers:
+    """A prefill server (every stage's TP ranks behind one bootstrap endpoint) and a decode
+    server, in one process."""
+
+    layout: Layout
+    model_kv: torch.Tensor
+    server: BootstrapServer
+    prefill: list[MooncakeKVManager]
+    decode: list[MooncakeDecodeManager]
+    before: list[torch.Tensor]
+
+
+@contextmanager
+def servers(layout: Layout, seed: int = 0) -> Iterator[Servers]:
+    gen = torch.Generator().manual_seed(seed)
+    model_kv = torch.randn((LAYERS, 2, len(SRC_PAGES), PAGE_SIZE, layout.heads, HEAD_DIM),
+                           generator=gen)
+    tp, pp = layout.prefill_tp, layout.prefill_pp
+    server = BootstrapServer(expected_ranks=tp * pp)
+    prefill: list[MooncakeKVManager] = []
+    decode: list[MooncakeDecodeManager] = []
+    try:
+        for stage in range(pp):
+            layers = _stage_layers(pp, stage)
+            for t in range(tp):
+                place = RankPlace(tp_rank=t, tp_size=tp, pp_rank=stage, pp_size=pp,
+                                  kv_heads=layout.heads, mla=layout.mla, num_layers=LAYERS,
+                                  layer_start=layers.start, layer_stop=layers.stop)
+                pool = _pool(place.heads_per_rank, len(layers), layout.kv_layout, gen)
+                held = place.tp_layout.heads_of(t)
+                pool.by_layer()[:, :, SRC_PAGES] = model_kv[
+                    layers.start : layers.stop, :, :, :, held.start : held.stop]
+                manager = MooncakeKVManager(pool, MetadataBuffers(SLOTS), place=place)
+                prefill.append(manager)
+                manager.register_to_bootstrap(server.address)
+        for d in range(layout.decode_tp):
+            place = RankPlace(tp_rank=d, tp_size=layout.decode_tp, kv_heads=layout.heads,
+                              mla=layout.mla, num_layers=LAYERS, layer_start=0,
+                              layer_stop=LAYERS)
+            pool = _pool(place.heads_per_rank, LAYERS, layout.kv_layout, gen)
+            decode.append(MooncakeDecodeManager(pool, MetadataBuffers(SLOTS), server.address,
+                                                place=place))
+        yield Servers(layout, model_kv, server, prefill, decode,
+                      [m.pool.by_layer().clone() for m in decode])
+    finally:
+        for m in decode:
+            m.close()
+        for p in prefill:
+            p.close()
+        server.close()
+
+
+def _pool(heads: int, layers: int, kv_layout: KVLayout, gen: torch.Generator) -> KVPool:
+    pool = KVPool(num_layers=layers, num_pages=PAGES, page_size=PAGE_SIZE, kv_heads=heads,
+                  head_dim=HEAD_DIM, model="sliced", layout=kv_layout)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
+    return pool
+
+
+def _start(s: Servers, room: int, slot: int = 1
+           ) -> tuple[list[MooncakeKVSender], list[MooncakeKVReceiver]]:
+    """Every decode rank posts its destination; every prefill rank bootstraps the room, writes
+    the same metadata row and sends the first of two chunks."""
+    receivers = []
+    for m in s.decode:
+        rx = m.create_receiver(s.server.address, room)
+        rx.init()
+        rx.send_metadata(DST_PAGES, slot)
+        receivers.append(rx)
+    senders = []
+    for m in s.prefill:
+        tx = m.create_sender(s.server.address, room)
+        assert drive(m, tx, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+        tx.init(len(SRC_PAGES), slot)
+        m.metadata.write(slot, first_token=42, cached_tokens=0, logprob=-0.5, room=room)
+        tx.send(SRC_PAGES[:3], last=False)
+        senders.append(tx)
+    return senders, receivers
+
+
+def _finish(s: Servers, senders: list[MooncakeKVSender],
+            receivers: list[MooncakeKVReceiver]) -> tuple[list[KVPoll], list[KVPoll]]:
+    """Drive every room to its end; the ends, then clear every room once it is quiescent."""
+    sent = [drive(m, tx, _DONE)[-1] for m, tx in zip(s.prefill, senders, strict=True)]
+    got = [drive(m, rx, _DONE)[-1] for m, rx in zip(s.decode, receivers, strict=True)]
+    for m, end in ((s.prefill, senders), (s.decode, receivers)):
+        for manager, one in zip(m, end, strict=True):
+            drive(manager, _Quiet(one), {KVPoll.SUCCESS})
+            one.clear()
+    return sent, got
+
+
+@attrs.frozen
+class _Quiet:
+    """Polls SUCCESS once ``end`` is quiescent (so :func:`drive` can wait for it)."""
+
+    end: MooncakeKVSender | MooncakeKVReceiver
+
+    @property
+    def room(self) -> int:
+        return self.end.room
+
+    def poll(self) -> KVPoll:
+        return KVPoll.SUCCESS if self.end.quiescent() else KVPoll.TRANSFERRING
+
+
+def _check_landed(s: Servers, room: int, slot: int = 1) -> None:
+    others = [p for p in range(PAGES) if p not in DST_PAGES]
+    for d, m in enumerate(s.decode):
+        held = m.place.tp_layout.heads_of(d)
+        landed = m.pool.by_layer()
+        want = s.model_kv[:, :, :, :, held.start : held.stop]
+        assert torch.equal(_bits(landed[:, :, DST_PAGES]), _bits(want)), f"decode rank {d}"
+        assert torch.equal(_bits(landed[:, :, others]), _bits(s.before[d][:, :, others]))
+        row = m.metadata.read(slot, expected_room=room)
+        assert row is not None and row.first_token == 42, f"decode rank {d}: {row}"
+
+
+LAYOUTS = [
+    *(Layout(tp, td) for tp in (1, 2, 4) for td in (1, 2, 4)),
+    Layout(4, 1, heads=2),  # GQA: two KV heads, each on two prefill ranks
+    Layout(4, 2, heads=1, mla=True),
+    Layout(1, 2, heads=1, mla=True),
+    Layout(1, 1, prefill_pp=2),
+    Layout(2, 1, prefill_pp=2, kv_layout=KVLayout.LAYER_MAJOR),
+    Layout(2, 4, kv_layout=KVLayout.LAYER_MAJOR),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: (
+    f"tp{lay.prefill_tp}-pp{lay.prefill_pp}-to-tp{lay.decode_tp}-h{lay.heads}"
+    f"{'-mla' if lay.mla else ''}-{lay.kv_layout.value}"))
+def test_random_kv_lands_byte_exact_on_every_decode_rank(layout: Layout) -> None:
+    room = (1 << 63) + 5
+    with servers(layout) as s:
+        senders, receivers = _start(s, room)
+        for tx in senders:
+            tx.send(SRC_PAGES[3:], last=True)
+        sent, got = _finish(s, senders, receivers)
+        assert sent == [KVPoll.SUCCESS] * len(senders)
+        assert got == [KVPoll.SUCCESS] * len(receivers)
+        _check_landed(s, room)
+        _check_nothing_left(s)
+
+
+def _check_nothing_left(s: Servers) -> None:
+    assert [m.live_rooms() for m in s.prefill] == [0] * len(s.prefill)
+    assert [m.live_rooms() for m in s.decode] == [0] * len(s.decode)
+
+
+@pytest.mark.parametrize(("layout", "aborts", "connected"), [
+    # One of the decode rank's two sources aborts: the decode rank fails and aborts the other.
+    (Layout(2, 1), ("prefill", 1), (2, 1)),
+    # One of the prefill rank's two decode ranks aborts: the prefill rank fails both.
+    (Layout(1, 2), ("decode", 1), (1, 2)),
+    # The last stage aborts: decode fails and aborts stage 0.
+    (Layout(1, 1, prefill_pp=2), ("prefill", 1), (2, 1)),
+    # A status-only MLA rank aborts: it tells decode rank 0, which aborts prefill rank 0; decode
+    # rank 1 and its prefill ranks 2 and 3 learn it from their TP groups' MIN poll.
+    (Layout(4, 2, heads=1, mla=True), ("prefill", 1), (2, 1)),
+], ids=["tp2-to-tp1", "tp1-to-tp2", "pp2-to-pp1", "mla-status-only"])
+def test_a_failure_on_one_rank_fails_the_room_everywhere(
+    layout: Layout, aborts: tuple[str, int], connected: tuple[int, int]
+) -> None:
+    """``connected``: how many prefill senders and decode receivers (the first ones) the
+    transfer layer fails by itself; the scheduler's MIN poll over each TP group fails the room
+    on the others, which the test plays by aborting the senders left."""
+    room = 77
+    with servers(layout, seed=1) as s:
+        senders, receivers = _start(s, room)
+        side, index = aborts
+        (receivers if side == "decode" else senders)[index].abort()
+        for m, tx in zip(s.prefill[: connected[0]], senders, strict=False):
+            assert drive(m, tx, _DONE)[-1] == KVPoll.FAILED
+        for m, rx in zip(s.decode[: connected[1]], receivers, strict=False):
+            assert drive(m, rx, _DONE)[-1] == KVPoll.FAILED
+        for tx in senders[connected[0] :]:
+            assert tx.poll() != KVPoll.FAILED  # not connected to the failure
+            tx.abort()  # the prefill TP group's MIN poll
+        for tx in senders:
+            tx.send(SRC_PAGES[3:], last=True)
+        sent, got = _finish(s, senders, receivers)
+        assert sent == [KVPoll.FAILED] * len(senders)
+        assert got == [KVPoll.FAILED] * len(receivers)
+        _check_nothing_left(s)
+        # The servers still serve the next room, every byte of it.
+        senders, receivers = _start(s, room + 1, slot=2)
+        for tx in senders:
+            tx.send(SRC_PAGES[3:], last=True)
+        assert _finish(s, senders, receivers) == (
+            [KVPoll.SUCCESS] * len(senders), [KVPoll.SUCCESS] * len(receivers))
+        _check_landed(s, room + 1, slot=2)
