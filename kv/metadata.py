@@ -11,6 +11,13 @@ The first token's logprob and its top alternatives (ids and values, up to
 ``lifecycle.TOP_LOGPROBS_MAX`` of them, as SGLang's ``output_top_logprobs_idx``/``_val``) travel
 in the row, so the decode side answers with them.
 
+With ``speculative_hidden`` (the target model's hidden size), the buffers also carry the
+speculative-decoding hand-off, as SGLang's EAGLE PD rows do: the draft model's top-k proposals
+after the first token (``spec_top_ids``, ``spec_top_probs`` in fixed-point units of
+``2**-16``, up to ``SPEC_TOP_K`` of them) and the target's last hidden state (``spec_hidden``,
+float32, padded to a multiple of 16 items). Both sides of a pair must build their buffers with
+the same ``speculative_hidden``: the rows are moved byte for byte.
+
 The bootstrap room is written LAST, into a field of its own. A reader therefore treats a row
 whose room is 0 as "not landed yet" (a cleared slot, or one whose other fields are still being
 written), and a row whose room differs from the one it expects as foreign (a stale row of an
@@ -36,6 +43,8 @@ from lifecycle import TOP_LOGPROBS_MAX
 _ROW_BYTES = 64
 # The top-logprob fields hold TOP_LOGPROBS_MAX 4-byte items, padded to a multiple of 64 bytes.
 _TOP_ITEMS = -(-TOP_LOGPROBS_MAX * 4 // _ROW_BYTES) * _ROW_BYTES // 4
+#: The most speculative proposals a row carries (one 64-byte row of int32).
+SPEC_TOP_K = _ROW_BYTES // 4
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 
@@ -55,15 +64,28 @@ def _i64_to_room(value: int) -> int:
 
 
 @attrs.frozen
+class SpeculativeRow:
+    """The speculative hand-off of one request: the draft's proposals after the first token
+    (ids, most likely first, and probabilities in units of ``2**-16``) and the target's last
+    hidden state (float32 values)."""
+
+    top_ids: tuple[int, ...]
+    top_probs: tuple[int, ...]
+    hidden: tuple[float, ...]
+
+
+@attrs.frozen
 class MetadataRow:
     """One landed row. ``logprob`` is None when the request did not ask for it; ``top`` holds
-    the first token's top alternatives, ``(token, logprob)`` most likely first."""
+    the first token's top alternatives, ``(token, logprob)`` most likely first;
+    ``speculative`` the hand-off when the buffers carry it and the prefill side wrote one."""
 
     first_token: int
     cached_tokens: int
     logprob: float | None
     room: int
     top: tuple[tuple[int, float], ...] = ()
+    speculative: SpeculativeRow | None = None
 
 
 @attrs.frozen
@@ -79,16 +101,32 @@ class BufferInfo:
 class MetadataBuffers:
     """Rows of first-token metadata, one per slot. Fields, in the order they are written:
     ``output_ids`` (int32), ``cached_tokens`` (int32), ``logprob`` (float32, NaN = absent),
-    ``top_logprob_ids`` (int32, -1 = absent) and ``top_logprob_vals`` (float32), ``room``
-    (int64 bits of the uint64 room; written last)."""
+    ``top_logprob_ids`` (int32, -1 = absent) and ``top_logprob_vals`` (float32), with
+    ``speculative_hidden`` ``spec_top_ids`` (int32, -1 = absent), ``spec_top_probs`` (int32)
+    and ``spec_hidden`` (float32), then ``room`` (int64 bits of the uint64 room; written
+    last)."""
 
     FIELDS = ("output_ids", "cached_tokens", "logprob", "top_logprob_ids", "top_logprob_vals",
               "room")
 
-    def __init__(self, num_slots: int, device: str | torch.device = "cpu") -> None:
+    SPEC_FIELDS = ("spec_top_ids", "spec_top_probs", "spec_hidden")
+
+    def __init__(self, num_slots: int, device: str | torch.device = "cpu", *,
+                 speculative_hidden: int = 0) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        if not 0 <= speculative_hidden <= 1 << 16:
+            raise ValueError(f"speculative_hidden must be in 0..{1 << 16} (the target's hidden "
+                             f"size; 0 for no speculative columns), got {speculative_hidden}")
         self.num_slots = num_slots
+        self.speculative_hidden = speculative_hidden
+        self.fields = self.FIELDS[:-1] + (self.SPEC_FIELDS if speculative_hidden else ()) + (
+            "room",)
+        items = -(-speculative_hidden // 16) * 16
+        self.spec_top_ids = torch.full((num_slots, SPEC_TOP_K if items else 0), -1,
+                                       dtype=torch.int32, device=device)
+        self.spec_top_probs = torch.zeros_like(self.spec_top_ids)
+        self.spec_hidden = torch.zeros((num_slots, items), dtype=torch.float32, device=device)
         self.output_ids = torch.zeros(
             (num_slots, _ROW_BYTES // 4), dtype=torch.int32, device=device
         )
@@ -103,8 +141,7 @@ class MetadataBuffers:
         self.room = torch.zeros((num_slots, _ROW_BYTES // 8), dtype=torch.int64, device=device)
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
-        return (self.output_ids, self.cached_tokens, self.logprob, self.top_logprob_ids,
-                self.top_logprob_vals, self.room)
+        return tuple(getattr(self, name) for name in self.fields)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -112,13 +149,15 @@ class MetadataBuffers:
 
     def write(
         self, slot: int, first_token: int, cached_tokens: int, logprob: float | None, room: int,
-        top: Sequence[tuple[int, float]] = (),
+        top: Sequence[tuple[int, float]] = (), speculative: SpeculativeRow | None = None,
     ) -> None:
         """Fill row ``slot``. The room is zeroed first and written last, so a concurrent reader
         sees either the old row, "not landed", or the whole new row."""
         self._check_slot(slot)
         if len(top) > TOP_LOGPROBS_MAX:
             raise ValueError(f"at most {TOP_LOGPROBS_MAX} top logprobs fit a row, got {len(top)}")
+        if speculative is not None:
+            self._check_speculative(speculative)
         stored_room = _room_to_i64(room)
         self.room[slot, 0] = 0
         self.output_ids[slot, 0] = first_token
@@ -129,7 +168,40 @@ class MetadataBuffers:
         if top:
             self.top_logprob_ids[slot, : len(top)] = torch.tensor([t for t, _ in top])
             self.top_logprob_vals[slot, : len(top)] = torch.tensor([v for _, v in top])
+        self._clear_speculative(slot)
+        if speculative is not None:
+            k = len(speculative.top_ids)
+            self.spec_top_ids[slot, :k] = torch.tensor(speculative.top_ids, dtype=torch.int32)
+            self.spec_top_probs[slot, :k] = torch.tensor(speculative.top_probs,
+                                                         dtype=torch.int32)
+            self.spec_hidden[slot, : len(speculative.hidden)] = torch.tensor(speculative.hidden)
         self.room[slot, 0] = stored_room
+
+    def _check_speculative(self, row: SpeculativeRow) -> None:
+        if not self.speculative_hidden:
+            raise ValueError("these buffers carry no speculative columns; build them with "
+                             "speculative_hidden=<the target's hidden size>")
+        k = len(row.top_ids)
+        if not 1 <= k <= SPEC_TOP_K or len(row.top_probs) != k or min(row.top_ids) < 0:
+            raise ValueError(f"a speculative row needs 1..{SPEC_TOP_K} proposal ids (>= 0) and "
+                             f"as many probabilities, got {row.top_ids!r}, {row.top_probs!r}")
+        if len(row.hidden) != self.speculative_hidden:
+            raise ValueError(f"the hidden state must have {self.speculative_hidden} values, "
+                             f"got {len(row.hidden)}")
+
+    def _clear_speculative(self, slot: int) -> None:
+        self.spec_top_ids[slot].fill_(-1)
+        self.spec_top_probs[slot].zero_()
+        self.spec_hidden[slot].zero_()
+
+    def _read_speculative(self, slot: int) -> SpeculativeRow | None:
+        ids: list[int] = self.spec_top_ids[slot].tolist()
+        k = sum(1 for i in ids if i >= 0)
+        if not k:
+            return None
+        probs: list[int] = self.spec_top_probs[slot, :k].tolist()
+        hidden: list[float] = self.spec_hidden[slot, : self.speculative_hidden].tolist()
+        return SpeculativeRow(tuple(ids[:k]), tuple(probs), tuple(hidden))
 
     def read(self, slot: int, expected_room: int | None = None) -> MetadataRow | None:
         """The row in ``slot``, or None while it has not landed (room 0, or the room changed
@@ -144,6 +216,7 @@ class MetadataBuffers:
         logprob = float(self.logprob[slot, 0])
         top_ids: list[int] = self.top_logprob_ids[slot].tolist()
         top_vals: list[float] = self.top_logprob_vals[slot].tolist()
+        speculative = self._read_speculative(slot) if self.speculative_hidden else None
         if int(self.room[slot, 0]) != before:
             return None
         room = _i64_to_room(before)
@@ -158,6 +231,7 @@ class MetadataBuffers:
             logprob=None if math.isnan(logprob) else logprob,
             room=room,
             top=tuple((t, v) for t, v in zip(top_ids, top_vals, strict=True) if t >= 0),
+            speculative=speculative,
         )
 
     def clear(self, slot: int) -> None:
@@ -169,11 +243,16 @@ class MetadataBuffers:
         self.logprob[slot].fill_(math.nan)
         self.top_logprob_ids[slot].fill_(-1)
         self.top_logprob_vals[slot].fill_(math.nan)
+        self._clear_speculative(slot)
 
     def copy_row_from(self, src: MetadataBuffers, src_slot: int, dst_slot: int) -> None:
         """Copy ``src`` row ``src_slot`` into row ``dst_slot`` of these buffers, room last."""
         src._check_slot(src_slot)
         self._check_slot(dst_slot)
+        if src.speculative_hidden != self.speculative_hidden:
+            raise MetadataError(
+                f"rows with speculative_hidden {src.speculative_hidden} do not fit buffers "
+                f"with {self.speculative_hidden}: build both sides' buffers alike")
         self.room[dst_slot].zero_()
         for mine, theirs in zip(self._fields(), src._fields(), strict=True):
             mine[dst_slot].copy_(theirs[src_slot])
@@ -187,7 +266,7 @@ class MetadataBuffers:
                 length=t.numel() * t.element_size(),
                 item_len=t.shape[1] * t.element_size(),
             )
-            for name, t in zip(self.FIELDS, self._fields(), strict=True)
+            for name, t in zip(self.fields, self._fields(), strict=True)
         ]
 
 

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv.metadata import MetadataBuffers, MetadataError, MetadataRow, SpeculativeRow
 from kv.pages import pages_needed
 from scheduler.model.fixed_point import PROB_FRAC_BITS, greedy_token_ids
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
@@ -165,3 +166,74 @@ def test_the_decoder_refuses_what_it_cannot_pair() -> None:
         SpeculativeDecoder(t, make_runner(target.draft(2), 9, 4, 9, 1), 2)
     with pytest.raises(ValueError, match="draft"):
         target.draft(2).draft(1)
+
+
+def test_the_handoff_travels_in_the_metadata_row() -> None:
+    """Written into the prefill side's row, copied row to row (what a backend does), read on
+    the decode side: the decode starts from it and gives plain greedy decoding's tokens."""
+    target = TARGETS["swa"]
+    prompt = prompt_of(29, 6)
+    pages = pages_needed(len(prompt) + 20, 4) + 1
+    p_target, p_draft = pair(target, 2, pages, 4, 1)
+    kv = RequestKV("r", state_slot=0)
+    handoff = prefill_handoff(p_target, p_draft, kv, prompt, 8, k=3)
+    hidden = target.config.hidden
+    src, dst = MetadataBuffers(2, speculative_hidden=hidden), MetadataBuffers(
+        3, speculative_hidden=hidden)
+    src.write(1, handoff.first_token, 0, None, room=77, speculative=handoff.row())
+    dst.copy_row_from(src, 1, 2)
+    row = dst.read(2, expected_room=77)
+    assert row is not None and row.speculative == handoff.row()
+    landed = Handoff.from_row(row)
+    assert landed == handoff and torch.equal(landed.hidden, handoff.hidden)
+    d_target, d_draft = pair(target, 2, pages, 4, 1)
+    moved = transfer(p_target, d_target, kv, len(prompt), dst_slot=0)
+    copy_state(p_draft, d_draft, kv, moved, len(prompt))
+    out = SpeculativeDecoder(d_target, d_draft, 3).decode(moved, prompt, landed, 20,
+                                                          ignore_eos=True)
+    assert out == ReferenceModel(target).generate(prompt, 20, ignore_eos=True)
+
+
+def test_speculative_columns_sit_before_the_room() -> None:
+    plain, spec = MetadataBuffers(2), MetadataBuffers(2, speculative_hidden=20)
+    assert [i.name for i in plain.buffer_infos()] == list(MetadataBuffers.FIELDS)
+    names = [i.name for i in spec.buffer_infos()]
+    assert names == [*MetadataBuffers.FIELDS[:-1], *MetadataBuffers.SPEC_FIELDS, "room"]
+    lens = {i.name: i.item_len for i in spec.buffer_infos()}
+    assert (lens["spec_top_ids"], lens["spec_top_probs"], lens["spec_hidden"]) == (64, 64, 128)
+    row = SpeculativeRow((5, 9), (40000, 1000), tuple(float(i) / 4 for i in range(20)))
+    spec.write(0, 3, 0, None, room=5, speculative=row)
+    assert spec.read(0) == MetadataRow(3, 0, None, 5, speculative=row)
+    spec.write(0, 4, 0, None, room=6)  # a row without a hand-off clears the old one
+    assert spec.read(0) == MetadataRow(4, 0, None, 6)
+    spec.write(1, 3, 0, None, room=5, speculative=row)
+    spec.clear(1)
+    assert spec.read(1) is None and int(spec.spec_top_ids[1].max()) == -1
+
+
+@pytest.mark.parametrize(
+    ("buffers", "row", "problem"),
+    [
+        (MetadataBuffers(1), SpeculativeRow((1,), (1,), (0.0,) * 4), "no speculative columns"),
+        (MetadataBuffers(1, speculative_hidden=4), SpeculativeRow((1,), (1,), (0.0,) * 3),
+         "must have 4 values"),
+        (MetadataBuffers(1, speculative_hidden=4), SpeculativeRow((), (), (0.0,) * 4),
+         "1..16 proposal ids"),
+        (MetadataBuffers(1, speculative_hidden=4),
+         SpeculativeRow(tuple(range(17)), tuple(range(17)), (0.0,) * 4), "1..16"),
+        (MetadataBuffers(1, speculative_hidden=4), SpeculativeRow((1, 2), (1,), (0.0,) * 4),
+         "as many probabilities"),
+    ],
+)
+def test_speculative_rows_are_checked(buffers: MetadataBuffers, row: SpeculativeRow,
+                                      problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        buffers.write(0, 1, 0, None, room=1, speculative=row)
+    assert buffers.read(0) is None
+
+
+def test_rows_move_only_between_alike_buffers() -> None:
+    with pytest.raises(MetadataError, match="speculative_hidden 8"):
+        MetadataBuffers(1).copy_row_from(MetadataBuffers(1, speculative_hidden=8), 0, 0)
+    with pytest.raises(ValueError, match="speculative_hidden must be"):
+        MetadataBuffers(1, speculative_hidden=-1)

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
+from kv.metadata import MetadataRow, SpeculativeRow
 from scheduler.model.fixed_point import PROB_FRAC_BITS, exp_neg, greedy_token_ids
 from scheduler.model.reference import ModelInputError, PagedModelRunner
 from scheduler.model.request_kv import RequestKV
@@ -52,6 +53,19 @@ class Handoff:
     top_ids: tuple[int, ...]
     top_probs: tuple[int, ...]
     hidden: torch.Tensor = attrs.field(eq=False)
+
+    def row(self) -> SpeculativeRow:
+        """The hand-off as the metadata row's speculative columns carry it."""
+        return SpeculativeRow(self.top_ids, self.top_probs, tuple(self.hidden.tolist()))
+
+    @classmethod
+    def from_row(cls, row: MetadataRow) -> Handoff:
+        """The hand-off of a landed metadata row (which must carry one)."""
+        spec = row.speculative
+        if spec is None:
+            raise ValueError(f"the row of room {row.room} carries no speculative hand-off")
+        return cls(row.first_token, spec.top_ids, spec.top_probs,
+                   torch.tensor(spec.hidden, dtype=torch.float64))
 
 
 def top_k(logits: torch.Tensor, k: int, table: torch.Tensor) -> tuple[list[int], list[int]]:
