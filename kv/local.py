@@ -2,33 +2,33 @@
 
 Theory of operation
 -------------------
-A :class:`LocalTransferHub` maps bootstrap addresses to prefill managers. A decode receiver
-(:mod:`kv.local_decode`) for room R ``init()``s by looking its prefill manager up in the hub
-(checking that the two pools have the same page geometry), then ``send_metadata(dst_pages,
-dst_slot)`` hands the prefill manager a link: the destination of room R. The prefill
-sender for R attaches to the link (at once if it exists, else when it is created) and reports
-WAITING_FOR_INPUT.
+A :class:`~kv.local_hub.LocalTransferHub` maps bootstrap addresses to prefill servers, each one
+or more :class:`LocalKVManager` ranks (a TP x PP x DP mesh, :class:`~kv.rank_table.RankPlace`).
+A decode receiver (:mod:`kv.local_decode`) for room R ``init()``s by looking the server up
+(checking that the pools agree on everything but the heads and layers their places give them),
+and computes which ranks it contacts and which must write before its room is complete
+(:func:`kv.routes.route_places`); ``send_metadata(dst_pages, dst_slot)`` hands its destination
+to the room's group. A sender for R joins the same group when it is created, and leaves
+BOOTSTRAPPING once it holds the destinations of every decode rank it owes
+(:mod:`kv.local_room`, the one owner of every end's state, under the hub's lock; copies run
+outside it).
 
-Room state (:mod:`kv.local_link`): each end of a room reports a :class:`~kv.local_link.Side`;
-until the two ends meet each changes only its own, and from then on the
-:class:`~kv.local_link.Link` is the one owner of both. Every change happens under the hub's lock
-(copies run outside it).
+Each ``send(pages, last)`` queues a chunk for the rank's transfer worker thread, which copies
+the pages into every destination's pool (:mod:`kv.local_copy`): whole pages of every layer when
+the rank's pages are whole decode pages, else the rank's head slices of its stage's layers into
+the same layers of the decode pool. The last chunk of the source chosen to write it also copies
+the metadata row (its room last). A status-only rank (it writes to no one) concludes at its
+last ``send`` without copying. A copy that raises fails the room everywhere, with the error as
+the reason; the worker carries on.
 
-Each ``send(pages, last)`` queues a chunk for the prefill manager's transfer worker thread,
-which copies the pages from the prefill pool into the decode pool for all layers and both K
-and V (:mod:`kv.local_copy`: one slice copy per run of pages consecutive on both sides and per
-region of the pool's layout). The last chunk also copies the metadata row (its room last). When
-it lands, the sender and the receiver both conclude SUCCESS. A copy that raises fails the room on
-both sides with the error as the reason; the worker carries on.
+Aborts: an abort on any end fails every end of the room: ``aborted`` where it happened,
+``aborted by the peer`` on the other side, ``failed on another rank`` on its own side's other
+ranks. Late messages: a cleared sender retires its group, so an abort from an old receiver
+reaches only the old room.
 
-Aborts: an abort on either side fails that side with ``REASON_ABORTED`` and the other with
-``REASON_PEER_ABORTED`` (a receiver that aborts before its sender exists marks the link, and the
-sender fails when it attaches). Late messages: a link is closed when its sender is cleared; an
-abort from a receiver whose link is closed is dropped, so a reused room is never poisoned.
-
-Refusals (:mod:`kv.refusal`): a link for a room this side refused, or whose sender ended before
-the link came, fails with the refusal; a room the decode side refused fails its sender while it
-waits for its link, or as it is created.
+Refusals (:mod:`kv.refusal`): a destination for a room this rank refused, or whose sender ended
+before any destination came, fails with the refusal; a room the decode side refused fails its
+sender while it waits for its destinations, or as it is created.
 """
 
 from __future__ import annotations
@@ -41,13 +41,17 @@ from collections.abc import Sequence
 
 import attrs
 
-from kv.local_copy import copy_pages
-from kv.local_link import Link, Side
+from kv.local_copy import copy_to_rank
+from kv.local_hub import LocalServer, LocalTransferHub
+from kv.local_room import DECODE, PREFILL, End, Failure, RoomGroup, SenderEnd, Side
 from kv.metadata import MetadataBuffers
 from kv.pool import KVPool
+from kv.rank_table import RankPlace
 from kv.refusal import RefusedRooms
 from kv.transfer import (
-    REASON_PEER_REFUSED,
+    REASON_ABORTED,
+    REASON_OTHER_RANK,
+    REASON_PEER_ABORTED,
     KVPoll,
     SendCursor,
     TransferError,
@@ -55,6 +59,8 @@ from kv.transfer import (
     accepts_call,
     refusal,
 )
+
+__all__ = ["LocalKVManager", "LocalKVSender", "LocalTransferHub", "LocalTransferStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,34 +75,11 @@ class LocalTransferStats:
     copy_seconds: float
 
 
-class LocalTransferHub:
-    """Where local decode receivers find prefill managers by bootstrap address."""
-
-    def __init__(self) -> None:
-        # One lock for both sides: a link's state is shared by a sender and a receiver.
-        self.lock = threading.Lock()
-        self._prefill: dict[str, LocalKVManager] = {}
-
-    def register(self, addr: str, manager: LocalKVManager) -> None:
-        with self.lock:
-            if addr in self._prefill:
-                raise ValueError(f"a prefill manager is already registered at {addr!r}")
-            self._prefill[addr] = manager
-
-    def unregister(self, addr: str) -> None:
-        with self.lock:
-            self._prefill.pop(addr, None)
-
-    def lookup(self, addr: str) -> LocalKVManager | None:
-        """The prefill manager at ``addr``; the caller holds :attr:`lock`."""
-        return self._prefill.get(addr)
-
-
 @attrs.frozen
 class _Chunk:
-    link: Link
+    sender: LocalKVSender
     src_pages: list[int]
-    dst_pages: list[int]
+    dst_pages: dict[int, list[int]]  # decode TP rank -> its pages for this chunk
     last: bool
     src_slot: int
 
@@ -118,7 +101,7 @@ def check_slot(room: int, slot: int, metadata: MetadataBuffers, side: str) -> No
 
 
 class LocalKVManager:
-    """Prefill side: senders, and the worker thread that copies their chunks."""
+    """One prefill rank: senders, and the worker thread that copies their chunks."""
 
     def __init__(
         self,
@@ -127,25 +110,43 @@ class LocalKVManager:
         *,
         hub: LocalTransferHub,
         bootstrap_addr: str = "local",
+        place: RankPlace | None = None,
     ) -> None:
         self.pool = pool
         self.metadata = metadata
         self.bootstrap_addr = bootstrap_addr
+        self._place = place or RankPlace.single(num_layers=pool.num_layers,
+                                                kv_heads=pool.kv_heads)
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._hub = hub
         self._lock = hub.lock
         self._senders: dict[int, LocalKVSender] = {}
-        self._pending: dict[int, Link] = {}
-        self._refused = RefusedRooms()  # rooms this side will not serve
-        self._peer_refused = RefusedRooms()  # rooms the decode side will not ask for
+        self.refused = RefusedRooms()  # rooms this side will not serve
+        self.peer_refused_rooms = RefusedRooms()  # rooms the decode side will not ask for
         self._chunks: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
         self._stats = LocalTransferStats(0, 0, 0, 0.0)
         self._closed = False
         hub.register(bootstrap_addr, self)
+        name = bootstrap_addr if self._place.world_size == 1 else (
+            f"{bootstrap_addr} rank {self.rank}")
         self._worker = threading.Thread(
-            target=self._work, name=f"kv-local-transfer[{bootstrap_addr}]", daemon=True
+            target=self._work, name=f"kv-local-transfer[{name}]", daemon=True
         )
         self._worker.start()
+
+    @property
+    def place(self) -> RankPlace:
+        return self._place
+
+    @property
+    def rank(self) -> int:
+        return self._place.rank
+
+    def _server(self) -> LocalServer:
+        """This rank's server (the caller holds the hub's lock; the manager is not closed)."""
+        server = self._hub.lookup(self.bootstrap_addr)
+        assert server is not None, "a live manager is registered"
+        return server
 
     def create_sender(self, bootstrap_addr: str, room: int) -> LocalKVSender:
         with self._lock:
@@ -155,30 +156,33 @@ class LocalKVManager:
                 raise TransferUsageError(room, "the room already has a live sender; clear() it")
             sender = LocalKVSender(self, bootstrap_addr, room)
             self._senders[room] = sender
-            refused = self._peer_refused.pop(room)
-            link = self._pending.pop(room, None)
-            if refused is not None:
-                sender._side.fail(refusal(refused))
-            elif link is not None:
-                sender._attach(link)
+            sender._group = self._server().join_sender(self, sender._end)
             return sender
 
-    def refuse(self, room: int, reason: str) -> None:
-        """This side will not serve ``room``: its links, waiting or to come, fail (any thread)."""
+    def live_rooms(self) -> int:
+        """Senders not cleared yet (a leak check)."""
         with self._lock:
-            self._refused.add(room, reason)
-            link = self._pending.pop(room, None)
-            if link is not None:
-                link.decode.fail(refusal(reason))
+            return len(self._senders)
+
+    def refuse(self, room: int, reason: str) -> None:
+        """This side will not serve ``room``: destinations for it, waiting or to come, fail
+        (any thread); a room this rank already serves keeps its own."""
+        with self._lock:
+            self.refused.add(room, reason)
+            server = self._hub.lookup(self.bootstrap_addr)
+            group = None if server is None else server.groups.get(room)
+            if group is not None and self.rank not in group.senders and any(
+                    self.rank in r.contacts for r in group.receivers.values()):
+                group.fail(Failure.everywhere(PREFILL, refusal(reason)))
 
     def peer_refused(self, room: int, reason: str) -> None:
         """The decode side will never send ``room``'s destination: its sender fails now if it
         waits for one, or when it is created (the caller holds the hub's lock)."""
         sender = self._senders.get(room)
         if sender is None:
-            self._peer_refused.add(room, reason)
-        elif sender._link is None:
-            sender._side.fail(refusal(reason))
+            self.peer_refused_rooms.add(room, reason)
+        elif not sender._end.dests and sender._group is not None:
+            sender._group.fail(Failure.everywhere(DECODE, refusal(reason)))
 
     def stats(self) -> LocalTransferStats:
         with self._lock:
@@ -192,25 +196,7 @@ class LocalKVManager:
             self._closed = True
         self._chunks.put(None)
         self._worker.join()
-        self._hub.unregister(self.bootstrap_addr)
-
-    def deliver(self, link: Link) -> None:
-        """A receiver's destination arrived (the caller holds the hub's lock): the room's
-        sender attaches, or the link waits for it; a link already waiting is superseded."""
-        room = link.decode.room
-        sender = self._senders.get(room)
-        if sender is not None and sender._attach(link):
-            return
-        refused = self._refused.get(room)
-        if sender is not None and sender._link is None and sender._side.status == KVPoll.FAILED:
-            refused = sender._side.reason  # failed before its link came
-        if refused is not None:
-            link.decode.fail(refusal(refused))
-            return
-        superseded = self._pending.get(room)
-        if superseded is not None:
-            superseded.decode.fail(f"superseded by another receiver for room {room}")
-        self._pending[room] = link
+        self._hub.unregister(self.bootstrap_addr, self)
 
     # -- the worker thread ----------------------------------------------------------------
 
@@ -220,46 +206,56 @@ class LocalKVManager:
                 self._run(chunk)
             except Exception:
                 # _run handles copy errors itself; this is a bookkeeping bug. Keep serving.
-                logger.exception("transfer worker: chunk of room %d", chunk.link.decode.room)
+                logger.exception("transfer worker: chunk of room %d", chunk.sender.room)
 
     def _run(self, chunk: _Chunk) -> None:
-        link = chunk.link
+        sender = chunk.sender
+        end = sender._end
         with self._lock:
-            wanted = link.copying()
+            wanted = RoomGroup.copying(end, sender._cleared)
+            duty = end.duty
+            dests = dict(end.dests)
         error = ""
+        moved = 0
         started = time.perf_counter()
         if wanted:
+            assert duty is not None
             try:
-                copy_pages(self.pool, link.dst_pool, chunk.src_pages, chunk.dst_pages)
-                if chunk.last:
-                    link.dst_metadata.copy_row_from(self.metadata, chunk.src_slot, link.dst_slot)
+                for d, receiver in dests.items():
+                    slices = duty.slices(d)
+                    moved += copy_to_rank(self.pool, receiver.pool, chunk.src_pages,
+                                          chunk.dst_pages[d], slices, duty.layers,
+                                          whole=duty.whole_pages(d))
+                    if chunk.last and receiver.row_writer == self.rank:
+                        receiver.metadata.copy_row_from(self.metadata, chunk.src_slot,
+                                                        receiver.slot)
             except Exception as exc:
-                logger.exception("transfer worker: copying room %d failed", link.decode.room)
+                logger.exception("transfer worker: copying room %d failed", sender.room)
                 error = f"local copy failed: {exc!r}"
         elapsed = time.perf_counter() - started
         with self._lock:
             if wanted and not error:
                 s = self._stats
-                n = len(chunk.src_pages)
                 self._stats = LocalTransferStats(
                     chunks=s.chunks + 1,
-                    pages=s.pages + n,
-                    bytes=s.bytes + self.pool.bytes_of_pages(n),
+                    pages=s.pages + len(chunk.src_pages),
+                    bytes=s.bytes + moved,
                     copy_seconds=s.copy_seconds + elapsed,
                 )
-            link.chunk_done(copied=wanted, last=chunk.last, error=error)
+            assert sender._group is not None
+            sender._group.chunk_done(end, copied=wanted, last=chunk.last, error=error)
 
 
 class LocalEndpoint:
-    """What a sender and a receiver share: one end of a room, its side and (once the ends
-    met) its link, guarded by the hub's lock."""
+    """What a sender and a receiver share: one end of a room and (once it joined) its group,
+    guarded by the hub's lock."""
 
     def __init__(self, lock: threading.Lock, bootstrap_addr: str, side: Side) -> None:
         self.room = side.room
         self.bootstrap_addr = bootstrap_addr
         self._lock = lock
         self._side = side
-        self._link: Link | None = None
+        self._group: RoomGroup | None = None
 
     def poll(self) -> KVPoll:
         with self._lock:
@@ -272,10 +268,11 @@ class LocalEndpoint:
 
     def quiescent(self) -> bool:
         with self._lock:
-            return self._link is None or self._link.inflight == 0
+            end = self._joined()
+            return end is None or end.inflight == 0
 
     def abort(self) -> None:
-        """Fail the room here and tell the other end, unless the sender was cleared."""
+        """Fail the room here and on every other end of it."""
         with self._lock:
             self._abort_locked()
 
@@ -286,11 +283,19 @@ class LocalEndpoint:
 
     # -- called with the lock held --------------------------------------------------------
 
+    def _joined(self) -> End | None:
+        """This end as its group holds it, once it joined one."""
+        raise NotImplementedError
+
     def _abort_locked(self) -> None:
-        if self._link is None:
-            self._side.abort()
-        else:
-            self._link.abort(self._side)
+        end = self._joined()
+        if end is None or self._group is None:
+            self._side.fail(REASON_ABORTED)
+            return
+        group = self._group
+        peer = REASON_PEER_ABORTED if group.receivers or end.side.end != PREFILL else (
+            refusal(REASON_ABORTED))
+        group.abort(end, peer, REASON_ABORTED, REASON_OTHER_RANK)
 
     def _forget(self) -> None:
         raise NotImplementedError
@@ -298,9 +303,11 @@ class LocalEndpoint:
 
 class LocalKVSender(LocalEndpoint):
     def __init__(self, manager: LocalKVManager, bootstrap_addr: str, room: int) -> None:
-        super().__init__(manager._lock, bootstrap_addr, Side(room, manager.ready, "sender"))
+        super().__init__(manager._lock, bootstrap_addr, Side(room, manager.ready, PREFILL))
         self._manager = manager
         self._cursor = SendCursor(room)
+        self._end = SenderEnd(self._side, manager.rank, manager.place)
+        self._cleared = False
 
     @property
     def sent_pages(self) -> int:
@@ -308,17 +315,16 @@ class LocalKVSender(LocalEndpoint):
 
     def init(self, num_pages: int, slot: int) -> None:
         with self._lock:
-            link = self._link
-            if not accepts_call(self.room, self._side.status, "init()", ready=link is not None):
+            end = self._end
+            if not accepts_call(self.room, self._side.status, "init()", ready=end.paired):
                 return
-            assert link is not None
             check_slot(self.room, slot, self._manager.metadata, "prefill")
             self._cursor.init(num_pages, slot)
-            have = len(link.dst_pages)
-            if num_pages > have:
-                link.fail(
-                    f"the decode peer gave {have} destination pages, {num_pages} are needed"
-                )
+            have = min(len(r.pages) for r in end.dests.values())
+            if num_pages > have and self._group is not None:
+                self._group.fail(Failure.everywhere(
+                    PREFILL, f"the decode peer gave {have} destination pages, {num_pages} are "
+                    "needed"))
 
     def send(self, pages: Sequence[int], last: bool) -> None:
         src = [int(p) for p in pages]
@@ -326,7 +332,8 @@ class LocalKVSender(LocalEndpoint):
         with self._lock:
             if self._side.status == KVPoll.FAILED:
                 return
-            if self._cursor.num_pages is None or self._link is None:
+            end, group = self._end, self._group
+            if self._cursor.num_pages is None or not end.paired or group is None:
                 raise TransferUsageError(
                     self.room, f"send() before init() while {self._side.status.name}"
                 )
@@ -334,27 +341,26 @@ class LocalKVSender(LocalEndpoint):
                 raise TransferUsageError(self.room, "send() on a closed manager")
             check_pages(self.room, src, manager.pool, "prefill")
             span = self._cursor.advance(len(src), last)
-            assert self._cursor.slot is not None
-            link = self._link
-            link.queue_chunk()
-            manager._chunks.put(_Chunk(link, src, link.dst_pages[span], last, self._cursor.slot))
+            assert self._cursor.slot is not None and end.duty is not None
+            if end.duty.status_only:
+                self._side.status = KVPoll.TRANSFERRING
+                if last:
+                    group.sender_finished(end)
+                return
+            group.queue_chunk(end)
+            dst = {d: r.pages[span] for d, r in end.dests.items()}
+            manager._chunks.put(_Chunk(self, src, dst, last, self._cursor.slot))
 
     # -- called with the lock held --------------------------------------------------------
 
-    def _attach(self, link: Link) -> bool:
-        """Attach to ``link`` if this sender still waits for one."""
-        if self._link is not None or self._side.status != KVPoll.BOOTSTRAPPING:
-            return False
-        self._link = link
-        link.attach(self._side)
-        return True
+    def _joined(self) -> End | None:
+        return self._end
 
     def _forget(self) -> None:
         manager = self._manager
         if manager._senders.get(self.room) is self:
             del manager._senders[self.room]
-        if self._link is not None:
-            self._link.closed = True
-        elif not self._side.reason.startswith(REASON_PEER_REFUSED):
-            # Ended before the receiver's destination came: a late one gets the refusal.
-            manager._refused.add(self.room, self._side.reason)
+        self._cleared = True
+        server = manager._hub.lookup(manager.bootstrap_addr)
+        if self._group is not None and server is not None:
+            server.leave(self._group, self._end, manager)

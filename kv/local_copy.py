@@ -8,14 +8,22 @@ Between CPU pools a small run goes through numpy byte views, a large one through
 multi-threaded copy; between device pools badly scattered lists move with one ``index_select`` /
 ``index_copy_`` instead. Both pools must share one geometry, layout included (the receiver
 checks it when it pairs).
+
+Between ranks of different parallel layouts (:func:`copy_to_rank`) a prefill rank's pages are
+not whole decode pages: its head slices of its stage's layers go through
+:func:`kv.slice_copy.copy_head_slices` instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from kv.layouts import HeadSlice
 from kv.pages import coalesce
 from kv.pool import KVPool
+from kv.slice_copy import copy_head_slices
 
 # On an accelerator, above this many runs one gather/scatter over the page dimension beats a
 # launch per run.
@@ -56,3 +64,18 @@ def copy_pages(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[i
     dst_idx = torch.tensor(dst_pages, dtype=torch.long, device=dst_view.device)
     gathered = src_view.index_select(1, src_idx).to(dst_view.device)
     dst_view.index_copy_(1, dst_idx, gathered)
+
+
+def copy_to_rank(src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[int],
+                 slices: Sequence[HeadSlice], layers: range, *, whole: bool) -> int:
+    """Copy what one prefill rank owes one decode rank for these pages: its head ``slices``
+    of its stage's ``layers`` (the decode pool's layers they land in), whole pages when
+    ``whole`` and the stage is every layer. Returns the bytes moved."""
+    if not slices:
+        return 0
+    if whole and len(layers) == dst.num_layers:
+        copy_pages(src, dst, src_pages, dst_pages)
+        return src.bytes_of_pages(len(src_pages))
+    copy_head_slices(src, dst, src_pages, dst_pages, slices, layers=layers)
+    heads = sum(len(s.src_heads) for s in slices)
+    return src.bytes_of_pages(len(src_pages)) * heads // src.kv_heads

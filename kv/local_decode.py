@@ -1,11 +1,13 @@
-"""The local transfer backend, decode side: receivers whose pages the prefill worker fills.
+"""The local transfer backend, decode side: receivers whose pages the prefill workers fill.
 
-A :class:`LocalKVReceiver` is BOOTSTRAPPING until ``init()`` found its prefill manager in the
-hub (and checked that both pools share one page geometry), WAITING_FOR_INPUT until
-``send_metadata()`` hands that manager a :class:`~kv.local.Link` with the destination pages and
-slot, then TRANSFERRING until the prefill worker copied the last chunk and the metadata row
-(SUCCESS) or the room failed. From ``send_metadata()`` on the link owns the receiver's state
-(see :mod:`kv.local`, the prefill side); a cleared receiver announces nothing more.
+A :class:`LocalKVReceiver` is BOOTSTRAPPING until ``init()`` found its prefill server in the hub
+(every rank registered, the pools agreeing on everything but the heads and layers their places
+give them) and computed its route: the prefill ranks it contacts and those whose writes complete
+its room, of every pipeline stage (:func:`kv.routes.route_places`). It is WAITING_FOR_INPUT
+until ``send_metadata()`` hands its destination pages and slot to the room's group, then
+TRANSFERRING until every source rank wrote its part and the metadata row landed (SUCCESS) or the
+room failed. From ``send_metadata()`` on the group owns the receiver's state (see
+:mod:`kv.local_room`); a cleared receiver announces nothing more.
 """
 
 from __future__ import annotations
@@ -13,78 +15,126 @@ from __future__ import annotations
 import queue
 from collections.abc import Sequence
 
-from kv.local import LocalEndpoint, LocalKVManager, LocalTransferHub, check_pages, check_slot
-from kv.local_link import Link, Side
+import attrs
+
+from kv.local import LocalEndpoint, LocalTransferHub, check_pages, check_slot
+from kv.local_hub import PrefillRank
+from kv.local_room import DECODE, End, ReceiverEnd, Side
 from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
+from kv.rank_table import RankPlace
+from kv.routes import IncompatibleRanksError, PrefillRoute, route_places
 from kv.transfer import KVPoll, accepts_call
 
 
 class LocalDecodeManager:
-    """Decode side: receivers whose pages and metadata rows the prefill worker fills."""
+    """One decode rank: receivers whose pages and metadata rows the prefill workers fill."""
 
-    def __init__(self, pool: KVPool, metadata: MetadataBuffers, *, hub: LocalTransferHub) -> None:
+    def __init__(self, pool: KVPool, metadata: MetadataBuffers, *, hub: LocalTransferHub,
+                 place: RankPlace | None = None) -> None:
         self.pool = pool
         self.metadata = metadata
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.hub = hub
+        self.place = place or RankPlace.single(num_layers=pool.num_layers,
+                                               kv_heads=pool.kv_heads)
+        if (pool.kv_heads, pool.num_layers) != (self.place.heads_per_rank,
+                                                len(self.place.layers)):
+            raise ValueError(
+                f"decode rank {self.place.tp_rank}: its pool holds {pool.kv_heads} heads of "
+                f"{pool.num_layers} layers, its place {self.place.heads_per_rank} heads of "
+                f"{len(self.place.layers)} layers")
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> LocalKVReceiver:
         return LocalKVReceiver(self, bootstrap_addr, room)
 
     def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
-        """Tell the prefill manager at ``bootstrap_addr`` that this side will never send
+        """Tell the prefill server at ``bootstrap_addr`` that this side will never send
         ``room``'s destination (any thread)."""
         with self.hub.lock:
-            prefill = self.hub.lookup(bootstrap_addr)
-            if prefill is not None:
-                prefill.peer_refused(room, reason)
+            server = self.hub.lookup(bootstrap_addr)
+            if server is not None:
+                for manager in server.managers.values():
+                    manager.peer_refused(room, reason)
 
     def close(self) -> None:
-        """Nothing to release: the copies run on the prefill manager's worker."""
+        """Nothing to release: the copies run on the prefill managers' workers."""
 
 
 class LocalKVReceiver(LocalEndpoint):
     def __init__(self, manager: LocalDecodeManager, bootstrap_addr: str, room: int) -> None:
-        super().__init__(manager.hub.lock, bootstrap_addr, Side(room, manager.ready, "receiver"))
+        super().__init__(manager.hub.lock, bootstrap_addr, Side(room, manager.ready, DECODE))
         self._manager = manager
-        self._prefill: LocalKVManager | None = None
+        self._route: PrefillRoute[PrefillRank] | None = None
+        self._end: ReceiverEnd | None = None
 
     def init(self) -> None:
-        """Resolve the prefill peer. Raises :class:`KVGeometryError` when its pool's page
-        layout differs from ours (a deployment error: no request could ever transfer)."""
+        """Resolve the prefill ranks. Raises :class:`KVGeometryError` when a prefill pool's page
+        layout or model differs from ours, or no plan serves the two layouts (a deployment
+        error: no request could ever transfer)."""
         manager = self._manager
         with self._lock:
             if self._side.status != KVPoll.BOOTSTRAPPING:
                 return
-            prefill = manager.hub.lookup(self.bootstrap_addr)
-            if prefill is None:
+            server = manager.hub.lookup(self.bootstrap_addr)
+            if server is None:
                 self._side.fail(f"no prefill server at {self.bootstrap_addr!r}")
                 return
-            mismatches = prefill.pool.geometry.mismatches(manager.pool.geometry)
-            if mismatches:
-                raise KVGeometryError(
-                    f"room {self.room}: the prefill pool at {self.bootstrap_addr!r} and this "
-                    f"decode pool differ in {'; '.join(mismatches)} (prefill vs decode); "
-                    "configure both sides with the same model and page layout"
-                )
-            self._prefill = prefill
+            if not server.complete:
+                self._side.fail(f"the prefill server at {self.bootstrap_addr!r} has "
+                                f"{len(server.managers)} of {server.world_size} ranks")
+                return
+            mine = manager.pool.geometry
+            for rank, prefill in sorted(server.managers.items()):
+                theirs = attrs.evolve(prefill.pool.geometry, kv_heads=mine.kv_heads,
+                                      num_layers=mine.num_layers)
+                mismatches = theirs.mismatches(mine)
+                if mismatches:
+                    where = "" if server.world_size == 1 else f" (rank {rank})"
+                    raise KVGeometryError(
+                        f"room {self.room}: the prefill pool at {self.bootstrap_addr!r}{where} "
+                        f"and this decode pool differ in {'; '.join(mismatches)} (prefill vs "
+                        "decode); configure both sides with the same model and page layout"
+                    )
+            try:
+                self._route = route_places(list(server.managers.values()), manager.place,
+                                           self.room)
+            except IncompatibleRanksError as exc:
+                raise KVGeometryError(f"room {self.room}: {exc}") from None
             self._side.set(KVPoll.WAITING_FOR_INPUT)
 
     def send_metadata(self, pages: Sequence[int], slot: int) -> None:
         dst = [int(p) for p in pages]
         manager = self._manager
         with self._lock:
-            prefill = self._prefill
+            route = self._route
             if not accepts_call(self.room, self._side.status, "send_metadata()",
-                                ready=prefill is not None):
+                                ready=route is not None):
                 return
-            assert prefill is not None
+            assert route is not None
             check_pages(self.room, dst, manager.pool, "decode")
             check_slot(self.room, slot, manager.metadata, "decode")
-            self._link = Link(self._side, manager.pool, manager.metadata, dst, slot)
-            self._side.set(KVPoll.TRANSFERRING)
-            prefill.deliver(self._link)
+            server = manager.hub.lookup(self.bootstrap_addr)
+            if server is None:
+                self._side.fail(f"the prefill server at {self.bootstrap_addr!r} closed")
+                return
+            last_stage = route.stages[-1]
+            self._end = ReceiverEnd(
+                side=self._side, place=manager.place, pool=manager.pool,
+                metadata=manager.metadata, pages=dst, slot=slot,
+                contacts=frozenset(r.rank for r in route.contacts),
+                sources=frozenset(r.rank for r in route.sources),
+                row_writer=min(r.rank for r in last_stage.sources),
+            )
+            self._group = server.join_receiver(self._end)
+
+    # -- called with the lock held --------------------------------------------------------
+
+    def _joined(self) -> End | None:
+        return self._end
 
     def _forget(self) -> None:
         self._side.muted = True
+        server = self._manager.hub.lookup(self.bootstrap_addr)
+        if self._group is not None and self._end is not None and server is not None:
+            server.leave(self._group, self._end)

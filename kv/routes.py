@@ -29,6 +29,7 @@ Arithmetic only: no torch, no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Generic, Protocol, TypeVar
 
 import attrs
 
@@ -60,34 +61,46 @@ class DecodeRank:
 
 
 def pair_mismatches(prefill: RankInfo, decode: DecodeRank) -> list[str]:
-    """``"name: prefill X vs decode Y"`` for everything the two must share and do not."""
+    """``"name: prefill X vs decode Y"`` for every pool setting or model the two must share
+    and do not (the places are :func:`place_mismatches`)."""
     out = [f"{name}: prefill {getattr(prefill, name)} vs decode {getattr(decode, name)}"
            for name in POOL_FIELDS if getattr(prefill, name) != getattr(decode, name)]
-    out += [f"{name}: prefill {getattr(prefill.place, name)} vs decode "
-            f"{getattr(decode.place, name)}"
-            for name in MODEL_FIELDS if getattr(prefill.place, name) != getattr(decode.place, name)]
     if prefill.model != decode.model:
         out.append(f"model: prefill {prefill.model_label} vs decode {decode.model_label}")
+    return out + place_mismatches(prefill.place, decode.place)
+
+
+def place_mismatches(prefill: RankPlace, decode: RankPlace) -> list[str]:
+    """What two places must share (the model's KV shape) and do not, and a decode place that
+    does not hold every layer."""
+    out = [f"{name}: prefill {getattr(prefill, name)} vs decode {getattr(decode, name)}"
+           for name in MODEL_FIELDS if getattr(prefill, name) != getattr(decode, name)]
+    if decode.pp_size != 1:
+        out.append(f"decode pp_size {decode.pp_size}: a decode rank must hold every layer "
+                   "(decode pipeline stages are not supported)")
     return out
+
+
+def _refuse(prefill_rank: int, decode: RankPlace, problems: Sequence[str]) -> None:
+    if problems:
+        raise IncompatibleRanksError(
+            f"prefill rank {prefill_rank} and decode rank {decode.tp_rank} cannot exchange KV: "
+            f"{'; '.join(problems)}")
+
+
+def _plan(prefill_rank: int, prefill: RankPlace, decode: RankPlace) -> SlicePlan:
+    try:
+        return plan_slices(prefill.tp_layout, decode.tp_layout)
+    except LayoutError as exc:
+        raise IncompatibleRanksError(
+            f"prefill rank {prefill_rank} and decode rank {decode.tp_rank}: {exc}") from None
 
 
 def check_pair(prefill: RankInfo, decode: DecodeRank) -> SlicePlan:
     """The slice plan between ``prefill``'s TP group and ``decode``'s; raises
     :class:`IncompatibleRanksError` naming both sides' values when there is none."""
-    problems = pair_mismatches(prefill, decode)
-    if decode.place.pp_size != 1:
-        problems.append(f"decode pp_size {decode.place.pp_size}: a decode rank must hold every "
-                        "layer (decode pipeline stages are not supported)")
-    if problems:
-        raise IncompatibleRanksError(
-            f"prefill rank {prefill.rank} and decode rank {decode.place.tp_rank} cannot "
-            f"exchange KV: {'; '.join(problems)}")
-    try:
-        return plan_slices(prefill.place.tp_layout, decode.place.tp_layout)
-    except LayoutError as exc:
-        raise IncompatibleRanksError(
-            f"prefill rank {prefill.rank} and decode rank {decode.place.tp_rank}: {exc}"
-        ) from None
+    _refuse(prefill.rank, decode.place, pair_mismatches(prefill, decode))
+    return _plan(prefill.rank, prefill.place, decode.place)
 
 
 def dp_rank_of(room: int, dp_size: int) -> int:
@@ -95,45 +108,66 @@ def dp_rank_of(room: int, dp_size: int) -> int:
     return room % dp_size
 
 
+class Placed(Protocol):
+    """A prefill rank as a route names it: its number and its place."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def place(self) -> RankPlace: ...
+
+
+P = TypeVar("P", bound=Placed)
+
+
 @attrs.frozen
-class StageRoute:
+class StageRoute(Generic[P]):
     """One pipeline stage of the serving replica, seen from one decode rank."""
 
     stage: int
     layers: range
     #: The stage's ranks the decode rank gives its destination to.
-    contacts: tuple[RankInfo, ...]
+    contacts: tuple[P, ...]
     #: The stage's ranks that write into the decode rank (a subset of ``contacts``).
-    sources: tuple[RankInfo, ...]
+    sources: tuple[P, ...]
 
 
 @attrs.frozen
-class PrefillRoute:
+class PrefillRoute(Generic[P]):
     """Everything one decode rank needs to know to receive one room."""
 
     plan: SlicePlan
     dp_rank: int
-    stages: tuple[StageRoute, ...]
+    stages: tuple[StageRoute[P], ...]
 
     @property
-    def contacts(self) -> tuple[RankInfo, ...]:
+    def contacts(self) -> tuple[P, ...]:
         """Every prefill rank, of every stage, that gets this decode rank's destination."""
         return tuple(r for s in self.stages for r in s.contacts)
 
     @property
-    def sources(self) -> tuple[RankInfo, ...]:
+    def sources(self) -> tuple[P, ...]:
         """Every prefill rank whose success the room waits for."""
         return tuple(r for s in self.stages for r in s.sources)
 
 
-def route(ranks: Sequence[RankInfo], decode: DecodeRank, room: int) -> PrefillRoute:
+def route(ranks: Sequence[RankInfo], decode: DecodeRank, room: int) -> PrefillRoute[RankInfo]:
     """Whom ``decode`` contacts and waits for to receive ``room`` from the prefill server whose
-    registered ranks are ``ranks`` (every one; the table of ``GET /route``)."""
+    registered ranks are ``ranks`` (every one; the table of ``GET /route``); raises
+    :class:`IncompatibleRanksError` when a rank's pool or place does not match ``decode``'s."""
+    for info in ranks:
+        _refuse(info.rank, decode.place, pair_mismatches(info, decode))
+    return route_places(ranks, decode.place, room)
+
+
+def route_places(ranks: Sequence[P], decode: RankPlace, room: int) -> PrefillRoute[P]:
+    """:func:`route` over places alone (the caller compared the pools)."""
     if not ranks:
         raise IncompatibleRanksError("the prefill server has no ranks")
-    plan = check_pair(ranks[0], decode)
-    for other in ranks[1:]:
-        check_pair(other, decode)
+    for r in ranks:
+        _refuse(r.rank, decode, place_mismatches(r.place, decode))
+    plan = _plan(ranks[0].rank, ranks[0].place, decode)
     first = ranks[0].place
     dp = dp_rank_of(room, first.dp_size)
     by_place = {(r.place.pp_rank, r.place.tp_rank): r for r in ranks if r.place.dp_rank == dp}
@@ -142,7 +176,7 @@ def route(ranks: Sequence[RankInfo], decode: DecodeRank, room: int) -> PrefillRo
     if missing:
         raise IncompatibleRanksError(
             f"the prefill table lacks DP replica {dp}'s ranks at (pp_rank, tp_rank) {missing}")
-    d = decode.place.tp_rank
+    d = decode.tp_rank
     stages = tuple(
         StageRoute(
             stage=s,

@@ -24,12 +24,18 @@ _MAX_SLICE_RUNS = 16
 
 
 def check_sliced_geometry(
-    src: KVPool, dst: KVPool, plan: SlicePlan
+    src: KVPool, dst: KVPool, plan: SlicePlan, layers: range | None = None
 ) -> None:
     """Raise :class:`KVGeometryError` unless ``src`` (a prefill rank's pool) and ``dst`` (a
-    decode rank's) agree on everything but their head counts, and each holds the heads per
-    rank its side of ``plan`` gives it."""
-    problems = attrs.evolve(src.geometry, kv_heads=dst.kv_heads).mismatches(dst.geometry)
+    decode rank's) agree on everything but their head counts (and layer counts, when ``src``
+    holds one pipeline stage's ``layers`` of ``dst``'s), and each holds the heads per rank its
+    side of ``plan`` gives it."""
+    layer_count = src.num_layers if layers is None else dst.num_layers
+    problems = attrs.evolve(src.geometry, kv_heads=dst.kv_heads,
+                            num_layers=layer_count).mismatches(dst.geometry)
+    if layers is not None and (len(layers) != src.num_layers or layers.stop > dst.num_layers):
+        problems.append(f"layers: prefill holds {src.num_layers}, to land in decode layers "
+                        f"{layers.start}..{layers.stop} of {dst.num_layers}")
     for side, pool, want in (
         ("prefill", src, plan.prefill.heads_per_rank),
         ("decode", dst, plan.decode.heads_per_rank),
@@ -46,9 +52,11 @@ def copy_head_slices(
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
     slices: Sequence[HeadSlice],
+    layers: range | None = None,
 ) -> None:
     """Copy, for every ``i``, the heads ``slices`` name from page ``src_pages[i]`` of ``src``
-    into page ``dst_pages[i]`` of ``dst`` (every layer, K and V).
+    into page ``dst_pages[i]`` of ``dst`` (every layer of ``src``, K and V; into ``dst``'s
+    ``layers`` when ``src`` holds only those, a pipeline stage's, else into the same layers).
 
     ``slices`` are the ones from one prefill rank to one decode rank
     (:meth:`kv.layouts.SlicePlan.between`); check the pools with :func:`check_sliced_geometry`.
@@ -63,6 +71,8 @@ def copy_head_slices(
     if not runs or not slices:
         return
     src_kv, dst_kv = src.by_layer(), dst.by_layer()
+    if layers is not None:
+        dst_kv = dst_kv[layers.start : layers.stop]
     if len(runs) <= _MAX_SLICE_RUNS:
         for r in runs:
             for s in slices:
