@@ -17,6 +17,13 @@ deadline fails the request), or a transfer failure (the first ``send`` fails the
 
 Readiness: the room is pushed onto ``manager.ready`` at creation, whenever a state changes, and
 from every poll that is held back by a delay (the state will change on a later poll).
+
+Parallel layouts are modelled by their counts (:mod:`kv.routes`). A prefill manager given its
+rank's place and the decode layout waits for one destination per poll until it holds as many
+as the rank owes decode ranks; a status-only rank concludes at its last ``send`` without a
+transfer delay. A decode manager given the prefill layout and its own place completes a room
+once as many source ranks reported as write into it, one at ``send_metadata()`` and one more
+per poll.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from collections.abc import Callable, Sequence
 import attrs
 from attrs.validators import ge, le
 
+from kv.rank_table import RankPlace
+from kv.routes import sender_duty, source_count
 from kv.transfer import (
     REASON_ABORTED,
     KVPoll,
@@ -103,10 +112,17 @@ class _Delay:
 class FakeKVManager:
     """Prefill side of the fake backend."""
 
-    def __init__(self, faults: FaultPlan | None = None, clock: Clock = time.monotonic) -> None:
+    def __init__(self, faults: FaultPlan | None = None, clock: Clock = time.monotonic, *,
+                 place: RankPlace | None = None, decode: RankPlace | None = None) -> None:
         self.faults = faults or _NO_FAULTS
         self.clock = clock
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        #: Destinations a sender waits for, and whether it only reports status (one, False
+        #: without a layout).
+        self.destinations, self.status_only = 1, False
+        if place is not None and decode is not None:
+            duty = sender_duty(place, decode)
+            self.destinations, self.status_only = len(duty.destinations), duty.status_only
 
     def create_sender(self, bootstrap_addr: str, room: int) -> FakeKVSender:
         return FakeKVSender(self, bootstrap_addr, room, self.faults.decide(room))
@@ -130,7 +146,9 @@ class FakeKVSender:
         self._reason = ""
         self._cursor = SendCursor(room)
         plan = manager.faults
-        self._delay = _Delay(plan.handshake_delay_polls, plan.handshake_delay_s, manager.clock)
+        # One more poll per destination beyond the first: they arrive one at a time.
+        self._delay = _Delay(plan.handshake_delay_polls + manager.destinations - 1,
+                             plan.handshake_delay_s, manager.clock)
         if not faults.bootstrap_timeout:
             self._announce()
 
@@ -178,9 +196,8 @@ class FakeKVSender:
         self._status = KVPoll.TRANSFERRING
         if last:
             plan = self._manager.faults
-            self._delay = _Delay(
-                plan.transfer_delay_polls, plan.transfer_delay_s, self._manager.clock
-            )
+            self._delay = _Delay(0, 0.0, self._manager.clock) if self._manager.status_only else (
+                _Delay(plan.transfer_delay_polls, plan.transfer_delay_s, self._manager.clock))
             self._announce()
 
     def failure_exception(self) -> TransferError:
@@ -200,8 +217,11 @@ class FakeKVSender:
 class FakeDecodeManager:
     """Decode side of the fake backend."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, prefill: RankPlace | None = None,
+                 place: RankPlace | None = None) -> None:
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        #: Source ranks a room waits for (one without a layout).
+        self.sources = 1 if prefill is None or place is None else source_count(prefill, place)
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> FakeKVReceiver:
         return FakeKVReceiver(self, bootstrap_addr, room)
@@ -215,7 +235,8 @@ class FakeDecodeManager:
 
 class FakeKVReceiver:
     """BOOTSTRAPPING until ``init()``, WAITING_FOR_INPUT until ``send_metadata()``, then
-    SUCCESS; ``abort()`` → FAILED. Terminal states latch."""
+    TRANSFERRING until the manager's ``sources`` reported (the first at once, one more per
+    poll) and SUCCESS; ``abort()`` → FAILED. Terminal states latch."""
 
     def __init__(self, manager: FakeDecodeManager, bootstrap_addr: str, room: int) -> None:
         self.room = room
@@ -223,6 +244,7 @@ class FakeKVReceiver:
         self._manager = manager
         self._status = KVPoll.BOOTSTRAPPING
         self._reason = ""
+        self.reported = 0  # source ranks that reported success
 
     def _set(self, status: KVPoll, reason: str = "") -> None:
         self._status = status
@@ -235,9 +257,16 @@ class FakeKVReceiver:
 
     def send_metadata(self, pages: Sequence[int], slot: int) -> None:
         if accepts_call(self.room, self._status, "send_metadata()"):
-            self._set(KVPoll.SUCCESS)
+            self._report()
+
+    def _report(self) -> None:
+        self.reported += 1
+        done = self.reported >= self._manager.sources
+        self._set(KVPoll.SUCCESS if done else KVPoll.TRANSFERRING)
 
     def poll(self) -> KVPoll:
+        if self._status == KVPoll.TRANSFERRING:
+            self._report()
         return self._status
 
     def failure_exception(self) -> TransferError:

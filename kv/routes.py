@@ -222,3 +222,11 @@ def sender_duty(prefill: RankPlace, decode: RankPlace) -> SenderDuty:
     plan serves the two)."""
     return SenderDuty(plan=plan_slices(prefill.tp_layout, decode.tp_layout),
                       prefill_rank=prefill.tp_rank, layers=prefill.layers)
+
+
+def source_count(prefill: RankPlace, decode: RankPlace) -> int:
+    """How many prefill ranks must report success before ``decode``'s room is complete: its
+    sources in every pipeline stage of a server laid out as ``prefill`` (any of its ranks)."""
+    _refuse(prefill.rank, decode, place_mismatches(prefill, decode))
+    plan = _plan(prefill.rank, prefill, decode)
+    return len(plan.sources(decode.tp_rank)) * prefill.pp_size
