@@ -237,3 +237,29 @@ def test_rows_move_only_between_alike_buffers() -> None:
         MetadataBuffers(1).copy_row_from(MetadataBuffers(1, speculative_hidden=8), 0, 0)
     with pytest.raises(ValueError, match="speculative_hidden must be"):
         MetadataBuffers(1, speculative_hidden=-1)
+
+
+def test_round_by_round_with_any_budget() -> None:
+    """A decode loop drives one round per pass; a budget of one token is a plain greedy step
+    (no proposals), larger budgets cap what a round returns."""
+    target = TARGETS["recurrent"]
+    prompt = prompt_of(15, 8)
+    expected = ReferenceModel(target).generate(prompt, 18, ignore_eos=True)
+    for budgets in ([1], [2, 5, 1, 3]):
+        pages = pages_needed(len(prompt) + 30, 4) + 1
+        t, d = pair(target, 2, pages, 4, 1)
+        kv = RequestKV("r", state_slot=0)
+        handoff = prefill_handoff(t, d, kv, prompt, 4, k=2)
+        decoder = SpeculativeDecoder(t, d, 4)
+        speculation = decoder.start(kv, prompt, handoff)
+        out, turn = [handoff.first_token], 0
+        while len(out) < 18:
+            budget = min(budgets[turn % len(budgets)], 18 - len(out))
+            new = speculation.round(budget)
+            assert 1 <= len(new) <= budget
+            out += new
+            turn += 1
+        assert out == expected and speculation.tokens == [*prompt, *out]
+        assert (decoder.stats.proposed == 0) == (budgets == [1])
+    with pytest.raises(ValueError, match="budget of >= 1"):
+        speculation.round(0)

@@ -155,6 +155,11 @@ class SpeculativeDecoder:
         self.target, self.draft, self.k = target, draft, k
         self.stats = SpeculativeStats()
 
+    def start(self, kv: RequestKV, prompt: Sequence[int], handoff: Handoff) -> Speculation:
+        """A request to decode round by round (a decode loop runs one :meth:`Speculation.round`
+        per pass); both models' pools hold the prompt's K/V at ``kv``'s pages."""
+        return Speculation(self, kv, prompt, handoff)
+
     def decode(self, kv: RequestKV, prompt: Sequence[int], handoff: Handoff,
                max_new_tokens: int, stop_token_ids: Iterable[int] = (),
                ignore_eos: bool = False) -> list[int]:
@@ -163,51 +168,68 @@ class SpeculativeDecoder:
         if max_new_tokens < 1:
             raise ModelInputError(kv.rid, f"max_new_tokens must be >= 1, got {max_new_tokens}")
         stops = self.target.model.stop_ids(stop_token_ids, ignore_eos)
-        limit = self.target.model.config.max_position
-        seq, out = list(prompt), [handoff.first_token]
-        seq.append(handoff.first_token)
-        target, draft = _Model(self.target, len(prompt)), _Model(self.draft, len(prompt))
-        handed = list(handoff.top_ids[:1])
+        request = self.start(kv, prompt, handoff)
+        out = [handoff.first_token]
         while len(out) < max_new_tokens and out[-1] not in stops:
-            last = len(seq) - 1  # the position of the newest token, not yet computed
-            k = min(self.k, max_new_tokens - len(out) - 1, limit - 1 - last)
-            chain = self._propose(kv, seq, draft, target.computed, handed[:k], k)
-            handed = []
-            new = self._verify(kv, seq, chain, target, draft)
-            for token in new:
+            for token in request.round(max_new_tokens - len(out)):
                 out.append(token)
-                seq.append(token)
-                if len(out) == max_new_tokens or token in stops:
+                if token in stops:
                     break
         return out
 
-    def _propose(self, kv: RequestKV, seq: list[int], draft: _Model, target_at: int,
-                 chain: list[int], k: int) -> list[int]:
-        """``k`` proposals after ``seq``, starting from those already known (``chain``)."""
+
+class Speculation:
+    """One request's speculative decoding, a round at a time (:meth:`SpeculativeDecoder.start`)."""
+
+    def __init__(self, decoder: SpeculativeDecoder, kv: RequestKV, prompt: Sequence[int],
+                 handoff: Handoff) -> None:
+        self._decoder, self.kv = decoder, kv
+        self.tokens = [*prompt, handoff.first_token]  # the prompt and the output so far
+        self._target = _Model(decoder.target, len(prompt))
+        self._draft = _Model(decoder.draft, len(prompt))
+        self._handed = list(handoff.top_ids[:1])
+
+    def round(self, budget: int) -> list[int]:
+        """The next 1 .. ``min(k + 1, budget)`` output tokens: accepted proposals, then the
+        target's own token (a caller that stops at a stop token drops what follows it)."""
+        d = self._decoder
+        if budget < 1:
+            raise ValueError(f"a round needs a budget of >= 1 tokens, got {budget}")
+        last = len(self.tokens) - 1  # the position of the newest token, not yet computed
+        k = min(d.k, budget - 1, d.target.model.config.max_position - 1 - last)
+        chain = self._propose(self._handed[:k], k)
+        self._handed = []
+        new = self._verify(chain)
+        self.tokens += new
+        return new
+
+    def _propose(self, chain: list[int], k: int) -> list[int]:
+        """``k`` proposals after the tokens, starting from those already known (``chain``)."""
+        draft, kv = self._draft, self.kv
         draft.save(kv.state_slot)
         while len(chain) < k:
-            ext = seq + chain
-            item = kv.item(self.target, ext[draft.computed :], draft.computed,
-                           keep_from=target_at)
-            chain.append(self.draft.forward(_batch(item))[0])
+            ext = self.tokens + chain
+            item = kv.item(self._decoder.target, ext[draft.computed :], draft.computed,
+                           keep_from=self._target.computed)
+            chain.append(self._decoder.draft.forward(_batch(item))[0])
             draft.computed = len(ext)
         return chain
 
-    def _verify(self, kv: RequestKV, seq: list[int], chain: list[int], target: _Model,
-                draft: _Model) -> list[int]:
+    def _verify(self, chain: list[int]) -> list[int]:
         """The target's tokens for the round: the accepted proposals, then its own."""
-        last, start = len(seq) - 1, target.computed
+        target, draft, kv, stats = self._target, self._draft, self.kv, self._decoder.stats
+        last, start = len(self.tokens) - 1, target.computed
         target.save(kv.state_slot)
-        ext = seq + chain
-        item = kv.item(self.target, ext[start:], start, all_logits=True,
+        ext = self.tokens + chain
+        item = kv.item(target.runner, ext[start:], start, all_logits=True,
                        keep_from=draft.saved_at)
-        greedy = greedy_token_ids(self.target.logits(_batch(item))).tolist()[last - start :]
+        greedy = greedy_token_ids(target.runner.logits(_batch(item))).tolist()[last - start :]
         accepted = 0
         while accepted < len(chain) and chain[accepted] == greedy[accepted]:
             accepted += 1
-        self.stats.rounds += 1
-        self.stats.proposed += len(chain)
-        self.stats.accepted += accepted
+        stats.rounds += 1
+        stats.proposed += len(chain)
+        stats.accepted += accepted
         # Positions last .. last+accepted held accepted inputs; the rest were proposals.
         valid = last + accepted + 1
         target.computed = len(ext)
