@@ -24,6 +24,7 @@ from scheduler.model.reference import (
 )
 from scheduler.model.reference_config import LayerKind
 from scheduler.model.request_kv import RELEASED, RequestKV
+from scheduler.model.sharded import Mesh, ShardedLlama, ShardError
 from scheduler.runner import ForwardBatch, ForwardItem
 from tests.hybrid_harness import make_runner, poison_free_pages, transfer
 
@@ -260,3 +261,8 @@ def test_fingerprints() -> None:
     target = LlamaModel(attrs.evolve(TINY, layers=3))
     assert target.draft(1).fingerprint == f"{target.fingerprint}-draft1"
     assert target.draft(1).fingerprint != LlamaModel(attrs.evolve(TINY, layers=1)).fingerprint
+
+
+def test_a_hybrid_config_is_not_sharded() -> None:
+    with pytest.raises(ShardError, match="hybrid config"):
+        ShardedLlama(CONFIGS["mixed"], Mesh.single())

@@ -126,6 +126,9 @@ class ShardedLlama(LlamaModel):
         self, config: ModelConfig, mesh: Mesh, device: str | torch.device = "cpu"
     ) -> None:
         tp = mesh.tp_size
+        if config.hybrid:
+            raise ShardError("a hybrid config (swa_layers, recurrent_layers) is not sharded; "
+                             "run it on one rank")
         for name, value in (("heads", config.heads), ("intermediate", config.intermediate)):
             if value % tp:
                 raise ShardError(f"ModelConfig.{name} ({value}) must be a multiple of TP {tp}")
