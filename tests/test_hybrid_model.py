@@ -24,6 +24,7 @@ from scheduler.model.reference import (
 )
 from scheduler.model.reference_config import LayerKind
 from scheduler.model.request_kv import RELEASED, RequestKV
+from scheduler.model.select import reference_model
 from scheduler.model.sharded import Mesh, ShardedLlama, ShardError
 from scheduler.runner import ForwardBatch, ForwardItem
 from tests.hybrid_harness import make_runner, poison_free_pages, transfer
@@ -266,3 +267,9 @@ def test_fingerprints() -> None:
 def test_a_hybrid_config_is_not_sharded() -> None:
     with pytest.raises(ShardError, match="hybrid config"):
         ShardedLlama(CONFIGS["mixed"], Mesh.single())
+
+
+def test_served_hybrid_model_sizes_its_pool_by_the_full_layers() -> None:
+    served = reference_model(CONFIGS["mixed"])
+    assert served.kv_bytes_per_token == 1 * 2 * TINY.kv_heads * TINY.head_dim * 4
+    assert served.make_pool(num_pages=2, page_size=4).num_layers == 1

@@ -137,7 +137,8 @@ def load_model(
 def reference_model(config: ModelConfig, *, device: str | torch.device = "cpu") -> ServedModel:
     """The fixed-point reference model of ``config`` with its byte tokenizer."""
     model = LlamaModel(config, device=resolve_device(device))
-    per_token = config.layers * 2 * config.kv_heads * config.head_dim * (
+    # The pool holds the full-attention layers (a hybrid model keeps the others elsewhere).
+    per_token = len(config.full_layers) * 2 * config.kv_heads * config.head_dim * (
         torch.finfo(config.dtype).bits // 8)
     return ServedModel(
         name=REFERENCE, model=model, tokenizer=ByteTokenizer(),
