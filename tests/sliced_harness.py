@@ -114,12 +114,15 @@ def serving_ranks(pair: Pair, room: int) -> list[LocalKVManager]:
     return [m for m in pair.prefill if m.place.dp_rank == room % m.place.dp_size]
 
 
-def transfer(pair: Pair, room: int) -> tuple[list[LocalKVSender], list[LocalKVReceiver]]:
+def transfer(pair: Pair, room: int, *, decode_first: bool = False,
+             ) -> tuple[list[LocalKVSender], list[LocalKVReceiver]]:
     """Run ``room`` through every rank: every sender created and paired before any sends, as
-    the prefill TP ranks' agreement makes the scheduler do."""
+    the prefill TP ranks' agreement makes the scheduler do; the decode ranks' destinations
+    before or after the senders exist."""
     serving = serving_ranks(pair, room)
+    receivers = make_receivers(pair, room) if decode_first else []
     senders = [m.create_sender(ADDR, room) for m in serving]
-    receivers = make_receivers(pair, room)
+    receivers = receivers or make_receivers(pair, room)
     for m, s in zip(serving, senders, strict=True):
         assert drive(m, s, {KVPoll.WAITING_FOR_INPUT}) == [KVPoll.WAITING_FOR_INPUT]
         s.init(len(SRC_PAGES), 2)
@@ -147,9 +150,10 @@ def check_landed(pair: Pair, room: int, before: list[torch.Tensor]) -> None:
         assert row is not None and row.first_token == 42
 
 
-def run_room(pair: Pair, room: int = 77) -> tuple[list[LocalKVSender], list[LocalKVReceiver]]:
+def run_room(pair: Pair, room: int = 77, *, decode_first: bool = False,
+             ) -> tuple[list[LocalKVSender], list[LocalKVReceiver]]:
     before = [m.pool.by_layer().clone() for m in pair.decode]
-    senders, receivers = transfer(pair, room)
+    senders, receivers = transfer(pair, room, decode_first=decode_first)
     assert [r.poll() for r in receivers] == [KVPoll.SUCCESS] * len(receivers)
     check_landed(pair, room, before)
     for end in [*senders, *receivers]:

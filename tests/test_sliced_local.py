@@ -12,7 +12,18 @@ import pytest
 from kv.fake import FakeDecodeManager, FakeKVManager, FaultPlan
 from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
-from tests.sliced_harness import Pair, make_pair, rank_place, run_room
+from tests.sliced_harness import (
+    ADDR,
+    SRC_PAGES,
+    TERMINAL,
+    Pair,
+    dst_pages,
+    make_pair,
+    make_receivers,
+    rank_place,
+    run_room,
+)
+from tests.transfer_harness import drive, eventually
 
 
 @pytest.fixture
@@ -66,6 +77,60 @@ def test_two_prefill_stages_land_their_layers_on_one_decode_stage(
     closing.append(pair)
     run_room(pair)
     assert all(m.stats().chunks for m in pair.prefill)
+
+
+@pytest.mark.parametrize(("tp", "td", "pp"), [(2, 1, 2), (1, 4, 1), (4, 2, 1)])
+def test_destinations_before_the_senders_pair_as_well(
+        closing: list[Pair], tp: int, td: int, pp: int) -> None:
+    pair = make_pair(tp, td, pp=pp, layers=4)
+    closing.append(pair)
+    run_room(pair, decode_first=True)
+
+
+def test_a_prefill_rank_waits_for_every_decode_rank_it_owes(closing: list[Pair]) -> None:
+    pair = make_pair(1, 2)  # prefill rank 0 writes into decode ranks 0 and 1
+    closing.append(pair)
+    (prefill,) = pair.prefill
+    sender = prefill.create_sender(ADDR, 12)
+    first = pair.decode[0].create_receiver(ADDR, 12)
+    first.init()
+    first.send_metadata(dst_pages(0), 0)
+    assert sender.poll() == KVPoll.BOOTSTRAPPING
+    second = pair.decode[1].create_receiver(ADDR, 12)
+    second.init()
+    second.send_metadata(dst_pages(1), 1)
+    assert drive(prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    sender.init(len(SRC_PAGES), 0)
+    sender.send(SRC_PAGES, last=True)
+    assert drive(prefill, sender, TERMINAL)[-1] == KVPoll.SUCCESS
+    for receiver in (first, second):
+        eventually(lambda r=receiver: r.poll() == KVPoll.SUCCESS,  # type: ignore[misc]
+                   "both decode ranks to complete")
+    for end in (sender, first, second):
+        end.clear()
+    assert pair.leaks() == []
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+def test_a_decode_room_completes_only_after_every_source_of_every_stage(
+        closing: list[Pair], tp: int, pp: int) -> None:
+    pair = make_pair(tp, 1, pp=pp, layers=4)
+    closing.append(pair)
+    senders = [m.create_sender(ADDR, 13) for m in pair.prefill]
+    (receiver,) = make_receivers(pair, 13)
+    for m, s in zip(pair.prefill, senders, strict=True):
+        assert s.poll() == KVPoll.WAITING_FOR_INPUT
+        s.init(len(SRC_PAGES), 0)
+        m.metadata.write(0, first_token=42, cached_tokens=1, logprob=None, room=13)
+    for i, (m, s) in enumerate(zip(pair.prefill, senders, strict=True)):
+        s.send(SRC_PAGES, last=True)
+        assert drive(m, s, TERMINAL)[-1] == KVPoll.SUCCESS
+        if i < len(senders) - 1:
+            assert receiver.poll() == KVPoll.TRANSFERRING, f"complete after {i + 1} sources"
+    eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "the last source to complete the room")
+    for end in (*senders, receiver):
+        end.clear()
+    assert pair.leaks() == []
 
 
 def test_dp_replicas_each_serve_their_rooms(closing: list[Pair]) -> None:
