@@ -29,6 +29,7 @@ from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout
+from kv.rank_table import RankPlace
 from kv.transfer import DecodeKVManager, KVManager
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
@@ -130,6 +131,8 @@ def build_prefill(
     closers: Closers,
     hub: LocalTransferHub | None = None,
     bootstrap: BootstrapServer | None = None,
+    bootstrap_addr: str | None = None,
+    place: RankPlace | None = None,
     mooncake: MooncakeConfig | None = None,
     faults: FaultPlan | None = None,
     kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
@@ -137,19 +140,23 @@ def build_prefill(
 ) -> PrefillScheduler:
     """A prefill scheduler over a fresh pool (in ``kv_layout``) and ``backend``'s KV manager.
     ``local`` needs the ``hub`` its decode peer shares; ``mooncake`` needs the ``bootstrap``
-    endpoint its rank registers at. Requests for the fake bootstrap host always get the fake
-    backend, on the scheduler's clock."""
+    endpoint its rank registers at (on a mesh rank other than the first, its
+    ``bootstrap_addr``; ``place`` is the rank's place in the mesh, default a single rank).
+    Requests for the fake bootstrap host always get the fake backend, on the scheduler's
+    clock."""
     pool = model.make_pool(num_pages=pages, page_size=config.page_size, layout=kv_layout)
     metadata = MetadataBuffers(metadata_slots)
     fake_kv = FakeKVManager(faults, clock=options.get("clock", time.monotonic))
     kv: KVManager
     if backend == "mooncake":
-        if bootstrap is None:
+        addr = bootstrap.address if bootstrap is not None else bootstrap_addr
+        if addr is None:
             raise ValueError("the mooncake backend needs the bootstrap endpoint to register at")
-        mooncake_kv = MooncakeKVManager(pool, metadata, config=mooncake)
+        mooncake_kv = MooncakeKVManager(pool, metadata, place=place, config=mooncake)
         closers.append(mooncake_kv.close)
-        mooncake_kv.register_to_bootstrap(bootstrap.address)
-        bootstrap.add_refusal_listener(mooncake_kv.peer_refused)
+        mooncake_kv.register_to_bootstrap(addr)
+        if bootstrap is not None:
+            bootstrap.add_refusal_listener(mooncake_kv.peer_refused)
         kv = mooncake_kv
     elif backend == "local":
         if hub is None:

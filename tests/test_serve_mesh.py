@@ -2,13 +2,15 @@
 
 One server of the reference model on TP 2 x PP 2 (four processes, fake backend) answers a
 batch with the colocated model's first tokens, shows its pool free again, and exits 0 on
-SIGTERM with its rank processes stopped by rank 0. The flags are checked before anything
-starts, with errors that say what to change.
+SIGTERM with its rank processes stopped by rank 0. SGLang's router drives a prefill at TP 2
+and a decode at TP 1 over Mooncake to the colocated outputs. The flags are checked before
+anything starts, with errors that say what to change.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,7 @@ from scheduler.cli.command import UsageError
 from scheduler.cli.serve import SERVE, serve_config
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.service.config import ServeConfig
-from tests.service_harness import Server, idle, model_flags, wait_for
+from tests.service_harness import Process, Server, free_port, idle, model_flags, wait_for
 
 MODEL = ModelConfig(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48,
                     max_position=256, seed=9)
@@ -48,6 +50,57 @@ def test_a_tp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
     assert "killing them" not in log and "a prefill rank failed" not in log, log
 
 
+@pytest.mark.mooncake
+@pytest.mark.multiprocess
+def test_the_router_drives_a_tp2_prefill_and_a_tp1_decode(tmp_path: Path) -> None:
+    bootstrap = free_port()
+    common = ["--backend", "mooncake", "--page-size", "4", "--chunked-prefill-size", "8",
+              *model_flags(MODEL), "--log-level", "warning"]
+    procs: list[Process] = []
+    try:
+        prefill = Server(tmp_path / "prefill.log", "--role", "prefill", "--tp-size", "2",
+                         "--bootstrap-port", str(bootstrap), *common)
+        procs.append(prefill)
+        decode = Server(tmp_path / "decode.log", "--role", "decode", *common)
+        procs.append(decode)
+        prefill.wait_healthy(timeout=180)
+        decode.wait_healthy(timeout=180)
+        url = f"http://127.0.0.1:{free_port()}"
+        router = Process([
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
+            "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", "round_robin", "--worker-startup-check-interval", "1",
+            "--disable-retries", "--disable-circuit-breaker", "--log-level", "warn",
+        ], tmp_path / "router.log")
+        procs.append(router)
+
+        def generate(prompt: list[int], n: int) -> httpx.Response:
+            return httpx.post(f"{url}/generate", timeout=60, json={
+                "input_ids": prompt, "sampling_params": {"max_new_tokens": n,
+                                                         "ignore_eos": True}})
+
+        def routes() -> bool:
+            router.check_alive("sglang router")
+            try:
+                return generate([1, 2], 1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(routes, 90, "router serving /generate")
+        colocated = ReferenceModel(LlamaModel(MODEL))
+        for prompt in PROMPTS:
+            r = generate(prompt, 5)
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == colocated.generate(prompt, 5, ignore_eos=True)
+        wait_for(lambda: idle(prefill.get("/server_info")) and idle(decode.get("/server_info")),
+                 30, "both pools free again")
+    finally:
+        for proc in reversed(procs):
+            proc.stop(timeout=60)
+
+
 def _config(*flags: str) -> ServeConfig:
     parser = argparse.ArgumentParser()
     SERVE.add_arguments(parser)
@@ -61,8 +114,7 @@ def _config(*flags: str) -> ServeConfig:
          "only the prefill role runs on several ranks"),
         (("--role", "prefill", "--backend", "fake", "--dp-size", "2"),
          "DP ranks behind one bootstrap port are not built yet"),
-        (("--role", "prefill", "--backend", "mooncake", "--tp-size", "2"),
-         "the mooncake backend does not send a sharded pool's slices yet"),
+        (("--backend", "local", "--pp-size", "2"), "only the prefill role runs on several ranks"),
         (("--role", "prefill", "--backend", "fake", "--tp-size", "3"),
          r"the model's heads \(4\) must be a multiple of TP 3"),
         (("--role", "prefill", "--backend", "fake", "--pp-size", "3"),

@@ -131,7 +131,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     par = parser.add_argument_group("parallelism (prefill; docs/backends.md#parallel-layouts)")
     par.add_argument("--tp-size", type=positive_int, default=1,
                      help="tensor-parallel ranks per pipeline stage, each a process holding its "
-                     "KV heads (reference model, --backend fake) (default: 1)")
+                     "KV heads (reference model) (default: 1)")
     par.add_argument("--pp-size", type=positive_int, default=1,
                      help="pipeline stages, each holding a range of the layers (default: 1)")
     par.add_argument("--dp-size", type=positive_int, default=1,
@@ -280,6 +280,8 @@ def _serve(args: argparse.Namespace) -> int:
         if ranks is not None:
             ranks.close()
         raise
+    if ranks is not None:
+        ranks.started()  # the bootstrap endpoint is up: the other ranks build and register
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT."""
@@ -357,9 +359,8 @@ SERVE = Subcommand(
         "400 naming it (docs/operations.md lists them all). The OpenAI API: /v1/completions, "
         "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "
         "and /v1/models. --tp-size/--pp-size run a prefill of the reference model on TP x PP "
-        "rank processes (fake backend only for now); DP replicas and sliced KV sends to a "
-        "decode of another layout are not built yet. SGLang's router refuses text batches and "
-        "per-prompt sampling_params lists before a worker sees them (input_ids batches go "
+        "rank processes; DP replicas are not built yet. SGLang's router refuses text batches "
+        "and per-prompt sampling_params lists before a worker sees them (input_ids batches go "
         "through), and does not forward /abort_request (docs/operations.md)."
     ),
     add_arguments=_serve_arguments,

@@ -36,10 +36,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from kv.rank_table import RankPlace
 from scheduler.dist.ranks import RankSync, TorchRanks
 from scheduler.dist.relay import InboxRelay
 from scheduler.dist.stages import StageConsensus, TorchStageGather
-from scheduler.model.sharded import Mesh, build_mesh
+from scheduler.model.sharded import Mesh, build_mesh, stage_layers
 from scheduler.prefill.pipeline import StagePolls
 
 
@@ -69,6 +70,15 @@ class MeshControl:
     def scheduler_options(self) -> MeshOptions:
         """The :class:`~scheduler.prefill.scheduler.PrefillScheduler` arguments of a rank."""
         return MeshOptions(ranks=self.ranks, relay=self.relay, stages=self.stages)
+
+    def rank_place(self, num_layers: int, kv_heads: int) -> RankPlace:
+        """This rank's place, as it registers at the bootstrap endpoint (a model of
+        ``num_layers`` layers and ``kv_heads`` KV heads)."""
+        m = self.mesh
+        layers = stage_layers(num_layers, m.pp_size, m.pp_rank)
+        return RankPlace(tp_rank=m.tp_rank, tp_size=m.tp_size, pp_rank=m.pp_rank,
+                         pp_size=m.pp_size, kv_heads=kv_heads, num_layers=num_layers,
+                         layer_start=layers.start, layer_stop=layers.stop)
 
     def all_agree(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on every rank (a collective)."""

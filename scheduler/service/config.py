@@ -95,9 +95,6 @@ class ServeConfig:
         if dp > 1:
             return (f"{layout}: DP ranks behind one bootstrap port are not built yet; run one "
                     "prefill server per DP replica (--dp-size 1)")
-        if self.backend != "fake":
-            return (f"{layout}: the {self.backend} backend does not send a sharded pool's "
-                    "slices yet; only --backend fake runs a prefill mesh")
         if self.served is not None:
             return (f"{layout}: only the reference model runs sharded "
                     "(scheduler/model/sharded.py); drop --model or use TP 1 x PP 1")

@@ -102,6 +102,8 @@ class Service:
             compiler=constraint_compiler(served), detokenize=self.tokenizer.decode,
             on_prefill=self._on_prefill, on_decode=self._on_decode,
             prefill_options=None if mesh is None else mesh.scheduler_options(),
+            place=None if mesh is None else mesh.rank_place(config.model.layers,
+                                                            config.model.kv_heads),
         )
         self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv
         self.prefill, self.decode = engines.prefill, engines.decode

@@ -33,6 +33,7 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import PeerAuthError
 from kv.pool import KVPool
+from kv.rank_table import RankPlace
 from kv.refusal import RefusalPoster
 from kv.wire import DroppedMessages
 from scheduler.assemble import (
@@ -83,11 +84,13 @@ class Engines:
         on_prefill: Callable[[Response], None],
         on_decode: Callable[[DecodeResponse], None],
         prefill_options: MeshOptions | None = None,
+        place: RankPlace | None = None,
     ) -> None:
-        """``prefill_options`` go to the prefill scheduler as they are (a mesh rank's
-        agreements: :mod:`scheduler.service.ranks`)."""
+        """``prefill_options`` go to the prefill scheduler as they are and ``place`` to its
+        Mooncake manager (rank 0 of a mesh: :mod:`scheduler.service.ranks`)."""
         self.config = config
         self._prefill_options: MeshOptions = prefill_options or {}
+        self._place = place
         self.bootstrap: BootstrapServer | None = None
         self.prefill: PrefillScheduler | None = None
         self.decode: DecodePeer | None = None
@@ -127,13 +130,15 @@ class Engines:
         c = self.config
         if c.backend == "mooncake":
             self.bootstrap = BootstrapServer(
-                c.bootstrap_host, c.bootstrap_port, token=c.mooncake.token
+                c.bootstrap_host, c.bootstrap_port, token=c.mooncake.token,
+                expected_ranks=c.tp_size * c.pp_size,
             )
             self._closers.append(self.bootstrap.close)
         prefill = build_prefill(
             model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
             metadata_slots=c.metadata_slots, runner_factory=runner_factory,
             closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
+            place=self._place,
             kv_layout=c.kv_layout, on_response=on_response, overlap=c.overlap, compiler=compiler,
             **self._prefill_options,
         )

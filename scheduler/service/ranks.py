@@ -88,6 +88,11 @@ class Ranks:
         logger.info("prefill mesh: TP %d x PP %d, %d rank processes beside this one",
                     config.tp_size, config.pp_size, self.world - 1)
 
+    def started(self) -> None:
+        """Rank 0's engines are built (with Mooncake: its bootstrap endpoint is up): the other
+        ranks build theirs and register. Once, before rank 0's first pass."""
+        self.control.relay.exchange([])
+
     def close(self) -> None:
         """Stop the mesh (rank 0's engine loop must have stopped) and wait for the ranks."""
         try:
@@ -125,18 +130,24 @@ def _follow(index: int, world: int, port: int, config: ServeConfig) -> None:
     closers: Closers = []
     try:
         served = reference_model(config.model, device=config.device)
+        control.relay.exchange([])  # Ranks.started: rank 0's bootstrap endpoint is up
         scheduler = build_prefill(
             ShardedLlama(config.model, control.mesh, config.device), backend=config.backend,
             config=config.scheduler, pages=config.pool_pages,
             metadata_slots=config.metadata_slots, runner_factory=PagedModelRunner,
             closers=closers, kv_layout=config.kv_layout, overlap=config.overlap,
-            compiler=constraint_compiler(served), **control.scheduler_options(),
+            compiler=constraint_compiler(served), mooncake=config.mooncake,
+            bootstrap_addr=f"{config.bootstrap_host}:{config.bootstrap_port}",
+            place=control.rank_place(config.model.layers, config.model.kv_heads),
+            **control.scheduler_options(),
         )
         while True:
             try:
                 step_or_rest(scheduler.step)
             except MeshStopped:
                 break
+    except MeshStopped:
+        pass  # rank 0 stopped before this rank's scheduler was built
     finally:
         for exc in close_all(closers):
             logger.error("closing a backend failed", exc_info=exc)
