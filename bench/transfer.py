@@ -49,6 +49,7 @@ import attrs
 import torch
 
 from bench.transfer_plans import Plan, churned_requests, shredded_requests
+from bench.transfer_sliced import bench_sliced
 from kv.bootstrap import BootstrapServer
 from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
@@ -337,10 +338,16 @@ def main() -> None:
     ap.add_argument("--run-pages", type=int, default=4, help="free run length when shredded")
     ap.add_argument("--iters", type=int, default=9, help="timed rounds (at least 5)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-tp", type=int, default=1,
+                    help="with --decode-tp: head slicing against whole pages (transfer_sliced)")
+    ap.add_argument("--decode-tp", type=int, default=1)
     args = ap.parse_args()
     if args.iters < 5:
         ap.error("--iters must be at least 5: the figures are medians of the rounds")
     shape = shape_of(args.model, args.dtype)
+    if (args.prefill_tp, args.decode_tp) != (1, 1):
+        bench_sliced(args, shape)
+        return
     plans = {
         "churned": churned_requests(args.pages, args.requests, args.min_pages, args.max_pages,
                                     args.churn, args.seed),
