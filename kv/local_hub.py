@@ -117,9 +117,10 @@ class LocalServer:
         group = self.group(room, end.place.tp_rank)
         group.join_receiver(end)
         for rank in sorted(end.contacts - set(group.senders)):
-            refused = self.managers[rank].refused.get(room)
-            if refused is not None:
-                group.fail(Failure.everywhere(PREFILL, refusal(refused)))
+            manager = self.managers.get(rank)
+            why = f"prefill rank {rank} closed" if manager is None else manager.refused.get(room)
+            if why is not None:
+                group.fail(Failure.everywhere(PREFILL, refusal(why)))
                 break
         return group
 
@@ -141,7 +142,7 @@ class LocalServer:
             failure = group.failure
             if group.empty and failure is not None and failure.origin == DECODE \
                     and not group.retired:
-                for rank in end.contacts:
+                for rank in end.contacts & set(self.managers):
                     self.managers[rank].peer_refused_rooms.add(room, failure.peer)
         if group.empty and self.groups.get(room) is group:
             del self.groups[room]

@@ -201,3 +201,30 @@ def test_a_late_abort_from_an_old_receiver_spares_the_next_use_of_the_room(
         r.abort()
         r.clear()
     assert pair.leaks() == []
+
+
+def test_a_prefill_rank_closed_after_the_lookup_fails_the_room(closing: list[Pair]) -> None:
+    pair = make_pair(2, 1)
+    closing.append(pair)
+    live = pair.prefill[0].create_sender(ADDR, 14)
+    receiver = pair.decode[0].create_receiver(ADDR, 14)
+    receiver.init()
+    pair.prefill[1].close()
+    receiver.send_metadata([0], 0)
+    for end in (live, receiver):
+        assert end.failure_exception().reason == "peer refused: prefill rank 1 closed"
+    clear_all(pair, [live, receiver])
+
+
+def test_a_decode_abort_before_any_sender_fails_the_senders_to_come(closing: list[Pair]) -> None:
+    pair = make_pair(2, 1)
+    closing.append(pair)
+    (receiver,) = make_receivers(pair, 15)
+    receiver.abort()
+    receiver.clear()
+    assert pair.leaks() == []  # the room is remembered as refused, not as a group
+    senders = [m.create_sender(ADDR, 15) for m in pair.prefill]
+    for s in senders:
+        assert s.poll() == KVPoll.FAILED
+        assert s.failure_exception().reason == f"peer refused: {REASON_PEER_ABORTED}"
+    clear_all(pair, senders)
