@@ -4,6 +4,7 @@ through every rank, what landed checked on every decode rank, and leak checks.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -62,6 +63,14 @@ class Pair:
         if self.hub.open_rooms(ADDR):
             out.append(f"the server keeps {self.hub.open_rooms(ADDR)} rooms")
         return out
+
+
+def closing_pairs() -> Iterator[list[Pair]]:
+    """A fixture's body: the pairs a test makes, closed after it."""
+    pairs: list[Pair] = []
+    yield pairs
+    for p in pairs:
+        p.close()
 
 
 def make_pair(tp: int, td: int, *, heads: int = 8, layers: int = 3, pp: int = 1, dp: int = 1,

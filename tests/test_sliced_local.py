@@ -17,6 +17,7 @@ from tests.sliced_harness import (
     SRC_PAGES,
     TERMINAL,
     Pair,
+    closing_pairs,
     dst_pages,
     make_pair,
     make_receivers,
@@ -28,10 +29,7 @@ from tests.transfer_harness import drive, eventually
 
 @pytest.fixture
 def closing() -> Iterator[list[Pair]]:
-    pairs: list[Pair] = []
-    yield pairs
-    for p in pairs:
-        p.close()
+    yield from closing_pairs()
 
 
 @pytest.mark.parametrize("td", [1, 2, 4])

@@ -26,6 +26,7 @@ from tests.sliced_harness import (
     TERMINAL,
     Pair,
     clear_all,
+    closing_pairs,
     make_pair,
     make_pool,
     make_receivers,
@@ -39,10 +40,7 @@ from tests.transfer_harness import drive
 
 @pytest.fixture
 def closing() -> Iterator[list[Pair]]:
-    pairs: list[Pair] = []
-    yield pairs
-    for p in pairs:
-        p.close()
+    yield from closing_pairs()
 
 
 def _manager(hub: LocalTransferHub, place: RankPlace, **over: Any) -> LocalKVManager:
