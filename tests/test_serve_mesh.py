@@ -1,10 +1,13 @@
-"""``pdlife serve --tp-size --pp-size``: a prefill mesh of rank processes behind one HTTP front.
+"""``pdlife serve --tp-size --pp-size --dp-size``: a prefill of rank processes behind one HTTP
+front.
 
-One server of the reference model on TP 2 x PP 2 (four processes, fake backend) answers a
-batch with the colocated model's first tokens, shows its pool free again, and exits 0 on
-SIGTERM with its rank processes stopped by rank 0. SGLang's router drives a prefill at TP 2
-and a decode at TP 1 over Mooncake to the colocated outputs. The flags are checked before
-anything starts, with errors that say what to change.
+One server of the reference model on two DP replicas of PP 2 (four processes, fake backend)
+answers a batch with the colocated model's first tokens (the fake backend's rooms count up, so
+the requests alternate between the replicas), shows its pool free again, and exits 0 on
+SIGTERM with its rank processes stopped by rank 0. SGLang's router drives a prefill of two DP
+replicas of TP 2 and a decode at TP 1 over Mooncake to the colocated outputs: the decode finds
+each room's replica as the prefill routes it. The flags are checked before anything starts,
+with errors that say what to change.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ PROMPTS = [[(7 * i + 3 * j + 1) % 250 for j in range(2 + 9 * i)] for i in range(
 
 
 @pytest.mark.multiprocess
-def test_a_tp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> None:
+def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> None:
     server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "fake",
                     *model_flags(MODEL), "--page-size", "4", "--chunked-prefill-size", "8",
-                    "--tp-size", "2", "--pp-size", "2", "--log-level", "info")
+                    "--dp-size", "2", "--pp-size", "2", "--log-level", "info")
     try:
         server.wait_healthy(timeout=180)
         r = httpx.post(f"{server.url}/generate", timeout=60, json={
@@ -46,19 +49,20 @@ def test_a_tp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
     finally:
         server.stop()
     log = server.log.read_text()
-    assert "3 rank processes beside this one" in log
+    assert "DP 2 x TP 1 x PP 2, 3 rank processes beside this one" in log
     assert "killing them" not in log and "a prefill rank failed" not in log, log
 
 
 @pytest.mark.mooncake
 @pytest.mark.multiprocess
-def test_the_router_drives_a_tp2_prefill_and_a_tp1_decode(tmp_path: Path) -> None:
+def test_the_router_drives_a_dp2_tp2_prefill_and_a_tp1_decode(tmp_path: Path) -> None:
     bootstrap = free_port()
     common = ["--backend", "mooncake", "--page-size", "4", "--chunked-prefill-size", "8",
               *model_flags(MODEL), "--log-level", "warning"]
     procs: list[Process] = []
     try:
         prefill = Server(tmp_path / "prefill.log", "--role", "prefill", "--tp-size", "2",
+                         "--dp-size", "2",
                          "--bootstrap-port", str(bootstrap), *common)
         procs.append(prefill)
         decode = Server(tmp_path / "decode.log", "--role", "decode", *common)
@@ -112,8 +116,6 @@ def _config(*flags: str) -> ServeConfig:
     [
         (("--role", "decode", "--backend", "fake", "--tp-size", "2"),
          "only the prefill role runs on several ranks"),
-        (("--role", "prefill", "--backend", "fake", "--dp-size", "2"),
-         "DP ranks behind one bootstrap port are not built yet"),
         (("--backend", "local", "--pp-size", "2"), "only the prefill role runs on several ranks"),
         (("--role", "prefill", "--backend", "fake", "--tp-size", "3"),
          r"the model's heads \(4\) must be a multiple of TP 3"),

@@ -135,8 +135,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--pp-size", type=positive_int, default=1,
                      help="pipeline stages, each holding a range of the layers (default: 1)")
     par.add_argument("--dp-size", type=positive_int, default=1,
-                     help="data-parallel replicas behind one bootstrap port (not built yet: "
-                     "only 1) (default: 1)")
+                     help="data-parallel replicas behind one bootstrap port, each a TP x PP "
+                     "mesh with its own scheduler; a request goes to replica bootstrap_room "
+                     "%% dp-size (default: 1)")
     times = _number_group(parser, "timeouts and limits")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
@@ -270,12 +271,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     config = serve_config(args)
     ranks = None
-    if config.tp_size * config.pp_size > 1:
+    if config.dp_size * config.tp_size * config.pp_size > 1:
         from scheduler.service.ranks import Ranks
 
         ranks = Ranks(config)  # this process is rank 0, behind the HTTP front
     try:
-        service = Service(config, mesh=None if ranks is None else ranks.control)
+        service = Service(config, mesh=None if ranks is None else ranks.control,
+                          replicas=ranks if ranks is not None and ranks.dp_size > 1 else None)
     except BaseException:
         if ranks is not None:
             ranks.close()
@@ -359,7 +361,7 @@ SERVE = Subcommand(
         "400 naming it (docs/operations.md lists them all). The OpenAI API: /v1/completions, "
         "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "
         "and /v1/models. --tp-size/--pp-size run a prefill of the reference model on TP x PP "
-        "rank processes; DP replicas are not built yet. SGLang's router refuses text batches "
+        "rank processes, --dp-size that many replicas of it. SGLang's router refuses text batches "
         "and per-prompt sampling_params lists before a worker sees them (input_ids batches go "
         "through), and does not forward /abort_request (docs/operations.md)."
     ),

@@ -71,13 +71,16 @@ class MeshControl:
         """The :class:`~scheduler.prefill.scheduler.PrefillScheduler` arguments of a rank."""
         return MeshOptions(ranks=self.ranks, relay=self.relay, stages=self.stages)
 
-    def rank_place(self, num_layers: int, kv_heads: int) -> RankPlace:
+    def rank_place(self, num_layers: int, kv_heads: int, dp_rank: int = 0,
+                   dp_size: int = 1) -> RankPlace:
         """This rank's place, as it registers at the bootstrap endpoint (a model of
-        ``num_layers`` layers and ``kv_heads`` KV heads)."""
+        ``num_layers`` layers and ``kv_heads`` KV heads; this mesh is DP replica ``dp_rank``
+        of ``dp_size``)."""
         m = self.mesh
         layers = stage_layers(num_layers, m.pp_size, m.pp_rank)
         return RankPlace(tp_rank=m.tp_rank, tp_size=m.tp_size, pp_rank=m.pp_rank,
-                         pp_size=m.pp_size, kv_heads=kv_heads, num_layers=num_layers,
+                         pp_size=m.pp_size, dp_rank=dp_rank, dp_size=dp_size,
+                         kv_heads=kv_heads, num_layers=num_layers,
                          layer_start=layers.start, layer_stop=layers.stop)
 
     def all_agree(self, flag: bool) -> bool:

@@ -92,9 +92,6 @@ class ServeConfig:
         if self.role != "prefill":
             return (f"{layout}: only the prefill role runs on several ranks; a decode server "
                     "is one rank (use --tp-size 1 --pp-size 1 --dp-size 1)")
-        if dp > 1:
-            return (f"{layout}: DP ranks behind one bootstrap port are not built yet; run one "
-                    "prefill server per DP replica (--dp-size 1)")
         if self.served is not None:
             return (f"{layout}: only the reference model runs sharded "
                     "(scheduler/model/sharded.py); drop --model or use TP 1 x PP 1")

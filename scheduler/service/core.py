@@ -34,7 +34,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lifecycle import FailureReason
 from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
@@ -65,6 +66,18 @@ __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", 
 logger = logging.getLogger(__name__)
 
 
+class Replicas(Protocol):
+    """The other DP replicas of a prefill server (:class:`scheduler.service.ranks.Ranks`)."""
+
+    def submit(self, new: NewRequest) -> bool:
+        """Hand ``new`` to the replica of its room; False when that is this process's."""
+
+    def abort(self, rid: str) -> None: ...
+
+    def answer_to(self, callback: Callable[[Response], None]) -> None:
+        """Hand the replicas' answers to ``callback`` (from another thread)."""
+
+
 class Service:
     """Engines of one role, their loop, and the requests waiting on them."""
 
@@ -75,10 +88,13 @@ class Service:
         runner_factory: RunnerFactory = PagedModelRunner,
         tracer: LifecycleTracer | None = None,
         mesh: MeshControl | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         """``mesh``: this process is rank 0 of a prefill mesh (:mod:`scheduler.service.ranks`);
-        its scheduler runs its shard of the reference model and agrees with the other ranks."""
+        its scheduler runs its shard of the reference model and agrees with the other ranks.
+        ``replicas``: the other DP replicas, which take the requests of their rooms."""
         self.config = config
+        self._replicas = replicas
         # A real checkpoint, or the reference model ``config.model`` shapes: its tokenizer,
         # runner and grammar compiler.
         served = config.served if config.served is not None else reference_model(
@@ -102,9 +118,11 @@ class Service:
             compiler=constraint_compiler(served), detokenize=self.tokenizer.decode,
             on_prefill=self._on_prefill, on_decode=self._on_decode,
             prefill_options=None if mesh is None else mesh.scheduler_options(),
-            place=None if mesh is None else mesh.rank_place(config.model.layers,
-                                                            config.model.kv_heads),
+            place=None if mesh is None else mesh.rank_place(
+                config.model.layers, config.model.kv_heads, 0, config.dp_size),
         )
+        if replicas is not None:
+            replicas.answer_to(self._on_prefill)
         self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv
         self.prefill, self.decode = engines.prefill, engines.decode
         engine = self.prefill if self.prefill is not None else self.decode
@@ -198,7 +216,7 @@ class Service:
         if item.fake and self.decode_kv is not None:
             self.decode_kv.fake.expect(item.bootstrap_room, item.rid, item.input_ids,
                                       item.sampling)
-        if self.prefill is not None:
+        if self.prefill is not None and not (self._replicas and self._replicas.submit(new)):
             self.prefill.submit(new)
         if self.decode is not None:
             self.decode.submit(new)
@@ -213,6 +231,8 @@ class Service:
         for engine in (self.prefill, self.decode):
             if engine is not None:
                 engine.abort(rid)
+        if self._replicas is not None:
+            self._replicas.abort(rid)
         self.loop.wake()
         return True
 

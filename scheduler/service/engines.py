@@ -131,7 +131,7 @@ class Engines:
         if c.backend == "mooncake":
             self.bootstrap = BootstrapServer(
                 c.bootstrap_host, c.bootstrap_port, token=c.mooncake.token,
-                expected_ranks=c.tp_size * c.pp_size,
+                expected_ranks=c.dp_size * c.tp_size * c.pp_size,
             )
             self._closers.append(self.bootstrap.close)
         prefill = build_prefill(

@@ -1,48 +1,67 @@
-"""Prefill ranks as processes: ``pdlife serve --role prefill --tp-size T --pp-size P``.
+"""Prefill ranks as processes: ``pdlife serve --role prefill --tp-size T --pp-size P --dp-size D``.
 
 Theory of operation
 -------------------
-The ``pdlife serve`` process is the launcher and global rank 0: stage 0, TP rank 0, the rank
-behind the HTTP front (as SGLang's launcher starts its scheduler processes and keeps the HTTP
-server). :func:`launch_ranks` spawns ranks ``1 .. T*P - 1`` as processes (``spawn``, so
-none inherits the launcher's threads), joins them in a gloo process group on a loopback
-port, and every rank builds the mesh and the scheduler's groups
-(:func:`scheduler.prefill.mesh.build_mesh_control`).
+A prefill server is ``D`` data-parallel replicas, each a mesh of ``T x P`` ranks running its
+own scheduler (SGLang's DP ranks). The ``pdlife serve`` process is the launcher and the first
+rank of replica 0: stage 0, TP rank 0, behind the HTTP front (as SGLang's launcher starts its
+scheduler processes and keeps the HTTP server). :class:`Ranks` spawns every other rank as a
+process (``spawn``, so none inherits the launcher's threads); the ranks of each replica join a
+gloo process group of their own on a loopback port and build the mesh and the scheduler's
+groups (:func:`scheduler.prefill.mesh.build_mesh_control`).
 
-Every rank then builds the same scheduler over its own shard
-(:class:`~scheduler.model.sharded.ShardedLlama`: its KV heads of its stage's layers), its
-own pool and its own KV backend, from the same :class:`~scheduler.service.config.ServeConfig`.
-Rank 0's :class:`~scheduler.service.core.Service` steps its scheduler in its engine loop as
-on one rank; the other ranks step theirs in :func:`_follow`. Each pass opens with the relay's
-broadcast from rank 0 (:mod:`scheduler.dist.relay`), so the other ranks wait for rank 0's
-passes and run them in lockstep; when rank 0 is idle, they wait in that broadcast (for at
-most :data:`MESH_TIMEOUT`, gloo's limit on one collective).
+Every rank builds the same scheduler over its own shard
+(:class:`~scheduler.model.sharded.ShardedLlama`: its KV heads of its stage's layers), its own
+pool and its own KV backend, from the same :class:`~scheduler.service.config.ServeConfig`, and
+registers its place (TP, PP and DP rank) at the one bootstrap endpoint rank 0 runs. Within a
+replica, each pass opens with the relay's broadcast from the replica's first rank
+(:mod:`scheduler.dist.relay`), so the other ranks run its passes in lockstep and, while it is
+idle, wait in that broadcast (for at most :data:`MESH_TIMEOUT`, gloo's limit on one
+collective).
 
-Shutdown: :meth:`Ranks.close` (after rank 0's engine loop stopped) has the relay stop the
-mesh; every other rank's next pass raises :class:`~scheduler.dist.relay.MeshStopped`, it closes
-its backends and exits 0. The other ranks ignore SIGINT and SIGTERM (a Ctrl-C reaches the
-whole process group): rank 0 alone drains and decides when they stop. A rank that fails
-breaks the next collective on every rank: rank 0's engine loop fails and the service reports
-it (unhealthy; ``pdlife serve`` exits 1).
+Requests reach a replica as SGLang routes them: by ``bootstrap_room % D``, the replica the
+decode side contacts for that room (:func:`kv.routes.dp_rank_of`). Replica 0's requests go to
+rank 0's scheduler, stepped by the service's engine loop; another replica's first rank takes
+its requests off a queue from the launcher (:func:`_lead`) and puts its answers on a queue
+the launcher reads (:meth:`Ranks.answer_to`). Aborts go to every replica (an abort of a
+request a replica does not hold is ignored).
+
+Start: rank 0 builds its engines (with Mooncake: the bootstrap endpoint for all ``D*T*P``
+ranks), then :meth:`Ranks.started` lets every other rank build and register. Shutdown:
+:meth:`Ranks.close` (after rank 0's engine loop stopped) stops every replica: its first rank's
+relay stops its mesh, so every rank's next pass raises
+:class:`~scheduler.dist.relay.MeshStopped`, and each closes its backends and exits 0. The rank
+processes ignore SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): rank 0 alone
+drains and decides when they stop. A rank that fails breaks the next collective of its
+replica: in replica 0, rank 0's engine loop fails and the service reports it (unhealthy;
+``pdlife serve`` exits 1); in another replica its first rank logs the failure and its
+requests are not answered (a known gap).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import queue
 import signal
 import socket
+import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
 from scheduler.dist.relay import MeshStopped
+from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
 from scheduler.model.sharded import ShardedLlama
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
+from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service.config import ServeConfig
 from scheduler.stepping import step_or_rest
 
@@ -69,33 +88,81 @@ def _join(rank: int, world: int, port: int, config: ServeConfig) -> MeshControl:
     return control
 
 
+# What the launcher puts on a replica's queue besides requests and aborts.
+_STARTED, _STOP = "started", "stop"
+
+
 class Ranks:
-    """The launcher's side: rank 0's mesh control and the other ranks' processes."""
+    """The launcher's side: rank 0's mesh control, the other ranks' processes, and the queues
+    to and from the other replicas' first ranks."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.world = config.tp_size * config.pp_size
-        port = _free_port()
+        self.dp_size = config.dp_size
+        ports = [_free_port() for _ in range(self.dp_size)]
+        context = multiprocessing.get_context("spawn")
+        self._inboxes: list[Any] = [context.Queue() for _ in range(self.dp_size - 1)]
+        self._answers: Any = context.Queue()
+        self._reader: threading.Thread | None = None
         # torch's start_processes has no annotations.
         self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _follow, args=(self.world, port, config), nprocs=self.world - 1, join=False,
-            start_method="spawn",
+            _rank_main, args=(self.world, ports, config, self._inboxes, self._answers),
+            nprocs=self.world * self.dp_size - 1, join=False, start_method="spawn",
         )
         try:
-            self.control = _join(0, self.world, port, config)
+            self.control = _join(0, self.world, ports[0], config)
         except BaseException:
             self._kill()
             raise
-        logger.info("prefill mesh: TP %d x PP %d, %d rank processes beside this one",
-                    config.tp_size, config.pp_size, self.world - 1)
+        logger.info("prefill: DP %d x TP %d x PP %d, %d rank processes beside this one",
+                    self.dp_size, config.tp_size, config.pp_size,
+                    self.world * self.dp_size - 1)
 
     def started(self) -> None:
-        """Rank 0's engines are built (with Mooncake: its bootstrap endpoint is up): the other
-        ranks build theirs and register. Once, before rank 0's first pass."""
+        """Rank 0's engines are built (with Mooncake: its bootstrap endpoint is up): every
+        other rank builds its own and registers. Once, before rank 0's first pass."""
+        for inbox in self._inboxes:
+            inbox.put(_STARTED)
         self.control.relay.exchange([])
 
+    # -- the replicas (thread-safe) ---------------------------------------------------------
+
+    def submit(self, new: NewRequest) -> bool:
+        """Hand ``new`` to its replica (``bootstrap_room % dp_size``); False when that is
+        replica 0, whose scheduler is rank 0's own."""
+        replica = new.bootstrap_room % self.dp_size
+        if replica == 0:
+            return False
+        self._inboxes[replica - 1].put(new)
+        return True
+
+    def abort(self, rid: str) -> None:
+        """Abort ``rid`` on the other replicas (those that do not hold it ignore it)."""
+        for inbox in self._inboxes:
+            inbox.put(AbortRequest(rid))
+
+    def answer_to(self, callback: Callable[[Response], None]) -> None:
+        """Hand every answer of the other replicas to ``callback`` (on a reader thread)."""
+        if self._inboxes and self._reader is None:
+            self._reader = threading.Thread(target=self._read, args=(callback,),
+                                            name="pdlife-replicas", daemon=True)
+            self._reader.start()
+
+    def _read(self, callback: Callable[[Response], None]) -> None:
+        while (answer := self._answers.get()) is not None:
+            try:
+                callback(answer)
+            except Exception:  # one bad answer must not stop the others'
+                logger.exception("handling a replica's answer failed")
+
+    # -- shutdown ---------------------------------------------------------------------------
+
     def close(self) -> None:
-        """Stop the mesh (rank 0's engine loop must have stopped) and wait for the ranks."""
+        """Stop every replica (rank 0's engine loop must have stopped) and wait for the
+        ranks."""
         try:
+            for inbox in self._inboxes:
+                inbox.put(_STOP)
             self.control.relay.stop()
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             # join() returns as each rank exits; True once every one has.
@@ -110,6 +177,7 @@ class Ranks:
             logger.error("a prefill rank failed: %s", exc)
             self._kill()
         finally:
+            self._answers.put(None)
             dist.destroy_process_group()
 
     def _kill(self) -> None:
@@ -118,37 +186,80 @@ class Ranks:
                 process.kill()
 
 
-def _follow(index: int, world: int, port: int, config: ServeConfig) -> None:
-    """Rank ``index + 1``: its scheduler, stepped until rank 0 stops the mesh."""
-    # Rank 0 stops the mesh when its drain ends; a Ctrl-C or SIGTERM to the whole process
-    # group must not end this rank first, under rank 0's drain.
+def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig,
+               inboxes: Sequence[Any], answers: Any) -> None:
+    """The rank process at position ``index + 1`` (replica-major): the first rank of a
+    replica leads it (:func:`_lead`), any other follows its replica's first rank."""
+    replica, rank = divmod(index + 1, world)
+    # Rank 0 stops every rank when its drain ends; a Ctrl-C or SIGTERM to the whole process
+    # group must not end this one first, under rank 0's drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s rank{index + 1} %(name)s: %(message)s")
-    control = _join(index + 1, world, port, config)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s dp{replica}/rank{rank} %(name)s: %(message)s")
+    control = _join(rank, world, ports[replica], config)
     closers: Closers = []
     try:
-        served = reference_model(config.model, device=config.device)
-        control.relay.exchange([])  # Ranks.started: rank 0's bootstrap endpoint is up
-        scheduler = build_prefill(
-            ShardedLlama(config.model, control.mesh, config.device), backend=config.backend,
-            config=config.scheduler, pages=config.pool_pages,
-            metadata_slots=config.metadata_slots, runner_factory=PagedModelRunner,
-            closers=closers, kv_layout=config.kv_layout, overlap=config.overlap,
-            compiler=constraint_compiler(served), mooncake=config.mooncake,
-            bootstrap_addr=f"{config.bootstrap_host}:{config.bootstrap_port}",
-            place=control.rank_place(config.model.layers, config.model.kv_heads),
-            **control.scheduler_options(),
-        )
-        while True:
-            try:
+        if rank == 0:
+            _lead(control, config, replica, inboxes[replica - 1], answers, closers)
+        else:
+            control.relay.exchange([])  # the replica's first rank says: build
+            scheduler = _build(control, config, replica, closers, None)
+            while True:
                 step_or_rest(scheduler.step)
-            except MeshStopped:
-                break
     except MeshStopped:
-        pass  # rank 0 stopped before this rank's scheduler was built
+        pass  # the replica's first rank stopped it
     finally:
         for exc in close_all(closers):
             logger.error("closing a backend failed", exc_info=exc)
         dist.destroy_process_group()
+
+
+def _lead(control: MeshControl, config: ServeConfig, replica: int, inbox: Any, answers: Any,
+          closers: Closers) -> None:
+    """The first rank of replica ``replica`` (not 0): its scheduler takes the launcher's
+    requests off ``inbox`` and puts its answers on ``answers``."""
+    try:
+        if inbox.get() != _STARTED:
+            return  # stopped before it started
+        control.relay.exchange([])  # the other ranks of this replica build now
+        scheduler = _build(control, config, replica, closers, answers.put)
+        while True:
+            # Idle: wait for the launcher; otherwise take what is there and run a pass.
+            items = [inbox.get()] if scheduler.idle() else []
+            while True:
+                try:
+                    items.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item == _STOP:
+                    return
+                if isinstance(item, AbortRequest):
+                    scheduler.abort(item.rid)
+                elif isinstance(item, NewRequest):
+                    scheduler.submit(item)
+            step_or_rest(scheduler.step)
+    except Exception:
+        logger.critical("prefill replica %d failed; its requests are not answered", replica,
+                        exc_info=True)
+        raise
+    finally:
+        control.relay.stop()
+
+
+def _build(control: MeshControl, config: ServeConfig, replica: int, closers: Closers,
+           on_response: Callable[[Response], None] | None) -> PrefillScheduler:
+    """This rank's scheduler, as rank 0 builds its own (registered at rank 0's endpoint)."""
+    served = reference_model(config.model, device=config.device)
+    return build_prefill(
+        ShardedLlama(config.model, control.mesh, config.device), backend=config.backend,
+        config=config.scheduler, pages=config.pool_pages, metadata_slots=config.metadata_slots,
+        runner_factory=PagedModelRunner, closers=closers, kv_layout=config.kv_layout,
+        overlap=config.overlap, compiler=constraint_compiler(served), mooncake=config.mooncake,
+        bootstrap_addr=f"{config.bootstrap_host}:{config.bootstrap_port}",
+        place=control.rank_place(config.model.layers, config.model.kv_heads, replica,
+                                 config.dp_size),
+        on_response=on_response, **control.scheduler_options(),
+    )
