@@ -16,7 +16,7 @@ from kv.metadata import MetadataBuffers, MetadataError, MetadataRow, Speculative
 from kv.pages import pages_needed
 from scheduler.model.fixed_point import PROB_FRAC_BITS, greedy_token_ids
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
-from scheduler.model.request_kv import RequestKV
+from scheduler.model.request_kv import PoolExhausted, RequestKV
 from scheduler.model.speculative import (
     Handoff,
     SpeculativeDecoder,
@@ -263,3 +263,26 @@ def test_round_by_round_with_any_budget() -> None:
         assert (decoder.stats.proposed == 0) == (budgets == [1])
     with pytest.raises(ValueError, match="budget of >= 1"):
         speculation.round(0)
+
+
+def test_a_round_without_pages_changes_nothing_and_can_be_retried() -> None:
+    target = TARGETS["mixed"]
+    prompt = prompt_of(16, 9)
+    expected = ReferenceModel(target).generate(prompt, 12, ignore_eos=True)
+    t, d = pair(target, 2, 20, 2, 1)
+    kv = RequestKV("r", state_slot=0)
+    handoff = prefill_handoff(t, d, kv, prompt, 8, k=2)
+    speculation = SpeculativeDecoder(t, d, 3).start(kv, prompt, handoff)
+    out, refused = [handoff.first_token], 0
+    while len(out) < 12:
+        budget = min(4, 12 - len(out))
+        # The round computes positions up to the newest token's + budget - 1.
+        if pages_needed(len(speculation.tokens) - 1 + budget, 2) > len(kv.pages):
+            taken = t.pool.allocator.alloc(t.pool.allocator.available())
+            assert taken is not None
+            with pytest.raises(PoolExhausted):
+                speculation.round(budget)  # no page for its proposals: nothing computed
+            t.pool.allocator.free(taken)
+            refused += 1
+        out += speculation.round(budget)
+    assert out == expected and refused >= 2

@@ -44,6 +44,15 @@ class DecodeMetrics:
             "refused (received).", ["direction"], registry=r,
         )
 
+        self.spec_proposed = Counter(
+            "pdlife_decode_spec_proposed", "Draft tokens proposed by speculative decoding.",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "pdlife_decode_spec_accepted", "Proposed draft tokens the target accepted (over "
+            "pdlife_decode_spec_proposed: the acceptance rate).", registry=r,
+        )
+
     def on_answer(self, resp: DecodeResponse) -> None:
         """Count one answer (every request gets exactly one)."""
         reason = resp.reason.value if resp.reason is not None else ""

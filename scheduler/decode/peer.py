@@ -54,6 +54,7 @@ from scheduler.decode.config import DecodeConfig
 from scheduler.decode.deadlines import WaitingDeadlines
 from scheduler.decode.metrics import DecodeMetrics
 from scheduler.decode.sampling import DecodeSampling, finish_reason
+from scheduler.decode.speculative import DecodeSpeculation
 from scheduler.messages import (
     FAKE_BOOTSTRAP_HOST,
     AbortRequest,
@@ -62,6 +63,7 @@ from scheduler.messages import (
     TokenLogprob,
     take_all,
 )
+from scheduler.model.speculative import SpeculativeDecoder
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
@@ -92,9 +94,11 @@ class DecodePeer:
         metrics: DecodeMetrics | None = None,
         compiler: ConstraintCompiler | None = None,
         detokenize: Detokenize | None = None,
+        speculative: SpeculativeDecoder | None = None,
     ) -> None:
         """``compiler`` compiles grammars and ``detokenize`` decodes output for stop strings;
-        without them, requests with grammars or stop strings are refused."""
+        without them, requests with grammars or stop strings are refused. ``speculative``:
+        :mod:`.speculative`."""
         self.runner = runner
         self.pool = runner.pool
         self.kv = kv
@@ -117,6 +121,7 @@ class DecodePeer:
         self.steps = 0
         self.metrics = metrics or DecodeMetrics()
         self.metrics.kv_pages_total.set(self.pool.num_pages)
+        self._speculation = DecodeSpeculation(speculative, runner, self.metrics)
 
     def submit(self, req: NewRequest) -> None:
         self._inbox.put(req)
@@ -256,6 +261,7 @@ class DecodePeer:
                 if rejected:
                     self._fail(req, FailureReason.INTERNAL, rejected)
                     continue
+                self._speculation.start(req, row, self._sampling.plain(req))
                 received.append(req)
         self.lifecycle.fire(DecodeEvent.BOOTSTRAPPED, bootstrapped)
         self.lifecycle.fire(DecodeEvent.RECEIVED, received)
@@ -311,7 +317,11 @@ class DecodePeer:
         items: list[ForwardItem] = []
         reqs: list[DecodeRequest] = []
         ps = self.pool.page_size
+        speculating: list[DecodeRequest] = []
         for req in decoding.values():
+            if req.rid in self._speculation:
+                speculating.append(req)
+                continue
             pos = len(req.input_ids) + len(req.output_ids) - 1
             if pages_needed(pos + 1, ps) > len(req.pages):
                 page = self.pool.allocator.alloc(1, after=req.pages[-1] if req.pages else None)
@@ -320,8 +330,9 @@ class DecodePeer:
                 req.pages.extend(page)
             items.append(ForwardItem(req.rid, (req.output_ids[-1],), pos, tuple(req.pages)))
             reqs.append(req)
+        worked = any([self._speculate(req) for req in speculating])
         if not items:
-            return False
+            return worked
         try:
             tokens, sampled = self._sampling.step(reqs, ForwardBatch(tuple(items)))
         except Exception as exc:  # the batch's requests fail; the loop goes on
@@ -340,9 +351,20 @@ class DecodePeer:
                             [r for r in reqs if r.state is S.DECODING and finished(r)])
         return True
 
+    def _speculate(self, req: DecodeRequest) -> bool:
+        try:
+            worked = self._speculation.step(req, self._sampling.finished)
+        except Exception as exc:  # the request fails; the loop goes on
+            self._fail(req, FailureReason.INTERNAL, f"a speculative round failed: {exc!r}")
+            return True
+        if self._sampling.finished(req):
+            self.lifecycle.fire(DecodeEvent.FINISHED, [req])
+        return worked
+
     # -- hooks ------------------------------------------------------------------------------
 
     def _release(self, req: DecodeRequest) -> None:
+        self._speculation.forget(req.rid)
         room = req.bootstrap_room
         if req.receiver is None:
             self._rooms.pop(room, None)

@@ -111,6 +111,11 @@ class DecodeSampling:
         state = self._states.get(req.rid)
         return state is not None and (state.grammar_done or state.matched_stop is not None)
 
+    def plain(self, req: DecodeRequest) -> bool:
+        """Whether greedy ``forward`` alone decides the request's tokens (no sampling, logprobs,
+        grammar or stop strings)."""
+        return req.rid not in self._states
+
     def finished(self, req: DecodeRequest) -> bool:
         """Whether ``req`` (with at least one output token) has its whole answer."""
         sampling = req.sampling

@@ -58,19 +58,25 @@ class RequestKV:
         """The forward item of ``input_ids`` at ``start``, after taking the pages its positions
         need and releasing the SWA pages no query from ``keep_from`` (default ``start``) on
         can see."""
-        end = start + len(input_ids)
+        swa = runner.swa_pool
+        if swa is not None:
+            model, first = runner.model, start if keep_from is None else min(start, keep_from)
+            self.trim(swa, model.window_start(model.config.swa_layers[0], first))
+        self.reserve(runner, start + len(input_ids))
+        return ForwardItem(self.rid, tuple(input_ids), start, tuple(self.pages), all_logits,
+                           tuple(self.swa_pages), self.state_slot)
+
+    def reserve(self, runner: PagedModelRunner, end: int) -> None:
+        """Hold the pages of both pools that positions ``0 .. end-1`` need (pages already
+        taken stay the request's when a pool runs out: :class:`PoolExhausted`)."""
         grow = pages_needed(end, runner.pool.page_size) - len(self.pages)
         if grow > 0:
             self.pages += _alloc(runner.pool, self.rid, "KV", grow)
         swa = runner.swa_pool
         if swa is not None:
-            model, first = runner.model, start if keep_from is None else min(start, keep_from)
-            self.trim(swa, model.window_start(model.config.swa_layers[0], first))
             grow = pages_needed(end, swa.page_size) - len(self.swa_pages)
             if grow > 0:
                 self.swa_pages += _alloc(swa, self.rid, "SWA", grow)
-        return ForwardItem(self.rid, tuple(input_ids), start, tuple(self.pages), all_logits,
-                           tuple(self.swa_pages), self.state_slot)
 
     def trim(self, swa: KVPool, first_visible: int) -> None:
         """Release the SWA pages wholly before position ``first_visible``."""

@@ -191,12 +191,17 @@ class Speculation:
 
     def round(self, budget: int) -> list[int]:
         """The next 1 .. ``min(k + 1, budget)`` output tokens: accepted proposals, then the
-        target's own token (a caller that stops at a stop token drops what follows it)."""
+        target's own token (a caller that stops at a stop token drops what follows it).
+        Raises :class:`~scheduler.model.request_kv.PoolExhausted`, having changed nothing but
+        the pages the request holds, when a pool has no page for the round."""
         d = self._decoder
         if budget < 1:
             raise ValueError(f"a round needs a budget of >= 1 tokens, got {budget}")
         last = len(self.tokens) - 1  # the position of the newest token, not yet computed
         k = min(d.k, budget - 1, d.target.model.config.max_position - 1 - last)
+        # Every page of the round first: a pool that runs out fails the round before any
+        # model computed anything (PoolExhausted; the round can be retried).
+        self.kv.reserve(d.target, last + k + 1)
         chain = self._propose(self._handed[:k], k)
         self._handed = []
         new = self._verify(chain)

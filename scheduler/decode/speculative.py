@@ -1,0 +1,81 @@
+"""Speculative decoding on the decode peer: requests whose metadata row carries a hand-off.
+
+A decode peer given a :class:`~scheduler.model.speculative.SpeculativeDecoder` (its target
+runner is the peer's runner; its draft runner's pools mirror the peer's page indices) decodes a
+received request speculatively when the request is plain greedy (no sampling, logprobs, grammar
+or stop strings: the tokens then come from greedy verification alone) and its metadata row
+carries the prefill side's hand-off (:class:`kv.metadata.SpeculativeRow`). Each pass runs one
+round for each such request (:meth:`~scheduler.model.speculative.Speculation.round`), which
+appends one or more tokens; every other request takes the batched one-token step as before. The
+draft's prefill is not recomputed: the round starts from the hand-off's proposal over the
+draft K/V of the prompt that came with the request's pages.
+
+A round that finds no free page for its proposals is retried as a one-token round (which needs
+at most the page the peer keeps free for every running request), so speculation never stalls a
+request the plain path could serve. Proposals made and accepted are counted in the peer's
+metrics (``pdlife_decode_spec_proposed``/``_accepted``; their ratio is the acceptance rate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kv.metadata import MetadataRow
+from lifecycle import DecodeRequest
+from scheduler.decode.metrics import DecodeMetrics
+from scheduler.model.request_kv import PoolExhausted, RequestKV
+from scheduler.model.speculative import Handoff, Speculation, SpeculativeDecoder
+from scheduler.runner import ModelRunner
+
+
+class DecodeSpeculation:
+    """The peer's speculative requests, by request id (none without a ``decoder``)."""
+
+    def __init__(self, decoder: SpeculativeDecoder | None, runner: ModelRunner,
+                 metrics: DecodeMetrics) -> None:
+        if decoder is not None and decoder.target is not runner:
+            raise ValueError("the speculative decoder's target runner must be the decode "
+                             "peer's runner (they share the pool and its pages)")
+        self.decoder = decoder
+        self._metrics = metrics
+        self._live: dict[str, Speculation] = {}
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._live
+
+    def start(self, req: DecodeRequest, row: MetadataRow, plain: bool) -> bool:
+        """Decode ``req`` speculatively from now on when it is ``plain`` greedy and ``row``
+        carries a hand-off; whether it does."""
+        if self.decoder is None or not plain or row.speculative is None:
+            return False
+        # The request's page list itself: pages a round takes are the request's, freed with it.
+        kv = RequestKV(req.rid, pages=req.pages)
+        self._live[req.rid] = self.decoder.start(kv, req.input_ids, Handoff.from_row(row))
+        return True
+
+    def step(self, req: DecodeRequest, finished: Callable[[DecodeRequest], bool]) -> bool:
+        """One round of ``req``: its tokens appended to ``req.output_ids`` up to the first
+        that ``finished`` it; False when not even a one-token round found a page (the peer
+        tries again next pass)."""
+        speculation = self._live[req.rid]
+        budget = req.sampling.max_new_tokens - len(req.output_ids)
+        assert self.decoder is not None  # start() took no request without one
+        stats = self.decoder.stats
+        proposed, accepted = stats.proposed, stats.accepted
+        try:
+            try:
+                new = speculation.round(budget)
+            except PoolExhausted:
+                new = speculation.round(1)
+        except PoolExhausted:
+            return False
+        self._metrics.spec_proposed.inc(stats.proposed - proposed)
+        self._metrics.spec_accepted.inc(stats.accepted - accepted)
+        for token in new:
+            req.output_ids.append(token)
+            if finished(req):
+                break
+        return True
+
+    def forget(self, rid: str) -> None:
+        self._live.pop(rid, None)
