@@ -1,13 +1,13 @@
 """The prefill scheduler on a TP x PP mesh of gloo ranks, with the fake transfer backend.
 
-One launch of four ranks runs three meshes: TP 2 on ranks 0-1 beside PP 2 on ranks 2-3, then
-TP 2 x PP 2 on all four. On each mesh only the first rank takes requests (the relay hands them
-to the others); one rank of each mesh injects bootstrap and transfer failures and delays its
-handshakes. Every rank records its lifecycle after every pass, its answers and, for each
-request it sent, the KV of its pool; the tests compare them with each other and with the
-unsharded model here: every rank of a mesh takes the same transitions on the same pass, a
-failure on one rank or stage fails the request on every rank, the requests that succeed have
-the colocated model's first token, each rank's KV is exactly its heads of its layers of the
+One launch of four ranks runs three meshes: TP 2 on ranks 0-1 beside PP 2 on ranks 2-3, then TP
+2 x PP 2 on all four (in the overlap loop). On each mesh only the first rank takes requests (the
+relay hands them to the others); one rank of each mesh injects bootstrap and transfer failures
+and delays its handshakes. Every rank records its lifecycle after every pass, its answers and,
+for each request it sent, the KV of its pool; the tests compare them with each other and with
+the unsharded model here: every rank of a mesh takes the same transitions on the same pass, a
+failure on one rank or stage fails the request on every rank, the requests that succeed have the
+colocated model's first token, each rank's KV is exactly its heads of its layers of the
 unsharded KV, and no page or slot is left held.
 """
 
@@ -46,6 +46,9 @@ MESHES: dict[str, tuple[int, int, tuple[int, ...], int]] = {
     "pp2": (1, 2, (2, 3), 3),
     "tp2_pp2": (2, 2, (0, 1, 2, 3), 2),
 }
+# Meshes that run the overlap loop: the forward's collectives on the device thread, the
+# scheduler's agreements on the loop's.
+OVERLAP = {"tp2_pp2"}
 REQUESTS = 14
 ABORTED = "r3"  # aborted by its client on the pass it arrives
 FAULTS = FaultPlan(seed=21, bootstrap_failure=0.2, transfer_failure=0.2,
@@ -60,7 +63,7 @@ def room(i: int) -> int:
     return 100 + i
 
 
-def _run(control: MeshControl, faulty: bool) -> dict[str, Any]:
+def _run(control: MeshControl, faulty: bool, overlap: bool) -> dict[str, Any]:
     model = ShardedLlama(CONFIG, control.mesh)
     pool = model.make_pool(num_pages=48, page_size=PAGE)
     responses: list[Response] = []
@@ -72,6 +75,7 @@ def _run(control: MeshControl, faulty: bool) -> dict[str, Any]:
         metadata=MetadataBuffers(4),
         slots=SlotAllocator(4),
         on_response=responses.append,
+        overlap=overlap,
         **control.scheduler_options(),
     )
     if control.first:
@@ -118,7 +122,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                     for name, (tp, pp, ranks, _) in MESHES.items()}
         for name, control in controls.items():
             if control is not None:
-                result = _run(control, faulty=rank == MESHES[name][3])
+                result = _run(control, faulty=rank == MESHES[name][3],
+                              overlap=name in OVERLAP)
                 torch.save(result, Path(out_dir, f"{name}-{rank}.pt"))
         # A rank that is not the first cannot take requests itself.
         relay = InboxRelay(dist.group.WORLD, src=0)
