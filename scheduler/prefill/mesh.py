@@ -30,6 +30,7 @@ of the mesh or not, with the same arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, TypedDict
 
 import attrs
@@ -95,22 +96,26 @@ class MeshControl:
 
 
 def build_mesh_control(
-    tp_size: int, pp_size: int, ranks: Sequence[int] | None = None
+    tp_size: int, pp_size: int, ranks: Sequence[int] | None = None,
+    timeout: timedelta | None = None,
 ) -> MeshControl | None:
     """The mesh of ``ranks`` (default: every rank of the default group, stage-major) and the
     scheduler's groups over it; None on a rank that is not one of them. Every rank of the
-    default group calls it with the same arguments."""
+    default group calls it with the same arguments. ``timeout`` bounds one collective of the
+    scheduler's groups (default: the default group's): how long the other ranks may wait for
+    an idle first rank's next pass."""
     members = tuple(range(dist.get_world_size())) if ranks is None else tuple(ranks)
     if list(members) != sorted(set(members)):
         # A group's ranks are numbered in global order: the stage gather's rows come back in
         # stage order only when the stages' ranks ascend.
         raise ValueError(f"the mesh's ranks must ascend, got {members}")
     mesh = build_mesh(tp_size, pp_size, members)
-    tp_groups = [dist.new_group(list(members[s * tp_size : (s + 1) * tp_size]))
+    tp_groups = [dist.new_group(list(members[s * tp_size : (s + 1) * tp_size]), timeout=timeout)
                  for s in range(pp_size)]
-    stage_groups = [dist.new_group([members[s * tp_size + t] for s in range(pp_size)])
+    stage_groups = [dist.new_group([members[s * tp_size + t] for s in range(pp_size)],
+                                   timeout=timeout)
                     for t in range(tp_size)]
-    whole = dist.new_group(list(members))
+    whole = dist.new_group(list(members), timeout=timeout)
     if mesh is None:
         return None
     stages = None

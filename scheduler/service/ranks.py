@@ -67,8 +67,12 @@ from scheduler.stepping import step_or_rest
 
 logger = logging.getLogger(__name__)
 
-#: How long one collective may wait: the longest a mesh may sit idle.
+#: How long one collective of the scheduler's agreements may wait: the longest a mesh may sit
+#: idle.
 MESH_TIMEOUT = timedelta(days=7)
+#: How long joining the ranks, and one collective of a forward, may take: a rank that never
+#: starts fails the launch after this.
+START_TIMEOUT = timedelta(minutes=5)
 #: How long the launcher waits for the other ranks to exit once it stopped the mesh.
 JOIN_TIMEOUT_S = 30.0
 
@@ -82,8 +86,8 @@ def _free_port() -> int:
 
 def _join(rank: int, world: int, port: int, config: ServeConfig) -> MeshControl:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=MESH_TIMEOUT)
-    control = build_mesh_control(config.tp_size, config.pp_size)
+                            world_size=world, timeout=START_TIMEOUT)
+    control = build_mesh_control(config.tp_size, config.pp_size, timeout=MESH_TIMEOUT)
     assert control is not None  # the mesh holds every rank of this group
     return control
 
