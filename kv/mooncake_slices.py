@@ -178,7 +178,8 @@ def _one_slice(src: PoolShape, dst: PoolShape, runs: np.ndarray, s: HeadSlice,
 class Target:
     """What this prefill rank writes into one registered decode rank (its session): the head
     slices, both pools' shapes, which decode ranks' destinations a room waits for, and whether
-    it writes the metadata row (only the stage that computes the first token does)."""
+    it writes the metadata row (the lowest source of the stage that holds the last layer, the
+    one that computes the first token, does)."""
 
     reg: wire.Register
     slices: tuple[HeadSlice, ...]
@@ -228,5 +229,6 @@ def target_of(pool: KVPool, place: RankPlace, reg: wire.Register) -> Target:
         dst=PoolShape(layout=reg.kv_layout, num_layers=reg.num_layers, num_pages=reg.num_pages,
                       page_size=reg.page_size, kv_heads=decode.heads_per_rank,
                       head_bytes=head_bytes),
-        rows=place.layer_stop == place.num_layers,
+        rows=(place.layer_stop == place.num_layers
+              and duty.plan.sources(reg.tp_rank)[0] == place.tp_rank),
     )
