@@ -6,8 +6,8 @@ the mesh scheduler over its shard of the reference model and its own Mooncake en
 registered at rank 0's bootstrap endpoint with its place; it writes its heads (TP) or its
 stage's layers (PP) into the decode rank's pages, which completes a room once every source
 reported. The decode server decodes from the KV it received; its outputs must equal the
-colocated run of the unsharded model, token for token, and the prefill ranks' answers must
-agree.
+colocated run of the unsharded model, token for token, the prefill ranks' answers must agree,
+and no side holds a page at the end.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ def _decode(port: int) -> list[list[object]]:
             peer.submit(request(i, port))
         step_until(peer.step, lambda: len(responses) == len(PROMPTS), DEADLINE_S,
                    lambda: f"decode answered {len(responses)} of {len(PROMPTS)} requests")
+        step_until(peer.step, peer.idle, DEADLINE_S, lambda: "the decode peer kept requests")
+        assert pool.allocator.in_use() == 0
     finally:
         dist.barrier()
         kv.close()
