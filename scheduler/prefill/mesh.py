@@ -90,10 +90,6 @@ class MeshControl:
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
         return bool(value.item())
 
-    def any_says(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on some rank (a collective)."""
-        return not self.all_agree(not flag)
-
 
 def build_mesh_control(
     tp_size: int, pp_size: int, ranks: Sequence[int] | None = None,
