@@ -126,11 +126,14 @@ class PrefillPeers:
         return self._sessions.get(rank, f"rank {rank}")
 
     def send(self, ranks: tuple[int, ...] | list[int], msg: wire.Message) -> None:
-        """Send ``msg`` to each of ``ranks`` (any thread)."""
+        """Send ``msg`` to each of ``ranks`` (any thread). A rank without a socket (these peers
+        were closed: the prefill was lost and looked up again) is skipped: its rooms failed."""
         data = wire.encode(msg, self._token)
         with self._lock:
             for rank in ranks:
-                self._sockets[rank].send(data)
+                sock = self._sockets.get(rank)
+                if sock is not None:
+                    sock.send(data)
 
     def send_all(self, msg: wire.Message) -> None:
         self.send(list(self._sockets), msg)
