@@ -283,6 +283,9 @@ class SlotAllocator:
     def available(self) -> int:
         return len(self._free)
 
+    def is_free(self, slot: int) -> bool:
+        return 0 <= slot < self.num_slots and bool(self._is_free[slot])
+
     def alloc(self) -> int | None:
         if not self._free:
             return None

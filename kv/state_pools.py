@@ -129,14 +129,23 @@ class SWAPool:
 
 
 class RecurrentPool:
-    """One state slot per request: ``[layers, slots, state_size]`` elements of ``dtype``."""
+    """One state slot per request: row ``slot`` of a ``[layers, slots, state_size]`` tensor
+    (a model's own, e.g. ``LlamaModel.make_states``, or :meth:`zeros`)."""
 
-    def __init__(self, *, num_layers: int, num_slots: int, state_size: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(self, buffer: torch.Tensor) -> None:
+        if buffer.dim() != 3 or 0 in buffer.shape:
+            raise ValueError(f"a recurrent state tensor is [layers, slots, state_size], none "
+                             f"empty; got shape {tuple(buffer.shape)}")
+        self.buffer = buffer
+        self.num_slots = buffer.shape[1]
+        self.allocator = SlotAllocator(self.num_slots)
+
+    @classmethod
+    def zeros(cls, *, num_layers: int, num_slots: int, state_size: int,
+              dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> RecurrentPool:
         _check_positive(num_layers=num_layers, num_slots=num_slots, state_size=state_size)
-        self.num_slots = num_slots
-        self.buffer = torch.zeros((num_layers, num_slots, state_size), dtype=dtype, device=device)
-        self.allocator = SlotAllocator(num_slots)
+        return cls(torch.zeros((num_layers, num_slots, state_size), dtype=dtype, device=device))
 
     def items_view(self) -> torch.Tensor:
         return self.buffer

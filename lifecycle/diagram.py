@@ -181,9 +181,10 @@ def transition_table(table: LifecycleTable, *, collapse_failures: bool = False) 
 
 def resources_table() -> str:
     """The prefill ownership table (resources held by state) as markdown."""
-    rows = ["| state | sender | metadata slot | KV pages | note |", "|---|---|---|---|---|"]
+    rows = ["| state | sender | metadata slot | KV pages | SWA pages, recurrent slot | note |",
+            "|---|---|---|---|---|---|"]
     for state, h in PREFILL_RESOURCES.items():
-        cells = ["held" if held else "—" for held in (h.sender, h.slot, h.pages)]
+        cells = ["held" if held else "—" for held in (h.sender, h.slot, h.pages, h.state)]
         rows.append(f"| {state.name} | {' | '.join(cells)} | {h.note} |")
     return "\n".join(rows) + "\n"
 

@@ -24,11 +24,14 @@ from lifecycle.timeline import InvalidTimeline, records
 
 @attrs.frozen
 class Holding:
-    """What a request holds in one state: its KV sender, its metadata slot, its KV pages."""
+    """What a request holds in one state: its KV sender, its metadata slot, its KV pages, and
+    ``state``: where the model keeps state beside full attention (``kv.state_pools``), the SWA
+    pages of its KV pages and its recurrent-state slot, which may be held only here."""
 
     sender: bool
     slot: bool
     pages: bool
+    state: bool = False
     note: str = ""
 
 
@@ -38,9 +41,11 @@ _P = PrefillState
 PREFILL_RESOURCES: Mapping[PrefillState, Holding] = {
     _P.BOOTSTRAPPING: Holding(sender=True, slot=False, pages=False),
     _P.WAITING: Holding(sender=True, slot=True, pages=False),
-    _P.FORWARD: Holding(sender=True, slot=True, pages=True, note="pages grow per chunk"),
+    _P.FORWARD: Holding(sender=True, slot=True, pages=True, state=True,
+                        note="pages grow per chunk; state taken with the first pages"),
     _P.TRANSFERRING: Holding(
-        sender=True, slot=True, pages=True, note="pages held until the transfer stops reading"
+        sender=True, slot=True, pages=True, state=True,
+        note="pages and state held until the transfer stops reading",
     ),
     _P.DONE: Holding(sender=False, slot=False, pages=False, note="all released, once"),
     _P.FAILED: Holding(sender=False, slot=False, pages=False, note="all released, once"),
@@ -48,7 +53,9 @@ PREFILL_RESOURCES: Mapping[PrefillState, Holding] = {
 
 
 def resource_violations(req: PrefillRequest) -> list[str]:
-    """How ``req``'s sender, slot and pages differ from :data:`PREFILL_RESOURCES`."""
+    """How ``req``'s sender, slot, pages and state slot differ from :data:`PREFILL_RESOURCES`
+    (a state slot is optional where the table allows one: the model may have no recurrent
+    layers; its owner checks that a request that should hold one does)."""
     state = req.state
     if not isinstance(state, PrefillState):
         return [f"{req.rid}: not in a prefill state ({state!r})"]
@@ -61,6 +68,8 @@ def resource_violations(req: PrefillRequest) -> list[str]:
         if getattr(want, name) != getattr(have, name):
             verb = "should hold" if getattr(want, name) else "should not hold"
             out.append(f"{req.rid}: in {state.name} {verb} its {name}")
+    if req.state_slot is not None and not want.state:
+        out.append(f"{req.rid}: in {state.name} should not hold its state slot")
     return out
 
 

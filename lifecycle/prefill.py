@@ -156,7 +156,8 @@ class PrefillRequest(Tracked):
     in the pool; ``sent`` tokens have been handed to the sender. (Under the overlap loop the
     next chunk is scheduled before the previous one's result is processed, so ``scheduled``
     may run ahead of ``computed``.) Resources (see the ownership table in docs/lifecycle.md):
-    ``sender`` from BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` from FORWARD; the
+    ``sender`` from BOOTSTRAPPING, ``slot`` from WAITING, ``pages`` (and with state pools
+    their SWA pages and ``state_slot``) from FORWARD; the
     ``release`` hook gives all of them up on entering a final state (the KV layer frees pages and
     slot once no transfer can touch them any more). The trigger methods (``req.schedule()``,
     ``req.fail(detail, reason=...)``, ...) come from :data:`PREFILL_TABLE`.
@@ -187,6 +188,9 @@ class PrefillRequest(Tracked):
     # given up with its pages.
     cached: int = attrs.field(default=0, kw_only=True)
     prefix: object | None = attrs.field(default=None, kw_only=True, repr=False)
+    # The request's recurrent-state slot (``kv.state_pools``), taken with its first pages when
+    # the model has recurrent layers and given up with its pages.
+    state_slot: int | None = attrs.field(default=None, kw_only=True)
 
     def fully_computed(self) -> bool:
         return self.computed >= len(self.input_ids)

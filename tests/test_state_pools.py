@@ -30,7 +30,8 @@ def _pools(full_pages: int = 8, swa_pages: int = 6, slots: int = 3,
         full,
         swa=SWAPool(window=6, pool=_kv(swa_pages, layers=1, layout=layout),
                     full_pages=full_pages),
-        recurrent=RecurrentPool(num_layers=2, num_slots=slots, state_size=5, dtype=torch.int64),
+        recurrent=RecurrentPool.zeros(num_layers=2, num_slots=slots, state_size=5,
+                                      dtype=torch.int64),
         index=IndexPool(num_layers=2, num_pages=full_pages, page_size=4, dim=3),
         draft=_kv(full_pages, layers=1, heads=1, layout=layout),
     )
@@ -110,7 +111,9 @@ def test_state_pools_must_fit_the_full_pool() -> None:
     with pytest.raises(ValueError, match="window must be > 0"):
         SWAPool(window=0, pool=_kv(4), full_pages=8)
     with pytest.raises(ValueError, match="num_slots must be > 0"):
-        RecurrentPool(num_layers=1, num_slots=0, state_size=4)
+        RecurrentPool.zeros(num_layers=1, num_slots=0, state_size=4)
+    with pytest.raises(ValueError, match="got shape \\(2, 3\\)"):
+        RecurrentPool(torch.zeros(2, 3))
 
 
 def test_no_state_pools_hold_nothing() -> None:

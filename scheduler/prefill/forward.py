@@ -5,7 +5,10 @@ ones continuing its run) and marks its requests on the device (:mod:`.on_device`
 runs the forward: inline in the normal loop, on a :class:`Device` in the overlap loop.
 :meth:`Results.land` takes a launched batch's results and does its KV side — the full pages of
 a non-last chunk go to the sender (a partial page waits for the next chunk); a last chunk writes
-the metadata row and sends the rest — and returns what the pass must fire. A forward that
+the metadata row and sends the rest with the request's state (:func:`kv.state_sends.chunk_send`
+decides both) — and returns what the pass must fire. With state pools (:mod:`kv.state_pools`)
+:func:`prepare` takes the SWA pages of the chunk's pages and, with a request's first pages, its
+recurrent-state slot. A forward that
 raised defers an ``internal`` failure on each of its requests; whatever was deferred settles as
 the last batch holding a request lands. A batch with requests that sample or want logprobs runs
 a :class:`~scheduler.sample.batch.LogitsForward` instead of ``runner.forward``
@@ -31,6 +34,8 @@ import torch
 from kv.metadata import MetadataBuffers
 from kv.pages import pages_needed
 from kv.pool import KVPool
+from kv.state_pools import StatePools
+from kv.state_sends import StateSender, chunk_send, state_tables
 from lifecycle import FailureReason, PrefillRequest
 from scheduler.messages import TokenLogprob
 from scheduler.prefill.adder import Plan
@@ -112,8 +117,10 @@ class Launched:
             return None, exc
 
 
-def prepare(plan: Plan, pool: KVPool, page_size: int) -> ForwardBatch:
-    """Allocate the plan's pages and put its requests on the device; the batch to run."""
+def prepare(plan: Plan, pool: KVPool, page_size: int,
+            states: StatePools | None = None) -> ForwardBatch:
+    """Allocate the plan's pages (and their state in ``states``) and put its requests on the
+    device; the batch to run."""
     items: list[ForwardItem] = []
     for chunk in plan.chunks:
         req = chunk.req
@@ -127,12 +134,18 @@ def prepare(plan: Plan, pool: KVPool, page_size: int) -> ForwardBatch:
                 pages = pool.allocator.alloc(chunk.new_pages, fit=whole)
             if pages is None:  # the adder counted free pages; this cannot happen
                 raise AssertionError(f"{req.rid}: {chunk.new_pages} pages planned, not free")
+            if states is not None:
+                states.grow(pages, after=req.pages[-1] if req.pages else None)
+                if not req.pages:
+                    req.state_slot = states.take_slot()
             req.pages.extend(pages)
         req.scheduled = chunk.start + chunk.length
         put_on_device(req)
+        swa = states.swa if states is not None else None
         items.append(ForwardItem(
             req.rid, req.input_ids[chunk.start : chunk.start + chunk.length], chunk.start,
-            tuple(req.pages),
+            tuple(req.pages), swa_pages=() if swa is None else tuple(swa.translate(req.pages)),
+            state_slot=-1 if req.state_slot is None else req.state_slot,
         ))
     return ForwardBatch(tuple(items))
 
@@ -166,9 +179,10 @@ class Results:
 
     def __init__(
         self, pool: KVPool, page_size: int, metadata: MetadataBuffers, metrics: SchedulerMetrics,
-        sampling: PrefillSampling,
+        sampling: PrefillSampling, states: StatePools | None = None,
     ) -> None:
         self._pool = pool
+        self._states = states
         self._page_size = page_size
         self._metadata = metadata
         self._metrics = metrics
@@ -213,33 +227,36 @@ class Results:
                 self._send_last(req, tokens[i], logprob)
                 out.prefilled.append(req)
             else:
-                self._send_full_pages(req)
+                self._send(req, False)
                 out.chunk_done.append(req)
         return out
 
     def _send_last(self, req: PrefillRequest, token: int, logprob: TokenLogprob | None) -> None:
-        sender = sender_of(req)
-        assert sender is not None and req.slot is not None
+        assert req.slot is not None
         req.first_token = token
         self._metadata.write(req.slot, token, req.cached,
                              None if logprob is None else logprob.logprob, req.bootstrap_room,
                              () if logprob is None else logprob.top)
-        pages = req.pages[req.sent // self._page_size :]
-        req.sent = req.computed
-        sender.send(pages, True)
-        self._metrics.transfer_bytes.inc(self._bytes(len(pages)) + self._row_bytes)
+        self._send(req, True)
+        self._metrics.transfer_bytes.inc(self._row_bytes)
 
-    def _send_full_pages(self, req: PrefillRequest) -> None:
-        # Only full pages: a partial page waits for the next chunk.
-        ps = self._page_size
-        upto = req.computed // ps * ps
-        if upto > req.sent:
-            sender = sender_of(req)
-            assert sender is not None
-            pages = req.pages[req.sent // ps : upto // ps]
-            sender.send(pages, False)
-            self._metrics.transfer_bytes.inc(self._bytes(len(pages)))
-            req.sent = upto
+    def _send(self, req: PrefillRequest, last: bool) -> None:
+        """Hand the sender what this chunk sends (only full pages unless ``last``: a partial
+        page waits for the next chunk; the state on the last)."""
+        send = chunk_send(
+            req.pages, length=len(req.input_ids), sent=req.sent, computed=req.computed,
+            last=last, page_size=self._page_size,
+            tables=state_tables(self._states, req.pages, req.state_slot, last),
+        )
+        if not send.goes:
+            return
+        sender = sender_of(req)
+        assert sender is not None
+        if send.state and isinstance(sender, StateSender):
+            sender.send_state(send.state)
+        sender.send(list(send.pages), last)
+        self._metrics.transfer_bytes.inc(self._bytes(len(send.pages)))
+        req.sent = send.sent
 
     def _bytes(self, num_pages: int) -> int:
         return self._pool.bytes_of_pages(num_pages)

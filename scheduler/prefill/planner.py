@@ -2,7 +2,9 @@
 
 The :class:`Planner` turns the scheduler's queues into the PrefillAdder's inputs
 (:func:`.adder.plan_batch`): the WAITING requests (in the prefix cache's order when it is on),
-the running count, the free pages, the budgets of the config and the PrefillDelayer's gate. It
+the running count, the free pages, the budgets of the config and the PrefillDelayer's gate. With
+state pools (:mod:`kv.state_pools`) a page is free when the full and the SWA pool both have one,
+and no more requests start holding pages than there are free recurrent slots. It
 owns the two facts that planning carries from one pass to the next:
 
 - the request in the middle of a chunked prefill, which the next batch continues first (and
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kv.pool import KVPool
+from kv.state_pools import StatePools
 from lifecycle import Lifecycle, PrefillRequest, PrefillState
 from scheduler.prefill.adder import Plan, Stop, plan_batch
 from scheduler.prefill.config import SchedulerConfig
@@ -39,8 +42,10 @@ class Planner:
         config: SchedulerConfig,
         pool: KVPool,
         prefix: PrefixCache | None,
+        states: StatePools | None = None,
     ) -> None:
         self.lifecycle, self.config, self.pool, self.prefix = lifecycle, config, pool, prefix
+        self.states = states
         self.continuing: PrefillRequest | None = None  # mid-chunk, continued first
         self.max_prefill_bs = 0
 
@@ -62,12 +67,21 @@ class Planner:
         queue: Iterable[PrefillRequest] = waiting.values()
         if prefix is not None:
             queue = prefix.begin_pass(queue, len(waiting))
+        free_pages = self.pool.allocator.available()
+        max_running = cfg.max_running_requests
+        if prefix is not None:
+            free_pages = prefix.pages_available()
+        elif self.states is not None:
+            free_pages = self.states.pages_available()
+            slots = self.states.slots_available()
+            if slots is not None:  # each request that starts holding pages takes one
+                max_running = min(max_running, running + slots)
         plan = plan_batch(
             continuing=continuing, waiting=queue, waiting_len=len(waiting), running=running,
-            free_pages=prefix.pages_available() if prefix else self.pool.allocator.available(),
+            free_pages=free_pages,
             page_size=cfg.page_size, max_prefill_tokens=cfg.max_prefill_tokens,
             chunked_prefill_size=cfg.chunked_prefill_size,
-            max_running_requests=cfg.max_running_requests,
+            max_running_requests=max_running,
             prefill_max_requests=cfg.prefill_max_requests,
             gate=self._gate(delayer_pass), lookup=None if prefix is None else prefix.lookup,
         )

@@ -36,9 +36,11 @@ meanwhile is deferred) is :mod:`.on_device`. A failure goes through :meth:`_fail
 defers it or fires it; a deferred one goes through :meth:`_settle`, once.
 
 Resources are returned by the ``release`` hook on entering DONE or FAILED, exactly once, through
-a :class:`~kv.release.Releaser`: the pages, the metadata slot and the bootstrap room of a request
-whose sender may still be reading stay reserved until the sender is quiescent and cleared, so a
-transfer never reads freed pages and a room is never reused under a live sender.
+a :class:`~kv.release.Releaser`: the pages (with their SWA pages and the recurrent-state slot,
+when the model keeps state beside full attention: ``states``, :mod:`kv.state_pools`), the
+metadata slot and the bootstrap room of a request whose sender may still be reading stay
+reserved until the sender is quiescent and cleared, so a transfer never reads freed pages and a
+room is never reused under a live sender.
 
 A pass touches what changed: inbox items, pushed rooms, expired deadlines (a heap), the head
 of the slot queue, and the waiting requests the adder considers — never every request.
@@ -52,6 +54,7 @@ from collections.abc import Callable
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.release import Releaser
+from kv.state_pools import StatePools
 from kv.transfer import KVManager
 from lifecycle import (
     PREFILL_TABLE,
@@ -66,6 +69,7 @@ from scheduler.dist.relay import InboxRelay
 from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import Admission, sender_of
+from scheduler.prefill.checks import check_arguments, check_state_conservation, pages_admissible
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import DelayerPass, PrefillDelayer
 from scheduler.prefill.forward import Device, DeviceWorker, Launched, Results, prepare, start
@@ -116,8 +120,10 @@ class PrefillScheduler:
         compiler: ConstraintCompiler | None = None,
         relay: InboxRelay | None = None,
         stages: StagePolls | None = None,
+        states: StatePools | None = None,
     ) -> None:
-        _check_arguments(config, runner, overlap, device)
+        check_arguments(config, runner, overlap, device, states, kv)
+        self.states = states
         self.config, self.runner, self.pool = config, runner, runner.pool
         self.kv, self.fake_kv = kv, fake_kv
         self.metadata, self.slots = metadata, slots
@@ -135,7 +141,8 @@ class PrefillScheduler:
         self._deadlines = Deadlines()
         self._sampling = PrefillSampling(runner, compiler)
         self._admission = Admission(
-            lifecycle=self.lifecycle, config=config, num_pages=self.pool.num_pages, kv=kv,
+            lifecycle=self.lifecycle, config=config, kv=kv,
+            num_pages=pages_admissible(states, self.pool.num_pages),
             fake_kv=fake_kv, arm_deadline=self._admitted, clock=clock,
             metrics=self.metrics, respond=self._emit, vet=self._sampling.admit,
             relay=None if relay is None else relay.exchange,
@@ -145,14 +152,14 @@ class PrefillScheduler:
         )
         self._slot_queue = SlotQueue()
         self._results = Results(self.pool, config.page_size, metadata, self.metrics,
-                                self._sampling)
-        self._releaser = Releaser(self.pool, slots, metadata)
+                                self._sampling, states)
+        self._releaser = Releaser(self.pool, slots, metadata, states)
         self.prefix = (PrefixCache(self.pool, self.metrics.prefix, config.schedule_policy)
                        if config.radix_cache else None)
         self._device = (device or DeviceWorker(self.pool.device)) if overlap else None
         self._inflight: Launched | None = None  # overlap: the batch on the device
         self._planner = Planner(lifecycle=self.lifecycle, config=config, pool=self.pool,
-                                prefix=self.prefix)
+                                prefix=self.prefix, states=states)
         self.passes = 0
         self.last_batch_size = 0  # requests in the batch launched by the latest pass
         self.metrics.kv_pages_total.set(self.pool.num_pages)
@@ -310,7 +317,7 @@ class PrefillScheduler:
             self.prefix.admit([(c.req, c.prefix) for c in plan.chunks if c.prefix is not None],
                               sum(c.new_pages for c in plan.chunks))
         batch, sampled = self._sampling.forward_for(
-            plan, prepare(plan, self.pool, self.config.page_size))
+            plan, prepare(plan, self.pool, self.config.page_size, self.states))
         self.lifecycle.fire(PrefillEvent.SCHEDULE, new)
         return start(plan, batch, self.runner, self._device, sampled)
 
@@ -340,8 +347,8 @@ class PrefillScheduler:
         self._slot_queue.discard(req)
         self._planner.forget(req)
         own, hold = (req.pages, None) if self.prefix is None else self.prefix.release_of(req)
-        self._releaser.release(sender_of(req), own, req.slot, forget_room, hold)
-        req.sender, req.pages, req.slot, req.prefix = None, [], None, None
+        self._releaser.release(sender_of(req), own, req.slot, forget_room, hold, req.state_slot)
+        req.sender, req.pages, req.slot, req.prefix, req.state_slot = None, [], None, None, None
 
     def _respond(self, req: PrefillRequest) -> None:
         self.metrics.on_finished(req)
@@ -371,6 +378,8 @@ class PrefillScheduler:
             if problems:
                 raise AssertionError("prefix cache: " + "; ".join(problems))
         self.pool.allocator.check_conservation(held)
+        check_state_conservation(self.states, live, self._releaser.held_page_lists(),
+                                 self._releaser.held_state_slots)
         slots_held = sum(1 for r in live if r.slot is not None) + self._releaser.held_slots
         if self.slots.available() + slots_held != self.slots.num_slots:
             raise AssertionError(
@@ -378,15 +387,3 @@ class PrefillScheduler:
                 f"!= {self.slots.num_slots}"
             )
 
-
-def _check_arguments(
-    config: SchedulerConfig, runner: ModelRunner, overlap: bool, device: Device | None,
-) -> None:
-    if runner.pool.page_size != config.page_size:
-        raise ValueError(
-            f"page_size: the config says {config.page_size}, the KV pool has "
-            f"{runner.pool.page_size}"
-        )
-    if device is not None and not overlap:
-        raise ValueError("device: only the overlap loop runs forwards on a device; "
-                         "pass overlap=True or leave device out")

@@ -34,6 +34,9 @@ def check_pages(sched: PrefillScheduler, scripted: ScriptedKVManager, runner: Mo
         assert set(owned) <= held, f"live requests hold free pages {set(owned) - held}"
         read = {p for s in scripted.senders for p in s.reading}
         assert read <= held, f"pages {sorted(read - held)} are free while a transfer reads them"
+        for sender in scripted.senders:
+            free = scripted.free_state(sender.reading_state)
+            assert not free, f"state {free} is free while room {sender.room}'s transfer reads it"
         violations = getattr(runner, "violations", []) + scripted.violations
         assert not violations, violations
 
@@ -144,6 +147,7 @@ def check_all_free(sched: PrefillScheduler, scripted: ScriptedKVManager) -> None
     with invariant(3):
         assert sched.pool.allocator.available() == sched.pool.num_pages, "pages leaked"
         assert sched.slots.available() == sched.slots.num_slots, "metadata slots leaked"
+        assert sched.states is None or sched.states.all_free(), "SWA pages or state slots leaked"
         assert sched.pages_held == 0
         uncleared = [s.room for s in scripted.senders if not s.cleared]
         assert not uncleared, f"senders of rooms {uncleared} never cleared"

@@ -5,19 +5,21 @@ K/V page it reads.
 :class:`ScriptedSender` follows the transfer contract (``kv/transfer.py``) but changes state only
 when told: handshake, bootstrap failure or timeout, transfer failure, the engine finishing its
 reads, success; it keeps "reading" the pages it was sent until drained, so aborts and failures
-land mid-transfer. :class:`PageEchoRunner` writes each token id into its K/V slot and derives
-the next token from the pages it reads back, so a page freed too early or overwritten changes
-the answer.
+land mid-transfer. It carries state pools (``kv/state_pools.py``) too: the SWA pages and the
+recurrent slot of a last chunk are read until drained like pages. :class:`PageEchoRunner` writes
+each token id into its K/V slot and derives the next token from the pages it reads back, so a
+page freed too early or overwritten changes the answer.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kv.pages import pages_needed
 from kv.pool import KVPool
+from kv.state_pools import StateKind, StatePools
 from kv.transfer import (
     REASON_ABORTED,
     REASON_PEER_ABORTED,
@@ -51,6 +53,7 @@ class ScriptedSender:
         self.timeout = False
         self.cursor = SendCursor(room)
         self.reading: list[int] = []  # pages the engine may still read
+        self.reading_state: dict[StateKind, list[int]] = {}  # and state items (the last chunk)
         self.cleared = False
 
     def __repr__(self) -> str:  # how a shrunk program names the sender a rule moved
@@ -72,10 +75,26 @@ class ScriptedSender:
             raise TransferUsageError(self.room, f"init() while {self.status.name}")
         self.cursor.init(num_pages, slot)
 
+    def send_state(self, state: Mapping[StateKind, Sequence[int]]) -> None:
+        self._usable("send_state()")
+        if self.status == KVPoll.FAILED:
+            return
+        if self.cursor.finished or self.reading_state:
+            raise TransferUsageError(self.room, "send_state() twice or after the last chunk")
+        free = self.manager.free_state(state)
+        if free:
+            raise TransferUsageError(self.room, f"send_state() of free state items {free}")
+        self.reading_state = {kind: list(items) for kind, items in state.items()}
+
     def send(self, pages: Sequence[int], last: bool) -> None:
         self._usable("send()")
         if self.status == KVPoll.FAILED:
             return
+        kinds = self.manager.states.kinds if self.manager.states is not None else ()
+        if last and set(kinds) != set(self.reading_state):
+            held = sorted(self.reading_state)
+            raise TransferUsageError(self.room, f"last chunk with state {held}, the pools "
+                                     f"hold {sorted(kinds)}")
         self.cursor.advance(len(pages), last)
         free = [p for p in pages if self.manager.is_free(p)]
         if free:
@@ -98,13 +117,14 @@ class ScriptedSender:
             self._set(KVPoll.FAILED, REASON_ABORTED)
 
     def clear(self) -> None:
-        if self.reading:
-            raise TransferUsageError(self.room, f"clear() while pages {self.reading} are read")
+        if self.reading or self.reading_state:
+            raise TransferUsageError(self.room, f"clear() while pages {self.reading} or state "
+                                     f"{self.reading_state} are read")
         self.cleared = True
         self.manager.live.pop(self.room, None)
 
     def quiescent(self) -> bool:
-        return not self.reading
+        return not self.reading and not self.reading_state
 
     # -- what the rules make happen ---------------------------------------------------------
 
@@ -112,7 +132,7 @@ class ScriptedSender:
         """The backend events that may happen to this sender now."""
         if self.cleared:
             return []
-        out = ["drain"] if self.reading else []
+        out = ["drain"] if self.reading or self.reading_state else []
         if self.status == KVPoll.BOOTSTRAPPING:
             out += ["handshake", "bootstrap_failure", "bootstrap_timeout", "peer_abort"]
         elif self.status in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
@@ -123,12 +143,12 @@ class ScriptedSender:
 
     def act(self, action: str) -> None:
         if action == "drain":
-            self.reading = []
+            self.reading, self.reading_state = [], {}
             self.manager.ready.put(self.room)  # a failed room became quiescent
         elif action == "handshake":
             self._set(KVPoll.WAITING_FOR_INPUT)
         elif action == "success":
-            self.reading = []
+            self.reading, self.reading_state = [], {}
             self._set(KVPoll.SUCCESS)
         elif action == "peer_abort":
             self._set(KVPoll.FAILED, REASON_PEER_ABORTED)
@@ -138,10 +158,14 @@ class ScriptedSender:
 
 
 class ScriptedKVManager:
-    """Creates :class:`ScriptedSender`s; one live (not cleared) sender per room."""
+    """Creates :class:`ScriptedSender`s; one live (not cleared) sender per room. It carries the
+    state of ``states`` (the scheduler's state pools, if any)."""
 
-    def __init__(self, pool: KVPool) -> None:
+    carries_state = True
+
+    def __init__(self, pool: KVPool, states: StatePools | None = None) -> None:
         self.pool = pool
+        self.states = states
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.live: dict[int, ScriptedSender] = {}
         self.senders: list[ScriptedSender] = []
@@ -153,6 +177,25 @@ class ScriptedKVManager:
 
     def _held(self) -> set[int]:
         return set(self.pool.allocator.held_pages())
+
+    def free_state(self, state: Mapping[StateKind, Sequence[int]]) -> list[str]:
+        """The items of ``state`` that are free now (``kind:item``): SWA pages and recurrent
+        slots are read from their own pools, index pages at the full pool's indices."""
+        states = self.states
+        if states is None:
+            return [f"{kind}:{item}" for kind, items in state.items() for item in items]
+        free = []
+        for kind, items in state.items():
+            for item in items:
+                if kind is StateKind.SWA and states.swa is not None:
+                    taken = item in states.swa.pool.allocator.held_pages()
+                elif kind is StateKind.RECURRENT and states.recurrent is not None:
+                    taken = not states.recurrent.allocator.is_free(item)
+                else:
+                    taken = kind is StateKind.INDEX and not self.is_free(item)
+                if not taken:
+                    free.append(f"{kind}:{item}")
+        return free
 
     def create_sender(self, bootstrap_addr: str, room: int) -> ScriptedSender:
         if room in self.live:

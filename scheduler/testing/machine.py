@@ -51,6 +51,8 @@ from hypothesis.stateful import invariant as invariant_rule
 
 from kv.fake import FakeKVManager, FaultPlan
 from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.pool import KVPool
+from kv.state_pools import StatePools
 from lifecycle import FailureReason, PrefillRequest, PrefillState
 from lifecycle.testing import FakeClock
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
@@ -166,7 +168,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.runner = s.runner_factory(self.pages, ps)
         self.pool = self.runner.pool
         self.capacity = self.pool.num_pages * ps
-        self.scripted = ScriptedKVManager(self.pool)
+        self.states = None if s.states is None else s.states(self.pool)
+        if self.states is not None:
+            config = attrs.evolve(config, radix_cache=False, schedule_policy="fcfs")
+        self.scripted = ScriptedKVManager(self.pool, self.states)
         self.fake = FakeKVManager(s.faults, clock=self.clock)
         self.config = config
         self.device = SteppedDevice() if overlap else None
@@ -174,7 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             config=config, runner=self.runner, kv=self.scripted, fake_kv=self.fake,
             metadata=MetadataBuffers(num_slots), slots=SlotAllocator(num_slots),
             clock=self.clock, on_response=self.responses.append, overlap=overlap,
-            device=self.device,
+            device=self.device, states=self.states,
         )
         self._observe()
 
@@ -359,6 +364,7 @@ def scheduler_machine(
     loop: str = "both",
     faults: FaultPlan | None = None,
     on_program: Callable[[tuple[str, ...]], None] | None = None,
+    states: Callable[[KVPool], StatePools] | None = None,
 ) -> type[SchedulerMachine]:
     """A :class:`SchedulerMachine` subclass for one configuration; use its ``.TestCase``.
 
@@ -370,6 +376,8 @@ def scheduler_machine(
     ``normal``, ``overlap`` or ``both`` (drawn). ``faults`` is the fault plan of the fake host's
     requests. ``on_program`` is called at the end of every example with the program it ran
     (every rule, every value drawn, then the answers), e.g. to compare two searches.
+    ``states(pool)`` builds state pools beside the runner's pool (``kv/state_pools.py``); the
+    prefix cache is off then.
     """
     if runner_factory is not None and reference is None:
         check: Reference | None = None
@@ -377,7 +385,7 @@ def scheduler_machine(
         check = reference or echo_next_token
     fields: dict[str, Any] = dict(
         config=config, runner_factory=runner_factory or echo_runner_factory, reference=check,
-        pages=pages, slots=slots, loop=loop, on_program=on_program,
+        pages=pages, slots=slots, loop=loop, on_program=on_program, states=states,
     )
     if faults is not None:
         fields["faults"] = faults

@@ -9,6 +9,8 @@ import attrs
 from hypothesis import strategies as st
 
 from kv.fake import FaultPlan
+from kv.pool import KVPool
+from kv.state_pools import StatePools
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.testing.fakes import Reference, RunnerFactory, echo_next_token, echo_runner_factory
 
@@ -38,6 +40,9 @@ class MachineSetup:
     faults: FaultPlan = attrs.field(factory=lambda: FAKE_HOST_FAULTS)
     # Called at the end of every example with its program (SchedulerMachine.program).
     on_program: Callable[[tuple[str, ...]], None] | None = None
+    # Builds the state pools beside the runner's pool (None: a model without them); the
+    # prefix cache is then off, whatever the config drawn.
+    states: Callable[[KVPool], StatePools] | None = None
 
     @pages.validator
     def _check_pages(self, _attr: object, value: int | None) -> None:
