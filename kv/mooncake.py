@@ -127,9 +127,9 @@ class MooncakeKVManager:
         BootstrapClient(bootstrap_addr, token=self.config.token).register(self.rank_info())
 
     def create_sender(self, bootstrap_addr: str, room: int) -> MooncakeKVSender:
-        return MooncakeKVSender(
-            self._rooms, self._rooms.create(room), self._writes.submit, self._tell_decode
-        )
+        rec, owed = self._rooms.create(room)
+        self._tell_decode(owed)
+        return MooncakeKVSender(self._rooms, rec, self._writes.submit, self._tell_decode)
 
     def live_rooms(self) -> int:
         return len(self._rooms)
@@ -141,7 +141,7 @@ class MooncakeKVManager:
 
     def peer_refused(self, room: int, reason: str) -> None:
         """The decode peer will never ask for ``room`` (a bootstrap refusal listener)."""
-        self._rooms.peer_refused(room, reason)
+        self._tell_decode(self._rooms.peer_refused(room, reason))
 
     def close(self) -> None:
         self._control.stop()

@@ -137,16 +137,17 @@ class PrefillRooms:
             self._refused.add(room, reason)
             return [self._refusal(d, reason) for d in self._early.pop(room, [])]
 
-    def peer_refused(self, room: int, reason: str) -> None:
-        """Decode will never send ``room``'s destination: the room fails now if it waits for
-        one, or when it is created (a room that has its destinations is paired; decode aborts
-        those with an ``Abort``)."""
+    def peer_refused(self, room: int, reason: str) -> list[Owed]:
+        """A decode rank will never send ``room``'s destination: the room fails now if it
+        still waits for one, or when it is created (a room that has all its destinations is
+        paired; decode aborts those with an ``Abort``)."""
         with self._lock:
             rec = self._rooms.get(room)
             if rec is None:
                 self._peer_refused.add(room, reason)
-            elif not rec.legs:
-                self._fail(rec, refusal(reason))
+            elif not rec.paired and self._fail(rec, refusal(reason)):
+                return self._settle(rec)  # the decode ranks that did give theirs
+            return []
 
     def peer_abort(self, msg: wire.Abort) -> list[Owed]:
         """Decode aborted a room; raises :class:`~kv.wire.WireError` if the abort is stale or
@@ -166,7 +167,9 @@ class PrefillRooms:
 
     # -- senders (scheduler thread) ------------------------------------------------------------
 
-    def create(self, room: int) -> PrefillRoom:
+    def create(self, room: int) -> tuple[PrefillRoom, list[Owed]]:
+        """A new room, with the destinations that came early; a room decode refused fails at
+        once, and the decode ranks that did send a destination are owed the refusal."""
         with self._lock:
             if room in self._rooms:
                 raise TransferUsageError(room, "a live sender exists for this room; clear() it")
@@ -177,12 +180,13 @@ class PrefillRooms:
             refused = self._peer_refused.pop(room)
             if refused is not None:
                 self._fail(rec, refusal(refused))
-            for dest in early if refused is None else ():
+                return rec, [self._refusal(dest, refused) for dest in early]
+            for dest in early:
                 try:
                     self._accept(rec, dest)
                 except wire.WireError as exc:  # counted where it came in: it was kept then
                     logger.warning("early destination dropped: %s", exc)
-        return rec
+        return rec, []
 
     def init(self, rec: PrefillRoom, num_pages: int, slot: int) -> list[Owed]:
         if not 0 <= slot < self._num_slots:

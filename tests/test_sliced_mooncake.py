@@ -25,7 +25,7 @@ from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from kv.rank_table import RankPlace
 from kv.transfer import KVPoll
-from tests.transfer_harness import drive
+from tests.transfer_harness import drive, eventually
 
 pytestmark = [pytest.mark.mooncake]
 
@@ -92,6 +92,7 @@ def servers(layout: Layout, seed: int = 0) -> Iterator[Servers]:
                 manager = MooncakeKVManager(pool, MetadataBuffers(SLOTS), place=place)
                 prefill.append(manager)
                 manager.register_to_bootstrap(server.address)
+                server.add_refusal_listener(manager.peer_refused)
         for d in range(layout.decode_tp):
             place = RankPlace(tp_rank=d, tp_size=layout.decode_tp, kv_heads=layout.heads,
                               mla=layout.mla, num_layers=LAYERS, layer_start=0,
@@ -249,3 +250,32 @@ def test_a_failure_on_one_rank_fails_the_room_everywhere(
         assert _finish(s, senders, receivers) == (
             [KVPoll.SUCCESS] * len(senders), [KVPoll.SUCCESS] * len(receivers))
         _check_landed(s, room + 1, slot=2)
+
+
+@pytest.mark.parametrize("sender_first", [True, False], ids=["sender-first", "refusal-first"])
+def test_a_decode_rank_that_refuses_fails_the_room_on_the_one_that_did_not(
+    sender_first: bool,
+) -> None:
+    """Prefill TP 1 writes into two decode ranks; one gives its destination, the other refuses
+    the room: the prefill room fails, and the first decode rank learns it at once."""
+    room = 99
+    with servers(Layout(1, 2), seed=2) as s:
+        addr = s.server.address
+        rx = s.decode[0].create_receiver(addr, room)
+        rx.init()
+        rx.send_metadata(DST_PAGES, 1)
+        if sender_first:
+            tx = s.prefill[0].create_sender(addr, room)
+        s.decode[1].refuse(addr, room, "decode rank 1 is full")
+        if not sender_first:
+            eventually(lambda: s.prefill[0]._rooms._peer_refused.get(room) is not None,
+                       "the refusal reached the prefill rank")
+            tx = s.prefill[0].create_sender(addr, room)
+        assert drive(s.prefill[0], tx, _DONE)[-1] == KVPoll.FAILED
+        assert "decode rank 1 is full" in tx.failure_exception().reason
+        assert drive(s.decode[0], rx, _DONE)[-1] == KVPoll.FAILED
+        assert "decode rank 1 is full" in rx.failure_exception().reason
+        assert tx.quiescent() and rx.quiescent()
+        tx.clear()
+        rx.clear()
+        _check_nothing_left(s)
