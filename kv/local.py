@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -48,6 +48,8 @@ from kv.metadata import MetadataBuffers
 from kv.pool import KVPool
 from kv.rank_table import RankPlace
 from kv.refusal import RefusedRooms
+from kv.state_copy import check_state, move_state
+from kv.state_pools import StateKind, StatePools
 from kv.transfer import (
     REASON_ABORTED,
     REASON_OTHER_RANK,
@@ -82,6 +84,7 @@ class _Chunk:
     dst_pages: dict[int, list[int]]  # decode TP rank -> its pages for this chunk
     last: bool
     src_slot: int
+    state: Mapping[StateKind, list[int]]  # the last chunk's state_indices
 
 
 def check_pages(room: int, pages: list[int], pool: KVPool, side: str) -> None:
@@ -111,8 +114,10 @@ class LocalKVManager:
         hub: LocalTransferHub,
         bootstrap_addr: str = "local",
         place: RankPlace | None = None,
+        states: StatePools | None = None,
     ) -> None:
         self.pool = pool
+        self.states = states  # a hybrid model's state pools, moved with the pages
         self.metadata = metadata
         self.bootstrap_addr = bootstrap_addr
         self._place = place or RankPlace.single(num_layers=pool.num_layers,
@@ -141,6 +146,11 @@ class LocalKVManager:
     @property
     def rank(self) -> int:
         return self._place.rank
+
+    @property
+    def carries_state(self) -> bool:
+        """Whether senders move state pools (``send_state``): with ``states`` only."""
+        return self.states is not None
 
     def _server(self) -> LocalServer:
         """This rank's server (the caller holds the hub's lock; the manager is not closed)."""
@@ -226,6 +236,11 @@ class LocalKVManager:
                     moved += copy_to_rank(self.pool, receiver.pool, chunk.src_pages,
                                           chunk.dst_pages[d], slices, duty.layers,
                                           whole=duty.whole_pages(d))
+                    moved += move_state(
+                        self.states, receiver.states, src_pages=chunk.src_pages,
+                        dst_pages=chunk.dst_pages[d], last=chunk.last, src_state=chunk.state,
+                        dst_state=receiver.state,
+                        whole=self._place.world_size == receiver.place.world_size == 1)
                     if chunk.last and receiver.row_writer == self.rank:
                         receiver.metadata.copy_row_from(self.metadata, chunk.src_slot,
                                                         receiver.slot)
@@ -308,6 +323,7 @@ class LocalKVSender(LocalEndpoint):
         self._cursor = SendCursor(room)
         self._end = SenderEnd(self._side, manager.rank, manager.place)
         self._cleared = False
+        self._state: dict[StateKind, list[int]] = {}
 
     @property
     def sent_pages(self) -> int:
@@ -325,6 +341,17 @@ class LocalKVSender(LocalEndpoint):
                 self._group.fail(Failure.everywhere(
                     PREFILL, f"the decode peer gave {have} destination pages, {num_pages} are "
                     "needed"))
+
+    def send_state(self, state: Mapping[StateKind, Sequence[int]]) -> None:
+        """The last chunk's state_indices (``kv.state_sends.StateSender``): they move with it."""
+        items = {kind: [int(i) for i in values] for kind, values in state.items()}
+        with self._lock:
+            if self._side.status == KVPoll.FAILED:
+                return
+            why = check_state(self._manager.states, items, "prefill")
+            if why or self._cursor.finished:
+                raise TransferUsageError(self.room, why or "send_state() after the last chunk")
+            self._state = items
 
     def send(self, pages: Sequence[int], last: bool) -> None:
         src = [int(p) for p in pages]
@@ -349,7 +376,8 @@ class LocalKVSender(LocalEndpoint):
                 return
             group.queue_chunk(end)
             dst = {d: r.pages[span] for d, r in end.dests.items()}
-            manager._chunks.put(_Chunk(self, src, dst, last, self._cursor.slot))
+            manager._chunks.put(_Chunk(self, src, dst, last, self._cursor.slot,
+                                       self._state if last else {}))
 
     # -- called with the lock held --------------------------------------------------------
 

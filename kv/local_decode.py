@@ -13,7 +13,7 @@ room failed. From ``send_metadata()`` on the group owns the receiver's state (se
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -24,15 +24,19 @@ from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
 from kv.rank_table import RankPlace
 from kv.routes import IncompatibleRanksError, PrefillRoute, route_places
-from kv.transfer import KVPoll, accepts_call
+from kv.state_copy import check_state, state_mismatches
+from kv.state_pools import StateKind, StatePools
+from kv.transfer import KVPoll, TransferUsageError, accepts_call
 
 
 class LocalDecodeManager:
-    """One decode rank: receivers whose pages and metadata rows the prefill workers fill."""
+    """One decode rank: receivers whose pages and metadata rows the prefill workers fill (and
+    with ``states`` the state pools of a hybrid model)."""
 
     def __init__(self, pool: KVPool, metadata: MetadataBuffers, *, hub: LocalTransferHub,
-                 place: RankPlace | None = None) -> None:
+                 place: RankPlace | None = None, states: StatePools | None = None) -> None:
         self.pool = pool
+        self.states = states
         self.metadata = metadata
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.hub = hub
@@ -89,6 +93,9 @@ class LocalKVReceiver(LocalEndpoint):
                 theirs = attrs.evolve(prefill.pool.geometry, kv_heads=mine.kv_heads,
                                       num_layers=mine.num_layers)
                 mismatches = theirs.mismatches(mine)
+                if prefill.states is not None or manager.states is not None:
+                    mismatches += state_mismatches(prefill.states or StatePools(prefill.pool),
+                                                   manager.states or StatePools(manager.pool))
                 if mismatches:
                     where = "" if server.world_size == 1 else f" (rank {rank})"
                     raise KVGeometryError(
@@ -103,8 +110,12 @@ class LocalKVReceiver(LocalEndpoint):
                 raise KVGeometryError(f"room {self.room}: {exc}") from None
             self._side.set(KVPoll.WAITING_FOR_INPUT)
 
-    def send_metadata(self, pages: Sequence[int], slot: int) -> None:
+    def send_metadata(self, pages: Sequence[int], slot: int,
+                      state: Mapping[StateKind, Sequence[int]] | None = None) -> None:
+        """Hand the destination ``pages`` and ``slot`` (and with state pools, where each kind
+        of ``state`` goes) to the room's group."""
         dst = [int(p) for p in pages]
+        dst_state = {kind: [int(i) for i in items] for kind, items in (state or {}).items()}
         manager = self._manager
         with self._lock:
             route = self._route
@@ -114,6 +125,9 @@ class LocalKVReceiver(LocalEndpoint):
             assert route is not None
             check_pages(self.room, dst, manager.pool, "decode")
             check_slot(self.room, slot, manager.metadata, "decode")
+            why = check_state(manager.states, dst_state, "decode")
+            if why:
+                raise TransferUsageError(self.room, why)
             server = manager.hub.lookup(self.bootstrap_addr)
             if server is None:
                 self._side.fail(f"the prefill server at {self.bootstrap_addr!r} closed")
@@ -125,6 +139,7 @@ class LocalKVReceiver(LocalEndpoint):
                 contacts=frozenset(r.rank for r in route.contacts),
                 sources=frozenset(r.rank for r in route.sources),
                 row_writer=min(r.rank for r in last_stage.sources),
+                states=manager.states, state=dst_state,
             )
             self._group = server.join_receiver(self._end)
 

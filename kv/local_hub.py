@@ -18,6 +18,7 @@ from kv.local_room import DECODE, PREFILL, Failure, ReceiverEnd, RoomGroup, Send
 from kv.pool import KVPool
 from kv.rank_table import RankInfo, RankPlace, registration_conflict
 from kv.refusal import RefusedRooms
+from kv.state_pools import StatePools
 from kv.transfer import REASON_PEER_REFUSED, KVPoll, refusal
 
 #: How a local rank fills the fields of a registration that only the network needs.
@@ -28,6 +29,7 @@ class PrefillRank(Protocol):
     """What the server needs of a prefill manager."""
 
     pool: KVPool
+    states: StatePools | None  # a hybrid model's state pools (kv/state_pools.py)
     refused: RefusedRooms  # rooms this rank will not serve
     peer_refused_rooms: RefusedRooms  # rooms the decode side will not ask for
 

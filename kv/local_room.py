@@ -41,6 +41,7 @@ from kv.metadata import MetadataBuffers
 from kv.pool import KVPool
 from kv.rank_table import RankPlace
 from kv.routes import SenderDuty, sender_duty
+from kv.state_pools import StateKind, StatePools
 from kv.transfer import KVPoll
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class ReceiverEnd:
     row_landed: bool = False
     taken: bool = False  # a sender paired with it
     inflight: int = 0  # chunks queued or being copied into its pages
+    states: StatePools | None = None  # a hybrid model's state pools (kv/state_pools.py)
+    state: dict[StateKind, list[int]] = attrs.Factory(dict)  # where each kind's state goes
 
 
 End = SenderEnd | ReceiverEnd

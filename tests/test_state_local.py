@@ -1,0 +1,161 @@
+"""Hybrid state over the local backend: a chunked request's full pages, draft pages, last SWA
+window, recurrent slot and index pages land byte-exact in the decode side's pools, and nothing
+else there changes; pools that disagree are refused at the handshake."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv.local import LocalKVManager, LocalTransferHub
+from kv.local_decode import LocalDecodeManager
+from kv.metadata import MetadataBuffers
+from kv.pool import KVGeometryError, KVPool
+from kv.pool_layout import KVLayout
+from kv.state_pools import IndexPool, RecurrentPool, StateKind, StatePools, SWAPool, items_view
+from kv.state_sends import chunk_send, state_tables, window_span
+from kv.transfer import KVPoll, TransferUsageError
+from tests.transfer_harness import drive, eventually
+
+ADDR = "local:state"
+PS = 4
+_TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
+
+
+def _kv(pages: int, layout: KVLayout, layers: int = 2) -> KVPool:
+    return KVPool(num_layers=layers, num_pages=pages, page_size=PS, kv_heads=2, head_dim=3,
+                  layout=layout)
+
+
+def _states(full_pages: int, swa_pages: int, slots: int, layout: KVLayout,
+            window: int = 9) -> StatePools:
+    full = _kv(full_pages, layout)
+    return StatePools(
+        full,
+        swa=SWAPool(window=window, pool=_kv(swa_pages, layout, layers=1), full_pages=full_pages),
+        recurrent=RecurrentPool.zeros(num_layers=2, num_slots=slots, state_size=5,
+                                      dtype=torch.int64),
+        index=IndexPool(num_layers=2, num_pages=full_pages, page_size=PS, dim=3),
+        draft=_kv(full_pages, layout, layers=1),
+    )
+
+
+def _buffers(states: StatePools) -> list[torch.Tensor]:
+    assert states.swa is not None and states.recurrent is not None
+    assert states.index is not None and states.draft is not None
+    return [states.full.buffer, states.draft.buffer, states.swa.pool.buffer,
+            states.recurrent.buffer, states.index.buffer]
+
+
+class _Pair:
+    def __init__(self, prefill: StatePools, decode: StatePools | None) -> None:
+        self.hub = LocalTransferHub()
+        self.prefill_meta, self.decode_meta = MetadataBuffers(2), MetadataBuffers(2)
+        self.prefill = LocalKVManager(prefill.full, self.prefill_meta, hub=self.hub,
+                                      bootstrap_addr=ADDR, states=prefill)
+        pool = decode.full if decode is not None else _kv(prefill.full.num_pages,
+                                                         prefill.full.layout)
+        self.decode = LocalDecodeManager(pool, self.decode_meta, hub=self.hub, states=decode)
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_a_chunked_request_lands_every_pool_byte_exact(layout: KVLayout) -> None:
+    src, dst = _states(12, 9, 3, layout), _states(10, 6, 2, layout)
+    for tensor in _buffers(src):
+        tensor.copy_(torch.randint(1, 99, tensor.shape))
+    before = [t.clone() for t in _buffers(dst)]
+    # 18 tokens in chunks of 12 and 6: the window (9 tokens, [9, 18) -> pages 2..4) starts in
+    # the first chunk.
+    length, pages = 18, [9, 3, 4, 10, 11]
+    assert src.swa is not None
+    src.swa.grow(pages[:3])
+    src.swa.grow(pages[3:], after=pages[2])
+    slot = src.take_slot()
+    assert src.recurrent is not None and slot is not None
+    src.recurrent.buffer[:, slot] = torch.arange(10).view(2, 5) + 1
+    window = list(window_span(length, 9, PS))
+    dst_pages, dst_window, dst_slot = [0, 1, 2, 3, 4], [5, 1, 3], 1
+    pair = _Pair(src, dst)
+    try:
+        receiver = pair.decode.create_receiver(ADDR, 7)
+        receiver.init()
+        receiver.send_metadata(dst_pages, 0, state={
+            StateKind.SWA: dst_window, StateKind.RECURRENT: [dst_slot],
+            StateKind.INDEX: dst_pages})
+        sender = pair.prefill.create_sender(ADDR, 7)
+        assert drive(pair.prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == (
+            KVPoll.WAITING_FOR_INPUT)
+        sender.init(len(pages), 1)
+        pair.prefill_meta.write(1, first_token=5, cached_tokens=0, logprob=None, room=7)
+        sent = 0
+        for computed in (12, 18):
+            last = computed == length
+            send = chunk_send(pages, length=length, sent=sent, computed=computed, last=last,
+                              page_size=PS, tables=state_tables(src, pages, slot, last))
+            if send.state:
+                sender.send_state(send.state)
+            sender.send(list(send.pages), last)
+            sent = send.sent
+        assert drive(pair.prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+        eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "the receiver to conclude")
+    finally:
+        pair.close()
+    assert dst.swa is not None and dst.recurrent is not None and dst.index is not None
+    assert dst.draft is not None and src.draft is not None and src.index is not None
+    landed = [
+        (src.full, dst.full, pages, dst_pages),
+        (src.draft, dst.draft, pages, dst_pages),
+        (src.swa.pool, dst.swa.pool, src.swa.translate([pages[i] for i in window]), dst_window),
+        (src.recurrent, dst.recurrent, [slot], [dst_slot]),
+        (src.index, dst.index, pages, dst_pages),
+    ]
+    for (a, b, src_items, dst_items), old in zip(landed, before, strict=True):
+        got, want = items_view(b), items_view(a)
+        assert torch.equal(got[:, dst_items], want[:, src_items])
+        others = [i for i in range(got.shape[1]) if i not in dst_items]
+        assert torch.equal(got[:, others], items_view_of(old, b)[:, others])
+    assert pair.decode_meta.read(0, expected_room=7) is not None
+
+
+def items_view_of(tensor: torch.Tensor, like: KVPool | RecurrentPool | IndexPool) -> torch.Tensor:
+    """``tensor`` (a copy of ``like``'s buffer) seen as :func:`items_view` sees ``like``."""
+    return tensor.view(items_view(like).shape)
+
+
+def test_state_pools_that_disagree_are_refused_at_the_handshake() -> None:
+    layout = KVLayout.PAGE_MAJOR
+    cases = [
+        (None, "swa: 1 regions of 48-element torch.float32 items, page_major vs none"),
+        (_states(12, 9, 3, layout, window=5), "swa window: 9 vs 5"),
+    ]
+    for decode, why in cases:
+        pair = _Pair(_states(12, 9, 3, layout), decode)
+        try:
+            receiver = pair.decode.create_receiver(ADDR, 3)
+            with pytest.raises(KVGeometryError, match=why):
+                receiver.init()
+        finally:
+            pair.close()
+
+
+def test_state_items_outside_a_pool_are_misuse() -> None:
+    layout = KVLayout.LAYER_MAJOR
+    pair = _Pair(_states(12, 9, 3, layout), _states(12, 9, 3, layout))
+    try:
+        receiver = pair.decode.create_receiver(ADDR, 4)
+        receiver.init()
+        with pytest.raises(TransferUsageError, match="recurrent item 3 is not in the decode"):
+            receiver.send_metadata([0], 0, state={StateKind.RECURRENT: [3]})
+        receiver.send_metadata([0], 0, state={StateKind.RECURRENT: [2]})
+        sender = pair.prefill.create_sender(ADDR, 4)
+        drive(pair.prefill, sender, {KVPoll.WAITING_FOR_INPUT})
+        sender.init(1, 0)
+        with pytest.raises(TransferUsageError, match="swa item 9 is not in the prefill"):
+            sender.send_state({StateKind.SWA: [9]})
+        sender.abort()
+    finally:
+        pair.close()
