@@ -4,9 +4,13 @@ else there changes; pools that disagree are refused at the handshake."""
 
 from __future__ import annotations
 
+from random import Random
+
 import attrs
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
@@ -22,6 +26,7 @@ from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner,
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch, ForwardItem
+from tests.strategies import chunked_prompts
 from tests.transfer_harness import drive, eventually
 
 ADDR = "local:state"
@@ -29,21 +34,22 @@ PS = 4
 _TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
 
 
-def _kv(pages: int, layout: KVLayout, layers: int = 2) -> KVPool:
-    return KVPool(num_layers=layers, num_pages=pages, page_size=PS, kv_heads=2, head_dim=3,
-                  layout=layout)
+def _kv(pages: int, layout: KVLayout, layers: int = 2, page_size: int = PS) -> KVPool:
+    return KVPool(num_layers=layers, num_pages=pages, page_size=page_size, kv_heads=2,
+                  head_dim=3, layout=layout)
 
 
 def _states(full_pages: int, swa_pages: int, slots: int, layout: KVLayout,
-            window: int = 9) -> StatePools:
-    full = _kv(full_pages, layout)
+            window: int = 9, page_size: int = PS) -> StatePools:
+    full = _kv(full_pages, layout, page_size=page_size)
     return StatePools(
         full,
-        swa=SWAPool(window=window, pool=_kv(swa_pages, layout, layers=1), full_pages=full_pages),
+        swa=SWAPool(window=window, pool=_kv(swa_pages, layout, 1, page_size),
+                    full_pages=full_pages),
         recurrent=RecurrentPool.zeros(num_layers=2, num_slots=slots, state_size=5,
                                       dtype=torch.int64),
-        index=IndexPool(num_layers=2, num_pages=full_pages, page_size=PS, dim=3),
-        draft=_kv(full_pages, layout, layers=1),
+        index=IndexPool(num_layers=2, num_pages=full_pages, page_size=page_size, dim=3),
+        draft=_kv(full_pages, layout, 1, page_size),
     )
 
 
@@ -69,23 +75,21 @@ class _Pair:
         self.decode.close()
 
 
-@pytest.mark.parametrize("layout", list(KVLayout))
-def test_a_chunked_request_lands_every_pool_byte_exact(layout: KVLayout) -> None:
-    src, dst = _states(12, 9, 3, layout), _states(10, 6, 2, layout)
+def _land(src: StatePools, dst: StatePools, length: int, progress: list[int],
+          pages: list[int], dst_pages: list[int], dst_window: list[int], dst_slot: int) -> None:
+    """Send a request of ``length`` tokens on ``pages`` of ``src``, computed in chunks up to
+    each of ``progress``, as the scheduler would (``chunk_send``), into ``dst``; then assert
+    that every pool's items landed byte-exact and nothing else in ``dst`` changed."""
+    ps = src.full.page_size
     for tensor in _buffers(src):
         tensor.copy_(torch.randint(1, 99, tensor.shape))
     before = [t.clone() for t in _buffers(dst)]
-    # 18 tokens in chunks of 12 and 6: the window (9 tokens, [9, 18) -> pages 2..4) starts in
-    # the first chunk.
-    length, pages = 18, [9, 3, 4, 10, 11]
-    assert src.swa is not None
-    src.swa.grow(pages[:3])
-    src.swa.grow(pages[3:], after=pages[2])
+    assert src.swa is not None and src.window is not None
+    src.swa.grow(pages)
     slot = src.take_slot()
     assert src.recurrent is not None and slot is not None
     src.recurrent.buffer[:, slot] = torch.arange(10).view(2, 5) + 1
-    window = list(window_span(length, 9, PS))
-    dst_pages, dst_window, dst_slot = [0, 1, 2, 3, 4], [5, 1, 3], 1
+    window = list(window_span(length, src.window, ps))
     pair = _Pair(src, dst)
     try:
         receiver = pair.decode.create_receiver(ADDR, 7)
@@ -99,16 +103,19 @@ def test_a_chunked_request_lands_every_pool_byte_exact(layout: KVLayout) -> None
         sender.init(len(pages), 1)
         pair.prefill_meta.write(1, first_token=5, cached_tokens=0, logprob=None, room=7)
         sent = 0
-        for computed in (12, 18):
+        for computed in progress:
             last = computed == length
             send = chunk_send(pages, length=length, sent=sent, computed=computed, last=last,
-                              page_size=PS, tables=state_tables(src, pages, slot, last))
+                              page_size=ps, tables=state_tables(src, pages, slot, last))
+            if not send.goes:
+                continue
             if send.state:
                 sender.send_state(send.state)
             sender.send(list(send.pages), last)
             sent = send.sent
         assert drive(pair.prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
         eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "the receiver to conclude")
+        assert pair.decode_meta.read(0, expected_room=7) is not None
     finally:
         pair.close()
     assert dst.swa is not None and dst.recurrent is not None and dst.index is not None
@@ -125,7 +132,28 @@ def test_a_chunked_request_lands_every_pool_byte_exact(layout: KVLayout) -> None
         assert torch.equal(got[:, dst_items], want[:, src_items])
         others = [i for i in range(got.shape[1]) if i not in dst_items]
         assert torch.equal(got[:, others], items_view_of(old, b)[:, others])
-    assert pair.decode_meta.read(0, expected_room=7) is not None
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_a_chunked_request_lands_every_pool_byte_exact(layout: KVLayout) -> None:
+    # 18 tokens in chunks of 12 and 6: the window (9 tokens, [9, 18) -> pages 2..4) starts in
+    # the first chunk.
+    _land(_states(12, 9, 3, layout), _states(10, 6, 2, layout), 18, [12, 18],
+          pages=[9, 3, 4, 10, 11], dst_pages=[0, 1, 2, 3, 4], dst_window=[5, 1, 3], dst_slot=1)
+
+
+@given(chunked_prompts(max_len=40), st.integers(min_value=1, max_value=50),
+       st.sampled_from(list(KVLayout)), st.randoms(use_true_random=False))
+def test_any_chunking_and_window_lands_every_pool_byte_exact(
+    case: tuple[int, int, list[int]], window: int, layout: KVLayout, rng: Random,
+) -> None:
+    page_size, length, progress = case
+    n = pages_needed(length, page_size)
+    spans = len(window_span(length, window, page_size))
+    _land(_states(n + 3, n + 1, 2, layout, window, page_size),
+          _states(n + 2, spans + 2, 3, layout, window, page_size), length, progress,
+          pages=rng.sample(range(n + 3), n), dst_pages=rng.sample(range(n + 2), n),
+          dst_window=rng.sample(range(spans + 2), spans), dst_slot=rng.randrange(3))
 
 
 def items_view_of(tensor: torch.Tensor, like: KVPool | RecurrentPool | IndexPool) -> torch.Tensor:
