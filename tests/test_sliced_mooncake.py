@@ -70,14 +70,18 @@ class Servers:
 
 
 @contextmanager
-def servers(layout: Layout, seed: int = 0) -> Iterator[Servers]:
+def servers(layout: Layout, seed: int = 0,
+            decode_tps: tuple[int, ...] | None = None) -> Iterator[list[Servers]]:
+    """One prefill server, and a decode server for each of ``decode_tps`` (``layout``'s decode
+    TP size by default) registered with it: prefill ranks serve decode servers of different
+    TP sizes at once, each decode rank's registration carrying its own layout."""
     gen = torch.Generator().manual_seed(seed)
     model_kv = torch.randn((LAYERS, 2, len(SRC_PAGES), PAGE_SIZE, layout.heads, HEAD_DIM),
                            generator=gen)
     tp, pp = layout.prefill_tp, layout.prefill_pp
     server = BootstrapServer(expected_ranks=tp * pp)
     prefill: list[MooncakeKVManager] = []
-    decode: list[MooncakeDecodeManager] = []
+    decodes: list[list[MooncakeDecodeManager]] = []
     try:
         for stage in range(pp):
             layers = _stage_layers(pp, stage)
@@ -93,17 +97,21 @@ def servers(layout: Layout, seed: int = 0) -> Iterator[Servers]:
                 prefill.append(manager)
                 manager.register_to_bootstrap(server.address)
                 server.add_refusal_listener(manager.peer_refused)
-        for d in range(layout.decode_tp):
-            place = RankPlace(tp_rank=d, tp_size=layout.decode_tp, kv_heads=layout.heads,
-                              mla=layout.mla, num_layers=LAYERS, layer_start=0,
-                              layer_stop=LAYERS)
-            pool = _pool(place.heads_per_rank, LAYERS, layout.kv_layout, gen)
-            decode.append(MooncakeDecodeManager(pool, MetadataBuffers(SLOTS), server.address,
-                                                place=place))
-        yield Servers(layout, model_kv, server, prefill, decode,
-                      [m.pool.by_layer().clone() for m in decode])
+        for td in decode_tps or (layout.decode_tp,):
+            decode: list[MooncakeDecodeManager] = []
+            decodes.append(decode)
+            for d in range(td):
+                place = RankPlace(tp_rank=d, tp_size=td, kv_heads=layout.heads,
+                                  mla=layout.mla, num_layers=LAYERS, layer_start=0,
+                                  layer_stop=LAYERS)
+                pool = _pool(place.heads_per_rank, LAYERS, layout.kv_layout, gen)
+                decode.append(MooncakeDecodeManager(pool, MetadataBuffers(SLOTS),
+                                                    server.address, place=place))
+        yield [Servers(attrs.evolve(layout, decode_tp=len(decode)), model_kv, server, prefill,
+                       decode, [m.pool.by_layer().clone() for m in decode])
+               for decode in decodes]
     finally:
-        for m in decode:
+        for m in (m for decode in decodes for m in decode):
             m.close()
         for p in prefill:
             p.close()
@@ -176,31 +184,35 @@ def _check_landed(s: Servers, room: int, slot: int = 1) -> None:
         assert row is not None and row.first_token == 42, f"decode rank {d}: {row}"
 
 
-LAYOUTS = [
-    *(Layout(tp, td) for tp in (1, 2, 4) for td in (1, 2, 4)),
-    Layout(4, 1, heads=2),  # GQA: two KV heads, each on two prefill ranks
-    Layout(4, 2, heads=1, mla=True),
-    Layout(1, 2, heads=1, mla=True),
-    Layout(1, 1, prefill_pp=2),
-    Layout(2, 1, prefill_pp=2, kv_layout=KVLayout.LAYER_MAJOR),
-    Layout(2, 4, kv_layout=KVLayout.LAYER_MAJOR),
+PREFILLS = [
+    # Prefill TP {1, 2, 4}, each serving decode servers at TP 1, 2 and 4 at once.
+    *((Layout(tp, 1), (1, 2, 4)) for tp in (1, 2, 4)),
+    (Layout(4, 1, heads=2), (1, 2)),  # GQA: two KV heads, each on two prefill ranks
+    (Layout(4, 1, heads=1, mla=True), (2, 4)),  # MLA: status-only ranks at TP 4 -> 2
+    (Layout(1, 1, heads=1, mla=True), (2,)),
+    (Layout(1, 1, prefill_pp=2), (1,)),
+    (Layout(2, 1, prefill_pp=2, kv_layout=KVLayout.LAYER_MAJOR), (1, 2)),
+    (Layout(2, 1, kv_layout=KVLayout.LAYER_MAJOR), (4,)),
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: (
-    f"tp{lay.prefill_tp}-pp{lay.prefill_pp}-to-tp{lay.decode_tp}-h{lay.heads}"
-    f"{'-mla' if lay.mla else ''}-{lay.kv_layout.value}"))
-def test_random_kv_lands_byte_exact_on_every_decode_rank(layout: Layout) -> None:
-    room = (1 << 63) + 5
-    with servers(layout) as s:
-        senders, receivers = _start(s, room)
-        for tx in senders:
-            tx.send(SRC_PAGES[3:], last=True)
-        sent, got = _finish(s, senders, receivers)
-        assert sent == [KVPoll.SUCCESS] * len(senders)
-        assert got == [KVPoll.SUCCESS] * len(receivers)
-        _check_landed(s, room)
-        _check_nothing_left(s)
+@pytest.mark.parametrize(("layout", "decode_tps"), PREFILLS, ids=lambda x: (
+    f"tp{x.prefill_tp}-pp{x.prefill_pp}-h{x.heads}{'-mla' if x.mla else ''}-{x.kv_layout.value}"
+    if isinstance(x, Layout) else "to-tp" + "-".join(map(str, x))))
+def test_random_kv_lands_byte_exact_on_every_decode_rank(
+    layout: Layout, decode_tps: tuple[int, ...]
+) -> None:
+    with servers(layout, decode_tps=decode_tps) as pairs:
+        for i, s in enumerate(pairs):
+            room = (1 << 63) + i
+            senders, receivers = _start(s, room)
+            for tx in senders:
+                tx.send(SRC_PAGES[3:], last=True)
+            sent, got = _finish(s, senders, receivers)
+            assert sent == [KVPoll.SUCCESS] * len(senders), s.layout
+            assert got == [KVPoll.SUCCESS] * len(receivers), s.layout
+            _check_landed(s, room)
+            _check_nothing_left(s)
 
 
 def _check_nothing_left(s: Servers) -> None:
@@ -226,7 +238,7 @@ def test_a_failure_on_one_rank_fails_the_room_everywhere(
     transfer layer fails by itself; the scheduler's MIN poll over each TP group fails the room
     on the others, which the test plays by aborting the senders left."""
     room = 77
-    with servers(layout, seed=1) as s:
+    with servers(layout, seed=1) as (s,):
         senders, receivers = _start(s, room)
         side, index = aborts
         (receivers if side == "decode" else senders)[index].abort()
@@ -252,30 +264,28 @@ def test_a_failure_on_one_rank_fails_the_room_everywhere(
         _check_landed(s, room + 1, slot=2)
 
 
-@pytest.mark.parametrize("sender_first", [True, False], ids=["sender-first", "refusal-first"])
-def test_a_decode_rank_that_refuses_fails_the_room_on_the_one_that_did_not(
-    sender_first: bool,
-) -> None:
+def test_a_decode_rank_that_refuses_fails_the_room_on_the_one_that_did_not() -> None:
     """Prefill TP 1 writes into two decode ranks; one gives its destination, the other refuses
-    the room: the prefill room fails, and the first decode rank learns it at once."""
-    room = 99
-    with servers(Layout(1, 2), seed=2) as s:
+    the room (after the prefill sender exists, then before): the prefill room fails, and the
+    first decode rank learns it at once."""
+    with servers(Layout(1, 2), seed=2) as (s,):
         addr = s.server.address
-        rx = s.decode[0].create_receiver(addr, room)
-        rx.init()
-        rx.send_metadata(DST_PAGES, 1)
-        if sender_first:
-            tx = s.prefill[0].create_sender(addr, room)
-        s.decode[1].refuse(addr, room, "decode rank 1 is full")
-        if not sender_first:
-            eventually(lambda: s.prefill[0]._rooms._peer_refused.get(room) is not None,
-                       "the refusal reached the prefill rank")
-            tx = s.prefill[0].create_sender(addr, room)
-        assert drive(s.prefill[0], tx, _DONE)[-1] == KVPoll.FAILED
-        assert "decode rank 1 is full" in tx.failure_exception().reason
-        assert drive(s.decode[0], rx, _DONE)[-1] == KVPoll.FAILED
-        assert "decode rank 1 is full" in rx.failure_exception().reason
-        assert tx.quiescent() and rx.quiescent()
-        tx.clear()
-        rx.clear()
-        _check_nothing_left(s)
+        for room, sender_first in ((98, True), (99, False)):
+            rx = s.decode[0].create_receiver(addr, room)
+            rx.init()
+            rx.send_metadata(DST_PAGES, 1)
+            if sender_first:
+                tx = s.prefill[0].create_sender(addr, room)
+            s.decode[1].refuse(addr, room, "decode rank 1 is full")
+            if not sender_first:
+                eventually(lambda room=room: s.prefill[0]._rooms._peer_refused.get(room)
+                           is not None, "the refusal reached the prefill rank")
+                tx = s.prefill[0].create_sender(addr, room)
+            assert drive(s.prefill[0], tx, _DONE)[-1] == KVPoll.FAILED
+            assert "decode rank 1 is full" in tx.failure_exception().reason
+            assert drive(s.decode[0], rx, _DONE)[-1] == KVPoll.FAILED
+            assert "decode rank 1 is full" in rx.failure_exception().reason
+            assert tx.quiescent() and rx.quiescent()
+            tx.clear()
+            rx.clear()
+            _check_nothing_left(s)
