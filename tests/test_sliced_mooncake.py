@@ -1,5 +1,6 @@
 """The Mooncake backend between prefill and decode servers of different parallel layouts: head
-slices for different TP sizes, MLA's status-only ranks, and prefill pipeline stages.
+slices for different TP sizes, MLA's status-only ranks, prefill pipeline stages and DP
+replicas.
 
 Every rank of both servers runs in this process with its own transfer engine, over loopback TCP
 (an engine starts in a fraction of a second, so each case builds its own servers). Each prefill
@@ -10,6 +11,7 @@ nothing else in its pool may change, and its metadata row must carry the room.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,6 +44,7 @@ class Layout:
     heads: int = 8
     mla: bool = False
     prefill_pp: int = 1
+    prefill_dp: int = 1
     kv_layout: KVLayout = KVLayout.PAGE_MAJOR
 
 
@@ -68,6 +71,10 @@ class Servers:
     decode: list[MooncakeDecodeManager]
     before: list[torch.Tensor]
 
+    def serving(self, room: int) -> list[MooncakeKVManager]:
+        """The prefill ranks of the DP replica that serves ``room`` (room mod the DP size)."""
+        return [m for m in self.prefill if m.place.dp_rank == room % self.layout.prefill_dp]
+
 
 @contextmanager
 def servers(layout: Layout, seed: int = 0,
@@ -78,25 +85,25 @@ def servers(layout: Layout, seed: int = 0,
     gen = torch.Generator().manual_seed(seed)
     model_kv = torch.randn((LAYERS, 2, len(SRC_PAGES), PAGE_SIZE, layout.heads, HEAD_DIM),
                            generator=gen)
-    tp, pp = layout.prefill_tp, layout.prefill_pp
-    server = BootstrapServer(expected_ranks=tp * pp)
+    tp, pp, dp = layout.prefill_tp, layout.prefill_pp, layout.prefill_dp
+    server = BootstrapServer(expected_ranks=tp * pp * dp)
     prefill: list[MooncakeKVManager] = []
     decodes: list[list[MooncakeDecodeManager]] = []
     try:
-        for stage in range(pp):
+        for replica, stage, t in itertools.product(range(dp), range(pp), range(tp)):
             layers = _stage_layers(pp, stage)
-            for t in range(tp):
-                place = RankPlace(tp_rank=t, tp_size=tp, pp_rank=stage, pp_size=pp,
-                                  kv_heads=layout.heads, mla=layout.mla, num_layers=LAYERS,
-                                  layer_start=layers.start, layer_stop=layers.stop)
-                pool = _pool(place.heads_per_rank, len(layers), layout.kv_layout, gen)
-                held = place.tp_layout.heads_of(t)
-                pool.by_layer()[:, :, SRC_PAGES] = model_kv[
-                    layers.start : layers.stop, :, :, :, held.start : held.stop]
-                manager = MooncakeKVManager(pool, MetadataBuffers(SLOTS), place=place)
-                prefill.append(manager)
-                manager.register_to_bootstrap(server.address)
-                server.add_refusal_listener(manager.peer_refused)
+            place = RankPlace(tp_rank=t, tp_size=tp, pp_rank=stage, pp_size=pp,
+                              dp_rank=replica, dp_size=dp, kv_heads=layout.heads,
+                              mla=layout.mla, num_layers=LAYERS, layer_start=layers.start,
+                              layer_stop=layers.stop)
+            pool = _pool(place.heads_per_rank, len(layers), layout.kv_layout, gen)
+            held = place.tp_layout.heads_of(t)
+            pool.by_layer()[:, :, SRC_PAGES] = model_kv[
+                layers.start : layers.stop, :, :, :, held.start : held.stop]
+            manager = MooncakeKVManager(pool, MetadataBuffers(SLOTS), place=place)
+            prefill.append(manager)
+            manager.register_to_bootstrap(server.address)
+            server.add_refusal_listener(manager.peer_refused)
         for td in decode_tps or (layout.decode_tp,):
             decode: list[MooncakeDecodeManager] = []
             decodes.append(decode)
@@ -136,7 +143,7 @@ def _start(s: Servers, room: int, slot: int = 1
         rx.send_metadata(DST_PAGES, slot)
         receivers.append(rx)
     senders = []
-    for m in s.prefill:
+    for m in s.serving(room):
         tx = m.create_sender(s.server.address, room)
         assert drive(m, tx, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
         tx.init(len(SRC_PAGES), slot)
@@ -149,9 +156,10 @@ def _start(s: Servers, room: int, slot: int = 1
 def _finish(s: Servers, senders: list[MooncakeKVSender],
             receivers: list[MooncakeKVReceiver]) -> tuple[list[KVPoll], list[KVPoll]]:
     """Drive every room to its end; the ends, then clear every room once it is quiescent."""
-    sent = [drive(m, tx, _DONE)[-1] for m, tx in zip(s.prefill, senders, strict=True)]
+    prefill = s.serving(receivers[0].room)
+    sent = [drive(m, tx, _DONE)[-1] for m, tx in zip(prefill, senders, strict=True)]
     got = [drive(m, rx, _DONE)[-1] for m, rx in zip(s.decode, receivers, strict=True)]
-    for m, end in ((s.prefill, senders), (s.decode, receivers)):
+    for m, end in ((prefill, senders), (s.decode, receivers)):
         for manager, one in zip(m, end, strict=True):
             drive(manager, _Quiet(one), {KVPoll.SUCCESS})
             one.clear()
@@ -193,26 +201,31 @@ PREFILLS = [
     (Layout(1, 1, prefill_pp=2), (1,)),
     (Layout(2, 1, prefill_pp=2, kv_layout=KVLayout.LAYER_MAJOR), (1, 2)),
     (Layout(2, 1, kv_layout=KVLayout.LAYER_MAJOR), (4,)),
+    (Layout(2, 1, prefill_dp=2), (1, 2)),  # two DP replicas behind one bootstrap endpoint
 ]
 
 
 @pytest.mark.parametrize(("layout", "decode_tps"), PREFILLS, ids=lambda x: (
-    f"tp{x.prefill_tp}-pp{x.prefill_pp}-h{x.heads}{'-mla' if x.mla else ''}-{x.kv_layout.value}"
+    f"tp{x.prefill_tp}-pp{x.prefill_pp}-dp{x.prefill_dp}-h{x.heads}{'-mla' if x.mla else ''}"
+    f"-{x.kv_layout.value}"
     if isinstance(x, Layout) else "to-tp" + "-".join(map(str, x))))
 def test_random_kv_lands_byte_exact_on_every_decode_rank(
     layout: Layout, decode_tps: tuple[int, ...]
 ) -> None:
     with servers(layout, decode_tps=decode_tps) as pairs:
         for i, s in enumerate(pairs):
-            room = (1 << 63) + i
-            senders, receivers = _start(s, room)
-            for tx in senders:
-                tx.send(SRC_PAGES[3:], last=True)
-            sent, got = _finish(s, senders, receivers)
-            assert sent == [KVPoll.SUCCESS] * len(senders), s.layout
-            assert got == [KVPoll.SUCCESS] * len(receivers), s.layout
-            _check_landed(s, room)
-            _check_nothing_left(s)
+            for replica in range(layout.prefill_dp):  # a room served by each DP replica
+                room = (1 << 63) + 8 * i + replica
+                for m, before in zip(s.decode, s.before, strict=True):
+                    m.pool.by_layer().copy_(before)  # so the next room's bytes must land again
+                senders, receivers = _start(s, room)
+                for tx in senders:
+                    tx.send(SRC_PAGES[3:], last=True)
+                sent, got = _finish(s, senders, receivers)
+                assert sent == [KVPoll.SUCCESS] * len(senders), s.layout
+                assert got == [KVPoll.SUCCESS] * len(receivers), s.layout
+                _check_landed(s, room)
+                _check_nothing_left(s)
 
 
 def _check_nothing_left(s: Servers) -> None:
