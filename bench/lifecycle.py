@@ -233,7 +233,8 @@ def records_admitted(n: int) -> list[Any]:
 
 def _library_path(n: int, through_event: bool) -> list[Any]:
     """The records and the four events through the shared machine alone: each edge's
-    ``Transition.execute`` (what (c) calls), or ``Event.trigger`` (the library's entry)."""
+    ``Transition.execute`` (what (c) calls: the table's transition, which skips the library's
+    logging and empty callback loops), or ``Event.trigger`` (the library's entry)."""
     machine = shared_machine(PREFILL_TABLE)
     edges = [
         (machine.get_state(src), machine.events[ev], machine.events[ev].transitions[src.name][0])

@@ -153,7 +153,11 @@ def _trigger(event: str, doc: str) -> Callable[..., None]:
             raise TypeError(
                 f"{event}(): detail is a string; pass the reason by keyword (reason=...)"
             )
-        self.fire(event, reason=reason, detail=detail)
+        owner = self.owner
+        if owner is None:
+            self.fire(event, reason=reason, detail=detail)  # names the unadmitted request
+        else:  # what ``fire`` would call, one call fewer on the one-request path
+            owner.trigger(self, event, reason=reason, detail=detail)
 
     trigger.__name__ = trigger.__qualname__ = event
     trigger.__doc__ = f"Fire {event!r} for this request{': ' + doc if doc else ''}."

@@ -33,12 +33,13 @@ The two paths:
   step 2 and step 3 are the batch path's. The transition is executed directly rather than
   through ``Event.trigger``, which would look up again the source state and the transition
   the check already found; the machine has no callbacks of its own, so nothing of the
-  library's runs between its setting the state and the lifecycle's move. Most of this path's
-  cost is the library's (docs/benchmarks.md has the figures).
+  library's runs between its setting the state and the lifecycle's move, and the table's
+  transition skips the library's logging and empty callback loops until something is added
+  (:mod:`lifecycle.steps`; docs/benchmarks.md has the figures).
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
   looked up once for the batch, the clock read once, and the batch shares one timeline entry
-  (a tuple). This is the scheduler's path and is several times cheaper per request than firing
-  one by one.
+  (a tuple); a batch that is the whole of its state's bucket empties the bucket at once. This
+  is the scheduler's path and is several times cheaper per request than firing one by one.
 
 Each edge is held as a :class:`~lifecycle.steps.Step`, built once per lifecycle: the edge, its
 guards and hooks, the index buckets it moves between, its ``Firing`` for an event without a
@@ -307,13 +308,17 @@ class Lifecycle(Generic[R]):
                 if why:
                     raise GuardFailed(r.rid, edge.source, edge.event, why)
             return
-        # One guard (every guard of the prefill table): the loop without the string building.
-        calls, evaluated = step.guard_calls, 0
+        # One guard (every guard of the prefill table): the loop without the string building,
+        # the guard looked up again only when the record class changes.
+        calls, kind, evaluated = step.guard_calls, None, 0
         try:
             for r in reqs:
-                ((name, guard, takes_event, wanted),) = calls[type(r)]
+                if type(r) is not kind:
+                    kind = type(r)
+                    ((name, guard, takes_event, wanted),) = calls[kind]
                 evaluated += 1
-                if bool(guard(r, firing) if takes_event else guard(r)) is not wanted:
+                # ``not`` gives the guard's answer as a bool without calling bool().
+                if (not (guard(r, firing) if takes_event else guard(r))) is wanted:
                     raise GuardFailed(r.rid, edge.source, edge.event, refusal_text(name, wanted))
         finally:
             self.guards_evaluated += evaluated
@@ -322,11 +327,10 @@ class Lifecycle(Generic[R]):
         dst = step.edge.dest
         # One timeline entry for the batch: a tuple, so every request may share it.
         entry = (self.clock(), step.edge.event)
-        src_bucket = step.src_bucket
         dst_bucket = step.dst_bucket
         if dst_bucket is not None:
+            _leave(step.src_bucket, reqs)
             for r in reqs:
-                del src_bucket[r.rid]
                 r.state = dst
                 r.timeline.append(entry)
                 dst_bucket[r.rid] = r
@@ -344,11 +348,10 @@ class Lifecycle(Generic[R]):
     ) -> None:
         """The move into a final state: out of the index, with the reason, counted."""
         dst = step.edge.dest
-        src_bucket = step.src_bucket
         by_rid = self._by_rid
         reason, detail = firing.reason, firing.detail
+        _leave(step.src_bucket, reqs)
         for r in reqs:
-            del src_bucket[r.rid]
             del by_rid[r.rid]
             r.state = dst
             r.timeline.append(entry)
@@ -359,6 +362,8 @@ class Lifecycle(Generic[R]):
             for r in reqs:
                 r.reason = reason
             self.finished[(dst, reason)] += len(reqs)
+        elif len(reqs) == 1:  # the one-request path: building a Counter costs more
+            self.finished[(dst, reqs[0].reason)] += 1
         else:  # each ends with the reason it holds (most often None): counted by reason
             for held, n in collections.Counter(map(operator.attrgetter("reason"), reqs)).items():
                 self.finished[(dst, held)] += n
@@ -377,3 +382,13 @@ class Lifecycle(Generic[R]):
             total += len(bucket)
         if total != len(self._by_rid):
             raise AssertionError(f"index: {total} requests filed, {len(self._by_rid)} live")
+
+
+def _leave(bucket: dict[str, R], reqs: Sequence[R]) -> None:
+    """Take a checked batch (every request in ``bucket``, none twice) out of its state's
+    bucket; a batch as large as the bucket is the whole bucket, emptied at once."""
+    if len(bucket) == len(reqs):
+        bucket.clear()
+    else:
+        for r in reqs:
+            del bucket[r.rid]

@@ -5,6 +5,7 @@ batch shares one timeline entry."""
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Any, ClassVar
 
 import attrs
@@ -93,6 +94,58 @@ def test_one_request_moves_through_the_tables_transition() -> None:
     a.close()
     assert seen == [("a", S.OPEN)]  # the callback was removed: the machine has none of its own
     assert a.state is S.CLOSED and len(lc) == 0
+
+
+@pytest.mark.parametrize("where", ["machine after", "state enter", "state exit", "prepare"])
+def test_a_callback_added_anywhere_the_library_calls_one_runs(where: str) -> None:
+    """With nothing of the library's to run, the table's transition sets the state without
+    its callback loops; a callback added to the machine, a state or the transition itself
+    makes it run the library's execute again, which calls it."""
+    machine = shared_machine(TABLE)
+    (transition,) = machine.events["open"].transitions["NEW"]
+    seen: list[tuple[str, Any]] = []
+
+    def callback(event_data: Any) -> None:
+        seen.append((event_data.model.rid, event_data.model.state))
+
+    callbacks = {
+        "machine after": machine.after_state_change,
+        "state enter": machine.get_state(S.OPEN).on_enter,
+        "state exit": machine.get_state(S.NEW).on_exit,
+        "prepare": transition.prepare,
+    }[where]
+    lc: Lifecycle[Ticket] = Lifecycle(TABLE)
+    a, b = Ticket("a"), Ticket("b")
+    lc.admit(a)
+    lc.admit(b)
+    a.open()  # no callback: the short path
+    callbacks.append(callback)
+    try:
+        b.open()
+    finally:
+        callbacks.remove(callback)
+    # prepare and exit run before the state changes, after and enter once it changed.
+    assert seen == [("b", S.NEW if where in ("state exit", "prepare") else S.OPEN)]
+    assert (a.state, b.state) == (S.OPEN, S.OPEN)
+    assert dict(lc.in_state(S.OPEN)) == {"a": a, "b": b}
+    assert [event for _, event in b.timeline] == ["admitted", "open"]
+
+
+def test_the_librarys_log_switched_on_shows_each_transition(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lc: Lifecycle[Ticket] = Lifecycle(TABLE)
+    a, b = Ticket("a"), Ticket("b")
+    lc.admit(a)
+    lc.admit(b)
+    with caplog.at_level(logging.DEBUG, logger="transitions.core"):
+        a.open()
+    assert any("Initiating transition from state NEW to state OPEN" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    b.open()  # the logger is quiet again: the short path logs nothing
+    assert not [r for r in caplog.records if r.name == "transitions.core"]
+    assert (a.state, b.state) == (S.OPEN, S.OPEN)
 
 
 def test_a_batch_shares_one_timeline_entry() -> None:
