@@ -11,6 +11,7 @@ key are read with the key in ``PDLIFE_API_KEY``.
 from __future__ import annotations
 
 import argparse
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -142,7 +143,11 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--interval and --timeout must be > 0, --iterations >= 0")
     histories = [History(_url(u)) for u in args.urls]
     console = Console()
-    pause = threading.Event()  # never set: an interruptible wait between refreshes
+    # Ctrl-C sets this event instead of raising KeyboardInterrupt wherever the main thread is
+    # (a KeyboardInterrupt inside the executor's or httpx's locking can hang the exit): the
+    # loop ends at its next check, and the wait between refreshes ends at once.
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda _sig, _frame: stop.set())
     key = api_key(None)
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     with httpx.Client(timeout=args.timeout, headers=headers) as client, ThreadPoolExecutor(
@@ -150,21 +155,21 @@ def _run(args: argparse.Namespace) -> int:
         try:
             if args.once:
                 _refresh(pool, client, histories)
-                pause.wait(args.interval)
+                stop.wait(args.interval)
                 views = _refresh(pool, client, histories)
                 console.print(render(views))
                 return 1 if any(v.error is not None for v in views) else 0
             with Live(console=console, auto_refresh=False) as live:
                 done = 0
-                while True:
+                while not stop.is_set():
                     views = _refresh(pool, client, histories)
                     live.update(render(views, time.strftime("%H:%M:%S")), refresh=True)
                     done += 1
                     if done == args.iterations:
                         break
-                    pause.wait(args.interval)
-        except KeyboardInterrupt:
-            pass
+                    stop.wait(args.interval)
+        finally:
+            signal.signal(signal.SIGINT, previous)
     return 0
 
 
