@@ -20,7 +20,8 @@ import attrs
 from lifecycle.prefill import DEFAULT_SAMPLING, SamplingParams
 from lifecycle.reasons import FailureReason
 from lifecycle.record import Tracked
-from lifecycle.table import Edge, make_table
+from lifecycle.request_table import request_table
+from lifecycle.table import Edge
 
 
 class DecodeState(enum.IntEnum):
@@ -65,15 +66,12 @@ class DecodeRequest(Tracked):
 
 _S = DecodeState
 _E = DecodeEvent
-_LIVE = (_S.BOOTSTRAPPING, _S.PREALLOC, _S.RECEIVING, _S.DECODING)
 
-DECODE_TABLE = make_table(
+DECODE_TABLE = request_table(
     "decode",
     DecodeState,
-    events=DecodeEvent,
-    initial=_S.BOOTSTRAPPING,
-    finals=(_S.DONE, _S.FAILED),
-    edges=(
+    DecodeEvent,
+    path=(
         Edge(_E.BOOTSTRAPPED, _S.BOOTSTRAPPING, _S.PREALLOC,
              doc="the prefill side was resolved and the handshake done"),
         Edge(_E.PREALLOCATED, _S.PREALLOC, _S.RECEIVING,
@@ -82,12 +80,7 @@ DECODE_TABLE = make_table(
              doc="the KV and the metadata row landed; the room matched"),
         Edge(_E.FINISHED, _S.DECODING, _S.DONE,
              doc="max_new_tokens reached or a stop token generated"),
-        *(Edge(_E.FAIL, s, _S.FAILED, doc="transfer failure, timeout, internal error")
-          for s in _LIVE),
-        *(Edge(_E.ABORT, s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
     ),
-    failure_events=(_E.FAIL, _E.ABORT),
-    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
-    reasons=FailureReason,
+    fail_doc="transfer failure, timeout, internal error",
     record=DecodeRequest,
 )

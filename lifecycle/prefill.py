@@ -27,7 +27,8 @@ import attrs
 
 from lifecycle.reasons import FailureReason
 from lifecycle.record import Tracked
-from lifecycle.table import Edge, make_table
+from lifecycle.request_table import request_table
+from lifecycle.table import Edge
 
 
 class PrefillState(enum.IntEnum):
@@ -198,15 +199,12 @@ class PrefillRequest(Tracked):
 
 _S = PrefillState
 _E = PrefillEvent
-_LIVE = (_S.BOOTSTRAPPING, _S.WAITING, _S.FORWARD, _S.TRANSFERRING)
 
-PREFILL_TABLE = make_table(
+PREFILL_TABLE = request_table(
     "prefill",
     PrefillState,
-    events=PrefillEvent,
-    initial=_S.BOOTSTRAPPING,
-    finals=(_S.DONE, _S.FAILED),
-    edges=(
+    PrefillEvent,
+    path=(
         Edge(
             _E.BOOTSTRAPPED,
             _S.BOOTSTRAPPING,
@@ -239,12 +237,7 @@ PREFILL_TABLE = make_table(
             _S.DONE,
             doc="the sender reports success",
         ),
-        *(Edge(_E.FAIL, s, _S.FAILED, doc="rejected, bootstrap or transfer failure, timeout, "
-                                             "internal error") for s in _LIVE),
-        *(Edge(_E.ABORT, s, _S.FAILED, doc="the client or router aborted") for s in _LIVE),
     ),
-    failure_events=(_E.FAIL, _E.ABORT),
-    on_enter={_S.DONE: ("release", "respond"), _S.FAILED: ("release", "respond")},
-    reasons=FailureReason,
+    fail_doc="rejected, bootstrap or transfer failure, timeout, internal error",
     record=PrefillRequest,
 )
