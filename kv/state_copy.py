@@ -16,33 +16,29 @@ import torch
 from kv.local_copy import copy_pages
 from kv.pool import KVPool
 from kv.state_pools import IndexPool, RecurrentPool, StateKind, StatePools, items_view
+from kv.state_shapes import shape_mismatches
 
 State = Mapping[StateKind, Sequence[int]]
 AnyPool = KVPool | RecurrentPool | IndexPool
 
 
-def _describe(pool: AnyPool | None) -> str:
-    if pool is None:
-        return "none"
-    view = items_view(pool)
-    geometry = pool.geometry if isinstance(pool, KVPool) else None
-    extra = "" if geometry is None else f", {geometry.layout}"
-    return f"{view.shape[0]} regions of {view.shape[2]}-element {view.dtype} items{extra}"
-
-
 def state_mismatches(src: StatePools, dst: StatePools) -> list[str]:
-    """``"kind: prefill vs decode"`` for every state pool the two sides disagree on (presence,
-    regions, item size, dtype, layout); empty when state can move between them."""
-    out = []
-    pools: dict[str, tuple[AnyPool | None, AnyPool | None]] = {"draft": (src.draft, dst.draft)}
-    pools |= {str(kind): (_pool(src, kind), _pool(dst, kind)) for kind in StateKind}
-    for name, (mine, theirs) in pools.items():
-        a, b = _describe(mine), _describe(theirs)
-        if a != b:
-            out.append(f"{name}: {a} vs {b}")
-    if src.window != dst.window:
-        out.append(f"swa window: {src.window} vs {dst.window}")
-    return out
+    """``"name: prefill vs decode"`` for every state pool the two sides disagree on (presence,
+    regions, item size, dtype, layout) and the window; empty when state can move between them
+    (:func:`kv.state_shapes.shape_mismatches`)."""
+    return shape_mismatches(src.shapes(), dst.shapes(), src.window, dst.window)
+
+
+def pairing(src_state: State, dst_state: State) -> str:
+    """Why the items sent (``src_state``) and those received (``dst_state``) do not pair up
+    ("" when they do): other kinds, or another count of items of a kind."""
+    if set(src_state) != set(dst_state):
+        return (f"state kinds differ: {sorted(map(str, src_state))} sent, "
+                f"{sorted(map(str, dst_state))} received")
+    for kind, items in src_state.items():
+        if len(items) != len(dst_state[kind]):
+            return f"{kind}: {len(items)} items sent, {len(dst_state[kind])} received"
+    return ""
 
 
 def _pool(states: StatePools, kind: StateKind) -> AnyPool | None:
@@ -70,14 +66,12 @@ def copy_state(src: StatePools, dst: StatePools, src_state: State, dst_state: St
     """Copy item ``src_state[kind][i]`` of ``src``'s pool of each kind into item
     ``dst_state[kind][i]`` of ``dst``'s; the bytes moved. The two must list the same kinds,
     with as many items each (ValueError otherwise)."""
-    if set(src_state) != set(dst_state):
-        raise ValueError(f"state kinds differ: {sorted(src_state)} sent, "
-                         f"{sorted(dst_state)} received")
+    why = pairing(src_state, dst_state)
+    if why:
+        raise ValueError(why)
     moved = 0
     for kind, src_items in src_state.items():
         dst_items = dst_state[kind]
-        if len(src_items) != len(dst_items):
-            raise ValueError(f"{kind}: {len(src_items)} items sent, {len(dst_items)} received")
         a, b = src.state_pool(kind), dst.state_pool(kind)
         if isinstance(a, KVPool) and isinstance(b, KVPool):
             copy_pages(a, b, list(src_items), list(dst_items))

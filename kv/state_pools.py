@@ -48,6 +48,7 @@ import torch
 
 from kv.metadata import BufferInfo, SlotAllocator
 from kv.pool import KVPool, KVPoolError
+from kv.state_shapes import StateShape
 
 _UNMAPPED = -1
 
@@ -172,6 +173,15 @@ def items_view(pool: KVPool | RecurrentPool | IndexPool) -> torch.Tensor:
     return pool.page_view() if isinstance(pool, KVPool) else pool.items_view()
 
 
+def shape_of(pool: KVPool | RecurrentPool | IndexPool) -> StateShape:
+    """What another side's pool must match for items to move between them."""
+    view = items_view(pool)
+    return StateShape(regions=view.shape[0], items=view.shape[1],
+                      item_len=view.shape[2] * view.element_size(),
+                      dtype=str(view.dtype).removeprefix("torch."),
+                      layout=pool.layout.value if isinstance(pool, KVPool) else "")
+
+
 class StatePools:
     """The full-attention pool and the optional state pools beside it (module docstring)."""
 
@@ -291,6 +301,18 @@ class StatePools:
         if self.index is not None:
             out[StateKind.INDEX] = _infos(self.index.items_view(), "index")
         return out
+
+    def named_pools(self) -> dict[str, KVPool | RecurrentPool | IndexPool]:
+        """The draft pool and each state pool, by name (``kv.state_shapes.POOL_NAMES``)."""
+        out: dict[str, KVPool | RecurrentPool | IndexPool] = {}
+        if self.draft is not None:
+            out["draft"] = self.draft
+        out |= {str(kind): self.state_pool(kind) for kind in self.kinds}
+        return out
+
+    def shapes(self) -> dict[str, StateShape]:
+        """Each pool of :meth:`named_pools` as the other side must match it."""
+        return {name: shape_of(pool) for name, pool in self.named_pools().items()}
 
     def state_pool(self, kind: StateKind) -> KVPool | RecurrentPool | IndexPool:
         """The pool that holds ``kind``'s state (KeyError when there is none)."""

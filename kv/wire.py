@@ -28,7 +28,6 @@ Pickle is never used: a pickle from the network runs code.
 
 from __future__ import annotations
 
-import hmac
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,31 +39,34 @@ import numpy as np
 from kv.pages import kv_bytes
 from kv.pool_layout import KV_LAYOUTS, KVLayout
 from kv.transfer import KVPoll
+from kv.wire_fields import (
+    MAX_FIELDS,
+    MAX_STR,
+    MAX_U64,
+    bool_field,
+    check_token,
+    int_field,
+    int_list_field,
+    session_field,
+    str_field,
+)
+from kv.wire_fields import WireError as WireError
+from kv.wire_state import (
+    PoolMemory,
+    check_state_items,
+    encode_items,
+    encode_pools,
+    parse_items,
+    parse_pools,
+)
 
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_ROOM = (1 << 64) - 1
 MAX_PAGES = 1 << 24
-MAX_FIELDS = 64
 MAX_TP = 1 << 12
-_MAX_U64 = (1 << 64) - 1
-_MAX_STR = 512
 
 # The KV dtypes a pool may be built with; the name is torch's without the "torch." prefix.
 KV_DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
-
-
-class WireError(Exception):
-    """A control message was malformed, unauthenticated or does not fit the receiver.
-
-    ``reason`` is a short stable code (``malformed``, ``bad_field``, ``unauthenticated``,
-    ``unknown_session``, ``page_out_of_range``, ...) used as the drop counter's key; the message
-    says which field and what was expected. The fix is on the sending peer.
-    """
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}")
 
 
 @attrs.frozen
@@ -94,6 +96,10 @@ class Register:
     mla: bool = attrs.field(default=False, kw_only=True)
     tp_rank: int = attrs.field(default=0, kw_only=True)
     tp_size: int = attrs.field(default=1, kw_only=True)
+    #: A hybrid model's pools beside the KV pool, registered with the engine, and the sliding
+    #: window (0 without an SWA pool): :mod:`kv.wire_state`.
+    state_pools: tuple[PoolMemory, ...] = attrs.field(default=(), kw_only=True)
+    state_window: int = attrs.field(default=0, kw_only=True)
 
     @property
     def kv_bytes(self) -> int:
@@ -108,6 +114,9 @@ class Destination:
     session: str
     pages: np.ndarray = attrs.field(repr=lambda p: f"<{len(p)} pages>")
     slot: int
+    #: Where each state kind's items go (:mod:`kv.wire_state`), by kind name.
+    state: Mapping[str, np.ndarray] = attrs.field(factory=dict, kw_only=True,
+                                                  repr=lambda s: f"<{sorted(s)}>")
 
 
 @attrs.frozen
@@ -156,6 +165,8 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "mla": msg.mla,
             "tp_rank": msg.tp_rank,
             "tp_size": msg.tp_size,
+            "state_pools": encode_pools(msg.state_pools),
+            "state_window": msg.state_window,
         }
     elif isinstance(msg, Destination):
         body = {
@@ -164,6 +175,7 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "session": msg.session,
             "pages": np.ascontiguousarray(msg.pages, dtype="<i4").tobytes(),
             "slot": msg.slot,
+            "state": encode_items(msg.state),
         }
     elif isinstance(msg, Abort):
         body = {"t": "abort", "room": msg.room, "session": msg.session}
@@ -172,7 +184,7 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "t": "status",
             "room": msg.room,
             "poll": msg.poll,
-            "reason": msg.reason[: _MAX_STR // 2],
+            "reason": msg.reason[: MAX_STR // 2],
             "rank": msg.rank,
         }
     else:
@@ -192,13 +204,13 @@ def decode(data: bytes, token: str | None = None) -> Message:
     try:
         body = msgpack.unpackb(
             data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES,
-            max_str_len=_MAX_STR, max_array_len=MAX_FIELDS, max_map_len=MAX_FIELDS, max_ext_len=0,
+            max_str_len=MAX_STR, max_array_len=MAX_FIELDS, max_map_len=MAX_FIELDS, max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many unrelated types on garbage
         raise WireError("malformed", f"not msgpack: {type(exc).__name__}") from None
     if not isinstance(body, dict):
         raise WireError("malformed", f"expected a map, got {type(body).__name__}")
-    _check_token(body, token)
+    check_token(body, token)
     kind = body.get("t")
     if not isinstance(kind, str) or kind not in _PARSERS:
         raise WireError("unknown_type", f"type tag {kind!r}")
@@ -230,6 +242,7 @@ def check_destination(dest: Destination, sessions: Mapping[str, Register]) -> Re
             f"room {dest.room}: pages must lie in 0..{reg.num_pages - 1}, "
             f"got {int(pages.min())}..{int(pages.max())}",
         )
+    check_state_items(dest.room, dest.state, reg.state_pools)
     return reg
 
 
@@ -254,98 +267,51 @@ class DroppedMessages:
             return sum(self._counts.values())
 
 
-def _check_token(body: dict[Any, Any], token: str | None) -> None:
-    if token is None:
-        return
-    got = body.get("token")
-    if not isinstance(got, str) or not hmac.compare_digest(
-        got.encode("utf-8", "surrogatepass"), token.encode("utf-8")
-    ):
-        raise WireError("unauthenticated", "missing or wrong token")
-
-
-def _int(body: dict[Any, Any], name: str, lo: int, hi: int) -> int:
-    value = body.get(name)
-    # bool is an int subclass; a True where a count belongs is a malformed message.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise WireError("bad_field", f"{name}: expected an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise WireError("bad_field", f"{name}: {value} not in {lo}..{hi}")
-    return value
-
-
-def _bool(body: dict[Any, Any], name: str) -> bool:
-    value = body.get(name)
-    if not isinstance(value, bool):
-        raise WireError("bad_field", f"{name}: expected true or false, got {type(value).__name__}")
-    return value
-
-
-def _str(body: dict[Any, Any], name: str, *, allow_empty: bool = False) -> str:
-    value = body.get(name)
-    if not isinstance(value, str):
-        raise WireError("bad_field", f"{name}: expected a string, got {type(value).__name__}")
-    if not value and not allow_empty:
-        raise WireError("bad_field", f"{name}: must not be empty")
-    return value
-
-
-def _session(body: dict[Any, Any]) -> str:
-    session = _str(body, "session")
-    host, sep, port = session.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise WireError("bad_field", f"session: expected 'host:port', got {session!r}")
-    return session
-
-
-def _int_list(body: dict[Any, Any], name: str, lo: int, hi: int) -> tuple[int, ...]:
-    value = body.get(name)
-    if not isinstance(value, list) or not 0 < len(value) <= MAX_FIELDS:
-        raise WireError("bad_field", f"{name}: expected a list of 1..{MAX_FIELDS} integers")
-    return tuple(_int({name: v}, name, lo, hi) for v in value)
-
-
 def _parse_register(body: dict[Any, Any]) -> Register:
-    endpoint = _str(body, "status_endpoint")
+    endpoint = str_field(body, "status_endpoint")
     if not endpoint.startswith("tcp://"):
         raise WireError("bad_field", f"status_endpoint: expected 'tcp://...', got {endpoint!r}")
-    kv_dtype = _str(body, "kv_dtype")
+    kv_dtype = str_field(body, "kv_dtype")
     if kv_dtype not in KV_DTYPES:
         raise WireError("bad_field", f"kv_dtype: {kv_dtype!r} not one of {sorted(KV_DTYPES)}")
-    kv_layout = _str(body, "kv_layout")
+    kv_layout = str_field(body, "kv_layout")
     if kv_layout not in KV_LAYOUTS:
         raise WireError("bad_field", f"kv_layout: {kv_layout!r} not one of {list(KV_LAYOUTS)}")
-    meta_ptrs = _int_list(body, "meta_ptrs", 1, _MAX_U64)
-    meta_item_lens = _int_list(body, "meta_item_lens", 1, 1 << 20)
+    meta_ptrs = int_list_field(body, "meta_ptrs", 1, MAX_U64)
+    meta_item_lens = int_list_field(body, "meta_item_lens", 1, 1 << 20)
     if len(meta_ptrs) != len(meta_item_lens):
         raise WireError(
             "bad_field",
             f"meta_ptrs has {len(meta_ptrs)} entries but meta_item_lens {len(meta_item_lens)}",
         )
+    num_pages = int_field(body, "num_pages", 1, MAX_PAGES)
+    state_pools, state_window = parse_pools(body, num_pages)
     reg = Register(
-        session=_session(body),
+        session=session_field(body),
         status_endpoint=endpoint,
-        kv_ptr=_int(body, "kv_ptr", 1, _MAX_U64),
-        num_layers=_int(body, "num_layers", 1, 4096),
-        num_pages=_int(body, "num_pages", 1, MAX_PAGES),
-        page_size=_int(body, "page_size", 1, 1 << 16),
-        page_bytes=_int(body, "page_bytes", 1, 1 << 32),
+        kv_ptr=int_field(body, "kv_ptr", 1, MAX_U64),
+        num_layers=int_field(body, "num_layers", 1, 4096),
+        num_pages=num_pages,
+        page_size=int_field(body, "page_size", 1, 1 << 16),
+        page_bytes=int_field(body, "page_bytes", 1, 1 << 32),
         kv_dtype=kv_dtype,
         meta_ptrs=meta_ptrs,
         meta_item_lens=meta_item_lens,
-        num_slots=_int(body, "num_slots", 1, 1 << 24),
-        model=_str(body, "model", allow_empty=True),
-        model_name=_str(body, "model_name", allow_empty=True),
+        num_slots=int_field(body, "num_slots", 1, 1 << 24),
+        model=str_field(body, "model", allow_empty=True),
+        model_name=str_field(body, "model_name", allow_empty=True),
         kv_layout=kv_layout,
-        kv_heads=_int(body, "kv_heads", 1, 1 << 16),
-        head_dim=_int(body, "head_dim", 1, 1 << 16),
-        mla=_bool(body, "mla"),
-        tp_rank=_int(body, "tp_rank", 0, MAX_TP - 1),
-        tp_size=_int(body, "tp_size", 1, MAX_TP),
+        kv_heads=int_field(body, "kv_heads", 1, 1 << 16),
+        head_dim=int_field(body, "head_dim", 1, 1 << 16),
+        mla=bool_field(body, "mla"),
+        tp_rank=int_field(body, "tp_rank", 0, MAX_TP - 1),
+        tp_size=int_field(body, "tp_size", 1, MAX_TP),
+        state_pools=state_pools,
+        state_window=state_window,
     )
     if reg.tp_rank >= reg.tp_size:
         raise WireError("bad_field", f"tp_rank {reg.tp_rank} not in tp_size {reg.tp_size}")
-    if reg.kv_ptr + reg.kv_bytes > _MAX_U64:
+    if reg.kv_ptr + reg.kv_bytes > MAX_U64:
         raise WireError("bad_field", "kv_ptr: the pool would extend past the address space")
     return reg
 
@@ -356,27 +322,28 @@ def _parse_destination(body: dict[Any, Any]) -> Destination:
         raise WireError("bad_field", f"pages: expected packed int32, at most {MAX_PAGES} pages")
     pages = np.frombuffer(raw, dtype="<i4").astype(np.int64)
     return Destination(
-        room=_int(body, "room", 0, MAX_ROOM),
-        session=_session(body),
+        room=int_field(body, "room", 0, MAX_ROOM),
+        session=session_field(body),
         pages=pages,
-        slot=_int(body, "slot", 0, 1 << 24),
+        slot=int_field(body, "slot", 0, 1 << 24),
+        state=parse_items(body),
     )
 
 
 def _parse_abort(body: dict[Any, Any]) -> Abort:
-    return Abort(room=_int(body, "room", 0, MAX_ROOM), session=_session(body))
+    return Abort(room=int_field(body, "room", 0, MAX_ROOM), session=session_field(body))
 
 
 def _parse_status(body: dict[Any, Any]) -> Status:
-    poll = _int(body, "poll", 0, 4)
+    poll = int_field(body, "poll", 0, 4)
     # Only the two conclusions travel; intermediate states are local to each side.
     if poll not in (KVPoll.FAILED, KVPoll.SUCCESS):
         raise WireError("bad_field", f"poll: {poll} is not FAILED (0) or SUCCESS (4)")
     return Status(
-        room=_int(body, "room", 0, MAX_ROOM),
+        room=int_field(body, "room", 0, MAX_ROOM),
         poll=poll,
-        reason=_str(body, "reason", allow_empty=True),
-        rank=_int(body, "rank", 0, 1 << 16),
+        reason=str_field(body, "reason", allow_empty=True),
+        rank=int_field(body, "rank", 0, 1 << 16),
     )
 
 

@@ -164,7 +164,7 @@ def items_view_of(tensor: torch.Tensor, like: KVPool | RecurrentPool | IndexPool
 def test_state_pools_that_disagree_are_refused_at_the_handshake() -> None:
     layout = KVLayout.PAGE_MAJOR
     cases = [
-        (None, "swa: 1 regions of 48-element torch.float32 items, page_major vs none"),
+        (None, "swa: 1 regions of 192-byte float32 items, page_major vs none"),
         (_states(12, 9, 3, layout, window=5), "swa window: 9 vs 5"),
     ]
     for decode, why in cases:
