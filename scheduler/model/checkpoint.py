@@ -158,6 +158,16 @@ def refuse_architecture(where: Path, architecture: object) -> None:
             f"computes Llama-family checkpoints ({', '.join(sorted(LLAMA_ARCHITECTURES))})")
 
 
+def unsupported_tensor(where: Path, name: str) -> UnsupportedCheckpoint:
+    """The refusal of a weight that is no part of a Llama decoder, ``name`` as the file has it."""
+    return UnsupportedCheckpoint(f"{where}: tensor {name!r} is not part of a Llama decoder")
+
+
+def unsupported_rope_scaling(where: Path, kind: object) -> UnsupportedCheckpoint:
+    """The refusal of a RoPE scaling ``kind`` this runner does not compute."""
+    return UnsupportedCheckpoint(f"{where}: RoPE scaling {kind!r} is not supported")
+
+
 def rope_inv_freq(config: LlamaConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """The rotary inverse frequencies (float32), scaled as the config says."""
     d = config.head_dim

@@ -26,10 +26,11 @@ from scheduler.model.checkpoint import (
     LlamaConfig,
     RopeScaling,
     TokenizerSource,
-    UnsupportedCheckpoint,
     check_tensors,
     fingerprint,
     refuse_architecture,
+    unsupported_rope_scaling,
+    unsupported_tensor,
 )
 
 _GGUF_LAYER_NAMES = {
@@ -114,7 +115,7 @@ def _rope_scaling(where: Path, arch: str, meta: Mapping[str, Any]) -> RopeScalin
         return None
     if kind == "linear":
         return RopeScaling("linear", float(meta[f"{arch}.rope.scaling.factor"]))
-    raise UnsupportedCheckpoint(f"{where}: RoPE scaling {kind!r} is not supported")
+    raise unsupported_rope_scaling(where, kind)
 
 
 def _tensors(where: Path, reader: Any, config: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -141,7 +142,7 @@ def _name(where: Path, gguf_name: str) -> str:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
         return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-    raise UnsupportedCheckpoint(f"{where}: tensor {gguf_name!r} is not part of a Llama decoder")
+    raise unsupported_tensor(where, gguf_name)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -24,6 +24,8 @@ from scheduler.model.checkpoint import (
     check_tensors,
     fingerprint,
     refuse_architecture,
+    unsupported_rope_scaling,
+    unsupported_tensor,
 )
 from scheduler.model.gguf_checkpoint import load_gguf
 
@@ -92,7 +94,7 @@ def hf_rope_scaling(where: Path, raw: Mapping[str, Any]) -> RopeScaling | None:
             float(raw.get("high_freq_factor", 4.0)),
             int(raw.get("original_max_position_embeddings", 8192)),
         )
-    raise UnsupportedCheckpoint(f"{where}: RoPE scaling {kind!r} is not supported")
+    raise unsupported_rope_scaling(where, kind)
 
 
 def _load_hf_directory(where: Path) -> Checkpoint:
@@ -130,4 +132,4 @@ def _hf_name(where: Path, name: str) -> str:
     layer = len(parts) == 4 and parts[:2] == ["model", "layers"]
     if layer and parts[3] in _HF_LAYER_NAMES and name.endswith(".weight"):
         return f"layers.{parts[2]}.{_HF_LAYER_NAMES[parts[3]]}"
-    raise UnsupportedCheckpoint(f"{where}: tensor {name!r} is not part of a Llama decoder")
+    raise unsupported_tensor(where, name)
