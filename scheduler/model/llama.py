@@ -281,13 +281,11 @@ class LlamaRunner:
             raise ValueError(f"the pool is on {pool.device}, the model on {model.device}")
         self.model = model
         self.pool = pool
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        self.vocab_size = c.vocab_size
 
     def forward(self, batch: ForwardBatch) -> list[int]:
-        """Write every item's K/V into the pool; return each item's greedy next token."""
+        """Write every item's K/V into the pool; return each item's greedy next token, the
+        argmax of its last position's float32 logits."""
         if not batch.items:
             return []
         last = [attrs.evolve(item, all_logits=False) if item.all_logits else item

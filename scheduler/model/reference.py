@@ -146,13 +146,11 @@ class PagedModelRunner:
         self.pool = pool
         self.swa_pool = swa_pool
         self.states = states
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        self.vocab_size = c.vocab_size
 
     def forward(self, batch: ForwardBatch) -> list[int]:
-        """Write every item's K/V into the pool; return each item's greedy next token."""
+        """Write every item's K/V into the pool; return each item's greedy next token, from
+        the exact float64 logits of its last position."""
         if not batch.items:
             return []
         x, sizes = self._run(batch)
