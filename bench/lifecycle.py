@@ -24,7 +24,6 @@ bytes_per_request=<d> one_by_one_us=<c> floor_ratio=<d/e>``.
 from __future__ import annotations
 
 import argparse
-import enum
 import gc
 import time
 import tracemalloc
@@ -144,13 +143,8 @@ def pdlife_batched(n: int) -> list[Any]:
     return out
 
 
-class S(enum.IntEnum):
-    FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING = 2
-    FORWARD = 3
-    TRANSFERRING = 4
-    DONE = 5
+# The dict variants move pdlife's own state values, so (f)'s record holds a state of its type.
+S = PrefillState
 
 
 DICT_TABLE = {
