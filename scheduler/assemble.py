@@ -30,9 +30,14 @@ from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout
 from kv.rank_table import RankPlace
+from kv.state_pools import StatePools
 from kv.transfer import DecodeKVManager, KVManager
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
 from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
+from scheduler.model.drafting import DraftingRunner
+from scheduler.model.reference import LlamaModel
+from scheduler.model.side_pools import HybridConfig, SideModel, build_side
+from scheduler.model.speculative import SpeculativeDecoder
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.prefill.mesh import MeshOptions
@@ -57,8 +62,10 @@ class PoolModel(Protocol):
 
 #: Builds a side's model runner over its pool (the model is the caller's).
 RunnerFactory = Callable[[Any, KVPool], ModelRunner]
-#: Builds the decode side's KV manager over its pool and buffers (given the side's runner).
-DecodeKVFactory = Callable[[KVPool, MetadataBuffers, ModelRunner], DecodeKVManager]
+#: Builds the decode side's KV manager over its pool and buffers (given the side's runner, and
+#: the state pools it must receive into: None but for a hybrid or speculative model).
+DecodeKVFactory = Callable[[KVPool, MetadataBuffers, ModelRunner, StatePools | None],
+                           DecodeKVManager]
 
 
 class PrefillOptions(MeshOptions, total=False):
@@ -136,6 +143,7 @@ def build_prefill(
     mooncake: MooncakeConfig | None = None,
     faults: FaultPlan | None = None,
     kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
+    hybrid: HybridConfig | None = None,
     **options: Unpack[PrefillOptions],
 ) -> PrefillScheduler:
     """A prefill scheduler over a fresh pool (in ``kv_layout``) and ``backend``'s KV manager.
@@ -143,9 +151,12 @@ def build_prefill(
     endpoint its rank registers at (on a mesh rank other than the first, its
     ``bootstrap_addr``; ``place`` is the rank's place in the mesh, default a single rank).
     Requests for the fake bootstrap host always get the fake backend, on the scheduler's
-    clock."""
+    clock. ``hybrid``: the reference model's pools beside the full pool and its draft
+    (:func:`hybrid_side`; the local backend carries them)."""
     pool = model.make_pool(num_pages=pages, page_size=config.page_size, layout=kv_layout)
-    metadata = MetadataBuffers(metadata_slots)
+    side = hybrid_side(model, pool, hybrid)
+    states = None if side is None else side.states
+    metadata = MetadataBuffers(metadata_slots, speculative_hidden=speculative_hidden(side))
     fake_kv = FakeKVManager(faults, clock=options.get("clock", time.monotonic))
     kv: KVManager
     if backend == "mooncake":
@@ -161,14 +172,22 @@ def build_prefill(
     elif backend == "local":
         if hub is None:
             raise ValueError("the local backend needs the hub its decode peer shares")
-        local_kv = LocalKVManager(pool, metadata, hub=hub, bootstrap_addr=f"{LOCAL_HOST}:0")
+        local_kv = LocalKVManager(pool, metadata, hub=hub, bootstrap_addr=f"{LOCAL_HOST}:0",
+                                  states=states)
         closers.append(local_kv.close)
         kv = local_kv
     else:
         kv = fake_kv
+    runner: ModelRunner
+    if side is None or hybrid is None:
+        runner = runner_factory(model, pool)
+    elif side.draft is None:
+        runner = side.runner
+    else:
+        runner = DraftingRunner(side.runner, side.draft, hybrid.speculative_k)
     scheduler = PrefillScheduler(
-        config=config, runner=runner_factory(model, pool), kv=kv, fake_kv=fake_kv,
-        metadata=metadata, slots=SlotAllocator(metadata_slots), **options,
+        config=config, runner=runner, kv=kv, fake_kv=fake_kv,
+        metadata=metadata, slots=SlotAllocator(metadata_slots), states=states, **options,
     )
     closers.append(scheduler.close)
     return scheduler
@@ -184,14 +203,40 @@ def build_decode(
     runner_factory: RunnerFactory,
     closers: Closers,
     kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
+    hybrid: HybridConfig | None = None,
     **options: Unpack[DecodeOptions],
 ) -> DecodePeer:
     """A decode peer over a fresh pool (in ``kv_layout``, the prefill side's); ``kv_for``
-    builds its KV manager."""
+    builds its KV manager. ``hybrid``: as :func:`build_prefill`'s (the same on both sides);
+    with a draft the peer decodes speculatively."""
     pool = model.make_pool(num_pages=pages, page_size=page_size, layout=kv_layout)
-    metadata = MetadataBuffers(metadata_slots)
-    runner = runner_factory(model, pool)
-    kv = kv_for(pool, metadata, runner)
+    side = hybrid_side(model, pool, hybrid)
+    metadata = MetadataBuffers(metadata_slots, speculative_hidden=speculative_hidden(side))
+    runner: ModelRunner = runner_factory(model, pool) if side is None else side.runner
+    states = None if side is None else side.states
+    kv = kv_for(pool, metadata, runner, states)
     closers.append(kv.close)
+    speculative = None
+    if side is not None and side.draft is not None and hybrid is not None:
+        speculative = SpeculativeDecoder(side.runner, side.draft, hybrid.speculative_k)
     return DecodePeer(runner=runner, kv=kv, metadata=metadata,
-                      slots=SlotAllocator(metadata_slots), **options)
+                      slots=SlotAllocator(metadata_slots), states=states,
+                      speculative=speculative, **options)
+
+
+def hybrid_side(model: object, pool: KVPool, hybrid: HybridConfig | None) -> SideModel | None:
+    """The reference model's side over ``pool`` for ``hybrid`` (None without it); ValueError
+    for another model."""
+    if hybrid is None:
+        return None
+    if not isinstance(model, LlamaModel):
+        raise ValueError(f"hybrid state and drafts are built for the reference model, not "
+                         f"{type(model).__name__}")
+    return build_side(model, pool, hybrid)
+
+
+def speculative_hidden(side: SideModel | None) -> int:
+    """The metadata rows' speculative columns: the target's hidden size with a draft, else 0."""
+    if side is None or side.draft is None:
+        return 0
+    return side.runner.model.config.hidden

@@ -26,12 +26,14 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool import KVPool
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
+from kv.state_pools import StatePools
 from lifecycle import SamplingParams
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
 from scheduler.decode import DecodeConfig
 from scheduler.messages import LOCAL_HOST, DecodeResponse, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
 from scheduler.model.select import ServedModel
+from scheduler.model.side_pools import HybridConfig
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.runner import ModelRunner
@@ -54,6 +56,10 @@ class PairConfig:
     )
     #: Both pools' layout (docs/backends.md#pool-layouts).
     kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)
+    #: What both sides hold beside the full pool: a hybrid reference model's SWA pool and
+    #: recurrent slots (from ``model``'s layers), a draft for speculative decoding
+    #: (docs/embedding.md#a-hybrid-or-speculative-pair). Local backend only.
+    hybrid: HybridConfig | None = None
 
 
 @attrs.frozen
@@ -109,7 +115,7 @@ class EmbeddedPair:
                 runner_factory=runner_factory, closers=self._closers, hub=hub,
                 bootstrap=self.bootstrap, faults=faults, kv_layout=config.kv_layout,
                 delayer=delayer, clock=clock, on_response=self._on_prefill,
-                overlap=config.overlap, compiler=compiler,
+                overlap=config.overlap, compiler=compiler, hybrid=config.hybrid,
             )
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_kv, hub),
@@ -118,7 +124,7 @@ class EmbeddedPair:
                 closers=self._closers, kv_layout=config.kv_layout, eos_token_id=eos,
                 clock=clock, on_response=self._on_decode,
                 config=DecodeConfig(check_invariants=config.scheduler.check_invariants),
-                compiler=compiler, detokenize=detokenize,
+                compiler=compiler, detokenize=detokenize, hybrid=config.hybrid,
             )
         except BaseException:
             close_all(self._closers)
@@ -193,10 +199,14 @@ class EmbeddedPair:
         return self.prefill.idle() and self.decode.idle()
 
     def _decode_kv(
-        self, hub: LocalTransferHub, pool: KVPool, meta: MetadataBuffers, _runner: ModelRunner
+        self, hub: LocalTransferHub, pool: KVPool, meta: MetadataBuffers, _runner: ModelRunner,
+        states: StatePools | None,
     ) -> LocalDecodeManager | MooncakeDecodeManager:
         if self.bootstrap is None:
-            return LocalDecodeManager(pool, meta, hub=hub)
+            return LocalDecodeManager(pool, meta, hub=hub, states=states)
+        if states is not None:
+            raise ValueError("PairConfig.hybrid: the Mooncake backend does not carry state "
+                             "pools yet; use backend='local'")
         return MooncakeDecodeManager(pool, meta, self.bootstrap.address)
 
     def close(self) -> None:

@@ -17,9 +17,10 @@ requests (``internal``) and the loop goes on. Room 0 is refused: it marks an emp
 A request still waiting for its KV when its waiting deadline passes (:mod:`.deadlines`) fails
 ``transfer_timeout``.
 
-The pages, slot and room of a request whose receiver may still be written by the prefill side
-(an abort, a failure) stay reserved by a :class:`~kv.release.Releaser` until the receiver is
-quiescent and cleared.
+A request's pages, metadata slot and (for a hybrid model, ``states``) SWA pages and
+recurrent-state slot are taken together and given back together by :mod:`.pages`; those of a
+request whose receiver may still be written by the prefill side (an abort, a failure) stay
+reserved, with its room, until the receiver is quiescent and cleared.
 
 No stranded prefill (invariant 8): a request this peer refuses, or fails before it sent its
 destination (BOOTSTRAPPING, PREALLOC: an abort, the waiting timeout, a pool it can never fit),
@@ -40,7 +41,7 @@ from typing import cast
 
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.pages import pages_needed
-from kv.release import Releaser
+from kv.state_pools import StatePools
 from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError
 from lifecycle import (
     DECODE_TABLE,
@@ -53,6 +54,7 @@ from lifecycle import (
 from scheduler.decode.config import DecodeConfig
 from scheduler.decode.deadlines import WaitingDeadlines
 from scheduler.decode.metrics import DecodeMetrics
+from scheduler.decode.pages import PeerPages, check_state_manager
 from scheduler.decode.sampling import DecodeSampling, finish_reason
 from scheduler.decode.speculative import DecodeSpeculation
 from scheduler.messages import (
@@ -95,12 +97,16 @@ class DecodePeer:
         compiler: ConstraintCompiler | None = None,
         detokenize: Detokenize | None = None,
         speculative: SpeculativeDecoder | None = None,
+        states: StatePools | None = None,
     ) -> None:
         """``compiler`` compiles grammars and ``detokenize`` decodes output for stop strings;
         without them, requests with grammars or stop strings are refused. ``speculative``:
-        :mod:`.speculative`."""
+        :mod:`.speculative`. ``states``: a hybrid model's state pools (or a draft's pool) on
+        the runner's pool, which ``kv`` receives into (:mod:`.pages`)."""
+        check_state_manager(states, runner.pool, kv)
         self.runner = runner
         self.pool = runner.pool
+        self.states = states
         self.kv = kv
         self.metadata = metadata
         self.slots = slots
@@ -116,12 +122,13 @@ class DecodePeer:
         self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
         self._rooms: dict[int, DecodeRequest] = {}
         self._deadlines = WaitingDeadlines()
-        self._releaser = Releaser(self.pool, slots, metadata)
+        self._pages = PeerPages(self.pool, slots, metadata, states)
         self._sampling = DecodeSampling(runner, compiler, detokenize, eos_token_id)
         self.steps = 0
         self.metrics = metrics or DecodeMetrics()
         self.metrics.kv_pages_total.set(self.pool.num_pages)
-        self._speculation = DecodeSpeculation(speculative, runner, self.metrics)
+        self.speculative = speculative
+        self._speculation = DecodeSpeculation(speculative, runner, self.metrics, states)
 
     def submit(self, req: NewRequest) -> None:
         self._inbox.put(req)
@@ -144,7 +151,8 @@ class DecodePeer:
         return self._sampling.output_logprobs(rid)
 
     def idle(self) -> bool:
-        return len(self.lifecycle) == 0 and not self._releaser and self._inbox.empty()
+        return (len(self.lifecycle) == 0 and not self._pages.holding_back()
+                and self._inbox.empty())
 
     # -- the pass ---------------------------------------------------------------------------
 
@@ -153,7 +161,7 @@ class DecodePeer:
         worked |= self._poll()
         worked |= self._preallocate()
         worked |= self._decode()
-        worked |= self._releaser.reap()
+        worked |= self._pages.reap()
         self.metrics.set_gauges(self.lifecycle.counts(), self.pool.allocator.in_use())
         return worked
 
@@ -180,7 +188,7 @@ class DecodePeer:
         self.lifecycle.admit(req)
         n = len(req.input_ids)
         if n == 0 or pages_needed(n + req.sampling.max_new_tokens, self.pool.page_size) > (
-            self.pool.num_pages
+            self._pages.admissible()
         ):
             self._fail(req, FailureReason.REJECTED,
                        f"prompt of {n} tokens plus {req.sampling.max_new_tokens} new tokens "
@@ -286,27 +294,18 @@ class DecodePeer:
             self.lifecycle.in_state(S.BOOTSTRAPPING)
         )
         ready: list[DecodeRequest] = []
+        # Keep room for every running request's next page, so decoding cannot deadlock.
+        reserve = len(self.lifecycle.in_state(S.DECODING))
         for req in prealloc.values():
             if running + len(ready) >= self.config.max_running_requests:
                 break
-            need = pages_needed(len(req.input_ids), self.pool.page_size)
-            # Keep room for every running request's next page, so decoding cannot deadlock.
-            if self.pool.allocator.available() - need < len(self.lifecycle.in_state(S.DECODING)):
+            if not self._pages.take(req, reserve):
                 break
-            slot = self.slots.alloc()
-            if slot is None:
-                break
-            pages = self.pool.allocator.alloc(need)
-            if pages is None:
-                self.slots.free(slot)
-                break
-            req.pages, req.slot = pages, slot
-            self.metadata.clear(slot)
             ready.append(req)
         for req in ready:
             receiver = receiver_of(req)
-            assert receiver is not None and req.slot is not None
-            receiver.send_metadata(req.pages, req.slot)
+            assert receiver is not None
+            self._pages.send_destination(req, receiver)
         self.lifecycle.fire(DecodeEvent.PREALLOCATED, ready)
         return bool(ready)
 
@@ -316,19 +315,15 @@ class DecodePeer:
             return False
         items: list[ForwardItem] = []
         reqs: list[DecodeRequest] = []
-        ps = self.pool.page_size
         speculating: list[DecodeRequest] = []
         for req in decoding.values():
             if req.rid in self._speculation:
                 speculating.append(req)
                 continue
             pos = len(req.input_ids) + len(req.output_ids) - 1
-            if pages_needed(pos + 1, ps) > len(req.pages):
-                page = self.pool.allocator.alloc(1, after=req.pages[-1] if req.pages else None)
-                if page is None:
-                    continue  # wait for a page; finishing requests free theirs
-                req.pages.extend(page)
-            items.append(ForwardItem(req.rid, (req.output_ids[-1],), pos, tuple(req.pages)))
+            if not self._pages.grow(req, pos):
+                continue  # wait for a page; finishing requests free theirs
+            items.append(self._pages.item(req, req.output_ids[-1], pos))
             reqs.append(req)
         worked = any([self._speculate(req) for req in speculating])
         if not items:
@@ -372,8 +367,8 @@ class DecodePeer:
         else:
             # Reserved until the receiver is cleared (prefill may still write its pages).
             forget_room = functools.partial(self._rooms.pop, room, None)
-        self._releaser.release(receiver_of(req), req.pages, req.slot, forget_room)
-        req.receiver, req.pages, req.slot = None, [], None
+        self._pages.release(req, receiver_of(req), forget_room)
+        req.receiver = None
 
     def _respond(self, req: DecodeRequest) -> None:
         state = req.state
@@ -394,6 +389,4 @@ class DecodePeer:
 
     def check_invariants(self) -> None:
         self.lifecycle.check_index()
-        self.pool.allocator.check_conservation(
-            [r.pages for r in self.lifecycle.live()] + self._releaser.held_page_lists()
-        )
+        self._pages.check(self.lifecycle.live())

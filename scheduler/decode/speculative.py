@@ -8,7 +8,9 @@ carries the prefill side's hand-off (:class:`kv.metadata.SpeculativeRow`). Each 
 round for each such request (:meth:`~scheduler.model.speculative.Speculation.round`), which
 appends one or more tokens; every other request takes the batched one-token step as before. The
 draft's prefill is not recomputed: the round starts from the hand-off's proposal over the
-draft K/V of the prompt that came with the request's pages.
+draft K/V of the prompt that came with the request's pages (into the draft pool of the peer's
+``states``, at the request's page indices). A model with SWA or recurrent state does not
+decode speculatively on the peer (refused when built: not built).
 
 A round that finds no free page for its proposals is retried as a one-token round (which needs
 at most the page the peer keeps free for every running request), so speculation never stalls a
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kv.metadata import MetadataRow
+from kv.state_pools import StatePools
 from lifecycle import DecodeRequest
 from scheduler.decode.metrics import DecodeMetrics
 from scheduler.model.request_kv import PoolExhausted, RequestKV
@@ -32,10 +35,17 @@ class DecodeSpeculation:
     """The peer's speculative requests, by request id (none without a ``decoder``)."""
 
     def __init__(self, decoder: SpeculativeDecoder | None, runner: ModelRunner,
-                 metrics: DecodeMetrics) -> None:
+                 metrics: DecodeMetrics, states: StatePools | None = None) -> None:
         if decoder is not None and decoder.target is not runner:
             raise ValueError("the speculative decoder's target runner must be the decode "
                              "peer's runner (they share the pool and its pages)")
+        if decoder is not None and states is not None:
+            if states.kinds:
+                raise ValueError(f"speculative decoding on the decode peer of a model with "
+                                 f"{', '.join(states.kinds)} state is not built")
+            if states.draft is not decoder.draft.pool:
+                raise ValueError("states: the draft pool must be the speculative decoder's "
+                                 "draft pool (the prefill side's draft K/V lands there)")
         self.decoder = decoder
         self._metrics = metrics
         self._live: dict[str, Speculation] = {}

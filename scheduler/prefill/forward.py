@@ -5,10 +5,10 @@ ones continuing its run) and marks its requests on the device (:mod:`.on_device`
 runs the forward: inline in the normal loop, on a :class:`Device` in the overlap loop.
 :meth:`Results.land` takes a launched batch's results and does its KV side — the full pages of
 a non-last chunk go to the sender (a partial page waits for the next chunk); a last chunk writes
-the metadata row and sends the rest with the request's state (:func:`kv.state_sends.chunk_send`
-decides both) — and returns what the pass must fire. With state pools (:mod:`kv.state_pools`)
-:func:`prepare` takes the SWA pages of the chunk's pages and, with a request's first pages, its
-recurrent-state slot. A forward that
+the metadata row (with a draft model's hand-off: :mod:`.drafting`) and sends the rest with the
+request's state (:func:`kv.state_sends.chunk_send` decides both) — and returns what the pass
+must fire. With state pools (:mod:`kv.state_pools`) :func:`prepare` takes the SWA pages of
+the chunk's pages and, with a request's first pages, its recurrent-state slot. A forward that
 raised defers an ``internal`` failure on each of its requests; whatever was deferred settles as
 the last batch holding a request lands. A batch with requests that sample or want logprobs runs
 a :class:`~scheduler.sample.batch.LogitsForward` instead of ``runner.forward``
@@ -40,6 +40,7 @@ from lifecycle import FailureReason, PrefillRequest
 from scheduler.messages import TokenLogprob
 from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import sender_of
+from scheduler.prefill.drafting import HandoffRunner
 from scheduler.prefill.metrics import SchedulerMetrics
 from scheduler.prefill.on_device import (
     defer_failure,
@@ -180,8 +181,10 @@ class Results:
     def __init__(
         self, pool: KVPool, page_size: int, metadata: MetadataBuffers, metrics: SchedulerMetrics,
         sampling: PrefillSampling, states: StatePools | None = None,
+        handoffs: HandoffRunner | None = None,
     ) -> None:
         self._pool = pool
+        self._handoffs = handoffs
         self._states = states
         self._page_size = page_size
         self._metadata = metadata
@@ -234,9 +237,10 @@ class Results:
     def _send_last(self, req: PrefillRequest, token: int, logprob: TokenLogprob | None) -> None:
         assert req.slot is not None
         req.first_token = token
+        handoff = None if self._handoffs is None else self._handoffs.handoff_row(req.rid, token)
         self._metadata.write(req.slot, token, req.cached,
                              None if logprob is None else logprob.logprob, req.bootstrap_room,
-                             () if logprob is None else logprob.top)
+                             () if logprob is None else logprob.top, speculative=handoff)
         self._send(req, True)
         self._metrics.transfer_bytes.inc(self._row_bytes)
 

@@ -72,6 +72,7 @@ from scheduler.prefill.admission import Admission, sender_of
 from scheduler.prefill.checks import check_arguments, check_state_conservation, pages_admissible
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import DelayerPass, PrefillDelayer
+from scheduler.prefill.drafting import handoff_runner
 from scheduler.prefill.forward import Device, DeviceWorker, Launched, Results, prepare, start
 from scheduler.prefill.metrics import SchedulerMetrics
 from scheduler.prefill.on_device import defer_failure, settle_failure
@@ -151,8 +152,9 @@ class PrefillScheduler:
             admission=self._admission, deadlines=self._deadlines, ranks=self.ranks, config=config,
         )
         self._slot_queue = SlotQueue()
+        self._handoffs = handoff_runner(runner, metadata, states)
         self._results = Results(self.pool, config.page_size, metadata, self.metrics,
-                                self._sampling, states)
+                                self._sampling, states, self._handoffs)
         self._releaser = Releaser(self.pool, slots, metadata, states)
         self.prefix = (PrefixCache(self.pool, self.metrics.prefix, config.schedule_policy)
                        if config.radix_cache else None)
@@ -346,6 +348,8 @@ class PrefillScheduler:
         forget_room = self._admission.forget(req)
         self._slot_queue.discard(req)
         self._planner.forget(req)
+        if self._handoffs is not None:
+            self._handoffs.forget(req.rid)
         own, hold = (req.pages, None) if self.prefix is None else self.prefix.release_of(req)
         self._releaser.release(sender_of(req), own, req.slot, forget_room, hold, req.state_slot)
         req.sender, req.pages, req.slot, req.prefix, req.state_slot = None, [], None, None, None

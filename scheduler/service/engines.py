@@ -35,6 +35,7 @@ from kv.mooncake_engine import PeerAuthError
 from kv.pool import KVPool
 from kv.rank_table import RankPlace
 from kv.refusal import RefusalPoster
+from kv.state_pools import StatePools
 from kv.wire import DroppedMessages
 from scheduler.assemble import (
     Closers,
@@ -149,10 +150,13 @@ class Engines:
 
     def _decode_router(
         self, hub: LocalTransferHub, compiler: ConstraintCompiler | None, pool: KVPool,
-        meta: MetadataBuffers, runner: ModelRunner,
+        meta: MetadataBuffers, runner: ModelRunner, states: StatePools | None,
     ) -> DecodeKVRouter:
         """Decode's KV layer: one Mooncake manager per prefill server a request names, the
-        local hub's manager, and the fake prefill of fake-host requests."""
+        local hub's manager, and the fake prefill of fake-host requests (the service builds no
+        state pools: it runs no hybrid or speculative model)."""
+        if states is not None:
+            raise AssertionError("pdlife serve builds no state pools")
         c = self.config
         fake = LocalPrefillFake(runner, meta, compiler)
         if c.backend == "mooncake":

@@ -1,0 +1,95 @@
+"""One side's reference model over its pools: the full-attention pool, and what a hybrid model
+or a draft model keeps beside it.
+
+A prefill scheduler and a decode peer of a hybrid reference model
+(:class:`~scheduler.model.reference_config.LayerKind`) each hold, beside the full pool their
+runner writes, an SWA pool for the sliding-window layers, recurrent-state slots for the
+recurrent layers and, for speculative decoding, a draft model's pool at the full pool's page
+indices. :func:`build_side` builds them from one :class:`HybridConfig`, which both sides of a
+pair share (the transfer's handshake refuses pools that differ), and returns the runner with
+the :class:`~kv.state_pools.StatePools` the scheduler, the peer and the local backend are
+given.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kv.pool import KVPool
+from kv.state_pools import RecurrentPool, StatePools, SWAPool
+from scheduler.model.reference import LlamaModel, PagedModelRunner
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"HybridConfig.{attribute.name} must be an integer >= 0, got {value!r}")
+
+
+@attrs.frozen
+class HybridConfig:
+    """What each side holds beside its full pool (for a model whose config has sliding-window
+    or recurrent layers, or with a draft).
+
+    ``swa_pages``: pages of the SWA pool (0: as many as the full pool); ``state_slots``:
+    recurrent-state slots, so requests that hold pages at once; ``draft_layers``: the draft
+    model's layers, the target's first (0: no draft, no speculative decoding);
+    ``speculative_k``: proposals per round (and top-k proposals in the hand-off)."""
+
+    swa_pages: int = attrs.field(default=0, validator=_non_negative)
+    state_slots: int = attrs.field(default=64, validator=_non_negative)
+    draft_layers: int = attrs.field(default=0, validator=_non_negative)
+    speculative_k: int = attrs.field(default=3, validator=_non_negative)
+
+
+@attrs.frozen
+class SideModel:
+    """A side's target runner, its state pools (None when it keeps nothing beside the full
+    pool) and its draft runner (None without a draft)."""
+
+    runner: PagedModelRunner
+    states: StatePools | None
+    draft: PagedModelRunner | None
+
+
+def build_side(model: LlamaModel, pool: KVPool, hybrid: HybridConfig) -> SideModel:
+    """The pools ``model`` needs beside ``pool`` (in its layout and page size), and the
+    runners over them. ValueError for a draft with hybrid layers (not built) or pools that
+    cannot be sized."""
+    c, ps = model.config, pool.page_size
+    swa = None
+    if c.swa_layers:
+        swa_pool = model.make_swa_pool(
+            num_pages=hybrid.swa_pages or pool.num_pages, page_size=ps, layout=pool.layout
+        )
+        swa = SWAPool(window=c.sliding_window, pool=swa_pool, full_pages=pool.num_pages)
+    recurrent = None
+    if c.recurrent_layers:
+        if hybrid.state_slots < 1:
+            raise ValueError(
+                "HybridConfig.state_slots must be >= 1 for a model with recurrent layers"
+            )
+        recurrent = RecurrentPool(model.make_states(hybrid.state_slots))
+    draft = None
+    if hybrid.draft_layers:
+        draft_model = model.draft(hybrid.draft_layers)
+        if draft_model.config.hybrid:
+            raise ValueError(
+                f"a draft of {hybrid.draft_layers} layers has sliding-window or "
+                "recurrent layers; a hybrid draft is not built"
+            )
+        draft = PagedModelRunner(
+            draft_model,
+            draft_model.make_pool(num_pages=pool.num_pages, page_size=ps, layout=pool.layout),
+        )
+    runner = PagedModelRunner(
+        model,
+        pool,
+        swa_pool=None if swa is None else swa.pool,
+        states=None if recurrent is None else recurrent.buffer,
+    )
+    if swa is None and recurrent is None and draft is None:
+        return SideModel(runner, None, None)
+    states = StatePools(
+        pool, swa=swa, recurrent=recurrent, draft=None if draft is None else draft.pool
+    )
+    return SideModel(runner, states, draft)

@@ -1,0 +1,117 @@
+"""Speculative decoding end to end through an EmbeddedPair: the prefill scheduler runs the draft
+beside the target and writes the hand-off into the metadata row; the decode peer decodes
+speculatively from it and from the draft K/V that landed in its draft pool, without running the
+draft over the prompt again. The output is plain greedy decoding's, and the proposals and
+acceptances are those of the same hand-off computed colocated."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from lifecycle import SamplingParams
+from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.model.request_kv import RequestKV
+from scheduler.model.side_pools import HybridConfig
+from scheduler.model.speculative import SpeculativeDecoder, prefill_handoff
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.runner import ForwardBatch
+
+TARGET = LlamaModel(attrs.evolve(ModelConfig.tiny(seed=4), layers=4))
+PS, PAGES, CHUNK, DRAFT_LAYERS, K, MAX_NEW = 4, 96, 8, 2, 3, 14
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+
+def make_pair(hybrid: HybridConfig | None, overlap: bool = False) -> EmbeddedPair:
+    return EmbeddedPair(
+        PairConfig(
+            model=TARGET.config,
+            overlap=overlap,
+            hybrid=hybrid,
+            scheduler=SchedulerConfig(
+                page_size=PS, chunked_prefill_size=CHUNK, check_invariants=True
+            ),
+            prefill_pages=PAGES,
+            decode_pages=PAGES,
+            metadata_slots=8,
+        ),
+        model=TARGET,
+    )
+
+
+def colocated_stats(prompts: dict[str, list[int]]) -> tuple[int, int]:
+    """Proposals made and accepted when each prompt's hand-off is computed colocated."""
+    proposed = accepted = 0
+    for rid, prompt in prompts.items():
+        draft_model = TARGET.draft(DRAFT_LAYERS)
+        target = PagedModelRunner(TARGET, TARGET.make_pool(num_pages=PAGES, page_size=PS))
+        draft = PagedModelRunner(draft_model, draft_model.make_pool(num_pages=PAGES, page_size=PS))
+        kv = RequestKV(rid)
+        handoff = prefill_handoff(target, draft, kv, prompt, chunk=CHUNK, k=K)
+        decoder = SpeculativeDecoder(target, draft, K)
+        decoder.decode(kv, prompt, handoff, MAX_NEW, ignore_eos=True)
+        proposed += decoder.stats.proposed
+        accepted += decoder.stats.accepted
+    return proposed, accepted
+
+
+def serve(
+    pair: EmbeddedPair,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+) -> dict[str, tuple[int, ...]]:
+    for rid, (prompt, params) in requests.items():
+        pair.submit(rid, prompt, params)
+    out = pair.run_until_done(requests, timeout=120)
+    for got in out.values():
+        assert got.prefill.ok and got.decode is not None and got.decode.ok, got
+    pair.prefill.check_invariants()
+    pair.decode.check_invariants()
+    assert pair.prefill_pool.allocator.available() == PAGES
+    assert pair.decode_pool.allocator.available() == PAGES
+    return {rid: got.decode.output_ids for rid, got in out.items() if got.decode is not None}
+
+
+def test_a_speculative_pair_decodes_plain_greedy_from_the_prefill_handoff() -> None:
+    rng = random.Random(8)
+    prompts = {f"g{n}": [rng.randrange(256) for _ in range(n)] for n in (2, 7, 8, 19, 33)}
+    requests = {rid: (p, GREEDY) for rid, p in prompts.items()}
+    # A request that samples takes the plain path on decode (and the logits path on prefill).
+    requests["sampled"] = (prompts["g19"], attrs.evolve(GREEDY, temperature=0.8, seed=2))
+    pair = make_pair(HybridConfig(draft_layers=DRAFT_LAYERS, speculative_k=K))
+    try:
+        decoder = pair.decode.speculative
+        assert decoder is not None and pair.decode.states is not None
+        assert pair.decode.states.draft is decoder.draft.pool
+        # Draft K/V that did not land reads as NaN: proposals from it would differ.
+        decoder.draft.pool.buffer.fill_(float("nan"))
+        starts: dict[str, int] = {}
+        draft_forward = decoder.draft.forward
+
+        def recording(batch: ForwardBatch) -> list[int]:
+            for item in batch.items:
+                starts[item.rid] = min(starts.get(item.rid, item.start), item.start)
+            return draft_forward(batch)
+
+        decoder.draft.forward = recording  # type: ignore[method-assign]
+        speculative = serve(pair, requests)
+        sample = pair.decode.metrics.registry.get_sample_value
+        proposed = sample("pdlife_decode_spec_proposed_total")
+        accepted = sample("pdlife_decode_spec_accepted_total")
+        assert pair.prefill.runner.kept() == 0  # type: ignore[attr-defined]
+    finally:
+        pair.close()
+    reference = ReferenceModel(TARGET)
+    for rid, prompt in prompts.items():
+        assert list(speculative[rid]) == reference.generate(prompt, MAX_NEW, ignore_eos=True)
+        # The decode side's draft ran only past the prompt: its prefill came from prefill.
+        assert starts[rid] >= len(prompt), rid
+    assert "sampled" not in starts
+    assert (proposed, accepted) == colocated_stats(prompts)
+    assert proposed is not None and accepted is not None and 0 < accepted < proposed
+    plain_pair = make_pair(None)
+    try:
+        assert serve(plain_pair, requests) == speculative
+    finally:
+        plain_pair.close()
