@@ -69,21 +69,13 @@ class Gate:
             self.open = False
 
 
-@attrs.frozen
 class PacedRunner:
     """A model runner whose decode steps (batches of one-token items; the tests' prompts are
-    longer) wait for the gate."""
+    longer) wait for the gate; its pool and vocabulary are the inner runner's."""
 
-    inner: LogitsRunner
-    gate: Gate
-
-    @property
-    def pool(self) -> Any:
-        return self.inner.pool
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
+    def __init__(self, inner: LogitsRunner, gate: Gate) -> None:
+        self.inner, self.gate = inner, gate
+        self.pool, self.vocab_size = inner.pool, inner.vocab_size
 
     def _pace(self, batch: ForwardBatch) -> None:
         if all(len(item.input_ids) == 1 for item in batch.items):
