@@ -19,8 +19,9 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KV_LAYOUTS
 from scheduler.cli.command import Subcommand, UsageError
@@ -93,13 +94,18 @@ def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._Argu
     return group
 
 
+def _choice(group: argparse._ActionsContainer, flag: str, choices: Sequence[str], default: str,
+            text: str) -> None:
+    """A flag that takes one of ``choices``; its help ends with the default, as a number's does."""
+    group.add_argument(flag, choices=choices, default=default, help=f"{text} (default: {default})")
+
+
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("prefill", "decode"),
                         help="which side of PD serving (not with --backend local, which runs both)")
-    parser.add_argument("--backend", choices=("mooncake", "local", "fake"), default="mooncake",
-                        help="KV transfer: mooncake (between processes), local (prefill and "
-                        "decode in this one process), fake (no transfer; the decode role computes "
-                        "prompts itself) (default: mooncake)")
+    _choice(parser, "--backend", ("mooncake", "local", "fake"), "mooncake",
+            "KV transfer: mooncake (between processes), local (prefill and decode in this one "
+            "process), fake (no transfer; the decode role computes prompts itself)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="HTTP bind address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port (default: %(default)s)")
@@ -111,10 +117,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         f"value; {REFERENCE_NAME} for the reference model)")
     add_model_arguments(parser)
     sched = _number_group(parser, "scheduling and memory")
-    sched.add_argument("--kv-layout", choices=KV_LAYOUTS, default=DEFAULT_KV_LAYOUT.value,
-                       help="the KV pool's order: page_major (one transfer block per run of "
-                       "pages) or layer_major (SGLang's, for an SGLang peer); prefill and decode "
-                       "must agree (default: %(default)s)")
+    _choice(sched, "--kv-layout", KV_LAYOUTS, DEFAULT_KV_LAYOUT.value,
+            "the KV pool's order: page_major (one transfer block per run of pages) or "
+            "layer_major (SGLang's, for an SGLang peer); prefill and decode must agree")
     sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                        help="size the KV pool by memory instead (e.g. 2GiB): as many pages as "
                        "fit, from the model's layers, KV heads, head dim and dtype")
@@ -125,9 +130,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--disable-radix-cache", action="store_true",
                        help="prefill: turn the prefix cache off, so every prompt is computed "
                        "in full (docs/prefix-cache.md)")
-    sched.add_argument("--schedule-policy", choices=("fcfs", "lpm"), default="fcfs",
-                       help="prefill: the waiting queue's order, arrival (fcfs) or longest "
-                       "cached prefix first (lpm, needs the prefix cache) (default: fcfs)")
+    _choice(sched, "--schedule-policy", ("fcfs", "lpm"), "fcfs",
+            "prefill: the waiting queue's order, arrival (fcfs) or longest cached prefix first "
+            "(lpm, needs the prefix cache)")
     par = parser.add_argument_group("parallelism (prefill; docs/backends.md#parallel-layouts)")
     par.add_argument("--tp-size", type=positive_int, default=1,
                      help="tensor-parallel ranks per pipeline stage, each a process holding its "
@@ -146,9 +151,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     mc.add_argument("--mooncake-host", default="127.0.0.1",
                     help="this machine's address for the transfer engine and control sockets "
                     "(default: %(default)s)")
-    mc.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp",
-                    help="the transfer engine's transport: tcp everywhere, rdma where the "
-                    "hardware has it (needs --mooncake-device) (default: tcp)")
+    _choice(mc, "--mooncake-protocol", ("tcp", "rdma"), "tcp",
+            "the transfer engine's transport: tcp everywhere, rdma where the hardware has it "
+            "(needs --mooncake-device)")
     mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
@@ -169,9 +174,22 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     obs.add_argument("--otlp-traces-endpoint", default="localhost:4318", metavar="HOST:PORT",
                      help="the collector's OTLP/HTTP endpoint, HOST:PORT (spans go to "
                      "/v1/traces there) or a full URL (default: %(default)s)")
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                        default="info", help="the server's log level; debug adds an access log "
-                        "line per HTTP request (default: info)")
+    _choice(parser, "--log-level", ("debug", "info", "warning", "error"), "info",
+            "the server's log level; debug adds an access log line per HTTP request")
+
+
+#: The SchedulerConfig fields that take their flag's value as it is (``--page-size`` sets
+#: ``page_size``); the others are worked out in :func:`serve_config`.
+_SCHEDULER_AS_GIVEN = ("page_size", "max_prefill_tokens", "max_running_requests",
+                       "bootstrap_timeout", "transfer_timeout", "schedule_policy")
+#: Likewise for the ServeConfig.
+_SERVE_AS_GIVEN = ("backend", "metadata_slots", "waiting_timeout", "max_new_tokens_limit",
+                   "max_body_bytes", "max_queued_requests", "kv_layout", "device", "overlap",
+                   "tp_size", "pp_size", "dp_size")
+
+
+def _as_given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names}
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -205,24 +223,13 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     try:
         return ServeConfig(
             role=role,
-            backend=args.backend,
             model=model_config(args),
             scheduler=SchedulerConfig(
-                page_size=args.page_size,
-                max_prefill_tokens=args.max_prefill_tokens,
                 chunked_prefill_size=args.chunked_prefill_size or None,
-                max_running_requests=args.max_running_requests,
-                bootstrap_timeout=args.bootstrap_timeout,
-                transfer_timeout=args.transfer_timeout,
                 radix_cache=not args.disable_radix_cache,
-                schedule_policy=args.schedule_policy,
+                **_as_given(args, _SCHEDULER_AS_GIVEN),
             ),
             pool_pages=pool_pages,
-            metadata_slots=args.metadata_slots,
-            waiting_timeout=args.waiting_timeout,
-            max_new_tokens_limit=args.max_new_tokens_limit,
-            max_body_bytes=args.max_body_bytes,
-            max_queued_requests=args.max_queued_requests,
             api_key=api_key(args.api_key),
             bootstrap_host=args.host,
             bootstrap_port=args.bootstrap_port,
@@ -233,14 +240,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 token=peer_token(args.peer_token_file),
             ),
             model_name=model_name,
-            kv_layout=args.kv_layout,
-            device=args.device,
             served=served,
-            overlap=args.overlap,
-            tp_size=args.tp_size,
-            pp_size=args.pp_size,
-            dp_size=args.dp_size,
             otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
+            **_as_given(args, _SERVE_AS_GIVEN),
         )
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
