@@ -21,19 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lifecycle import SamplingParams
 from scheduler.messages import TokenLogprob
+from scheduler.service import handoff
 from scheduler.service.answers import answer_body, answer_text, final_body
 from scheduler.service.config import AnswerOptions
 from scheduler.service.core import BadRequest, Item, Pending, Service
 from scheduler.service.errors import error, failure_kind, rejected
-from scheduler.service.handoff import (
-    Refusal,
-    admit,
-    answered,
-    checked,
-    count,
-    events,
-    new_tokens,
-)
 from scheduler.service.routes_info import ServiceDep
 from scheduler.service.sampling import (
     check_own_rooms,
@@ -189,15 +181,15 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
     """Generate for one prompt or a batch, ``sampling_params.n`` answers each (SGLang's
     ``/generate``)."""
     try:
-        items, batch = checked(service, body, lambda: _items(service, body))
-        started = await admit(service, request, items, stream=body.stream)
-    except Refusal as refusal:
-        count(service, refusal)
+        items, batch = handoff.checked(service, body, lambda: _items(service, body))
+        started = await handoff.admit(service, request, items, stream=body.stream)
+    except handoff.Refusal as refusal:
+        handoff.count(service, refusal)
         return error(refusal.status, refusal.kind, str(refusal), refusal.rid)
     if body.stream:
-        return StreamingResponse(events(service, started, _chunks(service, started[0])),
+        return StreamingResponse(handoff.events(service, started, _chunks(service, started[0])),
                                  media_type="text/event-stream")
-    answers = await answered(service, request, started, lambda a: error(
+    answers = await handoff.answered(service, request, started, lambda a: error(
         a.status, failure_kind(a), a.message, a.rid))
     if isinstance(answers, Response):
         return answers
@@ -213,7 +205,7 @@ async def _chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str,
     item = pending.item
     emitted: list[int] = []
     logprobs: list[TokenLogprob] = []
-    async for progress in new_tokens(pending):
+    async for progress in handoff.new_tokens(pending):
         emitted.extend(progress.tokens)
         logprobs.extend(progress.logprobs)
         yield answer_body(service.tokenizer, item, ids=emitted,

@@ -26,20 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scheduler.service import handoff
 from scheduler.service.answers import final_text
 from scheduler.service.config import BadRequest
 from scheduler.service.core import Answer, Item, Pending, Service
 from scheduler.service.errors import failure_kind, plain_validation_errors
-from scheduler.service.handoff import (
-    Refusal,
-    admit,
-    answered,
-    checked,
-    count,
-    events,
-    merged,
-    new_tokens,
-)
 from scheduler.service.openai_format import Chunks, StreamLogprobs, StreamText, answer_body
 from scheduler.service.openai_request import FieldError, chat_items, completion_items
 from scheduler.service.openai_schema import (
@@ -71,8 +62,8 @@ def _param(exc: BadRequest) -> str | None:
     return exc.param if isinstance(exc, FieldError) else None
 
 
-def _refused(service: Service, refusal: Refusal) -> JSONResponse:
-    count(service, refusal)
+def _refused(service: Service, refusal: handoff.Refusal) -> JSONResponse:
+    handoff.count(service, refusal)
     return openai_error(refusal.status, str(refusal), refusal.kind, refusal.param)
 
 
@@ -91,7 +82,7 @@ class OpenAIRoute(APIRoute):
             except StarletteHTTPException as exc:
                 if exc.status_code != 400:
                     raise
-                return _refused(service_of(request), Refusal(
+                return _refused(service_of(request), handoff.Refusal(
                     "malformed_json", 400, f"the body is not valid JSON: {exc.detail}"))
 
         return route
@@ -102,16 +93,16 @@ def _invalid(service: Service, request: Request, exc: RequestValidationError) ->
     bad_json = [e for e in errors if e.get("type") == "json_invalid"]
     if bad_json:
         why = bad_json[0].get("ctx", {}).get("error", "")
-        return _refused(service, Refusal("malformed_json", 400,
-                                         f"the body is not valid JSON: {why}"))
+        return _refused(service, handoff.Refusal("malformed_json", 400,
+                                                 f"the body is not valid JSON: {why}"))
     if "json" not in request.headers.get("content-type", ""):
-        return _refused(service, Refusal(
+        return _refused(service, handoff.Refusal(
             "invalid_request", 400, "send a JSON object with Content-Type: application/json"))
     messages = plain_validation_errors(errors)
     message = "; ".join(messages[:5]) or "invalid request"
     param = messages[0].partition(":")[0] if messages else None
     refuse_peers(service, peer_rooms(exc.body), "invalid_request", message)
-    return _refused(service, Refusal("invalid_request", 400, message, param=param))
+    return _refused(service, handoff.Refusal("invalid_request", 400, message, param=param))
 
 
 router = APIRouter(route_class=OpenAIRoute)
@@ -142,18 +133,18 @@ async def _serve(service: Service, request: Request, body: Body,
                  build: Callable[[Service, Body], list[Item]], *, chat: bool) -> Response:
     model = body.model or service.config.model_name
     try:
-        items = checked(service, body, lambda: build(service, body), param=_param)
-        started = await admit(service, request, items, stream=body.stream)
-    except Refusal as refusal:
+        items = handoff.checked(service, body, lambda: build(service, body), param=_param)
+        started = await handoff.admit(service, request, items, stream=body.stream)
+    except handoff.Refusal as refusal:
         return _refused(service, refusal)
     # The answer's id: the request's rid, which choice i's ``<rid>_<i>`` extends when n > 1.
     rid = items[0].rid.rpartition("_")[0] if len(items) > 1 else items[0].rid
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _stream(service, started, Chunks(rid, model, chat), include_usage)
-        return StreamingResponse(events(service, started, chunks),
+        return StreamingResponse(handoff.events(service, started, chunks),
                                  media_type="text/event-stream")
-    answers = await answered(service, request, started, lambda a: openai_error(
+    answers = await handoff.answered(service, request, started, lambda a: openai_error(
         a.status, a.message, failure_kind(a)))
     if isinstance(answers, Response):
         return answers
@@ -166,7 +157,7 @@ async def _stream(service: Service, started: list[Pending], chunks: Chunks,
                   include_usage: bool) -> AsyncIterator[dict[str, Any]]:
     """The chunks of every choice as they come, then the usage of all if asked."""
     streams = [_chunks(service, p, attrs.evolve(chunks, index=i)) for i, p in enumerate(started)]
-    async for chunk in merged(streams):
+    async for chunk in handoff.merged(streams):
         yield chunk
     answers = [p.future.result() for p in started]
     if include_usage and all(a.status == 200 for a in answers):
@@ -184,7 +175,7 @@ async def _chunks(service: Service, pending: Pending,
     opening = chunks.opening()
     if opening is not None:
         yield opening
-    async for progress in new_tokens(pending):
+    async for progress in handoff.new_tokens(pending):
         logprobs.more(progress.logprobs)
         delta = text.more(progress.tokens)
         if delta:
