@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import attrs
+import pytest
 
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair, PairConfig
@@ -99,6 +100,7 @@ def test_a_speculative_pair_decodes_plain_greedy_from_the_prefill_handoff() -> N
         sample = pair.decode.metrics.registry.get_sample_value
         proposed = sample("pdlife_decode_spec_proposed_total")
         accepted = sample("pdlife_decode_spec_accepted_total")
+        rate = sample("pdlife_decode_spec_acceptance_rate")
         assert pair.prefill.runner.kept() == 0  # type: ignore[attr-defined]
     finally:
         pair.close()
@@ -110,8 +112,45 @@ def test_a_speculative_pair_decodes_plain_greedy_from_the_prefill_handoff() -> N
     assert "sampled" not in starts
     assert (proposed, accepted) == colocated_stats(prompts)
     assert proposed is not None and accepted is not None and 0 < accepted < proposed
+    assert rate == accepted / proposed
     plain_pair = make_pair(None)
     try:
         assert serve(plain_pair, requests) == speculative
     finally:
         plain_pair.close()
+
+
+def test_the_overlap_loop_hands_off_the_same_and_an_abort_keeps_nothing() -> None:
+    rng = random.Random(9)
+    prompts = {f"o{n}": [rng.randrange(256) for _ in range(n)] for n in (5, 17, 26)}
+    pair = make_pair(HybridConfig(draft_layers=DRAFT_LAYERS, speculative_k=K), overlap=True)
+    try:
+        # A long prompt aborted between chunks: what the runner kept of it goes with it.
+        pair.submit("aborted", [rng.randrange(256) for _ in range(60)], GREEDY)
+        while (req := pair.prefill.lifecycle.get("aborted")) is None or req.computed == 0:
+            pair.step()
+        pair.abort("aborted")
+        got = serve(pair, {rid: (p, GREEDY) for rid, p in prompts.items()})
+        pair.run_until_done(["aborted"])
+        assert not pair.prefill_responses["aborted"].ok
+        assert pair.prefill.runner.kept() == 0  # type: ignore[attr-defined]
+    finally:
+        pair.close()
+    reference = ReferenceModel(TARGET)
+    for rid, prompt in prompts.items():
+        assert list(got[rid]) == reference.generate(prompt, MAX_NEW, ignore_eos=True)
+
+
+def test_speculation_on_a_hybrid_decode_peer_is_refused() -> None:
+    model = LlamaModel(attrs.evolve(TARGET.config, swa_layers=(3,), sliding_window=8))
+    with pytest.raises(ValueError, match="swa state is not built"):
+        EmbeddedPair(
+            PairConfig(
+                model=model.config,
+                scheduler=SchedulerConfig(page_size=PS),
+                prefill_pages=PAGES,
+                decode_pages=PAGES,
+                hybrid=HybridConfig(draft_layers=DRAFT_LAYERS),
+            ),
+            model=model,
+        )

@@ -52,6 +52,10 @@ class DecodeMetrics:
             "pdlife_decode_spec_accepted", "Proposed draft tokens the target accepted (over "
             "pdlife_decode_spec_proposed: the acceptance rate).", registry=r,
         )
+        self.spec_acceptance_rate = Gauge(
+            "pdlife_decode_spec_acceptance_rate", "Accepted over proposed draft tokens since "
+            "the peer started (0 before any proposal).", registry=r,
+        )
 
     def on_answer(self, resp: DecodeResponse) -> None:
         """Count one answer (every request gets exactly one)."""

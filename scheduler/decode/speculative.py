@@ -15,7 +15,8 @@ decode speculatively on the peer (refused when built: not built).
 A round that finds no free page for its proposals is retried as a one-token round (which needs
 at most the page the peer keeps free for every running request), so speculation never stalls a
 request the plain path could serve. Proposals made and accepted are counted in the peer's
-metrics (``pdlife_decode_spec_proposed``/``_accepted``; their ratio is the acceptance rate).
+metrics (``pdlife_decode_spec_proposed``/``_accepted``; their ratio, the acceptance rate, is
+``pdlife_decode_spec_acceptance_rate``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class DecodeSpeculation:
             return False
         self._metrics.spec_proposed.inc(stats.proposed - proposed)
         self._metrics.spec_accepted.inc(stats.accepted - accepted)
+        self._metrics.spec_acceptance_rate.set(stats.acceptance_rate)
         for token in new:
             req.output_ids.append(token)
             if finished(req):
