@@ -42,9 +42,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import zmq
 
 from kv import wire
@@ -55,16 +56,21 @@ from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, kv_dtype_name, p
 from kv.mooncake_legs import Chunk, Owed, PrefillRoom
 from kv.mooncake_rooms import PrefillRooms
 from kv.mooncake_slices import target_of
+from kv.mooncake_state import pool_memory, state_target
 from kv.mooncake_writes import WritePipeline
 from kv.pool import KVPool
 from kv.rank_table import RankInfo, RankPlace
-from kv.transfer import REASON_ABORTED, KVPoll, TransferError
+from kv.state_copy import check_state
+from kv.state_pools import StateKind, StatePools
+from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError
 
 logger = logging.getLogger(__name__)
 
 
 class MooncakeKVManager:
-    """Prefill rank: engine, control listener, transfer workers; creates senders."""
+    """Prefill rank: engine, control listener, transfer workers; creates senders. With
+    ``states`` (a hybrid model's pools beside ``pool``, :mod:`kv.mooncake_state`) its senders
+    move them too."""
 
     def __init__(
         self,
@@ -74,9 +80,14 @@ class MooncakeKVManager:
         place: RankPlace | None = None,
         config: MooncakeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        states: StatePools | None = None,
     ) -> None:
+        if states is not None and states.full is not pool:
+            raise ValueError("the state pools' full pool must be the manager's KV pool")
         self.config = config = config or MooncakeConfig()
         self.pool = pool
+        self.states = states
+        self._state_memory = pool_memory(states)
         self.metadata = metadata
         self.place = place = place or RankPlace.single(num_layers=pool.num_layers,
                                                        kv_heads=pool.kv_heads)
@@ -94,7 +105,8 @@ class MooncakeKVManager:
         )
         self.ready = self._rooms.ready
         self._control = ControlEndpoint(
-            config, pool, metadata, self._handle, name="mooncake-listen", log=logger
+            config, pool, metadata, self._handle, name="mooncake-listen", log=logger,
+            states=states,
         )
         self.endpoint = self._control.endpoint
         self.dropped_messages = self._control.dropped_messages
@@ -108,6 +120,11 @@ class MooncakeKVManager:
     @property
     def session(self) -> str:
         return self._control.session
+
+    @property
+    def carries_state(self) -> bool:
+        """Whether senders move state pools (``send_state``): with ``states`` only."""
+        return self.states is not None
 
     def rank_info(self) -> RankInfo:
         return RankInfo(
@@ -129,7 +146,8 @@ class MooncakeKVManager:
     def create_sender(self, bootstrap_addr: str, room: int) -> MooncakeKVSender:
         rec, owed = self._rooms.create(room)
         self._tell_decode(owed)
-        return MooncakeKVSender(self._rooms, rec, self._writes.submit, self._tell_decode)
+        return MooncakeKVSender(self._rooms, rec, self._writes.submit, self._tell_decode,
+                                self.states)
 
     def live_rooms(self) -> int:
         return len(self._rooms)
@@ -181,7 +199,11 @@ class MooncakeKVManager:
                 f"session {reg.session}: (page_size, kv_dtype, kv_layout, metadata item lens) "
                 f"{theirs} differ from this rank's {mine}",
             )
-        self._rooms.register(target_of(self.pool, self.place, reg))
+        state = state_target(self.states, self._state_memory, self.place, reg)
+        if state.refused:
+            logger.warning("decode session %s: its rooms are refused: %s", reg.session,
+                           state.refused)
+        self._rooms.register(attrs.evolve(target_of(self.pool, self.place, reg), state=state))
         with self._push_lock:
             old = self._push.pop(reg.session, None)
             if old is not None:
@@ -215,8 +237,10 @@ class MooncakeKVSender:
         rec: PrefillRoom,
         submit: Callable[[Chunk], None],
         notify: Callable[[Sequence[Owed]], None],
+        states: StatePools | None = None,
     ) -> None:
         self.room = rec.room
+        self._states = states
         self._rooms = rooms
         self._rec = rec
         self._submit = submit
@@ -226,8 +250,19 @@ class MooncakeKVSender:
     def init(self, num_pages: int, slot: int) -> None:
         self._notify(self._rooms.init(self._rec, num_pages, slot))
 
+    def send_state(self, state: Mapping[StateKind, Sequence[int]]) -> None:
+        """The last chunk's state_indices (``kv.state_sends.StateSender``): they are written
+        with it, and the room succeeds only once they landed."""
+        items = {StateKind(kind): [int(i) for i in values] for kind, values in state.items()}
+        why = check_state(self._states, items, "prefill")
+        if why:
+            raise TransferUsageError(self.room, why)
+        self._rooms.set_state(self._rec, items)
+
     def send(self, pages: Sequence[int], last: bool) -> None:
-        for chunk in self._rooms.chunk(self._rec, pages, last):
+        chunks, owed = self._rooms.chunk(self._rec, pages, last)
+        self._notify(owed)
+        for chunk in chunks:
             self._submit(chunk)
 
     def poll(self) -> KVPoll:

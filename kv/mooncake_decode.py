@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -42,10 +42,13 @@ from kv.bootstrap import BootstrapClient
 from kv.metadata import MetadataBuffers, MetadataError
 from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, MooncakeError, kv_dtype_name
 from kv.mooncake_peers import PrefillPeers, decode_rank, lookup_prefill
+from kv.mooncake_state import pool_memory
 from kv.pool import KVPool
 from kv.rank_table import PrefillInfo, RankPlace
 from kv.refusal import RefusalPoster
 from kv.routes import IncompatibleRanksError
+from kv.state_copy import check_state
+from kv.state_pools import StateKind, StatePools
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError, accepts_call
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,8 @@ class _DecodeRoom:
 
 
 class MooncakeDecodeManager:
-    """Decode side: engine, status listener, a registration with every prefill rank."""
+    """Decode side: engine, status listener, a registration with every prefill rank (naming
+    the pools of ``states``, a hybrid model's, where prefill writes their state too)."""
 
     def __init__(
         self,
@@ -84,9 +88,13 @@ class MooncakeDecodeManager:
         *,
         place: RankPlace | None = None,
         config: MooncakeConfig | None = None,
+        states: StatePools | None = None,
     ) -> None:
+        if states is not None and states.full is not pool:
+            raise ValueError("the state pools' full pool must be the manager's KV pool")
         self.config = config or MooncakeConfig()
         self.pool = pool
+        self.states = states
         self.metadata = metadata
         self.bootstrap_addr = bootstrap_addr
         self.place = place or RankPlace.single(num_layers=pool.num_layers, kv_heads=pool.kv_heads)
@@ -96,7 +104,8 @@ class MooncakeDecodeManager:
         self._refusals = RefusalPoster(token=self.config.token)
         table = lookup_prefill(bootstrap_addr, self.config, self._me, self._stop)
         self._control = ControlEndpoint(
-            self.config, pool, metadata, self._handle, name="mooncake-status", log=logger
+            self.config, pool, metadata, self._handle, name="mooncake-status", log=logger,
+            states=states,
         )
         self.dropped_messages = self._control.dropped_messages
         self._lock = threading.Lock()
@@ -127,6 +136,8 @@ class MooncakeDecodeManager:
             mla=self.place.mla,
             tp_rank=self.place.tp_rank,
             tp_size=self.place.tp_size,
+            state_pools=pool_memory(states),
+            state_window=0 if states is None or states.window is None else states.window,
         )
         self._peers.send_all(self._register)
         # The status socket is bound, so nothing sent to it is lost before its thread runs.
@@ -283,11 +294,18 @@ class MooncakeKVReceiver:
                 self._rec.status = KVPoll.WAITING_FOR_INPUT
         self._mgr.ready.put(self.room)
 
-    def send_metadata(self, pages: Sequence[int], slot: int) -> None:
-        """Give the destination to every prefill rank of the room's route."""
+    def send_metadata(self, pages: Sequence[int], slot: int,
+                      state: Mapping[StateKind, Sequence[int]] | None = None) -> None:
+        """Give the destination to every prefill rank of the room's route: ``pages``,
+        ``slot`` and, with state pools, where each kind of ``state`` goes (the draft pool's
+        pages are ``pages``)."""
         mgr, rec = self._mgr, self._rec
         if not 0 <= slot < mgr.metadata.num_slots:
             raise TransferUsageError(self.room, f"slot {slot} is not a metadata row")
+        items = {StateKind(kind): [int(i) for i in v] for kind, v in (state or {}).items()}
+        why = check_state(mgr.states, items, "decode")
+        if why:
+            raise TransferUsageError(self.room, why)
         arr = np.asarray(pages, dtype=np.int64)
         try:
             route = mgr._peers.route(self.room)
@@ -306,7 +324,9 @@ class MooncakeKVReceiver:
             rec.sources = tuple(r.rank for r in route.sources)
             rec.waiting = set(rec.sources)
             rec.awaiting = set(rec.sources)
-        mgr._peers.send(rec.contacts, wire.Destination(self.room, mgr.session, arr, slot))
+        where = {str(kind): np.asarray(v, dtype=np.int64) for kind, v in items.items()}
+        mgr._peers.send(rec.contacts,
+                        wire.Destination(self.room, mgr.session, arr, slot, state=where))
 
     def poll(self) -> KVPoll:
         mgr, rec = self._mgr, self._rec

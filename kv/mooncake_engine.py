@@ -24,6 +24,7 @@ from kv import wire
 from kv.metadata import MetadataBuffers
 from kv.native_log import HARMLESS, HARMLESS_ON_TCP, engine_log_captured
 from kv.pool import KVPool
+from kv.state_pools import StatePools
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +131,17 @@ class MooncakeEngine:
         self._regions.clear()
 
 
-def register_all(engine: MooncakeEngine, pool: KVPool, metadata: MetadataBuffers) -> None:
-    if not pool.buffer.is_contiguous():
-        raise MooncakeError("the KV pool buffer must be contiguous to be registered")
-    engine.register(pool.buffer.data_ptr(), pool.buffer.numel() * pool.buffer.element_size())
+def register_all(engine: MooncakeEngine, pool: KVPool, metadata: MetadataBuffers,
+                 states: StatePools | None = None) -> None:
+    """Register the KV pool, the metadata buffers and every pool of ``states`` beside the KV
+    pool (the draft's, the state pools) whole."""
+    pools = [("the KV pool", pool.buffer)]
+    if states is not None:
+        pools += [(f"the {name} pool", p.buffer) for name, p in states.named_pools().items()]
+    for name, buffer in pools:
+        if not buffer.is_contiguous():
+            raise MooncakeError(f"{name}'s buffer must be contiguous to be registered")
+        engine.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
     for info in metadata.buffer_infos():
         engine.register(info.ptr, info.length)
 
@@ -175,9 +183,10 @@ def serve_control(
 
 
 class ControlEndpoint:
-    """One side's engine, with the KV pool and metadata buffers registered, and its control
-    plane: a ZeroMQ PULL socket bound to a free port of ``config.hostname`` (:attr:`endpoint`)
-    and the listener thread that hands each message to ``handle`` once :meth:`start` ran."""
+    """One side's engine, with the KV pool, metadata buffers and state pools registered, and
+    its control plane: a ZeroMQ PULL socket bound to a free port of ``config.hostname``
+    (:attr:`endpoint`) and the listener thread that hands each message to ``handle`` once
+    :meth:`start` ran."""
 
     def __init__(
         self,
@@ -188,9 +197,10 @@ class ControlEndpoint:
         *,
         name: str,
         log: logging.Logger,
+        states: StatePools | None = None,
     ) -> None:
         self.engine = MooncakeEngine(config)
-        register_all(self.engine, pool, metadata)
+        register_all(self.engine, pool, metadata, states)
         self.dropped_messages = wire.DroppedMessages()
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._pull = self.ctx.socket(zmq.PULL)

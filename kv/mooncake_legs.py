@@ -6,13 +6,14 @@ lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
 
 from kv import wire
 from kv.mooncake_slices import Target
+from kv.state_pools import StateKind
 from kv.transfer import KVPoll, SendCursor
 
 
@@ -55,6 +56,8 @@ class PrefillRoom:
     written: set[int] = attrs.Factory(set)
     # Decode was told of the failure, after the room went quiescent (see PrefillRooms._settle).
     notified: bool = False
+    # The last chunk's state items by kind (MooncakeKVSender.send_state).
+    state: dict[StateKind, list[int]] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self.cursor = SendCursor(self.room)
@@ -77,13 +80,15 @@ class PrefillRoom:
 @attrs.frozen(eq=False)
 class Chunk:
     """Pages of one room to write into one decode rank: source pages here, destination pages
-    there."""
+    there (the draft pool's copies of them too); a last chunk's state items by kind here, and
+    there those its destination names."""
 
     rec: PrefillRoom
     leg: Leg
     src: Sequence[int]
     dst: np.ndarray
     last: bool
+    state: Mapping[StateKind, Sequence[int]] = attrs.field(factory=dict)
 
     @property
     def session(self) -> str:

@@ -51,6 +51,8 @@ from kv import wire
 from kv.mooncake_legs import Chunk, Leg, Owed, PrefillRoom
 from kv.mooncake_slices import Target
 from kv.refusal import RefusedRooms
+from kv.state_copy import pairing
+from kv.state_pools import StateKind
 from kv.transfer import (
     REASON_PEER_ABORTED,
     REASON_PEER_REFUSED,
@@ -112,6 +114,9 @@ class PrefillRooms:
         with self._lock:
             wire.check_destination(dest, self._regs)
             rec = self._rooms.get(dest.room)
+            unfit = self._targets[dest.session].state.refused
+            if unfit and (rec is None or not rec.paired):
+                return self._refuse_state(rec, dest, unfit)
             if rec is not None and not rec.paired:
                 if rec.status == KVPoll.FAILED:
                     return [self._refusal(dest, rec.reason)]
@@ -202,25 +207,44 @@ class PrefillRooms:
                             f"{len(short[0].dest.pages)} pages, the request needs {num_pages}")
             return self._settle(rec)
 
-    def chunk(self, rec: PrefillRoom, pages: Sequence[int], last: bool) -> list[Chunk]:
-        """The chunks to write for ``send(pages, last)``, one per decode rank this rank writes
-        into; none for a failed room or an empty chunk that is not the last. A status-only
-        rank's room succeeds with its last chunk, having written nothing."""
+    def set_state(self, rec: PrefillRoom, state: dict[StateKind, list[int]]) -> None:
+        """The last chunk's state items (``send_state``), ignored once the room failed."""
         with self._lock:
             if rec.status == KVPoll.FAILED:
-                return []
+                return
+            if rec.cursor.num_pages is None or rec.cursor.finished:
+                raise TransferUsageError(rec.room, "send_state() before init() or after the "
+                                                   "last chunk")
+            rec.state = state
+
+    def chunk(self, rec: PrefillRoom, pages: Sequence[int], last: bool
+              ) -> tuple[list[Chunk], list[Owed]]:
+        """The chunks to write for ``send(pages, last)``, one per decode rank this rank writes
+        into, and the statuses owed; none for a failed room or an empty chunk that is not the
+        last. A status-only rank's room succeeds with its last chunk, having written nothing. A
+        last chunk whose state items do not pair with a destination's fails the room."""
+        with self._lock:
+            if rec.status == KVPoll.FAILED:
+                return [], []
             if rec.cursor.num_pages is None or not rec.paired:
                 raise TransferUsageError(rec.room, f"send() before init() while {rec.status.name}")
             span = rec.cursor.advance(len(pages), last)
             if not self._live(rec) or (not pages and not last):
-                return []
+                return [], []
             writers = rec.writers
+            why = next((w for w in (pairing(rec.state, leg.dest.state) for leg in writers)
+                        if w), "") if last else ""
+            if why:
+                self._fail(rec, f"the last chunk's state does not fit the destination: {why}")
+                return [], self._settle(rec)
             rec.status = KVPoll.TRANSFERRING
             if not writers and last:
                 rec.status = KVPoll.SUCCESS
                 self.ready.put(rec.room)
             rec.in_flight += len(writers)
-            return [Chunk(rec, leg, list(pages), leg.dest.pages[span], last) for leg in writers]
+            state = rec.state if last else {}
+            return [Chunk(rec, leg, list(pages), leg.dest.pages[span], last, state)
+                    for leg in writers], []
 
     def poll(self, rec: PrefillRoom) -> KVPoll:
         """The room's status; a room still BOOTSTRAPPING past the bootstrap timeout fails."""
@@ -321,6 +345,16 @@ class PrefillRooms:
         if rec.paired and rec.status == KVPoll.BOOTSTRAPPING:
             rec.status = KVPoll.WAITING_FOR_INPUT
             self.ready.put(rec.room)
+
+    def _refuse_state(self, rec: PrefillRoom | None, dest: wire.Destination,
+                      reason: str) -> list[Owed]:
+        """A destination from a decode rank whose state pools this rank cannot serve: the
+        room fails on both sides, now or when its sender is created."""
+        if rec is None:
+            self._peer_refused.add(dest.room, reason)
+            return [self._refusal(dest, reason)]
+        self._fail(rec, refusal(reason))
+        return [self._refusal(dest, reason), *self._settle(rec)]
 
     def _fail(self, rec: PrefillRoom, reason: str, *, timed_out: bool = False) -> bool:
         if rec.status.terminal:

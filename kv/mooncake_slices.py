@@ -40,6 +40,7 @@ import numpy as np
 
 from kv import wire
 from kv.layouts import HeadSlice, LayoutError
+from kv.mooncake_state import NO_STATE, StateTarget
 from kv.pages import Run
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout, parse_kv_layout
@@ -179,7 +180,8 @@ class Target:
     """What this prefill rank writes into one registered decode rank (its session): the head
     slices, both pools' shapes, which decode ranks' destinations a room waits for, and whether
     it writes the metadata row (the lowest source of the stage that holds the last layer, the
-    one that computes the first token, does)."""
+    one that computes the first token, does); and what it writes into the decode rank's state
+    pools (:mod:`kv.mooncake_state`)."""
 
     reg: wire.Register
     slices: tuple[HeadSlice, ...]
@@ -187,6 +189,7 @@ class Target:
     src: PoolShape
     dst: PoolShape
     rows: bool
+    state: StateTarget = NO_STATE
 
     @property
     def decode_rank(self) -> int:

@@ -40,6 +40,7 @@ from kv.mooncake_engine import MooncakeConfig, MooncakeEngine
 from kv.mooncake_legs import Chunk, Owed
 from kv.mooncake_rooms import PrefillRooms
 from kv.mooncake_slices import Target, slice_blocks
+from kv.mooncake_state import item_blocks
 from kv.pages import coalesce
 from kv.pool import KVPool
 
@@ -237,7 +238,8 @@ class WritePipeline:
         # one request into the next on both sides is one block.
         for same_layout in _by_layout(live):
             target = same_layout[0].leg.target
-            for blocks in (self._blocks(same_layout, target), self._rows(same_layout, target)):
+            for blocks in (self._blocks(same_layout, target), self._state(same_layout, target),
+                           self._rows(same_layout, target)):
                 src += blocks[0]
                 dst += blocks[1]
                 lens += blocks[2]
@@ -252,8 +254,23 @@ class WritePipeline:
         runs = coalesce([p for c in chunks for p in c.src],
                         np.concatenate([c.dst for c in chunks]).tolist())
         src, dst, lens = slice_blocks(target.src, target.dst, runs, target.slices)
-        return cut_blocks(src + self._pool.buffer.data_ptr(), dst + target.reg.kv_ptr, lens,
-                          self._max_block_bytes)
+        src, dst = src + self._pool.buffer.data_ptr(), dst + target.reg.kv_ptr
+        draft = target.state.draft
+        if draft is not None:  # the draft pool's copies of the same pages
+            more = item_blocks(*draft, runs)
+            src, dst, lens = (np.concatenate(p) for p in zip((src, dst, lens), more, strict=True))
+        return cut_blocks(src, dst, lens, self._max_block_bytes)
+
+    def _state(self, chunks: list[Chunk], target: Target) -> _Blocks:
+        """The state items of the chunks that are last, by kind: one block per region and run
+        of items consecutive on both sides."""
+        parts = [item_blocks(*target.state.pools[kind],
+                             coalesce(items, chunk.leg.dest.state[kind].tolist()))
+                 for chunk in chunks if chunk.last for kind, items in chunk.state.items()]
+        if not parts:
+            return [], [], []
+        src, dst, lens = (np.concatenate(p) for p in zip(*parts, strict=True))
+        return cut_blocks(src, dst, lens, self._max_block_bytes)
 
     def _rows(self, chunks: list[Chunk], target: Target) -> _Blocks:
         """The metadata rows of the chunks that are last, every field (none from a stage that

@@ -9,7 +9,8 @@ their ``[regions, items, item_elems]`` views (:func:`kv.state_pools.items_view`)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
+from typing import Any
 
 import torch
 
@@ -29,9 +30,10 @@ def state_mismatches(src: StatePools, dst: StatePools) -> list[str]:
     return shape_mismatches(src.shapes(), dst.shapes(), src.window, dst.window)
 
 
-def pairing(src_state: State, dst_state: State) -> str:
+def pairing(src_state: Mapping[Any, Sized], dst_state: Mapping[Any, Sized]) -> str:
     """Why the items sent (``src_state``) and those received (``dst_state``) do not pair up
-    ("" when they do): other kinds, or another count of items of a kind."""
+    ("" when they do): other kinds, or another count of items of a kind. Kinds are
+    :class:`~kv.state_pools.StateKind` or their names (a control message's)."""
     if set(src_state) != set(dst_state):
         return (f"state kinds differ: {sorted(map(str, src_state))} sent, "
                 f"{sorted(map(str, dst_state))} received")

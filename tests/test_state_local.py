@@ -8,138 +8,61 @@ from random import Random
 
 import attrs
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv.local import LocalKVManager, LocalTransferHub
-from kv.local_decode import LocalDecodeManager
+from kv.local import LocalKVManager, LocalKVSender, LocalTransferHub
+from kv.local_decode import LocalDecodeManager, LocalKVReceiver
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
-from kv.pool import KVGeometryError, KVPool
+from kv.pool import KVGeometryError
 from kv.pool_layout import KVLayout
-from kv.state_pools import IndexPool, RecurrentPool, StateKind, StatePools, SWAPool, items_view
-from kv.state_sends import chunk_send, state_tables, window_span
+from kv.state_pools import RecurrentPool, StateKind, StatePools, SWAPool
+from kv.state_sends import window_span
 from kv.transfer import KVPoll, TransferUsageError
 from scheduler.messages import NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch, ForwardItem
+from tests.state_harness import (
+    PS,
+    kv_pool,
+    land_across_a_chunk_boundary,
+    land_case,
+    state_pools,
+)
 from tests.strategies import chunked_prompts
-from tests.transfer_harness import drive, eventually
+from tests.transfer_harness import drive
 
 ADDR = "local:state"
-PS = 4
-_TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
-
-
-def _kv(pages: int, layout: KVLayout, layers: int = 2, page_size: int = PS) -> KVPool:
-    return KVPool(num_layers=layers, num_pages=pages, page_size=page_size, kv_heads=2,
-                  head_dim=3, layout=layout)
-
-
-def _states(full_pages: int, swa_pages: int, slots: int, layout: KVLayout,
-            window: int = 9, page_size: int = PS) -> StatePools:
-    full = _kv(full_pages, layout, page_size=page_size)
-    return StatePools(
-        full,
-        swa=SWAPool(window=window, pool=_kv(swa_pages, layout, 1, page_size),
-                    full_pages=full_pages),
-        recurrent=RecurrentPool.zeros(num_layers=2, num_slots=slots, state_size=5,
-                                      dtype=torch.int64),
-        index=IndexPool(num_layers=2, num_pages=full_pages, page_size=page_size, dim=3),
-        draft=_kv(full_pages, layout, 1, page_size),
-    )
-
-
-def _buffers(states: StatePools) -> list[torch.Tensor]:
-    assert states.swa is not None and states.recurrent is not None
-    assert states.index is not None and states.draft is not None
-    return [states.full.buffer, states.draft.buffer, states.swa.pool.buffer,
-            states.recurrent.buffer, states.index.buffer]
 
 
 class _Pair:
     def __init__(self, prefill: StatePools, decode: StatePools | None) -> None:
+        self.addr = ADDR
         self.hub = LocalTransferHub()
         self.prefill_meta, self.decode_meta = MetadataBuffers(2), MetadataBuffers(2)
         self.prefill = LocalKVManager(prefill.full, self.prefill_meta, hub=self.hub,
                                       bootstrap_addr=ADDR, states=prefill)
-        pool = decode.full if decode is not None else _kv(prefill.full.num_pages,
-                                                         prefill.full.layout)
+        pool = decode.full if decode is not None else kv_pool(prefill.full.num_pages,
+                                                             prefill.full.layout)
         self.decode = LocalDecodeManager(pool, self.decode_meta, hub=self.hub, states=decode)
+
+    def receiver(self, room: int) -> LocalKVReceiver:
+        return self.decode.create_receiver(ADDR, room)
+
+    def sender(self, room: int) -> LocalKVSender:
+        return self.prefill.create_sender(ADDR, room)
 
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()
 
 
-def _land(src: StatePools, dst: StatePools, length: int, progress: list[int],
-          pages: list[int], dst_pages: list[int], dst_window: list[int], dst_slot: int) -> None:
-    """Send a request of ``length`` tokens on ``pages`` of ``src``, computed in chunks up to
-    each of ``progress``, as the scheduler would (``chunk_send``), into ``dst``; then assert
-    that every pool's items landed byte-exact and nothing else in ``dst`` changed."""
-    ps = src.full.page_size
-    for tensor in _buffers(src):
-        tensor.copy_(torch.randint(1, 99, tensor.shape))
-    before = [t.clone() for t in _buffers(dst)]
-    assert src.swa is not None and src.window is not None
-    src.swa.grow(pages)
-    slot = src.take_slot()
-    assert src.recurrent is not None and slot is not None
-    src.recurrent.buffer[:, slot] = torch.arange(10).view(2, 5) + 1
-    window = list(window_span(length, src.window, ps))
-    pair = _Pair(src, dst)
-    try:
-        receiver = pair.decode.create_receiver(ADDR, 7)
-        receiver.init()
-        receiver.send_metadata(dst_pages, 0, state={
-            StateKind.SWA: dst_window, StateKind.RECURRENT: [dst_slot],
-            StateKind.INDEX: dst_pages})
-        sender = pair.prefill.create_sender(ADDR, 7)
-        assert drive(pair.prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == (
-            KVPoll.WAITING_FOR_INPUT)
-        sender.init(len(pages), 1)
-        pair.prefill_meta.write(1, first_token=5, cached_tokens=0, logprob=None, room=7)
-        sent = 0
-        for computed in progress:
-            last = computed == length
-            send = chunk_send(pages, length=length, sent=sent, computed=computed, last=last,
-                              page_size=ps, tables=state_tables(src, pages, slot, last))
-            if not send.goes:
-                continue
-            if send.state:
-                sender.send_state(send.state)
-            sender.send(list(send.pages), last)
-            sent = send.sent
-        assert drive(pair.prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
-        eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "the receiver to conclude")
-        assert pair.decode_meta.read(0, expected_room=7) is not None
-    finally:
-        pair.close()
-    assert dst.swa is not None and dst.recurrent is not None and dst.index is not None
-    assert dst.draft is not None and src.draft is not None and src.index is not None
-    landed = [
-        (src.full, dst.full, pages, dst_pages),
-        (src.draft, dst.draft, pages, dst_pages),
-        (src.swa.pool, dst.swa.pool, src.swa.translate([pages[i] for i in window]), dst_window),
-        (src.recurrent, dst.recurrent, [slot], [dst_slot]),
-        (src.index, dst.index, pages, dst_pages),
-    ]
-    for (a, b, src_items, dst_items), old in zip(landed, before, strict=True):
-        got, want = items_view(b), items_view(a)
-        assert torch.equal(got[:, dst_items], want[:, src_items])
-        others = [i for i in range(got.shape[1]) if i not in dst_items]
-        assert torch.equal(got[:, others], items_view_of(old, b)[:, others])
-
-
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_a_chunked_request_lands_every_pool_byte_exact(layout: KVLayout) -> None:
-    # 18 tokens in chunks of 12 and 6: the window (9 tokens, [9, 18) -> pages 2..4) starts in
-    # the first chunk.
-    _land(_states(12, 9, 3, layout), _states(10, 6, 2, layout), 18, [12, 18],
-          pages=[9, 3, 4, 10, 11], dst_pages=[0, 1, 2, 3, 4], dst_window=[5, 1, 3], dst_slot=1)
+    land_across_a_chunk_boundary(_Pair, layout)
 
 
 @given(chunked_prompts(max_len=40), st.integers(min_value=1, max_value=50),
@@ -148,27 +71,17 @@ def test_any_chunking_and_window_lands_every_pool_byte_exact(
     case: tuple[int, int, list[int]], window: int, layout: KVLayout, rng: Random,
 ) -> None:
     page_size, length, progress = case
-    n = pages_needed(length, page_size)
-    spans = len(window_span(length, window, page_size))
-    _land(_states(n + 3, n + 1, 2, layout, window, page_size),
-          _states(n + 2, spans + 2, 3, layout, window, page_size), length, progress,
-          pages=rng.sample(range(n + 3), n), dst_pages=rng.sample(range(n + 2), n),
-          dst_window=rng.sample(range(spans + 2), spans), dst_slot=rng.randrange(3))
-
-
-def items_view_of(tensor: torch.Tensor, like: KVPool | RecurrentPool | IndexPool) -> torch.Tensor:
-    """``tensor`` (a copy of ``like``'s buffer) seen as :func:`items_view` sees ``like``."""
-    return tensor.view(items_view(like).shape)
+    land_case(_Pair, page_size, length, progress, window, layout, rng)
 
 
 def test_state_pools_that_disagree_are_refused_at_the_handshake() -> None:
     layout = KVLayout.PAGE_MAJOR
     cases = [
         (None, "swa: 1 regions of 192-byte float32 items, page_major vs none"),
-        (_states(12, 9, 3, layout, window=5), "swa window: 9 vs 5"),
+        (state_pools(12, 9, 3, layout, window=5), "swa window: 9 vs 5"),
     ]
     for decode, why in cases:
-        pair = _Pair(_states(12, 9, 3, layout), decode)
+        pair = _Pair(state_pools(12, 9, 3, layout), decode)
         try:
             receiver = pair.decode.create_receiver(ADDR, 3)
             with pytest.raises(KVGeometryError, match=why):
@@ -179,7 +92,7 @@ def test_state_pools_that_disagree_are_refused_at_the_handshake() -> None:
 
 def test_state_items_outside_a_pool_are_misuse() -> None:
     layout = KVLayout.LAYER_MAJOR
-    pair = _Pair(_states(12, 9, 3, layout), _states(12, 9, 3, layout))
+    pair = _Pair(state_pools(12, 9, 3, layout), state_pools(12, 9, 3, layout))
     try:
         receiver = pair.decode.create_receiver(ADDR, 4)
         receiver.init()
