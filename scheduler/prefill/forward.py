@@ -175,22 +175,23 @@ class Landed:
     rejected: list[tuple[PrefillRequest, str]] = attrs.Factory(list)
 
 
+@attrs.define(eq=False)
 class Results:
     """Does the KV side of a landed batch: page sends, the metadata row, the metrics."""
 
-    def __init__(
-        self, pool: KVPool, page_size: int, metadata: MetadataBuffers, metrics: SchedulerMetrics,
-        sampling: PrefillSampling, states: StatePools | None = None,
-        handoffs: HandoffRunner | None = None,
-    ) -> None:
-        self._pool = pool
-        self._handoffs = handoffs
-        self._states = states
-        self._page_size = page_size
-        self._metadata = metadata
-        self._metrics = metrics
-        self._sampling = sampling
-        self._row_bytes = sum(b.item_len for b in metadata.buffer_infos())
+    _pool: KVPool
+    _page_size: int
+    _metadata: MetadataBuffers
+    _metrics: SchedulerMetrics
+    _sampling: PrefillSampling
+    _states: StatePools | None = None
+    _handoffs: HandoffRunner | None = None
+    # The bytes of one metadata row, counted as sent with each last chunk.
+    _row_bytes: int = attrs.field(init=False)
+
+    @_row_bytes.default
+    def _metadata_row_bytes(self) -> int:
+        return sum(b.item_len for b in self._metadata.buffer_infos())
 
     def land(self, launched: Launched) -> Landed:
         tokens, error = launched.outcome()
