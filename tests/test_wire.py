@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import attrs
 import msgpack
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from kv import wire
 from kv.pool_layout import KV_LAYOUTS
+from kv.state_shapes import POOL_NAMES, STATE_KINDS, StateShape
+from kv.wire_state import STATE_DTYPES, PoolMemory
 
 sessions = st.builds(
     lambda host, port: f"{host}:{port}",
@@ -40,14 +43,42 @@ registers = st.builds(
     tp_rank=st.just(1),
     tp_size=st.integers(2, 64),
 )
+int32_arrays = st.lists(st.integers(0, (1 << 31) - 1), max_size=64).map(
+    lambda p: np.array(p, dtype=np.int64)
+)
+
+
+@st.composite
+def _pool_memory(draw: st.DrawFn, name: str, num_pages: int) -> PoolMemory:
+    regions = draw(st.integers(1, 8))
+    shape = StateShape(
+        regions=regions,
+        items=num_pages if name == "draft" else draw(st.integers(1, 1 << 16)),
+        item_len=draw(st.integers(1, 1 << 16)),
+        dtype=draw(st.sampled_from(sorted(STATE_DTYPES))),
+        layout=draw(st.sampled_from(["", *KV_LAYOUTS])),
+    )
+    ptrs = draw(st.lists(st.integers(1, 1 << 47), min_size=regions, max_size=regions))
+    return PoolMemory(name, shape, tuple(ptrs))
+
+
+@st.composite
+def _hybrid_registers(draw: st.DrawFn) -> wire.Register:
+    """A register with some of the state pools (and a window exactly with an SWA pool)."""
+    reg = draw(registers)
+    names = draw(st.lists(st.sampled_from(POOL_NAMES), unique=True))
+    pools = tuple(draw(_pool_memory(n, reg.num_pages)) for n in POOL_NAMES if n in names)
+    window = draw(st.integers(1, 1 << 20)) if "swa" in names else 0
+    return attrs.evolve(reg, state_pools=pools, state_window=window)
+
+
 destinations = st.builds(
     wire.Destination,
     room=rooms,
     session=sessions,
-    pages=st.lists(st.integers(0, (1 << 31) - 1), max_size=64).map(
-        lambda p: np.array(p, dtype=np.int64)
-    ),
+    pages=int32_arrays,
     slot=st.integers(0, 1 << 20),
+    state=st.dictionaries(st.sampled_from(STATE_KINDS), int32_arrays, max_size=3),
 )
 aborts = st.builds(wire.Abort, room=rooms, session=sessions)
 statuses = st.builds(
@@ -57,14 +88,14 @@ statuses = st.builds(
     reason=st.text(max_size=40),
     rank=st.integers(0, 8),
 )
-messages = st.one_of(registers, destinations, aborts, statuses)
+messages = st.one_of(registers, _hybrid_registers(), destinations, aborts, statuses)
 
 
 def _same(a: wire.Message, b: wire.Message) -> bool:
     if isinstance(a, wire.Destination) and isinstance(b, wire.Destination):
-        return (a.room, a.session, a.slot) == (b.room, b.session, b.slot) and np.array_equal(
-            a.pages, b.pages
-        )
+        return ((a.room, a.session, a.slot) == (b.room, b.session, b.slot)
+                and np.array_equal(a.pages, b.pages) and set(a.state) == set(b.state)
+                and all(np.array_equal(a.state[k], b.state[k]) for k in a.state))
     return a == b
 
 
@@ -195,3 +226,60 @@ def test_dropped_messages_count_by_reason() -> None:
             dropped.record(err)
     assert dropped.snapshot() == {"malformed": 2, "unknown_type": 1}
     assert dropped.total == 3
+
+
+def _hybrid_register() -> wire.Register:
+    shape = StateShape(regions=2, items=3, item_len=40, dtype="int64")
+    draft = StateShape(regions=1, items=16, item_len=96, dtype="float32", layout="page_major")
+    return attrs.evolve(_register(), state_window=9, state_pools=(
+        PoolMemory("draft", draft, (1 << 20,)),
+        PoolMemory("swa", attrs.evolve(draft, items=5), (1 << 21,)),
+        PoolMemory("recurrent", shape, (1 << 22, 1 << 23))))
+
+
+def test_register_validates_state_fields() -> None:
+    body = msgpack.unpackb(wire.encode(_hybrid_register()))
+    assert wire.decode(msgpack.packb(body)) == _hybrid_register()
+    pools = body["state_pools"]
+    cases = [
+        ("state_window", 0),  # an SWA pool needs its window
+        ("state_window", True),
+        ("state_pools", []),
+        ("state_pools", dict(pools, mamba=pools["swa"])),
+        ("state_pools", dict(pools, draft=dict(pools["draft"], items=15))),  # not num_pages
+        ("state_pools", dict(pools, swa=dict(pools["swa"], ptrs=b""))),
+        ("state_pools", dict(pools, swa=dict(pools["swa"], ptrs=b"\0" * 7))),
+        ("state_pools", dict(pools, swa=dict(pools["swa"], ptrs=b"\0" * 8))),  # address 0
+        ("state_pools", dict(pools, swa=dict(pools["swa"], ptrs=b"\xff" * 8))),
+        ("state_pools", dict(pools, swa=dict(pools["swa"], dtype="int4"))),
+        ("state_pools", dict(pools, swa=dict(pools["swa"], layout="head_major"))),
+        ("state_pools", dict(pools, swa=dict(pools["swa"], items=0))),
+        ("state_pools", dict(pools, swa=dict(pools["swa"], extra=1))),
+        ("state_pools", dict(pools, swa={k: v for k, v in pools["swa"].items() if k != "dtype"})),
+    ]
+    for field, value in cases:
+        with pytest.raises(wire.WireError) as err:
+            wire.decode(msgpack.packb(dict(body, **{field: value})))
+        assert err.value.reason == "bad_field", (field, value)
+    no_swa = {k: v for k, v in pools.items() if k != "swa"}
+    with pytest.raises(wire.WireError, match="state_window: 9, but no swa pool"):
+        wire.decode(msgpack.packb(dict(body, state_pools=no_swa)))
+
+
+def test_check_destination_against_the_registered_state_pools() -> None:
+    reg = _hybrid_register()
+    known = {reg.session: reg}
+    dest = wire.Destination(1, reg.session, np.array([0]), 0,
+                            state={"swa": np.array([0, 4]), "recurrent": np.array([2])})
+    assert wire.check_destination(dest, known) is reg
+    for state, reason in [({"index": np.array([0])}, "unknown_state"),
+                          ({"swa": np.array([5])}, "state_out_of_range"),
+                          ({"recurrent": np.array([-1])}, "state_out_of_range")]:
+        with pytest.raises(wire.WireError) as err:
+            wire.check_destination(attrs.evolve(dest, state=state), known)
+        assert err.value.reason == reason
+    body = msgpack.unpackb(wire.encode(dest))
+    for value in ({"mamba": b""}, {"swa": [1]}, {"swa": b"\0" * 3}, [b""]):
+        with pytest.raises(wire.WireError) as err:
+            wire.decode(msgpack.packb(dict(body, state=value)))
+        assert err.value.reason == "bad_field"
