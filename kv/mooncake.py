@@ -35,6 +35,12 @@ for it at once (:meth:`MooncakeKVManager.refuse`, :meth:`MooncakeKVManager.peer_
 Rooms: ``clear()`` forgets a room and leaves a tombstone, so a late ``Destination``/``Abort`` for
 it is ignored instead of poisoning a later request that reuses the room number. ``quiescent()``
 is False while a chunk of the room is queued or being written.
+
+Hybrid state (``states=``, :mod:`kv.mooncake_state`): both sides register their state pools
+too; a decode rank whose pools differ is refused at its ``Register`` (every room's destination
+from it is answered FAILED, naming both sides' values); a sender takes the last chunk's
+``state_indices`` (:meth:`MooncakeKVSender.send_state`), and the writes of every chunk carry the
+draft pool's pages, those of the last chunk the state items, before the room can succeed.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ dim, head or layer counts, TP sizes that do not divide), sends every prefill ran
 ``Destination`` (or an ``Abort``) to the ranks the room's route names (:mod:`kv.routes`: the
 contacts of every pipeline stage of the DP replica serving the room); a room it will never ask
 for (refused, or failed before its destination) it reports to the prefill's bootstrap endpoint
-instead (:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`).
+instead (:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`). With state pools
+(``states=``, :mod:`kv.mooncake_state`) the ``Register`` names them and each ``Destination`` the
+items each state kind goes to; prefill writes the state with the last chunk.
 
 A receiver reports SUCCESS only when every source of every stage (the ranks that write into
 this rank) said so in a ``Status`` *and* the metadata row in its slot carries its own room (the

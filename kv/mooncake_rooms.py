@@ -32,6 +32,11 @@ reuses the room number.
 Decode reads a FAILED ``Status`` as "prefill no longer writes into these pages", so it is owed
 only once the failed room is quiescent: no chunk of it queued or being written.
 
+A decode rank whose state pools this rank cannot serve (:func:`kv.mooncake_state.state_target`)
+is registered with the reason: each destination from it fails its room on both sides at once
+(or, for a room whose sender does not exist yet, when it is created). A last chunk whose state
+items (:meth:`PrefillRooms.set_state`) do not pair with a destination's fails the room.
+
 Refusals (:mod:`kv.refusal`): a room this rank refused (:meth:`PrefillRooms.refuse`), or that
 failed before its destination came, is recorded, and a destination for it is answered with a
 FAILED ``Status`` naming the refusal instead of being kept or dropped; a live room's own first

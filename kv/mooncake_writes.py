@@ -9,7 +9,9 @@ pairs into runs consecutive on both sides (:func:`kv.pages.coalesce`; a run may 
 one request into the next) and submits one engine write covering every run in every region of
 the pool (one block per run with the page-major layout, one per run and layer half with the
 layer-major one: :mod:`kv.pool_layout`; a block longer than ``max_block_bytes`` is cut into
-pieces of that size, :func:`cut_blocks`), then the metadata rows of the chunks that are last.
+pieces of that size, :func:`cut_blocks`) and, with a draft pool, the same runs of it; then the
+state items of the chunks that are last (one block per region and run of items,
+:mod:`kv.mooncake_state`) and their metadata rows.
 
 It submits the next write without waiting for the previous one while at most
 ``max_blocks_in_flight`` blocks (what the TCP transport queues per peer) are in flight, cutting

@@ -9,19 +9,22 @@ decode → prefill
     (``host:rpc_port`` of its transfer engine), the ZeroMQ endpoint where it wants statuses, and
     the layout of its registered memory (KV pool base pointer, geometry and order, metadata
     buffers), the model whose KV its pool holds (fingerprint and name), and its place: the
-    model's KV heads, head dim and MLA, and its TP rank and size (:mod:`kv.mooncake_slices`).
-    :class:`Destination` once per room: the decode pages and metadata slot to write into.
+    model's KV heads, head dim and MLA, and its TP rank and size (:mod:`kv.mooncake_slices`);
+    with a hybrid model, its state pools (:mod:`kv.wire_state`).
+    :class:`Destination` once per room: the decode pages and metadata slot to write into, and
+    the items each state kind goes to.
     :class:`Abort` when decode gives up on a room.
 prefill → decode
     :class:`Status` when a room concludes (SUCCESS or FAILED), with a reason.
 
 Nothing from the network is trusted. :func:`decode` turns bytes into one of these records or
 raises :class:`WireError`, and never anything else: size limit, msgpack syntax, the type tag,
-every field's type, length and range, and (when peers share a token) the token, compared in
-constant time. Checks that need the receiver's state (is the session known, do the pages fit the
-decode pool it registered) are :func:`check_destination`. A caller that gets a ``WireError``
-logs it, counts it in :class:`DroppedMessages` under ``err.reason`` and drops the message; a bad
-message never ends a thread.
+every field's type, length and range (:mod:`kv.wire_fields`), and (when peers share a token)
+the token, compared in constant time. Checks that need the receiver's state (is the session
+known, do the pages and state items fit the decode pools it registered) are
+:func:`check_destination`. A caller that gets a ``WireError`` logs it, counts it in
+:class:`DroppedMessages` under ``err.reason`` and drops the message; a bad message never ends a
+thread.
 
 Pickle is never used: a pickle from the network runs code.
 """
