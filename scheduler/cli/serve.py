@@ -19,7 +19,6 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -94,32 +93,43 @@ def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._Argu
     return group
 
 
-def _choice(group: argparse._ActionsContainer, flag: str, choices: Sequence[str], default: str,
-            text: str) -> None:
-    """A flag that takes one of ``choices``; its help ends with the default, as a number's does."""
-    group.add_argument(flag, choices=choices, default=default, help=f"{text} (default: {default})")
+#: The parallel layout's flags (each a count of at least 1, 1 by default): flag -> what it counts.
+_PARALLEL = {
+    "--tp-size": "tensor-parallel ranks per pipeline stage, each a process holding its KV heads "
+                 "(reference model)",
+    "--pp-size": "pipeline stages, each holding a range of the layers",
+    "--dp-size": "data-parallel replicas behind one bootstrap port, each a TP x PP mesh with its "
+                 "own scheduler; a request goes to replica bootstrap_room %% dp-size",
+}
+
+
+def _defaulted(group: argparse._ActionsContainer, flag: str, default: str | int, text: str,
+               **how: Any) -> None:
+    """A flag whose help ends with its default, as a number's does (``how``: add_argument's
+    other keywords)."""
+    group.add_argument(flag, default=default, help=f"{text} (default: {default})", **how)
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("prefill", "decode"),
                         help="which side of PD serving (not with --backend local, which runs both)")
-    _choice(parser, "--backend", ("mooncake", "local", "fake"), "mooncake",
-            "KV transfer: mooncake (between processes), local (prefill and decode in this one "
-            "process), fake (no transfer; the decode role computes prompts itself)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="HTTP bind address (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=30000, help="HTTP port (default: %(default)s)")
-    parser.add_argument("--bootstrap-port", type=int, default=8998,
-                        help="prefill role, mooncake: the bootstrap endpoint's port, on --host "
-                        "(default: %(default)s)")
+    _defaulted(parser, "--backend", "mooncake",
+               "KV transfer: mooncake (between processes), local (prefill and decode in this one "
+               "process), fake (no transfer; the decode role computes prompts itself)",
+               choices=("mooncake", "local", "fake"))
+    _defaulted(parser, "--host", "127.0.0.1", "HTTP bind address")
+    _defaulted(parser, "--port", 30000, "HTTP port", type=int)
+    _defaulted(parser, "--bootstrap-port", 8998,
+               "prefill role, mooncake: the bootstrap endpoint's port, on --host", type=int)
     parser.add_argument("--model-name", default=REFERENCE_NAME,
                         help="the name /model_info and /v1/models report (default: --model's "
                         f"value; {REFERENCE_NAME} for the reference model)")
     add_model_arguments(parser)
     sched = _number_group(parser, "scheduling and memory")
-    _choice(sched, "--kv-layout", KV_LAYOUTS, DEFAULT_KV_LAYOUT.value,
-            "the KV pool's order: page_major (one transfer block per run of pages) or "
-            "layer_major (SGLang's, for an SGLang peer); prefill and decode must agree")
+    _defaulted(sched, "--kv-layout", DEFAULT_KV_LAYOUT.value,
+               "the KV pool's order: page_major (one transfer block per run of pages) or "
+               "layer_major (SGLang's, for an SGLang peer); prefill and decode must agree",
+               choices=KV_LAYOUTS)
     sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                        help="size the KV pool by memory instead (e.g. 2GiB): as many pages as "
                        "fit, from the model's layers, KV heads, head dim and dtype")
@@ -130,30 +140,22 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--disable-radix-cache", action="store_true",
                        help="prefill: turn the prefix cache off, so every prompt is computed "
                        "in full (docs/prefix-cache.md)")
-    _choice(sched, "--schedule-policy", ("fcfs", "lpm"), "fcfs",
-            "prefill: the waiting queue's order, arrival (fcfs) or longest cached prefix first "
-            "(lpm, needs the prefix cache)")
+    _defaulted(sched, "--schedule-policy", "fcfs",
+               "prefill: the waiting queue's order, arrival (fcfs) or longest cached prefix "
+               "first (lpm, needs the prefix cache)", choices=("fcfs", "lpm"))
     par = parser.add_argument_group("parallelism (prefill; docs/backends.md#parallel-layouts)")
-    par.add_argument("--tp-size", type=positive_int, default=1,
-                     help="tensor-parallel ranks per pipeline stage, each a process holding its "
-                     "KV heads (reference model) (default: 1)")
-    par.add_argument("--pp-size", type=positive_int, default=1,
-                     help="pipeline stages, each holding a range of the layers (default: 1)")
-    par.add_argument("--dp-size", type=positive_int, default=1,
-                     help="data-parallel replicas behind one bootstrap port, each a TP x PP "
-                     "mesh with its own scheduler; a request goes to replica bootstrap_room "
-                     "%% dp-size (default: 1)")
+    for flag, text in _PARALLEL.items():
+        _defaulted(par, flag, 1, text, type=positive_int)
     times = _number_group(parser, "timeouts and limits")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
                        "(65536, 64KiB, 8MiB) (default: 8MiB)")
     mc = parser.add_argument_group("mooncake")
-    mc.add_argument("--mooncake-host", default="127.0.0.1",
-                    help="this machine's address for the transfer engine and control sockets "
-                    "(default: %(default)s)")
-    _choice(mc, "--mooncake-protocol", ("tcp", "rdma"), "tcp",
-            "the transfer engine's transport: tcp everywhere, rdma where the hardware has it "
-            "(needs --mooncake-device)")
+    _defaulted(mc, "--mooncake-host", "127.0.0.1",
+               "this machine's address for the transfer engine and control sockets")
+    _defaulted(mc, "--mooncake-protocol", "tcp",
+               "the transfer engine's transport: tcp everywhere, rdma where the hardware has it "
+               "(needs --mooncake-device)", choices=("tcp", "rdma"))
     mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
@@ -171,11 +173,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     obs.add_argument("--enable-trace", action="store_true",
                      help="export an OpenTelemetry span tree per finished request (needs the "
                      "trace extra: pip install 'pdlife[trace]')")
-    obs.add_argument("--otlp-traces-endpoint", default="localhost:4318", metavar="HOST:PORT",
-                     help="the collector's OTLP/HTTP endpoint, HOST:PORT (spans go to "
-                     "/v1/traces there) or a full URL (default: %(default)s)")
-    _choice(parser, "--log-level", ("debug", "info", "warning", "error"), "info",
-            "the server's log level; debug adds an access log line per HTTP request")
+    _defaulted(obs, "--otlp-traces-endpoint", "localhost:4318",
+               "the collector's OTLP/HTTP endpoint, HOST:PORT (spans go to /v1/traces there) or "
+               "a full URL", metavar="HOST:PORT")
+    _defaulted(parser, "--log-level", "info",
+               "the server's log level; debug adds an access log line per HTTP request",
+               choices=("debug", "info", "warning", "error"))
 
 
 #: The SchedulerConfig fields that take their flag's value as it is (``--page-size`` sets
