@@ -1,7 +1,7 @@
 """The local transfer backend, decode side: receivers whose pages the prefill workers fill.
 
 A :class:`LocalKVReceiver` is BOOTSTRAPPING until ``init()`` found its prefill server in the hub
-(every rank registered, the pools agreeing on everything but the heads and layers their places
+(every rank registered, or later when the last one registers; the pools agreeing on everything but the heads and layers their places
 give them) and computed its route: the prefill ranks it contacts and those whose writes complete
 its room, of every pipeline stage (:func:`kv.routes.route_places`). It is WAITING_FOR_INPUT
 until ``send_metadata()`` hands its destination pages and slot to the room's group, then
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from kv.local import LocalEndpoint, LocalTransferHub, check_pages, check_slot
-from kv.local_hub import PrefillRank
+from kv.local_hub import LocalServer, PrefillRank
 from kv.local_room import DECODE, End, ReceiverEnd, Side
 from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
@@ -73,42 +73,56 @@ class LocalKVReceiver(LocalEndpoint):
         self._end: ReceiverEnd | None = None
 
     def init(self) -> None:
-        """Resolve the prefill ranks. Raises :class:`KVGeometryError` when a prefill pool's page
-        layout or model differs from ours, or no plan serves the two layouts (a deployment
-        error: no request could ever transfer)."""
-        manager = self._manager
+        """Resolve the prefill ranks; while the prefill server has not registered all of them,
+        stay BOOTSTRAPPING until the last one does (the hub resumes the receiver then). Raises
+        :class:`KVGeometryError` when a prefill pool's page layout or model differs from ours,
+        or no plan serves the two layouts (a deployment error: no request could ever
+        transfer); found once the last rank registered, the same error fails the room."""
         with self._lock:
             if self._side.status != KVPoll.BOOTSTRAPPING:
                 return
-            server = manager.hub.lookup(self.bootstrap_addr)
+            server = self._manager.hub.lookup(self.bootstrap_addr)
             if server is None:
                 self._side.fail(f"no prefill server at {self.bootstrap_addr!r}")
                 return
             if not server.complete:
-                self._side.fail(f"the prefill server at {self.bootstrap_addr!r} has "
-                                f"{len(server.managers)} of {server.world_size} ranks")
+                server.waiting.append(self._resume)
                 return
-            mine = manager.pool.geometry
-            for rank, prefill in sorted(server.managers.items()):
-                theirs = attrs.evolve(prefill.pool.geometry, kv_heads=mine.kv_heads,
-                                      num_layers=mine.num_layers)
-                mismatches = theirs.mismatches(mine)
-                if prefill.states is not None or manager.states is not None:
-                    mismatches += state_mismatches(prefill.states or StatePools(prefill.pool),
-                                                   manager.states or StatePools(manager.pool))
-                if mismatches:
-                    where = "" if server.world_size == 1 else f" (rank {rank})"
-                    raise KVGeometryError(
-                        f"room {self.room}: the prefill pool at {self.bootstrap_addr!r}{where} "
-                        f"and this decode pool differ in {'; '.join(mismatches)} (prefill vs "
-                        "decode); configure both sides with the same model and page layout"
-                    )
-            try:
-                self._route = route_places(list(server.managers.values()), manager.place,
-                                           self.room)
-            except IncompatibleRanksError as exc:
-                raise KVGeometryError(f"room {self.room}: {exc}") from None
-            self._side.set(KVPoll.WAITING_FOR_INPUT)
+            self._resolve(server)
+
+    def _resume(self, server: LocalServer) -> None:
+        """The hub's call (lock held) once ``server`` registered its last rank."""
+        if self._side.status != KVPoll.BOOTSTRAPPING or self._side.muted:
+            return
+        try:
+            self._resolve(server)
+        except KVGeometryError as exc:
+            self._side.fail(str(exc))
+
+    def _resolve(self, server: LocalServer) -> None:
+        """Check the pools and route the room (lock held; ``server`` is complete)."""
+        manager = self._manager
+        mine = manager.pool.geometry
+        for rank, prefill in sorted(server.managers.items()):
+            theirs = attrs.evolve(prefill.pool.geometry, kv_heads=mine.kv_heads,
+                                  num_layers=mine.num_layers)
+            mismatches = theirs.mismatches(mine)
+            if prefill.states is not None or manager.states is not None:
+                mismatches += state_mismatches(prefill.states or StatePools(prefill.pool),
+                                               manager.states or StatePools(manager.pool))
+            if mismatches:
+                where = "" if server.world_size == 1 else f" (rank {rank})"
+                raise KVGeometryError(
+                    f"room {self.room}: the prefill pool at {self.bootstrap_addr!r}{where} "
+                    f"and this decode pool differ in {'; '.join(mismatches)} (prefill vs "
+                    "decode); configure both sides with the same model and page layout"
+                )
+        try:
+            self._route = route_places(list(server.managers.values()), manager.place,
+                                       self.room)
+        except IncompatibleRanksError as exc:
+            raise KVGeometryError(f"room {self.room}: {exc}") from None
+        self._side.set(KVPoll.WAITING_FOR_INPUT)
 
     def send_metadata(self, pages: Sequence[int], slot: int,
                       state: Mapping[StateKind, Sequence[int]] | None = None) -> None:
@@ -151,5 +165,7 @@ class LocalKVReceiver(LocalEndpoint):
     def _forget(self) -> None:
         self._side.muted = True
         server = self._manager.hub.lookup(self.bootstrap_addr)
+        if server is not None and self._resume in server.waiting:
+            server.waiting.remove(self._resume)
         if self._group is not None and self._end is not None and server is not None:
             server.leave(self._group, self._end)

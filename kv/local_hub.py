@@ -5,13 +5,16 @@ A prefill manager registers under its server's bootstrap address with its place
 (:class:`~kv.rank_table.RankPlace`); a registration that disagrees with the ranks already there
 is refused as the bootstrap endpoint refuses it (:func:`kv.rank_table.registration_conflict`),
 and so is a pool that does not hold what its place says. A server is complete once every rank
-of its mesh registered. The groups (:class:`~kv.local_room.RoomGroup`) live here so that every
-rank's ends of a room find the same one.
+of its mesh registered; a decode receiver that looked it up before waits in
+:attr:`LocalServer.waiting` and resumes when the last rank registers. The groups
+(:class:`~kv.local_room.RoomGroup`) live here so that every rank's ends of a room find the
+same one.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from kv.local_room import DECODE, PREFILL, Failure, ReceiverEnd, RoomGroup, SenderEnd
@@ -58,6 +61,9 @@ class LocalServer:
         self.addr = addr
         self.managers: dict[int, PrefillRank] = {}
         self.groups: dict[int, RoomGroup] = {}  # room -> its current group
+        # Decode receivers waiting for the missing ranks: called (lock held) with this server
+        # once the last one registered.
+        self.waiting: list[Callable[[LocalServer], None]] = []
 
     @property
     def world_size(self) -> int:
@@ -165,6 +171,10 @@ class LocalTransferHub:
             server = self._servers.get(addr) or LocalServer(addr)
             server.add(manager)
             self._servers[addr] = server
+            if server.complete:
+                waiting, server.waiting = server.waiting, []
+                for resume in waiting:
+                    resume(server)
 
     def unregister(self, addr: str, manager: PrefillRank) -> None:
         with self.lock:

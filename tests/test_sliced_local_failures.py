@@ -102,19 +102,40 @@ def test_a_decode_rank_that_does_not_match_is_refused_naming_both(
             m.close()
 
 
-def test_a_server_missing_ranks_fails_the_receiver(closing: list[Pair]) -> None:
+def test_a_receiver_waits_for_a_servers_missing_ranks() -> None:
     hub = LocalTransferHub()
-    only = _manager(hub, rank_place(0, 2, heads=8, layers=3))
+    managers = [_manager(hub, rank_place(0, 2, heads=8, layers=3))]
     try:
         one = rank_place(0, 1, heads=8, layers=3)
         decode = LocalDecodeManager(make_pool(one, KVLayout.LAYER_MAJOR, 1), MetadataBuffers(2),
                                     hub=hub, place=one)
-        receiver = decode.create_receiver(ADDR, 5)
-        receiver.init()
-        assert receiver.poll() == KVPoll.FAILED
-        assert "has 1 of 2 ranks" in receiver.failure_exception().reason
+        waiting, cleared = decode.create_receiver(ADDR, 5), decode.create_receiver(ADDR, 6)
+        other = LocalDecodeManager(make_pool(one, KVLayout.LAYER_MAJOR, 1, page_size=4),
+                                   MetadataBuffers(2), hub=hub, place=one)
+        mismatched = other.create_receiver(ADDR, 7)
+        for receiver in (waiting, cleared, mismatched):
+            receiver.init()
+            assert receiver.poll() == KVPoll.BOOTSTRAPPING
+        assert decode.ready.empty() and other.ready.empty()  # nothing happened yet
+        cleared.clear()
+        assert decode.ready.get_nowait() == 6  # the clear failed it
+        managers.append(_manager(hub, rank_place(1, 2, heads=8, layers=3)))
+        # The last rank registered: the waiting receiver is routed, the cleared one forgotten,
+        # and a pool that does not match fails its room naming both values.
+        assert waiting.poll() == KVPoll.WAITING_FOR_INPUT
+        assert [decode.ready.get_nowait() for _ in range(decode.ready.qsize())] == [5]
+        assert cleared.poll() == KVPoll.FAILED  # its own clear, nothing later
+        assert mismatched.poll() == KVPoll.FAILED
+        assert "page_size: 2 vs 4 (prefill vs decode)" in mismatched.failure_exception().reason
+        assert hub.lookup(ADDR) is not None and not hub.lookup(ADDR).waiting  # type: ignore[union-attr]
+        waiting.send_metadata([0], 0)
+        assert waiting.poll() == KVPoll.TRANSFERRING
+        waiting.clear()
+        mismatched.clear()
+        assert hub.open_rooms(ADDR) == 0
     finally:
-        only.close()
+        for m in managers:
+            m.close()
 
 
 # -- failures on one rank fail the room everywhere ----------------------------------------------
