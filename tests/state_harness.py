@@ -3,7 +3,9 @@ a chunked request sent as the prefill scheduler sends it (``chunk_send``), and t
 every pool's items landed byte-exact on the decode side and nothing else there changed.
 
 Backends plug in a :class:`StatePair` (both managers over one bootstrap address);
-``tests/test_state_local.py`` and ``tests/test_state_mooncake.py`` use it.
+``tests/test_state_local.py`` and ``tests/test_state_mooncake.py`` use it, and
+:func:`decode_the_colocated_tokens` runs a hybrid reference model through the prefill scheduler
+over such a pair.
 """
 
 from __future__ import annotations
@@ -12,15 +14,22 @@ from collections.abc import Callable, Mapping, Sequence
 from random import Random
 from typing import Protocol
 
+import attrs
 import torch
 
-from kv.metadata import MetadataBuffers
+from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from kv.state_pools import IndexPool, RecurrentPool, StateKind, StatePools, SWAPool, items_view
 from kv.state_sends import chunk_send, state_tables, window_span
 from kv.transfer import KVManager, KVPoll, KVReceiver, KVSender
+from lifecycle import PrefillState
+from scheduler.messages import NewRequest, Response
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.runner import ForwardBatch, ForwardItem
 from tests.transfer_harness import drive, eventually
 
 PS = 4
@@ -171,3 +180,80 @@ def land(make_pair: PairFactory, src: StatePools,
         assert torch.equal(got[:, dst_items], want[:, src_items])
         others = [i for i in range(got.shape[1]) if i not in dst_items]
         assert torch.equal(got[:, others], items_view_of(old, b)[:, others])
+
+
+MIXED = LlamaModel(attrs.evolve(ModelConfig.tiny(seed=6), layers=4, swa_layers=(0, 2),
+                                sliding_window=6, recurrent_layers=(1,)))
+
+
+def _model_states(model: LlamaModel, pages: int, swa_pages: int, slots: int) -> StatePools:
+    c = model.config
+    return StatePools(
+        model.make_pool(num_pages=pages, page_size=PS),
+        swa=SWAPool(window=c.sliding_window, full_pages=pages,
+                    pool=model.make_swa_pool(num_pages=swa_pages, page_size=PS)),
+        recurrent=RecurrentPool(model.make_states(slots)))
+
+
+def decode_the_colocated_tokens(make_pair: PairFactory) -> None:
+    """The prefill scheduler computes hybrid prompts in chunks and sends the last window and the
+    recurrent state through the pair's backend (4 metadata slots a side); the decode side's
+    runner then computes the second token from what landed, with only the window's SWA pages:
+    it must be the colocated one."""
+    model, c = MIXED, MIXED.config
+    src, dst = _model_states(model, 24, 20, 2), _model_states(model, 24, 20, 4)
+    assert src.swa is not None and src.recurrent is not None
+    assert dst.swa is not None and dst.recurrent is not None
+    # What did not land reads as NaN (or a wrong state): the second token would not match.
+    for pool in (dst.full, dst.swa.pool):
+        pool.buffer.fill_(float("nan"))
+    dst.recurrent.buffer.fill_(7777)
+    responses: list[Response] = []
+    pair = make_pair(src, dst)
+    try:
+        sched = PrefillScheduler(
+            config=SchedulerConfig(page_size=PS, chunked_prefill_size=8, check_invariants=True),
+            runner=PagedModelRunner(model, src.full, swa_pool=src.swa.pool,
+                                    states=src.recurrent.buffer),
+            kv=pair.prefill, metadata=pair.prefill_meta, slots=SlotAllocator(4),
+            on_response=responses.append, states=src)
+        prompts = {room: tuple((3 * i + room) % 200 for i in range(n))
+                   for room, n in ((1, 13), (2, 21), (3, 16))}
+        landing = {}
+        for room, prompt in prompts.items():
+            n = len(prompt)
+            window = window_span(n, c.sliding_window, PS)
+            pages = dst.full.allocator.alloc(pages_needed(n + 1, PS))
+            swa = dst.swa.pool.allocator.alloc(pages_needed(n + 1, PS) - window.start)
+            slot = dst.recurrent.allocator.alloc()
+            assert pages is not None and swa is not None and slot is not None
+            receiver = pair.receiver(room)
+            receiver.init()
+            receiver.send_metadata(pages[: pages_needed(n, PS)], room, state={
+                StateKind.SWA: swa[: len(window)], StateKind.RECURRENT: [slot]})
+            landing[room] = (receiver, pages, [-1] * window.start + swa, slot)
+            sched.submit(NewRequest(f"r{room}", prompt, bootstrap_host="decode",
+                                    bootstrap_port=1, bootstrap_room=room))
+        try:
+            sched.run_until(lambda: len(responses) == len(prompts), timeout=60)
+            sched.run_until(sched.idle, timeout=60)
+        finally:
+            sched.close()
+        assert [r.state for r in responses] == [PrefillState.DONE] * len(prompts)
+        runner = PagedModelRunner(model, dst.full, swa_pool=dst.swa.pool,
+                                  states=dst.recurrent.buffer)
+        reference = ReferenceModel(model)
+        assert src.all_free()
+        for room, prompt in prompts.items():
+            receiver, pages, swa, slot = landing[room]
+            eventually(lambda r=receiver: r.poll() == KVPoll.SUCCESS,
+                       f"room {room} to land")
+            row = pair.decode_meta.read(room, expected_room=room)
+            assert row is not None
+            want = reference.generate(list(prompt), 2)
+            assert row.first_token == want[0]
+            item = ForwardItem(f"r{room}", (row.first_token,), len(prompt), tuple(pages),
+                               swa_pages=tuple(swa), state_slot=slot)
+            assert runner.forward(ForwardBatch((item,))) == [want[1]], room
+    finally:
+        pair.close()

@@ -6,27 +6,19 @@ from __future__ import annotations
 
 from random import Random
 
-import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kv.local import LocalKVManager, LocalKVSender, LocalTransferHub
 from kv.local_decode import LocalDecodeManager, LocalKVReceiver
-from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.pages import pages_needed
+from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError
 from kv.pool_layout import KVLayout
-from kv.state_pools import RecurrentPool, StateKind, StatePools, SWAPool
-from kv.state_sends import window_span
+from kv.state_pools import StateKind, StatePools
 from kv.transfer import KVPoll, TransferUsageError
-from scheduler.messages import NewRequest, Response
-from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
-from scheduler.prefill.config import SchedulerConfig
-from scheduler.prefill.scheduler import PrefillScheduler
-from scheduler.runner import ForwardBatch, ForwardItem
 from tests.state_harness import (
-    PS,
+    decode_the_colocated_tokens,
     kv_pool,
     land_across_a_chunk_boundary,
     land_case,
@@ -39,10 +31,10 @@ ADDR = "local:state"
 
 
 class _Pair:
-    def __init__(self, prefill: StatePools, decode: StatePools | None) -> None:
+    def __init__(self, prefill: StatePools, decode: StatePools | None, slots: int = 2) -> None:
         self.addr = ADDR
         self.hub = LocalTransferHub()
-        self.prefill_meta, self.decode_meta = MetadataBuffers(2), MetadataBuffers(2)
+        self.prefill_meta, self.decode_meta = MetadataBuffers(slots), MetadataBuffers(slots)
         self.prefill = LocalKVManager(prefill.full, self.prefill_meta, hub=self.hub,
                                       bootstrap_addr=ADDR, states=prefill)
         pool = decode.full if decode is not None else kv_pool(prefill.full.num_pages,
@@ -109,75 +101,5 @@ def test_state_items_outside_a_pool_are_misuse() -> None:
         pair.close()
 
 
-MIXED = LlamaModel(attrs.evolve(ModelConfig.tiny(seed=6), layers=4, swa_layers=(0, 2),
-                                sliding_window=6, recurrent_layers=(1,)))
-
-
-def _model_states(model: LlamaModel, pages: int, swa_pages: int, slots: int) -> StatePools:
-    c = model.config
-    return StatePools(
-        model.make_pool(num_pages=pages, page_size=PS),
-        swa=SWAPool(window=c.sliding_window, full_pages=pages,
-                    pool=model.make_swa_pool(num_pages=swa_pages, page_size=PS)),
-        recurrent=RecurrentPool(model.make_states(slots)))
-
-
 def test_a_hybrid_prefill_over_the_local_backend_decodes_the_colocated_tokens() -> None:
-    # The prefill scheduler computes hybrid prompts in chunks and sends the last window and the
-    # recurrent state over the local backend; the decode side's runner then computes the second
-    # token from what landed, with only the window's SWA pages: it must be the colocated one.
-    model, c = MIXED, MIXED.config
-    src, dst = _model_states(model, 24, 20, 2), _model_states(model, 24, 20, 4)
-    assert src.swa is not None and src.recurrent is not None
-    assert dst.swa is not None and dst.recurrent is not None
-    # What did not land reads as NaN (or a wrong state): the second token would not match.
-    for pool in (dst.full, dst.swa.pool):
-        pool.buffer.fill_(float("nan"))
-    dst.recurrent.buffer.fill_(7777)
-    hub, responses = LocalTransferHub(), list[Response]()
-    prefill = LocalKVManager(src.full, MetadataBuffers(4), hub=hub, bootstrap_addr=ADDR,
-                             states=src)
-    decode_meta = MetadataBuffers(4)
-    decode = LocalDecodeManager(dst.full, decode_meta, hub=hub, states=dst)
-    sched = PrefillScheduler(
-        config=SchedulerConfig(page_size=PS, chunked_prefill_size=8, check_invariants=True),
-        runner=PagedModelRunner(model, src.full, swa_pool=src.swa.pool,
-                                states=src.recurrent.buffer),
-        kv=prefill, metadata=prefill.metadata, slots=SlotAllocator(4),
-        on_response=responses.append, states=src)
-    prompts = {room: tuple((3 * i + room) % 200 for i in range(n))
-               for room, n in ((1, 13), (2, 21), (3, 16))}
-    landing = {}
-    for room, prompt in prompts.items():
-        n = len(prompt)
-        window = window_span(n, c.sliding_window, PS)
-        pages = dst.full.allocator.alloc(pages_needed(n + 1, PS))
-        swa = dst.swa.pool.allocator.alloc(pages_needed(n + 1, PS) - window.start)
-        slot = dst.recurrent.allocator.alloc()
-        assert pages is not None and swa is not None and slot is not None
-        receiver = decode.create_receiver(ADDR, room)
-        receiver.init()
-        receiver.send_metadata(pages[: pages_needed(n, PS)], room, state={
-            StateKind.SWA: swa[: len(window)], StateKind.RECURRENT: [slot]})
-        landing[room] = (receiver, pages, [-1] * window.start + swa, slot)
-        sched.submit(NewRequest(f"r{room}", prompt, bootstrap_host="decode", bootstrap_port=1,
-                                bootstrap_room=room))
-    try:
-        sched.run_until(lambda: len(responses) == len(prompts), timeout=60)
-        sched.run_until(sched.idle, timeout=60)
-    finally:
-        sched.close()
-        prefill.close()
-    runner = PagedModelRunner(model, dst.full, swa_pool=dst.swa.pool, states=dst.recurrent.buffer)
-    reference = ReferenceModel(model)
-    assert src.all_free()
-    for room, prompt in prompts.items():
-        receiver, pages, swa, slot = landing[room]
-        assert receiver.poll() == KVPoll.SUCCESS
-        row = decode_meta.read(room, expected_room=room)
-        assert row is not None
-        want = reference.generate(list(prompt), 2)
-        assert row.first_token == want[0]
-        item = ForwardItem(f"r{room}", (row.first_token,), len(prompt), tuple(pages),
-                           swa_pages=tuple(swa), state_slot=slot)
-        assert runner.forward(ForwardBatch((item,))) == [want[1]], room
+    decode_the_colocated_tokens(lambda src, dst: _Pair(src, dst, slots=4))

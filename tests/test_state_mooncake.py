@@ -12,6 +12,7 @@ from random import Random
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from kv import wire
@@ -37,6 +38,7 @@ from scheduler.testing.fakes import PageEchoRunner
 from tests.state_harness import (
     PS,
     TERMINAL,
+    decode_the_colocated_tokens,
     kv_pool,
     land_across_a_chunk_boundary,
     land_case,
@@ -53,10 +55,10 @@ class _Pair:
     ``decode_place`` puts the decode rank in a TP group (its pool holds its heads only)."""
 
     def __init__(self, prefill: StatePools, decode: StatePools | None,
-                 decode_place: RankPlace | None = None) -> None:
+                 decode_place: RankPlace | None = None, slots: int = 2) -> None:
         self.server = BootstrapServer()
         self.addr = self.server.address
-        self.prefill_meta, self.decode_meta = MetadataBuffers(2), MetadataBuffers(2)
+        self.prefill_meta, self.decode_meta = MetadataBuffers(slots), MetadataBuffers(slots)
         self.prefill = MooncakeKVManager(prefill.full, self.prefill_meta, states=prefill)
         try:
             self.prefill.register_to_bootstrap(self.addr)
@@ -95,6 +97,41 @@ def test_other_chunkings_and_windows_land_every_pool_byte_exact(
         length: int, progress: list[int], page_size: int, window: int,
         layout: KVLayout) -> None:
     land_case(_Pair, page_size, length, progress, window, layout, Random(length))
+
+
+def test_a_hybrid_prefill_over_mooncake_decodes_the_colocated_tokens() -> None:
+    decode_the_colocated_tokens(lambda src, dst: _Pair(src, dst, slots=4))
+
+
+def test_a_draft_pool_alone_goes_with_every_chunk() -> None:
+    # Only a draft model beside the full pool: no state items, the draft's copies of the pages
+    # go with each chunk's pages.
+    layout = KVLayout.LAYER_MAJOR
+    src = StatePools(kv_pool(8, layout), draft=kv_pool(8, layout, 1))
+    dst = StatePools(kv_pool(8, layout), draft=kv_pool(8, layout, 1))
+    assert src.draft is not None and dst.draft is not None
+    for pool in (src.full, src.draft):
+        pool.buffer.copy_(torch.randint(1, 99, pool.buffer.shape))
+    before = dst.draft.buffer.clone()
+    pair = _Pair(src, dst)
+    try:
+        receiver = pair.receiver(2)
+        receiver.init()
+        receiver.send_metadata([6, 7, 0], 0)
+        sender = pair.sender(2)
+        drive(pair.prefill, sender, {KVPoll.WAITING_FOR_INPUT})
+        sender.init(3, 1)
+        pair.prefill_meta.write(1, first_token=5, cached_tokens=0, logprob=None, room=2)
+        sender.send([1, 2], last=False)
+        sender.send([5], last=True)
+        assert drive(pair.prefill, sender, TERMINAL)[-1] == KVPoll.SUCCESS
+        eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "the receiver to conclude")
+    finally:
+        pair.close()
+    got, want = dst.draft.page_view(), src.draft.page_view()
+    assert torch.equal(got[:, [6, 7, 0]], want[:, [1, 2, 5]])
+    assert torch.equal(got[:, 1:6], before.view(got.shape)[:, 1:6])
+    assert torch.equal(dst.full.page_view()[:, [6, 7, 0]], src.full.page_view()[:, [1, 2, 5]])
 
 
 def test_state_items_go_as_one_block_per_region_and_run() -> None:
