@@ -8,6 +8,7 @@ benchmark's own output (its ``RESULT`` line last) scrolls above it.
 from __future__ import annotations
 
 import argparse
+import ast
 import queue
 import subprocess
 import sys
@@ -29,28 +30,25 @@ BENCH_DIR = ROOT / "bench"
 class Benchmark:
     name: str
     seconds: int  # about how long one run takes on an idle 2-core machine
-    measures: str
+    measures: str  # the first paragraph of the benchmark module's docstring
 
 
-#: In the order `pdlife bench` runs them with no names given (the quick ones first).
-ALL = (
-    Benchmark("lifecycle", 50, "a request's lifecycle: pdlife against plain transitions"),
-    Benchmark("scale", 35, "a scheduler pass with 100 against 10,000 and 100,000 waiting "
-              "requests; memory per waiting request"),
-    Benchmark("delayer", 30, "the PrefillDelayer across data-parallel ranks"),
-    Benchmark("tracing", 25, "the service loop with tracing off against on, and what each "
-              "costs a request"),
-    Benchmark("e2e", 40, "prefill throughput and TTFT against the forward passes alone"),
-    Benchmark("transfer", 300, "KV transfer in both pool layouts: pdlife's backends against "
-              "the raw engine"),
-    Benchmark("soak", 90, "10,000 requests under injected faults: nothing lost or leaked"),
-    Benchmark("overload", 70, "ten times what a server holds: the queue bound against none "
-              "(refusals, tail latency, leaks, memory)"),
-    Benchmark("prefix", 780, "64 requests sharing a 1,024-token system prompt: the prefix "
-              "cache against none (SmolLM2 if installed)"),
-    Benchmark("model", 240, "SmolLM2: pdlife's paged runner against transformers (prefill, "
-              "decode)"),
-)
+#: About how long each takes on an idle 2-core machine, in the order `pdlife bench` runs them
+#: with no names given (the quick ones first).
+_SECONDS = {"lifecycle": 50, "scale": 35, "delayer": 30, "tracing": 25, "e2e": 40,
+            "transfer": 300, "soak": 90, "overload": 70, "prefix": 780, "model": 240}
+
+
+def _measures(name: str) -> str:
+    """What a benchmark measures: its module docstring's first paragraph, read without running
+    it (importing a benchmark pulls in torch and its model)."""
+    path = BENCH_DIR / f"{name}.py"
+    doc = ast.get_docstring(ast.parse(path.read_text())) if path.is_file() else None
+    first = (doc or "").split("\n\n")[0]
+    return " ".join(first.replace(":mod:", "").replace("`", "").split())
+
+
+ALL = tuple(Benchmark(name, seconds, _measures(name)) for name, seconds in _SECONDS.items())
 BY_NAME = {b.name: b for b in ALL}
 
 
