@@ -130,7 +130,11 @@ class MeshReceiver:
         except MetadataError as exc:
             self.error = TransferError(self.room, str(exc))
             return KVPoll.FAILED
-        return KVPoll.SUCCESS if landed is not None else KVPoll.TRANSFERRING
+        if landed is None:
+            # Nothing pushes the room when the row lands: look again on the next agreement.
+            self._mgr._changed.add(self.room)
+            return KVPoll.TRANSFERRING
+        return KVPoll.SUCCESS
 
     def local_quiescent(self) -> bool:
         return self.inner is None or self.inner.quiescent()
@@ -149,7 +153,9 @@ class MeshDecodeKV:
         self.first = first
         self._ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._live: dict[int, MeshReceiver] = {}
-        self._changed: set[int] = set()  # rooms that failed here without the inner manager
+        # Rooms to poll on the next agreement though the inner manager did not push them: a
+        # receiver that failed here without it, a row that has not landed yet.
+        self._changed: set[int] = set()
         self._ending: dict[int, MeshReceiver] = {}
 
     @property
@@ -183,7 +189,7 @@ class MeshDecodeKV:
         """The pass's agreement (a collective of the TP group: every rank calls it once per
         pass, before the peer's pass)."""
         pushed = set(take_all(self.inner.ready)) | self._changed
-        self._changed.clear()
+        self._changed = set()
         rooms = self.ranks.agree_keys(sorted(pushed))
         mine = [self._live.get(room) for room in rooms]
         local = [_SUCCESS if r is None else r.local_vote(self.metadata) for r in mine]
