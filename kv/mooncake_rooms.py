@@ -237,8 +237,8 @@ class PrefillRooms:
             if not self._live(rec) or (not pages and not last):
                 return [], []
             writers = rec.writers
-            why = next((w for w in (pairing(rec.state, leg.dest.state) for leg in writers)
-                        if w), "") if last else ""
+            unpaired = [pairing(rec.state, leg.dest.state) for leg in writers] if last else []
+            why = next(filter(None, unpaired), "")
             if why:
                 self._fail(rec, f"the last chunk's state does not fit the destination: {why}")
                 return [], self._settle(rec)

@@ -286,3 +286,27 @@ def test_a_destination_names_only_registered_state_items() -> None:
         receiver.abort()
     finally:
         pair.close()
+
+
+def test_a_last_chunk_whose_state_does_not_fit_the_destination_fails_both_sides() -> None:
+    layout = KVLayout.PAGE_MAJOR
+    src = state_pools(12, 9, 3, layout)
+    pair = _Pair(src, state_pools(12, 9, 3, layout))
+    try:
+        receiver = pair.receiver(6)
+        receiver.init()
+        receiver.send_metadata([0, 1], 0, state={StateKind.RECURRENT: [2]})  # no window
+        sender = pair.sender(6)
+        drive(pair.prefill, sender, {KVPoll.WAITING_FOR_INPUT})
+        sender.init(2, 0)
+        sender.send([3], last=False)
+        sender.send_state({StateKind.SWA: [4], StateKind.RECURRENT: [0]})
+        sender.send([4], last=True)
+        assert drive(pair.prefill, sender, TERMINAL)[-1] == KVPoll.FAILED
+        why = "state kinds differ: ['recurrent', 'swa'] sent, ['recurrent'] received"
+        assert why in str(sender.failure_exception())
+        eventually(lambda: receiver.poll() == KVPoll.FAILED, "the decode side to fail")
+        assert why in str(receiver.failure_exception())
+        eventually(receiver.quiescent, "the decode room to be quiescent")
+    finally:
+        pair.close()
