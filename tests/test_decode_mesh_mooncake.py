@@ -114,7 +114,7 @@ def _decode(control: DecodeMeshControl, port: int) -> dict[str, object]:
             step_or_rest(peer.step)
             peer.check_invariants()
             assert time.monotonic() < end, (
-                f"decode answered {len(responses)} of {len(reqs)} ({peer.peer.lifecycle.counts()})")
+                f"decode answered {len(responses)} of {len(reqs)} ({peer.lifecycle.counts()})")
         assert pool.allocator.in_use() == 0
         assert slots.available() == SLOTS
         assert kv.live_rooms() == 0
@@ -123,7 +123,7 @@ def _decode(control: DecodeMeshControl, port: int) -> dict[str, object]:
         kv.close()
     return {"responses": [[r.rid, r.state.name, r.reason.value if r.reason else None,
                            list(r.output_ids)] for r in responses],
-            "steps": peer.peer.steps}
+            "steps": peer.steps}
 
 
 def _worker(rank: int, gloo_port: int, port: int, out_dir: str) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -43,21 +43,16 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.metadata import MetadataBuffers
 from kv.rank_table import RankPlace
 from kv.transfer import DecodeKVManager
-from scheduler.decode.config import DecodeConfig
 from scheduler.decode.mesh_kv import MeshDecodeKV
-from scheduler.decode.metrics import DecodeMetrics
 from scheduler.decode.peer import DecodePeer
 from scheduler.dist.gather import min_reduce
 from scheduler.dist.ranks import TorchRanks
 from scheduler.dist.relay import InboxRelay, Item
-from scheduler.messages import AbortRequest, DecodeResponse, NewRequest, take_all
+from scheduler.messages import AbortRequest, NewRequest, take_all
 from scheduler.model.sharded import Mesh, build_mesh
-from scheduler.runner import ModelRunner
-from scheduler.sample.constraint import ConstraintCompiler
-from scheduler.sample.request import Detokenize
 
 
 @attrs.frozen(eq=False)
@@ -115,7 +110,7 @@ def build_decode_mesh(
     )
 
 
-class MeshDecodePeer:
+class MeshDecodePeer(DecodePeer):
     """A :class:`~scheduler.decode.peer.DecodePeer` on one rank of a decode TP group (see the
     module). :meth:`submit` and :meth:`abort` only on the first rank (thread-safe); every rank
     calls :meth:`step` in a loop (a collective)."""
@@ -124,70 +119,55 @@ class MeshDecodePeer:
         self,
         control: DecodeMeshControl,
         *,
-        runner: ModelRunner,
         kv: DecodeKVManager,
         metadata: MetadataBuffers,
-        slots: SlotAllocator,
-        eos_token_id: int | Iterable[int] | None = None,
-        config: DecodeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_response: Callable[[DecodeResponse], None] | None = None,
-        metrics: DecodeMetrics | None = None,
-        compiler: ConstraintCompiler | None = None,
-        detokenize: Detokenize | None = None,
+        **options: Any,
     ) -> None:
+        """``kv``: this rank's KV manager; ``clock``: the first rank's is every rank's.
+        ``options``: the other keyword arguments of
+        :class:`~scheduler.decode.peer.DecodePeer` (not ``speculative`` or ``states``: not
+        supported on a mesh)."""
+        for name in ("speculative", "states"):
+            if options.get(name) is not None:
+                raise ValueError(f"MeshDecodePeer: {name} is not supported on a decode mesh")
         self.control = control
-        self.kv = MeshDecodeKV(kv, metadata, control.ranks, first=control.first)
+        self.mesh_kv = MeshDecodeKV(kv, metadata, control.ranks, first=control.first)
         self._clock = clock
         self._now = clock()
-        self._inbox: queue.SimpleQueue[Item] = queue.SimpleQueue()
-        self.peer = DecodePeer(
-            runner=runner,
-            kv=self.kv,
-            metadata=metadata,
-            slots=slots,
-            eos_token_id=eos_token_id,
-            config=config,
-            clock=self.now,
-            on_response=on_response,
-            metrics=metrics,
-            compiler=compiler,
-            detokenize=detokenize,
-        )
+        self._relayed: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        super().__init__(kv=self.mesh_kv, metadata=metadata, clock=self.now, **options)
 
     def now(self) -> float:
         """The pass's agreed time (the first rank's clock at the start of the pass)."""
         return self._now
 
     def submit(self, req: NewRequest) -> None:
-        self._inbox.put(req)
+        self._relayed.put(req)
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(AbortRequest(rid))
+        self._relayed.put(AbortRequest(rid))
 
     def step(self) -> bool:
         """One pass on every rank: the relay, the clock, the receivers' agreement, then the
         peer's own pass. Raises :class:`scheduler.dist.relay.MeshStopped` once the first rank
         stopped the group."""
-        items = self.control.relay.exchange(take_all(self._inbox))
+        items = self.control.relay.exchange(take_all(self._relayed))
         self._now = self.control.share_clock(self._clock())
         for item in items:
             if isinstance(item, AbortRequest):
-                self.peer.abort(item.rid)
+                super().abort(item.rid)
             else:
-                self.peer.submit(item)
-        self.kv.agree()
-        return self.peer.step() or bool(items)
+                super().submit(item)
+        self.mesh_kv.agree()
+        return super().step() or bool(items)
 
     def idle(self) -> bool:
         """Whether this rank's peer holds nothing (not an agreement: see
         :meth:`DecodeMeshControl.all_agree`)."""
-        return self.peer.idle() and self._inbox.empty() and self.kv.live_rooms() == 0
+        return super().idle() and self._relayed.empty() and self.mesh_kv.live_rooms() == 0
 
     def stop(self) -> None:
         """On the first rank, in place of a pass: every other rank's next :meth:`step`
         raises :class:`scheduler.dist.relay.MeshStopped`."""
         self.control.relay.stop()
-
-    def check_invariants(self) -> None:
-        self.peer.check_invariants()
