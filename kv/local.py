@@ -48,7 +48,7 @@ from kv.metadata import MetadataBuffers
 from kv.pool import KVPool
 from kv.rank_table import RankPlace
 from kv.refusal import RefusedRooms
-from kv.state_copy import check_state, move_state
+from kv.state_copy import check_state, move_state, owed_state
 from kv.state_pools import StateKind, StatePools
 from kv.transfer import (
     REASON_ABORTED,
@@ -237,10 +237,9 @@ class LocalKVManager:
                                           chunk.dst_pages[d], slices, duty.layers,
                                           whole=duty.whole_pages(d))
                     moved += move_state(
-                        self.states, receiver.states, src_pages=chunk.src_pages,
-                        dst_pages=chunk.dst_pages[d], last=chunk.last, src_state=chunk.state,
-                        dst_state=receiver.state,
-                        whole=self._place.world_size == receiver.place.world_size == 1)
+                        self.states, receiver.states, owed_state(self.states, duty).shares(d),
+                        src_pages=chunk.src_pages, dst_pages=chunk.dst_pages[d],
+                        last=chunk.last, src_state=chunk.state, dst_state=receiver.state)
                     if chunk.last and receiver.row_writer == self.rank:
                         receiver.metadata.copy_row_from(self.metadata, chunk.src_slot,
                                                         receiver.slot)
@@ -369,7 +368,7 @@ class LocalKVSender(LocalEndpoint):
             check_pages(self.room, src, manager.pool, "prefill")
             span = self._cursor.advance(len(src), last)
             assert self._cursor.slot is not None and end.duty is not None
-            if end.duty.status_only:
+            if owed_state(manager.states, end.duty).status_only:
                 self._side.status = KVPoll.TRANSFERRING
                 if last:
                     group.sender_finished(end)

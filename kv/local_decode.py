@@ -1,13 +1,14 @@
 """The local transfer backend, decode side: receivers whose pages the prefill workers fill.
 
 A :class:`LocalKVReceiver` is BOOTSTRAPPING until ``init()`` found its prefill server in the hub
-(every rank registered, or later when the last one registers; the pools agreeing on everything but the heads and layers their places
-give them) and computed its route: the prefill ranks it contacts and those whose writes complete
-its room, of every pipeline stage (:func:`kv.routes.route_places`). It is WAITING_FOR_INPUT
-until ``send_metadata()`` hands its destination pages and slot to the room's group, then
-TRANSFERRING until every source rank wrote its part and the metadata row landed (SUCCESS) or the
-room failed. From ``send_metadata()`` on the group owns the receiver's state (see
-:mod:`kv.local_room`); a cleared receiver announces nothing more.
+(every rank registered, or later when the last one registers; the pools agreeing on everything
+but the heads and layers their places give them) and computed its route: the prefill ranks it
+contacts and those whose writes complete its room, of every pipeline stage
+(:func:`kv.routes.route_places`; with state pools, :func:`kv.state_routes.state_sources`). It
+is WAITING_FOR_INPUT until ``send_metadata()`` hands its destination pages and slot to the
+room's group, then TRANSFERRING until every source rank wrote its part and the metadata row
+landed (SUCCESS) or the room failed. From ``send_metadata()`` on the group owns the
+receiver's state (see :mod:`kv.local_room`); a cleared receiver announces nothing more.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from kv.layouts import LayoutError, SlicePlan, plan_slices
 from kv.local import LocalEndpoint, LocalTransferHub, check_pages, check_slot
 from kv.local_hub import LocalServer, PrefillRank
 from kv.local_room import DECODE, End, ReceiverEnd, Side
@@ -26,6 +28,7 @@ from kv.rank_table import RankPlace
 from kv.routes import IncompatibleRanksError, PrefillRoute, route_places
 from kv.state_copy import check_state, state_mismatches
 from kv.state_pools import StateKind, StatePools
+from kv.state_routes import state_sources
 from kv.transfer import KVPoll, TransferUsageError, accepts_call
 
 
@@ -109,7 +112,8 @@ class LocalKVReceiver(LocalEndpoint):
             mismatches = theirs.mismatches(mine)
             if prefill.states is not None or manager.states is not None:
                 mismatches += state_mismatches(prefill.states or StatePools(prefill.pool),
-                                               manager.states or StatePools(manager.pool))
+                                               manager.states or StatePools(manager.pool),
+                                               _plan(prefill.place, manager.place))
             if mismatches:
                 where = "" if server.world_size == 1 else f" (rank {rank})"
                 raise KVGeometryError(
@@ -147,11 +151,14 @@ class LocalKVReceiver(LocalEndpoint):
                 self._side.fail(f"the prefill server at {self.bootstrap_addr!r} closed")
                 return
             last_stage = route.stages[-1]
+            wanted = state_sources(route.plan, manager.place.tp_rank,
+                                   {} if manager.states is None else manager.states.shapes())
             self._end = ReceiverEnd(
                 side=self._side, place=manager.place, pool=manager.pool,
                 metadata=manager.metadata, pages=dst, slot=slot,
                 contacts=frozenset(r.rank for r in route.contacts),
-                sources=frozenset(r.rank for r in route.sources),
+                sources=frozenset(r.rank for s in route.stages for r in s.contacts
+                                  if r.place.tp_rank in wanted),
                 row_writer=min(r.rank for r in last_stage.sources),
                 states=manager.states, state=dst_state,
             )
@@ -169,3 +176,11 @@ class LocalKVReceiver(LocalEndpoint):
             server.waiting.remove(self._resume)
         if self._group is not None and self._end is not None and server is not None:
             server.leave(self._group, self._end)
+
+
+def _plan(prefill: RankPlace, decode: RankPlace) -> SlicePlan | None:
+    """The slice plan between the two places (None when there is none: the route refuses)."""
+    try:
+        return plan_slices(prefill.tp_layout, decode.tp_layout)
+    except LayoutError:
+        return None

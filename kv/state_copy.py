@@ -1,10 +1,12 @@
 """The byte copies of hybrid state between two ranks' state pools (``kv/state_pools.py``), for
 the local backend: the draft pool's pages with every chunk, the state items by kind with the last.
 
-Both sides must hold the same kinds with the same geometry (:func:`state_mismatches`); items
-move whole (no head or layer slicing: state between parallel layouts is not built). SWA and
-draft pages go through :func:`kv.local_copy.copy_pages`; recurrent slots and index pages through
-their ``[regions, items, item_elems]`` views (:func:`kv.state_pools.items_view`).
+What one prefill rank writes into one decode rank is :func:`kv.state_routes.state_duty`'s
+shares: whole items between equal layouts; between TP sizes a KV pool's head slices
+(:func:`kv.local_copy.copy_to_rank`, as the full pages) and a recurrent slot's channels; with
+pipeline stages each into the decode pool's layers of the stage. Both sides' pools must agree
+once the layouts are accounted for (:func:`state_mismatches`). Recurrent slots and index pages
+move through their ``[regions, items, item_elems]`` views (:func:`kv.state_pools.items_view`).
 """
 
 from __future__ import annotations
@@ -14,20 +16,40 @@ from typing import Any
 
 import torch
 
-from kv.local_copy import copy_pages
+from kv.layouts import SlicePlan
+from kv.local_copy import copy_to_rank
 from kv.pool import KVPool
+from kv.routes import SenderDuty
 from kv.state_pools import IndexPool, RecurrentPool, StateKind, StatePools, items_view
+from kv.state_routes import KV_POOLS, StateDuty, StateShare, decode_shape, state_duty
 from kv.state_shapes import shape_mismatches
 
 State = Mapping[StateKind, Sequence[int]]
 AnyPool = KVPool | RecurrentPool | IndexPool
 
 
-def state_mismatches(src: StatePools, dst: StatePools) -> list[str]:
+def state_mismatches(src: StatePools, dst: StatePools, plan: SlicePlan | None = None) -> list[str]:
     """``"name: prefill vs decode"`` for every state pool the two sides disagree on (presence,
     regions, item size, dtype, layout) and the window; empty when state can move between them
-    (:func:`kv.state_shapes.shape_mismatches`)."""
-    return shape_mismatches(src.shapes(), dst.shapes(), src.window, dst.window)
+    (:func:`kv.state_shapes.shape_mismatches`). With the ``plan`` between two ranks of other
+    layouts (TP sizes, a prefill stage's layers), the prefill pool is compared as the decode
+    rank would hold it (:func:`kv.state_routes.decode_shape`)."""
+    mine, theirs = src.shapes(), dst.shapes()
+    out = []
+    if plan is not None:
+        held, total = src.stage_layers(), dst.stage_layers()
+        for name, layers in held.items():
+            every = total.get(name, range(layers.stop))
+            if layers.stop > len(every):
+                out.append(f"{name} layers: prefill {layers.start}..{layers.stop} vs decode "
+                           f"{len(every)}")
+            mine[name] = decode_shape(mine[name], name, layers, len(every), plan)
+        for side, pools, heads in (("prefill", src, plan.prefill.heads_per_rank),
+                                   ("decode", dst, plan.decode.heads_per_rank)):
+            for name, pool in pools.named_pools().items():
+                if name in KV_POOLS and isinstance(pool, KVPool) and pool.kv_heads != heads:
+                    out.append(f"{side} {name} kv_heads: pool {pool.kv_heads} vs layout {heads}")
+    return shape_mismatches(mine, theirs, src.window, dst.window) + out
 
 
 def pairing(src_state: Mapping[Any, Sized], dst_state: Mapping[Any, Sized]) -> str:
@@ -64,54 +86,62 @@ def check_state(states: StatePools | None, state: State, side: str) -> str:
     return ""
 
 
-def copy_state(src: StatePools, dst: StatePools, src_state: State, dst_state: State) -> int:
-    """Copy item ``src_state[kind][i]`` of ``src``'s pool of each kind into item
-    ``dst_state[kind][i]`` of ``dst``'s; the bytes moved. The two must list the same kinds,
-    with as many items each (ValueError otherwise)."""
-    why = pairing(src_state, dst_state)
-    if why:
-        raise ValueError(why)
-    moved = 0
-    for kind, src_items in src_state.items():
-        dst_items = dst_state[kind]
-        a, b = src.state_pool(kind), dst.state_pool(kind)
-        if isinstance(a, KVPool) and isinstance(b, KVPool):
-            copy_pages(a, b, list(src_items), list(dst_items))
-        else:
-            src_view, dst_view = items_view(a), items_view(b)
-            index = torch.tensor(list(src_items), dtype=torch.long, device=src_view.device)
-            rows = src_view.index_select(1, index).to(dst_view.device)
-            dst_view.index_copy_(1, index.new_tensor(list(dst_items)).to(dst_view.device), rows)
-        view = items_view(a)
-        moved += len(src_items) * view.shape[0] * view[0, 0].numel() * view.element_size()
-    return moved
+def _items(share: StateShare, last: bool, src_pages: list[int], dst_pages: list[int],
+           src_state: State, dst_state: State) -> tuple[list[int], list[int]] | None:
+    """The items ``share`` moves with this chunk (None: nothing now)."""
+    if share.name == "draft":
+        return src_pages, dst_pages
+    kind = StateKind(share.name)
+    if not last or kind not in src_state:
+        return None
+    return list(src_state[kind]), list(dst_state[kind])
 
 
-def copy_draft(src: StatePools, dst: StatePools, src_pages: list[int],
-               dst_pages: list[int]) -> int:
-    """Copy the draft pool's copies of a chunk's pages (nothing without a draft pool); the
-    bytes moved."""
-    if src.draft is None or dst.draft is None or not src_pages:
+def copy_share(a: AnyPool, b: AnyPool, share: StateShare, src_items: list[int],
+               dst_items: list[int]) -> int:
+    """Copy ``share`` of items ``src_items`` of ``a`` into ``dst_items`` of ``b``; the bytes
+    moved."""
+    if not src_items:
         return 0
-    copy_pages(src.draft, dst.draft, src_pages, dst_pages)
-    return src.draft.bytes_of_pages(len(src_pages))
+    if isinstance(a, KVPool) and isinstance(b, KVPool):
+        return copy_to_rank(a, b, src_items, dst_items, share.heads, share.layers,
+                            whole=share.whole)
+    src_view, dst_view = items_view(a), items_view(b)[share.layers.start : share.layers.stop]
+    if share.name == "recurrent":
+        src_view = src_view[:, :, share.src_cols.start : share.src_cols.stop]
+        dst_view = dst_view[:, :, share.dst_cols.start : share.dst_cols.stop]
+    index = torch.tensor(src_items, dtype=torch.long, device=src_view.device)
+    rows = src_view.index_select(1, index).to(dst_view.device)
+    dst_view.index_copy_(1, index.new_tensor(dst_items).to(dst_view.device), rows)
+    return rows.numel() * rows.element_size()
 
 
-def move_state(src: StatePools | None, dst: StatePools | None, *, src_pages: list[int],
-               dst_pages: list[int], last: bool, src_state: State, dst_state: State,
-               whole: bool) -> int:
-    """What a chunk moves besides the full pool's pages: the draft's copies of its pages, and
-    on the ``last`` chunk the state; the bytes moved. ValueError when the sides cannot move it
-    (no state pools on the receiving side; ranks that hold parts of pages or layers: ``whole``
-    False)."""
+def owed_state(states: StatePools | None, duty: SenderDuty) -> StateDuty:
+    """What a prefill rank holding ``states`` owes of them where it owes ``duty`` of its
+    pages (:func:`kv.state_routes.state_duty`)."""
+    if states is None:
+        return state_duty(duty, {})
+    return state_duty(duty, states.stage_layers(), states.recurrent_width)
+
+
+def move_state(src: StatePools | None, dst: StatePools | None, shares: Sequence[StateShare], *,
+               src_pages: list[int], dst_pages: list[int], last: bool, src_state: State,
+               dst_state: State) -> int:
+    """What a chunk moves into one decode rank besides the full pool's pages: ``shares``
+    (:meth:`kv.state_routes.StateDuty.shares`) of the draft's copies of its pages, and on the
+    ``last`` chunk of the state; the bytes moved. ValueError when the receiving side has no
+    state pools or the state sent does not pair with the destination's."""
     if src is None or (src.draft is None and not src_state):
         return 0
     if dst is None:
         raise ValueError("the decode side has no state pools for this model's state")
-    if not whole:
-        raise ValueError("state pools move between ranks that hold whole pages of every layer "
-                         "only (state between parallel layouts is not built)")
-    moved = copy_draft(src, dst, src_pages, dst_pages)
-    if last:
-        moved += copy_state(src, dst, src_state, dst_state)
+    why = pairing(src_state, dst_state) if last else ""
+    if why:
+        raise ValueError(why)
+    moved = 0
+    for share in shares:
+        items = _items(share, last, src_pages, dst_pages, src_state, dst_state)
+        if items is not None:
+            a, b = src.named_pools()[share.name], dst.named_pools()[share.name]
+            moved += copy_share(a, b, share, *items)
     return moved

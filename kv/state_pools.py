@@ -42,7 +42,7 @@ by :meth:`items_view`, so one copy routine moves items of any kind.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -173,6 +173,11 @@ def items_view(pool: KVPool | RecurrentPool | IndexPool) -> torch.Tensor:
     return pool.page_view() if isinstance(pool, KVPool) else pool.items_view()
 
 
+def layer_count(pool: KVPool | RecurrentPool | IndexPool) -> int:
+    """The layers ``pool`` holds (its first dimension's, for a state pool)."""
+    return pool.num_layers if isinstance(pool, KVPool) else pool.buffer.shape[0]
+
+
 def shape_of(pool: KVPool | RecurrentPool | IndexPool) -> StateShape:
     """What another side's pool must match for items to move between them."""
     view = items_view(pool)
@@ -187,7 +192,7 @@ class StatePools:
 
     def __init__(self, full: KVPool, *, swa: SWAPool | None = None,
                  recurrent: RecurrentPool | None = None, index: IndexPool | None = None,
-                 draft: KVPool | None = None) -> None:
+                 draft: KVPool | None = None, stage: Mapping[str, range] | None = None) -> None:
         problems = []
         if swa is not None:
             if swa.pool.page_size != full.page_size:
@@ -199,12 +204,18 @@ class StatePools:
                     full.num_pages, full.page_size):
                 problems.append(f"{name} (num_pages, page_size) "
                                 f"{(other.num_pages, other.page_size)}")
+        self.full, self.swa, self.recurrent, self.index, self.draft = (
+            full, swa, recurrent, index, draft)
+        self._stage = dict(stage or {})
+        for name, held in self._stage.items():
+            pool = self.named_pools().get(name)
+            if pool is None or len(held) != layer_count(pool) or held.start < 0:
+                problems.append(f"stage {name} layers {held.start}..{held.stop} "
+                                f"({'no such pool' if pool is None else layer_count(pool)})")
         if problems:
             raise ValueError(
                 f"state pools do not fit the full pool ({full.num_pages} pages of "
                 f"{full.page_size} tokens): {'; '.join(problems)}")
-        self.full, self.swa, self.recurrent, self.index, self.draft = (
-            full, swa, recurrent, index, draft)
 
     @property
     def kinds(self) -> tuple[StateKind, ...]:
@@ -212,6 +223,17 @@ class StatePools:
         present = {StateKind.SWA: self.swa, StateKind.RECURRENT: self.recurrent,
                    StateKind.INDEX: self.index}
         return tuple(kind for kind, pool in present.items() if pool is not None)
+
+    def stage_layers(self) -> dict[str, range]:
+        """Each pool of :meth:`named_pools` by the layers of the whole model's pool of that name
+        this rank holds: a pipeline stage's (``StatePools(..., stage=)``), else every layer."""
+        return {name: self._stage.get(name, range(layer_count(pool)))
+                for name, pool in self.named_pools().items()}
+
+    @property
+    def recurrent_width(self) -> int:
+        """The channels of this rank's recurrent state (0 without a recurrent pool)."""
+        return 0 if self.recurrent is None else self.recurrent.buffer.shape[2]
 
     @property
     def window(self) -> int | None:
