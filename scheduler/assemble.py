@@ -17,6 +17,7 @@ through to :class:`~scheduler.prefill.scheduler.PrefillScheduler` or
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Required, TypedDict, Unpack
@@ -33,6 +34,7 @@ from kv.rank_table import RankPlace
 from kv.state_pools import StatePools
 from kv.transfer import DecodeKVManager, KVManager
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
+from scheduler.decode.mesh import DecodeMeshControl, MeshDecodePeer
 from scheduler.messages import LOCAL_HOST, DecodeResponse, Response
 from scheduler.model.drafting import DraftingRunner
 from scheduler.model.reference import LlamaModel
@@ -204,11 +206,14 @@ def build_decode(
     closers: Closers,
     kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
     hybrid: HybridConfig | None = None,
+    decode_mesh: DecodeMeshControl | None = None,
     **options: Unpack[DecodeOptions],
 ) -> DecodePeer:
     """A decode peer over a fresh pool (in ``kv_layout``, the prefill side's); ``kv_for``
     builds its KV manager. ``hybrid``: as :func:`build_prefill`'s (the same on both sides);
-    with a draft the peer decodes speculatively."""
+    with a draft the peer decodes speculatively. ``decode_mesh``: this rank's place in a decode
+    TP group (``model`` its shard), whose ranks decode in lockstep
+    (:mod:`scheduler.decode.mesh`)."""
     pool = model.make_pool(num_pages=pages, page_size=page_size, layout=kv_layout)
     side = hybrid_side(model, pool, hybrid)
     metadata = MetadataBuffers(metadata_slots, speculative_hidden=speculative_hidden(side))
@@ -219,9 +224,10 @@ def build_decode(
     speculative = None
     if side is not None and side.draft is not None and hybrid is not None:
         speculative = SpeculativeDecoder(side.runner, side.draft, hybrid.speculative_k)
-    return DecodePeer(runner=runner, kv=kv, metadata=metadata,
-                      slots=SlotAllocator(metadata_slots), states=states,
-                      speculative=speculative, **options)
+    peer: Callable[..., DecodePeer] = (
+        DecodePeer if decode_mesh is None else functools.partial(MeshDecodePeer, decode_mesh))
+    return peer(runner=runner, kv=kv, metadata=metadata, slots=SlotAllocator(metadata_slots),
+                states=states, speculative=speculative, **options)
 
 
 def hybrid_side(model: object, pool: KVPool, hybrid: HybridConfig | None) -> SideModel | None:

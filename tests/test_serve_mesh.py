@@ -5,9 +5,10 @@ One server of the reference model on two DP replicas of PP 2 (four processes, fa
 answers a batch with the colocated model's first tokens (the fake backend's rooms count up, so
 the requests alternate between the replicas), shows its pool free again, and exits 0 on
 SIGTERM with its rank processes stopped by rank 0. SGLang's router drives a prefill of two DP
-replicas of TP 2 and a decode at TP 1 over Mooncake to the colocated outputs: the decode finds
-each room's replica as the prefill routes it. The flags are checked before anything starts,
-with errors that say what to change.
+replicas of TP 2 and a decode at TP 1 over Mooncake to the colocated outputs (the decode finds
+each room's replica as the prefill routes it), and a prefill at TP 1 and a decode at TP 2 (two
+rank processes decoding in lockstep; the decode exits 0 on SIGTERM with its rank stopped).
+The flags are checked before anything starts, with errors that say what to change.
 """
 
 from __future__ import annotations
@@ -55,17 +56,23 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
 
 @pytest.mark.mooncake
 @pytest.mark.multiprocess
-def test_the_router_drives_a_dp2_tp2_prefill_and_a_tp1_decode(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("prefill_flags", "decode_flags"),
+    [(("--tp-size", "2", "--dp-size", "2"), ()), ((), ("--tp-size", "2"))],
+    ids=["dp2-tp2-prefill-tp1-decode", "tp1-prefill-tp2-decode"],
+)
+def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
+    tmp_path: Path, prefill_flags: tuple[str, ...], decode_flags: tuple[str, ...]
+) -> None:
     bootstrap = free_port()
     common = ["--backend", "mooncake", "--page-size", "4", "--chunked-prefill-size", "8",
               *model_flags(MODEL), "--log-level", "warning"]
     procs: list[Process] = []
     try:
-        prefill = Server(tmp_path / "prefill.log", "--role", "prefill", "--tp-size", "2",
-                         "--dp-size", "2",
+        prefill = Server(tmp_path / "prefill.log", "--role", "prefill", *prefill_flags,
                          "--bootstrap-port", str(bootstrap), *common)
         procs.append(prefill)
-        decode = Server(tmp_path / "decode.log", "--role", "decode", *common)
+        decode = Server(tmp_path / "decode.log", "--role", "decode", *decode_flags, *common)
         procs.append(decode)
         prefill.wait_healthy(timeout=180)
         decode.wait_healthy(timeout=180)
@@ -100,9 +107,13 @@ def test_the_router_drives_a_dp2_tp2_prefill_and_a_tp1_decode(tmp_path: Path) ->
             assert r.json()["output_ids"] == colocated.generate(prompt, 5, ignore_eos=True)
         wait_for(lambda: idle(prefill.get("/server_info")) and idle(decode.get("/server_info")),
                  30, "both pools free again")
+        router.stop(timeout=60)
+        log = decode.tail()
+        assert decode.stop(timeout=60) == 0, log  # its rank processes stopped by rank 0
     finally:
         for proc in reversed(procs):
             proc.stop(timeout=60)
+    assert "killing them" not in decode.log.read_text()
 
 
 def _config(*flags: str) -> ServeConfig:
@@ -115,8 +126,13 @@ def _config(*flags: str) -> ServeConfig:
     ("flags", "problem"),
     [
         (("--role", "decode", "--backend", "fake", "--tp-size", "2"),
-         "only the prefill role runs on several ranks"),
-        (("--backend", "local", "--pp-size", "2"), "only the prefill role runs on several ranks"),
+         "a decode server runs on several ranks only as TP over the mooncake backend"),
+        (("--role", "decode", "--backend", "mooncake", "--pp-size", "2"),
+         "a decode server runs on several ranks only as TP over the mooncake backend"),
+        (("--backend", "local", "--pp-size", "2"),
+         "only the prefill and decode roles run on several ranks"),
+        (("--role", "decode", "--backend", "mooncake", "--tp-size", "3"),
+         r"the model's heads \(4\) must be a multiple of TP 3"),
         (("--role", "prefill", "--backend", "fake", "--tp-size", "3"),
          r"the model's heads \(4\) must be a multiple of TP 3"),
         (("--role", "prefill", "--backend", "fake", "--pp-size", "3"),

@@ -29,6 +29,8 @@ from scheduler.cli.model_flags import REFERENCE_NAME, add_model_arguments, load_
 
 if TYPE_CHECKING:
     from scheduler.service.config import Role, ServeConfig
+    from scheduler.service.decode_ranks import DecodeRanks
+    from scheduler.service.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._Argu
 #: The parallel layout's flags (each a count of at least 1, 1 by default): flag -> what it counts.
 _PARALLEL = {
     "--tp-size": "tensor-parallel ranks per pipeline stage, each a process holding its KV heads "
-                 "(reference model)",
+                 "(reference model); a decode server (mooncake) runs on TP ranks only",
     "--pp-size": "pipeline stages, each holding a range of the layers",
     "--dp-size": "data-parallel replicas behind one bootstrap port, each a TP x PP mesh with its "
                  "own scheduler; a request goes to replica bootstrap_room %% dp-size",
@@ -275,20 +277,29 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = serve_config(args)
-    ranks = None
+    ranks: Ranks | None = None  # a prefill's other ranks and DP replicas
+    decode_ranks: DecodeRanks | None = None  # a decode's other TP ranks
     if config.dp_size * config.tp_size * config.pp_size > 1:
-        from scheduler.service.ranks import Ranks
+        # This process is rank 0, behind the HTTP front.
+        if config.role == "decode":
+            from scheduler.service.decode_ranks import DecodeRanks
 
-        ranks = Ranks(config)  # this process is rank 0, behind the HTTP front
+            decode_ranks = DecodeRanks(config)
+        else:
+            from scheduler.service.ranks import Ranks
+
+            ranks = Ranks(config)
+    launched = ranks or decode_ranks
     try:
         service = Service(config, mesh=None if ranks is None else ranks.control,
-                          replicas=ranks if ranks is not None and ranks.dp_size > 1 else None)
+                          replicas=ranks if ranks is not None and ranks.dp_size > 1 else None,
+                          decode_mesh=None if decode_ranks is None else decode_ranks.control)
     except BaseException:
-        if ranks is not None:
-            ranks.close()
+        if launched is not None:
+            launched.close()
         raise
-    if ranks is not None:
-        ranks.started()  # the bootstrap endpoint is up: the other ranks build and register
+    if launched is not None:
+        launched.started()  # rank 0's engines are up: the other ranks build (and register)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT."""
@@ -326,8 +337,8 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             service.close()
         finally:
-            if ranks is not None:
-                ranks.close()
+            if launched is not None:
+                launched.close()
     if service.loop.failure is not None:
         code = EXIT_ENGINE_FAILED
     elif server.aborted:
@@ -366,9 +377,10 @@ SERVE = Subcommand(
         "400 naming it (docs/operations.md lists them all). The OpenAI API: /v1/completions, "
         "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "
         "and /v1/models. --tp-size/--pp-size run a prefill of the reference model on TP x PP "
-        "rank processes, --dp-size that many replicas of it. SGLang's router refuses text batches "
-        "and per-prompt sampling_params lists before a worker sees them (input_ids batches go "
-        "through), and does not forward /abort_request (docs/operations.md)."
+        "rank processes, --dp-size that many replicas of it; --tp-size a decode on TP ranks. "
+        "SGLang's router refuses text batches and per-prompt sampling_params lists before a "
+        "worker sees them (input_ids batches go through), and does not forward /abort_request "
+        "(docs/operations.md)."
     ),
     add_arguments=_serve_arguments,
     run=_serve,

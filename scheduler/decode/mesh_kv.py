@@ -32,6 +32,7 @@ unchanged) only ever sees agreed values:
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Sequence
 
@@ -46,6 +47,8 @@ from kv.transfer import (
 )
 from scheduler.dist.ranks import RankSync
 from scheduler.messages import take_all
+
+logger = logging.getLogger(__name__)
 
 # Votes (see :meth:`MeshReceiver.local_vote`): a room every rank finished, one a rank refused.
 _SUCCESS = 2 * int(KVPoll.SUCCESS) + 1
@@ -73,6 +76,7 @@ class MeshReceiver:
         try:
             self.inner.init()
         except Exception as exc:  # told to every rank by the next agreement
+            logger.warning("room %d: bootstrap failed on this decode rank: %s", self.room, exc)
             self.error = TransferError(self.room, f"bootstrap failed: {exc}")
 
     def send_metadata(self, pages: Sequence[int], slot: int) -> None:
@@ -168,6 +172,7 @@ class MeshDecodeKV:
         try:
             inner = self.inner.create_receiver(bootstrap_addr, room)
         except Exception as exc:  # told to every rank by the next agreement
+            logger.warning("room %d: no receiver on this decode rank: %s", room, exc)
             error = TransferError(room, f"bootstrap failed: {exc}")
         receiver = MeshReceiver(self, room, inner, error)
         self._live[room] = receiver

@@ -171,7 +171,9 @@ class DecodeKVRouter:
     ``factory(addr)`` builds the manager of a prefill server; with ``default`` instead, that one
     manager serves every real request (the in-process local backend); with neither, only fake
     requests are served (the fake backend). ``refusals`` delivers refusals to prefill servers
-    when managers come from ``factory``.
+    when managers come from ``factory``. ``connect_in_place``: a receiver for a prefill without
+    a manager yet connects first, on the calling thread (the ranks of a decode TP group other
+    than the first, which no HTTP front connects for).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class DecodeKVRouter:
         factory: Callable[[str], DecodeKVManager] | None = None,
         default: DecodeKVManager | None = None,
         refusals: RefusalPoster | None = None,
+        connect_in_place: bool = False,
     ) -> None:
         if factory is not None and default is not None:
             raise ValueError("give factory (one manager per peer) or default, not both")
@@ -188,6 +191,7 @@ class DecodeKVRouter:
         self._factory = factory
         self._default = default
         self._refusals = refusals
+        self._connect_in_place = connect_in_place
         self._lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}
         self._managers: dict[str, DecodeKVManager] = {}
@@ -234,6 +238,8 @@ class DecodeKVRouter:
             return self.fake.create_receiver(bootstrap_addr, room)
         if self._default is not None:
             return self._default.create_receiver(bootstrap_addr, room)
+        if self._connect_in_place:
+            self.connect(bootstrap_addr)
         with self._lock:
             manager = self._managers.get(bootstrap_addr)
         if manager is None:

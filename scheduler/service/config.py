@@ -61,7 +61,8 @@ class ServeConfig:
     # A loaded model (scheduler.model.select.ServedModel) to serve instead of the reference
     # model that ``model`` shapes: a real checkpoint, with its tokenizer and EOS ids.
     served: Any = attrs.field(default=None, eq=False, repr=False)
-    # The prefill's parallel layout: TP x PP ranks as processes (scheduler.service.ranks).
+    # The parallel layout, ranks as processes: a prefill's TP x PP x DP
+    # (scheduler.service.ranks), a decode's TP (scheduler.service.decode_ranks).
     tp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     pp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     dp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
@@ -89,9 +90,14 @@ class ServeConfig:
         if tp * pp * dp == 1:
             return ""
         layout = f"TP {tp} x PP {pp} x DP {dp}"
-        if self.role != "prefill":
-            return (f"{layout}: only the prefill role runs on several ranks; a decode server "
-                    "is one rank (use --tp-size 1 --pp-size 1 --dp-size 1)")
+        if self.role == "both":
+            return (f"{layout}: only the prefill and decode roles run on several ranks; the "
+                    "local backend's role 'both' is one rank (use --tp-size 1 --pp-size 1 "
+                    "--dp-size 1)")
+        if self.role == "decode" and ((pp, dp) != (1, 1) or self.backend != "mooncake"):
+            return (f"{layout} with backend {self.backend!r}: a decode server runs on several "
+                    "ranks only as TP over the mooncake backend (--tp-size N --backend "
+                    "mooncake; --pp-size and --dp-size are the prefill role's)")
         if self.served is not None:
             return (f"{layout}: only the reference model runs sharded "
                     "(scheduler/model/sharded.py); drop --model or use TP 1 x PP 1")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lifecycle import FailureReason
 from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
+from scheduler.decode.mesh import DecodeMeshControl
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
@@ -89,10 +90,14 @@ class Service:
         tracer: LifecycleTracer | None = None,
         mesh: MeshControl | None = None,
         replicas: Replicas | None = None,
+        decode_mesh: DecodeMeshControl | None = None,
     ) -> None:
         """``mesh``: this process is rank 0 of a prefill mesh (:mod:`scheduler.service.ranks`);
         its scheduler runs its shard of the reference model and agrees with the other ranks.
-        ``replicas``: the other DP replicas, which take the requests of their rooms."""
+        ``replicas``: the other DP replicas, which take the requests of their rooms.
+        ``decode_mesh``: this process is TP rank 0 of a decode server
+        (:mod:`scheduler.service.decode_ranks`), its peer on its shard of the reference
+        model."""
         self.config = config
         self._replicas = replicas
         # A real checkpoint, or the reference model ``config.model`` shapes: its tokenizer,
@@ -101,8 +106,9 @@ class Service:
             config.model, device=config.device)
         self.tokenizer: Any = served.tokenizer
         self.model: Any = served.model
-        if mesh is not None:
-            self.model = ShardedLlama(config.model, mesh.mesh, config.device)
+        for ranks in (mesh, decode_mesh):
+            if ranks is not None:
+                self.model = ShardedLlama(config.model, ranks.mesh, config.device)
         if runner_factory is PagedModelRunner:
             runner_factory = served.runner
         self._lock = threading.Lock()
@@ -120,6 +126,7 @@ class Service:
             prefill_options=None if mesh is None else mesh.scheduler_options(),
             place=None if mesh is None else mesh.rank_place(
                 config.model.layers, config.model.kv_heads, 0, config.dp_size),
+            decode_mesh=decode_mesh,
         )
         if replicas is not None:
             replicas.answer_to(self._on_prefill)

@@ -45,6 +45,7 @@ from scheduler.assemble import (
     close_all,
 )
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
+from scheduler.decode.mesh import DecodeMeshControl
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
 from scheduler.messages import DecodeResponse, Response
 from scheduler.prefill.mesh import MeshOptions
@@ -86,10 +87,13 @@ class Engines:
         on_decode: Callable[[DecodeResponse], None],
         prefill_options: MeshOptions | None = None,
         place: RankPlace | None = None,
+        decode_mesh: DecodeMeshControl | None = None,
     ) -> None:
         """``prefill_options`` go to the prefill scheduler as they are and ``place`` to its
-        Mooncake manager (rank 0 of a mesh: :mod:`scheduler.service.ranks`)."""
+        Mooncake manager (rank 0 of a mesh: :mod:`scheduler.service.ranks`). ``decode_mesh``:
+        this rank's place in a decode TP group (:mod:`scheduler.service.decode_ranks`)."""
         self.config = config
+        self._decode_mesh = decode_mesh
         self._prefill_options: MeshOptions = prefill_options or {}
         self._place = place
         self.bootstrap: BootstrapServer | None = None
@@ -118,6 +122,7 @@ class Engines:
                     on_response=on_decode, compiler=compiler, detokenize=detokenize,
                     # One registry for /metrics: the prefill scheduler's, when there is one.
                     metrics=DecodeMetrics(self.prefill.metrics.registry if self.prefill else None),
+                    decode_mesh=decode_mesh,
                 )
         except BaseException:
             self.close()
@@ -164,6 +169,7 @@ class Engines:
                 fake=fake,
                 factory=lambda addr: self._mooncake_decode(pool, meta, addr),
                 refusals=RefusalPoster(token=c.mooncake.token),
+                connect_in_place=self._decode_mesh is not None,
             )
         elif c.backend == "local":
             router = DecodeKVRouter(fake=fake, default=LocalDecodeManager(pool, meta, hub=hub))
@@ -175,7 +181,10 @@ class Engines:
     def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
                          addr: str) -> MooncakeDecodeManager:
         try:
-            manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake)
+            mesh, model = self._decode_mesh, self.config.model
+            place = None if mesh is None else mesh.rank_place(model.kv_heads, model.layers)
+            manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake,
+                                            place=place)
         except PeerAuthError:
             with self._lock:
                 self._decode_auth_refused += 1

@@ -77,7 +77,8 @@ START_TIMEOUT = timedelta(minutes=5)
 JOIN_TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a gloo group's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -103,7 +104,7 @@ class Ranks:
     def __init__(self, config: ServeConfig) -> None:
         self.world = config.tp_size * config.pp_size
         self.dp_size = config.dp_size
-        ports = [_free_port() for _ in range(self.dp_size)]
+        ports = [free_port() for _ in range(self.dp_size)]
         context = multiprocessing.get_context("spawn")
         self._inboxes: list[Any] = [context.Queue() for _ in range(self.dp_size - 1)]
         self._answers: Any = context.Queue()

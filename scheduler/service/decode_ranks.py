@@ -1,0 +1,139 @@
+"""Decode ranks as processes: ``pdlife serve --role decode --tp-size T``.
+
+Theory of operation
+-------------------
+A decode server at TP ``T`` runs the reference model over ``T`` ranks
+(:mod:`scheduler.decode.mesh`). The ``pdlife serve`` process is TP rank 0, behind the HTTP
+front; :class:`DecodeRanks` spawns the other ``T - 1`` as processes (``spawn``, so none
+inherits the launcher's threads). The ranks join a gloo group of their own on a loopback port
+and build the decode group (:func:`scheduler.decode.mesh.build_decode_mesh`).
+
+Every rank builds the same engines (:class:`~scheduler.service.engines.Engines`, role
+``decode``) over its own shard (:class:`~scheduler.model.sharded.ShardedLlama`), its own pool
+and its own KV managers, one per prefill server, each registered with the prefill's ranks with
+its place (TP rank and size). Rank 0's engine loop steps its peer; each pass opens with the
+relay's broadcast of what reached it, so the other ranks run its passes in lockstep and, while
+it is idle, wait in that broadcast (at most :data:`~scheduler.service.ranks.MESH_TIMEOUT`). The
+other ranks' answers are the same as rank 0's and go nowhere.
+
+Start: rank 0 builds its engines, then :meth:`DecodeRanks.started` lets the other ranks build
+theirs. Shutdown: :meth:`DecodeRanks.close` (after rank 0's engine loop stopped) stops the
+group, so every rank's next pass raises :class:`~scheduler.dist.relay.MeshStopped`; each closes
+its backends and exits 0. The rank processes ignore SIGINT and SIGTERM: rank 0 alone drains
+and decides when they stop. A rank that dies breaks the next collective: rank 0's engine loop
+fails, the service reports it (unhealthy; ``pdlife serve`` exits 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessContext, start_processes
+
+from scheduler.assemble import constraint_compiler
+from scheduler.decode.mesh import DecodeMeshControl, build_decode_mesh
+from scheduler.dist.relay import MeshStopped
+from scheduler.messages import DecodeResponse, Response
+from scheduler.model.select import reference_model
+from scheduler.model.sharded import ShardedLlama
+from scheduler.service.config import ServeConfig
+from scheduler.service.engines import Engines
+from scheduler.service.ranks import JOIN_TIMEOUT_S, MESH_TIMEOUT, START_TIMEOUT, free_port
+from scheduler.stepping import step_or_rest
+
+logger = logging.getLogger(__name__)
+
+
+def _join(rank: int, world: int, port: int) -> DecodeMeshControl:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=START_TIMEOUT)
+    control = build_decode_mesh(world, range(world), timeout=MESH_TIMEOUT)
+    assert control is not None  # the group holds every rank
+    return control
+
+
+class DecodeRanks:
+    """The launcher's side: TP rank 0's decode group and the other ranks' processes."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.world = config.tp_size
+        port = free_port()
+        # torch's start_processes has no annotations.
+        self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
+            _rank_main, args=(self.world, port, config), nprocs=self.world - 1, join=False,
+            start_method="spawn",
+        )
+        try:
+            self.control = _join(0, self.world, port)
+        except BaseException:
+            self._kill()
+            raise
+        logger.info("decode: TP %d, %d rank processes beside this one", self.world,
+                    self.world - 1)
+
+    def started(self) -> None:
+        """Rank 0's engines are built: every other rank builds its own. Once, before rank 0's
+        first pass."""
+        self.control.relay.exchange([])
+
+    def close(self) -> None:
+        """Stop the group (rank 0's engine loop must have stopped) and wait for the ranks."""
+        try:
+            self.control.relay.stop()
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while not self._processes.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() < deadline:
+                    continue
+                logger.error("decode ranks still running %g s after the stop; killing them",
+                             JOIN_TIMEOUT_S)
+                self._kill()
+                break
+        except Exception as exc:  # a rank that died: report it, stop the rest
+            logger.error("a decode rank failed: %s", exc)
+            self._kill()
+        finally:
+            dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for process in self._processes.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def _ignore(_answer: Response | DecodeResponse) -> None:
+    """Only rank 0 answers (every rank's answers are the same)."""
+
+
+def _rank_main(index: int, world: int, port: int, config: ServeConfig) -> None:
+    """TP rank ``index + 1``: build when rank 0 says so, then step in its lockstep."""
+    rank = index + 1
+    # Rank 0 stops every rank when its drain ends; a Ctrl-C or SIGTERM to the whole process
+    # group must not end this one first, under rank 0's drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s decode/rank{rank} %(name)s: %(message)s")
+    control = _join(rank, world, port)
+    try:
+        control.relay.exchange([])  # rank 0 says: build
+        served = reference_model(config.model, device=config.device)
+        engines = Engines(
+            config, ShardedLlama(config.model, control.mesh, config.device),
+            runner_factory=served.runner, compiler=constraint_compiler(served),
+            detokenize=served.tokenizer.decode, on_prefill=_ignore, on_decode=_ignore,
+            decode_mesh=control,
+        )
+        try:
+            assert engines.decode is not None  # the decode role
+            while True:
+                step_or_rest(engines.decode.step)
+        finally:
+            engines.close()
+    except MeshStopped:
+        pass  # rank 0 stopped the group
+    finally:
+        dist.destroy_process_group()
