@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -16,6 +20,20 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int, timeout_s: float = 120.0) -> Iterator[None]:
+    """This process as rank ``rank`` of a gloo group of ``world`` ranks that meet on loopback
+    ``port`` (``timeout_s`` bounds one collective), with one torch thread (CI has two cores);
+    the group is destroyed on the way out."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        torch.set_num_threads(1)
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], world: int,

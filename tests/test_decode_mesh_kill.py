@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from kv.bootstrap import BootstrapServer
@@ -48,7 +47,7 @@ from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.stepping import step_or_rest
-from tests.distributed import free_port
+from tests.distributed import free_port, gloo_group
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiprocess]
 
@@ -70,20 +69,12 @@ def request(port: int) -> NewRequest:
                       bootstrap_room=ROOM, sampling=SamplingParams(8, ignore_eos=True))
 
 
-def _init(rank: int, gloo_port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
-                            world_size=TP, timeout=GLOO_TIMEOUT)
-    torch.set_num_threads(1)
-
-
 def _wait(event: Event, what: str) -> None:
     if not event.wait(STEP_TIMEOUT_S):
         raise TimeoutError(f"no {what} within {STEP_TIMEOUT_S} s")
 
 
-def _prefill(rank: int, gloo_port: int, port: int, events: dict[str, Event],
-             out_dir: str) -> None:
-    _init(rank, gloo_port)
+def _prefill(rank: int, port: int, events: dict[str, Event], out_dir: str) -> None:
     control = build_mesh_control(TP, 1)
     assert control is not None
     model = ShardedLlama(CONFIG, control.mesh)
@@ -126,7 +117,6 @@ def _prefill(rank: int, gloo_port: int, port: int, events: dict[str, Event],
         kv.close()
         if server is not None:
             server.close()
-        dist.destroy_process_group()
 
 
 def _wait_for_destination(sched: PrefillScheduler, kv: MooncakeKVManager) -> None:
@@ -150,9 +140,7 @@ def _step_until(sched: PrefillScheduler, control: MeshControl, done: Any) -> Non
             raise TimeoutError(f"prefill: {sched.lifecycle.counts()} after {STEP_TIMEOUT_S} s")
 
 
-def _decode(rank: int, gloo_port: int, port: int, events: dict[str, Event],
-            out_dir: str) -> None:
-    _init(rank, gloo_port)
+def _decode(rank: int, port: int, events: dict[str, Event], out_dir: str) -> None:
     control = build_decode_mesh(TP, range(TP), timeout=GLOO_TIMEOUT)
     assert control is not None
     model = ShardedLlama(CONFIG, control.mesh)
@@ -178,7 +166,8 @@ def _decode(rank: int, gloo_port: int, port: int, events: dict[str, Event],
 
 def _rank(role: str, rank: int, gloo_port: int, port: int, events: dict[str, Event],
           out_dir: str) -> None:
-    (_prefill if role == "prefill" else _decode)(rank, gloo_port, port, events, out_dir)
+    with gloo_group(rank, TP, gloo_port, GLOO_TIMEOUT.total_seconds()):
+        (_prefill if role == "prefill" else _decode)(rank, port, events, out_dir)
 
 
 def _all_alive(procs: dict[tuple[str, int], Any]) -> None:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from kv.bootstrap import BootstrapServer
@@ -34,7 +32,7 @@ from scheduler.model.sharded import ShardedLlama
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.stepping import step_or_rest, step_until
-from tests.distributed import free_port, run_ranks
+from tests.distributed import free_port, gloo_group, run_ranks
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiprocess]
 
@@ -127,17 +125,10 @@ def _decode(control: DecodeMeshControl, port: int) -> dict[str, object]:
 
 
 def _worker(rank: int, gloo_port: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        torch.set_num_threads(1)
+    with gloo_group(rank, WORLD, gloo_port):
         control = build_decode_mesh(len(DECODE_RANKS), DECODE_RANKS)
         result = _prefill(port) if control is None else _decode(control, port)
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from kv.bootstrap import BootstrapServer
@@ -35,7 +33,7 @@ from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.stepping import step_until
-from tests.distributed import free_port, run_ranks
+from tests.distributed import free_port, gloo_group, run_ranks
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiprocess]
 
@@ -131,19 +129,12 @@ def _decode(port: int) -> list[list[object]]:
 
 
 def _worker(rank: int, gloo_port: int, ports: dict[str, int], out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        torch.set_num_threads(1)
+    with gloo_group(rank, WORLD, gloo_port):
         controls = {name: build_mesh_control(tp, pp, (0, 1)) for name, (tp, pp) in CASES.items()}
         for name, control in controls.items():
             port = ports[name]
             result = _decode(port) if control is None else _prefill(control, port)
             Path(out_dir, f"{name}-{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

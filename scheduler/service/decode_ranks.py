@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
@@ -41,7 +40,13 @@ from scheduler.model.select import reference_model
 from scheduler.model.sharded import ShardedLlama
 from scheduler.service.config import ServeConfig
 from scheduler.service.engines import Engines
-from scheduler.service.ranks import JOIN_TIMEOUT_S, MESH_TIMEOUT, START_TIMEOUT, free_port
+from scheduler.service.ranks import (
+    MESH_TIMEOUT,
+    START_TIMEOUT,
+    free_port,
+    kill_ranks,
+    stop_ranks,
+)
 from scheduler.stepping import step_or_rest
 
 logger = logging.getLogger(__name__)
@@ -69,7 +74,7 @@ class DecodeRanks:
         try:
             self.control = _join(0, self.world, port)
         except BaseException:
-            self._kill()
+            kill_ranks(self._processes)
             raise
         logger.info("decode: TP %d, %d rank processes beside this one", self.world,
                     self.world - 1)
@@ -82,25 +87,9 @@ class DecodeRanks:
     def close(self) -> None:
         """Stop the group (rank 0's engine loop must have stopped) and wait for the ranks."""
         try:
-            self.control.relay.stop()
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
-            while not self._processes.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() < deadline:
-                    continue
-                logger.error("decode ranks still running %g s after the stop; killing them",
-                             JOIN_TIMEOUT_S)
-                self._kill()
-                break
-        except Exception as exc:  # a rank that died: report it, stop the rest
-            logger.error("a decode rank failed: %s", exc)
-            self._kill()
+            stop_ranks(self._processes, self.control.relay.stop, "decode")
         finally:
             dist.destroy_process_group()
-
-    def _kill(self) -> None:
-        for process in self._processes.processes:
-            if process.is_alive():
-                process.kill()
 
 
 def _ignore(_answer: Response | DecodeResponse) -> None:

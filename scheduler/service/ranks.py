@@ -166,29 +166,43 @@ class Ranks:
         """Stop every replica (rank 0's engine loop must have stopped) and wait for the
         ranks."""
         try:
-            for inbox in self._inboxes:
-                inbox.put(_STOP)
-            self.control.relay.stop()
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
-            # join() returns as each rank exits; True once every one has.
-            while not self._processes.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() < deadline:
-                    continue
-                logger.error("prefill ranks still running %g s after the stop; killing them",
-                             JOIN_TIMEOUT_S)
-                self._kill()
-                break
-        except Exception as exc:  # a rank that died: report it, stop the rest
-            logger.error("a prefill rank failed: %s", exc)
-            self._kill()
+            stop_ranks(self._processes, self._stop, "prefill")
         finally:
             self._answers.put(None)
             dist.destroy_process_group()
 
+    def _stop(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(_STOP)
+        self.control.relay.stop()
+
     def _kill(self) -> None:
-        for process in self._processes.processes:
-            if process.is_alive():
-                process.kill()
+        kill_ranks(self._processes)
+
+
+def stop_ranks(processes: ProcessContext, stop: Callable[[], None], what: str) -> None:
+    """``stop()`` the rank ``processes`` of a ``what`` server and wait for them to exit; kill
+    them past :data:`JOIN_TIMEOUT_S`, or at once when one failed."""
+    try:
+        stop()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        # join() returns as each rank exits; True once every one has.
+        while not processes.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() < deadline:
+                continue
+            logger.error("%s ranks still running %g s after the stop; killing them", what,
+                         JOIN_TIMEOUT_S)
+            kill_ranks(processes)
+            break
+    except Exception as exc:  # a rank that died: report it, stop the rest
+        logger.error("a %s rank failed: %s", what, exc)
+        kill_ranks(processes)
+
+
+def kill_ranks(processes: ProcessContext) -> None:
+    for process in processes.processes:
+        if process.is_alive():
+            process.kill()
 
 
 def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig,
