@@ -105,6 +105,9 @@ def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
             r = generate(prompt, 5)
             assert r.status_code == 200, r.text
             assert r.json()["output_ids"] == colocated.generate(prompt, 5, ignore_eos=True)
+        # The decode's own warm-up path (the fake prefill host) runs on every rank too.
+        r = httpx.get(f"{decode.url}/health_generate", timeout=60)
+        assert r.status_code == 200, r.text
         wait_for(lambda: idle(prefill.get("/server_info")) and idle(decode.get("/server_info")),
                  30, "both pools free again")
         router.stop(timeout=60)

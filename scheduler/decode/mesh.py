@@ -136,6 +136,9 @@ class MeshDecodePeer(DecodePeer):
         self._clock = clock
         self._now = clock()
         self._relayed: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        #: Called on every rank with each relayed request before the peer takes it (what the
+        #: HTTP front does beside submitting, such as registering a fake prompt).
+        self.on_relayed: Callable[[NewRequest], None] | None = None
         super().__init__(kv=self.mesh_kv, metadata=metadata, clock=self.now, **options)
 
     def now(self) -> float:
@@ -158,6 +161,8 @@ class MeshDecodePeer(DecodePeer):
             if isinstance(item, AbortRequest):
                 super().abort(item.rid)
             else:
+                if self.on_relayed is not None:
+                    self.on_relayed(item)
                 super().submit(item)
         self.mesh_kv.agree()
         return super().step() or bool(items)

@@ -45,9 +45,9 @@ from scheduler.assemble import (
     close_all,
 )
 from scheduler.decode import DecodeConfig, DecodeMetrics, DecodePeer
-from scheduler.decode.mesh import DecodeMeshControl
+from scheduler.decode.mesh import DecodeMeshControl, MeshDecodePeer
 from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
-from scheduler.messages import DecodeResponse, Response
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, DecodeResponse, NewRequest, Response
 from scheduler.prefill.mesh import MeshOptions
 from scheduler.prefill.prefix import PrefixCache
 from scheduler.prefill.scheduler import PrefillScheduler
@@ -124,6 +124,8 @@ class Engines:
                     metrics=DecodeMetrics(self.prefill.metrics.registry if self.prefill else None),
                     decode_mesh=decode_mesh,
                 )
+                if isinstance(self.decode, MeshDecodePeer):
+                    self.decode.on_relayed = self._expect_fake
         except BaseException:
             self.close()
             raise
@@ -177,6 +179,13 @@ class Engines:
             router = DecodeKVRouter(fake=fake)
         self.decode_kv = router
         return router
+
+    def _expect_fake(self, new: NewRequest) -> None:
+        """A decode TP rank registers a fake request's prompt as rank 0's front did."""
+        if (self.decode_kv is not None and new.bootstrap_host == FAKE_BOOTSTRAP_HOST
+                and new.bootstrap_room != 0):
+            self.decode_kv.fake.expect(new.bootstrap_room, new.rid, new.input_ids,
+                                       new.sampling)
 
     def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
                          addr: str) -> MooncakeDecodeManager:
