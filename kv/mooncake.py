@@ -51,7 +51,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import zmq
 
 from kv import wire
@@ -62,7 +61,7 @@ from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, kv_dtype_name, p
 from kv.mooncake_legs import Chunk, Owed, PrefillRoom
 from kv.mooncake_rooms import PrefillRooms
 from kv.mooncake_slices import target_of
-from kv.mooncake_state import pool_memory, state_target
+from kv.mooncake_state import pool_memory
 from kv.mooncake_writes import WritePipeline
 from kv.pool import KVPool
 from kv.rank_table import RankInfo, RankPlace
@@ -205,11 +204,11 @@ class MooncakeKVManager:
                 f"session {reg.session}: (page_size, kv_dtype, kv_layout, metadata item lens) "
                 f"{theirs} differ from this rank's {mine}",
             )
-        state = state_target(self.states, self._state_memory, self.place, reg)
-        if state.refused:
+        target = target_of(self.pool, self.place, reg, self.states, self._state_memory)
+        if target.state.refused:
             logger.warning("decode session %s: its rooms are refused: %s", reg.session,
-                           state.refused)
-        self._rooms.register(attrs.evolve(target_of(self.pool, self.place, reg), state=state))
+                           target.state.refused)
+        self._rooms.register(target)
         with self._push_lock:
             old = self._push.pop(reg.session, None)
             if old is not None:

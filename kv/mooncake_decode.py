@@ -51,6 +51,7 @@ from kv.refusal import RefusalPoster
 from kv.routes import IncompatibleRanksError
 from kv.state_copy import check_state
 from kv.state_pools import StateKind, StatePools
+from kv.state_routes import state_sources
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError, accepts_call
 
 logger = logging.getLogger(__name__)
@@ -323,7 +324,10 @@ class MooncakeKVReceiver:
             rec.status = KVPoll.TRANSFERRING
             rec.slot = slot
             rec.contacts = tuple(r.rank for r in route.contacts)
-            rec.sources = tuple(r.rank for r in route.sources)
+            wanted = state_sources(route.plan, mgr.place.tp_rank,
+                                   {} if mgr.states is None else mgr.states.shapes())
+            rec.sources = tuple(r.rank for s in route.stages for r in s.contacts
+                                if r.place.tp_rank in wanted)
             rec.waiting = set(rec.sources)
             rec.awaiting = set(rec.sources)
         where = {str(kind): np.asarray(v, dtype=np.int64) for kind, v in items.items()}

@@ -69,8 +69,9 @@ class PrefillRoom:
 
     @property
     def writers(self) -> list[Leg]:
-        """The legs this rank writes into (none when it is status-only)."""
-        return [leg for leg in self.legs.values() if leg.target.slices]
+        """The legs this rank writes into, pages or state (none when it is status-only)."""
+        return [leg for leg in self.legs.values()
+                if leg.target.slices or leg.target.state.shares]
 
     @property
     def sessions(self) -> str:

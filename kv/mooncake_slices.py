@@ -33,19 +33,29 @@ cut_blocks`). Pure arithmetic on numpy arrays: no engine, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
 
 from kv import wire
 from kv.layouts import HeadSlice, LayoutError
-from kv.mooncake_state import NO_STATE, StateTarget
-from kv.pages import Run
+from kv.mooncake_state import (
+    NO_STATE,
+    StateTarget,
+    column_blocks,
+    decode_layers,
+    item_blocks,
+    state_target,
+)
+from kv.pages import Run, coalesce
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout, parse_kv_layout
 from kv.rank_table import RankPlace
 from kv.routes import sender_duty
+from kv.state_pools import StatePools
+from kv.state_routes import KV_POOLS
+from kv.wire_state import PoolMemory
 
 # Dimension names in the order of a pool's tensor, per layout ("B" is the bytes of one head).
 _ORDER = {
@@ -190,16 +200,20 @@ class Target:
     dst: PoolShape
     rows: bool
     state: StateTarget = NO_STATE
+    #: The draft's and the SWA pool's shapes on both sides, for their head slices.
+    state_kv: Mapping[str, tuple[PoolShape, PoolShape]] = attrs.field(factory=dict)
 
     @property
     def decode_rank(self) -> int:
         return self.reg.tp_rank
 
 
-def target_of(pool: KVPool, place: RankPlace, reg: wire.Register) -> Target:
+def target_of(pool: KVPool, place: RankPlace, reg: wire.Register,
+              states: StatePools | None = None, memory: tuple[PoolMemory, ...] = ()) -> Target:
     """The target a decode registration describes, for the prefill rank at ``place`` with
-    ``pool``; raises :class:`~kv.wire.WireError` (``incompatible_layout``) naming both sides'
-    values when the two cannot exchange KV."""
+    ``pool`` (and ``states`` beside it, described by ``memory``:
+    :func:`kv.mooncake_state.state_target`); raises :class:`~kv.wire.WireError`
+    (``incompatible_layout``) naming both sides' values when the two cannot exchange KV."""
     mine = {"head_dim": pool.head_dim, "kv_heads": place.kv_heads, "mla": place.mla,
             "layers": place.num_layers}
     theirs = {"head_dim": reg.head_dim, "kv_heads": reg.kv_heads, "mla": reg.mla,
@@ -224,6 +238,20 @@ def target_of(pool: KVPool, place: RankPlace, reg: wire.Register) -> Target:
     if problem:
         raise wire.WireError("incompatible_layout", f"session {reg.session}: {problem}")
     head_bytes = pool.head_dim * pool.buffer.element_size()
+    state = state_target(states, memory, duty, reg)
+    state_kv: dict[str, tuple[PoolShape, PoolShape]] = {}
+    if states is not None and not state.refused:
+        held = states.stage_layers()
+        for name, pool_kv in states.named_pools().items():
+            if name in KV_POOLS and name in state.shares and isinstance(pool_kv, KVPool):
+                ours, dest = state.pools[name]
+                state_kv[name] = (
+                    PoolShape.of(pool_kv, first_layer=held[name].start),
+                    PoolShape(layout=dest.shape.layout, num_pages=dest.shape.items,
+                              num_layers=decode_layers(name, ours.shape, dest.shape,
+                                                       held[name], duty.plan),
+                              page_size=reg.page_size, kv_heads=decode.heads_per_rank,
+                              head_bytes=pool_kv.head_dim * pool_kv.buffer.element_size()))
     return Target(
         reg=reg,
         slices=duty.slices(reg.tp_rank),
@@ -234,4 +262,27 @@ def target_of(pool: KVPool, place: RankPlace, reg: wire.Register) -> Target:
                       head_bytes=head_bytes),
         rows=(place.layer_stop == place.num_layers
               and duty.plan.sources(reg.tp_rank)[0] == place.tp_rank),
+        state=state, state_kv=state_kv,
     )
+
+
+def state_blocks(target: Target, name: str, src_items: Sequence[int],
+                 dst_items: Sequence[int]) -> Blocks:
+    """The blocks (addresses) that write this rank's share of items ``src_items`` of its pool
+    ``name`` into items ``dst_items`` of the target's (none without a share): a KV pool's head
+    slices, a recurrent slot's channels, whole index pages, each into the decode pool's layers
+    of this rank's stage."""
+    share = target.state.shares.get(name)
+    if share is None or not src_items:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    mine, theirs = target.state.pools[name]
+    if name in target.state_kv:
+        src_shape, dst_shape = target.state_kv[name]
+        src, dst, lens = slice_blocks(src_shape, dst_shape, coalesce(src_items, dst_items),
+                                      share.heads)
+        return src + mine.ptrs[0], dst + theirs.ptrs[0], lens
+    if name == "recurrent":
+        return column_blocks(mine, theirs, share, list(zip(src_items, dst_items, strict=True)),
+                             target.state.recurrent_elem)
+    return item_blocks(mine, theirs, coalesce(src_items, dst_items), share.layers.start)

@@ -41,8 +41,7 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake_engine import MooncakeConfig, MooncakeEngine
 from kv.mooncake_legs import Chunk, Owed
 from kv.mooncake_rooms import PrefillRooms
-from kv.mooncake_slices import Target, slice_blocks
-from kv.mooncake_state import item_blocks
+from kv.mooncake_slices import Target, slice_blocks, state_blocks
 from kv.pages import coalesce
 from kv.pool import KVPool
 
@@ -257,17 +256,16 @@ class WritePipeline:
                         np.concatenate([c.dst for c in chunks]).tolist())
         src, dst, lens = slice_blocks(target.src, target.dst, runs, target.slices)
         src, dst = src + self._pool.buffer.data_ptr(), dst + target.reg.kv_ptr
-        draft = target.state.draft
-        if draft is not None:  # the draft pool's copies of the same pages
-            more = item_blocks(*draft, runs)
+        if target.state.draft is not None:  # the draft pool's copies of the same pages
+            more = state_blocks(target, "draft", [p for c in chunks for p in c.src],
+                                np.concatenate([c.dst for c in chunks]).tolist())
             src, dst, lens = (np.concatenate(p) for p in zip((src, dst, lens), more, strict=True))
         return cut_blocks(src, dst, lens, self._max_block_bytes)
 
     def _state(self, chunks: list[Chunk], target: Target) -> _Blocks:
-        """The state items of the chunks that are last, by kind: one block per region and run
-        of items consecutive on both sides."""
-        parts = [item_blocks(*target.state.pools[kind],
-                             coalesce(items, chunk.leg.dest.state[kind].tolist()))
+        """The state items of the chunks that are last, by kind: this rank's share of each
+        (:func:`kv.mooncake_slices.state_blocks`)."""
+        parts = [state_blocks(target, str(kind), items, chunk.leg.dest.state[kind].tolist())
                  for chunk in chunks if chunk.last for kind, items in chunk.state.items()]
         if not parts:
             return [], [], []

@@ -3,14 +3,17 @@
 heads and recurrent channels of its stage's layers), and the check that every decode rank's
 pools hold byte-exactly its shard of what was sent and nothing else changed.
 
-A backend runs the room (``tests/test_state_layouts_local.py``); this module only builds the
-pools and checks them.
+A backend's test builds a :class:`Mesh` of its managers over these pools
+(``tests/test_state_layouts_local.py``, ``tests/test_state_layouts_mooncake.py``); this module
+runs rooms through it as the prefill scheduler would and checks what landed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+import attrs
 import torch
 
 from kv.pages import pages_needed
@@ -19,7 +22,9 @@ from kv.pool_layout import KVLayout
 from kv.rank_table import RankPlace
 from kv.state_pools import IndexPool, RecurrentPool, StateKind, StatePools, SWAPool
 from kv.state_sends import ChunkSend, chunk_send, state_tables
+from kv.transfer import KVPoll
 from tests.sliced_harness import rank_place
+from tests.transfer_harness import drive
 
 HEADS, DIM, PS, PAGES, SWA_PAGES = 4, 3, 2, 12, 10
 FULL_LAYERS, STATE_LAYERS, WIDTH, SLOTS, WINDOW = 4, 2, 8, 3, 5
@@ -28,6 +33,7 @@ SRC_PAGES = [9, 2, 3, 4, 10, 11]
 SRC_SLOT = 1
 NAMES = ("full", "draft", "swa", "recurrent", "index")
 AnyPool = KVPool | RecurrentPool | IndexPool
+TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
 
 
 def dst_items(d: int) -> dict[str, list[int]]:
@@ -161,3 +167,71 @@ def check_landed(whole: StatePools, decode: Mapping[int, tuple[RankPlace, StateP
 
 def snapshot(states: StatePools) -> list[torch.Tensor]:
     return [canonical(pool(states, name)).clone() for name in NAMES]
+
+
+@attrs.define
+class Mesh:
+    """Every rank of a prefill server (its manager and pools, stage-major) and of a decode
+    server (by TP rank: its place, pools and manager), behind bootstrap address ``addr``."""
+
+    addr: str
+    whole: StatePools
+    prefill: list[tuple[Any, StatePools]]
+    decode: dict[int, tuple[RankPlace, StatePools, Any]]
+
+    def landed(self) -> dict[int, tuple[RankPlace, StatePools]]:
+        return {d: (p, states) for d, (p, states, _) in self.decode.items()}
+
+
+def receivers(mesh: Mesh, room: int) -> list[Any]:
+    """Every decode rank's receiver for ``room``, its destination given."""
+    out = []
+    for d, (_, _, manager) in mesh.decode.items():
+        rx = manager.create_receiver(mesh.addr, room)
+        rx.init()
+        pages, state = destination(d)
+        rx.send_metadata(pages, d, state=state)
+        out.append(rx)
+    return out
+
+
+def send_all(manager: Any, states: StatePools, tx: Any, room: int) -> None:
+    """Bootstrap ``tx`` and send the request's chunks, the state with the last."""
+    assert drive(manager, tx, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    tx.init(len(SRC_PAGES), 2)
+    manager.metadata.write(2, first_token=42, cached_tokens=0, logprob=None, room=room)
+    for send in sends(states):
+        if send.state:
+            tx.send_state(send.state)
+        tx.send(list(send.pages), send.last)
+
+
+def run_room(mesh: Mesh, room: int = 5) -> tuple[list[Any], list[Any]]:
+    """Send ``room`` from every prefill rank; every end must succeed and every decode rank hold
+    its shard. Returns the senders and the receivers."""
+    before = {d: snapshot(states) for d, (_, states, _) in mesh.decode.items()}
+    ends = receivers(mesh, room)
+    senders = [m.create_sender(mesh.addr, room) for m, _ in mesh.prefill]
+    for (m, states), tx in zip(mesh.prefill, senders, strict=True):
+        send_all(m, states, tx, room)
+    for (m, _), tx in zip(mesh.prefill, senders, strict=True):
+        assert drive(m, tx, TERMINAL)[-1] == KVPoll.SUCCESS
+    for (_, _, m), rx in zip(mesh.decode.values(), ends, strict=True):
+        assert drive(m, rx, TERMINAL)[-1] == KVPoll.SUCCESS
+    check_landed(mesh.whole, mesh.landed(), before)
+    return senders, ends
+
+
+def wait_for_the_state_only_rank(mesh: Mesh, room: int) -> tuple[list[Any], list[Any]]:
+    """Prefill TP 2 -> decode TP 1 of a one-head model: rank 1 owes the decode rank only its
+    recurrent channels; the decode room must wait for it."""
+    before = {0: snapshot(mesh.decode[0][1])}
+    (rx,) = receivers(mesh, room)
+    senders = [m.create_sender(mesh.addr, room) for m, _ in mesh.prefill]
+    for (m, states), tx in zip(mesh.prefill, senders, strict=True):
+        assert rx.poll() == KVPoll.TRANSFERRING
+        send_all(m, states, tx, room)
+        assert drive(m, tx, TERMINAL)[-1] == KVPoll.SUCCESS
+    assert drive(mesh.decode[0][2], rx, TERMINAL)[-1] == KVPoll.SUCCESS
+    check_landed(mesh.whole, mesh.landed(), before)
+    return senders, [rx]

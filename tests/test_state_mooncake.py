@@ -1,9 +1,9 @@
 """Hybrid state over the Mooncake backend (both sides in this process, each with its own
 transfer engine, over loopback TCP): a chunked request's full pages, draft pages, last SWA
 window, recurrent slot and index pages land byte-exact in the decode side's pools and nothing
-else there changes; state pools that disagree, or state between parallel layouts, are refused
-naming both sides' values; a request aborted while its state is being written gives back every
-page and slot once the engine is done, on both sides."""
+else there changes; state pools that disagree, or that a decode rank's layout cannot hold, are
+refused naming both sides' values; a request aborted while its state is being written gives back
+every page and slot once the engine is done, on both sides."""
 
 from __future__ import annotations
 
@@ -184,7 +184,9 @@ def test_state_pools_that_disagree_are_refused_naming_both_sides(sender_first: b
             pair.close()
 
 
-def test_state_between_parallel_layouts_is_refused() -> None:
+def test_state_pools_a_decode_layout_cannot_hold_are_refused() -> None:
+    # A decode rank at TP 2 holds one head of the draft and SWA pools and half the recurrent
+    # channels; these pools are whole (and five channels do not split in two).
     layout = KVLayout.LAYER_MAJOR
     decode_place = RankPlace(tp_rank=0, tp_size=2, kv_heads=2, num_layers=2, layer_start=0,
                              layer_stop=2)
@@ -193,8 +195,8 @@ def test_state_between_parallel_layouts_is_refused() -> None:
     pair = _Pair(state_pools(12, 9, 3, layout), state_pools(12, 9, 3, layout, full=one_head),
                  decode_place)
     try:
-        _refused(pair, 5, "state pools move between single-rank places only (state between "
-                          "parallel layouts is not built)", sender_first=False)
+        _refused(pair, 5, "draft: 2 regions of 48-byte float32 items, layer_major vs 2 regions "
+                          "of 96-byte float32 items, layer_major", sender_first=False)
     finally:
         pair.close()
 
