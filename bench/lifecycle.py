@@ -9,16 +9,21 @@ number of requests, in one run:
      when done
   c) pdlife, one request at a time through its trigger methods (``req.bootstrapped()`` ...)
   d) pdlife, ``Lifecycle.fire`` on batches of 64 requests that share a state
-  e) a plain ``{(state, event): dest}`` dict (the floor: no guards checked through a library, no
-     index, no timeline, no hooks)
-  f) the same dict moving pdlife's own record (``PrefillRequest``, about twenty fields): what
-     of (d) is building the record rather than running its lifecycle
+  e) a plain ``{(state, event): dest}`` dict moving a plain slotted record that holds the same
+     request data as pdlife's (the floor: every field of ``PrefillRequest`` but the two the
+     lifecycle keeps for itself, its timeline and owner; a two-argument ``__init__`` that
+     stores the defaults; no guards checked through a library, no index, no timeline, no
+     admission, no hooks)
+  f) the same dict moving pdlife's own record (``PrefillRequest``): what of (d) is building the
+     record rather than running its lifecycle
+  g) the same dict moving a four-field record (id, prompt, progress, state): the floor issue 17
+     first measured against, which holds less than a prefill request must (docs/benchmarks.md)
 
 It prints microseconds per request lifecycle (best of ``--repeats``; ``--clock cpu`` reads this
 process's CPU time, which other work on a shared machine moves less than wall time) and bytes
 allocated per request by creating it and running its lifecycle (tracemalloc; the prompt is
 shared and not counted), then ``RESULT lifecycle ratio=<a/d> us_per_request=<d>
-bytes_per_request=<d> one_by_one_us=<c> floor_ratio=<d/e>``.
+bytes_per_request=<d> one_by_one_us=<c> floor_ratio=<d/e> bare_floor_ratio=<d/g>``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import attrs
 from transitions import Machine
 from transitions.core import EventData
 
@@ -42,6 +48,7 @@ from lifecycle import (
     PrefillState,
     shared_machine,
 )
+from lifecycle.prefill import DEFAULT_SAMPLING
 
 PROMPT = list(range(256))
 BATCH = 64
@@ -156,6 +163,8 @@ DICT_TABLE = {
 
 
 class DictRequest:
+    """(g)'s record: four fields, less than a prefill request holds."""
+
     __slots__ = ("computed", "input_ids", "rid", "state")
 
     def __init__(self, rid: str) -> None:
@@ -180,7 +189,62 @@ def _dict_lifecycles(n: int, make: Callable[[str], Any]) -> list[Any]:
     return out
 
 
+class FloorRequest:
+    """(e)'s record: a prefill request's data (every field of ``PrefillRequest`` but the
+    lifecycle's own timeline and owner) in a plain slotted class, built as cheaply as Python
+    builds such an object: two arguments, the defaults stored as constants."""
+
+    __slots__ = (
+        "bootstrap_host", "bootstrap_port", "bootstrap_room", "cached", "computed", "deadline",
+        "detail", "first_token", "input_ids", "on_device", "pages", "pending_abort", "prefix",
+        "reason", "rid", "sampling", "scheduled", "sender", "sent", "slot", "state", "state_slot",
+    )
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.state = S.BOOTSTRAPPING
+        self.reason = None
+        self.detail = ""
+        self.input_ids = PROMPT
+        self.bootstrap_host = ""
+        self.bootstrap_port = 0
+        self.bootstrap_room = 0
+        self.sampling = DEFAULT_SAMPLING
+        self.scheduled = 0
+        self.computed = 0
+        self.sent = 0
+        self.pages: list[int] = []
+        self.slot = None
+        self.sender = None
+        self.deadline = None
+        self.first_token = None
+        self.pending_abort = None
+        self.on_device = 0
+        self.cached = 0
+        self.prefix = None
+        self.state_slot = None
+
+
+#: What the floor's record leaves out of pdlife's: what the lifecycle keeps for itself.
+LIFECYCLE_FIELDS = frozenset({"timeline", "owner"})
+
+
+def check_floor_fields() -> None:
+    """Raise if (e)'s record no longer holds the request data pdlife's record holds."""
+    want = {f.name for f in attrs.fields(PrefillRequest)} - LIFECYCLE_FIELDS
+    if set(FloorRequest.__slots__) != want:
+        raise RuntimeError(
+            f"bench.lifecycle: the floor's record must hold PrefillRequest's request data; "
+            f"missing {sorted(want - set(FloorRequest.__slots__))}, "
+            f"extra {sorted(set(FloorRequest.__slots__) - want)}"
+        )
+
+
 def plain_dict(n: int) -> list[Any]:
+    return _dict_lifecycles(n, FloorRequest)
+
+
+def plain_dict_bare(n: int) -> list[Any]:
     return _dict_lifecycles(n, DictRequest)
 
 
@@ -193,8 +257,9 @@ VARIANTS: dict[str, Callable[[int], list[Any]]] = {
     "b) shared Machine + add_model": shared_add_model,
     "c) pdlife one by one": pdlife_one_by_one,
     "d) pdlife fire, batches of 64": pdlife_batched,
-    "e) plain dict (floor)": plain_dict,
+    "e) plain dict, same data (floor)": plain_dict,
     "f) plain dict, pdlife's record": plain_dict_pdlife_record,
+    "g) plain dict, 4-field record": plain_dict_bare,
 }
 
 #: What the timings read: wall time (the default), or this process's CPU time.
@@ -303,6 +368,7 @@ def main() -> None:
                         help="print where c)'s time goes (the record, admission, the "
                              "transitions library, pdlife) and exit")
     args = parser.parse_args()
+    check_floor_fields()
     if args.breakdown:
         breakdown(args.requests, args.repeats, CLOCKS[args.clock])
         return
@@ -321,10 +387,11 @@ def main() -> None:
         print(f"{name:34} {us:11.2f} {nbytes:14.0f} {us / us_d:7.1f}x")
     us_a = results["a) Machine per request"][0]
     us_c = results["c) pdlife one by one"][0]
-    us_e = results["e) plain dict (floor)"][0]
+    us_e = results["e) plain dict, same data (floor)"][0]
+    us_g = results["g) plain dict, 4-field record"][0]
     print(f"RESULT lifecycle ratio={us_a / us_d:.1f} us_per_request={us_d:.2f} "
           f"bytes_per_request={bytes_d:.0f} one_by_one_us={us_c:.2f} "
-          f"floor_ratio={us_d / us_e:.2f}")
+          f"floor_ratio={us_d / us_e:.2f} bare_floor_ratio={us_d / us_g:.2f}")
 
 
 if __name__ == "__main__":

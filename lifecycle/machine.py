@@ -38,8 +38,10 @@ The two paths:
   (:mod:`lifecycle.steps`; docs/benchmarks.md has the figures).
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
   looked up once for the batch, the clock read once, and the batch shares one timeline entry
-  (a tuple); a batch that is the whole of its state's bucket empties the bucket at once. This
-  is the scheduler's path and is several times cheaper per request than firing one by one.
+  (a tuple). A batch that is the whole of its state's bucket, in the bucket's order (a forward
+  batch leaving FORWARD, a pass's bootstrapped requests), is checked by one list comparison
+  against the bucket and moves as a bucket (:mod:`lifecycle.index`). This is the scheduler's
+  path and is several times cheaper per request than firing one by one.
 
 Each edge is held as a :class:`~lifecycle.steps.Step`, built once per lifecycle: the edge, its
 guards and hooks, the index buckets it moves between, its ``Firing`` for an event without a
@@ -55,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import operator
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic
@@ -64,6 +65,7 @@ from transitions.core import EventData
 
 from lifecycle.binding import Firing, hook_takes_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
+from lifecycle.index import check_filing, move_batch, whole_bucket
 from lifecycle.record import ADMITTED
 from lifecycle.steps import Hook, R, Step, refusal_text, run_hooks, shared_machine
 from lifecycle.table import LifecycleTable, guard_methods
@@ -204,7 +206,7 @@ class Lifecycle(Generic[R]):
             EventData(step.machine_source, step.machine_event, self._machine, req, (),
                       {"firing": firing})
         )
-        self._move([req], step, firing)
+        self._move([req], step, firing, False)
 
     def fire(
         self,
@@ -228,13 +230,18 @@ class Lifecycle(Generic[R]):
         firing = step.firing if reason is None and not detail else self._firing(
             step, reason, detail
         )
-        # One pass over the batch: all in ``src``, all ours, none twice (live requests of one
-        # lifecycle have distinct ids); a second pass names the culprit, on a refusal only.
-        if len({r.rid for r in reqs if r.state is src and r.owner is self}) != len(reqs):
+        # The batch is legal when it is what the index files under ``src``, each once: a whole
+        # bucket in its order (one list comparison), or else one pass over the batch: all in
+        # ``src``, all ours, none twice (live requests of one lifecycle have distinct ids). A
+        # second pass names the culprit, on a refusal only.
+        whole = whole_bucket(step.src_bucket, reqs)
+        if not whole and len({r.rid for r in reqs if r.state is src and r.owner is self}) != len(
+            reqs
+        ):
             self._refuse_batch(reqs, src, event)
         if step.guards:
             self._check_guards(step, reqs, firing)
-        self._move(reqs, step, firing)
+        self._move(reqs, step, firing, whole)
 
     def fail(
         self,
@@ -323,19 +330,15 @@ class Lifecycle(Generic[R]):
         finally:
             self.guards_evaluated += evaluated
 
-    def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing) -> None:
+    def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing, whole: bool) -> None:
+        """Move a checked batch (``whole``: it is its source bucket, in order) and run the
+        hooks."""
         dst = step.edge.dest
         # One timeline entry for the batch: a tuple, so every request may share it.
         entry = (self.clock(), step.edge.event)
-        dst_bucket = step.dst_bucket
-        if dst_bucket is not None:
-            _leave(step.src_bucket, reqs)
-            for r in reqs:
-                r.state = dst
-                r.timeline.append(entry)
-                dst_bucket[r.rid] = r
-        else:
-            self._end(reqs, step, firing, entry)
+        move_batch(reqs, step.src_bucket, step.dst_bucket, self._by_rid, dst, entry, whole)
+        if step.final:
+            self._ended(reqs, dst, firing)
         self.transitions_fired += len(reqs)
         errors = run_hooks(reqs, step.hooks, firing) if step.hooks else []
         if self.check:
@@ -343,18 +346,9 @@ class Lifecycle(Generic[R]):
         if errors:
             raise HookFailed(step.edge.event, dst, errors) from errors[0][2]
 
-    def _end(
-        self, reqs: Sequence[R], step: Step[R], firing: Firing, entry: tuple[float, str]
-    ) -> None:
-        """The move into a final state: out of the index, with the reason, counted."""
-        dst = step.edge.dest
-        by_rid = self._by_rid
+    def _ended(self, reqs: Sequence[R], dst: enum.IntEnum, firing: Firing) -> None:
+        """How a batch that entered the final ``dst`` ended: its reason and detail, counted."""
         reason, detail = firing.reason, firing.detail
-        _leave(step.src_bucket, reqs)
-        for r in reqs:
-            del by_rid[r.rid]
-            r.state = dst
-            r.timeline.append(entry)
         if detail:
             for r in reqs:
                 r.detail = detail
@@ -362,33 +356,19 @@ class Lifecycle(Generic[R]):
             for r in reqs:
                 r.reason = reason
             self.finished[(dst, reason)] += len(reqs)
-        elif len(reqs) == 1:  # the one-request path: building a Counter costs more
+        elif len(reqs) == 1:  # the one-request path
             self.finished[(dst, reqs[0].reason)] += 1
-        else:  # each ends with the reason it holds (most often None): counted by reason
-            for held, n in collections.Counter(map(operator.attrgetter("reason"), reqs)).items():
-                self.finished[(dst, held)] += n
+        else:  # each ends with the reason it holds, most often None: those are counted in C
+            held = [r.reason for r in reqs]
+            unset = held.count(None)
+            if unset:
+                self.finished[(dst, None)] += unset
+            if unset != len(held):
+                for kept, n in collections.Counter(x for x in held if x is not None).items():
+                    self.finished[(dst, kept)] += n
 
     # -- invariants -------------------------------------------------------------------------
 
     def check_index(self) -> None:
         """Invariant 4: the per-state collections are exactly the live requests by state."""
-        total = 0
-        for state, bucket in self._index.items():
-            for rid, r in bucket.items():
-                if r.state is not state or r.rid != rid or self._by_rid.get(rid) is not r:
-                    raise AssertionError(
-                        f"index: {rid!r} filed under {state.name} but is {r.state!r}"
-                    )
-            total += len(bucket)
-        if total != len(self._by_rid):
-            raise AssertionError(f"index: {total} requests filed, {len(self._by_rid)} live")
-
-
-def _leave(bucket: dict[str, R], reqs: Sequence[R]) -> None:
-    """Take a checked batch (every request in ``bucket``, none twice) out of its state's
-    bucket; a batch as large as the bucket is the whole bucket, emptied at once."""
-    if len(bucket) == len(reqs):
-        bucket.clear()
-    else:
-        for r in reqs:
-            del bucket[r.rid]
+        check_filing(self._index, self._by_rid)

@@ -162,36 +162,41 @@ class PrefillRequest(Tracked):
     ``release`` hook gives all of them up on entering a final state (the KV layer frees pages and
     slot once no transfer can touch them any more). The trigger methods (``req.schedule()``,
     ``req.fail(detail, reason=...)``, ...) come from :data:`PREFILL_TABLE`.
+
+    Give the fields after ``rid`` by keyword. They are not declared keyword-only because
+    CPython fills a missing keyword-only argument's default with a dict lookup and a positional
+    one's from a tuple: for a record built with most fields at their defaults, as most are,
+    that was a fifth of its construction (docs/benchmarks.md, the lifecycle section).
     """
 
-    input_ids: Sequence[int] = attrs.field(default=(), kw_only=True, repr=False)
-    bootstrap_host: str = attrs.field(default="", kw_only=True)
-    bootstrap_port: int = attrs.field(default=0, kw_only=True)
-    bootstrap_room: int = attrs.field(default=0, kw_only=True)
-    sampling: SamplingParams = attrs.field(default=DEFAULT_SAMPLING, kw_only=True, repr=False)
-    scheduled: int = attrs.field(default=0, kw_only=True)
-    computed: int = attrs.field(default=0, kw_only=True)
-    sent: int = attrs.field(default=0, kw_only=True)
-    pages: list[int] = attrs.field(factory=list, kw_only=True, repr=False)
-    slot: int | None = attrs.field(default=None, kw_only=True)
-    sender: object | None = attrs.field(default=None, kw_only=True, repr=False)
-    deadline: float | None = attrs.field(default=None, kw_only=True)
-    first_token: int | None = attrs.field(default=None, kw_only=True)
+    input_ids: Sequence[int] = attrs.field(default=(), repr=False)
+    bootstrap_host: str = attrs.field(default="")
+    bootstrap_port: int = attrs.field(default=0)
+    bootstrap_room: int = attrs.field(default=0)
+    sampling: SamplingParams = attrs.field(default=DEFAULT_SAMPLING, repr=False)
+    scheduled: int = attrs.field(default=0)
+    computed: int = attrs.field(default=0)
+    sent: int = attrs.field(default=0)
+    pages: list[int] = attrs.field(factory=list, repr=False)
+    slot: int | None = attrs.field(default=None)
+    sender: object | None = attrs.field(default=None, repr=False)
+    deadline: float | None = attrs.field(default=None)
+    first_token: int | None = attrs.field(default=None)
     reason: FailureReason | None = attrs.field(default=None, kw_only=True)
     # A failure (an abort, or the peer's) that arrived while batches holding the request were
     # on the device (``on_device`` counts them): it takes effect once the last of those
     # results has been processed, so pages are never freed under a running forward.
-    pending_abort: FailureReason | None = attrs.field(default=None, kw_only=True)
-    on_device: int = attrs.field(default=0, kw_only=True)
+    pending_abort: FailureReason | None = attrs.field(default=None)
+    on_device: int = attrs.field(default=0)
     # The prefix cache: ``cached`` prompt tokens were found computed in the cache when the
     # request was scheduled (their pages are the cache's, not computed again); ``prefix`` is
     # the request's hold on the cache (a ``kv.radix.PrefixHold``; None with the cache off),
     # given up with its pages.
-    cached: int = attrs.field(default=0, kw_only=True)
-    prefix: object | None = attrs.field(default=None, kw_only=True, repr=False)
+    cached: int = attrs.field(default=0)
+    prefix: object | None = attrs.field(default=None, repr=False)
     # The request's recurrent-state slot (``kv.state_pools``), taken with its first pages when
     # the model has recurrent layers and given up with its pages.
-    state_slot: int | None = attrs.field(default=None, kw_only=True)
+    state_slot: int | None = attrs.field(default=None)
 
     def fully_computed(self) -> bool:
         return self.computed >= len(self.input_ids)
