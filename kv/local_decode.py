@@ -28,7 +28,7 @@ from kv.rank_table import RankPlace
 from kv.routes import IncompatibleRanksError, PrefillRoute, route_places
 from kv.state_copy import check_state, state_mismatches
 from kv.state_pools import StateKind, StatePools
-from kv.state_routes import state_sources
+from kv.state_routes import stage_gaps, state_sources
 from kv.transfer import KVPoll, TransferUsageError, accepts_call
 
 
@@ -121,6 +121,13 @@ class LocalKVReceiver(LocalEndpoint):
                     f"and this decode pool differ in {'; '.join(mismatches)} (prefill vs "
                     "decode); configure both sides with the same model and page layout"
                 )
+        gaps = [] if manager.states is None else stage_gaps(
+            [m.states.stage_layers() for m in server.managers.values()
+             if m.states is not None and m.place.tp_rank == 0 and m.place.dp_rank == 0],
+            manager.states.stage_layers())
+        if gaps:
+            raise KVGeometryError(f"room {self.room}: the prefill server at "
+                                  f"{self.bootstrap_addr!r}: {'; '.join(gaps)}")
         try:
             self._route = route_places(list(server.managers.values()), manager.place,
                                        self.room)

@@ -96,13 +96,17 @@ def state_target(states: StatePools | None, mine: tuple[PoolMemory, ...], duty: 
         return NO_STATE
     shapes = {} if states is None else states.shapes()
     held = {} if states is None else states.stage_layers()
+    beyond = []
     for name, shape in list(shapes.items()):
         if name in theirs:
             layers = decode_layers(name, shape, theirs[name].shape, held[name], duty.plan)
             shapes[name] = decode_shape(shape, name, held[name], layers, duty.plan)
+            if held[name].stop > layers:
+                beyond.append(f"{name} layers: prefill {held[name].start}..{held[name].stop} "
+                              f"vs decode {layers}")
     problems = shape_mismatches(shapes, {name: p.shape for name, p in theirs.items()},
                                 None if states is None else states.window,
-                                reg.state_window or None)
+                                reg.state_window or None) + beyond
     if problems:
         return StateTarget(refused=f"state pools differ (prefill vs decode session "
                                    f"{reg.session}): {'; '.join(problems)}")

@@ -42,7 +42,7 @@ I/O.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
@@ -165,3 +165,17 @@ def decode_shape(shape: StateShape, name: str, held: range, layers: int,
         if name == "recurrent":
             item_len = item_len * plan.prefill.tp_size // plan.decode.tp_size
     return attrs.evolve(shape, regions=regions, item_len=item_len)
+
+
+def stage_gaps(stages: Sequence[Mapping[str, range]], decode: Mapping[str, range]) -> list[str]:
+    """For each pool of ``decode`` (a decode rank's pools, by the layers each holds), a line
+    when the prefill ``stages`` (each stage's layers of each pool) do not hold its layers
+    exactly once, in order; empty when they do."""
+    out = []
+    for name, every in decode.items():
+        held = sorted((s[name] for s in stages if name in s), key=lambda r: r.start)
+        if [i for r in held for i in r] != list(every):
+            spans = ", ".join(f"{r.start}..{r.stop}" for r in held) or "none"
+            out.append(f"{name} layers: the prefill stages hold {spans} of the decode's "
+                       f"{len(every)}")
+    return out
