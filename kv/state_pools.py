@@ -23,7 +23,10 @@ A hybrid model's layers do not all keep the same KV. Beside the full-attention
     as the full pool. It shares the target's page indices (its own allocator is never used),
     so every chunk sends the draft's copies of the pages it sends from the full pool.
 
-What each chunk sends is :func:`kv.state_sends.chunk_send`'s answer.
+What each chunk sends is :func:`kv.state_sends.chunk_send`'s answer; between parallel layouts
+each rank sends its share (:mod:`kv.state_routes`). A pipeline stage's pools hold some layers of
+the whole model's pool of each name: ``StatePools(..., stage={name: layers})`` names them
+(:meth:`StatePools.stage_layers`; every layer by default).
 
 Ownership: a request's SWA pages and recurrent slot are its own, like its full pages. The
 scheduler takes them with the request's pages (:meth:`StatePools.grow`,
