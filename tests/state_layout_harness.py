@@ -235,3 +235,17 @@ def wait_for_the_state_only_rank(mesh: Mesh, room: int) -> tuple[list[Any], list
     assert drive(mesh.decode[0][2], rx, TERMINAL)[-1] == KVPoll.SUCCESS
     check_landed(mesh.whole, mesh.landed(), before)
     return senders, [rx]
+
+
+def abort_the_state_only_rank(mesh: Mesh, room: int) -> tuple[list[Any], list[Any]]:
+    """As :func:`wait_for_the_state_only_rank`, but that rank aborts after the other sent
+    everything: the room fails on every end."""
+    (rx,) = receivers(mesh, room)
+    senders = [m.create_sender(mesh.addr, room) for m, _ in mesh.prefill]
+    (first, first_states), (second, _) = mesh.prefill
+    assert drive(second, senders[1], {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    send_all(first, first_states, senders[0], room)
+    senders[1].abort()
+    assert drive(mesh.decode[0][2], rx, TERMINAL)[-1] == KVPoll.FAILED
+    assert drive(first, senders[0], TERMINAL)[-1] == KVPoll.FAILED
+    return senders, [rx]

@@ -17,20 +17,17 @@ from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError
 from kv.pool_layout import KVLayout
 from kv.state_pools import RecurrentPool, StatePools
-from kv.transfer import KVPoll
 from tests.state_layout_harness import (
-    TERMINAL,
     Mesh,
+    abort_the_state_only_rank,
     fill,
     place,
     rank_pools,
-    receivers,
     run_room,
-    send_all,
     wait_for_the_state_only_rank,
     whole_model,
 )
-from tests.transfer_harness import drive, eventually
+from tests.transfer_harness import eventually
 
 ADDR = "local:state-layouts"
 _MANAGERS: dict[int, list[LocalKVManager]] = {}  # by hub: the prefill managers to close
@@ -117,16 +114,7 @@ def test_the_decode_room_waits_for_the_rank_that_owes_only_state(hub: LocalTrans
 
 def test_an_abort_on_the_rank_that_owes_only_state_fails_every_rank(
         hub: LocalTransferHub) -> None:
-    mesh = make_mesh(hub, 2, 1, heads=1)
-    (receiver,) = receivers(mesh, 7)
-    senders = [m.create_sender(ADDR, 7) for m, _ in mesh.prefill]
-    (first, first_states), (second, _) = mesh.prefill
-    drive(second, senders[1], {KVPoll.WAITING_FOR_INPUT})
-    send_all(first, first_states, senders[0], 7)
-    senders[1].abort()
-    eventually(lambda: receiver.poll() == KVPoll.FAILED, "the receiver to fail")
-    assert drive(first, senders[0], TERMINAL)[-1] == KVPoll.FAILED
-    cleared(hub, [*senders, receiver])
+    cleared(hub, *abort_the_state_only_rank(make_mesh(hub, 2, 1, heads=1), 7))
 
 
 def test_a_recurrent_state_of_the_wrong_width_is_refused_naming_both(

@@ -2,7 +2,8 @@
 with its own transfer engine, over loopback TCP): the draft and SWA pools' head slices, the
 recurrent state's channels and the index pages land byte-exact on every decode rank for prefill
 TP {1, 2} x decode TP {1, 2}, a one-head GQA replica and prefill PP 2 -> decode PP 1; a decode
-room waits for the rank that owes it only state."""
+room waits for the rank that owes it only state, and fails on every end when that rank
+aborts."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kv.mooncake_decode import MooncakeDecodeManager
 from kv.pool_layout import KVLayout
 from tests.state_layout_harness import (
     Mesh,
+    abort_the_state_only_rank,
     fill,
     place,
     rank_pools,
@@ -26,6 +28,7 @@ from tests.state_layout_harness import (
     wait_for_the_state_only_rank,
     whole_model,
 )
+from tests.transfer_harness import eventually
 
 pytestmark = [pytest.mark.mooncake]
 
@@ -75,3 +78,12 @@ def test_two_prefill_stages_send_their_layers_of_every_pool(layout: KVLayout) ->
 def test_the_decode_room_waits_for_the_rank_that_owes_only_state() -> None:
     with servers(2, 1, heads=1) as mesh:
         wait_for_the_state_only_rank(mesh, 6)
+
+
+def test_an_abort_on_the_rank_that_owes_only_state_fails_every_rank() -> None:
+    with servers(2, 1, heads=1) as mesh:
+        for end in (e for group in abort_the_state_only_rank(mesh, 7) for e in group):
+            eventually(end.quiescent, "every end to go quiescent")
+            end.clear()
+        managers = [m for m, _ in mesh.prefill] + [m for _, _, m in mesh.decode.values()]
+        assert [m.live_rooms() for m in managers] == [0] * len(managers)
