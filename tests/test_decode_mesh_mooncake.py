@@ -8,7 +8,9 @@ its place, so the prefill writes each decode rank its head slice of every page. 
 ranks decode in lockstep (relayed requests, agreed polls, exact TP sums); their outputs must
 equal the colocated run of the unsharded model, token for token, on both ranks. One request's
 prompt does not fit the prefill's pool: the prefill refuses its room, and the request fails
-on both decode ranks. At the end no side holds a page, a slot or a room.
+on both decode ranks. One request reaches only the decode and is aborted by its client while
+it waits for its KV: the prefill drops its early destinations and tells both decode ranks, so
+they free its pages. At the end no side holds a page, a slot or a room.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
-from lifecycle import SamplingParams
+from lifecycle import DecodeState, SamplingParams
 from scheduler.decode.mesh import DecodeMeshControl, MeshDecodePeer, build_decode_mesh
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
@@ -57,6 +59,13 @@ def requests(port: int) -> list[NewRequest]:
     return [NewRequest(f"r{i}", p, bootstrap_host="127.0.0.1", bootstrap_port=port,
                        bootstrap_room=2000 + i, sampling=SAMPLING)
             for i, p in enumerate(prompts)]
+
+
+def orphan(port: int) -> NewRequest:
+    """A request only the decode gets (the router lost its prefill half), aborted by its
+    client once it waits for its KV."""
+    return NewRequest("orphan", PROMPTS[1], bootstrap_host="127.0.0.1", bootstrap_port=port,
+                      bootstrap_room=2999, sampling=SAMPLING)
 
 
 def _prefill(port: int) -> list[list[object]]:
@@ -103,12 +112,16 @@ def _decode(control: DecodeMeshControl, port: int) -> dict[str, object]:
     try:
         peer = MeshDecodePeer(control, runner=PagedModelRunner(model, pool), kv=kv,
                               metadata=metadata, slots=slots, on_response=responses.append)
-        reqs = requests(port)
+        reqs = [*requests(port), orphan(port)]
         if control.first:
             for req in reqs:
                 peer.submit(req)
         end = time.monotonic() + DEADLINE_S
         while not control.all_agree(len(responses) == len(reqs) and peer.idle()):
+            waiting = peer.lifecycle.get("orphan")
+            if (control.first and len(responses) == len(reqs) - 1 and waiting is not None
+                    and waiting.state is DecodeState.RECEIVING):
+                peer.abort("orphan")  # its destination went to a prefill that never had it
             step_or_rest(peer.step)
             peer.check_invariants()
             assert time.monotonic() < end, (
@@ -147,6 +160,7 @@ def test_decode_at_tp2_equals_the_colocated_run(results: Path) -> None:
     decoded = {rid: (state, reason, out) for rid, state, reason, out in ranks[0]["responses"]}
     too_long = f"r{len(PROMPTS)}"
     assert decoded.pop(too_long)[:2] == ("FAILED", "bootstrap_failed")
+    assert decoded.pop("orphan") == ("FAILED", "aborted", [])
     assert decoded == {rid: ("DONE", None, out) for rid, out in want.items()}
     prefill = {rid: (state, first) for rid, state, first in
                json.loads((results / "0.json").read_text())}
