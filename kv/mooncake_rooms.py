@@ -164,10 +164,14 @@ class PrefillRooms:
         comes from another session."""
         with self._lock:
             rec = self._rooms.get(msg.room)
-            if rec is None and self._drop_early(msg):
-                # The request never reached this rank: nothing was or will be written; the
-                # decode rank learns that its pages are free, and a sender created later for
-                # the room fails at once (no stranded prefill).
+            early = self._early.get(msg.room, [])
+            if rec is None and any(d.session == msg.session for d in early):
+                # Never reached this rank: nothing is written; decode learns its pages are
+                # free, and a sender created later for the room fails at once.
+                if rest := [d for d in early if d.session != msg.session]:
+                    self._early[msg.room] = rest
+                else:
+                    del self._early[msg.room]
                 self._peer_refused.add(msg.room, REASON_PEER_ABORTED)
                 return [Owed(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
             # Decode aborts only rooms it sent a destination for, on the same ordered socket:
@@ -180,19 +184,6 @@ class PrefillRooms:
                 )
             self._fail(rec, REASON_PEER_ABORTED)
             return self._settle(rec)
-
-    def _drop_early(self, msg: wire.Abort) -> bool:
-        """Drop the early destination ``msg``'s session gave for its room; whether there was
-        one (lock held)."""
-        early = self._early.get(msg.room, [])
-        rest = [d for d in early if d.session != msg.session]
-        if len(rest) == len(early):
-            return False
-        if rest:
-            self._early[msg.room] = rest
-        else:
-            del self._early[msg.room]
-        return True
 
     # -- senders (scheduler thread) ------------------------------------------------------------
 
