@@ -9,7 +9,10 @@ import random
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kv.pages import pages_needed
 from kv.state_pools import StatePools
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair, PairConfig
@@ -53,11 +56,12 @@ def poison(states: StatePools) -> None:
         states.recurrent.buffer.fill_(7777)
 
 
-def all_free(pair: EmbeddedPair) -> None:
+def all_free(pair: EmbeddedPair, pages: int = PAGES) -> None:
     for side in (pair.prefill, pair.decode):
         assert side.states is not None
-        assert side.pool.allocator.available() == PAGES
+        assert side.pool.allocator.available() == pages
         assert side.states.all_free()
+        assert side.slots.available() == side.slots.num_slots
     pair.prefill.check_invariants()
     pair.decode.check_invariants()
 
@@ -103,3 +107,93 @@ def test_a_hybrid_pair_refuses_pools_that_cannot_carry_its_state() -> None:
             ),
             model=model,
         )
+
+
+@st.composite
+def hybrid_configs(draw: st.DrawFn) -> ModelConfig:
+    """A small hybrid model: some SWA layers (any window), some recurrent, one full at least."""
+    layers = draw(st.integers(2, 4))
+    kinds = draw(
+        st.lists(st.sampled_from("fsr"), min_size=layers, max_size=layers).filter(
+            lambda k: "f" in k and k != ["f"] * layers
+        )
+    )
+    swa = tuple(i for i, k in enumerate(kinds) if k == "s")
+    return attrs.evolve(
+        ModelConfig.tiny(seed=draw(st.integers(0, 3))),
+        layers=layers,
+        swa_layers=swa,
+        sliding_window=draw(st.integers(1, 20)) if swa else 0,
+        recurrent_layers=tuple(i for i, k in enumerate(kinds) if k == "r"),
+    )
+
+
+@given(
+    config=hybrid_configs(),
+    page_size=st.sampled_from([2, 4, 8]),
+    chunk_pages=st.sampled_from([None, 1, 3]),
+    slots=st.integers(1, 3),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    max_new=st.integers(1, 10),
+    spare_swa=st.integers(0, 8),
+    aborts=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 25)), max_size=2),
+    overlap=st.booleans(),
+)
+@settings(max_examples=25)
+def test_any_hybrid_pair_decodes_the_colocated_tokens_and_frees_everything(
+    config: ModelConfig,
+    page_size: int,
+    chunk_pages: int | None,
+    slots: int,
+    lengths: list[int],
+    max_new: int,
+    spare_swa: int,
+    aborts: list[tuple[int, int]],
+    overlap: bool,
+) -> None:
+    """Any shape, page size, chunking, slot and SWA-pool pressure, and aborts at any pass:
+    every request that finishes decodes the colocated tokens, and both sides end empty."""
+    model = LlamaModel(config)
+    rng = random.Random(sum(lengths))
+    prompts = {f"r{i}": [rng.randrange(256) for _ in range(n)] for i, n in enumerate(lengths)}
+    need = [pages_needed(n + max_new, page_size) for n in lengths]
+    pages = sum(need) + 2
+    chunk = None if chunk_pages is None else chunk_pages * page_size
+    pair = EmbeddedPair(
+        PairConfig(
+            model=config,
+            overlap=overlap,
+            scheduler=SchedulerConfig(
+                page_size=page_size, chunked_prefill_size=chunk, check_invariants=True
+            ),
+            prefill_pages=pages,
+            decode_pages=pages,
+            metadata_slots=4,
+            hybrid=HybridConfig(swa_pages=max(need) + spare_swa, state_slots=slots),
+        ),
+        model=model,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        for rid, prompt in prompts.items():
+            pair.submit(rid, prompt, params)
+        when = {f"r{i % len(lengths)}": at for i, at in aborts}
+        for step in range(max(when.values(), default=-1) + 1):
+            for rid in [r for r, at in when.items() if at == step]:
+                pair.abort(rid)
+            pair.step()
+            pair.prefill.check_invariants()
+            pair.decode.check_invariants()
+        out = pair.run_until_done(prompts, timeout=120)
+        reference = ReferenceModel(model)
+        for rid, prompt in prompts.items():
+            got = out[rid]
+            if rid not in when:
+                assert got.prefill.ok and got.decode is not None and got.decode.ok, got
+            if got.decode is not None and got.decode.ok:
+                assert list(got.decode.output_ids) == reference.generate(
+                    prompt, max_new, ignore_eos=True
+                ), rid
+        all_free(pair, pages)
+    finally:
+        pair.close()

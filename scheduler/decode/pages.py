@@ -10,7 +10,10 @@ its pages and one recurrent-state slot. :class:`PeerPages` is their one owner:
 
 - :meth:`PeerPages.take` takes all of them at once, or nothing: pages (counted free only when
   the full and the SWA pool both have one), their SWA pages, a zeroed recurrent slot and a
-  metadata slot.
+  metadata slot. A request is taken only when every page it may come to hold (its prompt and
+  ``max_new_tokens``) fits beside every page the requests already holding pages may still take
+  (:meth:`PeerPages.reserved`): there is no retraction, so a decoding request must never wait
+  for a page that only another waiting request could free.
 - :meth:`PeerPages.send_destination` tells the receiver where the prefill side writes: the
   pages, the slot, and per state kind the items the last chunk fills, by the prefill side's own
   rule (:func:`kv.state_sends.chunk_send`: the SWA pages of the last window, the recurrent
@@ -78,6 +81,7 @@ class PeerPages:
     ) -> None:
         self.pool, self.slots, self.metadata, self.states = pool, slots, metadata, states
         self._state_slots: dict[str, int] = {}  # rid -> recurrent slot
+        self._holders: dict[str, DecodeRequest] = {}  # the requests holding pages
         self._releaser = Releaser(pool, slots, metadata, states)
 
     def admissible(self) -> int:
@@ -91,12 +95,27 @@ class PeerPages:
             return self.pool.allocator.available()
         return self.states.pages_available()
 
-    def take(self, req: DecodeRequest, reserve: int) -> bool:
-        """Give ``req`` the pages of its prompt with their state and a metadata slot, leaving
-        ``reserve`` pages free; False, having taken nothing, when they do not fit."""
+    def final_pages(self, req: DecodeRequest) -> int:
+        """The pages ``req`` holds if it decodes ``max_new_tokens``: its last token's K/V is
+        never written, so positions ``0 .. prompt + max_new_tokens - 2``."""
+        n = len(req.input_ids) + req.sampling.max_new_tokens - 1
+        return pages_needed(max(n, len(req.input_ids)), self.pool.page_size)
+
+    def to_come(self, req: DecodeRequest) -> int:
+        """The pages ``req`` may still take."""
+        return max(0, self.final_pages(req) - len(req.pages))
+
+    def reserved(self) -> int:
+        """The pages the requests holding pages may still take (one pass's look, O(holders))."""
+        return sum(self.to_come(r) for r in self._holders.values())
+
+    def take(self, req: DecodeRequest, reserved: int) -> bool:
+        """Give ``req`` the pages of its prompt with their state and a metadata slot when all
+        the pages it may come to hold fit beside ``reserved`` (:meth:`reserved`, plus what the
+        requests taken since may still take); False, having taken nothing, otherwise."""
         need = pages_needed(len(req.input_ids), self.pool.page_size)
         states = self.states
-        if self.available() - need < reserve or (
+        if self.available() - self.final_pages(req) < reserved or (
             states is not None and states.slots_available() == 0
         ):
             return False
@@ -113,6 +132,7 @@ class PeerPages:
             if state_slot is not None:
                 self._state_slots[req.rid] = state_slot
         req.pages, req.slot = pages, slot
+        self._holders[req.rid] = req
         self.metadata.clear(slot)
         return True
 
@@ -178,6 +198,7 @@ class PeerPages:
     ) -> None:
         """Hand ``req``'s pages, slots and state to the releaser (freed once ``receiver`` is
         quiescent, then ``on_clear`` is called) and clear them from the record."""
+        self._holders.pop(req.rid, None)
         self._releaser.release(
             receiver, req.pages, req.slot, on_clear, state_slot=self._state_slots.pop(req.rid, None)
         )

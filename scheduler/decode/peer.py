@@ -6,7 +6,8 @@ The decode peer runs the decode lifecycle (``lifecycle.decode``) with the same f
 prefill scheduler. It gets the same request as the prefill server. A request is admitted in
 BOOTSTRAPPING with a receiver whose ``init()`` resolves the prefill side; once the handshake is
 done it is ``bootstrapped`` into PREALLOC, where it waits for KV pages for its prompt and a
-metadata slot (none free: it waits, in arrival order); ``preallocated`` sends the destination to
+metadata slot (none free, or not room for every page it may take beside what the running
+requests may still take: it waits, in arrival order); ``preallocated`` sends the destination to
 prefill (RECEIVING). When the receiver reports SUCCESS the metadata row must have landed with the
 request's own room (a torn or foreign row fails the request); its first token starts the output
 (``received``, DECODING). Every pass runs one decode step for all DECODING requests, growing
@@ -294,13 +295,14 @@ class DecodePeer:
             self.lifecycle.in_state(S.BOOTSTRAPPING)
         )
         ready: list[DecodeRequest] = []
-        # Keep room for every running request's next page, so decoding cannot deadlock.
-        reserve = len(self.lifecycle.in_state(S.DECODING))
+        # Every page a running request may still take stays free, so decoding cannot deadlock.
+        reserved = self._pages.reserved()
         for req in prealloc.values():
             if running + len(ready) >= self.config.max_running_requests:
                 break
-            if not self._pages.take(req, reserve):
+            if not self._pages.take(req, reserved):
                 break
+            reserved += self._pages.to_come(req)
             ready.append(req)
         for req in ready:
             receiver = receiver_of(req)

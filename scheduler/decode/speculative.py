@@ -12,10 +12,11 @@ draft K/V of the prompt that came with the request's pages (into the draft pool 
 ``states``, at the request's page indices). A model with SWA or recurrent state does not
 decode speculatively on the peer (refused when built: not built).
 
-A round that finds no free page for its proposals is retried as a one-token round (which needs
-at most the page the peer keeps free for every running request), so speculation never stalls a
-request the plain path could serve. Proposals made and accepted are counted in the peer's
-metrics (``pdlife_decode_spec_proposed``/``_accepted``; their ratio, the acceptance rate, is
+A round that finds no free page for its proposals is retried as a one-token round, so
+speculation never stalls a request the plain path could serve (a round's pages stay within the
+request's ``max_new_tokens``, which the peer keeps free for every running request).
+Proposals made and accepted are counted in the peer's metrics
+(``pdlife_decode_spec_proposed``/``_accepted``; their ratio, the acceptance rate, is
 ``pdlife_decode_spec_acceptance_rate``).
 """
 
