@@ -17,8 +17,10 @@ Each ``send(pages, last)`` queues a chunk for the rank's transfer worker thread,
 the pages into every destination's pool (:mod:`kv.local_copy`): whole pages of every layer when
 the rank's pages are whole decode pages, else the rank's head slices of its stage's layers into
 the same layers of the decode pool. The last chunk of the source chosen to write it also copies
-the metadata row (its room last). A status-only rank (it writes to no one) concludes at its
-last ``send`` without copying. A copy that raises fails the room everywhere, with the error as
+the metadata row (its room last). With state pools each destination also gets this rank's
+shares of them (:func:`kv.state_routes.state_duty`; :func:`kv.state_copy.move_state`). A
+status-only rank (it writes no pages and no state to anyone) concludes at its last ``send``
+without copying. A copy that raises fails the room everywhere, with the error as
 the reason; the worker carries on.
 
 Aborts: an abort on any end fails every end of the room: ``aborted`` where it happened,
