@@ -21,7 +21,8 @@ theirs. Shutdown: :meth:`DecodeRanks.close` (after rank 0's engine loop stopped)
 group, so every rank's next pass raises :class:`~scheduler.dist.relay.MeshStopped`; each closes
 its backends and exits 0. The rank processes ignore SIGINT and SIGTERM: rank 0 alone drains
 and decides when they stop. A rank that dies breaks the next collective: rank 0's engine loop
-fails, the service reports it (unhealthy; ``pdlife serve`` exits 1).
+fails and the service reports it (``/health`` answers 503, waiting requests fail; stopped,
+``pdlife serve`` exits 1).
 """
 
 from __future__ import annotations
