@@ -4,8 +4,11 @@ the hybrid-model and speculative-decoding tests."""
 from __future__ import annotations
 
 from kv.pool import KVPool
+from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import LlamaModel, PagedModelRunner
 from scheduler.model.request_kv import RELEASED, RequestKV, window_pages
+from scheduler.model.side_pools import HybridConfig
+from scheduler.prefill.config import SchedulerConfig
 
 
 def make_runner(model: LlamaModel, pages: int, page_size: int, swa_pages: int,
@@ -60,3 +63,14 @@ def copy_state(src: PagedModelRunner, dst: PagedModelRunner, kv: RequestKV, into
                    [into.swa_pages[i] for i in window])
     if src.states is not None and dst.states is not None:
         dst.states[:, into.state_slot] = src.states[:, kv.state_slot]
+
+
+def hybrid_pair(model: LlamaModel, hybrid: HybridConfig | None, *, page_size: int, pages: int,
+                chunk: int | None, overlap: bool = False, metadata_slots: int = 8) -> EmbeddedPair:
+    """An EmbeddedPair of ``model`` over the local backend, ``pages`` a side, invariants
+    checked, holding what ``hybrid`` says beside the full pools."""
+    scheduler = SchedulerConfig(page_size=page_size, chunked_prefill_size=chunk,
+                                check_invariants=True)
+    return EmbeddedPair(PairConfig(model=model.config, scheduler=scheduler, overlap=overlap,
+                                   prefill_pages=pages, decode_pages=pages,
+                                   metadata_slots=metadata_slots, hybrid=hybrid), model=model)

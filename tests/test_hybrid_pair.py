@@ -19,6 +19,7 @@ from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.model.side_pools import HybridConfig
 from scheduler.prefill.config import SchedulerConfig
+from tests.hybrid_harness import hybrid_pair
 
 PS, PAGES, SWA_PAGES, SLOTS = 4, 64, 48, 3
 CONFIGS = {
@@ -33,17 +34,13 @@ def hybrid_model(name: str) -> LlamaModel:
 
 
 def make_pair(model: LlamaModel, overlap: bool = False) -> EmbeddedPair:
-    return EmbeddedPair(
-        PairConfig(
-            model=model.config,
-            scheduler=SchedulerConfig(page_size=PS, chunked_prefill_size=8, check_invariants=True),
-            prefill_pages=PAGES,
-            decode_pages=PAGES,
-            metadata_slots=8,
-            overlap=overlap,
-            hybrid=HybridConfig(swa_pages=SWA_PAGES, state_slots=SLOTS),
-        ),
-        model=model,
+    return hybrid_pair(
+        model,
+        HybridConfig(swa_pages=SWA_PAGES, state_slots=SLOTS),
+        page_size=PS,
+        pages=PAGES,
+        chunk=8,
+        overlap=overlap,
     )
 
 
@@ -159,19 +156,15 @@ def test_any_hybrid_pair_decodes_the_colocated_tokens_and_frees_everything(
     need = [pages_needed(n + max_new, page_size) for n in lengths]
     pages = sum(need) + 2
     chunk = None if chunk_pages is None else chunk_pages * page_size
-    pair = EmbeddedPair(
-        PairConfig(
-            model=config,
-            overlap=overlap,
-            scheduler=SchedulerConfig(
-                page_size=page_size, chunked_prefill_size=chunk, check_invariants=True
-            ),
-            prefill_pages=pages,
-            decode_pages=pages,
-            metadata_slots=4,
-            hybrid=HybridConfig(swa_pages=max(need) + spare_swa, state_slots=slots),
-        ),
-        model=model,
+    hybrid = HybridConfig(swa_pages=max(need) + spare_swa, state_slots=slots)
+    pair = hybrid_pair(
+        model,
+        hybrid,
+        page_size=page_size,
+        pages=pages,
+        chunk=chunk,
+        overlap=overlap,
+        metadata_slots=4,
     )
     try:
         params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)

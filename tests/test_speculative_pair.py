@@ -19,6 +19,7 @@ from scheduler.model.side_pools import HybridConfig
 from scheduler.model.speculative import SpeculativeDecoder, prefill_handoff
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch
+from tests.hybrid_harness import hybrid_pair
 
 TARGET = LlamaModel(attrs.evolve(ModelConfig.tiny(seed=4), layers=4))
 PS, PAGES, CHUNK, DRAFT_LAYERS, K, MAX_NEW = 4, 96, 8, 2, 3, 14
@@ -26,20 +27,14 @@ GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
 
 
 def make_pair(hybrid: HybridConfig | None, overlap: bool = False) -> EmbeddedPair:
-    return EmbeddedPair(
-        PairConfig(
-            model=TARGET.config,
-            overlap=overlap,
-            hybrid=hybrid,
-            scheduler=SchedulerConfig(
-                page_size=PS, chunked_prefill_size=CHUNK, check_invariants=True
-            ),
-            prefill_pages=PAGES,
-            decode_pages=PAGES,
-            metadata_slots=8,
-        ),
-        model=TARGET,
-    )
+    return hybrid_pair(TARGET, hybrid, page_size=PS, pages=PAGES, chunk=CHUNK, overlap=overlap)
+
+
+def assert_greedy(outputs: dict[str, tuple[int, ...]], prompts: dict[str, list[int]]) -> None:
+    """Every prompt's output is plain greedy decoding's (the colocated run)."""
+    reference = ReferenceModel(TARGET)
+    for rid, prompt in prompts.items():
+        assert list(outputs[rid]) == reference.generate(prompt, MAX_NEW, ignore_eos=True), rid
 
 
 def colocated_stats(prompts: dict[str, list[int]]) -> tuple[int, int]:
@@ -104,9 +99,8 @@ def test_a_speculative_pair_decodes_plain_greedy_from_the_prefill_handoff() -> N
         assert pair.prefill.runner.kept() == 0  # type: ignore[attr-defined]
     finally:
         pair.close()
-    reference = ReferenceModel(TARGET)
+    assert_greedy(speculative, prompts)
     for rid, prompt in prompts.items():
-        assert list(speculative[rid]) == reference.generate(prompt, MAX_NEW, ignore_eos=True)
         # The decode side's draft ran only past the prompt: its prefill came from prefill.
         assert starts[rid] >= len(prompt), rid
     assert "sampled" not in starts
@@ -136,9 +130,7 @@ def test_the_overlap_loop_hands_off_the_same_and_an_abort_keeps_nothing() -> Non
         assert pair.prefill.runner.kept() == 0  # type: ignore[attr-defined]
     finally:
         pair.close()
-    reference = ReferenceModel(TARGET)
-    for rid, prompt in prompts.items():
-        assert list(got[rid]) == reference.generate(prompt, MAX_NEW, ignore_eos=True)
+    assert_greedy(got, prompts)
 
 
 def test_speculation_on_a_hybrid_decode_peer_is_refused() -> None:

@@ -35,7 +35,7 @@ import torch
 from kv.metadata import SPEC_TOP_K, SpeculativeRow
 from kv.pool import KVPool
 from scheduler.model.reference import PagedModelRunner
-from scheduler.model.speculative import Handoff, top_k
+from scheduler.model.speculative import Handoff, check_pairing, top_k
 from scheduler.runner import ForwardBatch, ForwardItem
 
 
@@ -46,29 +46,14 @@ class DraftingRunner:
     def __init__(self, target: PagedModelRunner, draft: PagedModelRunner, k: int) -> None:
         if not 1 <= k <= SPEC_TOP_K:
             raise ValueError(f"k (proposals in the hand-off) must be in 1..{SPEC_TOP_K}, got {k}")
-        t, d = target.model.config, draft.model.config
-        if t.vocab_size != d.vocab_size:
-            raise ValueError(
-                f"the draft's vocabulary ({d.vocab_size}) is not the target's ({t.vocab_size})"
-            )
-        if (draft.pool.num_pages, draft.pool.page_size) != (
-            target.pool.num_pages,
-            target.pool.page_size,
-        ):
-            raise ValueError(
-                "the draft's pool must have the target's page count and size: "
-                "they share page indices"
-            )
-        if d.hybrid:
+        check_pairing(target, draft)
+        if draft.model.config.hybrid:
             raise ValueError("a draft with sliding-window or recurrent layers is not built")
         self.target, self.draft, self.k = target, draft, k
         self.pool = target.pool
+        self.vocab_size = target.vocab_size
         self._lock = threading.Lock()
         self._kept: dict[str, tuple[torch.Tensor, ForwardItem]] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return self.target.vocab_size
 
     @property
     def draft_pool(self) -> KVPool:

@@ -68,6 +68,19 @@ class Handoff:
                    torch.tensor(spec.hidden, dtype=torch.float64))
 
 
+def check_pairing(target: PagedModelRunner, draft: PagedModelRunner) -> None:
+    """ValueError unless ``draft`` can draft for ``target``: the same vocabulary, and pools of
+    the same page count and size (they share page indices)."""
+    t, d = target.model.config, draft.model.config
+    if t.vocab_size != d.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({d.vocab_size}) is not the target's "
+                         f"({t.vocab_size})")
+    if (target.pool.num_pages, target.pool.page_size) != (
+            draft.pool.num_pages, draft.pool.page_size):
+        raise ValueError("the draft's pool must have the target's page count and size: "
+                         "they share page indices")
+
+
 def top_k(logits: torch.Tensor, k: int, table: torch.Tensor) -> tuple[list[int], list[int]]:
     """The ``k`` most likely ids of float64 ``logits`` (ties to the lower id) and their
     probabilities in units of ``2**-PROB_FRAC_BITS``: ``exp`` from the model's table, so the
@@ -144,14 +157,7 @@ class SpeculativeDecoder:
     def __init__(self, target: PagedModelRunner, draft: PagedModelRunner, k: int) -> None:
         if k < 1:
             raise ValueError(f"k (proposals per round) must be >= 1, got {k}")
-        t, d = target.model.config, draft.model.config
-        if t.vocab_size != d.vocab_size:
-            raise ValueError(f"the draft's vocabulary ({d.vocab_size}) is not the target's "
-                             f"({t.vocab_size})")
-        if (target.pool.num_pages, target.pool.page_size) != (
-                draft.pool.num_pages, draft.pool.page_size):
-            raise ValueError("the draft's pool must have the target's page count and size: "
-                             "they share page indices")
+        check_pairing(target, draft)
         self.target, self.draft, self.k = target, draft, k
         self.stats = SpeculativeStats()
 
