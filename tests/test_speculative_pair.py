@@ -10,6 +10,8 @@ import random
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair, PairConfig
@@ -146,3 +148,64 @@ def test_speculation_on_a_hybrid_decode_peer_is_refused() -> None:
             ),
             model=model,
         )
+
+
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    draft_layers=st.integers(1, 4),
+    k=st.integers(1, 4),
+    max_new=st.integers(1, 12),
+    chunk_pages=st.sampled_from([None, 1, 3]),
+    overlap=st.booleans(),
+    abort_at=st.one_of(st.none(), st.integers(0, 12)),
+    seed=st.integers(0, 99),
+)
+@settings(max_examples=15)
+def test_any_speculative_pair_decodes_plain_greedy(
+    lengths: list[int],
+    draft_layers: int,
+    k: int,
+    max_new: int,
+    chunk_pages: int | None,
+    overlap: bool,
+    abort_at: int | None,
+    seed: int,
+) -> None:
+    """Any prompts, draft, k, chunking and loop, the first request maybe aborted at any pass:
+    every answer that finished is plain greedy decoding's, and both sides end empty."""
+    rng = random.Random(seed)
+    prompts = {f"s{i}": [rng.randrange(256) for _ in range(n)] for i, n in enumerate(lengths)}
+    chunk = None if chunk_pages is None else chunk_pages * PS
+    pair = hybrid_pair(
+        TARGET,
+        HybridConfig(draft_layers=draft_layers, speculative_k=k),
+        page_size=PS,
+        pages=PAGES,
+        chunk=chunk,
+        overlap=overlap,
+    )
+    params = attrs.evolve(GREEDY, max_new_tokens=max_new)
+    try:
+        for rid, prompt in prompts.items():
+            pair.submit(rid, prompt, params)
+        for _ in range(abort_at or 0):
+            pair.step()
+        if abort_at is not None:
+            pair.abort("s0")
+        out = pair.run_until_done(prompts, timeout=120)
+        assert pair.prefill.runner.kept() == 0  # type: ignore[attr-defined]
+        pair.prefill.check_invariants()
+        pair.decode.check_invariants()
+        assert pair.prefill_pool.allocator.available() == PAGES
+        assert pair.decode_pool.allocator.available() == PAGES
+    finally:
+        pair.close()
+    reference = ReferenceModel(TARGET)
+    for rid, prompt in prompts.items():
+        got = out[rid]
+        if rid != "s0" or abort_at is None:
+            assert got.decode is not None and got.decode.ok, got
+        if got.decode is not None and got.decode.ok:
+            assert list(got.decode.output_ids) == reference.generate(
+                prompt, max_new, ignore_eos=True
+            ), rid
