@@ -154,7 +154,7 @@ def build_prefill(
     ``bootstrap_addr``; ``place`` is the rank's place in the mesh, default a single rank).
     Requests for the fake bootstrap host always get the fake backend, on the scheduler's
     clock. ``hybrid``: the reference model's pools beside the full pool and its draft
-    (:func:`hybrid_side`; the local backend carries them)."""
+    (:func:`hybrid_side`; the local and Mooncake backends carry them)."""
     pool = model.make_pool(num_pages=pages, page_size=config.page_size, layout=kv_layout)
     side = hybrid_side(model, pool, hybrid)
     states = None if side is None else side.states
@@ -165,7 +165,8 @@ def build_prefill(
         addr = bootstrap.address if bootstrap is not None else bootstrap_addr
         if addr is None:
             raise ValueError("the mooncake backend needs the bootstrap endpoint to register at")
-        mooncake_kv = MooncakeKVManager(pool, metadata, place=place, config=mooncake)
+        mooncake_kv = MooncakeKVManager(pool, metadata, place=place, config=mooncake,
+                                        states=states)
         closers.append(mooncake_kv.close)
         mooncake_kv.register_to_bootstrap(addr)
         if bootstrap is not None:

@@ -58,7 +58,7 @@ class PairConfig:
     kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)
     #: What both sides hold beside the full pool: a hybrid reference model's SWA pool and
     #: recurrent slots (from ``model``'s layers), a draft for speculative decoding
-    #: (docs/embedding.md#a-hybrid-or-speculative-pair). Local backend only.
+    #: (docs/embedding.md#a-hybrid-or-speculative-pair).
     hybrid: HybridConfig | None = None
 
 
@@ -204,10 +204,7 @@ class EmbeddedPair:
     ) -> LocalDecodeManager | MooncakeDecodeManager:
         if self.bootstrap is None:
             return LocalDecodeManager(pool, meta, hub=hub, states=states)
-        if states is not None:
-            raise ValueError("PairConfig.hybrid: the Mooncake backend does not carry state "
-                             "pools yet; use backend='local'")
-        return MooncakeDecodeManager(pool, meta, self.bootstrap.address)
+        return MooncakeDecodeManager(pool, meta, self.bootstrap.address, states=states)
 
     def close(self) -> None:
         errors = close_all(self._closers)

@@ -3,6 +3,8 @@ the hybrid-model and speculative-decoding tests."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from kv.pool import KVPool
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import LlamaModel, PagedModelRunner
@@ -66,11 +68,12 @@ def copy_state(src: PagedModelRunner, dst: PagedModelRunner, kv: RequestKV, into
 
 
 def hybrid_pair(model: LlamaModel, hybrid: HybridConfig | None, *, page_size: int, pages: int,
-                chunk: int | None, overlap: bool = False, metadata_slots: int = 8) -> EmbeddedPair:
-    """An EmbeddedPair of ``model`` over the local backend, ``pages`` a side, invariants
-    checked, holding what ``hybrid`` says beside the full pools."""
+                chunk: int | None, overlap: bool = False, metadata_slots: int = 8,
+                backend: Literal["local", "mooncake"] = "local") -> EmbeddedPair:
+    """An EmbeddedPair of ``model`` over ``backend``, ``pages`` a side, invariants checked,
+    holding what ``hybrid`` says beside the full pools."""
     scheduler = SchedulerConfig(page_size=page_size, chunked_prefill_size=chunk,
                                 check_invariants=True)
     return EmbeddedPair(PairConfig(model=model.config, scheduler=scheduler, overlap=overlap,
-                                   prefill_pages=pages, decode_pages=pages,
+                                   prefill_pages=pages, decode_pages=pages, backend=backend,
                                    metadata_slots=metadata_slots, hybrid=hybrid), model=model)

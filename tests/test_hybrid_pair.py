@@ -6,6 +6,7 @@ page, SWA page and recurrent slot free."""
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 import attrs
 import pytest
@@ -15,13 +16,13 @@ from hypothesis import strategies as st
 from kv.pages import pages_needed
 from kv.state_pools import StatePools
 from lifecycle import SamplingParams
-from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.embedded import EmbeddedPair
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.model.side_pools import HybridConfig
-from scheduler.prefill.config import SchedulerConfig
 from tests.hybrid_harness import hybrid_pair
 
 PS, PAGES, SWA_PAGES, SLOTS = 4, 64, 48, 3
+Backend = Literal["local", "mooncake"]
 CONFIGS = {
     "swa": dict(layers=3, swa_layers=(0, 2), sliding_window=6),
     "recurrent": dict(layers=3, recurrent_layers=(1,)),
@@ -33,14 +34,10 @@ def hybrid_model(name: str) -> LlamaModel:
     return LlamaModel(attrs.evolve(ModelConfig.tiny(seed=3), **CONFIGS[name]))
 
 
-def make_pair(model: LlamaModel, overlap: bool = False) -> EmbeddedPair:
+def make_pair(model: LlamaModel, overlap: bool = False, backend: Backend = "local") -> EmbeddedPair:
+    hybrid = HybridConfig(swa_pages=SWA_PAGES, state_slots=SLOTS)
     return hybrid_pair(
-        model,
-        HybridConfig(swa_pages=SWA_PAGES, state_slots=SLOTS),
-        page_size=PS,
-        pages=PAGES,
-        chunk=8,
-        overlap=overlap,
+        model, hybrid, page_size=PS, pages=PAGES, chunk=8, overlap=overlap, backend=backend
     )
 
 
@@ -64,14 +61,23 @@ def all_free(pair: EmbeddedPair, pages: int = PAGES) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "overlap"), [("swa", False), ("recurrent", False), ("both", False), ("both", True)]
+    ("name", "overlap", "backend"),
+    [
+        ("swa", False, "local"),
+        ("recurrent", False, "local"),
+        ("both", False, "local"),
+        ("both", True, "local"),
+        pytest.param("both", False, "mooncake", marks=pytest.mark.mooncake),
+    ],
 )
-def test_each_hybrid_configuration_decodes_the_colocated_tokens(name: str, overlap: bool) -> None:
+def test_each_hybrid_configuration_decodes_the_colocated_tokens(
+    name: str, overlap: bool, backend: Backend
+) -> None:
     model = hybrid_model(name)
     rng = random.Random(len(name))
     # More requests than recurrent slots: some wait for a slot on either side.
     prompts = {f"r{n}": [rng.randrange(256) for _ in range(n)] for n in (3, 9, 13, 21, 30)}
-    pair = make_pair(model, overlap)
+    pair = make_pair(model, overlap, backend)
     try:
         assert pair.decode.states is not None
         poison(pair.decode.states)
@@ -88,22 +94,6 @@ def test_each_hybrid_configuration_decodes_the_colocated_tokens(name: str, overl
         all_free(pair)
     finally:
         pair.close()
-
-
-def test_a_hybrid_pair_refuses_pools_that_cannot_carry_its_state() -> None:
-    model = hybrid_model("both")
-    with pytest.raises(ValueError, match="does not carry state pools"):
-        EmbeddedPair(
-            PairConfig(
-                model=model.config,
-                backend="mooncake",
-                scheduler=SchedulerConfig(page_size=PS),
-                prefill_pages=PAGES,
-                decode_pages=PAGES,
-                hybrid=HybridConfig(),
-            ),
-            model=model,
-        )
 
 
 @st.composite

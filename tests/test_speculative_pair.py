@@ -7,6 +7,7 @@ acceptances are those of the same hand-off computed colocated."""
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 import attrs
 import pytest
@@ -28,8 +29,14 @@ PS, PAGES, CHUNK, DRAFT_LAYERS, K, MAX_NEW = 4, 96, 8, 2, 3, 14
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
 
 
-def make_pair(hybrid: HybridConfig | None, overlap: bool = False) -> EmbeddedPair:
-    return hybrid_pair(TARGET, hybrid, page_size=PS, pages=PAGES, chunk=CHUNK, overlap=overlap)
+def make_pair(
+    hybrid: HybridConfig | None,
+    overlap: bool = False,
+    backend: Literal["local", "mooncake"] = "local",
+) -> EmbeddedPair:
+    return hybrid_pair(
+        TARGET, hybrid, page_size=PS, pages=PAGES, chunk=CHUNK, overlap=overlap, backend=backend
+    )
 
 
 def assert_greedy(outputs: dict[str, tuple[int, ...]], prompts: dict[str, list[int]]) -> None:
@@ -71,13 +78,16 @@ def serve(
     return {rid: got.decode.output_ids for rid, got in out.items() if got.decode is not None}
 
 
-def test_a_speculative_pair_decodes_plain_greedy_from_the_prefill_handoff() -> None:
+@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def test_a_speculative_pair_decodes_plain_greedy_from_the_prefill_handoff(
+    backend: Literal["local", "mooncake"],
+) -> None:
     rng = random.Random(8)
     prompts = {f"g{n}": [rng.randrange(256) for _ in range(n)] for n in (2, 7, 8, 19, 33)}
     requests = {rid: (p, GREEDY) for rid, p in prompts.items()}
     # A request that samples takes the plain path on decode (and the logits path on prefill).
     requests["sampled"] = (prompts["g19"], attrs.evolve(GREEDY, temperature=0.8, seed=2))
-    pair = make_pair(HybridConfig(draft_layers=DRAFT_LAYERS, speculative_k=K))
+    pair = make_pair(HybridConfig(draft_layers=DRAFT_LAYERS, speculative_k=K), backend=backend)
     try:
         decoder = pair.decode.speculative
         assert decoder is not None and pair.decode.states is not None
