@@ -4,9 +4,11 @@ Both sides run the same reference model over their own KV pools. With the ``loca
 (the default) the pages are copied from the prefill pool into the decode pool in-process; with
 ``mooncake`` both sides own a Mooncake Transfer Engine and the pages cross loopback TCP, with
 the bootstrap endpoint and the ZeroMQ control plane in between, exactly as between two
-processes. :class:`EmbeddedPair` drives both loops from the calling thread, which makes it the
-harness of the demo, the benchmarks and the end-to-end tests, and the simplest way to embed
-pdlife.
+processes. With ``PairConfig.hybrid`` both sides also hold a hybrid reference model's SWA pool
+and recurrent slots, or a draft model's pool (speculative decoding), and the backend moves them
+too (:mod:`scheduler.model.side_pools`). :class:`EmbeddedPair` drives both loops from the
+calling thread, which makes it the harness of the demo, the benchmarks and the end-to-end
+tests, and the simplest way to embed pdlife.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ and fires them; the work around each step lives in its own module. One pass
    (:mod:`.forward`): inline in the normal loop, on the device in the overlap loop;
 6. **land** — a batch's results: this pass's in the normal loop, the *previous* pass's in the
    overlap loop (so the host work hides behind the device). Non-last chunks fire
-   ``chunk_done``, last chunks ``prefilled`` (with a transfer deadline); failures deferred
-   while the batch was on the device settle now;
+   ``chunk_done``, last chunks ``prefilled`` (with a transfer deadline; with a runner that runs
+   a draft model, :mod:`.drafting`, the row carries the speculative hand-off); failures
+   deferred while the batch was on the device settle now;
 7. **reap** — the releaser frees the pages and slots of finished requests whose transfer has
    stopped touching them.
 
