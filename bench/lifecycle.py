@@ -18,12 +18,16 @@ number of requests, in one run:
      record rather than running its lifecycle
   g) the same dict moving a four-field record (id, prompt, progress, state): the floor issue 17
      first measured against, which holds less than a prefill request must (docs/benchmarks.md)
+  h) (d) with 64 other requests waiting in each live state all along, so that no batch is the
+     whole of its state's collection (as when some requests of a forward batch need more
+     chunks): the batch path checking and moving request by request
 
 It prints microseconds per request lifecycle (best of ``--repeats``; ``--clock cpu`` reads this
 process's CPU time, which other work on a shared machine moves less than wall time) and bytes
 allocated per request by creating it and running its lifecycle (tracemalloc; the prompt is
 shared and not counted), then ``RESULT lifecycle ratio=<a/d> us_per_request=<d>
-bytes_per_request=<d> one_by_one_us=<c> floor_ratio=<d/e> bare_floor_ratio=<d/g>``.
+bytes_per_request=<d> one_by_one_us=<c> floor_ratio=<d/e> bare_floor_ratio=<d/g>
+part_bucket_floor_ratio=<h/e>``.
 """
 
 from __future__ import annotations
@@ -131,10 +135,14 @@ def pdlife_one_by_one(n: int) -> list[Any]:
     return out
 
 
-def pdlife_batched(n: int) -> list[Any]:
+def pdlife_batched(n: int, *, parked: bool = False) -> list[Any]:
+    """(d); with ``parked``, (h): 64 other requests wait in each live state all along, so no
+    batch is the whole of its state's bucket and every check and move is request by request."""
     lc = _lifecycle()
     out: list[Any] = []
     fire = lc.fire
+    if parked:
+        _park(lc)
     for start in range(0, n, BATCH):
         stop = min(n, start + BATCH)
         batch = [PrefillRequest(f"r{i}", input_ids=PROMPT) for i in range(start, stop)]
@@ -148,6 +156,19 @@ def pdlife_batched(n: int) -> list[Any]:
         fire(PrefillEvent.TRANSFERRED, batch)
         out.extend(batch)
     return out
+
+
+def _park(lc: Lifecycle[PrefillRequest]) -> None:
+    """Leave ``BATCH`` requests in each live state: ``4 * BATCH`` admitted, then all but the
+    first ``BATCH`` bootstrapped, all but the first two ``BATCH`` scheduled, the last prefilled."""
+    park = [
+        PrefillRequest(f"p{i}", input_ids=PROMPT, computed=len(PROMPT)) for i in range(4 * BATCH)
+    ]
+    for r in park:
+        lc.admit(r)
+    for k, event in enumerate((PrefillEvent.BOOTSTRAPPED, PrefillEvent.SCHEDULE,
+                               PrefillEvent.PREFILLED), start=1):
+        lc.fire(event, park[k * BATCH:])
 
 
 # The dict variants move pdlife's own state values, so (f)'s record holds a state of its type.
@@ -260,6 +281,7 @@ VARIANTS: dict[str, Callable[[int], list[Any]]] = {
     "e) plain dict, same data (floor)": plain_dict,
     "f) plain dict, pdlife's record": plain_dict_pdlife_record,
     "g) plain dict, 4-field record": plain_dict_bare,
+    "h) as d), part of each bucket": partial(pdlife_batched, parked=True),
 }
 
 #: What the timings read: wall time (the default), or this process's CPU time.
@@ -389,9 +411,11 @@ def main() -> None:
     us_c = results["c) pdlife one by one"][0]
     us_e = results["e) plain dict, same data (floor)"][0]
     us_g = results["g) plain dict, 4-field record"][0]
+    us_h = results["h) as d), part of each bucket"][0]
     print(f"RESULT lifecycle ratio={us_a / us_d:.1f} us_per_request={us_d:.2f} "
           f"bytes_per_request={bytes_d:.0f} one_by_one_us={us_c:.2f} "
-          f"floor_ratio={us_d / us_e:.2f} bare_floor_ratio={us_d / us_g:.2f}")
+          f"floor_ratio={us_d / us_e:.2f} bare_floor_ratio={us_d / us_g:.2f} "
+          f"part_bucket_floor_ratio={us_h / us_e:.2f}")
 
 
 if __name__ == "__main__":
