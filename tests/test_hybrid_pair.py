@@ -180,3 +180,32 @@ def test_any_hybrid_pair_decodes_the_colocated_tokens_and_frees_everything(
         all_free(pair, pages)
     finally:
         pair.close()
+
+
+def test_a_tight_swa_pool_never_leaves_decoding_requests_waiting_for_each_other() -> None:
+    # The SWA pool holds the longest request's final pages and a few more. Reserving only the
+    # next page of each decoding request left all three waiting for a page (Hypothesis found
+    # it); requests start only when everything they may still take fits, so each finishes.
+    model = LlamaModel(
+        attrs.evolve(ModelConfig.tiny(), layers=3, swa_layers=(2,), sliding_window=1)
+    )
+    rng = random.Random(1)
+    prompts = {f"t{n}": [rng.randrange(256) for _ in range(n)] for n in (1, 10, 38)}
+    need = [pages_needed(len(p) + 4, 2) for p in prompts.values()]
+    hybrid = HybridConfig(swa_pages=max(need) + 6)
+    pair = hybrid_pair(
+        model, hybrid, page_size=2, pages=sum(need) + 2, chunk=None, metadata_slots=4
+    )
+    try:
+        for rid, prompt in prompts.items():
+            pair.submit(rid, prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        out = pair.run_until_done(prompts, timeout=60)
+        reference = ReferenceModel(model)
+        for rid, prompt in prompts.items():
+            got = out[rid].decode
+            assert got is not None and list(got.output_ids) == reference.generate(
+                prompt, 4, ignore_eos=True
+            )
+        all_free(pair, sum(need) + 2)
+    finally:
+        pair.close()
