@@ -24,10 +24,9 @@ is refused, and so is one from a decode rank the room does not wait for (``not_a
 A session is blacklisted after a failed engine write: its live rooms fail at once, since none
 of them can succeed.
 
-A destination that arrives before its sender exists waits (at most ``max_early_destinations``,
-oldest evicted first). ``clear()`` forgets a room and leaves a tombstone, so a late
-``Destination`` or ``Abort`` for it is dropped rather than attached to a later request that
-reuses the room number.
+A destination that arrives before its sender exists waits (:mod:`kv.mooncake_early`).
+``clear()`` forgets a room and leaves a tombstone, so a late ``Destination`` or ``Abort`` for
+it is dropped rather than attached to a later request that reuses the room number.
 
 Decode reads a FAILED ``Status`` as "prefill no longer writes into these pages", so it is owed
 only once the failed room is quiescent: no chunk of it queued or being written.
@@ -53,6 +52,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kv import wire
+from kv.mooncake_early import EarlyDestinations
 from kv.mooncake_legs import Chunk, Leg, Owed, PrefillRoom
 from kv.mooncake_slices import Target
 from kv.refusal import RefusedRooms
@@ -87,11 +87,10 @@ class PrefillRooms:
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._num_slots = num_slots
         self._bootstrap_timeout_s = bootstrap_timeout_s
-        self._max_early = max_early_destinations
         self._clock = clock
         self._lock = threading.Lock()
         self._rooms: dict[int, PrefillRoom] = {}
-        self._early: OrderedDict[int, list[wire.Destination]] = OrderedDict()
+        self._early = EarlyDestinations(max_early_destinations)
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._regs: dict[str, wire.Register] = {}
         self._targets: dict[str, Target] = {}
@@ -134,10 +133,7 @@ class PrefillRooms:
                 raise wire.WireError("duplicate_destination", f"room {dest.room}")
             if dest.room in self._tombstones:
                 raise wire.WireError("stale_room", f"room {dest.room} was already cleared")
-            self._early.setdefault(dest.room, []).append(dest)
-            if len(self._early) > self._max_early:
-                evicted, _ = self._early.popitem(last=False)
-                raise wire.WireError("early_overflow", f"evicted early room {evicted}")
+            self._early.keep(dest)
             return []
 
     def refuse(self, room: int, reason: str) -> list[Owed]:
@@ -145,7 +141,7 @@ class PrefillRooms:
         to come, is answered with the refusal (the statuses owed now, if some waited)."""
         with self._lock:
             self._refused.add(room, reason)
-            return [self._refusal(d, reason) for d in self._early.pop(room, [])]
+            return [self._refusal(d, reason) for d in self._early.take(room)]
 
     def peer_refused(self, room: int, reason: str) -> list[Owed]:
         """A decode rank will never send ``room``'s destination: the room fails now if it
@@ -164,14 +160,9 @@ class PrefillRooms:
         comes from another session."""
         with self._lock:
             rec = self._rooms.get(msg.room)
-            early = self._early.get(msg.room, [])
-            if rec is None and any(d.session == msg.session for d in early):
+            if rec is None and self._early.withdraw(msg.room, msg.session):
                 # Never reached this rank: nothing is written; decode learns its pages are
                 # free, and a sender created later for the room fails at once.
-                if rest := [d for d in early if d.session != msg.session]:
-                    self._early[msg.room] = rest
-                else:
-                    del self._early[msg.room]
                 self._peer_refused.add(msg.room, REASON_PEER_ABORTED)
                 return [Owed(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
             # Decode aborts only rooms it sent a destination for, on the same ordered socket:
@@ -196,7 +187,7 @@ class PrefillRooms:
             rec = PrefillRoom(room=room, created=self._clock())
             self._rooms[room] = rec
             self._tombstones.pop(room, None)
-            early = self._early.pop(room, [])
+            early = self._early.take(room)
             refused = self._peer_refused.pop(room)
             if refused is not None:
                 self._fail(rec, refusal(refused))
@@ -286,7 +277,7 @@ class PrefillRooms:
         with self._lock:
             if self._rooms.get(rec.room) is rec:
                 del self._rooms[rec.room]
-                self._early.pop(rec.room, None)
+                self._early.take(rec.room)
                 self._tombstones[rec.room] = None
                 # Failed before decode's destinations came: a late one gets the refusal.
                 if (not rec.paired and rec.status == KVPoll.FAILED

@@ -1,0 +1,50 @@
+"""Destinations that reached a Mooncake prefill rank before the room's sender exists.
+
+Decode sends a room's ``Destination`` as soon as it has the pages, and the router sends the
+request to both sides at once, so a destination often arrives before this rank admitted the
+request. :class:`EarlyDestinations` keeps them, per room and in arrival order, until
+:class:`kv.mooncake_rooms.PrefillRooms` creates the room (:meth:`EarlyDestinations.take`) or
+decode withdraws its own with an ``Abort`` (:meth:`EarlyDestinations.withdraw`). It holds at
+most ``limit`` rooms: one more evicts the oldest room's, which :meth:`EarlyDestinations.keep`
+reports as a :class:`~kv.wire.WireError` (counted and logged where the message came in). Not
+thread-safe: its owner's lock guards it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kv import wire
+
+
+class EarlyDestinations:
+    """The early destinations of one prefill rank, by room (oldest room first)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._rooms: OrderedDict[int, list[wire.Destination]] = OrderedDict()
+
+    def keep(self, dest: wire.Destination) -> None:
+        """Keep ``dest`` until its room is created; raises ``early_overflow`` naming the
+        room evicted when this makes one room too many."""
+        self._rooms.setdefault(dest.room, []).append(dest)
+        if len(self._rooms) > self._limit:
+            evicted, _ = self._rooms.popitem(last=False)
+            raise wire.WireError("early_overflow", f"evicted early room {evicted}")
+
+    def take(self, room: int) -> list[wire.Destination]:
+        """The destinations kept for ``room``, in arrival order; none are kept after."""
+        return self._rooms.pop(room, [])
+
+    def withdraw(self, room: int, session: str) -> bool:
+        """Drop ``session``'s destinations for ``room`` (an ``Abort`` from that session);
+        whether there were any. The other sessions' stay."""
+        kept = self._rooms.get(room, [])
+        rest = [d for d in kept if d.session != session]
+        if len(rest) == len(kept):
+            return False
+        if rest:
+            self._rooms[room] = rest
+        else:
+            del self._rooms[room]
+        return True
