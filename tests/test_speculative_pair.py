@@ -15,14 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifecycle import SamplingParams
-from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.embedded import EmbeddedPair
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.model.request_kv import RequestKV
 from scheduler.model.side_pools import HybridConfig
 from scheduler.model.speculative import SpeculativeDecoder, prefill_handoff
-from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch
-from tests.hybrid_harness import hybrid_pair
+from tests.hybrid_harness import hybrid_pair, make_runner
 
 TARGET = LlamaModel(attrs.evolve(ModelConfig.tiny(seed=4), layers=4))
 PS, PAGES, CHUNK, DRAFT_LAYERS, K, MAX_NEW = 4, 96, 8, 2, 3, 14
@@ -46,14 +45,14 @@ def assert_greedy(outputs: dict[str, tuple[int, ...]], prompts: dict[str, list[i
         assert list(outputs[rid]) == reference.generate(prompt, MAX_NEW, ignore_eos=True), rid
 
 
-def colocated_stats(prompts: dict[str, list[int]]) -> tuple[int, int]:
+def colocated_stats(prompts: dict[str, list[int]], model: LlamaModel = TARGET) -> tuple[int, int]:
     """Proposals made and accepted when each prompt's hand-off is computed colocated."""
     proposed = accepted = 0
     for rid, prompt in prompts.items():
-        draft_model = TARGET.draft(DRAFT_LAYERS)
-        target = PagedModelRunner(TARGET, TARGET.make_pool(num_pages=PAGES, page_size=PS))
+        draft_model = model.draft(DRAFT_LAYERS)
+        target = make_runner(model, PAGES, PS, swa_pages=PAGES, slots=1)
         draft = PagedModelRunner(draft_model, draft_model.make_pool(num_pages=PAGES, page_size=PS))
-        kv = RequestKV(rid)
+        kv = RequestKV(rid, state_slot=0 if model.config.recurrent_layers else -1)
         handoff = prefill_handoff(target, draft, kv, prompt, chunk=CHUNK, k=K)
         decoder = SpeculativeDecoder(target, draft, K)
         decoder.decode(kv, prompt, handoff, MAX_NEW, ignore_eos=True)
@@ -145,19 +144,36 @@ def test_the_overlap_loop_hands_off_the_same_and_an_abort_keeps_nothing() -> Non
     assert_greedy(got, prompts)
 
 
-def test_speculation_on_a_hybrid_decode_peer_is_refused() -> None:
-    model = LlamaModel(attrs.evolve(TARGET.config, swa_layers=(3,), sliding_window=8))
-    with pytest.raises(ValueError, match="swa state is not built"):
-        EmbeddedPair(
-            PairConfig(
-                model=model.config,
-                scheduler=SchedulerConfig(page_size=PS),
-                prefill_pages=PAGES,
-                decode_pages=PAGES,
-                hybrid=HybridConfig(draft_layers=DRAFT_LAYERS),
-            ),
-            model=model,
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_hybrid_target_decodes_speculatively_from_its_landed_state(overlap: bool) -> None:
+    """A target with a recurrent and a sliding-window layer past the draft's two: the peer's
+    rounds take their pages with SWA pages and restore the recurrent slot after a rejected
+    proposal; the output is plain greedy decoding's, the counts the colocated hand-off's."""
+    model = LlamaModel(
+        attrs.evolve(TARGET.config, recurrent_layers=(2,), swa_layers=(3,), sliding_window=5)
+    )
+    rng = random.Random(10)
+    prompts = {f"h{n}": [rng.randrange(256) for _ in range(n)] for n in (3, 11, 24)}
+    hybrid = HybridConfig(
+        draft_layers=DRAFT_LAYERS, speculative_k=K, state_slots=2, swa_pages=PAGES // 2
+    )
+    pair = hybrid_pair(model, hybrid, page_size=PS, pages=PAGES, chunk=CHUNK, overlap=overlap)
+    try:
+        got = serve(pair, {rid: (p, GREEDY) for rid, p in prompts.items()})
+        sample = pair.decode.metrics.registry.get_sample_value
+        counts = (
+            sample("pdlife_decode_spec_proposed_total"),
+            sample("pdlife_decode_spec_accepted_total"),
         )
+        for side in (pair.prefill.states, pair.decode.states):
+            assert side is not None and side.all_free()
+    finally:
+        pair.close()
+    reference = ReferenceModel(model)
+    for rid, prompt in prompts.items():
+        assert list(got[rid]) == reference.generate(prompt, MAX_NEW, ignore_eos=True), rid
+    assert counts == colocated_stats(prompts, model)
+    assert counts[0] is not None and counts[1] is not None and 0 < counts[1] < counts[0]
 
 
 @given(

@@ -178,6 +178,10 @@ class PeerPages:
         req.pages.extend(page)
         return True
 
+    def state_slot(self, req: DecodeRequest) -> int:
+        """``req``'s recurrent-state slot (-1 without one)."""
+        return self._state_slots.get(req.rid, -1)
+
     def item(self, req: DecodeRequest, token: int, position: int) -> ForwardItem:
         """The decode step of ``req``: ``token`` at ``position``."""
         swa = None if self.states is None else self.states.swa
@@ -187,7 +191,7 @@ class PeerPages:
             position,
             tuple(req.pages),
             swa_pages=() if swa is None else tuple(swa.translate(req.pages)),
-            state_slot=self._state_slots.get(req.rid, -1),
+            state_slot=self.state_slot(req),
         )
 
     def release(

@@ -129,7 +129,7 @@ class DecodePeer:
         self.metrics = metrics or DecodeMetrics()
         self.metrics.kv_pages_total.set(self.pool.num_pages)
         self.speculative = speculative
-        self._speculation = DecodeSpeculation(speculative, runner, self.metrics, states)
+        self._speculation = DecodeSpeculation(speculative, runner, self.metrics, self._pages)
 
     def submit(self, req: NewRequest) -> None:
         self._inbox.put(req)

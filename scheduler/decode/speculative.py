@@ -9,8 +9,9 @@ round for each such request (:meth:`~scheduler.model.speculative.Speculation.rou
 appends one or more tokens; every other request takes the batched one-token step as before. The
 draft's prefill is not recomputed: the round starts from the hand-off's proposal over the
 draft K/V of the prompt that came with the request's pages (into the draft pool of the peer's
-``states``, at the request's page indices). A model with SWA or recurrent state does not
-decode speculatively on the peer (refused when built: not built).
+``states``, at the request's page indices). For a hybrid target a round's pages come through
+the peer's :class:`~scheduler.decode.pages.PeerPages` with their SWA pages, and its recurrent
+slot is the request's (the decoder snapshots and restores it around a rejected proposal).
 
 A round that finds no free page for its proposals is retried as a one-token round, so
 speculation never stalls a request the plain path could serve (a round's pages stay within the
@@ -22,33 +23,57 @@ Proposals made and accepted are counted in the peer's metrics
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import attrs
 
 from kv.metadata import MetadataRow
-from kv.state_pools import StatePools
+from kv.pages import pages_needed
 from lifecycle import DecodeRequest
 from scheduler.decode.metrics import DecodeMetrics
+from scheduler.decode.pages import PeerPages
+from scheduler.model.reference import PagedModelRunner
 from scheduler.model.request_kv import PoolExhausted, RequestKV
 from scheduler.model.speculative import Handoff, Speculation, SpeculativeDecoder
-from scheduler.runner import ModelRunner
+from scheduler.runner import ForwardItem, ModelRunner
+
+
+@attrs.define
+class _PeerKV(RequestKV):
+    """A speculative request's pages as the peer holds them: a round's pages come through the
+    peer's :class:`PeerPages` (each with its SWA page), every SWA page stays the request's
+    until it ends (none is trimmed early), and the recurrent slot is the peer's."""
+
+    peer: PeerPages = attrs.field(kw_only=True)
+    req: DecodeRequest = attrs.field(kw_only=True)
+
+    def item(self, runner: PagedModelRunner, input_ids: Sequence[int], start: int,
+             all_logits: bool = False, keep_from: int | None = None) -> ForwardItem:
+        self.reserve(runner, start + len(input_ids))
+        item = self.peer.item(self.req, 0, start)
+        return attrs.evolve(item, input_ids=tuple(input_ids), all_logits=all_logits)
+
+    def reserve(self, runner: PagedModelRunner, end: int) -> None:
+        ps = runner.pool.page_size
+        while pages_needed(end, ps) > len(self.pages):
+            if not self.peer.grow(self.req, len(self.pages) * ps):
+                raise PoolExhausted(self.rid, "KV")
 
 
 class DecodeSpeculation:
     """The peer's speculative requests, by request id (none without a ``decoder``)."""
 
     def __init__(self, decoder: SpeculativeDecoder | None, runner: ModelRunner,
-                 metrics: DecodeMetrics, states: StatePools | None = None) -> None:
+                 metrics: DecodeMetrics, pages: PeerPages) -> None:
         if decoder is not None and decoder.target is not runner:
             raise ValueError("the speculative decoder's target runner must be the decode "
                              "peer's runner (they share the pool and its pages)")
-        if decoder is not None and states is not None:
-            if states.kinds:
-                raise ValueError(f"speculative decoding on the decode peer of a model with "
-                                 f"{', '.join(states.kinds)} state is not built")
-            if states.draft is not decoder.draft.pool:
-                raise ValueError("states: the draft pool must be the speculative decoder's "
-                                 "draft pool (the prefill side's draft K/V lands there)")
+        if decoder is not None and pages.states is not None and (
+                pages.states.draft is not decoder.draft.pool):
+            raise ValueError("states: the draft pool must be the speculative decoder's "
+                             "draft pool (the prefill side's draft K/V lands there)")
         self.decoder = decoder
+        self._pages = pages
         self._metrics = metrics
         self._live: dict[str, Speculation] = {}
 
@@ -61,7 +86,8 @@ class DecodeSpeculation:
         if self.decoder is None or not plain or row.speculative is None:
             return False
         # The request's page list itself: pages a round takes are the request's, freed with it.
-        kv = RequestKV(req.rid, pages=req.pages)
+        kv = _PeerKV(req.rid, pages=req.pages, state_slot=self._pages.state_slot(req),
+                     peer=self._pages, req=req)
         self._live[req.rid] = self.decoder.start(kv, req.input_ids, Handoff.from_row(row))
         return True
 
