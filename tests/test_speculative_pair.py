@@ -185,8 +185,10 @@ def test_a_hybrid_target_decodes_speculatively_from_its_landed_state(overlap: bo
     overlap=st.booleans(),
     abort_at=st.one_of(st.none(), st.integers(0, 12)),
     seed=st.integers(0, 99),
+    above=st.lists(st.sampled_from("fsr"), min_size=3, max_size=3),
+    window=st.integers(1, 12),
 )
-@settings(max_examples=15)
+@settings(max_examples=20)
 def test_any_speculative_pair_decodes_plain_greedy(
     lengths: list[int],
     draft_layers: int,
@@ -196,15 +198,28 @@ def test_any_speculative_pair_decodes_plain_greedy(
     overlap: bool,
     abort_at: int | None,
     seed: int,
+    above: list[str],
+    window: int,
 ) -> None:
-    """Any prompts, draft, k, chunking and loop, the first request maybe aborted at any pass:
-    every answer that finished is plain greedy decoding's, and both sides end empty."""
+    """Any prompts, draft, k, chunking and loop, sliding-window (``s``) or recurrent (``r``)
+    target layers past the draft's, the first request maybe aborted at any pass: every answer
+    that finished is plain greedy decoding's, and both sides end empty."""
+    kinds = ["f"] * draft_layers + above[: 4 - draft_layers]
+    swa = tuple(i for i, kind in enumerate(kinds) if kind == "s")
+    model = LlamaModel(
+        attrs.evolve(
+            TARGET.config,
+            swa_layers=swa,
+            sliding_window=window if swa else 0,
+            recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "r"),
+        )
+    )
     rng = random.Random(seed)
     prompts = {f"s{i}": [rng.randrange(256) for _ in range(n)] for i, n in enumerate(lengths)}
     chunk = None if chunk_pages is None else chunk_pages * PS
     pair = hybrid_pair(
-        TARGET,
-        HybridConfig(draft_layers=draft_layers, speculative_k=k),
+        model,
+        HybridConfig(draft_layers=draft_layers, speculative_k=k, state_slots=2),
         page_size=PS,
         pages=PAGES,
         chunk=chunk,
@@ -226,7 +241,7 @@ def test_any_speculative_pair_decodes_plain_greedy(
         assert pair.decode_pool.allocator.available() == PAGES
     finally:
         pair.close()
-    reference = ReferenceModel(TARGET)
+    reference = ReferenceModel(model)
     for rid, prompt in prompts.items():
         got = out[rid]
         if rid != "s0" or abort_at is None:
