@@ -82,6 +82,7 @@ class PeerPages:
         self.pool, self.slots, self.metadata, self.states = pool, slots, metadata, states
         self._state_slots: dict[str, int] = {}  # rid -> recurrent slot
         self._holders: dict[str, DecodeRequest] = {}  # the requests holding pages
+        self._reserved = 0  # the pages they may still take (:meth:`reserved`)
         self._releaser = Releaser(pool, slots, metadata, states)
 
     def admissible(self) -> int:
@@ -106,16 +107,16 @@ class PeerPages:
         return max(0, self.final_pages(req) - len(req.pages))
 
     def reserved(self) -> int:
-        """The pages the requests holding pages may still take (one pass's look, O(holders))."""
-        return sum(self.to_come(r) for r in self._holders.values())
+        """The pages the requests holding pages may still take (kept as they take pages)."""
+        return self._reserved
 
-    def take(self, req: DecodeRequest, reserved: int) -> bool:
+    def take(self, req: DecodeRequest) -> bool:
         """Give ``req`` the pages of its prompt with their state and a metadata slot when all
-        the pages it may come to hold fit beside ``reserved`` (:meth:`reserved`, plus what the
-        requests taken since may still take); False, having taken nothing, otherwise."""
+        the pages it may come to hold fit beside :meth:`reserved`; False, having taken
+        nothing, otherwise."""
         need = pages_needed(len(req.input_ids), self.pool.page_size)
         states = self.states
-        if self.available() - self.final_pages(req) < reserved or (
+        if self.available() - self.final_pages(req) < self._reserved or (
             states is not None and states.slots_available() == 0
         ):
             return False
@@ -133,6 +134,7 @@ class PeerPages:
                 self._state_slots[req.rid] = state_slot
         req.pages, req.slot = pages, slot
         self._holders[req.rid] = req
+        self._reserved += self.to_come(req)
         self.metadata.clear(slot)
         return True
 
@@ -175,6 +177,7 @@ class PeerPages:
             return False
         if self.states is not None:
             self.states.grow(page, after=after)
+        self._reserved -= min(1, self.to_come(req))
         req.pages.extend(page)
         return True
 
@@ -202,7 +205,8 @@ class PeerPages:
     ) -> None:
         """Hand ``req``'s pages, slots and state to the releaser (freed once ``receiver`` is
         quiescent, then ``on_clear`` is called) and clear them from the record."""
-        self._holders.pop(req.rid, None)
+        if self._holders.pop(req.rid, None) is not None:
+            self._reserved -= self.to_come(req)
         self._releaser.release(
             receiver, req.pages, req.slot, on_clear, state_slot=self._state_slots.pop(req.rid, None)
         )
@@ -222,6 +226,11 @@ class PeerPages:
         live = list(live)
         held = [r.pages for r in live] + self._releaser.held_page_lists()
         self.pool.allocator.check_conservation(held)
+        to_come = sum(self.to_come(r) for r in self._holders.values())
+        if to_come != self._reserved:
+            raise AssertionError(
+                f"reserved pages: kept {self._reserved}, the holders may still take {to_come}"
+            )
         if self.states is None:
             return
         for req in live:

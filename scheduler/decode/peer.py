@@ -296,13 +296,11 @@ class DecodePeer:
         )
         ready: list[DecodeRequest] = []
         # Every page a running request may still take stays free, so decoding cannot deadlock.
-        reserved = self._pages.reserved()
         for req in prealloc.values():
             if running + len(ready) >= self.config.max_running_requests:
                 break
-            if not self._pages.take(req, reserved):
+            if not self._pages.take(req):
                 break
-            reserved += self._pages.to_come(req)
             ready.append(req)
         for req in ready:
             receiver = receiver_of(req)
