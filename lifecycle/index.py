@@ -4,13 +4,13 @@ Theory of operation
 -------------------
 A :class:`~lifecycle.machine.Lifecycle` files every live request in the bucket of its state: an
 insertion-ordered dict, request id → request (the scheduler's queues *are* these buckets), and
-keeps every live request by id. Invariant 4 of docs/DESIGN.md: the buckets are exactly the live
-requests by state. So a batch is a legal batch for an edge out of ``src`` exactly when each of its
-requests is the one filed under its id in ``src``'s bucket, and none appears twice; the index is
-the truth the checks read.
+keeps every live request by id. Invariant 4 (docs/architecture.md#invariants, checked by
+``Lifecycle.check_index``): the buckets are exactly the live requests by state. So a batch is
+legal for an edge out of ``src`` exactly when each of its requests is the one filed under its id
+in ``src``'s bucket, and none appears twice; the index is the truth the checks read.
 
-The common batch is a whole bucket in its own order: every request of a forward batch leaves
-FORWARD together, a pass's bootstrapped requests leave BOOTSTRAPPING together.
+A common batch is a whole bucket in its own order: a forward batch whose requests all finish
+their prompts leaves FORWARD together, a pass that schedules every waiting request empties WAITING.
 :func:`whole_bucket` recognises it with one comparison of two lists (identity per element, in C),
 and the move is then a bucket at once: ``dst.update(src)`` and ``src.clear()``, both in C, where a
 batch of part of a bucket pays a delete and an insert per request. Either way each request's

@@ -38,8 +38,8 @@ The two paths:
   (:mod:`lifecycle.steps`; docs/benchmarks.md has the figures).
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
   looked up once for the batch, the clock read once, and the batch shares one timeline entry
-  (a tuple). A batch that is the whole of its state's bucket, in the bucket's order (a forward
-  batch leaving FORWARD, a pass's bootstrapped requests), is checked by one list comparison
+  (a tuple). A batch that is the whole of its state's bucket, in the bucket's order (as a
+  forward batch whose requests all finish their prompts is), is checked by one list comparison
   against the bucket and moves as a bucket (:mod:`lifecycle.index`). This is the scheduler's
   path and is several times cheaper per request than firing one by one.
 
