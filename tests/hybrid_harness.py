@@ -77,3 +77,13 @@ def hybrid_pair(model: LlamaModel, hybrid: HybridConfig | None, *, page_size: in
     return EmbeddedPair(PairConfig(model=model.config, scheduler=scheduler, overlap=overlap,
                                    prefill_pages=pages, decode_pages=pages, backend=backend,
                                    metadata_slots=metadata_slots, hybrid=hybrid), model=model)
+
+
+def assert_empty(pair: EmbeddedPair, pages: int) -> None:
+    """Both sides' invariants hold and they hold nothing: every page of ``pages``, SWA page,
+    recurrent slot and metadata slot is free."""
+    for side in (pair.prefill, pair.decode):
+        side.check_invariants()
+        assert side.pool.allocator.available() == pages
+        assert side.states is None or side.states.all_free()
+        assert side.slots.available() == side.slots.num_slots

@@ -19,7 +19,7 @@ from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.model.side_pools import HybridConfig
-from tests.hybrid_harness import hybrid_pair
+from tests.hybrid_harness import assert_empty, hybrid_pair
 
 PS, PAGES, SWA_PAGES, SLOTS = 4, 64, 48, 3
 Backend = Literal["local", "mooncake"]
@@ -48,16 +48,6 @@ def poison(states: StatePools) -> None:
         states.swa.pool.buffer.fill_(float("nan"))
     if states.recurrent is not None:
         states.recurrent.buffer.fill_(7777)
-
-
-def all_free(pair: EmbeddedPair, pages: int = PAGES) -> None:
-    for side in (pair.prefill, pair.decode):
-        assert side.states is not None
-        assert side.pool.allocator.available() == pages
-        assert side.states.all_free()
-        assert side.slots.available() == side.slots.num_slots
-    pair.prefill.check_invariants()
-    pair.decode.check_invariants()
 
 
 @pytest.mark.parametrize(
@@ -91,7 +81,7 @@ def test_each_hybrid_configuration_decodes_the_colocated_tokens(
             assert list(got.decode.output_ids) == reference.generate(prompt, 11, ignore_eos=True), (
                 rid
             )
-        all_free(pair)
+        assert_empty(pair, PAGES)
     finally:
         pair.close()
 
@@ -177,7 +167,7 @@ def test_any_hybrid_pair_decodes_the_colocated_tokens_and_frees_everything(
                 assert list(got.decode.output_ids) == reference.generate(
                     prompt, max_new, ignore_eos=True
                 ), rid
-        all_free(pair, pages)
+        assert_empty(pair, pages)
     finally:
         pair.close()
 
@@ -206,6 +196,6 @@ def test_a_tight_swa_pool_never_leaves_decoding_requests_waiting_for_each_other(
             assert got is not None and list(got.output_ids) == reference.generate(
                 prompt, 4, ignore_eos=True
             )
-        all_free(pair, sum(need) + 2)
+        assert_empty(pair, sum(need) + 2)
     finally:
         pair.close()
