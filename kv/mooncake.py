@@ -65,6 +65,7 @@ from kv.mooncake_state import pool_memory
 from kv.mooncake_writes import WritePipeline
 from kv.pool import KVPool
 from kv.rank_table import RankInfo, RankPlace
+from kv.routes import dp_rank_of
 from kv.state_copy import check_state
 from kv.state_pools import StateKind, StatePools
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError
@@ -163,8 +164,10 @@ class MooncakeKVManager:
         self._tell_decode(self._rooms.refuse(room, reason))
 
     def peer_refused(self, room: int, reason: str) -> None:
-        """The decode peer will never ask for ``room`` (a bootstrap refusal listener)."""
-        self._tell_decode(self._rooms.peer_refused(room, reason))
+        """The decode peer will never ask for ``room`` (a bootstrap refusal listener); a room
+        another DP replica serves (:func:`kv.routes.dp_rank_of`) is not this rank's."""
+        if dp_rank_of(room, self.place.dp_size) == self.place.dp_rank:
+            self._tell_decode(self._rooms.peer_refused(room, reason))
 
     def close(self) -> None:
         self._control.stop()

@@ -10,6 +10,7 @@ import logging
 import socket
 from collections.abc import Iterator
 
+import attrs
 import pytest
 
 from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
@@ -18,6 +19,7 @@ from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
+from kv.rank_table import RankPlace
 from kv.refusal import RefusalPoster, RefusedRooms
 from kv.transfer import KVPoll, TransferError
 from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
@@ -184,6 +186,23 @@ def test_mooncake_a_decode_refusal_reaches_prefill_through_its_bootstrap(
     later = mooncake.prefill.create_sender(addr, 12)
     assert later.poll() == KVPoll.FAILED
     assert _refused(later.failure_exception(), "invalid_request: max_new_tokens")
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_refusal_of_another_dp_replicas_room_is_not_this_ranks() -> None:
+    pool = make_pool()
+    place = attrs.evolve(RankPlace.single(num_layers=pool.num_layers, kv_heads=pool.kv_heads),
+                         dp_rank=1, dp_size=2)
+    kv = MooncakeKVManager(pool, MetadataBuffers(4), place=place)
+    try:
+        kv.peer_refused(20, "replica 0's room")
+        kv.peer_refused(21, "replica 1's room")
+        assert kv.create_sender("127.0.0.1:1", 20).poll() == KVPoll.BOOTSTRAPPING
+        mine = kv.create_sender("127.0.0.1:1", 21)
+        assert mine.poll() == KVPoll.FAILED
+        assert _refused(mine.failure_exception(), "replica 1's room")
+    finally:
+        kv.close()
 
 
 @pytest.mark.mooncake

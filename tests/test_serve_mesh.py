@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -117,6 +119,55 @@ def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
         for proc in reversed(procs):
             proc.stop(timeout=60)
     assert "killing them" not in decode.log.read_text()
+
+
+@pytest.mark.mooncake
+@pytest.mark.multiprocess
+def test_a_decode_refusal_reaches_the_replica_of_its_room(tmp_path: Path) -> None:
+    """A prefill of two DP replicas and no decode: each refused room fails its request on the
+    replica that serves it (``room % 2``) at once, whether the refusal comes before the
+    request or after it; the bootstrap timeout is far beyond the test's."""
+    bootstrap = free_port()
+    server = Server(tmp_path / "prefill.log", "--role", "prefill", "--backend", "mooncake",
+                    "--bootstrap-port", str(bootstrap), "--dp-size", "2", "--page-size", "4",
+                    "--bootstrap-timeout", "3600", *model_flags(MODEL), "--log-level", "info")
+
+    def refuse(room: int) -> None:
+        r = httpx.post(f"http://127.0.0.1:{bootstrap}/refusal", timeout=30,
+                       json={"room": room, "reason": f"decode gave up on {room}"})
+        assert r.status_code == 200, r.text
+
+    def waiting(info: dict[str, Any]) -> bool:
+        return bool(info["live_requests"] == 2
+                    and info["requests"]["prefill"].get("bootstrapping") == 1)
+
+    def generate(room: int) -> httpx.Response:
+        return httpx.post(f"{server.url}/generate", timeout=120, json={
+            "input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 1},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap,
+            "bootstrap_room": room})
+
+    try:
+        server.wait_healthy(timeout=180)
+        answers: dict[int, httpx.Response] = {}
+        for room in (11, 12):  # replica 1, then replica 0: the refusal first
+            refuse(room)
+            answers[room] = generate(room)
+        with ThreadPoolExecutor(2) as pool:  # the requests first
+            later = {room: pool.submit(generate, room) for room in (13, 14)}
+            wait_for(lambda: waiting(server.get("/server_info")), 60,
+                     "both requests live, replica 0's waiting for its destination")
+            for room in later:
+                refuse(room)
+            answers |= {room: f.result() for room, f in later.items()}
+        for room, r in answers.items():
+            assert r.status_code != 200, (room, r.text)
+            assert f"decode gave up on {room}" in r.text, (room, r.text)
+        wait_for(lambda: idle(server.get("/server_info")), 30, "the pool free again")
+        log = server.tail()
+        assert server.stop(timeout=60) == 0, log
+    finally:
+        server.stop()
 
 
 def _config(*flags: str) -> ServeConfig:

@@ -75,6 +75,9 @@ class Replicas(Protocol):
 
     def abort(self, rid: str) -> None: ...
 
+    def refuse(self, room: int, reason: str) -> None:
+        """A decode peer refused ``room``: tell the replica of the room, if not this one."""
+
     def answer_to(self, callback: Callable[[Response], None]) -> None:
         """Hand the replicas' answers to ``callback`` (from another thread)."""
 
@@ -128,9 +131,11 @@ class Service:
                 config.model.layers, config.model.kv_heads, 0, config.dp_size),
             decode_mesh=decode_mesh,
         )
+        self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv
         if replicas is not None:
             replicas.answer_to(self._on_prefill)
-        self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv
+            if self.bootstrap is not None:
+                self.bootstrap.add_refusal_listener(replicas.refuse)
         self.prefill, self.decode = engines.prefill, engines.decode
         engine = self.prefill if self.prefill is not None else self.decode
         self.metrics = ServiceMetrics(engine.metrics.registry if engine is not None else None)

@@ -24,7 +24,10 @@ decode side contacts for that room (:func:`kv.routes.dp_rank_of`). Replica 0's r
 rank 0's scheduler, stepped by the service's engine loop; another replica's first rank takes
 its requests off a queue from the launcher (:func:`_lead`) and puts its answers on a queue
 the launcher reads (:meth:`Ranks.answer_to`). Aborts go to every replica (an abort of a
-request a replica does not hold is ignored).
+request a replica does not hold is ignored). A decode peer's refusal of a room (``POST
+/refusal`` at rank 0's bootstrap endpoint) goes to the replica of the room
+(:meth:`Ranks.refuse`): replica 0's to rank 0's manager, another's over the queue to its first
+rank's; the replica's other ranks fail the request with it through the agreements.
 
 Start: rank 0 builds its engines (with Mooncake: the bootstrap endpoint for all ``D*T*P``
 ranks), then :meth:`Ranks.started` lets every other rank build and register. Shutdown:
@@ -51,9 +54,12 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import attrs
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
+from kv.mooncake import MooncakeKVManager
+from kv.routes import dp_rank_of
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import AbortRequest, NewRequest, Response
@@ -93,8 +99,16 @@ def _join(rank: int, world: int, port: int, config: ServeConfig) -> MeshControl:
     return control
 
 
-# What the launcher puts on a replica's queue besides requests and aborts.
+# What the launcher puts on a replica's queue besides requests, aborts and refusals.
 _STARTED, _STOP = "started", "stop"
+
+
+@attrs.frozen
+class _Refusal:
+    """A decode peer will never ask for ``room`` (for the replica that serves it)."""
+
+    room: int
+    reason: str
 
 
 class Ranks:
@@ -145,6 +159,13 @@ class Ranks:
         """Abort ``rid`` on the other replicas (those that do not hold it ignore it)."""
         for inbox in self._inboxes:
             inbox.put(AbortRequest(rid))
+
+    def refuse(self, room: int, reason: str) -> None:
+        """A decode peer refused ``room`` (a bootstrap refusal listener): tell the replica
+        that serves it, unless that is replica 0 (rank 0's manager listens itself)."""
+        replica = dp_rank_of(room, self.dp_size)
+        if replica:
+            self._inboxes[replica - 1].put(_Refusal(room, reason))
 
     def answer_to(self, callback: Callable[[Response], None]) -> None:
         """Hand every answer of the other replicas to ``callback`` (on a reader thread)."""
@@ -259,6 +280,8 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, inbox: Any, a
                     scheduler.abort(item.rid)
                 elif isinstance(item, NewRequest):
                     scheduler.submit(item)
+                elif isinstance(item, _Refusal) and isinstance(scheduler.kv, MooncakeKVManager):
+                    scheduler.kv.peer_refused(item.room, item.reason)
             step_or_rest(scheduler.step)
     except Exception:
         logger.critical("prefill replica %d failed; its requests are not answered", replica,
