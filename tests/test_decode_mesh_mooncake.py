@@ -77,6 +77,7 @@ def _prefill(port: int) -> list[list[object]]:
     responses: list[Response] = []
     try:
         kv.register_to_bootstrap(f"127.0.0.1:{port}")
+        server.add_refusal_listener(kv.peer_refused)  # as pdlife serve wires it
         dist.barrier()  # registered before the decode ranks look the prefill up
         sched = PrefillScheduler(
             config=SchedulerConfig(page_size=PAGE, chunked_prefill_size=16,
@@ -89,7 +90,8 @@ def _prefill(port: int) -> list[list[object]]:
             sched.submit(req)
         step_until(sched.step, lambda: len(responses) == len(reqs) and sched.idle(), DEADLINE_S,
                    lambda: f"prefill answered {len(responses)} of {len(reqs)} requests "
-                           f"({sched.lifecycle.counts()})")
+                           f"({sched.lifecycle.counts()}; control messages dropped: "
+                           f"{kv.dropped_messages.snapshot()})")
         sched.close()
         assert sched.pages_held == 0
         assert kv.live_rooms() == 0
@@ -125,7 +127,8 @@ def _decode(control: DecodeMeshControl, port: int) -> dict[str, object]:
             step_or_rest(peer.step)
             peer.check_invariants()
             assert time.monotonic() < end, (
-                f"decode answered {len(responses)} of {len(reqs)} ({peer.lifecycle.counts()})")
+                f"decode answered {len(responses)} of {len(reqs)} ({peer.lifecycle.counts()}; "
+                f"control messages dropped: {kv.dropped_messages.snapshot()})")
         assert pool.allocator.in_use() == 0
         assert slots.available() == SLOTS
         assert kv.live_rooms() == 0

@@ -70,6 +70,8 @@ def _prefill(control: MeshControl, port: int) -> list[list[object]]:
     try:
         dist.barrier()  # the endpoint is up before any rank registers
         kv.register_to_bootstrap(f"127.0.0.1:{port}")
+        if server is not None:
+            server.add_refusal_listener(kv.peer_refused)  # as pdlife serve wires it
         dist.barrier()  # every prefill rank registered before the decode rank looks them up
         sched = PrefillScheduler(
             config=SchedulerConfig(page_size=PAGE, chunked_prefill_size=16,
@@ -81,7 +83,7 @@ def _prefill(control: MeshControl, port: int) -> list[list[object]]:
         if control.first:
             for i in range(len(PROMPTS)):
                 sched.submit(request(i, port))
-        step_until_idle(sched, control)
+        step_until_idle(sched, control, kv)
         sched.close()
         assert sched.pages_held == 0
     finally:
@@ -92,7 +94,8 @@ def _prefill(control: MeshControl, port: int) -> list[list[object]]:
     return [[r.rid, r.state.name, r.first_token] for r in responses]
 
 
-def step_until_idle(sched: PrefillScheduler, control: MeshControl) -> None:
+def step_until_idle(sched: PrefillScheduler, control: MeshControl,
+                    kv: MooncakeKVManager) -> None:
     end = time.monotonic() + DEADLINE_S
     started = False
     while True:
@@ -101,7 +104,9 @@ def step_until_idle(sched: PrefillScheduler, control: MeshControl) -> None:
         if control.all_agree(started and sched.idle()):
             return
         if time.monotonic() > end:
-            raise TimeoutError(f"the prefill mesh did not finish in {DEADLINE_S} s")
+            raise TimeoutError(
+                f"the prefill mesh did not finish in {DEADLINE_S} s: {sched.lifecycle.counts()}"
+                f"; control messages dropped: {kv.dropped_messages.snapshot()}")
 
 
 def _decode(port: int) -> list[list[object]]:
