@@ -15,6 +15,13 @@ hold at the same moment, so no tree page it used can be evicted while the transf
 A hybrid model's state (:mod:`kv.state_pools`) goes with the pages: the SWA pages of the freed
 pages and the request's recurrent-state slot are freed at the same moment, never before the
 transfer that may read them is quiescent.
+
+On a mesh (``agree``), each rank's sender goes quiescent when its own writes end, but every
+rank must free a request's pages and slot on the same pass, or the ranks' free pages and slots,
+and so their batches, would differ. There every finished request is held, and :meth:`reap`
+frees those the ranks agree on: the MIN of every rank's quiescence, over the held requests in
+release order (the same on every rank, since requests end on the same pass everywhere). Then
+:meth:`Releaser.reap` is a collective whenever something is held.
 """
 
 from __future__ import annotations
@@ -54,11 +61,14 @@ class Releaser:
     """Frees pages and slots exactly once, never while a transfer may still use them."""
 
     def __init__(self, pool: KVPool, slots: SlotAllocator, metadata: MetadataBuffers,
-                 states: StatePools | None = None) -> None:
+                 states: StatePools | None = None,
+                 agree: Callable[[Sequence[int]], list[int]] | None = None) -> None:
+        """``agree``: on a mesh, the MIN of each value over the ranks (see the module)."""
         self.pool = pool
         self.states = states
         self.slots = slots
         self.metadata = metadata
+        self._agree = agree
         self._held: list[_Held] = []
 
     def release(
@@ -75,18 +85,22 @@ class Releaser:
         it and call ``on_clear`` (the owner forgets the room only then, so it is not reused
         early)."""
         held = _Held(transfer, list(pages), slot, on_clear, hold, state_slot)
-        if transfer is not None and not transfer.quiescent():
+        if transfer is not None and (self._agree is not None or not transfer.quiescent()):
             self._held.append(held)
             return
         self._finish(held)
 
     def reap(self) -> bool:
-        """Free what became quiescent; True if anything was freed."""
+        """Free what became quiescent (on a mesh: on every rank); True if anything was
+        freed."""
         if not self._held:
             return False
+        quiet = [held.transfer is None or held.transfer.quiescent() for held in self._held]
+        if self._agree is not None:
+            quiet = [bool(q) for q in self._agree([int(q) for q in quiet])]
         keep = []
-        for held in self._held:
-            if held.transfer is None or held.transfer.quiescent():
+        for held, done in zip(self._held, quiet, strict=True):
+            if done:
                 self._finish(held)
             else:
                 keep.append(held)

@@ -49,6 +49,7 @@ of the slot queue, and the waiting requests the adder considers — never every 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -65,6 +66,7 @@ from lifecycle import (
     PrefillRequest,
     PrefillState,
 )
+from scheduler.dist.gather import min_reduce
 from scheduler.dist.ranks import RankSync, SingleRank
 from scheduler.dist.relay import InboxRelay
 from scheduler.messages import AbortRequest, NewRequest, Response
@@ -156,7 +158,9 @@ class PrefillScheduler:
         self._handoffs = handoff_runner(runner, metadata, states)
         self._results = Results(self.pool, config.page_size, metadata, self.metrics,
                                 self._sampling, states, self._handoffs)
-        self._releaser = Releaser(self.pool, slots, metadata, states)
+        # On a mesh every rank frees a request's pages and slot on the same pass.
+        self._releaser = Releaser(self.pool, slots, metadata, states, agree=None if relay is None
+                                  else functools.partial(min_reduce, group=relay.group))
         self.prefix = (PrefixCache(self.pool, self.metrics.prefix, config.schedule_policy)
                        if config.radix_cache else None)
         self._device = (device or DeviceWorker(self.pool.device)) if overlap else None
