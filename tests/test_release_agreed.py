@@ -4,12 +4,18 @@ is, so the ranks' free pages and slots stay equal."""
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
+import pytest
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.release import Releaser
+from scheduler.dist.gather import min_reduce
+from tests.distributed import free_port, gloo_group, run_ranks
 from tests.transfer_harness import make_pool
 
 
@@ -66,3 +72,32 @@ def test_one_rank_frees_a_quiescent_transfer_at_once() -> None:
     transfer = Transfer(quiet=True)
     releaser.release(transfer, pool.allocator.alloc(2), slots.alloc())
     assert transfer.cleared and len(releaser) == 0 and pool.allocator.in_use() == 0
+
+
+# Pass (from 0) on which each of two gloo ranks finds each of three held transfers quiescent.
+QUIET_FROM = {0: [0, 2, 1], 1: [1, 0, 3]}
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    with gloo_group(rank, 2, port):
+        pool, slots = make_pool(), SlotAllocator(3)
+        releaser = Releaser(pool, slots, MetadataBuffers(3),
+                            agree=functools.partial(min_reduce, group=None))
+        transfers = [Transfer() for _ in QUIET_FROM[rank]]
+        for transfer in transfers:
+            releaser.release(transfer, pool.allocator.alloc(1), slots.alloc())
+        freed = []
+        for step in range(5):
+            for transfer, quiet_from in zip(transfers, QUIET_FROM[rank], strict=True):
+                transfer.quiet = step >= quiet_from
+            releaser.reap()
+            freed.append(slots.available())
+        Path(out, f"{rank}.json").write_text(json.dumps(freed))
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_ranks_free_on_the_same_pass(tmp_path: Path) -> None:
+    run_ranks(_rank, (free_port(), str(tmp_path)), 2, 120.0)
+    freed = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    # Each transfer goes back once both ranks are quiescent: passes 1, 2 and 3.
+    assert freed[0] == freed[1] == [0, 1, 2, 3, 3]
