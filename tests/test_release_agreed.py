@@ -81,8 +81,9 @@ QUIET_FROM = {0: [0, 2, 1], 1: [1, 0, 3]}
 def _rank(rank: int, port: int, out: str) -> None:
     with gloo_group(rank, 2, port):
         pool, slots = make_pool(), SlotAllocator(3)
-        releaser = Releaser(pool, slots, MetadataBuffers(3),
-                            agree=functools.partial(min_reduce, group=None))
+        releaser = Releaser(
+            pool, slots, MetadataBuffers(3), agree=functools.partial(min_reduce, group=None)
+        )
         transfers = [Transfer() for _ in QUIET_FROM[rank]]
         for transfer in transfers:
             releaser.release(transfer, pool.allocator.alloc(1), slots.alloc())
