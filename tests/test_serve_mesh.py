@@ -191,11 +191,21 @@ def _config(*flags: str) -> ServeConfig:
          r"the model's heads \(4\) must be a multiple of TP 3"),
         (("--role", "prefill", "--backend", "fake", "--pp-size", "3"),
          r"pp_size must be in 1\.\.2"),
+        # ModelConfig's own check, its fields named as the flags that set them.
+        (("--role", "decode", "--backend", "mooncake", "--kv-heads", "3", "--tp-size", "2"),
+         r"^--heads \(4\) must be a multiple of --kv-heads \(3\)$"),
+        (("--role", "prefill", "--backend", "fake", "--heads", "600", "--head-dim", "128"),
+         r"^--heads \* --head-dim must be at most 65536, got 76800$"),
     ],
 )
 def test_layouts_that_cannot_be_served_are_refused(flags: tuple[str, ...], problem: str) -> None:
     with pytest.raises(UsageError, match=problem):
         _config(*flags)
+
+
+def test_model_config_keeps_its_field_names_for_library_users() -> None:
+    with pytest.raises(ValueError, match=r"^ModelConfig\.heads \(4\) must be a multiple of kv"):
+        ModelConfig(kv_heads=3)
 
 
 def test_rank_counts_are_positive() -> None:

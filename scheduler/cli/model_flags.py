@@ -8,6 +8,7 @@ generate`` agree token for token when started alike.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 import attrs
@@ -58,7 +59,22 @@ def model_config(args: argparse.Namespace) -> Any:
     try:
         return ModelConfig(**{name: getattr(args, name) for name in _MODEL_FLAGS})
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+        raise UsageError(_as_flags(str(exc))) from exc
+
+
+#: A field of ``ModelConfig`` in its messages: ``ModelConfig.heads`` or a bare ``kv_heads (3)``.
+_FIELD = re.compile(r"\bModelConfig\.(\w+)|\b(\w+)(?= \(| must)")
+
+
+def _as_flags(message: str) -> str:
+    """``ModelConfig``'s message with the fields that are flags named as the flags (the
+    library's message names its fields, a command line user sets flags)."""
+
+    def flag(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return f"--{name.replace('_', '-')}" if name in _MODEL_FLAGS else match.group(0)
+
+    return _FIELD.sub(flag, message)
 
 
 def load_served(args: argparse.Namespace) -> Any:
