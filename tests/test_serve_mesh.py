@@ -30,6 +30,8 @@ from tests.service_harness import Process, Server, free_port, idle, model_flags,
 
 MODEL = ModelConfig(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48,
                     max_position=256, seed=9)
+#: ``/server_info``'s parallel layout.
+LAYOUT = ("tp_size", "pp_size", "dp_size", "rank_processes")
 PROMPTS = [[(7 * i + 3 * j + 1) % 250 for j in range(2 + 9 * i)] for i in range(4)]
 
 
@@ -47,6 +49,8 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
         assert [a["output_ids"] for a in r.json()] == [
             colocated.generate(p, 1, ignore_eos=True) for p in PROMPTS]
         wait_for(lambda: idle(server.get("/server_info")), 30, "the pool free again")
+        info = server.get("/server_info")
+        assert [info[k] for k in LAYOUT] == [1, 2, 2, 4], info
         log = server.tail()
         assert server.stop(timeout=60) == 0, log
     finally:
@@ -112,6 +116,10 @@ def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
         assert r.status_code == 200, r.text
         wait_for(lambda: idle(prefill.get("/server_info")) and idle(decode.get("/server_info")),
                  30, "both pools free again")
+        for server, flags in ((prefill, prefill_flags), (decode, decode_flags)):
+            tp, dp = (2 if f in flags else 1 for f in ("--tp-size", "--dp-size"))
+            info = server.get("/server_info")
+            assert [info[k] for k in LAYOUT] == [tp, 1, dp, tp * dp], info
         router.stop(timeout=60)
         log = decode.tail()
         assert decode.stop(timeout=60) == 0, log  # its rank processes stopped by rank 0

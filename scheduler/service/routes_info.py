@@ -78,6 +78,10 @@ def _server_info(service: ServiceDep) -> ServerInfo:
             int(service.bootstrap.address.rpartition(":")[2])
             if service.bootstrap is not None else None
         ),
+        tp_size=config.tp_size,
+        pp_size=config.pp_size,
+        dp_size=config.dp_size,
+        rank_processes=config.tp_size * config.pp_size * config.dp_size,
         healthy=service.healthy,
         draining=service.draining,
         live_requests=service.live_requests(),

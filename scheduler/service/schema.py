@@ -154,6 +154,12 @@ class ServerInfo(BaseModel):
     max_new_tokens_limit: int
     max_position: int
     bootstrap_port: int | None
+    # The parallel layout (``--tp-size``, ``--pp-size``, ``--dp-size``) and the rank processes
+    # it runs on, this one included.
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    rank_processes: int
     healthy: bool
     draining: bool
     live_requests: int
