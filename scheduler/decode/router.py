@@ -37,6 +37,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+from kv.bootstrap import BootstrapError
 from kv.fake import FakeDecodeManager, FakeKVReceiver
 from kv.metadata import MetadataBuffers
 from kv.refusal import RefusalPoster
@@ -56,11 +57,27 @@ _Prompt = tuple[str, tuple[int, ...], SamplingParams]
 
 
 class PeerUnreachable(Exception):
-    """The prefill server at ``addr`` could not be looked up or registered with."""
+    """The prefill server at ``addr`` could not be looked up or registered with; the message
+    names the address once and, when nothing answered there, what to check."""
 
     def __init__(self, addr: str, detail: str) -> None:
-        super().__init__(f"prefill bootstrap {addr}: {detail}")
+        super().__init__(detail if addr in detail else f"prefill bootstrap {addr}: {detail}")
         self.addr = addr
+
+    @classmethod
+    def of(cls, addr: str, exc: Exception) -> PeerUnreachable:
+        """Why creating ``addr``'s manager failed: the bootstrap endpoint's own answer when
+        the look-up failed (not the address again in every wrapper's words)."""
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, BootstrapError):
+            cause = cause.__cause__
+        if cause is None:
+            return cls(addr, str(exc))
+        if cause.status == 0:
+            port = addr.rpartition(":")[2]
+            return cls(addr, f"unreachable ({cause.detail}); is the prefill server running "
+                             f"there with --bootstrap-port {port}?")
+        return cls(addr, f"{cause.status}: {cause.detail}")
 
 
 def is_fake(bootstrap_addr: str) -> bool:
@@ -218,8 +235,9 @@ class DecodeKVRouter:
             try:
                 manager = self._factory(bootstrap_addr)
             except Exception as exc:
-                logger.warning("cannot connect to prefill %s: %s", bootstrap_addr, exc)
-                raise PeerUnreachable(bootstrap_addr, str(exc)) from exc
+                unreachable = PeerUnreachable.of(bootstrap_addr, exc)
+                logger.warning("cannot connect: %s", unreachable)
+                raise unreachable from exc
             with self._lock:
                 self._managers[bootstrap_addr] = manager
                 self._snapshot = self._all()

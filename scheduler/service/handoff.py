@@ -97,7 +97,8 @@ async def admit(service: Service, request: Request, items: list[Item], *,
                 await asyncio.to_thread(service.connect_peer, addr_item)
     except PeerUnreachable as exc:
         refuse_items(service, items, "bootstrap_failed", str(exc))
-        raise Refusal("bootstrap_failed", 500, str(exc)) from exc
+        # The rid of the first request that names the unreachable prefill.
+        raise Refusal("bootstrap_failed", 500, str(exc), addr_item.rid) from exc
     started: list[Pending] = []
     carrier = trace_carrier(service, request)
     try:
