@@ -13,6 +13,10 @@ The transfer engine logs through glog straight to file descriptor 2, not through
 - ``W... topology.cpp:...] No RDMA devices found``: expected when the protocol is ``tcp`` (with
   ``rdma`` it is a real warning and stays one).
 - ``W... Using default malloc/free for protocol: tcp``: which allocator the engine uses.
+- ``W... Memory allocator already initialized with: tcp``: the allocator is one per process,
+  chosen by the first engine's protocol; every later engine in the process (a pair in one
+  process, a decode's engine per prefill server) logs that it keeps it. TCP and RDMA both use
+  malloc/free, so it is the one the later engine would have chosen.
 - ``WARNING: Logging before InitGoogleLogging() is written to STDERR``: glog's banner.
 
 :func:`engine_log_captured` points descriptor 2 at a temporary file for the duration of a
@@ -45,6 +49,8 @@ HARMLESS: Harmless = (
      "the first transport looks its own segment up before creating it"),
     ("transfer_engine_py.cpp", "Using default malloc/free for protocol",
      "the engine's allocator"),
+    ("transfer_engine_py.cpp", "Memory allocator already initialized",
+     "the process's allocator, chosen by its first engine, is kept"),
 )
 #: What an engine start on ``tcp`` also prints.
 HARMLESS_ON_TCP: Harmless = (

@@ -77,6 +77,20 @@ def test_a_real_engine_start_is_caught_and_relogged(
 
 
 @pytest.mark.mooncake
+def test_a_second_engine_in_the_process_keeps_the_allocator_quietly(
+    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.DEBUG, "kv.mooncake_engine")
+    engines = [MooncakeEngine(MooncakeConfig()) for _ in range(2)]
+    for engine in engines:
+        engine.close()
+    assert any(r.levelno == logging.DEBUG
+               and "Memory allocator already initialized with: tcp (harmless" in r.getMessage()
+               for r in caplog.records if r.name == "kv.mooncake_engine")
+    assert "Memory allocator already initialized" not in capfd.readouterr().err
+
+
+@pytest.mark.mooncake
 @pytest.mark.multiprocess
 def test_a_worker_starts_with_a_quiet_log(tmp_path: Path) -> None:
     quiet = Server(tmp_path / "quiet.log", "--role", "prefill", "--backend", "mooncake",
