@@ -133,8 +133,10 @@ class RefusalPoster:
                                               token=self._token), room, reason)
                 self.delivered += 1
             except (BootstrapError, ValueError) as exc:
+                why = (f"{exc.status or 'unreachable'}: {exc.detail}"  # without the address
+                       if isinstance(exc, BootstrapError) else str(exc))
                 logger.warning("could not tell prefill %s that room %d was refused: %s",
-                               addr, room, exc)
+                               addr, room, why)
 
     def _deliver(self, client: BootstrapClient, room: int, reason: str) -> None:
         for attempt in range(1, self._attempts + 1):

@@ -70,6 +70,7 @@ def test_a_refusal_nobody_takes_is_logged_and_dropped(caplog: pytest.LogCaptureF
     poster.tell(nobody, 32, "after close")  # ignored
     assert poster.delivered == 0
     assert "room 31" in caplog.records[0].getMessage()
+    assert caplog.records[0].getMessage().count(nobody) == 1  # the address once
 
 
 # -- local backend -----------------------------------------------------------------------------
