@@ -120,6 +120,7 @@ class LocalKVManager:
     ) -> None:
         self.pool = pool
         self.states = states  # a hybrid model's state pools, moved with the pages
+        self.carries_state = states is not None  # senders move state (``send_state``)
         self.metadata = metadata
         self.bootstrap_addr = bootstrap_addr
         self._place = place or RankPlace.single(num_layers=pool.num_layers,
@@ -148,11 +149,6 @@ class LocalKVManager:
     @property
     def rank(self) -> int:
         return self._place.rank
-
-    @property
-    def carries_state(self) -> bool:
-        """Whether senders move state pools (``send_state``): with ``states`` only."""
-        return self.states is not None
 
     def _server(self) -> LocalServer:
         """This rank's server (the caller holds the hub's lock; the manager is not closed)."""

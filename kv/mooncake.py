@@ -93,6 +93,7 @@ class MooncakeKVManager:
         self.config = config = config or MooncakeConfig()
         self.pool = pool
         self.states = states
+        self.carries_state = states is not None  # senders move state (``send_state``)
         self._state_memory = pool_memory(states)
         self.metadata = metadata
         self.place = place = place or RankPlace.single(num_layers=pool.num_layers,
@@ -115,6 +116,7 @@ class MooncakeKVManager:
             states=states,
         )
         self.endpoint = self._control.endpoint
+        self.session = self._control.session  # its engine's host:rpc_port
         self.dropped_messages = self._control.dropped_messages
         self._push_lock = threading.Lock()
         self._push: dict[str, zmq.Socket[Any]] = {}
@@ -122,15 +124,6 @@ class MooncakeKVManager:
             self._control.engine, pool, metadata, self._rooms, config, self._tell_decode
         )
         self._control.start()
-
-    @property
-    def session(self) -> str:
-        return self._control.session
-
-    @property
-    def carries_state(self) -> bool:
-        """Whether senders move state pools (``send_state``): with ``states`` only."""
-        return self.states is not None
 
     def rank_info(self) -> RankInfo:
         return RankInfo(

@@ -110,6 +110,7 @@ class MooncakeDecodeManager:
             self.config, pool, metadata, self._handle, name="mooncake-status", log=logger,
             states=states,
         )
+        self.session = self._control.session  # its engine's host:rpc_port
         self.dropped_messages = self._control.dropped_messages
         self._lock = threading.Lock()
         self._rooms: dict[int, _DecodeRoom] = {}
@@ -149,10 +150,6 @@ class MooncakeDecodeManager:
             target=self._watch_prefill, name="mooncake-heartbeat", daemon=True
         )
         self._heartbeat.start()
-
-    @property
-    def session(self) -> str:
-        return self._control.session
 
     @property
     def prefill(self) -> PrefillInfo:
