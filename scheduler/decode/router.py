@@ -67,11 +67,12 @@ class PeerUnreachable(Exception):
     @classmethod
     def of(cls, addr: str, exc: Exception) -> PeerUnreachable:
         """Why creating ``addr``'s manager failed: the bootstrap endpoint's own answer when
-        the look-up failed (not the address again in every wrapper's words)."""
+        the look-up failed and ``exc`` only wraps it (not the address again in every wrapper's
+        words); ``exc``'s message when it says more (a refused peer token, another model)."""
         cause: BaseException | None = exc
         while cause is not None and not isinstance(cause, BootstrapError):
             cause = cause.__cause__
-        if cause is None:
+        if cause is None or str(cause) not in str(exc):
             return cls(addr, str(exc))
         if cause.status == 0:
             port = addr.rpartition(":")[2]
