@@ -44,9 +44,6 @@ class PoolMemory:
     shape: StateShape
     ptrs: tuple[int, ...]
 
-    def item_addr(self, region: int, item: int) -> int:
-        return self.ptrs[region] + item * self.shape.item_len
-
 
 def encode_pools(pools: tuple[PoolMemory, ...]) -> dict[str, Any]:
     return {
