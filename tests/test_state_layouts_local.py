@@ -17,16 +17,7 @@ from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError
 from kv.pool_layout import KVLayout
 from kv.state_pools import RecurrentPool, StatePools
-from tests.state_layout_harness import (
-    Mesh,
-    abort_the_state_only_rank,
-    fill,
-    place,
-    rank_pools,
-    run_room,
-    wait_for_the_state_only_rank,
-    whole_model,
-)
+from tests import state_layout_harness as h
 from tests.transfer_harness import eventually
 
 ADDR = "local:state-layouts"
@@ -35,20 +26,20 @@ _MANAGERS: dict[int, list[LocalKVManager]] = {}  # by hub: the prefill managers 
 
 def make_mesh(hub: LocalTransferHub, tp: int, td: int, *, pp: int = 1, heads: int = 4,
               layout: KVLayout = KVLayout.LAYER_MAJOR,
-              decode_pools: StatePools | None = None) -> Mesh:
-    mesh = Mesh(ADDR, whole_model(tp * 10 + td + pp, layout), [], {})
+              decode_pools: StatePools | None = None) -> h.Mesh:
+    mesh = h.Mesh(ADDR, h.whole_model(tp * 10 + td + pp, layout), [], {})
     for s in range(pp):
         for t in range(tp):
-            p = place(t, tp, heads=heads, s=s, pp=pp)
-            states = rank_pools(p, layout)
-            fill(states, mesh.whole, p)
+            p = h.place(t, tp, heads=heads, s=s, pp=pp)
+            states = h.rank_pools(p, layout)
+            h.fill(states, mesh.whole, p)
             manager = LocalKVManager(states.full, MetadataBuffers(4), hub=hub,
                                      bootstrap_addr=ADDR, place=p, states=states)
             _MANAGERS.setdefault(id(hub), []).append(manager)
             mesh.prefill.append((manager, states))
     for d in range(td):
-        p = place(d, td, heads=heads)
-        states = decode_pools or rank_pools(p, layout)
+        p = h.place(d, td, heads=heads)
+        states = decode_pools or h.rank_pools(p, layout)
         mesh.decode[d] = (p, states, LocalDecodeManager(states.full, MetadataBuffers(4), hub=hub,
                                                         place=p, states=states))
     return mesh
@@ -71,7 +62,7 @@ def cleared(hub: LocalTransferHub, *ends: list[Any]) -> None:
     assert hub.open_rooms(ADDR) == 0
 
 
-def writers(mesh: Mesh) -> int:
+def writers(mesh: h.Mesh) -> int:
     return sum(1 for m, _ in mesh.prefill if m.stats().chunks)
 
 
@@ -79,14 +70,14 @@ def writers(mesh: Mesh) -> int:
 def test_every_state_kind_lands_byte_exact_across_tp(hub: LocalTransferHub, tp: int,
                                                       td: int) -> None:
     mesh = make_mesh(hub, tp, td)
-    cleared(hub, *run_room(mesh))
+    cleared(hub, *h.run_room(mesh))
     assert writers(mesh) == tp
 
 
 @pytest.mark.parametrize(("tp", "td"), [(2, 1), (1, 2)])
 def test_page_major_pools_land_byte_exact_across_tp(hub: LocalTransferHub, tp: int,
                                                     td: int) -> None:
-    cleared(hub, *run_room(make_mesh(hub, tp, td, layout=KVLayout.PAGE_MAJOR)))
+    cleared(hub, *h.run_room(make_mesh(hub, tp, td, layout=KVLayout.PAGE_MAJOR)))
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
@@ -94,7 +85,7 @@ def test_page_major_pools_land_byte_exact_across_tp(hub: LocalTransferHub, tp: i
 def test_two_prefill_stages_send_their_layers_of_every_pool(
         hub: LocalTransferHub, tp: int, layout: KVLayout) -> None:
     mesh = make_mesh(hub, tp, 1, pp=2, layout=layout)
-    cleared(hub, *run_room(mesh))
+    cleared(hub, *h.run_room(mesh))
     assert writers(mesh) == 2 * tp
 
 
@@ -104,22 +95,22 @@ def test_a_replica_that_sends_no_pages_still_sends_its_recurrent_channels(
     # One KV head: with TP 2 -> 1 prefill rank 1 holds a replica no one takes; its half of
     # the recurrent state is its own, so it writes that.
     mesh = make_mesh(hub, tp, td, heads=1)
-    cleared(hub, *run_room(mesh))
+    cleared(hub, *h.run_room(mesh))
     assert writers(mesh) == tp
 
 
 def test_the_decode_room_waits_for_the_rank_that_owes_only_state(hub: LocalTransferHub) -> None:
-    cleared(hub, *wait_for_the_state_only_rank(make_mesh(hub, 2, 1, heads=1), 6))
+    cleared(hub, *h.wait_for_the_state_only_rank(make_mesh(hub, 2, 1, heads=1), 6))
 
 
 def test_an_abort_on_the_rank_that_owes_only_state_fails_every_rank(
         hub: LocalTransferHub) -> None:
-    cleared(hub, *abort_the_state_only_rank(make_mesh(hub, 2, 1, heads=1), 7))
+    cleared(hub, *h.abort_the_state_only_rank(make_mesh(hub, 2, 1, heads=1), 7))
 
 
 def test_a_recurrent_state_of_the_wrong_width_is_refused_naming_both(
         hub: LocalTransferHub) -> None:
-    wrong = rank_pools(place(0, 1), KVLayout.LAYER_MAJOR)
+    wrong = h.rank_pools(h.place(0, 1), KVLayout.LAYER_MAJOR)
     wrong.recurrent = RecurrentPool.zeros(num_layers=2, num_slots=3, state_size=3)
     mesh = make_mesh(hub, 2, 1, decode_pools=wrong)
     receiver = mesh.decode[0][2].create_receiver(ADDR, 8)
