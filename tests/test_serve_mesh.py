@@ -42,13 +42,7 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
                     "--dp-size", "2", "--pp-size", "2", "--log-level", "info")
     try:
         server.wait_healthy(timeout=180)
-        r = httpx.post(f"{server.url}/generate", timeout=60, json={
-            "input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 1}})
-        assert r.status_code == 200, r.text
-        colocated = ReferenceModel(LlamaModel(MODEL))
-        assert [a["output_ids"] for a in r.json()] == [
-            colocated.generate(p, 1, ignore_eos=True) for p in PROMPTS]
-        wait_for(lambda: idle(server.get("/server_info")), 30, "the pool free again")
+        server.answers_as_colocated(MODEL, PROMPTS)
         info = server.get("/server_info")
         assert [info[k] for k in LAYOUT] == [1, 2, 2, 4], info
         log = server.tail()

@@ -148,6 +148,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     par = parser.add_argument_group("parallelism (prefill; docs/backends.md#parallel-layouts)")
     for flag, text in _PARALLEL.items():
         _defaulted(par, flag, 1, text, type=positive_int)
+    par.add_argument("--enable-prefill-delayer", action="store_true",
+                     help="SGLang's PrefillDelayer negotiated across the DP replicas each pass "
+                          "(replicas of TP 1 x PP 1; docs/delayer.md)")
+    _defaulted(par, "--prefill-delayer-max-delay-passes", 30,
+               "passes the delayer may hold prefill back", type=positive_int)
     times = _number_group(parser, "timeouts and limits")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
@@ -201,6 +206,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The :class:`~scheduler.service.core.ServeConfig` the flags describe."""
     from kv.mooncake_engine import MooncakeConfig
     from scheduler.prefill.config import SchedulerConfig
+    from scheduler.prefill.delayer_decision import DelayerConfig
     from scheduler.service.core import ServeConfig
 
     role: Role
@@ -247,6 +253,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             model_name=model_name,
             served=served,
             otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
+            prefill_delayer=DelayerConfig(max_delay_passes=args.prefill_delayer_max_delay_passes)
+            if args.enable_prefill_delayer else None,
             **_as_given(args, _SERVE_AS_GIVEN),
         )
     except (ValueError, TypeError) as exc:
@@ -300,6 +308,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise
     if launched is not None:
         launched.started()  # rank 0's engines are up: the other ranks build (and register)
+    if ranks is not None and service.prefill is not None:
+        ranks.delay(service.prefill)  # with --enable-prefill-delayer
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT."""

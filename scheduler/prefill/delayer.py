@@ -187,6 +187,13 @@ class PrefillDelayer:
         # Read the clock after the gather: waiting for slower ranks is part of the wait.
         return self.decide_table(table, max_running_requests, now=self._clock())
 
+    def peers_busy(self) -> bool:
+        """Whether the last gather said another rank still has work (only a gather that knows
+        answers: :class:`~scheduler.prefill.replica_delayer.ReplicaGather`); a scheduler that
+        must keep the others in lockstep is then not idle."""
+        busy = getattr(self._gather, "peers_busy", None)
+        return bool(busy()) if busy is not None else False
+
     def record(self, output: NegotiateOutput, actual_execution: bool) -> None:
         """Count one pass's outcome and feed the metrics (``DelayerPass.finalize`` calls this)."""
         self.outcomes[output.reason or "none"] += 1

@@ -222,12 +222,14 @@ class PrefillScheduler:
             self.prefix.set_gauges()
 
     def idle(self) -> bool:
-        """Nothing live, nothing in flight, nothing held back by the releaser, nothing queued."""
+        """Nothing live, nothing in flight, nothing held back by the releaser, nothing queued,
+        and no other replica the delayer keeps in lockstep with this one still working."""
         return (
             len(self.lifecycle) == 0
             and self._inflight is None
             and not self._releaser
             and self._admission.inbox_empty()
+            and not (self.delayer is not None and self.delayer.peers_busy())
         )
 
     def run_until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:

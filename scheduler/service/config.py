@@ -22,6 +22,7 @@ from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST, TokenLogprob
 from scheduler.model.reference import ModelConfig
 from scheduler.model.sharded import ShardError, stage_layers
 from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.delayer_decision import DelayerConfig
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["local", "mooncake", "fake"]
@@ -66,6 +67,9 @@ class ServeConfig:
     tp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     pp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     dp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    # The PrefillDelayer negotiated across the DP replicas (scheduler.prefill.replica_delayer);
+    # None: off (SGLang's default).
+    prefill_delayer: DelayerConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         problem = self._parallel_problem()
@@ -87,9 +91,14 @@ class ServeConfig:
     def _parallel_problem(self) -> str:
         """Why the TP, PP and DP sizes cannot be served ("" when they can)."""
         tp, pp, dp = self.tp_size, self.pp_size, self.dp_size
+        layout = f"TP {tp} x PP {pp} x DP {dp}"
+        if self.prefill_delayer is not None and (self.role != "prefill" or dp == 1
+                                                 or tp * pp > 1):
+            return (f"{layout}, role {self.role!r}: the prefill delayer runs across the DP "
+                    "replicas of a prefill server of TP 1 x PP 1 (--role prefill --dp-size N "
+                    "with N > 1; drop --enable-prefill-delayer otherwise)")
         if tp * pp * dp == 1:
             return ""
-        layout = f"TP {tp} x PP {pp} x DP {dp}"
         if self.role == "both":
             return (f"{layout}: only the prefill and decode roles run on several ranks; the "
                     "local backend's role 'both' is one rank (use --tp-size 1 --pp-size 1 "

@@ -29,6 +29,11 @@ request a replica does not hold is ignored). A decode peer's refusal of a room (
 (:meth:`Ranks.refuse`): replica 0's to rank 0's manager, another's over the queue to its first
 rank's; the replica's other ranks fail the request with it through the agreements.
 
+With ``--enable-prefill-delayer`` (replicas of one rank), the replicas' first ranks also join
+one gloo group of their own, over which every pass's PrefillDelayer gathers
+(:mod:`scheduler.prefill.replica_delayer`): the replicas step in rank 0's lockstep, waiting in
+that gather instead of on their inbox, and rank 0 stops that group first on shutdown.
+
 Start: rank 0 builds its engines (with Mooncake: the bootstrap endpoint for all ``D*T*P``
 ranks), then :meth:`Ranks.started` lets every other rank build and register. Shutdown:
 :meth:`Ranks.close` (after rank 0's engine loop stopped) stops every replica: its first rank's
@@ -67,6 +72,7 @@ from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
 from scheduler.model.sharded import ShardedLlama
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
+from scheduler.prefill.replica_delayer import ReplicaGather
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service.config import ServeConfig
 from scheduler.stepping import step_or_rest
@@ -118,7 +124,12 @@ class Ranks:
     def __init__(self, config: ServeConfig) -> None:
         self.world = config.tp_size * config.pp_size
         self.dp_size = config.dp_size
-        ports = [free_port() for _ in range(self.dp_size)]
+        # One rendezvous port per replica's mesh, and one for the delayer's group.
+        ports = [free_port() for _ in range(self.dp_size + 1)]
+        self._delayer_port = ports[-1]
+        self.delayer = (None if config.prefill_delayer is None
+                        else ReplicaGather(0, self.dp_size, config.prefill_delayer))
+        self._delayer_config = config.prefill_delayer
         context = multiprocessing.get_context("spawn")
         self._inboxes: list[Any] = [context.Queue() for _ in range(self.dp_size - 1)]
         self._answers: Any = context.Queue()
@@ -144,6 +155,13 @@ class Ranks:
             inbox.put(_STARTED)
         self.control.relay.exchange([])
 
+    def delay(self, scheduler: PrefillScheduler) -> None:
+        """With the delayer on: join the replicas' delayer group and give rank 0's
+        ``scheduler`` its delayer (after :meth:`started`, before rank 0's first pass)."""
+        if self.delayer is not None and self._delayer_config is not None:
+            self.delayer.connect(self._delayer_port, START_TIMEOUT, MESH_TIMEOUT)
+            self.delayer.serve(scheduler, self._delayer_config)
+
     # -- the replicas (thread-safe) ---------------------------------------------------------
 
     def submit(self, new: NewRequest) -> bool:
@@ -152,6 +170,8 @@ class Ranks:
         replica = new.bootstrap_room % self.dp_size
         if replica == 0:
             return False
+        if self.delayer is not None:
+            self.delayer.routed[replica] += 1  # before it is there to take
         self._inboxes[replica - 1].put(new)
         return True
 
@@ -193,6 +213,11 @@ class Ranks:
             dist.destroy_process_group()
 
     def _stop(self) -> None:
+        if self.delayer is not None and self.delayer.connected:
+            # First: a replica that reads _STOP first would never join this last gather.
+            self.delayer.stop()
+            logger.info("prefill delayer outcomes of replica 0: %s (%d splits)",
+                        self.delayer.outcome_counts(), self.delayer.splits)
         for inbox in self._inboxes:
             inbox.put(_STOP)
         self.control.relay.stop()
@@ -242,7 +267,7 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
     closers: Closers = []
     try:
         if rank == 0:
-            _lead(control, config, replica, inboxes[replica - 1], answers, closers)
+            _lead(control, config, replica, ports, inboxes[replica - 1], answers, closers)
         else:
             control.relay.exchange([])  # the replica's first rank says: build
             scheduler = _build(control, config, replica, closers, None)
@@ -256,18 +281,25 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
         dist.destroy_process_group()
 
 
-def _lead(control: MeshControl, config: ServeConfig, replica: int, inbox: Any, answers: Any,
-          closers: Closers) -> None:
+def _lead(control: MeshControl, config: ServeConfig, replica: int, ports: Sequence[int],
+          inbox: Any, answers: Any, closers: Closers) -> None:
     """The first rank of replica ``replica`` (not 0): its scheduler takes the launcher's
     requests off ``inbox`` and puts its answers on ``answers``."""
+    delayer: ReplicaGather | None = None
     try:
         if inbox.get() != _STARTED:
             return  # stopped before it started
         control.relay.exchange([])  # the other ranks of this replica build now
+        if config.prefill_delayer is not None:
+            delayer = ReplicaGather(replica, config.dp_size, config.prefill_delayer)
+            delayer.connect(ports[-1], START_TIMEOUT, MESH_TIMEOUT)
         scheduler = _build(control, config, replica, closers, answers.put)
+        if delayer is not None and config.prefill_delayer is not None:
+            delayer.serve(scheduler, config.prefill_delayer)
         while True:
-            # Idle: wait for the launcher; otherwise take what is there and run a pass.
-            items = [inbox.get()] if scheduler.idle() else []
+            # Idle: wait for the launcher; otherwise take what is there and run a pass. With
+            # the delayer every pass waits in its gather for rank 0's instead.
+            items = [inbox.get()] if scheduler.idle() and delayer is None else []
             while True:
                 try:
                     items.append(inbox.get_nowait())
@@ -280,9 +312,16 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, inbox: Any, a
                     scheduler.abort(item.rid)
                 elif isinstance(item, NewRequest):
                     scheduler.submit(item)
+                    if delayer is not None:
+                        delayer.taken += 1
                 elif isinstance(item, _Refusal) and isinstance(scheduler.kv, MooncakeKVManager):
                     scheduler.kv.peer_refused(item.room, item.reason)
             step_or_rest(scheduler.step)
+    except MeshStopped:
+        if delayer is not None:
+            logger.info("prefill delayer outcomes of replica %d: %s", replica,
+                        delayer.outcome_counts())
+        raise
     except Exception:
         logger.critical("prefill replica %d failed; its requests are not answered", replica,
                         exc_info=True)

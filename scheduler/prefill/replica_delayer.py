@@ -1,0 +1,133 @@
+"""The PrefillDelayer across the DP replicas of ``pdlife serve --role prefill --dp-size D``.
+
+Theory of operation
+-------------------
+Each replica runs its own :class:`~scheduler.prefill.scheduler.PrefillScheduler`
+(:mod:`scheduler.service.ranks`). With the delayer on, the first rank of every replica joins
+one gloo group of ``D`` ranks (a group of its own, on its own loopback port: the replicas'
+meshes are separate ``torch.distributed`` worlds), and every scheduler pass negotiates over
+it: :class:`ReplicaGather` is the delayer's :class:`~scheduler.dist.gather.RowGather`, so the
+replicas step in lockstep, one gather per pass each.
+
+The lockstep is the relay's: the other replicas never rest on their own inbox; each pass they
+wait in the gather until rank 0 (the launcher, stepped by the service's engine loop) runs its
+pass. Rank 0 routes every request, so it knows what it handed each replica; each row carries,
+after the delayer's own columns, how many requests that replica has taken and whether it has
+work. Rank 0's scheduler is not idle (:meth:`ReplicaGather.peers_busy`) while a replica has work
+or has not yet taken what was routed to it, so its loop keeps stepping, and the replicas with
+it. Rank 0 stops the group as it stops the meshes: :meth:`ReplicaGather.stop` contributes a row
+that says stop, and every other replica's gather raises
+:class:`~scheduler.dist.relay.MeshStopped`.
+
+Every row also carries its replica's delayer outcome counts so far; they must be equal on every
+pass (every replica decided the same on every earlier pass). Rank 0 checks it and logs a split
+as an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scheduler.dist.gather import Table
+from scheduler.dist.relay import MeshStopped
+from scheduler.prefill.delayer import DelayerMetrics, PrefillDelayer
+from scheduler.prefill.delayer_decision import DelayerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
+
+logger = logging.getLogger(__name__)
+
+#: The outcome counts each row carries, in this order.
+REASONS = ("none", "no_wait", "wait_success", "wait_timeout", "token_watermark", "delay")
+#: Columns after the delayer's own: stop, busy, taken.
+_STOP, _BUSY, _TAKEN = 0, 1, 2
+_EXTRA = 3 + len(REASONS)
+
+
+class ReplicaGather:
+    """The delayer's gather over the first ranks of ``dp_size`` replicas; this is replica
+    ``replica``'s (see the module docstring)."""
+
+    def __init__(self, replica: int, dp_size: int, config: DelayerConfig) -> None:
+        self.replica = replica
+        self.dp_size = dp_size
+        #: The width of the delayer's row (SGLang's 5 fields, plus the wait in bounded mode).
+        self.width = 5 + (config.mode == "bounded")
+        #: Rank 0: the requests handed to each replica. Another replica: ``taken``.
+        self.routed = [0] * dp_size
+        self.taken = 0
+        self.splits = 0  # passes on which the replicas' outcome counts differed (rank 0)
+        self._busy: Callable[[], bool] = lambda: False
+        self._outcomes: Counter[str] = Counter()
+        self._peers_busy = False
+        self._group: Any = None
+
+    def connect(self, port: int, start: timedelta, timeout: timedelta) -> None:
+        """Join the group (a rendezvous of every replica, at rank 0's store on ``port``);
+        ``timeout`` bounds one gather: how long rank 0 may sit idle."""
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # exported at run time
+            "127.0.0.1", port, self.dp_size, self.replica == 0, timeout=start)
+        self._group = dist.ProcessGroupGloo(store, self.replica, self.dp_size, timeout)
+
+    @property
+    def connected(self) -> bool:
+        return self._group is not None
+
+    def serve(self, scheduler: PrefillScheduler, config: DelayerConfig) -> PrefillDelayer:
+        """Give ``scheduler`` a delayer over this gather (metrics on its registry)."""
+        delayer = PrefillDelayer(
+            config, self, dp_size=self.dp_size, attn_tp_size=1,
+            # Every replica has its own max_running_requests: no share to divide.
+            enable_dp_attention=True,
+            metrics=DelayerMetrics(scheduler.metrics.registry, config.max_delay_passes))
+        scheduler.delayer = delayer
+        self._busy = lambda: not scheduler.idle()
+        self._outcomes = delayer.outcomes
+        return delayer
+
+    def peers_busy(self) -> bool:
+        """Rank 0: whether another replica had work, or requests still to take, at the last
+        gather (its loop must keep stepping)."""
+        return self._peers_busy
+
+    def outcome_counts(self) -> list[int]:
+        return [self._outcomes[reason] for reason in REASONS]
+
+    def gather(self, row: Sequence[int]) -> Table:
+        extra = [0, int(self._busy()), self.taken, *self.outcome_counts()]
+        rows = self._all_gather([*row, *extra])
+        if any(r[self.width + _STOP] for r in rows):
+            raise MeshStopped("rank 0 stopped the replicas' delayer group")
+        if self.replica == 0:
+            self._check(rows)
+        return [[r[: self.width]] for r in rows]
+
+    def stop(self) -> None:
+        """On rank 0, in place of a pass: every other replica's next gather raises
+        :class:`MeshStopped`."""
+        stop = [0] * (self.width + _EXTRA)
+        stop[self.width + _STOP] = 1
+        self._all_gather(stop)
+
+    def _check(self, rows: list[list[int]]) -> None:
+        extras = [r[self.width :] for r in rows]
+        self._peers_busy = any(
+            e[_BUSY] or e[_TAKEN] < self.routed[r] for r, e in enumerate(extras) if r)
+        counts = [e[3:] for e in extras]
+        if any(c != counts[0] for c in counts):
+            self.splits += 1
+            logger.error("the replicas' delayer decisions split: outcome counts %s (%s)",
+                         counts, ", ".join(REASONS))
+
+    def _all_gather(self, full: list[int]) -> list[list[int]]:
+        if self._group is None:
+            raise AssertionError("the replicas' delayer group is not connected")
+        out = [torch.empty(len(full), dtype=torch.int64) for _ in range(self.dp_size)]
+        self._group.allgather([out], [torch.tensor(full, dtype=torch.int64)]).wait()
+        return [o.tolist() for o in out]
