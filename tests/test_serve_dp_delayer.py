@@ -1,12 +1,12 @@
 """``pdlife serve --role prefill --dp-size 2 --enable-prefill-delayer``: the PrefillDelayer
 negotiated across the DP replicas.
 
-One server of two DP replicas (fake backend, one rank process beside rank 0) answers a batch
-with the colocated model's first tokens while both replicas' schedulers gather each pass in
-lockstep: every replica logs its delayer outcome counts when rank 0 stops the group, they are
-equal (every pass decided the same on both), rank 0 saw no split on any pass, its /metrics
-count the passes, and the server exits 0 on SIGTERM. The flag is refused where it does not
-apply.
+One server of two DP replicas (fake backend; replicas of one rank, of TP 2 and of PP 2, whose
+second ranks decide from their first rank's rows) answers a batch with the colocated model's first
+tokens while both replicas' schedulers gather each pass in lockstep: every rank logs its
+delayer outcome counts when it stops, they are all equal (every pass decided the same on
+every rank), rank 0 saw no split on any pass, its /metrics count the passes, and the server
+exits 0 on SIGTERM. The flag is refused where it does not apply.
 """
 
 from __future__ import annotations
@@ -26,14 +26,18 @@ from tests.service_harness import Server, model_flags
 MODEL = ModelConfig(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48,
                     max_position=256, seed=9)
 PROMPTS = [[(5 * i + 2 * j + 1) % 250 for j in range(3 + 7 * i)] for i in range(6)]
-OUTCOMES = re.compile(r"prefill delayer outcomes of replica (\d): \[([\d, ]+)\]")
+OUTCOMES = re.compile(r"prefill delayer outcomes of replica (\d( rank \d)?): \[([\d, ]+)\]")
 
 
 @pytest.mark.multiprocess
-def test_two_replicas_negotiate_prefill_in_lockstep(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [(), ("--tp-size", "2"), ("--pp-size", "2")],
+                         ids=["one-rank", "tp2", "pp2"])
+def test_two_replicas_negotiate_prefill_in_lockstep(tmp_path: Path,
+                                                    layout: tuple[str, ...]) -> None:
     server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "fake",
                     *model_flags(MODEL), "--page-size", "4", "--chunked-prefill-size", "8",
-                    "--dp-size", "2", "--enable-prefill-delayer", "--log-level", "info")
+                    "--dp-size", "2", *layout, "--enable-prefill-delayer",
+                    "--log-level", "info")
     try:
         server.wait_healthy(timeout=180)
         server.answers_as_colocated(MODEL, PROMPTS)
@@ -44,16 +48,17 @@ def test_two_replicas_negotiate_prefill_in_lockstep(tmp_path: Path) -> None:
     finally:
         server.stop()
     log = server.log.read_text()
-    counts = {int(m[1]): [int(v) for v in m[2].split(",")] for m in OUTCOMES.finditer(log)}
-    assert sorted(counts) == [0, 1], log[-4000:]
-    assert counts[0] == counts[1] and sum(counts[0]) > 0, counts
+    # Every rank of every replica: the first ranks, and with TP 2 the second ones.
+    counts = {m[1]: [int(v) for v in m[3].split(",")] for m in OUTCOMES.finditer(log)}
+    ranks = ["0", "1"] if not layout else ["0", "0 rank 1", "1", "1 rank 1"]
+    assert sorted(counts) == ranks, log[-4000:]
+    assert all(c == counts["0"] for c in counts.values()) and sum(counts["0"]) > 0, counts
     assert "(0 splits)" in log and "decisions split" not in log, log[-4000:]
     assert "killing them" not in log and "a prefill rank failed" not in log, log[-4000:]
 
 
 @pytest.mark.parametrize("flags", [
     ("--role", "prefill"),
-    ("--role", "prefill", "--dp-size", "2", "--tp-size", "2"),
     ("--role", "decode", "--dp-size", "2"),
 ])
 def test_the_delayer_flag_is_refused_where_it_does_not_apply(flags: tuple[str, ...]) -> None:

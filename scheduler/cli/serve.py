@@ -150,7 +150,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         _defaulted(par, flag, 1, text, type=positive_int)
     par.add_argument("--enable-prefill-delayer", action="store_true",
                      help="SGLang's PrefillDelayer negotiated across the DP replicas each pass "
-                          "(replicas of TP 1 x PP 1; docs/delayer.md)")
+                          "(docs/delayer.md)")
     _defaulted(par, "--prefill-delayer-max-delay-passes", 30,
                "passes the delayer may hold prefill back", type=positive_int)
     times = _number_group(parser, "timeouts and limits")

@@ -19,6 +19,11 @@ it. Rank 0 stops the group as it stops the meshes: :meth:`ReplicaGather.stop` co
 that says stop, and every other replica's gather raises
 :class:`~scheduler.dist.relay.MeshStopped`.
 
+A replica of several ranks (TP x PP) follows its first rank: the first rank broadcasts the
+gathered rows over its mesh's group (:class:`MeshFollower` receives them, at the same point of
+the same pass), so every rank of the replica decides as its first rank does; the stop row
+reaches them the same way.
+
 Every row also carries its replica's delayer outcome counts so far; they must be equal on every
 pass (every replica decided the same on every earlier pass). Rank 0 checks it and logs a split
 as an error.
@@ -54,8 +59,12 @@ class ReplicaGather:
     """The delayer's gather over the first ranks of ``dp_size`` replicas; this is replica
     ``replica``'s (see the module docstring)."""
 
-    def __init__(self, replica: int, dp_size: int, config: DelayerConfig) -> None:
+    def __init__(self, replica: int, dp_size: int, config: DelayerConfig,
+                 mesh: tuple[Any, int] | None = None) -> None:
+        """``mesh``: the group of this replica's ranks and its first rank's global rank, when
+        the replica has other ranks (they receive each gathered table)."""
         self.replica = replica
+        self._mesh = mesh
         self.dp_size = dp_size
         #: The width of the delayer's row (SGLang's 5 fields, plus the wait in bounded mode).
         self.width = 5 + (config.mode == "bounded")
@@ -79,17 +88,10 @@ class ReplicaGather:
     def connected(self) -> bool:
         return self._group is not None
 
-    def serve(self, scheduler: PrefillScheduler, config: DelayerConfig) -> PrefillDelayer:
-        """Give ``scheduler`` a delayer over this gather (metrics on its registry)."""
-        delayer = PrefillDelayer(
-            config, self, dp_size=self.dp_size, attn_tp_size=1,
-            # Every replica has its own max_running_requests: no share to divide.
-            enable_dp_attention=True,
-            metrics=DelayerMetrics(scheduler.metrics.registry, config.max_delay_passes))
-        scheduler.delayer = delayer
+    def serve(self, scheduler: PrefillScheduler, config: DelayerConfig) -> None:
+        """Give ``scheduler`` a delayer over this gather."""
+        self._outcomes = delay(scheduler, self, self.dp_size, config).outcomes
         self._busy = lambda: not scheduler.idle()
-        self._outcomes = delayer.outcomes
-        return delayer
 
     def peers_busy(self) -> bool:
         """Rank 0: whether another replica had work, or requests still to take, at the last
@@ -97,16 +99,18 @@ class ReplicaGather:
         return self._peers_busy
 
     def outcome_counts(self) -> list[int]:
-        return [self._outcomes[reason] for reason in REASONS]
+        return counts_of(self._outcomes)
 
     def gather(self, row: Sequence[int]) -> Table:
         extra = [0, int(self._busy()), self.taken, *self.outcome_counts()]
-        rows = self._all_gather([*row, *extra])
-        if any(r[self.width + _STOP] for r in rows):
-            raise MeshStopped("rank 0 stopped the replicas' delayer group")
+        gathered = self._all_gather([*row, *extra])
+        if self._mesh is not None:  # this replica's other ranks decide from the same rows
+            group, src = self._mesh
+            dist.broadcast(gathered, src=src, group=group)
+        rows: list[list[int]] = gathered.tolist()
         if self.replica == 0:
             self._check(rows)
-        return [[r[: self.width]] for r in rows]
+        return _table(rows, self.width)
 
     def stop(self) -> None:
         """On rank 0, in place of a pass: every other replica's next gather raises
@@ -125,9 +129,47 @@ class ReplicaGather:
             logger.error("the replicas' delayer decisions split: outcome counts %s (%s)",
                          counts, ", ".join(REASONS))
 
-    def _all_gather(self, full: list[int]) -> list[list[int]]:
+    def _all_gather(self, full: list[int]) -> torch.Tensor:
         if self._group is None:
             raise AssertionError("the replicas' delayer group is not connected")
         out = [torch.empty(len(full), dtype=torch.int64) for _ in range(self.dp_size)]
         self._group.allgather([out], [torch.tensor(full, dtype=torch.int64)]).wait()
-        return [o.tolist() for o in out]
+        return torch.stack(out)
+
+
+class MeshFollower:
+    """The delayer's gather on a replica's other ranks: the rows its first rank gathered,
+    broadcast over the replica's ``group`` from global rank ``src``."""
+
+    def __init__(self, group: Any, src: int, dp_size: int, config: DelayerConfig) -> None:
+        self._group = group
+        self._src = src
+        self._width = 5 + (config.mode == "bounded")
+        self._rows = torch.empty((dp_size, self._width + _EXTRA), dtype=torch.int64)
+
+    def gather(self, row: Sequence[int]) -> Table:
+        dist.broadcast(self._rows, src=self._src, group=self._group)
+        return _table(self._rows.tolist(), self._width)
+
+
+def delay(scheduler: PrefillScheduler, gather: ReplicaGather | MeshFollower, dp_size: int,
+          config: DelayerConfig) -> PrefillDelayer:
+    """Give ``scheduler`` a delayer over ``gather`` (metrics on its registry)."""
+    scheduler.delayer = PrefillDelayer(
+        config, gather, dp_size=dp_size, attn_tp_size=1,
+        # Every replica has its own max_running_requests: no share to divide.
+        enable_dp_attention=True,
+        metrics=DelayerMetrics(scheduler.metrics.registry, config.max_delay_passes))
+    return scheduler.delayer
+
+
+def counts_of(outcomes: Counter[str]) -> list[int]:
+    """A delayer's outcome counts (:attr:`PrefillDelayer.outcomes`) in :data:`REASONS` order."""
+    return [outcomes[reason] for reason in REASONS]
+
+
+def _table(rows: list[list[int]], width: int) -> Table:
+    """The delayer's table of gathered ``rows``; :class:`MeshStopped` on a stop row."""
+    if any(r[width + _STOP] for r in rows):
+        raise MeshStopped("rank 0 stopped the replicas' delayer group")
+    return [[r[:width]] for r in rows]

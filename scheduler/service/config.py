@@ -92,11 +92,10 @@ class ServeConfig:
         """Why the TP, PP and DP sizes cannot be served ("" when they can)."""
         tp, pp, dp = self.tp_size, self.pp_size, self.dp_size
         layout = f"TP {tp} x PP {pp} x DP {dp}"
-        if self.prefill_delayer is not None and (self.role != "prefill" or dp == 1
-                                                 or tp * pp > 1):
+        if self.prefill_delayer is not None and (self.role != "prefill" or dp == 1):
             return (f"{layout}, role {self.role!r}: the prefill delayer runs across the DP "
-                    "replicas of a prefill server of TP 1 x PP 1 (--role prefill --dp-size N "
-                    "with N > 1; drop --enable-prefill-delayer otherwise)")
+                    "replicas of a prefill server (--role prefill --dp-size N with N > 1; drop "
+                    "--enable-prefill-delayer otherwise)")
         if tp * pp * dp == 1:
             return ""
         if self.role == "both":

@@ -29,10 +29,11 @@ request a replica does not hold is ignored). A decode peer's refusal of a room (
 (:meth:`Ranks.refuse`): replica 0's to rank 0's manager, another's over the queue to its first
 rank's; the replica's other ranks fail the request with it through the agreements.
 
-With ``--enable-prefill-delayer`` (replicas of one rank), the replicas' first ranks also join
-one gloo group of their own, over which every pass's PrefillDelayer gathers
-(:mod:`scheduler.prefill.replica_delayer`): the replicas step in rank 0's lockstep, waiting in
-that gather instead of on their inbox, and rank 0 stops that group first on shutdown.
+With ``--enable-prefill-delayer``, the replicas' first ranks also join one gloo group of their
+own, over which every pass's PrefillDelayer gathers (:mod:`scheduler.prefill.replica_delayer`;
+a replica's other ranks receive its first rank's rows): the replicas step in rank 0's
+lockstep, waiting in that gather instead of on their inbox, and rank 0 stops that group first
+on shutdown.
 
 Start: rank 0 builds its engines (with Mooncake: the bootstrap endpoint for all ``D*T*P``
 ranks), then :meth:`Ranks.started` lets every other rank build and register. Shutdown:
@@ -55,6 +56,7 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -72,7 +74,7 @@ from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
 from scheduler.model.sharded import ShardedLlama
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
-from scheduler.prefill.replica_delayer import ReplicaGather
+from scheduler.prefill.replica_delayer import MeshFollower, ReplicaGather, counts_of, delay
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service.config import ServeConfig
 from scheduler.stepping import step_or_rest
@@ -127,8 +129,6 @@ class Ranks:
         # One rendezvous port per replica's mesh, and one for the delayer's group.
         ports = [free_port() for _ in range(self.dp_size + 1)]
         self._delayer_port = ports[-1]
-        self.delayer = (None if config.prefill_delayer is None
-                        else ReplicaGather(0, self.dp_size, config.prefill_delayer))
         self._delayer_config = config.prefill_delayer
         context = multiprocessing.get_context("spawn")
         self._inboxes: list[Any] = [context.Queue() for _ in range(self.dp_size - 1)]
@@ -144,6 +144,8 @@ class Ranks:
         except BaseException:
             self._kill()
             raise
+        self.delayer = (None if config.prefill_delayer is None else ReplicaGather(
+            0, self.dp_size, config.prefill_delayer, _mesh_of(self.control)))
         logger.info("prefill: DP %d x TP %d x PP %d, %d rank processes beside this one",
                     self.dp_size, config.tp_size, config.pp_size,
                     self.world * self.dp_size - 1)
@@ -265,16 +267,24 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
         format=f"%(asctime)s %(levelname)s dp{replica}/rank{rank} %(name)s: %(message)s")
     control = _join(rank, world, ports[replica], config)
     closers: Closers = []
+    outcomes: Counter[str] | None = None  # a follower's delayer outcomes
     try:
         if rank == 0:
             _lead(control, config, replica, ports, inboxes[replica - 1], answers, closers)
         else:
             control.relay.exchange([])  # the replica's first rank says: build
             scheduler = _build(control, config, replica, closers, None)
+            if config.prefill_delayer is not None:  # decide as the replica's first rank
+                follower = MeshFollower(control.group, control.relay.src, config.dp_size,
+                                        config.prefill_delayer)
+                outcomes = delay(scheduler, follower, config.dp_size,
+                                 config.prefill_delayer).outcomes
             while True:
                 step_or_rest(scheduler.step)
-    except MeshStopped:
-        pass  # the replica's first rank stopped it
+    except MeshStopped:  # the replica's first rank stopped it
+        if outcomes is not None:
+            logger.info("prefill delayer outcomes of replica %d rank %d: %s", replica, rank,
+                        counts_of(outcomes))
     finally:
         for exc in close_all(closers):
             logger.error("closing a backend failed", exc_info=exc)
@@ -286,12 +296,14 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, ports: Sequen
     """The first rank of replica ``replica`` (not 0): its scheduler takes the launcher's
     requests off ``inbox`` and puts its answers on ``answers``."""
     delayer: ReplicaGather | None = None
+    stopped = False
     try:
         if inbox.get() != _STARTED:
             return  # stopped before it started
         control.relay.exchange([])  # the other ranks of this replica build now
         if config.prefill_delayer is not None:
-            delayer = ReplicaGather(replica, config.dp_size, config.prefill_delayer)
+            delayer = ReplicaGather(replica, config.dp_size, config.prefill_delayer,
+                                    _mesh_of(control))
             delayer.connect(ports[-1], START_TIMEOUT, MESH_TIMEOUT)
         scheduler = _build(control, config, replica, closers, answers.put)
         if delayer is not None and config.prefill_delayer is not None:
@@ -317,7 +329,8 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, ports: Sequen
                 elif isinstance(item, _Refusal) and isinstance(scheduler.kv, MooncakeKVManager):
                     scheduler.kv.peer_refused(item.room, item.reason)
             step_or_rest(scheduler.step)
-    except MeshStopped:
+    except MeshStopped:  # from the delayer's gather: this replica's other ranks stopped too
+        stopped = True
         if delayer is not None:
             logger.info("prefill delayer outcomes of replica %d: %s", replica,
                         delayer.outcome_counts())
@@ -327,7 +340,15 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, ports: Sequen
                         exc_info=True)
         raise
     finally:
-        control.relay.stop()
+        if not stopped:
+            control.relay.stop()
+
+
+def _mesh_of(control: MeshControl) -> tuple[Any, int] | None:
+    """A replica's group and first rank, for its delayer's table (None: a replica of one)."""
+    if control.mesh.tp_size * control.mesh.pp_size == 1:
+        return None
+    return control.group, control.relay.src
 
 
 def _build(control: MeshControl, config: ServeConfig, replica: int, closers: Closers,
