@@ -52,6 +52,11 @@ class RowGather(Protocol):
 
     def gather(self, row: Sequence[int]) -> Table: ...
 
+    def peers_busy(self) -> bool:
+        """Whether the last gather said another rank still has work that needs this rank to
+        keep stepping (only a gather whose ranks step in lockstep knows; the others say no)."""
+        ...
+
 
 class StaticGather:
     """A gather with no process group: for a single rank, or for tests that set the table.
@@ -87,6 +92,9 @@ class StaticGather:
                     f"({len(copied)} DP entries)"
                 )
         self._table = copied
+
+    def peers_busy(self) -> bool:
+        return False
 
     def gather(self, row: Sequence[int]) -> Table:
         own = [int(v) for v in row]
@@ -128,6 +136,9 @@ class TorchDistributedGather:
         self._device = torch.device(device)
         # One receive buffer per row width, allocated once: the gather runs every pass.
         self._buffers: dict[int, torch.Tensor] = {}
+
+    def peers_busy(self) -> bool:
+        return False
 
     def gather(self, row: Sequence[int]) -> Table:
         width = len(row)

@@ -188,11 +188,10 @@ class PrefillDelayer:
         return self.decide_table(table, max_running_requests, now=self._clock())
 
     def peers_busy(self) -> bool:
-        """Whether the last gather said another rank still has work (only a gather that knows
-        answers: :class:`~scheduler.prefill.replica_delayer.ReplicaGather`); a scheduler that
-        must keep the others in lockstep is then not idle."""
-        busy = getattr(self._gather, "peers_busy", None)
-        return bool(busy()) if busy is not None else False
+        """Whether the last gather said another rank still has work (:meth:`RowGather.peers_busy`:
+        only :class:`~scheduler.prefill.replica_delayer.ReplicaGather` says yes); a scheduler
+        that must keep the others in lockstep is then not idle."""
+        return self._gather.peers_busy()
 
     def record(self, output: NegotiateOutput, actual_execution: bool) -> None:
         """Count one pass's outcome and feed the metrics (``DelayerPass.finalize`` calls this)."""

@@ -147,6 +147,9 @@ class MeshFollower:
         self._width = 5 + (config.mode == "bounded")
         self._rows = torch.empty((dp_size, self._width + _EXTRA), dtype=torch.int64)
 
+    def peers_busy(self) -> bool:
+        return False  # only a replica's first rank runs an engine loop that could idle
+
     def gather(self, row: Sequence[int]) -> Table:
         dist.broadcast(self._rows, src=self._src, group=self._group)
         return _table(self._rows.tolist(), self._width)
