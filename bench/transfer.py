@@ -33,9 +33,8 @@ Last line, for the churned pool: ``RESULT transfer ratio=<page-major pdlife / ra
 layer_major_ratio=<layer-major pdlife / raw one region per layer> local_ratio=<page-major local /
 torch> pdlife_gbps=<page-major pdlife> raw_gbps=<raw one region> blocks_ratio=<page-major pdlife
 / raw blocks> raw_blocks_gbps= layer_major_gbps=<layer-major pdlife> layer_major_local_ratio=
-model=<the geometry>``. Two pools of ``--pages`` pages are
-live at a time (about 4.5 GiB at the default 1,152 synthetic pages); a smaller ``--pages`` (and
-``--max-pages``) fits a smaller machine.
+model=<the geometry>``. Two pools of ``--pages`` pages are live at a time (4.5 GiB at the default
+1,152 synthetic pages). ``--cuts`` compares cut sizes instead (:mod:`bench.transfer_cuts`).
 """
 
 from __future__ import annotations
@@ -48,7 +47,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from bench.transfer_plans import Plan, churned_requests, shredded_requests
+from bench.transfer_cuts import bench_cuts
+from bench.transfer_plans import Plan, churned_requests, describe, shredded_requests
 from bench.transfer_sliced import bench_sliced
 from kv.bootstrap import BootstrapServer
 from kv.local import LocalKVManager, LocalTransferHub
@@ -56,7 +56,6 @@ from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
-from kv.pages import coalesce
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from kv.transfer import KVManager, KVPoll, KVSender
@@ -113,15 +112,6 @@ class Figures:
         return f"{min(self.rounds):.2f}-{max(self.rounds):.2f}"
 
 
-def describe(name: str, plan: Plan, pool_pages: int, shape: Shape) -> str:
-    pages = sum(len(p) for p in plan)
-    runs = sum(len(coalesce(p, list(range(len(p))))) for p in plan)
-    return (f"{name}: {len(plan)} requests, {pages} of {pool_pages} pages "
-            f"({pages * shape.page_mib:.0f} MiB per round), {pages / runs:.1f} pages per run, "
-            f"at most {runs} blocks per round page-major, {runs * 2 * shape.num_layers} "
-            "layer-major")
-
-
 def wait_all(manager: KVManager, senders: dict[int, KVSender], until: set[KVPoll]) -> None:
     pending = dict(senders)
     deadline = time.monotonic() + 60
@@ -172,8 +162,14 @@ def measure(iters: int, total: int, pdlife: Callable[[], float],
     return figures
 
 
+#: How a plan's rounds are timed, given the live manager, the bytes of a round, pdlife's round
+#: and the baselines' (:func:`measure` by default; :mod:`bench.transfer_cuts` varies the cut).
+Rounds = Callable[[MooncakeKVManager, int, Callable[[], float], dict[str, Callable[[], float]]],
+                  dict[str, Figures]]
+
+
 def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shape,
-                   layout: KVLayout) -> dict[str, dict[str, Figures]]:
+                   layout: KVLayout, rounds: Rounds | None = None) -> dict[str, dict[str, Figures]]:
     """Per plan, pdlife against the raw engine writing the same bytes as ``regions`` (one region,
     or one per layer) and as ``blocks`` (contiguous blocks of pdlife's ``max_block_bytes``)."""
     server = BootstrapServer()
@@ -257,7 +253,8 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
                     peer.command(cmd="release", room=room)
                 return seconds
 
-            results[name] = measure(args.iters, total, ours, bases)
+            results[name] = (rounds(manager, total, ours, bases) if rounds
+                             else measure(args.iters, total, ours, bases))
         engine.unregister_memory(base)
     finally:
         peer.close()
@@ -341,12 +338,16 @@ def main() -> None:
     ap.add_argument("--prefill-tp", type=int, default=1,
                     help="with --decode-tp: head slicing against whole pages (transfer_sliced)")
     ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--cuts", help="MiB,MiB,...: the sender's cut sizes compared (transfer_cuts)")
     args = ap.parse_args()
     if args.iters < 5:
         ap.error("--iters must be at least 5: the figures are medians of the rounds")
     shape = shape_of(args.model, args.dtype)
     if (args.prefill_tp, args.decode_tp) != (1, 1):
         bench_sliced(args, shape)
+        return
+    if args.cuts:
+        bench_cuts(args, shape, [int(mib) for mib in args.cuts.split(",")])
         return
     plans = {
         "churned": churned_requests(args.pages, args.requests, args.min_pages, args.max_pages,
@@ -358,7 +359,7 @@ def main() -> None:
           f"{shape.head_dim}, {str(shape.dtype).removeprefix('torch.')}, page size {PAGE_SIZE} "
           f"({shape.page_mib:.2f} MiB a page)")
     for name, plan in plans.items():
-        print(describe(name, plan, args.pages, shape))
+        print(describe(name, plan, args.pages, shape.page_mib, shape.num_layers))
     mooncake: dict[KVLayout, dict[str, dict[str, Figures]]] = {}
     local: dict[KVLayout, dict[str, Figures]] = {}
     for layout in (KVLayout.PAGE_MAJOR, KVLayout.LAYER_MAJOR):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from kv.pages import coalesce
 from kv.pool import PageAllocator
 
 Plan = list[list[int]]
@@ -50,3 +51,12 @@ def shredded_requests(num_pages: int, requests: int, pages_each: int, run_pages:
     if need > len(free):
         raise SystemExit(f"pool of {num_pages} pages cannot hold {need}")
     return [free[i * pages_each : (i + 1) * pages_each] for i in range(requests)]
+
+
+def describe(name: str, plan: Plan, pool_pages: int, page_mib: float, num_layers: int) -> str:
+    """One line on a plan: its pages, bytes, and how many blocks its runs make per layout."""
+    pages = sum(len(p) for p in plan)
+    runs = sum(len(coalesce(p, list(range(len(p))))) for p in plan)
+    return (f"{name}: {len(plan)} requests, {pages} of {pool_pages} pages "
+            f"({pages * page_mib:.0f} MiB per round), {pages / runs:.1f} pages per run, "
+            f"at most {runs} blocks per round page-major, {runs * 2 * num_layers} layer-major")

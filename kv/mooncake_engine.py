@@ -59,9 +59,10 @@ class MooncakeConfig:
     # 1024 per peer by default: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
     max_blocks_in_flight: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     # A run longer than this many bytes (in one region of the pool) is written as several
-    # blocks: the TCP transport moves each block as one serial stream, so blocks of about a MiB
-    # keep several streams busy where one block per run would leave one (docs/backends.md).
-    max_block_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(4096))
+    # blocks: the TCP transport moves each block as one serial stream, so cutting the longest
+    # runs keeps several streams busy, while each block costs a connection (docs/backends.md:
+    # 16 MiB moved churned pools 4-7% faster than 1 MiB over loopback TCP).
+    max_block_bytes: int = attrs.field(default=16 << 20, validator=attrs.validators.ge(4096))
     max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     # Decode side: the prefill bootstrap's /health is checked every heartbeat_interval_s; after
     # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).
