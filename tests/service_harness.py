@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from scheduler.dist.ports import free_port as free_port  # the tests take it from here
 from scheduler.service.app import create_app
 from scheduler.service.core import ServeConfig, Service
 
@@ -39,11 +39,6 @@ def model_flags(model: Any) -> list[str]:
             for arg in (f"--{name.replace('_', '-')}", str(getattr(model, name)))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

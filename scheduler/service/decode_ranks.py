@@ -35,19 +35,14 @@ from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from scheduler.assemble import constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl, build_decode_mesh
+from scheduler.dist.ports import free_port
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import DecodeResponse, Response
 from scheduler.model.select import reference_model
 from scheduler.model.sharded import ShardedLlama
 from scheduler.service.config import ServeConfig
 from scheduler.service.engines import Engines
-from scheduler.service.ranks import (
-    MESH_TIMEOUT,
-    START_TIMEOUT,
-    free_port,
-    kill_ranks,
-    stop_ranks,
-)
+from scheduler.service.ranks import MESH_TIMEOUT, START_TIMEOUT, kill_ranks, stop_ranks
 from scheduler.stepping import step_or_rest
 
 logger = logging.getLogger(__name__)

@@ -53,7 +53,6 @@ import logging
 import multiprocessing
 import queue
 import signal
-import socket
 import threading
 import time
 from collections import Counter
@@ -68,6 +67,7 @@ from torch.multiprocessing.spawn import ProcessContext, start_processes
 from kv.mooncake import MooncakeKVManager
 from kv.routes import dp_rank_of
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
+from scheduler.dist.ports import free_port
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
@@ -89,14 +89,6 @@ MESH_TIMEOUT = timedelta(days=7)
 START_TIMEOUT = timedelta(minutes=5)
 #: How long the launcher waits for the other ranks to exit once it stopped the mesh.
 JOIN_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (for a gloo group's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _join(rank: int, world: int, port: int, config: ServeConfig) -> MeshControl:
