@@ -33,9 +33,7 @@ import attrs
 from lifecycle.errors import InvalidTable, MissingHook
 
 #: Attributes of every record; an event may not have one of these names.
-RESERVED = frozenset(
-    {"rid", "state", "reason", "detail", "timeline", "owner", "is_final", "fire"}
-)
+RESERVED = frozenset({"rid", "state", "reason", "detail", "timeline", "owner", "is_final", "fire"})
 
 _TRIGGER_ANNOTATION = re.compile(r"(typing\.)?ClassVar\[\s*(lifecycle\.)?Trigger\s*\]")
 
@@ -90,13 +88,15 @@ def _read_form(fn: Callable[..., Any], first: str, what: str) -> bool:
     except (TypeError, ValueError):
         return False  # no signature to read (a builtin): call it with the one argument
     positional = [
-        p for p in params
+        p
+        for p in params
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
     star = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
     required = [p for p in positional if p.default is inspect.Parameter.empty]
     kw_required = [
-        p.name for p in params
+        p.name
+        for p in params
         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
     ]
     if len(required) > 2 or kw_required or (not positional and not star):
@@ -135,6 +135,22 @@ def hook_takes_event(table: str, name: str, hook: Callable[..., Any]) -> bool:
         return _takes_event(hook, "req", f"{table}: hook {name!r}")
     except ValueError as exc:
         raise MissingHook(str(exc)) from None
+
+
+def hooks_take_event(
+    table: str, named: Iterable[str], given: Mapping[str, Callable[..., Any]]
+) -> dict[str, bool]:
+    """Per hook ``given``, whether it takes the event argument; raise
+    :class:`~lifecycle.errors.MissingHook` if a hook the table names (``named``) is missing,
+    one given is not named, or one takes neither one argument nor two."""
+    named = set(named)
+    missing = sorted(named - given.keys())
+    if missing:
+        raise MissingHook(f"{table}: the table names hooks not supplied: {missing}")
+    unknown = sorted(given.keys() - named)
+    if unknown:
+        raise MissingHook(f"{table}: hooks supplied that the table does not name: {unknown}")
+    return {name: hook_takes_event(table, name, fn) for name, fn in given.items()}
 
 
 def _declared_triggers(record: type) -> set[str]:

@@ -11,8 +11,9 @@ reaches a final state leaves the index, so nothing accumulates.
 There are two ways to fire an event, and both go through the same three steps:
 
 1. **check** — the edge exists for the request's state (for a batch: every request is in that
-   state, tracked by this lifecycle, and appears once), then every guard of the edge is
-   evaluated once per request. A refusal raises before anything changed:
+   state, tracked by this lifecycle, and appears once), and every guard of the edge is
+   evaluated once per request (after all the checks, or, for a batch claimed request by
+   request, right after that request's). A refusal raises with nothing changed:
    :class:`~lifecycle.errors.IllegalTransition` naming the request, its state and the event,
    or :class:`~lifecycle.errors.GuardFailed` naming each guard that refused (from that one
    evaluation; a guard is never evaluated again to word the message).
@@ -30,22 +31,19 @@ The two paths:
   set by the table's one shared ``transitions.Machine`` (``model=None``,
   ``auto_transitions=False``; no ``add_model``: that costs O(n) and kilobytes per request):
   the edge's own ``transitions.Transition`` is executed for the request, then the rest of
-  step 2 and step 3 are the batch path's. The transition is executed directly rather than
-  through ``Event.trigger``, which would look up again the source state and the transition
-  the check already found; the machine has no callbacks of its own, so nothing of the
-  library's runs between its setting the state and the lifecycle's move, and the table's
-  transition skips the library's logging and empty callback loops until something is added
-  (:mod:`lifecycle.steps`; docs/benchmarks.md has the figures).
+  step 2 and step 3 are the batch path's. Executing it directly skips ``Event.trigger``'s
+  second look-up of what the check found; the machine has no callbacks of its own, and the
+  table's transition skips the library's logging and empty callback loops until something is
+  added (:mod:`lifecycle.steps`; docs/benchmarks.md has the figures).
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
   looked up once for the batch, the clock read once, and the batch shares one timeline entry
-  (a tuple). A batch that is the whole of its state's bucket, in the bucket's order (as a
-  forward batch whose requests all finish their prompts is), is checked by one list comparison
-  against the bucket and moves as a bucket (:mod:`lifecycle.index`). This is the scheduler's
-  path and is several times cheaper per request than firing one by one.
+  (a tuple). A batch that is the whole of its state's bucket, in the bucket's order, is checked
+  by one list comparison and moves as a bucket; part of a bucket is checked and moved request
+  by request, each request claimed as it is checked (a refusal undoes the claims before
+  raising); :mod:`lifecycle.index` has both. This is the scheduler's path and is several times
+  cheaper per request than firing one by one.
 
-Each edge is held as a :class:`~lifecycle.steps.Step`, built once per lifecycle: the edge, its
-guards and hooks, the index buckets it moves between, its ``Firing`` for an event without a
-reason, and the shared machine's objects for it.
+Each edge is a :class:`~lifecycle.steps.Step`, built once per lifecycle with all firing needs.
 
 Guards are methods of the record and hooks are callables of the owner, each called as
 ``f(req)`` or ``f(req, event)`` according to its signature (:mod:`lifecycle.binding`); the
@@ -63,11 +61,20 @@ from typing import Generic
 
 from transitions.core import EventData
 
-from lifecycle.binding import Firing, hook_takes_event
-from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
-from lifecycle.index import check_filing, move_batch, whole_bucket
+from lifecycle.binding import Firing, hooks_take_event
+from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError
+from lifecycle.index import check_filing, claim, leave, move_batch, unclaim, whole_bucket
 from lifecycle.record import ADMITTED
-from lifecycle.steps import Hook, R, Step, refusal_text, run_hooks, shared_machine
+from lifecycle.steps import (
+    GuardCall,
+    Hook,
+    R,
+    Step,
+    count_ended,
+    refusal_text,
+    run_hooks,
+    shared_machine,
+)
 from lifecycle.table import LifecycleTable, guard_methods
 
 
@@ -87,15 +94,7 @@ class Lifecycle(Generic[R]):
         class, to check the table's guards against now rather than at the first admission (a
         table built with ``record=`` is checked already)."""
         given = dict(hooks or {})
-        missing = sorted(table.hooks() - given.keys())
-        if missing:
-            raise MissingHook(f"{table.name}: the table names hooks not supplied: {missing}")
-        unknown = sorted(given.keys() - table.hooks())
-        if unknown:
-            raise MissingHook(
-                f"{table.name}: hooks supplied that the table does not name: {unknown}"
-            )
-        takes = {name: hook_takes_event(table.name, name, fn) for name, fn in given.items()}
+        takes = hooks_take_event(table.name, table.hooks(), given)
         self.table = table
         self.clock = clock
         self.check = check
@@ -114,13 +113,20 @@ class Lifecycle(Generic[R]):
         # One step per edge: everything firing it needs, looked up once here.
         self._steps: dict[tuple[enum.IntEnum, str], Step[R]] = {
             (e.source, e.event): Step(
-                e, self._machine, self._index[e.source], self._index.get(e.dest),
+                e,
+                self._machine,
+                self._index[e.source],
+                self._index.get(e.dest),
                 tuple((h, given[h], takes[h]) for h in table.hooks_of(e)),
             )
             for e in table.edges
         }
         # Per record class: per guard, whether it takes the event argument.
         self._guard_forms: dict[type, dict[str, bool]] = {}
+        # The record class admitted last, and whether another was ever admitted: while only one
+        # was, every live request is of it, and a batch's guard is looked up once.
+        self._kind: type | None = None
+        self._mixed = False
         for cls in (table.record, record):
             if cls is not None and cls not in self._guard_forms:
                 self._bind(cls)
@@ -161,24 +167,35 @@ class Lifecycle(Generic[R]):
         assert req.state is not None
         step = self._steps.get((req.state, event))
         if step is None:
-            return self._no_edge(req.state, event)
-        return self._refusal(step, req, self._firing(step, reason, detail))
+            return self.table.no_edge(req.state, event)
+        return self._refusal(step, req, step.fired_with(reason, detail, self.table))
 
     # -- admission --------------------------------------------------------------------------
 
     def admit(self, req: R) -> None:
-        """Start tracking ``req`` in the table's initial state."""
-        if req.owner is not None:
-            raise LifecycleError(f"request {req.rid!r} is already tracked")
-        if req.rid in self._by_rid:
-            raise LifecycleError(f"request id {req.rid!r} is already live")
-        if type(req) not in self._guard_forms:
-            self._bind(type(req))
+        """Start tracking ``req`` in the table's initial state; its timeline starts with the
+        admission (a timeline it held before is replaced)."""
+        if type(req) is not self._kind:
+            self._admit_kind(type(req))
+        rid = req.rid
+        # ``setdefault`` files the request under its id unless another is: one lookup.
+        if req.owner is not None or self._by_rid.setdefault(rid, req) is not req:
+            raise LifecycleError(
+                f"request {rid!r} is already tracked"
+                if req.owner is not None
+                else f"request id {rid!r} is already live"
+            )
         req.owner = self
         req.state = self._initial
-        req.timeline.append((self.clock(), ADMITTED))
-        self._admitted[req.rid] = req
-        self._by_rid[req.rid] = req
+        clock = self.clock  # an attribute: ``self.clock()`` would be an unspecialised LOAD_METHOD
+        req.timeline.append((clock(), ADMITTED))
+        self._admitted[rid] = req
+
+    def _admit_kind(self, kind: type) -> None:
+        if kind not in self._guard_forms:
+            self._bind(kind)
+        self._mixed = self._mixed or self._kind is not None
+        self._kind = kind
 
     # -- firing -----------------------------------------------------------------------------
 
@@ -192,9 +209,11 @@ class Lifecycle(Generic[R]):
         assert state is not None
         step = self._steps.get((state, event))
         if step is None:
-            raise IllegalTransition(req.rid, state, event, self._no_edge(state, event))
-        firing = step.firing if reason is None and not detail else self._firing(
-            step, reason, detail
+            raise IllegalTransition(req.rid, state, event, self.table.no_edge(state, event))
+        firing = (
+            step.firing
+            if reason is None and not detail
+            else step.fired_with(reason, detail, self.table)
         )
         if step.guards:
             why = self._refusal(step, req, firing)
@@ -203,8 +222,9 @@ class Lifecycle(Generic[R]):
         # The library's own transition for this edge sets the state (Event.trigger would look
         # up again what the step holds); then the rest of the move, as on the batch path.
         step.transition.execute(
-            EventData(step.machine_source, step.machine_event, self._machine, req, (),
-                      {"firing": firing})
+            EventData(
+                step.machine_source, step.machine_event, self._machine, req, (), {"firing": firing}
+            )
         )
         self._move([req], step, firing, False)
 
@@ -226,22 +246,31 @@ class Lifecycle(Generic[R]):
             raise LifecycleError(f"request {first.rid!r} was never admitted to a lifecycle")
         step = self._steps.get((src, event))
         if step is None:
-            raise IllegalTransition(first.rid, src, event, self._no_edge(src, event))
-        firing = step.firing if reason is None and not detail else self._firing(
-            step, reason, detail
+            raise IllegalTransition(first.rid, src, event, self.table.no_edge(src, event))
+        firing = (
+            step.firing
+            if reason is None and not detail
+            else step.fired_with(reason, detail, self.table)
         )
         # The batch is legal when it is what the index files under ``src``, each once: a whole
-        # bucket in its order (one list comparison), or else one pass over the batch: all in
-        # ``src``, all ours, none twice (live requests of one lifecycle have distinct ids). A
-        # second pass names the culprit, on a refusal only.
-        whole = whole_bucket(step.src_bucket, reqs)
-        if not whole and len({r.rid for r in reqs if r.state is src and r.owner is self}) != len(
-            reqs
-        ):
-            self._refuse_batch(reqs, src, event)
+        # bucket in its order (one list comparison), or else each request in ``src``, ours, and
+        # not twice (live requests of one lifecycle have distinct ids): claimed one by one
+        # (lifecycle.index), or, on a self-loop or with guards a claim does not evaluate, one
+        # pass over the batch. A second pass names the culprit, on a refusal only.
+        if whole_bucket(step.src_bucket, reqs):
+            if step.guards:
+                self._check_guards(step, reqs, firing)
+            self._move(reqs, step, firing, True)
+            return
+        guard = self._single_guard(step) if step.guards else None
+        if step.dst_bucket is not step.src_bucket and (guard is not None or not step.guards):
+            self._claim(step, reqs, firing, guard)
+            return
+        if len({r.rid for r in reqs if r.state is src and r.owner is self}) != len(reqs):
+            self._check_batch(reqs, src, event)
         if step.guards:
             self._check_guards(step, reqs, firing)
-        self._move(reqs, step, firing, whole)
+        self._move(reqs, step, firing, False)
 
     def fail(
         self,
@@ -266,28 +295,9 @@ class Lifecycle(Generic[R]):
 
     # -- the steps --------------------------------------------------------------------------
 
-    def _no_edge(self, state: enum.IntEnum, event: str) -> str:
-        if event not in self.table.events:
-            known = ", ".join(str(e) for e in self.table.events)
-            return f"table {self.table.name!r} has no such event (its events: {known})"
-        return f"{state.name} has no {event!r} edge"
-
-    def _firing(self, step: Step[R], reason: enum.Enum | None, detail: str) -> Firing:
-        edge = step.edge
-        if (reason is not None or detail) and not step.final:
-            raise LifecycleError(
-                f"event {str(edge.event)!r} leads to {edge.dest.name}, not a final state: a "
-                f"reason or detail goes only with an event that ends a request"
-            )
-        reasons = self.table.reasons
-        if reason is not None and reasons is not None and not isinstance(reason, reasons):
-            raise LifecycleError(
-                f"{self.table.name}: reason {reason!r} is not a {reasons.__name__}"
-            )
-        return Firing(edge.event, edge.source, edge.dest, reason, detail)
-
-    def _refuse_batch(self, reqs: Sequence[R], src: enum.IntEnum, event: str) -> None:
-        """Raise for the first request of a batch that cannot fire (as the check found)."""
+    def _check_batch(self, reqs: Sequence[R], src: enum.IntEnum, event: str) -> None:
+        """Raise for the first request of a batch that cannot fire from ``src`` (not in it, not
+        ours), or because a request appears twice; return if the batch may fire."""
         for r in reqs:
             if r.state is not src:
                 raise IllegalTransition(
@@ -295,7 +305,45 @@ class Lifecycle(Generic[R]):
                 )
             if r.owner is not self:
                 raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
-        raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+        if len({id(r) for r in reqs}) != len(reqs):
+            raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+
+    def _single_guard(self, step: Step[R]) -> GuardCall | None:
+        """The edge's guard as every live request calls it, when the edge has one guard, it
+        takes no event, and this lifecycle admitted one record class only; else None."""
+        if len(step.guards) != 1 or self._mixed or self._kind is None:
+            return None
+        ((call),) = step.guard_calls[self._kind]
+        return None if call[2] else call
+
+    def _claim(
+        self, step: Step[R], reqs: Sequence[R], firing: Firing, guard: GuardCall | None
+    ) -> None:
+        """Check and move a batch that is part of its source bucket, request by request (see
+        lifecycle.index); on a refusal, undo the claims and raise as the checks would."""
+        edge = step.edge
+        src, dst, bucket = edge.source, edge.dest, step.dst_bucket
+        entry = (self.clock(), edge.event)
+        fn, wanted = (guard[1], guard[3]) if guard is not None else (None, True)
+        try:
+            refused = claim(reqs, self, src, dst, bucket, entry, fn, wanted)
+        except BaseException:  # the guard raised: undo, and count its evaluations
+            undone = unclaim(reqs, src, dst, bucket, entry)
+            if guard is not None:
+                self.guards_evaluated += undone + 1
+            raise
+        if refused is not None:
+            claimed = unclaim(reqs, src, dst, bucket, entry)
+            if guard is not None:
+                self.guards_evaluated += claimed
+            self._check_batch(reqs, src, edge.event)  # a batch refused whatever the guard says
+            assert guard is not None  # in src, ours, once: so the guard refused it
+            self.guards_evaluated += 1
+            raise GuardFailed(refused.rid, src, edge.event, refusal_text(guard[0], wanted))
+        if guard is not None:
+            self.guards_evaluated += len(reqs)
+        leave(reqs, step.src_bucket, self._by_rid if step.final else None)
+        self._move(reqs, step, firing, None)
 
     def _refusal(self, step: Step[R], req: R, firing: Firing) -> str:
         refused = ""
@@ -309,63 +357,48 @@ class Lifecycle(Generic[R]):
         """Evaluate every guard of ``step`` once per request, in batch order; raise
         :class:`GuardFailed` for the first request refused (after all its guards)."""
         edge = step.edge
-        if len(step.guards) != 1:
+        call = self._single_guard(step)
+        if call is None:
             for r in reqs:
                 why = self._refusal(step, r, firing)
                 if why:
                     raise GuardFailed(r.rid, edge.source, edge.event, why)
             return
-        # One guard (every guard of the prefill table): the loop without the string building,
-        # the guard looked up again only when the record class changes.
-        calls, kind, evaluated = step.guard_calls, None, 0
+        # One guard without the event, one record class (every guard of the prefill table):
+        # the loop without the string building, the lookups or the counting; the batch holds
+        # no request twice, so a request's position counts the evaluations up to it.
+        name, guard, _, wanted = call
+        r = reqs[0]
         try:
             for r in reqs:
-                if type(r) is not kind:
-                    kind = type(r)
-                    ((name, guard, takes_event, wanted),) = calls[kind]
-                evaluated += 1
                 # ``not`` gives the guard's answer as a bool without calling bool().
-                if (not (guard(r, firing) if takes_event else guard(r))) is wanted:
-                    raise GuardFailed(r.rid, edge.source, edge.event, refusal_text(name, wanted))
-        finally:
-            self.guards_evaluated += evaluated
+                if (not guard(r)) is wanted:
+                    break
+            else:
+                self.guards_evaluated += len(reqs)
+                return
+        except BaseException:  # the guard raised: evaluated up to ``r``
+            self.guards_evaluated += reqs.index(r) + 1
+            raise
+        self.guards_evaluated += reqs.index(r) + 1
+        raise GuardFailed(r.rid, edge.source, edge.event, refusal_text(name, wanted))
 
-    def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing, whole: bool) -> None:
-        """Move a checked batch (``whole``: it is its source bucket, in order) and run the
-        hooks."""
+    def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing, whole: bool | None) -> None:
+        """Move a checked batch (``whole``: it is its source bucket, in order; None: it was
+        claimed, so it moved already), then how it ended, the counters and the hooks."""
         dst = step.edge.dest
-        # One timeline entry for the batch: a tuple, so every request may share it.
-        entry = (self.clock(), step.edge.event)
-        move_batch(reqs, step.src_bucket, step.dst_bucket, self._by_rid, dst, entry, whole)
+        if whole is not None:
+            # One timeline entry for the batch: a tuple, so every request may share it.
+            entry = (self.clock(), step.edge.event)
+            move_batch(reqs, step.src_bucket, step.dst_bucket, self._by_rid, dst, entry, whole)
         if step.final:
-            self._ended(reqs, dst, firing)
+            count_ended(self.finished, reqs, dst, firing)
         self.transitions_fired += len(reqs)
         errors = run_hooks(reqs, step.hooks, firing) if step.hooks else []
         if self.check:
             self.check_index()
         if errors:
             raise HookFailed(step.edge.event, dst, errors) from errors[0][2]
-
-    def _ended(self, reqs: Sequence[R], dst: enum.IntEnum, firing: Firing) -> None:
-        """How a batch that entered the final ``dst`` ended: its reason and detail, counted."""
-        reason, detail = firing.reason, firing.detail
-        if detail:
-            for r in reqs:
-                r.detail = detail
-        if reason is not None:
-            for r in reqs:
-                r.reason = reason
-            self.finished[(dst, reason)] += len(reqs)
-        elif len(reqs) == 1:  # the one-request path
-            self.finished[(dst, reqs[0].reason)] += 1
-        else:  # each ends with the reason it holds, most often None: those are counted in C
-            held = [r.reason for r in reqs]
-            unset = held.count(None)
-            if unset:
-                self.finished[(dst, None)] += unset
-            if unset != len(held):
-                for kept, n in collections.Counter(x for x in held if x is not None).items():
-                    self.finished[(dst, kept)] += n
 
     # -- invariants -------------------------------------------------------------------------
 

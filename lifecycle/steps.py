@@ -19,6 +19,7 @@ the library's full ``execute`` again.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from transitions import Machine
 from transitions.core import Event, EventData, State, Transition
 
 from lifecycle.binding import Firing
+from lifecycle.errors import LifecycleError
 from lifecycle.record import Tracked
 from lifecycle.table import Edge, LifecycleTable
 
@@ -86,13 +88,23 @@ class _TableTransition(Transition):
     def execute(self, event_data: EventData) -> bool:
         machine = event_data.machine
         dest_name = self.dest  # None: an internal transition (the tables have none)
-        if (dest_name is None or self.prepare or self.conditions or self.before or self.after
-                or machine.before_state_change or machine.after_state_change
-                or _LIBRARY_LOG.isEnabledFor(logging.INFO)):
+        if (
+            dest_name is None
+            or self.prepare
+            or self.conditions
+            or self.before
+            or self.after
+            or machine.before_state_change
+            or machine.after_state_change
+            or _LIBRARY_LOG.isEnabledFor(logging.INFO)
+        ):
             return bool(super().execute(event_data))
         dest = machine.get_state(dest_name)
-        if dest.on_enter or machine.get_state(self.source).on_exit or (
-                dest.final and machine.on_final):
+        if (
+            dest.on_enter
+            or machine.get_state(self.source).on_exit
+            or (dest.final and machine.on_final)
+        ):
             return bool(super().execute(event_data))
         machine.set_state(dest, event_data.model)
         event_data.state = dest
@@ -129,8 +141,19 @@ class Step(Generic[R]):
     """One edge as one lifecycle fires it: the edge, its guards and hooks, the index buckets it
     moves requests between, and the shared machine's objects for it (the trigger path)."""
 
-    __slots__ = ("dst_bucket", "edge", "final", "firing", "guard_calls", "guards", "hooks",
-                 "machine_event", "machine_source", "src_bucket", "transition")
+    __slots__ = (
+        "dst_bucket",
+        "edge",
+        "final",
+        "firing",
+        "guard_calls",
+        "guards",
+        "hooks",
+        "machine_event",
+        "machine_source",
+        "src_bucket",
+        "transition",
+    )
 
     def __init__(
         self,
@@ -144,7 +167,8 @@ class Step(Generic[R]):
         #: The Firing of an event fired without a reason or detail (the common case).
         self.firing = Firing(edge.event, edge.source, edge.dest)
         self.guards: tuple[tuple[str, bool], ...] = (
-            *((g, True) for g in edge.conditions), *((g, False) for g in edge.unless)
+            *((g, True) for g in edge.conditions),
+            *((g, False) for g in edge.unless),
         )
         #: Per record class bound to the lifecycle, the guards as they are called
         #: (:meth:`bind`): the functions are looked up once, not per request fired at.
@@ -159,6 +183,20 @@ class Step(Generic[R]):
         (self.transition,) = self.machine_event.transitions[edge.source.name]
         assert isinstance(self.transition, Transition)
 
+    def fired_with(self, reason: enum.Enum | None, detail: str, table: LifecycleTable) -> Firing:
+        """The Firing of this edge fired with ``reason`` and ``detail``, which only an edge into
+        a final state takes (``reason`` of the table's reasons enum)."""
+        edge = self.edge
+        if (reason is not None or detail) and not self.final:
+            raise LifecycleError(
+                f"event {str(edge.event)!r} leads to {edge.dest.name}, not a final state: a "
+                f"reason or detail goes only with an event that ends a request"
+            )
+        reasons = table.reasons
+        if reason is not None and reasons is not None and not isinstance(reason, reasons):
+            raise LifecycleError(f"{table.name}: reason {reason!r} is not a {reasons.__name__}")
+        return Firing(edge.event, edge.source, edge.dest, reason, detail)
+
     def bind(self, record: type, takes_event: Mapping[str, bool]) -> None:
         """Make the guard calls of ``record``, whose guards were checked (``takes_event``: per
         guard, whether it takes the event)."""
@@ -172,12 +210,55 @@ def refusal_text(guard: str, wanted: bool) -> str:
     return f"{guard} is {'false' if wanted else 'true'}"
 
 
+def count_ended(
+    finished: collections.Counter[tuple[enum.IntEnum, enum.Enum | None]],
+    reqs: Sequence[Any],
+    dst: enum.IntEnum,
+    firing: Firing,
+) -> None:
+    """How a batch that entered the final ``dst`` ended: its reason and detail set from
+    ``firing``, and counted in ``finished`` by (final state, reason)."""
+    reason, detail = firing.reason, firing.detail
+    if detail:
+        for r in reqs:
+            r.detail = detail
+    if reason is not None:
+        for r in reqs:
+            r.reason = reason
+        finished[(dst, reason)] += len(reqs)
+    elif len(reqs) == 1:  # the one-request path
+        finished[(dst, reqs[0].reason)] += 1
+    else:  # each ends with the reason it holds, most often None: those are counted in C
+        held = [r.reason for r in reqs]
+        unset = held.count(None)
+        if unset:
+            finished[(dst, None)] += unset
+        if unset != len(held):
+            for kept, n in collections.Counter(x for x in held if x is not None).items():
+                finished[(dst, kept)] += n
+
+
 def run_hooks(
     reqs: Sequence[Any], hooks: tuple[tuple[str, Hook, bool], ...], firing: Firing
 ) -> list[tuple[str, str, BaseException]]:
     """Call every hook for every request, each request's in table order; return the ones that
     raised (request id, hook name, exception)."""
     errors: list[tuple[str, str, BaseException]] = []
+    if len(hooks) == 2 and not (hooks[0][2] or hooks[1][2]):
+        # Two hooks that take no event (a request table's final states: release, respond) are
+        # called without a loop over them: that loop's iterator, made again per request, cost
+        # about as much as the two calls.
+        (first, hook1, _), (second, hook2, _) = hooks
+        for r in reqs:
+            try:
+                hook1(r)
+            except Exception as exc:  # reported together once every hook has run
+                errors.append((r.rid, first, exc))
+            try:
+                hook2(r)
+            except Exception as exc:
+                errors.append((r.rid, second, exc))
+        return errors
     for r in reqs:
         for name, hook, takes_event in hooks:
             try:

@@ -82,6 +82,13 @@ class LifecycleTable:
     def edge(self, state: enum.IntEnum, event: str) -> Edge | None:
         return self.lookup.get((state, event))
 
+    def no_edge(self, state: enum.IntEnum, event: str) -> str:
+        """Why ``event`` cannot fire from ``state``: no such event, or no edge from there."""
+        if event not in self.events:
+            known = ", ".join(str(e) for e in self.events)
+            return f"table {self.name!r} has no such event (its events: {known})"
+        return f"{state.name} has no {event!r} edge"
+
     def is_final(self, state: enum.IntEnum) -> bool:
         return state in self.finals
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import attrs
 import pytest
 
 from lifecycle import (
     PREFILL_TABLE,
     FailureReason,
+    GuardFailed,
+    HookFailed,
     IllegalTransition,
     Lifecycle,
     LifecycleError,
@@ -127,3 +130,150 @@ def test_a_batch_into_a_final_state_is_counted_by_the_reason_each_holds() -> Non
     lc.fire(Ev.FAIL, reqs)
     assert lc.finished == {(P.FAILED, None): 2, (P.FAILED, FailureReason.ABORTED): 2}
     assert _index(lc) == {} and len(lc) == 0
+
+
+# -- part of a bucket: claimed request by request, undone on a refusal -------------------------
+
+
+def _whole_state(lc: Lifecycle[PrefillRequest], reqs: Sequence[PrefillRequest]) -> object:
+    """Everything a refused batch must leave as it was: the index in order, the live requests,
+    each request's state and timeline, and the counters."""
+    return (
+        _index(lc),
+        list(lc.live()),
+        [(r.state, list(r.timeline)) for r in reqs],
+        lc.transitions_fired,
+        dict(lc.finished),
+        lc.guards_evaluated,
+    )
+
+
+def _forward(lc: Lifecycle[PrefillRequest], *rids: str) -> list[PrefillRequest]:
+    """``rids`` admitted, bootstrapped and scheduled into FORWARD, one batch."""
+    reqs = _admit(lc, *rids)
+    lc.fire(Ev.BOOTSTRAPPED, reqs)
+    lc.fire(Ev.SCHEDULE, reqs)
+    return reqs
+
+
+def test_part_of_a_bucket_is_claimed_in_batch_order_after_what_its_destination_holds() -> None:
+    calls: list[tuple[str, str]] = []
+    lc = _lifecycle(calls)
+    a, b, c, d, e = _forward(lc, "a", "b", "c", "d", "e")
+    for r in (a, b, c, d, e):
+        r.computed = len(r.input_ids)
+    lc.fire(Ev.PREFILLED, [b])
+    lc.fire(Ev.PREFILLED, [d, a])  # part of FORWARD, guarded, out of order
+    assert _index(lc) == {P.FORWARD: ["c", "e"], P.TRANSFERRING: ["b", "d", "a"]}
+    assert lc.guards_evaluated == 3
+    assert a.timeline[-1] is d.timeline[-1] and a.timeline[-1][1] == "prefilled"
+    lc.fire(Ev.PREFILLED, [c, e])
+    lc.fire(Ev.TRANSFERRED, [a, c])  # part of TRANSFERRING into a final state
+    assert _index(lc) == {P.TRANSFERRING: ["b", "d", "e"]}
+    assert [r.rid for r in lc.live()] == ["b", "d", "e"]
+    assert a.state is c.state is P.DONE and lc.finished == {(P.DONE, None): 2}
+    assert calls == [(h, r) for r in "ac" for h in ("release", "respond")]
+
+
+@pytest.mark.parametrize("culprit", ["wrong state", "twice", "stranger", "never admitted"])
+def test_a_refused_part_of_a_bucket_changes_nothing(culprit: str) -> None:
+    lc = _lifecycle([])
+    reqs = _admit(lc, "a", "b", "c", "d", "e")
+    a, b, c, d, _ = reqs
+    lc.fire(Ev.BOOTSTRAPPED, [d])
+    (stranger,) = _admit(_lifecycle([]), "s")
+    bad = {
+        "wrong state": d,
+        "twice": a,
+        "stranger": stranger,
+        "never admitted": prefill_request("n"),
+    }[culprit]
+    before = _whole_state(lc, [*reqs, bad])
+    error, says = {
+        "wrong state": (IllegalTransition, "the batch is in state BOOTSTRAPPING"),
+        "twice": (LifecycleError, "appears twice"),
+        "stranger": (LifecycleError, "belongs to another lifecycle"),
+        "never admitted": (IllegalTransition, "the batch is in state BOOTSTRAPPING"),
+    }[culprit]
+    with pytest.raises(error, match=says):
+        lc.fire(Ev.BOOTSTRAPPED, [a, b, bad, c])
+    assert _whole_state(lc, [*reqs, bad]) == before
+    assert before[0] == {P.BOOTSTRAPPING: ["a", "b", "c", "e"], P.WAITING: ["d"]}
+    lc.fire(Ev.BOOTSTRAPPED, [a, b, c])  # and the same batch without it fires
+    assert _index(lc) == {P.BOOTSTRAPPING: ["e"], P.WAITING: ["d", "a", "b", "c"]}
+
+
+def test_a_guard_refusing_part_of_a_bucket_changes_nothing_but_the_evaluations() -> None:
+    lc = _lifecycle([])
+    reqs = _forward(lc, "a", "b", "c", "d")
+    a, b, c, _ = reqs
+    a.computed = c.computed = len(a.input_ids)  # b is not fully computed
+    before = _whole_state(lc, reqs)
+    with pytest.raises(GuardFailed, match="fully_computed is false") as refused:
+        lc.fire(Ev.PREFILLED, [a, b, c])
+    assert refused.value.rid == "b"
+    assert lc.guards_evaluated == 2  # a and b, once each; c never
+    assert _whole_state(lc, reqs)[:-1] == before[:-1]
+    # A batch refused whatever the guard says is refused as such, as before any guard ran.
+    (stranger,) = _admit(_lifecycle([]), "s")
+    with pytest.raises(IllegalTransition, match="the batch is in state FORWARD") as illegal:
+        lc.fire(Ev.PREFILLED, [a, b, stranger])
+    assert not isinstance(illegal.value, GuardFailed) and illegal.value.rid == "s"
+    assert _whole_state(lc, reqs)[:-1] == before[:-1]
+
+
+def test_a_guard_raising_on_part_of_a_bucket_changes_nothing() -> None:
+    lc = _lifecycle([])
+    reqs = _forward(lc, "a", "b", "c", "d")
+    for r in reqs:
+        r.computed = len(r.input_ids)
+    reqs[1].input_ids = None  # type: ignore[assignment]  # len(None) raises in the guard
+    before = _whole_state(lc, reqs)
+    with pytest.raises(TypeError):
+        lc.fire(Ev.PREFILLED, reqs[:3])
+    assert lc.guards_evaluated == 2
+    assert _whole_state(lc, reqs)[:-1] == before[:-1]
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class _OtherRequest(PrefillRequest):
+    """A second record class: with two admitted, a batch's guard is looked up per request."""
+
+    def fully_computed(self) -> bool:
+        return True
+
+
+def test_two_record_classes_each_get_their_own_guard() -> None:
+    lc = _lifecycle([])
+    (a,) = _forward(lc, "a")
+    other = _OtherRequest("o", input_ids=[1, 2, 3])
+    lc.admit(other)
+    lc.fire(Ev.BOOTSTRAPPED, [other])
+    lc.fire(Ev.SCHEDULE, [other])
+    _forward(lc, "z")
+    with pytest.raises(GuardFailed) as refused:  # a's own guard: not computed
+        lc.fire(Ev.PREFILLED, [other, a])
+    assert refused.value.rid == "a"
+    lc.fire(Ev.PREFILLED, [other])  # its guard says yes without anything computed
+    assert _index(lc) == {P.FORWARD: ["a", "z"], P.TRANSFERRING: ["o"]}
+
+
+def test_a_raising_hook_of_two_stops_neither_for_any_request() -> None:
+    calls: list[tuple[str, str]] = []
+
+    def respond(r: PrefillRequest) -> None:
+        calls.append(("respond", r.rid))
+        if r.rid == "b":
+            raise RuntimeError("the client is gone")
+
+    lc = Lifecycle(
+        PREFILL_TABLE, {"release": lambda r: calls.append(("release", r.rid)), "respond": respond}
+    )
+    reqs = _admit(lc, "a", "b", "c")
+    with pytest.raises(HookFailed) as info:
+        lc.fire(Ev.FAIL, reqs[1:])  # part of the bucket
+    assert [(rid, hook) for rid, hook, _ in info.value.errors] == [("b", "respond")]
+    lc.fire(Ev.FAIL, reqs[:1])  # the whole bucket
+    assert calls == [(h, r) for r in "bca" for h in ("release", "respond")]
+    assert _index(lc) == {} and {r.state for r in reqs} == {P.FAILED}
+    assert lc.finished == {(P.FAILED, None): 3}
