@@ -36,6 +36,7 @@ import torch
 from lifecycle import SamplingParams
 from lifecycle.timeline import ttft_phases
 from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
+from scheduler.malloc_arena import use_one_arena
 from scheduler.model.select import ServedModel, load_model
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch, ModelRunner
@@ -145,6 +146,9 @@ def main() -> None:
                     help="torch intra-op threads (default 1: on 2 shared cores more threads only "
                          "contend with the transfer worker and made passes 5-30x slower)")
     args = ap.parse_args()
+    # Both loops and the forward-only replay allocate from one malloc arena, as the overlap
+    # loop's device worker would set later anyway (scheduler.malloc_arena).
+    use_one_arena()
     torch.set_num_threads(args.threads)
 
     served = load_model(args.model)

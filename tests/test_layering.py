@@ -20,7 +20,7 @@ PACKAGES = ("lifecycle", "kv", "scheduler")
 #: The rooms of ``scheduler/``, lowest first: a room imports rooms of lower levels only (and
 #: itself). ``kv`` and ``lifecycle`` sit below all of them.
 SCHEDULER_LEVELS: tuple[tuple[str, ...], ...] = (
-    ("scheduler.messages", "scheduler.runner", "scheduler.stepping"),
+    ("scheduler.messages", "scheduler.runner", "scheduler.stepping", "scheduler.malloc_arena"),
     ("scheduler.model", "scheduler.dist", "scheduler.sample"),
     ("scheduler.prefill", "scheduler.decode"),
     ("scheduler.assemble",),

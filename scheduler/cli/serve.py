@@ -275,6 +275,10 @@ def _check_trace_extra() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.overlap and args.device == "cpu":  # before another thread allocates
+        from scheduler.malloc_arena import use_one_arena
+
+        use_one_arena()
     import uvicorn
 
     from scheduler.service.app import create_app

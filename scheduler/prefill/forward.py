@@ -37,6 +37,7 @@ from kv.pool import KVPool
 from kv.state_pools import StatePools
 from kv.state_sends import StateSender, chunk_send, state_tables
 from lifecycle import FailureReason, PrefillRequest
+from scheduler.malloc_arena import use_one_arena
 from scheduler.messages import TokenLogprob
 from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import sender_of
@@ -73,9 +74,13 @@ class Device(Protocol):
 
 
 class DeviceWorker:
-    """The production device: one worker thread; on CUDA, launches go to a side stream."""
+    """The production device: one worker thread; on CUDA, launches go to a side stream. On the
+    CPU the process keeps to one malloc arena from here on (:mod:`scheduler.malloc_arena`:
+    a thread arena of its own would fault the forward's buffers in again on every forward)."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cpu":
+            use_one_arena()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pdlife-device")
         self._stream = (
             # torch.cuda.Stream.__new__ has no annotations in torch's own sources.

@@ -1,0 +1,40 @@
+"""One glibc malloc arena for the whole process: :func:`use_one_arena`.
+
+glibc gives threads that allocate arenas of their own (up to eight per core) and hands the free
+top of a thread arena's heap back to the kernel as the heap shrinks. A thread that allocates and
+frees large buffers over and over, as the overlap loop's device thread does running a CPU
+forward, then faults those pages in again on every forward: a SmolLM2 forward of 1,024 tokens
+(one torch thread) took 120,000-130,000 page faults and 0.2 s of system time on a worker
+thread, and ran 6-7% slower than on the main thread, which faulted none after its first
+forward. With one arena every thread allocates from the main arena, whose freed memory stays
+mapped, and the forward runs as fast on the device thread as on the main one
+(docs/benchmarks.md, *e2e*).
+
+The limit counts only from when it is set: glibc hands later threads the arenas that exist by
+then, so it works fully when set before a second thread allocates (what ``pdlife serve`` does
+with ``--overlap``); set later, later threads share the arenas made before. Setting
+``MALLOC_ARENA_MAX`` in the environment, which glibc reads at start-up, does the same from the
+first allocation on; when it is set, :func:`use_one_arena` leaves the choice to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+#: glibc's ``mallopt`` parameter for the most arenas.
+_M_ARENA_MAX = -8
+
+
+def use_one_arena() -> bool:
+    """Limit glibc's malloc to one arena from now on; True if this call set it. Does nothing
+    (False) when ``MALLOC_ARENA_MAX`` is set in the environment or the C library is not glibc."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        return False
+    return mallopt is not None and bool(mallopt(_M_ARENA_MAX, 1))
