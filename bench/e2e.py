@@ -11,8 +11,8 @@ lifecycle throughput over the normal loop's (the median of the rounds, each roun
 two loops back to back).
 
 ``--model reference`` (the default) is the fixed-point reference model; ``--model smollm2`` (or
-a path) a real checkpoint, with a smaller default workload (it computes about a hundred prompt
-tokens a second per core).
+a path) a real checkpoint, with a smaller default workload (SmolLM2 computes a few hundred prompt
+tokens a second on one core).
 
 Each loop's forwards are timed as they run: ``gap_ms_<loop>`` is the mean time from one
 forward's end to the next one's start, the time the model waits for the scheduler's host work,
@@ -176,12 +176,13 @@ def main() -> None:
             fwd_s = run_forward_only(served, recorder.batches, pages, args.page_size)
             ratio = fwd_s / life_s
             busy = sum(end - start for start, end in recorder.spans)
-            gaps_of[loop] += recorder.gaps()
+            gaps = recorder.gaps()
+            gaps_of[loop] += gaps
             print(f"round {round_} {loop:8s} lifecycle {life_s:7.3f} s "
                   f"({tokens / life_s:8.0f} tok/s)  forward-only {fwd_s:7.3f} s "
                   f"({tokens / fwd_s:8.0f} tok/s)  ratio {ratio:.3f}  "
                   f"batches {len(recorder.batches)}  forwards {busy:7.3f} s, between them "
-                  f"{sum(recorder.gaps()) * 1e3:.1f} ms")
+                  f"{sum(gaps) * 1e3:.1f} ms")
             ratios[loop].append(ratio)
             ttfts_of[loop] += ttfts
         speedups.append(lifecycle_s["normal"] / lifecycle_s["overlap"])
