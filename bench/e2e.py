@@ -134,13 +134,13 @@ def main() -> None:
     ap.add_argument("--model", default="reference",
                     help="reference (default), smollm2, or a GGUF file / Hugging Face directory")
     ap.add_argument("--requests", type=int,
-                    help="requests (default: 64 on the reference model, 12 on a real one)")
+                    help="requests (default: 64 on the reference model, 16 on a real one)")
     ap.add_argument("--min-len", type=int, help="shortest prompt (default: 128; real: 64)")
     ap.add_argument("--max-len", type=int, help="longest prompt (default: 1024; real: 512)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk", type=int,
                     help="most prompt tokens per forward (default: 2048; real: 1024)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of both loops (default: 5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on 2 shared cores more threads only "

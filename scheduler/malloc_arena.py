@@ -28,8 +28,9 @@ _M_ARENA_MAX = -8
 
 
 def use_one_arena() -> bool:
-    """Limit glibc's malloc to one arena from now on; True if this call set it. Does nothing
-    (False) when ``MALLOC_ARENA_MAX`` is set in the environment or the C library is not glibc."""
+    """Limit glibc's malloc to one arena from now on; True once the limit is set (by this call
+    or an earlier one). Does nothing (False) when ``MALLOC_ARENA_MAX`` is set in the environment
+    or the C library is not glibc."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     name = ctypes.util.find_library("c")

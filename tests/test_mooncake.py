@@ -174,3 +174,17 @@ def test_decode_refuses_a_prefill_with_another_pool_layout(
                        r"this decode .* kv_layout=page_major"):
         MooncakeDecodeManager(make_pool(layout=KVLayout.PAGE_MAJOR), MetadataBuffers(4),
                               server.address)
+
+
+def test_serve_takes_the_block_size_in_mib() -> None:
+    from scheduler.cli.command import UsageError
+    from scheduler.cli.main import build_parser
+    from scheduler.cli.serve import serve_config
+
+    parser = build_parser("serve")
+    flags = ["serve", "--role", "prefill"]
+    assert serve_config(parser.parse_args(flags)).mooncake.max_block_bytes == 16 << 20
+    given = serve_config(parser.parse_args([*flags, "--mooncake-block-mib", "2"]))
+    assert given.mooncake.max_block_bytes == 2 << 20
+    with pytest.raises(UsageError, match="--mooncake-block-mib must be >= 1"):
+        serve_config(parser.parse_args([*flags, "--mooncake-block-mib", "0"]))

@@ -164,6 +164,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                "the transfer engine's transport: tcp everywhere, rdma where the hardware has it "
                "(needs --mooncake-device)", choices=("tcp", "rdma"))
     mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
+    _defaulted(mc, "--mooncake-block-mib", 16, "prefill: a run of pages longer than this many "
+               "MiB is written as blocks of it (each block a stream, on tcp its own connection)",
+               type=int)
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
                      help="mooncake: a file whose first line is the token prefill and decode "
@@ -209,6 +212,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     from scheduler.prefill.delayer_decision import DelayerConfig
     from scheduler.service.core import ServeConfig
 
+    if args.mooncake_block_mib < 1:
+        raise UsageError(f"--mooncake-block-mib must be >= 1, got {args.mooncake_block_mib}")
     role: Role
     if args.backend == "local":
         if args.role is not None:
@@ -247,6 +252,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             mooncake=MooncakeConfig(
                 hostname=args.mooncake_host, protocol=args.mooncake_protocol,
                 device=args.mooncake_device, connect_timeout_s=args.connect_timeout,
+                max_block_bytes=args.mooncake_block_mib << 20,
                 bootstrap_timeout_s=args.bootstrap_timeout,
                 token=peer_token(args.peer_token_file),
             ),
