@@ -25,8 +25,9 @@ model's pool (``--dtype`` for a real one: SmolLM2 in float32 is 30 layers of 3 K
   in shuffled order, and each request takes its pages from them; what a free list that does not
   keep runs together leaves after churn.
 
-Each round sends every request once, pdlife then the baseline, so both see the same machine
-load; a figure is the median over ``--iters`` rounds after a warm-up, and a ratio is the median
+Each round sends every request once with pdlife and with each baseline, pdlife first in even
+rounds and last in odd ones, so both see the same machine load and neither always follows the
+other; a figure is the median over ``--iters`` rounds after a warm-up, and a ratio is the median
 of the per-round ratios.
 
 Last line, for the churned pool: ``RESULT transfer ratio=<page-major pdlife / raw one region>
@@ -40,6 +41,7 @@ model=<the geometry>``. Two pools of ``--pages`` pages are live at a time (4.5 G
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -56,6 +58,7 @@ from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import MooncakeConfig
+from kv.native_log import HARMLESS_ON_TCP, engine_log_captured
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from kv.transfer import KVManager, KVPoll, KVSender
@@ -143,13 +146,19 @@ def timed(total: int, seconds: float) -> float:
 
 def measure(iters: int, total: int, pdlife: Callable[[], float],
             bases: dict[str, Callable[[], float]]) -> dict[str, Figures]:
-    """Rounds of pdlife then each baseline in turn; per baseline, medians of GB/s and of the
-    per-round ratios."""
+    """Rounds of pdlife and each baseline; per baseline, medians of GB/s and of the per-round
+    ratios. pdlife goes first in even rounds and last in odd ones (the baselines in reverse),
+    so that whatever a write leaves behind for the next one (the peer still handling the last
+    round's releases, the machine's load drifting) favours neither side."""
     ours: list[float] = []
     theirs: dict[str, list[float]] = {name: [] for name in bases}
-    for it in range(iters + 1):
+    for it in range(iters + 1):  # the first round warms up
+        b: dict[str, float] = {}
+        if it % 2:
+            b = {name: timed(total, bases[name]()) for name in reversed(bases)}
         a = timed(total, pdlife())
-        b = {name: timed(total, base()) for name, base in bases.items()}
+        if not it % 2:
+            b = {name: timed(total, base()) for name, base in bases.items()}
         if it:
             ours.append(a)
             for name in bases:
@@ -185,8 +194,9 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
                       layout=layout.value)
     from mooncake.engine import TransferEngine  # after the manager set the engine's log level
 
-    engine = TransferEngine()
-    engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    with engine_log_captured(logging.getLogger("bench.transfer"), HARMLESS_ON_TCP):
+        engine = TransferEngine()  # its start-up lines go through logging, as pdlife's do
+        engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     base = pool.buffer.data_ptr()
     engine.register_memory(base, pool.buffer.numel() * pool.buffer.element_size())
     # The baseline's regions: the whole buffer as one, or one per layer (K and V together).

@@ -26,6 +26,7 @@ from kv.local import LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
+from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from kv.state_pools import StatePools
@@ -62,6 +63,15 @@ class PairConfig:
     #: recurrent slots (from ``model``'s layers), a draft for speculative decoding
     #: (docs/embedding.md#a-hybrid-or-speculative-pair).
     hybrid: HybridConfig | None = None
+    #: Both Mooncake engines' settings (the sender's cut, workers, timeouts, a peer token); only
+    #: with ``backend="mooncake"``. None: ``MooncakeConfig()``'s defaults.
+    mooncake: MooncakeConfig | None = attrs.field(default=None)
+
+    @mooncake.validator
+    def _mooncake_needs_its_backend(self, _attr: object, value: MooncakeConfig | None) -> None:
+        if value is not None and self.backend != "mooncake":
+            raise ValueError(f"PairConfig.mooncake is for backend='mooncake', not "
+                             f"{self.backend!r}")
 
 
 @attrs.frozen
@@ -104,7 +114,8 @@ class EmbeddedPair:
         if config.backend == "local":
             self.bootstrap_host, self.bootstrap_port = LOCAL_HOST, 0
         else:
-            self.bootstrap = BootstrapServer()
+            self.bootstrap = BootstrapServer(
+                token=config.mooncake.token if config.mooncake is not None else None)
             self._closers.append(self.bootstrap.close)
             host, port = self.bootstrap.address.rsplit(":", 1)
             self.bootstrap_host, self.bootstrap_port = host, int(port)
@@ -118,6 +129,7 @@ class EmbeddedPair:
                 bootstrap=self.bootstrap, faults=faults, kv_layout=config.kv_layout,
                 delayer=delayer, clock=clock, on_response=self._on_prefill,
                 overlap=config.overlap, compiler=compiler, hybrid=config.hybrid,
+                mooncake=config.mooncake,
             )
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_kv, hub),
@@ -206,7 +218,8 @@ class EmbeddedPair:
     ) -> LocalDecodeManager | MooncakeDecodeManager:
         if self.bootstrap is None:
             return LocalDecodeManager(pool, meta, hub=hub, states=states)
-        return MooncakeDecodeManager(pool, meta, self.bootstrap.address, states=states)
+        return MooncakeDecodeManager(pool, meta, self.bootstrap.address, states=states,
+                                     config=self.config.mooncake)
 
     def close(self) -> None:
         errors = close_all(self._closers)

@@ -14,6 +14,7 @@ from typing import Literal
 import attrs
 import torch
 
+from kv.mooncake_engine import MooncakeConfig
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair, PairConfig
@@ -33,7 +34,8 @@ def check_pair(prompts: Mapping[str, Sequence[int]], expected: Mapping[str, Sequ
                max_prefill_tokens: int | None = None,
                model: LlamaModel | None = None, served: ServedModel | None = None,
                pool_dtype: torch.dtype | None = None, timeout: float = 600.0,
-               kv_layout: KVLayout = DEFAULT_KV_LAYOUT) -> None:
+               kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
+               mooncake: MooncakeConfig | None = None) -> None:
     """Run ``prompts`` (rid → input ids) through a pair of ``pages`` pages a side (pools in
     ``kv_layout``) and check each request's output against ``expected`` (rid → tokens);
     ``pool_dtype``, if given, is both pools' dtype."""
@@ -42,7 +44,7 @@ def check_pair(prompts: Mapping[str, Sequence[int]], expected: Mapping[str, Sequ
     if max_prefill_tokens is not None:
         scheduler = attrs.evolve(scheduler, max_prefill_tokens=max_prefill_tokens)
     cfg = PairConfig(scheduler=scheduler, prefill_pages=pages, decode_pages=pages,
-                     overlap=overlap, backend=backend, kv_layout=kv_layout)
+                     overlap=overlap, backend=backend, kv_layout=kv_layout, mooncake=mooncake)
     pair = EmbeddedPair(cfg, model=model, served=served)
     try:
         assert pair.prefill_pool.layout == pair.decode_pool.layout == kv_layout

@@ -15,7 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv.mooncake_engine import MooncakeConfig
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout
+from scheduler.embedded import PairConfig
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from tests.pair_check import check_pair
 
@@ -26,11 +28,12 @@ MAX_NEW = 6
 
 def run_pair(prompts: dict[str, list[int]], *, page_size: int, chunk: int | None,
              overlap: bool, backend: Literal["local", "mooncake"] = "local",
-             max_new: int = MAX_NEW, kv_layout: KVLayout = DEFAULT_KV_LAYOUT) -> None:
+             max_new: int = MAX_NEW, kv_layout: KVLayout = DEFAULT_KV_LAYOUT,
+             mooncake: MooncakeConfig | None = None) -> None:
     expected = {rid: REFERENCE.generate(prompt, max_new) for rid, prompt in prompts.items()}
     check_pair(prompts, expected, page_size=page_size, chunk=chunk, overlap=overlap,
                max_new=max_new, pages=8192 // page_size + 8, backend=backend, model=MODEL,
-               timeout=240, kv_layout=kv_layout)
+               timeout=240, kv_layout=kv_layout, mooncake=mooncake)
 
 
 def prompts_of(lengths: list[int], seed: int) -> dict[str, list[int]]:
@@ -57,6 +60,21 @@ def test_a_long_prompt_in_many_chunks_matches_reference(overlap):
 def test_mooncake_backend_matches_reference(overlap):
     run_pair(prompts_of([1, 17, 200, 1200], 7), page_size=16, chunk=512, overlap=overlap,
              backend="mooncake")
+
+
+@pytest.mark.mooncake
+def test_a_mooncake_pair_takes_its_engine_settings():
+    """``PairConfig.mooncake`` reaches both sides: with a peer token (only the two sides
+    agreeing on it lets a transfer through) and a 4 KiB cut (every page of a run a block of
+    its own, cut further), the pair still serves the reference's tokens."""
+    run_pair(prompts_of([1, 300, 1200], 5), page_size=16, chunk=512, overlap=False,
+             backend="mooncake", mooncake=MooncakeConfig(max_block_bytes=4096, token="t0k3n"))
+
+
+def test_mooncake_settings_need_the_mooncake_backend():
+    with pytest.raises(ValueError, match="backend='mooncake'"):
+        PairConfig(mooncake=MooncakeConfig())
+    assert PairConfig(backend="mooncake", mooncake=MooncakeConfig()).mooncake is not None
 
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("mooncake", marks=pytest.mark.mooncake)])
