@@ -148,8 +148,8 @@ def measure(iters: int, total: int, pdlife: Callable[[], float],
             bases: dict[str, Callable[[], float]]) -> dict[str, Figures]:
     """Rounds of pdlife and each baseline; per baseline, medians of GB/s and of the per-round
     ratios. pdlife goes first in even rounds and last in odd ones (the baselines in reverse),
-    so that whatever a write leaves behind for the next one (the peer still handling the last
-    round's releases, the machine's load drifting) favours neither side."""
+    so neither side always runs in the other's wake and a drift in the machine's load favours
+    neither."""
     ours: list[float] = []
     theirs: dict[str, list[float]] = {name: [] for name in bases}
     for it in range(iters + 1):  # the first round warms up
