@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(name: str) -> str:
+def _run(name: str, *args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)],
+        [sys.executable, str(ROOT / "examples" / name), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -32,10 +34,11 @@ def test_embed_minimal() -> None:
     assert out.splitlines()[-1] == "ok"
 
 
-def test_embed_pair() -> None:
-    out = _run("embed_pair.py")
+@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def test_embed_pair(backend: str) -> None:
+    out = _run("embed_pair.py", "--backend", backend)
     served = [line for line in out.splitlines() if "prefill DONE, decode DONE" in line]
     assert len(served) == 3 and all("matches the reference" in line for line in served)
     assert re.search(r"\(stop, \d+ tokens\)|\(length, 24 tokens\)", out)
-    assert re.search(r"handed to the transfer backend: [1-9]\d* bytes", out)
+    assert re.search(rf"handed to the {backend} transfer backend: [1-9]\d* bytes", out)
     assert out.splitlines()[-1] == "ok"
