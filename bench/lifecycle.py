@@ -22,7 +22,8 @@ number of requests, in one run:
      whole of its state's collection (as when some requests of a forward batch need more
      chunks): the batch path checking and moving request by request
 
-It prints microseconds per request lifecycle (best of ``--repeats``; ``--clock cpu`` reads this
+It prints microseconds per request lifecycle (best of ``--repeats`` rounds, each running every
+variant once, in an order reversed every other round; ``--clock cpu`` reads this
 process's CPU time, which other work on a shared machine moves less than wall time) and bytes
 allocated per request by creating it and running its lifecycle (tracemalloc; the prompt is
 shared and not counted), then ``RESULT lifecycle ratio=<a/d> us_per_request=<d>
@@ -366,6 +367,25 @@ def best_time(
     return best / n * 1e6
 
 
+def interleaved_best(
+    variants: dict[str, Callable[[int], list[Any]]], n: int, repeats: int,
+    clock: Callable[[], float],
+) -> dict[str, float]:
+    """Best time of each variant over ``repeats`` rounds that run every variant once, in
+    microseconds per request. The order reverses every other round, so a drift in the machine's
+    load reaches every variant alike (back-to-back repeats of one variant would put each in a
+    different stretch of it)."""
+    best = dict.fromkeys(variants, float("inf"))
+    for round_ in range(repeats):
+        order = list(variants) if round_ % 2 == 0 else list(reversed(variants))
+        for name in order:
+            gc.collect()
+            start = clock()
+            variants[name](n)
+            best[name] = min(best[name], clock() - start)
+    return {name: seconds / n * 1e6 for name, seconds in best.items()}
+
+
 def bytes_per_request(run: Callable[[int], list[Any]], n: int) -> float:
     """Bytes still allocated per request after its lifecycle (the requests are kept alive)."""
     gc.collect()
@@ -382,7 +402,7 @@ def bytes_per_request(run: Callable[[int], list[Any]], n: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory-requests", type=int, default=2_000)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or this process's CPU time (default: wall)")
@@ -395,15 +415,12 @@ def main() -> None:
         breakdown(args.requests, args.repeats, CLOCKS[args.clock])
         return
 
-    print(f"{args.requests} request lifecycles per run, best of {args.repeats}, "
+    print(f"{args.requests} request lifecycles per run, best of {args.repeats} interleaved rounds, "
           f"{args.clock} time")
     print(f"{'variant':34} {'us/request':>11} {'bytes/request':>14} {'vs d)':>8}")
-    results = {}
-    for name, run in VARIANTS.items():
-        results[name] = (
-            best_time(run, args.requests, args.repeats, CLOCKS[args.clock]),
-            bytes_per_request(run, args.memory_requests),
-        )
+    times = interleaved_best(VARIANTS, args.requests, args.repeats, CLOCKS[args.clock])
+    results = {name: (times[name], bytes_per_request(run, args.memory_requests))
+               for name, run in VARIANTS.items()}
     us_d, bytes_d = results["d) pdlife fire, batches of 64"]
     for name, (us, nbytes) in results.items():
         print(f"{name:34} {us:11.2f} {nbytes:14.0f} {us / us_d:7.1f}x")

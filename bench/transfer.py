@@ -7,6 +7,11 @@ pool layouts (:mod:`kv.pool_layout`).
    one contiguous region per layer for the layer-major pool, and, for both, as contiguous blocks
    of the size pdlife cuts long runs into (``MooncakeConfig.max_block_bytes``): the TCP
    transport moves each block as one serial stream, so that is the faster of the raw writes.
+   The raw writes go through pdlife's own engine (``MooncakeKVManager.engine``), so a ratio
+   compares what pdlife adds over the engine it drives; the one-region write is also timed on a
+   second engine of the same process (``second_engine_ratio``), and ``engine_aa``, that write on
+   the second engine over the same write on pdlife's, shows how far two identical engines read
+   apart in the run (the yardstick for the ratios' noise).
 2. Local: :class:`kv.local.LocalKVManager` moving the same pages between two in-process pools,
    against one ``torch`` copy of the same number of bytes.
 
@@ -34,14 +39,15 @@ Last line, for the churned pool: ``RESULT transfer ratio=<page-major pdlife / ra
 layer_major_ratio=<layer-major pdlife / raw one region per layer> local_ratio=<page-major local /
 torch> pdlife_gbps=<page-major pdlife> raw_gbps=<raw one region> blocks_ratio=<page-major pdlife
 / raw blocks> raw_blocks_gbps= layer_major_gbps=<layer-major pdlife> layer_major_local_ratio=
-model=<the geometry>``. Two pools of ``--pages`` pages are live at a time (4.5 GiB at the default
+second_engine_ratio=<page-major pdlife / raw one region on a second engine>
+layer_major_second_engine_ratio= engine_aa=<second engine / pdlife's engine, page-major>
+layer_major_engine_aa= model=<the geometry>``. Two pools of ``--pages`` pages are live at a time (4.5 GiB at the default
 1,152 synthetic pages). ``--cuts`` compares cut sizes instead (:mod:`bench.transfer_cuts`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -57,8 +63,7 @@ from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
-from kv.mooncake_engine import MooncakeConfig
-from kv.native_log import HARMLESS_ON_TCP, engine_log_captured
+from kv.mooncake_engine import MooncakeConfig, MooncakeEngine
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from kv.transfer import KVManager, KVPoll, KVSender
@@ -113,6 +118,13 @@ class Figures:
 
     def spread(self) -> str:
         return f"{min(self.rounds):.2f}-{max(self.rounds):.2f}"
+
+
+def engine_aa(figures: dict[str, Figures]) -> float:
+    """The median over the rounds of the raw write on a second engine over the same write on
+    pdlife's: how far apart two engines doing identical work read in this run."""
+    same, second = figures["regions"].rounds, figures["second"].rounds
+    return statistics.median(a / b for a, b in zip(same, second, strict=True))
 
 
 def wait_all(manager: KVManager, senders: dict[int, KVSender], until: set[KVPoll]) -> None:
@@ -192,13 +204,11 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
                       page_size=PAGE_SIZE, heads=shape.kv_heads, dim=shape.head_dim,
                       dtype=str(shape.dtype).removeprefix("torch."), slots=slots,
                       layout=layout.value)
-    from mooncake.engine import TransferEngine  # after the manager set the engine's log level
-
-    with engine_log_captured(logging.getLogger("bench.transfer"), HARMLESS_ON_TCP):
-        engine = TransferEngine()  # its start-up lines go through logging, as pdlife's do
-        engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    # A second engine writing the same regions: the control that shows how far two engines
+    # apart differ on the same write (``engine_aa``), and the ratio against it.
+    second = MooncakeEngine(manager.config)
     base = pool.buffer.data_ptr()
-    engine.register_memory(base, pool.buffer.numel() * pool.buffer.element_size())
+    second.register(base, pool.buffer.numel() * pool.buffer.element_size())
     # The baseline's regions: the whole buffer as one, or one per layer (K and V together).
     regions = 1 if layout is KVLayout.PAGE_MAJOR else pool.num_layers
     stride = pool.buffer.numel() * pool.buffer.element_size() // regions
@@ -212,26 +222,26 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
         # write after: seen with Mooncake 0.3.13.post1.)
         step = max(1, manager.config.max_blocks_in_flight // 2)
 
-        def raw(src: list[int], dst: list[int], lens: list[int]) -> Callable[[], float]:
+        def raw(engine: MooncakeEngine, src: list[int], dst: list[int], lens: list[int]
+                ) -> Callable[[], float]:
             def write() -> float:
                 start = time.perf_counter()
                 batches: list[tuple[int, int]] = []
                 for at in range(0, len(src), step):
                     while batches and sum(n for _, n in batches) + step > 2 * step:
-                        wait_batch(batches.pop(0)[0])
+                        wait_batch(engine, batches.pop(0)[0])
                     part = slice(at, at + step)
-                    batch = engine.batch_transfer_async_write(session, src[part], dst[part],
-                                                              lens[part])
+                    batch = engine.submit_write(session, src[part], dst[part], lens[part])
                     if not batch:
                         raise SystemExit("the raw engine refused a write")
                     batches.append((batch, len(src[part])))
                 for batch, _ in batches:
-                    wait_batch(batch)
+                    wait_batch(engine, batch)
                 return time.perf_counter() - start
             return write
 
-        def wait_batch(batch: int) -> None:
-            rc = engine.get_batch_transfer_status([batch])
+        def wait_batch(engine: MooncakeEngine, batch: int) -> None:
+            rc = engine.wait(batch)
             if rc != 0:
                 raise SystemExit(f"raw engine write failed: rc={rc}")
 
@@ -240,12 +250,15 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
             total = pool.bytes_of_pages(sum(len(p) for p in plan))
             block = manager.config.max_block_bytes
             pieces = range(0, total, block)
+            src = [base + i * stride for i in range(regions)]
+            dst = [peer_base + i * stride for i in range(regions)]
+            lens = [total // regions] * regions
             bases = {
-                "regions": raw([base + i * stride for i in range(regions)],
-                               [peer_base + i * stride for i in range(regions)],
-                               [total // regions] * regions),
-                "blocks": raw([base + at for at in pieces], [peer_base + at for at in pieces],
+                "regions": raw(manager.engine, src, dst, lens),
+                "blocks": raw(manager.engine, [base + at for at in pieces],
+                              [peer_base + at for at in pieces],
                               [min(block, total - at) for at in pieces]),
+                "second": raw(second, src, dst, lens),
             }
 
             def ours(plan: Plan = plan) -> float:
@@ -265,8 +278,8 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
 
             results[name] = (rounds(manager, total, ours, bases) if rounds
                              else measure(args.iters, total, ours, bases))
-        engine.unregister_memory(base)
     finally:
+        second.close()
         peer.close()
         manager.close()
         server.close()
@@ -380,17 +393,22 @@ def main() -> None:
         print(f"{name}:")
         for layout, raw_name in ((KVLayout.PAGE_MAJOR, "raw one region"),
                                  (KVLayout.LAYER_MAJOR, "raw region per layer")):
-            m, blocks = mooncake[layout][name]["regions"], mooncake[layout][name]["blocks"]
+            figures = mooncake[layout][name]
+            m, blocks, second = figures["regions"], figures["blocks"], figures["second"]
             lo = local[layout][name]
             print(f"  {layout.value}\n"
                   f"    mooncake  pdlife {m.pdlife_gbps:5.2f} GB/s, {raw_name} "
                   f"{m.base_gbps:5.2f} GB/s, ratio {m.ratio:.3f} (rounds {m.spread()}); "
                   f"raw {block_mib:g} MiB blocks {blocks.base_gbps:5.2f} GB/s, "
                   f"ratio {blocks.ratio:.3f}\n"
+                  f"              {raw_name} on a second engine {second.base_gbps:5.2f} GB/s, "
+                  f"ratio {second.ratio:.3f}; second engine / pdlife's engine, same write "
+                  f"{engine_aa(figures):.3f}\n"
                   f"    local     pdlife {lo.pdlife_gbps:5.2f} GB/s, torch copy "
                   f"{lo.base_gbps:5.2f} GB/s, ratio {lo.ratio:.3f} (rounds {lo.spread()})")
     page = mooncake[KVLayout.PAGE_MAJOR]["churned"]
-    layer = mooncake[KVLayout.LAYER_MAJOR]["churned"]["regions"]
+    layer_all = mooncake[KVLayout.LAYER_MAJOR]["churned"]
+    layer = layer_all["regions"]
     print(f"RESULT transfer ratio={page['regions'].ratio:.3f} "
           f"layer_major_ratio={layer.ratio:.3f} "
           f"local_ratio={local[KVLayout.PAGE_MAJOR]['churned'].ratio:.3f} "
@@ -398,6 +416,9 @@ def main() -> None:
           f"blocks_ratio={page['blocks'].ratio:.3f} raw_blocks_gbps={page['blocks'].base_gbps:.3f} "
           f"layer_major_gbps={layer.pdlife_gbps:.3f} "
           f"layer_major_local_ratio={local[KVLayout.LAYER_MAJOR]['churned'].ratio:.3f} "
+          f"second_engine_ratio={page['second'].ratio:.3f} "
+          f"layer_major_second_engine_ratio={layer_all['second'].ratio:.3f} "
+          f"engine_aa={engine_aa(page):.3f} layer_major_engine_aa={engine_aa(layer_all):.3f} "
           f"model={shape.name}")
 
 

@@ -117,6 +117,9 @@ class MooncakeKVManager:
         )
         self.endpoint = self._control.endpoint
         self.session = self._control.session  # its engine's host:rpc_port
+        #: The rank's engine, with the pool and metadata registered; tools that time raw writes
+        #: beside pdlife's (``bench.transfer``) write through it, so both use one engine.
+        self.engine = self._control.engine
         self.dropped_messages = self._control.dropped_messages
         self._push_lock = threading.Lock()
         self._push: dict[str, zmq.Socket[Any]] = {}

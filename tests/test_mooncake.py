@@ -16,7 +16,7 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import IncompatiblePeerError, MooncakeConfig
-from kv.mooncake_writes import cut_blocks
+from kv.mooncake_writes import cut_blocks, row_blocks
 from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
@@ -129,7 +129,8 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
                 KVPoll.WAITING_FOR_INPUT
             )
             sender.init(len(src), i)
-            metadata.write(i, first_token=7, cached_tokens=0, logprob=None, room=room)
+            metadata.write(i, first_token=7 + i, cached_tokens=i, logprob=-0.5 * i, room=room,
+                           top=[(100 + i, -1.0)])
             plan[room] = (sender, src, dst, dslot)
         for sender, src, _, _ in plan.values():
             sender.send(src, last=True)
@@ -142,6 +143,9 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
         for room, (_, src, dst, dslot) in plan.items():
             assert torch.equal(landed["kv"][:, :, dst], pool.by_layer()[:, :, src]), room
             assert int(landed["room"][dslot]) == room
+            for field, theirs in landed["rows"].items():  # slots 0-5 go to 0-5: a block a field
+                mine = getattr(metadata, field)[room - 500]
+                assert torch.equal(theirs[dslot].view(torch.uint8), mine.view(torch.uint8))
     finally:
         peer.close()
         manager.close()
@@ -154,6 +158,17 @@ def test_long_blocks_are_cut_into_consecutive_pieces() -> None:
         [0, 4, 8, 100, 200], [1000, 1004, 1008, 2000, 3000], [4, 4, 2, 4, 3])
     assert cut_blocks(src, dst, np.array([4, 4, 3]), 4) == (
         [0, 100, 200], [1000, 2000, 3000], [4, 4, 3])
+
+
+def test_metadata_rows_consecutive_on_both_sides_go_as_one_block_per_field() -> None:
+    """Slots 0-2 go to 10-12 (given out of order), slot 5 to 3: two runs, so two blocks per
+    field, field by field in order (the room's, the last field, last)."""
+    src, dst, lens = row_blocks([2, 0, 1, 5], [12, 10, 11, 3], ptrs=[1000, 5000],
+                                item_lens=[64, 8], dst_ptrs=[100_000, 200_000])
+    assert src == [1000, 1000 + 5 * 64, 5000, 5000 + 5 * 8]
+    assert dst == [100_000 + 10 * 64, 100_000 + 3 * 64, 200_000 + 10 * 8, 200_000 + 3 * 8]
+    assert lens == [3 * 64, 64, 3 * 8, 8]
+    assert row_blocks([], [], [1000], [64], [2000]) == ([], [], [])
 
 
 def test_decode_refuses_a_prefill_with_another_page_size(
