@@ -7,11 +7,13 @@ pool layouts (:mod:`kv.pool_layout`).
    one contiguous region per layer for the layer-major pool, and, for both, as contiguous blocks
    of the size pdlife cuts long runs into (``MooncakeConfig.max_block_bytes``): the TCP
    transport moves each block as one serial stream, so that is the faster of the raw writes.
-   The raw writes go through pdlife's own engine (``MooncakeKVManager.engine``), so a ratio
-   compares what pdlife adds over the engine it drives; the one-region write is also timed on a
-   second engine of the same process (``second_engine_ratio``), and ``engine_aa``, that write on
-   the second engine over the same write on pdlife's, shows how far two identical engines read
-   apart in the run (the yardstick for the ratios' noise).
+   The raw writes go through pdlife's first engine (``MooncakeKVManager.engines``): one engine,
+   as the baselines are defined, while the sender deals its blocks over all of its engines
+   (``MooncakeConfig.engines``, ``--engines``), so the raw regions are also timed dealt over all
+   of them, pdlife's resources (``all_engines_ratio``). The one-region write is also timed on a
+   separate engine of the same process (``second_engine_ratio``), and ``engine_aa``, that write
+   on the separate engine over the same write on pdlife's first, shows how far two identical
+   engines read apart in the run (the yardstick for the ratios' noise).
 2. Local: :class:`kv.local.LocalKVManager` moving the same pages between two in-process pools,
    against one ``torch`` copy of the same number of bytes.
 
@@ -41,7 +43,10 @@ torch> pdlife_gbps=<page-major pdlife> raw_gbps=<raw one region> blocks_ratio=<p
 / raw blocks> raw_blocks_gbps= layer_major_gbps=<layer-major pdlife> layer_major_local_ratio=
 second_engine_ratio=<page-major pdlife / raw one region on a second engine>
 layer_major_second_engine_ratio= engine_aa=<second engine / pdlife's engine, page-major>
-layer_major_engine_aa= model=<the geometry>``. Two pools of ``--pages`` pages are live at a time (4.5 GiB at the default
+layer_major_engine_aa= all_engines_ratio=<page-major pdlife / raw one region cut into a piece
+per engine of the sender's> layer_major_all_engines_ratio= engines=<the sender's engines>
+model=<the geometry>`` (the ``all_engines`` fields only with more than one engine). Two pools
+of ``--pages`` pages are live at a time (4.5 GiB at the default
 1,152 synthetic pages). ``--cuts`` compares cut sizes instead (:mod:`bench.transfer_cuts`).
 """
 
@@ -198,7 +203,7 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     pool.buffer.view(torch.int16).random_()
     slots = max(len(plan) for plan in plans.values())
     metadata = MetadataBuffers(slots)
-    manager = MooncakeKVManager(pool, metadata)
+    manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(engines=args.engines))
     manager.register_to_bootstrap(server.address)
     peer = DecodePeer(server.address, layers=shape.num_layers, pages=args.pages,
                       page_size=PAGE_SIZE, heads=shape.kv_heads, dim=shape.head_dim,
@@ -222,20 +227,27 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
         # write after: seen with Mooncake 0.3.13.post1.)
         step = max(1, manager.config.max_blocks_in_flight // 2)
 
-        def raw(engine: MooncakeEngine, src: list[int], dst: list[int], lens: list[int]
-                ) -> Callable[[], float]:
+        def raw(engines: tuple[MooncakeEngine, ...], src: list[int], dst: list[int],
+                lens: list[int]) -> Callable[[], float]:
+            """The blocks written as pdlife's pipeline writes: parts of half the blocks in
+            flight, each part's blocks dealt over ``engines`` in turn."""
             def write() -> float:
                 start = time.perf_counter()
-                batches: list[tuple[int, int]] = []
+                batches: list[tuple[MooncakeEngine, int, int]] = []
                 for at in range(0, len(src), step):
-                    while batches and sum(n for _, n in batches) + step > 2 * step:
-                        wait_batch(engine, batches.pop(0)[0])
-                    part = slice(at, at + step)
-                    batch = engine.submit_write(session, src[part], dst[part], lens[part])
-                    if not batch:
-                        raise SystemExit("the raw engine refused a write")
-                    batches.append((batch, len(src[part])))
-                for batch, _ in batches:
+                    while batches and sum(n for _, _, n in batches) + step > 2 * step:
+                        wait_batch(*batches.pop(0)[:2])
+                    part = range(at, min(at + step, len(src)))
+                    n = min(len(engines), len(part))
+                    for k, engine in enumerate(engines[:n]):
+                        mine = part[k::n]
+                        batch = engine.submit_write(session, [src[i] for i in mine],
+                                                    [dst[i] for i in mine],
+                                                    [lens[i] for i in mine])
+                        if not batch:
+                            raise SystemExit("the raw engine refused a write")
+                        batches.append((engine, batch, len(mine)))
+                for engine, batch, _ in batches:
                     wait_batch(engine, batch)
                 return time.perf_counter() - start
             return write
@@ -253,13 +265,25 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
             src = [base + i * stride for i in range(regions)]
             dst = [peer_base + i * stride for i in range(regions)]
             lens = [total // regions] * regions
+            first = manager.engines[:1]
             bases = {
-                "regions": raw(manager.engine, src, dst, lens),
-                "blocks": raw(manager.engine, [base + at for at in pieces],
+                "regions": raw(first, src, dst, lens),
+                "blocks": raw(first, [base + at for at in pieces],
                               [peer_base + at for at in pieces],
                               [min(block, total - at) for at in pieces]),
-                "second": raw(second, src, dst, lens),
+                "second": raw((second,), src, dst, lens),
             }
+            if len(manager.engines) > 1:
+                # The same regions over every engine of the sender (one region is cut into a
+                # contiguous piece per engine): the raw write with pdlife's resources.
+                cut = len(manager.engines) if regions == 1 else 1
+                piece = total // cut
+                bases["all"] = raw(
+                    manager.engines,
+                    [a + j * piece for a in src for j in range(cut)],
+                    [a + j * piece for a in dst for j in range(cut)],
+                    [piece if j < cut - 1 else total // regions - j * piece
+                     for _ in src for j in range(cut)])
 
             def ours(plan: Plan = plan) -> float:
                 nonlocal next_room
@@ -357,6 +381,9 @@ def main() -> None:
     ap.add_argument("--shredded-pages", type=int, default=4, help="pages per shredded request")
     ap.add_argument("--run-pages", type=int, default=4, help="free run length when shredded")
     ap.add_argument("--iters", type=int, default=9, help="timed rounds (at least 5)")
+    ap.add_argument("--engines", type=int, default=MooncakeConfig().engines,
+                    help="the sender's transfer engines (MooncakeConfig.engines; default: "
+                         "%(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-tp", type=int, default=1,
                     help="with --decode-tp: head slicing against whole pages (transfer_sliced)")
@@ -404,6 +431,9 @@ def main() -> None:
                   f"              {raw_name} on a second engine {second.base_gbps:5.2f} GB/s, "
                   f"ratio {second.ratio:.3f}; second engine / pdlife's engine, same write "
                   f"{engine_aa(figures):.3f}\n"
+                  + (f"              {raw_name} over pdlife's {args.engines} engines "
+                     f"{figures['all'].base_gbps:5.2f} GB/s, ratio {figures['all'].ratio:.3f}\n"
+                     if "all" in figures else "") +
                   f"    local     pdlife {lo.pdlife_gbps:5.2f} GB/s, torch copy "
                   f"{lo.base_gbps:5.2f} GB/s, ratio {lo.ratio:.3f} (rounds {lo.spread()})")
     page = mooncake[KVLayout.PAGE_MAJOR]["churned"]
@@ -419,7 +449,10 @@ def main() -> None:
           f"second_engine_ratio={page['second'].ratio:.3f} "
           f"layer_major_second_engine_ratio={layer_all['second'].ratio:.3f} "
           f"engine_aa={engine_aa(page):.3f} layer_major_engine_aa={engine_aa(layer_all):.3f} "
-          f"model={shape.name}")
+          + (f"all_engines_ratio={page['all'].ratio:.3f} "
+             f"layer_major_all_engines_ratio={layer_all['all'].ratio:.3f} "
+             if "all" in page else "")
+          + f"engines={args.engines} model={shape.name}")
 
 
 if __name__ == "__main__":

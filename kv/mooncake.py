@@ -57,7 +57,14 @@ from kv import wire
 from kv.bootstrap import BootstrapClient
 from kv.metadata import MetadataBuffers
 from kv.model_id import describe_model
-from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, kv_dtype_name, push_socket
+from kv.mooncake_engine import (
+    ControlEndpoint,
+    MooncakeConfig,
+    MooncakeEngine,
+    kv_dtype_name,
+    push_socket,
+    register_all,
+)
 from kv.mooncake_legs import Chunk, Owed, PrefillRoom
 from kv.mooncake_rooms import PrefillRooms
 from kv.mooncake_slices import target_of
@@ -116,15 +123,26 @@ class MooncakeKVManager:
             states=states,
         )
         self.endpoint = self._control.endpoint
-        self.session = self._control.session  # its engine's host:rpc_port
-        #: The rank's engine, with the pool and metadata registered; tools that time raw writes
-        #: beside pdlife's (``bench.transfer``) write through it, so both use one engine.
-        self.engine = self._control.engine
+        self.session = self._control.session  # its (first) engine's host:rpc_port
+        #: The engines the rank writes through (``config.engines``), each with the pool, the
+        #: metadata and the state pools registered; the first is the control endpoint's. Tools
+        #: that time raw writes beside pdlife's (``bench.transfer``) write through them.
+        self.engines: tuple[MooncakeEngine, ...] = (self._control.engine,)
+        try:
+            for _ in range(config.engines - 1):
+                engine = MooncakeEngine(config)
+                self.engines += (engine,)
+                register_all(engine, pool, metadata, states)
+        except BaseException:
+            for engine in self.engines[1:]:
+                engine.close()
+            self._control.close()
+            raise
         self.dropped_messages = self._control.dropped_messages
         self._push_lock = threading.Lock()
         self._push: dict[str, zmq.Socket[Any]] = {}
         self._writes = WritePipeline(
-            self._control.engine, pool, metadata, self._rooms, config, self._tell_decode
+            self.engines, pool, metadata, self._rooms, config, self._tell_decode
         )
         self._control.start()
 
@@ -172,6 +190,8 @@ class MooncakeKVManager:
             for sock in self._push.values():
                 sock.close()
             self._push.clear()
+        for engine in self.engines[1:]:
+            engine.close()
         self._control.close()
 
     # -- control messages (listener thread) --------------------------------------------------

@@ -64,6 +64,13 @@ class MooncakeConfig:
     # 16 MiB moved churned pools 4-7% faster than 1 MiB over loopback TCP).
     max_block_bytes: int = attrs.field(default=16 << 20, validator=attrs.validators.ge(4096))
     max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    # Prefill side: the transfer engines a rank writes through, each write's blocks dealt over
+    # them in turn. Mooncake's TCP transport moves one engine's blocks on one thread; over
+    # loopback on two cores two engines wrote the same bytes about 1.25 times as fast as one
+    # (docs/backends.md, Throughput). On RDMA one engine already spreads a write over its NICs.
+    # The decode side receives on one engine whatever this is.
+    engines: int = attrs.field(default=1, validator=[attrs.validators.ge(1),
+                                                     attrs.validators.le(16)])
     # Decode side: the prefill bootstrap's /health is checked every heartbeat_interval_s; after
     # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).
     heartbeat_interval_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))

@@ -17,7 +17,9 @@ consecutive on both sides, :func:`row_blocks`).
 It submits the next write without waiting for the previous one while at most
 ``max_blocks_in_flight`` blocks (what the TCP transport queues per peer) are in flight, cutting
 larger writes in halves of that, so the engine's lanes never drain between writes; it waits for
-writes oldest first. Only after every write of a group completed does the group conclude
+writes oldest first. With several engines (``MooncakeConfig.engines``) each of those writes is
+dealt over them, block by block in turn, one engine write each, so their transports move a
+group's blocks at once. Only after every write of a group completed does the group conclude
 (:meth:`kv.mooncake_rooms.PrefillRooms.conclude`), and only then is decode told, so decode's
 metadata gate never sees a torn row.
 
@@ -73,6 +75,7 @@ class _Group:
 @attrs.frozen(eq=False)
 class _Write:
     group: _Group
+    engine: MooncakeEngine
     batch: int
     blocks: int
 
@@ -125,14 +128,14 @@ class WritePipeline:
 
     def __init__(
         self,
-        engine: MooncakeEngine,
+        engines: Sequence[MooncakeEngine],
         pool: KVPool,
         metadata: MetadataBuffers,
         rooms: PrefillRooms,
         config: MooncakeConfig,
         notify: Callable[[Sequence[Owed]], None],
     ) -> None:
-        self._engine = engine
+        self._engines = tuple(engines)
         self._pool = pool
         infos = metadata.buffer_infos()
         self._meta_ptrs = [i.ptr for i in infos]
@@ -184,8 +187,10 @@ class WritePipeline:
 
     def _start(self, group: _Group, inflight: deque[_Write]) -> None:
         """Submit the group's writes, first waiting for the oldest writes in flight while the
-        engine holds ``max_blocks_in_flight`` blocks; none to a blacklisted session. A group
-        with nothing in flight concludes at once."""
+        engines hold ``max_blocks_in_flight`` blocks; none to a blacklisted session. Each part's
+        blocks are dealt over the engines in turn, one write per engine. A group with nothing
+        in flight concludes at once."""
+        engines = self._engines
         try:
             for src, dst, lens in self._parts(group):
                 while inflight and (sum(w.blocks for w in inflight) + len(src)
@@ -195,13 +200,19 @@ class WritePipeline:
                     group.error = (f"decode session {group.session} is blacklisted after an "
                                    "earlier failure")
                     break
-                batch = self._engine.submit_write(group.session, src, dst, lens)
-                if not batch:
-                    group.fail(f"the transfer engine refused a write of rooms {group.live_rooms} "
-                               f"to decode session {group.session}")
+                n = min(len(engines), len(src))
+                for k in range(n):
+                    engine = engines[k]
+                    share = (src[k::n], dst[k::n], lens[k::n]) if n > 1 else (src, dst, lens)
+                    batch = engine.submit_write(group.session, *share)
+                    if not batch:
+                        group.fail(f"the transfer engine refused a write of rooms "
+                                   f"{group.live_rooms} to decode session {group.session}")
+                        break
+                    group.writes += 1
+                    inflight.append(_Write(group, engine, batch, len(share[0])))
+                if group.engine_failed:
                     break
-                group.writes += 1
-                inflight.append(_Write(group, batch, len(src)))
         except Exception as exc:  # becomes failed rooms, never a dead worker
             logger.exception("transfer worker failed writing to %s", group.session)
             group.error = group.error or f"internal error in transfer worker: {exc!r}"
@@ -211,7 +222,7 @@ class WritePipeline:
     def _finish(self, write: _Write) -> None:
         group = write.group
         try:
-            rc = self._engine.wait(write.batch)
+            rc = write.engine.wait(write.batch)
         except Exception:  # a failed write, never a dead worker
             logger.exception("waiting for a write to %s failed", group.session)
             rc = -1

@@ -1,4 +1,4 @@
-"""Every socket pdlife opens binds to the configured address; the Mooncake transfer engine's two
+"""Every socket pdlife opens binds to the configured address; each Mooncake transfer engine's two
 listeners bind every interface (no setting of the engine binds them), and the server says so
 at start-up, naming exactly those. Checked on real ``pdlife serve`` processes over Mooncake,
 from their listening sockets in ``/proc``."""
@@ -16,6 +16,7 @@ import pytest
 
 from kv.bootstrap import BootstrapClient
 from kv.listeners import Listener, listening, wider_than
+from kv.mooncake_engine import MooncakeConfig
 from scheduler.model.reference import ModelConfig
 from tests.service_harness import Server, free_port, model_flags
 
@@ -75,13 +76,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Ser
         prefill.stop()
 
 
-def _check(server: Server, own: set[Listener]) -> None:
+def _check(server: Server, own: set[Listener], engines: int) -> None:
     found = listening(server.proc.pid)
     assert own <= set(found), (own, found)
     exposed = wider_than(found, ["127.0.0.1"])
-    # pdlife's own sockets bind the configured address; what is wider is the engine's: its
-    # handshake and TCP data listeners, on every interface, in its port range.
-    assert len(exposed) == 2 and all(s.wildcard and s.port in ENGINE_PORTS for s in exposed), found
+    # pdlife's own sockets bind the configured address; what is wider is the engines': each
+    # one's handshake and TCP data listeners, on every interface, in its port range.
+    assert len(exposed) == 2 * engines, found
+    assert all(s.wildcard and s.port in ENGINE_PORTS for s in exposed), found
     assert set(found) - set(exposed) <= {s for s in found if s.host == "127.0.0.1"}
     named = WARNING.findall(server.tail(200_000))
     assert len(named) == 1, named  # warned once, naming exactly the exposed listeners
@@ -95,14 +97,14 @@ def test_prefill_sockets_match_the_configuration(pair: tuple[Server, Server, int
     control = BootstrapClient(f"127.0.0.1:{bootstrap}").lookup().ranks[0].endpoint
     control_port = int(control.rpartition(":")[2])
     _check(prefill, {Listener("127.0.0.1", prefill.port), Listener("127.0.0.1", bootstrap),
-                     Listener("127.0.0.1", control_port)})
+                     Listener("127.0.0.1", control_port)}, engines=MooncakeConfig().engines)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.mooncake
 def test_decode_sockets_match_the_configuration(pair: tuple[Server, Server, int]) -> None:
     _, decode, _ = pair
-    _check(decode, {Listener("127.0.0.1", decode.port)})
+    _check(decode, {Listener("127.0.0.1", decode.port)}, engines=1)
 
 
 def test_a_server_without_an_engine_exposes_nothing(tmp_path: Path) -> None:

@@ -103,19 +103,22 @@ def test_many_chunked_rooms_land_byte_for_byte(
         peer.close()
 
 
+@pytest.mark.parametrize("engines", [1, 3])
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
-    tmp_path: Path, layout: KVLayout
+    tmp_path: Path, layout: KVLayout, engines: int
 ) -> None:
     """Rooms whose pages continue from one into the next on both sides may go out as one run;
     a budget of 8 blocks in flight cuts every send into many overlapping engine writes, and
-    blocks of at most 4 KiB cut the page-major runs (1 KiB a page) into pieces."""
+    blocks of at most 4 KiB cut the page-major runs (1 KiB a page) into pieces; with three
+    engines each write's blocks are dealt over them."""
     server = BootstrapServer()
     pool = make_pool(128, layout=layout)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(2)))
     metadata = MetadataBuffers(32)
-    config = MooncakeConfig(max_blocks_in_flight=8, max_block_bytes=4096)
+    config = MooncakeConfig(max_blocks_in_flight=8, max_block_bytes=4096, engines=engines)
     manager = MooncakeKVManager(pool, metadata, config=config)
+    assert len(manager.engines) == engines
     manager.register_to_bootstrap(server.address)
     peer = _peer(server, layout=layout)
     try:
@@ -203,3 +206,17 @@ def test_serve_takes_the_block_size_in_mib() -> None:
     assert given.mooncake.max_block_bytes == 2 << 20
     with pytest.raises(UsageError, match="--mooncake-block-mib must be >= 1"):
         serve_config(parser.parse_args([*flags, "--mooncake-block-mib", "0"]))
+
+
+def test_serve_takes_the_engines_per_rank() -> None:
+    from scheduler.cli.command import UsageError
+    from scheduler.cli.main import build_parser
+    from scheduler.cli.serve import serve_config
+
+    parser = build_parser("serve")
+    flags = ["serve", "--role", "prefill"]
+    assert serve_config(parser.parse_args(flags)).mooncake.engines == 1
+    given = serve_config(parser.parse_args([*flags, "--mooncake-engines", "4"]))
+    assert given.mooncake.engines == 4
+    with pytest.raises(UsageError, match="--mooncake-engines must be 1-16"):
+        serve_config(parser.parse_args([*flags, "--mooncake-engines", "0"]))

@@ -167,6 +167,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     _defaulted(mc, "--mooncake-block-mib", 16, "prefill: a run of pages longer than this many "
                "MiB is written as blocks of it (each block a stream, on tcp its own connection)",
                type=int)
+    _defaulted(mc, "--mooncake-engines", 1, "prefill: transfer engines a rank writes through, "
+               "its blocks dealt over them (on tcp an engine moves its blocks on one thread)",
+               type=int)
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
                      help="mooncake: a file whose first line is the token prefill and decode "
@@ -214,6 +217,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
     if args.mooncake_block_mib < 1:
         raise UsageError(f"--mooncake-block-mib must be >= 1, got {args.mooncake_block_mib}")
+    if not 1 <= args.mooncake_engines <= 16:
+        raise UsageError(f"--mooncake-engines must be 1-16, got {args.mooncake_engines}")
     role: Role
     if args.backend == "local":
         if args.role is not None:
@@ -253,6 +258,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 hostname=args.mooncake_host, protocol=args.mooncake_protocol,
                 device=args.mooncake_device, connect_timeout_s=args.connect_timeout,
                 max_block_bytes=args.mooncake_block_mib << 20,
+                engines=args.mooncake_engines,
                 bootstrap_timeout_s=args.bootstrap_timeout,
                 token=peer_token(args.peer_token_file),
             ),
