@@ -209,8 +209,8 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
                       page_size=PAGE_SIZE, heads=shape.kv_heads, dim=shape.head_dim,
                       dtype=str(shape.dtype).removeprefix("torch."), slots=slots,
                       layout=layout.value)
-    # A second engine writing the same regions: the control that shows how far two engines
-    # apart differ on the same write (``engine_aa``), and the ratio against it.
+    # A separate engine writing the same regions: the control that shows how far two engines
+    # differ on the same write (``engine_aa``), and the ratio against it.
     second = MooncakeEngine(manager.config)
     base = pool.buffer.data_ptr()
     second.register(base, pool.buffer.numel() * pool.buffer.element_size())
