@@ -66,10 +66,10 @@ class MooncakeConfig:
     max_early_destinations: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     # Prefill side: the transfer engines a rank writes through, each write's blocks dealt over
     # them in turn: over loopback TCP on two cores, two engines of one process wrote the same
-    # bytes about 1.25 times as fast as one (docs/backends.md, Throughput). On RDMA one engine
-    # already spreads a write over its NICs. The decode side receives on one engine whatever
-    # this is.
-    engines: int = attrs.field(default=1, validator=[attrs.validators.ge(1),
+    # bytes about 1.25 times as fast as one (docs/backends.md, Throughput); not measured on
+    # RDMA. The decode side receives on one engine whatever this is.
+    engines: int = attrs.field(default=1, validator=[attrs.validators.instance_of(int),
+                                                     attrs.validators.ge(1),
                                                      attrs.validators.le(16)])
     # Decode side: the prefill bootstrap's /health is checked every heartbeat_interval_s; after
     # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).

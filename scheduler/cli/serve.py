@@ -168,7 +168,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                "MiB is written as blocks of it (each block a stream, on tcp its own connection)",
                type=int)
     _defaulted(mc, "--mooncake-engines", 1, "prefill: transfer engines a rank writes through, "
-               "its blocks dealt over them (over tcp, two moved a round faster than one)",
+               "1-16, its blocks dealt over them (over tcp, two moved a round faster than one)",
                type=int)
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
