@@ -10,10 +10,11 @@ pool layouts (:mod:`kv.pool_layout`).
    The raw writes go through pdlife's first engine (``MooncakeKVManager.engines``): one engine,
    as the baselines are defined, while the sender deals its blocks over all of its engines
    (``MooncakeConfig.engines``, ``--engines``), so the raw regions are also timed dealt over all
-   of them, pdlife's resources (``all_engines_ratio``). The one-region write is also timed on a
-   separate engine of the same process (``second_engine_ratio``), and ``engine_aa``, that write
-   on the separate engine over the same write on pdlife's first, shows how far two identical
-   engines read apart in the run (the yardstick for the ratios' noise).
+   of them, pdlife's resources (``all_engines_ratio``). Every engine has the sender's
+   ``MooncakeConfig.tcp_lanes`` (``--tcp-lanes``), the raw writes' too. The one-region write is
+   also timed on a separate engine of the same process (``second_engine_ratio``), and
+   ``engine_aa``, that write on the separate engine over the same write on pdlife's first, shows
+   how far two identical engines read apart in the run (the yardstick for the ratios' noise).
 2. Local: :class:`kv.local.LocalKVManager` moving the same pages between two in-process pools,
    against one ``torch`` copy of the same number of bytes.
 
@@ -45,9 +46,10 @@ second_engine_ratio=<page-major pdlife / raw one region on a second engine>
 layer_major_second_engine_ratio= engine_aa=<second engine / pdlife's engine, page-major>
 layer_major_engine_aa= all_engines_ratio=<page-major pdlife / raw one region cut into a piece
 per engine of the sender's> layer_major_all_engines_ratio= engines=<the sender's engines>
-model=<the geometry>`` (the ``all_engines`` fields only with more than one engine). Two pools
-of ``--pages`` pages are live at a time (4.5 GiB at the default
-1,152 synthetic pages). ``--cuts`` compares cut sizes instead (:mod:`bench.transfer_cuts`).
+tcp_lanes=<each engine's TCP lanes per peer> model=<the geometry>`` (the ``all_engines`` fields
+only with more than one engine). Two pools of ``--pages`` pages are live at a time (4.5 GiB at
+the default 1,152 synthetic pages). ``--cuts`` compares cut sizes instead
+(:mod:`bench.transfer_cuts`).
 """
 
 from __future__ import annotations
@@ -203,7 +205,8 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     pool.buffer.view(torch.int16).random_()
     slots = max(len(plan) for plan in plans.values())
     metadata = MetadataBuffers(slots)
-    manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(engines=args.engines))
+    manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(
+        engines=args.engines, tcp_lanes=args.tcp_lanes))
     manager.register_to_bootstrap(server.address)
     peer = DecodePeer(server.address, layers=shape.num_layers, pages=args.pages,
                       page_size=PAGE_SIZE, heads=shape.kv_heads, dim=shape.head_dim,
@@ -384,6 +387,9 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=MooncakeConfig().engines,
                     help="the sender's transfer engines (MooncakeConfig.engines; default: "
                          "%(default)s)")
+    ap.add_argument("--tcp-lanes", type=int, default=MooncakeConfig().tcp_lanes,
+                    help="TCP connections per decode peer of each engine (MooncakeConfig."
+                         "tcp_lanes; default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-tp", type=int, default=1,
                     help="with --decode-tp: head slicing against whole pages (transfer_sliced)")
@@ -452,7 +458,7 @@ def main() -> None:
           + (f"all_engines_ratio={page['all'].ratio:.3f} "
              f"layer_major_all_engines_ratio={layer_all['all'].ratio:.3f} "
              if "all" in page else "")
-          + f"engines={args.engines} model={shape.name}")
+          + f"engines={args.engines} tcp_lanes={args.tcp_lanes} model={shape.name}")
 
 
 if __name__ == "__main__":

@@ -16,13 +16,14 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import attrs
 
 logger = logging.getLogger(__name__)
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
+_ESTABLISHED = "01"
 
 
 @attrs.frozen
@@ -63,11 +64,11 @@ def _address(hex_addr: str, family: int) -> str:
     return str(address)
 
 
-def listening(pid: int | None = None) -> list[Listener]:
-    """The TCP sockets process ``pid`` (this one by default) listens on, sorted."""
+def _sockets(pid: int | None, state: str) -> Iterator[tuple[int, list[str]]]:
+    """The address family and ``/proc/net/tcp`` row of each of process ``pid``'s (this one's
+    by default) TCP sockets in ``state``."""
     pid = os.getpid() if pid is None else pid
     inodes = _socket_inodes(pid)
-    found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
@@ -76,11 +77,24 @@ def listening(pid: int | None = None) -> list[Listener]:
             continue
         for row in rows:
             fields = row.split()
-            if fields[3] != _LISTEN or fields[9] not in inodes:
-                continue
-            hex_addr, hex_port = fields[1].split(":")
-            found.add(Listener(_address(hex_addr, family), int(hex_port, 16)))
+            if fields[3] == state and fields[9] in inodes:
+                yield family, fields
+
+
+def listening(pid: int | None = None) -> list[Listener]:
+    """The TCP sockets process ``pid`` (this one by default) listens on, sorted."""
+    found = set()
+    for family, fields in _sockets(pid, _LISTEN):
+        hex_addr, hex_port = fields[1].split(":")
+        found.add(Listener(_address(hex_addr, family), int(hex_port, 16)))
     return sorted(found, key=lambda s: (s.port, s.host))
+
+
+def connected_ports(pid: int | None = None, state: str = _ESTABLISHED) -> list[tuple[int, int]]:
+    """(local port, remote port) of each of process ``pid``'s TCP connections in ``state``:
+    ``/proc/net/tcp``'s hex code, ``01`` established (the default), ``08`` close-wait."""
+    return [(int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16))
+            for _, fields in _sockets(pid, state)]
 
 
 def _resolved(host: str) -> set[str]:

@@ -300,8 +300,8 @@ def row_blocks(slots: Sequence[int], dst_slots: Sequence[int], ptrs: Sequence[in
     item_lens[f]``) to row ``dst_slots[i]`` of the same field at ``dst_ptrs[f]``, field by field
     in order, so the room's (the last field) come last. Rows consecutive on both sides go as one
     block per field: requests that finish together mostly hold consecutive slots on both sides
-    (both allocators are FIFO), and on the TCP transport every block costs a connection, which a
-    64-byte row does not amortise."""
+    (both allocators are FIFO), and on the TCP transport every block costs a round trip on its lane,
+    which a 64-byte row does not amortise."""
     order = sorted(range(len(slots)), key=slots.__getitem__)
     runs = coalesce([slots[i] for i in order], [dst_slots[i] for i in order])
     src: list[int] = []

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from kv.bootstrap import BootstrapClient
-from kv.listeners import Listener, listening, wider_than
+from kv.listeners import Listener, connected_ports, listening, wider_than
 from kv.mooncake_engine import MooncakeConfig
 from scheduler.model.reference import ModelConfig
-from tests.service_harness import Server, free_port, model_flags
+from tests.service_harness import Server, free_port, model_flags, wait_for
 
 MODEL = ModelConfig.tiny()
 COMMON = ["--backend", "mooncake", "--page-size", "4", "--pool-pages", "64",
@@ -51,6 +51,21 @@ def test_listening_reads_this_process_sockets() -> None:
     finally:
         for s in sockets:
             s.close()
+
+
+def test_connected_ports_reads_this_process_connections_by_state() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        mine = client.getsockname()[1]
+        assert {(mine, port), (port, mine)} <= set(connected_ports())
+        accepted.close()  # the peer closed: the client's side waits in close-wait
+        wait_for(lambda: (mine, port) in connected_ports(state="08"), 10.0,
+                 "the client's socket in close-wait")
+        assert (mine, port) not in connected_ports()
+        client.close()
+        assert (mine, port) not in connected_ports(state="08")
 
 
 @pytest.fixture(scope="module")

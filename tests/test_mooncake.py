@@ -3,6 +3,7 @@ transfer engine, over loopback TCP."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kv.bootstrap import BootstrapServer
+from kv.listeners import connected_ports, listening
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
@@ -20,9 +22,12 @@ from kv.mooncake_writes import cut_blocks, row_blocks
 from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
+from tests.service_harness import wait_for
 from tests.transfer_harness import GEOMETRY, drive, make_pool
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiprocess]
+
+LANES_ENV = "MC_TCP_LANES_PER_PEER"  # what MooncakeConfig.tcp_lanes sets as an engine starts
 
 _TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
 
@@ -155,6 +160,63 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
         server.close()
 
 
+@pytest.mark.parametrize("lanes", [1, 6])
+def test_an_engine_keeps_its_tcp_lanes_to_a_decode_peer(lanes: int) -> None:
+    """``MooncakeConfig.tcp_lanes`` is how many connections the prefill engine opens to a decode
+    peer's data listener (Mooncake's own default is 4), and the process environment the setting
+    goes through is left as it was. The engine opens lanes as work queues, so rounds of scattered
+    pages (a block each) are sent until all are open, never more; once the peer exits, they
+    stay, in close-wait, until the engine closes."""
+    before = os.environ.get(LANES_ENV)
+    server = BootstrapServer()
+    pool = make_pool(128)
+    metadata = MetadataBuffers(32)
+    manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(tcp_lanes=lanes))
+    assert os.environ.get(LANES_ENV) == before
+    manager.register_to_bootstrap(server.address)
+    peer = _peer(server)
+    rng = random.Random(lanes)
+    try:
+        # The engine's data listener: its port beside the handshake's (the session's), in
+        # Mooncake's default range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT).
+        session_port = int(peer.info["session"].rsplit(":", 1)[1])
+        [data_port] = {s.port for s in listening(peer.proc.pid)
+                       if 15000 <= s.port <= 17000 and s.port != session_port}
+
+        def lanes_open(state: str = "01") -> int:
+            return sum(remote == data_port for _, remote in connected_ports(state=state))
+
+        for round_ in range(20):
+            rooms = {}
+            for i in range(4):
+                room = 700 + 4 * round_ + i
+                src = rng.sample(range(pool.num_pages), 24)  # scattered: a block a page
+                peer.recv(room, len(src))
+                sender = manager.create_sender(server.address, room)
+                drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})
+                sender.init(len(src), i)
+                metadata.write(i, first_token=1, cached_tokens=0, logprob=None, room=room)
+                rooms[room] = (sender, src)
+            for sender, src in rooms.values():
+                sender.send(src, last=True)
+            for room, (sender, _) in rooms.items():
+                assert drive(manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+                peer.done(room)
+                sender.clear()
+                peer.command(cmd="release", room=room)
+            assert lanes_open() <= lanes
+            if lanes_open() == lanes:
+                break
+        assert lanes_open() == lanes
+        peer.close()  # the engine keeps the lanes of a peer gone, in close-wait (operations.md)
+        wait_for(lambda: lanes_open(state="08") == lanes, 10.0,
+                 "the departed peer's lanes in close-wait")
+    finally:
+        peer.close()
+        manager.close()
+        server.close()
+
+
 def test_long_blocks_are_cut_into_consecutive_pieces() -> None:
     src, dst = np.array([0, 100, 200]), np.array([1000, 2000, 3000])
     assert cut_blocks(src, dst, np.array([10, 4, 3]), 4) == (
@@ -220,3 +282,20 @@ def test_serve_takes_the_engines_per_rank() -> None:
     assert given.mooncake.engines == 4
     with pytest.raises(UsageError, match="--mooncake-engines must be 1-16"):
         serve_config(parser.parse_args([*flags, "--mooncake-engines", "0"]))
+
+
+def test_serve_takes_the_tcp_lanes_and_the_config_checks_them() -> None:
+    from scheduler.cli.command import UsageError
+    from scheduler.cli.main import build_parser
+    from scheduler.cli.serve import serve_config
+
+    parser = build_parser("serve")
+    flags = ["serve", "--role", "prefill"]
+    assert serve_config(parser.parse_args(flags)).mooncake.tcp_lanes == MooncakeConfig().tcp_lanes
+    given = serve_config(parser.parse_args([*flags, "--mooncake-tcp-lanes", "2"]))
+    assert given.mooncake.tcp_lanes == 2
+    with pytest.raises(UsageError, match="--mooncake-tcp-lanes must be 1-16, got 17"):
+        serve_config(parser.parse_args([*flags, "--mooncake-tcp-lanes", "17"]))
+    for bad in (0, 17, "4", None):
+        with pytest.raises((ValueError, TypeError)):
+            MooncakeConfig(tcp_lanes=bad)  # type: ignore[arg-type]

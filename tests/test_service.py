@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from typing import Any
 
 import httpx
@@ -321,6 +322,9 @@ def test_info_endpoints_and_openapi() -> None:
                 assert "pdlife_kv_pages_total 64.0" in metrics
                 assert "pdlife_decode_kv_pages_total 64.0" in metrics
                 assert "pdlife_service_healthy 1.0" in metrics
+                # The process's own series, descriptors among them (operations.md, Open files).
+                assert re.search(r"^process_open_fds [1-9]", metrics, re.M)
+                assert re.search(r"^process_max_fds [1-9]", metrics, re.M)
 
     run(main())
 

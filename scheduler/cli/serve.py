@@ -26,6 +26,7 @@ from kv.pool_layout import DEFAULT_KV_LAYOUT, KV_LAYOUTS
 from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.credentials import API_KEY_ENV, PEER_TOKEN_ENV, api_key, peer_token
 from scheduler.cli.model_flags import REFERENCE_NAME, add_model_arguments, load_served, model_config
+from scheduler.cli.open_files import raise_open_files_limit
 
 if TYPE_CHECKING:
     from scheduler.service.config import Role, ServeConfig
@@ -165,11 +166,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                "(needs --mooncake-device)", choices=("tcp", "rdma"))
     mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
     _defaulted(mc, "--mooncake-block-mib", 16, "prefill: a run of pages longer than this many "
-               "MiB is written as blocks of it (each block a stream, on tcp its own connection)",
+               "MiB is written as blocks of it (each block one stream, on tcp over one lane)",
                type=int)
     _defaulted(mc, "--mooncake-engines", 1, "prefill: transfer engines a rank writes through, "
                "1-16, its blocks dealt over them (over tcp, two moved a round faster than one)",
                type=int)
+    _defaulted(mc, "--mooncake-tcp-lanes", 16, "prefill, tcp: connections each engine "
+               "keeps to a decode peer, 1-16, one block moving on each at a time", type=int)
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
                      help="mooncake: a file whose first line is the token prefill and decode "
@@ -217,8 +220,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
     if args.mooncake_block_mib < 1:
         raise UsageError(f"--mooncake-block-mib must be >= 1, got {args.mooncake_block_mib}")
-    if not 1 <= args.mooncake_engines <= 16:
-        raise UsageError(f"--mooncake-engines must be 1-16, got {args.mooncake_engines}")
+    for flag in ("engines", "tcp_lanes"):
+        if not 1 <= getattr(args, f"mooncake_{flag}") <= 16:
+            raise UsageError(f"--mooncake-{flag.replace('_', '-')} must be 1-16, got "
+                             f"{getattr(args, f'mooncake_{flag}')}")
     role: Role
     if args.backend == "local":
         if args.role is not None:
@@ -259,6 +264,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 device=args.mooncake_device, connect_timeout_s=args.connect_timeout,
                 max_block_bytes=args.mooncake_block_mib << 20,
                 engines=args.mooncake_engines,
+                tcp_lanes=args.mooncake_tcp_lanes,
                 bootstrap_timeout_s=args.bootstrap_timeout,
                 token=peer_token(args.peer_token_file),
             ),
@@ -300,6 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    raise_open_files_limit()  # before the rank processes start: they inherit it
     config = serve_config(args)
     ranks: Ranks | None = None  # a prefill's other ranks and DP replicas
     decode_ranks: DecodeRanks | None = None  # a decode's other TP ranks

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -42,6 +42,9 @@ class ServiceMetrics:
             registry=r,
         )
         self.healthy.set(1)
+        # process_open_fds and process_max_fds among them: a transfer engine keeps sockets to
+        # every decode peer it wrote to (scheduler.cli.open_files).
+        ProcessCollector(registry=r)
 
 
 class DroppedMessagesCollector(Collector):
