@@ -49,20 +49,22 @@ per engine of the sender's> layer_major_all_engines_ratio= engines=<the sender's
 tcp_lanes=<each engine's TCP lanes per peer> model=<the geometry>`` (the ``all_engines`` fields
 only with more than one engine). Two pools of ``--pages`` pages are live at a time (4.5 GiB at
 the default 1,152 synthetic pages). ``--cuts`` compares cut sizes instead
-(:mod:`bench.transfer_cuts`).
+(:mod:`bench.transfer_cuts`), ``--lanes`` TCP lanes (:mod:`bench.transfer_lanes`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import torch
 
 from bench.transfer_cuts import bench_cuts
+from bench.transfer_lanes import bench_lanes
 from bench.transfer_plans import Plan, churned_requests, describe, shredded_requests
 from bench.transfer_sliced import bench_sliced
 from kv.bootstrap import BootstrapServer
@@ -159,6 +161,34 @@ def send_round(manager: KVManager, senders: dict[int, KVSender], metadata: Metad
     return time.perf_counter() - start
 
 
+def decode_peer(server: BootstrapServer, shape: Shape, pages: int, slots: int,
+                layout: KVLayout) -> DecodePeer:
+    """A decode process with a pool of ``pages`` pages of ``shape`` in ``layout``."""
+    return DecodePeer(server.address, layers=shape.num_layers, pages=pages, page_size=PAGE_SIZE,
+                      heads=shape.kv_heads, dim=shape.head_dim,
+                      dtype=str(shape.dtype).removeprefix("torch."), slots=slots,
+                      layout=layout.value)
+
+
+def sending(manager: MooncakeKVManager, server: BootstrapServer, peer: DecodePeer,
+            metadata: MetadataBuffers, plan: Plan, rooms: Iterator[int]) -> Callable[[], float]:
+    """A round of pdlife's sender: every request of ``plan`` posted at ``peer``, sent, and
+    released; it returns the seconds from the first send to the last SUCCESS."""
+    def round_() -> float:
+        senders: dict[int, KVSender] = {}
+        for pages in plan:
+            room = next(rooms)
+            peer.recv(room, len(pages))
+            senders[room] = manager.create_sender(server.address, room)
+        seconds = send_round(manager, senders, metadata, plan)
+        for room, sender in senders.items():
+            sender.clear()
+            peer.done(room)
+            peer.command(cmd="release", room=room)
+        return seconds
+    return round_
+
+
 def timed(total: int, seconds: float) -> float:
     return total / seconds / 1e9
 
@@ -208,10 +238,7 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(
         engines=args.engines, tcp_lanes=args.tcp_lanes))
     manager.register_to_bootstrap(server.address)
-    peer = DecodePeer(server.address, layers=shape.num_layers, pages=args.pages,
-                      page_size=PAGE_SIZE, heads=shape.kv_heads, dim=shape.head_dim,
-                      dtype=str(shape.dtype).removeprefix("torch."), slots=slots,
-                      layout=layout.value)
+    peer = decode_peer(server, shape, args.pages, slots, layout)
     # A separate engine writing the same regions: the control that shows how far two engines
     # differ on the same write (``engine_aa``), and the ratio against it.
     second = MooncakeEngine(manager.config)
@@ -220,7 +247,7 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
     # The baseline's regions: the whole buffer as one, or one per layer (K and V together).
     regions = 1 if layout is KVLayout.PAGE_MAJOR else pool.num_layers
     stride = pool.buffer.numel() * pool.buffer.element_size() // regions
-    next_room = 1
+    rooms = itertools.count(1)
     results: dict[str, dict[str, Figures]] = {}
     try:
         session = peer.info["session"]
@@ -288,21 +315,7 @@ def bench_mooncake(args: argparse.Namespace, plans: dict[str, Plan], shape: Shap
                     [piece if j < cut - 1 else total // regions - j * piece
                      for _ in src for j in range(cut)])
 
-            def ours(plan: Plan = plan) -> float:
-                nonlocal next_room
-                rooms = range(next_room, next_room + len(plan))
-                next_room += len(plan)
-                senders: dict[int, KVSender] = {}
-                for room, pages in zip(rooms, plan, strict=True):
-                    peer.recv(room, len(pages))
-                    senders[room] = manager.create_sender(server.address, room)
-                seconds = send_round(manager, senders, metadata, plan)
-                for room, sender in senders.items():
-                    sender.clear()
-                    peer.done(room)
-                    peer.command(cmd="release", room=room)
-                return seconds
-
+            ours = sending(manager, server, peer, metadata, plan, rooms)
             results[name] = (rounds(manager, total, ours, bases) if rounds
                              else measure(args.iters, total, ours, bases))
     finally:
@@ -395,6 +408,7 @@ def main() -> None:
                     help="with --decode-tp: head slicing against whole pages (transfer_sliced)")
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--cuts", help="MiB,MiB,...: the sender's cut sizes compared (transfer_cuts)")
+    ap.add_argument("--lanes", help="N,N,...: the sender's TCP lanes compared (transfer_lanes)")
     args = ap.parse_args()
     if args.iters < 5:
         ap.error("--iters must be at least 5: the figures are medians of the rounds")
@@ -404,6 +418,9 @@ def main() -> None:
         return
     if args.cuts:
         bench_cuts(args, shape, [int(mib) for mib in args.cuts.split(",")])
+        return
+    if args.lanes:
+        bench_lanes(args, shape, [int(n) for n in args.lanes.split(",")])
         return
     plans = {
         "churned": churned_requests(args.pages, args.requests, args.min_pages, args.max_pages,

@@ -11,11 +11,10 @@ control socket and its listener. The prefill side is :mod:`kv.mooncake`, the dec
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -75,8 +74,8 @@ class MooncakeConfig:
     # Prefill side, TCP: the connections ("lanes") an engine keeps to each decode peer, each
     # moving one block at a time, the next after the receiver acknowledged it (Mooncake's
     # MC_TCP_LANES_PER_PEER, 1-16, its default 4, which this setting overrides). Over loopback on
-    # two cores 16 lanes moved a churned round's blocks 1.11-1.22 times as fast as 4
-    # (docs/backends.md, Throughput). Applied while this side's engines start.
+    # two cores a sender with 16 lanes moved a churned round 1.05-1.30 times as fast as with 4
+    # (docs/benchmarks.md, Lanes). Applied while this side's engines start.
     tcp_lanes: int = attrs.field(default=16, validator=[attrs.validators.instance_of(int),
                                                         attrs.validators.ge(1),
                                                         attrs.validators.le(16)])
@@ -96,23 +95,16 @@ class MooncakeConfig:
 
 
 _LANES_ENV = "MC_TCP_LANES_PER_PEER"
-_lanes_lock = threading.Lock()
+_engine_start = threading.Lock()  # one engine reads the environment at a time
 
 
-@contextlib.contextmanager
-def _lanes_applied(lanes: int) -> Iterator[None]:
-    """The TCP transport reads its lanes per peer from the process environment when an engine
-    initialises: set it for that moment (one engine at a time) and put the old value back."""
-    with _lanes_lock:
-        before = os.environ.get(_LANES_ENV)
+def _apply_lanes(lanes: int) -> None:
+    """The TCP transport reads its lanes per peer from the process environment as an engine
+    initialises, so pdlife sets ``MC_TCP_LANES_PER_PEER`` there (overriding a value found) and
+    leaves it: a process whose engines share one setting changes its environment once, before
+    its first engine's threads exist (setenv racing a native thread's getenv is unsafe)."""
+    if os.environ.get(_LANES_ENV) != str(lanes):
         os.environ[_LANES_ENV] = str(lanes)
-        try:
-            yield
-        finally:
-            if before is None:
-                del os.environ[_LANES_ENV]
-            else:
-                os.environ[_LANES_ENV] = before
 
 
 def kv_dtype_name(pool: KVPool) -> str:
@@ -133,7 +125,8 @@ class MooncakeEngine:
             ) from exc
         # The engine prints a few harmless ERROR/WARNING lines as it starts (kv.native_log).
         harmless = HARMLESS_ON_TCP if config.protocol == "tcp" else HARMLESS
-        with engine_log_captured(logger, harmless), _lanes_applied(config.tcp_lanes):
+        with engine_log_captured(logger, harmless), _engine_start:
+            _apply_lanes(config.tcp_lanes)
             self._engine = TransferEngine()
             rc = self._engine.initialize(
                 config.hostname, "P2PHANDSHAKE", config.protocol, config.device

@@ -161,18 +161,20 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
 
 
 @pytest.mark.parametrize("lanes", [1, 6])
-def test_an_engine_keeps_its_tcp_lanes_to_a_decode_peer(lanes: int) -> None:
+def test_an_engine_keeps_its_tcp_lanes_to_a_decode_peer(
+    lanes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``MooncakeConfig.tcp_lanes`` is how many connections the prefill engine opens to a decode
-    peer's data listener (Mooncake's own default is 4), and the process environment the setting
-    goes through is left as it was. The engine opens lanes as work queues, so rounds of scattered
+    peer's data listener (Mooncake's own default is 4), whatever the process environment held:
+    the setting goes through it. The engine opens lanes as work queues, so rounds of scattered
     pages (a block each) are sent until all are open, never more; once the peer exits, they
     stay, in close-wait, until the engine closes."""
-    before = os.environ.get(LANES_ENV)
+    monkeypatch.setenv(LANES_ENV, "3")  # an operator's value: the config's wins
     server = BootstrapServer()
     pool = make_pool(128)
     metadata = MetadataBuffers(32)
     manager = MooncakeKVManager(pool, metadata, config=MooncakeConfig(tcp_lanes=lanes))
-    assert os.environ.get(LANES_ENV) == before
+    assert os.environ[LANES_ENV] == str(lanes)
     manager.register_to_bootstrap(server.address)
     peer = _peer(server)
     rng = random.Random(lanes)

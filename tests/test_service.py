@@ -329,6 +329,21 @@ def test_info_endpoints_and_openapi() -> None:
     run(main())
 
 
+def test_service_metrics_share_a_registry_that_has_the_process_series() -> None:
+    """An embedder's registry may carry the process collector already (prometheus_client's
+    global one does): the service's metrics go in beside it."""
+    from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+
+    from scheduler.service.metrics import ServiceMetrics
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    ServiceMetrics(registry)
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE process_open_fds gauge") == 1
+    assert "pdlife_service_healthy 1.0" in text
+
+
 # -- failure ----------------------------------------------------------------------------------
 
 POISON = 251

@@ -1,11 +1,12 @@
 """The open-files limit of a serving process.
 
 A worker holds a file descriptor per HTTP connection, per ZeroMQ socket, and, with the Mooncake
-backend, per TCP lane of its transfer engines: an engine keeps ``MooncakeConfig.tcp_lanes``
-connections (Mooncake's default: 4) to every decode peer it has written to until the engine
-closes, also after that peer went away (the sockets wait in CLOSE-WAIT; docs/backends.md). A
-prefill worker that outlives many decode workers needs room for them, so ``pdlife serve``
-raises its soft limit to the hard one at start-up, as its rank processes inherit.
+backend over TCP, per lane of its transfer engines: a prefill engine keeps up to
+``MooncakeConfig.tcp_lanes`` connections (16 by default) to every decode rank it has written to
+until the engine closes, also after that rank went away (the sockets wait in CLOSE-WAIT;
+docs/operations.md, *Open files*). A prefill worker that outlives many decode workers needs
+room for them, so ``pdlife serve`` raises its soft limit to the hard one at start-up, before
+it starts its rank processes, which inherit the raised limit.
 """
 
 from __future__ import annotations

@@ -220,10 +220,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
     if args.mooncake_block_mib < 1:
         raise UsageError(f"--mooncake-block-mib must be >= 1, got {args.mooncake_block_mib}")
-    for flag in ("engines", "tcp_lanes"):
-        if not 1 <= getattr(args, f"mooncake_{flag}") <= 16:
-            raise UsageError(f"--mooncake-{flag.replace('_', '-')} must be 1-16, got "
-                             f"{getattr(args, f'mooncake_{flag}')}")
+    for flag, value in (("--mooncake-engines", args.mooncake_engines),
+                        ("--mooncake-tcp-lanes", args.mooncake_tcp_lanes)):
+        if not 1 <= value <= 16:
+            raise UsageError(f"{flag} must be 1-16, got {value}")
     role: Role
     if args.backend == "local":
         if args.role is not None:

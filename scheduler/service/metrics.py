@@ -43,8 +43,10 @@ class ServiceMetrics:
         )
         self.healthy.set(1)
         # process_open_fds and process_max_fds among them: a transfer engine keeps sockets to
-        # every decode peer it wrote to (scheduler.cli.open_files).
-        ProcessCollector(registry=r)
+        # every decode peer it wrote to (scheduler.cli.open_files). A registry that has them
+        # already (prometheus_client's global one) keeps its own.
+        if r.get_sample_value("process_open_fds") is None:
+            ProcessCollector(registry=r)
 
 
 class DroppedMessagesCollector(Collector):
