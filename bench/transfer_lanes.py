@@ -6,7 +6,9 @@ turn, round by round (the order reversed every other round, so a drift in the ma
 favours no setting). ``python -m bench.transfer --lanes 4,16`` prints, per layout and setting,
 the median GB/s and the median of the per-round ratios to the first setting: the figures the
 default was chosen from (docs/benchmarks.md, *Lanes*). No RESULT line: it compares settings, it
-checks no target.
+checks no target. The settings' engines start one after another in one process, so the
+environment variable the lanes go through changes while the first engine's threads run, which
+:func:`kv.mooncake_engine._apply_lanes` avoids in a serving process; a benchmark accepts it.
 """
 
 from __future__ import annotations

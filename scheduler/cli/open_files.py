@@ -2,7 +2,7 @@
 
 A worker holds a file descriptor per HTTP connection, per ZeroMQ socket, and, with the Mooncake
 backend over TCP, per lane of its transfer engines: a prefill engine keeps up to
-``MooncakeConfig.tcp_lanes`` connections (16 by default) to every decode rank it has written to
+``MooncakeConfig.tcp_lanes`` connections (4 by default) to every decode rank it has written to
 until the engine closes, also after that rank went away (the sockets wait in CLOSE-WAIT;
 docs/operations.md, *Open files*). A prefill worker that outlives many decode workers needs
 room for them, so ``pdlife serve`` raises its soft limit to the hard one at start-up, before

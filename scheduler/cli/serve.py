@@ -169,9 +169,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                "MiB is written as blocks of it (each block one stream, on tcp over one lane)",
                type=int)
     _defaulted(mc, "--mooncake-engines", 1, "prefill: transfer engines a rank writes through, "
-               "1-16, its blocks dealt over them (over tcp, two moved a round faster than one)",
-               type=int)
-    _defaulted(mc, "--mooncake-tcp-lanes", 16, "prefill, tcp: connections each engine "
+               "1-16, its blocks dealt over them (over tcp at 4 lanes, two moved a round faster "
+               "than one)", type=int)
+    _defaulted(mc, "--mooncake-tcp-lanes", 4, "prefill, tcp: connections each engine "
                "keeps to a decode peer, 1-16, one block moving on each at a time", type=int)
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
