@@ -75,8 +75,8 @@ class MooncakeConfig:
     # moving one block at a time, the next after the receiver acknowledged it (Mooncake's
     # MC_TCP_LANES_PER_PEER, 1-16, which this setting overrides; Mooncake's default, 4, is
     # pdlife's). Over loopback on two cores a sender with 16 lanes moved a churned round 1.05-1.30
-    # times as fast as with 4, but as the default 16 made the Mooncake tests slower and one time
-    # out in a bootstrap (docs/backends.md, Throughput). Applied while this side's engines start.
+    # times as fast as with 4, but as the default 16 made one Mooncake test time out in a
+    # bootstrap once (docs/backends.md, Throughput). Applied while this side's engines start.
     tcp_lanes: int = attrs.field(default=4, validator=[attrs.validators.instance_of(int),
                                                         attrs.validators.ge(1),
                                                         attrs.validators.le(16)])
