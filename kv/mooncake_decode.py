@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -117,8 +118,10 @@ class MooncakeDecodeManager:
         # Cleared rooms whose sources have not all sent their Status ("no more writes") yet.
         self._draining: dict[int, _DecodeRoom] = {}
         self._peers = PrefillPeers(self._control.ctx, table, self._me, self.config.token)
-        # Why the prefill counts as gone (see the heartbeat), or None while it answers.
+        # Why the prefill counts as gone (see the heartbeat) and since when (monotonic), or
+        # None while it answers.
         self._lost: str | None = None
+        self._lost_since: float | None = None
         infos = metadata.buffer_infos()
         self._register = wire.Register(
             session=self._control.session,
@@ -161,6 +164,13 @@ class MooncakeDecodeManager:
         """Why the prefill counts as gone, or None while its health check answers."""
         with self._lock:
             return self._lost
+
+    @property
+    def lost_since(self) -> float | None:
+        """When (``time.monotonic()``) the prefill came to count as gone, or None while its
+        health check answers."""
+        with self._lock:
+            return self._lost_since
 
     def create_receiver(self, bootstrap_addr: str, room: int) -> MooncakeKVReceiver:
         if bootstrap_addr != self.bootstrap_addr:
@@ -217,7 +227,7 @@ class MooncakeDecodeManager:
 
     def _lose_prefill(self, reason: str) -> None:
         with self._lock:
-            self._lost = reason
+            self._lost, self._lost_since = reason, time.monotonic()
             rooms = [*self._rooms.values(), *self._draining.values()]
             self._draining.clear()
             for rec in rooms:
@@ -240,7 +250,7 @@ class MooncakeDecodeManager:
         old.close()
         peers.send_all(self._register)
         with self._lock:
-            self._lost = None
+            self._lost = self._lost_since = None
         logger.info("prefill %s is back (%d ranks); registered again", self.bootstrap_addr,
                     len(table.ranks))
 

@@ -43,6 +43,12 @@ class PeerAuthError(MooncakeError):
     peers authenticate; the fix is the same token on both workers."""
 
 
+def _positive_or_none(_: object, attribute: attrs.Attribute[Any],
+                      value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0 or None, got {value!r}")
+
+
 @attrs.frozen
 class MooncakeConfig:
     """Engine and control-plane settings of one side."""
@@ -84,6 +90,11 @@ class MooncakeConfig:
     # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).
     heartbeat_interval_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
     heartbeat_max_failures: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    # Decode side, one manager per prefill server (scheduler.decode.router): a prefill that has
+    # counted as gone this many seconds, with none of this side's rooms still open with it,
+    # has its manager closed (engine, listeners, threads, heartbeat); a later request naming
+    # that address connects anew. None keeps every manager until the decode server stops.
+    retire_lost_after_s: float | None = attrs.field(default=60.0, validator=_positive_or_none)
     # The shared peer token: the bootstrap endpoint and every control message require it. Never
     # in a repr (configs get logged).
     token: str | None = attrs.field(default=None, repr=False)
@@ -128,7 +139,7 @@ class MooncakeEngine:
         harmless = HARMLESS_ON_TCP if config.protocol == "tcp" else HARMLESS
         with engine_log_captured(logger, harmless), _engine_start:
             _apply_lanes(config.tcp_lanes)
-            self._engine = TransferEngine()
+            self._engine: Any = TransferEngine()
             rc = self._engine.initialize(
                 config.hostname, "P2PHANDSHAKE", config.protocol, config.device
             )
@@ -148,17 +159,29 @@ class MooncakeEngine:
 
     def submit_write(self, session: str, src: list[int], dst: list[int], lens: list[int]) -> int:
         """Start one batch write; its batch id, or 0 when the engine refused it."""
-        batch: int = self._engine.batch_transfer_async_write(session, src, dst, lens)
+        batch: int = self._open().batch_transfer_async_write(session, src, dst, lens)
         return batch
 
     def wait(self, batch: int) -> int:
         """Block until the batch ``submit_write`` returned concludes: 0 on success."""
-        rc: int = self._engine.get_batch_transfer_status([batch])
+        rc: int = self._open().get_batch_transfer_status([batch])
         return rc
 
+    def _open(self) -> Any:
+        engine = self._engine
+        if engine is None:
+            raise MooncakeError(f"the transfer engine of {self.session} is closed")
+        return engine
+
     def close(self) -> None:
+        """Unregister the regions and let the engine go. The binding has no close: the
+        engine's listeners, lane sockets and threads end when its last reference drops, which
+        is this one (a call in progress on another thread holds its own until it returns)."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
         for ptr in self._regions:
-            self._engine.unregister_memory(ptr)
+            engine.unregister_memory(ptr)
         self._regions.clear()
 
 

@@ -168,7 +168,7 @@ def test_an_engine_keeps_its_tcp_lanes_to_a_decode_peer(
     peer's data listener (Mooncake's own default is 4), whatever the process environment held:
     the setting goes through it. The engine opens lanes as work queues, so rounds of scattered
     pages (a block each) are sent until all are open, never more; once the peer exits, they
-    stay, in close-wait, until the engine closes."""
+    stay, in close-wait, until the manager closes its engine."""
     monkeypatch.setenv(LANES_ENV, "3")  # an operator's value: the config's wins
     server = BootstrapServer()
     pool = make_pool(128)
@@ -213,6 +213,8 @@ def test_an_engine_keeps_its_tcp_lanes_to_a_decode_peer(
         peer.close()  # the engine keeps the lanes of a peer gone, in close-wait (operations.md)
         wait_for(lambda: lanes_open(state="08") == lanes, 10.0,
                  "the departed peer's lanes in close-wait")
+        manager.close()  # the engine goes, and the lanes with it
+        wait_for(lambda: lanes_open(state="08") == 0, 10.0, "the lanes closed with the engine")
     finally:
         peer.close()
         manager.close()
@@ -301,3 +303,19 @@ def test_serve_takes_the_tcp_lanes_and_the_config_checks_them() -> None:
     for bad in (0, 17, "4", None):
         with pytest.raises((ValueError, TypeError)):
             MooncakeConfig(tcp_lanes=bad)  # type: ignore[arg-type]
+
+
+def test_serve_takes_how_long_a_lost_prefill_keeps_its_decode_engine() -> None:
+    from scheduler.cli.command import UsageError
+    from scheduler.cli.main import build_parser
+    from scheduler.cli.serve import serve_config
+
+    parser = build_parser("serve")
+    flags = ["serve", "--role", "decode"]
+    assert serve_config(parser.parse_args(flags)).mooncake.retire_lost_after_s == 60.0
+    given = serve_config(parser.parse_args([*flags, "--retire-lost-prefill-after", "5"]))
+    assert given.mooncake.retire_lost_after_s == 5.0
+    kept = serve_config(parser.parse_args([*flags, "--retire-lost-prefill-after", "0"]))
+    assert kept.mooncake.retire_lost_after_s is None
+    with pytest.raises(UsageError, match="--retire-lost-prefill-after must be >= 0"):
+        serve_config(parser.parse_args([*flags, "--retire-lost-prefill-after", "-1"]))

@@ -70,6 +70,9 @@ _NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
         "--transfer-timeout": (300.0, "prefill: seconds for a transfer to conclude"),
         "--waiting-timeout": (300.0, "decode: seconds to wait for a request's KV"),
         "--connect-timeout": (30.0, "decode: seconds to look a prefill server up"),
+        "--retire-lost-prefill-after": (60.0, "decode, mooncake: seconds a prefill server may "
+                                        "count as gone (its heartbeat failing) before the "
+                                        "transfer engine kept for it closes; 0 keeps it"),
         "--drain-timeout": (60.0, "on SIGTERM: seconds to let requests finish before aborting "
                             "them"),
     },
@@ -224,6 +227,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                         ("--mooncake-tcp-lanes", args.mooncake_tcp_lanes)):
         if not 1 <= value <= 16:
             raise UsageError(f"{flag} must be 1-16, got {value}")
+    if args.retire_lost_prefill_after < 0:
+        raise UsageError("--retire-lost-prefill-after must be >= 0 (0 keeps managers), got "
+                         f"{args.retire_lost_prefill_after:g}")
     role: Role
     if args.backend == "local":
         if args.role is not None:
@@ -265,6 +271,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 max_block_bytes=args.mooncake_block_mib << 20,
                 engines=args.mooncake_engines,
                 tcp_lanes=args.mooncake_tcp_lanes,
+                retire_lost_after_s=args.retire_lost_prefill_after or None,
                 bootstrap_timeout_s=args.bootstrap_timeout,
                 token=peer_token(args.peer_token_file),
             ),

@@ -10,10 +10,19 @@ router pairs it with, and a Mooncake decode manager is bound to one prefill boot
 - :meth:`DecodeKVRouter.connect` creates the manager of an address. Creating one looks the
   prefill server up and registers with it, which blocks (up to the connect timeout), so the
   HTTP service calls it on a worker thread *before* it submits the request; the engine loop
-  never blocks on a peer.
+  never blocks on a peer. Calls for an address already being looked up wait for that look-up
+  and share its outcome, so requests naming a prefill that does not answer fail together
+  after one connect timeout, not one after another.
 - :meth:`DecodeKVRouter.create_receiver` (engine loop) hands the room to its address's manager;
   an address that was never connected fails that request's bootstrap, nothing else.
 - ``ready`` merges every manager's readiness queue (and rooms put back by the peer).
+- A manager whose prefill has counted as gone (its heartbeat) for ``retire_lost_after_s``, with
+  no room of this side still open with it, is retired: taken out of the router and closed, on
+  the router's own thread (closing joins the manager's threads). A prefill that comes back
+  later at that address gets a new manager from the next request's ``connect``, so a decode
+  server that sees prefill servers come and go holds engines only for the ones that answer
+  or were lost a short while ago. A lost manager with live rooms waits for them: they failed
+  when the prefill was lost, and the decode peer clears them.
 - :meth:`DecodeKVRouter.refuse` tells a prefill server of a room this side will never ask for,
   connected or not: through the local manager, or a :class:`~kv.refusal.RefusalPoster` to the
   prefill's bootstrap endpoint (a refused request may be the first one for that server, and
@@ -35,7 +44,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from kv.bootstrap import BootstrapError
 from kv.fake import FakeDecodeManager, FakeKVReceiver
@@ -81,6 +92,17 @@ class PeerUnreachable(Exception):
         return cls(addr, f"{cause.status}: {cause.detail}")
 
 
+@runtime_checkable
+class LosesPeer(Protocol):
+    """A manager that can tell that its prefill server is gone (the router may retire it)."""
+
+    @property
+    def lost_since(self) -> float | None:
+        """When (``time.monotonic()``) the prefill came to count as gone, or None."""
+
+    def live_rooms(self) -> int: ...
+
+
 def is_fake(bootstrap_addr: str) -> bool:
     return bootstrap_addr.partition(":")[0] == FAKE_BOOTSTRAP_HOST
 
@@ -106,6 +128,15 @@ class _MergedReady:
             except queue.Empty:
                 continue
         raise queue.Empty
+
+
+class _Attempt:
+    """One look-up of a prefill server in progress, and the calls waiting for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waiting = 0
+        self.error: PeerUnreachable | None = None
 
 
 class LocalPrefillFake(FakeDecodeManager):
@@ -191,7 +222,9 @@ class DecodeKVRouter:
     requests are served (the fake backend). ``refusals`` delivers refusals to prefill servers
     when managers come from ``factory``. ``connect_in_place``: a receiver for a prefill without
     a manager yet connects first, on the calling thread (the ranks of a decode TP group other
-    than the first, which no HTTP front connects for).
+    than the first, which no HTTP front connects for). ``retire_lost_after_s`` (with
+    ``factory``): how long a manager's prefill may count as gone, with no live room, before the
+    manager is retired (see the module); None never retires one.
     """
 
     def __init__(
@@ -202,19 +235,29 @@ class DecodeKVRouter:
         default: DecodeKVManager | None = None,
         refusals: RefusalPoster | None = None,
         connect_in_place: bool = False,
+        retire_lost_after_s: float | None = None,
     ) -> None:
         if factory is not None and default is not None:
             raise ValueError("give factory (one manager per peer) or default, not both")
+        if retire_lost_after_s is not None and retire_lost_after_s <= 0:
+            raise ValueError(f"retire_lost_after_s must be > 0, got {retire_lost_after_s}")
         self.fake = fake
         self._factory = factory
         self._default = default
         self._refusals = refusals
         self._connect_in_place = connect_in_place
         self._lock = threading.Lock()
-        self._connecting: dict[str, threading.Lock] = {}
+        self._connecting: dict[str, _Attempt] = {}  # look-ups in progress
         self._managers: dict[str, DecodeKVManager] = {}
         self._snapshot: tuple[DecodeKVManager, ...] = self._all()
         self.ready = _MergedReady(lambda: self._snapshot)
+        self._retire_after = retire_lost_after_s if factory is not None else None
+        self._stop = threading.Event()
+        self._retirer: threading.Thread | None = None
+        if self._retire_after is not None:
+            self._retirer = threading.Thread(target=self._retire_loop, name="decode-retire",
+                                             daemon=True)
+            self._retirer.start()
 
     def _all(self) -> tuple[DecodeKVManager, ...]:
         extra = () if self._default is None else (self._default,)
@@ -222,27 +265,47 @@ class DecodeKVRouter:
 
     def connect(self, bootstrap_addr: str) -> None:
         """Make sure ``bootstrap_addr`` has a manager; blocks while one is created (any thread
-        but the engine loop). Raises :class:`PeerUnreachable` if the peer cannot be reached."""
+        but the engine loop). Raises :class:`PeerUnreachable` if the peer cannot be reached.
+
+        Calls for an address whose manager is being created wait for that one attempt and
+        share its outcome (they do not each look the peer up again, one after another)."""
         if self._factory is None or is_fake(bootstrap_addr):
             return
         with self._lock:
             if bootstrap_addr in self._managers:
                 return
-            gate = self._connecting.setdefault(bootstrap_addr, threading.Lock())
-        with gate:
-            with self._lock:
-                if bootstrap_addr in self._managers:
-                    return
-            try:
-                manager = self._factory(bootstrap_addr)
-            except Exception as exc:
-                unreachable = PeerUnreachable.of(bootstrap_addr, exc)
-                logger.warning("cannot connect: %s", unreachable)
-                raise unreachable from exc
+            attempt = self._connecting.get(bootstrap_addr)
+            owner = attempt is None
+            if attempt is None:
+                attempt = self._connecting[bootstrap_addr] = _Attempt()
+            else:
+                attempt.waiting += 1
+        if not owner:
+            attempt.done.wait()
+            if attempt.error is not None:
+                raise PeerUnreachable(bootstrap_addr, str(attempt.error))
+            return
+        try:
+            manager = self._factory(bootstrap_addr)
+        except Exception as exc:
+            attempt.error = PeerUnreachable.of(bootstrap_addr, exc)
+            logger.warning("cannot connect: %s", attempt.error)
+            raise attempt.error from exc
+        else:
             with self._lock:
                 self._managers[bootstrap_addr] = manager
                 self._snapshot = self._all()
             logger.info("connected to prefill %s", bootstrap_addr)
+        finally:
+            with self._lock:
+                del self._connecting[bootstrap_addr]
+            attempt.done.set()
+
+    def connecting(self) -> dict[str, int]:
+        """The prefill addresses being looked up now, each with how many calls of
+        :meth:`connect` wait for that look-up besides the one making it."""
+        with self._lock:
+            return {addr: a.waiting for addr, a in sorted(self._connecting.items())}
 
     def peers(self) -> list[str]:
         with self._lock:
@@ -259,11 +322,45 @@ class DecodeKVRouter:
             return self._default.create_receiver(bootstrap_addr, room)
         if self._connect_in_place:
             self.connect(bootstrap_addr)
+        # Under the lock, so that a manager is never retired between its look-up here and
+        # the room it gets (a retired manager's queue is no longer read).
         with self._lock:
             manager = self._managers.get(bootstrap_addr)
-        if manager is None:
-            raise TransferUsageError(room, f"no KV manager for prefill {bootstrap_addr}")
-        return manager.create_receiver(bootstrap_addr, room)
+            if manager is None:
+                raise TransferUsageError(
+                    room, f"no KV manager for prefill {bootstrap_addr} (never connected, or "
+                          "retired after it was lost)")
+            return manager.create_receiver(bootstrap_addr, room)
+
+    def retire_lost(self, now: float | None = None) -> list[str]:
+        """Retire the managers whose prefill has counted as gone since ``now -
+        retire_lost_after_s`` or earlier (``now``: ``time.monotonic()`` by default) and that
+        hold no live room: out of the router, then closed (blocks while they close). Returns
+        their addresses. The router's thread calls it; a caller may too."""
+        if self._retire_after is None:
+            return []
+        cutoff = (time.monotonic() if now is None else now) - self._retire_after
+        with self._lock:
+            gone = {addr: m for addr, m in self._managers.items()
+                    if isinstance(m, LosesPeer) and (since := m.lost_since) is not None
+                    and since <= cutoff and m.live_rooms() == 0}
+            for addr in gone:
+                del self._managers[addr]
+            if gone:
+                self._snapshot = self._all()
+        for addr, manager in gone.items():
+            logger.info("retired the KV manager of prefill %s, gone for %.0f s or more",
+                        addr, self._retire_after)
+            self._close(manager)
+        return sorted(gone)
+
+    def _retire_loop(self) -> None:
+        assert self._retire_after is not None
+        while not self._stop.wait(min(self._retire_after / 4, 5.0)):
+            try:
+                self.retire_lost()
+            except Exception:  # the next round tries again; the engine loop is unaffected
+                logger.exception("retiring lost prefill managers failed")
 
     def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
         """Tell the prefill at ``bootstrap_addr`` that ``room`` will never be asked for (any
@@ -276,13 +373,20 @@ class DecodeKVRouter:
             self._refusals.tell(bootstrap_addr, room, reason)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._retirer is not None:
+            self._retirer.join()
         if self._refusals is not None:
             self._refusals.close()
         with self._lock:
             managers = self._all()
             self._managers.clear()
         for manager in managers:
-            try:
-                manager.close()
-            except Exception:  # closing the rest matters more than one failure
-                logger.exception("closing a decode KV manager failed")
+            self._close(manager)
+
+    @staticmethod
+    def _close(manager: DecodeKVManager) -> None:
+        try:
+            manager.close()
+        except Exception:  # closing the rest matters more than one failure
+            logger.exception("closing a decode KV manager failed")

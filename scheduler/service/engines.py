@@ -172,6 +172,7 @@ class Engines:
                 factory=lambda addr: self._mooncake_decode(pool, meta, addr),
                 refusals=RefusalPoster(token=c.mooncake.token),
                 connect_in_place=self._decode_mesh is not None,
+                retire_lost_after_s=c.mooncake.retire_lost_after_s,
             )
         elif c.backend == "local":
             router = DecodeKVRouter(fake=fake, default=LocalDecodeManager(pool, meta, hub=hub))
