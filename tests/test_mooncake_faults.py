@@ -17,7 +17,7 @@ from kv import wire
 from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
-from kv.mooncake_engine import MooncakeConfig
+from kv.mooncake_engine import RECONNECT_MAX_MS, MooncakeConfig, push_socket
 from kv.pool_layout import KVLayout
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from lifecycle.testing import FakeClock
@@ -225,6 +225,20 @@ def test_killed_decode_fails_its_rooms_fast_and_spares_other_peers() -> None:
         healthy.close()
         manager.close()
         server.close()
+
+
+def test_control_sockets_back_off_from_a_peer_that_does_not_answer() -> None:
+    """Both sides' control sockets (prefill's statuses, decode's registrations, destinations
+    and aborts) come from ``push_socket``: ZeroMQ's retry every 100 ms to a peer gone would
+    cost a prefill rank a share of a core per departed decode rank kept."""
+    ctx = zmq.Context()
+    sock = push_socket(ctx, "tcp://127.0.0.1:9")
+    try:
+        assert sock.getsockopt(zmq.RECONNECT_IVL_MAX) == RECONNECT_MAX_MS == 1000
+        assert sock.getsockopt(zmq.RECONNECT_IVL) == 100 and sock.getsockopt(zmq.LINGER) == 0
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when_it_returns(
