@@ -174,21 +174,20 @@ class MooncakeEngine:
         return engine
 
     def close(self) -> None:
-        """Unregister the regions and let the engine go; returns at once.
-
-        The binding has no close: the engine's listeners, lane sockets and threads end when its
-        last reference drops, which is this object's (a call in progress on another thread
-        holds its own until it returns). Destroying an engine takes about a second (Mooncake
-        0.3.13 waits for its threads' polls), so the reference is dropped on a thread of its
-        own (``mooncake-release``, not a daemon: an exiting interpreter waits for it); the
-        listeners are gone within about a second of this call."""
+        """Unregister the regions and destroy the engine: its listeners, lane sockets and
+        threads end here. The binding has no close; the engine goes when its last reference
+        drops, which is this object's (a call in progress on another thread holds its own until
+        it returns). Destroying an engine takes about a second, holding Python's interpreter
+        lock throughout (Mooncake 0.3.13), so every thread of the process stalls that long: at
+        a close the caller chose, rather than whenever the garbage collector frees a closed
+        manager (a collection freeing many froze a process for as many seconds)."""
         if self._engine is None:
             return
-        box, self._engine = [self._engine], None  # nothing but ``box`` holds it here
+        engine, self._engine = self._engine, None
         for ptr in self._regions:
-            box[0].unregister_memory(ptr)
+            engine.unregister_memory(ptr)
         self._regions.clear()
-        threading.Thread(target=box.clear, name="mooncake-release").start()
+        del engine
 
 
 def register_all(engine: MooncakeEngine, pool: KVPool, metadata: MetadataBuffers,
