@@ -260,62 +260,39 @@ def test_decode_refuses_a_prefill_with_another_pool_layout(
                               server.address)
 
 
-def test_serve_takes_the_block_size_in_mib() -> None:
-    from scheduler.cli.command import UsageError
+def served_mooncake(role: str, *flags: str) -> MooncakeConfig:
+    """The Mooncake config ``pdlife serve --role ROLE FLAGS`` runs with."""
     from scheduler.cli.main import build_parser
     from scheduler.cli.serve import serve_config
 
-    parser = build_parser("serve")
-    flags = ["serve", "--role", "prefill"]
-    assert serve_config(parser.parse_args(flags)).mooncake.max_block_bytes == 16 << 20
-    given = serve_config(parser.parse_args([*flags, "--mooncake-block-mib", "2"]))
-    assert given.mooncake.max_block_bytes == 2 << 20
-    with pytest.raises(UsageError, match="--mooncake-block-mib must be >= 1"):
-        serve_config(parser.parse_args([*flags, "--mooncake-block-mib", "0"]))
+    args = build_parser("serve").parse_args(["serve", "--role", role, *flags])
+    return serve_config(args).mooncake
 
 
-def test_serve_takes_the_engines_per_rank() -> None:
+@pytest.mark.parametrize(("role", "flag", "field", "default", "given", "bad", "error"), [
+    ("prefill", "--mooncake-block-mib", "max_block_bytes", 16 << 20, ("2", 2 << 20), "0",
+     "--mooncake-block-mib must be >= 1"),
+    ("prefill", "--mooncake-engines", "engines", 1, ("4", 4), "0",
+     "--mooncake-engines must be 1-16"),
+    ("prefill", "--mooncake-tcp-lanes", "tcp_lanes", MooncakeConfig().tcp_lanes, ("2", 2), "17",
+     "--mooncake-tcp-lanes must be 1-16, got 17"),
+    ("decode", "--retire-lost-prefill-after", "retire_lost_after_s", 60.0, ("0", None), "-1",
+     "--retire-lost-prefill-after must be >= 0"),
+])
+def test_serve_takes_the_mooncake_flags(
+    role: str, flag: str, field: str, default: object, given: tuple[str, object], bad: str,
+    error: str,
+) -> None:
     from scheduler.cli.command import UsageError
-    from scheduler.cli.main import build_parser
-    from scheduler.cli.serve import serve_config
 
-    parser = build_parser("serve")
-    flags = ["serve", "--role", "prefill"]
-    assert serve_config(parser.parse_args(flags)).mooncake.engines == 1
-    given = serve_config(parser.parse_args([*flags, "--mooncake-engines", "4"]))
-    assert given.mooncake.engines == 4
-    with pytest.raises(UsageError, match="--mooncake-engines must be 1-16"):
-        serve_config(parser.parse_args([*flags, "--mooncake-engines", "0"]))
+    assert getattr(served_mooncake(role), field) == default
+    assert getattr(served_mooncake(role, flag, given[0]), field) == given[1]
+    with pytest.raises(UsageError, match=error):
+        served_mooncake(role, flag, bad)
 
 
-def test_serve_takes_the_tcp_lanes_and_the_config_checks_them() -> None:
-    from scheduler.cli.command import UsageError
-    from scheduler.cli.main import build_parser
-    from scheduler.cli.serve import serve_config
-
-    parser = build_parser("serve")
-    flags = ["serve", "--role", "prefill"]
-    assert serve_config(parser.parse_args(flags)).mooncake.tcp_lanes == MooncakeConfig().tcp_lanes
-    given = serve_config(parser.parse_args([*flags, "--mooncake-tcp-lanes", "2"]))
-    assert given.mooncake.tcp_lanes == 2
-    with pytest.raises(UsageError, match="--mooncake-tcp-lanes must be 1-16, got 17"):
-        serve_config(parser.parse_args([*flags, "--mooncake-tcp-lanes", "17"]))
+def test_the_config_checks_the_lanes_and_the_retirement() -> None:
     for bad in (0, 17, "4", None):
         with pytest.raises((ValueError, TypeError)):
             MooncakeConfig(tcp_lanes=bad)  # type: ignore[arg-type]
-
-
-def test_serve_takes_how_long_a_lost_prefill_keeps_its_decode_engine() -> None:
-    from scheduler.cli.command import UsageError
-    from scheduler.cli.main import build_parser
-    from scheduler.cli.serve import serve_config
-
-    parser = build_parser("serve")
-    flags = ["serve", "--role", "decode"]
-    assert serve_config(parser.parse_args(flags)).mooncake.retire_lost_after_s == 60.0
-    given = serve_config(parser.parse_args([*flags, "--retire-lost-prefill-after", "5"]))
-    assert given.mooncake.retire_lost_after_s == 5.0
-    kept = serve_config(parser.parse_args([*flags, "--retire-lost-prefill-after", "0"]))
-    assert kept.mooncake.retire_lost_after_s is None
-    with pytest.raises(UsageError, match="--retire-lost-prefill-after must be >= 0"):
-        serve_config(parser.parse_args([*flags, "--retire-lost-prefill-after", "-1"]))
+    assert served_mooncake("decode", "--retire-lost-prefill-after", "5").retire_lost_after_s == 5
