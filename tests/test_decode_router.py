@@ -205,7 +205,4 @@ def test_retirement_is_off_without_a_setting_or_a_factory() -> None:
         assert not [t for t in threading.enumerate() if t.name == "decode-retire"]
     finally:
         plain.close()
-    for bad in (0, -1.0):
-        with pytest.raises(ValueError):
-            MooncakeConfig(retire_lost_after_s=bad)
     assert MooncakeConfig(retire_lost_after_s=None).retire_lost_after_s is None

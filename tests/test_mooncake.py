@@ -295,4 +295,7 @@ def test_the_config_checks_the_lanes_and_the_retirement() -> None:
     for bad in (0, 17, "4", None):
         with pytest.raises((ValueError, TypeError)):
             MooncakeConfig(tcp_lanes=bad)  # type: ignore[arg-type]
+    for bad_s in (0, -1.0):
+        with pytest.raises(ValueError, match="retire_lost_after_s must be > 0 or None"):
+            MooncakeConfig(retire_lost_after_s=bad_s)
     assert served_mooncake("decode", "--retire-lost-prefill-after", "5").retire_lost_after_s == 5
