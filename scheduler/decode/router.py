@@ -18,11 +18,12 @@ router pairs it with, and a Mooncake decode manager is bound to one prefill boot
 - ``ready`` merges every manager's readiness queue (and rooms put back by the peer).
 - A manager whose prefill has counted as gone (its heartbeat) for ``retire_lost_after_s``, with
   no room of this side still open with it, is retired: taken out of the router and closed, on
-  the router's own thread (closing joins the manager's threads). A prefill that comes back
-  later at that address gets a new manager from the next request's ``connect``, so a decode
-  server that sees prefill servers come and go holds engines only for the ones that answer
-  or were lost a short while ago. A lost manager with live rooms waits for them: they failed
-  when the prefill was lost, and the decode peer clears them.
+  the router's own thread (closing joins the manager's threads, and destroying its engine
+  pauses the whole process for about a second: :meth:`kv.mooncake_engine.MooncakeEngine.close`).
+  A prefill that comes back later at that address gets a new manager from the next request's
+  ``connect``, so a decode server that sees prefill servers come and go holds engines only for
+  the ones that answer or were lost a short while ago. A lost manager with live rooms waits
+  for them: they failed when the prefill was lost, and the decode peer clears them.
 - :meth:`DecodeKVRouter.refuse` tells a prefill server of a room this side will never ask for,
   connected or not: through the local manager, or a :class:`~kv.refusal.RefusalPoster` to the
   prefill's bootstrap endpoint (a refused request may be the first one for that server, and
@@ -359,7 +360,7 @@ class DecodeKVRouter:
         while not self._stop.wait(min(self._retire_after / 4, 5.0)):
             try:
                 self.retire_lost()
-            except Exception:  # the next round tries again; the engine loop is unaffected
+            except Exception:  # an error must not end the thread; the next round tries again
                 logger.exception("retiring lost prefill managers failed")
 
     def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
