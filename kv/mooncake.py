@@ -172,6 +172,10 @@ class MooncakeKVManager:
     def live_rooms(self) -> int:
         return len(self._rooms)
 
+    def decode_sessions(self) -> list[str]:
+        """The decode sessions (engine ``host:rpc_port``) whose ``Register`` this rank took."""
+        return self._rooms.sessions()
+
     def refuse(self, room: int, reason: str) -> None:
         """This rank will not serve ``room``: decode's destination for it is answered with the
         refusal (see :mod:`kv.refusal`; any thread)."""

@@ -102,6 +102,11 @@ class PrefillRooms:
         with self._lock:
             return len(self._rooms)
 
+    def sessions(self) -> list[str]:
+        """The decode sessions registered with this rank, sorted."""
+        with self._lock:
+            return sorted(self._targets)
+
     # -- control messages (listener thread) --------------------------------------------------
 
     def register(self, target: Target) -> None:

@@ -276,7 +276,10 @@ def test_a_destination_names_only_registered_state_items() -> None:
         with pytest.raises(TransferUsageError, match="recurrent item 3 is not in the decode"):
             receiver.send_metadata([0], 0, state={StateKind.RECURRENT: [3]})
         # A destination naming items past the registered pool (from a peer that does not
-        # check) is dropped and counted.
+        # check) is dropped and counted; sent once the prefill took the decode's Register (it
+        # comes on another connection, so it could otherwise arrive first: unknown_session).
+        eventually(lambda: pair.decode.session in pair.prefill.decode_sessions(),
+                   "the decode's registration")
         bad = wire.Destination(4, pair.decode.session, np.array([0]), 0,
                                state={"recurrent": np.array([3])})
         with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as sock:
