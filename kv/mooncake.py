@@ -207,6 +207,8 @@ class MooncakeKVManager:
             self._tell_decode(self._rooms.destination(msg))
         elif isinstance(msg, wire.Abort):
             self._tell_decode(self._rooms.peer_abort(msg))
+        elif isinstance(msg, wire.Deregister):
+            self._on_deregister(msg)
         else:
             raise wire.WireError("unexpected_type", f"{type(msg).__name__} is not for prefill")
 
@@ -238,6 +240,15 @@ class MooncakeKVManager:
                 old.close()
             self._push[reg.session] = push_socket(self._control.ctx, reg.status_endpoint)
         logger.info("decode session %s registered", reg.session)
+
+    def _on_deregister(self, msg: wire.Deregister) -> None:
+        owed = self._rooms.deregister(msg.session)
+        with self._push_lock:
+            sock = self._push.pop(msg.session, None)
+            if sock is not None:
+                sock.close()
+        self._tell_decode(owed)  # the other decode ranks of its failed rooms
+        logger.info("decode session %s deregistered", msg.session)
 
     def _tell_decode(self, owed: Sequence[Owed]) -> None:
         """Push the statuses owed to decode (any thread; never under the room table's lock)."""

@@ -9,7 +9,8 @@ dim, head or layer counts, TP sizes that do not divide), sends every prefill ran
 ``Destination`` (or an ``Abort``) to the ranks the room's route names (:mod:`kv.routes`: the
 contacts of every pipeline stage of the DP replica serving the room); a room it will never ask
 for (refused, or failed before its destination) it reports to the prefill's bootstrap endpoint
-instead (:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`). With state pools
+instead (:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`). Closing sends every rank a
+``Deregister``, so the prefill forgets the session. With state pools
 (``states=``, :mod:`kv.mooncake_state`) the ``Register`` names them and each ``Destination`` the
 items each state kind goes to; prefill writes the state with the last chunk.
 
@@ -199,11 +200,15 @@ class MooncakeDecodeManager:
         self._refusals.tell(bootstrap_addr, room, reason)
 
     def close(self) -> None:
+        """Stop; every prefill rank still answering is sent a ``Deregister``, so it forgets
+        this session (its rooms with this rank fail there) and closes its status socket."""
         self._stop.set()
         self._refusals.close()
         self._heartbeat.join(timeout=10)
         self._control.stop()
-        self._peers.close()
+        with self._lock:
+            farewell = None if self._lost is not None else wire.Deregister(self.session)
+        self._peers.close(farewell)
         self._control.close()
 
     def _watch_prefill(self) -> None:

@@ -4,7 +4,8 @@ Decode sends a room's ``Destination`` as soon as it has the pages, and the route
 request to both sides at once, so a destination often arrives before this rank admitted the
 request. :class:`EarlyDestinations` keeps them, per room and in arrival order, until
 :class:`kv.mooncake_rooms.PrefillRooms` creates the room (:meth:`EarlyDestinations.take`) or
-decode withdraws its own with an ``Abort`` (:meth:`EarlyDestinations.withdraw`). It holds at
+decode withdraws its own with an ``Abort`` (:meth:`EarlyDestinations.withdraw`) or leaves with a
+``Deregister`` (:meth:`EarlyDestinations.withdraw_session`). It holds at
 most ``limit`` rooms: one more evicts the oldest room's, which :meth:`EarlyDestinations.keep`
 reports as a :class:`~kv.wire.WireError` (counted and logged where the message came in). Not
 thread-safe: its owner's lock guards it.
@@ -48,3 +49,12 @@ class EarlyDestinations:
         else:
             del self._rooms[room]
         return True
+
+    def withdraw_session(self, session: str) -> list[int]:
+        """Drop every destination of ``session`` (it deregistered); the rooms it had sent one
+        for."""
+        rooms = [room for room, kept in self._rooms.items()
+                 if any(d.session == session for d in kept)]
+        for room in rooms:
+            self.withdraw(room, session)
+        return rooms

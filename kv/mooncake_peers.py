@@ -10,12 +10,13 @@ whatever :func:`kv.routes.check_pair` refuses for any rank (head dim, the model'
 counts, MLA, TP sizes that do not divide one another). :class:`PrefillPeers` opens a ZeroMQ PUSH
 socket to every rank of the table and sends each the decode rank's ``Register``; a room's
 ``Destination`` and ``Abort`` go to the ranks its route names (the contacts of every stage of
-the DP replica that serves the room). Routes are cached by DP replica: they do not depend on the
-room otherwise.
+the DP replica that serves the room), and a closing decode rank's ``Deregister`` to every rank.
+Routes are cached by DP replica: they do not depend on the room otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -36,6 +37,9 @@ from kv.mooncake_engine import (
 from kv.pool import KVPool
 from kv.rank_table import PrefillInfo, RankInfo, RankPlace
 from kv.routes import DecodeRank, IncompatibleRanksError, PrefillRoute, check_pair, route
+
+#: How long a closing decode rank's ``Deregister`` may wait to reach a prefill rank.
+FAREWELL_LINGER_MS = 500
 
 
 def decode_rank(pool: KVPool, place: RankPlace) -> DecodeRank:
@@ -138,8 +142,16 @@ class PrefillPeers:
     def send_all(self, msg: wire.Message) -> None:
         self.send(list(self._sockets), msg)
 
-    def close(self) -> None:
+    def close(self, farewell: wire.Message | None = None) -> None:
+        """Close the sockets; with ``farewell``, send it to every rank first, giving it up to
+        :data:`FAREWELL_LINGER_MS` to leave (the context's termination waits at most that)."""
+        data = None if farewell is None else wire.encode(farewell, self._token)
         with self._lock:
             for sock in self._sockets.values():
-                sock.close()
+                if data is None:
+                    sock.close()
+                    continue
+                with contextlib.suppress(zmq.ZMQError):  # a full queue: the rank reads nothing
+                    sock.send(data, zmq.NOBLOCK)
+                sock.close(linger=FAREWELL_LINGER_MS)
             self._sockets.clear()

@@ -22,7 +22,8 @@ Decode sessions: a ``Register`` makes a session known (and lifts its blacklist) 
 rank writes into it (:class:`~kv.mooncake_slices.Target`); a destination from an unknown session
 is refused, and so is one from a decode rank the room does not wait for (``not_a_contact``).
 A session is blacklisted after a failed engine write: its live rooms fail at once, since none
-of them can succeed.
+of them can succeed. A ``Deregister`` (the decode manager closed) forgets the session: its live
+rooms fail the same way, and a room it had sent an early destination for fails when created.
 
 A destination that arrives before its sender exists waits (:mod:`kv.mooncake_early`).
 ``clear()`` forgets a room and leaves a tombstone, so a late ``Destination`` or ``Abort`` for
@@ -181,6 +182,21 @@ class PrefillRooms:
             self._fail(rec, REASON_PEER_ABORTED)
             return self._settle(rec)
 
+    def deregister(self, session: str) -> list[Owed]:
+        """Forget ``session``, whose decode manager closed: its live rooms fail (the other
+        decode ranks of each are owed the failure), a room it sent an early destination for
+        fails when its sender is created, and a later message from it is dropped as from an
+        unknown session. Raises ``unknown_session`` for a session that is not registered."""
+        with self._lock:
+            if session not in self._regs:
+                raise wire.WireError("unknown_session", f"deregister from {session!r}")
+            del self._regs[session], self._targets[session]
+            self._blacklist.discard(session)
+            reason = f"decode session {session} closed"
+            for room in self._early.withdraw_session(session):
+                self._peer_refused.add(room, reason)
+            return self._fail_session(session, reason)
+
     # -- senders (scheduler thread) ------------------------------------------------------------
 
     def create(self, room: int) -> tuple[PrefillRoom, list[Owed]]:
@@ -328,7 +344,8 @@ class PrefillRooms:
                         owed += [Owed(leg.session, rec.room, KVPoll.SUCCESS) for leg in writers]
             if engine_failed and session not in self._blacklist:
                 self._blacklist.add(session)
-                owed += self._fail_session(session)
+                owed += self._fail_session(
+                    session, f"decode session {session} was blacklisted after a failed transfer")
             for chunk in chunks:
                 owed += self._settle(chunk.rec)
         return owed
@@ -388,9 +405,9 @@ class PrefillRooms:
         return [Owed(leg.session, rec.room, KVPoll.FAILED, rec.reason)
                 for leg in rec.legs.values()]
 
-    def _fail_session(self, session: str) -> list[Owed]:
-        """Fail every live room of a blacklisted session: none of them can succeed."""
-        reason = f"decode session {session} was blacklisted after a failed transfer"
+    def _fail_session(self, session: str, reason: str) -> list[Owed]:
+        """Fail every live room with a leg to ``session`` (blacklisted or gone: none of them
+        can succeed)."""
         failed = [r for r in self._rooms.values()
                   if any(leg.session == session for leg in r.legs.values())
                   and self._fail(r, reason)]

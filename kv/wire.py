@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Four messages cross the network, each a msgpack map with a type tag ``"t"``:
+Five messages cross the network, each a msgpack map with a type tag ``"t"``:
 
 decode → prefill
     :class:`Register` once per (decode manager, prefill rank): the decode session id
@@ -14,6 +14,7 @@ decode → prefill
     :class:`Destination` once per room: the decode pages and metadata slot to write into, and
     the items each state kind goes to.
     :class:`Abort` when decode gives up on a room.
+    :class:`Deregister` when the decode manager closes: the prefill rank forgets the session.
 prefill → decode
     :class:`Status` when a room concludes (SUCCESS or FAILED), with a reason.
 
@@ -131,6 +132,14 @@ class Abort:
 
 
 @attrs.frozen
+class Deregister:
+    """decode → prefill: the decode rank of ``session`` is closing; it takes no more KV and
+    reads no more statuses."""
+
+    session: str
+
+
+@attrs.frozen
 class Status:
     """prefill → decode: ``room`` concluded with KVPoll value ``poll``."""
 
@@ -140,7 +149,7 @@ class Status:
     rank: int
 
 
-Message = Register | Destination | Abort | Status
+Message = Register | Destination | Abort | Deregister | Status
 
 
 def encode(msg: Message, token: str | None = None) -> bytes:
@@ -182,6 +191,8 @@ def encode(msg: Message, token: str | None = None) -> bytes:
         }
     elif isinstance(msg, Abort):
         body = {"t": "abort", "room": msg.room, "session": msg.session}
+    elif isinstance(msg, Deregister):
+        body = {"t": "deregister", "session": msg.session}
     elif isinstance(msg, Status):
         body = {
             "t": "status",
@@ -337,6 +348,10 @@ def _parse_abort(body: dict[Any, Any]) -> Abort:
     return Abort(room=int_field(body, "room", 0, MAX_ROOM), session=session_field(body))
 
 
+def _parse_deregister(body: dict[Any, Any]) -> Deregister:
+    return Deregister(session=session_field(body))
+
+
 def _parse_status(body: dict[Any, Any]) -> Status:
     poll = int_field(body, "poll", 0, 4)
     # Only the two conclusions travel; intermediate states are local to each side.
@@ -354,11 +369,13 @@ _PARSERS: dict[str, Callable[[dict[Any, Any]], Message]] = {
     "register": _parse_register,
     "destination": _parse_destination,
     "abort": _parse_abort,
+    "deregister": _parse_deregister,
     "status": _parse_status,
 }
 _FIELDS = {
     "register": {f.name for f in attrs.fields(Register)},
     "destination": {f.name for f in attrs.fields(Destination)},
     "abort": {f.name for f in attrs.fields(Abort)},
+    "deregister": {f.name for f in attrs.fields(Deregister)},
     "status": {f.name for f in attrs.fields(Status)},
 }

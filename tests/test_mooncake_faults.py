@@ -288,3 +288,57 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
         decode.close()
         prefill.close()
         server.close()
+
+
+def test_a_deregistered_session_is_forgotten_and_its_rooms_fail(
+    manager: MooncakeKVManager, raw: RawDecode
+) -> None:
+    """A ``Deregister`` (the decode manager closed) drops the session: a room paired with it
+    fails, a room it sent an early destination for fails as its sender is created, and later
+    messages from it are dropped as from an unknown session until it registers again."""
+    eventually(lambda: manager.decode_sessions() == [raw.session], "registered")
+    paired = manager.create_sender("", 1)
+    raw.send(raw.destination(1, [1, 2]))
+    assert drive(manager, paired, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    raw.send(raw.destination(2, [3, 4], slot=1))  # before room 2's sender exists
+    raw.send(wire.Deregister(raw.session))
+    eventually(lambda: manager.decode_sessions() == [], "the session forgotten")
+    gone = f"decode session {raw.session} closed"
+    assert drive(manager, paired, _TERMINAL)[-1] == KVPoll.FAILED
+    assert paired.failure_exception().reason == gone
+    early = manager.create_sender("", 2)
+    assert early.poll() == KVPoll.FAILED and gone in early.failure_exception().reason
+    raw.send(raw.destination(3, [5]))
+    _dropped(manager, "unknown_session")
+    raw.send(wire.Deregister(raw.session))
+    _dropped(manager, "unknown_session", 2)
+    raw.send(raw.register)
+    eventually(lambda: manager.decode_sessions() == [raw.session], "registered again")
+
+
+def test_a_closing_decode_manager_deregisters() -> None:
+    """Closing a decode manager sends its ``Deregister``: the prefill rank forgets the session
+    (and closes its status socket) and fails the room it held for it. A decode that counts the
+    prefill as gone sends nothing (it would only wait for the message to leave)."""
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    server = BootstrapServer()
+    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
+    prefill.register_to_bootstrap(server.address)
+    decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(8), server.address)
+    try:
+        eventually(lambda: prefill.decode_sessions() == [decode.session], "registered")
+        receiver = decode.create_receiver(server.address, 5)
+        receiver.init()
+        receiver.send_metadata([0, 1], 0)
+        sender = prefill.create_sender(server.address, 5)
+        assert drive(prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+        decode.close()
+        eventually(lambda: prefill.decode_sessions() == [], "the decode session forgotten")
+        assert drive(prefill, sender, _TERMINAL)[-1] == KVPoll.FAILED
+        assert sender.failure_exception().reason == f"decode session {decode.session} closed"
+        assert prefill.dropped_messages.total == 0
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
