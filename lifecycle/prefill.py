@@ -20,7 +20,8 @@ the KV transfer poll results are.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -55,6 +56,22 @@ class PrefillEvent(enum.StrEnum):
 def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
     """Token ids as the immutable tuple records keep (an attrs converter)."""
     return tuple(ids)
+
+
+def as_logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]
+                  ) -> tuple[tuple[int, float], ...]:
+    """A logit bias as the sorted ``(token id, bias)`` pairs records keep (an attrs converter);
+    raises ``ValueError`` for a negative id, an id given twice or a bias that is not finite."""
+    pairs = sorted((int(t), float(b)) for t, b in (
+        bias.items() if isinstance(bias, Mapping) else bias))
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias: a token id is given twice")
+    for token, value in pairs:
+        if token < 0:
+            raise ValueError(f"logit_bias: token ids must be >= 0, got {token}")
+        if not math.isfinite(value):
+            raise ValueError(f"logit_bias: the bias of token {token} must be finite, got {value}")
+    return tuple(pairs)
 
 
 #: The most top logprobs a request may ask for per position (OpenAI's limit, the metadata row's).
@@ -101,6 +118,13 @@ class SamplingParams:
     position 0 and the decode side the rest). ``stop`` strings are matched on the decoded text.
     ``return_logprob`` asks for each output token's logprob (and ``top_logprobs_num``
     alternatives); input logprobs start at ``logprob_start_len`` (-1: none).
+
+    Before that the logits are adjusted (SGLang's and OpenAI's rules, over the output tokens
+    only): ``frequency_penalty`` times a token's count so far and ``presence_penalty`` once it
+    occurred are subtracted, ``repetition_penalty`` divides an occurred token's positive logit
+    and multiplies a negative one, the model's end-of-sequence ids and ``stop_token_ids`` are
+    excluded until the answer has ``min_new_tokens`` tokens, and ``logit_bias`` (token id →
+    bias) is added.
     """
 
     max_new_tokens: int = attrs.field(default=16)
@@ -116,6 +140,13 @@ class SamplingParams:
     top_logprobs_num: int = attrs.field(default=0, kw_only=True, validator=_in(0, TOP_LOGPROBS_MAX))
     logprob_start_len: int = attrs.field(default=-1, kw_only=True)
     grammar: GrammarSpec | None = attrs.field(default=None, kw_only=True)
+    frequency_penalty: float = attrs.field(default=0.0, kw_only=True, validator=_in(-2.0, 2.0))
+    presence_penalty: float = attrs.field(default=0.0, kw_only=True, validator=_in(-2.0, 2.0))
+    repetition_penalty: float = attrs.field(default=1.0, kw_only=True,
+                                            validator=_in(0.0, 2.0, lo_open=True))
+    min_new_tokens: int = attrs.field(default=0, kw_only=True)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), kw_only=True,
+                                                            converter=as_logit_bias)
 
     @max_new_tokens.validator
     def _check_max_new(self, _attr: object, value: int) -> None:
@@ -134,6 +165,23 @@ class SamplingParams:
                 f"logprob_start_len must be -1 (no input logprobs) or >= 0, got {value}"
             )
 
+    @min_new_tokens.validator
+    def _check_min_new(self, _attr: object, value: int) -> None:
+        if not 0 <= value <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in 0..max_new_tokens "
+                             f"({self.max_new_tokens}), got {value}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty looks at the output so far (frequency, presence, repetition)."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before sampling (a penalty, ``min_new_tokens``, a bias)."""
+        return self.penalized or self.min_new_tokens > 0 or bool(self.logit_bias)
+
     @property
     def greedy(self) -> bool:
         """Whether the next token is the argmax (temperature 0, or a top-k of 1)."""
@@ -142,7 +190,8 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Greedy with nothing else asked: a runner's ``forward`` answers it alone."""
-        return self.greedy and not self.return_logprob and self.grammar is None
+        return (self.greedy and not self.return_logprob and self.grammar is None
+                and not self.adjusts_logits)
 
 
 #: What a request that asks for nothing gets: one shared instance (it is frozen), because

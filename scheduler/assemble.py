@@ -72,8 +72,10 @@ DecodeKVFactory = Callable[[KVPool, MetadataBuffers, ModelRunner, StatePools | N
 
 class PrefillOptions(MeshOptions, total=False):
     """What :func:`build_prefill` passes to the prefill scheduler unchanged (with, on a mesh
-    rank, its agreements: :class:`~scheduler.prefill.mesh.MeshOptions`)."""
+    rank, its agreements: :class:`~scheduler.prefill.mesh.MeshOptions`). ``eos_token_id`` is
+    required, as the decode peer's is (``min_new_tokens`` excludes it from the first token)."""
 
+    eos_token_id: Required[int | Iterable[int] | None]
     delayer: PrefillDelayer | None
     clock: Callable[[], float]
     on_response: Callable[[Response], None] | None

@@ -129,7 +129,7 @@ class EmbeddedPair:
                 bootstrap=self.bootstrap, faults=faults, kv_layout=config.kv_layout,
                 delayer=delayer, clock=clock, on_response=self._on_prefill,
                 overlap=config.overlap, compiler=compiler, hybrid=config.hybrid,
-                mooncake=config.mooncake,
+                mooncake=config.mooncake, eos_token_id=eos,
             )
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_kv, hub),

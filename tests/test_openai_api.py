@@ -169,11 +169,15 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
                          "bootstrap_room": 5}, "bad_bootstrap", "bootstrap_room"),
     ("/v1/completions", {"prompt": "x", "bootstrap_host": ["h"], "bootstrap_port": [9],
                          "bootstrap_room": [5]}, "bad_bootstrap", "bootstrap_host"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "unsupported",
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, "invalid_request",
      "frequency_penalty"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": -1.0}, "unsupported",
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -3}, "invalid_request",
      "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"3": 5.0}}, "unsupported", "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"3": 101}}, "invalid_request",
+     "logit_bias.3"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "bad_sampling", "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "bad_sampling",
+     "min_tokens"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported", "echo"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "unsupported", "best_of"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "invalid_request",
@@ -358,8 +362,8 @@ def test_chat_sampling_with_a_seed_reproduces(
                 assert first != other
                 with pytest.raises(openai.BadRequestError) as refused:
                     await client.chat.completions.create(
-                        model="smollm2", messages=QUESTION, frequency_penalty=1.0)
-                assert refused.value.code == "unsupported"
+                        model="smollm2", messages=QUESTION, frequency_penalty=2.5)
+                assert refused.value.code == "invalid_request"
                 assert refused.value.param == "frequency_penalty"
 
     run(main())

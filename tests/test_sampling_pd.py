@@ -8,11 +8,17 @@ give the same tokens, and the same logprobs.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import attrs
 import pytest
 import torch
+from transformers import (
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
 from kv.fake import FakeKVManager
 from kv.metadata import MetadataBuffers, SlotAllocator
@@ -119,6 +125,67 @@ def test_the_same_seed_gives_the_same_tokens_disaggregated_and_colocated(overlap
         assert decode is not None and decode.ok, out[rid]
         assert list(decode.output_ids) == colocated(prompt, params, seed), rid
         assert out[rid].prefill.first_token == decode.output_ids[0]
+
+
+def colocated_adjusted(prompt: Sequence[int], params: SamplingParams, seed: int) -> list[int]:
+    """The colocated run with the logit adjustments made independently of the sampler's:
+    transformers' processors for the repetition penalty, ``min_new_tokens`` and the bias,
+    OpenAI's formula for the frequency and presence penalties; the sampler then draws from the
+    adjusted row as from any other."""
+    output: list[int] = []
+    eos = [CONFIG.eos_token_id, *params.stop_token_ids]
+    drawn = attrs.evolve(params, frequency_penalty=0.0, presence_penalty=0.0,
+                         repetition_penalty=1.0, min_new_tokens=0, logit_bias={})
+
+    def choose(logits: torch.Tensor, i: int) -> int:
+        row = logits[None].clone()
+        for token, count in Counter(output).items():
+            row[0, token] -= count * params.frequency_penalty + params.presence_penalty
+        if output:
+            row = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(
+                torch.tensor([output]), row)
+        row = MinNewTokensLengthLogitsProcessor(0, params.min_new_tokens, eos)(
+            torch.zeros((1, i), dtype=torch.long), row)
+        if params.logit_bias:
+            row = SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias})(
+                torch.zeros((1, 1), dtype=torch.long), row)
+        output.append(sample(row, [RowSpec(drawn, seed, i)])[0].token)
+        return output[-1]
+
+    return REFERENCE.generate(prompt, params.max_new_tokens, params.stop_token_ids,
+                              params.ignore_eos, choose=choose)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_penalties_min_new_tokens_and_bias_match_an_independent_colocated_run(
+        overlap: bool) -> None:
+    """The prefill side adjusts the first token's row (the bias, ``min_new_tokens``; no output
+    yet for a penalty to see), the decode side every later one over the output so far."""
+    stop, eos = 33, CONFIG.eos_token_id
+    requests = {
+        "warm": (PROMPTS["p17"], SamplingParams(
+            max_new_tokens=12, temperature=0.9, seed=5, ignore_eos=True, frequency_penalty=1.2,
+            presence_penalty=0.4, repetition_penalty=1.5)),
+        "greedy": (PROMPTS["p9"], SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                 repetition_penalty=1.8, presence_penalty=-0.5)),
+        "min": (PROMPTS["p30"], SamplingParams(max_new_tokens=10, min_new_tokens=4,
+                                               stop_token_ids=(stop,),
+                                               logit_bias={stop: 40.0, eos: 40.0})),
+        "biased": (PROMPTS["p3"], SamplingParams(max_new_tokens=3, temperature=0.7, seed=9,
+                                                 ignore_eos=True, logit_bias={65: 100.0})),
+    }
+    out = run(make_pair(overlap), requests)
+    got = {}
+    for rid, (prompt, params) in requests.items():
+        decode = out[rid].decode
+        assert decode is not None and decode.ok, out[rid]
+        assert out[rid].prefill.first_token == decode.output_ids[0]
+        got[rid] = list(decode.output_ids)
+        assert got[rid] == colocated_adjusted(prompt, params, params.seed or 0), rid
+    # The stop token and EOS win as soon as min_new_tokens lets them, and not before.
+    assert len(got["min"]) == 5 and got["min"][4] in (stop, eos)
+    assert not {stop, eos} & set(got["min"][:4])
+    assert got["biased"] == [65, 65, 65]
 
 
 def test_different_seeds_give_different_tokens_and_a_rerun_the_same() -> None:

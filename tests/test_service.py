@@ -189,8 +189,8 @@ BAD_INPUTS = [
      "distinct rooms"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "sampling_params": [{}]}).encode(), "entries"),
     ("bad_batch", json.dumps({"text": "a", "sampling_params": [{}]}).encode(), "not a batch"),
-    ("unsupported", json.dumps({"text": "a", "sampling_params": {"repetition_penalty": 1.2}}
-                               ).encode(), "repetition_penalty"),
+    ("unsupported", json.dumps({"text": "a", "sampling_params": {"stop_regex": "a+"}}
+                               ).encode(), "stop_regex"),
 ]
 
 

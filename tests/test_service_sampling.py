@@ -72,16 +72,21 @@ def test_sglang_spellings_map_to_pdlife_values() -> None:
     assert mapped(json_schema='{"type": "object"}').grammar == GrammarSpec(
         GrammarKind.JSON_SCHEMA, '{"type": "object"}')
     assert mapped(ebnf='start: "a"+').grammar == GrammarSpec(GrammarKind.EBNF, 'start: "a"+')
-    # Neutral values of the fields pdlife cannot honour are accepted.
-    assert mapped(**{**NEUTRAL, "logit_bias": {}}, n=1) == SamplingParams(16)
+    # Neutral values of the fields pdlife cannot honour are accepted, and the penalties'.
+    assert mapped(**NEUTRAL, n=1, frequency_penalty=0.0, presence_penalty=0.0,
+                  repetition_penalty=1.0, min_new_tokens=0, logit_bias={}) == SamplingParams(16)
+
+
+def test_the_penalties_min_new_tokens_and_logit_bias_reach_sampling_params() -> None:
+    got = mapped(max_new_tokens=8, frequency_penalty=0.5, presence_penalty=-1.0,
+                 repetition_penalty=1.3, min_new_tokens=4, logit_bias={"7": 2.5, "3": -100})
+    assert got == SamplingParams(8, frequency_penalty=0.5, presence_penalty=-1.0,
+                                 repetition_penalty=1.3, min_new_tokens=4,
+                                 logit_bias={3: -100.0, 7: 2.5})
+    assert not got.plain and got.penalized and got.adjusts_logits
 
 
 @pytest.mark.parametrize(("fields", "says"), [
-    ({"frequency_penalty": 0.5}, "sampling_params.frequency_penalty=0.5"),
-    ({"presence_penalty": -1.0}, "sampling_params.presence_penalty"),
-    ({"repetition_penalty": 1.1}, "sampling_params.repetition_penalty"),
-    ({"min_new_tokens": 4}, "sampling_params.min_new_tokens"),
-    ({"logit_bias": {"5": 10.0}}, "sampling_params.logit_bias"),
     ({"stop_regex": "a+"}, "sampling_params.stop_regex"),
     ({"structural_tag": "{}"}, "sampling_params.structural_tag"),
     ({"custom_params": {"x": 1}}, "sampling_params.custom_params"),
@@ -113,6 +118,13 @@ def test_fields_pdlife_cannot_honour_are_refused_by_name(fields: dict[str, Any],
     ({"ebnf": "start: ("}, "bad_grammar", "sampling_params.ebnf does not compile"),
     ({"json_schema": "{}", "regex": "a"}, "bad_grammar",
      "at most one of sampling_params.json_schema, regex and ebnf (got json_schema, regex)"),
+    ({"frequency_penalty": 2.5}, "bad_sampling", "frequency_penalty must be in [-2.0, 2.0]"),
+    ({"presence_penalty": -3}, "bad_sampling", "presence_penalty must be in [-2.0, 2.0]"),
+    ({"repetition_penalty": 0}, "bad_sampling", "repetition_penalty must be in (0.0, 2.0]"),
+    ({"min_new_tokens": 17}, "bad_sampling", "min_new_tokens must be in 0..max_new_tokens (16)"),
+    ({"logit_bias": {"x": 1.0}}, "bad_sampling", "logit_bias: keys are token ids, got 'x'"),
+    ({"logit_bias": {"-1": 1.0}}, "bad_sampling", "logit_bias: token ids must be >= 0"),
+    ({"logit_bias": {"1": float("nan")}}, "bad_sampling", "must be finite"),
 ])
 def test_out_of_range_values_are_refused_with_the_field_and_range(
         fields: dict[str, Any], reason: str, says: str) -> None:
@@ -154,9 +166,12 @@ HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"json_schema": "{"}, "bad_grammar", "json_schema is not valid JSON"),
     ({"regex": "(", "ebnf": "start: \"a\""}, "bad_grammar", "at most one of"),
     ({"n": 17}, "bad_sampling", "sampling_params.n must be in 1..16, got 17"),
-    ({"frequency_penalty": 0.5}, "unsupported", "sampling_params.frequency_penalty"),
-    ({"logit_bias": {"1": 2.0}}, "unsupported", "sampling_params.logit_bias"),
-    ({"min_new_tokens": 3}, "unsupported", "sampling_params.min_new_tokens"),
+    ({"frequency_penalty": 2.5}, "invalid_request", "sampling_params.frequency_penalty"),
+    ({"repetition_penalty": 0}, "invalid_request", "sampling_params.repetition_penalty"),
+    ({"min_new_tokens": -1}, "invalid_request", "sampling_params.min_new_tokens"),
+    ({"min_new_tokens": 17}, "bad_sampling", "min_new_tokens must be in 0..max_new_tokens"),
+    ({"logit_bias": {"258": 2.0}}, "bad_token_id", "logit_bias token ids must be in 0..257"),
+    ({"stop_regex": "a+"}, "unsupported", "sampling_params.stop_regex"),
 ]
 TOP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"top_logprobs_num": 21}, "invalid_request", "top_logprobs_num"),

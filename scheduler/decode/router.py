@@ -46,7 +46,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kv.bootstrap import BootstrapError
@@ -59,8 +59,7 @@ from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.runner import ForwardBatch, ForwardItem, LogitsRunner, ModelRunner
 from scheduler.sample.batch import ItemPlan, LogitsForward
 from scheduler.sample.constraint import ConstraintCompiler
-from scheduler.sample.sampler import RowSpec
-from scheduler.sample.stream import request_seed
+from scheduler.sample.request import Sampling, token_set
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +143,14 @@ class LocalPrefillFake(FakeDecodeManager):
     """Decode-side fake: computes the prompt locally instead of receiving its KV."""
 
     def __init__(self, runner: ModelRunner, metadata: MetadataBuffers,
-                 compiler: ConstraintCompiler | None = None) -> None:
+                 compiler: ConstraintCompiler | None = None,
+                 eos_token_id: int | Iterable[int] | None = None) -> None:
+        """``compiler`` and ``eos_token_id`` as the prefill side's (grammars; what
+        ``min_new_tokens`` excludes from the first token)."""
         super().__init__()
         self._runner = runner
         self._metadata = metadata
-        self._compiler = compiler
+        self._sampling = Sampling(runner, compiler, eos_token_ids=token_set(eos_token_id))
         self._lock = threading.Lock()
         self._prompts: dict[int, _Prompt] = {}
 
@@ -178,15 +180,12 @@ class LocalPrefillFake(FakeDecodeManager):
         metadata row ``slot``, as the transfer would have; the prompt is forgotten."""
         rid, input_ids, params = receiver.prompt
         batch = ForwardBatch((ForwardItem(rid, input_ids, 0, tuple(pages)),))
-        if params.plain or not isinstance(self._runner, LogitsRunner):
-            # The decode peer refuses what needs logits from a runner without them.
+        # The decode peer admitted the request under the same rules: nothing is refused here.
+        state = self._sampling.prepare(rid, params, receiver.room, input_ids)
+        if state is None or not isinstance(self._runner, LogitsRunner):
             self._metadata.write(slot, self._runner.forward(batch)[0], 0, None, receiver.room)
         else:
-            mask = None
-            if params.grammar is not None and self._compiler is not None:
-                mask = self._compiler.compile(params.grammar).allowed()
-            row = RowSpec(params, request_seed(params, receiver.room), 0, mask)
-            forward = LogitsForward(self._runner, [ItemPlan(row)])
+            forward = LogitsForward(self._runner, [ItemPlan(state.row(0))])
             forward(batch)
             assert forward.results is not None
             sampled = forward.results[0].sampled

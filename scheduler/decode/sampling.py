@@ -28,7 +28,7 @@ from scheduler.messages import TokenLogprob
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.sample.batch import ItemPlan, LogitsForward
 from scheduler.sample.constraint import ConstraintCompiler, GrammarError
-from scheduler.sample.request import Detokenize, RequestSampling, Sampling
+from scheduler.sample.request import Detokenize, RequestSampling, Sampling, token_set
 from scheduler.sample.sampler import Sampled
 
 
@@ -40,10 +40,9 @@ class DecodeSampling:
                  eos_token_id: int | Iterable[int] | None = None) -> None:
         self._runner = runner
         # The model's end-of-sequence ids (a real checkpoint may have several).
-        self.eos_token_ids: frozenset[int] = (
-            frozenset() if eos_token_id is None
-            else frozenset((eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id))
-        self._sampling = Sampling(runner, compiler, detokenize, stop_strings=True)
+        self.eos_token_ids = token_set(eos_token_id)
+        self._sampling = Sampling(runner, compiler, detokenize, stop_strings=True,
+                                  eos_token_ids=self.eos_token_ids)
         self._detokenize = detokenize
         self._states = self._sampling.states
 
@@ -70,7 +69,7 @@ class DecodeSampling:
             return self._runner.forward(batch), None
         assert isinstance(self._runner, LogitsRunner)  # admission refused it otherwise
         forward = LogitsForward(self._runner, [
-            ItemPlan() if s is None else ItemPlan(s.row(len(r.output_ids)))
+            ItemPlan() if s is None else ItemPlan(s.row(len(r.output_ids), r.output_ids))
             for r, s in zip(reqs, states, strict=True)])
         tokens = forward(batch)
         assert forward.results is not None

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from lifecycle import PrefillRequest
@@ -26,15 +28,16 @@ from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.sample.batch import UNREAD, ItemPlan, ItemResult, LogitsForward, Scoring
 from scheduler.sample.constraint import ConstraintCompiler, GrammarError
 from scheduler.sample.logprobs import needs_all_logits
-from scheduler.sample.request import Sampling
+from scheduler.sample.request import Sampling, token_set
 
 
 class PrefillSampling:
     """The sampling state of the prefill side's live requests, by request id."""
 
-    def __init__(self, runner: ModelRunner, compiler: ConstraintCompiler | None = None) -> None:
+    def __init__(self, runner: ModelRunner, compiler: ConstraintCompiler | None = None,
+                 eos_token_id: int | Iterable[int] | None = None) -> None:
         self._runner = runner
-        self._sampling = Sampling(runner, compiler)
+        self._sampling = Sampling(runner, compiler, eos_token_ids=token_set(eos_token_id))
         self._states = self._sampling.states
 
     def admit(self, req: PrefillRequest) -> str:

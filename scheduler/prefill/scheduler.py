@@ -52,7 +52,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.release import Releaser
@@ -98,7 +98,9 @@ class PrefillScheduler:
 
     ``overlap`` selects the overlap loop; its forwards run on ``device`` (default: a
     :class:`~.forward.DeviceWorker` thread on the pool's device). ``compiler`` compiles the
-    grammars of structured-output requests (None: such requests are refused).
+    grammars of structured-output requests (None: such requests are refused);
+    ``eos_token_id`` is the model's end-of-sequence id(s), which a request's ``min_new_tokens``
+    excludes from its first token.
 
     On a mesh (``docs/backends.md#the-prefill-scheduler-on-a-mesh``): ``ranks`` agrees polls
     over the stage's TP ranks, ``relay`` hands every rank the first rank's requests, and with
@@ -125,6 +127,7 @@ class PrefillScheduler:
         relay: InboxRelay | None = None,
         stages: StagePolls | None = None,
         states: StatePools | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
     ) -> None:
         check_arguments(config, runner, overlap, device, states, kv)
         self.states = states
@@ -143,7 +146,7 @@ class PrefillScheduler:
             clock=clock, check=config.check_invariants,
         )
         self._deadlines = Deadlines()
-        self._sampling = PrefillSampling(runner, compiler)
+        self._sampling = PrefillSampling(runner, compiler, eos_token_id)
         self._admission = Admission(
             lifecycle=self.lifecycle, config=config, kv=kv,
             num_pages=pages_admissible(states, self.pool.num_pages),

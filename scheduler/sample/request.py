@@ -11,7 +11,7 @@ so far. The side keeps it by request id until the request is answered.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -44,11 +44,17 @@ class RequestSampling:
     matched_stop: str | None = None
     # The constraint is complete: the answer stops.
     grammar_done: bool = False
+    # What min_new_tokens excludes while the answer is shorter: stop tokens and EOS ids.
+    banned: tuple[int, ...] = ()
 
-    def row(self, position: int) -> RowSpec:
-        """The spec of output position ``position``'s row (the constraint's mask now)."""
+    def row(self, position: int, output: Sequence[int] = ()) -> RowSpec:
+        """The spec of output position ``position``'s row (the constraint's mask now), after
+        the output tokens ``output`` (those before it)."""
+        params = self.params
         mask = None if self.constraint is None else self.constraint.allowed()
-        return RowSpec(self.params, self.seed, position, mask)
+        return RowSpec(params, self.seed, position, mask,
+                       history=tuple(output[:position]) if params.penalized else (),
+                       banned=self.banned if position < params.min_new_tokens else ())
 
     def accept(self, token: int) -> None:
         """Feed ``token`` to the constraint (``grammar_done`` says whether it is now complete).
@@ -56,6 +62,13 @@ class RequestSampling:
         if self.constraint is not None:
             self.constraint.accept(token)
             self.grammar_done = self.constraint.finished()
+
+
+def token_set(ids: int | Iterable[int] | None) -> frozenset[int]:
+    """A model's end-of-sequence ids as a set: one id, several, or None (none)."""
+    if ids is None:
+        return frozenset()
+    return frozenset((ids,) if isinstance(ids, int) else ids)
 
 
 def needs_logits(params: SamplingParams, prompt_len: int) -> bool:
@@ -74,10 +87,14 @@ class Sampling:
         detokenize: Detokenize | None = None,
         *,
         stop_strings: bool = False,
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         """``stop_strings``: this side matches stop strings (the decode peer), so they need
-        ``detokenize``."""
+        ``detokenize``. ``eos_token_ids``: the model's end-of-sequence ids, which
+        ``min_new_tokens`` excludes with the request's stop tokens."""
         self.logits = isinstance(runner, LogitsRunner)
+        self._vocab = runner.vocab_size if isinstance(runner, LogitsRunner) else None
+        self._eos = frozenset(eos_token_ids)
         self.compiler = compiler
         self.detokenize = detokenize
         self._stop_strings = stop_strings
@@ -102,6 +119,10 @@ class Sampling:
             raise SamplingRefused(
                 f"request {rid!r}: sampling, logprobs and grammars need a model runner that "
                 f"returns logits; this one serves only greedy requests without logprobs")
+        bias = params.logit_bias
+        if bias and self._vocab is not None and bias[-1][0] >= self._vocab:
+            raise SamplingRefused(f"request {rid!r}: logit_bias names token {bias[-1][0]}, "
+                                  f"beyond the vocabulary of {self._vocab}")
         if self._stop_strings and params.stop and self.detokenize is None:
             raise SamplingRefused(f"request {rid!r}: stop strings need a tokenizer to decode "
                                   f"the output, and this server has none")
@@ -117,5 +138,7 @@ class Sampling:
                                       f"does not compile: {exc}") from exc
         if not needs_logits(params, len(prompt)) and not (self._stop_strings and params.stop):
             return None
+        banned = tuple(sorted(self._eos.union(params.stop_token_ids))
+                       if params.min_new_tokens else ())
         return RequestSampling(params, request_seed(params, room), constraint,
-                               first_entries(params, prompt))
+                               first_entries(params, prompt), banned=banned)

@@ -2,12 +2,17 @@
 
 Per row, in order:
 
-1. **mask** — a constraint's allowed tokens (a mask that allows nothing is not applied: the
+1. **adjust** — the request's penalties over its output so far (:attr:`RowSpec.history`):
+   ``frequency_penalty`` times each token's count and ``presence_penalty`` are subtracted, then
+   ``repetition_penalty`` divides the positive logits of those tokens and multiplies the
+   negative ones; the tokens ``min_new_tokens`` still excludes (:attr:`RowSpec.banned`) go to
+   -inf; ``logit_bias`` is added;
+2. **mask** — a constraint's allowed tokens (a mask that allows nothing is not applied: the
    constraint then rejects whatever comes, and the request fails naming its grammar);
-2. **greedy** (``SamplingParams.greedy``) — the lowest id of the maximum, the rule
+3. **greedy** (``SamplingParams.greedy``) — the lowest id of the maximum, the rule
    ``fixed_point.greedy_token_ids`` and ``torch.argmax`` follow, so greedy over a runner's
    logits is its ``forward``;
-3. otherwise **sample** — ``softmax(logits / temperature)`` in float64 on the CPU; tokens in
+4. otherwise **sample** — ``softmax(logits / temperature)`` in float64 on the CPU; tokens in
    the order (probability descending, id ascending); kept: the first ``top_k`` (0: all), the
    smallest prefix whose mass reaches ``top_p`` (at least one token), those with probability
    at least ``min_p`` times the largest. Each filter keeps a prefix of the order, so together
@@ -15,13 +20,15 @@ Per row, in order:
    exceeds ``u * total`` (``total``: the kept mass, i.e. renormalised), ``u`` the draw of the
    row's output position in the request's seeded stream (:mod:`.stream`).
 
-Rows that are greedy with nothing else asked take the argmax on the device and skip the rest.
+Logprobs are those of the adjusted row (at the request's temperature). Rows that are greedy
+with nothing else asked take the argmax on the device and skip the rest.
 :class:`RowSpec` is immutable (the mask is computed before the forward starts), so sampling can
 run on the device thread as part of the forward.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import attrs
@@ -36,16 +43,26 @@ from scheduler.sample.stream import uniform
 @attrs.frozen(eq=False)
 class RowSpec:
     """How one row of logits becomes a token: the request's parameters, its stream's seed, the
-    output position drawn, and the tokens a constraint allows (None: any)."""
+    output position drawn, the tokens a constraint allows (None: any), the output tokens before
+    this position (for the penalties) and the tokens ``min_new_tokens`` excludes here."""
 
     params: SamplingParams
     seed: int = 0
     position: int = 0
     mask: torch.Tensor | None = None
+    history: tuple[int, ...] = ()
+    banned: tuple[int, ...] = ()
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the row changes before the mask (:func:`adjust` does something)."""
+        p = self.params
+        return bool((p.penalized and self.history) or self.banned or p.logit_bias)
 
     @property
     def argmax_only(self) -> bool:
-        return self.params.greedy and not self.params.return_logprob and self.mask is None
+        return (self.params.greedy and not self.params.return_logprob and self.mask is None
+                and not self.adjusted)
 
 
 @attrs.frozen
@@ -75,8 +92,34 @@ def sample(logits: torch.Tensor, specs: Sequence[RowSpec]) -> list[Sampled]:
     return [s for s in out if s is not None]
 
 
+def adjust(row: torch.Tensor, spec: RowSpec) -> torch.Tensor:
+    """``row`` (one request's logits, 1-D) with its penalties, ``min_new_tokens`` exclusion and
+    logit bias applied (a new tensor when anything applies)."""
+    if not spec.adjusted:
+        return row
+    params = spec.params
+    row = row.clone()
+    if params.penalized and spec.history:
+        occurred = Counter(spec.history)
+        ids = list(occurred)
+        counts = torch.tensor(list(occurred.values()), dtype=row.dtype, device=row.device)
+        values = row[ids] - params.frequency_penalty * counts - params.presence_penalty
+        penalty = params.repetition_penalty
+        if penalty != 1.0:
+            values = torch.where(values < 0, values * penalty, values / penalty)
+        row[ids] = values
+    if spec.banned:
+        row[[t for t in spec.banned if t < row.numel()]] = -float("inf")
+    if params.logit_bias:
+        biased = [token for token, _ in params.logit_bias]
+        row[biased] += torch.tensor([b for _, b in params.logit_bias], dtype=row.dtype,
+                                    device=row.device)
+    return row
+
+
 def _sample_row(row: torch.Tensor, spec: RowSpec) -> Sampled:
     params = spec.params
+    row = adjust(row, spec)
     mask = spec.mask
     if mask is not None and bool(mask.any()):
         row = row.masked_fill(~mask.to(row.device), -float("inf"))

@@ -227,6 +227,7 @@ def check_item(
             raise BadRequest("bad_rid",
                              f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
         _check_prompt(config, rid, input_ids)
+        _check_bias(config, rid, sampling)
         _check_lengths(config, rid, len(input_ids), sampling.max_new_tokens)
         return _with_bootstrap(config, rooms, rid, tuple(input_ids), sampling,
                                bootstrap_host, bootstrap_port, bootstrap_room)
@@ -245,6 +246,14 @@ def _check_prompt(config: ServeConfig, rid: str, input_ids: Sequence[int]) -> No
             f"request {rid!r}: token ids must be in 0..{vocab - 1}, got "
             f"{min(input_ids)}..{max(input_ids)}",
         )
+
+
+def _check_bias(config: ServeConfig, rid: str, sampling: SamplingParams) -> None:
+    vocab = config.vocab_size
+    beyond = [token for token, _ in sampling.logit_bias if token >= vocab]
+    if beyond:
+        raise BadRequest("bad_token_id", f"request {rid!r}: logit_bias token ids must be in "
+                         f"0..{vocab - 1}, got {beyond[0]}")
 
 
 def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -> None:

@@ -148,7 +148,7 @@ class Engines:
             closers=self._closers, hub=hub, bootstrap=self.bootstrap, mooncake=c.mooncake,
             place=self._place,
             kv_layout=c.kv_layout, on_response=on_response, overlap=c.overlap, compiler=compiler,
-            **self._prefill_options,
+            eos_token_id=c.eos_token_ids, **self._prefill_options,
         )
         if self.bootstrap is not None:
             logger.info("bootstrap endpoint on %s; rank 0 registered", self.bootstrap.address)
@@ -165,7 +165,7 @@ class Engines:
         if states is not None:
             raise AssertionError("pdlife serve builds no state pools")
         c = self.config
-        fake = LocalPrefillFake(runner, meta, compiler)
+        fake = LocalPrefillFake(runner, meta, compiler, c.eos_token_ids)
         if c.backend == "mooncake":
             router = DecodeKVRouter(
                 fake=fake,

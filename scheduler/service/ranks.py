@@ -355,5 +355,6 @@ def _build(control: MeshControl, config: ServeConfig, replica: int, closers: Clo
         bootstrap_addr=f"{config.bootstrap_host}:{config.bootstrap_port}",
         place=control.rank_place(config.model.layers, config.model.kv_heads, replica,
                                  config.dp_size),
-        on_response=on_response, **control.scheduler_options(),
+        on_response=on_response, eos_token_id=served.eos_token_ids,
+        **control.scheduler_options(),
     )

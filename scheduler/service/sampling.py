@@ -1,7 +1,8 @@
 """From a client's sampling fields to the :class:`~lifecycle.SamplingParams` a request carries.
 
 One place decides what pdlife honours. Every field of SGLang's ``sampling_params`` is either
-mapped (temperature, top-k/p, min-p, the seed, stops, a grammar, the logprob options) or refused
+mapped (temperature, top-k/p, min-p, the seed, stops, a grammar, the logprob options, the
+penalties, ``min_new_tokens``, ``logit_bias``) or refused
 with a 400 that names it when its value is not the neutral one: a client that asks for a
 repetition penalty must not get an answer without one, untold. Fields SGLang does not have are
 ignored (the router adds several). Both HTTP APIs come here: ``/generate`` with its own body, the
@@ -22,11 +23,6 @@ from scheduler.service.schema import SamplingParamsBody
 
 #: SGLang sampling fields pdlife cannot honour, with the value that asks for nothing.
 NEUTRAL: dict[str, Any] = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "logit_bias": None,
     "stop_regex": None,
     "structural_tag": None,
     "custom_params": None,
@@ -79,10 +75,12 @@ def sampling_params_from(
             seed=sp.sampling_seed, stop=stop,  # type: ignore[arg-type]  # attrs: tuple converter
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-            grammar=grammar_of(sp),
+            grammar=grammar_of(sp), frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
+            min_new_tokens=sp.min_new_tokens, logit_bias=logit_bias_of(sp),
         )
     except ValueError as exc:  # SamplingParams' own range checks
-        raise BadRequest("bad_sampling", f"sampling_params: {exc}") from exc
+        raise BadRequest("bad_sampling", f"sampling_params.{exc}") from exc
 
 
 def refuse_unsupported(sp: SamplingParamsBody) -> None:
@@ -92,6 +90,20 @@ def refuse_unsupported(sp: SamplingParamsBody) -> None:
         if value != neutral and not (neutral is None and value in ({}, [], "")):
             raise BadRequest("unsupported", f"sampling_params.{name}={value!r} is not supported "
                              f"by this server (leave it out, or send {neutral!r})")
+
+
+def logit_bias_of(sp: SamplingParamsBody) -> dict[int, float]:
+    """``logit_bias`` by token id (its keys are token ids written as strings, as in SGLang's
+    and OpenAI's APIs); the ids against the vocabulary are :func:`~.config.check_item`'s."""
+    bias: dict[int, float] = {}
+    for key, value in (sp.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest("bad_sampling", "sampling_params.logit_bias: keys are token ids, "
+                             f"got {key!r}") from None
+        bias[token] = value
+    return bias
 
 
 def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:

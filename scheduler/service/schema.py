@@ -23,8 +23,8 @@ TokenIds = list[Annotated[int, Field(ge=0)]] | None
 class SamplingParamsBody(_Strict):
     """``sampling_params`` of a ``/generate`` body, with SGLang's names. Decoding is greedy unless
     ``temperature`` > 0 (SGLang's default is 1.0; pdlife's is greedy). A field pdlife cannot
-    honour (a penalty, ``min_new_tokens``, ``logit_bias``, ``n`` > 1, ...) is refused with 400
-    unless it has its neutral value; fields SGLang does not have are ignored."""
+    honour (``stop_regex``, ``structural_tag``, ...) is refused with 400 unless it has its
+    neutral value; fields SGLang does not have are ignored."""
 
     max_new_tokens: int = Field(default=16, ge=1, description="at most the server's limit")
     temperature: float = Field(default=0.0, ge=0, le=100, description="0: greedy")
@@ -43,12 +43,16 @@ class SamplingParamsBody(_Strict):
     regex: str | None = None
     ebnf: str | None = Field(default=None, description="a Lark grammar")
     n: int = Field(default=1, ge=1, description="answers per prompt (at most 16)")
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2,
+                                     description="times each output token's count, subtracted")
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2,
+                                    description="subtracted once a token is in the output")
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2,
+                                      description="divides an output token's positive logit")
+    min_new_tokens: int = Field(default=0, ge=0, description="no stop token or EOS before")
+    logit_bias: dict[str, float] | None = Field(default=None,
+                                                description="token id (a string) to bias")
     # SGLang fields pdlife cannot honour: refused with 400 unless neutral.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
     stop_regex: str | list[str] | None = None
     structural_tag: str | None = None
     custom_params: dict[str, Any] | None = None
