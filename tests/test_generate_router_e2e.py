@@ -1,7 +1,8 @@
 """``/generate``'s sampling and logprob fields through SGLang's router (0.3.2) in front of a
 pdlife prefill and decode worker over Mooncake, against the same requests to a colocated
-service: seeded draws, grammars, logprobs (the router merges the prefill's input logprobs into
-the decode's answer, but not into a stream's chunks, nor the input top logprobs), refusals."""
+service: seeded draws, penalties and biases, grammars, logprobs (the router merges the
+prefill's input logprobs into the decode's answer, but not into a stream's chunks, nor the
+input top logprobs), refusals."""
 
 from __future__ import annotations
 
@@ -120,11 +121,30 @@ def test_grammars_stops_and_refusals_through_the_router(cluster: Cluster,
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert r.json()["text"] == local(colocated, stopped)["text"]
-    r = routed(cluster, {"input_ids": PROMPT, "sampling_params": {"repetition_penalty": 1.3}})
+    r = routed(cluster, {"input_ids": PROMPT,
+                         "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 8}})
     assert r.status_code == 400
-    assert "sampling_params.repetition_penalty" in r.text
+    assert "sampling_params.min_new_tokens must be in 0..max_new_tokens (4), got 8" in r.text
     # Neither worker holds anything for the refused request.
     wait_for(cluster.workers_idle, 30, "both workers idle")
+
+
+def test_penalties_and_min_new_tokens_through_the_router(cluster: Cluster,
+                                                         colocated: Service) -> None:
+    """The decode worker applies the penalties over the output; ``min_new_tokens`` holds EOS
+    back on both (the prefill worker's first token included). (The router, 0.3.2, drops
+    ``logit_bias`` from ``/generate``'s sampling_params; its OpenAI routes pass it on:
+    ``tests/test_openai_router_e2e.py``.)"""
+    body = {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 10, "min_new_tokens": 6, "temperature": 0.8, "sampling_seed": 11,
+        "frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.4}}
+    r = routed(cluster, body)
+    assert r.status_code == 200, r.text
+    got = r.json()["output_ids"]
+    assert got == local(colocated, body)["output_ids"] and len(got) >= 6
+    plain = {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0.8, "sampling_seed": 11}}
+    assert got != local(colocated, plain)["output_ids"]  # the penalties changed the answer
 
 
 def test_without_a_sampling_seed_the_room_seeds_both_workers(cluster: Cluster) -> None:

@@ -16,6 +16,7 @@ import httpx
 import httpx2
 import openai
 import pytest
+import torch
 
 from lifecycle import SamplingParams
 from scheduler.model.byte_tokenizer import ByteTokenizer
@@ -365,6 +366,42 @@ def test_chat_sampling_with_a_seed_reproduces(
                         model="smollm2", messages=QUESTION, frequency_penalty=2.5)
                 assert refused.value.code == "invalid_request"
                 assert refused.value.param == "frequency_penalty"
+
+    run(main())
+
+
+def test_a_bias_and_min_tokens_answer_as_transformers_generate(
+        smollm2: Any, hf_smollm2: Any, chat_config: ServeConfig) -> None:
+    """Greedy with ``logit_bias`` (the plain answer's first token banned: the prefill side's
+    draw) and with ``min_tokens`` (EOS excluded until then: the decode side's), against
+    transformers' own ``generate`` with ``sequence_bias`` and ``min_new_tokens``."""
+    prompt = smollm2.encode_messages(QUESTION)
+    eos = sorted(smollm2.eos_token_ids)
+    hf_model, _ = hf_smollm2
+
+    def transformers_text(**options: Any) -> tuple[str, int]:
+        with torch.inference_mode():
+            out = hf_model.generate(torch.tensor([prompt]), do_sample=False, eos_token_id=eos,
+                                    pad_token_id=eos[0], **options)[0, len(prompt):].tolist()
+        return smollm2.decode(out[:-1] if out[-1] in eos else out), len(out)
+
+    banned = smollm2.generate(prompt, 1)[0]
+    want_biased = transformers_text(max_new_tokens=12, sequence_bias={(banned,): -100.0})
+    want_long = transformers_text(max_new_tokens=20, min_new_tokens=14)
+    assert want_long[1] >= 14
+
+    async def main() -> None:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                async def answer(**options: Any) -> tuple[str, int]:
+                    r = await client.chat.completions.create(
+                        model="smollm2", messages=QUESTION, temperature=0, **options)
+                    assert r.usage is not None
+                    return r.choices[0].message.content or "", r.usage.completion_tokens
+
+                assert await answer(max_tokens=12, logit_bias={str(banned): -100}) == want_biased
+                # SGLang's extension: the openai client sends it in extra_body.
+                assert await answer(max_tokens=20, extra_body={"min_tokens": 14}) == want_long
 
     run(main())
 

@@ -133,6 +133,32 @@ def test_logprobs_through_the_router_equal_the_colocated_run(cluster: Cluster,
     assert text.token_logprobs == pytest.approx(local_text.token_logprobs, abs=1e-4)
 
 
+def test_penalties_a_bias_and_min_tokens_through_the_router_equal_the_colocated_run(
+        cluster: Cluster, colocated: Service, smollm2: Any) -> None:
+    """The router passes the OpenAI ``logit_bias`` and SGLang's ``min_tokens`` and penalties on
+    to both workers: the prefill worker's first token obeys the bias (the plain answer's first
+    token banned), the decode worker's answer the penalties and the minimum."""
+    banned = smollm2.generate(smollm2.encode_messages(QUESTION), 1)[0]
+
+    async def call(client: openai.AsyncOpenAI) -> list[Any]:
+        chat = await client.chat.completions.create(
+            model="smollm2", messages=QUESTION, max_tokens=16, temperature=0.7, seed=3,
+            logit_bias={str(banned): -100}, frequency_penalty=0.8, presence_penalty=0.3,
+            extra_body={"min_tokens": 12, "repetition_penalty": 1.2})
+        text = await client.completions.create(
+            model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0,
+            frequency_penalty=1.0, extra_body={"repetition_penalty": 1.5})
+        assert chat.usage is not None
+        return [chat.choices[0].message.content, chat.usage.completion_tokens,
+                text.choices[0].text]
+
+    routed, local = on_both(cluster, colocated, call)
+    assert routed == local
+    content, tokens, _ = routed
+    assert tokens >= 12
+    assert smollm2.tokenizer.encode(content)[0] != banned
+
+
 def test_a_seed_reproduces_through_the_router_and_equals_the_colocated_draw(
         cluster: Cluster, colocated: Service) -> None:
     async def call(client: openai.AsyncOpenAI) -> list[str]:

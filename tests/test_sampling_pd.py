@@ -554,13 +554,15 @@ def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> N
     peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
                       slots=SlotAllocator(4), on_response=answers.append)
     requests = {"warm": attrs.evolve(WARM, seed=21), "room": attrs.evolve(WARM, seed=None),
-                "plain": SamplingParams(max_new_tokens=5, ignore_eos=True)}
+                "plain": SamplingParams(max_new_tokens=5, ignore_eos=True),
+                "biased": SamplingParams(max_new_tokens=4, ignore_eos=True,
+                                         logit_bias={7: 100.0})}
     for i, (rid, params) in enumerate(requests.items()):
         room = 500 + i
         fake.expect(room, rid, PROMPTS["p17"], params)
         peer.submit(NewRequest(rid, tuple(PROMPTS["p17"]), bootstrap_host=FAKE_BOOTSTRAP_HOST,
                                bootstrap_room=room, sampling=params))
-    step_until(peer.step, lambda: len(answers) == 3, 30.0, lambda: f"answered: {answers}")
+    step_until(peer.step, lambda: len(answers) == 4, 30.0, lambda: f"answered: {answers}")
     got = {a.rid: a for a in answers}
     for i, (rid, params) in enumerate(requests.items()):
         rows: list[torch.Tensor] = []
@@ -571,3 +573,4 @@ def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> N
             want = torch.log_softmax(rows[0] / params.temperature, -1)
             assert first.logprob == pytest.approx(float(want[first.token]), abs=1e-5)
             assert len(first.top) == TOP
+    assert list(got["biased"].output_ids) == [7, 7, 7, 7]  # the first token from the fake too
