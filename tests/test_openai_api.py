@@ -138,7 +138,10 @@ def test_the_body_a_pd_router_sends_is_accepted_on_both_roles() -> None:
     body = {"model": "pdlife", "prompt": "routed", "max_tokens": 6, "temperature": 0.0,
             "ignore_eos": True, "stream": False, **ROUTER_COMPLETION_FIELDS,
             "bootstrap_host": "2.2.2.2", "bootstrap_port": 8998, "bootstrap_room": 12345,
-            "some_future_field": {"x": 1}}
+            "some_future_field": {"x": 1},
+            # null: each one's default, as OpenAI's spec allows.
+            "frequency_penalty": None, "presence_penalty": None, "logit_bias": None,
+            "repetition_penalty": None, "min_tokens": None}
 
     async def main() -> None:
         # The fake backend: prefill answers its one token, decode computes the prompt itself.
@@ -179,6 +182,8 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "bad_sampling", "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "bad_sampling",
      "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1000": 1}}, "bad_token_id",
+     "logit_bias"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported", "echo"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "unsupported", "best_of"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "invalid_request",

@@ -121,9 +121,13 @@ def test_fields_pdlife_cannot_honour_are_refused_by_name(fields: dict[str, Any],
     ({"frequency_penalty": 2.5}, "bad_sampling", "frequency_penalty must be in [-2.0, 2.0]"),
     ({"presence_penalty": -3}, "bad_sampling", "presence_penalty must be in [-2.0, 2.0]"),
     ({"repetition_penalty": 0}, "bad_sampling", "repetition_penalty must be in (0.0, 2.0]"),
-    ({"min_new_tokens": 17}, "bad_sampling", "min_new_tokens must be in 0..max_new_tokens (16)"),
-    ({"logit_bias": {"x": 1.0}}, "bad_sampling", "logit_bias: keys are token ids, got 'x'"),
-    ({"logit_bias": {"-1": 1.0}}, "bad_sampling", "logit_bias: token ids must be >= 0"),
+    ({"min_new_tokens": 17}, "bad_sampling",
+     "sampling_params.min_new_tokens must be at most sampling_params.max_new_tokens (16), got 17"),
+    ({"logit_bias": {"x": 1.0}}, "bad_sampling", "keys are token ids in decimal, got 'x'"),
+    ({"logit_bias": {"-1": 1.0}}, "bad_sampling", "keys are token ids in decimal, got '-1'"),
+    ({"logit_bias": {"5_0": 1.0}}, "bad_sampling", "keys are token ids in decimal, got '5_0'"),
+    ({"logit_bias": {"05": 1.0}}, "bad_sampling", "keys are token ids in decimal, got '05'"),
+    ({"logit_bias": {" 5": 1.0}}, "bad_sampling", "keys are token ids in decimal, got ' 5'"),
     ({"logit_bias": {"1": float("nan")}}, "bad_sampling", "must be finite"),
 ])
 def test_out_of_range_values_are_refused_with_the_field_and_range(
@@ -169,8 +173,9 @@ HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"frequency_penalty": 2.5}, "invalid_request", "sampling_params.frequency_penalty"),
     ({"repetition_penalty": 0}, "invalid_request", "sampling_params.repetition_penalty"),
     ({"min_new_tokens": -1}, "invalid_request", "sampling_params.min_new_tokens"),
-    ({"min_new_tokens": 17}, "bad_sampling", "min_new_tokens must be in 0..max_new_tokens"),
-    ({"logit_bias": {"258": 2.0}}, "bad_token_id", "logit_bias token ids must be in 0..257"),
+    ({"min_new_tokens": 17}, "bad_sampling", "must be at most sampling_params.max_new_tokens"),
+    ({"logit_bias": {"258": 2.0}}, "bad_token_id",
+     "sampling_params.logit_bias: token ids must be in 0..257, got 258"),
     ({"stop_regex": "a+"}, "unsupported", "sampling_params.stop_regex"),
 ]
 TOP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [

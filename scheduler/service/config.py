@@ -252,8 +252,8 @@ def _check_bias(config: ServeConfig, rid: str, sampling: SamplingParams) -> None
     vocab = config.vocab_size
     beyond = [token for token, _ in sampling.logit_bias if token >= vocab]
     if beyond:
-        raise BadRequest("bad_token_id", f"request {rid!r}: logit_bias token ids must be in "
-                         f"0..{vocab - 1}, got {beyond[0]}")
+        raise BadRequest("bad_token_id", f"request {rid!r}: sampling_params.logit_bias: token "
+                         f"ids must be in 0..{vocab - 1}, got {beyond[0]}")
 
 
 def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -> None:

@@ -179,9 +179,10 @@ def _sampling_body(body: SamplingFields, max_new: int) -> SamplingParamsBody:
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             no_stop_trim=body.no_stop_trim, skip_special_tokens=body.skip_special_tokens,
             json_schema=_json_schema(body.response_format), regex=body.regex, ebnf=body.ebnf,
-            n=body.n, frequency_penalty=body.frequency_penalty,
-            presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
-            min_new_tokens=body.min_tokens, logit_bias=body.logit_bias,
+            n=body.n, frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            min_new_tokens=body.min_tokens or 0, logit_bias=body.logit_bias,
         )
     except ValidationError as exc:
         first = exc.errors()[0]

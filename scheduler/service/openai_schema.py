@@ -75,10 +75,13 @@ class SamplingFields(_Body):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: Port | list[Port] | None = None
     bootstrap_room: Room | list[Room] | None = None
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=2, description="SGLang's extension")
-    min_tokens: int = Field(0, ge=0, description="SGLang's extension: min_new_tokens")
+    # null is each one's default (OpenAI's spec allows it).
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="default 0")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="default 0")
+    repetition_penalty: float | None = Field(None, gt=0, le=2,
+                                             description="SGLang's extension; default 1")
+    min_tokens: int | None = Field(None, ge=0,
+                                   description="SGLang's extension: min_new_tokens; default 0")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="token id (a string) to a bias in -100..100")
     # Fields pdlife cannot honour: refused with 400 unless neutral.

@@ -12,6 +12,7 @@ OpenAI endpoints after translating their names into a :class:`SamplingParamsBody
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,9 @@ NEUTRAL: dict[str, Any] = {
     "custom_params": None,
     "spaces_between_special_tokens": True,
 }
+
+#: A token id as a ``logit_bias`` key: decimal digits, without a leading zero.
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")
 
 #: The most samples (``n``) one request may ask for per prompt.
 MAX_N = 16
@@ -65,6 +69,10 @@ def sampling_params_from(
     stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
     if "" in stop:
         raise BadRequest("bad_sampling", "sampling_params.stop: a stop string must not be empty")
+    if sp.min_new_tokens > sp.max_new_tokens:
+        raise BadRequest("bad_sampling", "sampling_params.min_new_tokens must be at most "
+                         f"sampling_params.max_new_tokens ({sp.max_new_tokens}), got "
+                         f"{sp.min_new_tokens}")
     stop_ids = tuple(sp.stop_token_ids or ())
     if min(stop_ids, default=0) < 0:
         raise BadRequest("bad_stop_token", "sampling_params.stop_token_ids must be >= 0")
@@ -93,16 +101,15 @@ def refuse_unsupported(sp: SamplingParamsBody) -> None:
 
 
 def logit_bias_of(sp: SamplingParamsBody) -> dict[int, float]:
-    """``logit_bias`` by token id (its keys are token ids written as strings, as in SGLang's
-    and OpenAI's APIs); the ids against the vocabulary are :func:`~.config.check_item`'s."""
+    """``logit_bias`` by token id (its keys are token ids written in decimal, as in SGLang's
+    and OpenAI's APIs: ``"5"``, not ``"05"``, ``" 5"`` or ``"5_0"``, so no two keys name one
+    token); the ids against the vocabulary are :func:`~.config.check_item`'s."""
     bias: dict[int, float] = {}
     for key, value in (sp.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise BadRequest("bad_sampling", "sampling_params.logit_bias: keys are token ids, "
-                             f"got {key!r}") from None
-        bias[token] = value
+        if not _TOKEN_KEY.fullmatch(key):
+            raise BadRequest("bad_sampling", "sampling_params.logit_bias: keys are token ids "
+                             f"in decimal, got {key!r}")
+        bias[int(key)] = value
     return bias
 
 
