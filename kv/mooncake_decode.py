@@ -123,6 +123,7 @@ class MooncakeDecodeManager:
         # None while it answers.
         self._lost: str | None = None
         self._lost_since: float | None = None
+        self._closed = False
         infos = metadata.buffer_infos()
         self._register = wire.Register(
             session=self._control.session,
@@ -182,7 +183,9 @@ class MooncakeDecodeManager:
             if room in self._rooms:
                 raise TransferUsageError(room, "a live receiver exists for this room; clear() it")
             rec = _DecodeRoom(room)
-            if self._lost is not None:
+            if self._closed:
+                rec.status, rec.reason = KVPoll.FAILED, "the decode manager closed"
+            elif self._lost is not None:
                 rec.status, rec.reason = KVPoll.FAILED, self._lost
             self._rooms[room] = rec
         if rec.status == KVPoll.FAILED:
@@ -201,7 +204,9 @@ class MooncakeDecodeManager:
 
     def close(self) -> None:
         """Stop; every prefill rank still answering is sent a ``Deregister``, so it forgets
-        this session (its rooms with this rank fail there) and closes its status socket."""
+        this session (its rooms with this rank fail there) and closes its status socket. The
+        rooms still live here fail (quiescent: the engine is gone), and so does a receiver
+        created after."""
         self._stop.set()
         self._refusals.close()
         self._heartbeat.join(timeout=10)
@@ -210,6 +215,13 @@ class MooncakeDecodeManager:
             farewell = None if self._lost is not None else wire.Deregister(self.session)
         self._peers.close(farewell)
         self._control.close()
+        # The engine and its registrations are gone: nothing lands and no status comes any
+        # more, so the rooms still live fail now rather than at their owner's timeout.
+        with self._lock:
+            self._closed = True
+            rooms = self._end_rooms("the decode manager closed")
+        for rec in rooms:
+            self.ready.put(rec.room)
 
     def _watch_prefill(self) -> None:
         cfg = self.config
@@ -233,15 +245,22 @@ class MooncakeDecodeManager:
     def _lose_prefill(self, reason: str) -> None:
         with self._lock:
             self._lost, self._lost_since = reason, time.monotonic()
-            rooms = [*self._rooms.values(), *self._draining.values()]
-            self._draining.clear()
-            for rec in rooms:
-                rec.awaiting.clear()  # a prefill that is gone writes nothing more
-                if not rec.status.terminal:
-                    rec.status, rec.reason = KVPoll.FAILED, reason
+            rooms = self._end_rooms(reason)
         for rec in rooms:
             self.ready.put(rec.room)
         logger.warning("%s; its %d rooms failed", reason, len(rooms))
+
+    def _end_rooms(self, reason: str) -> list[_DecodeRoom]:
+        """Fail every room not concluded with ``reason`` and make every room quiescent: no
+        write lands any more (the prefill is gone, or this engine is). The rooms, whose owners
+        must hear of it. Called with ``self._lock`` held."""
+        rooms = [*self._rooms.values(), *self._draining.values()]
+        self._draining.clear()
+        for rec in rooms:
+            rec.awaiting.clear()
+            if not rec.status.terminal:
+                rec.status, rec.reason = KVPoll.FAILED, reason
+        return rooms
 
     def _reconnect(self) -> None:
         """The prefill answers again: look its ranks up and register anew."""

@@ -316,10 +316,11 @@ def test_a_deregistered_session_is_forgotten_and_its_rooms_fail(
     eventually(lambda: manager.decode_sessions() == [raw.session], "registered again")
 
 
-def test_a_closing_decode_manager_deregisters() -> None:
+def test_a_closing_decode_manager_deregisters_and_fails_its_own_rooms() -> None:
     """Closing a decode manager sends its ``Deregister``: the prefill rank forgets the session
-    (and closes its status socket) and fails the room it held for it. A decode that counts the
-    prefill as gone sends nothing (it would only wait for the message to leave)."""
+    (and closes its status socket) and fails the room it held for it. On the decode side the
+    room fails too, quiescent (the engine is gone: nothing lands), and so does a receiver
+    created after the close, rather than waiting for their owner's timeout."""
     from kv.mooncake_decode import MooncakeDecodeManager
 
     server = BootstrapServer()
@@ -338,6 +339,10 @@ def test_a_closing_decode_manager_deregisters() -> None:
         assert drive(prefill, sender, _TERMINAL)[-1] == KVPoll.FAILED
         assert sender.failure_exception().reason == f"decode session {decode.session} closed"
         assert prefill.dropped_messages.total == 0
+        assert receiver.poll() == KVPoll.FAILED and receiver.quiescent()
+        assert receiver.failure_exception().reason == "the decode manager closed"
+        late = decode.create_receiver(server.address, 6)
+        assert late.poll() == KVPoll.FAILED and late.quiescent()
     finally:
         decode.close()
         prefill.close()
