@@ -25,8 +25,9 @@ import difflib
 import enum
 import inspect
 import re
+import typing
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import attrs
 
@@ -154,11 +155,17 @@ def hooks_take_event(
 
 
 def _declared_triggers(record: type) -> set[str]:
+    """The names ``record`` declares ``ClassVar[Trigger]``: as text (a module with ``from
+    __future__ import annotations``) or as the evaluated annotation (one without)."""
     names = set()
     for klass in record.__mro__:
         for name, ann in vars(klass).get("__annotations__", {}).items():
-            text = ann if isinstance(ann, str) else repr(ann)
-            if _TRIGGER_ANNOTATION.fullmatch(text.strip()):
+            if isinstance(ann, str):
+                declared = bool(_TRIGGER_ANNOTATION.fullmatch(ann.strip()))
+            else:
+                declared = typing.get_origin(ann) is ClassVar and typing.get_args(ann) == (
+                    Trigger,)
+            if declared:
                 names.add(name)
     return names
 

@@ -219,21 +219,30 @@ _BLOCK = re.compile(
 )
 
 
-def doc_blocks(tables: Mapping[str, LifecycleTable]) -> dict[str, str]:
-    """The generated blocks of docs/lifecycle.md, by marker name."""
+def doc_blocks(tables: Mapping[str, LifecycleTable],
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The generated blocks of a document, by marker name: ``<name>-mermaid`` and
+    ``<name>-transitions`` for each of ``tables`` (by name), and the ``extra`` blocks as given
+    (pdlife's docs/lifecycle.md adds ``prefill-resources``: :func:`pdlife_doc_extra`)."""
     blocks: dict[str, str] = {}
     for name, table in tables.items():
         blocks[f"{name}-mermaid"] = f"```mermaid\n{mermaid(table)}```\n"
         blocks[f"{name}-transitions"] = transition_table(table)
-    blocks["prefill-resources"] = resources_table()
+    blocks.update(extra or {})
     return blocks
 
 
-def sync_docs(text: str, tables: Mapping[str, LifecycleTable]) -> str:
+def pdlife_doc_extra() -> dict[str, str]:
+    """The blocks docs/lifecycle.md holds besides its tables' (the prefill ownership table)."""
+    return {"prefill-resources": resources_table()}
+
+
+def sync_docs(text: str, tables: Mapping[str, LifecycleTable],
+              extra: Mapping[str, str] | None = None) -> str:
     """``text`` with every ``<!-- BEGIN GENERATED: name -->`` … ``<!-- END GENERATED: name -->``
-    block replaced by a fresh render. Every block of :func:`doc_blocks` must be there, and
-    every marker must name one of them."""
-    blocks = doc_blocks(tables)
+    block replaced by a fresh render. Every block of :func:`doc_blocks` (``tables`` and
+    ``extra``) must be there, and every marker must name one of them."""
+    blocks = doc_blocks(tables, extra)
     missing = sorted(set(blocks) - {m.group("name") for m in _BLOCK.finditer(text)})
     if missing:
         raise DiagramError(f"the document has no generated block for {missing}")

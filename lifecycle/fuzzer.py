@@ -38,7 +38,7 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError
+from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
 from lifecycle.fuzz_checks import (
     MachineInvariants,
     RuleBroken,
@@ -63,13 +63,28 @@ _INTRUDERS = st.sampled_from(("none", "none", "other_state", "duplicate", "forei
 _TABLE_STRATEGIES: dict[int, tuple[LifecycleTable, dict[Any, st.SearchStrategy[Any]]]] = {}
 
 
+#: An owner's hooks by name, or a function returning them (called once per program).
+Hooks = Mapping[str, Callable[..., None]] | Callable[[], Mapping[str, Callable[..., None]]]
+
+
+def hooks_of(table: LifecycleTable, hooks: Hooks) -> Mapping[str, Callable[..., None]]:
+    """``hooks`` (made afresh when given as a function), checked against the names of
+    ``table``'s hooks: :class:`~lifecycle.errors.MissingHook` for a name it does not use."""
+    given = hooks() if callable(hooks) else hooks
+    unknown = sorted(set(given) - table.hooks())
+    if unknown:
+        raise MissingHook(f"{table.name}: hooks given that the table does not name: {unknown}")
+    return given
+
+
 @attrs.frozen
 class MachineConfig:
     """What a :class:`LifecycleMachine` subclass is about."""
 
     table: LifecycleTable
     make_request: Callable[[str], Any]
-    hooks: Mapping[str, Callable[..., None]] = attrs.field(factory=dict)
+    #: The hooks by name, or a function that makes them afresh for every program.
+    hooks: Hooks = attrs.field(factory=dict)
     satisfy: Callable[[Any, Edge], None] | None = None
     invariants: tuple[Callable[[Any], object], ...] = ()
     redraw_fields: bool = False
@@ -94,7 +109,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             collections.Counter
         )
         clock = lambda: self.now  # noqa: E731 - the machine moves time itself
-        hooks = counting_hooks(cfg.table, cfg.hooks, self.hook_calls)
+        hooks = counting_hooks(cfg.table, hooks_of(cfg.table, cfg.hooks), self.hook_calls)
         self.lifecycle: Lifecycle[Any] = Lifecycle(cfg.table, hooks, clock=clock)
         # A second owner, so batches can be offered a request that is not ours.
         others = counting_hooks(cfg.table, {}, self.hook_calls)

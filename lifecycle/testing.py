@@ -25,15 +25,14 @@ own budget.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from lifecycle.errors import MissingHook
 from lifecycle.fuzz_checks import RuleBroken
-from lifecycle.fuzzer import UNKNOWN_EVENT, LifecycleMachine, MachineConfig
+from lifecycle.fuzzer import UNKNOWN_EVENT, Hooks, LifecycleMachine, MachineConfig, hooks_of
 from lifecycle.prefill import PrefillRequest
 from lifecycle.reasons import FailureReason
 from lifecycle.table import Edge, LifecycleTable
@@ -152,7 +151,7 @@ def fuzz_settings(*, explain: bool = False, **overrides: Any) -> settings:
 def lifecycle_state_machine(
     table: LifecycleTable,
     make_request: Callable[[str], Any],
-    hooks: Mapping[str, Callable[..., None]] | None = None,
+    hooks: Hooks | None = None,
     *,
     satisfy: Callable[[Any, Edge], None] | None = None,
     invariants: Iterable[Callable[[Any], object]] = (),
@@ -163,22 +162,22 @@ def lifecycle_state_machine(
 
     ``make_request(rid)`` builds a fresh, unadmitted request record of the table's type.
     ``hooks`` are the owner's hooks by name (each is wrapped to count its calls; hooks the
-    table names but that are not given count only). ``satisfy(req, edge)`` makes ``edge``'s
-    guards hold for ``req``; the machine calls it before some of the events it fires, so that
-    guarded edges get taken as well as refused. ``invariants`` are checks of one record each,
-    run on every request after every step (raise ``AssertionError`` or return ``False`` when
-    broken). Without ``satisfy``, ``redraw_fields`` has the machine set the record's plain
-    fields (numbers, strings, booleans, enums) to drawn values before some guarded events
-    instead (what ``pdlife fuzz --load`` does). Use ``.TestCase`` of the result in pytest; its
-    settings are
+    table names but that are not given count only), or a function that makes them: it is
+    called for every program, so an owner that keeps state of its own (which requests it
+    released) starts afresh each time, as the programs' request ids do (``r1``, ``r2``, ...).
+    ``satisfy(req, edge)`` makes ``edge``'s guards hold for ``req``; the machine calls it
+    before some of the events it fires, so that guarded edges get taken as well as refused.
+    ``invariants`` are checks of one record each, run on every request after every step (raise
+    ``AssertionError`` or return ``False`` when broken). Without ``satisfy``,
+    ``redraw_fields`` has the machine set the record's plain fields (numbers, strings,
+    booleans, enums) to drawn values before some guarded events instead (what ``pdlife fuzz
+    --load`` does). Use ``.TestCase`` of the result in pytest; its settings are
     :func:`fuzz_settings` (``explain`` turns Hypothesis's explain phase back on).
     """
-    unknown = sorted(set(hooks or {}) - table.hooks())
-    if unknown:
-        raise MissingHook(f"{table.name}: hooks given that the table does not name: {unknown}")
-    config = MachineConfig(
-        table, make_request, dict(hooks or {}), satisfy, tuple(invariants), redraw_fields
-    )
+    given: Hooks = hooks if callable(hooks) else dict(hooks or {})
+    if not callable(given):
+        hooks_of(table, given)  # refuse a wrong name now (a function's, in its first program)
+    config = MachineConfig(table, make_request, given, satisfy, tuple(invariants), redraw_fields)
     name = f"{table.name.title().replace('_', '')}LifecycleMachine"
     machine: type[LifecycleMachine] = type(name, (LifecycleMachine,), {"config": config})
     machine.TestCase.settings = fuzz_settings(explain=explain)

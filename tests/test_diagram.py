@@ -128,15 +128,17 @@ def test_render_dispatches_and_rejects_unknown_formats() -> None:
 
 def test_sync_docs_fills_blocks_and_rejects_unknown_or_missing_ones() -> None:
     tables = {"prefill": PREFILL_TABLE, "decode": DECODE_TABLE}
-    names = ["prefill-mermaid", "prefill-transitions", "prefill-resources",
-             "decode-mermaid", "decode-transitions"]
+    names = ["prefill-mermaid", "prefill-transitions", "decode-mermaid", "decode-transitions"]
     doc = "".join(
         f"intro\n<!-- BEGIN GENERATED: {n} -->\nstale\n<!-- END GENERATED: {n} -->\n"
         for n in names
     )
-    fresh = sync_docs(doc, tables)
+    fresh = sync_docs(doc, tables)  # a user's document: its tables' blocks only
     assert "stale" not in fresh and "```mermaid\n---\ntitle: prefill" in fresh
     assert sync_docs(fresh, tables) == fresh
+    extra = doc + "<!-- BEGIN GENERATED: notes -->\nstale\n<!-- END GENERATED: notes -->\n"
+    assert sync_docs(extra, tables, {"notes": "fresh\n"}).endswith(
+        "<!-- BEGIN GENERATED: notes -->\nfresh\n<!-- END GENERATED: notes -->\n")
     with pytest.raises(DiagramError, match="no generated block for \\['decode-transitions'\\]"):
         sync_docs(doc.split("intro\n<!-- BEGIN GENERATED: decode-transitions")[0], tables)
     bogus = fresh + "<!-- BEGIN GENERATED: nope -->\n<!-- END GENERATED: nope -->\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from examples.orders import ORDER_TABLE, Order, Shop, holds_nothing_once_ended, satisfy
@@ -50,7 +51,8 @@ def test_the_guide_shows_the_examples_code_and_diagram() -> None:
     source = EXAMPLE.read_text()
     blocks = _python_blocks(guide)
     # The enums, the table and the shop's hooks are the example's own lines.
-    for start in ("class OrderState(", "ORDER_TABLE = make_table(", "    def release("):
+    for start in ("class OrderState(", "ORDER_TABLE = make_table(", "    def release(",
+                  "def satisfy(", "def holds_nothing_once_ended("):
         block = next(b for b in blocks if start in b)
         snippet = block[block.index(start):].split("\n\n")[0]
         assert snippet in source, snippet
@@ -59,12 +61,17 @@ def test_the_guide_shows_the_examples_code_and_diagram() -> None:
     assert "docs/framework.md" in readme
 
 
-# Fuzzing the order lifecycle in CI, with the shop's own hooks and an invariant of its own.
-_shop = Shop(stock=10**6)
+# Fuzzing the order lifecycle in CI, with the shop's own hooks (a fresh shop for every
+# program) and an invariant of its own.
+def _shop_hooks() -> dict[str, Callable[..., None]]:
+    shop = Shop(stock=10**6)
+    return {"release": shop.release, "notify": shop.notify, "refund": shop.refund}
+
+
 TestOrderLifecycle = lifecycle_state_machine(
     ORDER_TABLE,
     lambda rid: Order(rid, total=30),
-    hooks={"release": _shop.release, "notify": _shop.notify, "refund": _shop.refund},
+    hooks=_shop_hooks,
     satisfy=satisfy,
     invariants=[holds_nothing_once_ended],
 ).TestCase

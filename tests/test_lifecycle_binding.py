@@ -224,6 +224,14 @@ def test_trigger_names_are_checked_against_the_class() -> None:
         "Typo.payy is declared a Trigger, but the table has no event 'payy' (did you mean 'pay'?)"
     )):
         table(Typo)
+    # The same declaration evaluated, as a module without ``from __future__ import
+    # annotations`` leaves it, is checked too.
+    Evaluated = attrs.define(slots=True, eq=False, weakref_slot=False)(type(
+        "Evaluated", (Tracked,), {"__annotations__": {"payy": ClassVar[Trigger]},
+                                  "paid_in_full": lambda self: True,
+                                  "ready": lambda self: True}))
+    with pytest.raises(InvalidTable, match=re.escape("Evaluated.payy is declared a Trigger")):
+        table(Evaluated)
 
     @attrs.define(slots=True, eq=False, weakref_slot=False)
     class Clash(Tracked):

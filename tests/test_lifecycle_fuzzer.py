@@ -21,7 +21,7 @@ from examples.orders import (
     holds_nothing_once_ended,
     satisfy,
 )
-from lifecycle import Firing, LifecycleTable, make_table
+from lifecycle import Firing, LifecycleTable, MissingHook, make_table
 from lifecycle.testing import (
     LifecycleMachine,
     RuleBroken,
@@ -69,6 +69,41 @@ def test_the_order_table_and_the_shop_keep_every_rule() -> None:
     run_state_machine_as_test(
         machine, settings=fuzz_settings(max_examples=60, stateful_step_count=30, database=None)
     )
+
+
+class Ledger:
+    """An owner that remembers the orders it released and refuses to release one twice."""
+
+    def __init__(self) -> None:
+        self.released: set[str] = set()
+
+    def release(self, order: Order) -> None:
+        if order.rid in self.released:
+            raise RuntimeError(f"order {order.rid} released twice")
+        self.released.add(order.rid)
+
+
+def test_hooks_made_by_a_function_start_afresh_for_every_program() -> None:
+    """Every program names its requests r1, r2, ...: one ``Ledger`` shared by all programs
+    would see r1 of this program released in an earlier one (and Hypothesis, replaying a
+    program against changed state, would call the test flaky); made by a function, each
+    program's owner is its own."""
+    made: list[Ledger] = []
+
+    def fresh() -> dict[str, Any]:
+        made.append(Ledger())
+        return {"release": made[-1].release}
+
+    machine = lifecycle_state_machine(ORDER_TABLE, lambda rid: Order(rid, total=30), fresh,
+                                      satisfy=satisfy)
+    run_state_machine_as_test(
+        machine, settings=fuzz_settings(max_examples=60, stateful_step_count=30, database=None)
+    )
+    assert len(made) >= 60 and sum("r1" in ledger.released for ledger in made) > 1
+    with pytest.raises(MissingHook, match=r"does not name: \['nope'\]"):
+        run_state_machine_as_test(
+            lifecycle_state_machine(ORDER_TABLE, Order, lambda: {"nope": Ledger().release}),
+            settings=fuzz_settings(max_examples=1, database=None))
 
 
 def test_a_hook_run_twice_by_the_table_is_reported_naming_it() -> None:

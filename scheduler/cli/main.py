@@ -55,6 +55,8 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 FUZZ = attrs.evolve(
     SCHEDULER_FUZZ,
+    summary="fuzz the prefill scheduler under injected faults, or your own lifecycle table "
+            "(--load) (Hypothesis)",
     add_arguments=_fuzz_arguments,
     run=_fuzz,
     description=SCHEDULER_FUZZ.description

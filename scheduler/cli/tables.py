@@ -199,10 +199,10 @@ def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _write_docs(path: Path, check: bool) -> int:
-    from lifecycle.diagram import sync_docs
+    from lifecycle.diagram import pdlife_doc_extra, sync_docs
 
     old = path.read_text(encoding="utf-8")
-    new = sync_docs(old, TABLES)
+    new = sync_docs(old, TABLES, pdlife_doc_extra())
     if new == old:
         print(f"{path}: up to date")
         return 0
