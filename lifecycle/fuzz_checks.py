@@ -29,6 +29,12 @@ class RuleBroken(AssertionError):
     """A lifecycle rule was broken; the message names it and shows the program and timeline."""
 
 
+class CodeRaised(Exception):
+    """The code under test (the record class, a guard, ``satisfy``) raised: the message shows
+    what raised, the program up to that step and the request's timeline; ``__cause__`` is the
+    exception."""
+
+
 def record_fields(req: Any) -> dict[str, Any]:
     """The record's own fields, copied, for telling whether something changed them."""
     out: dict[str, Any] = {}
@@ -173,11 +179,21 @@ def report(
     rule_name: str, message: str, program: Sequence[str], req: Any, table: LifecycleTable
 ) -> RuleBroken:
     """The error for a broken rule: the rule, what broke it, the program, the timeline."""
-    text = [f"rule broken: {rule_name}", f"  {message}", "event program:"]
+    return RuleBroken(_report_text(f"rule broken: {rule_name}", message, program, req, table))
+
+
+def raised(message: str, program: Sequence[str], req: Any, table: LifecycleTable) -> CodeRaised:
+    """The error for the code under test raising: what raised, the program, the timeline."""
+    return CodeRaised(_report_text("the code under test raised", message, program, req, table))
+
+
+def _report_text(heading: str, message: str, program: Sequence[str], req: Any,
+                 table: LifecycleTable) -> str:
+    text = [heading, f"  {message}", "event program:"]
     text += [f"  {i}. {step}" for i, step in enumerate(program, start=1)]
     if req is not None:
         text += [f"timeline of {req.rid}:", *timeline_lines(req, table)]
-    return RuleBroken("\n".join(text))
+    return "\n".join(text)
 
 
 class MachineInvariants:

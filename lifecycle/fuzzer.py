@@ -30,8 +30,9 @@ concerned; it holds names and states, never reprs of records.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -40,10 +41,12 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
 from lifecycle.fuzz_checks import (
+    CodeRaised,
     MachineInvariants,
     RuleBroken,
     Snapshot,
     counting_hooks,
+    raised,
     record_fields,
     redraw_fields,
     report,
@@ -132,11 +135,29 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         steps = [*self.program, f"{self.attempt}   <- here"] if self.attempt else self.program
         return report(rule_name, message, steps, req, self.table)
 
+    @contextlib.contextmanager
+    def _code_under_test(self, what: str, rid: str | None = None) -> Iterator[None]:
+        """Turn an exception of the code under test (not the framework's refusals, nor a broken
+        rule) into :class:`~lifecycle.fuzz_checks.CodeRaised`, with the program so far."""
+        try:
+            yield
+        except (LifecycleError, RuleBroken, CodeRaised):
+            raise
+        except Exception as exc:
+            req = self.requests.get(rid) if rid is not None else None
+            steps = [*self.program, f"{self.attempt}   <- here"] if self.attempt else self.program
+            raise raised(f"{what} raised {type(exc).__name__}: {exc}", steps, req,
+                         self.table) from exc
+
     # -- building blocks of the rules -------------------------------------------------------
 
     def _new(self) -> Any:
         self.serial += 1
-        return self.config.make_request(f"r{self.serial}")
+        return self._make(f"r{self.serial}")
+
+    def _make(self, rid: str) -> Any:
+        with self._code_under_test(f"building the record {rid}"):
+            return self.config.make_request(rid)
 
     def _snapshot(self) -> Snapshot:
         return Snapshot.of(self.requests.values(), self.lifecycle, self.hook_calls)
@@ -180,7 +201,8 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             if edge is None:
                 continue
             if satisfy is not None:
-                satisfy(r, edge)
+                with self._code_under_test(f"satisfy({r.rid}, {edge.event})", r.rid):
+                    satisfy(r, edge)
             elif edge.guarded:
                 self._done(f"{r.rid}: fields set to {redraw_fields(data, r)}")
 
@@ -190,9 +212,10 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             return "" if edge is not None else "no edge"
         guards = ", ".join((*edge.conditions, *edge.unless))
         before = record_fields(req)
-        first: str = self.lifecycle.refusal(req, event)
-        after = record_fields(req)
-        second: str = self.lifecycle.refusal(req, event)
+        with self._code_under_test(f"a guard of {event!r} ({guards}) on {req.rid}", req.rid):
+            first: str = self.lifecycle.refusal(req, event)
+            after = record_fields(req)
+            second: str = self.lifecycle.refusal(req, event)
         changed = [k for k in before if before[k] != after.get(k)]
         if changed:
             raise self.broken(
@@ -215,7 +238,9 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         hook raised; exceptions other than a hook's propagate."""
         evaluated = self.lifecycle.guards_evaluated
         try:
-            fire()
+            with self._code_under_test(f"firing {edge.event if edge else 'an event'}",
+                                       reqs[0].rid):
+                fire()
         except HookFailed as exc:
             rid, hook, error = exc.errors[0]
             raise self.broken(
@@ -268,7 +293,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.requests)), label="again")
         old = self.requests[rid]
         before = self._snapshot()
-        for req in (old, self.config.make_request(rid)) if rid in self.lifecycle else (old,):
+        for req in (old, self._make(rid)) if rid in self.lifecycle else (old,):
             try:
                 self.lifecycle.admit(req)
             except LifecycleError:
@@ -375,8 +400,12 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             [self._pure_refusal(r, event, edge) for r in ours]
         )
         before = self._snapshot()
+        # The lifecycle takes the edge of the batch's first request, an intruder's perhaps, and
+        # may evaluate its guard before it finds the batch mixed: bound the evaluations by it.
+        first = batch[0].state
+        tried = None if first is None else self.table.lookup.get((first, event))
         try:
-            self._fire(lambda: self.lifecycle.fire(event, batch, reason=reason), batch, edge)
+            self._fire(lambda: self.lifecycle.fire(event, batch, reason=reason), batch, tried)
         except LifecycleError as exc:
             self._done(f"{how}: refused")
             if legal:

@@ -31,7 +31,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from lifecycle.fuzz_checks import RuleBroken
+from lifecycle.fuzz_checks import CodeRaised, RuleBroken
 from lifecycle.fuzzer import UNKNOWN_EVENT, Hooks, LifecycleMachine, MachineConfig, hooks_of
 from lifecycle.prefill import PrefillRequest
 from lifecycle.reasons import FailureReason
@@ -39,6 +39,7 @@ from lifecycle.table import Edge, LifecycleTable
 
 __all__ = [
     "UNKNOWN_EVENT",
+    "CodeRaised",
     "FakeClock",
     "LifecycleMachine",
     "MachineConfig",

@@ -4,6 +4,7 @@ planted in a copy of it, naming the hook, without importing torch."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -107,6 +108,32 @@ def test_pdlife_fuzz_finds_a_planted_double_release_naming_the_hook(tmp_path: Pa
            "--examples 300 --steps 50 --seed 0" in out
     assert "Traceback" not in out + done.stderr and "Order(" not in out
     assert out.splitlines()[-1] == "torch imported: False"
+
+
+def test_pdlife_fuzz_shows_the_program_when_a_guard_raises(tmp_path: Path) -> None:
+    (tmp_path / "orders_raise.py").write_text(
+        "import attrs\n"
+        "import examples.orders as base\n"
+        "from examples.orders import ORDER_TABLE\n"
+        "@attrs.define(slots=True, eq=False, weakref_slot=False)\n"
+        "class Order(base.Order):\n"
+        "    def has_address(self, event):\n"
+        "        if self.address == 'x':\n"
+        "            raise ValueError('no such street')\n"
+        "        return bool(self.address)\n")
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, "fuzz", "--load", "orders_raise:ORDER_TABLE",
+         "--record", "orders_raise:Order", "--examples", "100"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"},
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert ("the code under test raised\n  a guard of 'ship' (has_address) on r1 raised "
+            "ValueError: no such street\nevent program:\n  1. admit r1") in done.stdout
+    assert "FAILED after" in done.stdout and "rerun: pdlife fuzz --load orders_raise" in done.stdout
+    # The guard's own traceback, for the line that raised; none of Hypothesis's machinery.
+    assert 'orders_raise.py", line 8, in has_address' in done.stderr
+    assert "hypothesis" not in done.stderr
 
 
 def test_pdlife_fuzz_passes_the_example_and_refuses_what_is_not_a_record(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from examples.orders import (
 )
 from lifecycle import Firing, LifecycleTable, MissingHook, make_table
 from lifecycle.testing import (
+    CodeRaised,
     LifecycleMachine,
     RuleBroken,
     fuzz_settings,
@@ -104,6 +105,29 @@ def test_hooks_made_by_a_function_start_afresh_for_every_program() -> None:
         run_state_machine_as_test(
             lifecycle_state_machine(ORDER_TABLE, Order, lambda: {"nope": Ledger().release}),
             settings=fuzz_settings(max_examples=1, database=None))
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class StreetlessOrder(Order):
+    """A guard with a bug: it raises for one address instead of answering."""
+
+    def has_address(self, event: Firing) -> bool:
+        if self.address == "x":
+            raise ValueError("no such street")
+        return bool(self.address)
+
+
+def test_code_under_test_that_raises_is_reported_with_the_program() -> None:
+    with pytest.raises(CodeRaised) as info:
+        run_state_machine_as_test(
+            lifecycle_state_machine(ORDER_TABLE, StreetlessOrder, redraw_fields=True),
+            settings=fuzz_settings(max_examples=300, stateful_step_count=30, database=None))
+    text = str(info.value)
+    assert text.startswith("the code under test raised\n  a guard of 'ship' (has_address) on "
+                           "r1 raised ValueError: no such street\n")
+    assert "event program:\n  1. admit r1" in text and "address='x'" in text
+    assert re.search(r"ship \[r1\]   <- here|r1\.ship\(\)   <- here", text)
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 def test_a_hook_run_twice_by_the_table_is_reported_naming_it() -> None:

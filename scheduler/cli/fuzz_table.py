@@ -74,7 +74,7 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
     from hypothesis.errors import HypothesisException
     from hypothesis.stateful import run_state_machine_as_test
 
-    from lifecycle.testing import RuleBroken, fuzz_settings, lifecycle_state_machine
+    from lifecycle.testing import CodeRaised, RuleBroken, fuzz_settings, lifecycle_state_machine
 
     try:
         table = load_table(args.load)
@@ -104,12 +104,19 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
         print(f"FAILED after {time.monotonic() - started:.1f} s (seed {args.seed}); rerun: "
               f"{_rerun(args)}")
         return 1
+    except CodeRaised as exc:
+        if exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__)
+        print(f"\n{exc}\n")
+        print(f"FAILED after {time.monotonic() - started:.1f} s: the code under test raised "
+              f"(seed {args.seed}); rerun: {_rerun(args)}")
+        return 3
     except HypothesisException as exc:
         traceback.print_exception(exc)
         print(f"\nERROR: Hypothesis gave up ({type(exc).__name__}); this says nothing about "
               "the table.")
         return 4
-    except Exception as exc:  # a guard, the record class or --satisfy raised
+    except Exception as exc:  # the code under test raised outside a step (rare)
         traceback.print_exception(exc)
         print(f"\nFAILED: the code under test raised {type(exc).__name__}: {exc}")
         print(f"rerun: {_rerun(args)}")
