@@ -24,7 +24,9 @@ It checks the framework *and* the embedder's code:
 
 A broken rule raises :class:`RuleBroken`, whose message names the rule, then shows the event
 program of the failing run (Hypothesis shrinks it first) and the timeline of the request
-concerned; it holds names and states, never reprs of records.
+concerned; it holds names and states, never reprs of records. The code under test raising (the
+record class, a guard, ``satisfy``) raises :class:`~lifecycle.fuzz_checks.CodeRaised`, with the
+same program and timeline and the exception as its ``__cause__``.
 """
 
 from __future__ import annotations
