@@ -106,7 +106,6 @@ class Lifecycle(Generic[R]):
         self.finished: collections.Counter[tuple[enum.IntEnum, enum.Enum | None]] = (
             collections.Counter()
         )
-        self.transitions_fired = 0
         #: How many guard evaluations firing has made (the fuzzer checks there is one per
         #: guard per request fired at, refusal or not).
         self.guards_evaluated = 0
@@ -153,6 +152,20 @@ class Lifecycle(Generic[R]):
 
     def counts(self) -> dict[enum.IntEnum, int]:
         return {s: len(b) for s, b in self._index.items()}
+
+    @property
+    def transitions_fired(self) -> int:
+        """Requests moved by an event since the lifecycle was made (one per request of a batch)."""
+        return sum(step.fired for step in self._steps.values())
+
+    def fired_by_event(self) -> dict[str, int]:
+        """:attr:`transitions_fired` by event (every event of the table, 0 if never fired).
+        Each edge counts for itself as it fires; this sums them, so a reader (a metrics
+        scrape) costs the firing nothing."""
+        out = dict.fromkeys((str(e) for e in self.table.events), 0)
+        for (_, event), step in self._steps.items():
+            out[str(event)] += step.fired
+        return out
 
     def live(self) -> Iterable[R]:
         return self._by_rid.values()
@@ -393,7 +406,7 @@ class Lifecycle(Generic[R]):
             move_batch(reqs, step.src_bucket, step.dst_bucket, self._by_rid, dst, entry, whole)
         if step.final:
             count_ended(self.finished, reqs, dst, firing)
-        self.transitions_fired += len(reqs)
+        step.fired += len(reqs)
         errors = run_hooks(reqs, step.hooks, firing) if step.hooks else []
         if self.check:
             self.check_index()

@@ -145,6 +145,7 @@ class Step(Generic[R]):
         "dst_bucket",
         "edge",
         "final",
+        "fired",
         "firing",
         "guard_calls",
         "guards",
@@ -164,6 +165,8 @@ class Step(Generic[R]):
         hooks: tuple[tuple[str, Hook, bool], ...],
     ) -> None:
         self.edge = edge
+        #: How many requests took this edge (``Lifecycle.fired_by_event`` sums them).
+        self.fired = 0
         #: The Firing of an event fired without a reason or detail (the common case).
         self.firing = Firing(edge.event, edge.source, edge.dest)
         self.guards: tuple[tuple[str, bool], ...] = (

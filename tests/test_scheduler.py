@@ -372,6 +372,13 @@ def test_metrics_count_what_happened():
     assert reg.get_sample_value("pdlife_prefill_tokens_total") == 4
     assert reg.get_sample_value("pdlife_kv_pages_used") == 0
     assert reg.get_sample_value("pdlife_requests", {"state": "transferring"}) == 0
+    # The lifecycle's own counts, read when scraped: a -> WAITING -> FORWARD -> TRANSFERRING,
+    # where the transfer failed; every event of the table is listed, 0 if never fired.
+    fired = {e: reg.get_sample_value("pdlife_transitions_total", {"event": e})
+             for e in ("bootstrapped", "schedule", "prefilled", "fail", "transferred", "abort")}
+    assert fired == {"bootstrapped": 1, "schedule": 1, "prefilled": 1, "fail": 1,
+                     "transferred": 0, "abort": 0}
+    assert h.sched.lifecycle.transitions_fired == 4
 
 
 def test_sampling_params_are_validated():

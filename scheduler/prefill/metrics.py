@@ -8,9 +8,11 @@ gauges are set once per pass from counts the scheduler already keeps (no scans).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from kv.transfer import REASON_PEER_REFUSED
 from lifecycle import PrefillState
@@ -31,9 +33,6 @@ class SchedulerMetrics:
         self.finished = Counter(
             "pdlife_requests_finished", "Requests that ended, by final state and reason.",
             ["state", "reason"], registry=r,
-        )
-        self.transitions = Counter(
-            "pdlife_transitions", "Lifecycle transitions fired, by event.", ["event"], registry=r
         )
         self.phase = Histogram(
             "pdlife_ttft_phase_seconds",
@@ -72,6 +71,11 @@ class SchedulerMetrics:
         )
         self.prefix = PrefixCacheMetrics(r)
 
+    def count_transitions(self, fired: Callable[[], Mapping[str, int]]) -> None:
+        """Export ``pdlife_transitions_total{event}`` from ``fired`` (the lifecycle's own
+        counts, :meth:`lifecycle.Lifecycle.fired_by_event`), read when scraped."""
+        self.registry.register(_Transitions(fired))
+
     def on_finished(self, req: PrefillRequest) -> None:
         state = req.state
         assert state is not None
@@ -91,6 +95,21 @@ class SchedulerMetrics:
     def set_counts(self, counts: Mapping[enum.IntEnum, int]) -> None:
         for state, n in counts.items():
             self.requests.labels(state=state.name.lower()).set(n)
+
+
+class _Transitions(Collector):
+    """``pdlife_transitions_total{event}``: the lifecycle counts as it fires; this reads the
+    counts at scrape time, so firing pays nothing for the series."""
+
+    def __init__(self, fired: Callable[[], Mapping[str, int]]) -> None:
+        self._fired = fired
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("pdlife_transitions",
+                                     "Lifecycle transitions fired, by event.", labels=["event"])
+        for event, n in sorted(self._fired().items()):
+            family.add_metric([event], n)
+        yield family
 
 
 class PrefixCacheMetrics:

@@ -145,6 +145,7 @@ class PrefillScheduler:
             PREFILL_TABLE, {"release": self._release, "respond": self._respond},
             clock=clock, check=config.check_invariants,
         )
+        self.metrics.count_transitions(self.lifecycle.fired_by_event)
         self._deadlines = Deadlines()
         self._sampling = PrefillSampling(runner, compiler, eos_token_id)
         self._admission = Admission(
@@ -273,8 +274,8 @@ class PrefillScheduler:
 
     def _abort(self, rid: str) -> None:
         req = self.lifecycle.get(rid)
-        if req is None:
-            logger.info("abort of unknown or finished request %r ignored", rid)
+        if req is None:  # routine: a colocated server aborts both sides, one may be done
+            logger.debug("abort of unknown or finished request %r ignored", rid)
             return
         self._fail(req, FailureReason.ABORTED, "aborted by the client")
 

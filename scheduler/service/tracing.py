@@ -228,6 +228,7 @@ def otlp_tracer(endpoint: str, *, role: str, backend: str) -> LifecycleTracer:
 
     name = "pdlife" if role == "both" else f"pdlife-{role}"
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    provider.add_span_processor(
-        BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint_url(endpoint))))
+    url = otlp_endpoint_url(endpoint)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+    logger.info("tracing: spans of finished requests go to %s (OTLP/HTTP) as %s", url, name)
     return LifecycleTracer(provider, backend=backend)
