@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from scheduler.cli.main import main
-from scheduler.cli.top import _scrape, render
+from scheduler.cli.top import _bytes_per_s, _cells, _scrape, render
 from scheduler.cli.top_view import History, Scrape, parse_metrics, quantile, total
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.metrics import SchedulerMetrics
@@ -60,7 +60,7 @@ def test_views_from_a_schedulers_real_metrics_text() -> None:
     second = history.add(scrape(102.0, live=2))
     assert second.admissions_per_s == pytest.approx((6 + 2 + 1) / 2)
     assert second.completions_per_s == pytest.approx(3.0)
-    assert second.transfer_gbps == pytest.approx(2.0)
+    assert second.transfer_bytes_per_s == pytest.approx(2e9)
     assert second.failures == {"transfer_failed": 2}
     assert second.slots == (3, 8)
     assert second.ttft_p50 is not None and 0.025 < second.ttft_p50 <= 0.05
@@ -71,6 +71,21 @@ def test_views_from_a_schedulers_real_metrics_text() -> None:
     assert third.failures == {"transfer_failed": 2}
     table = render([third, history.unreachable("unreachable (ConnectError: refused)")])
     assert [c.header for c in table.columns] == ["", "http://w", "http://w"]
+
+
+def test_kv_sent_keeps_its_digits_at_every_scale() -> None:
+    assert [_bytes_per_s(v) for v in (None, 0.0, 512.0, 3.2e4, 4.56e6, 2e9)] == [
+        "—", "0 B/s", "512 B/s", "32.0 kB/s", "4.6 MB/s", "2.0 GB/s"]
+
+
+def test_the_prefix_cache_is_shown_beside_the_pool_it_lives_in() -> None:
+    cached = {**INFO, "kv_pool": {"prefill": {"used_pages": 16, "free_pages": 48,
+                                              "total_pages": 64, "prefix_cache_pages": 20}}}
+    view = History("http://w").add(Scrape(0.0, cached, {}))
+    assert view.prefix_cache_pages == {"prefill": 20}
+    assert _cells(view)[6] == "prefill: 16/64 (25%), prefix cache 20"
+    plain = History("http://w").add(Scrape(0.0, INFO, {}))
+    assert plain.prefix_cache_pages == {} and _cells(plain)[6] == "prefill: 16/64 (25%)"
 
 
 def test_a_worker_that_restarted_counts_its_new_histogram() -> None:
@@ -116,7 +131,7 @@ def test_a_real_worker_is_read_between_requests(worker: Server) -> None:
         second = _scrape(client, history)
     assert second.completions_per_s is not None and second.completions_per_s > 0
     assert second.ttft_p50 is not None and second.ttft_p50 > 0
-    assert second.transfer_gbps is not None and second.transfer_gbps > 0
+    assert second.transfer_bytes_per_s is not None and second.transfer_bytes_per_s > 0
     assert second.kv_pool["decode"][1] > 0
 
 

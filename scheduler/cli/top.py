@@ -89,6 +89,15 @@ def _per_s(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}/s"
 
 
+def _bytes_per_s(value: float | None) -> str:
+    if value is None:
+        return "—"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B/s"
+
+
 def _cells(view: WorkerView) -> list[str]:
     """A worker's column, one cell per row of :data:`_ROWS`."""
     if view.error is not None:
@@ -100,14 +109,16 @@ def _cells(view: WorkerView) -> list[str]:
         f"{side}: " + (", ".join(f"{state} {n}" for state, n in states.items()) or "none")
         for side, states in view.requests.items())
     pools = "\n".join(
-        f"{side}: {used}/{total_} ({used / total_:.0%})" if total_ else f"{side}: —"
+        (f"{side}: {used}/{total_} ({used / total_:.0%})" if total_ else f"{side}: —")
+        + (f", prefix cache {view.prefix_cache_pages[side]}"
+           if side in view.prefix_cache_pages else "")
         for side, (used, total_) in view.kv_pool.items())
     failures = ", ".join(f"{r} {n}" for r, n in view.failures.items()) or "none"
     slots = "—" if view.slots is None else f"{view.slots[0]}/{view.slots[1]}"
-    gbps = "—" if view.transfer_gbps is None else f"{view.transfer_gbps:.3f} GB/s"
     return [f"{view.role}, {status}", requests or "—", _per_s(view.admissions_per_s),
             _per_s(view.completions_per_s), failures,
-            f"{_ms(view.ttft_p50)} / {_ms(view.ttft_p99)}", pools or "—", slots, gbps]
+            f"{_ms(view.ttft_p50)} / {_ms(view.ttft_p99)}", pools or "—", slots,
+            _bytes_per_s(view.transfer_bytes_per_s)]
 
 
 _ROWS = ("worker", "requests by state", "admitted", "completed", "failures (total)",

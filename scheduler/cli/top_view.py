@@ -6,7 +6,8 @@ Every refresh scrapes each worker's ``/server_info`` (JSON) and ``/metrics`` (Pr
 into a :class:`Scrape`. A worker's :class:`History` keeps its scrapes of the last minute and
 turns the newest into a :class:`WorkerView`:
 
-- requests per state, pool usage and health come from the newest ``/server_info``;
+- requests per state, pool usage (prefix-cache pages nobody locks count as free; the cache's
+  size is shown beside) and health come from the newest ``/server_info``;
 - rates (admissions, completions, transfer bytes per second) are differences of counters
   between the two newest scrapes; a request was admitted when it is live or finished, so
   admissions are the growth of ``finished + live``;
@@ -121,8 +122,9 @@ class WorkerView:
     ttft_p50: float | None = None
     ttft_p99: float | None = None
     kv_pool: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)  # side: (used, total)
+    prefix_cache_pages: Mapping[str, int] = attrs.field(factory=dict)  # sides with a cache
     slots: tuple[int, int] | None = None  # prefill metadata slots (used, total)
-    transfer_gbps: float | None = None
+    transfer_bytes_per_s: float | None = None
 
 
 class History:
@@ -148,6 +150,7 @@ class History:
         info, now = new.info, new.samples
         side = "prefill" if info.get("role") == "prefill" else "decode"
         failed = by_label(now, _FINISHED[side], "reason", state="failed")
+        pools = info.get("kv_pool", {})
         view = WorkerView(
             url=self.url,
             role=str(info.get("role", "?")),
@@ -155,8 +158,9 @@ class History:
             draining=bool(info.get("draining")),
             requests=info.get("requests", {}),
             failures={reason or "?": int(n) for reason, n in sorted(failed.items()) if n},
-            kv_pool={s: (p["used_pages"], p["total_pages"])
-                     for s, p in info.get("kv_pool", {}).items()},
+            kv_pool={s: (p["used_pages"], p["total_pages"]) for s, p in pools.items()},
+            prefix_cache_pages={s: p["prefix_cache_pages"] for s, p in pools.items()
+                                if "prefix_cache_pages" in p},
             slots=_slots(info, now),
         )
         if len(self._scrapes) < 2:
@@ -177,8 +181,8 @@ class History:
             completions_per_s=rate(lambda s: total(s, _FINISHED[side], state="done")),
             ttft_p50=quantile(0.5, window),
             ttft_p99=quantile(0.99, window),
-            transfer_gbps=(rate(lambda s: total(s, _SENT)) / 1e9
-                           if any(name == _SENT for name, _ in now) else None),
+            transfer_bytes_per_s=(rate(lambda s: total(s, _SENT))
+                                  if any(name == _SENT for name, _ in now) else None),
         )
 
 
