@@ -341,6 +341,18 @@ def test_logprob_answers_have_sglang_shapes_and_lengths(service: Service) -> Non
     assert "output_top_logprobs" not in meta
 
 
+def test_one_token_answers_of_a_batch_keep_their_input_logprobs(service: Service) -> None:
+    """An answer of one token can end on the decode side before the prefill side's answer
+    (which brings the input logprobs) is read; it waits for them."""
+    prompts = [PROMPT, PROMPT[:3], PROMPT[1:]]
+    (r,) = post(service, {"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
+                          "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}})
+    for prompt, answer in zip(prompts, r.json(), strict=True):
+        meta = answer["meta_info"]
+        assert [tok for _, tok, _ in meta["input_token_logprobs"]] == prompt
+        assert len(meta["output_token_logprobs"]) == 1
+
+
 def test_stop_strings_and_tokens_end_and_trim_the_answer(service: Service) -> None:
     full = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True})
     ids, text = full["output_ids"], full["text"]

@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
+
 from lifecycle import FailureReason
 from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl
@@ -283,12 +285,15 @@ class Service:
             return
         if self.config.role == "both":
             pending.input_logprobs = resp.input_logprobs
-            if not resp.ok:
+            held, pending.held = pending.held, None
+            if held is not None:  # the decode side answered first (it had the KV already)
+                held = attrs.evolve(held, input_logprobs=resp.input_logprobs)
+            elif not resp.ok:
                 # The decode side cannot get this request's KV any more.
                 pending.prefill_failure = resp
                 assert self.decode is not None
                 self.decode.abort(resp.rid)
-            self._done(pending, "prefill", None)
+            self._done(pending, "prefill", held)
             return
         ok = resp.ok
         first = () if resp.first_token is None else (resp.first_token,)
@@ -314,7 +319,7 @@ class Service:
         failed = pending.prefill_failure
         if failed is not None and not resp.ok:
             status, reason, message = failed.http_status, failed.reason, failed.detail
-        self._done(pending, "decode", Answer(
+        answer = Answer(
             rid=resp.rid,
             status=status,
             output_ids=resp.output_ids,
@@ -327,7 +332,14 @@ class Service:
             input_logprobs=pending.input_logprobs,
             output_logprobs=resp.output_logprobs,
             matched_stop=self._matched_stop(resp),
-        ))
+        )
+        if self.config.role == "both" and "prefill" in pending.waiting_on:
+            # A short answer can end before the prefill side's answer is read: it brings the
+            # input logprobs, and the answer waits for them (engine thread: no race).
+            pending.held = answer
+            self._done(pending, "decode", None)
+            return
+        self._done(pending, "decode", answer)
 
     def _matched_stop(self, resp: DecodeResponse) -> int | str | None:
         """The stop token or string that ended ``resp``: the decode side's, or an EOS (a

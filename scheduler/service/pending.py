@@ -39,6 +39,8 @@ class Pending:
     prefill_failure: Response | None = None
     # Colocated (role both): the prefill side's input logprobs, for the decode side's answer.
     input_logprobs: tuple[TokenLogprob, ...] = ()
+    # Colocated: the decode side's answer when it came before the prefill side's (engine thread).
+    held: Answer | None = None
     streamed: int = 0  # output tokens handed to the stream (engine thread only)
     # With tracing on: the caller's trace headers, and the engines' answers (engine thread).
     carrier: dict[str, str] | None = None
