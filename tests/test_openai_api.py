@@ -160,10 +160,119 @@ def test_the_body_a_pd_router_sends_is_accepted_on_both_roles() -> None:
     run(main())
 
 
+def test_echo_writes_the_prompt_and_its_logprobs_before_the_answer() -> None:
+    prompt = "Echo, echo"
+    ids = TOKENIZER.encode(prompt)
+    want = TOKENIZER.decode(greedy(ids, 6, ignore_eos=True))
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "echo": True}
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await post(client, "/v1/completions", **body)
+                assert r.json()["choices"][0]["text"] == prompt + want
+                assert r.json()["choices"][0]["logprobs"] is None
+                assert r.json()["usage"]["prompt_tokens"] == len(ids)
+                # The prompt's logprobs as /generate computes them from position 0.
+                g = (await post(client, "/generate", input_ids=ids, return_logprob=True,
+                                logprob_start_len=0, top_logprobs_num=2, sampling_params={
+                                    "max_new_tokens": 6, "temperature": 0,
+                                    "ignore_eos": True})).json()["meta_info"]
+                for top in (0, 2):
+                    r = await post(client, "/v1/completions", **body, logprobs=top)
+                    assert r.status_code == 200, r.text
+                    choice = r.json()["choices"][0]
+                    assert choice["text"] == prompt + want
+                    lp = choice["logprobs"]
+                    assert "".join(lp["tokens"]) == prompt + want
+                    assert lp["text_offset"] == list(range(len(prompt) + 6))
+                    assert lp["token_logprobs"] == [
+                        v for v, _, _ in g["input_token_logprobs"] + g["output_token_logprobs"]]
+                    assert lp["token_logprobs"][0] is None  # nothing predicts the first token
+                    if top == 0:
+                        assert lp["top_logprobs"] is None
+                        continue
+                    assert lp["top_logprobs"][0] is None
+                    tops = g["input_top_logprobs"][1:] + g["output_top_logprobs"]
+                    # Two alternatives with one text (invalid bytes): the more likely stays.
+                    assert lp["top_logprobs"][1:] == [
+                        {TOKENIZER.decode([t]): v for v, t, _ in reversed(alts)}
+                        for alts in tops]
+                    # A stream's chunks add up to the same text and logprobs.
+                    r = await post(client, "/v1/completions", **body, logprobs=top,
+                                   stream=True)
+                    texts = [c["choices"][0] for c in sse(r.text)]
+                    assert texts[0]["text"] == prompt  # the echo comes first
+                    assert "".join(c["text"] for c in texts) == prompt + want
+                    joined = {key: [v for c in texts for v in c["logprobs"][key]]
+                              for key in lp}
+                    assert joined == lp
+
+    run(main())
+
+
+def test_a_batch_of_prompts_answers_n_choices_per_prompt_in_order() -> None:
+    prompts = ["first prompt", "the second"]
+    body = {"max_tokens": 5, "temperature": 0.8, "seed": 7, "ignore_eos": True}
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                alone = []
+                for p in prompts:
+                    r = await post(client, "/v1/completions", prompt=p, n=2, **body)
+                    alone += [c["text"] for c in r.json()["choices"]]
+                for batch in (prompts, [TOKENIZER.encode(p) for p in prompts]):
+                    r = await post(client, "/v1/completions", prompt=batch, n=2, **body)
+                    assert r.status_code == 200, r.text
+                    got = r.json()
+                    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+                    assert [c["text"] for c in got["choices"]] == alone
+                    assert got["usage"]["prompt_tokens"] == sum(map(len, prompts))
+                    assert got["usage"]["completion_tokens"] == 4 * 5
+                r = await post(client, "/v1/completions", prompt=prompts, n=2, **body,
+                               stream=True, echo=True, stream_options={"include_usage": True})
+                *chunks, usage = sse(r.text)
+                texts = ["", "", "", ""]
+                for c in chunks:
+                    texts[c["choices"][0]["index"]] += c["choices"][0]["text"]
+                assert texts == [prompts[k // 2] + alone[k] for k in range(4)]
+                assert usage["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+    run(main())
+
+
+def test_a_decode_worker_echoes_text_and_refuses_echoed_logprobs() -> None:
+    prompt = TOKENIZER.encode("decoded")
+    want = greedy(prompt, 4, ignore_eos=True)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "echo": True, "bootstrap_host": "2.2.2.2", "bootstrap_port": 8998,
+            "bootstrap_room": 77}
+
+    async def main() -> None:
+        with running_service(config("decode", "fake")) as service:
+            async with asgi_client(service) as client:
+                r = await post(client, "/v1/completions", **body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == TOKENIZER.decode(prompt + want)
+                r = await post(client, "/v1/completions", **body | {"bootstrap_room": 78},
+                               logprobs=0)
+                assert r.status_code == 400
+                assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (
+                    "unsupported", "echo")
+
+    run(main())
+
+
 # -- refusals -----------------------------------------------------------------------------------
 
 REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
-    ("/v1/completions", {"prompt": ["one", "two"]}, "bad_batch", "prompt"),
+    ("/v1/completions", {"prompt": []}, "empty_prompt", "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, "empty_prompt", "prompt"),
+    ("/v1/completions", {"prompt": ["one", "two"], "n": 2, "bootstrap_host": ["h", "h"],
+                         "bootstrap_port": [9, 9], "bootstrap_room": [5, 6]}, "bad_bootstrap",
+     "bootstrap_host"),
     ("/v1/completions", {"prompt": "x", "n": 17}, "bad_sampling", "n"),
     # SGLang's router sends n > 1 with one bootstrap room per sample.
     ("/v1/completions", {"prompt": "x", "n": 2, "bootstrap_host": ["h", "h"],
@@ -184,7 +293,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
      "min_tokens"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1000": 1}}, "bad_token_id",
      "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "unsupported", "echo"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "unsupported", "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "unsupported", "best_of"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "invalid_request",
      "response_format.type"),
@@ -409,6 +518,39 @@ def test_a_bias_and_min_tokens_answer_as_transformers_generate(
                 assert await answer(max_tokens=20, extra_body={"min_tokens": 14}) == want_long
 
     run(main())
+
+
+def test_echo_scores_a_batch_of_prompts_as_transformers_does(
+        smollm2: Any, hf_smollm2: Any, chat_config: ServeConfig) -> None:
+    """What an evaluation harness sends to score continuations (``echo``, ``logprobs``, one
+    token, a batch of token-id prompts), through the ``openai`` client: each prompt token's
+    logprob is transformers' log-softmax of the position before it."""
+    hf_model, _ = hf_smollm2
+    context = smollm2.encode("The capital of France is")
+    prompts = [context + smollm2.encode(c) for c in (" Paris", " a large city in Europe")]
+
+    async def main() -> Any:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                return await client.completions.create(
+                    model="smollm2", prompt=prompts, echo=True, max_tokens=1, logprobs=1,
+                    temperature=0)
+
+    r = run(main())
+    assert [c.index for c in r.choices] == [0, 1]
+    for prompt, choice in zip(prompts, r.choices, strict=True):
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+        assert choice.text.startswith(smollm2.decode(prompt))
+        assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt])).logits[0].float()
+        want = torch.log_softmax(logits, -1)
+        for i, token in enumerate(prompt[1:], start=1):
+            assert lp.token_logprobs[i] == pytest.approx(float(want[i - 1, token]), abs=2e-3)
+        # The one generated token is the greedy one after the prompt.
+        assert lp.token_logprobs[-1] == pytest.approx(float(want[-1].max()), abs=2e-3)
+    assert r.usage is not None and r.usage.prompt_tokens == sum(map(len, prompts))
 
 
 def test_stop_strings_end_the_answer_plain_and_streamed(smollm2: Any,

@@ -213,6 +213,28 @@ def test_n_choices_through_the_router_equal_the_colocated_ones(cluster: Cluster,
     wait_for(cluster.workers_idle, 30, "both workers idle after the choices")
 
 
+def test_a_batch_of_echoed_prompts_through_the_router_equals_the_colocated_run(
+        cluster: Cluster, colocated: Service) -> None:
+    prompts = [PROMPT, "Two plus two is"]
+
+    async def call(client: openai.AsyncOpenAI) -> list[Any]:
+        r = await client.completions.create(model="smollm2", prompt=prompts, max_tokens=4,
+                                            temperature=0, echo=True)
+        assert r.usage is not None
+        return [[(c.index, c.text) for c in r.choices], r.usage.prompt_tokens]
+
+    routed, local = on_both(cluster, colocated, call)
+    assert routed == local
+    assert [text[:len(p)] for (_, text), p in zip(routed[0], prompts, strict=True)] == prompts
+    # The prompt's logprobs are the prefill side's: the decode worker that answers says so.
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="smollm2", prompt=PROMPT, echo=True, logprobs=1)
+    assert "echo with logprobs needs the prompt's logprobs" in refused.value.message
+    wait_for(cluster.workers_idle, 30, "both workers idle after the batch")
+
+
 def test_a_json_schema_answer_validates(cluster: Cluster, colocated: Service) -> None:
     messages: Any = [{"role": "user", "content": "Describe a cat as JSON with a name and an age."}]
 

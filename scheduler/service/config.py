@@ -164,6 +164,8 @@ class AnswerOptions:
     no_stop_trim: bool = False  # keep a matched stop token's or string's text
     skip_special_tokens: bool = True
     return_text_in_logprobs: bool = False
+    # ``/v1/completions``' ``echo``: the prompt's text, written before the answer's.
+    echo: str | None = None
 
 
 @attrs.frozen

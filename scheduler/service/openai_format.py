@@ -49,10 +49,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(answers: Sequence[Answer]) -> Usage:
-    """The usage of one request's choices (SGLang's sums): the prompt counted once, every
-    choice's completion tokens and cached tokens."""
-    prompt = answers[0].prompt_tokens
+def usage(answers: Sequence[Answer], n: int | None = None) -> Usage:
+    """The usage of one request's choices, ``n`` per prompt (default: all of one prompt),
+    prompt-major (SGLang's sums): each prompt counted once, every choice's completion tokens and
+    cached tokens."""
+    prompt = sum(a.prompt_tokens for a in answers[::n or len(answers)])
     n = sum(len(a.output_ids) for a in answers)
     cached = sum(a.cached_tokens for a in answers)
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
@@ -97,19 +98,46 @@ def _token_text(tokenizer: Any, token: int) -> str:
 
 
 def completion_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int,
-                        start: int = 0) -> CompletionLogprobs:
+                        start: int = 0, *, prompt: bool = False) -> CompletionLogprobs:
     """``/v1/completions`` logprobs: the tokens' texts, logprobs, ``top`` alternatives (by
-    text) and text offsets (the first token's text at ``start``)."""
+    text) and text offsets (the first token's text at ``start``). ``prompt``: the entries are
+    an echoed prompt's, whose first token nothing predicts: its logprob and alternatives are
+    null (OpenAI's echo)."""
     texts = [_token_text(tokenizer, e.token) for e in entries]
     offsets = list(itertools.accumulate((len(t) for t in texts), initial=start))[:-1]
-    tops: list[dict[str, float]] | None = None
+    tops: list[dict[str, float] | None] | None = None
     if top > 0:
-        tops = [{} for _ in entries]
-        for alternatives, e in zip(tops, entries, strict=True):
+        tops = []
+        for e in entries:
+            alternatives: dict[str, float] = {}
             for tok, lp in e.top[:top]:  # most likely first: it keeps a text two tokens share
                 alternatives.setdefault(_token_text(tokenizer, tok), _number(lp))
-    return CompletionLogprobs(tokens=texts, token_logprobs=[_number(e.logprob) for e in entries],
-                              top_logprobs=tops, text_offset=offsets)
+            tops.append(None if prompt and e.logprob is None else alternatives)
+    return CompletionLogprobs(
+        tokens=texts, top_logprobs=tops, text_offset=offsets,
+        token_logprobs=[None if prompt and e.logprob is None else _number(e.logprob)
+                        for e in entries])
+
+
+def echoed_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob]
+                    ) -> CompletionLogprobs | None:
+    """The logprobs of an echoed prompt (its ``entries``, from its first position), or None
+    when the request did not ask for logprobs."""
+    if not item.sampling.return_logprob:
+        return None
+    return completion_logprobs(tokenizer, entries, item.sampling.top_logprobs_num, prompt=True)
+
+
+def _joined(first: CompletionLogprobs | None, then: CompletionLogprobs | None
+            ) -> CompletionLogprobs | None:
+    if first is None or then is None:
+        return then
+    tops = None if then.top_logprobs is None else [*(first.top_logprobs or ()),
+                                                   *then.top_logprobs]
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens, top_logprobs=tops,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        text_offset=first.text_offset + then.text_offset)
 
 
 def _top(tokenizer: Any, token: int, logprob: float | None) -> TopLogprob:
@@ -142,11 +170,11 @@ def answer_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob],
 
 
 def answer_body(tokenizer: Any, rid: str, choices: Sequence[tuple[Item, Answer]], model: str,
-                *, chat: bool) -> dict[str, Any]:
+                *, chat: bool, n: int | None = None) -> dict[str, Any]:
     """A whole chat completion (``chat``) or completion: one choice per (item, answer), indexed
-    in order, and their usage."""
+    in order (``n`` per prompt), and their usage."""
     head: dict[str, Any] = {"id": rid, "created": now(), "model": model,
-                            "usage": usage([answer for _, answer in choices])}
+                            "usage": usage([answer for _, answer in choices], n)}
     if chat:
         return ChatCompletionResponse(**head, choices=[ChatChoice(
             index=i, message=AssistantMessage(content=final_text(tokenizer, item, answer)),
@@ -154,12 +182,19 @@ def answer_body(tokenizer: Any, rid: str, choices: Sequence[tuple[Item, Answer]]
                                                 chat=True)),
             finish_reason=answer.finish_reason) for i, (item, answer) in enumerate(choices)]
         ).model_dump()
-    return CompletionResponse(**head, choices=[CompletionChoice(
-        index=i, text=final_text(tokenizer, item, answer),
-        logprobs=_completion_only(answer_logprobs(tokenizer, item, answer.output_logprobs,
-                                                  chat=False)),
-        finish_reason=answer.finish_reason) for i, (item, answer) in enumerate(choices)]
-    ).model_dump()
+    return CompletionResponse(**head, choices=[
+        _completion_choice(tokenizer, i, item, answer) for i, (item, answer) in enumerate(choices)
+    ]).model_dump()
+
+
+def _completion_choice(tokenizer: Any, index: int, item: Item, answer: Answer
+                       ) -> CompletionChoice:
+    echo = item.options.echo
+    prompt = None if echo is None else echoed_logprobs(tokenizer, item, answer.input_logprobs)
+    output = _completion_only(answer_logprobs(tokenizer, item, answer.output_logprobs,
+                                              chat=False, start=len(echo or "")))
+    return CompletionChoice(index=index, text=(echo or "") + final_text(tokenizer, item, answer),
+                            logprobs=_joined(prompt, output), finish_reason=answer.finish_reason)
 
 
 def _chat_only(logprobs: ChatLogprobs | CompletionLogprobs | None) -> ChatLogprobs | None:
@@ -244,6 +279,12 @@ class StreamLogprobs:
     def more(self, entries: Sequence[TokenLogprob]) -> None:
         self.entries.extend(entries)
 
+    def echo(self, entries: Sequence[TokenLogprob], text: str) -> CompletionLogprobs | None:
+        """The logprobs of an echoed prompt (``entries``, written as ``text``): the output
+        tokens' offsets follow that text."""
+        self._offset = len(text)
+        return echoed_logprobs(self.tokenizer, self.item, entries)
+
     def upto(self, released: int) -> ChatLogprobs | CompletionLogprobs | None:
         """The logprobs of the tokens before ``released`` not sent yet (a chunk's)."""
         end = max(self.sent, min(released, len(self.entries)))
@@ -296,7 +337,7 @@ class Chunks:
             choice["text"] = delta
         return self._chunk([choice])
 
-    def usage(self, answers: Sequence[Answer]) -> dict[str, Any]:
+    def usage(self, answers: Sequence[Answer], n: int) -> dict[str, Any]:
         """``stream_options.include_usage``'s last chunk: no choices, the usage of all
-        ``answers`` (the request's choices)."""
-        return self._chunk([], usage=usage(answers).model_dump())
+        ``answers`` (the request's choices, ``n`` per prompt)."""
+        return self._chunk([], usage=usage(answers, n).model_dump())

@@ -1,12 +1,16 @@
 """From an OpenAI request body to the checked :class:`~.config.Item` the engines run.
 
-The prompt: ``/v1/completions`` takes one text (encoded as ``/generate`` encodes ``text``) or
-token ids; ``/v1/chat/completions`` renders its messages with the model's chat template and
-encodes the result. The sampling fields are renamed into SGLang's ``sampling_params``
-(``max_tokens`` → ``max_new_tokens``, ``seed`` → ``sampling_seed``, ``response_format`` →
-``json_schema``) and go through :func:`~.sampling.sampling_params_from`, the one place that
-decides what pdlife honours; its refusals come back under the OpenAI field's name. Fields only
-the OpenAI API has (several prompts, ``echo``, tools, ...) are refused here when they ask for
+The prompt: ``/v1/completions`` takes a text (encoded as ``/generate`` encodes ``text``) or
+token ids, or a batch of either (``n`` choices per prompt, prompt-major, as ``/generate``'s
+batches); ``/v1/chat/completions`` renders its messages with the model's chat template and
+encodes the result. ``echo`` asks for the prompt's text before each answer's and, with
+``logprobs``, the prompt's logprobs from its first position on (``logprob_start_len`` 0).
+
+The sampling fields are renamed into SGLang's ``sampling_params`` (``max_tokens`` →
+``max_new_tokens``, ``seed`` → ``sampling_seed``, ``response_format`` → ``json_schema``) and
+go through :func:`~.sampling.sampling_params_from`, the one place that decides what pdlife
+honours; its refusals come back under the OpenAI field's name. Fields only the OpenAI API has
+that pdlife cannot honour (``suffix``, tools, ...) are refused here when they ask for
 something.
 """
 
@@ -22,6 +26,7 @@ from jinja2.exceptions import TemplateError
 from pydantic import ValidationError
 
 from lifecycle import SamplingParams
+from scheduler.service.answers import decode
 from scheduler.service.config import AnswerOptions, BadRequest, Item
 from scheduler.service.core import Service
 from scheduler.service.openai_schema import (
@@ -46,7 +51,6 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "return_hidden_states": (False,),
     "lora_path": (None, ""),
-    "echo": (False,),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "continue_final_message": (False,),
@@ -70,13 +74,28 @@ class FieldError(BadRequest):
 
 
 def completion_items(service: Service, body: CompletionRequest) -> list[Item]:
-    """The checked items of a ``/v1/completions`` body (one per choice), or
+    """The checked items of a ``/v1/completions`` body (``n`` per prompt, prompt-major), or
     :class:`FieldError`."""
     _refuse_unsupported(body)
     logprobs = body.logprobs is not None
+    if body.echo and logprobs and service.config.role == "decode":
+        raise FieldError("unsupported", "echo with logprobs needs the prompt's logprobs, which "
+                         "the prefill side computes and a decode worker does not have (send it "
+                         "to a colocated worker, --backend local)", "echo")
     sp = _sampling_body(body, body.max_tokens)
-    return _items(service, body, "cmpl", _prompt(service, body), sp, "max_tokens",
-                  return_logprob=logprobs, top=body.logprobs or 0)
+    prompts = _prompts(service, body)
+    items = _items(service, body, "cmpl", [ids for ids, _ in prompts], sp, "max_tokens",
+                   return_logprob=logprobs, top=body.logprobs or 0,
+                   logprob_start_len=0 if body.echo and logprobs else -1)
+    if not body.echo:
+        return items
+    # The text sent, or (the ids are checked now) the ids decoded.
+    echoes = [text if text is not None else decode(service.tokenizer, ids,
+                                                   skip_special_tokens=False)
+              for ids, text in prompts]
+    n = len(items) // len(prompts)
+    return [attrs.evolve(item, options=attrs.evolve(item.options, echo=echoes[k // n]))
+            for k, item in enumerate(items)]
 
 
 def chat_items(service: Service, body: ChatCompletionRequest) -> list[Item]:
@@ -90,23 +109,27 @@ def chat_items(service: Service, body: ChatCompletionRequest) -> list[Item]:
     asked = body.max_completion_tokens or body.max_tokens
     max_new = asked if asked is not None else _room_left(service, len(prompt))
     sp = _sampling_body(body, max_new)
-    return _items(service, body, "chatcmpl", prompt, sp, name, return_logprob=body.logprobs,
-                  top=body.top_logprobs)
+    return _items(service, body, "chatcmpl", [prompt], sp, name,
+                  return_logprob=body.logprobs, top=body.top_logprobs)
 
 
 # -- prompts ------------------------------------------------------------------------------------
 
 
-def _prompt(service: Service, body: CompletionRequest) -> list[int]:
+def _prompts(service: Service, body: CompletionRequest
+             ) -> list[tuple[list[int], str | None]]:
+    """The prompts of a completions body (a batch, or one), each as token ids and, when it
+    was sent as text, that text."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) > 1:
-            raise FieldError("bad_batch", f"prompt holds {len(prompt)} prompts; this server "
-                             "takes one per request", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return list(service.tokenizer.encode(prompt))
-    return [int(t) for t in prompt]  # type: ignore[arg-type]  # ints, by the check above
+    batch: list[Any]  # strings or id lists, by the schema
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        batch = [prompt]  # one text, or one list of token ids (maybe empty)
+    else:
+        batch = prompt
+    if not batch:
+        raise FieldError("empty_prompt", "the batch of prompts is empty", "prompt")
+    return [(list(service.tokenizer.encode(p)), p) if isinstance(p, str) else (list(p), None)
+            for p in batch]
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -192,9 +215,10 @@ def _sampling_body(body: SamplingFields, max_new: int) -> SamplingParamsBody:
 
 
 def _sampling(service: Service, sp: SamplingParamsBody, max_name: str, *,
-              return_logprob: bool, top: int) -> SamplingParams:
+              return_logprob: bool, top: int, logprob_start_len: int) -> SamplingParams:
     try:
         return sampling_params_from(sp, return_logprob=return_logprob, top_logprobs_num=top,
+                                    logprob_start_len=logprob_start_len,
                                     max_new_tokens_limit=service.config.new_tokens_limit)
     except BadRequest as exc:
         raise _renamed(exc, {**_NAMES, "max_new_tokens": max_name}) from exc
@@ -212,35 +236,38 @@ def _renamed(exc: BadRequest, names: dict[str, str]) -> FieldError:
 # -- the item -----------------------------------------------------------------------------------
 
 
-def _items(service: Service, body: SamplingFields, prefix: str, prompt: list[int],
-           sp: SamplingParamsBody, max_name: str, *, return_logprob: bool,
-           top: int) -> list[Item]:
-    """One checked item per choice: with ``n`` > 1 choice ``i`` is request ``<rid>_<i>`` with
-    its own seed (:func:`~.sampling.sample`) and its own entry of the bootstrap lists the
-    router sends."""
+def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[list[int]],
+           sp: SamplingParamsBody, max_name: str, *, return_logprob: bool, top: int,
+           logprob_start_len: int = -1) -> list[Item]:
+    """One checked item per choice, ``n`` per prompt, prompt-major: with more than one, choice
+    ``k`` (the ``j``-th of its prompt) is request ``<rid>_<k>`` seeded ``seed + j``
+    (:func:`~.sampling.sample`), with its own entry of the bootstrap lists the router sends."""
     try:
-        n = samples_per_prompt([sp], 1, service.config.max_queued_requests)
+        n = samples_per_prompt([sp], len(prompts), service.config.max_queued_requests)
     except BadRequest as exc:
         raise _renamed(exc, _NAMES) from exc
+    total = n * len(prompts)
     rid = body.rid or f"{prefix}-{uuid.uuid4().hex}"
     fields = []
     for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
         value = getattr(body, name)
-        if isinstance(value, list) and (n == 1 or len(value) != n):
-            raise FieldError("bad_bootstrap", f"{name} has {len(value)} entries for n={n} "
-                             "choices (give one value, or with n > 1 one per choice)", name)
-        fields.append(value if isinstance(value, list) else [value] * n)
+        if isinstance(value, list) and (total == 1 or len(value) != total):
+            raise FieldError("bad_bootstrap", f"{name} has {len(value)} entries for {total} "
+                             "choices (give one value, or with several choices (n, or a batch "
+                             "of prompts) one per choice)", name)
+        fields.append(value if isinstance(value, list) else [value] * total)
     try:
         check_own_rooms(zip(*fields, strict=True))
     except BadRequest as exc:
         raise FieldError("bad_bootstrap", str(exc), "bootstrap_room") from exc
     items = []
-    for i, (host, port, room) in enumerate(zip(*fields, strict=True)):
-        one = sample(sp, i) if n > 1 else sp
-        item_rid = f"{rid}_{i}" if n > 1 else rid
-        sampling = _sampling(service, one, max_name, return_logprob=return_logprob, top=top)
-        items.append(_check(service, item_rid, prompt, sampling, host, port, room, max_name,
-                            prefix))
+    for k, (host, port, room) in enumerate(zip(*fields, strict=True)):
+        one = sample(sp, k % n) if n > 1 else sp
+        item_rid = f"{rid}_{k}" if total > 1 else rid
+        sampling = _sampling(service, one, max_name, return_logprob=return_logprob, top=top,
+                             logprob_start_len=logprob_start_len)
+        items.append(_check(service, item_rid, prompts[k // n], sampling, host, port, room,
+                            max_name, prefix))
     options = AnswerOptions(body.no_stop_trim, body.skip_special_tokens)
     return [attrs.evolve(item, options=options) for item in items]
 

@@ -90,15 +90,15 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    """``/v1/completions``: one prompt, text or token ids."""
+    """``/v1/completions``: a prompt (text or token ids) or a batch of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="one prompt: a string or token ids (a list of one of them is accepted)")
+        description="a prompt (a string or token ids) or a list of them (a batch)")
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX,
                                  description="alternatives per token; 0: the chosen token only")
+    echo: bool = Field(False, description="the prompt's text (and logprobs) before the answer")
     # Refused unless neutral.
-    echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -152,7 +152,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None  # null at an echoed prompt's first token
     text_offset: list[int]
 
 

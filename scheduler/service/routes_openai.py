@@ -9,9 +9,10 @@ is not JSON or fails the schema, is OpenAI's error object ``{"error": {"message"
 ``draining``, ``transfer_failed``, ...); ``param`` names the field to change, when there is one.
 A refusal is told to the request's peer, as on ``/generate``.
 
-``n`` > 1 runs ``n`` requests, one per choice (:func:`~.openai_request.chat_items`); a stream
-interleaves their chunks as they come, each carrying its choice's ``index``, and the usage
-covers them all.
+``n`` > 1 runs ``n`` requests, one per choice (:func:`~.openai_request.chat_items`), and a
+batch of completion prompts ``n`` per prompt, prompt-major; a stream interleaves their chunks
+as they come, each carrying its choice's ``index``, and the usage covers them all. An echoed
+prompt's text (with its logprobs) is the first text chunk of its choice.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _responses(what: str) -> dict[int | str, dict[str, Any]]:
              responses=_responses("completion"))
 async def completions(body: CompletionRequest, request: Request,
                       service: ServiceDep) -> Response:
-    """OpenAI's completions: one prompt, text or token ids."""
+    """OpenAI's completions: a prompt (text or token ids) or a batch of them."""
     return await _serve(service, request, body, completion_items, chat=False)
 
 
@@ -141,7 +142,7 @@ async def _serve(service: Service, request: Request, body: Body,
     rid = items[0].rid.rpartition("_")[0] if len(items) > 1 else items[0].rid
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _stream(service, started, Chunks(rid, model, chat), include_usage)
+        chunks = _stream(service, started, Chunks(rid, model, chat), include_usage, body.n)
         return StreamingResponse(handoff.events(service, started, chunks),
                                  media_type="text/event-stream")
     answers = await handoff.answered(service, request, started, lambda a: openai_error(
@@ -150,23 +151,24 @@ async def _serve(service: Service, request: Request, body: Body,
         return answers
     return JSONResponse(answer_body(service.tokenizer, rid, list(zip(items, answers,
                                                                       strict=True)),
-                                    model, chat=chat))
+                                    model, chat=chat, n=body.n))
 
 
 async def _stream(service: Service, started: list[Pending], chunks: Chunks,
-                  include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                  include_usage: bool, n: int) -> AsyncIterator[dict[str, Any]]:
     """The chunks of every choice as they come, then the usage of all if asked."""
     streams = [_chunks(service, p, attrs.evolve(chunks, index=i)) for i, p in enumerate(started)]
     async for chunk in handoff.merged(streams):
         yield chunk
     answers = [p.future.result() for p in started]
     if include_usage and all(a.status == 200 for a in answers):
-        yield chunks.usage(answers)
+        yield chunks.usage(answers, n)
 
 
 async def _chunks(service: Service, pending: Pending,
                   chunks: Chunks) -> AsyncIterator[dict[str, Any]]:
-    """The chunks of one choice: text only once it cannot change (:class:`StreamText`), with
+    """The chunks of one choice: an echoed prompt once its logprobs are known (with the first
+    tokens, or the answer), text only once it cannot change (:class:`StreamText`), with
     the logprobs of the tokens whose text it completes (:class:`StreamLogprobs`), the last with
     the finish reason and the remaining logprobs; or an error."""
     item, tokenizer = pending.item, service.tokenizer
@@ -175,12 +177,18 @@ async def _chunks(service: Service, pending: Pending,
     opening = chunks.opening()
     if opening is not None:
         yield opening
+    echo = item.options.echo
     async for progress in handoff.new_tokens(pending):
+        if echo is not None:  # a colocated worker's input logprobs come before any token
+            yield chunks.text(echo, logprobs=logprobs.echo(pending.input_logprobs, echo))
+            echo = None
         logprobs.more(progress.logprobs)
         delta = text.more(progress.tokens)
         if delta:
             yield chunks.text(delta, logprobs=logprobs.upto(text.released))
     answer: Answer = pending.future.result()
+    if echo is not None and answer.status == 200:
+        yield chunks.text(echo, logprobs=logprobs.echo(answer.input_logprobs, echo))
     if answer.status != 200:
         yield OpenAIError(error=OpenAIErrorDetail(
             message=answer.message, type="server_error", param=None,
