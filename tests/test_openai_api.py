@@ -299,6 +299,10 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
      "response_format.type"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}},
      "bad_grammar", "response_format.json_schema"),
+    ("/v1/completions", {"prompt": "x", "regex": "a", "ebnf": "start: \"a\""}, "bad_grammar",
+     "ebnf"),
+    ("/v1/completions", {"prompt": "x", "regex": "a", "response_format": {
+        "type": "json_object"}}, "bad_grammar", "regex"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, "invalid_request", "logprobs"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "invalid_request", "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "invalid_request", "top_p"),
@@ -321,6 +325,17 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "invalid_request",
      "messages.0.content.0.type"),
     ("/v1/chat/completions", {"messages": []}, "invalid_request", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
+     "invalid_request", "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "tool", "content": "42"}]}, "unsupported", "messages.1.tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "modalities": ["text", "audio"]}, "unsupported", "modalities"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "audio": {"voice": "alloy", "format": "wav"}}, "unsupported",
+     "audio"),
 ]
 
 
@@ -341,6 +356,75 @@ def test_refusals_are_openai_errors_naming_the_field(path: str, body: dict[str, 
                     assert param is not None and param in error["message"]
                 metrics = (await client.get("/metrics")).text
                 assert f'pdlife_http_rejected_total{{reason="{code}"}} 1.0' in metrics
+
+    run(main())
+
+
+def test_models_are_retrieved_and_a_wrong_path_is_an_openai_error() -> None:
+    async def main() -> None:
+        with running_service(config(model_name="tiny")) as service:
+            async with asgi_client(service) as client:
+                card = (await client.get("/v1/models/tiny")).json()
+                assert card == (await client.get("/v1/models")).json()["data"][0]
+                r = await client.get("/v1/models/gpt-4")
+                assert r.status_code == 404
+                assert r.json()["error"] | {"message": ""} == {
+                    "message": "", "type": "invalid_request_error", "param": "model",
+                    "code": "model_not_found"}
+                r = await post(client, "/v1/embeddings", input="x")
+                assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
+                assert r.json()["error"]["type"] == "invalid_request_error"
+                r = await client.get("/v1/chat/completions")
+                assert (r.status_code, r.json()["error"]["code"]) == (405, "method_not_allowed")
+                r = await client.get("/no_such_route")  # elsewhere: /generate's shape
+                assert r.json()["error"]["type"] == "http_error"
+            async with openai_client(service) as openai_api:
+                assert (await openai_api.models.retrieve("tiny")).id == "tiny"
+                with pytest.raises(openai.NotFoundError):
+                    await openai_api.models.retrieve("gpt-4")
+
+    run(main())
+
+
+def test_a_refusal_of_a_list_names_the_field_not_its_value() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await post(client, "/v1/chat/completions", tools=tools,
+                               messages=[{"role": "user", "content": "hi"}])
+                message = r.json()["error"]["message"]
+                assert message == ("tools is not supported by this server (leave it out, or "
+                                   "send null); for an answer of a given JSON shape use "
+                                   "response_format json_schema")
+                r = await post(client, "/v1/completions", prompt="x", best_of=3)
+                assert r.json()["error"]["message"] == (
+                    "best_of=3 is not supported by this server (leave it out, or send null)")
+
+    run(main())
+
+
+def test_null_is_each_fields_default() -> None:
+    """What the ``openai`` client sends for an option its caller left ``None``."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "seed": None,
+             "stop": None, "stream_options": None, "response_format": None, "user": None,
+             "rid": None, "top_k": None, "ignore_eos": None}
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                for path, body in (
+                        ("/v1/completions", {"prompt": "null", "max_tokens": 4, "echo": None,
+                                             "logprobs": None}),
+                        ("/v1/chat/completions", {
+                            "messages": [{"role": "user", "content": "hi", "name": None}],
+                            "max_tokens": 4, "logprobs": None, "top_logprobs": None})):
+                    defaults = await post(client, path, **body, seed=5)
+                    r = await post(client, path, **body | nulls | {"seed": 5})
+                    assert r.status_code == defaults.status_code, r.text
+                    if path == "/v1/completions":
+                        assert r.json()["choices"] == defaults.json()["choices"]
 
     run(main())
 

@@ -208,7 +208,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         try:
             return llguidance.grammar_from("ebnf", spec.source)
         except ValueError as exc:  # a GBNF grammar that does not convert to Lark
-            raise GrammarError(f"ebnf: {exc}") from None
+            raise GrammarError(_message(spec, str(exc))) from None
     raise AssertionError(f"unhandled grammar kind {spec.kind!r}")
 
 

@@ -134,8 +134,7 @@ class Sampling:
             try:
                 constraint = self.compiler.compile(params.grammar)
             except GrammarError as exc:
-                raise SamplingRefused(f"request {rid!r}: the {params.grammar.kind} grammar "
-                                      f"does not compile: {exc}") from exc
+                raise SamplingRefused(f"request {rid!r}: {exc}") from exc
         if not needs_logits(params, len(prompt)) and not (self._stop_strings and params.stop):
             return None
         banned = tuple(sorted(self._eos.union(params.stop_token_ids))

@@ -16,12 +16,23 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service.core import Answer, Service
+from scheduler.service.openai_schema import OpenAIError, OpenAIErrorDetail
 from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.schema import ErrorBody, ErrorDetail
 
 
 def error(status: int, kind: str, message: str, rid: str | None = None) -> JSONResponse:
     body = ErrorBody(error=ErrorDetail(message=message, type=kind, rid=rid))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def openai_error(status: int, message: str, code: str, param: str | None = None
+                 ) -> JSONResponse:
+    """OpenAI's error object: ``type`` ``invalid_request_error`` for a 4xx, ``server_error``
+    otherwise."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = OpenAIError(error=OpenAIErrorDetail(message=message, type=kind, param=param,
+                                               code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
@@ -109,11 +120,15 @@ def plain_validation_errors(errors: Sequence[Any]) -> list[str]:
 def install_error_handlers(app: FastAPI, service: Service) -> None:
     """Answer what FastAPI refuses before a handler runs in the API's own error shape."""
 
-    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 400:  # a body FastAPI could not even decode
             return rejected(service, "malformed_json", 400,
                             f"the body is not valid JSON: {exc.detail}")
+        if request.url.path.startswith("/v1/"):  # what OpenAI clients read
+            what = f"{request.method} {request.url.path}: {exc.detail}"
+            return openai_error(exc.status_code, what,
+                                str(exc.detail).lower().replace(" ", "_"))
         return error(exc.status_code, "http_error", str(exc.detail))
 
     async def invalid(request: Request, exc: Exception) -> JSONResponse:

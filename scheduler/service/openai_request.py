@@ -41,6 +41,7 @@ from scheduler.service.sampling import (
     sample,
     samples_per_prompt,
     sampling_params_from,
+    unsupported,
 )
 from scheduler.service.schema import SamplingParamsBody
 
@@ -59,6 +60,14 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
     "chat_template_kwargs": (None, {}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+}
+
+#: What to use instead, for the refusals that have an answer.
+_INSTEAD = {
+    "tools": "; for an answer of a given JSON shape use response_format json_schema",
+    "functions": "; for an answer of a given JSON shape use response_format json_schema",
 }
 
 _SGLANG_FIELD = re.compile(r"sampling_params\.(\w+)")
@@ -173,8 +182,12 @@ def _room_left(service: Service, prompt_tokens: int) -> int:
 def _refuse_unsupported(body: SamplingFields) -> None:
     for name, neutral in _NEUTRAL.items():
         if name in type(body).model_fields and getattr(body, name) not in neutral:
-            raise FieldError("unsupported", f"{name}={getattr(body, name)!r} is not supported "
-                             f"by this server (leave it out, or send {neutral[0]!r})", name)
+            raise FieldError("unsupported", unsupported(name, getattr(body, name), neutral[0])
+                             + _INSTEAD.get(name, ""), name)
+    for i, message in enumerate(getattr(body, "messages", ())):
+        if message.tool_calls:
+            raise FieldError("unsupported", f"messages.{i}.tool_calls: tool calls are not "
+                             "supported by this server", f"messages.{i}.tool_calls")
 
 
 def _json_schema(fmt: ResponseFormat | None) -> str | None:

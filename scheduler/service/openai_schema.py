@@ -4,15 +4,16 @@
 Requests take OpenAI's fields, SGLang's extensions of them (``top_k``, ``min_p``, ``regex``,
 ``ebnf``, ``stop_token_ids``, ``ignore_eos``, ...) and the bootstrap fields a PD router adds.
 Unknown fields are ignored, as SGLang does (the router adds several); a known field pdlife
-cannot honour is declared here with its neutral value so that :mod:`.openai_format` can refuse
-anything else with a 400 that names it.
+cannot honour is declared here with its neutral value so that :mod:`.openai_request` can refuse
+anything else with a 400 that names it. ``null`` in any field is that field's default (OpenAI's
+clients send ``null`` for an option their caller left ``None``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lifecycle import TOP_LOGPROBS_MAX
 
@@ -24,8 +25,15 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored; known ones must have their type.
+    # Unknown fields are ignored; known ones must have their type, or be null (the default).
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 class StreamOptions(_Body):
@@ -109,9 +117,11 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str = Field(min_length=1)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Refused unless absent or empty (pdlife has no tool calling).
+    tool_calls: list[Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -133,6 +143,8 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
 
 
 # -- answers ------------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lifecycle import SamplingParams
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.service.core import Service, Unavailable
-from scheduler.service.errors import error, failure_kind, unavailable
+from scheduler.service.errors import error, failure_kind, openai_error, unavailable
+from scheduler.service.openai_schema import OpenAIError
 from scheduler.service.schema import ERRORS, ModelCard, ModelInfo, ModelList, ServerInfo
 
 _HEALTH_TIMEOUT_S = 30.0
@@ -114,6 +115,16 @@ async def models(service: ServiceDep) -> ModelList:
         id=config.model_name, created=_STARTED, owned_by="pdlife", root=config.model_name,
         max_model_len=config.max_position,
     )])
+
+
+@router.get("/v1/models/{model}", response_model=ModelCard,
+            responses={404: {"model": OpenAIError, "description": "not the served model"}})
+async def model(model: str, service: ServiceDep) -> ModelCard | JSONResponse:
+    """OpenAI's model retrieval: the served model's card; another name is 404."""
+    if model != service.config.model_name:
+        return openai_error(404, f"the model {model!r} does not exist: this worker serves "
+                            f"{service.config.model_name!r}", "model_not_found", "model")
+    return (await models(service)).data[0]
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

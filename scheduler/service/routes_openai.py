@@ -31,7 +31,7 @@ from scheduler.service import handoff
 from scheduler.service.answers import final_text
 from scheduler.service.config import BadRequest
 from scheduler.service.core import Answer, Item, Pending, Service
-from scheduler.service.errors import failure_kind, plain_validation_errors
+from scheduler.service.errors import failure_kind, openai_error, plain_validation_errors
 from scheduler.service.openai_format import Chunks, StreamLogprobs, StreamText, answer_body
 from scheduler.service.openai_request import FieldError, chat_items, completion_items
 from scheduler.service.openai_schema import (
@@ -48,14 +48,6 @@ from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep, service_of
 
 Body = TypeVar("Body", bound=SamplingFields)
-
-
-def openai_error(status: int, message: str, code: str, param: str | None = None
-                 ) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = OpenAIError(error=OpenAIErrorDetail(message=message, type=kind, param=param,
-                                               code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
 
 
 def _param(exc: BadRequest) -> str | None:

@@ -96,8 +96,16 @@ def refuse_unsupported(sp: SamplingParamsBody) -> None:
     for name, neutral in NEUTRAL.items():
         value = getattr(sp, name)
         if value != neutral and not (neutral is None and value in ({}, [], "")):
-            raise BadRequest("unsupported", f"sampling_params.{name}={value!r} is not supported "
-                             f"by this server (leave it out, or send {neutral!r})")
+            raise BadRequest("unsupported", unsupported(f"sampling_params.{name}", value,
+                                                        neutral))
+
+
+def unsupported(field: str, value: Any, neutral: Any) -> str:
+    """What a refusal of ``field`` says: the value asked for (when it is short), the one that
+    asks for nothing, both as JSON."""
+    asked = f"={json.dumps(value)}" if isinstance(value, bool | int | float | str) else ""
+    return (f"{field}{asked} is not supported by this server (leave it out, or send "
+            f"{json.dumps(neutral)})")
 
 
 def logit_bias_of(sp: SamplingParamsBody) -> dict[int, float]:
@@ -118,8 +126,9 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
     schema that parses, and a grammar the compiler accepts."""
     given = {name: getattr(sp, name) for name in GRAMMAR_FIELDS if getattr(sp, name) is not None}
     if len(given) > 1:
-        raise BadRequest("bad_grammar", "give at most one of sampling_params.json_schema, regex "
-                         f"and ebnf (got {', '.join(given)})")
+        names = [f"sampling_params.{name}" for name in given]
+        raise BadRequest("bad_grammar", f"{names[1]}: give at most one grammar field, got "
+                         f"{' and '.join(names)}")
     if not given:
         return None
     ((name, source),) = given.items()
@@ -136,8 +145,8 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
     try:
         check_grammar(spec)
     except GrammarError as exc:
-        raise BadRequest("bad_grammar",
-                         f"sampling_params.{name} does not compile: {exc}") from exc
+        # The message starts with the grammar's kind, the field's name: "regex does not ..."
+        raise BadRequest("bad_grammar", f"sampling_params.{exc}") from exc
     return spec
 
 
