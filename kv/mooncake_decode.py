@@ -25,9 +25,12 @@ the room's pages: :meth:`MooncakeKVReceiver.quiescent` is True once every source
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s``. After ``heartbeat_max_failures`` failures in a row the prefill counts
 as gone: every room not yet concluded fails with a reason naming it and is quiescent (a prefill
-that is gone writes nothing more), and receivers created meanwhile fail at once. When the health
-check answers again, the manager looks the prefill server up again and sends every rank a fresh
-``Register``, so a restarted prefill server is used without restarting decode.
+that is gone writes nothing more), and receivers created meanwhile fail at once and wake the
+heartbeat for a check of its own (a request is the first sign that a restarted prefill is
+back). When the health check answers again, the manager looks the prefill server up again,
+sends every rank a fresh ``Register``, so a restarted prefill server is used without restarting
+decode, and refuses to it the rooms it failed at once meanwhile (the router sent their other
+half there: without the refusal it would wait for its bootstrap timeout).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -57,6 +61,10 @@ from kv.state_routes import state_sources
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError, accepts_call
 
 logger = logging.getLogger(__name__)
+
+#: The most rooms failed while the prefill counted as gone that are refused to it when it is
+#: back (the newest; older ones have timed out there).
+_MAX_REFUSED_WHILE_LOST = 4096
 
 
 @attrs.define(eq=False)
@@ -106,6 +114,7 @@ class MooncakeDecodeManager:
         self._me = decode_rank(pool, self.place)
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # check the prefill's health now (or stop)
         self._refusals = RefusalPoster(token=self.config.token)
         table = lookup_prefill(bootstrap_addr, self.config, self._me, self._stop)
         self._control = ControlEndpoint(
@@ -123,6 +132,8 @@ class MooncakeDecodeManager:
         # None while it answers.
         self._lost: str | None = None
         self._lost_since: float | None = None
+        # Rooms failed at once meanwhile, with why: refused to the prefill when it is back.
+        self._failed_while_lost: deque[tuple[int, str]] = deque(maxlen=_MAX_REFUSED_WHILE_LOST)
         self._closed = False
         infos = metadata.buffer_infos()
         self._register = wire.Register(
@@ -187,6 +198,8 @@ class MooncakeDecodeManager:
                 rec.status, rec.reason = KVPoll.FAILED, "the decode manager closed"
             elif self._lost is not None:
                 rec.status, rec.reason = KVPoll.FAILED, self._lost
+                self._failed_while_lost.append((room, self._lost))
+                self._wake.set()
             self._rooms[room] = rec
         if rec.status == KVPoll.FAILED:
             self.ready.put(room)
@@ -208,6 +221,7 @@ class MooncakeDecodeManager:
         rooms still live here fail (quiescent: the engine is gone), and so does a receiver
         created after."""
         self._stop.set()
+        self._wake.set()
         self._refusals.close()
         self._heartbeat.join(timeout=10)
         self._control.stop()
@@ -229,7 +243,11 @@ class MooncakeDecodeManager:
             self.bootstrap_addr, timeout_s=min(cfg.heartbeat_interval_s, 3.0), token=cfg.token
         )
         failures = 0
-        while not self._stop.wait(cfg.heartbeat_interval_s):
+        while True:
+            self._wake.wait(cfg.heartbeat_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if client.health():
                 failures = 0
                 if self.lost is not None:
@@ -275,8 +293,13 @@ class MooncakeDecodeManager:
         peers.send_all(self._register)
         with self._lock:
             self._lost = self._lost_since = None
-        logger.info("prefill %s is back (%d ranks); registered again", self.bootstrap_addr,
-                    len(table.ranks))
+            failed = list(self._failed_while_lost)
+            self._failed_while_lost.clear()
+        for room, reason in failed:
+            self.refuse(self.bootstrap_addr, room, reason)
+        logger.info("prefill %s is back (%d ranks); registered again%s", self.bootstrap_addr,
+                    len(table.ranks), f", refused the {len(failed)} rooms failed meanwhile"
+                    if failed else "")
 
     def _handle(self, msg: wire.Message) -> None:
         if not isinstance(msg, wire.Status):

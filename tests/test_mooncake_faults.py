@@ -290,6 +290,44 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
         server.close()
 
 
+def test_a_room_failed_while_the_prefill_counted_as_gone_is_refused_to_it_once_it_is_back(
+) -> None:
+    """A restarted prefill answers before decode's heartbeat notices. A request arriving in
+    between fails on decode at once, and the router sent its other half to the prefill: the
+    failure wakes the heartbeat (an hour apart here), which finds the prefill back, registers
+    again and refuses the room to it, so its half fails at once, not at its bootstrap
+    timeout."""
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    server = BootstrapServer()
+    port = int(server.address.rpartition(":")[2])
+    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
+    prefill.register_to_bootstrap(server.address)
+    decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(8), server.address,
+                                   config=MooncakeConfig(heartbeat_interval_s=3600))
+    try:
+        prefill.close()
+        server.close()
+        # The heartbeat's verdict, without an hour's wait for it.
+        decode._lose_prefill(f"lost contact with prefill {server.address}")
+        server = BootstrapServer(port=port)
+        prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8),
+                                    config=MooncakeConfig(bootstrap_timeout_s=300.0))
+        prefill.register_to_bootstrap(server.address)
+        server.add_refusal_listener(prefill.peer_refused)  # as pdlife serve wires it
+        half = prefill.create_sender(server.address, 5)
+        late = decode.create_receiver(server.address, 5)
+        assert late.poll() == KVPoll.FAILED  # the prefill still counts as gone
+        eventually(lambda: decode.lost is None, "the woken check found the prefill back")
+        assert drive(prefill, half, _TERMINAL)[-1] == KVPoll.FAILED
+        assert "lost contact with prefill" in half.failure_exception().reason
+        assert half.failure_exception().refused
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+
+
 def test_a_deregistered_session_is_forgotten_and_its_rooms_fail(
     manager: MooncakeKVManager, raw: RawDecode
 ) -> None:
