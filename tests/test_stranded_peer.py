@@ -106,8 +106,10 @@ def test_a_request_decode_refuses_fails_on_prefill_at_once(pair: Pair) -> None:
                                                                                room_zero)]
     (p_long, d_long), (p_zero, d_zero) = [(p.result(WAIT_S), d.result(WAIT_S)) for p, d in calls]
     failed_with(d_long, 400, "prompt_too_long")
-    failed_with(p_long, 500, "bootstrap_failed", "peer refused: prompt_too_long")
+    # Refused by decode's HTTP check: prefill answers the same status and type.
+    failed_with(p_long, 400, "prompt_too_long", "peer refused: prompt_too_long (400): ")
     failed_with(d_zero, 400, "rejected")
+    # Refused by decode's engine, which knows no HTTP status: 500 on prefill.
     failed_with(p_zero, 500, "bootstrap_failed", "peer refused: bootstrap_room must be non-zero")
     assert counter(pair.decode, "pdlife_decode_peer_refusals_total", "sent") >= 2
     assert counter(pair.prefill, "pdlife_peer_refusals_total", "received") >= 2
@@ -120,14 +122,14 @@ def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
     refused = pair.post(pair.prefill, after).result(WAIT_S)
     failed_with(refused, 400, "prompt_too_long")
     # Decode's handshake comes after the refusal: the refusal answers it.
-    failed_with(pair.post(pair.decode, after).result(WAIT_S), 500, "bootstrap_failed",
-                "peer refused: prompt_too_long")
+    failed_with(pair.post(pair.decode, after).result(WAIT_S), 400, "prompt_too_long",
+                "peer refused: prompt_too_long (400): ")
     # Both at once: decode's handshake may come first, and is answered when prefill refuses.
     together = pair.body("prefill-too-long-together", 103, prompt=300)
     on_prefill, on_decode = pair.post(pair.prefill, together), pair.post(pair.decode, together)
     failed_with(on_prefill.result(WAIT_S), 400, "prompt_too_long")
-    failed_with(on_decode.result(WAIT_S), 500, "bootstrap_failed",
-                "peer refused: prompt_too_long")
+    failed_with(on_decode.result(WAIT_S), 400, "prompt_too_long",
+                "peer refused: prompt_too_long (400): ")
     assert counter(pair.prefill, "pdlife_peer_refusals_total", "sent") >= 2
     assert counter(pair.decode, "pdlife_decode_peer_refusals_total", "received") >= 2
     until_idle(pair.prefill, pair.decode)
@@ -168,8 +170,7 @@ def test_a_draining_decode_fails_the_request_on_prefill_at_once(
         body = pair.body("to-a-draining-decode", 105, prompt=20)
         on_prefill, on_decode = pair.post(pair.prefill, body), pair.post(decode, body)
         failed_with(on_decode.result(WAIT_S), 503, "draining")
-        failed_with(on_prefill.result(WAIT_S), 500, "bootstrap_failed",
-                    "peer refused: draining")
+        failed_with(on_prefill.result(WAIT_S), 503, "draining", "peer refused: draining (503): ")
         decode.signal(signal.SIGKILL)
         decode.wait(30)
         with pytest.raises(httpx.TransportError):
@@ -190,7 +191,7 @@ def test_a_draining_prefill_fails_the_request_on_decode_at_once(
         body = pair.body("to-a-draining-prefill", 107, prompt=20, bootstrap_port=port)
         on_prefill, on_decode = pair.post(prefill, body), pair.post(pair.decode, body)
         failed_with(on_prefill.result(WAIT_S), 503, "draining")
-        failed_with(on_decode.result(WAIT_S), 500, "bootstrap_failed", "peer refused: draining")
+        failed_with(on_decode.result(WAIT_S), 503, "draining", "peer refused: draining (503): ")
         prefill.signal(signal.SIGKILL)
         prefill.wait(30)
         with pytest.raises(httpx.TransportError):

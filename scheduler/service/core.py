@@ -54,6 +54,7 @@ from scheduler.service.config import (
     ServeConfig,
     Unavailable,
     check_item,
+    refused_for_the_client,
 )
 from scheduler.service.engine_loop import EngineLoop
 from scheduler.service.engines import Engines
@@ -297,9 +298,10 @@ class Service:
             return
         ok = resp.ok
         first = () if resp.first_token is None else (resp.first_token,)
+        kind, status = _refused_or(resp.http_status, None if ok else resp.detail)
         self._done(pending, "prefill", Answer(
             rid=resp.rid,
-            status=resp.http_status,
+            status=status,
             output_ids=first if ok else (),
             finish_reason="length" if ok else "abort",
             message=resp.detail,
@@ -309,6 +311,7 @@ class Service:
             cached_tokens=resp.cached_tokens,
             input_logprobs=resp.input_logprobs if ok else (),
             output_logprobs=(resp.output_logprob,) if ok and resp.output_logprob else (),
+            kind=kind,
         ))
 
     def _on_decode(self, resp: DecodeResponse) -> None:
@@ -319,6 +322,7 @@ class Service:
         failed = pending.prefill_failure
         if failed is not None and not resp.ok:
             status, reason, message = failed.http_status, failed.reason, failed.detail
+        kind, status = _refused_or(status, None if resp.ok else message)
         answer = Answer(
             rid=resp.rid,
             status=status,
@@ -332,6 +336,7 @@ class Service:
             input_logprobs=pending.input_logprobs,
             output_logprobs=resp.output_logprobs,
             matched_stop=self._matched_stop(resp),
+            kind=kind,
         )
         if self.config.role == "both" and "prefill" in pending.waiting_on:
             # A short answer can end before the prefill side's answer is read: it brings the
@@ -409,3 +414,10 @@ class Service:
         with self._lock:
             self._queue.published(snapshot["requests"])
         self.snapshot = snapshot
+
+
+def _refused_or(status: int, failure: str | None) -> tuple[str | None, int]:
+    """The error type and status of a failure the peer's refusal caused and the client can act
+    on (what the peer's client got), else no type and ``status``."""
+    refused = None if failure is None else refused_for_the_client(failure)
+    return (None, status) if refused is None else refused

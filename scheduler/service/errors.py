@@ -60,6 +60,8 @@ def unavailable(service: Service) -> JSONResponse | None:
 
 
 def failure_kind(answer: Answer) -> str:
+    if answer.kind is not None:
+        return answer.kind
     return answer.reason.value if answer.reason is not None else "error"
 
 
@@ -142,7 +144,7 @@ def install_error_handlers(app: FastAPI, service: Service) -> None:
             return rejected(service, "invalid_request", 400,
                             "send a JSON object with Content-Type: application/json")
         message = "; ".join(plain_validation_errors(errors)[:5]) or "invalid request"
-        refuse_peers(service, peer_rooms(exc.body), "invalid_request", message)
+        refuse_peers(service, peer_rooms(exc.body), "invalid_request", 400, message)
         return rejected(service, "invalid_request", 400, message)
 
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -65,7 +65,7 @@ def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> 
     are told."""
     why = unavailable_reason(service)
     if why is not None:
-        refuse_peers(service, rooms, *why)
+        refuse_peers(service, rooms, why[0], 503, why[1])
         raise Refusal(why[0], 503, why[1], label="unavailable")
 
 
@@ -79,7 +79,7 @@ def checked(service: Service, body: BaseModel, build: Callable[[], T], *,
     try:
         return build()
     except BadRequest as exc:
-        refuse_peers(service, peer_rooms(fields), exc.reason, str(exc))
+        refuse_peers(service, peer_rooms(fields), exc.reason, exc.status, str(exc))
         raise Refusal.of(exc, param=param(exc)) from exc
 
 
@@ -96,7 +96,7 @@ async def admit(service: Service, request: Request, items: list[Item], *,
             if service.needs_connect(addr_item):
                 await asyncio.to_thread(service.connect_peer, addr_item)
     except PeerUnreachable as exc:
-        refuse_items(service, items, "bootstrap_failed", str(exc))
+        refuse_items(service, items, "bootstrap_failed", 500, str(exc))
         # The rid of the first request that names the unreachable prefill.
         raise Refusal("bootstrap_failed", 500, str(exc), addr_item.rid) from exc
     started: list[Pending] = []
@@ -107,8 +107,9 @@ async def admit(service: Service, request: Request, items: list[Item], *,
     except (BadRequest, Unavailable) as exc:
         for p in started:
             service.abort(p.item.rid)  # the engines tell their peers
-        kind = exc.reason if isinstance(exc, BadRequest) else "unavailable"
-        refuse_items(service, items[len(started):], kind, str(exc))
+        kind, status = (exc.reason, exc.status) if isinstance(exc, BadRequest) else (
+            "unavailable", 503)
+        refuse_items(service, items[len(started):], kind, status, str(exc))
         if isinstance(exc, BadRequest):
             raise Refusal.of(exc) from exc
         raise Refusal("unavailable", 503, str(exc)) from exc

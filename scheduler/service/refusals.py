@@ -4,7 +4,10 @@ A PD router sends each ``/generate`` to a prefill and a decode worker with the s
 fields. A worker that refuses the request before an engine sees it (draining, bad input, a
 duplicate id) tells the other worker through its engine (:meth:`PrefillScheduler.refuse_room`,
 :meth:`DecodePeer.refuse_room`; :mod:`kv.refusal`), so the other half fails at once with
-``peer refused: <kind>: <message>`` instead of waiting for its bootstrap or waiting timeout.
+``peer refused: <kind> (<status>): <message>`` instead of waiting for its bootstrap or waiting
+timeout; a kind the client can act on (a 4xx, or 503) is what that half answers too
+(:func:`~.config.refused_for_the_client`), so a router passes the same status on whichever
+worker it reads.
 Only the Mooncake backend pairs workers; the local and fake backends choose their own rooms.
 """
 
@@ -14,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
+from scheduler.service.config import peer_refusal
 from scheduler.service.core import Item, Service
 
 _MAX_ROOM = (1 << 64) - 1
@@ -42,23 +46,25 @@ def peer_rooms(body: Any) -> Iterator[tuple[str, int, int]]:
 
 
 def refuse_peers(service: Service, rooms: Iterator[tuple[str, int, int]], kind: str,
-                 message: str) -> None:
-    """Tell the peers of ``rooms`` that this worker refused their request (``kind`` is the
-    error type the client got). A room a live request holds is left alone: its refusal would
-    fail that request's other half (a retried request, a duplicate rid)."""
+                 status: int, message: str) -> None:
+    """Tell the peers of ``rooms`` that this worker refused their request (``kind`` and
+    ``status`` are the error type and HTTP status the client got). A room a live request holds
+    is left alone: its refusal would fail that request's other half (a retried request, a
+    duplicate rid)."""
     if service.config.backend != "mooncake":
         return
     engine = service.prefill if service.prefill is not None else service.decode
     if engine is None:
         return
-    why = f"{kind}: {message}"[:_MAX_REASON]
+    why = peer_refusal(kind, status, message)[:_MAX_REASON]
     held = service.live_rooms()
     for host, port, room in rooms:
         if (host, port, room) not in held:
             engine.refuse_room(host, port, room, why)
 
 
-def refuse_items(service: Service, items: list[Item], kind: str, message: str) -> None:
+def refuse_items(service: Service, items: list[Item], kind: str, status: int,
+                 message: str) -> None:
     """:func:`refuse_peers` for checked items."""
     refuse_peers(service, ((i.bootstrap_host, i.bootstrap_port, i.bootstrap_room)
-                           for i in items if not i.fake), kind, message)
+                           for i in items if not i.fake), kind, status, message)

@@ -94,7 +94,7 @@ def _invalid(service: Service, request: Request, exc: RequestValidationError) ->
     messages = plain_validation_errors(errors)
     message = "; ".join(messages[:5]) or "invalid request"
     param = messages[0].partition(":")[0] if messages else None
-    refuse_peers(service, peer_rooms(exc.body), "invalid_request", message)
+    refuse_peers(service, peer_rooms(exc.body), "invalid_request", 400, message)
     return _refused(service, handoff.Refusal("invalid_request", 400, message, param=param))
 
 
