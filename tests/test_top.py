@@ -81,9 +81,12 @@ def test_kv_sent_keeps_its_digits_at_every_scale() -> None:
 def test_the_prefix_cache_is_shown_beside_the_pool_it_lives_in() -> None:
     cached = {**INFO, "kv_pool": {"prefill": {"used_pages": 16, "free_pages": 48,
                                               "total_pages": 64, "prefix_cache_pages": 20}}}
-    view = History("http://w").add(Scrape(0.0, cached, {}))
+    metrics = SchedulerMetrics()
+    metrics.prefix.hit_rate.set(0.375)
+    samples = parse_metrics(generate_latest(metrics.registry).decode())
+    view = History("http://w").add(Scrape(0.0, cached, samples))
     assert view.prefix_cache_pages == {"prefill": 20}
-    assert _cells(view)[6] == "prefill: 16/64 (25%), prefix cache 20"
+    assert _cells(view)[6] == "prefill: 16/64 (25%), prefix cache 20, 38% hit"
     plain = History("http://w").add(Scrape(0.0, INFO, {}))
     assert plain.prefix_cache_pages == {} and _cells(plain)[6] == "prefill: 16/64 (25%)"
 

@@ -108,9 +108,10 @@ def _cells(view: WorkerView) -> list[str]:
     requests = "\n".join(
         f"{side}: " + (", ".join(f"{state} {n}" for state, n in states.items()) or "none")
         for side, states in view.requests.items())
+    hits = "" if view.prefix_hit_rate is None else f", {view.prefix_hit_rate:.0%} hit"
     pools = "\n".join(
         (f"{side}: {used}/{total_} ({used / total_:.0%})" if total_ else f"{side}: —")
-        + (f", prefix cache {view.prefix_cache_pages[side]}"
+        + (f", prefix cache {view.prefix_cache_pages[side]}{hits}"
            if side in view.prefix_cache_pages else "")
         for side, (used, total_) in view.kv_pool.items())
     failures = ", ".join(f"{r} {n}" for r, n in view.failures.items()) or "none"

@@ -7,7 +7,8 @@ into a :class:`Scrape`. A worker's :class:`History` keeps its scrapes of the las
 turns the newest into a :class:`WorkerView`:
 
 - requests per state, pool usage (prefix-cache pages nobody locks count as free; the cache's
-  size is shown beside) and health come from the newest ``/server_info``;
+  size is shown beside, with its hit rate since the worker started) and health come from the
+  newest ``/server_info`` (the hit rate from ``/metrics``);
 - rates (admissions, completions, transfer bytes per second) are differences of counters
   between the two newest scrapes; a request was admitted when it is live or finished, so
   admissions are the growth of ``finished + live``;
@@ -123,6 +124,7 @@ class WorkerView:
     ttft_p99: float | None = None
     kv_pool: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)  # side: (used, total)
     prefix_cache_pages: Mapping[str, int] = attrs.field(factory=dict)  # sides with a cache
+    prefix_hit_rate: float | None = None  # hit prompt tokens over looked-up ones, since start
     slots: tuple[int, int] | None = None  # prefill metadata slots (used, total)
     transfer_bytes_per_s: float | None = None
 
@@ -162,6 +164,9 @@ class History:
             prefix_cache_pages={s: p["prefix_cache_pages"] for s, p in pools.items()
                                 if "prefix_cache_pages" in p},
             slots=_slots(info, now),
+            prefix_hit_rate=(now.get(("pdlife_prefix_cache_hit_rate", ()))
+                             if "prefill" in pools and "prefix_cache_pages" in pools["prefill"]
+                             else None),
         )
         if len(self._scrapes) < 2:
             return view
