@@ -1,6 +1,9 @@
-"""``pdlife bench`` shows its plan, refuses unknown names, and finds the checkout's files."""
+"""``pdlife bench`` shows its plan, refuses unknown names, finds the checkout's files, and echoes
+every line whole."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 
@@ -29,3 +32,14 @@ def test_an_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str
 def test_default_paths_point_into_the_checkout() -> None:
     assert all((BENCH_DIR / f"{b.name}.py").is_file() for b in ALL)
     assert DOCS_LIFECYCLE.is_file()
+
+
+def test_a_long_result_line_is_echoed_whole_at_any_width() -> None:
+    from rich.console import Console
+
+    from scheduler.cli.bench import echo
+
+    out = io.StringIO()
+    line = "RESULT tracing " + " ".join(f"field_{i}=0.{i:03d}" for i in range(20))
+    echo(Console(file=out, width=40), line)
+    assert out.getvalue() == line + "\n"

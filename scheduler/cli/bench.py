@@ -98,7 +98,7 @@ def _run_all(chosen: list[Benchmark], total: int) -> int:
         done_before = 0
         for i, b in enumerate(chosen, 1):
             progress.update(task, description=f"[{i}/{len(chosen)}] bench.{b.name}")
-            console.print(f"== python -m bench.{b.name}", markup=False, highlight=False)
+            echo(console, f"== python -m bench.{b.name}")
             start = time.monotonic()
 
             def advance(b: Benchmark = b, start: float = start, before: int = done_before) -> None:
@@ -110,6 +110,12 @@ def _run_all(chosen: list[Benchmark], total: int) -> int:
             done_before += b.seconds
             progress.update(task, completed=done_before)
     return status
+
+
+def echo(console: Any, line: str) -> None:
+    """Print ``line`` as it is: never wrapped (a RESULT line stays one line for grep, on a
+    terminal or piped), no markup."""
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _one(b: Benchmark, console: Any, tick: Callable[[], None]) -> int:
@@ -136,7 +142,7 @@ def _one(b: Benchmark, console: Any, tick: Callable[[], None]) -> int:
                 continue
             if line is None:
                 break
-            console.print(line, markup=False, highlight=False)
+            echo(console, line)
             tick()
     return proc.returncode
 
