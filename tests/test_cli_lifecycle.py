@@ -117,6 +117,7 @@ def test_diagram_formats(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     target = tmp_path / "prefill.svg"
     assert main(["diagram", "--table", "prefill", "--format", "svg", "--out", str(target)]) == 0
     assert "<svg" in target.read_text()
+    assert capsys.readouterr().out == f"{target}\n"  # what it wrote, as for a directory
 
 
 @pytest.mark.parametrize("fmt", ["dot", "svg"])
@@ -170,6 +171,19 @@ def test_every_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert out.startswith(f"usage: pdlife {name}")
     assert next(c for c in SUBCOMMANDS if c.name == name).description.split()[0] in out
+
+
+def test_an_unknown_option_is_refused_with_its_subcommands_usage(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pdlife validate")
+    assert err.endswith("pdlife validate: error: unrecognized arguments: --bogus\n")
+    with pytest.raises(SystemExit):
+        main(["demo", "--requests", "3"])
+    assert capsys.readouterr().err == "pdlife demo: --requests must be an integer >= 6, got 3\n"
 
 
 def test_validate_without_torch_or_the_scheduler() -> None:

@@ -18,7 +18,7 @@ from rich.console import Console
 from lifecycle import DecodeState, FailureReason, PrefillState
 from scheduler.cli.demo import main
 from scheduler.demo.options import MIN_REQUESTS, DemoOptions
-from scheduler.demo.report import trace
+from scheduler.demo.report import planned_line, trace
 from scheduler.demo.run import (
     FAKE_ROOM_BASE,
     MIN_PROMPT_TOKENS,
@@ -83,6 +83,9 @@ def test_workload_is_seeded_and_holds_the_planned_faults_and_aborts() -> None:
     assert len({r.sampling.max_new_tokens for r in work}) > 10
     planned = Counter(r.expected for r in work)
     assert planned == {"done": 41, "bootstrap_failed": 2, "transfer_failed": 2, "aborted": 3}
+    assert planned_line(work).startswith(
+        "planned: 41 served; on purpose, 3 aborts mid-flight, 2 injected bootstrap failures, "
+        "2 injected transfer failures (")
     for r in work:
         if r.fault:
             faults = plan.decide(r.room)
@@ -195,6 +198,8 @@ def test_demo_runs_and_reports(tmp_path: Path) -> None:
                     "PrefillDelayer outcomes", "Aborts"):
         assert heading in text
     assert "served outputs equal the colocated reference" in text
+    assert "ok: the 5 planned failures and aborts ended as planned" in text
+    assert planned_line(work) in text
     assert f"outputs in {out}" in text
 
 

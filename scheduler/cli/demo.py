@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 
 from scheduler.cli.command import Subcommand, UsageError
@@ -44,8 +45,9 @@ def _run(args: argparse.Namespace) -> int:
             requests=args.requests, backend=args.backend, loop=args.loop, seed=args.seed,
             max_prompt=args.max_prompt, out=args.out, model=args.model,
         )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    except ValueError as exc:  # named as the option: "--requests must be ..."
+        raise UsageError(re.sub(r"DemoOptions\.(\w+)",
+                                lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
     import torch
 
     from scheduler.demo.run import run_demo

@@ -84,7 +84,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                            epilog=cmd.epilog or None)
         if command is None or cmd.name == command:
             cmd.add_arguments(p)
-        p.set_defaults(run=cmd.run)
+        p.set_defaults(run=cmd.run, parser=p)
     return parser
 
 
@@ -99,7 +99,9 @@ def _command_of(argv: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_of(argv))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         status: int = args.run(args)
     except UsageError as exc:

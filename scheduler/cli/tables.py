@@ -229,6 +229,7 @@ def _render(args: argparse.Namespace) -> int:
             print(out / f"{name}.{args.format}")
     elif out is not None:
         out.write_text("\n".join(texts.values()), encoding="utf-8")
+        print(out)
     else:
         sys.stdout.write("\n".join(texts.values()))
     return 0

@@ -29,7 +29,7 @@ from rich.text import Text
 from lifecycle import DECODE_TABLE, PREFILL_TABLE, Lifecycle
 from lifecycle.diagram import DiagramError, render
 from lifecycle.timeline import records, to_perfetto, ttft_phases
-from scheduler.demo.records import RunData
+from scheduler.demo.records import DemoRequest, RunData
 from scheduler.messages import DecodeResponse, Response
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class Progress:
         text = f"checking outputs against the colocated reference: {done}/{total}"
         if self._live is not None:
             self._live.update(Text(text), refresh=True)
-        elif done in (0, total):
+        elif done == 0 or done * 4 // total != (done - 1) * 4 // total:  # each quarter
             self.console.print(text, highlight=False, soft_wrap=True)
 
 
@@ -165,6 +165,24 @@ def _aborts(data: RunData) -> list[dict[str, Any]]:
         out.append({"rid": req.rid, "target": req.abort_in.name, "landed_in": landed,
                     "chunks_done_before": chunks})
     return out
+
+
+_PLANNED = {"bootstrap_failed": ("injected bootstrap failure", "injected bootstrap failures"),
+            "transfer_failed": ("injected transfer failure", "injected transfer failures"),
+            "aborted": ("abort mid-flight", "aborts mid-flight")}
+
+
+def planned_line(workload: Sequence[DemoRequest]) -> str:
+    """What the run is meant to show: how many requests are served, and how many end otherwise
+    on purpose (the fake backend's injected faults, the aborts), which decode never serves."""
+    planned = Counter(r.expected for r in workload)
+    served = planned.pop("done", 0)
+    if not planned:
+        return f"planned: all {served} served"
+    ends = ", ".join(f"{n} {_PLANNED.get(k, (k, k))[n != 1]}"
+                     for k, n in sorted(planned.items()))
+    return (f"planned: {served} served; on purpose, {ends} (the failures below are these; "
+            "the run checks that each ends as planned)")
 
 
 def build_summary(data: RunData) -> dict[str, Any]:
@@ -334,8 +352,15 @@ def finish_report(data: RunData, out: Path, console: Console) -> dict[str, Any]:
         for m in data.mismatches:
             console.print(f"  {m.describe()}", highlight=False)
     else:
-        console.print(f"[bold green]ok[/]: all {v['checked']} served outputs equal the "
-                      f"colocated reference, token for token")
+        checked = v["checked"]
+        console.print("[bold green]ok[/]: " + (
+            f"all {checked} served outputs equal" if checked != 1 else "the served output equals")
+            + " the colocated reference, token for token")
+    if not data.problems:
+        others = sum(n for k, n in summary["planned"].items() if k != "done")
+        if others:
+            console.print(f"[bold green]ok[/]: the {others} planned failures and aborts ended "
+                          "as planned")
     if data.problems:
         console.print(f"[bold red]FAILED[/]: {len(data.problems)} requests did not end as "
                       f"planned:")

@@ -42,7 +42,7 @@ from kv.local import LocalKVManager
 from lifecycle import PrefillState, SamplingParams
 from scheduler.demo.options import DemoOptions
 from scheduler.demo.records import DemoRequest, Mismatch, RunData
-from scheduler.demo.report import Progress, finish_report
+from scheduler.demo.report import Progress, finish_report, planned_line
 from scheduler.dist.gather import StaticGather
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
@@ -360,6 +360,7 @@ def run_demo(
         f"seed {options.seed}",
         soft_wrap=True,
     )
+    console.print(planned_line(workload), highlight=False, soft_wrap=True)
     pair = _make_pair(options, plan, delayer, served)
     with Progress(console, total=len(workload)) as progress:
         try:
