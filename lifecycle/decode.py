@@ -6,8 +6,9 @@ The decode server gets the same request as the prefill server. It is admitted in
 BOOTSTRAPPING while its receiver resolves the prefill side; ``bootstrapped`` moves it to
 PREALLOC, where it waits for KV pages and a metadata slot; ``preallocated`` (destination sent
 to prefill) moves it to RECEIVING; ``received`` (KV and metadata row landed, room validated)
-to DECODING; ``finished`` (max_new_tokens or a stop token) to DONE. ``fail`` and ``abort`` are
-legal from every live state. Entering DONE or FAILED runs ``release`` and ``respond`` once.
+to DECODING; ``finished`` (max_new_tokens, a stop token or string, EOS, or a completed grammar)
+to DONE. ``fail`` and ``abort`` are legal from every live state. Entering DONE or FAILED runs
+``release`` and ``respond`` once.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ DECODE_TABLE = request_table(
         Edge(_E.RECEIVED, _S.RECEIVING, _S.DECODING,
              doc="the KV and the metadata row landed; the room matched"),
         Edge(_E.FINISHED, _S.DECODING, _S.DONE,
-             doc="max_new_tokens reached or a stop token generated"),
+             doc="max_new_tokens reached, a stop token or string, EOS, or a completed grammar"),
     ),
     fail_doc="transfer failure, timeout, internal error",
     record=DecodeRequest,
