@@ -52,6 +52,7 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
     log = server.log.read_text()
     assert "DP 2 x TP 1 x PP 2, 3 rank processes beside this one" in log
     assert "killing them" not in log and "a prefill rank failed" not in log, log
+    assert "leaked semaphore" not in log, log  # the replicas' queues are let go
 
 
 @pytest.mark.mooncake
@@ -117,10 +118,12 @@ def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
         router.stop(timeout=60)
         log = decode.tail()
         assert decode.stop(timeout=60) == 0, log  # its rank processes stopped by rank 0
+        assert prefill.stop(timeout=60) == 0, prefill.tail()
     finally:
         for proc in reversed(procs):
             proc.stop(timeout=60)
     assert "killing them" not in decode.log.read_text()
+    assert "leaked semaphore" not in prefill.log.read_text()
 
 
 @pytest.mark.mooncake

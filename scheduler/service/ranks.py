@@ -49,6 +49,7 @@ requests are not answered (a known gap).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import queue
@@ -204,7 +205,23 @@ class Ranks:
             stop_ranks(self._processes, self._stop, "prefill")
         finally:
             self._answers.put(None)
+            if self._reader is not None:
+                self._reader.join(timeout=JOIN_TIMEOUT_S)
             dist.destroy_process_group()
+            self._release_queues()
+
+    def _release_queues(self) -> None:
+        """Let the queues go now. Their locks are named semaphores that multiprocessing's
+        resource tracker watches; they are unlinked when the queues are collected, and
+        ``pdlife serve`` ends with ``os._exit``, which collects nothing, so the tracker
+        warned of "leaked semaphore objects" at every exit. The rank processes' arguments
+        hold the queues too."""
+        for q in [*self._inboxes, self._answers]:
+            q.close()
+            q.join_thread()
+        self._inboxes, self._answers = [], None
+        self._processes.processes.clear()
+        gc.collect()
 
     def _stop(self) -> None:
         if self.delayer is not None and self.delayer.connected:
