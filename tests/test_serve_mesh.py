@@ -185,9 +185,11 @@ def _config(*flags: str) -> ServeConfig:
     ("flags", "problem"),
     [
         (("--role", "decode", "--backend", "fake", "--tp-size", "2"),
-         "a decode server runs on several ranks only as TP over the mooncake backend"),
+         "with backend 'fake': a decode server runs on several ranks only over the mooncake "
+         r"backend \(--backend mooncake\)"),
         (("--role", "decode", "--backend", "mooncake", "--pp-size", "2"),
-         "a decode server runs on several ranks only as TP over the mooncake backend"),
+         r"a decode server runs on several ranks only as TP \(--tp-size N\); --pp-size and "
+         "--dp-size are the prefill role's"),
         (("--backend", "local", "--pp-size", "2"),
          "only the prefill and decode roles run on several ranks"),
         (("--role", "decode", "--backend", "mooncake", "--tp-size", "3"),

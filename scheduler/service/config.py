@@ -103,10 +103,12 @@ class ServeConfig:
             return (f"{layout}: only the prefill and decode roles run on several ranks; the "
                     "local backend's role 'both' is one rank (use --tp-size 1 --pp-size 1 "
                     "--dp-size 1)")
-        if self.role == "decode" and ((pp, dp) != (1, 1) or self.backend != "mooncake"):
+        if self.role == "decode" and (pp, dp) != (1, 1):
+            return (f"{layout}: a decode server runs on several ranks only as TP (--tp-size "
+                    "N); --pp-size and --dp-size are the prefill role's")
+        if self.role == "decode" and self.backend != "mooncake":
             return (f"{layout} with backend {self.backend!r}: a decode server runs on several "
-                    "ranks only as TP over the mooncake backend (--tp-size N --backend "
-                    "mooncake; --pp-size and --dp-size are the prefill role's)")
+                    "ranks only over the mooncake backend (--backend mooncake)")
         if self.served is not None:
             return (f"{layout}: only the reference model runs sharded "
                     "(scheduler/model/sharded.py); drop --model or use TP 1 x PP 1")
