@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lifecycle import SamplingParams
+from scheduler.cli.main import main
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
@@ -542,6 +543,26 @@ def test_chat_answers_as_the_colocated_model_through_the_openai_client(
                 assert chunks[-1].choices == [] and chunks[-1].usage is not None
 
     run(main())
+
+
+def test_a_chat_with_a_system_message_equals_pdlife_generate(
+        chat_config: ServeConfig, capsys: pytest.CaptureFixture[str]) -> None:
+    system, question = "Answer in one word.", "What is the capital of France?"
+    assert main(["generate", "--model", "smollm2", "--chat", "--system", system,
+                 "--prompt", question, "--max-new-tokens", "12"]) == 0
+    want = json.loads(capsys.readouterr().out)
+
+    async def ask() -> Any:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                return await client.chat.completions.create(
+                    model="smollm2", max_tokens=12, temperature=0, messages=[
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": question}])
+
+    r = run(ask())
+    assert r.choices[0].message.content == want["text"]
+    assert r.usage is not None and r.usage.prompt_tokens == want["prompt_tokens"]
 
 
 def test_chat_sampling_with_a_seed_reproduces(

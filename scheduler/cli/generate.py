@@ -22,6 +22,9 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="send --prompt as one user message through the model's chat "
                         "template")
+    parser.add_argument("--system", metavar="TEXT",
+                        help="with --chat, a system message before the user's (as a chat "
+                        "request's first message with role system)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="(default: 16)")
     parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
@@ -40,9 +43,18 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.chat and args.prompt is None:
         raise UsageError("--chat needs --prompt")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system needs --chat")
     served = load_served(args)
-    ids = served.encode(args.prompt, chat=args.chat) if args.prompt is not None else _ids(
-        args.input_ids, "--input-ids")
+    if args.system is not None:
+        if served.is_reference:
+            raise UsageError("--system needs a model with a chat template (--model)")
+        ids = served.encode_messages([{"role": "system", "content": args.system},
+                                      {"role": "user", "content": args.prompt}])
+    elif args.prompt is not None:
+        ids = served.encode(args.prompt, chat=args.chat)
+    else:
+        ids = _ids(args.input_ids, "--input-ids")
     try:
         out = served.generate(ids, args.max_new_tokens,
                               stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
