@@ -9,7 +9,9 @@ multiple of 64 bytes (the smallest RDMA-friendly size), so a transfer engine mov
 a field as one write of ``item_len`` bytes at ``ptr + i * item_len`` (see :meth:`buffer_infos`).
 The first token's logprob and its top alternatives (ids and values, up to
 ``lifecycle.TOP_LOGPROBS_MAX`` of them, as SGLang's ``output_top_logprobs_idx``/``_val``) travel
-in the row, so the decode side answers with them.
+in the row, so the decode side answers with them; so do the logprobs of the ids the request
+named (``token_ids_logprob``, up to ``lifecycle.TOKEN_IDS_LOGPROB_MAX``: ``asked_logprob_ids``
+and ``_vals``, pdlife's own fields).
 
 With ``speculative_hidden`` (the target model's hidden size), the buffers also carry the
 speculative-decoding hand-off, as SGLang's EAGLE PD rows do: the draft model's top-k proposals
@@ -37,12 +39,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from lifecycle import TOP_LOGPROBS_MAX
+from lifecycle import TOKEN_IDS_LOGPROB_MAX, TOP_LOGPROBS_MAX
 
 # Items per row: 16 x 4 bytes (and 8 x 8 bytes for the room) = 64 bytes.
 _ROW_BYTES = 64
-# The top-logprob fields hold TOP_LOGPROBS_MAX 4-byte items, padded to a multiple of 64 bytes.
+# The top-logprob fields hold TOP_LOGPROBS_MAX 4-byte items, padded to a multiple of 64 bytes,
+# and the asked-logprob fields TOKEN_IDS_LOGPROB_MAX.
 _TOP_ITEMS = -(-TOP_LOGPROBS_MAX * 4 // _ROW_BYTES) * _ROW_BYTES // 4
+_ASKED_ITEMS = -(-TOKEN_IDS_LOGPROB_MAX * 4 // _ROW_BYTES) * _ROW_BYTES // 4
 #: The most speculative proposals a row carries (one 64-byte row of int32).
 SPEC_TOP_K = _ROW_BYTES // 4
 _U64 = 1 << 64
@@ -77,8 +81,9 @@ class SpeculativeRow:
 @attrs.frozen
 class MetadataRow:
     """One landed row. ``logprob`` is None when the request did not ask for it; ``top`` holds
-    the first token's top alternatives, ``(token, logprob)`` most likely first;
-    ``speculative`` the hand-off when the buffers carry it and the prefill side wrote one."""
+    the first token's top alternatives, ``(token, logprob)`` most likely first, and ``asked``
+    the logprobs of the ids the request named, in its order; ``speculative`` the hand-off when
+    the buffers carry it and the prefill side wrote one."""
 
     first_token: int
     cached_tokens: int
@@ -86,6 +91,7 @@ class MetadataRow:
     room: int
     top: tuple[tuple[int, float], ...] = ()
     speculative: SpeculativeRow | None = None
+    asked: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen
@@ -101,13 +107,14 @@ class BufferInfo:
 class MetadataBuffers:
     """Rows of first-token metadata, one per slot. Fields, in the order they are written:
     ``output_ids`` (int32), ``cached_tokens`` (int32), ``logprob`` (float32, NaN = absent),
-    ``top_logprob_ids`` (int32, -1 = absent) and ``top_logprob_vals`` (float32), with
+    ``top_logprob_ids`` (int32, -1 = absent) and ``top_logprob_vals`` (float32),
+    ``asked_logprob_ids`` (int32, -1 = absent) and ``asked_logprob_vals`` (float32), with
     ``speculative_hidden`` ``spec_top_ids`` (int32, -1 = absent), ``spec_top_probs`` (int32)
     and ``spec_hidden`` (float32), then ``room`` (int64 bits of the uint64 room; written
     last)."""
 
     FIELDS = ("output_ids", "cached_tokens", "logprob", "top_logprob_ids", "top_logprob_vals",
-              "room")
+              "asked_logprob_ids", "asked_logprob_vals", "room")
 
     SPEC_FIELDS = ("spec_top_ids", "spec_top_probs", "spec_hidden")
 
@@ -138,6 +145,10 @@ class MetadataBuffers:
             (num_slots, _TOP_ITEMS), -1, dtype=torch.int32, device=device)
         self.top_logprob_vals = torch.full(
             (num_slots, _TOP_ITEMS), math.nan, dtype=torch.float32, device=device)
+        self.asked_logprob_ids = torch.full(
+            (num_slots, _ASKED_ITEMS), -1, dtype=torch.int32, device=device)
+        self.asked_logprob_vals = torch.full(
+            (num_slots, _ASKED_ITEMS), math.nan, dtype=torch.float32, device=device)
         self.room = torch.zeros((num_slots, _ROW_BYTES // 8), dtype=torch.int64, device=device)
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
@@ -150,12 +161,16 @@ class MetadataBuffers:
     def write(
         self, slot: int, first_token: int, cached_tokens: int, logprob: float | None, room: int,
         top: Sequence[tuple[int, float]] = (), speculative: SpeculativeRow | None = None,
+        asked: Sequence[tuple[int, float]] = (),
     ) -> None:
         """Fill row ``slot``. The room is zeroed first and written last, so a concurrent reader
         sees either the old row, "not landed", or the whole new row."""
         self._check_slot(slot)
         if len(top) > TOP_LOGPROBS_MAX:
             raise ValueError(f"at most {TOP_LOGPROBS_MAX} top logprobs fit a row, got {len(top)}")
+        if len(asked) > TOKEN_IDS_LOGPROB_MAX:
+            raise ValueError(f"at most {TOKEN_IDS_LOGPROB_MAX} asked logprobs fit a row, got "
+                             f"{len(asked)}")
         if speculative is not None:
             self._check_speculative(speculative)
         stored_room = _room_to_i64(room)
@@ -168,6 +183,11 @@ class MetadataBuffers:
         if top:
             self.top_logprob_ids[slot, : len(top)] = torch.tensor([t for t, _ in top])
             self.top_logprob_vals[slot, : len(top)] = torch.tensor([v for _, v in top])
+        self.asked_logprob_ids[slot].fill_(-1)
+        self.asked_logprob_vals[slot].fill_(math.nan)
+        if asked:
+            self.asked_logprob_ids[slot, : len(asked)] = torch.tensor([t for t, _ in asked])
+            self.asked_logprob_vals[slot, : len(asked)] = torch.tensor([v for _, v in asked])
         self._clear_speculative(slot)
         if speculative is not None:
             k = len(speculative.top_ids)
@@ -216,6 +236,8 @@ class MetadataBuffers:
         logprob = float(self.logprob[slot, 0])
         top_ids: list[int] = self.top_logprob_ids[slot].tolist()
         top_vals: list[float] = self.top_logprob_vals[slot].tolist()
+        asked_ids: list[int] = self.asked_logprob_ids[slot].tolist()
+        asked_vals: list[float] = self.asked_logprob_vals[slot].tolist()
         speculative = self._read_speculative(slot) if self.speculative_hidden else None
         if int(self.room[slot, 0]) != before:
             return None
@@ -232,6 +254,7 @@ class MetadataBuffers:
             room=room,
             top=tuple((t, v) for t, v in zip(top_ids, top_vals, strict=True) if t >= 0),
             speculative=speculative,
+            asked=tuple((t, v) for t, v in zip(asked_ids, asked_vals, strict=True) if t >= 0),
         )
 
     def clear(self, slot: int) -> None:
@@ -243,6 +266,8 @@ class MetadataBuffers:
         self.logprob[slot].fill_(math.nan)
         self.top_logprob_ids[slot].fill_(-1)
         self.top_logprob_vals[slot].fill_(math.nan)
+        self.asked_logprob_ids[slot].fill_(-1)
+        self.asked_logprob_vals[slot].fill_(math.nan)
         self._clear_speculative(slot)
 
     def copy_row_from(self, src: MetadataBuffers, src_slot: int, dst_slot: int) -> None:

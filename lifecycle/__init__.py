@@ -17,6 +17,7 @@ from lifecycle.errors import (
 from lifecycle.machine import Lifecycle
 from lifecycle.prefill import (
     PREFILL_TABLE,
+    TOKEN_IDS_LOGPROB_MAX,
     TOP_LOGPROBS_MAX,
     GrammarKind,
     GrammarSpec,
@@ -37,6 +38,7 @@ __all__ = [
     "DECODE_TABLE",
     "PREFILL_TABLE",
     "TABLES",
+    "TOKEN_IDS_LOGPROB_MAX",
     "TOP_LOGPROBS_MAX",
     "DecodeEvent",
     "DecodeRequest",

@@ -76,6 +76,9 @@ def as_logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]
 
 #: The most top logprobs a request may ask for per position (OpenAI's limit, the metadata row's).
 TOP_LOGPROBS_MAX = 20
+#: The most token ids whose logprobs a request may ask for at every position
+#: (``token_ids_logprob``): a metadata row carries the first output token's.
+TOKEN_IDS_LOGPROB_MAX = 64
 
 
 class GrammarKind(enum.StrEnum):
@@ -117,7 +120,8 @@ class SamplingParams:
     request's ``seed`` (``scheduler.sample`` defines the stream, so the prefill side can draw
     position 0 and the decode side the rest). ``stop`` strings are matched on the decoded text.
     ``return_logprob`` asks for each output token's logprob (and ``top_logprobs_num``
-    alternatives); input logprobs start at ``logprob_start_len`` (-1: none).
+    alternatives, and the logprobs of the ``token_ids_logprob`` ids, in their order); input
+    logprobs start at ``logprob_start_len`` (-1: none).
 
     Before that the logits are adjusted (SGLang's and OpenAI's rules, over the output tokens
     only): ``frequency_penalty`` times a token's count so far and ``presence_penalty`` once it
@@ -147,6 +151,8 @@ class SamplingParams:
     min_new_tokens: int = attrs.field(default=0, kw_only=True)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), kw_only=True,
                                                             converter=as_logit_bias)
+    token_ids_logprob: tuple[int, ...] = attrs.field(default=(), kw_only=True,
+                                                     converter=as_token_ids)
 
     @max_new_tokens.validator
     def _check_max_new(self, _attr: object, value: int) -> None:
@@ -164,6 +170,16 @@ class SamplingParams:
             raise ValueError(
                 f"logprob_start_len must be -1 (no input logprobs) or >= 0, got {value}"
             )
+
+    @token_ids_logprob.validator
+    def _check_token_ids(self, _attr: object, value: tuple[int, ...]) -> None:
+        if not value:
+            return
+        if not self.return_logprob:
+            raise ValueError("token_ids_logprob needs return_logprob")
+        if len(value) > TOKEN_IDS_LOGPROB_MAX or min(value) < 0:
+            raise ValueError(f"token_ids_logprob must hold 1..{TOKEN_IDS_LOGPROB_MAX} token ids "
+                             f">= 0, got {len(value)} (smallest {min(value)})")
 
     @min_new_tokens.validator
     def _check_min_new(self, _attr: object, value: int) -> None:

@@ -59,12 +59,15 @@ class AbortRequest:
 @attrs.frozen
 class TokenLogprob:
     """A token's logprob and, when asked, the ``top`` alternatives at its position
-    (``(token, logprob)`` pairs, most likely first). ``logprob`` is None for the first prompt
-    token, which nothing predicts."""
+    (``(token, logprob)`` pairs, most likely first) and the logprobs of the ids the request
+    named (``asked``: ``(token, logprob)`` pairs in the request's ``token_ids_logprob`` order).
+    ``logprob`` is None for the first prompt token, which nothing predicts (and ``asked`` is
+    empty there)."""
 
     token: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+    asked: tuple[tuple[int, float], ...] = ()
 
 
 class _Answer:

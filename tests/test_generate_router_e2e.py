@@ -86,6 +86,21 @@ def test_seeded_draws_and_logprobs_equal_the_colocated_run(cluster: Cluster,
     assert routed(cluster, body).json()["output_ids"] == got["output_ids"]  # the seed repeats
 
 
+def test_named_ids_logprobs_through_the_router_equal_the_colocated_run(
+        cluster: Cluster, colocated: Service) -> None:
+    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+            "token_ids_logprob": [101, 7, 101],
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+    r = routed(cluster, body)
+    assert r.status_code == 200, r.text
+    meta, ref = r.json()["meta_info"], local(colocated, body)["meta_info"]
+    # The first output token's named logprobs came from prefill in the metadata row.
+    same_logprobs(meta["output_token_ids_logprobs"], ref["output_token_ids_logprobs"])
+    assert len(meta["output_token_ids_logprobs"]) == 6
+    assert meta["input_token_ids_logprobs"] == []  # the router merges only the input logprobs
+    same_logprobs(meta["input_token_logprobs"], ref["input_token_logprobs"])
+
+
 def test_a_stream_through_the_router_ends_with_the_output_logprobs(cluster: Cluster,
                                                                    colocated: Service) -> None:
     body = {"input_ids": PROMPT, **LOGPROBS,

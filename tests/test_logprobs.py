@@ -5,7 +5,8 @@ so the prompt is split across chunks) with ``return_logprob``, input logprobs fr
 top alternatives; transformers (fp32, the same GGUF file) scores the prompt plus pdlife's output
 in one forward. Input logprobs (prefill, across chunks), the first output token's (prefill,
 carried to decode in the metadata row) and every later one's (decode) must match its
-``log_softmax`` — unscaled for a greedy request, divided by the temperature for a sampled one.
+``log_softmax`` — unscaled for a greedy request, divided by the temperature for a sampled one —
+and so must the logprobs of the ids a request names (``token_ids_logprob``) at every position.
 The real model is loaded once per session (``tests/conftest.py``).
 """
 
@@ -28,14 +29,21 @@ from tests.real_prompts import PROMPTS
 #: Logprobs of pdlife's float32 runner and of transformers' differ by float rounding only.
 TOLERANCE = 2e-3
 TOP = 5
+#: Named ids (token_ids_logprob): EOS, " Paris", a rare id, and the same id twice.
+ASKED = (2, 7042, 40000, 7042)
 
 
-def check(got: Sequence[TokenLogprob], want: torch.Tensor, tokens: Sequence[int]) -> None:
+def check(got: Sequence[TokenLogprob], want: torch.Tensor, tokens: Sequence[int],
+          asked: Sequence[int] = ()) -> None:
     """``got[i]`` is token ``tokens[i]``'s logprob under row ``want[i]`` (a log-softmax), with
-    top alternatives that are the row's largest (near ties may swap)."""
+    top alternatives that are the row's largest (near ties may swap), and the ``asked`` ids'
+    logprobs under the same row, in their order."""
     assert [g.token for g in got] == list(tokens)
     for g, row, token in zip(got, want, tokens, strict=True):
         assert g.logprob == pytest.approx(float(row[token]), abs=TOLERANCE)
+        assert [t for t, _ in g.asked] == list(asked)
+        assert [v for _, v in g.asked] == pytest.approx([float(row[t]) for t in asked],
+                                                         abs=TOLERANCE)
         assert len(g.top) == TOP
         values = [v for _, v in g.top]
         assert values == sorted(values, reverse=True)
@@ -53,7 +61,8 @@ def answers(smollm2: Any) -> dict[str, Any]:
         "greedy": SamplingParams(max_new_tokens=6, return_logprob=True, logprob_start_len=0,
                                  top_logprobs_num=TOP, ignore_eos=True),
         "warm": SamplingParams(max_new_tokens=6, temperature=0.7, seed=9, return_logprob=True,
-                               logprob_start_len=11, top_logprobs_num=TOP, ignore_eos=True),
+                               logprob_start_len=11, top_logprobs_num=TOP, ignore_eos=True,
+                               token_ids_logprob=ASKED),
     }
     config = PairConfig(scheduler=SchedulerConfig(page_size=16, chunked_prefill_size=16,
                                                   max_prefill_tokens=16),
@@ -92,13 +101,18 @@ def test_logprobs_equal_transformers_log_softmax(answers: dict[str, Any], hf_smo
         assert inputs[0] == TokenLogprob(prompt[0], None)
         inputs = inputs[1:]
         start = 1
-    check(inputs, want[start - 1 : len(prompt) - 1], prompt[start:])
+    asked = params.token_ids_logprob
+    check(inputs, want[start - 1 : len(prompt) - 1], prompt[start:], asked)
     # Output logprobs: one per token, the first from the metadata row.
     assert len(decode.output_logprobs) == len(output)
     first = outcome.prefill.output_logprob
     assert first is not None and first.token == output[0]
     assert decode.output_logprobs[0].logprob == pytest.approx(first.logprob, abs=1e-6)
-    check(decode.output_logprobs, want[len(prompt) - 1 : -1], output)
+    # The named ids' logprobs of the first token came in the metadata row too.
+    row_asked = decode.output_logprobs[0].asked
+    assert [t for t, _ in row_asked] == [t for t, _ in first.asked] == list(asked)
+    assert [v for _, v in row_asked] == pytest.approx([v for _, v in first.asked], abs=1e-6)
+    check(decode.output_logprobs, want[len(prompt) - 1 : -1], output, asked)
 
 
 def test_the_greedy_answer_is_the_top_token_at_every_step(answers: dict[str, Any]) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kv.metadata import MetadataBuffers, MetadataError, MetadataRow, SlotAllocator
-from lifecycle import TOP_LOGPROBS_MAX
+from lifecycle import TOKEN_IDS_LOGPROB_MAX, TOP_LOGPROBS_MAX
 
 BIG_ROOM = (1 << 64) - 3  # rooms are unsigned 64-bit; this one is negative as int64
 
@@ -55,9 +57,10 @@ def test_rows_are_padded_and_buffer_infos_describe_them() -> None:
     buf = MetadataBuffers(5)
     infos = buf.buffer_infos()
     assert [i.name for i in infos] == ["output_ids", "cached_tokens", "logprob",
-                                       "top_logprob_ids", "top_logprob_vals", "room"]
+                                       "top_logprob_ids", "top_logprob_vals",
+                                       "asked_logprob_ids", "asked_logprob_vals", "room"]
     tensors = (buf.output_ids, buf.cached_tokens, buf.logprob, buf.top_logprob_ids,
-               buf.top_logprob_vals, buf.room)
+               buf.top_logprob_vals, buf.asked_logprob_ids, buf.asked_logprob_vals, buf.room)
     for info, tensor in zip(infos, tensors, strict=True):
         assert info.item_len >= 64 and info.item_len % 64 == 0
         assert info.length == 5 * info.item_len
@@ -72,11 +75,12 @@ def test_rows_are_padded_and_buffer_infos_describe_them() -> None:
 def test_copy_row_from_moves_the_whole_row() -> None:
     src, dst = MetadataBuffers(2), MetadataBuffers(4)
     src.write(1, first_token=5, cached_tokens=2, logprob=-0.5, room=BIG_ROOM,
-              top=[(5, -0.5), (8, -1.5)])
-    dst.write(3, first_token=9, cached_tokens=9, logprob=None, room=17, top=[(1, -0.25)] * 3)
+              top=[(5, -0.5), (8, -1.5)], asked=[(8, -1.5), (3, -math.inf)])
+    dst.write(3, first_token=9, cached_tokens=9, logprob=None, room=17, top=[(1, -0.25)] * 3,
+              asked=[(1, -0.25)] * 4)
     dst.copy_row_from(src, 1, 3)
     assert dst.read(3, expected_room=BIG_ROOM) == MetadataRow(
-        5, 2, -0.5, BIG_ROOM, top=((5, -0.5), (8, -1.5)))
+        5, 2, -0.5, BIG_ROOM, top=((5, -0.5), (8, -1.5)), asked=((8, -1.5), (3, -math.inf)))
 
 
 def test_top_logprobs_fill_the_row_up_to_the_limit() -> None:
@@ -97,6 +101,21 @@ def test_top_logprobs_fill_the_row_up_to_the_limit() -> None:
     buf.write(0, first_token=1, cached_tokens=0, logprob=None, room=3)
     row = buf.read(0)
     assert row is not None and row.top == ()
+
+
+def test_named_ids_logprobs_fill_the_row_up_to_the_limit() -> None:
+    buf = MetadataBuffers(2)
+    asked = [(i % 5, -0.25 * i) for i in range(TOKEN_IDS_LOGPROB_MAX)]  # ids may repeat
+    buf.write(0, first_token=3, cached_tokens=0, logprob=-1.0, room=3, asked=asked)
+    row = buf.read(0, expected_room=3)
+    assert row is not None and row.asked == tuple(asked) and row.top == ()
+    with pytest.raises(ValueError, match="asked logprobs"):
+        buf.write(1, first_token=1, cached_tokens=0, logprob=None, room=4,
+                  asked=[*asked, (1, 0.0)])
+    buf.clear(0)
+    buf.write(0, first_token=1, cached_tokens=0, logprob=None, room=3)
+    row = buf.read(0)
+    assert row is not None and row.asked == ()
 
 
 def test_slot_allocator_is_fifo_and_waits_when_exhausted() -> None:

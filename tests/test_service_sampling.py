@@ -184,7 +184,15 @@ HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
 TOP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"top_logprobs_num": 21}, "invalid_request", "top_logprobs_num"),
     ({"logprob_start_len": -2}, "invalid_request", "logprob_start_len"),
-    ({"token_ids_logprob": [1, 2]}, "unsupported", "token_ids_logprob"),
+    ({"token_ids_logprob": [1, 2]}, "bad_sampling", "token_ids_logprob needs return_logprob"),
+    ({"token_ids_logprob": [1, 300], "return_logprob": True}, "bad_token_id",
+     "token_ids_logprob: token ids must be in 0..257, got 300"),
+    ({"token_ids_logprob": list(range(65)), "return_logprob": True}, "bad_sampling",
+     "token_ids_logprob must hold 1..64 token ids"),
+    ({"token_ids_logprob": [[1], [2]], "return_logprob": True}, "bad_batch",
+     "token_ids_logprob has 2 lists for 1 prompts"),
+    ({"token_ids_logprob": [-1], "return_logprob": True}, "invalid_request",
+     "token_ids_logprob"),
     ({"return_hidden_states": True}, "unsupported", "return_hidden_states"),
     ({"image_data": "http://x/y.png"}, "unsupported", "image_data"),
     ({"lora_path": "adapter"}, "unsupported", "lora_path"),
@@ -342,6 +350,46 @@ def test_logprob_answers_have_sglang_shapes_and_lengths(service: Service) -> Non
     assert meta["input_token_logprobs"] == []
     assert len(meta["output_token_logprobs"]) == 2
     assert "output_top_logprobs" not in meta
+
+
+def test_named_ids_logprobs_are_given_at_every_position(service: Service) -> None:
+    """``token_ids_logprob``: the named ids' logprobs at every prompt position from
+    ``logprob_start_len`` and every output position, in the order named, from the same rows as
+    the chosen tokens' (an id named that is the chosen token has the chosen token's value)."""
+    answer = generate(service, return_logprob=True, logprob_start_len=0,
+                      token_ids_logprob=[PROMPT[2], 7, PROMPT[2]],
+                      sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+    meta, ids = answer["meta_info"], answer["output_ids"]
+    inputs, outputs = meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"]
+    assert inputs[0] is None and len(inputs) == len(PROMPT)  # nothing predicts token 0
+    assert len(outputs) == len(ids) == 5
+    for entries in [*inputs[1:], *outputs]:
+        assert [tok for _, tok, _ in entries] == [PROMPT[2], 7, PROMPT[2]]
+        assert entries[0][0] == entries[2][0] <= 0 and entries[1][0] <= 0
+    # Position 1 scores prompt token 2: the same value as its input logprob.
+    assert inputs[2][0][0] == meta["input_token_logprobs"][2][0]
+    for (lp, tok, _), entries in zip(meta["output_token_logprobs"], outputs, strict=True):
+        if tok == 7:
+            assert entries[1][0] == lp
+    # A batch names ids per prompt; without them no such field.
+    (r,) = post(service, {"input_ids": [PROMPT, PROMPT[:3]], "return_logprob": True,
+                          "token_ids_logprob": [[3], [4, 5]],
+                          "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    first, second = r.json()
+    assert [[t for _, t, _ in e] for e in first["meta_info"]["output_token_ids_logprobs"]] == [
+        [3], [3]]
+    assert [[t for _, t, _ in e] for e in second["meta_info"]["output_token_ids_logprobs"]] == [
+        [4, 5], [4, 5]]
+    assert "output_token_ids_logprobs" not in generate(
+        service, return_logprob=True, sampling_params={"max_new_tokens": 2})["meta_info"]
+
+
+def test_a_named_id_a_grammar_forbids_has_a_null_logprob(service: Service) -> None:
+    answer = generate(service, return_logprob=True, token_ids_logprob=[ord("a"), ord("z")],
+                      sampling_params={"max_new_tokens": 3, "regex": "[a-c]{3}"})
+    for entries in answer["meta_info"]["output_token_ids_logprobs"]:
+        (a, _, _), (z, _, _) = entries
+        assert a is not None and a <= 0 and z is None
 
 
 def test_one_token_answers_of_a_batch_keep_their_input_logprobs(service: Service) -> None:

@@ -126,7 +126,7 @@ async def client_of(service: Service, gate: Gate) -> AsyncIterator[httpx.AsyncCl
 def test_generate_stream_chunks_carry_the_logprobs_of_the_answer_so_far() -> None:
     body: dict[str, Any] = {
         "input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
-        "logprob_start_len": 0, "return_text_in_logprobs": True,
+        "logprob_start_len": 0, "return_text_in_logprobs": True, "token_ids_logprob": [5, 9],
         "sampling_params": {"max_new_tokens": NEW, "ignore_eos": True, "temperature": 0.8,
                             "sampling_seed": 11}}
 
@@ -155,6 +155,8 @@ def test_generate_stream_chunks_carry_the_logprobs_of_the_answer_so_far() -> Non
         assert got["input_top_logprobs"] == want["input_top_logprobs"]
         assert got["output_token_logprobs"] == want["output_token_logprobs"][:n]
         assert got["output_top_logprobs"] == want["output_top_logprobs"][:n]
+        assert got["input_token_ids_logprobs"] == want["input_token_ids_logprobs"]
+        assert got["output_token_ids_logprobs"] == want["output_token_ids_logprobs"][:n]
     assert chunks[-2]["meta_info"]["finish_reason"] is None and len(chunks[-2]["output_ids"]) > 1
     assert {k: chunks[-1]["meta_info"][k] for k in LOGPROB_KEYS} == {
         k: want[k] for k in LOGPROB_KEYS}

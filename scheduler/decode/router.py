@@ -191,7 +191,8 @@ class LocalPrefillFake(FakeDecodeManager):
             sampled = forward.results[0].sampled
             lp = sampled.logprob
             self._metadata.write(slot, sampled.token, 0, None if lp is None else lp.logprob,
-                                 receiver.room, () if lp is None else lp.top)
+                                 receiver.room, () if lp is None else lp.top,
+                                 asked=() if lp is None else lp.asked)
         self.forget(receiver.room)
 
 

@@ -57,7 +57,8 @@ class DecodeSampling:
         if state is None:
             return ""
         if state.params.return_logprob:
-            state.output_logprobs.append(TokenLogprob(row.first_token, row.logprob, row.top))
+            state.output_logprobs.append(TokenLogprob(row.first_token, row.logprob, row.top,
+                                                      row.asked))
         return self._after(req, state)
 
     def step(self, reqs: Sequence[DecodeRequest],

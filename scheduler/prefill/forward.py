@@ -246,7 +246,8 @@ class Results:
         handoff = None if self._handoffs is None else self._handoffs.handoff_row(req.rid, token)
         self._metadata.write(req.slot, token, req.cached,
                              None if logprob is None else logprob.logprob, req.bootstrap_room,
-                             () if logprob is None else logprob.top, speculative=handoff)
+                             () if logprob is None else logprob.top, speculative=handoff,
+                             asked=() if logprob is None else logprob.asked)
         self._send(req, True)
         self._metrics.transfer_bytes.inc(self._row_bytes)
 

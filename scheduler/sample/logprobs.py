@@ -59,6 +59,15 @@ def top_tokens(logprobs: torch.Tensor, k: int) -> list[Top]:
             for row_ids, row_values in zip(id_rows, value_rows, strict=True)]
 
 
+def asked_of(logprobs: torch.Tensor, ids: Sequence[int]) -> list[Top]:
+    """Per row of ``logprobs`` (``[rows, vocab]``), the values at ``ids`` as ``(token, value)``
+    pairs in the order of ``ids`` (a request's ``token_ids_logprob``; -inf stays)."""
+    if not ids:
+        return [() for _ in range(logprobs.shape[0])]
+    rows: list[list[float]] = logprobs[:, list(ids)].tolist()
+    return [tuple(zip(ids, row, strict=True)) for row in rows]
+
+
 def wants_input_logprobs(params: SamplingParams, prompt_len: int) -> bool:
     """Whether the request returns logprobs of its prompt tokens."""
     return params.return_logprob and 0 <= params.logprob_start_len < prompt_len
@@ -99,5 +108,6 @@ def chunk_input_logprobs(
     chosen = (rows.gather(1, targets[:, None]) - norm)[:, 0].tolist()
     k = params.top_logprobs_num
     tops = top_tokens(rows - norm, k) if k else [() for _ in chosen]
-    return [TokenLogprob(int(t), lp, top)
-            for t, lp, top in zip(prompt[lo + 1 : hi + 1], chosen, tops, strict=True)]
+    asked = asked_of(rows - norm, params.token_ids_logprob)
+    return [TokenLogprob(int(t), lp, top, ask) for t, lp, top, ask in zip(
+        prompt[lo + 1 : hi + 1], chosen, tops, asked, strict=True)]

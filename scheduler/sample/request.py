@@ -134,7 +134,10 @@ class Sampling:
             try:
                 constraint = self.compiler.compile(params.grammar)
             except GrammarError as exc:
-                raise SamplingRefused(f"request {rid!r}: {exc}") from exc
+                kind = params.grammar.kind
+                why = str(exc).removeprefix(f"{kind} does not compile: ")  # said once
+                raise SamplingRefused(f"request {rid!r}: the {kind} grammar does not compile: "
+                                      f"{why}") from exc
         if not needs_logits(params, len(prompt)) and not (self._stop_strings and params.stop):
             return None
         banned = tuple(sorted(self._eos.union(params.stop_token_ids))

@@ -36,7 +36,7 @@ import torch
 
 from lifecycle import SamplingParams
 from scheduler.messages import TokenLogprob
-from scheduler.sample.logprobs import scaled, top_tokens
+from scheduler.sample.logprobs import asked_of, scaled, top_tokens
 from scheduler.sample.stream import uniform
 
 
@@ -131,7 +131,8 @@ def _sample_row(row: torch.Tensor, spec: RowSpec) -> Sampled:
         return Sampled(token)
     logprobs = torch.log_softmax(scaled(row, params), -1)
     top = top_tokens(logprobs[None], params.top_logprobs_num)[0]
-    return Sampled(token, TokenLogprob(token, float(logprobs[token]), top))
+    asked = asked_of(logprobs[None], params.token_ids_logprob)[0]
+    return Sampled(token, TokenLogprob(token, float(logprobs[token]), top, asked))
 
 
 def _draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:

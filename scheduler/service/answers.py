@@ -5,7 +5,10 @@ Logprobs follow SGLang's ``meta_info``: ``input_token_logprobs`` and ``output_to
 are lists of ``[logprob, token_id, text]`` triples (``text`` null unless
 ``return_text_in_logprobs``; the first prompt token's logprob is null, nothing predicts it);
 ``input_top_logprobs`` and ``output_top_logprobs``, present only when ``top_logprobs_num`` > 0,
-hold one list of such triples per position (null where a position has none). Which side fills
+hold one list of such triples per position (null where a position has none), and so do
+``input_token_ids_logprobs`` and ``output_token_ids_logprobs``, present only with
+``token_ids_logprob``: the named ids' triples in their order (a logprob that is not a number,
+an id a grammar forbids there, is null). Which side fills
 which field is the role's: a prefill worker answers its input logprobs and the first output
 token's, a decode worker the output tokens' with an empty ``input_token_logprobs`` (SGLang's
 router prepends the prefill's there), a colocated worker all of them.
@@ -13,6 +16,7 @@ router prepends the prefill's there), a colocated worker all of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,7 +27,7 @@ from scheduler.service.schema import FinishReason, GenerateAnswer, MetaInfo
 
 #: The ``meta_info`` keys that only logprob answers carry.
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
-                "output_top_logprobs")
+                "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
 
 
 def decode(tokenizer: Any, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
@@ -89,6 +93,12 @@ def logprob_fields(tokenizer: Any, item: Item, inputs: Sequence[TokenLogprob],
         for key, entries in (("input_top_logprobs", inputs), ("output_top_logprobs", outputs)):
             fields[key] = [_triples(tokenizer, ((lp, tok) for tok, lp in t.top), text)
                            if t.top else None for t in entries]
+    if sampling.token_ids_logprob:
+        for key, entries in (("input_token_ids_logprobs", inputs),
+                             ("output_token_ids_logprobs", outputs)):
+            fields[key] = [_triples(tokenizer, ((lp if math.isfinite(lp) else None, tok)
+                                                for tok, lp in t.asked), text)
+                           if t.asked else None for t in entries]
     return fields
 
 

@@ -255,7 +255,7 @@ def check_item(
             raise BadRequest("bad_rid",
                              f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
         _check_prompt(config, rid, input_ids)
-        _check_bias(config, rid, sampling)
+        _check_named_ids(config, rid, sampling)
         _check_lengths(config, rid, len(input_ids), sampling.max_new_tokens)
         return _with_bootstrap(config, rooms, rid, tuple(input_ids), sampling,
                                bootstrap_host, bootstrap_port, bootstrap_room)
@@ -276,12 +276,15 @@ def _check_prompt(config: ServeConfig, rid: str, input_ids: Sequence[int]) -> No
         )
 
 
-def _check_bias(config: ServeConfig, rid: str, sampling: SamplingParams) -> None:
+def _check_named_ids(config: ServeConfig, rid: str, sampling: SamplingParams) -> None:
+    """The token ids a request names beside its prompt are in the vocabulary."""
     vocab = config.vocab_size
-    beyond = [token for token, _ in sampling.logit_bias if token >= vocab]
-    if beyond:
-        raise BadRequest("bad_token_id", f"request {rid!r}: sampling_params.logit_bias: token "
-                         f"ids must be in 0..{vocab - 1}, got {beyond[0]}")
+    for field, ids in (("sampling_params.logit_bias", [t for t, _ in sampling.logit_bias]),
+                       ("token_ids_logprob", sampling.token_ids_logprob)):
+        beyond = [token for token in ids if token >= vocab]
+        if beyond:
+            raise BadRequest("bad_token_id", f"request {rid!r}: {field}: token ids must be in "
+                             f"0..{vocab - 1}, got {beyond[0]}")
 
 
 def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -> None:

@@ -89,6 +89,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
                        batch)
     n = samples_per_prompt(params, count, service.config.max_queued_requests)
     many = batch or n > 1
+    asked = _asked_ids(body, count, batch)
     if isinstance(body.rid, list):
         rids = _per_item(body.rid, count, "rid", batch)
     elif body.rid is not None:
@@ -100,6 +101,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
         rids = [f"{rid}_{i}" for rid in rids for i in range(n)]
         prompts = [prompt for prompt in prompts for _ in range(n)]
         params = [sample(sp, i) for sp in params for i in range(n)]
+        asked = [ids for ids in asked for _ in range(n)]
     total = len(rids)
     if len(set(rids)) != total:
         raise BadRequest("duplicate_rid", "the rids of a batch must be distinct")
@@ -109,12 +111,12 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     check_own_rooms(zip(hosts, ports, rooms, strict=True))
     items = [
         attrs.evolve(service.check(
-            rid=rid, input_ids=prompt, sampling=_sampling(service, body, sp, rid),
+            rid=rid, input_ids=prompt, sampling=_sampling(service, body, sp, rid, ids),
             bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
         ), options=AnswerOptions(sp.no_stop_trim, sp.skip_special_tokens,
                                  body.return_text_in_logprobs))
-        for rid, prompt, sp, host, port, room in zip(
-            rids, prompts, params, hosts, ports, rooms, strict=True
+        for rid, prompt, sp, ids, host, port, room in zip(
+            rids, prompts, params, asked, hosts, ports, rooms, strict=True
         )
     ]
     if body.stream and many:
@@ -122,12 +124,27 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     return items, many
 
 
+def _asked_ids(body: GenerateRequest, count: int, batch: bool) -> list[tuple[int, ...]]:
+    """Each prompt's ``token_ids_logprob``: one list for all, or (a batch) one per prompt."""
+    given = body.token_ids_logprob
+    if not given:
+        return [()] * count
+    if not body.return_logprob:
+        raise BadRequest("bad_sampling", "token_ids_logprob needs return_logprob: true")
+    if not isinstance(given[0], list):
+        return [tuple(given)] * count  # ints, by the schema
+    if not batch or len(given) != count:
+        raise BadRequest("bad_batch", f"token_ids_logprob has {len(given)} lists for {count} "
+                         "prompts (give one list of ids, or a batch's one per prompt)")
+    return [tuple(ids) for ids in given]  # id lists, by the schema
+
+
 def _sampling(service: Service, body: GenerateRequest, sp: SamplingParamsBody,
-              rid: str) -> SamplingParams:
+              rid: str, asked: tuple[int, ...]) -> SamplingParams:
     try:
         return sampling_params_from(
             sp, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-            logprob_start_len=body.logprob_start_len,
+            logprob_start_len=body.logprob_start_len, token_ids_logprob=asked,
             max_new_tokens_limit=service.config.new_tokens_limit)
     except BadRequest as exc:
         exc.rid = rid
@@ -136,7 +153,7 @@ def _sampling(service: Service, body: GenerateRequest, sp: SamplingParamsBody,
 
 #: Top-level SGLang fields pdlife cannot honour, with the value that asks for nothing.
 _NEUTRAL_TOP: dict[str, Any] = {
-    "token_ids_logprob": None, "return_hidden_states": False, "input_embeds": None,
+    "return_hidden_states": False, "input_embeds": None,
     "image_data": None, "audio_data": None, "video_data": None, "lora_path": None,
     "custom_logit_processor": None, "session_params": None,
 }

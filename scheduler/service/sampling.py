@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
@@ -52,6 +52,7 @@ def sampling_params_from(
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
     logprob_start_len: int = -1,
+    token_ids_logprob: Sequence[int] = (),
     max_new_tokens_limit: int = 1 << 20,
 ) -> SamplingParams:
     """The request's :class:`SamplingParams`, or :class:`BadRequest` naming the field to change
@@ -86,6 +87,7 @@ def sampling_params_from(
             grammar=grammar_of(sp), frequency_penalty=sp.frequency_penalty,
             presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
             min_new_tokens=sp.min_new_tokens, logit_bias=logit_bias_of(sp),
+            token_ids_logprob=token_ids_logprob,
         )
     except ValueError as exc:  # SamplingParams' own range checks
         raise BadRequest("bad_sampling", f"sampling_params.{exc}") from exc

@@ -79,8 +79,11 @@ class GenerateRequest(_Strict):
     bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | list[
         Annotated[int, Field(ge=0, le=65535)]] | None = None
     bootstrap_room: Room | list[Room] | None = None
+    token_ids_logprob: list[Annotated[int, Field(ge=0)]] | list[
+        list[Annotated[int, Field(ge=0)]]] | None = Field(
+        None, description="with return_logprob: these ids' logprobs at every position (one "
+        "list for every prompt, or one per prompt of a batch)")
     # SGLang fields pdlife cannot honour: refused with 400 unless absent.
-    token_ids_logprob: list[int] | None = None
     return_hidden_states: bool = False
     input_embeds: list[Any] | None = None
     image_data: Any = None
@@ -117,6 +120,10 @@ class MetaInfo(BaseModel):
     output_token_logprobs: list[LogprobEntry] | None = None
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     output_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    # With token_ids_logprob: per position the named ids' entries, in their order (a logprob
+    # that is not a number, an id a grammar forbids there, is null).
+    input_token_ids_logprobs: list[list[LogprobEntry] | None] | None = None
+    output_token_ids_logprobs: list[list[LogprobEntry] | None] | None = None
 
 
 class GenerateAnswer(BaseModel):
