@@ -54,9 +54,10 @@ def usage(answers: Sequence[Answer], n: int | None = None) -> Usage:
     prompt-major (SGLang's sums): each prompt counted once, every choice's completion tokens and
     cached tokens."""
     prompt = sum(a.prompt_tokens for a in answers[::n or len(answers)])
-    n = sum(len(a.output_ids) for a in answers)
+    completion = sum(len(a.output_ids) for a in answers)
     cached = sum(a.cached_tokens for a in answers)
-    return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
