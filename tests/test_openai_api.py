@@ -363,9 +363,9 @@ def test_refusals_are_openai_errors_naming_the_field(path: str, body: dict[str, 
 
 def test_models_are_retrieved_and_a_wrong_path_is_an_openai_error() -> None:
     async def main() -> None:
-        with running_service(config(model_name="tiny")) as service:
+        with running_service(config(model_name="org/tiny")) as service:
             async with asgi_client(service) as client:
-                card = (await client.get("/v1/models/tiny")).json()
+                card = (await client.get("/v1/models/org/tiny")).json()
                 assert card == (await client.get("/v1/models")).json()["data"][0]
                 r = await client.get("/v1/models/gpt-4")
                 assert r.status_code == 404
@@ -380,7 +380,7 @@ def test_models_are_retrieved_and_a_wrong_path_is_an_openai_error() -> None:
                 r = await client.get("/no_such_route")  # elsewhere: /generate's shape
                 assert r.json()["error"]["type"] == "http_error"
             async with openai_client(service) as openai_api:
-                assert (await openai_api.models.retrieve("tiny")).id == "tiny"
+                assert (await openai_api.models.retrieve("org/tiny")).id == "org/tiny"
                 with pytest.raises(openai.NotFoundError):
                     await openai_api.models.retrieve("gpt-4")
 

@@ -188,9 +188,10 @@ TOP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"token_ids_logprob": [1, 300], "return_logprob": True}, "bad_token_id",
      "token_ids_logprob: token ids must be in 0..257, got 300"),
     ({"token_ids_logprob": list(range(65)), "return_logprob": True}, "bad_sampling",
-     "token_ids_logprob must hold 1..64 token ids"),
+     "token_ids_logprob: at most 64 token ids per prompt, got 65"),
     ({"token_ids_logprob": [[1], [2]], "return_logprob": True}, "bad_batch",
-     "token_ids_logprob has 2 lists for 1 prompts"),
+     "token_ids_logprob: a list of lists is a batch's, one per prompt; for one prompt give a "
+     "list of token ids"),
     ({"token_ids_logprob": [-1], "return_logprob": True}, "invalid_request",
      "token_ids_logprob"),
     ({"return_hidden_states": True}, "unsupported", "return_hidden_states"),
@@ -376,6 +377,11 @@ def test_named_ids_logprobs_are_given_at_every_position(service: Service) -> Non
                           "token_ids_logprob": [[3], [4, 5]],
                           "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
     first, second = r.json()
+    (wrong,) = post(service, {"input_ids": [PROMPT, PROMPT[:3]], "return_logprob": True,
+                              "token_ids_logprob": [[3], [4], [5]]})
+    assert wrong.json()["error"]["message"] == (
+        "token_ids_logprob has 3 lists for a batch of 2 prompts (give one list of ids for "
+        "all, or one per prompt)")
     assert [[t for _, t, _ in e] for e in first["meta_info"]["output_token_ids_logprobs"]] == [
         [3], [3]]
     assert [[t for _, t, _ in e] for e in second["meta_info"]["output_token_ids_logprobs"]] == [

@@ -19,7 +19,7 @@ import attrs
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lifecycle import SamplingParams
+from lifecycle import TOKEN_IDS_LOGPROB_MAX, SamplingParams
 from scheduler.messages import TokenLogprob
 from scheduler.service import handoff
 from scheduler.service.answers import answer_body, answer_text, final_body
@@ -125,18 +125,28 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
 
 
 def _asked_ids(body: GenerateRequest, count: int, batch: bool) -> list[tuple[int, ...]]:
-    """Each prompt's ``token_ids_logprob``: one list for all, or (a batch) one per prompt."""
+    """Each prompt's ``token_ids_logprob``: one list for all, or (a batch) one per prompt; an
+    empty list asks for none."""
     given = body.token_ids_logprob
     if not given:
         return [()] * count
     if not body.return_logprob:
         raise BadRequest("bad_sampling", "token_ids_logprob needs return_logprob: true")
     if not isinstance(given[0], list):
-        return [tuple(given)] * count  # ints, by the schema
-    if not batch or len(given) != count:
-        raise BadRequest("bad_batch", f"token_ids_logprob has {len(given)} lists for {count} "
-                         "prompts (give one list of ids, or a batch's one per prompt)")
-    return [tuple(ids) for ids in given]  # id lists, by the schema
+        lists = [tuple(given)] * count  # ints, by the schema
+    elif not batch:
+        raise BadRequest("bad_batch", "token_ids_logprob: a list of lists is a batch's, one "
+                         "per prompt; for one prompt give a list of token ids")
+    elif len(given) != count:
+        raise BadRequest("bad_batch", f"token_ids_logprob has {len(given)} lists for a batch "
+                         f"of {count} prompts (give one list of ids for all, or one per prompt)")
+    else:
+        lists = [tuple(ids) for ids in given]  # id lists, by the schema
+    longest = max(len(ids) for ids in lists)
+    if longest > TOKEN_IDS_LOGPROB_MAX:
+        raise BadRequest("bad_sampling", f"token_ids_logprob: at most {TOKEN_IDS_LOGPROB_MAX} "
+                         f"token ids per prompt, got {longest}")
+    return lists
 
 
 def _sampling(service: Service, body: GenerateRequest, sp: SamplingParamsBody,

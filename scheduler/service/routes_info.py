@@ -117,10 +117,11 @@ async def models(service: ServiceDep) -> ModelList:
     )])
 
 
-@router.get("/v1/models/{model}", response_model=ModelCard,
+@router.get("/v1/models/{model:path}", response_model=ModelCard,
             responses={404: {"model": OpenAIError, "description": "not the served model"}})
 async def model(model: str, service: ServiceDep) -> ModelCard | JSONResponse:
-    """OpenAI's model retrieval: the served model's card; another name is 404."""
+    """OpenAI's model retrieval: the served model's card (its name may hold slashes: a path,
+    ``org/name``); another name is 404."""
     if model != service.config.model_name:
         return openai_error(404, f"the model {model!r} does not exist: this worker serves "
                             f"{service.config.model_name!r}", "model_not_found", "model")
