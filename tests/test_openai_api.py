@@ -60,6 +60,13 @@ async def post(client: httpx.AsyncClient, path: str, **body: Any) -> httpx.Respo
     return await client.post(path, json=body)
 
 
+def within(offsets: list[int], text: str, start: int) -> bool:
+    """Text offsets that start at ``start`` and run forward inside ``text`` (the reference
+    model's random bytes are not always whole characters, so not one per token)."""
+    return (offsets[0] == start and offsets == sorted(offsets)
+            and offsets[-1] <= len(text))
+
+
 def sse(text: str) -> list[dict[str, Any]]:
     chunks, done = tokens_of_stream(text)
     assert done, text
@@ -119,7 +126,7 @@ def test_completion_logprobs_describe_the_answer() -> None:
                     choice = r.json()["choices"][0]
                     lp = choice["logprobs"]
                     assert lp["tokens"] == [TOKENIZER.decode([t]) for t in want]
-                    assert lp["text_offset"] == list(range(8))  # one character per byte here
+                    assert within(lp["text_offset"], choice["text"], 0)
                     assert all(v <= 0 for v in lp["token_logprobs"])
                     if top == 0:
                         assert lp["top_logprobs"] is None
@@ -187,7 +194,9 @@ def test_echo_writes_the_prompt_and_its_logprobs_before_the_answer() -> None:
                     assert choice["text"] == prompt + want
                     lp = choice["logprobs"]
                     assert "".join(lp["tokens"]) == prompt + want
-                    assert lp["text_offset"] == list(range(len(prompt) + 6))
+                    offsets = lp["text_offset"]  # the prompt's are ASCII, one per byte
+                    assert offsets[:len(prompt)] == list(range(len(prompt)))
+                    assert within(offsets[len(prompt):], choice["text"], len(prompt))
                     assert lp["token_logprobs"] == [
                         v for v, _, _ in g["input_token_logprobs"] + g["output_token_logprobs"]]
                     assert lp["token_logprobs"][0] is None  # nothing predicts the first token
@@ -656,6 +665,32 @@ def test_echo_scores_a_batch_of_prompts_as_transformers_does(
         # The one generated token is the greedy one after the prompt.
         assert lp.token_logprobs[-1] == pytest.approx(float(want[-1].max()), abs=2e-3)
     assert r.usage is not None and r.usage.prompt_tokens == sum(map(len, prompts))
+
+
+def test_text_offsets_index_the_text_of_characters_split_across_tokens(
+        smollm2: Any, chat_config: ServeConfig) -> None:
+    """Byte-level tokens split "日本語 🤖" inside characters: a character counts once, at the
+    token that completes it, so every offset points into the text the client reads."""
+    prompt = "café 日本語 🤖 ok"
+    ids = smollm2.encode(prompt)
+
+    async def ask() -> Any:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                return await client.completions.create(
+                    model="smollm2", prompt=prompt, echo=True, max_tokens=4, logprobs=0,
+                    temperature=0)
+
+    r = run(ask())
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert lp is not None and lp.text_offset is not None and lp.tokens is not None
+    offsets = lp.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for i in range(len(ids) + 1):  # each prompt token starts where the text of those before ends
+        before = smollm2.decode(ids[:i]).rstrip("\ufffd")
+        assert i == len(ids) or offsets[i] == len(before), (i, before)
+        assert text.startswith(before)
+    assert offsets[len(ids)] == len(prompt)  # the answer starts after the echoed prompt
 
 
 def test_stop_strings_end_the_answer_plain_and_streamed(smollm2: Any,

@@ -13,11 +13,11 @@ logprobs too add up to the unstreamed answer's (completions' ``text_offset`` cou
 
 from __future__ import annotations
 
+import codecs
 import functools
-import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -98,14 +98,38 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return decode(tokenizer, [token], skip_special_tokens=False)
 
 
+class TextOffsets:
+    """Where each token's text starts in the answer's text, in characters (completions'
+    ``text_offset``), from ``start`` on. A token adds the characters its bytes complete: a
+    character split over several tokens counts once, at the token that completes it, and a
+    special token the text skips counts nothing, so the offsets index the text the client
+    reads."""
+
+    def __init__(self, tokenizer: Any, *, start: int = 0, skip_special_tokens: bool = True
+                 ) -> None:
+        self.tokenizer = tokenizer
+        self.chars = start
+        self._skip = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def of(self, tokens: Iterable[int]) -> list[int]:
+        """The offsets of ``tokens``, the next ones of the text."""
+        offsets = []
+        for token in tokens:
+            offsets.append(self.chars)
+            if self._skip and not decode(self.tokenizer, [token], skip_special_tokens=True):
+                continue  # a special token (or none at all) writes nothing
+            self.chars += len(self._utf8.decode(bytes(token_bytes(self.tokenizer, token))))
+        return offsets
+
+
 def completion_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int,
-                        start: int = 0, *, prompt: bool = False) -> CompletionLogprobs:
+                        offsets: TextOffsets, *, prompt: bool = False) -> CompletionLogprobs:
     """``/v1/completions`` logprobs: the tokens' texts, logprobs, ``top`` alternatives (by
-    text) and text offsets (the first token's text at ``start``). ``prompt``: the entries are
-    an echoed prompt's, whose first token nothing predicts: its logprob and alternatives are
-    null (OpenAI's echo)."""
+    text) and text offsets (the next ones of ``offsets``). ``prompt``: the entries are an
+    echoed prompt's, whose first token nothing predicts: its logprob and alternatives are null
+    (OpenAI's echo)."""
     texts = [_token_text(tokenizer, e.token) for e in entries]
-    offsets = list(itertools.accumulate((len(t) for t in texts), initial=start))[:-1]
     tops: list[dict[str, float] | None] | None = None
     if top > 0:
         tops = []
@@ -115,7 +139,7 @@ def completion_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: in
                 alternatives.setdefault(_token_text(tokenizer, tok), _number(lp))
             tops.append(None if prompt and e.logprob is None else alternatives)
     return CompletionLogprobs(
-        tokens=texts, top_logprobs=tops, text_offset=offsets,
+        tokens=texts, top_logprobs=tops, text_offset=offsets.of(e.token for e in entries),
         token_logprobs=[None if prompt and e.logprob is None else _number(e.logprob)
                         for e in entries])
 
@@ -126,7 +150,9 @@ def echoed_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob]
     when the request did not ask for logprobs."""
     if not item.sampling.return_logprob:
         return None
-    return completion_logprobs(tokenizer, entries, item.sampling.top_logprobs_num, prompt=True)
+    offsets = TextOffsets(tokenizer, skip_special_tokens=item.options.skip_special_tokens)
+    return completion_logprobs(tokenizer, entries, item.sampling.top_logprobs_num, offsets,
+                               prompt=True)
 
 
 def _joined(first: CompletionLogprobs | None, then: CompletionLogprobs | None
@@ -159,15 +185,19 @@ def chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int) -> 
 
 
 def answer_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob], *,
-                    chat: bool, start: int = 0) -> ChatLogprobs | CompletionLogprobs | None:
-    """The logprobs of output tokens ``entries`` in the endpoint's shape (completions: the
-    first token's text at ``start``), or None when the request did not ask for them."""
+                    chat: bool, offsets: TextOffsets | None = None
+                    ) -> ChatLogprobs | CompletionLogprobs | None:
+    """The logprobs of output tokens ``entries`` in the endpoint's shape (completions: text
+    offsets from ``offsets``, by default from the answer's start), or None when the request did
+    not ask for them."""
     sampling = item.sampling
     if not sampling.return_logprob:
         return None
     if chat:
         return chat_logprobs(tokenizer, entries, sampling.top_logprobs_num)
-    return completion_logprobs(tokenizer, entries, sampling.top_logprobs_num, start)
+    if offsets is None:
+        offsets = TextOffsets(tokenizer, skip_special_tokens=item.options.skip_special_tokens)
+    return completion_logprobs(tokenizer, entries, sampling.top_logprobs_num, offsets)
 
 
 def answer_body(tokenizer: Any, rid: str, choices: Sequence[tuple[Item, Answer]], model: str,
@@ -192,8 +222,10 @@ def _completion_choice(tokenizer: Any, index: int, item: Item, answer: Answer
                        ) -> CompletionChoice:
     echo = item.options.echo
     prompt = None if echo is None else echoed_logprobs(tokenizer, item, answer.input_logprobs)
+    offsets = TextOffsets(tokenizer, start=len(echo or ""),
+                          skip_special_tokens=item.options.skip_special_tokens)
     output = _completion_only(answer_logprobs(tokenizer, item, answer.output_logprobs,
-                                              chat=False, start=len(echo or "")))
+                                              chat=False, offsets=offsets))
     return CompletionChoice(index=index, text=(echo or "") + final_text(tokenizer, item, answer),
                             logprobs=_joined(prompt, output), finish_reason=answer.finish_reason)
 
@@ -275,7 +307,7 @@ class StreamLogprobs:
         self.chat = chat
         self.entries: list[TokenLogprob] = []  # received from the engines
         self.sent = 0
-        self._offset = 0  # completions: the text offset of the next token sent
+        self._offsets = self._from(0)  # completions: where the next tokens sent start
 
     def more(self, entries: Sequence[TokenLogprob]) -> None:
         self.entries.extend(entries)
@@ -283,8 +315,12 @@ class StreamLogprobs:
     def echo(self, entries: Sequence[TokenLogprob], text: str) -> CompletionLogprobs | None:
         """The logprobs of an echoed prompt (``entries``, written as ``text``): the output
         tokens' offsets follow that text."""
-        self._offset = len(text)
+        self._offsets = self._from(len(text))
         return echoed_logprobs(self.tokenizer, self.item, entries)
+
+    def _from(self, start: int) -> TextOffsets:
+        return TextOffsets(self.tokenizer, start=start,
+                           skip_special_tokens=self.item.options.skip_special_tokens)
 
     def upto(self, released: int) -> ChatLogprobs | CompletionLogprobs | None:
         """The logprobs of the tokens before ``released`` not sent yet (a chunk's)."""
@@ -297,10 +333,8 @@ class StreamLogprobs:
 
     def _send(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | CompletionLogprobs | None:
         logprobs = answer_logprobs(self.tokenizer, self.item, entries, chat=self.chat,
-                                   start=self._offset)
+                                   offsets=self._offsets)
         self.sent += len(entries)
-        if isinstance(logprobs, CompletionLogprobs):
-            self._offset += sum(len(t) for t in logprobs.tokens)
         return logprobs
 
 
