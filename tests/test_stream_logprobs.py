@@ -49,8 +49,8 @@ class Gate:
     """Permits for decode steps: a step takes one; each chunk the client receives adds one.
     Open, it lets every step through (for unstreamed answers)."""
 
-    def __init__(self) -> None:
-        self._permits = threading.Semaphore(1)
+    def __init__(self, permits: int = 1) -> None:
+        self._permits = threading.Semaphore(permits)
         self.open = False
 
     def take(self) -> None:
@@ -106,8 +106,9 @@ def paced_app(service: Service, gate: Gate) -> Any:
 
 
 @contextlib.contextmanager
-def paced_service(config: ServeConfig, make_runner: Any) -> Iterator[tuple[Service, Gate]]:
-    gate = Gate()
+def paced_service(config: ServeConfig, make_runner: Any,
+                  permits: int = 1) -> Iterator[tuple[Service, Gate]]:
+    gate = Gate(permits)
     with running_service(config, runner_factory=lambda model, pool: PacedRunner(
             make_runner(model, pool), gate)) as service:
         yield service, gate
@@ -160,6 +161,24 @@ def test_generate_stream_chunks_carry_the_logprobs_of_the_answer_so_far() -> Non
     assert chunks[-2]["meta_info"]["finish_reason"] is None and len(chunks[-2]["output_ids"]) > 1
     assert {k: chunks[-1]["meta_info"][k] for k in LOGPROB_KEYS} == {
         k: want[k] for k in LOGPROB_KEYS}
+
+
+def test_the_first_token_is_streamed_before_the_first_decode_step() -> None:
+    """No decode step may run before the client got a chunk (no permit to start with): the
+    first token, from the metadata row, must come alone, ahead of the decode forward."""
+    body = {"input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+
+    async def main() -> list[dict[str, Any]]:
+        with paced_service(CONFIG, PagedModelRunner, permits=0) as (service, gate):
+            async with client_of(service, gate) as client:
+                r = await client.post("/generate", json=body)
+        chunks, done = tokens_of_stream(r.text)
+        assert done
+        return chunks
+
+    chunks = run(main())
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3]
 
 
 def test_a_generate_stream_without_logprobs_has_no_logprob_fields() -> None:

@@ -130,6 +130,11 @@ class DecodePeer:
         self.metrics.kv_pages_total.set(self.pool.num_pages)
         self.speculative = speculative
         self._speculation = DecodeSpeculation(speculative, runner, self.metrics, self._pages)
+        #: Called within a pass once requests received their first token (from the metadata
+        #: row), before the pass's decode forward: a streaming server sends those tokens
+        #: without waiting for the next one.
+        self.on_first_tokens: Callable[[], None] | None = None
+        self._received = False  # requests received their first token in this pass
 
     def submit(self, req: NewRequest) -> None:
         self._inbox.put(req)
@@ -161,6 +166,8 @@ class DecodePeer:
         worked = self._receive()
         worked |= self._poll()
         worked |= self._preallocate()
+        if self._received and self.on_first_tokens is not None:
+            self.on_first_tokens()  # before this pass's forward: a stream sends them now
         worked |= self._decode()
         worked |= self._pages.reap()
         self.metrics.set_gauges(self.lifecycle.counts(), self.pool.allocator.in_use())
@@ -274,6 +281,7 @@ class DecodePeer:
                 received.append(req)
         self.lifecycle.fire(DecodeEvent.BOOTSTRAPPED, bootstrapped)
         self.lifecycle.fire(DecodeEvent.RECEIVED, received)
+        self._received = bool(received)
         self.lifecycle.fire(DecodeEvent.FINISHED,
                             [r for r in received if self._sampling.finished(r)])
         return bool(changed)

@@ -12,8 +12,9 @@ id, submits to the engines and wakes the loop; the engines' ``on_response`` call
 thread) find the Pending and resolve its asyncio future with
 ``loop.call_soon_threadsafe``. Streaming decode requests also get their new tokens, with their
 logprobs when asked, after every pass (``after_pass`` runs on the engine thread, the only place
-engine state may be read). A snapshot of counts and pool usage is published after every pass for
-``/server_info``.
+engine state may be read), and their first tokens as soon as the decode side received them,
+before that pass's decode forward (``DecodePeer.on_first_tokens``). A snapshot of counts and
+pool usage is published after every pass for ``/server_info``.
 
 A request id is live from :meth:`Service.start` until every engine it was submitted to has
 answered; ids are unique among live requests. Rooms of fake-host requests, and of every request
@@ -151,6 +152,8 @@ class Service:
                                  backend=config.backend)
         self.tracer = tracer  # spans of finished requests (scheduler.service.tracing); or off
         stepped: list[Any] = [e for e in (self.prefill, self.decode) if e is not None]
+        if self.decode is not None:
+            self.decode.on_first_tokens = self._follow_streams
         self.loop = EngineLoop(stepped, on_crash=self._on_crash, after_pass=self._after_pass)
         self._after_pass()
 
@@ -402,18 +405,24 @@ class Service:
     # -- per pass (engine thread) -----------------------------------------------------------
 
     def _after_pass(self) -> None:
-        if self._streams and self.decode is not None:
-            with self._lock:
-                streams = list(self._streams.values())
-            for p in streams:
-                req = self.decode.lifecycle.get(p.item.rid)
-                if req is not None:
-                    p.follow(req.output_ids, self.decode.output_logprobs(req.rid)
-                             if req.sampling.return_logprob else None)
+        self._follow_streams()
         snapshot = self.engines.snapshot()
         with self._lock:
             self._queue.published(snapshot["requests"])
         self.snapshot = snapshot
+
+    def _follow_streams(self) -> None:
+        """Push each streamed request's new tokens (after a pass, and within one as soon as
+        the decode side received first tokens)."""
+        if not self._streams or self.decode is None:
+            return
+        with self._lock:
+            streams = list(self._streams.values())
+        for p in streams:
+            req = self.decode.lifecycle.get(p.item.rid)
+            if req is not None:
+                p.follow(req.output_ids, self.decode.output_logprobs(req.rid)
+                         if req.sampling.return_logprob else None)
 
 
 def _refused_or(status: int, failure: str | None) -> tuple[str | None, int]:
