@@ -53,6 +53,11 @@ _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 
 
+#: The fields of the named ids' logprobs (``token_ids_logprob``), which a row of a request that
+#: named none does not need to carry.
+ASKED_FIELDS = ("asked_logprob_ids", "asked_logprob_vals")
+
+
 class MetadataError(Exception):
     """A slot was freed twice or is out of range, or a row belongs to another room."""
 
@@ -196,6 +201,10 @@ class MetadataBuffers:
                                                          dtype=torch.int32)
             self.spec_hidden[slot, : len(speculative.hidden)] = torch.tensor(speculative.hidden)
         self.room[slot, 0] = stored_room
+
+    def names_ids(self, slot: int) -> bool:
+        """Whether row ``slot`` carries the logprobs of named ids (its request asked)."""
+        return bool(self.asked_logprob_ids[slot, 0] >= 0)
 
     def _check_speculative(self, row: SpeculativeRow) -> None:
         if not self.speculative_hidden:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from kv.metadata import MetadataBuffers
+from kv.metadata import ASKED_FIELDS, MetadataBuffers
 from kv.mooncake_engine import MooncakeConfig, MooncakeEngine
 from kv.mooncake_legs import Chunk, Owed
 from kv.mooncake_rooms import PrefillRooms
@@ -138,8 +138,10 @@ class WritePipeline:
         self._engines = tuple(engines)
         self._pool = pool
         infos = metadata.buffer_infos()
+        self._metadata = metadata
         self._meta_ptrs = [i.ptr for i in infos]
         self._meta_item_lens = [i.item_len for i in infos]
+        self._meta_names = [i.name for i in infos]
         self._rooms = rooms
         self._max_blocks = config.max_blocks_in_flight
         self._max_block_bytes = config.max_block_bytes
@@ -286,12 +288,25 @@ class WritePipeline:
 
     def _rows(self, chunks: list[Chunk], target: Target) -> _Blocks:
         """The metadata rows of the chunks that are last, every field (none from a stage that
-        does not compute the first token)."""
+        does not compute the first token), but the named ids' logprobs only when one of the
+        rows carries them: each field is a block per run of slots, and a request that did not
+        name ids never reads them."""
         if not target.rows:
             return [], [], []
         last = [c for c in chunks if c.last]
-        return row_blocks([c.rec.cursor.slot or 0 for c in last], [c.leg.dest.slot for c in last],
-                          self._meta_ptrs, self._meta_item_lens, target.reg.meta_ptrs)
+        slots = [c.rec.cursor.slot or 0 for c in last]
+        fields = row_fields(self._meta_names,
+                            named=any(self._metadata.names_ids(slot) for slot in slots))
+        return row_blocks(slots, [c.leg.dest.slot for c in last],
+                          [self._meta_ptrs[f] for f in fields],
+                          [self._meta_item_lens[f] for f in fields],
+                          [target.reg.meta_ptrs[f] for f in fields])
+
+
+def row_fields(names: Sequence[str], *, named: bool) -> list[int]:
+    """The metadata fields (indices into ``names``) a group of rows sends: every one, but the
+    named ids' logprobs only when one of the rows carries them (``named``)."""
+    return [f for f, name in enumerate(names) if named or name not in ASKED_FIELDS]
 
 
 def row_blocks(slots: Sequence[int], dst_slots: Sequence[int], ptrs: Sequence[int],

@@ -14,11 +14,11 @@ import torch
 
 from kv.bootstrap import BootstrapServer
 from kv.listeners import connected_ports, listening
-from kv.metadata import MetadataBuffers
+from kv.metadata import ASKED_FIELDS, MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import IncompatiblePeerError, MooncakeConfig
-from kv.mooncake_writes import cut_blocks, row_blocks
+from kv.mooncake_writes import cut_blocks, row_blocks, row_fields
 from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
@@ -77,10 +77,12 @@ def test_many_chunked_rooms_land_byte_for_byte(
                 KVPoll.WAITING_FOR_INPUT
             )
             sender.init(n, i)
-            # The first token's logprob and top alternatives travel in the row too.
+            # The first token's logprob and top alternatives travel in the row too, and the
+            # named ids' logprobs for the rooms that name ids.
             top = [(2000 + i + j, -0.25 * j) for j in range(i % 4 * 6)]
+            asked = [(3000 + j, -0.5 * j) for j in range(i % 3 * 2)]
             metadata.write(i, first_token=1000 + i, cached_tokens=i, logprob=-0.5 * i,
-                           room=room, top=top)
+                           room=room, top=top, asked=asked)
             plan[room] = (sender, src, dst, dslot)
         # Chunks of every room interleaved, as the scheduler sends them.
         cut = {room: len(src) // 2 for room, (_, src, _, _) in plan.items()}
@@ -103,6 +105,7 @@ def test_many_chunked_rooms_land_byte_for_byte(
                 mine = getattr(metadata, field)[i]
                 assert torch.equal(theirs[dslot].view(torch.uint8), mine.view(torch.uint8))
             assert int(landed["rows"]["top_logprob_ids"][dslot, 0]) == (2000 + i if i % 4 else -1)
+            assert int(landed["rows"]["asked_logprob_ids"][dslot, 0]) == (3000 if i % 3 else -1)
         assert manager.dropped_messages.total == 0
     finally:
         peer.close()
@@ -238,6 +241,20 @@ def test_metadata_rows_consecutive_on_both_sides_go_as_one_block_per_field() -> 
     assert dst == [100_000 + 10 * 64, 100_000 + 3 * 64, 200_000 + 10 * 8, 200_000 + 3 * 8]
     assert lens == [3 * 64, 64, 3 * 8, 8]
     assert row_blocks([], [], [1000], [64], [2000]) == ([], [], [])
+
+
+def test_the_named_ids_fields_go_only_with_rows_that_carry_them() -> None:
+    """A row's named-ids fields are two more blocks per run of slots: rows of requests that
+    named no ids leave them out (a decode side reads them only for a request that named ids,
+    and clears its slot when it takes it)."""
+    metadata = MetadataBuffers(4)
+    metadata.write(0, first_token=1, cached_tokens=0, logprob=None, room=5)
+    metadata.write(1, first_token=1, cached_tokens=0, logprob=-1.0, room=6, asked=[(7, -2.0)])
+    assert not metadata.names_ids(0) and metadata.names_ids(1)
+    names = [i.name for i in metadata.buffer_infos()]
+    sent = [names[f] for f in row_fields(names, named=False)]
+    assert sent == [n for n in names if n not in ASKED_FIELDS] and sent[-1] == "room"
+    assert row_fields(names, named=True) == list(range(len(names)))
 
 
 def test_decode_refuses_a_prefill_with_another_page_size(
