@@ -512,6 +512,17 @@ async def openai_client(service: Service) -> AsyncIterator[openai.AsyncOpenAI]:
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def completion(config: ServeConfig, **body: Any) -> Any:
+    """One ``/v1/completions`` answer through the ``openai`` client, from a service of
+    ``config`` started for it."""
+    async def main() -> Any:
+        with running_service(config) as service:
+            async with openai_client(service) as client:
+                return await client.completions.create(model="smollm2", **body)
+
+    return run(main())
+
+
 def test_chat_answers_as_the_colocated_model_through_the_openai_client(
         smollm2: Any, chat_config: ServeConfig) -> None:
     want_ids = smollm2.generate(smollm2.encode_messages(QUESTION), 16)
@@ -642,15 +653,8 @@ def test_echo_scores_a_batch_of_prompts_as_transformers_does(
     hf_model, _ = hf_smollm2
     context = smollm2.encode("The capital of France is")
     prompts = [context + smollm2.encode(c) for c in (" Paris", " a large city in Europe")]
-
-    async def main() -> Any:
-        with running_service(chat_config) as service:
-            async with openai_client(service) as client:
-                return await client.completions.create(
-                    model="smollm2", prompt=prompts, echo=True, max_tokens=1, logprobs=1,
-                    temperature=0)
-
-    r = run(main())
+    r = completion(chat_config, prompt=prompts, echo=True, max_tokens=1, logprobs=1,
+                   temperature=0)
     assert [c.index for c in r.choices] == [0, 1]
     for prompt, choice in zip(prompts, r.choices, strict=True):
         lp = choice.logprobs
@@ -673,15 +677,8 @@ def test_text_offsets_index_the_text_of_characters_split_across_tokens(
     token that completes it, so every offset points into the text the client reads."""
     prompt = "café 日本語 🤖 ok"
     ids = smollm2.encode(prompt)
-
-    async def ask() -> Any:
-        with running_service(chat_config) as service:
-            async with openai_client(service) as client:
-                return await client.completions.create(
-                    model="smollm2", prompt=prompt, echo=True, max_tokens=4, logprobs=0,
-                    temperature=0)
-
-    r = run(ask())
+    r = completion(chat_config, prompt=prompt, echo=True, max_tokens=4, logprobs=0,
+                   temperature=0)
     text, lp = r.choices[0].text, r.choices[0].logprobs
     assert lp is not None and lp.text_offset is not None and lp.tokens is not None
     offsets = lp.text_offset
