@@ -101,6 +101,20 @@ def test_named_ids_logprobs_through_the_router_equal_the_colocated_run(
     same_logprobs(meta["input_token_logprobs"], ref["input_token_logprobs"])
 
 
+def test_no_new_tokens_through_the_router_scores_the_prompt_alone(cluster: Cluster,
+                                                                 colocated: Service) -> None:
+    body = {"input_ids": PROMPT, **LOGPROBS, "sampling_params": {"max_new_tokens": 0}}
+    r = routed(cluster, body)
+    assert r.status_code == 200, r.text
+    got, want = r.json(), local(colocated, body)
+    assert (got["text"], got["output_ids"], got["meta_info"]["completion_tokens"]) == ("", [], 0)
+    assert got["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    same_logprobs(got["meta_info"]["input_token_logprobs"],
+                  want["meta_info"]["input_token_logprobs"])
+    assert len(want["meta_info"]["input_token_logprobs"]) == len(PROMPT)
+    assert got["meta_info"]["output_token_logprobs"] == []
+
+
 def test_a_stream_through_the_router_ends_with_the_output_logprobs(cluster: Cluster,
                                                                    colocated: Service) -> None:
     body = {"input_ids": PROMPT, **LOGPROBS,

@@ -222,6 +222,58 @@ def test_echo_writes_the_prompt_and_its_logprobs_before_the_answer() -> None:
     run(main())
 
 
+def test_no_new_tokens_scores_the_prompt_alone() -> None:
+    """``max_new_tokens``/``max_tokens`` 0: the prompt's logprobs (with ``echo``, its text) and no
+    token, plain and streamed, colocated and on a decode worker; nothing stays live."""
+    prompt = "Score me"
+    ids = TOKENIZER.encode(prompt)
+    scored = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                one = (await post(client, "/generate", input_ids=ids, **scored,
+                                  sampling_params={"max_new_tokens": 1})).json()["meta_info"]
+                for stream in (False, True):
+                    r = await post(client, "/generate", input_ids=ids, **scored, stream=stream,
+                                   sampling_params={"max_new_tokens": 0})
+                    assert r.status_code == 200, r.text
+                    got = sse(r.text)[-1] if stream else r.json()
+                    assert (got["text"], got["output_ids"]) == ("", [])
+                    meta = got["meta_info"]
+                    assert meta["finish_reason"] == {"type": "length", "length": 0}
+                    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids), 0)
+                    assert meta["input_token_logprobs"] == one["input_token_logprobs"]
+                    assert meta["input_top_logprobs"] == one["input_top_logprobs"]
+                    assert meta["output_token_logprobs"] == []
+                body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+                r = await post(client, "/v1/completions", **body)
+                assert r.status_code == 200, r.text
+                choice, usage = r.json()["choices"][0], r.json()["usage"]
+                assert (choice["text"], choice["finish_reason"]) == (prompt, "length")
+                assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 0)
+                lp = choice["logprobs"]
+                assert "".join(lp["tokens"]) == prompt
+                assert lp["token_logprobs"] == [v for v, _, _ in one["input_token_logprobs"]]
+                r = await post(client, "/v1/completions", **body, stream=True)
+                chunks = [c["choices"][0] for c in sse(r.text)]
+                assert "".join(c["text"] for c in chunks) == prompt
+                assert chunks[-1]["finish_reason"] == "length"
+                r = await post(client, "/v1/completions", prompt=prompt, max_tokens=0)
+                assert r.json()["choices"][0]["text"] == ""
+                assert service.wait_drained(10)
+        with running_service(config("decode", "fake")) as service:
+            async with asgi_client(service) as client:
+                r = await post(client, "/generate", input_ids=ids, bootstrap_host="2.2.2.2",
+                               bootstrap_port=8998, bootstrap_room=5,
+                               sampling_params={"max_new_tokens": 0})
+                assert (r.json()["output_ids"], r.json()["meta_info"]["completion_tokens"]) == (
+                    [], 0)
+                assert service.wait_drained(10)
+
+    run(main())
+
+
 def test_a_batch_of_prompts_answers_n_choices_per_prompt_in_order() -> None:
     prompts = ["first prompt", "the second"]
     body = {"max_tokens": 5, "temperature": 0.8, "seed": 7, "ignore_eos": True}

@@ -220,12 +220,17 @@ def test_a_batch_of_echoed_prompts_through_the_router_equals_the_colocated_run(
     async def call(client: openai.AsyncOpenAI) -> list[Any]:
         r = await client.completions.create(model="smollm2", prompt=prompts, max_tokens=4,
                                             temperature=0, echo=True)
-        assert r.usage is not None
-        return [[(c.index, c.text) for c in r.choices], r.usage.prompt_tokens]
+        # No new token: the prompts alone.
+        alone = await client.completions.create(model="smollm2", prompt=prompts, max_tokens=0,
+                                                echo=True)
+        assert r.usage is not None and alone.usage is not None
+        return [[(c.index, c.text) for c in r.choices], r.usage.prompt_tokens,
+                [(c.text, c.finish_reason) for c in alone.choices], alone.usage.completion_tokens]
 
     routed, local = on_both(cluster, colocated, call)
     assert routed == local
     assert [text[:len(p)] for (_, text), p in zip(routed[0], prompts, strict=True)] == prompts
+    assert routed[2:] == [[(p, "length") for p in prompts], 0]
     # The prompt's logprobs are the prefill side's: the decode worker that answers says so.
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0,
                            timeout=60)

@@ -173,12 +173,12 @@ BAD_INPUTS = [
     ("prompt_too_long", json.dumps({"input_ids": [7] * 300}).encode(), "KV pool"),
     ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -3}}
                                    ).encode(), "max_new_tokens"),
-    ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 0}}
+    ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -1}}
                                    ).encode(),
-     "sampling_params.max_new_tokens: Input should be greater than or equal to 1"),
+     "sampling_params.max_new_tokens: Input should be greater than or equal to 0"),
     ("invalid_request", json.dumps({"text": 5}).encode(), "text: should be one of list[str], str"),
     ("bad_max_new_tokens", json.dumps({"text": "a", "sampling_params": {
-        "max_new_tokens": 10**9}}).encode(), "1..32"),
+        "max_new_tokens": 10**9}}).encode(), "0..32"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "stream": True}).encode(), "stream"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "rid": ["x"]}).encode(), "entries"),
     ("duplicate_rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "distinct"),

@@ -190,6 +190,9 @@ class AnswerOptions:
     return_text_in_logprobs: bool = False
     # ``/v1/completions``' ``echo``: the prompt's text, written before the answer's.
     echo: str | None = None
+    # ``max_new_tokens`` 0: the prompt alone. The engines run a prefill's one token as for 1
+    # (a disaggregated pair needs no other lifecycle); the answer drops it.
+    prompt_only: bool = False
 
 
 @attrs.frozen

@@ -372,6 +372,9 @@ class Service:
 
     def _done(self, pending: Pending, side: str, answer: Answer | None) -> None:
         if answer is not None:
+            if pending.item.options.prompt_only and answer.status == 200:
+                answer = attrs.evolve(answer, output_ids=(), output_logprobs=(),
+                                      finish_reason="length", matched_stop=None)
             pending.resolve(answer)
         item = pending.item
         with self._lock:

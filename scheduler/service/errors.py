@@ -83,7 +83,7 @@ def plain_validation_errors(errors: Sequence[Any]) -> list[str]:
 
     A field whose type is a union (``text``: a string or a list of strings) gets an error from
     every member. Where the value has one member's type and breaks that member's constraint,
-    only that error is kept (``max_new_tokens: 0`` says ``>= 1``, not "not a list"); where the
+    only that error is kept (``max_new_tokens: -1`` says ``>= 0``, not "not a list"); where the
     value has none of the types, the field gets one message naming them. Where the value is an
     object of a member that is a model (``sampling_params``: a body or a list of them), only
     that member's errors count, read the same way (``sampling_params.stop: should be one of

@@ -281,7 +281,8 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[li
                              logprob_start_len=logprob_start_len)
         items.append(_check(service, item_rid, prompts[k // n], sampling, host, port, room,
                             max_name, prefix))
-    options = AnswerOptions(body.no_stop_trim, body.skip_special_tokens)
+    options = AnswerOptions(body.no_stop_trim, body.skip_special_tokens,
+                            prompt_only=sp.max_new_tokens == 0)
     return [attrs.evolve(item, options=options) for item in items]
 
 

@@ -102,7 +102,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a prompt (a string or token ids) or a list of them (a batch)")
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0, description="0: the prompt alone (with echo, its text "
+                            "and logprobs), no token")
     logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX,
                                  description="alternatives per token; 0: the chosen token only")
     echo: bool = Field(False, description="the prompt's text (and logprobs) before the answer")

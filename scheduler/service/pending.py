@@ -66,7 +66,8 @@ class Pending:
         before the prefill side of a colocated request answered (its input logprobs are then
         known to every chunk)."""
         end = len(output_ids) if logprobs is None else min(len(output_ids), len(logprobs))
-        if end <= self.streamed or self.progress is None or "prefill" in self.waiting_on:
+        if end <= self.streamed or self.progress is None or "prefill" in self.waiting_on or (
+                self.item.options.prompt_only):
             return
         start, self.streamed = self.streamed, end
         progress = Progress(tuple(output_ids[start:end]),

@@ -114,7 +114,8 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
             rid=rid, input_ids=prompt, sampling=_sampling(service, body, sp, rid, ids),
             bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
         ), options=AnswerOptions(sp.no_stop_trim, sp.skip_special_tokens,
-                                 body.return_text_in_logprobs))
+                                 body.return_text_in_logprobs,
+                                 prompt_only=sp.max_new_tokens == 0))
         for rid, prompt, sp, ids, host, port, room in zip(
             rids, prompts, params, asked, hosts, ports, rooms, strict=True
         )

@@ -61,9 +61,9 @@ def sampling_params_from(
     limits beyond ``max_new_tokens_limit`` (the prompt and the answer against the context and
     the pool) are :func:`~.config.check_item`'s."""
     refuse_unsupported(sp)
-    if not 1 <= sp.max_new_tokens <= max_new_tokens_limit:
+    if not 0 <= sp.max_new_tokens <= max_new_tokens_limit:
         raise BadRequest("bad_max_new_tokens", "sampling_params.max_new_tokens must be in "
-                         f"1..{max_new_tokens_limit}, got {sp.max_new_tokens}")
+                         f"0..{max_new_tokens_limit}, got {sp.max_new_tokens}")
     if sp.top_k == 0 or sp.top_k < -1:
         raise BadRequest("bad_sampling", "sampling_params.top_k must be -1 (no limit) or >= 1, "
                          f"got {sp.top_k}")
@@ -79,7 +79,9 @@ def sampling_params_from(
         raise BadRequest("bad_stop_token", "sampling_params.stop_token_ids must be >= 0")
     try:
         return SamplingParams(
-            sp.max_new_tokens, stop_ids, sp.ignore_eos,
+            # 0 (the prompt alone): the engines run the one token of a prefill and the answer
+            # writes none (:attr:`~.config.AnswerOptions.prompt_only`).
+            max(sp.max_new_tokens, 1), stop_ids, sp.ignore_eos,
             temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), min_p=sp.min_p,
             seed=sp.sampling_seed, stop=stop,  # type: ignore[arg-type]  # attrs: tuple converter
             return_logprob=return_logprob,

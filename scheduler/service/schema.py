@@ -26,7 +26,8 @@ class SamplingParamsBody(_Strict):
     honour (``stop_regex``, ``structural_tag``, ...) is refused with 400 unless it has its
     neutral value; fields SGLang does not have are ignored."""
 
-    max_new_tokens: int = Field(default=16, ge=1, description="at most the server's limit")
+    max_new_tokens: int = Field(default=16, ge=0, description="at most the server's limit; "
+                                "0: the prompt alone (its logprobs), no token")
     temperature: float = Field(default=0.0, ge=0, le=100, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1, description="-1: no limit (0 is refused)")
