@@ -25,8 +25,11 @@ sessions, and pushes the ``Status`` messages the room table says decode is owed.
 
 Failure: a non-zero engine return fails the room with a reason naming the decode session and
 blacklists the session: its other live rooms fail at once (they cannot succeed) and later chunks
-to it are skipped, while other sessions are untouched. A fresh ``Register`` from the session
-clears the blacklist. A dead decode peer fails within about a second (TCP connection refused).
+to it are skipped, while other sessions are untouched. A ``Register`` from the session, its
+keepalive included, clears the blacklist. A dead decode peer fails within about a second (TCP
+connection refused). A decode session silent for longer than its keepalive allows (killed: it
+sent no ``Deregister``) is forgotten as if it had deregistered (:meth:`forget_silent`, from
+the listener thread once a second).
 A worker exception fails its room; the worker keeps running. An ``Abort`` from decode fails the
 room with ``REASON_PEER_ABORTED``. A room refused on either side fails the other side's request
 for it at once (:meth:`MooncakeKVManager.refuse`, :meth:`MooncakeKVManager.peer_refused`;
@@ -118,9 +121,11 @@ class MooncakeKVManager:
             clock=clock,
         )
         self.ready = self._rooms.ready
+        self._clock = clock
+        self._checked_silence = clock()
         self._control = ControlEndpoint(
             config, pool, metadata, self._handle, name="mooncake-listen", log=logger,
-            states=states,
+            states=states, tick=self._tick,
         )
         self.endpoint = self._control.endpoint
         self.session = self._control.session  # its (first) engine's host:rpc_port
@@ -176,6 +181,11 @@ class MooncakeKVManager:
         """The decode sessions (engine ``host:rpc_port``) whose ``Register`` this rank took."""
         return self._rooms.sessions()
 
+    def last_heard(self, session: str) -> float | None:
+        """When (the manager's clock) ``session``'s ``Register`` last came, its keepalive
+        included; None for a session not registered."""
+        return self._rooms.heard(session)
+
     def refuse(self, room: int, reason: str) -> None:
         """This rank will not serve ``room``: decode's destination for it is answered with the
         refusal (see :mod:`kv.refusal`; any thread)."""
@@ -213,6 +223,8 @@ class MooncakeKVManager:
             raise wire.WireError("unexpected_type", f"{type(msg).__name__} is not for prefill")
 
     def _on_register(self, reg: wire.Register) -> None:
+        if self._rooms.touch(reg):  # the decode rank's keepalive
+            return
         if reg.model != self.pool.model:
             raise wire.WireError(
                 "incompatible_model",
@@ -241,14 +253,38 @@ class MooncakeKVManager:
             self._push[reg.session] = push_socket(self._control.ctx, reg.status_endpoint)
         logger.info("decode session %s registered", reg.session)
 
-    def _on_deregister(self, msg: wire.Deregister) -> None:
-        owed = self._rooms.deregister(msg.session)
+    def _on_deregister(self, msg: wire.Deregister, reason: str | None = None) -> None:
+        owed = self._rooms.deregister(msg.session, reason)
         with self._push_lock:
             sock = self._push.pop(msg.session, None)
             if sock is not None:
                 sock.close()
         self._tell_decode(owed)  # the other decode ranks of its failed rooms
-        logger.info("decode session %s deregistered", msg.session)
+        if reason is None:
+            logger.info("decode session %s deregistered", msg.session)
+
+    def _tick(self) -> None:
+        """The listener's periodic work: forget silent decode sessions (once a second)."""
+        now = self._clock()
+        if now - self._checked_silence >= 1.0:
+            self._checked_silence = now
+            self.forget_silent()
+
+    def forget_silent(self) -> list[str]:
+        """Forget every decode session silent for longer than its keepalive allows
+        (:func:`kv.mooncake_rooms.silence_limit`: a decode rank killed, or its host gone, sends
+        no ``Deregister``), as if it had deregistered: its live rooms fail and its status
+        socket closes. The sessions forgotten. The listener calls this once a second."""
+        forgotten = []
+        for session, quiet in self._rooms.silent():
+            reason = (f"decode session {session} went silent: no keepalive for {quiet:.0f} s")
+            try:
+                self._on_deregister(wire.Deregister(session), reason)
+            except wire.WireError:  # forgotten meanwhile (another caller), or registered anew
+                continue
+            forgotten.append(session)
+            logger.warning("%s; forgotten, with its rooms", reason)
+        return forgotten
 
     def _tell_decode(self, owed: Sequence[Owed]) -> None:
         """Push the statuses owed to decode (any thread; never under the room table's lock)."""

@@ -23,14 +23,17 @@ tells this side when it stopped writing. A source's ``Status`` also means it no 
 the room's pages: :meth:`MooncakeKVReceiver.quiescent` is True once every source sent one.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
-``heartbeat_interval_s``. After ``heartbeat_max_failures`` failures in a row the prefill counts
-as gone: every room not yet concluded fails with a reason naming it and is quiescent (a prefill
-that is gone writes nothing more), and receivers created meanwhile fail at once and wake the
-heartbeat for a check of its own (a request is the first sign that a restarted prefill is
-back). When the health check answers again, the manager looks the prefill server up again,
-sends every rank a fresh ``Register``, so a restarted prefill server is used without restarting
-decode, and refuses to it the rooms it failed at once meanwhile (the router sent their other
-half there: without the refusal it would wait for its bootstrap timeout).
+``heartbeat_interval_s`` and, while it answers, sends every prefill rank the ``Register`` again
+(the keepalive: a prefill rank forgets a decode session silent for several intervals, so a
+decode rank killed without its ``Deregister`` does not stay registered for ever). After
+``heartbeat_max_failures`` failures in a row the prefill counts as gone: every room not yet
+concluded fails with a reason naming it and is quiescent (a prefill that is gone writes nothing
+more), and receivers created meanwhile fail at once and wake the heartbeat for a check of its
+own (a request is the first sign that a restarted prefill is back). When the health check
+answers again, the manager looks the prefill server up again, sends every rank a fresh
+``Register``, so a restarted prefill server is used without restarting decode, and refuses to
+it the rooms it failed at once meanwhile (the router sent their other half there: without the
+refusal it would wait for its bootstrap timeout).
 """
 
 from __future__ import annotations
@@ -158,6 +161,7 @@ class MooncakeDecodeManager:
             tp_size=self.place.tp_size,
             state_pools=pool_memory(states),
             state_window=0 if states is None or states.window is None else states.window,
+            keepalive_ms=round(self.config.heartbeat_interval_s * 1000),
         )
         self._peers.send_all(self._register)
         # The status socket is bound, so nothing sent to it is lost before its thread runs.
@@ -252,6 +256,8 @@ class MooncakeDecodeManager:
                 failures = 0
                 if self.lost is not None:
                     self._reconnect()
+                else:  # the keepalive: each prefill rank forgets a session gone silent
+                    self._peers.send_all(self._register)
                 continue
             failures += 1
             if failures == cfg.heartbeat_max_failures:

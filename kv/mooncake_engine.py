@@ -88,7 +88,9 @@ class MooncakeConfig:
                                                         attrs.validators.le(16)])
     # Decode side: the prefill bootstrap's /health is checked every heartbeat_interval_s; after
     # heartbeat_max_failures failures in a row the prefill counts as gone (SGLang: 5 s, 2).
-    heartbeat_interval_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
+    # While it answers, each prefill rank gets the Register again as often (the keepalive).
+    heartbeat_interval_s: float = attrs.field(
+        default=5.0, validator=[attrs.validators.gt(0), attrs.validators.le(3600)])
     heartbeat_max_failures: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     # Decode side, one manager per prefill server (scheduler.decode.router): a prefill that has
     # counted as gone this many seconds, with none of this side's rooms still open with it,
@@ -229,8 +231,10 @@ def serve_control(
     handle: Callable[[wire.Message], None],
     dropped: wire.DroppedMessages,
     log: logging.Logger,
+    tick: Callable[[], None] | None = None,
 ) -> None:
-    """Hand each control message arriving on ``pull`` to ``handle`` until ``stop`` is set.
+    """Hand each control message arriving on ``pull`` to ``handle`` until ``stop`` is set, and
+    call ``tick`` after each message and each 100 ms without one.
 
     A bad message (:class:`~kv.wire.WireError`, from decoding or from ``handle``) is logged on
     ``log``, counted in ``dropped`` and dropped; so is a message whose handler raised anything
@@ -238,18 +242,22 @@ def serve_control(
     (``stale_room``: an abort racing the room's end) is routine and logged at DEBUG.
     """
     while not stop.is_set():
-        if not pull.poll(100):
-            continue
-        data = pull.recv()
-        try:
-            handle(wire.decode(data, token))
-        except wire.WireError as err:
-            log.log(logging.DEBUG if err.reason == "stale_room" else logging.WARNING,
-                    "dropped control message: %s", err)
-            dropped.record(err)
-        except Exception:  # a handler bug must not end the listener
-            log.exception("control message handler failed")
-            dropped.record(wire.WireError("internal", "handler raised"))
+        if pull.poll(100):
+            data = pull.recv()
+            try:
+                handle(wire.decode(data, token))
+            except wire.WireError as err:
+                log.log(logging.DEBUG if err.reason == "stale_room" else logging.WARNING,
+                        "dropped control message: %s", err)
+                dropped.record(err)
+            except Exception:  # a handler bug must not end the listener
+                log.exception("control message handler failed")
+                dropped.record(wire.WireError("internal", "handler raised"))
+        if tick is not None:
+            try:
+                tick()
+            except Exception:  # nor a bug of the periodic work
+                log.exception("control listener tick failed")
 
 
 class ControlEndpoint:
@@ -268,6 +276,7 @@ class ControlEndpoint:
         name: str,
         log: logging.Logger,
         states: StatePools | None = None,
+        tick: Callable[[], None] | None = None,
     ) -> None:
         self.engine = MooncakeEngine(config)
         register_all(self.engine, pool, metadata, states)
@@ -280,7 +289,8 @@ class ControlEndpoint:
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=serve_control,
-            args=(self._pull, self._stop, config.token, handle, self.dropped_messages, log),
+            args=(self._pull, self._stop, config.token, handle, self.dropped_messages, log,
+                  tick),
             name=name,
             daemon=True,
         )

@@ -24,6 +24,10 @@ is refused, and so is one from a decode rank the room does not wait for (``not_a
 A session is blacklisted after a failed engine write: its live rooms fail at once, since none
 of them can succeed. A ``Deregister`` (the decode manager closed) forgets the session: its live
 rooms fail the same way, and a room it had sent an early destination for fails when created.
+A decode rank that cannot say goodbye (killed, its host gone) is forgotten the same way once it
+is silent: its ``Register`` comes again every ``keepalive_ms`` (the same one: :meth:`touch`
+notes the time and lifts the blacklist), and a session not heard from for
+:func:`silence_limit` is :meth:`silent` (the manager forgets it).
 
 A destination that arrives before its sender exists waits (:mod:`kv.mooncake_early`).
 ``clear()`` forgets a room and leaves a tombstone, so a late ``Destination`` or ``Abort`` for
@@ -72,6 +76,19 @@ from kv.transfer import (
 logger = logging.getLogger(__name__)
 
 _TOMBSTONES = 65536
+#: A session is forgotten after this many keepalives in a row did not come, and never sooner
+#: than :data:`MIN_SILENCE_S`: a decode process paused (a long native call holding Python's
+#: lock, a stop-the-world pause) must not lose its rooms.
+KEEPALIVE_MISSES = 6
+MIN_SILENCE_S = 30.0
+
+
+def silence_limit(reg: wire.Register) -> float | None:
+    """How long (s) the session of ``reg`` may be silent before it counts as gone; None for a
+    decode rank that sends no keepalive."""
+    if reg.keepalive_ms == 0:
+        return None
+    return max(KEEPALIVE_MISSES * reg.keepalive_ms / 1000, MIN_SILENCE_S)
 
 
 class PrefillRooms:
@@ -95,6 +112,7 @@ class PrefillRooms:
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._regs: dict[str, wire.Register] = {}
         self._targets: dict[str, Target] = {}
+        self._heard: dict[str, float] = {}  # when each session's Register last came (clock)
         self._blacklist: set[str] = set()
         self._refused = RefusedRooms(clock=clock)  # rooms this rank will not serve
         self._peer_refused = RefusedRooms(clock=clock)  # rooms decode will not ask for
@@ -115,7 +133,38 @@ class PrefillRooms:
         with self._lock:
             self._regs[session] = target.reg
             self._targets[session] = target
+            self._heard[session] = self._clock()
             self._blacklist.discard(session)
+
+    def touch(self, reg: wire.Register) -> bool:
+        """``reg`` is the registration its session holds already (a keepalive): note the time
+        and lift its blacklist, as any ``Register`` does (a decode rank that still sends it
+        is alive, so a failed write may have been passing; a dead one sends none and stays
+        blacklisted until it is forgotten); nothing else changes. False for a new or changed
+        one, which the caller registers in full."""
+        session = reg.session
+        with self._lock:
+            if self._regs.get(session) != reg:
+                return False
+            self._heard[session] = self._clock()
+            lifted = session in self._blacklist
+            self._blacklist.discard(session)
+        if lifted:
+            logger.info("decode session %s: its keepalive lifted its blacklist", session)
+        return True
+
+    def heard(self, session: str) -> float | None:
+        """When (this table's clock) ``session``'s ``Register`` last came; None if unknown."""
+        with self._lock:
+            return self._heard.get(session)
+
+    def silent(self) -> list[tuple[str, float]]:
+        """The sessions silent for longer than their :func:`silence_limit`, each with how long
+        it has been silent (s)."""
+        now = self._clock()
+        with self._lock:
+            return [(s, now - self._heard[s]) for s, reg in self._regs.items()
+                    if (limit := silence_limit(reg)) is not None and now - self._heard[s] > limit]
 
     def destination(self, dest: wire.Destination) -> list[Owed]:
         """Attach ``dest`` to its room, or keep it until the room's sender exists; for a room
@@ -182,17 +231,18 @@ class PrefillRooms:
             self._fail(rec, REASON_PEER_ABORTED)
             return self._settle(rec)
 
-    def deregister(self, session: str) -> list[Owed]:
-        """Forget ``session``, whose decode manager closed: its live rooms fail (the other
-        decode ranks of each are owed the failure), a room it sent an early destination for
-        fails when its sender is created, and a later message from it is dropped as from an
-        unknown session. Raises ``unknown_session`` for a session that is not registered."""
+    def deregister(self, session: str, reason: str | None = None) -> list[Owed]:
+        """Forget ``session``, whose decode manager closed (or, with ``reason``, that went
+        silent): its live rooms fail (the other decode ranks of each are owed the failure), a
+        room it sent an early destination for fails when its sender is created, and a later
+        message from it is dropped as from an unknown session (a ``Register`` makes it known
+        again). Raises ``unknown_session`` for a session that is not registered."""
         with self._lock:
             if session not in self._regs:
                 raise wire.WireError("unknown_session", f"deregister from {session!r}")
-            del self._regs[session], self._targets[session]
+            del self._regs[session], self._targets[session], self._heard[session]
             self._blacklist.discard(session)
-            reason = f"decode session {session} closed"
+            reason = reason or f"decode session {session} closed"
             for room in self._early.withdraw_session(session):
                 self._peer_refused.add(room, reason)
             return self._fail_session(session, reason)

@@ -5,7 +5,8 @@ Theory of operation
 Five messages cross the network, each a msgpack map with a type tag ``"t"``:
 
 decode → prefill
-    :class:`Register` once per (decode manager, prefill rank): the decode session id
+    :class:`Register` per (decode manager, prefill rank), then again every ``keepalive_ms``
+    while the decode rank runs (its keepalive): the decode session id
     (``host:rpc_port`` of its transfer engine), the ZeroMQ endpoint where it wants statuses, and
     the layout of its registered memory (KV pool base pointer, geometry and order, metadata
     buffers), the model whose KV its pool holds (fingerprint and name), and its place: the
@@ -68,6 +69,7 @@ MAX_MESSAGE_BYTES = 16 << 20
 MAX_ROOM = (1 << 64) - 1
 MAX_PAGES = 1 << 24
 MAX_TP = 1 << 12
+MAX_KEEPALIVE_MS = 3_600_000
 
 # The KV dtypes a pool may be built with; the name is torch's without the "torch." prefix.
 KV_DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
@@ -104,6 +106,9 @@ class Register:
     #: window (0 without an SWA pool): :mod:`kv.wire_state`.
     state_pools: tuple[PoolMemory, ...] = attrs.field(default=(), kw_only=True)
     state_window: int = attrs.field(default=0, kw_only=True)
+    #: How often (ms) the decode rank sends this ``Register`` again while it runs, its
+    #: keepalive; 0: never, and the prefill rank keeps the session until a ``Deregister``.
+    keepalive_ms: int = attrs.field(default=0, kw_only=True)
 
     @property
     def kv_bytes(self) -> int:
@@ -179,6 +184,7 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "tp_size": msg.tp_size,
             "state_pools": encode_pools(msg.state_pools),
             "state_window": msg.state_window,
+            "keepalive_ms": msg.keepalive_ms,
         }
     elif isinstance(msg, Destination):
         body = {
@@ -322,6 +328,7 @@ def _parse_register(body: dict[Any, Any]) -> Register:
         tp_size=int_field(body, "tp_size", 1, MAX_TP),
         state_pools=state_pools,
         state_window=state_window,
+        keepalive_ms=int_field(body, "keepalive_ms", 0, MAX_KEEPALIVE_MS),
     )
     if reg.tp_rank >= reg.tp_size:
         raise WireError("bad_field", f"tp_rank {reg.tp_rank} not in tp_size {reg.tp_size}")

@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--token", default=None)
     ap.add_argument("--layout", default=KVLayout.LAYER_MAJOR.value, choices=KV_LAYOUTS)
+    ap.add_argument("--heartbeat", type=float, default=5.0, help="heartbeat_interval_s")
     args = ap.parse_args()
 
     pool = KVPool(num_layers=args.layers, num_pages=args.pages, page_size=args.page_size,
@@ -66,7 +67,8 @@ def main() -> None:
     metadata = MetadataBuffers(args.slots)
     slots = SlotAllocator(args.slots)
     mgr = MooncakeDecodeManager(pool, metadata, args.bootstrap,
-                                config=MooncakeConfig(token=args.token))
+                                config=MooncakeConfig(token=args.token,
+                                                      heartbeat_interval_s=args.heartbeat))
     _emit(event="ready", session=mgr.session, kv_ptr=pool.buffer.data_ptr(),
           num_pages=pool.num_pages, page_bytes=pool.page_bytes)
 

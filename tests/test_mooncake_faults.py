@@ -19,6 +19,7 @@ from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_engine import RECONNECT_MAX_MS, MooncakeConfig, push_socket
+from kv.mooncake_rooms import silence_limit
 from kv.pool_layout import KVLayout
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from lifecycle.testing import FakeClock
@@ -357,6 +358,116 @@ def test_a_deregistered_session_is_forgotten_and_its_rooms_fail(
     _dropped(manager, "unknown_session", 2)
     raw.send(raw.register)
     eventually(lambda: manager.decode_sessions() == [raw.session], "registered again")
+
+
+def test_a_silent_session_is_forgotten_and_a_keepalive_changes_nothing_else(
+    manager: MooncakeKVManager, raw: RawDecode, clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A decode rank re-sends its ``Register`` as a keepalive: the same one only notes the time
+    (no second registration); a session silent for longer than its keepalive allows
+    (``silence_limit``: six keepalives, at least 30 s) is forgotten with its rooms, and one
+    that sends no keepalive (``keepalive_ms`` 0) never is."""
+    eventually(lambda: manager.decode_sessions() == [raw.session], "registered")
+    clock.now += 1e6
+    assert manager.forget_silent() == []  # keepalive_ms 0: kept until it deregisters
+    caplog.set_level(logging.INFO, logger="kv.mooncake")
+    alive = attrs.evolve(raw.register, keepalive_ms=1000)
+    assert silence_limit(alive) == 30.0
+    raw.send(alive)  # changed: registered again, now with a keepalive
+    eventually(lambda: manager.last_heard(raw.session) == clock.now, "registered again")
+    paired = manager.create_sender("", 1)
+    raw.send(raw.destination(1, [1, 2]))
+    assert drive(manager, paired, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    for _ in range(3):  # 75 s in steps the keepalive covers
+        clock.now += 25
+        assert manager.forget_silent() == []
+        raw.send(alive)
+        eventually(lambda: manager.last_heard(raw.session) == clock.now, "the keepalive")
+    registered = [r for r in caplog.records if "registered" in r.getMessage()]
+    assert len(registered) == 1, registered  # the keepalives registered nothing anew
+    assert paired.poll() == KVPoll.WAITING_FOR_INPUT
+    clock.now += 30
+    assert manager.forget_silent() == []
+    clock.now += 1.5
+    assert manager.forget_silent() == [raw.session]
+    assert manager.decode_sessions() == []
+    assert drive(manager, paired, _TERMINAL)[-1] == KVPoll.FAILED
+    assert paired.failure_exception().reason == (
+        f"decode session {raw.session} went silent: no keepalive for 32 s")
+    raw.send(alive)  # a decode rank that comes back registers anew
+    eventually(lambda: manager.decode_sessions() == [raw.session], "registered again")
+
+
+def test_a_keepalive_lifts_the_blacklist_of_a_session(
+    manager: MooncakeKVManager, raw: RawDecode, clock: FakeClock
+) -> None:
+    """A failed write blacklists the session (its later rooms fail without a write); the
+    session's next keepalive lifts it, so a failure that passed costs a live decode rank one
+    keepalive interval, not every later room. (The raw peer has no engine: writes fail.)"""
+    alive = attrs.evolve(raw.register, keepalive_ms=1000)
+    raw.send(alive)
+    eventually(lambda: manager.last_heard(raw.session) == clock.now, "registered")
+    pages = manager.pool.allocator.alloc(2)
+    assert pages is not None
+
+    def written(room: int) -> str:
+        sender = manager.create_sender("", room)
+        raw.send(raw.destination(room, [1, 2]))
+        drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})
+        sender.init(2, 0)
+        sender.send(pages, last=True)
+        assert drive(manager, sender, _TERMINAL)[-1] == KVPoll.FAILED
+        eventually(sender.quiescent, f"room {room} quiescent")
+        reason = sender.failure_exception().reason
+        sender.clear()
+        return reason
+
+    blacklisted = f"decode session {raw.session} is blacklisted after an earlier failure"
+    assert written(1) != blacklisted  # the engine's own failure
+    assert written(2) == blacklisted
+    clock.now += 5
+    raw.send(alive)
+    eventually(lambda: manager.last_heard(raw.session) == clock.now, "the keepalive")
+    assert written(3) != blacklisted  # written again
+    assert written(4) == blacklisted
+
+
+def test_a_killed_decode_process_is_forgotten_once_its_keepalive_stops(clock: FakeClock) -> None:
+    """A real decode manager's keepalive (its heartbeat, every 50 ms here) keeps its session
+    registered on the prefill's clock; SIGKILL sends no ``Deregister``, and the keepalive's
+    silence makes the prefill rank forget the session and fail its room."""
+    server = BootstrapServer()
+    manager = MooncakeKVManager(make_pool(64), MetadataBuffers(16), clock=clock)
+    manager.register_to_bootstrap(server.address)
+    peer = DecodePeer(server.address, layers=GEOMETRY["num_layers"],
+                      page_size=GEOMETRY["page_size"], heads=GEOMETRY["kv_heads"],
+                      dim=GEOMETRY["head_dim"], pages=64, heartbeat=0.05)
+    try:
+        session = peer.info["session"]
+        eventually(lambda: manager.decode_sessions() == [session], "registered")
+        for _ in range(4):  # 100 s of the prefill's clock, 20 s at a time
+            clock.now += 20
+            eventually(lambda: manager.last_heard(session) == clock.now, "a keepalive")
+            assert manager.forget_silent() == []
+        peer.recv(7, 2)
+        sender = manager.create_sender(server.address, 7)
+        assert drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+        os.kill(peer.proc.pid, signal.SIGKILL)
+        peer.proc.wait()
+
+        def forgotten() -> bool:  # a keepalive still queued may touch it once more
+            clock.now += 31
+            manager.forget_silent()
+            return manager.decode_sessions() == []
+
+        eventually(forgotten, "the killed decode session forgotten")
+        assert drive(manager, sender, _TERMINAL)[-1] == KVPoll.FAILED
+        assert "went silent: no keepalive for 31 s" in sender.failure_exception().reason
+    finally:
+        peer.close()
+        manager.close()
+        server.close()
 
 
 def test_a_closing_decode_manager_deregisters_and_fails_its_own_rooms() -> None:

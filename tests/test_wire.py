@@ -42,6 +42,7 @@ registers = st.builds(
     mla=st.booleans(),
     tp_rank=st.just(1),
     tp_size=st.integers(2, 64),
+    keepalive_ms=st.integers(0, wire.MAX_KEEPALIVE_MS),
 )
 int32_arrays = st.lists(st.integers(0, (1 << 31) - 1), max_size=64).map(
     lambda p: np.array(p, dtype=np.int64)
@@ -213,7 +214,9 @@ def test_register_validates_layout_fields() -> None:
     for field, value in [("kv_dtype", "int4"), ("meta_item_lens", [64, 64]),
                          ("status_endpoint", "ipc:///x"), ("num_pages", 0),
                          ("kv_layout", "head_major"), ("kv_layout", 1), ("kv_heads", 0),
-                         ("head_dim", True), ("mla", 1), ("tp_rank", 1), ("tp_size", 0)]:
+                         ("head_dim", True), ("mla", 1), ("tp_rank", 1), ("tp_size", 0),
+                         ("keepalive_ms", -1), ("keepalive_ms", wire.MAX_KEEPALIVE_MS + 1),
+                         ("keepalive_ms", 5.0)]:
         bad = dict(body, **{field: value})
         with pytest.raises(wire.WireError):
             wire.decode(msgpack.packb(bad))
