@@ -348,6 +348,7 @@ def run_demo(
     console = console or Console()
     plan = fault_plan(options.seed)
     if served is None and options.model != REFERENCE:
+        console.print(f"pdlife demo: loading {options.model} ...", soft_wrap=True)
         served = load_model(options.model)
     workload = make_workload(options.requests, options.seed, plan,
                              _max_prompt(options, served), served)
