@@ -18,6 +18,7 @@ through to :class:`~scheduler.prefill.scheduler.PrefillScheduler` or
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Required, TypedDict, Unpack
@@ -51,6 +52,8 @@ from scheduler.sample.request import Detokenize
 if TYPE_CHECKING:
     from scheduler.model.select import ServedModel
     from scheduler.sample.grammar import LLGuidanceCompiler
+
+logger = logging.getLogger(__name__)
 
 Backend = Literal["local", "mooncake", "fake"]
 Closers = list[Callable[[], None]]
@@ -107,16 +110,29 @@ def close_all(closers: Closers) -> list[BaseException]:
     return errors
 
 
-def constraint_compiler(served: ServedModel) -> LLGuidanceCompiler:
+def constraint_compiler(served: ServedModel) -> LLGuidanceCompiler | None:
     """The grammar compiler over ``served``'s vocabulary, for both sides to share (build it once
-    per model: about 0.2 s for a 49k vocabulary). The reference model's byte tokenizer is
-    given to llguidance as its 256 bytes plus BOS and EOS as special tokens (byte 255 reads as
-    special too: it never occurs in UTF-8 text, which is all a grammar describes)."""
+    per model: about 0.2 s for a 49k vocabulary), or None where llguidance cannot take the
+    checkpoint's tokenizer (no EOS id to end on, a vocabulary it cannot index): the server
+    then runs without structured output, says so at WARNING, and refuses requests with a
+    grammar. The reference model's byte tokenizer is given to llguidance as its 256 bytes plus
+    BOS and EOS as special tokens (byte 255 reads as special too: it never occurs in UTF-8 text,
+    which is all a grammar describes)."""
     from scheduler.sample.grammar import SPECIAL_MARK, hf_compiler, vocabulary_compiler
 
     if not served.is_reference:
-        return hf_compiler(served.tokenizer.tokenizer, eos_token_ids=served.eos_token_ids,
-                           vocab_size=served.vocab_size)
+        try:
+            return hf_compiler(served.tokenizer.tokenizer, eos_token_ids=served.eos_token_ids,
+                               vocab_size=served.vocab_size)
+        except BaseException as exc:
+            # llguidance's Rust core panics on some vocabularies: pyo3's PanicException is a
+            # BaseException, which must not take the server down with it.
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise
+            logger.warning("structured output is off for %s: llguidance cannot take its "
+                           "tokenizer (%s: %s); requests with a grammar are refused",
+                           served.name, type(exc).__name__, exc)
+            return None
     from scheduler.model.byte_tokenizer import BOS_TOKEN_ID, VOCAB_SIZE
 
     eos = served.eos_token_ids[0]

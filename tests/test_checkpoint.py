@@ -190,8 +190,14 @@ def test_missing_or_broken_checkpoints_are_named(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
-    with pytest.raises(CheckpointError, match=r"'layers\.2\.attn_norm' is missing"):
+    with pytest.raises(CheckpointError,
+                       match=r"'model\.layers\.2\.input_layernorm\.weight' is missing"):
         load_checkpoint(tmp_path / "hf")
+    write_gguf(tmp_path / "cut.gguf", hf)
+    whole = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(tmp_path / "cut.gguf")
 
 
 def test_fingerprints_tell_checkpoints_apart(tmp_path):
@@ -243,3 +249,64 @@ def test_pools_of_different_models_refuse_to_exchange_pages(tmp_path):
         close = getattr(decode, "close", None)
         if close is not None:
             close()
+
+
+def test_a_mistral_without_a_sliding_window_computes_as_transformers(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    fields = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(MistralConfig(**fields, sliding_window=None)).eval()
+    hf.save_pretrained(tmp_path / "open")
+    ours = our_logits(RealModel(load_checkpoint(tmp_path / "open")), IDS)
+    torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    MistralForCausalLM(MistralConfig(**fields, sliding_window=64)).save_pretrained(
+        tmp_path / "windowed")
+    with pytest.raises(UnsupportedCheckpoint, match="sliding window of 64 tokens"):
+        load_checkpoint(tmp_path / "windowed")
+
+
+def test_a_directory_reads_the_files_its_index_names_and_skips_rotary_buffers(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny_hf_model()
+    hf.save_pretrained(tmp_path, max_shard_size="200KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    first = load_file(str(tmp_path / shards[0]))  # an older checkpoint's rotary buffer
+    save_file(first | {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(32)},
+              str(tmp_path / shards[0]), metadata={"format": "pt"})
+    # A copy in another layout beside the shards (as some repositories hold).
+    save_file({"tok_embeddings.weight": torch.zeros(VOCAB, 256)},
+              str(tmp_path / "consolidated.safetensors"))
+    ours = our_logits(RealModel(load_checkpoint(tmp_path)), IDS)
+    torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    with pytest.raises(UnsupportedCheckpoint,
+                       match=r"consolidated\.safetensors: tensor 'tok_embeddings\.weight'"):
+        load_checkpoint(tmp_path)
+
+
+def test_eos_ids_come_from_the_generation_config_else_config_json(tmp_path, caplog):
+    from scheduler.assemble import constraint_compiler
+
+    words = from_gguf_fields({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+                              "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)]})
+    hf = tiny_hf_model(eos_token_id=7)
+    hf.generation_config.eos_token_id = [5, 6]
+    hf.save_pretrained(tmp_path)
+    words.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert load_model(str(tmp_path)).eos_token_ids == (5, 6)
+    (tmp_path / "generation_config.json").unlink()
+    served = load_model(str(tmp_path) + "/")
+    assert (served.eos_token_ids, served.name) == ((7,), str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"eos_token_id": None}))
+    served = load_model(str(tmp_path))
+    assert served.eos_token_ids == ()
+    assert "no EOS id" in caplog.text
+    # No EOS for a grammar to end on: the server runs without structured output.
+    assert constraint_compiler(served) is None
+    assert "structured output is off" in caplog.text

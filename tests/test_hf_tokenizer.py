@@ -7,7 +7,10 @@ special tokens included, and the chat template must render the same text.
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import transformers
 
 from scheduler.model.checkpoint import CheckpointError, TokenizerSource
 from scheduler.model.hf_tokenizer import from_gguf_fields, load_tokenizer
@@ -83,3 +86,39 @@ def test_a_checkpoint_without_a_chat_template_says_so():
     assert tok.encode("ab", add_special_tokens=False) == [2]
     with pytest.raises(ValueError, match="no chat template"):
         tok.encode_chat([{"role": "user", "content": "ab"}])
+
+
+WORDS = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<e>", "<t>"],
+         "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1, 3, 3]}
+
+
+def test_gguf_pre_tokenizers_are_known_or_refused(caplog):
+    with pytest.raises(CheckpointError, match="pre-tokenizer 'tekken'"):
+        from_gguf_fields(WORDS | {"tokenizer.ggml.pre": "tekken"})
+    tok = from_gguf_fields(WORDS)  # none named: GPT-2's splitting, said at WARNING
+    assert "names no pre-tokenizer" in caplog.text
+    assert tok.encode("ab ab") == from_gguf_fields(
+        WORDS | {"tokenizer.ggml.pre": "gpt-2"}).encode("ab ab")
+    # EOS, end of turn and end of message all end an answer.
+    tok = from_gguf_fields(WORDS | {"tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.eos_token_id": 3,
+                                    "tokenizer.ggml.eot_token_id": 4})
+    assert tok.eos_token_ids == (3, 4)
+
+
+def test_chat_templates_compile_as_they_load(smollm2, tmp_path):
+    smollm2.tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    # A training template's {% generation %} block renders its body; chat_template.json (a
+    # processor's file, where some checkpoints keep the template) is read too.
+    template = ("{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}"
+                "{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}"
+                "{% endif %}\n{% endfor %}")
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(TokenizerSource(directory=tmp_path))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert tok.apply_chat_template(messages) == "user: hiassistant: yo"  # trim_blocks
+    assert tok.apply_chat_template(messages) == transformers.AutoTokenizer.from_pretrained(
+        tmp_path).apply_chat_template(messages, tokenize=False, chat_template=template)
+    # One that does not compile is the checkpoint's error, found as it loads.
+    (tmp_path / "chat_template.jinja").write_text("{% frobnicate %}")
+    with pytest.raises(CheckpointError, match="the chat template does not compile"):
+        load_tokenizer(TokenizerSource(directory=tmp_path))

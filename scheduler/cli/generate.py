@@ -46,15 +46,19 @@ def _generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat")
     served = load_served(args)
-    if args.system is not None:
-        if served.is_reference:
-            raise UsageError("--system needs a model with a chat template (--model)")
-        ids = served.encode_messages([{"role": "system", "content": args.system},
-                                      {"role": "user", "content": args.prompt}])
-    elif args.prompt is not None:
-        ids = served.encode(args.prompt, chat=args.chat)
-    else:
-        ids = _ids(args.input_ids, "--input-ids")
+    if args.chat and (served.is_reference or served.tokenizer.chat_template is None):
+        raise UsageError(f"--chat needs a model with a chat template; {served.name} has none "
+                         "(send the prompt as it is, without --chat)")
+    try:
+        if args.system is not None:
+            ids = served.encode_messages([{"role": "system", "content": args.system},
+                                          {"role": "user", "content": args.prompt}])
+        elif args.prompt is not None:
+            ids = served.encode(args.prompt, chat=args.chat)
+        else:
+            ids = _ids(args.input_ids, "--input-ids")
+    except ValueError as exc:  # the chat template refused the messages
+        raise UsageError(str(exc)) from exc
     try:
         out = served.generate(ids, args.max_new_tokens,
                               stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),

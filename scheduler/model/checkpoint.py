@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,15 +123,17 @@ def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(where: Path, config: LlamaConfig, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Raise :class:`CheckpointError` naming the first missing, misshapen or unknown weight."""
+def check_tensors(where: Path, config: LlamaConfig, tensors: Mapping[str, torch.Tensor],
+                  native: Callable[[str], str] = str) -> None:
+    """Raise :class:`CheckpointError` naming the first missing, misshapen or unknown weight
+    (``native``: a weight's name as the checkpoint's format writes it)."""
     shapes = expected_shapes(config)
     for name, shape in shapes.items():
         if name not in tensors:
-            raise CheckpointError(f"{where}: weight {name!r} is missing")
+            raise CheckpointError(f"{where}: weight {native(name)!r} is missing")
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(
-                f"{where}: weight {name!r} has shape {tuple(tensors[name].shape)}, "
+                f"{where}: weight {native(name)!r} has shape {tuple(tensors[name].shape)}, "
                 f"the config says {shape}")
     extra = sorted(set(tensors) - set(shapes) - {"rope_freqs"})
     if extra:

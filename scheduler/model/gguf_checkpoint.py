@@ -58,15 +58,16 @@ def load_gguf(where: Path) -> Checkpoint:
 
     try:
         reader = GGUFReader(str(where))
-    except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{where}: not a readable GGUF file: {exc}") from exc
+    except (ValueError, OSError, IndexError) as exc:  # IndexError: the metadata is cut short
+        raise CheckpointError(f"{where}: not a readable GGUF file (damaged or truncated?): "
+                              f"{type(exc).__name__}: {exc}") from exc
     meta = _metadata(reader)
     architecture = meta.get("general.architecture")
     refuse_architecture(where, architecture)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     config = _config(where, str(architecture), meta, tied)
     tensors = _tensors(where, reader, config)
-    check_tensors(where, config, tensors)
+    check_tensors(where, config, tensors, _gguf_native)
     tokenizer_fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     if not tokenizer_fields.get("tokenizer.ggml.tokens"):
         raise CheckpointError(f"{where}: the file carries no tokenizer (tokenizer.ggml.tokens)")
@@ -125,7 +126,11 @@ def _tensors(where: Path, reader: Any, config: LlamaConfig) -> dict[str, torch.T
     for t in reader.tensors:
         name = _name(where, t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
-        array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        data = dequantize(t.data, t.tensor_type)
+        if data.size != int(np.prod(shape)):
+            raise CheckpointError(f"{where}: tensor {t.name!r} holds {data.size} of its "
+                                  f"{int(np.prod(shape))} values: the file is truncated")
+        array = np.array(data, dtype=np.float32).reshape(shape)
         tensor = torch.from_numpy(array)
         if name.endswith(".q"):
             tensor = unpermute_rotary_rows(tensor, config.heads)
@@ -133,6 +138,16 @@ def _tensors(where: Path, reader: Any, config: LlamaConfig) -> dict[str, torch.T
             tensor = unpermute_rotary_rows(tensor, config.kv_heads)
         tensors[name] = tensor
     return tensors
+
+
+def _gguf_native(name: str) -> str:
+    """The GGUF name of the runner's weight ``name`` (the inverse of :func:`_name`)."""
+    top = {v: k for k, v in _GGUF_TOP_NAMES.items()}
+    if name in top:
+        return f"{top[name]}.weight"
+    _, layer, part = name.split(".")
+    gguf_part = next(k for k, v in _GGUF_LAYER_NAMES.items() if v == part)
+    return f"blk.{layer}.{gguf_part}.weight"
 
 
 def _name(where: Path, gguf_name: str) -> str:

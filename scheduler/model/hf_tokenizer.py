@@ -2,15 +2,23 @@
 
 Two sources, one class (:class:`ChatTokenizer`):
 
-- a directory with ``tokenizer.json`` (and ``tokenizer_config.json``, ``chat_template.jinja``,
-  ``generation_config.json`` when present);
+- a directory with ``tokenizer.json`` (and ``tokenizer_config.json``, ``chat_template.jinja``
+  or ``chat_template.json``, ``generation_config.json``, ``config.json`` when present);
 - the ``tokenizer.*`` fields of a GGUF file: a byte-level BPE (``tokenizer.ggml.model`` gpt2)
   is rebuilt from its tokens and merges, tokens marked *control* become special tokens, and the
-  pre-tokenizer follows ``tokenizer.ggml.pre``.
+  pre-tokenizer follows ``tokenizer.ggml.pre`` (one of :data:`GGUF_PRE_TOKENIZERS`; another is
+  refused rather than split the wrong way).
 
-The chat template is rendered with jinja2 in a sandbox, with the names Hugging Face's
-``apply_chat_template`` provides (``messages``, ``add_generation_prompt``, the special tokens,
-``raise_exception``, ``strftime_now``), and the text is encoded without adding BOS again (the
+The EOS ids (where the decode side stops) are the generation config's ``eos_token_id`` (a
+directory's ``generation_config.json``, else its ``config.json``, as transformers' ``generate``
+reads them; a GGUF file's EOS, end-of-turn and end-of-message ids) and the tokenizer's own EOS
+token.
+
+The chat template is compiled as the tokenizer loads (a template that does not compile is the
+checkpoint's error, not a client's) and rendered with jinja2 in a sandbox, with the names
+Hugging Face's ``apply_chat_template`` provides (``messages``, ``add_generation_prompt``, the
+special tokens, ``raise_exception``, ``strftime_now``, the ``{% generation %}`` block of
+training templates, rendered as its body), and the text is encoded without adding BOS again (the
 template writes what it wants).
 """
 
@@ -18,10 +26,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from scheduler.model.checkpoint import CheckpointError, TokenizerSource
@@ -37,6 +48,14 @@ _LLAMA3_SPLIT = (
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
 #: Vocabularies trained on single digits (``smollm``: each digit is its own token).
 _SINGLE_DIGITS = frozenset({"smollm"})
+#: The ``tokenizer.ggml.pre`` values whose splitting this module rebuilds (``gpt-2``: GPT-2's
+#: regex; an absent field, or ``default``, is split the same way, with a warning).
+GGUF_PRE_TOKENIZERS = frozenset({"gpt-2", *_SPLITS, *_SINGLE_DIGITS})
+#: GGUF's end-of-generation ids besides EOS: end of turn, end of message (llama.cpp's EOG).
+_GGUF_EOG = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+             "tokenizer.ggml.eom_token_id")
+
+logger = logging.getLogger(__name__)
 
 Message = Mapping[str, Any]
 
@@ -57,7 +76,10 @@ class ChatTokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._template: Any = None
+        try:
+            self._template: Any = None if chat_template is None else _compile(chat_template)
+        except TemplateError as exc:
+            raise CheckpointError(f"the chat template does not compile: {exc}") from exc
 
     @property
     def eos_token_id(self) -> int | None:
@@ -80,10 +102,8 @@ class ChatTokenizer:
         self, messages: Sequence[Message], *, add_generation_prompt: bool = True
     ) -> str:
         """The chat template rendered for ``messages`` (``[{"role": ..., "content": ...}]``)."""
-        if self.chat_template is None:
-            raise ValueError("this checkpoint has no chat template")
         if self._template is None:
-            self._template = _compile(self.chat_template)
+            raise ValueError("this checkpoint has no chat template")
         text: str = self._template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt,
             bos_token=self.token(self.bos_token_id), eos_token=self.token(self.eos_token_id),
@@ -97,6 +117,18 @@ class ChatTokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' mark of the assistant's part in
+    training templates; rendering it writes its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 def _compile(source: str) -> Any:
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -108,7 +140,7 @@ def _compile(source: str) -> Any:
         return datetime.datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock])
     env.filters["tojson"] = lambda value, indent=None: json.dumps(
         value, ensure_ascii=False, indent=indent)
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
@@ -127,12 +159,24 @@ def from_gguf_fields(fields: Mapping[str, Any]) -> ChatTokenizer:
     kind = fields.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise CheckpointError(
-            f"GGUF tokenizer {kind!r} is not supported (byte-level BPE, 'gpt2', is)")
+            f"GGUF tokenizer {kind!r} is not supported (byte-level BPE, 'gpt2', is; "
+            "a SentencePiece one, 'llama', is not: serve the Hugging Face directory instead)")
+    pre = str(fields.get("tokenizer.ggml.pre") or "default")
+    if pre == "default":
+        logger.warning("the GGUF file names no pre-tokenizer (tokenizer.ggml.pre %r): "
+                       "splitting text as GPT-2 does", pre)
+        pre = "gpt-2"
+    elif pre not in GGUF_PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: pdlife splits "
+            f"text as {', '.join(sorted(GGUF_PRE_TOKENIZERS))} do, and another would encode "
+            "prompts differently from the model's training (serve the Hugging Face directory, "
+            "whose tokenizer.json says how)")
     tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or ()]
     vocab = {token: i for i, token in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = _pre_tokenizer(str(fields.get("tokenizer.ggml.pre", "")))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     types = list(fields.get("tokenizer.ggml.token_type") or ())
     tok.add_special_tokens([
@@ -142,13 +186,13 @@ def from_gguf_fields(fields: Mapping[str, Any]) -> ChatTokenizer:
         AddedToken(t, special=False, normalized=False)
         for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED])
     bos = _int_or_none(fields.get("tokenizer.ggml.bos_token_id"))
-    eos = _int_or_none(fields.get("tokenizer.ggml.eos_token_id"))
+    eos_ids = _unique(_int_or_none(fields.get(key)) for key in _GGUF_EOG)
     if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
             special_tokens=[(tokens[bos], bos)])
     template = fields.get("tokenizer.chat_template")
-    return ChatTokenizer(tok, bos_token_id=bos, eos_token_ids=() if eos is None else (eos,),
+    return ChatTokenizer(tok, bos_token_id=bos, eos_token_ids=eos_ids,
                          chat_template=str(template) if template else None)
 
 
@@ -169,23 +213,34 @@ def _int_or_none(value: Any) -> int | None:
 def _from_directory(where: Path) -> ChatTokenizer:
     file = where / "tokenizer.json"
     if not file.is_file():
-        raise CheckpointError(f"{where}: no tokenizer.json")
+        raise CheckpointError("no tokenizer.json")
     tok = Tokenizer.from_file(str(file))
     config = _json(where / "tokenizer_config.json")
     template = config.get("chat_template")
     if (where / "chat_template.jinja").is_file():
         template = (where / "chat_template.jinja").read_text()
+    elif (where / "chat_template.json").is_file():
+        template = _json(where / "chat_template.json").get("chat_template")
     bos = _token_id(tok, config.get("bos_token"))
-    eos_ids: list[int] = []
-    generation = _json(where / "generation_config.json").get("eos_token_id")
-    for value in generation if isinstance(generation, list) else [generation]:
-        if isinstance(value, int):
-            eos_ids.append(value)
-    eos = _token_id(tok, config.get("eos_token"))
-    if eos is not None and eos not in eos_ids:
-        eos_ids.insert(0, eos)
+    # transformers' generate stops on the generation config's EOS ids: generation_config.json's,
+    # else those config.json carries.
+    generation = where / "generation_config.json"
+    found = _json(generation if generation.is_file() else where / "config.json").get(
+        "eos_token_id")
+    listed = found if isinstance(found, list) else [found]
+    eos_ids = _unique([_token_id(tok, config.get("eos_token")),
+                       *(v for v in listed if isinstance(v, int) and not isinstance(v, bool))])
+    if not eos_ids:
+        logger.warning("%s: no EOS id (generation_config.json, config.json and "
+                       "tokenizer_config.json name none): answers end at max_new_tokens or a "
+                       "stop the request names", where)
     return ChatTokenizer(tok, bos_token_id=bos, eos_token_ids=eos_ids,
                          chat_template=template if isinstance(template, str) else None)
+
+
+def _unique(ids: Iterable[int | None]) -> list[int]:
+    """``ids`` without None and repeats, in order."""
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _json(file: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,11 @@ from scheduler.model.checkpoint import (
     unsupported_tensor,
 )
 from scheduler.model.gguf_checkpoint import load_gguf
+
+logger = logging.getLogger(__name__)
+
+#: Tensors of older checkpoints that are buffers, not weights (transformers ignores them too).
+_HF_IGNORED = ("rotary_emb.inv_freq",)
 
 _HF_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -55,7 +61,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def _hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
-    refuse_architecture(where, raw.get("model_type"))
+    refuse_architecture(where, _architecture(where, raw))
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise UnsupportedCheckpoint(f"{where}: {flag}=true is not supported")
@@ -81,6 +87,22 @@ def _hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
     )
 
 
+def _architecture(where: Path, raw: Mapping[str, Any]) -> object:
+    """``model_type``, where a Mistral without a sliding window shorter than its context (the
+    v0.2 and later ones: ``sliding_window`` null) is the Llama it computes as."""
+    kind = raw.get("model_type")
+    if kind != "mistral":
+        return kind
+    window = raw.get("sliding_window")
+    context = int(raw.get("max_position_embeddings", 2048))
+    if window is None or int(window) >= context:
+        return "llama"
+    raise UnsupportedCheckpoint(
+        f"{where}: a Mistral with a sliding window of {window} tokens (shorter than its context "
+        f"of {context}) is not supported; one with sliding_window null computes as a Llama and "
+        "is served as one")
+
+
 def hf_rope_scaling(where: Path, raw: Mapping[str, Any]) -> RopeScaling | None:
     """Hugging Face's ``rope_scaling`` (or 5.x ``rope_parameters``) as a :class:`RopeScaling`."""
     kind = raw.get("rope_type", raw.get("type", "default"))
@@ -104,20 +126,50 @@ def _load_hf_directory(where: Path) -> Checkpoint:
     if not config_file.is_file():
         raise CheckpointError(f"{where}: no config.json (a Hugging Face directory needs one)")
     config = _hf_config(where, json.loads(config_file.read_text()))
-    files = sorted(where.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{where}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _safetensors_files(where):
         for name, tensor in load_file(str(file)).items():
-            tensors[_hf_name(where, name)] = tensor.to(torch.float32)
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head", None)
-    check_tensors(where, config, tensors)
+            if not name.endswith(_HF_IGNORED):
+                tensors[_hf_name(file, name)] = tensor.to(torch.float32)
+    if config.tie_word_embeddings and tensors.pop("lm_head", None) is not None:
+        logger.warning("%s: config.json ties the output head to the embeddings "
+                       "(tie_word_embeddings); the lm_head.weight the files also hold is not used",
+                       where)
+    check_tensors(where, config, tensors, _hf_native)
     return Checkpoint(
         name=where.name, path=where, format="safetensors", config=config, tensors=tensors,
         tokenizer=TokenizerSource(directory=where), fingerprint=fingerprint(config, tensors),
     )
+
+
+def _safetensors_files(where: Path) -> list[Path]:
+    """The weight files: those ``model.safetensors.index.json`` maps (where there is one; other
+    ``*.safetensors`` files beside them, such as a ``consolidated.safetensors`` copy, are not
+    read), else every ``*.safetensors`` file."""
+    index = where / "model.safetensors.index.json"
+    if not index.is_file():
+        files = sorted(where.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{where}: no *.safetensors files")
+        return files
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: no weight_map")
+    files = [where / str(name) for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: names files that are missing: {missing[:5]}")
+    return files
+
+
+def _hf_native(name: str) -> str:
+    """The Hugging Face name of the runner's weight ``name`` (the inverse of :func:`_hf_name`)."""
+    top = {"embed": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+    if name in top:
+        return f"{top[name]}.weight"
+    _, layer, part = name.split(".")
+    hf = next(k for k, v in _HF_LAYER_NAMES.items() if v == part)
+    return f"model.layers.{layer}.{hf}.weight"
 
 
 def _hf_name(where: Path, name: str) -> str:

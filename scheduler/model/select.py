@@ -116,18 +116,23 @@ def load_model(
     """``reference``, a shipped model's name, or a path to a GGUF file or HF directory."""
     if spec == REFERENCE:
         return reference_model(reference or ModelConfig(), device=device)
+    from scheduler.model.checkpoint import CheckpointError
     from scheduler.model.hf_tokenizer import load_tokenizer
     from scheduler.model.llama import RealModel
     from scheduler.model.loader import load_checkpoint
     from scheduler.model.shipped import SHIPPED, shipped_path
 
     path = shipped_path(spec) if spec in SHIPPED else Path(spec)
+    name = spec if spec in SHIPPED else str(path)  # one name for ``dir`` and ``dir/``
     checkpoint = load_checkpoint(path)
-    tokenizer = load_tokenizer(checkpoint.tokenizer)
+    try:
+        tokenizer = load_tokenizer(checkpoint.tokenizer)
+    except CheckpointError as exc:
+        raise type(exc)(f"{path}: {exc}") from exc
     model = RealModel(checkpoint, dtype=dtype, device=device,
-                      eos_token_ids=tokenizer.eos_token_ids, name=spec)
+                      eos_token_ids=tokenizer.eos_token_ids, name=name)
     return ServedModel(
-        name=spec, model=model, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
+        name=name, model=model, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
         vocab_size=checkpoint.config.vocab_size, max_position=checkpoint.config.max_position,
         fingerprint=model.fingerprint,
         kv_bytes_per_token=model.kv_bytes_per_token, is_reference=False,
