@@ -174,7 +174,7 @@ class BootstrapServer:
         return 200, {"page_size": ranks[0]["page_size"], "kv_dtype": ranks[0]["kv_dtype"],
                      "kv_layout": ranks[0]["kv_layout"], "model": ranks[0]["model"],
                      "model_name": ranks[0]["model_name"], "ranks": ranks,
-                     "token_required": self._token is not None}
+                     "token_required": self._token is not None, "keepalive": True}
 
 
 def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
@@ -284,6 +284,7 @@ class BootstrapClient:
             return PrefillInfo(
                 page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks,
                 token_required=table.get("token_required") is True,
+                keepalive=table.get("keepalive") is True,
                 model=ranks[0].model, model_name=ranks[0].model_name,
                 kv_layout=ranks[0].kv_layout,
             )

@@ -161,7 +161,7 @@ class MooncakeDecodeManager:
             tp_size=self.place.tp_size,
             state_pools=pool_memory(states),
             state_window=0 if states is None or states.window is None else states.window,
-            keepalive_ms=round(self.config.heartbeat_interval_s * 1000),
+            keepalive_ms=self._keepalive_ms(table),
         )
         self._peers.send_all(self._register)
         # The status socket is bound, so nothing sent to it is lost before its thread runs.
@@ -241,6 +241,11 @@ class MooncakeDecodeManager:
         for rec in rooms:
             self.ready.put(rec.room)
 
+    def _keepalive_ms(self, table: PrefillInfo) -> int:
+        """How often the ``Register`` goes again to the ranks of ``table``: every heartbeat,
+        where the server takes keepalives (an older one refuses the field: never)."""
+        return round(self.config.heartbeat_interval_s * 1000) if table.keepalive else 0
+
     def _watch_prefill(self) -> None:
         cfg = self.config
         client = BootstrapClient(
@@ -256,7 +261,7 @@ class MooncakeDecodeManager:
                 failures = 0
                 if self.lost is not None:
                     self._reconnect()
-                else:  # the keepalive: each prefill rank forgets a session gone silent
+                elif self._register.keepalive_ms:  # a prefill rank forgets a silent session
                     self._peers.send_all(self._register)
                 continue
             failures += 1
@@ -296,6 +301,7 @@ class MooncakeDecodeManager:
         peers = PrefillPeers(self._control.ctx, table, self._me, self.config.token)
         old, self._peers = self._peers, peers
         old.close()
+        self._register = attrs.evolve(self._register, keepalive_ms=self._keepalive_ms(table))
         peers.send_all(self._register)
         with self._lock:
             self._lost = self._lost_since = None

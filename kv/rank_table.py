@@ -183,6 +183,9 @@ class PrefillInfo:
     model: str = ""
     model_name: str = ""
     kv_layout: str = KVLayout.LAYER_MAJOR.value
+    #: The prefill ranks take a decode rank's ``Register`` again as its keepalive and forget a
+    #: silent one (a server that does not say so predates keepalives: it is sent neither).
+    keepalive: bool = False
 
     @property
     def model_label(self) -> str:

@@ -107,7 +107,9 @@ class Register:
     state_pools: tuple[PoolMemory, ...] = attrs.field(default=(), kw_only=True)
     state_window: int = attrs.field(default=0, kw_only=True)
     #: How often (ms) the decode rank sends this ``Register`` again while it runs, its
-    #: keepalive; 0: never, and the prefill rank keeps the session until a ``Deregister``.
+    #: keepalive; 0 (and then absent from the message): never, and the prefill rank keeps the
+    #: session until a ``Deregister``. A decode rank sends one only to a prefill server whose
+    #: bootstrap table says ``keepalive`` (an older one refuses the field).
     keepalive_ms: int = attrs.field(default=0, kw_only=True)
 
     @property
@@ -184,8 +186,9 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "tp_size": msg.tp_size,
             "state_pools": encode_pools(msg.state_pools),
             "state_window": msg.state_window,
-            "keepalive_ms": msg.keepalive_ms,
         }
+        if msg.keepalive_ms:  # absent otherwise: what a prefill that predates keepalives reads
+            body["keepalive_ms"] = msg.keepalive_ms
     elif isinstance(msg, Destination):
         body = {
             "t": "destination",
@@ -328,7 +331,8 @@ def _parse_register(body: dict[Any, Any]) -> Register:
         tp_size=int_field(body, "tp_size", 1, MAX_TP),
         state_pools=state_pools,
         state_window=state_window,
-        keepalive_ms=int_field(body, "keepalive_ms", 0, MAX_KEEPALIVE_MS),
+        keepalive_ms=(int_field(body, "keepalive_ms", 1, MAX_KEEPALIVE_MS)
+                      if "keepalive_ms" in body else 0),  # absent: a decode without keepalives
     )
     if reg.tp_rank >= reg.tp_size:
         raise WireError("bad_field", f"tp_rank {reg.tp_rank} not in tp_size {reg.tp_size}")

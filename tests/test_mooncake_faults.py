@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -467,6 +468,39 @@ def test_a_killed_decode_process_is_forgotten_once_its_keepalive_stops(clock: Fa
     finally:
         peer.close()
         manager.close()
+        server.close()
+
+
+class _OlderBootstrap(BootstrapServer):
+    """A prefill server from before keepalives: its table does not offer them."""
+
+    def _table(self) -> tuple[int, Any]:
+        status, table = super()._table()
+        if status == 200:
+            del table["keepalive"]
+        return status, table
+
+
+def test_a_prefill_that_predates_keepalives_gets_none(clock: FakeClock) -> None:
+    """Pairing across versions: a decode sends its keepalive (the field and the repeated
+    ``Register``) only to a prefill whose table offers it, so an older prefill, which refuses
+    unknown fields, still takes the registration (and this side never forgets the session)."""
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    server = _OlderBootstrap()
+    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8), clock=clock)
+    prefill.register_to_bootstrap(server.address)
+    decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(8), server.address,
+                                   config=MooncakeConfig(heartbeat_interval_s=0.05))
+    try:
+        eventually(lambda: prefill.decode_sessions() == [decode.session], "registered")
+        assert not decode.prefill.keepalive
+        clock.now += 1e6
+        assert prefill.forget_silent() == []  # registered without a keepalive
+        assert prefill.dropped_messages.total == 0
+    finally:
+        decode.close()
+        prefill.close()
         server.close()
 
 

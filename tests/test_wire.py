@@ -215,11 +215,21 @@ def test_register_validates_layout_fields() -> None:
                          ("status_endpoint", "ipc:///x"), ("num_pages", 0),
                          ("kv_layout", "head_major"), ("kv_layout", 1), ("kv_heads", 0),
                          ("head_dim", True), ("mla", 1), ("tp_rank", 1), ("tp_size", 0),
-                         ("keepalive_ms", -1), ("keepalive_ms", wire.MAX_KEEPALIVE_MS + 1),
+                         ("keepalive_ms", 0), ("keepalive_ms", wire.MAX_KEEPALIVE_MS + 1),
                          ("keepalive_ms", 5.0)]:
         bad = dict(body, **{field: value})
         with pytest.raises(wire.WireError):
             wire.decode(msgpack.packb(bad))
+
+
+def test_a_register_without_keepalive_reads_as_it_did_before_keepalives() -> None:
+    """``keepalive_ms`` 0 leaves the field out (a prefill that predates keepalives refuses
+    unknown fields), and a message without it (an older decode's) reads as 0."""
+    old = _register()
+    assert old.keepalive_ms == 0 and "keepalive_ms" not in msgpack.unpackb(wire.encode(old))
+    assert wire.decode(wire.encode(old)) == old
+    new = attrs.evolve(old, keepalive_ms=5000)
+    assert msgpack.unpackb(wire.encode(new))["keepalive_ms"] == 5000
 
 
 def test_dropped_messages_count_by_reason() -> None:
