@@ -398,3 +398,34 @@ def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
                 assert not service.loop.alive
 
     run(main())
+
+
+def test_a_stream_closed_while_it_waits_leaves_no_task_behind() -> None:
+    """The client went away while its stream waited for tokens: closing the stream cancels its
+    wait on the progress queue (left pending, asyncio logs "Task was destroyed but it is
+    pending!" at ERROR whenever it is collected)."""
+    import asyncio
+    import contextlib
+
+    from lifecycle import SamplingParams
+    from scheduler.service import handoff
+    from scheduler.service.config import Item
+    from scheduler.service.pending import Pending
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        item = Item("r", (1, 2), SamplingParams(), "127.0.0.1", 1, 1)
+        pending = Pending(item, loop, loop.create_future(), 0.0, {"decode"},
+                          progress=asyncio.Queue())
+        stream = handoff.new_tokens(pending)
+        reader = asyncio.ensure_future(anext(stream))
+        while not [t for t in asyncio.all_tasks() if t not in (reader, asyncio.current_task())]:
+            await asyncio.sleep(0)  # one loop step: the reader starts its wait
+        reader.cancel()  # as the server cancels a response whose client is gone
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await stream.aclose()
+        await asyncio.sleep(0)  # one loop step: a cancelled task finishes
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    run(main())

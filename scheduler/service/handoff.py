@@ -171,12 +171,14 @@ async def new_tokens(pending: Pending) -> AsyncIterator[Progress]:
     assert progress is not None, "new_tokens needs a request started with stream=True"
     while not pending.future.done():
         more = asyncio.ensure_future(progress.get())
-        either: set[asyncio.Future[Any]] = {more, pending.future}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if not more.done():
-            more.cancel()
-            continue
-        yield more.result()
+        try:
+            either: set[asyncio.Future[Any]] = {more, pending.future}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the stream is closed while waiting (the client went away)
+            if not more.done():
+                more.cancel()
+        if more.done():  # else cancelled above: the answer came first
+            yield more.result()
 
 
 def sse(data: Any) -> bytes:
