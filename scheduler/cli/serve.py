@@ -359,9 +359,13 @@ def _serve(args: argparse.Namespace) -> int:
             if not service.wait_drained(args.drain_timeout):
                 logger.warning("drain timeout (%g s): aborting %d requests",
                                args.drain_timeout, service.live_requests())
-                self.aborted = service.abort_all()
+                self.aborted = service.abort_all(
+                    f"aborted: the server is shutting down (its drain timeout of "
+                    f"{args.drain_timeout:g} s ran out first)")
                 service.wait_drained(10.0)
-            logger.info("drained; shutting down")
+                logger.info("shutting down")
+            else:
+                logger.info("drained; shutting down")
             self.should_exit = True
 
     server = DrainingServer(uvicorn.Config(

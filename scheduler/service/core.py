@@ -120,6 +120,8 @@ class Service:
             runner_factory = served.runner
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
+        # Why the server aborted a live request (abort_all with a reason), for its answer.
+        self._abort_reasons: dict[str, str] = {}
         self._streams: dict[str, Pending] = {}
         self._rooms = itertools.count(1)
         self._draining = False
@@ -254,9 +256,13 @@ class Service:
         self.loop.wake()
         return True
 
-    def abort_all(self) -> int:
+    def abort_all(self, reason: str | None = None) -> int:
+        """Abort every live request; with ``reason``, their answers say it (the server's own
+        abort, status 503) instead of a client's abort."""
         with self._lock:
             rids = list(self._pending)
+            if reason is not None:
+                self._abort_reasons.update(dict.fromkeys(rids, reason))
         return sum(self.abort(rid) for rid in rids)
 
     def live_requests(self) -> int:
@@ -375,6 +381,10 @@ class Service:
             if pending.item.options.prompt_only and answer.status == 200:
                 answer = attrs.evolve(answer, output_ids=(), output_logprobs=(),
                                       finish_reason="length", matched_stop=None)
+            with self._lock:
+                why = self._abort_reasons.get(pending.item.rid)
+            if why is not None and answer.finish_reason == "abort":
+                answer = attrs.evolve(answer, message=why, status=503, kind="draining")
             pending.resolve(answer)
         item = pending.item
         with self._lock:
@@ -382,6 +392,7 @@ class Service:
             if pending.waiting_on:
                 return
             del self._pending[item.rid]
+            self._abort_reasons.pop(item.rid, None)
             self._queue.ended()
             self._streams.pop(item.rid, None)
             self._idle.notify_all()
