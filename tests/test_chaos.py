@@ -204,6 +204,9 @@ def test_a_peer_that_never_sends_its_destination_times_out_the_bootstrap(
     assert f"{BOOTSTRAP_TIMEOUT_S:g} s" in error["message"], error
     assert time.monotonic() - started >= BOOTSTRAP_TIMEOUT_S
     wait_for(prefill.idle, 30, "prefill idle after the bootstrap timeout")
+    # The operator sees it too (the worker logs at WARNING here).
+    assert "request 'lonely' failed" in prefill.server.tail(20000)
+    assert "no decode peer asked for bootstrap room" in prefill.server.tail(20000)
 
 
 def dropped_on(url: str, side: str) -> float:

@@ -293,6 +293,11 @@ class Service:
         pending = self._received(resp, "prefill")
         if pending is None:
             return
+        if resp.reason == FailureReason.BOOTSTRAP_TIMEOUT:
+            logger.warning("request %r failed: %s: no decode peer asked for bootstrap room %d "
+                           "(a decode worker that died, or a client that sent this worker "
+                           "alone its half)", resp.rid, resp.detail,
+                           pending.item.bootstrap_room)
         if self.config.role == "both":
             pending.input_logprobs = resp.input_logprobs
             held, pending.held = pending.held, None
