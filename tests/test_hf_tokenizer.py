@@ -122,3 +122,42 @@ def test_chat_templates_compile_as_they_load(smollm2, tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{% frobnicate %}")
     with pytest.raises(CheckpointError, match="the chat template does not compile"):
         load_tokenizer(TokenizerSource(directory=tmp_path))
+
+
+def _sentencepiece_style(where, **config):
+    """A Llama 2-style tokenizer directory: a byte-fallback BPE whose ``tokenizer.json`` has the
+    older ``Prepend("▁")`` normalizer, and ``tokenizer_class`` LlamaTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator([*TEXTS, *PROMPTS] * 5, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=special, max_token_length=12))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.save(str(where / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
+                "{{ m['content'] | trim }} [/INST]{% else %} {{ m['content'] | trim }}"
+                "{{ eos_token }}{% endif %}{% endfor %}")
+    (where / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+        "tokenizer_class": "LlamaTokenizer", "chat_template": template, **config}))
+
+
+@pytest.mark.parametrize("config", [{"legacy": False}, {"legacy": True}, {},
+                                    {"add_prefix_space": False}])
+def test_a_sentencepiece_style_directory_encodes_as_transformers_rebuilds_it(tmp_path, config):
+    _sentencepiece_style(tmp_path, **config)
+    ours = load_tokenizer(TokenizerSource(directory=tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in (*TEXTS, " leading space", "<s>hi</s> x", " "):
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    for messages in CONVERSATIONS[:3]:
+        rendered = theirs.apply_chat_template(messages, add_generation_prompt=True)
+        assert ours.encode_chat(messages) == list(rendered["input_ids"])

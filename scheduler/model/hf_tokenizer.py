@@ -216,6 +216,8 @@ def _from_directory(where: Path) -> ChatTokenizer:
         raise CheckpointError("no tokenizer.json")
     tok = Tokenizer.from_file(str(file))
     config = _json(where / "tokenizer_config.json")
+    if config.get("tokenizer_class") in _METASPACE_CLASSES:
+        _as_transformers_builds(tok, config)
     template = config.get("chat_template")
     if (where / "chat_template.jinja").is_file():
         template = (where / "chat_template.jinja").read_text()
@@ -236,6 +238,30 @@ def _from_directory(where: Path) -> ChatTokenizer:
                        "stop the request names", where)
     return ChatTokenizer(tok, bos_token_id=bos, eos_token_ids=eos_ids,
                          chat_template=template if isinstance(template, str) else None)
+
+
+#: ``tokenizer_class`` values whose text pipeline transformers (5.x) builds itself rather than
+#: take from ``tokenizer.json``: SentencePiece-style BPE (Llama 2, TinyLlama, CodeLlama).
+_METASPACE_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast"})
+
+
+def _as_transformers_builds(tok: Tokenizer, config: Mapping[str, Any]) -> None:
+    """Give ``tok`` the normalizer, pre-tokenizer and decoder transformers' ``LlamaTokenizer``
+    builds (whatever ``tokenizer.json`` says): no normalizer; a Metaspace pre-tokenizer whose
+    ``▁`` goes before the first word only (``legacy: false``, the default), before every
+    piece (``legacy: true``) or never (``add_prefix_space: false``); a decoder that strips the
+    one leading space it added. Files written for the older pipeline (a ``Prepend("▁")``
+    normalizer) otherwise encode leading spaces and text after a special token differently."""
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme,
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
 
 
 def _unique(ids: Iterable[int | None]) -> list[int]:
