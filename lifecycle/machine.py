@@ -294,17 +294,51 @@ class Lifecycle(Generic[R]):
         event: str | None = None,
     ) -> None:
         """Fire a failure event (default: the table's first) for requests in any live states,
-        grouped by state."""
+        grouped by state. All or none: every request is checked first (live, tracked by this
+        lifecycle, present once; the reason and detail fit), and only then does any move. A
+        failure event is unguarded and legal from every live state, so nothing after the checks
+        can refuse; a hook that raises is reported once every group moved (``HookFailed``)."""
+        failure_events = self.table.failure_events
         if event is None:
-            if not self.table.failure_events:
+            if not failure_events:
                 raise LifecycleError(f"{self.table.name}: the table declares no failure event")
-            event = self.table.failure_events[0]
+            event = failure_events[0]
+        elif event not in failure_events:
+            known = ", ".join(str(e) for e in failure_events) or "none"
+            raise LifecycleError(
+                f"fail(): event {str(event)!r} is not a failure event of table "
+                f"{self.table.name!r} (its failure events: {known}); fire it with fire()"
+            )
+        batch = reqs if isinstance(reqs, (list, tuple)) else list(reqs)
         groups: dict[enum.IntEnum, list[R]] = {}
-        for r in reqs:
-            assert r.state is not None
-            groups.setdefault(r.state, []).append(r)
+        for r in batch:
+            state = r.state
+            if state is None:
+                raise LifecycleError(f"request {r.rid!r} was never admitted to a lifecycle")
+            if r.owner is not self:
+                raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
+            step = self._steps.get((state, event))
+            if step is None:  # it ended: a failure event is legal from every live state
+                raise IllegalTransition(r.rid, state, event, self.table.no_edge(state, event))
+            group = groups.get(state)
+            if group is None:
+                step.fired_with(reason, detail, self.table)  # refuses a misfit reason or detail
+                group = groups[state] = []
+            group.append(r)
+        if len({id(r) for r in batch}) != len(batch):
+            raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+        errors: list[tuple[str, str, BaseException]] = []
+        dest: enum.Enum | None = None
         for group in groups.values():
-            self.fire(event, group, reason=reason, detail=detail)
+            try:
+                self.fire(event, group, reason=reason, detail=detail)
+            except HookFailed as exc:  # that group moved; the others move as well
+                errors.extend(exc.errors)
+                if dest is None:
+                    dest = exc.dest
+        if errors:
+            assert dest is not None
+            raise HookFailed(event, dest, errors) from errors[0][2]
 
     # -- the steps --------------------------------------------------------------------------
 

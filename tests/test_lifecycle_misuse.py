@@ -1,0 +1,158 @@
+"""What the lifecycle refuses when it is used wrongly, and how it says so: failures in mixed
+states all or none, the index's read-only views, reasons only on failure events, hooks that
+cannot be called, reserved event names, copies of tracked records, and the messages of refused
+batches and admissions."""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import attrs
+import pytest
+
+from lifecycle import (
+    Edge,
+    HookFailed,
+    IllegalTransition,
+    Lifecycle,
+    LifecycleError,
+    Tracked,
+    Trigger,
+    make_table,
+)
+
+
+class S(enum.IntEnum):
+    FAILED = 0
+    QUEUED = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+
+
+class E(enum.StrEnum):
+    START = "start"
+    BACKOFF = "backoff"
+    SUCCEED = "succeed"
+    FAIL = "fail"
+
+
+class Why(enum.Enum):
+    CRASHED = "crashed"
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class Job(Tracked):
+    start: ClassVar[Trigger]
+    backoff: ClassVar[Trigger]
+    succeed: ClassVar[Trigger]
+    fail: ClassVar[Trigger]
+
+
+TABLE = make_table(
+    "job",
+    S,
+    events=E,
+    initial=S.QUEUED,
+    finals=(S.SUCCEEDED, S.FAILED),
+    edges=(
+        Edge(E.START, S.QUEUED, S.RUNNING),
+        Edge(E.BACKOFF, S.RUNNING, S.QUEUED),
+        Edge(E.SUCCEED, S.RUNNING, S.SUCCEEDED),
+        *(Edge(E.FAIL, s, S.FAILED) for s in (S.QUEUED, S.RUNNING)),
+    ),
+    failure_events=(E.FAIL,),
+    on_enter={f: ("notify",) for f in (S.SUCCEEDED, S.FAILED)},
+    reasons=Why,
+    record=Job,
+)
+
+
+class Owner:
+    def __init__(self, raising: str = "") -> None:
+        self.notified: list[str] = []
+        self.raising = raising
+        self.lc: Lifecycle[Job] = Lifecycle(TABLE, {"notify": self.notify}, check=True)
+
+    def notify(self, job: Job) -> None:
+        self.notified.append(job.rid)
+        if job.rid == self.raising:
+            raise RuntimeError("the pager is down")
+
+    def jobs(self, *rids: str) -> list[Job]:
+        out = [Job(rid) for rid in rids]
+        for j in out:
+            self.lc.admit(j)
+        return out
+
+
+def _snapshot(o: Owner, jobs: list[Job]) -> object:
+    return (
+        [(j.state, j.reason, j.detail, list(j.timeline)) for j in jobs],
+        {s: list(o.lc.in_state(s)) for s in TABLE.live_states()},
+        dict(o.lc.finished),
+        list(o.notified),
+        o.lc.transitions_fired,
+    )
+
+
+# -- 1. fail() is all or none -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["bca", "abc"])
+def test_fail_checks_every_request_before_any_moves(order: str) -> None:
+    o = Owner()
+    a, b, c = o.jobs("a", "b", "c")
+    c.start()
+    a.fail()  # a ended
+    before = _snapshot(o, [a, b, c])
+    batch = [{"a": a, "b": b, "c": c}[x] for x in order]
+    with pytest.raises(IllegalTransition, match="request 'a' in state FAILED cannot take event"):
+        o.lc.fail(batch, Why.CRASHED)
+    assert _snapshot(o, [a, b, c]) == before
+    assert (b.state, c.state) == (S.QUEUED, S.RUNNING) and o.notified == ["a"]
+
+
+def test_fail_refuses_any_bad_request_of_a_mixed_batch_and_changes_nothing() -> None:
+    o = Owner()
+    a, b, c = o.jobs("a", "b", "c")
+    b.start()
+    (stranger,) = Owner().jobs("s")
+    before = _snapshot(o, [a, b, c])
+    with pytest.raises(LifecycleError, match="'s' belongs to another lifecycle"):
+        o.lc.fail([a, b, stranger], Why.CRASHED)
+    with pytest.raises(LifecycleError, match="appears twice"):
+        o.lc.fail([a, b, c, b], Why.CRASHED)
+    with pytest.raises(LifecycleError, match="'n' was never admitted"):
+        o.lc.fail([a, b, Job("n")], Why.CRASHED)
+
+    class Other(enum.Enum):
+        X = 1
+
+    with pytest.raises(LifecycleError, match="is not a Why"):
+        o.lc.fail([a, b], Other.X)
+    assert _snapshot(o, [a, b, c]) == before
+    o.lc.fail(iter([a, b, c]), Why.CRASHED, "host lost")  # any iterable, read once
+    assert [(j.state, j.reason, j.detail) for j in (a, b, c)] == [
+        (S.FAILED, Why.CRASHED, "host lost")
+    ] * 3
+    assert o.lc.finished == {(S.FAILED, Why.CRASHED): 3} and len(o.lc) == 0
+
+
+def test_fail_takes_only_failure_events() -> None:
+    o = Owner()
+    (a,) = o.jobs("a")
+    a.start()
+    with pytest.raises(LifecycleError, match="event 'succeed' is not a failure event of table"):
+        o.lc.fail([a], None, event=E.SUCCEED)
+    assert a.state is S.RUNNING and not o.notified
+
+
+def test_fail_moves_every_group_when_a_hook_raises() -> None:
+    o = Owner(raising="a")
+    a, b = o.jobs("a", "b")
+    b.start()
+    with pytest.raises(HookFailed) as info:
+        o.lc.fail([a, b], Why.CRASHED)  # two groups: QUEUED's hook raises, RUNNING's moves too
+    assert a.state is b.state is S.FAILED and sorted(o.notified) == ["a", "b"]
+    assert [(rid, hook) for rid, hook, _ in info.value.errors] == [("a", "notify")]
