@@ -70,7 +70,9 @@ def test_a_tokenizer_json_directory_encodes_the_same(smollm2, hf_smollm2, tmp_pa
 
 
 def test_unsupported_tokenizers_are_refused(tmp_path):
-    with pytest.raises(CheckpointError, match="'llama' is not supported"):
+    with pytest.raises(CheckpointError, match="'bert' is not supported"):
+        from_gguf_fields({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(CheckpointError, match="0 scores for 1 tokens and no merges"):
         from_gguf_fields({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(CheckpointError, match=r"no tokenizer\.json"):
         load_tokenizer(TokenizerSource(directory=tmp_path))
@@ -161,3 +163,37 @@ def test_a_sentencepiece_style_directory_encodes_as_transformers_rebuilds_it(tmp
     for messages in CONVERSATIONS[:3]:
         rendered = theirs.apply_chat_template(messages, add_generation_prompt=True)
         assert ours.encode_chat(messages) == list(rendered["input_ids"])
+
+
+def test_a_sentencepiece_gguf_tokenizer_encodes_as_transformers_reads_it(tmp_path):
+    """``tokenizer.ggml.model`` llama (Llama 2, TinyLlama GGUF files): pieces with scores and no
+    merges; the merges the scores imply, byte fallback and BOS, as transformers rebuilds them."""
+    import gguf
+
+    _sentencepiece_style(tmp_path)
+    vocab = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x")
+             else 1 for t in tokens]
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0 if k != 1 else -float(i) for i, k in enumerate(types)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fields = {name: field.contents()
+              for name, field in gguf.GGUFReader(str(tmp_path / "spm.gguf")).fields.items()
+              if name.startswith("tokenizer.")}
+    ours = from_gguf_fields(fields)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in (*TEXTS, " leading space", "<s>hi</s> x"):
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert (ours.bos_token_id, ours.eos_token_ids) == (1, (2,))

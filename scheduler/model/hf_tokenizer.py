@@ -155,12 +155,76 @@ def load_tokenizer(source: TokenizerSource) -> ChatTokenizer:
 
 
 def from_gguf_fields(fields: Mapping[str, Any]) -> ChatTokenizer:
-    """A byte-level BPE tokenizer rebuilt from a GGUF file's ``tokenizer.*`` fields."""
+    """The tokenizer a GGUF file's ``tokenizer.*`` fields describe: a byte-level BPE
+    (``tokenizer.ggml.model`` gpt2) or a SentencePiece BPE (``llama``)."""
     kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(
-            f"GGUF tokenizer {kind!r} is not supported (byte-level BPE, 'gpt2', is; "
-            "a SentencePiece one, 'llama', is not: serve the Hugging Face directory instead)")
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    if kind == "llama":
+        tok = _sentencepiece_bpe(fields, tokens)
+    elif kind == "gpt2":
+        tok = _byte_level_bpe(fields, tokens)
+    else:
+        raise CheckpointError(f"GGUF tokenizer {kind!r} is not supported (byte-level BPE, "
+                              "'gpt2', and SentencePiece BPE, 'llama', are)")
+    types = list(fields.get("tokenizer.ggml.token_type") or ())
+    tok.add_special_tokens([
+        AddedToken(t, special=True, normalized=False)
+        for t, kind in zip(tokens, types, strict=False) if kind == _CONTROL])
+    tok.add_tokens([
+        AddedToken(t, special=False, normalized=False)
+        for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED])
+    bos = _int_or_none(fields.get("tokenizer.ggml.bos_token_id"))
+    eos_ids = _unique(_int_or_none(fields.get(key)) for key in _GGUF_EOG)
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    add_bos = fields.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    if add_bos and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], bos)])
+    template = fields.get("tokenizer.chat_template")
+    return ChatTokenizer(tok, bos_token_id=bos, eos_token_ids=eos_ids,
+                         chat_template=str(template) if template else None)
+
+
+def _sentencepiece_bpe(fields: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+    """A SentencePiece BPE vocabulary as transformers reads it from a GGUF file: its merges, or
+    (most files list none) the merges its pieces' scores imply; byte fallback; the text
+    pipeline of ``LlamaTokenizer`` (:func:`_as_transformers_builds`)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    listed = fields.get("tokenizer.ggml.merges")
+    if listed:
+        merges = [tuple(m.split(" ", 1)) for m in listed]
+    else:
+        merges = _merges_from_scores(vocab, list(fields.get("tokenizer.ggml.scores") or ()))
+    unk = _int_or_none(fields.get("tokenizer.ggml.unknown_token_id"))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                               unk_token=None if unk is None else tokens[unk]))
+    _as_transformers_builds(tok, {})
+    return tok
+
+
+def _merges_from_scores(vocab: Mapping[str, int], scores: Sequence[float]
+                        ) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a piece into two
+    pieces of the vocabulary is a merge, ranked by the whole piece's score (higher first), ties
+    by the longer left, then the longer right part; the splits of one piece in the order of
+    their parts' ids."""
+    if len(scores) != len(vocab):
+        raise CheckpointError(f"GGUF tokenizer: {len(scores)} scores for {len(vocab)} tokens "
+                              "and no merges (tokenizer.ggml.scores)")
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, score in zip(vocab, scores, strict=True):
+        splits = sorted(((piece[:i], piece[i:]) for i in range(1, len(piece))
+                         if piece[:i] in vocab and piece[i:] in vocab),
+                        key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        ranked += [(float(score), len(left), len(right), left, right) for left, right in splits]
+    ranked.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _byte_level_bpe(fields: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE rebuilt from its tokens and merges, split as ``tokenizer.ggml.pre``
+    names."""
     pre = str(fields.get("tokenizer.ggml.pre") or "default")
     if pre == "default":
         logger.warning("the GGUF file names no pre-tokenizer (tokenizer.ggml.pre %r): "
@@ -172,28 +236,12 @@ def from_gguf_fields(fields: Mapping[str, Any]) -> ChatTokenizer:
             f"text as {', '.join(sorted(GGUF_PRE_TOKENIZERS))} do, and another would encode "
             "prompts differently from the model's training (serve the Hugging Face directory, "
             "whose tokenizer.json says how)")
-    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or ()]
     vocab = {token: i for i, token in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
-    types = list(fields.get("tokenizer.ggml.token_type") or ())
-    tok.add_special_tokens([
-        AddedToken(t, special=True, normalized=False)
-        for t, kind in zip(tokens, types, strict=False) if kind == _CONTROL])
-    tok.add_tokens([
-        AddedToken(t, special=False, normalized=False)
-        for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED])
-    bos = _int_or_none(fields.get("tokenizer.ggml.bos_token_id"))
-    eos_ids = _unique(_int_or_none(fields.get(key)) for key in _GGUF_EOG)
-    if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], bos)])
-    template = fields.get("tokenizer.chat_template")
-    return ChatTokenizer(tok, bos_token_id=bos, eos_token_ids=eos_ids,
-                         chat_template=str(template) if template else None)
+    return tok
 
 
 def _pre_tokenizer(pre: str) -> Any:
