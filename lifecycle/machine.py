@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import enum
 import time
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic
 
@@ -100,6 +101,10 @@ class Lifecycle(Generic[R]):
         self.check = check
         self._machine = shared_machine(table)
         self._index: dict[enum.IntEnum, dict[str, R]] = {s: {} for s in table.live_states()}
+        # What in_state hands out: a read-only view of each bucket, made once (no copy).
+        self._views: dict[enum.IntEnum, Mapping[str, R]] = {
+            s: types.MappingProxyType(b) for s, b in self._index.items()
+        }
         self._by_rid: dict[str, R] = {}
         self._initial = table.initial
         self._admitted = self._index[table.initial]
@@ -138,8 +143,10 @@ class Lifecycle(Generic[R]):
     # -- queries ----------------------------------------------------------------------------
 
     def in_state(self, state: enum.IntEnum) -> Mapping[str, R]:
-        """The live requests in ``state``, oldest first (read-only view)."""
-        return self._index[state]
+        """The live requests in ``state``, oldest first: a read-only view of the lifecycle's own
+        collection (it follows later events; copy it, ``list(...values())``, to keep a
+        snapshot)."""
+        return self._views[state]
 
     def get(self, rid: str) -> R | None:
         return self._by_rid.get(rid)

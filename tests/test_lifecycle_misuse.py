@@ -156,3 +156,21 @@ def test_fail_moves_every_group_when_a_hook_raises() -> None:
         o.lc.fail([a, b], Why.CRASHED)  # two groups: QUEUED's hook raises, RUNNING's moves too
     assert a.state is b.state is S.FAILED and sorted(o.notified) == ["a", "b"]
     assert [(rid, hook) for rid, hook, _ in info.value.errors] == [("a", "notify")]
+
+
+# -- 2. in_state is a read-only view ------------------------------------------------------
+
+
+def test_in_state_is_a_read_only_view_of_the_index() -> None:
+    o = Owner()
+    a, b = o.jobs("a", "b")
+    queued = o.lc.in_state(S.QUEUED)
+    with pytest.raises(TypeError):
+        queued["x"] = a  # type: ignore[index]
+    for mutate in ("clear", "pop", "popitem", "update", "setdefault"):
+        assert not hasattr(queued, mutate), mutate
+    assert dict(queued) == {"a": a, "b": b}
+    a.start()  # a view, not a copy: it follows the index
+    assert list(queued) == ["b"] and list(o.lc.in_state(S.RUNNING).values()) == [a]
+    assert o.lc.in_state(S.QUEUED) is queued  # the same view every time: nothing is built
+    o.lc.check_index()
