@@ -6,10 +6,12 @@ batches and admissions."""
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 from typing import ClassVar
 
 import attrs
 import pytest
+import tomllib
 
 from lifecycle import (
     Edge,
@@ -174,3 +176,22 @@ def test_in_state_is_a_read_only_view_of_the_index() -> None:
     assert list(queued) == ["b"] and list(o.lc.in_state(S.RUNNING).values()) == [a]
     assert o.lc.in_state(S.QUEUED) is queued  # the same view every time: nothing is built
     o.lc.check_index()
+
+
+# -- 3. the packages are typed ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package", ["lifecycle", "scheduler", "kv"])
+def test_packages_ship_a_py_typed_marker(package: str) -> None:
+    """PEP 561: without the marker, mypy in a user's project does not read ``lifecycle`` (and
+    ``ClassVar[Trigger]`` gives nothing). The marker must exist and be shipped as package
+    data (the wheel built from pyproject.toml then holds ``lifecycle/py.typed``)."""
+    root = Path(__file__).resolve().parent.parent
+    assert (root / package / "py.typed").is_file()
+    with open(root / "pyproject.toml", "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    assert any(
+        package == p or package.startswith(p.rstrip("*"))
+        for p in setuptools["packages"]["find"]["include"]
+    )
+    assert "py.typed" in setuptools["package-data"][package]
