@@ -172,7 +172,9 @@ def test_the_service_serves_the_real_model(smollm2, colocated):
                 assert body["output_ids"] == colocated["chat0"]
                 assert body["text"].strip() == "The capital of France is Paris."
                 info = (await client.get("/model_info")).json()
-                assert info["model_path"] == "smollm2"
+                assert (info["model_path"], info["tokenizer_path"]) == ("smollm2", "smollm2")
+                info = (await client.get("/server_info")).json()
+                assert info["model_fingerprint"] == smollm2.fingerprint
 
     run(main())
 

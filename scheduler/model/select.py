@@ -8,6 +8,7 @@ CLI, the service, the demo and the benchmarks all call :func:`load_model`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,8 @@ from scheduler.model.reference import (
 from scheduler.runner import ModelRunner
 
 REFERENCE = "reference"
+
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -129,6 +132,11 @@ def load_model(
         tokenizer = load_tokenizer(checkpoint.tokenizer)
     except CheckpointError as exc:
         raise type(exc)(f"{path}: {exc}") from exc
+    if tokenizer.vocab_size > checkpoint.config.vocab_size:
+        logger.warning("%s: the tokenizer has %d tokens, the model's embedding %d rows: a prompt "
+                       "holding one of the last %d is refused (token ids beyond the vocabulary)",
+                       path, tokenizer.vocab_size, checkpoint.config.vocab_size,
+                       tokenizer.vocab_size - checkpoint.config.vocab_size)
     model = RealModel(checkpoint, dtype=dtype, device=device,
                       eos_token_ids=tokenizer.eos_token_ids, name=name)
     return ServedModel(

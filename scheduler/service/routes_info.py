@@ -70,6 +70,7 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         backend=config.backend,
         disaggregation_mode=config.role if config.role != "both" else "null",
         model_path=config.model_name,
+        model_fingerprint=config.served.fingerprint if config.served is not None else None,
         page_size=config.scheduler.page_size,
         pool_pages=config.pool_pages,
         metadata_slots=config.metadata_slots,
@@ -93,9 +94,11 @@ def _server_info(service: ServiceDep) -> ServerInfo:
 
 
 def _model_info(service: ServiceDep) -> ModelInfo:
-    config = service.config
+    config, served = service.config, service.config.served
+    own = served is not None and not served.is_reference  # the checkpoint's own tokenizer
     return ModelInfo(
-        model_path=config.model_name, tokenizer_path=None, is_generation=True,
+        model_path=config.model_name, tokenizer_path=served.name if own else None,
+        is_generation=True,
         vocab_size=config.vocab_size, max_position=config.max_position,
     )
 

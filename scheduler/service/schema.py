@@ -160,6 +160,9 @@ class ServerInfo(BaseModel):
     backend: str
     disaggregation_mode: str
     model_path: str
+    # The served model's fingerprint (its weights' digest and dtype): the two workers of a pair
+    # must show the same one.
+    model_fingerprint: str | None
     page_size: int
     pool_pages: int
     metadata_slots: int
