@@ -19,7 +19,7 @@ def test_a_decode_peer_counts_its_answers_and_sets_its_gauges() -> None:
         metrics = pair.decode.metrics
         assert metrics.registry is not pair.prefill.metrics.registry
         value = metrics.registry.get_sample_value
-        assert value("pdlife_decode_kv_pages_total") == 96
+        assert value("pdlife_decode_kv_pool_pages") == 96
         for i, new_tokens in enumerate((3, 5, 7)):
             pair.submit(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(new_tokens, (), True))
         pair.submit("rejected", list(range(1, 200)), SamplingParams(300, (), True))
@@ -43,8 +43,8 @@ def test_decode_metrics_share_a_registry_with_the_prefill_scheduler() -> None:
         shared = DecodeMetrics(pair.prefill.metrics.registry)
         shared.kv_pages_total.set(32)
         text = generate_latest(pair.prefill.metrics.registry).decode()
-        assert "pdlife_decode_kv_pages_total 32.0" in text
-        assert "pdlife_kv_pages_total 32.0" in text
+        assert "pdlife_decode_kv_pool_pages 32.0" in text
+        assert "pdlife_kv_pool_pages 32.0" in text
     finally:
         pair.close()
 

@@ -134,9 +134,9 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
             assert math.isfinite(p99) and p99 > 0, phase
         assert prometheus.value('pdlife_ttft_phase_seconds_count{phase="transfer"}') == PAIRS
         assert prometheus.value('pdlife_transfer_bytes_total{job="pdlife-prefill"}') > 0
-        assert prometheus.value("pdlife_kv_pages_total") == POOL_PAGES
+        assert prometheus.value("pdlife_kv_pool_pages") == POOL_PAGES
         # A prefill worker exports the decode gauges too, at 0.
-        assert prometheus.value('pdlife_decode_kv_pages_total{job="pdlife-decode"}') == POOL_PAGES
+        assert prometheus.value('pdlife_decode_kv_pool_pages{job="pdlife-decode"}') == POOL_PAGES
         assert 0 <= prometheus.value("pdlife_kv_usage_ratio") <= 1
     finally:
         prometheus.stop()

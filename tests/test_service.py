@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
 from typing import Any
 
 import httpx
@@ -319,12 +320,21 @@ def test_info_endpoints_and_openapi() -> None:
                              "/get_server_info", "/model_info", "/v1/models", "/metrics"):
                     assert path in schema["paths"], path
                 metrics = (await client.get("/metrics")).text
-                assert "pdlife_kv_pages_total 64.0" in metrics
-                assert "pdlife_decode_kv_pages_total 64.0" in metrics
+                assert "pdlife_kv_pool_pages 64.0" in metrics
+                assert "pdlife_decode_kv_pool_pages 64.0" in metrics
                 assert "pdlife_service_healthy 1.0" in metrics
                 # The process's own series, descriptors among them (operations.md, Open files).
                 assert re.search(r"^process_open_fds [1-9]", metrics, re.M)
                 assert re.search(r"^process_max_fds [1-9]", metrics, re.M)
+                # Series an alert rates are there at 0 before their first event.
+                for series in ('pdlife_peer_refusals_total{direction="received"} 0.0',
+                               'pdlife_decode_peer_refusals_total{direction="sent"} 0.0',
+                               'pdlife_http_rejected_total{reason="overloaded"} 0.0'):
+                    assert series in metrics, series
+                # Prometheus' own linter (Debian's prometheus ships promtool) finds nothing.
+                lint = subprocess.run(["promtool", "check", "metrics"], input=metrics,
+                                      capture_output=True, text=True, check=False)
+                assert (lint.returncode, lint.stdout, lint.stderr) == (0, "", "")
 
     run(main())
 

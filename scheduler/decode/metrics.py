@@ -36,13 +36,15 @@ class DecodeMetrics:
             "pdlife_decode_kv_pages_used", "Decode KV pages held.", registry=r
         )
         self.kv_pages_total = Gauge(
-            "pdlife_decode_kv_pages_total", "Decode KV pages in the pool.", registry=r
+            "pdlife_decode_kv_pool_pages", "Decode KV pages in the pool.", registry=r
         )
         self.peer_refusals = Counter(
             "pdlife_decode_peer_refusals", "Rooms this decode side refused or gave up before "
             "asking for their KV, told to the prefill peer (sent), and rooms the prefill peer "
             "refused (received).", ["direction"], registry=r,
         )
+        for direction in ("sent", "received"):  # at 0 before the first (see the prefill's)
+            self.peer_refusals.labels(direction=direction)
 
         self.spec_proposed = Counter(
             "pdlife_decode_spec_proposed", "Draft tokens proposed by speculative decoding.",

@@ -47,7 +47,7 @@ class SchedulerMetrics:
             buckets=_PHASE_BUCKETS, registry=r,
         )
         self.kv_pages_used = Gauge("pdlife_kv_pages_used", "KV pages held.", registry=r)
-        self.kv_pages_total = Gauge("pdlife_kv_pages_total", "KV pages in the pool.", registry=r)
+        self.kv_pages_total = Gauge("pdlife_kv_pool_pages", "KV pages in the pool.", registry=r)
         self.kv_usage = Gauge("pdlife_kv_usage_ratio", "Fraction of KV pages held.", registry=r)
         self.slots_used = Gauge(
             "pdlife_metadata_slots_used", "Metadata-buffer slots held.", registry=r
@@ -69,6 +69,11 @@ class SchedulerMetrics:
             "(sent), and requests that failed because the decode peer refused their room "
             "(received).", ["direction"], registry=r,
         )
+        # The label values known in advance are exported at 0, so that rate() and alerts see a
+        # series (0, not "no data") before the first event.
+        for direction in ("sent", "received"):
+            self.peer_refusals.labels(direction=direction)
+        self.rejected_input.labels(reason="duplicate_rid")
         self.prefix = PrefixCacheMetrics(r)
 
     def count_transitions(self, fired: Callable[[], Mapping[str, int]]) -> None:

@@ -34,6 +34,11 @@ class ServiceMetrics:
             "pdlife_http_rejected", "Requests refused by the HTTP service before reaching a "
             "scheduler, by reason.", ["reason"], registry=r,
         )
+        # The refusals every worker can meet, at 0 before the first: an alert on their rate
+        # reads 0, not "no data" (other reasons appear as they occur).
+        for reason in ("invalid_request", "overloaded", "draining", "unauthorized",
+                       "body_too_large"):
+            self.http_rejected.labels(reason=reason)
         self.healthy = Gauge(
             "pdlife_service_healthy", "1 while the engine loop runs, 0 once it failed.", registry=r
         )
