@@ -115,6 +115,7 @@ class Lifecycle(Generic[R]):
         #: guard per request fired at, refusal or not).
         self.guards_evaluated = 0
         # One step per edge: everything firing it needs, looked up once here.
+        failure_states = table.failure_states()
         self._steps: dict[tuple[enum.IntEnum, str], Step[R]] = {
             (e.source, e.event): Step(
                 e,
@@ -122,6 +123,7 @@ class Lifecycle(Generic[R]):
                 self._index[e.source],
                 self._index.get(e.dest),
                 tuple((h, given[h], takes[h]) for h in table.hooks_of(e)),
+                failure=e.dest in failure_states,
             )
             for e in table.edges
         }
@@ -188,7 +190,11 @@ class Lifecycle(Generic[R]):
         step = self._steps.get((req.state, event))
         if step is None:
             return self.table.no_edge(req.state, event)
-        return self._refusal(step, req, step.fired_with(reason, detail, self.table))
+        try:
+            firing = step.fired_with(reason, detail, self.table)
+        except LifecycleError as exc:  # the reason or detail does not fit the edge
+            return str(exc)
+        return self._refusal(step, req, firing)
 
     # -- admission --------------------------------------------------------------------------
 

@@ -144,6 +144,7 @@ class Step(Generic[R]):
     __slots__ = (
         "dst_bucket",
         "edge",
+        "failure",
         "final",
         "fired",
         "firing",
@@ -163,8 +164,13 @@ class Step(Generic[R]):
         src_bucket: dict[str, R],
         dst_bucket: dict[str, R] | None,
         hooks: tuple[tuple[str, Hook, bool], ...],
+        *,
+        failure: bool = False,
     ) -> None:
         self.edge = edge
+        #: Whether the edge leads to a failure state (one a failure event leads to): a failure
+        #: reason goes with it.
+        self.failure = failure
         #: How many requests took this edge (``Lifecycle.fired_by_event`` sums them).
         self.fired = 0
         #: The Firing of an event fired without a reason or detail (the common case).
@@ -188,12 +194,25 @@ class Step(Generic[R]):
 
     def fired_with(self, reason: enum.Enum | None, detail: str, table: LifecycleTable) -> Firing:
         """The Firing of this edge fired with ``reason`` and ``detail``, which only an edge into
-        a final state takes (``reason`` of the table's reasons enum)."""
+        a final state takes; ``reason``, of the table's reasons enum, only an edge into a
+        failure state (one a failure event leads to)."""
         edge = self.edge
         if (reason is not None or detail) and not self.final:
             raise LifecycleError(
                 f"event {str(edge.event)!r} leads to {edge.dest.name}, not a final state: a "
                 f"reason or detail goes only with an event that ends a request"
+            )
+        if reason is not None and not self.failure:
+            events = ", ".join(str(e) for e in table.failure_events)
+            states = ", ".join(s.name for s in sorted(table.failure_states()))
+            where = (
+                f"a state that a failure event of table {table.name!r} ({events}) leads to "
+                f"({states})" if events else f"a failure state; table {table.name!r} declares "
+                f"no failure events"
+            )
+            raise LifecycleError(
+                f"event {str(edge.event)!r} leads to {edge.dest.name}, not a failure state: a "
+                f"failure reason goes only with an event into {where}"
             )
         reasons = table.reasons
         if reason is not None and reasons is not None and not isinstance(reason, reasons):

@@ -89,6 +89,10 @@ class LifecycleTable:
             return f"table {self.name!r} has no such event (its events: {known})"
         return f"{state.name} has no {event!r} edge"
 
+    def failure_states(self) -> frozenset[enum.IntEnum]:
+        """The states a failure event leads to: the only states a failure reason goes with."""
+        return frozenset(e.dest for e in self.edges if e.event in self.failure_events)
+
     def is_final(self, state: enum.IntEnum) -> bool:
         return state in self.finals
 

@@ -195,3 +195,30 @@ def test_packages_ship_a_py_typed_marker(package: str) -> None:
         for p in setuptools["packages"]["find"]["include"]
     )
     assert "py.typed" in setuptools["package-data"][package]
+
+
+# -- 4. a failure reason goes only with an event into a failure state ---------------------
+
+
+def test_a_failure_reason_is_refused_on_an_event_that_does_not_fail() -> None:
+    o = Owner()
+    a, b = o.jobs("a", "b")
+    o.lc.fire(E.START, [a, b])
+    before = _snapshot(o, [a, b])
+    says = "event 'succeed' leads to SUCCEEDED, not a failure state: .* \\(fail\\) leads to"
+    with pytest.raises(LifecycleError, match=says):
+        a.succeed(reason=Why.CRASHED)
+    with pytest.raises(LifecycleError, match=says):
+        a.fire(E.SUCCEED, reason=Why.CRASHED)
+    with pytest.raises(LifecycleError, match=says):
+        o.lc.fire(E.SUCCEED, [a, b], reason=Why.CRASHED)
+    with pytest.raises(LifecycleError, match="not a failure event"):
+        o.lc.fail([a], Why.CRASHED, event=E.SUCCEED)
+    assert o.lc.refusal(a, E.SUCCEED, reason=Why.CRASHED).startswith(
+        "event 'succeed' leads to SUCCEEDED, not a failure state"
+    )
+    assert _snapshot(o, [a, b]) == before
+    a.succeed("done early")  # a detail still goes with any event that ends a request
+    assert (a.state, a.reason, a.detail) == (S.SUCCEEDED, None, "done early")
+    b.fail("lost", reason=Why.CRASHED)
+    assert (b.state, b.reason, b.detail) == (S.FAILED, Why.CRASHED, "lost")
