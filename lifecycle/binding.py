@@ -131,7 +131,13 @@ def check_guards(table: str, guards: Mapping[str, str], record: type) -> dict[st
 
 def hook_takes_event(table: str, name: str, hook: Callable[..., Any]) -> bool:
     """Whether the hook ``name`` takes the event argument; raise
-    :class:`~lifecycle.errors.MissingHook` if it takes neither one nor two."""
+    :class:`~lifecycle.errors.MissingHook` if it is not callable, or takes neither one argument
+    nor two."""
+    if not callable(hook):
+        raise MissingHook(
+            f"{table}: hook {name!r} is not callable (got {type(hook).__name__} {hook!r}); "
+            f"give a function hook(req) or hook(req, event)"
+        )
     try:
         return _takes_event(hook, "req", f"{table}: hook {name!r}")
     except ValueError as exc:
@@ -143,7 +149,7 @@ def hooks_take_event(
 ) -> dict[str, bool]:
     """Per hook ``given``, whether it takes the event argument; raise
     :class:`~lifecycle.errors.MissingHook` if a hook the table names (``named``) is missing,
-    one given is not named, or one takes neither one argument nor two."""
+    one given is not named, or one is not callable or takes neither one argument nor two."""
     named = set(named)
     missing = sorted(named - given.keys())
     if missing:

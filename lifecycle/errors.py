@@ -40,7 +40,8 @@ class InvalidTable(LifecycleError):
 
 class MissingHook(LifecycleError):
     """The hooks given to a lifecycle do not fit its table: one it names is missing, one given
-    is not in it, or one cannot be called as ``hook(req)`` or ``hook(req, event)``."""
+    is not in it, or one is not callable, or cannot be called as ``hook(req)`` or
+    ``hook(req, event)``."""
 
 
 class HookFailed(LifecycleError):

@@ -19,6 +19,7 @@ from lifecycle import (
     IllegalTransition,
     Lifecycle,
     LifecycleError,
+    MissingHook,
     Tracked,
     Trigger,
     make_table,
@@ -222,3 +223,12 @@ def test_a_failure_reason_is_refused_on_an_event_that_does_not_fail() -> None:
     assert (a.state, a.reason, a.detail) == (S.SUCCEEDED, None, "done early")
     b.fail("lost", reason=Why.CRASHED)
     assert (b.state, b.reason, b.detail) == (S.FAILED, Why.CRASHED, "lost")
+
+
+# -- 5. a hook that is not callable is refused up front -----------------------------------
+
+
+@pytest.mark.parametrize("hook", [3, None, "notify"])
+def test_a_hook_that_is_not_callable_is_refused_when_the_lifecycle_is_built(hook: object) -> None:
+    with pytest.raises(MissingHook, match=r"job: hook 'notify' is not callable \(got "):
+        Lifecycle(TABLE, {"notify": hook})  # type: ignore[dict-item]
