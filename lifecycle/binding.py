@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import enum
 import inspect
+import keyword
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -35,6 +36,10 @@ from lifecycle.errors import InvalidTable, MissingHook
 
 #: Attributes of every record; an event may not have one of these names.
 RESERVED = frozenset({"rid", "state", "reason", "detail", "timeline", "owner", "is_final", "fire"})
+
+#: The event name a timeline's first entry carries: the request's admission into its lifecycle
+#: (no event may have this name, or a timeline would not say which it was).
+ADMITTED = "admitted"
 
 _TRIGGER_ANNOTATION = re.compile(r"(typing\.)?ClassVar\[\s*(lifecycle\.)?Trigger\s*\]")
 
@@ -160,6 +165,30 @@ def hooks_take_event(
     return {name: hook_takes_event(table, name, fn) for name, fn in given.items()}
 
 
+def check_event_name(table: str, event: str) -> None:
+    """Refuse an event name that cannot name a trigger method (not a Python identifier, or a
+    keyword), that every record already uses (:data:`RESERVED`), or that timelines use for the
+    admission (:data:`ADMITTED`); raise :class:`~lifecycle.errors.InvalidTable` naming it."""
+    name = str(event)
+    where = f"{table}: event {name!r}"
+    if not name.isidentifier():
+        raise InvalidTable(
+            f"{where} is not a Python identifier; an event names a trigger method "
+            f"(req.<event>()), so use letters, digits and underscores"
+        )
+    if keyword.iskeyword(name):
+        raise InvalidTable(f"{where} is a Python keyword, which cannot name a trigger method")
+    if name in RESERVED:
+        raise InvalidTable(
+            f"{where} is a name every record uses (Tracked.{name}); name the event otherwise"
+        )
+    if name == ADMITTED:
+        raise InvalidTable(
+            f"{where} is the name timelines give a request's admission "
+            f"(lifecycle.ADMITTED); name the event otherwise"
+        )
+
+
 def _declared_triggers(record: type) -> set[str]:
     """The names ``record`` declares ``ClassVar[Trigger]``: as text (a module with ``from
     __future__ import annotations``) or as the evaluated annotation (one without)."""
@@ -209,10 +238,8 @@ def install_triggers(table: str, events: Mapping[str, str], record: type) -> Non
             f"event {name!r}{_suggest(name, events)}"
         )
     for event, doc in events.items():
-        if not event.isidentifier():
-            continue  # still fired by name: req.fire(event)
-        if event in RESERVED:
-            raise InvalidTable(f"{table}: event {event!r} is a name every record uses")
+        # (The table's validation refused event names that are not identifiers or are
+        # reserved: check_event_name.)
         existing = inspect.getattr_static(record, event, None)
         if existing is not None and not getattr(existing, "_lifecycle_trigger", False):
             raise InvalidTable(

@@ -15,11 +15,9 @@ from typing import Any, Protocol
 
 import attrs
 
+from lifecycle.binding import ADMITTED as ADMITTED  # the admission's timeline entry
 from lifecycle.errors import LifecycleError
 from lifecycle.table import LifecycleTable
-
-#: The event name a timeline's first entry carries: the request's admission into its lifecycle.
-ADMITTED = "admitted"
 
 
 class Owner(Protocol):

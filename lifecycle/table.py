@@ -16,9 +16,10 @@ Rules of this module
 3. A table is validated when it is built (:func:`make_table`), so a broken table cannot be
    imported: exactly one initial state; nothing leaves a final state; every state reachable;
    every non-final state can reach a final state; the failure events are legal from every
-   non-final state; the events are those of the events enum; the guards are methods of the
-   record class. Building a table with ``record=`` also gives that class its trigger methods
-   (:mod:`lifecycle.binding`).
+   non-final state; the events are those of the events enum, each named by a Python
+   identifier that no record attribute (``state``, ``fire``, ...) and no timeline admission
+   (``admitted``) uses; the guards are methods of the record class. Building a table with
+   ``record=`` also gives that class its trigger methods (:mod:`lifecycle.binding`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from lifecycle.binding import check_guards, install_triggers
+from lifecycle.binding import check_event_name, check_guards, install_triggers
 from lifecycle.errors import InvalidTable
 
 
@@ -221,6 +222,8 @@ def guard_methods(table: LifecycleTable, record: type) -> dict[str, bool]:
 def validate(table: LifecycleTable) -> None:
     """Check the definition rules; raise :class:`InvalidTable` on the first broken one."""
     name = table.name
+    for event in table.events:
+        check_event_name(name, event)
     _check_states(table)
     _check_graph(table)
     _check_failure_events(table)

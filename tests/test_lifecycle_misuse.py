@@ -17,6 +17,7 @@ from lifecycle import (
     Edge,
     HookFailed,
     IllegalTransition,
+    InvalidTable,
     Lifecycle,
     LifecycleError,
     MissingHook,
@@ -232,3 +233,65 @@ def test_a_failure_reason_is_refused_on_an_event_that_does_not_fail() -> None:
 def test_a_hook_that_is_not_callable_is_refused_when_the_lifecycle_is_built(hook: object) -> None:
     with pytest.raises(MissingHook, match=r"job: hook 'notify' is not callable \(got "):
         Lifecycle(TABLE, {"notify": hook})  # type: ignore[dict-item]
+
+
+# -- 6. event names ------------------------------------------------------------------------
+
+
+class Plain(enum.IntEnum):
+    FAILED = 0
+    QUEUED = 1
+    DONE = 2
+
+
+@pytest.mark.parametrize(
+    ("event", "says"),
+    [
+        ("state", "is a name every record uses (Tracked.state)"),
+        ("fire", "is a name every record uses (Tracked.fire)"),
+        ("owner", "is a name every record uses (Tracked.owner)"),
+        ("timeline", "is a name every record uses (Tracked.timeline)"),
+        ("rid", "is a name every record uses (Tracked.rid)"),
+        ("", "is not a Python identifier"),
+        ("go now", "is not a Python identifier"),
+        ("go-now", "is not a Python identifier"),
+        ("class", "is a Python keyword"),
+        ("admitted", "is the name timelines give a request's admission"),
+    ],
+)
+@pytest.mark.parametrize("with_record", [False, True], ids=["plain", "record"])
+def test_event_names_are_refused_the_same_with_or_without_a_record(
+    event: str, says: str, with_record: bool
+) -> None:
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class Rec(Tracked):
+        pass
+
+    with pytest.raises(InvalidTable) as info:
+        make_table(
+            "plain",
+            Plain,
+            initial=Plain.QUEUED,
+            finals=(Plain.DONE, Plain.FAILED),
+            edges=(Edge(event, Plain.QUEUED, Plain.DONE), Edge("x", Plain.QUEUED, Plain.FAILED)),
+            record=Rec if with_record else None,
+        )
+    assert str(info.value).startswith(f"plain: event {event!r} ") and says in str(info.value)
+    assert not hasattr(Rec, "x")  # refused before any trigger method was made
+
+
+def test_an_event_enum_with_a_reserved_value_is_refused() -> None:
+    class Bad(enum.StrEnum):
+        GO = "go"
+        STATE = "state"
+
+    with pytest.raises(InvalidTable, match="plain: event 'state' is a name every record uses"):
+        make_table(
+            "plain",
+            Plain,
+            events=Bad,
+            initial=Plain.QUEUED,
+            finals=(Plain.DONE, Plain.FAILED),
+            edges=(Edge(Bad.GO, Plain.QUEUED, Plain.DONE),
+                   Edge(Bad.STATE, Plain.QUEUED, Plain.FAILED)),
+        )
