@@ -283,6 +283,10 @@ def test_a_directory_reads_the_files_its_index_names_and_skips_rotary_buffers(tm
               str(tmp_path / "consolidated.safetensors"))
     ours = our_logits(RealModel(load_checkpoint(tmp_path)), IDS)
     torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    save_file({"model.norm.weight": torch.ones(256, dtype=torch.int8)},
+              str(tmp_path / shards[-1]), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedCheckpoint, match=r"'model\.norm\.weight' is int8"):
+        load_checkpoint(tmp_path)
     (tmp_path / "model.safetensors.index.json").unlink()
     with pytest.raises(UnsupportedCheckpoint,
                        match=r"consolidated\.safetensors: tensor 'tok_embeddings\.weight'"):

@@ -62,6 +62,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def _hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
     refuse_architecture(where, _architecture(where, raw))
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise UnsupportedCheckpoint(f"{where}: a quantized checkpoint ({method}) is not "
+                                    "supported; a quantized GGUF file is")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise UnsupportedCheckpoint(f"{where}: {flag}=true is not supported")
@@ -129,8 +133,14 @@ def _load_hf_directory(where: Path) -> Checkpoint:
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(where):
         for name, tensor in load_file(str(file)).items():
-            if not name.endswith(_HF_IGNORED):
-                tensors[_hf_name(file, name)] = tensor.to(torch.float32)
+            if name.endswith(_HF_IGNORED):
+                continue
+            if not tensor.is_floating_point():
+                raise UnsupportedCheckpoint(
+                    f"{file}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}: "
+                    "pdlife reads float weights (quantized safetensors are not supported; "
+                    "a quantized GGUF file is)")
+            tensors[_hf_name(file, name)] = tensor.to(torch.float32)
     if config.tie_word_embeddings and tensors.pop("lm_head", None) is not None:
         logger.warning("%s: config.json ties the output head to the embeddings "
                        "(tie_word_embeddings); the lm_head.weight the files also hold is not used",
