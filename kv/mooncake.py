@@ -277,10 +277,10 @@ class MooncakeKVManager:
         socket closes. The sessions forgotten. The listener calls this once a second."""
         forgotten = []
         for session, quiet in self._rooms.silent():
-            reason = (f"decode session {session} went silent: no keepalive for {quiet:.0f} s")
+            reason = f"decode session {session} went silent: no keepalive for {quiet:.0f} s"
             try:
                 self._on_deregister(wire.Deregister(session), reason)
-            except wire.WireError:  # forgotten meanwhile (another caller), or registered anew
+            except wire.WireError:  # forgotten meanwhile, by a caller on another thread
                 continue
             forgotten.append(session)
             logger.warning("%s; forgotten, with its rooms", reason)
