@@ -386,8 +386,7 @@ class Service:
             if pending.item.options.prompt_only and answer.status == 200:
                 answer = attrs.evolve(answer, output_ids=(), output_logprobs=(),
                                       finish_reason="length", matched_stop=None)
-            with self._lock:
-                why = self._abort_reasons.get(pending.item.rid)
+            why = self._abort_reasons.get(pending.item.rid)  # one lookup: atomic
             if why is not None and answer.finish_reason == "abort":
                 answer = attrs.evolve(answer, message=why, status=503, kind="draining")
             pending.resolve(answer)
