@@ -18,8 +18,9 @@ state is set and the batch's one timeline entry (a tuple every request of it sha
 :func:`move_batch` moves a batch its caller checked.
 
 A batch that is part of its bucket, on an edge to another state, is checked and moved in one pass
-instead (:func:`claim`): each request is checked (in ``src``, of this lifecycle, its guard if the
-edge has one) and at once *claimed*: its state set to the destination, the batch's timeline entry
+instead (:func:`claim`): each request is checked (in ``src``, the very record ``src``'s bucket
+files under its id, so of this lifecycle and not a copy, its guard if the edge has one) and at
+once *claimed*: its state set to the destination, the batch's timeline entry
 appended, and it is filed in the destination's bucket. The claim is the check that the batch
 holds no request twice: a request met again is no longer in ``src``. A refusal undoes the claims
 made before it (:func:`unclaim`: the claimed requests are those whose last timeline entry is the
@@ -91,7 +92,7 @@ def move_batch(
 
 def claim(
     reqs: Sequence[R],
-    owner: object,
+    filed: Mapping[str, R],
     src: enum.IntEnum,
     dst: enum.IntEnum,
     bucket: dict[str, R] | None,
@@ -100,16 +101,18 @@ def claim(
     wanted: bool = True,
 ) -> R | None:
     """Claim each request of ``reqs`` for the edge ``src`` → ``dst`` (not a self-loop) in batch
-    order: it must be in ``src`` and of ``owner``, and ``guard(r)``, when given, must answer
+    order: it must be in ``src`` and be the request ``filed``, the source bucket, holds under its
+    id (so it is the owner's, not a copy), and ``guard(r)``, when given, must answer
     ``wanted``; then its state becomes ``dst``, ``entry`` is appended to its timeline and it is
     filed in ``bucket``, the destination's (None for a final state). Return the first request
     that could not be claimed, with the claims before it still made (:func:`unclaim` undoes
     them), or None. The source bucket is not touched (:func:`leave`)."""
     # One loop per case: a test of ``guard`` or ``bucket`` per request costs about a tenth of
     # the claim.
+    get = filed.get
     if guard is not None:
         for r in reqs:
-            if r.state is not src or r.owner is not owner or (not guard(r)) is wanted:
+            if r.state is not src or get(r.rid) is not r or (not guard(r)) is wanted:
                 return r
             r.state = dst
             r.timeline.append(entry)
@@ -117,14 +120,14 @@ def claim(
                 bucket[r.rid] = r
     elif bucket is not None:
         for r in reqs:
-            if r.state is not src or r.owner is not owner:
+            if r.state is not src or get(r.rid) is not r:
                 return r
             r.state = dst
             r.timeline.append(entry)
             bucket[r.rid] = r
     else:
         for r in reqs:
-            if r.state is not src or r.owner is not owner:
+            if r.state is not src or get(r.rid) is not r:
                 return r
             r.state = dst
             r.timeline.append(entry)

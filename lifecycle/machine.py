@@ -10,13 +10,14 @@ reaches a final state leaves the index, so nothing accumulates.
 
 There are two ways to fire an event, and both go through the same three steps:
 
-1. **check** — the edge exists for the request's state (for a batch: every request is in that
-   state, tracked by this lifecycle, and appears once), and every guard of the edge is
-   evaluated once per request (after all the checks, or, for a batch claimed request by
-   request, right after that request's). A refusal raises with nothing changed:
-   :class:`~lifecycle.errors.IllegalTransition` naming the request, its state and the event,
-   or :class:`~lifecycle.errors.GuardFailed` naming each guard that refused (from that one
-   evaluation; a guard is never evaluated again to word the message).
+1. **check** — the edge exists for the request's state, the request is the record the index
+   files under its id in that state (not a copy of it, nor one whose state was assigned by
+   hand: one dict lookup), for a batch every request is in that state and appears once, and
+   every guard of the edge is evaluated once per request (after all the checks, or, for a
+   batch claimed request by request, right after that request's). A refusal raises with
+   nothing changed: :class:`~lifecycle.errors.IllegalTransition` naming the request, its
+   state and the event, or :class:`~lifecycle.errors.GuardFailed` naming each guard that
+   refused (from that one evaluation; a guard is never evaluated again to word the message).
 2. **move** — every request of the batch moves: its state, the index, its timeline, and, on
    entering a final state, its reason, detail and the finished counters.
 3. **hooks** — then each request's hooks run in table order (the edge's ``after`` hooks, then
@@ -190,6 +191,8 @@ class Lifecycle(Generic[R]):
         step = self._steps.get((req.state, event))
         if step is None:
             return self.table.no_edge(req.state, event)
+        if step.src_bucket.get(req.rid) is not req:
+            return str(self._misfiled(req))
         try:
             firing = step.fired_with(reason, detail, self.table)
         except LifecycleError as exc:  # the reason or detail does not fit the edge
@@ -236,6 +239,8 @@ class Lifecycle(Generic[R]):
         step = self._steps.get((state, event))
         if step is None:
             raise IllegalTransition(req.rid, state, event, self.table.no_edge(state, event))
+        if step.src_bucket.get(req.rid) is not req:  # a copy, or a state assigned by hand
+            raise self._misfiled(req)
         firing = (
             step.firing
             if reason is None and not detail
@@ -292,7 +297,8 @@ class Lifecycle(Generic[R]):
         if step.dst_bucket is not step.src_bucket and (guard is not None or not step.guards):
             self._claim(step, reqs, firing, guard)
             return
-        if len({r.rid for r in reqs if r.state is src and r.owner is self}) != len(reqs):
+        filed = step.src_bucket.get
+        if len({r.rid for r in reqs if r.state is src and filed(r.rid) is r}) != len(reqs):
             self._check_batch(reqs, src, event)
         if step.guards:
             self._check_guards(step, reqs, firing)
@@ -322,7 +328,7 @@ class Lifecycle(Generic[R]):
                 f"fail(): event {str(event)!r} is not a failure event of table "
                 f"{self.table.name!r} (its failure events: {known}); fire it with fire()"
             )
-        batch = reqs if isinstance(reqs, (list, tuple)) else list(reqs)
+        batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else list(reqs)
         groups: dict[enum.IntEnum, list[R]] = {}
         for r in batch:
             state = r.state
@@ -333,6 +339,8 @@ class Lifecycle(Generic[R]):
             step = self._steps.get((state, event))
             if step is None:  # it ended: a failure event is legal from every live state
                 raise IllegalTransition(r.rid, state, event, self.table.no_edge(state, event))
+            if step.src_bucket.get(r.rid) is not r:
+                raise self._misfiled(r)
             group = groups.get(state)
             if group is None:
                 step.fired_with(reason, detail, self.table)  # refuses a misfit reason or detail
@@ -357,7 +365,9 @@ class Lifecycle(Generic[R]):
 
     def _check_batch(self, reqs: Sequence[R], src: enum.IntEnum, event: str) -> None:
         """Raise for the first request of a batch that cannot fire from ``src`` (not in it, not
-        ours), or because a request appears twice; return if the batch may fire."""
+        ours, not the record filed under its id), or because a request appears twice; return if
+        the batch may fire."""
+        bucket = self._index[src]
         for r in reqs:
             if r.state is not src:
                 raise IllegalTransition(
@@ -365,8 +375,35 @@ class Lifecycle(Generic[R]):
                 )
             if r.owner is not self:
                 raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
+            if bucket.get(r.rid) is not r:
+                raise self._misfiled(r)
         if len({id(r) for r in reqs}) != len(reqs):
             raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+
+    def _misfiled(self, req: R) -> LifecycleError:
+        """Why ``req`` is not the record this lifecycle files under its id in its state: another
+        lifecycle's, a copy of a tracked record, or one whose state was assigned by hand."""
+        rid = req.rid
+        if req.owner is not self:
+            return LifecycleError(f"request {rid!r} belongs to another lifecycle")
+        state = req.state.name if req.state is not None else "None"
+        filed = self._by_rid.get(rid)
+        if filed is req:
+            where = next(s.name for s, b in self._index.items() if b.get(rid) is req)
+            return LifecycleError(
+                f"request {rid!r} is filed under {where} but its state says {state}: its state "
+                f"was assigned by hand; only firing an event may change a tracked record's state"
+            )
+        if filed is not None:
+            return LifecycleError(
+                f"request {rid!r} is a copy of a tracked record (copy.copy, attrs.evolve): "
+                f"this lifecycle tracks another object under that id, and a copy cannot fire; "
+                f"fire the record that was admitted"
+            )
+        return LifecycleError(
+            f"request {rid!r} says {state}, but it is not live in this lifecycle (it ended): it "
+            f"is a copy of a tracked record, or its state was assigned by hand; neither can fire"
+        )
 
     def _single_guard(self, step: Step[R]) -> GuardCall | None:
         """The edge's guard as every live request calls it, when the edge has one guard, it
@@ -386,7 +423,7 @@ class Lifecycle(Generic[R]):
         entry = (self.clock(), edge.event)
         fn, wanted = (guard[1], guard[3]) if guard is not None else (None, True)
         try:
-            refused = claim(reqs, self, src, dst, bucket, entry, fn, wanted)
+            refused = claim(reqs, step.src_bucket, src, dst, bucket, entry, fn, wanted)
         except BaseException:  # the guard raised: undo, and count its evaluations
             undone = unclaim(reqs, src, dst, bucket, entry)
             if guard is not None:

@@ -5,6 +5,7 @@ batches and admissions."""
 
 from __future__ import annotations
 
+import copy
 import enum
 from pathlib import Path
 from typing import ClassVar
@@ -38,6 +39,7 @@ class E(enum.StrEnum):
     START = "start"
     BACKOFF = "backoff"
     SUCCEED = "succeed"
+    HEARTBEAT = "heartbeat"
     FAIL = "fail"
 
 
@@ -63,6 +65,7 @@ TABLE = make_table(
         Edge(E.START, S.QUEUED, S.RUNNING),
         Edge(E.BACKOFF, S.RUNNING, S.QUEUED),
         Edge(E.SUCCEED, S.RUNNING, S.SUCCEEDED),
+        Edge(E.HEARTBEAT, S.RUNNING, S.RUNNING),  # a self-loop: the batch path checks it apart
         *(Edge(E.FAIL, s, S.FAILED) for s in (S.QUEUED, S.RUNNING)),
     ),
     failure_events=(E.FAIL,),
@@ -295,3 +298,71 @@ def test_an_event_enum_with_a_reserved_value_is_refused() -> None:
             edges=(Edge(Bad.GO, Plain.QUEUED, Plain.DONE),
                    Edge(Bad.STATE, Plain.QUEUED, Plain.FAILED)),
         )
+
+
+# -- 7. a copy of a tracked record, or a state assigned by hand, cannot fire ---------------
+
+COPIES = {"copy.copy": copy.copy, "attrs.evolve": attrs.evolve}
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copy_of_a_tracked_record_cannot_fire(how: str) -> None:
+    o = Owner()
+    a, b, c = o.jobs("a", "b", "c")
+    o.lc.fire(E.START, [b, c])
+    qa, rb = COPIES[how](a), COPIES[how](b)
+    before = _snapshot(o, [a, b, c])
+    says = "request '{}' is a copy of a tracked record .* a copy cannot fire"
+    attempts = [
+        ("a", lambda: qa.start()),  # the trigger path
+        ("a", lambda: o.lc.trigger(qa, E.FAIL)),
+        ("a", lambda: o.lc.fire(E.START, [qa])),  # the whole of QUEUED, but not its record
+        ("b", lambda: o.lc.fire(E.SUCCEED, [rb])),  # part of RUNNING, into a final state
+        ("b", lambda: o.lc.fire(E.BACKOFF, [c, rb])),  # part of RUNNING, into a live state
+        ("b", lambda: o.lc.fire(E.HEARTBEAT, [rb, c])),  # a self-loop
+        ("b", lambda: o.lc.fire(E.SUCCEED, [b, rb])),  # the record and its copy
+        ("a", lambda: o.lc.fail([b, qa], Why.CRASHED)),
+    ]
+    for rid, attempt in attempts:
+        with pytest.raises(LifecycleError, match=says.format(rid)):
+            attempt()
+        assert _snapshot(o, [a, b, c]) == before  # no hook ran, nothing moved
+    assert "is a copy of a tracked record" in o.lc.refusal(qa, E.START)
+    # The records themselves still fire.
+    a.start()
+    o.lc.fire(E.SUCCEED, [a, b, c])
+    assert [j.state for j in (a, b, c)] == [S.SUCCEEDED] * 3 and o.notified == ["a", "b", "c"]
+    o.lc.check_index()
+
+
+def test_a_record_whose_state_was_assigned_by_hand_cannot_fire() -> None:
+    o = Owner()
+    a, b = o.jobs("a", "b")
+    b.start()
+    a.state = S.RUNNING  # behind the lifecycle's back: it files a under QUEUED
+    says = "request 'a' is filed under QUEUED but its state says RUNNING: .* assigned by hand"
+    for attempt in (
+        lambda: a.succeed(),
+        lambda: o.lc.fire(E.SUCCEED, [a]),
+        lambda: o.lc.fire(E.BACKOFF, [b, a]),
+        lambda: o.lc.fire(E.HEARTBEAT, [a, b]),
+        lambda: o.lc.fail([a], Why.CRASHED),
+    ):
+        with pytest.raises(LifecycleError, match=says):
+            attempt()
+    assert "assigned by hand" in o.lc.refusal(a, E.SUCCEED)
+    assert b.state is S.RUNNING and not o.notified
+    assert dict(o.lc.in_state(S.QUEUED)) == {"a": a}
+    a.state = S.QUEUED  # put back, it fires again
+    a.start()
+    o.lc.check_index()
+
+
+def test_a_copy_of_an_ended_record_cannot_fire() -> None:
+    o = Owner()
+    (a,) = o.jobs("a")
+    stale = copy.copy(a)
+    a.fail()
+    with pytest.raises(LifecycleError, match="'a' says QUEUED, but it is not live in this"):
+        stale.start()
+    assert o.notified == ["a"] and len(o.lc) == 0
