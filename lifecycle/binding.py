@@ -115,7 +115,7 @@ def check_guards(table: str, guards: Mapping[str, str], record: type) -> dict[st
     ``record``; return, per guard, whether it takes the event argument."""
     out: dict[str, bool] = {}
     for name, event in guards.items():
-        where = f"{table}: guard {name!r} of event {event!r}"
+        where = f"{table}: guard {name!r} of event {str(event)!r}"
         static = inspect.getattr_static(record, name, None)
         if static is None:
             methods = [n for n in dir(record) if not n.startswith("_")]

@@ -214,7 +214,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             return "" if edge is not None else "no edge"
         guards = ", ".join((*edge.conditions, *edge.unless))
         before = record_fields(req)
-        with self._code_under_test(f"a guard of {event!r} ({guards}) on {req.rid}", req.rid):
+        with self._code_under_test(f"a guard of {str(event)!r} ({guards}) on {req.rid}", req.rid):
             first: str = self.lifecycle.refusal(req, event)
             after = record_fields(req)
             second: str = self.lifecycle.refusal(req, event)
@@ -222,15 +222,15 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         if changed:
             raise self.broken(
                 "guards are pure",
-                f"evaluating the guards of {event!r} ({guards}) on {req.rid} changed its "
+                f"evaluating the guards of {str(event)!r} ({guards}) on {req.rid} changed its "
                 f"{', '.join(changed)}",
                 req.rid,
             )
         if first != second:
             raise self.broken(
                 "guards are pure",
-                f"the guards of {event!r} ({guards}) answered differently when evaluated twice "
-                f"on {req.rid}: {first or 'allowed'}, then {second or 'allowed'}",
+                f"the guards of {str(event)!r} ({guards}) answered differently when evaluated "
+                f"twice on {req.rid}: {first or 'allowed'}, then {second or 'allowed'}",
                 req.rid,
             )
         return first

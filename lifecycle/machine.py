@@ -203,22 +203,37 @@ class Lifecycle(Generic[R]):
 
     def admit(self, req: R) -> None:
         """Start tracking ``req`` in the table's initial state; its timeline starts with the
-        admission (a timeline it held before is replaced)."""
+        admission (a timeline it held before is replaced). A record is admitted once: one that
+        is tracked, or that ended, is refused (a new attempt is a new record)."""
         if type(req) is not self._kind:
             self._admit_kind(type(req))
         rid = req.rid
         # ``setdefault`` files the request under its id unless another is: one lookup.
         if req.owner is not None or self._by_rid.setdefault(rid, req) is not req:
-            raise LifecycleError(
-                f"request {rid!r} is already tracked"
-                if req.owner is not None
-                else f"request id {rid!r} is already live"
-            )
+            raise self._admitted_before(req)
         req.owner = self
         req.state = self._initial
         clock = self.clock  # an attribute: ``self.clock()`` would be an unspecialised LOAD_METHOD
-        req.timeline.append((clock(), ADMITTED))
+        timeline = req.timeline
+        if timeline:  # built with entries of its own: the admission comes first
+            timeline.clear()
+        timeline.append((clock(), ADMITTED))
         self._admitted[rid] = req
+
+    def _admitted_before(self, req: R) -> LifecycleError:
+        """Why ``req`` cannot be admitted: it is tracked, it ended, or its id is live."""
+        rid = req.rid
+        owner = req.owner
+        if owner is None:
+            return LifecycleError(f"request id {rid!r} is already live")
+        if req.is_final:
+            assert req.state is not None
+            return LifecycleError(
+                f"request {rid!r} ended in {req.state.name}: a record is admitted once; admit a "
+                f"new record to track the request again"
+            )
+        where = "this lifecycle" if owner is self else "another lifecycle"
+        return LifecycleError(f"request {rid!r} is already tracked by {where}")
 
     def _admit_kind(self, kind: type) -> None:
         if kind not in self._guard_forms:
@@ -262,16 +277,21 @@ class Lifecycle(Generic[R]):
     def fire(
         self,
         event: str,
-        reqs: Sequence[R],
+        reqs: Iterable[R],
         *,
         reason: enum.Enum | None = None,
         detail: str = "",
     ) -> None:
         """Fire ``event`` for a batch of requests that share a state: all are checked, then all
-        move, then the hooks run (see the module docstring for a hook that raises)."""
-        if not reqs:
+        move, then the hooks run (see the module docstring for a hook that raises). The batch is
+        a list or tuple, or any iterable, read once (a view of the index, ``in_state(s).values()``,
+        is copied before anything moves)."""
+        # Anything but a list or tuple is read once here: a generator cannot be read twice, and
+        # a view of a bucket would change as the batch moves.
+        batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else list(reqs)
+        if not batch:
             return
-        first = reqs[0]
+        first = batch[0]
         src = first.state
         if src is None:
             raise LifecycleError(f"request {first.rid!r} was never admitted to a lifecycle")
@@ -288,21 +308,21 @@ class Lifecycle(Generic[R]):
         # not twice (live requests of one lifecycle have distinct ids): claimed one by one
         # (lifecycle.index), or, on a self-loop or with guards a claim does not evaluate, one
         # pass over the batch. A second pass names the culprit, on a refusal only.
-        if whole_bucket(step.src_bucket, reqs):
+        if whole_bucket(step.src_bucket, batch):
             if step.guards:
-                self._check_guards(step, reqs, firing)
-            self._move(reqs, step, firing, True)
+                self._check_guards(step, batch, firing)
+            self._move(batch, step, firing, True)
             return
         guard = self._single_guard(step) if step.guards else None
         if step.dst_bucket is not step.src_bucket and (guard is not None or not step.guards):
-            self._claim(step, reqs, firing, guard)
+            self._claim(step, batch, firing, guard)
             return
         filed = step.src_bucket.get
-        if len({r.rid for r in reqs if r.state is src and filed(r.rid) is r}) != len(reqs):
-            self._check_batch(reqs, src, event)
+        if len({r.rid for r in batch if r.state is src and filed(r.rid) is r}) != len(batch):
+            self._check_batch(batch, src, event)
         if step.guards:
-            self._check_guards(step, reqs, firing)
-        self._move(reqs, step, firing, False)
+            self._check_guards(step, batch, firing)
+        self._move(batch, step, firing, False)
 
     def fail(
         self,
@@ -369,10 +389,11 @@ class Lifecycle(Generic[R]):
         the batch may fire."""
         bucket = self._index[src]
         for r in reqs:
-            if r.state is not src:
-                raise IllegalTransition(
-                    r.rid, r.state or src, event, f"the batch is in state {src.name}"
-                )
+            state = r.state
+            if state is None:  # as when it is fired alone
+                raise LifecycleError(f"request {r.rid!r} was never admitted to a lifecycle")
+            if state is not src:
+                raise IllegalTransition(r.rid, state, event, f"the batch is in state {src.name}")
             if r.owner is not self:
                 raise LifecycleError(f"request {r.rid!r} belongs to another lifecycle")
             if bucket.get(r.rid) is not r:

@@ -88,7 +88,7 @@ class LifecycleTable:
         if event not in self.events:
             known = ", ".join(str(e) for e in self.events)
             return f"table {self.name!r} has no such event (its events: {known})"
-        return f"{state.name} has no {event!r} edge"
+        return f"{state.name} has no {str(event)!r} edge"
 
     def failure_states(self) -> frozenset[enum.IntEnum]:
         """The states a failure event leads to: the only states a failure reason goes with."""

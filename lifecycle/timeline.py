@@ -98,7 +98,7 @@ def records(req: Timed, table: LifecycleTable | None = None) -> list[TransitionR
         edge = table.lookup.get((state, event))
         if edge is None:
             raise InvalidTimeline(
-                f"request {req.rid!r}: step {step} takes event {event!r} from {state.name}, "
+                f"request {req.rid!r}: step {step} takes event {str(event)!r} from {state.name}, "
                 f"which table {table.name!r} has no edge for"
             )
         if t < last:

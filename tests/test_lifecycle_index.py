@@ -193,7 +193,7 @@ def test_a_refused_part_of_a_bucket_changes_nothing(culprit: str) -> None:
         "wrong state": (IllegalTransition, "the batch is in state BOOTSTRAPPING"),
         "twice": (LifecycleError, "appears twice"),
         "stranger": (LifecycleError, "belongs to another lifecycle"),
-        "never admitted": (IllegalTransition, "the batch is in state BOOTSTRAPPING"),
+        "never admitted": (LifecycleError, "'n' was never admitted to a lifecycle"),
     }[culprit]
     with pytest.raises(error, match=says):
         lc.fire(Ev.BOOTSTRAPPED, [a, b, bad, c])

@@ -246,9 +246,9 @@ def test_admission_refuses_duplicates_and_tracked_requests() -> None:
     before = o.state(reqs)
     with pytest.raises(LifecycleError, match="'a' is already live"):
         o.lc.admit(prefill_request("a"))
-    with pytest.raises(LifecycleError, match="'a' is already tracked"):
+    with pytest.raises(LifecycleError, match="'a' is already tracked by this lifecycle"):
         o.lc.admit(reqs[0])
-    with pytest.raises(LifecycleError, match="already tracked"):
+    with pytest.raises(LifecycleError, match="'a' is already tracked by another lifecycle"):
         Owner().lc.admit(reqs[0])
     assert o.state(reqs) == before
 

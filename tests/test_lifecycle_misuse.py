@@ -366,3 +366,84 @@ def test_a_copy_of_an_ended_record_cannot_fire() -> None:
     with pytest.raises(LifecycleError, match="'a' says QUEUED, but it is not live in this"):
         stale.start()
     assert o.notified == ["a"] and len(o.lc) == 0
+
+
+# -- 8. what refusals say ------------------------------------------------------------------
+
+
+def test_a_batch_with_a_record_never_admitted_says_so() -> None:
+    o = Owner()
+    (b,) = o.jobs("b")
+    before = _snapshot(o, [b])
+    for batch in ([b, Job("q")], [Job("q"), b]):
+        with pytest.raises(LifecycleError, match="request 'q' was never admitted to a lifecycle"):
+            o.lc.fire(E.START, batch)
+    assert _snapshot(o, [b]) == before
+
+
+def test_a_batch_names_the_state_a_stray_request_is_in_even_when_its_value_is_zero() -> None:
+    o = Owner()
+    a, b, c = o.jobs("a", "b", "c")
+    c.fail()  # FAILED == 0
+    with pytest.raises(IllegalTransition) as info:
+        o.lc.fire(E.START, [a, c, b])
+    assert (info.value.rid, info.value.state) == ("c", S.FAILED)
+    assert str(info.value) == (
+        "request 'c' in state FAILED cannot take event 'start': the batch is in state QUEUED"
+    )
+
+
+def test_events_are_named_by_their_names_on_every_path() -> None:
+    o = Owner()
+    (b,) = o.jobs("b")
+    said = "request 'b' in state QUEUED cannot take event 'backoff': QUEUED has no 'backoff' edge"
+    for attempt in (
+        lambda: b.backoff(),
+        lambda: b.fire(E.BACKOFF),
+        lambda: o.lc.trigger(b, E.BACKOFF),
+        lambda: o.lc.fire(E.BACKOFF, [b]),
+    ):
+        with pytest.raises(IllegalTransition) as info:
+            attempt()
+        assert str(info.value) == said
+    assert o.lc.refusal(b, E.BACKOFF) == "QUEUED has no 'backoff' edge"
+
+
+def test_an_ended_record_is_not_admitted_again_and_says_why() -> None:
+    o = Owner()
+    (b,) = o.jobs("b")
+    b.fail()
+    with pytest.raises(LifecycleError) as info:
+        o.lc.admit(b)
+    assert str(info.value) == (
+        "request 'b' ended in FAILED: a record is admitted once; admit a new record to track "
+        "the request again"
+    )
+    assert b.state is S.FAILED and len(o.lc) == 0 and o.notified == ["b"]
+    again = Job("b")  # a new record under the same id is a new request
+    o.lc.admit(again)
+    assert o.lc.get("b") is again
+
+
+def test_admission_starts_a_timeline_the_record_was_built_with() -> None:
+    o = Owner()
+    (a,) = o.jobs("a")
+    restored = Job("r", timeline=list(a.timeline) * 2)
+    o.lc.admit(restored)
+    assert [e for _, e in restored.timeline] == ["admitted"]
+
+
+def test_a_batch_may_be_any_iterable_read_once() -> None:
+    o = Owner()
+    a, b, c, d = o.jobs("a", "b", "c", "d")
+    o.lc.fire(E.START, (j for j in (a, b)))  # a generator
+    assert (a.state, b.state) == (S.RUNNING, S.RUNNING)
+    o.lc.fire(E.START, o.lc.in_state(S.QUEUED).values())  # a view of the bucket that moves
+    assert c.state is d.state is S.RUNNING and not o.lc.in_state(S.QUEUED)
+    o.lc.fire(E.HEARTBEAT, iter([d, c]))
+    o.lc.fire(E.SUCCEED, (a, b))  # a tuple
+    with pytest.raises(LifecycleError, match="appears twice"):
+        o.lc.fire(E.SUCCEED, iter([c, c]))
+    o.lc.fire(E.SUCCEED, iter([]))  # nothing to fire
+    assert [j.state for j in (a, b, c, d)] == [S.SUCCEEDED] * 2 + [S.RUNNING] * 2
+    o.lc.check_index()
