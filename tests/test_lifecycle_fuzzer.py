@@ -4,6 +4,7 @@ show the shrunk event program and the request's timeline, and it reports fast by
 
 from __future__ import annotations
 
+import enum
 import itertools
 import re
 from typing import Any
@@ -21,7 +22,7 @@ from examples.orders import (
     holds_nothing_once_ended,
     satisfy,
 )
-from lifecycle import Firing, LifecycleTable, MissingHook, make_table
+from lifecycle import Edge, Firing, LifecycleTable, MissingHook, Tracked, make_table
 from lifecycle.testing import (
     CodeRaised,
     LifecycleMachine,
@@ -231,3 +232,72 @@ def test_a_failure_event_is_drawn_with_the_tables_reasons() -> None:
     )
     assert reasons - {None}
     assert reasons <= {None, *(ORDER_TABLE.reasons or ())}
+
+
+# A resource held per attempt: a worker slot taken by every start and given back by every
+# backoff or end from RUNNING. docs/framework.md section 8: the once-hook rule cannot cover it,
+# an invariant over what the real hooks keep does.
+class JobState(enum.IntEnum):
+    FAILED = 0
+    QUEUED = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class SlotJob(Tracked):
+    slots: int = attrs.field(default=0, kw_only=True)
+
+
+def _slot_table(backoff_gives_back: bool) -> LifecycleTable:
+    js = JobState
+    give = ("give_slot",)
+    return make_table(
+        "job", js, initial=js.QUEUED, finals=(js.SUCCEEDED, js.FAILED),
+        edges=(
+            Edge("start", js.QUEUED, js.RUNNING, after="take_slot"),
+            Edge("backoff", js.RUNNING, js.QUEUED, after=give if backoff_gives_back else ()),
+            Edge("succeed", js.RUNNING, js.SUCCEEDED, after=give),
+            Edge("fail", js.QUEUED, js.FAILED),
+            Edge("fail", js.RUNNING, js.FAILED, after=give),
+        ),
+        failure_events=("fail",),
+    )
+
+
+def _slot_hooks() -> dict[str, Any]:
+    def take_slot(job: SlotJob) -> None:
+        job.slots += 1
+
+    def give_slot(job: SlotJob) -> None:
+        job.slots -= 1
+
+    return {"take_slot": take_slot, "give_slot": give_slot}
+
+
+def holds_a_slot_only_while_running(job: SlotJob) -> bool:
+    """A job holds its worker slot while RUNNING, and never otherwise."""
+    expected = 1 if job.state is JobState.RUNNING else 0
+    return job.slots == expected
+
+
+def test_a_per_attempt_leak_is_found_by_an_invariant_not_by_counting_hooks() -> None:
+    leaky = _slot_table(backoff_gives_back=False)
+    settings = fuzz_settings(max_examples=40, stateful_step_count=20, database=None)
+    # Counting the hooks: each ran as often as the (leaky) table calls for, so nothing is found.
+    run_state_machine_as_test(
+        lifecycle_state_machine(leaky, SlotJob, _slot_hooks), settings=settings
+    )
+    # The invariant over what the real hooks keep finds it.
+    with pytest.raises(RuleBroken, match="invariant holds_a_slot_only_while_running"):
+        run_state_machine_as_test(
+            lifecycle_state_machine(leaky, SlotJob, _slot_hooks,
+                                    invariants=[holds_a_slot_only_while_running]),
+            settings=settings,
+        )
+    # And the table that gives the slot back keeps it.
+    run_state_machine_as_test(
+        lifecycle_state_machine(_slot_table(backoff_gives_back=True), SlotJob, _slot_hooks,
+                                invariants=[holds_a_slot_only_while_running]),
+        settings=settings,
+    )
