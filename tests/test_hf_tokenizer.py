@@ -141,7 +141,9 @@ def _sentencepiece_style(where, **config):
         vocab_size=600, special_tokens=special, max_token_length=12))
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
-    tok.save(str(where / "tokenizer.json"))
+    saved = json.loads(tok.to_str())  # the trainer made the byte pieces special: they are not
+    saved["added_tokens"] = [t for t in saved["added_tokens"] if not t["content"].startswith("<0x")]
+    (where / "tokenizer.json").write_text(json.dumps(saved, ensure_ascii=False))
     template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
                 "{{ m['content'] | trim }} [/INST]{% else %} {{ m['content'] | trim }}"
                 "{{ eos_token }}{% endif %}{% endfor %}")

@@ -20,6 +20,7 @@ import torch
 
 from lifecycle import SamplingParams
 from scheduler.cli.main import main
+from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
@@ -27,7 +28,12 @@ from scheduler.service.answers import answer_text
 from scheduler.service.app import create_app
 from scheduler.service.config import AnswerOptions, Item, ServeConfig
 from scheduler.service.core import Service
-from scheduler.service.openai_format import StreamText, token_bytes
+from scheduler.service.openai_format import (
+    StreamText,
+    answer_logprobs,
+    echoed_logprobs,
+    token_bytes,
+)
 from scheduler.service.openai_schema import ChatCompletionRequest, CompletionRequest
 from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
 
@@ -540,6 +546,65 @@ def test_a_stream_holds_back_an_incomplete_character_and_a_possible_stop_token()
     held = StreamText(TOKENIZER, _item(stop_token_ids=(ord("!"),)))
     assert [held.more([t]) for t in TOKENIZER.encode("ab!")] == ["", "a", "b"]
     assert held.rest(answer_text(TOKENIZER, held.item, TOKENIZER.encode("ab!"), ord("!"))) == ""
+
+
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Llama 2-style tokenizer (``▁`` for spaces, byte fallback), as a checkpoint's."""
+    from scheduler.model.checkpoint import TokenizerSource
+    from scheduler.model.hf_tokenizer import load_tokenizer
+    from tests.test_hf_tokenizer import _sentencepiece_style
+
+    where = tmp_path_factory.mktemp("spm")
+    _sentencepiece_style(where)
+    return load_tokenizer(TokenizerSource(directory=where))
+
+
+def test_a_stream_of_byte_fallback_tokens_ends_as_the_answer(sentencepiece: Any) -> None:
+    """A byte the next one turns invalid ("I" then 0xDD: the group decodes as two replacement
+    characters) must not be streamed before its group closes: the text sent would change under
+    it, and the stream, which only appends, lost the rest of the answer."""
+    tok = sentencepiece
+    byte = {b: tok.tokenizer.token_to_id(f"<0x{b:02X}>") for b in (0x49, 0xDD, 0xE2, 0x98, 0x83)}
+    words = tok.encode(" the capital", add_special_tokens=False)
+    for ids in ([*words, byte[0x49], byte[0xDD], *words],  # a group that ends invalid
+                [*words, byte[0xE2], byte[0x98], byte[0x83], *words],  # ☃ from three bytes
+                [byte[0x49], byte[0xDD]]):  # the answer ends inside the group
+        item = Item("s", tuple(tok.encode("Say")), SamplingParams(16), "local", 0, 1)
+        text = StreamText(tok, item)
+        sent = "".join(text.more([t]) for t in ids)
+        final = answer_text(tok, item, ids, None)
+        assert sent + text.rest(final) == final, (sent, final)
+    assert "\ufffd\ufffd" in final  # the invalid group, as the tokenizer decodes it
+    assert "☃" in answer_text(tok, item, [*words, byte[0xE2], byte[0x98], byte[0x83]], None)
+
+
+def test_sentencepiece_tokens_keep_their_space_in_text_logprobs_and_offsets(
+        sentencepiece: Any) -> None:
+    """An answer continues its prompt: its first token's ``▁`` is a space (decoding the answer
+    alone strips it, as at a text's start); a token's text and bytes are its piece's (``▁`` a
+    space, ``<0xNN>`` its byte), and the offsets index the text."""
+    tok = sentencepiece
+    item = Item("s", tuple(tok.encode("The capital is")), SamplingParams(16, return_logprob=True),
+                "local", 0, 1)
+    ids = [*tok.encode(" the capital", add_special_tokens=False),
+           tok.tokenizer.token_to_id("<0x41>")]
+    text = answer_text(tok, item, ids, None)
+    assert text == " the capitalA"
+    assert tok.decode(ids) == "the capitalA"  # alone, the leading space goes
+    logprobs = answer_logprobs(tok, item, [TokenLogprob(t, -1.0) for t in ids], chat=False)
+    assert logprobs is not None and "".join(logprobs.tokens) == text
+    assert [text[o:o + len(t)] for o, t in zip(logprobs.text_offset, logprobs.tokens,
+                                                strict=True)] == logprobs.tokens
+    assert token_bytes(tok, ids[-1]) == [0x41]
+    assert bytes(token_bytes(tok, ids[0])).decode().startswith(" ")
+    # An echoed prompt: its first word's piece has no space in the text it starts.
+    echo = "The capital is"
+    echoed = echoed_logprobs(tok, item, [TokenLogprob(t, None) for t in item.input_ids])
+    assert echoed is not None and echoed.tokens[0] == "<s>"  # BOS: in the list, not the text
+    assert [echo[o:o + len(t)] for o, t in zip(echoed.text_offset[1:], echoed.tokens[1:],
+                                               strict=True)] == echoed.tokens[1:]
+    assert "".join(echoed.tokens[1:]) == echo
 
 
 # -- chat on SmolLM2, through the official client -------------------------------------------------

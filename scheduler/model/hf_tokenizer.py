@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,9 @@ GGUF_PRE_TOKENIZERS = frozenset({"gpt-2", *_SPLITS, *_SINGLE_DIGITS})
 _GGUF_EOG = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
              "tokenizer.ggml.eom_token_id")
 
+#: A byte-fallback piece: one byte, ``<0x41>``.
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
 logger = logging.getLogger(__name__)
 
 Message = Mapping[str, Any]
@@ -76,6 +80,13 @@ class ChatTokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # SentencePiece-style vocabularies: pieces spell a space as ``▁``, and (byte fallback)
+        # ``<0xNN>`` pieces stand for one byte each, which the decoder groups into characters.
+        decoder = json.loads(tokenizer.to_str()).get("decoder")
+        self.metaspace = "\u2581" in json.dumps(decoder or {}, ensure_ascii=False)
+        self.byte_pieces = frozenset(
+            i for piece, i in tokenizer.get_vocab(with_added_tokens=False).items()
+            if _BYTE_PIECE.fullmatch(piece)) if self.metaspace else frozenset()
         try:
             self._template: Any = None if chat_template is None else _compile(chat_template)
         except TemplateError as exc:
@@ -87,6 +98,16 @@ class ChatTokenizer:
 
     def token(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(token_id) or "")
+
+    def piece_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a SentencePiece-style token stands for (``▁`` a space, ``<0xNN>`` its
+        byte), or None for another vocabulary's."""
+        if not self.metaspace:
+            return None
+        piece = self.token(token_id)
+        if token_id in self.byte_pieces:
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The ids of ``text``; special tokens written in it are kept whole, and BOS is added

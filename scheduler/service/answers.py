@@ -25,6 +25,11 @@ from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.service.config import Answer, Item
 from scheduler.service.schema import FinishReason, GenerateAnswer, MetaInfo
 
+#: Prompt tokens an answer's text is decoded after (SGLang's incremental detokenization
+#: window): a tokenizer that strips the space a text starts with (SentencePiece's) keeps the
+#: answer's, which continues the prompt.
+CONTEXT_TOKENS = 5
+
 #: The ``meta_info`` keys that only logprob answers carry.
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
                 "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
@@ -38,14 +43,30 @@ def decode(tokenizer: Any, ids: Iterable[int], *, skip_special_tokens: bool = Tr
     return text
 
 
+def continuation(tokenizer: Any, item: Item, ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``item``'s prompt: decoded after the prompt's last
+    :data:`CONTEXT_TOKENS` tokens, and cut after their text (or alone, where the two do not
+    join at a character boundary)."""
+    skip = item.options.skip_special_tokens
+    context = list(item.input_ids[-CONTEXT_TOKENS:])
+    if not ids or not context or isinstance(tokenizer, ByteTokenizer):
+        return decode(tokenizer, ids, skip_special_tokens=skip)
+    before = decode(tokenizer, context, skip_special_tokens=skip)
+    joined = decode(tokenizer, [*context, *ids], skip_special_tokens=skip)
+    if joined.startswith(before) and not before.endswith("\ufffd"):
+        return joined[len(before):]
+    return decode(tokenizer, ids, skip_special_tokens=skip)
+
+
 def answer_text(tokenizer: Any, item: Item, ids: Sequence[int],
                 matched: int | str | None) -> str:
-    """The answer's text as SGLang gives it: a matched stop token's or stop string's text is cut
-    off (at the string's first occurrence) unless ``no_stop_trim``."""
+    """The answer's text as SGLang gives it (:func:`continuation`): a matched stop token's or
+    stop string's text is cut off (at the string's first occurrence) unless
+    ``no_stop_trim``."""
     trim = matched is not None and not item.options.no_stop_trim
     if trim and isinstance(matched, int) and ids:
         ids = ids[:-1]
-    text = decode(tokenizer, ids, skip_special_tokens=item.options.skip_special_tokens)
+    text = continuation(tokenizer, item, ids)
     if trim and isinstance(matched, str):
         at = text.find(matched)
         text = text if at < 0 else text[:at]

@@ -24,7 +24,7 @@ import attrs
 
 from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
-from scheduler.service.answers import decode, final_text
+from scheduler.service.answers import continuation, decode, final_text
 from scheduler.service.config import Answer, Item
 from scheduler.service.openai_schema import (
     AssistantMessage,
@@ -84,9 +84,13 @@ def _byte_of_char() -> dict[str, int]:
 
 
 def token_bytes(tokenizer: Any, token: int) -> list[int]:
-    """The bytes a token stands for (a byte-level token may be part of a UTF-8 character)."""
+    """The bytes a token stands for (a byte-level or byte-fallback token may be part of a UTF-8
+    character; a SentencePiece token's ``▁`` is its space, wherever the token stands)."""
     if isinstance(tokenizer, ByteTokenizer):
         return [token] if token < 256 else []
+    own = tokenizer.piece_bytes(token)
+    if own is not None:
+        return list(own)
     piece: str = tokenizer.token(token)
     table = _byte_of_char()
     if piece and all(ch in table for ch in piece):
@@ -95,6 +99,12 @@ def token_bytes(tokenizer: Any, token: int) -> list[int]:
 
 
 def _token_text(tokenizer: Any, token: int) -> str:
+    """A token's text on its own: its bytes as text, a space a SentencePiece token starts with
+    kept (decoding the token alone strips it, as at the start of a text)."""
+    if not isinstance(tokenizer, ByteTokenizer):
+        own: bytes | None = tokenizer.piece_bytes(token)
+        if own is not None:
+            return own.decode(errors="replace")
     return decode(tokenizer, [token], skip_special_tokens=False)
 
 
@@ -105,12 +115,15 @@ class TextOffsets:
     special token the text skips counts nothing, so the offsets index the text the client
     reads."""
 
-    def __init__(self, tokenizer: Any, *, start: int = 0, skip_special_tokens: bool = True
-                 ) -> None:
+    def __init__(self, tokenizer: Any, *, start: int = 0, skip_special_tokens: bool = True,
+                 text_start: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chars = start
         self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        # At a text's start (an echoed prompt) a SentencePiece tokenizer's first piece carries
+        # a space the text does not have (it was put before the first word to encode it).
+        self._strip_space = text_start and getattr(tokenizer, "metaspace", False)
 
     def of(self, tokens: Iterable[int]) -> list[int]:
         """The offsets of ``tokens``, the next ones of the text."""
@@ -119,7 +132,10 @@ class TextOffsets:
             offsets.append(self.chars)
             if self._skip and not decode(self.tokenizer, [token], skip_special_tokens=True):
                 continue  # a special token (or none at all) writes nothing
-            self.chars += len(self._utf8.decode(bytes(token_bytes(self.tokenizer, token))))
+            text = self._utf8.decode(bytes(token_bytes(self.tokenizer, token)))
+            if self._strip_space:
+                text, self._strip_space = text.removeprefix(" "), False
+            self.chars += len(text)
         return offsets
 
 
@@ -150,9 +166,16 @@ def echoed_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob]
     when the request did not ask for logprobs."""
     if not item.sampling.return_logprob:
         return None
-    offsets = TextOffsets(tokenizer, skip_special_tokens=item.options.skip_special_tokens)
-    return completion_logprobs(tokenizer, entries, item.sampling.top_logprobs_num, offsets,
-                               prompt=True)
+    skip = item.options.skip_special_tokens
+    offsets = TextOffsets(tokenizer, skip_special_tokens=skip, text_start=True)
+    logprobs = completion_logprobs(tokenizer, entries, item.sampling.top_logprobs_num, offsets,
+                                   prompt=True)
+    if getattr(tokenizer, "metaspace", False):  # the first word's piece: its text has no space
+        first = next((i for i, e in enumerate(entries)
+                      if decode(tokenizer, [e.token], skip_special_tokens=skip)), None)
+        if first is not None:
+            logprobs.tokens[first] = logprobs.tokens[first].removeprefix(" ")
+    return logprobs
 
 
 def _joined(first: CompletionLogprobs | None, then: CompletionLogprobs | None
@@ -263,9 +286,13 @@ class StreamText:
         """The text ``tokens`` add that is safe to send now (maybe empty)."""
         self.ids.extend(tokens)
         ids = self.ids[:-1] if self._hold_token else self.ids
-        text = decode(self.tokenizer, ids,
-                      skip_special_tokens=self.item.options.skip_special_tokens)
-        text = text.rstrip("\ufffd")
+        # A trailing run of byte-fallback tokens is one character group still open: a byte
+        # that follows can turn the group's text into replacement characters, so it waits.
+        held: frozenset[int] = getattr(self.tokenizer, "byte_pieces", frozenset())
+        end = len(ids)
+        while end and ids[end - 1] in held:
+            end -= 1
+        text = continuation(self.tokenizer, self.item, ids[:end]).rstrip("\ufffd")
         if self._stops:
             cut = min((at for at in (text.find(s) for s in self._stops) if at >= 0),
                       default=len(text))
@@ -279,10 +306,8 @@ class StreamText:
     def _release(self) -> None:
         # The longest run of tokens whose text was all sent (a shorter run may end inside a
         # character, so search from the longest; held back are only the last few).
-        skip = self.item.options.skip_special_tokens
         for end in range(len(self.ids), self.released, -1):
-            if self.sent.startswith(decode(self.tokenizer, self.ids[:end],
-                                           skip_special_tokens=skip)):
+            if self.sent.startswith(continuation(self.tokenizer, self.item, self.ids[:end])):
                 self.released = end
                 return
 

@@ -100,7 +100,7 @@ def completion_items(service: Service, body: CompletionRequest) -> list[Item]:
         return items
     # The text sent, or (the ids are checked now) the ids decoded.
     echoes = [text if text is not None else decode(service.tokenizer, ids,
-                                                   skip_special_tokens=False)
+                                                   skip_special_tokens=body.skip_special_tokens)
               for ids, text in prompts]
     n = len(items) // len(prompts)
     return [attrs.evolve(item, options=attrs.evolve(item.options, echo=echoes[k // n]))
