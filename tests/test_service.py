@@ -439,3 +439,26 @@ def test_a_stream_closed_while_it_waits_leaves_no_task_behind() -> None:
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
     run(main())
+
+
+def test_null_is_each_generate_fields_default() -> None:
+    """SGLang's /generate fields are optional, None meaning the default: a client (or a router)
+    that sends null for one gets the default, as from SGLang."""
+    body = {"input_ids": [3, 1, 4, 1, 5], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    nulls = {"top_logprobs_num": None, "return_text_in_logprobs": None, "stream": None,
+             "rid": None, "token_ids_logprob": None}
+    null_sampling = {"temperature": None, "top_p": None, "stop": None, "n": None}
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                plain = (await client.post("/generate", json=body)).json()
+                r = await client.post("/generate", json=body | nulls | {"sampling_params": (
+                    body["sampling_params"] | null_sampling)})
+                assert r.status_code == 200, r.text
+                assert r.json()["output_ids"] == plain["output_ids"]
+                assert (r.json()["meta_info"]["input_token_logprobs"]
+                        == plain["meta_info"]["input_token_logprobs"])
+
+    run(main())

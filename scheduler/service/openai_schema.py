@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle import TOP_LOGPROBS_MAX
+from scheduler.service.schema import StrictBody
 
 #: OpenAI's bound on ``logprobs`` of ``/v1/completions``.
 COMPLETION_LOGPROBS_MAX = 5
@@ -24,16 +25,9 @@ Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 Port = Annotated[int, Field(ge=0, le=65535)]
 
 
-class _Body(BaseModel):
-    # Unknown fields are ignored; known ones must have their type, or be null (the default).
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+class _Body(StrictBody):
+    # As /generate's: unknown fields ignored, null the default; fields also by their alias.
+    model_config = ConfigDict(populate_by_name=True)
 
 
 class StreamOptions(_Body):

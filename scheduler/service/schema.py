@@ -4,23 +4,31 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lifecycle import TOP_LOGPROBS_MAX
 
 Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 
 
-class _Strict(BaseModel):
-    # Unknown fields (the router adds several) are ignored; known ones must have their type.
+class StrictBody(BaseModel):
+    # Unknown fields (the router adds several) are ignored; known ones must have their type,
+    # or be null: the default (SGLang's fields are optional, None meaning the default).
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 Stop = str | list[str] | None
 TokenIds = list[Annotated[int, Field(ge=0)]] | None
 
 
-class SamplingParamsBody(_Strict):
+class SamplingParamsBody(StrictBody):
     """``sampling_params`` of a ``/generate`` body, with SGLang's names. Decoding is greedy unless
     ``temperature`` > 0 (SGLang's default is 1.0; pdlife's is greedy). A field pdlife cannot
     honour (``stop_regex``, ``structural_tag``, ...) is refused with 400 unless it has its
@@ -60,7 +68,7 @@ class SamplingParamsBody(_Strict):
     spaces_between_special_tokens: bool = True
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictBody):
     """SGLang's ``/generate`` input: one prompt, or a batch as lists."""
 
     text: str | list[str] | None = Field(None, description="prompt text (byte-level tokens)")
@@ -143,7 +151,7 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-class AbortBody(_Strict):
+class AbortBody(StrictBody):
     """The body of ``/abort_request``: one request id, or every request."""
 
     rid: str = ""
