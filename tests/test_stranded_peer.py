@@ -147,6 +147,10 @@ def test_a_refusal_never_fails_a_live_request_that_holds_the_room(pair: Pair) ->
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["output_ids"]) == 2
     until_idle(pair.prefill, pair.decode)
+    # The prefill lists the decode session registered with it (its engine's host:port).
+    peers = pair.prefill.get("/server_info")["peers"]
+    assert len(peers) == 1 and peers[0].startswith("127.0.0.1:"), peers
+    assert pair.decode.get("/server_info")["peers"] == [f"127.0.0.1:{pair.bootstrap_port}"]
 
 
 def held_draining(server: Server, hold: dict[str, Any], peer: Pair) -> Future[httpx.Response]:

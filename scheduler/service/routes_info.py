@@ -89,8 +89,17 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         live_requests=service.live_requests(),
         requests=snap.get("requests", {}),
         kv_pool=snap.get("kv_pool", {}),
-        peers=service.decode_kv.peers() if service.decode_kv is not None else [],
+        peers=_peers(service),
     )
+
+
+def _peers(service: Service) -> list[str]:
+    """Decode: the prefill servers it is connected to; prefill over Mooncake: the decode
+    sessions registered with it (rank 0's: every decode rank registers with every rank)."""
+    if service.decode_kv is not None:
+        return service.decode_kv.peers()
+    sessions = getattr(service.prefill.kv, "decode_sessions", None) if service.prefill else None
+    return list(sessions()) if sessions is not None else []
 
 
 def _model_info(service: ServiceDep) -> ModelInfo:
