@@ -5,9 +5,13 @@ Two sources, one class (:class:`ChatTokenizer`):
 - a directory with ``tokenizer.json`` (and ``tokenizer_config.json``, ``chat_template.jinja``
   or ``chat_template.json``, ``generation_config.json``, ``config.json`` when present);
 - the ``tokenizer.*`` fields of a GGUF file: a byte-level BPE (``tokenizer.ggml.model`` gpt2)
-  is rebuilt from its tokens and merges, tokens marked *control* become special tokens, and the
-  pre-tokenizer follows ``tokenizer.ggml.pre`` (one of :data:`GGUF_PRE_TOKENIZERS`; another is
-  refused rather than split the wrong way).
+  is rebuilt from its tokens and merges, its pre-tokenizer as ``tokenizer.ggml.pre`` says (one
+  of :data:`GGUF_PRE_TOKENIZERS`; another is refused rather than split the wrong way), or a
+  SentencePiece BPE (``llama``) from its pieces and their scores, as transformers reads one;
+  tokens marked *control* become special tokens.
+
+A ``LlamaTokenizer`` directory gets the text pipeline transformers (5.x) builds for that class,
+whatever its ``tokenizer.json`` says (:func:`_as_transformers_builds`).
 
 The EOS ids (where the decode side stops) are the generation config's ``eos_token_id`` (a
 directory's ``generation_config.json``, else its ``config.json``, as transformers' ``generate``
@@ -82,8 +86,8 @@ class ChatTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # SentencePiece-style vocabularies: pieces spell a space as ``▁``, and (byte fallback)
         # ``<0xNN>`` pieces stand for one byte each, which the decoder groups into characters.
-        decoder = json.loads(tokenizer.to_str()).get("decoder")
-        self.metaspace = "\u2581" in json.dumps(decoder or {}, ensure_ascii=False)
+        decoder = tokenizer.decoder
+        self.metaspace = decoder is not None and "\u2581" in decoder.__getstate__().decode()
         self.byte_pieces = frozenset(
             i for piece, i in tokenizer.get_vocab(with_added_tokens=False).items()
             if _BYTE_PIECE.fullmatch(piece)) if self.metaspace else frozenset()
