@@ -16,15 +16,18 @@ it will never ask for a room's KV (it refused the request, or gave up before the
 room and the reason go to every listener the prefill ranks in this process added
 (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
 
-The server is stdlib ``ThreadingHTTPServer`` in a daemon thread; it binds loopback unless told
-otherwise and port 0 picks a free port. Bodies are size-limited JSON validated field by field: a
-bad request gets a 4xx with a reason and changes nothing, and never ends the server. With a shared
-token, every route but ``/health`` requires ``Authorization: Bearer <token>`` (constant-time
-compare); a refused peer is logged with its address (the first time, then every 100th) and
-counted (:attr:`BootstrapServer.unauthorized`). ``GET /route`` also says whether this endpoint
-requires a token (``token_required``), so a decode peer whose token is useless here (prefill
-would never check it, and decode would drop prefill's unauthenticated statuses) refuses to
-register instead of failing every room at its timeout.
+The server is stdlib ``ThreadingHTTPServer`` in a daemon thread, bounded: at most
+:data:`MAX_CONNECTIONS` connections are served at once (one beyond is closed as it is accepted,
+not given a thread), and a connection silent for :data:`IDLE_TIMEOUT_S` (an unfinished request,
+an idle keep-alive) is closed, so a flood of connections costs neither a thread each nor the
+endpoint. It binds loopback unless told otherwise and port 0 picks a free port. Bodies are size-
+limited JSON validated field by field: a bad request gets a 4xx with a reason and changes
+nothing, and never ends the server. With a shared token, every route but ``/health`` requires
+``Authorization: Bearer <token>`` (constant-time compare); a refused peer is logged with its
+address (the first time, then every 100th) and counted (:attr:`BootstrapServer.unauthorized`).
+``GET /route`` also says whether this endpoint requires a token (``token_required``), so a decode
+peer whose token is useless here (prefill would never check it, and decode would drop prefill's
+unauthenticated statuses) refuses to register instead of failing every room at its timeout.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ from kv.rank_table import PrefillInfo, RankInfo, registration_conflict
 logger = logging.getLogger(__name__)
 
 _MAX_BODY = 64 << 10
+#: Connections served at once; the peers' requests are short (a look-up, a refusal, a health
+#: check), so more than this is a flood.
+MAX_CONNECTIONS = 64
+#: Seconds a connection may send nothing before it is closed.
+IDLE_TIMEOUT_S = 10.0
 _MAX_ROOM = (1 << 64) - 1
 _MAX_REASON = 512
 
@@ -86,8 +94,7 @@ class BootstrapServer:
         self._ranks: dict[int, RankInfo] = {}
         self._refusal_listeners: list[Callable[[int, str], None]] = []
         self._unauthorized = 0
-        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedServer((host, port), _make_handler(self))
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, args=(0.05,), name="pdlife-bootstrap",
             daemon=True,
@@ -177,9 +184,47 @@ class BootstrapServer:
                      "token_required": self._token is not None, "keepalive": True}
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection up to :data:`MAX_CONNECTIONS`; a connection beyond is closed."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._turned_away = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._turned_away += 1
+            if self._turned_away % 1000 == 1:
+                logger.warning("bootstrap endpoint: %d connections at once, the most it "
+                               "serves: turning new ones away (%d so far; %s among them)",
+                               MAX_CONNECTIONS, self._turned_away, client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A peer that went away mid-request (a reset, a broken pipe) is not the server's error.
+        logger.debug("bootstrap connection from %s failed", client_address, exc_info=True)
+
+
 def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = IDLE_TIMEOUT_S  # a read that waits longer closes the connection
 
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("bootstrap %s: " + format, self.client_address[0], *args)

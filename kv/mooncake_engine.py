@@ -284,6 +284,9 @@ class ControlEndpoint:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        # A bigger message is refused by ZeroMQ as it arrives (the peer is disconnected), before
+        # any of it is buffered: the wire check of the size comes after the whole message.
+        self._pull.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         port = self._pull.bind_to_random_port(f"tcp://{config.hostname}")
         self.endpoint = f"tcp://{config.hostname}:{port}"
         self._stop = threading.Event()

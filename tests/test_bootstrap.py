@@ -131,3 +131,42 @@ def test_unreachable_server_is_a_bootstrap_error() -> None:
     with pytest.raises(BootstrapError) as err:
         BootstrapClient(addr, timeout_s=1).lookup()
     assert err.value.status == 0
+
+
+def test_a_flood_of_idle_connections_costs_neither_threads_nor_the_endpoint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections beyond MAX_CONNECTIONS are closed as they are accepted (not given a thread
+    each), a silent one is closed after IDLE_TIMEOUT_S, and the endpoint answers once the
+    flood is gone (a thread per connection had grown a prefill to 14,000 threads, hung)."""
+    import socket
+    import threading
+
+    import kv.bootstrap as bootstrap
+    from tests.transfer_harness import eventually
+
+    monkeypatch.setattr(bootstrap, "IDLE_TIMEOUT_S", 1.0)
+    server = BootstrapServer()
+    host, _, port = server.address.rpartition(":")
+    before = threading.active_count()
+    flood = []
+    try:
+        for _ in range(bootstrap.MAX_CONNECTIONS + 100):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(b"GET /x HTTP/1.1\r\n")  # a request that never ends
+            flood.append(s)
+        for s in flood[-50:]:  # beyond the bound: closed as soon as accepted
+            s.settimeout(30)
+            assert s.recv(1024) == b""
+        assert threading.active_count() <= before + bootstrap.MAX_CONNECTIONS
+        # The server closes every one itself: those it turned away at once, the silent ones
+        # it served after IDLE_TIMEOUT_S.
+        for s in flood:
+            s.settimeout(30)
+            assert s.recv(1024) == b""
+        eventually(lambda: threading.active_count() <= before, "their threads gone",
+                   timeout=30)
+        assert BootstrapClient(server.address).health()
+    finally:
+        for s in flood:
+            s.close()
+        server.close()

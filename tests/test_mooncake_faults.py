@@ -93,6 +93,27 @@ def _dropped(manager: MooncakeKVManager, reason: str, count: int = 1) -> None:
                f"{count} message(s) dropped as {reason}")
 
 
+def test_an_oversized_control_message_is_refused_as_it_arrives(
+    manager: MooncakeKVManager, raw: RawDecode
+) -> None:
+    """ZeroMQ drops a message over the wire limit as it arrives (and the peer's connection),
+    before any of it is buffered: 1 GiB sent to a listener had cost it 2 GiB of memory. The
+    listener goes on taking messages."""
+    big = RawDecode(manager)
+    big.send(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
+
+    def a_later_message_arrived() -> bool:  # from the same socket (it reconnects)
+        big.send(b"\x93\x01\x02")
+        return manager.dropped_messages.snapshot().get("malformed", 0) >= 1
+
+    eventually(a_later_message_arrived, "a message sent after the oversized one")
+    big.close()
+    assert "too_large" not in manager.dropped_messages.snapshot()  # never buffered whole
+    sender = manager.create_sender("", 9)
+    raw.send(raw.destination(9, [3]))
+    assert drive(manager, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+
+
 def test_bootstrap_timeout_on_the_injected_clock(
     manager: MooncakeKVManager, clock: FakeClock
 ) -> None:
