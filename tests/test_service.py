@@ -9,10 +9,12 @@ import re
 import subprocess
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 
 from kv.pool import KVPool
+from lifecycle import SamplingParams
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
@@ -417,7 +419,6 @@ def test_a_stream_closed_while_it_waits_leaves_no_task_behind() -> None:
     import asyncio
     import contextlib
 
-    from lifecycle import SamplingParams
     from scheduler.service import handoff
     from scheduler.service.config import Item
     from scheduler.service.pending import Pending
@@ -462,3 +463,24 @@ def test_null_is_each_generate_fields_default() -> None:
                         == plain["meta_info"]["input_token_logprobs"])
 
     run(main())
+
+
+def test_a_decode_worker_contacts_only_the_prefill_servers_it_allows() -> None:
+    """``--allow-prefill``: a request naming another bootstrap address is refused before the
+    worker contacts it (it would send its peer token there)."""
+    from scheduler.service.config import BadRequest, check_item
+
+    allowed = ServeConfig(role="decode", backend="mooncake", model=MODEL,
+                          allowed_prefills=("10.0.0.5:8998",))
+    sampling = SamplingParams(4)
+    fields = {"rid": "r", "input_ids": [1, 2], "sampling": sampling, "bootstrap_room": 7}
+    item = check_item(allowed, itertools.count(1), bootstrap_host="10.0.0.5",
+                      bootstrap_port=8998, **fields)
+    assert item.bootstrap_addr == "10.0.0.5:8998"
+    with pytest.raises(BadRequest, match=r"10\.0\.0\.6:8998 is not a prefill server") as refused:
+        check_item(allowed, itertools.count(1), bootstrap_host="10.0.0.6", bootstrap_port=8998,
+                   **fields)
+    assert refused.value.reason == "bad_bootstrap"
+    anyone = attrs.evolve(allowed, allowed_prefills=())
+    assert check_item(anyone, itertools.count(1), bootstrap_host="10.0.0.6",
+                      bootstrap_port=8998, **fields).bootstrap_host == "10.0.0.6"

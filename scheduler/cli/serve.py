@@ -181,6 +181,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="mooncake: a file whose first line is the token prefill and decode "
                      "workers share; the bootstrap endpoint and every control message require "
                      f"it (default: ${PEER_TOKEN_ENV}, else none). Never on the command line")
+    sec.add_argument("--allow-prefill", action="append", default=[], metavar="HOST:PORT",
+                     help="decode, mooncake: a prefill server's bootstrap address requests may "
+                     "name (repeat it, or give several comma-separated); a request naming "
+                     "another is refused (400 bad_bootstrap) before this worker contacts it, "
+                     "peer token and all (default: any address)")
     sec.add_argument("--api-key", metavar="KEY",
                      help="clients must send Authorization: Bearer KEY on every route but "
                      "/health and /health_generate (SGLang's flag; ps shows it: "
@@ -277,6 +282,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             ),
             model_name=model_name,
             served=served,
+            allowed_prefills=tuple(a.strip() for given in args.allow_prefill
+                                   for a in given.split(",") if a.strip()),
             otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
             prefill_delayer=DelayerConfig(max_delay_passes=args.prefill_delayer_max_delay_passes)
             if args.enable_prefill_delayer else None,
@@ -373,6 +380,12 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=args.log_level == "debug", lifespan="off", timeout_graceful_shutdown=30,
     ))
     service.start_loop()
+    if (config.role == "decode" and config.backend == "mooncake"
+            and config.mooncake.token is not None and not config.allowed_prefills):
+        logger.warning("the peer token goes to whatever prefill bootstrap address a request "
+                       "names: a client that can reach this worker can have it sent to a "
+                       "server of its own; name the prefill servers with --allow-prefill "
+                       "(docs/security.md)")
     logger.info("pdlife serve: role %s, backend %s, on http://%s:%d", config.role,
                 config.backend, args.host, args.port)
     try:

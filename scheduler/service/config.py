@@ -52,6 +52,9 @@ class ServeConfig:
     api_key: str | None = attrs.field(default=None, repr=False)
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = attrs.field(default=8998, validator=attrs.validators.ge(0))
+    # Decode: the prefill bootstrap addresses (``HOST:PORT``) requests may name; empty: any. A
+    # decode worker sends its peer token to the address a request names.
+    allowed_prefills: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     mooncake: MooncakeConfig = attrs.field(factory=MooncakeConfig)
     #: The KV pool's layout; a decode server and its prefill servers must agree on it.
     kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)
@@ -343,4 +346,7 @@ def _with_bootstrap(
         )
     if not 1 <= port <= 65535:
         raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_port must be 1..65535")
+    if c.allowed_prefills and c.role == "decode" and f"{host}:{port}" not in c.allowed_prefills:
+        raise BadRequest("bad_bootstrap", f"request {rid!r}: {host}:{port} is not a prefill "
+                         "server this worker may contact (--allow-prefill)")
     return Item(rid, input_ids, sampling, host, port, room)
