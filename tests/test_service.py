@@ -194,6 +194,11 @@ BAD_INPUTS = [
     ("bad_batch", json.dumps({"text": "a", "sampling_params": [{}]}).encode(), "not a batch"),
     ("unsupported", json.dumps({"text": "a", "sampling_params": {"stop_regex": "a+"}}
                                ).encode(), "stop_regex"),
+    # An unpaired surrogate is no text (it was a 500, and the other worker waited).
+    ("invalid_request", b'{"text": "a\\ud800b"}', "unpaired surrogate"),
+    ("invalid_request", b'{"text": "a", "rid": "\\udfff"}', "unpaired surrogate"),
+    ("bad_grammar", json.dumps({"text": "a", "sampling_params": {
+        "json_schema": "[" * 1500 + "]" * 1500}}).encode(), "nested too deeply"),
 ]
 
 

@@ -142,12 +142,18 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
         except json.JSONDecodeError as exc:
             raise BadRequest("bad_grammar",
                              f"sampling_params.json_schema is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise BadRequest("bad_grammar", "sampling_params.json_schema is nested too deeply "
+                             "to read") from None
         if not isinstance(schema, dict | bool):
             raise BadRequest("bad_grammar", "sampling_params.json_schema must be a JSON schema "
                              f"(an object or a boolean), got {type(schema).__name__}")
     spec = GrammarSpec(GRAMMAR_FIELDS[name], source)
     try:
         check_grammar(spec)
+    except RecursionError:
+        raise BadRequest("bad_grammar", f"sampling_params.{name} is nested too deeply to "
+                         "compile") from None
     except GrammarError as exc:
         # The message starts with the grammar's kind, the field's name: "regex does not ..."
         raise BadRequest("bad_grammar", f"sampling_params.{exc}") from exc

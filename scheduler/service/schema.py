@@ -20,8 +20,29 @@ class StrictBody(BaseModel):
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            try:
+                _refuse_lone_surrogates(data)
+            except RecursionError:
+                raise ValueError("the body is nested too deeply") from None
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    """A string JSON carried as an unpaired ``\\ud800`` escape is no text: UTF-8 cannot write
+    it (the tokenizer, the answer, the log would fail on it later)."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"a string holds an unpaired surrogate ({exc.reason} at "
+                             f"{exc.start}): not text") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _refuse_lone_surrogates(item)
+    elif isinstance(value, list) and not (value and isinstance(value[0], int | float)):
+        for item in value:  # (a list of numbers, token ids, holds no text)
+            _refuse_lone_surrogates(item)
 
 
 Stop = str | list[str] | None
