@@ -489,3 +489,16 @@ def test_a_decode_worker_contacts_only_the_prefill_servers_it_allows() -> None:
     anyone = attrs.evolve(allowed, allowed_prefills=())
     assert check_item(anyone, itertools.count(1), bootstrap_host="10.0.0.6",
                       bootstrap_port=8998, **fields).bootstrap_host == "10.0.0.6"
+
+
+def test_a_grammar_llguidance_cannot_run_says_why_without_its_state_dump() -> None:
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await client.post("/generate", json={"text": "a", "sampling_params": {
+                    "max_new_tokens": 2, "regex": "a{1000}{1000}"}})
+                message = r.json()["error"]["message"]
+                assert "too many expressions" in message and "<state>" not in message, message
+                assert "\n" not in message
+
+    run(main())

@@ -95,7 +95,7 @@ class LLGuidanceConstraint:
         # (7 us for 49k tokens; llguidance's byte-per-token mask compared with 0 took 55 us).
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._matcher.is_error():
-            raise GrammarError(f"{self._kind.value} grammar: {self._matcher.get_error()}")
+            raise GrammarError(f"{self._kind.value} grammar: {_brief(self._matcher.get_error())}")
         unpacked = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         mask = torch.from_numpy(unpacked).view(torch.bool)
         if mask.numel() >= self._vocab_size:
@@ -120,7 +120,7 @@ class LLGuidanceConstraint:
                 f"{self._kind.value} grammar does not allow token {token} "
                 f"{self._tokenizer.dbg_tokens([token])} after {self.accepted} tokens")
         if not self._matcher.consume_token(token):
-            raise GrammarError(f"{self._kind.value} grammar: {self._matcher.get_error()}")
+            raise GrammarError(f"{self._kind.value} grammar: {_brief(self._matcher.get_error())}")
         self.accepted += 1
 
     def finished(self) -> bool:
@@ -213,4 +213,10 @@ def grammar_text(spec: GrammarSpec) -> str:
 
 
 def _message(spec: GrammarSpec, error: str) -> str:
-    return f"{spec.kind.value} does not compile: {error.strip()}"
+    return f"{spec.kind.value} does not compile: {_brief(error)}"
+
+
+def _brief(error: str) -> str:
+    """llguidance's error without the matcher's state it appends (a dump of its parser: noise
+    to a client, and internals)."""
+    return error.strip().split("\n<state>", 1)[0].strip()
