@@ -224,6 +224,11 @@ def push_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
     return sock
 
 
+#: Dropped-message reasons logged every time: a peer configured unlike this side (a decode
+#: sends each once per connection).
+_ALWAYS_LOGGED = frozenset({"incompatible_layout", "incompatible_model"})
+
+
 def serve_control(
     pull: zmq.Socket[Any],
     stop: threading.Event,
@@ -239,7 +244,9 @@ def serve_control(
     A bad message (:class:`~kv.wire.WireError`, from decoding or from ``handle``) is logged on
     ``log``, counted in ``dropped`` and dropped; so is a message whose handler raised anything
     else. Neither ends the loop. A late message for a room this side already forgot
-    (``stale_room``: an abort racing the room's end) is routine and logged at DEBUG.
+    (``stale_room``: an abort racing the room's end) is routine and logged at DEBUG; a peer's
+    misconfiguration (another model or pool layout) at WARNING; of the others, the first of each
+    reason and every 1000th at WARNING, the rest at DEBUG.
     """
     while not stop.is_set():
         if pull.poll(100):
@@ -247,9 +254,14 @@ def serve_control(
             try:
                 handle(wire.decode(data, token))
             except wire.WireError as err:
-                log.log(logging.DEBUG if err.reason == "stale_room" else logging.WARNING,
-                        "dropped control message: %s", err)
-                dropped.record(err)
+                n = dropped.record(err)
+                # A peer's misconfiguration every time; other reasons the first time, then every
+                # 1000th: a flood of bad messages must not flood the log (the counter has all).
+                loud = err.reason in _ALWAYS_LOGGED or (
+                    err.reason != "stale_room" and (n == 1 or n % 1000 == 0))
+                log.log(logging.WARNING if loud else logging.DEBUG,
+                        "dropped control message: %s%s", err,
+                        f" ({n} dropped for {err.reason} so far)" if n > 1 else "")
             except Exception:  # a handler bug must not end the listener
                 log.exception("control message handler failed")
                 dropped.record(wire.WireError("internal", "handler raised"))

@@ -276,9 +276,11 @@ class DroppedMessages:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
 
-    def record(self, err: WireError) -> None:
+    def record(self, err: WireError) -> int:
+        """Count ``err``; how many of its reason were dropped so far."""
         with self._lock:
-            self._counts[err.reason] = self._counts.get(err.reason, 0) + 1
+            n = self._counts[err.reason] = self._counts.get(err.reason, 0) + 1
+            return n
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -233,9 +233,10 @@ def test_garbage_on_the_control_plane_is_dropped_and_changes_nothing(
         for msg in garbage:
             sock.send(msg)
         decode.wait_healthy()
-        wait_for(lambda: prefill.server.tail(200_000).count("dropped control message")
-                 >= len(garbage), 30, "every bad message dropped and logged")
-        assert dropped_on(prefill.server.url, "prefill") >= len(garbage)
+        wait_for(lambda: dropped_on(prefill.server.url, "prefill") >= len(garbage), 30,
+                 "every bad message dropped and counted")
+        # Logged: the first of each reason (then every 1000th: a flood does not flood the log).
+        assert "dropped control message" in prefill.server.tail(200_000)
         with ThreadPoolExecutor(4) as pool:
             on_prefill, on_decode = send_pair(pool, prefill, decode,
                                               prefill.body("after-garbage", prompt(3, 40)))
