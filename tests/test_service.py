@@ -198,7 +198,7 @@ BAD_INPUTS = [
     ("invalid_request", b'{"text": "a\\ud800b"}', "unpaired surrogate"),
     ("invalid_request", b'{"text": "a", "rid": "\\udfff"}', "unpaired surrogate"),
     ("bad_grammar", json.dumps({"text": "a", "sampling_params": {
-        "json_schema": "[" * 1500 + "]" * 1500}}).encode(), "nested too deeply"),
+        "json_schema": "{\"items\": " * 200 + "{}" + "}" * 200}}).encode(), "nested too deeply"),
 ]
 
 

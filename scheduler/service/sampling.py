@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
 from scheduler.sample.constraint import GrammarError
 from scheduler.sample.grammar import check as check_grammar
@@ -32,6 +34,10 @@ NEUTRAL: dict[str, Any] = {
 
 #: A token id as a ``logit_bias`` key: decimal digits, without a leading zero.
 _TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")
+#: The deepest a JSON schema may nest (objects and arrays): real schemas nest a few levels; a
+#: deeper one is refused before it is read (reading and compiling recurse).
+MAX_SCHEMA_DEPTH = 128
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 #: The most samples (``n``) one request may ask for per prompt.
 MAX_N = 16
@@ -125,6 +131,14 @@ def logit_bias_of(sp: SamplingParamsBody) -> dict[int, float]:
     return bias
 
 
+def _nesting(source: str) -> int:
+    """How deep the objects and arrays of JSON text ``source`` nest (its strings left out)."""
+    text = np.frombuffer(_JSON_STRING.sub("", source).encode(errors="replace"), dtype=np.uint8)
+    opens = (text == ord("{")) | (text == ord("["))
+    closes = (text == ord("}")) | (text == ord("]"))
+    return int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
+
+
 def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
     """The request's structured-output constraint, checked: at most one grammar field, a JSON
     schema that parses, and a grammar the compiler accepts."""
@@ -137,14 +151,14 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
         return None
     ((name, source),) = given.items()
     if name == "json_schema":
+        if _nesting(source) > MAX_SCHEMA_DEPTH:
+            raise BadRequest("bad_grammar", "sampling_params.json_schema is nested too deeply "
+                             f"(more than {MAX_SCHEMA_DEPTH} levels)")
         try:
             schema = json.loads(source)
         except json.JSONDecodeError as exc:
             raise BadRequest("bad_grammar",
                              f"sampling_params.json_schema is not valid JSON: {exc}") from exc
-        except RecursionError:
-            raise BadRequest("bad_grammar", "sampling_params.json_schema is nested too deeply "
-                             "to read") from None
         if not isinstance(schema, dict | bool):
             raise BadRequest("bad_grammar", "sampling_params.json_schema must be a JSON schema "
                              f"(an object or a boolean), got {type(schema).__name__}")
