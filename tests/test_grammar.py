@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kv.pages import pages_needed
-from lifecycle import GrammarKind, GrammarSpec, SamplingParams
+from lifecycle import FailureReason, GrammarKind, GrammarSpec, SamplingParams
 from scheduler.assemble import constraint_compiler
 from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
 from scheduler.model.byte_tokenizer import EOS_TOKEN_ID
@@ -21,8 +21,9 @@ from scheduler.model.reference import ModelConfig
 from scheduler.model.select import ServedModel, reference_model
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardItem
-from scheduler.sample.constraint import Constraint, GrammarError
+from scheduler.sample.constraint import Constraint, GrammarError, GrammarLimitError
 from scheduler.sample.grammar import LLGuidanceCompiler, check
+from scheduler.sample.request import RequestSampling, grammar_failure
 
 PERSON = {
     "type": "object",
@@ -167,6 +168,58 @@ def test_eos_is_refused_before_the_grammar_is_complete(
     assert not constraint.finished()
 
 
+#: A regex llguidance compiles but whose lexer reaches its size limit on the first token.
+TOO_BIG = GrammarSpec(GrammarKind.REGEX, "a{1000}{1000}")
+#: A grammar whose lexer reaches the limit only at its fifth token, once ``e`` is taken.
+TOO_BIG_LATER = GrammarSpec(GrammarKind.EBNF, 'start: "abc" ("x" | B)\nB: /e{1000}{1000}/')
+
+
+def test_a_grammar_beyond_the_engines_limits_raises_a_limit_error_not_a_rejection(
+    byte: LLGuidanceCompiler,
+) -> None:
+    check(TOO_BIG)  # it compiles: the limit is reached while it runs
+    constraint = byte.compile(TOO_BIG)
+    assert bool(constraint.allowed()[ord("a")])
+    with pytest.raises(GrammarLimitError, match="too many expressions constructed"):
+        constraint.accept(ord("a"))
+    later = byte.compile(TOO_BIG_LATER)
+    for token in b"abce":  # masked first, as the sampler does
+        assert bool(later.allowed()[token])
+        later.accept(token)
+    assert bool(later.allowed()[ord("e")])
+    with pytest.raises(GrammarLimitError, match="too many expressions constructed"):
+        later.accept(ord("e"))
+    healthy = byte.compile(GrammarSpec(GrammarKind.REGEX, "a+"))
+    with pytest.raises(GrammarError, match="does not allow token") as refused:
+        healthy.accept(ord("b"))
+    assert not isinstance(refused.value, GrammarLimitError)  # the sampler's fault: a 500
+
+
+def test_a_mask_the_engine_cannot_compute_is_drawn_unmasked_and_fails_the_token() -> None:
+    """The limit reached while masking: the row runs unmasked in its batch, and the token it
+    draws is not taken (the request fails as the client's, its batch mates are unharmed)."""
+
+    class Unmaskable:
+        def allowed(self) -> torch.Tensor | None:
+            raise GrammarLimitError("regex grammar: lexer error: too many expressions")
+
+        def accept(self, token: int) -> None:
+            raise AssertionError("a token was fed past the limit")
+
+        def finished(self) -> bool:
+            return False
+
+    state = RequestSampling(SamplingParams(4), seed=1, constraint=Unmaskable())
+    assert state.row(0).mask is None
+    assert state.row(1).mask is None  # asked once: the error is kept
+    with pytest.raises(GrammarLimitError, match="too many expressions") as limit:
+        state.accept(7)
+    reason, detail = grammar_failure(limit.value, 7)
+    assert reason is FailureReason.REJECTED and "output token 7" in detail, detail
+    reason, _ = grammar_failure(GrammarError("regex grammar does not allow token 7"), 7)
+    assert reason is FailureReason.INTERNAL
+
+
 def test_a_model_vocabulary_wider_than_the_tokenizer_is_padded_with_false() -> None:
     wide = reference_model(ModelConfig(vocab_size=300))
     constraint = constraint_compiler(wide).compile(GrammarSpec(GrammarKind.REGEX, "a+"))
@@ -274,3 +327,31 @@ def test_the_reference_model_answers_under_a_grammar_through_the_pair(
         assert got.decode is not None and got.decode.ok, got
         assert got.decode.finish_reason == "stop", got.decode
         assert re.fullmatch(r"(ab|c)+\.", byte_model.decode(got.decode.output_ids)), rid
+
+
+def test_a_grammar_beyond_the_engines_limits_fails_as_the_clients_on_either_side(
+    byte_model: ServedModel, byte: LLGuidanceCompiler
+) -> None:
+    """The limit on the first token fails the request on the prefill side, on a later token
+    on the decode side; either is ``rejected`` (400) naming the limit, every page comes back
+    and a healthy request beside them answers."""
+    prompt = byte_model.encode("grammar", chat=True)
+    healthy = GrammarSpec(GrammarKind.REGEX, "[a-c]{4}")
+    out = _pair_answers(byte_model, byte, {
+        "first": (prompt, SamplingParams(8, grammar=TOO_BIG)),
+        # A large bias takes B's "e" over "x" after "abc".
+        "later": (prompt, SamplingParams(8, grammar=TOO_BIG_LATER,
+                                         logit_bias=((ord("e"), 100.0),))),
+        "healthy": (prompt, SamplingParams(8, grammar=healthy)),
+    })
+    first = out["first"].prefill
+    assert first.reason is FailureReason.REJECTED, first
+    assert "grammar engine cannot run" in first.detail and "output token 97" in first.detail
+    assert out["later"].prefill.reason is None, out["later"].prefill
+    later = out["later"].decode
+    assert later is not None and later.reason is FailureReason.REJECTED, later
+    assert "too many expressions" in later.detail and "output token 101" in later.detail
+    assert list(later.output_ids[:4]) == list(b"abce")
+    answer = out["healthy"].decode
+    assert answer is not None and answer.ok, answer
+    assert re.fullmatch("[a-c]{4}", byte_model.decode(answer.output_ids))

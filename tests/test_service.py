@@ -491,14 +491,30 @@ def test_a_decode_worker_contacts_only_the_prefill_servers_it_allows() -> None:
                       bootstrap_port=8998, **fields).bootstrap_host == "10.0.0.6"
 
 
-def test_a_grammar_llguidance_cannot_run_says_why_without_its_state_dump() -> None:
+def test_a_grammar_llguidance_cannot_run_is_the_clients_400_saying_why() -> None:
+    """The grammar compiles but llguidance's lexer reaches its limit on the first token: the
+    request's fault (400 ``rejected``, also in a stream's OpenAI error event), said without
+    llguidance's parser-state dump; the server answers the next request."""
     async def main() -> None:
         with running_service(config()) as service:
             async with asgi_client(service) as client:
                 r = await client.post("/generate", json={"text": "a", "sampling_params": {
                     "max_new_tokens": 2, "regex": "a{1000}{1000}"}})
-                message = r.json()["error"]["message"]
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["type"] == "rejected", error
+                message = error["message"]
+                assert "grammar engine cannot run" in message, message
                 assert "too many expressions" in message and "<state>" not in message, message
                 assert "\n" not in message
+                r = await client.post("/v1/completions", json={
+                    "prompt": "a", "max_tokens": 2, "regex": "a{1000}{1000}", "stream": True})
+                events = [json.loads(line.removeprefix("data: "))
+                          for line in r.text.splitlines() if line.startswith("data: {")]
+                assert [e["error"]["type"] for e in events] == ["invalid_request_error"], events
+                assert events[0]["error"]["code"] == "rejected"
+                r = await client.post("/generate", json={"text": "a", "sampling_params": {
+                    "max_new_tokens": 2, "regex": "a{2}"}})
+                assert r.status_code == 200 and r.json()["text"] == "aa", r.text
 
     run(main())

@@ -274,8 +274,8 @@ class DecodePeer:
                 req.output_ids.append(row.first_token)
                 req.cached_tokens = row.cached_tokens
                 rejected = self._sampling.first(req, row)
-                if rejected:
-                    self._fail(req, FailureReason.INTERNAL, rejected)
+                if rejected is not None:
+                    self._fail(req, *rejected)
                     continue
                 self._speculation.start(req, row, self._sampling.plain(req))
                 received.append(req)
@@ -347,8 +347,8 @@ class DecodePeer:
         for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
             req.output_ids.append(token)
             rejected = self._sampling.landed(req, None if sampled is None else sampled[i])
-            if rejected:
-                self._fail(req, FailureReason.INTERNAL, rejected)
+            if rejected is not None:
+                self._fail(req, *rejected)
         finished = self._sampling.finished
         self.lifecycle.fire(DecodeEvent.FINISHED,
                             [r for r in reqs if r.state is S.DECODING and finished(r)])

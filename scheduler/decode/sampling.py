@@ -9,9 +9,10 @@ strings, which need ``detokenize``. Then, per request that needs more than greed
 - each **decode step** runs ``runner.logits`` and the sampler when any request of the batch
   samples or wants logprobs (else ``runner.forward``, as before); output position ``i`` draws
   the ``i``-th number of the request's seeded stream, the prefill side having drawn position 0;
-- after each token the constraint accepts it (a rejection fails the request, 500, naming the
-  grammar error; a completed grammar stops the answer) and the tail of the decoded output that
-  can hold a new match is searched for the stop strings.
+- after each token the constraint accepts it (a rejection fails the request, naming the
+  grammar error: 500, or 400 where the grammar engine cannot run the grammar; a completed
+  grammar stops the answer) and the tail of the decoded output that can hold a new match is
+  searched for the stop strings.
 
 A request is finished (:meth:`DecodeSampling.finished`) at ``max_new_tokens``, a stop token, a
 matched stop string, a completed grammar or, unless it ignores EOS, one of the model's
@@ -23,12 +24,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kv.metadata import MetadataRow
-from lifecycle import DecodeRequest, DecodeState
+from lifecycle import DecodeRequest, DecodeState, FailureReason
 from scheduler.messages import TokenLogprob
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.sample.batch import ItemPlan, LogitsForward
 from scheduler.sample.constraint import ConstraintCompiler, GrammarError
-from scheduler.sample.request import Detokenize, RequestSampling, Sampling, token_set
+from scheduler.sample.request import (
+    Detokenize,
+    RequestSampling,
+    Sampling,
+    grammar_failure,
+    token_set,
+)
 from scheduler.sample.sampler import Sampled
 
 
@@ -50,12 +57,12 @@ class DecodeSampling:
         """Why ``req`` is refused (400), or "" when it is admitted."""
         return self._sampling.admit(req.rid, req.sampling, req.bootstrap_room, req.input_ids)
 
-    def first(self, req: DecodeRequest, row: MetadataRow) -> str:
-        """Take the first output token (already appended) from its metadata row; the grammar's
-        error when it rejects the token, else ""."""
+    def first(self, req: DecodeRequest, row: MetadataRow) -> tuple[FailureReason, str] | None:
+        """Take the first output token (already appended) from its metadata row; how the
+        request fails when its grammar rejects the token (:func:`grammar_failure`), else None."""
         state = self._states.get(req.rid)
         if state is None:
-            return ""
+            return None
         if state.params.return_logprob:
             state.output_logprobs.append(TokenLogprob(row.first_token, row.logprob, row.top,
                                                       row.asked))
@@ -76,29 +83,31 @@ class DecodeSampling:
         assert forward.results is not None
         return tokens, [r.sampled for r in forward.results]
 
-    def landed(self, req: DecodeRequest, sampled: Sampled | None) -> str:
-        """Take a decode step's token (already appended); the grammar's error when it rejects
-        the token, else ""."""
+    def landed(self, req: DecodeRequest,
+               sampled: Sampled | None) -> tuple[FailureReason, str] | None:
+        """Take a decode step's token (already appended); how the request fails when its
+        grammar rejects the token, else None."""
         state = self._states.get(req.rid)
         if state is None:
-            return ""
+            return None
         if sampled is not None and sampled.logprob is not None:
             state.output_logprobs.append(sampled.logprob)
         return self._after(req, state)
 
-    def _after(self, req: DecodeRequest, state: RequestSampling) -> str:
+    def _after(self, req: DecodeRequest,
+               state: RequestSampling) -> tuple[FailureReason, str] | None:
         token = req.output_ids[-1]
         try:
             state.accept(token)
         except GrammarError as exc:
-            return f"the grammar rejected output token {token}: {exc}"
+            return grammar_failure(exc, token)
         stops = req.sampling.stop
         if stops and state.matched_stop is None and self._detokenize is not None:
             # A new match ends in the newest token's text: decode only the tokens it can span.
             longest = max(len(s) for s in stops)
             tail = self._detokenize(req.output_ids[-(longest + 1):])
             state.matched_stop = next((s for s in stops if s in tail), None)
-        return ""
+        return None
 
     def output_logprobs(self, rid: str) -> Sequence[TokenLogprob]:
         """The output logprobs gathered so far for live request ``rid`` (none if it asked for

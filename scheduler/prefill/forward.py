@@ -176,8 +176,8 @@ class Landed:
     chunk_done: list[PrefillRequest] = attrs.Factory(list)
     prefilled: list[PrefillRequest] = attrs.Factory(list)
     settle: list[PrefillRequest] = attrs.Factory(list)
-    # Requests whose grammar rejected their first token, and the error (fail them, 500).
-    rejected: list[tuple[PrefillRequest, str]] = attrs.Factory(list)
+    # Requests whose grammar rejected their first token, with how they fail.
+    rejected: list[tuple[PrefillRequest, FailureReason, str]] = attrs.Factory(list)
 
 
 @attrs.define(eq=False)
@@ -228,8 +228,8 @@ class Results:
             logprob = None
             if results is not None:
                 rejected = self._sampling.land(req, chunk.last, results[i])
-                if rejected:
-                    out.rejected.append((req, rejected))
+                if rejected is not None:
+                    out.rejected.append((req, *rejected))
                     continue
                 logprob = results[i].sampled.logprob
             if chunk.last:

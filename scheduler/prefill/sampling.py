@@ -11,8 +11,9 @@
   request wants logprobs of; a last chunk's row is masked by the request's constraint (computed
   here, on the loop thread) and drawn at output position 0 of its seeded stream.
 - **land** — :meth:`PrefillSampling.land` keeps a chunk's input logprobs and, for a last chunk,
-  feeds the token to the constraint (a rejection fails the request, 500, naming the grammar
-  error) and keeps its logprob, which the metadata row carries to the decode side.
+  feeds the token to the constraint (a rejection fails the request, naming the grammar error:
+  500, or 400 where the grammar engine cannot run the grammar) and keeps its logprob, which
+  the metadata row carries to the decode side.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from collections.abc import Iterable
 
 import attrs
 
-from lifecycle import PrefillRequest
+from lifecycle import FailureReason, PrefillRequest
 from scheduler.messages import TokenLogprob
 from scheduler.prefill.adder import Plan
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.sample.batch import UNREAD, ItemPlan, ItemResult, LogitsForward, Scoring
 from scheduler.sample.constraint import ConstraintCompiler, GrammarError
 from scheduler.sample.logprobs import needs_all_logits
-from scheduler.sample.request import Sampling, token_set
+from scheduler.sample.request import Sampling, grammar_failure, token_set
 
 
 class PrefillSampling:
@@ -66,22 +67,24 @@ class PrefillSampling:
                                   Scoring(state.params, prompt) if every else None))
         return ForwardBatch(tuple(items)), LogitsForward(self._runner, plans)
 
-    def land(self, req: PrefillRequest, last: bool, result: ItemResult) -> str:
+    def land(self, req: PrefillRequest, last: bool,
+             result: ItemResult) -> tuple[FailureReason, str] | None:
         """Keep what a landed chunk of ``req`` computed; for its last chunk, feed the sampled
-        token to the constraint. Returns the grammar's error when it rejects the token."""
+        token to the constraint. Returns how the request fails when its grammar rejects the
+        token (:func:`~scheduler.sample.request.grammar_failure`), else None."""
         state = self._states.get(req.rid)
         if state is None:
-            return ""
+            return None
         state.input_logprobs.extend(result.input_logprobs)
         if not last:
-            return ""
+            return None
         try:
             state.accept(result.sampled.token)
         except GrammarError as exc:
-            return f"the grammar rejected the first output token {result.sampled.token}: {exc}"
+            return grammar_failure(exc, result.sampled.token)
         if result.sampled.logprob is not None:
             state.output_logprobs.append(result.sampled.logprob)
-        return ""
+        return None
 
     def take(self, rid: str, done: bool) -> tuple[TokenLogprob | None, tuple[TokenLogprob, ...]]:
         """Forget the request (it is answered); the first output token's logprob and the input

@@ -348,8 +348,8 @@ class PrefillScheduler:
                 self.stages.forwarded(seq)
         for req in landed.settle:
             self._settle(req)
-        for req, grammar_error in landed.rejected:
-            self._fail(req, FailureReason.INTERNAL, grammar_error)
+        for req, reason, grammar_error in landed.rejected:
+            self._fail(req, reason, grammar_error)
 
     # -- release and respond (lifecycle hooks) ----------------------------------------------
 

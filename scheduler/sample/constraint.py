@@ -20,12 +20,20 @@ class GrammarError(ValueError):
     """A grammar that does not compile, or a token it rejects; the message names the problem."""
 
 
+class GrammarLimitError(GrammarError):
+    """The grammar compiled but the grammar engine could not run it (one of its limits, such as
+    the lexer's size, reached while masking or consuming a token): the request's grammar is at
+    fault, not the server (a 400), unlike a token the mask allowed and the grammar rejects."""
+
+
 class Constraint(Protocol):
     def allowed(self) -> torch.Tensor | None:
-        """A bool mask over the vocabulary of the tokens allowed next (None: any token)."""
+        """A bool mask over the vocabulary of the tokens allowed next (None: any token); raises
+        :class:`GrammarLimitError` if the engine cannot run the grammar further."""
 
     def accept(self, token: int) -> None:
-        """Advance past ``token``; raises :class:`GrammarError` if the grammar rejects it."""
+        """Advance past ``token``; raises :class:`GrammarError` if the grammar rejects it
+        (:class:`GrammarLimitError` if the engine cannot run the grammar further)."""
 
     def finished(self) -> bool:
         """Whether the grammar is complete and allows nothing more (the answer stops)."""

@@ -33,7 +33,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lifecycle import GrammarKind, GrammarSpec
-from scheduler.sample.constraint import GrammarError
+from scheduler.sample.constraint import GrammarError, GrammarLimitError
 
 #: The first byte llguidance expects of a special token's bytes (it never starts valid UTF-8).
 SPECIAL_MARK = b"\xff"
@@ -95,7 +95,7 @@ class LLGuidanceConstraint:
         # (7 us for 49k tokens; llguidance's byte-per-token mask compared with 0 took 55 us).
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._matcher.is_error():
-            raise GrammarError(f"{self._kind.value} grammar: {_brief(self._matcher.get_error())}")
+            raise self._limit()
         unpacked = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         mask = torch.from_numpy(unpacked).view(torch.bool)
         if mask.numel() >= self._vocab_size:
@@ -116,17 +116,25 @@ class LLGuidanceConstraint:
         allowed = self._matcher.validate_tokens([token]) == 1 or (
             token in self._eos and self._matcher.is_accepting())
         if not allowed:
+            if self._matcher.is_error():
+                raise self._limit()
             raise GrammarError(
                 f"{self._kind.value} grammar does not allow token {token} "
                 f"{self._tokenizer.dbg_tokens([token])} after {self.accepted} tokens")
         if not self._matcher.consume_token(token):
-            raise GrammarError(f"{self._kind.value} grammar: {_brief(self._matcher.get_error())}")
+            raise self._limit()
         self.accepted += 1
 
     def finished(self) -> bool:
         """Whether the grammar is complete and allows nothing but EOS."""
         m = self._matcher
         return m.is_stopped() and m.is_accepting() and not m.is_error()
+
+    def _limit(self) -> GrammarLimitError:
+        """The matcher's own error (a validated token it could not consume, a mask it could not
+        compute): llguidance reached one of its limits on this grammar."""
+        return GrammarLimitError(f"{self._kind.value} grammar: "
+                                 f"{_brief(self._matcher.get_error())}")
 
 
 def check(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer | None = None) -> None:

@@ -15,10 +15,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from lifecycle import SamplingParams
+from lifecycle import FailureReason, SamplingParams
 from scheduler.messages import TokenLogprob
 from scheduler.runner import LogitsRunner, ModelRunner
-from scheduler.sample.constraint import Constraint, ConstraintCompiler, GrammarError
+from scheduler.sample.constraint import (
+    Constraint,
+    ConstraintCompiler,
+    GrammarError,
+    GrammarLimitError,
+)
 from scheduler.sample.logprobs import first_entries, wants_input_logprobs
 from scheduler.sample.sampler import RowSpec
 from scheduler.sample.stream import request_seed
@@ -46,12 +51,21 @@ class RequestSampling:
     grammar_done: bool = False
     # What min_new_tokens excludes while the answer is shorter: stop tokens and EOS ids.
     banned: tuple[int, ...] = ()
+    # The engine could not compute the constraint's mask: the row is drawn unmasked, and
+    # accept raises this instead of taking the token.
+    limit: GrammarLimitError | None = None
 
     def row(self, position: int, output: Sequence[int] = ()) -> RowSpec:
         """The spec of output position ``position``'s row (the constraint's mask now), after
-        the output tokens ``output`` (those before it)."""
+        the output tokens ``output`` (those before it). A mask the grammar engine cannot
+        compute is kept for :meth:`accept` to raise: the batch runs, the request fails."""
         params = self.params
-        mask = None if self.constraint is None else self.constraint.allowed()
+        mask = None
+        if self.constraint is not None and self.limit is None:
+            try:
+                mask = self.constraint.allowed()
+            except GrammarLimitError as exc:
+                self.limit = exc
         return RowSpec(params, self.seed, position, mask,
                        history=tuple(output[:position]) if params.penalized else (),
                        banned=self.banned if position < params.min_new_tokens else ())
@@ -59,9 +73,21 @@ class RequestSampling:
     def accept(self, token: int) -> None:
         """Feed ``token`` to the constraint (``grammar_done`` says whether it is now complete).
         Raises :class:`GrammarError` when it rejects the token."""
+        if self.limit is not None:
+            raise self.limit
         if self.constraint is not None:
             self.constraint.accept(token)
             self.grammar_done = self.constraint.finished()
+
+
+def grammar_failure(exc: GrammarError, token: int) -> tuple[FailureReason, str]:
+    """How a request fails when its grammar raised ``exc`` on output token ``token``: the
+    request's fault (400) when the engine cannot run the grammar, else the server's (500: the
+    sampler drew a token the mask did not allow)."""
+    if isinstance(exc, GrammarLimitError):
+        return FailureReason.REJECTED, (f"the grammar engine cannot run this grammar (at output "
+                                        f"token {token}): {exc}")
+    return FailureReason.INTERNAL, f"the grammar rejected output token {token}: {exc}"
 
 
 def token_set(ids: int | Iterable[int] | None) -> frozenset[int]:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service.core import Answer, Service
-from scheduler.service.openai_schema import OpenAIError, OpenAIErrorDetail
+from scheduler.service.openai_schema import OpenAIError
 from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.schema import ErrorBody, ErrorDetail
 
@@ -30,10 +30,8 @@ def openai_error(status: int, message: str, code: str, param: str | None = None
                  ) -> JSONResponse:
     """OpenAI's error object: ``type`` ``invalid_request_error`` for a 4xx, ``server_error``
     otherwise."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = OpenAIError(error=OpenAIErrorDetail(message=message, type=kind, param=param,
-                                               code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(OpenAIError.of(status, message, code, param).model_dump(),
+                        status_code=status)
 
 
 def rejected(

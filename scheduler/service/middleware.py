@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from scheduler.service.metrics import ServiceMetrics
-from scheduler.service.openai_schema import OpenAIError, OpenAIErrorDetail
+from scheduler.service.openai_schema import OpenAIError
 from scheduler.service.schema import ErrorBody, ErrorDetail
 
 Scope = MutableMapping[str, Any]
@@ -63,9 +63,7 @@ def _error_response(scope: Scope, status: int, kind: str, message: str,
     error object (``kind`` as its ``code``) under ``/v1/``, ``/generate``'s elsewhere."""
     error: ErrorBody | OpenAIError
     if str(scope.get("path", "")).startswith("/v1/"):
-        error = OpenAIError(error=OpenAIErrorDetail(
-            message=message, type="invalid_request_error" if status < 500 else "server_error",
-            param=None, code=kind))
+        error = OpenAIError.of(status, message, kind)
     else:
         error = ErrorBody(error=ErrorDetail(message=message, type=kind))
     data = json.dumps(error.model_dump())

@@ -225,6 +225,13 @@ class OpenAIErrorDetail(BaseModel):
 class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
 
+    @classmethod
+    def of(cls, status: int, message: str, code: str, param: str | None = None) -> OpenAIError:
+        """The error for an HTTP ``status``: ``type`` ``invalid_request_error`` for a 4xx,
+        ``server_error`` otherwise (a stream's error event carries it too)."""
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return cls(error=OpenAIErrorDetail(message=message, type=kind, param=param, code=code))
+
 
 OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": OpenAIError, "description": "the request can never be served as sent"},

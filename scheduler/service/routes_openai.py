@@ -41,7 +41,6 @@ from scheduler.service.openai_schema import (
     CompletionRequest,
     CompletionResponse,
     OpenAIError,
-    OpenAIErrorDetail,
     SamplingFields,
 )
 from scheduler.service.refusals import peer_rooms, refuse_peers
@@ -182,9 +181,7 @@ async def _chunks(service: Service, pending: Pending,
     if echo is not None and answer.status == 200:
         yield chunks.text(echo, logprobs=logprobs.echo(answer.input_logprobs, echo))
     if answer.status != 200:
-        yield OpenAIError(error=OpenAIErrorDetail(
-            message=answer.message, type="server_error", param=None,
-            code=failure_kind(answer))).model_dump()
+        yield OpenAIError.of(answer.status, answer.message, failure_kind(answer)).model_dump()
         return
     rest = text.rest(final_text(tokenizer, item, answer))
     yield chunks.text(rest, finish=answer.finish_reason, logprobs=logprobs.rest(answer))
