@@ -403,6 +403,8 @@ def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
     async def main() -> None:
         with running_service(config(), runner_factory=poisoned) as service:
             async with asgi_client(service) as client:
+                head = await client.head("/health")
+                assert head.status_code == 200 and head.content == b""
                 assert (await gen(client, input_ids=[1, 2])).status_code == 200
                 r = await gen(client, input_ids=[BREAK, 2], rid="bad")
                 assert r.status_code == 500
@@ -410,6 +412,7 @@ def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
                 health = await client.get("/health")
                 assert health.status_code == 503
                 assert health.json()["error"]["type"] == "unhealthy"
+                assert (await client.head("/health")).status_code == 503
                 assert (await gen(client, input_ids=[1, 2])).status_code == 503
                 assert "pdlife_service_healthy 0.0" in (await client.get("/metrics")).text
                 assert not service.loop.alive

@@ -32,9 +32,11 @@ def service_of(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(service_of)]
 
 
-@router.get("/health", response_class=PlainTextResponse, responses={503: ERRORS[503]})
+@router.api_route("/health", methods=["GET", "HEAD"], response_class=PlainTextResponse,
+                  responses={503: ERRORS[503]})
 async def health(service: ServiceDep) -> Response:
-    """200 (empty body) while the engine loop runs and the server admits requests."""
+    """200 (empty body) while the engine loop runs and the server admits requests (``HEAD``
+    too, as some load balancers probe)."""
     return unavailable(service) or PlainTextResponse("")
 
 
