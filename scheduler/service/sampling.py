@@ -156,7 +156,7 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
                              f"(more than {MAX_SCHEMA_DEPTH} levels)")
         try:
             schema = json.loads(source)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # not JSON, or an integer beyond Python's digit limit
             raise BadRequest("bad_grammar",
                              f"sampling_params.json_schema is not valid JSON: {exc}") from exc
         if not isinstance(schema, dict | bool):
