@@ -422,7 +422,7 @@ def test_a_first_token_the_grammar_rejects_fails_the_request_and_releases_everyt
     bad = out["bad"].prefill
     assert (bad.state, bad.reason, bad.http_status) == (
         PrefillState.FAILED, FailureReason.INTERNAL, 500)
-    assert "grammar rejected the first output token" in bad.detail
+    assert "the grammar rejected output token 105" in bad.detail
     assert "is not in the set" in bad.detail
     assert out["bad"].decode is not None and not out["bad"].decode.ok
     assert out["good"].decode is not None and out["good"].decode.ok
