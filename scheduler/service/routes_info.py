@@ -32,12 +32,15 @@ def service_of(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(service_of)]
 
 
-@router.api_route("/health", methods=["GET", "HEAD"], response_class=PlainTextResponse,
-                  responses={503: ERRORS[503]})
+@router.get("/health", response_class=PlainTextResponse, responses={503: ERRORS[503]})
 async def health(service: ServiceDep) -> Response:
-    """200 (empty body) while the engine loop runs and the server admits requests (``HEAD``
-    too, as some load balancers probe)."""
+    """200 (empty body) while the engine loop runs and the server admits requests."""
     return unavailable(service) or PlainTextResponse("")
+
+
+# Some load balancers probe with HEAD; one operation in the schema is enough.
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False,
+                     response_class=PlainTextResponse)
 
 
 @router.get("/health_generate", response_class=PlainTextResponse, responses={503: ERRORS[503]})
