@@ -37,6 +37,7 @@ from typing import Any
 from kv.transfer import KVPoll, TransferError
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.messages import Response
 from scheduler.model.reference import ModelConfig, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
 
@@ -145,6 +146,7 @@ def soak(requests: int, wave: int, seed: int, overlap: bool, cache: bool) -> dic
     pair.prefill.on_response = _counting(pair.prefill.on_response, prefill_counts)
     pair.decode.on_response = _counting(pair.decode.on_response, decode_counts)
 
+    answered: list[Response] = []  # the prefill answers, as run_until_done hands them over
     started = time.monotonic()
     for first in range(0, requests, wave):
         batch = rids[first : first + wave]
@@ -156,7 +158,7 @@ def soak(requests: int, wave: int, seed: int, overlap: bool, cache: bool) -> dic
             for rid in (r for k in range(n * wave // 8, (n + 1) * wave // 8)
                         for r in aborts.get(k, ()) if r in batch):
                 pair.abort(rid)
-        pair.run_until_done(batch, timeout=300)
+        answered.extend(o.prefill for o in pair.run_until_done(batch, timeout=300).values())
     seconds = time.monotonic() - started
 
     pair.prefill.check_invariants()
@@ -165,21 +167,21 @@ def soak(requests: int, wave: int, seed: int, overlap: bool, cache: bool) -> dic
     cached = 0 if prefix is None else prefix.tree.evictable  # owned by the tree, unlocked
     leaked_pages = (pair.prefill_pool.allocator.in_use() - cached
                     + pair.decode_pool.allocator.in_use())
-    prompt_tokens = sum(r.prompt_tokens for r in pair.prefill_responses.values())
-    hit_rate = sum(r.cached_tokens for r in pair.prefill_responses.values()) / prompt_tokens
+    prompt_tokens = sum(r.prompt_tokens for r in answered)
+    hit_rate = sum(r.cached_tokens for r in answered) / prompt_tokens
     leaked_slots = (pair.prefill.slots.num_slots - pair.prefill.slots.available()) + (
         pair.decode.slots.num_slots - pair.decode.slots.available())
     lost = sum(1 for r in rids if not prefill_counts[r] or not decode_counts[r])
     duplicated = sum(max(0, c - 1) for c in (*prefill_counts.values(), *decode_counts.values()))
     outcomes = collections.Counter(
-        "done" if r.ok else r.reason.value for r in pair.prefill_responses.values()
+        "done" if r.ok else r.reason.value for r in answered
     )
     # Healthy afterwards: a fresh request gets the colocated reference's tokens.
     prompt = systems[-1] + [rng.randrange(256) for _ in range(21)]
     pair.submit("fresh", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
     fresh = pair.run_until_done(["fresh"])["fresh"]
     want = ReferenceModel(pair.model).generate(prompt, 4, (), True)
-    healthy = fresh.decode is not None and list(fresh.decode.output_ids) == want
+    healthy = list(fresh.decode.output_ids) == want
     pair.close()
     return dict(requests=requests, lost=lost, duplicated=duplicated, leaked_pages=leaked_pages,
                 leaked_slots=leaked_slots, seconds=seconds, outcomes=outcomes, healthy=healthy,

@@ -58,6 +58,12 @@ def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def as_stop_strings(stop: str | Iterable[str]) -> tuple[str, ...]:
+    """Stop strings as the tuple records keep (an attrs converter): one string is one stop
+    string, not its characters."""
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
 def as_logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]
                   ) -> tuple[tuple[int, float], ...]:
     """A logit bias as the sorted ``(token id, bias)`` pairs records keep (an attrs converter);
@@ -139,7 +145,7 @@ class SamplingParams:
     top_k: int = attrs.field(default=0, kw_only=True, validator=_in(0, 1 << 31))
     min_p: float = attrs.field(default=0.0, kw_only=True, validator=_in(0.0, 1.0))
     seed: int | None = attrs.field(default=None, kw_only=True)
-    stop: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=as_stop_strings)
     return_logprob: bool = attrs.field(default=False, kw_only=True)
     top_logprobs_num: int = attrs.field(default=0, kw_only=True, validator=_in(0, TOP_LOGPROBS_MAX))
     logprob_start_len: int = attrs.field(default=-1, kw_only=True)
@@ -153,6 +159,16 @@ class SamplingParams:
                                                             converter=as_logit_bias)
     token_ids_logprob: tuple[int, ...] = attrs.field(default=(), kw_only=True,
                                                      converter=as_token_ids)
+
+    @stop_token_ids.validator
+    def _check_stop_ids(self, _attr: object, value: tuple[int, ...]) -> None:
+        if value and min(value) < 0:
+            raise ValueError(f"stop_token_ids must be >= 0, got {min(value)}")
+
+    @stop.validator
+    def _check_stop(self, _attr: object, value: tuple[str, ...]) -> None:
+        if "" in value:
+            raise ValueError("a stop string must not be empty (it would match at once)")
 
     @max_new_tokens.validator
     def _check_max_new(self, _attr: object, value: int) -> None:

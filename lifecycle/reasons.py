@@ -15,7 +15,6 @@ class FailureReason(enum.Enum):
     BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
     TRANSFER_FAILED = "transfer_failed"
     TRANSFER_TIMEOUT = "transfer_timeout"
-    PEER_LOST = "peer_lost"
     SHUTDOWN = "shutdown"
     INTERNAL = "internal"
 
@@ -37,7 +36,6 @@ _HTTP_STATUS = {
     FailureReason.BOOTSTRAP_TIMEOUT: 500,
     FailureReason.TRANSFER_FAILED: 500,
     FailureReason.TRANSFER_TIMEOUT: 500,
-    FailureReason.PEER_LOST: 500,
     FailureReason.SHUTDOWN: 503,
     FailureReason.INTERNAL: 500,
 }

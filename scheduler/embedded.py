@@ -9,11 +9,18 @@ and recurrent slots, or a draft model's pool (speculative decoding), and the bac
 too (:mod:`scheduler.model.side_pools`). :class:`EmbeddedPair` drives both loops from the
 calling thread, which makes it the harness of the demo, the benchmarks and the end-to-end
 tests, and the simplest way to embed pdlife.
+
+A request id is the pair's from :meth:`EmbeddedPair.submit` until :meth:`run_until_done` hands
+its :class:`Outcome` over (the pair then forgets it, so a long-lived pair does not grow and the
+id may be used again); :meth:`EmbeddedPair.close` answers what is still live ``shutdown``.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Literal
@@ -43,6 +50,8 @@ from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
 from scheduler.stepping import step_until
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -76,10 +85,11 @@ class PairConfig:
 
 @attrs.frozen
 class Outcome:
-    """Both sides' answers for one request."""
+    """Both sides' answers for one request (a request that failed on prefill is aborted on
+    decode, so both sides always answer)."""
 
     prefill: Response
-    decode: DecodeResponse | None
+    decode: DecodeResponse
 
 
 class EmbeddedPair:
@@ -98,9 +108,16 @@ class EmbeddedPair:
         """``served`` (from :func:`scheduler.model.select.load_model`) runs a real checkpoint or
         the reference model on both sides; without it, ``model`` or ``config.model`` is the
         reference model. ``compiler`` (both sides) and ``detokenize`` (decode) serve grammars
-        and stop strings; without them such requests are refused."""
+        and stop strings; they default to ``served``'s (its grammar compiler, its tokenizer's
+        decode), and without them such requests are refused."""
         self.config = config
         self.served = served
+        if served is not None:
+            if compiler is None:
+                from scheduler.assemble import constraint_compiler
+
+                compiler = constraint_compiler(served)
+            detokenize = detokenize or served.decode
         runner_factory: RunnerFactory = PagedModelRunner
         eos: int | tuple[int, ...] = config.model.eos_token_id
         if served is not None:
@@ -147,8 +164,11 @@ class EmbeddedPair:
         self.decode_pool = self.decode.pool
         self.prefill_kv = self.prefill.kv
         self.decode_kv = self.decode.kv
-        self._rooms = 0
+        self._rooms = itertools.count(1)
+        self._lock = threading.Lock()
+        self._submitted: set[str] = set()  # ids whose outcome is not yet handed over
         self._propagated: set[str] = set()
+        self._closed = False
 
     def _on_prefill(self, r: Response) -> None:
         if r.rid in self.prefill_responses:
@@ -161,16 +181,27 @@ class EmbeddedPair:
         self.decode_responses[r.rid] = r
 
     def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None:
-        """Send one request to both sides, as a PD router does."""
-        self._rooms += 1
+        """Send one request to both sides, as a PD router does, in a bootstrap room of its
+        own (thread-safe). Raises ``ValueError`` while ``rid`` is the pair's (submitted, its
+        outcome not yet handed over by :meth:`run_until_done`) and ``RuntimeError`` once the
+        pair is closed."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"request {rid!r}: this EmbeddedPair is closed")
+            if rid in self._submitted:
+                raise ValueError(f"request id {rid!r} is in use: it was submitted and "
+                                 f"run_until_done has not handed its outcome over")
+            self._submitted.add(rid)
+            room = next(self._rooms)
         new = NewRequest(
             rid, tuple(prompt), bootstrap_host=self.bootstrap_host,
-            bootstrap_port=self.bootstrap_port, bootstrap_room=self._rooms, sampling=sampling,
+            bootstrap_port=self.bootstrap_port, bootstrap_room=room, sampling=sampling,
         )
         self.prefill.submit(new)
         self.decode.submit(new)
 
     def abort(self, rid: str) -> None:
+        """Abort ``rid`` on both sides (thread-safe; ignored once it is finished)."""
         self.prefill.abort(rid)
         self.decode.abort(rid)
 
@@ -179,23 +210,32 @@ class EmbeddedPair:
         worked |= self.decode.step()
         return worked
 
-    def run_until_done(self, rids: Iterable[str], timeout: float = 120.0) -> dict[str, Outcome]:
-        """Drive both loops until every request in ``rids`` got both answers (or, failed on
-        prefill, its decode side was aborted) and both sides are idle."""
+    def run_until_done(self, rids: Iterable[str], timeout: float = 120.0, *,
+                       idle: bool = True) -> dict[str, Outcome]:
+        """Drive both loops until every request in ``rids`` got both answers (failed on
+        prefill, its decode side is aborted, as a PD router does) and, with ``idle``, both
+        sides are idle (every page back: other requests run to their end too); then hand their
+        outcomes over: the pair forgets them. Raises ``TimeoutError`` after ``timeout`` wall
+        seconds naming the requests still unanswered."""
         rids = list(rids)
+        prefill, decode = self.prefill_responses, self.decode_responses
+
+        def answered() -> bool:
+            return all(r in decode and r in prefill for r in rids)
 
         def unanswered() -> str:
-            missing = [r for r in rids if r not in self.decode_responses]
+            missing = [r for r in rids if r not in decode or r not in prefill]
+            if not missing:
+                return f"every request answered, but the pair is not idle after {timeout} s"
             return f"{len(missing)} requests unanswered after {timeout} s: {missing[:5]}"
 
-        step_until(
-            self._propagate_and_step,
-            lambda: all(r in self.decode_responses for r in rids) and self.idle(),
-            timeout, unanswered,
-        )
-        return {
-            r: Outcome(self.prefill_responses[r], self.decode_responses.get(r)) for r in rids
-        }
+        step_until(self._propagate_and_step,
+                   (lambda: answered() and self.idle()) if idle else answered,
+                   timeout, unanswered)
+        with self._lock:
+            self._submitted.difference_update(rids)
+            self._propagated.difference_update(rids)
+        return {r: Outcome(prefill.pop(r), decode.pop(r)) for r in rids}
 
     def _propagate_and_step(self) -> bool:
         self._propagate_prefill_failures()
@@ -221,7 +261,25 @@ class EmbeddedPair:
         return MooncakeDecodeManager(pool, meta, self.bootstrap.address, states=states,
                                      config=self.config.mooncake)
 
-    def close(self) -> None:
-        errors = close_all(self._closers)
+    def close(self, timeout: float = 30.0) -> None:
+        """Answer every request still live ``shutdown`` (503) on both sides, step them until
+        both sides are idle (at most ``timeout`` seconds), then close the schedulers and the
+        transfer engines; a second call does nothing. Not with a step running on another
+        thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = [r for r in self._submitted if r not in self.decode_responses]
+        try:
+            for rid in live:
+                self.prefill.abort(rid, shutdown=True)
+                self.decode.abort(rid, shutdown=True)
+            if live or not self.idle():
+                step_until(self.step, self.idle, timeout,
+                           lambda: f"the pair is not idle {timeout} s after its requests were "
+                                   f"answered shutdown")
+        finally:
+            errors = close_all(self._closers)
         if errors:
             raise errors[0]

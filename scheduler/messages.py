@@ -51,9 +51,11 @@ class NewRequest:
 
 @attrs.frozen
 class AbortRequest:
-    """Abort the live request ``rid`` (ignored if it is unknown or finished)."""
+    """Abort the live request ``rid`` (ignored if it is unknown or finished): ``aborted`` by
+    the client, or ``shutdown`` when its server closes under it."""
 
     rid: str
+    shutdown: bool = False
 
 
 @attrs.frozen

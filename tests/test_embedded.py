@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
+import pytest
+
 from lifecycle import FailureReason, PrefillState, SamplingParams
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import ModelConfig
@@ -50,5 +54,101 @@ def test_a_prefill_failure_releases_both_sides():
         assert out.decode is not None and not out.decode.ok
         assert pair.prefill_pool.allocator.available() == 256
         assert pair.decode_pool.allocator.available() == 256
+    finally:
+        pair.close()
+
+
+def test_a_request_id_is_the_pairs_until_its_outcome_is_handed_over():
+    """A live id is refused at submit (it once crashed the pair's response hook); an outcome
+    handed over is forgotten, so the id may come back and a long-lived pair does not grow."""
+    pair = make_pair()
+    try:
+        for round_ in range(3):
+            pair.submit("a", [1, 2, 3, round_], SamplingParams(max_new_tokens=3))
+            with pytest.raises(ValueError, match="request id 'a' is in use"):
+                pair.submit("a", [4, 5], SamplingParams(max_new_tokens=3))
+            out = pair.run_until_done(["a"])["a"]
+            assert out.prefill.ok and out.decode is not None and out.decode.ok, out
+            assert pair.prefill_responses == {} and pair.decode_responses == {}
+        pair.prefill.check_invariants()
+    finally:
+        pair.close()
+
+
+def test_run_until_done_without_idle_returns_once_its_own_requests_are_answered():
+    pair = make_pair()
+    try:
+        pair.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        pair.submit("short", [4, 5, 6], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        short = pair.run_until_done(["short"], idle=False)["short"]
+        assert short.decode is not None and len(short.decode.output_ids) == 2
+        assert pair.decode.lifecycle.get("long") is not None  # still decoding
+        long = pair.run_until_done(["long"])["long"]
+        assert long.decode is not None and len(long.decode.output_ids) == 200
+    finally:
+        pair.close()
+
+
+def test_a_prompt_id_outside_the_vocabulary_is_refused_alone():
+    """In one batch with others it failed them all (the model raised for the whole batch)."""
+    pair = make_pair()
+    vocab = pair.model.config.vocab_size
+    try:
+        pair.submit("oov", [1, 2, vocab], SamplingParams(max_new_tokens=3))
+        pair.submit("negative", [1, -5, 3], SamplingParams(max_new_tokens=3))
+        pair.submit("ok", [1, 2, 3], SamplingParams(max_new_tokens=3))
+        out = pair.run_until_done(["oov", "negative", "ok"])
+        for rid, got in (("oov", f"1..{vocab}"), ("negative", "-5..3")):
+            prefill = out[rid].prefill
+            assert prefill.reason is FailureReason.REJECTED and prefill.http_status == 400
+            assert f"token ids must be in 0..{vocab - 1}, got {got}" in prefill.detail
+            assert out[rid].decode is not None and not out[rid].decode.ok
+        assert out["ok"].decode is not None and out["ok"].decode.ok, out["ok"]
+        assert pair.prefill_pool.allocator.available() == 256
+        assert pair.decode_pool.allocator.available() == 256
+    finally:
+        pair.close()
+
+
+def test_close_answers_live_requests_shutdown_and_refuses_later_submits():
+    pair = make_pair()
+    pair.submit("done", [1, 2], SamplingParams(max_new_tokens=2))
+    pair.run_until_done(["done"])
+    for i in range(3):
+        pair.submit(f"live{i}", list(range(40)), SamplingParams(max_new_tokens=50))
+    for _ in range(3):
+        pair.step()
+    pair.close()
+    for i in range(3):
+        prefill, decode = pair.prefill_responses[f"live{i}"], pair.decode_responses[f"live{i}"]
+        assert decode.reason is FailureReason.SHUTDOWN and decode.http_status == 503, decode
+        assert "shutting down" in decode.detail
+        # Its KV may have reached decode already: the prefill side then ended it DONE.
+        assert prefill.ok or prefill.reason is FailureReason.SHUTDOWN, prefill
+    assert any(not pair.prefill_responses[f"live{i}"].ok for i in range(3))
+    assert pair.prefill_pool.allocator.available() == 256
+    assert pair.decode_pool.allocator.available() == 256
+    with pytest.raises(RuntimeError, match="this EmbeddedPair is closed"):
+        pair.submit("late", [1, 2], SamplingParams(max_new_tokens=2))
+    pair.close()  # a second close does nothing
+
+
+def test_requests_submitted_from_many_threads_each_get_a_room_and_an_answer():
+    pair = make_pair()
+    rids = [f"t{t}-{i}" for t in range(4) for i in range(25)]
+
+    def submit(t: int) -> None:
+        for i in range(25):
+            pair.submit(f"t{t}-{i}", [1 + t, 2 + i], SamplingParams(max_new_tokens=2))
+
+    try:
+        threads = [threading.Thread(target=submit, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        out = pair.run_until_done(rids)
+        assert all(o.decode is not None and o.decode.ok for o in out.values()), [
+            (r, o.prefill.detail) for r, o in out.items() if not o.prefill.ok]
     finally:
         pair.close()

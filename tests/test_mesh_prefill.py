@@ -227,6 +227,7 @@ def test_relayed_requests_keep_every_field() -> None:
                    sampling=SamplingParams(5, (2,), temperature=0.5, seed=3, stop=("x",),
                                            grammar=GrammarSpec("regex", "a+"))),
         AbortRequest("b"),
+        AbortRequest("d", shutdown=True),
         NewRequest("c", [4], bootstrap_host="2.2.2.2"),
     ]
     assert decode_items(encode_items(items)) == items

@@ -134,7 +134,8 @@ def test_walk_decode_path(path: TestPath) -> None:
     req = decode_request("d")
     lc.admit(req)
     for edge in path.edges:
-        reason = FailureReason.PEER_LOST if edge.event in DECODE_TABLE.failure_events else None
+        failing = edge.event in DECODE_TABLE.failure_events
+        reason = FailureReason.TRANSFER_FAILED if failing else None
         lc.fire(edge.event, [req], reason=reason)
         assert req.state is edge.dest
         assert lc.counts() == {

@@ -384,6 +384,13 @@ def test_metrics_count_what_happened():
 def test_sampling_params_are_validated():
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="a stop string must not be empty"):
+        SamplingParams(stop=("ok", ""))
+    with pytest.raises(ValueError, match="stop_token_ids must be >= 0, got -1"):
+        SamplingParams(stop_token_ids=(3, -1))
+    # One string is one stop string (it was split into its characters).
+    assert SamplingParams(stop="Paris").stop == ("Paris",)
+    assert SamplingParams(stop=["Paris", "Rome"]).stop == ("Paris", "Rome")
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         SchedulerConfig(page_size=16, chunked_prefill_size=8)
 

@@ -133,8 +133,7 @@ def test_the_overlap_loop_hands_off_the_same_and_an_abort_keeps_nothing() -> Non
             pair.step()
         pair.abort("aborted")
         got = serve(pair, {rid: (p, GREEDY) for rid, p in prompts.items()})
-        pair.run_until_done(["aborted"])
-        assert not pair.prefill_responses["aborted"].ok
+        assert not pair.run_until_done(["aborted"])["aborted"].prefill.ok
         assert pair.prefill.runner.kept() == 0  # type: ignore[attr-defined]
     finally:
         pair.close()

@@ -148,8 +148,8 @@ class MeshDecodePeer(DecodePeer):
     def submit(self, req: NewRequest) -> None:
         self._relayed.put(req)
 
-    def abort(self, rid: str) -> None:
-        self._relayed.put(AbortRequest(rid))
+    def abort(self, rid: str, *, shutdown: bool = False) -> None:
+        self._relayed.put(AbortRequest(rid, shutdown))
 
     def step(self) -> bool:
         """One pass on every rank: the relay, the clock, the receivers' agreement, then the
@@ -159,7 +159,7 @@ class MeshDecodePeer(DecodePeer):
         self._now = self.control.share_clock(self._clock())
         for item in items:
             if isinstance(item, AbortRequest):
-                super().abort(item.rid)
+                super().abort(item.rid, shutdown=item.shutdown)
             else:
                 if self.on_relayed is not None:
                     self.on_relayed(item)

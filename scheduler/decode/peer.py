@@ -139,8 +139,10 @@ class DecodePeer:
     def submit(self, req: NewRequest) -> None:
         self._inbox.put(req)
 
-    def abort(self, rid: str) -> None:
-        self._inbox.put(AbortRequest(rid))
+    def abort(self, rid: str, *, shutdown: bool = False) -> None:
+        """End live request ``rid`` (thread-safe; ignored once it is unknown or finished):
+        ``aborted`` (200), or with ``shutdown`` ``shutdown`` (503): its server is closing."""
+        self._inbox.put(AbortRequest(rid, shutdown))
 
     def refuse_room(self, host: str, port: int, room: int, why: str) -> None:
         """Tell the prefill peer at ``host:port`` that this side will never ask for ``room``'s
@@ -178,7 +180,11 @@ class DecodePeer:
         for item in items:
             if isinstance(item, AbortRequest):
                 req = self.lifecycle.get(item.rid)
-                if req is not None:
+                if req is None:
+                    pass
+                elif item.shutdown:
+                    self._fail(req, FailureReason.SHUTDOWN, "the server is shutting down")
+                else:
                     self._fail(req, FailureReason.ABORTED, "aborted by the client")
             else:
                 self._admit(item)

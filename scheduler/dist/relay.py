@@ -45,11 +45,12 @@ def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
 
 
 def encode_items(items: Sequence[Item]) -> bytes:
-    """The msgpack form of ``items`` (requests with all their fields, aborts by id)."""
+    """The msgpack form of ``items`` (requests with all their fields, aborts by id and
+    whether the server is shutting down)."""
     rows: list[list[Any]] = []
     for item in items:
         if isinstance(item, AbortRequest):
-            rows.append(["abort", item.rid])
+            rows.append(["abort", item.rid, item.shutdown])
         else:
             rows.append(["new", item.rid, list(item.input_ids), item.bootstrap_host,
                          item.bootstrap_port, item.bootstrap_room,
@@ -65,7 +66,7 @@ def decode_items(payload: bytes) -> list[Item]:
         items: list[Item] = []
         for row in rows:
             if row[0] == "abort":
-                items.append(AbortRequest(row[1]))
+                items.append(AbortRequest(row[1], bool(row[2])))
                 continue
             _, rid, input_ids, host, port, room, sampling = row
             grammar = sampling.pop("grammar")

@@ -94,14 +94,14 @@ class Admission:
     def inbox_empty(self) -> bool:
         return self._inbox.empty()
 
-    def receive(self, abort: Callable[[str], None]) -> bool:
-        """Admit what arrived and hand each abort's id to ``abort``; True if anything did."""
+    def receive(self, abort: Callable[[AbortRequest], None]) -> bool:
+        """Admit what arrived and hand each abort to ``abort``; True if anything did."""
         items = take_all(self._inbox)
         if self._relay is not None:
             items = self._relay(items)
         for item in items:
             if isinstance(item, AbortRequest):
-                abort(item.rid)
+                abort(item)
             else:
                 self.admit(item)
         return bool(items)

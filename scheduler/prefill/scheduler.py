@@ -180,8 +180,10 @@ class PrefillScheduler:
     def submit(self, req: NewRequest) -> None:
         self._admission.put(req)
 
-    def abort(self, rid: str) -> None:
-        self._admission.put(AbortRequest(rid))
+    def abort(self, rid: str, *, shutdown: bool = False) -> None:
+        """End live request ``rid`` (thread-safe; ignored once it is unknown or finished):
+        ``aborted`` (200), or with ``shutdown`` ``shutdown`` (503): its server is closing."""
+        self._admission.put(AbortRequest(rid, shutdown))
 
     def refuse_room(self, host: str, port: int, room: int, why: str) -> None:
         """A request this scheduler never saw was refused before it (a service's own checks):
@@ -272,12 +274,15 @@ class PrefillScheduler:
 
     # -- failing: now, or deferred while on the device ---------------------------------------
 
-    def _abort(self, rid: str) -> None:
-        req = self.lifecycle.get(rid)
+    def _abort(self, abort: AbortRequest) -> None:
+        req = self.lifecycle.get(abort.rid)
         if req is None:  # routine: a colocated server aborts both sides, one may be done
-            logger.debug("abort of unknown or finished request %r ignored", rid)
+            logger.debug("abort of unknown or finished request %r ignored", abort.rid)
             return
-        self._fail(req, FailureReason.ABORTED, "aborted by the client")
+        if abort.shutdown:
+            self._fail(req, FailureReason.SHUTDOWN, "the server is shutting down")
+        else:
+            self._fail(req, FailureReason.ABORTED, "aborted by the client")
 
     def _fail(self, req: PrefillRequest, reason: FailureReason, detail: str) -> None:
         """Fail ``req`` now, or once the batches holding it are off the device. An abort (the

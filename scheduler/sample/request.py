@@ -4,7 +4,8 @@ Both the prefill scheduler and the decode peer admit a request through
 :meth:`Sampling.admit`: a request whose sampling the side cannot honour is refused (a reason
 that maps to 400), never served greedily instead — it needs logits and the runner has none, or
 a grammar and the side has no compiler, or a grammar that does not compile, or stop strings and
-the side cannot detokenize. A request that needs more than a runner's greedy ``forward`` gets a
+the side cannot detokenize; so is a prompt holding an id outside the runner's vocabulary (it
+would fail its whole batch). A request that needs more than a runner's greedy ``forward`` gets a
 :class:`RequestSampling`: its stream's seed, its compiled constraint, and the logprobs gathered
 so far. The side keeps it by request id until the request is answered.
 """
@@ -141,6 +142,11 @@ class Sampling:
                 prompt: Sequence[int]) -> RequestSampling | None:
         """The request's sampling state, or None when greedy ``forward`` serves it alone.
         Raises :class:`SamplingRefused`."""
+        vocab = self._vocab
+        if vocab is not None and prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
+            # Refused alone: in a batch, an id the model cannot embed fails every request.
+            raise SamplingRefused(f"request {rid!r}: token ids must be in 0..{vocab - 1}, got "
+                                  f"{min(prompt)}..{max(prompt)}")
         if needs_logits(params, len(prompt)) and not self.logits:
             raise SamplingRefused(
                 f"request {rid!r}: sampling, logprobs and grammars need a model runner that "

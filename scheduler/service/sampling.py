@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
+from lifecycle.prefill import as_stop_strings
 from scheduler.sample.constraint import GrammarError
 from scheduler.sample.grammar import check as check_grammar
 from scheduler.service.config import BadRequest
@@ -73,7 +74,7 @@ def sampling_params_from(
     if sp.top_k == 0 or sp.top_k < -1:
         raise BadRequest("bad_sampling", "sampling_params.top_k must be -1 (no limit) or >= 1, "
                          f"got {sp.top_k}")
-    stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
+    stop = as_stop_strings(sp.stop or ())
     if "" in stop:
         raise BadRequest("bad_sampling", "sampling_params.stop: a stop string must not be empty")
     if sp.min_new_tokens > sp.max_new_tokens:
@@ -89,7 +90,7 @@ def sampling_params_from(
             # writes none (:attr:`~.config.AnswerOptions.prompt_only`).
             max(sp.max_new_tokens, 1), stop_ids, sp.ignore_eos,
             temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), min_p=sp.min_p,
-            seed=sp.sampling_seed, stop=stop,  # type: ignore[arg-type]  # attrs: tuple converter
+            seed=sp.sampling_seed, stop=stop,
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
             grammar=grammar_of(sp), frequency_penalty=sp.frequency_penalty,
