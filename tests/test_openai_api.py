@@ -428,6 +428,32 @@ def test_refusals_are_openai_errors_naming_the_field(path: str, body: dict[str, 
     run(main())
 
 
+def test_a_request_beyond_the_context_is_refused_in_openais_words() -> None:
+    """Clients look for ``context_length_exceeded`` or "maximum context length"; ``param`` is
+    ``max_tokens`` when the prompt alone fits (it blamed the prompt)."""
+    async def main() -> None:
+        with running_service(config()) as service:  # a pool of 256 tokens
+            async with asgi_client(service) as client:
+                r = await post(client, "/v1/completions", prompt="x" * 239, max_tokens=30)
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["type"] == "invalid_request_error"
+                assert (error["code"], error["param"]) == ("context_length_exceeded",
+                                                           "max_tokens"), error
+                assert error["message"].startswith(
+                    "This model's maximum context length is 256 tokens. However, you requested "
+                    "269 tokens (239 in the prompt, 30 in the completion). Please reduce the "
+                    "length of the prompt or max_tokens."), error
+                r = await post(client, "/v1/completions", prompt="x" * 300, max_tokens=2)
+                assert r.json()["error"]["param"] == "prompt", r.text
+                metrics = (await client.get("/metrics")).text  # the label /generate counts
+                assert 'pdlife_http_rejected_total{reason="prompt_too_long"} 2.0' in metrics
+                r = await client.post("/generate", json={
+                    "text": "x" * 239, "sampling_params": {"max_new_tokens": 30}})
+                assert r.json()["error"]["type"] == "prompt_too_long", r.text
+
+    run(main())
+
+
 def test_models_are_retrieved_and_a_wrong_path_is_an_openai_error() -> None:
     async def main() -> None:
         with running_service(config(model_name="org/tiny")) as service:

@@ -182,7 +182,7 @@ BAD_INPUTS = [
      "sampling_params.max_new_tokens: Input should be greater than or equal to 0"),
     ("invalid_request", json.dumps({"text": 5}).encode(), "text: should be one of list[str], str"),
     ("bad_max_new_tokens", json.dumps({"text": "a", "sampling_params": {
-        "max_new_tokens": 10**9}}).encode(), "0..32"),
+        "max_new_tokens": 10**9}}).encode(), "at most 32"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "stream": True}).encode(), "stream"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "rid": ["x"]}).encode(), "entries"),
     ("duplicate_rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "distinct"),

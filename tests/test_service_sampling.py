@@ -109,7 +109,7 @@ def test_fields_pdlife_cannot_honour_are_refused_by_name(fields: dict[str, Any],
     ({"top_logprobs_num": 21}, "bad_sampling", "top_logprobs_num must be in [0, 20], got 21"),
     ({"logprob_start_len": -2}, "bad_sampling", "logprob_start_len must be -1"),
     ({"stop": ["ok", ""]}, "bad_sampling", "a stop string must not be empty"),
-    ({"max_new_tokens": 65}, "bad_max_new_tokens", "max_new_tokens must be in 0..64, got 65"),
+    ({"max_new_tokens": 65}, "bad_max_new_tokens", "max_new_tokens must be at most 64, got 65"),
     ({"json_schema": "{not json"}, "bad_grammar", "json_schema is not valid JSON"),
     # An integer beyond Python's 4,300 digits: json.loads raises a ValueError of its own.
     ({"json_schema": '{"maximum": ' + "9" * 5000 + "}"}, "bad_grammar",

@@ -149,7 +149,8 @@ class ServeConfig:
 
 
 class BadRequest(Exception):
-    """The request can never be served as sent; ``reason`` is the metrics label."""
+    """The request can never be served as sent; ``reason`` is the error's type (code) and
+    ``label`` the metrics label (``reason`` unless said)."""
 
     def __init__(self, reason: str, message: str, *, rid: str | None = None,
                  status: int = 400) -> None:
@@ -157,6 +158,20 @@ class BadRequest(Exception):
         self.reason = reason
         self.rid = rid
         self.status = status
+        self.label = reason
+
+
+class ContextTooLong(BadRequest):
+    """A prompt and its answer beyond what the server can hold (``prompt_too_long``): the
+    model's context or the KV pool, ``limit`` tokens. The OpenAI routes say it as OpenAI does
+    (``context_length_exceeded``)."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, new_tokens: int,
+                 limit: int) -> None:
+        super().__init__("prompt_too_long", message)
+        self.prompt_tokens = prompt_tokens
+        self.new_tokens = new_tokens
+        self.limit = limit
 
 
 def peer_refusal(kind: str, status: int, message: str) -> str:
@@ -303,19 +318,18 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
             f"request {rid!r}: sampling_params.max_new_tokens must be in 1..{limit}, "
             f"got {max_new_tokens}",
         )
+    # The last output token is never fed back: it needs no position.
     if n + max_new_tokens - 1 > c.max_position:
-        raise BadRequest(
-            "prompt_too_long",
+        raise ContextTooLong(
             f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
             f"exceeds the model's context of {c.max_position} positions",
-        )
-    need = n + (max_new_tokens if c.role != "prefill" else 0)
-    if pages_needed(need, c.scheduler.page_size) > c.pool_pages:
-        raise BadRequest(
-            "prompt_too_long",
-            f"request {rid!r}: {need} tokens exceed the KV pool of "
-            f"{c.pool_pages * c.scheduler.page_size} tokens",
-        )
+            prompt_tokens=n, new_tokens=max_new_tokens - 1, limit=c.max_position)
+    new_tokens = max_new_tokens if c.role != "prefill" else 0
+    pool_tokens = c.pool_pages * c.scheduler.page_size
+    if pages_needed(n + new_tokens, c.scheduler.page_size) > c.pool_pages:
+        raise ContextTooLong(
+            f"request {rid!r}: {n + new_tokens} tokens exceed the KV pool of {pool_tokens} "
+            f"tokens", prompt_tokens=n, new_tokens=new_tokens, limit=pool_tokens)
 
 
 def _with_bootstrap(

@@ -57,7 +57,7 @@ class Refusal(Exception):
 
     @classmethod
     def of(cls, exc: BadRequest, *, param: str | None = None) -> Refusal:
-        return cls(exc.reason, exc.status, str(exc), exc.rid, param=param)
+        return cls(exc.reason, exc.status, str(exc), exc.rid, param=param, label=exc.label)
 
 
 def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> None:

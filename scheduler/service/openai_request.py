@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from lifecycle import SamplingParams
 from scheduler.service.answers import decode
-from scheduler.service.config import AnswerOptions, BadRequest, Item
+from scheduler.service.config import AnswerOptions, BadRequest, ContextTooLong, Item
 from scheduler.service.core import Service
 from scheduler.service.openai_schema import (
     ChatCompletionRequest,
@@ -294,10 +294,33 @@ def _check(service: Service, rid: str, prompt: list[int], sampling: SamplingPara
             rid=rid, input_ids=prompt, sampling=sampling, bootstrap_host=host,
             bootstrap_port=port, bootstrap_room=room,
         )
+    except ContextTooLong as exc:
+        raise _too_long(exc, rid, prefix, max_name) from exc
     except BadRequest as exc:
         renamed = _renamed(exc, {"max_new_tokens": max_name})
         renamed.rid = rid
-        if renamed.param is None and exc.reason in ("empty_prompt", "bad_token_id",
-                                                    "prompt_too_long"):
-            renamed.param = "messages" if prefix == "chatcmpl" else "prompt"
+        if renamed.param is None and exc.reason in ("empty_prompt", "bad_token_id"):
+            renamed.param = _prompt_field(prefix)
         raise renamed from exc
+
+
+def _prompt_field(prefix: str) -> str:
+    return "messages" if prefix == "chatcmpl" else "prompt"
+
+
+def _too_long(exc: ContextTooLong, rid: str, prefix: str, max_name: str) -> FieldError:
+    """OpenAI's refusal of a request beyond the context, in its words (clients look for the
+    code ``context_length_exceeded`` or "maximum context length"); ``param`` is the field to
+    change: ``max_tokens`` when the prompt alone fits."""
+    where = "messages" if prefix == "chatcmpl" else "prompt"
+    prompt_fits = exc.prompt_tokens + (exc.new_tokens > 0) <= exc.limit
+    error = FieldError(
+        "context_length_exceeded",
+        f"This model's maximum context length is {exc.limit} tokens. However, you requested "
+        f"{exc.prompt_tokens + exc.new_tokens} tokens ({exc.prompt_tokens} in the {where}, "
+        f"{exc.new_tokens} in the completion). Please reduce the length of the {where} or "
+        f"{max_name}. ({exc})",
+        max_name if prompt_fits else _prompt_field(prefix))
+    error.rid = rid
+    error.label = exc.reason
+    return error

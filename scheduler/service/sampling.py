@@ -68,9 +68,9 @@ def sampling_params_from(
     limits beyond ``max_new_tokens_limit`` (the prompt and the answer against the context and
     the pool) are :func:`~.config.check_item`'s."""
     refuse_unsupported(sp)
-    if not 0 <= sp.max_new_tokens <= max_new_tokens_limit:
-        raise BadRequest("bad_max_new_tokens", "sampling_params.max_new_tokens must be in "
-                         f"0..{max_new_tokens_limit}, got {sp.max_new_tokens}")
+    if sp.max_new_tokens > max_new_tokens_limit:  # the schema refuses a negative one
+        raise BadRequest("bad_max_new_tokens", "sampling_params.max_new_tokens must be at most "
+                         f"{max_new_tokens_limit}, got {sp.max_new_tokens}")
     if sp.top_k == 0 or sp.top_k < -1:
         raise BadRequest("bad_sampling", "sampling_params.top_k must be -1 (no limit) or >= 1, "
                          f"got {sp.top_k}")
