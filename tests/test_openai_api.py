@@ -388,7 +388,10 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
                               "top_logprobs": 21, "logprobs": True}, "invalid_request",
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, "unsupported", "tools"),
+                              "tools": [{"type": "function"}]}, "invalid_request",
+     "tools.0.function"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "functions": [{"name": "f"}]}, "unsupported", "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "invalid_request",
      "messages.0.content.0.type"),
@@ -398,7 +401,8 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]},
-        {"role": "tool", "content": "42"}]}, "unsupported", "messages.1.tool_calls"),
+        {"role": "tool", "content": "42"}]}, "invalid_request",
+     "messages.1.tool_calls.0.function"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "modalities": ["text", "audio"]}, "unsupported", "modalities"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -481,17 +485,17 @@ def test_models_are_retrieved_and_a_wrong_path_is_an_openai_error() -> None:
 
 
 def test_a_refusal_of_a_list_names_the_field_not_its_value() -> None:
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    functions = [{"name": "get_weather", "parameters": {}}]
 
     async def main() -> None:
         with running_service(config()) as service:
             async with asgi_client(service) as client:
-                r = await post(client, "/v1/chat/completions", tools=tools,
+                r = await post(client, "/v1/chat/completions", functions=functions,
                                messages=[{"role": "user", "content": "hi"}])
                 message = r.json()["error"]["message"]
-                assert message == ("tools is not supported by this server (leave it out, or "
-                                   "send null); for an answer of a given JSON shape use "
-                                   "response_format json_schema")
+                assert message == ("functions is not supported by this server (leave it out, "
+                                   "or send null); functions and function_call are OpenAI's "
+                                   "older names: send tools and tool_choice")
                 r = await post(client, "/v1/completions", prompt="x", best_of=3)
                 assert r.json()["error"]["message"] == (
                     "best_of=3 is not supported by this server (leave it out, or send null)")

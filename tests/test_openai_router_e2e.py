@@ -4,8 +4,8 @@ a pdlife decode worker on SmolLM2, KV over Mooncake, all as processes on loopbac
 Every answer is compared with the colocated run: the same request to an in-process
 ``pdlife serve --backend local`` on the same model (and, greedy, with the model's own
 ``generate``): chat and completions, plain and streamed, logprobs, a seeded draw, concurrent
-clients, a JSON schema. One router and pair of workers serve the whole module; answers are
-short to keep it affordable on two CPU cores.
+clients, a JSON schema, a forced tool call. One router and pair of workers serve the whole
+module; answers are short to keep it affordable on two CPU cores.
 """
 
 from __future__ import annotations
@@ -254,6 +254,29 @@ def test_a_json_schema_answer_validates(cluster: Cluster, colocated: Service) ->
     routed, local = on_both(cluster, colocated, call)
     assert routed == local
     jsonschema.validate(json.loads(routed), CAT_SCHEMA)
+
+
+def test_a_forced_tool_call_through_the_router_equals_the_colocated_one(
+        cluster: Cluster, colocated: Service) -> None:
+    """Both workers render the tools into the prompt; the decode worker reads the calls."""
+    cat = {**CAT_SCHEMA, "properties": {"name": {"type": "string", "maxLength": 12},
+                                        "age": {"type": "integer", "maximum": 30}}}
+    tools: Any = [{"type": "function", "function": {"name": "describe_cat", "parameters": cat}}]
+    messages: Any = [{"role": "user", "content": "Describe a cat."}]
+
+    async def call(client: openai.AsyncOpenAI) -> list[tuple[str, str]]:
+        r = await client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=60, temperature=0, tools=tools,
+            tool_choice="required", parallel_tool_calls=False)
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        return [(c.function.name, c.function.arguments)  # type: ignore[union-attr]
+                for c in r.choices[0].message.tool_calls or []]
+
+    routed, local = on_both(cluster, colocated, call)
+    assert routed == local and routed
+    for name, arguments in routed:
+        assert name == "describe_cat"
+        jsonschema.validate(json.loads(arguments), cat)
 
 
 def test_refusals_reach_the_client_and_leave_both_workers_idle(cluster: Cluster) -> None:

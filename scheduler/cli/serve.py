@@ -131,6 +131,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the name /model_info and /v1/models report (default: --model's "
                         f"value; {REFERENCE_NAME} for the reference model)")
     add_model_arguments(parser)
+    parser.add_argument("--tool-call-parser", default=None, metavar="FORMAT",
+                        help="the format the model writes tool calls in, read for OpenAI's "
+                        "tool_choice auto: hermes (<tool_call> blocks: Hermes, Qwen 2.5) "
+                        "(default: none; auto is refused, required and named functions are "
+                        "forced by a grammar)")
     sched = _number_group(parser, "scheduling and memory")
     _defaulted(sched, "--kv-layout", DEFAULT_KV_LAYOUT.value,
                "the KV pool's order: page_major (one transfer block per run of pages) or "
@@ -282,6 +287,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             ),
             model_name=model_name,
             served=served,
+            tool_call_parser=args.tool_call_parser,
             allowed_prefills=tuple(a.strip() for given in args.allow_prefill
                                    for a in given.split(",") if a.strip()),
             otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,

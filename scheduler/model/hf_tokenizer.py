@@ -124,21 +124,27 @@ class ChatTokenizer:
         return out
 
     def apply_chat_template(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> str:
-        """The chat template rendered for ``messages`` (``[{"role": ..., "content": ...}]``)."""
+        """The chat template rendered for ``messages`` (``[{"role": ..., "content": ...}]``)
+        and, as transformers passes them, ``tools`` (OpenAI's tool objects; a template that
+        does not read them renders as without)."""
         if self._template is None:
             raise ValueError("this checkpoint has no chat template")
         text: str = self._template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt,
             bos_token=self.token(self.bos_token_id), eos_token=self.token(self.eos_token_id),
+            tools=None if tools is None else list(tools),
         )
         return text
 
     def encode_chat(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tools=tools)
         return self.encode(text, add_special_tokens=False)
 
 

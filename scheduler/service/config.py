@@ -24,6 +24,7 @@ from scheduler.model.reference import ModelConfig
 from scheduler.model.sharded import ShardError, stage_layers
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer_decision import DelayerConfig
+from scheduler.service.openai_tools import TOOL_CALL_PARSERS, ToolAnswer
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["local", "mooncake", "fake"]
@@ -59,6 +60,8 @@ class ServeConfig:
     #: The KV pool's layout; a decode server and its prefill servers must agree on it.
     kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)
     model_name: str = "pdlife-reference-llama"
+    #: The format ``tool_choice`` auto reads the model's tool calls in (None: auto is refused).
+    tool_call_parser: str | None = None
     device: str = "cpu"
     overlap: bool = False
     # Where finished requests' spans go over OTLP/HTTP (``HOST:PORT`` or a URL); None: no tracing.
@@ -85,6 +88,10 @@ class ServeConfig:
                 "backend runs both roles in one process (role 'both'); prefill and decode "
                 "roles need the mooncake or fake backend"
             )
+        parser = self.tool_call_parser
+        if parser is not None and parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"ServeConfig.tool_call_parser {parser!r}: the formats read are "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
         limit = self.max_new_tokens_limit
         if limit is not None and not 1 <= limit <= self.max_position:
             raise ValueError(
@@ -211,6 +218,8 @@ class AnswerOptions:
     # ``max_new_tokens`` 0: the prompt alone. The engines run a prefill's one token as for 1
     # (a disaggregated pair needs no other lifecycle); the answer drops it.
     prompt_only: bool = False
+    # Chat's tool calls: how the answer is read for them (None: it is text).
+    tools: ToolAnswer | None = None
 
 
 @attrs.frozen

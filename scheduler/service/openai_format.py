@@ -24,6 +24,7 @@ import attrs
 
 from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.service import openai_tools
 from scheduler.service.answers import continuation, decode, final_text
 from scheduler.service.config import Answer, Item
 from scheduler.service.openai_schema import (
@@ -36,6 +37,7 @@ from scheduler.service.openai_schema import (
     CompletionResponse,
     PromptTokensDetails,
     TokenLogprobEntry,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -230,15 +232,25 @@ def answer_body(tokenizer: Any, rid: str, choices: Sequence[tuple[Item, Answer]]
     head: dict[str, Any] = {"id": rid, "created": now(), "model": model,
                             "usage": usage([answer for _, answer in choices], n)}
     if chat:
-        return ChatCompletionResponse(**head, choices=[ChatChoice(
-            index=i, message=AssistantMessage(content=final_text(tokenizer, item, answer)),
-            logprobs=_chat_only(answer_logprobs(tokenizer, item, answer.output_logprobs,
-                                                chat=True)),
-            finish_reason=answer.finish_reason) for i, (item, answer) in enumerate(choices)]
-        ).model_dump()
+        return ChatCompletionResponse(**head, choices=[
+            _chat_choice(tokenizer, i, item, answer) for i, (item, answer) in enumerate(choices)
+        ]).model_dump()
     return CompletionResponse(**head, choices=[
         _completion_choice(tokenizer, i, item, answer) for i, (item, answer) in enumerate(choices)
     ]).model_dump()
+
+
+def _chat_choice(tokenizer: Any, index: int, item: Item, answer: Answer) -> ChatChoice:
+    text = final_text(tokenizer, item, answer)
+    logprobs = _chat_only(answer_logprobs(tokenizer, item, answer.output_logprobs, chat=True))
+    tools = item.options.tools
+    if tools is None:
+        return ChatChoice(index=index, message=AssistantMessage(content=text, tool_calls=None),
+                          logprobs=logprobs, finish_reason=answer.finish_reason)
+    read = openai_tools.read(tools, text, answer.finish_reason)
+    return ChatChoice(index=index, logprobs=logprobs, finish_reason=read.finish_reason,
+                      message=AssistantMessage(content=read.content,
+                                               tool_calls=list(read.calls) or None))
 
 
 def _completion_choice(tokenizer: Any, index: int, item: Item, answer: Answer
@@ -396,6 +408,14 @@ class Chunks:
         else:
             choice["text"] = delta
         return self._chunk([choice])
+
+    def tool_calls(self, calls: Sequence[ToolCall]) -> dict[str, Any]:
+        """A chat stream's calls, whole, in one chunk (OpenAI's deltas: each call's index,
+        id, name and arguments)."""
+        return self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
+                             "delta": {"tool_calls": [
+                                 {"index": i, **call.model_dump()}
+                                 for i, call in enumerate(calls)]}}])
 
     def usage(self, answers: Sequence[Answer], n: int) -> dict[str, Any]:
         """``stream_options.include_usage``'s last chunk: no choices, the usage of all

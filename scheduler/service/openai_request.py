@@ -10,8 +10,9 @@ The sampling fields are renamed into SGLang's ``sampling_params`` (``max_tokens`
 ``max_new_tokens``, ``seed`` → ``sampling_seed``, ``response_format`` → ``json_schema``) and
 go through :func:`~.sampling.sampling_params_from`, the one place that decides what pdlife
 honours; its refusals come back under the OpenAI field's name. Fields only the OpenAI API has
-that pdlife cannot honour (``suffix``, tools, ...) are refused here when they ask for
-something.
+that pdlife cannot honour (``suffix``, ``best_of``, ...) are refused here when they ask for
+something. A chat's ``tools`` and ``tool_choice`` are planned by :mod:`.openai_tools`: the
+tools go to the chat template, and a forced call becomes the answer's JSON schema.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -26,6 +28,7 @@ from jinja2.exceptions import TemplateError
 from pydantic import ValidationError
 
 from lifecycle import SamplingParams
+from scheduler.service import openai_tools
 from scheduler.service.answers import decode
 from scheduler.service.config import AnswerOptions, BadRequest, ContextTooLong, Item
 from scheduler.service.core import Service
@@ -55,9 +58,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
     "continue_final_message": (False,),
-    "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
     "chat_template_kwargs": (None, {}),
     "modalities": (None, ["text"]),
@@ -66,8 +67,10 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 #: What to use instead, for the refusals that have an answer.
 _INSTEAD = {
-    "tools": "; for an answer of a given JSON shape use response_format json_schema",
-    "functions": "; for an answer of a given JSON shape use response_format json_schema",
+    "functions": "; functions and function_call are OpenAI's older names: send tools and "
+                 "tool_choice",
+    "function_call": "; functions and function_call are OpenAI's older names: send tools and "
+                     "tool_choice",
 }
 
 _SGLANG_FIELD = re.compile(r"sampling_params\.(\w+)")
@@ -113,13 +116,21 @@ def chat_items(service: Service, body: ChatCompletionRequest) -> list[Item]:
     _refuse_unsupported(body)
     if body.top_logprobs and not body.logprobs:
         raise FieldError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = _chat_prompt(service, body)
+    try:
+        tools = openai_tools.plan(body, service.config.tool_call_parser)
+    except openai_tools.ToolChoiceError as exc:
+        raise FieldError(exc.reason, str(exc), exc.param) from exc
+    prompt = _chat_prompt(service, body, tools.tools)
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     asked = body.max_completion_tokens or body.max_tokens
     max_new = asked if asked is not None else _room_left(service, len(prompt))
-    sp = _sampling_body(body, max_new)
-    return _items(service, body, "chatcmpl", [prompt], sp, name,
-                  return_logprob=body.logprobs, top=body.top_logprobs)
+    sp = _sampling_body(body, max_new, tools.schema)
+    items = _items(service, body, "chatcmpl", [prompt], sp, name,
+                   return_logprob=body.logprobs, top=body.top_logprobs)
+    if tools.answer is None:
+        return items
+    return [attrs.evolve(item, options=attrs.evolve(item.options, tools=tools.answer))
+            for item in items]
 
 
 # -- prompts ------------------------------------------------------------------------------------
@@ -147,18 +158,17 @@ def _text(content: str | list[TextPart] | None) -> str:
     return "\n".join(part.text for part in content)
 
 
-def _chat_prompt(service: Service, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(service: Service, body: ChatCompletionRequest,
+                 tools: Sequence[dict[str, Any]]) -> list[int]:
     tokenizer = service.tokenizer
     if getattr(tokenizer, "chat_template", None) is None:
         raise FieldError("no_chat_template", f"the model {service.config.model_name!r} has no "
                          "chat template: send the prompt to /v1/completions", "messages")
-    messages: list[dict[str, Any]] = []
-    for m in body.messages:
-        message: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
-        if m.name is not None:
-            message["name"] = m.name
-        messages.append(message)
+    messages = [openai_tools.template_message(m.role, _text(m.content), m.name, m.tool_calls,
+                                              m.tool_call_id) for m in body.messages]
     try:
+        if tools:
+            return list(tokenizer.encode_chat(messages, tools=tools))
         return list(tokenizer.encode_chat(messages))
     except (ValueError, TemplateError) as exc:
         raise FieldError("bad_messages", f"the chat template refused the messages: {exc}",
@@ -184,10 +194,6 @@ def _refuse_unsupported(body: SamplingFields) -> None:
         if name in type(body).model_fields and getattr(body, name) not in neutral:
             raise FieldError("unsupported", unsupported(name, getattr(body, name), neutral[0])
                              + _INSTEAD.get(name, ""), name)
-    for i, message in enumerate(getattr(body, "messages", ())):
-        if message.tool_calls:
-            raise FieldError("unsupported", f"messages.{i}.tool_calls: tool calls are not "
-                             "supported by this server", f"messages.{i}.tool_calls")
 
 
 def _json_schema(fmt: ResponseFormat | None) -> str | None:
@@ -206,15 +212,18 @@ _NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed",
           "min_new_tokens": "min_tokens", "json_schema": "response_format"}
 
 
-def _sampling_body(body: SamplingFields, max_new: int) -> SamplingParamsBody:
-    """``body``'s sampling fields under SGLang's names."""
+def _sampling_body(body: SamplingFields, max_new: int,
+                   json_schema: str | None = None) -> SamplingParamsBody:
+    """``body``'s sampling fields under SGLang's names; ``json_schema`` forces the answer
+    (tool calls) instead of ``response_format``'s."""
     try:
         return SamplingParamsBody(
             max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, min_p=body.min_p, sampling_seed=body.seed, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             no_stop_trim=body.no_stop_trim, skip_special_tokens=body.skip_special_tokens,
-            json_schema=_json_schema(body.response_format), regex=body.regex, ebnf=body.ebnf,
+            json_schema=json_schema or _json_schema(body.response_format), regex=body.regex,
+            ebnf=body.ebnf,
             n=body.n, frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0,

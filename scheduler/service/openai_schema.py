@@ -49,6 +49,39 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON schema of the arguments (absent: any JSON object)")
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="the arguments, a JSON text")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class SamplingFields(_Body):
     """What both endpoints share: sampling, stops, logprob-free structured output, the PD
     router's bootstrap fields, and the fields pdlife refuses unless neutral."""
@@ -115,8 +148,9 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Refused unless absent or empty (pdlife has no tool calling).
-    tool_calls: list[Any] | None = None
+    # An assistant's calls, and the call a tool message answers.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -131,10 +165,12 @@ class ChatCompletionRequest(SamplingFields):
     # Accepted and without effect: pdlife has no reasoning parser.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = Field(True, description="with required: more than one call")
     # Refused unless neutral.
     continue_final_message: bool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -196,7 +232,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # OpenAI writes tool_calls only in a message that makes calls.
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(BaseModel):

@@ -43,6 +43,7 @@ from scheduler.service.openai_schema import (
     OpenAIError,
     SamplingFields,
 )
+from scheduler.service.openai_tools import ToolStream
 from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep, service_of
 
@@ -164,6 +165,7 @@ async def _chunks(service: Service, pending: Pending,
     the finish reason and the remaining logprobs; or an error."""
     item, tokenizer = pending.item, service.tokenizer
     text = StreamText(tokenizer, item)
+    tools = None if item.options.tools is None else ToolStream(item.options.tools)
     logprobs = StreamLogprobs(tokenizer, item, chat=chunks.chat)
     opening = chunks.opening()
     if opening is not None:
@@ -175,6 +177,8 @@ async def _chunks(service: Service, pending: Pending,
             echo = None
         logprobs.more(progress.logprobs)
         delta = text.more(progress.tokens)
+        if tools is not None:
+            delta = tools.more(delta)
         if delta:
             yield chunks.text(delta, logprobs=logprobs.upto(text.released))
     answer: Answer = pending.future.result()
@@ -183,5 +187,15 @@ async def _chunks(service: Service, pending: Pending,
     if answer.status != 200:
         yield OpenAIError.of(answer.status, answer.message, failure_kind(answer)).model_dump()
         return
-    rest = text.rest(final_text(tokenizer, item, answer))
-    yield chunks.text(rest, finish=answer.finish_reason, logprobs=logprobs.rest(answer))
+    final = final_text(tokenizer, item, answer)
+    if tools is None:
+        yield chunks.text(text.rest(final), finish=answer.finish_reason,
+                          logprobs=logprobs.rest(answer))
+        return
+    rest, read = tools.end(final, answer.finish_reason)
+    if read.calls:
+        if rest:
+            yield chunks.text(rest)
+        yield chunks.tool_calls(read.calls)
+        rest = ""
+    yield chunks.text(rest, finish=read.finish_reason, logprobs=logprobs.rest(answer))

@@ -1,0 +1,240 @@
+"""Tool calls on ``/v1/chat/completions``: the plan a request's tools and tool_choice make, the
+calls read back from an answer (forced JSON, Hermes blocks), a stream's held-back content, and
+SmolLM2 answering forced and parsed calls through the official client, plain and streamed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import jsonschema
+import pytest
+
+from scheduler.service.config import ServeConfig
+from scheduler.service.openai_schema import ChatCompletionRequest, ToolCall
+from scheduler.service.openai_tools import (
+    ReadAnswer,
+    ToolAnswer,
+    ToolChoiceError,
+    ToolStream,
+    plan,
+    read,
+    template_message,
+)
+from tests.service_harness import run, running_service
+from tests.test_openai_api import chat_config, openai_client  # noqa: F401  # the fixture
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+           "required": ["city"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}},
+        "required": ["tz"], "additionalProperties": False}
+TOOLS: Any = [
+    {"type": "function", "function": {"name": "get_weather", "description": "a city's weather",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def body(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": ASK, **fields})
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+
+def test_each_tool_choice_plans_its_reading_and_grammar() -> None:
+    assert plan(body(), None).answer is None  # no tools: text
+    none = plan(body(tools=TOOLS, tool_choice="none"), None)
+    assert none.answer is None and none.schema is None
+    assert [t["function"]["name"] for t in none.tools] == ["get_weather", "get_time"]
+    named = plan(body(tools=TOOLS, tool_choice={"type": "function",
+                                                "function": {"name": "get_time"}}), None)
+    assert named.answer == ToolAnswer("named", name="get_time")
+    assert named.schema is not None and json.loads(named.schema) == TIME
+    required = plan(body(tools=TOOLS, tool_choice="required"), None)
+    assert required.answer == ToolAnswer("required") and required.schema is not None
+    schema = json.loads(required.schema)
+    jsonschema.validate([{"name": "get_time", "parameters": {"tz": "UTC"}},
+                         {"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)
+    for wrong in ([], [{"name": "get_time", "parameters": {"city": "Oslo"}}],
+                  [{"name": "get_date", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    single = json.loads(plan(body(tools=TOOLS, tool_choice="required",
+                                  parallel_tool_calls=False), None).schema or "")
+    assert single["maxItems"] == 1
+    assert plan(body(tools=TOOLS), "hermes").answer == ToolAnswer("auto", parser="hermes")
+
+
+@pytest.mark.parametrize(("fields", "reason", "param", "says"), [
+    ({"tool_choice": "required"}, "invalid_request", "tool_choice", "needs tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "invalid_request", "tools", "'get_weather' more than once"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_date"}}},
+     "invalid_request", "tool_choice", "'get_date', which is not one of the tools"),
+    ({"tools": TOOLS}, "unsupported", "tool_choice", "--tool-call-parser hermes"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "bad_grammar", "tool_choice", "drop response_format, regex and ebnf"),
+    ({"tools": TOOLS, "tool_choice": "required", "regex": "a+"}, "bad_grammar", "tool_choice",
+     "drop response_format"),
+])
+def test_what_cannot_be_served_is_refused_naming_the_field(
+        fields: dict[str, Any], reason: str, param: str, says: str) -> None:
+    with pytest.raises(ToolChoiceError, match=says) as refused:
+        plan(body(**fields), None)
+    assert (refused.value.reason, refused.value.param) == (reason, param)
+
+
+def test_messages_give_the_template_their_calls_as_objects() -> None:
+    call = ToolCall.model_validate({"id": "c1", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}})
+    assert template_message("assistant", "", None, [call], None) == {
+        "role": "assistant", "content": "",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    raw = ToolCall.model_validate({"id": "c2", "function": {"name": "f", "arguments": "oops"}})
+    assert template_message("assistant", "", None, [raw], None)["tool_calls"][0][
+        "function"]["arguments"] == "oops"
+    assert template_message("tool", "22 C", None, None, "c1") == {
+        "role": "tool", "content": "22 C", "tool_call_id": "c1"}
+
+
+# -- reading the answer -------------------------------------------------------------------------
+
+
+def test_a_forced_answer_reads_as_calls_and_one_cut_short_as_content() -> None:
+    named = read(ToolAnswer("named", name="get_weather"), '{"city": "Paris"}', "stop")
+    assert (named.content, named.finish_reason) == (None, "stop")
+    (call,) = named.calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris"})
+    assert call.id.startswith("call_") and call.type == "function"
+    both = read(ToolAnswer("required"), '[{"name": "get_time", "parameters": {"tz": "UTC"}}, '
+                '{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "stop")
+    assert both.finish_reason == "tool_calls" and both.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in both.calls] == [
+        ("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Oslo"})]
+    assert len({c.id for c in both.calls}) == 2
+    cut = read(ToolAnswer("required"), '[{"name": "get_ti', "length")
+    assert (cut.content, cut.calls, cut.finish_reason) == ('[{"name": "get_ti', (), "length")
+
+
+def test_hermes_blocks_are_calls_and_the_text_around_them_content() -> None:
+    auto = ToolAnswer("auto", parser="hermes")
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}')
+    got = read(auto, text, "stop")  # the last block unclosed: the answer ended at EOS
+    assert got.finish_reason == "tool_calls" and got.content == "Let me look.\n\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    plain = read(auto, "Paris is sunny.", "stop")
+    assert (plain.content, plain.calls, plain.finish_reason) == ("Paris is sunny.", (), "stop")
+    broken = "<tool_call>{not json}</tool_call> then text"
+    assert read(auto, broken, "length") == ReadAnswer(broken, (), "length")  # not a call
+    only = read(auto, '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>\n', "stop")
+    assert only.content is None and json.loads(only.calls[0].function.arguments) == {"x": 1}
+
+
+def test_a_stream_holds_back_what_may_open_a_block() -> None:
+    stream = ToolStream(ToolAnswer("auto", parser="hermes"))
+    sent = [stream.more(d) for d in ("Let me", " look <b>", "ok</b> <tool", "_call>{\"na")]
+    assert sent == ["Let me", " look <b>", "ok</b> ", ""]
+    assert stream.more('me": "f"}</tool_call> after') == ""
+    text = 'Let me look <b>ok</b> <tool_call>{"name": "f"}</tool_call> after'
+    rest, answer = stream.end(text, "stop")
+    assert rest == " after" and answer.content == "Let me look <b>ok</b>  after"
+    assert [c.function.name for c in answer.calls] == ["f"]
+    forced = ToolStream(ToolAnswer("named", name="f"))
+    assert forced.more('{"x": 1}') == ""
+    rest, answer = forced.end('{"x": 1}', "stop")
+    assert rest == "" and answer.calls[0].function.arguments == '{"x": 1}'
+
+
+# -- SmolLM2 through the official client --------------------------------------------------------
+
+
+def test_smollm2_calls_a_forced_function_plain_and_streamed(
+        chat_config: ServeConfig) -> None:  # noqa: F811  # the imported fixture
+    async def main() -> None:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                r = await client.chat.completions.create(
+                    model="smollm2", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                choice = r.choices[0]
+                assert choice.finish_reason == "stop" and choice.message.content is None
+                (call,) = choice.message.tool_calls or []
+                assert call.function.name == "get_weather"  # type: ignore[union-attr]
+                arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+                jsonschema.validate(arguments, WEATHER)
+                r = await client.chat.completions.create(
+                    model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                    temperature=0, max_tokens=60)
+                choice = r.choices[0]
+                assert choice.finish_reason == "tool_calls", choice
+                calls = choice.message.tool_calls or []
+                assert calls and all(c.function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
+                                     for c in calls)
+                # Streamed: the role, then the calls in one chunk, then the finish.
+                pieces: list[Any] = []
+                finish = None
+                async for chunk in await client.chat.completions.create(
+                        model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                        temperature=0, max_tokens=60, stream=True):
+                    delta = chunk.choices[0].delta
+                    assert not delta.content
+                    pieces.extend(delta.tool_calls or [])
+                    finish = chunk.choices[0].finish_reason or finish
+                assert finish == "tool_calls"
+                assert [(p.function.name, p.function.arguments) for p in pieces] == [
+                    (c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
+                # The calls and their results go back to the template.
+                history: Any = [*ASK, {"role": "assistant", "content": None,
+                                       "tool_calls": [c.model_dump() for c in calls]},
+                                *({"role": "tool", "tool_call_id": c.id, "content": "22 C"}
+                                  for c in calls)]
+                r = await client.chat.completions.create(
+                    model="smollm2", messages=history, tools=TOOLS, tool_choice="none",
+                    temperature=0, max_tokens=8)
+                assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+    run(main())
+
+
+def test_smollm2_auto_reads_hermes_blocks_plain_and_streamed(
+        chat_config: ServeConfig) -> None:  # noqa: F811  # the imported fixture
+    """The model's own format under tool_choice auto; a regex makes SmolLM2 (whose template
+    shows no tools) write one, so the parser's path runs end to end."""
+    block = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Paris"}}\n</tool_call>')
+    regex = "".join("\\" + c if c in '.{}[]()"\\' else c for c in block).replace("\n", "\\n")
+    hermes = attrs.evolve(chat_config, tool_call_parser="hermes")
+
+    async def main() -> None:
+        with running_service(hermes) as service:
+            async with openai_client(service) as client:
+                asked: Any = {"model": "smollm2", "messages": ASK, "tools": TOOLS,
+                              "temperature": 0, "max_tokens": 60, "extra_body": {"regex": regex}}
+                r = await client.chat.completions.create(**asked)
+                message = r.choices[0].message
+                assert r.choices[0].finish_reason == "tool_calls"
+                assert message.content == "Let me check.\n"
+                (call,) = message.tool_calls or []
+                assert (call.function.name, json.loads(call.function.arguments)) == (  # type: ignore[union-attr]
+                    "get_weather", {"city": "Paris"})
+                content, calls, finish = "", [], None
+                async for chunk in await client.chat.completions.create(**asked, stream=True):
+                    delta = chunk.choices[0].delta
+                    assert "<" not in (delta.content or ""), delta  # the block never leaks
+                    content += delta.content or ""
+                    calls.extend(delta.tool_calls or [])
+                    finish = chunk.choices[0].finish_reason or finish
+                assert (content, finish) == ("Let me check.\n", "tool_calls")
+                assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+                # Without a block the answer is text, as without tools.
+                plain = await client.chat.completions.create(**{**asked, "extra_body": {}},
+                                                             max_completion_tokens=6)
+                assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+
+    run(main())
