@@ -385,11 +385,14 @@ class Chunks:
     chat: bool
     index: int = 0
     created: int = attrs.field(factory=now)
+    # stream_options.include_usage: every chunk has ``usage``, null but in the last.
+    include_usage: bool = False
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
+        usage = {"usage": None} if self.include_usage else {}
         return {"id": self.rid, "object": kind, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
+                "model": self.model, "choices": choices, **usage, **extra}
 
     def opening(self) -> dict[str, Any] | None:
         """A chat stream's first chunk: the assistant's role."""

@@ -134,7 +134,8 @@ async def _serve(service: Service, request: Request, body: Body,
     rid = items[0].rid.rpartition("_")[0] if len(items) > 1 else items[0].rid
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _stream(service, started, Chunks(rid, model, chat), include_usage, body.n)
+        chunks = _stream(service, started, Chunks(rid, model, chat, include_usage=include_usage),
+                         include_usage, body.n)
         return StreamingResponse(handoff.events(service, started, chunks),
                                  media_type="text/event-stream")
     answers = await handoff.answered(service, request, started, lambda a: openai_error(
