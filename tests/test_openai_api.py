@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -429,6 +430,45 @@ def test_refusals_are_openai_errors_naming_the_field(path: str, body: dict[str, 
                     assert param is not None and param in error["message"]
                 metrics = (await client.get("/metrics")).text
                 assert f'pdlife_http_rejected_total{{reason="{code}"}} 1.0' in metrics
+
+    run(main())
+
+
+def test_vllms_constraint_fields_are_read_as_their_sglang_equivalents() -> None:
+    """Clients written for vLLM send guided_* (and structured_outputs): ignored as unknown
+    fields, they left the answer unconstrained."""
+    choices = ['yes', 'no', 'say "maybe"\n']
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"guided_choice": choices}, "|".join(re.escape(c) for c in choices)),
+        ({"guided_regex": "[a-c]{3}"}, "[a-c]{3}"),
+        ({"guided_json": {"type": "boolean"}}, "true|false"),
+        ({"guided_json": '{"type": "boolean"}'}, "true|false"),
+        ({"guided_grammar": 'start: "x" "y"+'}, "xy+"),
+        ({"structured_outputs": {"choice": choices}}, "|".join(re.escape(c) for c in choices)),
+        ({"structured_outputs": {"regex": "[0-9]{2}"}}, "[0-9]{2}"),
+        ({"structured_outputs": {"json": {"type": "null"}}}, "null"),
+    ]
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                for fields, pattern in cases:
+                    for seed in range(3):
+                        r = await post(client, "/v1/completions", prompt="x", max_tokens=20,
+                                       temperature=1.0, seed=seed, **fields)
+                        assert r.status_code == 200, (fields, r.text)
+                        text = r.json()["choices"][0]["text"]
+                        assert re.fullmatch(pattern, text), (fields, text)
+                r = await post(client, "/v1/completions", prompt="x", regex="a",
+                               guided_choice=["b"])
+                error = r.json()["error"]
+                assert (error["code"], error["param"]) == ("bad_grammar", "guided_choice")
+                assert "give at most one constraint, got regex and guided_choice" in (
+                    error["message"])
+                r = await post(client, "/v1/completions", prompt="x", guided_grammar="start: (")
+                error = r.json()["error"]
+                assert (error["code"], error["param"]) == ("bad_grammar", "guided_grammar")
+                assert error["message"].startswith("guided_grammar does not compile"), error
 
     run(main())
 

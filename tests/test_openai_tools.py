@@ -75,9 +75,11 @@ def test_each_tool_choice_plans_its_reading_and_grammar() -> None:
      "invalid_request", "tool_choice", "'get_date', which is not one of the tools"),
     ({"tools": TOOLS}, "unsupported", "tool_choice", "--tool-call-parser hermes"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "bad_grammar", "tool_choice", "drop response_format, regex and ebnf"),
+     "bad_grammar", "tool_choice", "drop response_format"),
     ({"tools": TOOLS, "tool_choice": "required", "regex": "a+"}, "bad_grammar", "tool_choice",
-     "drop response_format"),
+     "drop regex"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_choice": ["a"]}, "bad_grammar",
+     "tool_choice", "drop guided_choice"),
 ])
 def test_what_cannot_be_served_is_refused_naming_the_field(
         fields: dict[str, Any], reason: str, param: str, says: str) -> None:

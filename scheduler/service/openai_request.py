@@ -17,7 +17,6 @@ tools go to the chat template, and a forced call becomes the answer's JSON schem
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -35,7 +34,6 @@ from scheduler.service.core import Service
 from scheduler.service.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    ResponseFormat,
     SamplingFields,
     TextPart,
 )
@@ -47,9 +45,6 @@ from scheduler.service.sampling import (
     unsupported,
 )
 from scheduler.service.schema import SamplingParamsBody
-
-#: What ``response_format`` json_object asks for, as a JSON schema (SGLang's mapping).
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 #: OpenAI fields pdlife cannot honour, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -196,15 +191,21 @@ def _refuse_unsupported(body: SamplingFields) -> None:
                              + _INSTEAD.get(name, ""), name)
 
 
-def _json_schema(fmt: ResponseFormat | None) -> str | None:
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return JSON_OBJECT_SCHEMA
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+def _constraint(body: SamplingFields) -> dict[str, str]:
+    """The body's structured-output constraint under SGLang's name (``json_schema``,
+    ``regex`` or ``ebnf``), from OpenAI's ``response_format``, SGLang's ``regex`` and
+    ``ebnf``, or vLLM's ``guided_*`` and ``structured_outputs`` fields: at most one."""
+    given = body.constraints()
+    if len(given) > 1:
+        raise FieldError("bad_grammar", f"{given[1][0]}: give at most one constraint, got "
+                         f"{given[0][0]} and {given[1][0]}", given[1][0])
+    if not given:
+        return {}
+    field, kind, source = given[0]
+    if field == "response_format" and not source:
         raise FieldError("bad_grammar", "response_format json_schema needs "
                          "json_schema.schema", "response_format.json_schema")
-    return json.dumps(fmt.json_schema.schema_)
+    return {kind: source}
 
 
 #: SGLang's names of the OpenAI fields, as refusals name them.
@@ -216,14 +217,15 @@ def _sampling_body(body: SamplingFields, max_new: int,
                    json_schema: str | None = None) -> SamplingParamsBody:
     """``body``'s sampling fields under SGLang's names; ``json_schema`` forces the answer
     (tool calls) instead of ``response_format``'s."""
+    constraint = {"json_schema": json_schema} if json_schema else _constraint(body)
     try:
         return SamplingParamsBody(
             max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, min_p=body.min_p, sampling_seed=body.seed, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             no_stop_trim=body.no_stop_trim, skip_special_tokens=body.skip_special_tokens,
-            json_schema=json_schema or _json_schema(body.response_format), regex=body.regex,
-            ebnf=body.ebnf,
+            json_schema=constraint.get("json_schema"), regex=constraint.get("regex"),
+            ebnf=constraint.get("ebnf"),
             n=body.n, frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0,
@@ -236,14 +238,17 @@ def _sampling_body(body: SamplingFields, max_new: int,
         raise FieldError("invalid_request", f"{param}: {first['msg']}", param) from exc
 
 
-def _sampling(service: Service, sp: SamplingParamsBody, max_name: str, *,
+def _sampling(service: Service, body: SamplingFields, sp: SamplingParamsBody, max_name: str, *,
               return_logprob: bool, top: int, logprob_start_len: int) -> SamplingParams:
     try:
         return sampling_params_from(sp, return_logprob=return_logprob, top_logprobs_num=top,
                                     logprob_start_len=logprob_start_len,
                                     max_new_tokens_limit=service.config.new_tokens_limit)
     except BadRequest as exc:
-        raise _renamed(exc, {**_NAMES, "max_new_tokens": max_name}) from exc
+        names = {**_NAMES, "max_new_tokens": max_name}
+        for field, kind, _ in body.constraints()[:1]:  # the grammar by the field it came in
+            names[kind] = field
+        raise _renamed(exc, names) from exc
 
 
 def _renamed(exc: BadRequest, names: dict[str, str]) -> FieldError:
@@ -286,8 +291,8 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[li
     for k, (host, port, room) in enumerate(zip(*fields, strict=True)):
         one = sample(sp, k % n) if n > 1 else sp
         item_rid = f"{rid}_{k}" if total > 1 else rid
-        sampling = _sampling(service, one, max_name, return_logprob=return_logprob, top=top,
-                             logprob_start_len=logprob_start_len)
+        sampling = _sampling(service, body, one, max_name, return_logprob=return_logprob,
+                             top=top, logprob_start_len=logprob_start_len)
         items.append(_check(service, item_rid, prompts[k // n], sampling, host, port, room,
                             max_name, prefix))
     options = AnswerOptions(body.no_stop_trim, body.skip_special_tokens,

@@ -2,7 +2,9 @@
 (pydantic models: the published schema).
 
 Requests take OpenAI's fields, SGLang's extensions of them (``top_k``, ``min_p``, ``regex``,
-``ebnf``, ``stop_token_ids``, ``ignore_eos``, ...) and the bootstrap fields a PD router adds.
+``ebnf``, ``stop_token_ids``, ``ignore_eos``, ...), vLLM's names of the structured-output
+constraints (``guided_json``, ``guided_choice``, ``structured_outputs``, ...) and the bootstrap
+fields a PD router adds.
 Unknown fields are ignored, as SGLang does (the router adds several); a known field pdlife
 cannot honour is declared here with its neutral value so that :mod:`.openai_request` can refuse
 anything else with a 400 that names it. ``null`` in any field is that field's default (OpenAI's
@@ -11,6 +13,7 @@ clients send ``null`` for an option their caller left ``None``).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +23,9 @@ from scheduler.service.schema import StrictBody
 
 #: OpenAI's bound on ``logprobs`` of ``/v1/completions``.
 COMPLETION_LOGPROBS_MAX = 5
+
+#: What ``response_format`` json_object asks for, as a JSON schema (SGLang's mapping).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -82,6 +88,15 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: one of its constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+
+
 class SamplingFields(_Body):
     """What both endpoints share: sampling, stops, logprob-free structured output, the PD
     router's bootstrap fields, and the fields pdlife refuses unless neutral."""
@@ -101,6 +116,14 @@ class SamplingFields(_Body):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = Field(None, description="a Lark grammar")
+    # vLLM's names of the same constraints (clients written for vLLM send them).
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM's: regex")
+    guided_grammar: str | None = Field(None, description="vLLM's: a grammar (ebnf)")
+    guided_choice: list[str] | None = Field(None, min_length=1,
+                                            description="vLLM's: the answer is one of these")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's newer form of the guided_ fields")
     n: int = Field(1, ge=1, description="choices (at most 16)")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -122,6 +145,39 @@ class SamplingFields(_Body):
     # Fields pdlife cannot honour: refused with 400 unless neutral.
     return_hidden_states: bool = False
     lora_path: Any = None
+
+    def constraints(self) -> list[tuple[str, str, str]]:
+        """The structured-output constraints given, each as ``(the field as sent, SGLang's
+        name: json_schema, regex or ebnf, its source)``, in the order of the fields."""
+        out: list[tuple[str, str, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            out.append(("response_format", "json_schema", JSON_OBJECT_SCHEMA))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = None if fmt.json_schema is None else fmt.json_schema.schema_
+            out.append(("response_format", "json_schema",
+                        "" if schema is None else json.dumps(schema)))
+        so = self.structured_outputs
+        fields: tuple[tuple[str, str, dict[str, Any] | str | list[str] | None], ...] = (
+            ("regex", "regex", self.regex), ("ebnf", "ebnf", self.ebnf),
+            ("guided_json", "json_schema", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_grammar", "ebnf", self.guided_grammar),
+            ("guided_choice", "ebnf", self.guided_choice),
+            ("structured_outputs.json", "json_schema", None if so is None else so.json_),
+            ("structured_outputs.regex", "regex", None if so is None else so.regex),
+            ("structured_outputs.grammar", "ebnf", None if so is None else so.grammar),
+            ("structured_outputs.choice", "ebnf", None if so is None else so.choice))
+        for field, kind, value in fields:
+            if value is None:
+                continue
+            if isinstance(value, list):  # a choice: the answer is one of the strings
+                source = "start: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                for c in value)
+            else:
+                source = value if isinstance(value, str) else json.dumps(value)
+            out.append((field, kind, source))
+        return out
 
 
 class CompletionRequest(SamplingFields):

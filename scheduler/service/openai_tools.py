@@ -99,10 +99,10 @@ def plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
                 "--tool-call-parser hermes); send tool_choice required or a named function, "
                 "which a grammar forces whatever the model", "tool_choice")
         return ToolPlan(ToolAnswer("auto", parser=parser), tools=template_tools)
-    forced = body.response_format is not None and body.response_format.type != "text"
-    if forced or body.regex is not None or body.ebnf is not None:
+    constraints = body.constraints()
+    if constraints:
         raise ToolChoiceError("bad_grammar", "tool_choice required or a named function forces "
-                              "the answer's shape itself: drop response_format, regex and ebnf",
+                              f"the answer's shape itself: drop {constraints[0][0]}",
                               "tool_choice")
     if choice == "required":
         schema = _calls_schema(tools, parallel=body.parallel_tool_calls)
