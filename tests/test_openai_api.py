@@ -105,10 +105,12 @@ def test_completions_equal_the_reference_plain_streamed_and_as_token_ids() -> No
                 for as_ids in (TOKENIZER.encode(prompt), [TOKENIZER.encode(prompt)], [prompt]):
                     r = await post(client, "/v1/completions", **{**body, "prompt": as_ids})
                     assert r.json()["choices"][0]["text"] == want, as_ids
+                    assert r.headers["x-request-id"] == r.json()["id"]
                 r = await post(client, "/v1/completions", **body, stream=True,
                                stream_options={"include_usage": True})
                 chunks = sse(r.text)
                 *texts, usage = chunks
+                assert r.headers["x-request-id"] == usage["id"]  # OpenAI's header of the id
                 assert "".join(c["choices"][0]["text"] for c in texts) == want
                 assert [c["choices"][0]["finish_reason"] for c in texts][-1] == "length"
                 assert all(c["choices"][0]["finish_reason"] is None for c in texts[:-1])

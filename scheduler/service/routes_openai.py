@@ -132,19 +132,22 @@ async def _serve(service: Service, request: Request, body: Body,
         return _refused(service, refusal)
     # The answer's id: the request's rid, which choice i's ``<rid>_<i>`` extends when n > 1.
     rid = items[0].rid.rpartition("_")[0] if len(items) > 1 else items[0].rid
+    # OpenAI's header of the request's id (the client's ``_request_id``).
+    headers = {"x-request-id": rid}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _stream(service, started, Chunks(rid, model, chat, include_usage=include_usage),
                          include_usage, body.n)
         return StreamingResponse(handoff.events(service, started, chunks),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=headers)
     answers = await handoff.answered(service, request, started, lambda a: openai_error(
         a.status, a.message, failure_kind(a)))
     if isinstance(answers, Response):
+        answers.headers.update(headers)
         return answers
     return JSONResponse(answer_body(service.tokenizer, rid, list(zip(items, answers,
                                                                       strict=True)),
-                                    model, chat=chat, n=body.n))
+                                    model, chat=chat, n=body.n), headers=headers)
 
 
 async def _stream(service: Service, started: list[Pending], chunks: Chunks,
