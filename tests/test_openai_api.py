@@ -397,8 +397,10 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "functions": [{"name": "f"}]}, "unsupported", "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "invalid_request",
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "unsupported",
      "messages.0.content.0.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "sticker"}]}]}, "invalid_request", "messages.0.content.0.type"),
     ("/v1/chat/completions", {"messages": []}, "invalid_request", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
      "invalid_request", "messages.0.role"),

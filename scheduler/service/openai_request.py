@@ -34,6 +34,7 @@ from scheduler.service.core import Service
 from scheduler.service.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    OtherPart,
     SamplingFields,
     TextPart,
 )
@@ -147,20 +148,30 @@ def _prompts(service: Service, body: CompletionRequest
             for p in batch]
 
 
-def _text(content: str | list[TextPart] | None) -> str:
+def _text(content: str | list[TextPart | OtherPart] | None, at: str) -> str:
+    """A message's text: its text parts joined with newlines; another kind of part is 400
+    ``unsupported`` (``at`` names the message)."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(part.text for part in content)
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, OtherPart):
+            field = f"{at}.content.{j}.type"
+            raise FieldError("unsupported", f"{field}: {part.type} content is not supported: "
+                             "pdlife serves text models", field)
+        texts.append(part.text)
+    return "\n".join(texts)
 
 
 def _chat_prompt(service: Service, body: ChatCompletionRequest,
                  tools: Sequence[dict[str, Any]]) -> list[int]:
+    messages = [openai_tools.template_message(m.role, _text(m.content, f"messages.{i}"),
+                                              m.name, m.tool_calls, m.tool_call_id)
+                for i, m in enumerate(body.messages)]
     tokenizer = service.tokenizer
     if getattr(tokenizer, "chat_template", None) is None:
         raise FieldError("no_chat_template", f"the model {service.config.model_name!r} has no "
                          "chat template: send the prompt to /v1/completions", "messages")
-    messages = [openai_tools.template_message(m.role, _text(m.content), m.name, m.tool_calls,
-                                              m.tool_call_id) for m in body.messages]
     try:
         if tools:
             return list(tokenizer.encode_chat(messages, tools=tools))

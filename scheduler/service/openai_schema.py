@@ -200,9 +200,16 @@ class TextPart(_Body):
     text: str
 
 
+class OtherPart(_Body):
+    """A content part of another kind (an image, audio, a file): refused by name, as pdlife
+    serves text models."""
+
+    type: Literal["image_url", "input_audio", "file", "video_url", "audio_url"]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
     # An assistant's calls, and the call a tool message answers.
     tool_calls: list[ToolCall] | None = None
