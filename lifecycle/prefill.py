@@ -60,8 +60,13 @@ def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
 
 def as_stop_strings(stop: str | Iterable[str]) -> tuple[str, ...]:
     """Stop strings as the tuple records keep (an attrs converter): one string is one stop
-    string, not its characters."""
-    return (stop,) if isinstance(stop, str) else tuple(stop)
+    string, not its characters; anything else raises ``ValueError``."""
+    if not isinstance(stop, str | Iterable):
+        raise ValueError(f"stop must be a string or strings, got {stop!r}")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or strings, got {stop!r}")
+    return stops
 
 
 def as_logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]

@@ -218,6 +218,11 @@ class EmbeddedPair:
         outcomes over: the pair forgets them. Raises ``TimeoutError`` after ``timeout`` wall
         seconds naming the requests still unanswered."""
         rids = list(rids)
+        with self._lock:
+            unknown = [r for r in rids if r not in self._submitted]
+        if unknown:
+            raise ValueError(f"requests {unknown[:5]} were not submitted to this pair (or their "
+                             f"outcomes were handed over already)")
         prefill, decode = self.prefill_responses, self.decode_responses
 
         def answered() -> bool:
@@ -232,10 +237,18 @@ class EmbeddedPair:
         step_until(self._propagate_and_step,
                    (lambda: answered() and self.idle()) if idle else answered,
                    timeout, unanswered)
+        return self.take(rids)
+
+    def take(self, rids: Iterable[str]) -> dict[str, Outcome]:
+        """Hand over the outcomes of those of ``rids`` answered on both sides, without
+        stepping (a loop that steps the pair itself); the pair forgets them, so their ids may
+        come back. The others are left. On the stepping thread."""
+        prefill, decode = self.prefill_responses, self.decode_responses
+        done = [r for r in rids if r in decode and r in prefill]
         with self._lock:
-            self._submitted.difference_update(rids)
-            self._propagated.difference_update(rids)
-        return {r: Outcome(prefill.pop(r), decode.pop(r)) for r in rids}
+            self._submitted.difference_update(done)
+            self._propagated.difference_update(done)
+        return {r: Outcome(prefill.pop(r), decode.pop(r)) for r in done}
 
     def _propagate_and_step(self) -> bool:
         self._propagate_prefill_failures()

@@ -75,6 +75,26 @@ def test_a_request_id_is_the_pairs_until_its_outcome_is_handed_over():
         pair.close()
 
 
+def test_a_loop_stepping_the_pair_itself_takes_answered_outcomes():
+    pair = make_pair()
+    try:
+        with pytest.raises(ValueError, match=r"\['typo'\] were not submitted"):
+            pair.run_until_done(["typo"], timeout=60)  # at once, not after the timeout
+        pair.submit("a", [1, 2, 3], SamplingParams(max_new_tokens=2))
+        pair.submit("b", [4, 5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        assert pair.take(["a", "b"]) == {}  # nothing answered yet
+        while "a" not in pair.decode_responses or "a" not in pair.prefill_responses:
+            pair.step()
+        taken = pair.take(["a", "b"])
+        assert list(taken) == ["a"] and taken["a"].decode.ok
+        assert "a" not in pair.decode_responses
+        pair.submit("a", [7, 8], SamplingParams(max_new_tokens=2))  # the id is free again
+        out = pair.run_until_done(["a", "b"])
+        assert out["a"].decode.ok and len(out["b"].decode.output_ids) == 40
+    finally:
+        pair.close()
+
+
 def test_run_until_done_without_idle_returns_once_its_own_requests_are_answered():
     pair = make_pair()
     try:
@@ -104,6 +124,11 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_alone():
             assert f"token ids must be in 0..{vocab - 1}, got {got}" in prefill.detail
             assert out[rid].decode is not None and not out[rid].decode.ok
         assert out["ok"].decode is not None and out["ok"].decode.ok, out["ok"]
+        pair.submit("empty", [], SamplingParams(max_new_tokens=3))
+        empty = pair.run_until_done(["empty"])["empty"]
+        for side in (empty.prefill, empty.decode):
+            assert side.reason is FailureReason.REJECTED, side
+        assert empty.decode.detail == "the prompt is empty; it needs at least one token"
         assert pair.prefill_pool.allocator.available() == 256
         assert pair.decode_pool.allocator.available() == 256
     finally:

@@ -391,6 +391,10 @@ def test_sampling_params_are_validated():
     # One string is one stop string (it was split into its characters).
     assert SamplingParams(stop="Paris").stop == ("Paris",)
     assert SamplingParams(stop=["Paris", "Rome"]).stop == ("Paris", "Rome")
+    with pytest.raises(ValueError, match="stop must be a string or strings, got 123"):
+        SamplingParams(stop=123)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stop must be a string or strings"):
+        SamplingParams(stop=["ok", 5])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         SchedulerConfig(page_size=16, chunked_prefill_size=8)
 

@@ -201,7 +201,11 @@ class DecodePeer:
             return
         self.lifecycle.admit(req)
         n = len(req.input_ids)
-        if n == 0 or pages_needed(n + req.sampling.max_new_tokens, self.pool.page_size) > (
+        if n == 0:
+            self._fail(req, FailureReason.REJECTED,
+                       "the prompt is empty; it needs at least one token")
+            return
+        if pages_needed(n + req.sampling.max_new_tokens, self.pool.page_size) > (
             self._pages.admissible()
         ):
             self._fail(req, FailureReason.REJECTED,
