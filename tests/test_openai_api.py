@@ -451,6 +451,7 @@ def test_vllms_constraint_fields_are_read_as_their_sglang_equivalents() -> None:
         ({"structured_outputs": {"choice": choices}}, "|".join(re.escape(c) for c in choices)),
         ({"structured_outputs": {"regex": "[0-9]{2}"}}, "[0-9]{2}"),
         ({"structured_outputs": {"json": {"type": "null"}}}, "null"),
+        ({"structured_outputs": {"json_object": True}}, r"\{[\s\S]*"),  # an object begun
     ]
 
     async def main() -> None:

@@ -9,8 +9,11 @@ from typing import Any
 
 import attrs
 import jsonschema
+import openai
 import pytest
 
+from lifecycle import GrammarKind, GrammarSpec
+from scheduler.sample.grammar import check
 from scheduler.service.config import ServeConfig
 from scheduler.service.openai_schema import ChatCompletionRequest, ToolCall
 from scheduler.service.openai_tools import (
@@ -52,7 +55,15 @@ def test_each_tool_choice_plans_its_reading_and_grammar() -> None:
     named = plan(body(tools=TOOLS, tool_choice={"type": "function",
                                                 "function": {"name": "get_time"}}), None)
     assert named.answer == ToolAnswer("named", name="get_time")
-    assert named.schema is not None and json.loads(named.schema) == TIME
+    # Compact JSON unless the parameters say otherwise: flexible whitespace let a small model
+    # pad a call with newlines until max_tokens.
+    compact = {"x-guidance": {"whitespace_flexible": False}}
+    assert named.schema is not None and json.loads(named.schema) == {**compact, **TIME}
+    bare = plan(body(tools=[{"type": "function", "function": {"name": "now"}}],
+                     tool_choice={"type": "function", "function": {"name": "now"}}), None)
+    jsonschema.validate({}, json.loads(bare.schema or ""))  # no parameters: no arguments
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"when": 1}, json.loads(bare.schema or ""))
     required = plan(body(tools=TOOLS, tool_choice="required"), None)
     assert required.answer == ToolAnswer("required") and required.schema is not None
     schema = json.loads(required.schema)
@@ -62,10 +73,39 @@ def test_each_tool_choice_plans_its_reading_and_grammar() -> None:
                   [{"name": "get_date", "parameters": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
+    assert schema["x-guidance"] == compact["x-guidance"]
     single = json.loads(plan(body(tools=TOOLS, tool_choice="required",
                                   parallel_tool_calls=False), None).schema or "")
     assert single["maxItems"] == 1
     assert plan(body(tools=TOOLS), "hermes").answer == ToolAnswer("auto", parser="hermes")
+
+
+def test_required_calls_keep_each_tools_definitions_reachable() -> None:
+    """pydantic writes a nested model as ``$defs`` and ``$ref``: inside the array of calls the
+    references pointed at nothing ("Pointer '/$defs/Traveler' does not exist")."""
+    trip = {"type": "object", "properties": {
+        "travelers": {"type": "array", "items": {"$ref": "#/$defs/Traveler"}}},
+        "required": ["travelers"],
+        "$defs": {"Traveler": {"type": "object", "properties": {
+            "name": {"type": "string"}, "seat": {"$ref": "#/$defs/Seat/properties/row"}},
+            "required": ["name"]},
+            "Seat": {"type": "object", "properties": {"row": {"type": "integer"}}}}}
+    old = {"type": "object", "properties": {"x": {"$ref": "#/definitions/X"}},
+           "definitions": {"X": {"type": "boolean"}}}
+    tools = [{"type": "function", "function": {"name": "book", "parameters": trip}},
+             {"type": "function", "function": {"name": "flag", "parameters": old}}]
+    got = plan(body(tools=tools, tool_choice="required"), None)
+    schema = json.loads(got.schema or "")
+    assert set(schema["$defs"]) == {"book.Traveler", "book.Seat", "flag.X"}
+    jsonschema.validate([{"name": "book", "parameters": {"travelers": [
+        {"name": "Ann", "seat": 3}]}}, {"name": "flag", "parameters": {"x": True}}], schema)
+    for wrong in ([{"name": "book", "parameters": {"travelers": [{"seat": 3}]}}],
+                  [{"name": "book", "parameters": {"travelers": [{"name": "A", "seat": "3"}]}}],
+                  [{"name": "flag", "parameters": {"x": 1}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    check(GrammarSpec(GrammarKind.JSON_SCHEMA, got.schema or ""))  # llguidance takes it
+    assert trip["$defs"]  # the request's own schema is left as it was
 
 
 @pytest.mark.parametrize(("fields", "reason", "param", "says"), [
@@ -136,6 +176,12 @@ def test_hermes_blocks_are_calls_and_the_text_around_them_content() -> None:
     assert read(auto, broken, "length") == ReadAnswer(broken, (), "length")  # not a call
     only = read(auto, '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>\n', "stop")
     assert only.content is None and json.loads(only.calls[0].function.arguments) == {"x": 1}
+    # A closing tag cut short by max_tokens ends the block as no tag does; the answer says it
+    # was cut.
+    for cut in ("</tool_cal", "</", "<"):
+        got = read(auto, '<tool_call>{"name": "f", "arguments": {}}' + cut, "length")
+        assert [c.function.name for c in got.calls] == ["f"], cut
+        assert (got.content, got.finish_reason) == (None, "length")
 
 
 def test_a_stream_holds_back_what_may_open_a_block() -> None:
@@ -191,6 +237,15 @@ def test_smollm2_calls_a_forced_function_plain_and_streamed(
                 assert finish == "tool_calls"
                 assert [(p.function.name, p.function.arguments) for p in pieces] == [
                     (c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
+                # A parameters schema that does not compile is the tools' fault.
+                bad: Any = [{"type": "function", "function": {
+                    "name": "f", "parameters": {"type": "thing"}}}]
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.chat.completions.create(
+                        model="smollm2", messages=ASK, tools=bad, tool_choice="required")
+                error = refused.value.body
+                assert (error["code"], error["param"]) == ("bad_grammar", "tools"), error
+                assert error["message"].startswith("tools does not compile"), error
                 # The calls and their results go back to the template.
                 history: Any = [*ASK, {"role": "assistant", "content": None,
                                        "tool_calls": [c.model_dump() for c in calls]},

@@ -394,12 +394,13 @@ class Chunks:
         return {"id": self.rid, "object": kind, "created": self.created,
                 "model": self.model, "choices": choices, **usage, **extra}
 
-    def opening(self) -> dict[str, Any] | None:
-        """A chat stream's first chunk: the assistant's role."""
+    def opening(self, *, text: bool = True) -> dict[str, Any] | None:
+        """A chat stream's first chunk: the assistant's role, and an empty content (null when
+        the answer is a forced call, ``text`` false, as in the whole answer)."""
         if not self.chat:
             return None
         return self._chunk([{"index": self.index,
-                             "delta": {"role": "assistant", "content": ""},
+                             "delta": {"role": "assistant", "content": "" if text else None},
                              "finish_reason": None, "logprobs": None}])
 
     def text(self, delta: str, *, finish: str | None = None,

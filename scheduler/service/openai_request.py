@@ -257,8 +257,11 @@ def _sampling(service: Service, body: SamplingFields, sp: SamplingParamsBody, ma
                                     max_new_tokens_limit=service.config.new_tokens_limit)
     except BadRequest as exc:
         names = {**_NAMES, "max_new_tokens": max_name}
-        for field, kind, _ in body.constraints()[:1]:  # the grammar by the field it came in
+        given = body.constraints()
+        for field, kind, _ in given[:1]:  # the grammar by the field it came in
             names[kind] = field
+        if not given and sp.json_schema is not None:  # a forced tool call's
+            names["json_schema"] = "tools"
         raise _renamed(exc, names) from exc
 
 

@@ -95,6 +95,7 @@ class StructuredOutputs(_Body):
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
+    json_object: bool = Field(False, description="any JSON object")
 
 
 class SamplingFields(_Body):
@@ -165,6 +166,8 @@ class SamplingFields(_Body):
             ("guided_grammar", "ebnf", self.guided_grammar),
             ("guided_choice", "ebnf", self.guided_choice),
             ("structured_outputs.json", "json_schema", None if so is None else so.json_),
+            ("structured_outputs.json_object", "json_schema",
+             JSON_OBJECT_SCHEMA if so is not None and so.json_object else None),
             ("structured_outputs.regex", "regex", None if so is None else so.regex),
             ("structured_outputs.grammar", "ebnf", None if so is None else so.grammar),
             ("structured_outputs.choice", "ebnf", None if so is None else so.choice))

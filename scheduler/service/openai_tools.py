@@ -6,11 +6,12 @@ which decides whether and how the model sees them; assistant messages' ``tool_ca
 messages' ``tool_call_id`` go to it too. Then, by ``tool_choice``:
 
 - a **named function**: the answer is that function's arguments, forced by a JSON-schema
-  grammar of its ``parameters``; the message carries the one call, finish ``stop`` (OpenAI's
-  finish for a forced function);
+  grammar of its ``parameters`` (none: ``{}``); the message carries the one call, finish
+  ``stop`` (OpenAI's finish for a forced function);
 - **required**: the answer is a JSON array of ``{"name", "parameters"}`` objects, each one of
   the tools with its parameters, at least one (only one without ``parallel_tool_calls``),
-  forced by a JSON-schema grammar; the message carries the calls, finish ``tool_calls``;
+  forced by a JSON-schema grammar (each tool's ``$defs`` moved to the array's); the message
+  carries the calls, finish ``tool_calls``;
 - **auto** (the default with tools): the model decides, in its own format, which the server's
   tool-call parser reads (``pdlife serve --tool-call-parser``): ``hermes``, the
   ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks of Hermes and Qwen 2.5
@@ -18,8 +19,9 @@ messages' ``tool_call_id`` go to it too. Then, by ``tool_choice``:
   Without a parser ``auto`` is refused (400), never answered as plain text;
 - **none**: the answer is text.
 
-A forced answer cut by ``max_tokens`` is not JSON: it is answered as content, finish ``length``,
-without calls. A stream sends content as it comes (``auto``: up to a block's start) and the
+A forced call is compact JSON unless its parameters' ``x-guidance`` says otherwise. A forced
+answer cut by ``max_tokens`` is not JSON: it is answered as content, finish ``length``, without
+calls. A stream sends content as it comes (``auto``: up to a block's start) and the
 calls in one chunk at the end.
 """
 
@@ -40,7 +42,12 @@ TOOL_CALL_PARSERS = ("hermes",)
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|\Z)", re.DOTALL)
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+#: The arguments of a function without ``parameters``: none (OpenAI's empty parameter list).
+_NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {},
+                                 "additionalProperties": False}
+#: llguidance's JSON options of a forced call: compact JSON (flexible whitespace let a small
+#: model pad a call with newlines until max_tokens), unless the parameters set their own.
+_COMPACT = {"whitespace_flexible": False}
 
 
 class ToolChoiceError(ValueError):
@@ -112,22 +119,58 @@ def plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if name not in names:
         raise ToolChoiceError("invalid_request", f"tool_choice names {name!r}, which is not "
                               f"one of the tools ({', '.join(names)})", "tool_choice")
-    parameters = tools[names.index(name)].function.parameters
-    return ToolPlan(ToolAnswer("named", name=name), json.dumps(parameters or _ANY_OBJECT),
-                    template_tools)
+    parameters = tools[names.index(name)].function.parameters or _NO_ARGUMENTS
+    schema = {"x-guidance": _COMPACT, **parameters}
+    return ToolPlan(ToolAnswer("named", name=name), json.dumps(schema), template_tools)
 
 
 def _calls_schema(tools: Sequence[Tool], *, parallel: bool) -> dict[str, Any]:
-    """A JSON array of one or more calls, each a tool's name and its parameters."""
-    calls = [{"type": "object",
-              "properties": {"name": {"const": t.function.name},
-                             "parameters": t.function.parameters or _ANY_OBJECT},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    """A JSON array of one or more calls, each a tool's name and its parameters. Each tool's
+    definitions (``$defs``, ``definitions``: pydantic writes nested models so) move to the
+    array's ``$defs`` under the tool's name, its references rewritten to them."""
+    defs: dict[str, Any] = {}
+    calls = []
+    options: dict[str, Any] = _COMPACT
+    for t in tools:
+        parameters = dict(t.function.parameters or _NO_ARGUMENTS)
+        options = parameters.pop("x-guidance", None) or options
+        moved: dict[str, str] = {}
+        for key in ("$defs", "definitions"):
+            for def_name, definition in (parameters.pop(key, None) or {}).items():
+                new = f"{t.function.name}.{def_name}"
+                moved[f"#/{key}/{def_name}"] = f"#/$defs/{new}"
+                defs[new] = definition
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": t.function.name},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+        for new in {target.removeprefix("#/$defs/") for target in moved.values()}:
+            defs[new] = _rewritten(defs[new], moved)
+        calls[-1] = _rewritten(calls[-1], moved)
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                              "x-guidance": options}
+    if defs:
+        schema["$defs"] = defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _rewritten(node: Any, refs: dict[str, str]) -> Any:
+    """``node`` with every ``$ref`` found in ``refs`` (or under one: ``#/$defs/A/properties``)
+    pointing to its new place."""
+    if isinstance(node, list):
+        return [_rewritten(item, refs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rewritten(value, refs) for key, value in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str):
+        for old, new in refs.items():
+            if ref == old or ref.startswith(old + "/"):
+                out["$ref"] = new + ref[len(old):]
+                break
+    return out
 
 
 def template_message(role: str, content: str, name: str | None,
@@ -200,12 +243,16 @@ def _read_blocks(text: str, finish_reason: str) -> ReadAnswer:
     if not calls:
         return ReadAnswer(text, (), finish_reason)
     joined = "".join(content)
-    return ReadAnswer(joined if joined.strip() else None, tuple(calls), "tool_calls")
+    # An answer cut by max_tokens says so, calls or not (a call after the cut may be missing).
+    finish = finish_reason if finish_reason == "length" else "tool_calls"
+    return ReadAnswer(joined if joined.strip() else None, tuple(calls), finish)
 
 
 def _hermes_call(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
+    body = body.rstrip()
+    cut = next((k for k in range(len(_CLOSE) - 1, 0, -1) if body.endswith(_CLOSE[:k])), 0)
+    try:  # a closing tag cut short (max_tokens) ends the last block as no tag does
+        value = json.loads(body[: len(body) - cut])
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -230,6 +277,11 @@ class ToolStream:
         self._held = ""
         self._sent: list[str] = []
         self._stopped = tool.mode != "auto"
+
+    @property
+    def may_write_text(self) -> bool:
+        """Whether the answer may hold content (``auto``), not only calls."""
+        return self._tool.mode == "auto"
 
     def more(self, delta: str) -> str:
         """What of ``delta`` (the answer's next text) to send now."""

@@ -171,7 +171,7 @@ async def _chunks(service: Service, pending: Pending,
     text = StreamText(tokenizer, item)
     tools = None if item.options.tools is None else ToolStream(item.options.tools)
     logprobs = StreamLogprobs(tokenizer, item, chat=chunks.chat)
-    opening = chunks.opening()
+    opening = chunks.opening(text=tools is None or tools.may_write_text)
     if opening is not None:
         yield opening
     echo = item.options.echo
