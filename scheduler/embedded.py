@@ -10,16 +10,16 @@ too (:mod:`scheduler.model.side_pools`). :class:`EmbeddedPair` drives both loops
 calling thread, which makes it the harness of the demo, the benchmarks and the end-to-end
 tests, and the simplest way to embed pdlife.
 
-A request id is the pair's from :meth:`EmbeddedPair.submit` until :meth:`run_until_done` hands
-its :class:`Outcome` over (the pair then forgets it, so a long-lived pair does not grow and the
-id may be used again); :meth:`EmbeddedPair.close` answers what is still live ``shutdown``.
+A request id is the pair's from :meth:`EmbeddedPair.submit` until :meth:`~EmbeddedPair.take`
+(or :meth:`~EmbeddedPair.run_until_done`) hands its :class:`Outcome` over (the pair then
+forgets it, so a long-lived pair does not grow and the id may be used again);
+:meth:`EmbeddedPair.close` answers what is still live ``shutdown``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -50,8 +50,6 @@ from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
 from scheduler.stepping import step_until
-
-logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -183,14 +181,13 @@ class EmbeddedPair:
     def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None:
         """Send one request to both sides, as a PD router does, in a bootstrap room of its
         own (thread-safe). Raises ``ValueError`` while ``rid`` is the pair's (submitted, its
-        outcome not yet handed over by :meth:`run_until_done`) and ``RuntimeError`` once the
-        pair is closed."""
+        outcome not yet handed over) and ``RuntimeError`` once the pair is closed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"request {rid!r}: this EmbeddedPair is closed")
             if rid in self._submitted:
-                raise ValueError(f"request id {rid!r} is in use: it was submitted and "
-                                 f"run_until_done has not handed its outcome over")
+                raise ValueError(f"request id {rid!r} is in use: it was submitted and its "
+                                 f"outcome not yet handed over (run_until_done or take)")
             self._submitted.add(rid)
             room = next(self._rooms)
         new = NewRequest(
