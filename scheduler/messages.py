@@ -57,6 +57,12 @@ class AbortRequest:
     rid: str
     shutdown: bool = False
 
+    def failure(self) -> tuple[FailureReason, str]:
+        """The reason and detail the request fails with."""
+        if self.shutdown:
+            return FailureReason.SHUTDOWN, "the server is shutting down"
+        return FailureReason.ABORTED, "aborted by the client"
+
 
 @attrs.frozen
 class TokenLogprob:

@@ -180,12 +180,8 @@ class DecodePeer:
         for item in items:
             if isinstance(item, AbortRequest):
                 req = self.lifecycle.get(item.rid)
-                if req is None:
-                    pass
-                elif item.shutdown:
-                    self._fail(req, FailureReason.SHUTDOWN, "the server is shutting down")
-                else:
-                    self._fail(req, FailureReason.ABORTED, "aborted by the client")
+                if req is not None:
+                    self._fail(req, *item.failure())
             else:
                 self._admit(item)
         return bool(items)

@@ -279,10 +279,7 @@ class PrefillScheduler:
         if req is None:  # routine: a colocated server aborts both sides, one may be done
             logger.debug("abort of unknown or finished request %r ignored", abort.rid)
             return
-        if abort.shutdown:
-            self._fail(req, FailureReason.SHUTDOWN, "the server is shutting down")
-        else:
-            self._fail(req, FailureReason.ABORTED, "aborted by the client")
+        self._fail(req, *abort.failure())
 
     def _fail(self, req: PrefillRequest, reason: FailureReason, detail: str) -> None:
         """Fail ``req`` now, or once the batches holding it are off the device. An abort (the
