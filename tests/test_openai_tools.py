@@ -90,18 +90,21 @@ def test_required_calls_keep_each_tools_definitions_reachable() -> None:
             "name": {"type": "string"}, "seat": {"$ref": "#/$defs/Seat/properties/row"}},
             "required": ["name"]},
             "Seat": {"type": "object", "properties": {"row": {"type": "integer"}}}}}
-    old = {"type": "object", "properties": {"x": {"$ref": "#/definitions/X"}},
+    old = {"type": "object", "properties": {"x": {"$ref": "#/definitions/X"},
+                                            "next": {"$ref": "#"}},  # recursive
            "definitions": {"X": {"type": "boolean"}}}
     tools = [{"type": "function", "function": {"name": "book", "parameters": trip}},
              {"type": "function", "function": {"name": "flag", "parameters": old}}]
     got = plan(body(tools=tools, tool_choice="required"), None)
     schema = json.loads(got.schema or "")
-    assert set(schema["$defs"]) == {"book.Traveler", "book.Seat", "flag.X"}
+    assert set(schema["$defs"]) == {"book", "flag"}
     jsonschema.validate([{"name": "book", "parameters": {"travelers": [
-        {"name": "Ann", "seat": 3}]}}, {"name": "flag", "parameters": {"x": True}}], schema)
+        {"name": "Ann", "seat": 3}]}},
+        {"name": "flag", "parameters": {"x": True, "next": {"x": False}}}], schema)
     for wrong in ([{"name": "book", "parameters": {"travelers": [{"seat": 3}]}}],
                   [{"name": "book", "parameters": {"travelers": [{"name": "A", "seat": "3"}]}}],
-                  [{"name": "flag", "parameters": {"x": 1}}]):
+                  [{"name": "flag", "parameters": {"x": 1}}],
+                  [{"name": "flag", "parameters": {"next": {"x": 1}}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
     check(GrammarSpec(GrammarKind.JSON_SCHEMA, got.schema or ""))  # llguidance takes it

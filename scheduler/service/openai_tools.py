@@ -126,50 +126,40 @@ def plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
 
 def _calls_schema(tools: Sequence[Tool], *, parallel: bool) -> dict[str, Any]:
     """A JSON array of one or more calls, each a tool's name and its parameters. Each tool's
-    definitions (``$defs``, ``definitions``: pydantic writes nested models so) move to the
-    array's ``$defs`` under the tool's name, its references rewritten to them."""
+    parameters move to the array's ``$defs`` under the tool's name, and their local references
+    (``#/$defs/...``: pydantic writes nested models so; ``#`` itself) follow them there. The
+    first tool's ``x-guidance`` sets the JSON options (compact without one)."""
     defs: dict[str, Any] = {}
     calls = []
-    options: dict[str, Any] = _COMPACT
+    options: dict[str, Any] | None = None
     for t in tools:
+        name = t.function.name
         parameters = dict(t.function.parameters or _NO_ARGUMENTS)
-        options = parameters.pop("x-guidance", None) or options
-        moved: dict[str, str] = {}
-        for key in ("$defs", "definitions"):
-            for def_name, definition in (parameters.pop(key, None) or {}).items():
-                new = f"{t.function.name}.{def_name}"
-                moved[f"#/{key}/{def_name}"] = f"#/$defs/{new}"
-                defs[new] = definition
+        own = parameters.pop("x-guidance", None)
+        options = options or own
+        defs[name] = _moved(parameters, f"#/$defs/{name}")
         calls.append({"type": "object",
-                      "properties": {"name": {"const": t.function.name},
-                                     "parameters": parameters},
+                      "properties": {"name": {"const": name},
+                                     "parameters": {"$ref": f"#/$defs/{name}"}},
                       "required": ["name", "parameters"], "additionalProperties": False})
-        for new in {target.removeprefix("#/$defs/") for target in moved.values()}:
-            defs[new] = _rewritten(defs[new], moved)
-        calls[-1] = _rewritten(calls[-1], moved)
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls},
-                              "x-guidance": options}
-    if defs:
-        schema["$defs"] = defs
+                              "$defs": defs, "x-guidance": options or _COMPACT}
     if not parallel:
         schema["maxItems"] = 1
     return schema
 
 
-def _rewritten(node: Any, refs: dict[str, str]) -> Any:
-    """``node`` with every ``$ref`` found in ``refs`` (or under one: ``#/$defs/A/properties``)
-    pointing to its new place."""
+def _moved(node: Any, root: str) -> Any:
+    """``node`` with its local references (``#``, ``#/...``) made relative to ``root``, the
+    place the schema they belong to moved to."""
     if isinstance(node, list):
-        return [_rewritten(item, refs) for item in node]
+        return [_moved(item, root) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {key: _rewritten(value, refs) for key, value in node.items()}
+    out = {key: _moved(value, root) for key, value in node.items()}
     ref = out.get("$ref")
-    if isinstance(ref, str):
-        for old, new in refs.items():
-            if ref == old or ref.startswith(old + "/"):
-                out["$ref"] = new + ref[len(old):]
-                break
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
     return out
 
 
