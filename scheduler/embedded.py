@@ -178,10 +178,12 @@ class EmbeddedPair:
             raise AssertionError(f"request {r.rid!r} answered twice by decode")
         self.decode_responses[r.rid] = r
 
-    def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams) -> None:
+    def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams, *,
+               room: int | None = None) -> None:
         """Send one request to both sides, as a PD router does, in a bootstrap room of its
-        own (thread-safe). Raises ``ValueError`` while ``rid`` is the pair's (submitted, its
-        outcome not yet handed over) and ``RuntimeError`` once the pair is closed."""
+        own (``room``, default the pair's next: one given must not be live) (thread-safe).
+        Raises ``ValueError`` while ``rid`` is the pair's (submitted, its outcome not yet
+        handed over) and ``RuntimeError`` once the pair is closed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"request {rid!r}: this EmbeddedPair is closed")
@@ -189,7 +191,8 @@ class EmbeddedPair:
                 raise ValueError(f"request id {rid!r} is in use: it was submitted and its "
                                  f"outcome not yet handed over (run_until_done or take)")
             self._submitted.add(rid)
-            room = next(self._rooms)
+            if room is None:
+                room = next(self._rooms)
         new = NewRequest(
             rid, tuple(prompt), bootstrap_host=self.bootstrap_host,
             bootstrap_port=self.bootstrap_port, bootstrap_room=room, sampling=sampling,

@@ -74,11 +74,7 @@ def run(pair: EmbeddedPair, requests: Mapping[str, tuple[Sequence[int], Sampling
     """Submit each request to both sides with room ``room0 + i``; drive them to the end."""
     try:
         for i, (rid, (prompt, params)) in enumerate(requests.items()):
-            new = NewRequest(rid, tuple(prompt), bootstrap_host=pair.bootstrap_host,
-                             bootstrap_port=pair.bootstrap_port, bootstrap_room=room0 + i,
-                             sampling=params)
-            pair.prefill.submit(new)
-            pair.decode.submit(new)
+            pair.submit(rid, prompt, params, room=room0 + i)
         outcomes = pair.run_until_done(list(requests))
         assert_all_released(pair)
         return outcomes
