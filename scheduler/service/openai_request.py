@@ -173,9 +173,7 @@ def _chat_prompt(service: Service, body: ChatCompletionRequest,
         raise FieldError("no_chat_template", f"the model {service.config.model_name!r} has no "
                          "chat template: send the prompt to /v1/completions", "messages")
     try:
-        if tools:
-            return list(tokenizer.encode_chat(messages, tools=tools))
-        return list(tokenizer.encode_chat(messages))
+        return list(tokenizer.encode_chat(messages, tools=tools or None))
     except (ValueError, TemplateError) as exc:
         raise FieldError("bad_messages", f"the chat template refused the messages: {exc}",
                          "messages") from exc

@@ -137,7 +137,7 @@ async def _serve(service: Service, request: Request, body: Body,
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _stream(service, started, Chunks(rid, model, chat, include_usage=include_usage),
-                         include_usage, body.n)
+                         body.n)
         return StreamingResponse(handoff.events(service, started, chunks),
                                  media_type="text/event-stream", headers=headers)
     answers = await handoff.answered(service, request, started, lambda a: openai_error(
@@ -151,13 +151,13 @@ async def _serve(service: Service, request: Request, body: Body,
 
 
 async def _stream(service: Service, started: list[Pending], chunks: Chunks,
-                  include_usage: bool, n: int) -> AsyncIterator[dict[str, Any]]:
+                  n: int) -> AsyncIterator[dict[str, Any]]:
     """The chunks of every choice as they come, then the usage of all if asked."""
     streams = [_chunks(service, p, attrs.evolve(chunks, index=i)) for i, p in enumerate(started)]
     async for chunk in handoff.merged(streams):
         yield chunk
     answers = [p.future.result() for p in started]
-    if include_usage and all(a.status == 200 for a in answers):
+    if chunks.include_usage and all(a.status == 200 for a in answers):
         yield chunks.usage(answers, n)
 
 
