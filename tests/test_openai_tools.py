@@ -163,6 +163,16 @@ def test_a_forced_answer_reads_as_calls_and_one_cut_short_as_content() -> None:
     assert len({c.id for c in both.calls}) == 2
     cut = read(ToolAnswer("required"), '[{"name": "get_ti', "length")
     assert (cut.content, cut.calls, cut.finish_reason) == ('[{"name": "get_ti', (), "length")
+    # A small model repeating calls until max_tokens: the complete ones stand, cut says so.
+    repeated = read(ToolAnswer("required"), '[{"name":"get_time","parameters":{"tz":"UTC"}},'
+                    ' {"name":"get_time","parameters":{"tz":"CET"}},{"name":"get_ti', "length")
+    assert [c.function.arguments for c in repeated.calls] == ['{"tz":"UTC"}', '{"tz":"CET"}']
+    assert (repeated.content, repeated.finish_reason) == (None, "length")
+    # Arguments as the model wrote them (compact), not written again.
+    assert read(ToolAnswer("named", name="f"), ' {"a":[1,2]}', "stop").calls[
+        0].function.arguments == '{"a":[1,2]}'
+    shape = read(ToolAnswer("required"), '[{"name": "f", "oops": 1}]', "stop")
+    assert (shape.calls, shape.content) == ((), '[{"name": "f", "oops": 1}]')
 
 
 def test_hermes_blocks_are_calls_and_the_text_around_them_content() -> None:
@@ -185,6 +195,16 @@ def test_hermes_blocks_are_calls_and_the_text_around_them_content() -> None:
         got = read(auto, '<tool_call>{"name": "f", "arguments": {}}' + cut, "length")
         assert [c.function.name for c in got.calls] == ["f"], cut
         assert (got.content, got.finish_reason) == (None, "length")
+    # A block (or its tag) begun when max_tokens cut the answer is the lost call, not content.
+    for cut in ('<tool_call>\n{"name": "', "<tool_", "<"):
+        got = read(auto, "Sure. " + cut, "length")
+        assert (got.content, got.calls, got.finish_reason) == ("Sure. ", (), "length"), cut
+    assert read(auto, "a < b", "stop").content == "a < b"  # not cut: all of it is content
+    # Arguments are JSON text whatever the block held.
+    for arguments, want in (('"x"', '"x"'), ('"{\\"a\\": 1}"', '{"a": 1}'),
+                            ('{"a": [1, 2]}', '{"a":[1,2]}')):
+        got = read(auto, '<tool_call>{"name": "f", "arguments": ' + arguments + "}", "stop")
+        assert got.calls[0].function.arguments == want, arguments
 
 
 def test_a_stream_holds_back_what_may_open_a_block() -> None:
@@ -196,6 +216,9 @@ def test_a_stream_holds_back_what_may_open_a_block() -> None:
     rest, answer = stream.end(text, "stop")
     assert rest == " after" and answer.content == "Let me look <b>ok</b>  after"
     assert [c.function.name for c in answer.calls] == ["f"]
+    cut = ToolStream(ToolAnswer("auto", parser="hermes"))
+    assert cut.more('Sure. <tool_call>{"na') == "Sure. "
+    assert cut.end('Sure. <tool_call>{"na', "length") == ("", ReadAnswer("Sure. ", (), "length"))
     forced = ToolStream(ToolAnswer("named", name="f"))
     assert forced.more('{"x": 1}') == ""
     rest, answer = forced.end('{"x": 1}', "stop")

@@ -19,9 +19,9 @@ messages' ``tool_call_id`` go to it too. Then, by ``tool_choice``:
   Without a parser ``auto`` is refused (400), never answered as plain text;
 - **none**: the answer is text.
 
-A forced call is compact JSON unless its parameters' ``x-guidance`` says otherwise. A forced
-answer cut by ``max_tokens`` is not JSON: it is answered as content, finish ``length``, without
-calls. A stream sends content as it comes (``auto``: up to a block's start) and the
+A forced call is compact JSON unless its parameters' ``x-guidance`` says otherwise. An answer
+cut by ``max_tokens`` says ``length``: a named call cut short is answered as content, a list of
+calls keeps its complete ones, and ``auto`` leaves out the block the cut lost. A stream sends content as it comes (``auto``: up to a block's start) and the
 calls in one chunk at the end.
 """
 
@@ -202,20 +202,46 @@ class ReadAnswer:
 
 def read(tool: ToolAnswer, text: str, finish_reason: str) -> ReadAnswer:
     """The calls in ``text``, an answer that finished ``finish_reason``; text that holds none
-    (a forced answer cut short, or an answer without a block) is content."""
+    (a forced answer cut short, or an answer without a block) is content. An answer cut by
+    ``max_tokens`` keeps its complete calls and says ``length``."""
     if tool.mode == "auto":
         return _read_blocks(text, finish_reason)
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return ReadAnswer(text, (), finish_reason)
     if tool.mode == "named":
-        return ReadAnswer(None, (_call(tool.name, value),), finish_reason)
-    try:
-        calls = tuple(_call(c["name"], c["parameters"]) for c in value)
-    except (TypeError, KeyError):  # a stop string can end it early, as valid JSON
+        try:
+            json.loads(text)
+        except ValueError:
+            return ReadAnswer(text, (), finish_reason)
+        return ReadAnswer(None, (_call(tool.name, text.strip()),), finish_reason)
+    calls = _complete_calls(text)
+    if not calls:
         return ReadAnswer(text, (), finish_reason)
-    return ReadAnswer(None, calls, "tool_calls")
+    # A small model may repeat calls until max_tokens cuts the list: the complete ones stand.
+    return ReadAnswer(None, calls, "length" if finish_reason == "length" else "tool_calls")
+
+
+def _complete_calls(text: str) -> tuple[ToolCall, ...]:
+    """The complete ``{"name", "parameters"}`` elements of a forced array of calls, which may
+    be cut short."""
+    decoder = json.JSONDecoder()
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return ()
+    at += 1
+    calls: list[ToolCall] = []
+    while True:
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if at >= len(text) or text[at] == "]":
+            return tuple(calls)
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:  # the element max_tokens cut
+            return tuple(calls)
+        if not isinstance(value, dict) or not {"name", "parameters"} <= value.keys():
+            return ()
+        calls.append(_call(value["name"], value["parameters"]))
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if text.startswith(",", at):
+            at += 1
 
 
 def _read_blocks(text: str, finish_reason: str) -> ReadAnswer:
@@ -229,13 +255,29 @@ def _read_blocks(text: str, finish_reason: str) -> ReadAnswer:
         content.append(text[end : block.start()])
         calls.append(call)
         end = block.end()
-    content.append(text[end:])
-    if not calls:
-        return ReadAnswer(text, (), finish_reason)
+    tail = text[end:]
+    if finish_reason == "length":
+        # Cut by max_tokens: a block begun and not finished (or its opening tag begun) is the
+        # call the cut lost, not content.
+        opened = tail.rfind(_OPEN)
+        if opened >= 0 and _CLOSE not in tail[opened:]:
+            tail = tail[:opened]
+        else:
+            tail = tail[: len(tail) - _open_tag_begun(tail)]
+    content.append(tail)
     joined = "".join(content)
+    if not calls:
+        return ReadAnswer(joined if joined or finish_reason != "length" else None, (),
+                          finish_reason)
     # An answer cut by max_tokens says so, calls or not (a call after the cut may be missing).
     finish = finish_reason if finish_reason == "length" else "tool_calls"
     return ReadAnswer(joined if joined.strip() else None, tuple(calls), finish)
+
+
+def _open_tag_begun(text: str) -> int:
+    """How many of ``text``'s last characters may begin an opening tag."""
+    return next((k for k in range(min(len(text), len(_OPEN) - 1), 0, -1)
+                 if _OPEN.startswith(text[-k:])), 0)
 
 
 def _hermes_call(body: str) -> ToolCall | None:
@@ -252,7 +294,16 @@ def _hermes_call(body: str) -> ToolCall | None:
 
 
 def _call(name: str, arguments: Any) -> ToolCall:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    """A call of ``name``; its arguments as JSON text: text that is JSON as it is, any other
+    value written compactly (a string that is not JSON becomes a JSON string)."""
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+            text = arguments
+        except ValueError:
+            text = json.dumps(arguments, ensure_ascii=False)
+    else:
+        text = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
                     function=FunctionCall(name=name, arguments=text))
 
@@ -282,9 +333,7 @@ class ToolStream:
         if at >= 0:
             out, self._stopped = held[:at], True
         else:
-            keep = next((k for k in range(min(len(held), len(_OPEN) - 1), 0, -1)
-                         if _OPEN.startswith(held[-k:])), 0)
-            out = held[: len(held) - keep]
+            out = held[: len(held) - _open_tag_begun(held)]
         self._held = held[len(out):]
         self._sent.append(out)
         return out
