@@ -21,8 +21,8 @@ messages' ``tool_call_id`` go to it too. Then, by ``tool_choice``:
 
 A forced call is compact JSON unless its parameters' ``x-guidance`` says otherwise. An answer
 cut by ``max_tokens`` says ``length``: a named call cut short is answered as content, a list of
-calls keeps its complete ones, and ``auto`` leaves out the block the cut lost. A stream sends content as it comes (``auto``: up to a block's start) and the
-calls in one chunk at the end.
+calls keeps its complete ones, and ``auto`` leaves out the block the cut lost. A stream sends
+content as it comes (``auto``: up to a block's start) and the calls in one chunk at the end.
 """
 
 from __future__ import annotations
