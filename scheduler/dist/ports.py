@@ -39,6 +39,17 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports nothing holds now (:func:`free_port` may give one twice:
+    nothing holds a port between two calls)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def free_port(ephemeral: tuple[int, int] | None = None) -> int:
     """A loopback port nothing holds now, outside the ephemeral range (``ephemeral``, default
     the kernel's) where there is room for it, else whatever port 0 gives."""

@@ -68,7 +68,7 @@ from torch.multiprocessing.spawn import ProcessContext, start_processes
 from kv.mooncake import MooncakeKVManager
 from kv.routes import dp_rank_of
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
-from scheduler.dist.ports import free_port
+from scheduler.dist.ports import free_ports
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
@@ -120,7 +120,7 @@ class Ranks:
         self.world = config.tp_size * config.pp_size
         self.dp_size = config.dp_size
         # One rendezvous port per replica's mesh, and one for the delayer's group.
-        ports = [free_port() for _ in range(self.dp_size + 1)]
+        ports = free_ports(self.dp_size + 1)
         self._delayer_port = ports[-1]
         self._delayer_config = config.prefill_delayer
         context = multiprocessing.get_context("spawn")
