@@ -1,5 +1,5 @@
 """Tool calls on ``/v1/chat/completions``: the plan a request's tools and tool_choice make, the
-calls read back from an answer (forced JSON, Hermes blocks), a stream's held-back content, and
+calls read back from an answer (forced JSON, the model's format), a stream's held-back content, and
 SmolLM2 answering forced and parsed calls through the official client, plain and streamed."""
 
 from __future__ import annotations
@@ -78,6 +78,10 @@ def test_each_tool_choice_plans_its_reading_and_grammar() -> None:
                                   parallel_tool_calls=False), None).schema or "")
     assert single["maxItems"] == 1
     assert plan(body(tools=TOOLS), "hermes").answer == ToolAnswer("auto", parser="hermes")
+    assert not plan(body(tools=TOOLS), "hermes").keep_special_tokens
+    llama = plan(body(tools=TOOLS), "llama3_json")  # vLLM's name; its tag is a special token
+    assert (llama.answer, llama.keep_special_tokens) == (ToolAnswer("auto", parser="llama3"),
+                                                         True)
 
 
 def test_required_calls_keep_each_tools_definitions_reachable() -> None:
@@ -285,17 +289,22 @@ def test_smollm2_calls_a_forced_function_plain_and_streamed(
     run(main())
 
 
-def test_smollm2_auto_reads_hermes_blocks_plain_and_streamed(
-        chat_config: ServeConfig) -> None:  # noqa: F811  # the imported fixture
+@pytest.mark.parametrize(("parser", "block"), [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               "</tool_call>"),
+    # Its tag is a special token: the answer is read with special tokens, EOS still trimmed.
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+])
+def test_smollm2_auto_reads_the_models_format_plain_and_streamed(
+        chat_config: ServeConfig, parser: str, block: str) -> None:  # noqa: F811  # the fixture
     """The model's own format under tool_choice auto; a regex makes SmolLM2 (whose template
     shows no tools) write one, so the parser's path runs end to end."""
-    block = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
-             '{"city": "Paris"}}\n</tool_call>')
-    regex = "".join("\\" + c if c in '.{}[]()"\\' else c for c in block).replace("\n", "\\n")
-    hermes = attrs.evolve(chat_config, tool_call_parser="hermes")
+    block = "Let me check.\n" + block
+    regex = "".join("\\" + c if c in '.{}[]()|"\\' else c for c in block).replace("\n", "\\n")
+    config = attrs.evolve(chat_config, tool_call_parser=parser)
 
     async def main() -> None:
-        with running_service(hermes) as service:
+        with running_service(config) as service:
             async with openai_client(service) as client:
                 asked: Any = {"model": "smollm2", "messages": ASK, "tools": TOOLS,
                               "temperature": 0, "max_tokens": 60, "extra_body": {"regex": regex}}

@@ -133,9 +133,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--tool-call-parser", default=None, metavar="FORMAT",
                         help="the format the model writes tool calls in, read for OpenAI's "
-                        "tool_choice auto: hermes (<tool_call> blocks: Hermes, Qwen 2.5) "
-                        "(default: none; auto is refused, required and named functions are "
-                        "forced by a grammar)")
+                        "tool_choice auto: hermes or qwen25 (<tool_call> blocks: Hermes, "
+                        "Qwen 2.5), llama3 or llama3_json (JSON calls: Llama 3.1-3.3), mistral "
+                        "([TOOL_CALLS]), pythonic ([f(x=1)]: Llama 3.2, 4) (default: none; auto "
+                        "is refused, required and named functions are forced by a grammar)")
     sched = _number_group(parser, "scheduling and memory")
     _defaulted(sched, "--kv-layout", DEFAULT_KV_LAYOUT.value,
                "the KV pool's order: page_major (one transfer block per run of pages) or "

@@ -24,7 +24,8 @@ from scheduler.model.reference import ModelConfig
 from scheduler.model.sharded import ShardError, stage_layers
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer_decision import DelayerConfig
-from scheduler.service.openai_tools import TOOL_CALL_PARSERS, ToolAnswer
+from scheduler.service.openai_tools import ToolAnswer
+from scheduler.service.tool_formats import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["local", "mooncake", "fake"]

@@ -125,7 +125,9 @@ def chat_items(service: Service, body: ChatCompletionRequest) -> list[Item]:
                    return_logprob=body.logprobs, top=body.top_logprobs)
     if tools.answer is None:
         return items
-    return [attrs.evolve(item, options=attrs.evolve(item.options, tools=tools.answer))
+    skip = body.skip_special_tokens and not tools.keep_special_tokens
+    return [attrs.evolve(item, options=attrs.evolve(item.options, tools=tools.answer,
+                                                    skip_special_tokens=skip))
             for item in items]
 
 

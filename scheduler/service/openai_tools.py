@@ -13,35 +13,30 @@ messages' ``tool_call_id`` go to it too. Then, by ``tool_choice``:
   forced by a JSON-schema grammar (each tool's ``$defs`` moved to the array's); the message
   carries the calls, finish ``tool_calls``;
 - **auto** (the default with tools): the model decides, in its own format, which the server's
-  tool-call parser reads (``pdlife serve --tool-call-parser``): ``hermes``, the
-  ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks of Hermes and Qwen 2.5
-  templates; the text outside them is the content, finish ``tool_calls`` when there is a call.
+  tool-call parser reads (``pdlife serve --tool-call-parser``, :mod:`.tool_formats`); the
+  text outside the calls is the content, finish ``tool_calls`` when there is a call. A format
+  whose tags are special tokens reads the answer with them (``skip_special_tokens`` off).
   Without a parser ``auto`` is refused (400), never answered as plain text;
 - **none**: the answer is text.
 
 A forced call is compact JSON unless its parameters' ``x-guidance`` says otherwise. An answer
 cut by ``max_tokens`` says ``length``: a named call cut short is answered as content, a list of
-calls keeps its complete ones, and ``auto`` leaves out the block the cut lost. A stream sends
-content as it comes (``auto``: up to a block's start) and the calls in one chunk at the end.
+calls keeps its complete ones, and ``auto`` leaves out the call the cut lost. A stream sends
+content as it comes (``auto``: up to where calls may begin) and the calls in one chunk at the end.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
 
+from scheduler.service import tool_formats
 from scheduler.service.openai_schema import ChatCompletionRequest, FunctionCall, Tool, ToolCall
 
-#: The tool-call formats ``--tool-call-parser`` reads.
-TOOL_CALL_PARSERS = ("hermes",)
-
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|\Z)", re.DOTALL)
 #: The arguments of a function without ``parameters``: none (OpenAI's empty parameter list).
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
@@ -73,11 +68,13 @@ class ToolAnswer:
 @attrs.frozen
 class ToolPlan:
     """What a chat request's tools ask: the answer's reading (None: plain text), the JSON
-    schema that forces it (None: no grammar), the tools for the chat template."""
+    schema that forces it (None: no grammar), the tools for the chat template, whether the
+    answer is read with its special tokens (the format's tags are special tokens)."""
 
     answer: ToolAnswer | None = None
     schema: str | None = None
     tools: tuple[dict[str, Any], ...] = ()
+    keep_special_tokens: bool = False
 
 
 def plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
@@ -105,7 +102,10 @@ def plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
                 "parser for the model's format, and this server has none (pdlife serve "
                 "--tool-call-parser hermes); send tool_choice required or a named function, "
                 "which a grammar forces whatever the model", "tool_choice")
-        return ToolPlan(ToolAnswer("auto", parser=parser), tools=template_tools)
+        name = tool_formats.canonical(parser)
+        special = tool_formats.FORMATS[name].special_tags
+        return ToolPlan(ToolAnswer("auto", parser=name), tools=template_tools,
+                        keep_special_tokens=special)
     constraints = body.constraints()
     if constraints:
         raise ToolChoiceError("bad_grammar", "tool_choice required or a named function forces "
@@ -202,95 +202,30 @@ class ReadAnswer:
 
 def read(tool: ToolAnswer, text: str, finish_reason: str) -> ReadAnswer:
     """The calls in ``text``, an answer that finished ``finish_reason``; text that holds none
-    (a forced answer cut short, or an answer without a block) is content. An answer cut by
+    (a forced answer cut short, or an answer without a call) is content. An answer cut by
     ``max_tokens`` keeps its complete calls and says ``length``."""
     if tool.mode == "auto":
-        return _read_blocks(text, finish_reason)
+        cut = finish_reason == "length"
+        found = tool_formats.FORMATS[tool.parser].find(text, cut=cut)
+        calls = tuple(_call(name, arguments) for name, arguments in found.calls)
+        if not calls:
+            return ReadAnswer(found.content if found.content or not cut else None, (),
+                              finish_reason)
+        # An answer cut by max_tokens says so, calls or not (a call after the cut may be missing).
+        return ReadAnswer(found.content if found.content.strip() else None, calls,
+                          "length" if cut else "tool_calls")
     if tool.mode == "named":
         try:
             json.loads(text)
         except ValueError:
             return ReadAnswer(text, (), finish_reason)
         return ReadAnswer(None, (_call(tool.name, text.strip()),), finish_reason)
-    calls = _complete_calls(text)
-    if not calls:
+    found_calls, _ = tool_formats.json_array_calls(text, ("parameters",), strict=True)
+    if not found_calls:
         return ReadAnswer(text, (), finish_reason)
     # A small model may repeat calls until max_tokens cuts the list: the complete ones stand.
-    return ReadAnswer(None, calls, "length" if finish_reason == "length" else "tool_calls")
-
-
-def _complete_calls(text: str) -> tuple[ToolCall, ...]:
-    """The complete ``{"name", "parameters"}`` elements of a forced array of calls, which may
-    be cut short."""
-    decoder = json.JSONDecoder()
-    at = len(text) - len(text.lstrip())
-    if not text.startswith("[", at):
-        return ()
-    at += 1
-    calls: list[ToolCall] = []
-    while True:
-        at += len(text[at:]) - len(text[at:].lstrip())
-        if at >= len(text) or text[at] == "]":
-            return tuple(calls)
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except ValueError:  # the element max_tokens cut
-            return tuple(calls)
-        if not isinstance(value, dict) or not {"name", "parameters"} <= value.keys():
-            return ()
-        calls.append(_call(value["name"], value["parameters"]))
-        at += len(text[at:]) - len(text[at:].lstrip())
-        if text.startswith(",", at):
-            at += 1
-
-
-def _read_blocks(text: str, finish_reason: str) -> ReadAnswer:
-    calls: list[ToolCall] = []
-    content: list[str] = []
-    end = 0
-    for block in _BLOCK.finditer(text):
-        call = _hermes_call(block.group(1))
-        if call is None:
-            continue  # not a call: it stays in the content
-        content.append(text[end : block.start()])
-        calls.append(call)
-        end = block.end()
-    tail = text[end:]
-    if finish_reason == "length":
-        # Cut by max_tokens: a block begun and not finished (or its opening tag begun) is the
-        # call the cut lost, not content.
-        opened = tail.rfind(_OPEN)
-        if opened >= 0 and _CLOSE not in tail[opened:]:
-            tail = tail[:opened]
-        else:
-            tail = tail[: len(tail) - _open_tag_begun(tail)]
-    content.append(tail)
-    joined = "".join(content)
-    if not calls:
-        return ReadAnswer(joined if joined or finish_reason != "length" else None, (),
-                          finish_reason)
-    # An answer cut by max_tokens says so, calls or not (a call after the cut may be missing).
-    finish = finish_reason if finish_reason == "length" else "tool_calls"
-    return ReadAnswer(joined if joined.strip() else None, tuple(calls), finish)
-
-
-def _open_tag_begun(text: str) -> int:
-    """How many of ``text``'s last characters may begin an opening tag."""
-    return next((k for k in range(min(len(text), len(_OPEN) - 1), 0, -1)
-                 if _OPEN.startswith(text[-k:])), 0)
-
-
-def _hermes_call(body: str) -> ToolCall | None:
-    body = body.rstrip()
-    cut = next((k for k in range(len(_CLOSE) - 1, 0, -1) if body.endswith(_CLOSE[:k])), 0)
-    try:  # a closing tag cut short (max_tokens) ends the last block as no tag does
-        value = json.loads(body[: len(body) - cut])
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return _call(value["name"], arguments)
+    return ReadAnswer(None, tuple(_call(name, arguments) for name, arguments in found_calls),
+                      "length" if finish_reason == "length" else "tool_calls")
 
 
 def _call(name: str, arguments: Any) -> ToolCall:
@@ -310,13 +245,13 @@ def _call(name: str, arguments: Any) -> ToolCall:
 
 class ToolStream:
     """The content of a streamed answer with tool calls, as it may be sent: none for a forced
-    answer (the calls come at the end), and for ``auto`` the text up to the first block (a
-    piece that may open one is held back)."""
+    answer (the calls come at the end), and for ``auto`` the text up to where calls may begin
+    (a piece that may begin them is held back)."""
 
     def __init__(self, tool: ToolAnswer) -> None:
         self._tool = tool
-        self._held = ""
-        self._sent: list[str] = []
+        self._text = ""
+        self._sent = 0
         self._stopped = tool.mode != "auto"
 
     @property
@@ -328,19 +263,17 @@ class ToolStream:
         """What of ``delta`` (the answer's next text) to send now."""
         if self._stopped:
             return ""
-        held = self._held + delta
-        at = held.find(_OPEN)
-        if at >= 0:
-            out, self._stopped = held[:at], True
-        else:
-            out = held[: len(held) - _open_tag_begun(held)]
-        self._held = held[len(out):]
-        self._sent.append(out)
+        self._text += delta
+        end, self._stopped = tool_formats.FORMATS[self._tool.parser].content_end(self._text)
+        if not self._text[:end].strip():
+            end = 0  # content only whitespace before calls is none: wait for more
+        out = self._text[self._sent : max(end, self._sent)]
+        self._sent += len(out)
         return out
 
     def end(self, text: str, finish_reason: str) -> tuple[str, ReadAnswer]:
         """The content not sent yet and the answer read, once ``text`` is the whole answer."""
         answer = read(self._tool, text, finish_reason)
-        sent = "".join(self._sent)
+        sent = self._text[: self._sent]
         content = answer.content or ""
         return content[len(sent):] if content.startswith(sent) else "", answer
