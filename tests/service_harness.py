@@ -117,15 +117,15 @@ class Server(Process):
         return r.json()
 
     def answers_as_colocated(self, model: Any, prompts: list[list[int]]) -> None:
-        """A batch of ``prompts`` (one new token each) is answered with the colocated
-        reference model's first tokens (``model``: its ModelConfig), and the pool is free again
-        afterwards."""
-        from scheduler.model.reference import LlamaModel, ReferenceModel
+        """A batch of ``prompts`` (one new token each) is answered with the colocated model's
+        first tokens (``model``: the reference model's ModelConfig, or a loaded
+        ServedModel), and the pool is free again afterwards."""
+        from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 
         r = httpx.post(f"{self.url}/generate", timeout=60, json={
             "input_ids": prompts, "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200, r.text
-        colocated = ReferenceModel(LlamaModel(model))
+        colocated = ReferenceModel(LlamaModel(model)) if isinstance(model, ModelConfig) else model
         assert [a["output_ids"] for a in r.json()] == [
             colocated.generate(p, 1, ignore_eos=True) for p in prompts]
         wait_for(lambda: idle(self.get("/server_info")), 30, "the pool free again")

@@ -4,10 +4,11 @@ front.
 One server of the reference model on two DP replicas of PP 2 (four processes, fake backend)
 answers a batch with the colocated model's first tokens (the fake backend's rooms count up, so
 the requests alternate between the replicas), shows its pool free again, and exits 0 on
-SIGTERM with its rank processes stopped by rank 0. SGLang's router drives a prefill of two DP
-replicas of TP 2 and a decode at TP 1 over Mooncake to the colocated outputs (the decode finds
-each room's replica as the prefill routes it), and a prefill at TP 1 and a decode at TP 2 (two
-rank processes decoding in lockstep; the decode exits 0 on SIGTERM with its rank stopped).
+SIGTERM with its rank processes stopped by rank 0; so do two DP replicas of SmolLM2. SGLang's
+router drives a prefill of two DP replicas of TP 2 and a decode at TP 1 over Mooncake to the
+colocated outputs (the decode finds each room's replica as the prefill routes it), a prefill at
+TP 1 and a decode at TP 2 (two rank processes decoding in lockstep; the decode exits 0 on
+SIGTERM with its rank stopped), and SmolLM2 at TP 3 on both sides.
 The flags are checked before anything starts, with errors that say what to change.
 """
 
@@ -55,19 +56,40 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
     assert "leaked semaphore" not in log, log  # the replicas' queues are let go
 
 
+@pytest.mark.multiprocess
+def test_dp_replicas_of_a_real_checkpoint_answer_as_one(tmp_path: Path,
+                                                        smollm2: Any) -> None:
+    """Each replica's process loads the checkpoint again (it does not cross as an object)."""
+    server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "fake",
+                    "--model", "smollm2", "--page-size", "4", "--dp-size", "2")
+    try:
+        server.wait_healthy(timeout=180)
+        server.answers_as_colocated(smollm2, PROMPTS)
+        assert [server.get("/server_info")[k] for k in LAYOUT] == [1, 1, 2, 2]
+        log = server.tail()
+        assert server.stop(timeout=60) == 0, log
+    finally:
+        server.stop()
+
+
 @pytest.mark.mooncake
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("prefill_flags", "decode_flags"),
-    [(("--tp-size", "2", "--dp-size", "2"), ()), ((), ("--tp-size", "2"))],
-    ids=["dp2-tp2-prefill-tp1-decode", "tp1-prefill-tp2-decode"],
+    ("model", "prefill_flags", "decode_flags"),
+    [("reference", ("--tp-size", "2", "--dp-size", "2"), ()),
+     ("reference", (), ("--tp-size", "2")),
+     # A real checkpoint's TP shards on both sides (SmolLM2: 9 heads, 3 KV heads).
+     ("smollm2", ("--tp-size", "3"), ("--tp-size", "3"))],
+    ids=["dp2-tp2-prefill-tp1-decode", "tp1-prefill-tp2-decode", "smollm2-tp3-tp3"],
 )
 def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
-    tmp_path: Path, prefill_flags: tuple[str, ...], decode_flags: tuple[str, ...]
+    tmp_path: Path, request: pytest.FixtureRequest, model: str,
+    prefill_flags: tuple[str, ...], decode_flags: tuple[str, ...]
 ) -> None:
     bootstrap = free_port()
+    flags = model_flags(MODEL) if model == "reference" else ["--model", model]
     common = ["--backend", "mooncake", "--page-size", "4", "--chunked-prefill-size", "8",
-              *model_flags(MODEL), "--log-level", "warning"]
+              *flags, "--log-level", "warning"]
     procs: list[Process] = []
     try:
         prefill = Server(tmp_path / "prefill.log", "--role", "prefill", *prefill_flags,
@@ -101,7 +123,8 @@ def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
                 return False
 
         wait_for(routes, 90, "router serving /generate")
-        colocated = ReferenceModel(LlamaModel(MODEL))
+        colocated: Any = (ReferenceModel(LlamaModel(MODEL)) if model == "reference"
+                          else request.getfixturevalue(model))  # one rank, float32
         for prompt in PROMPTS:
             r = generate(prompt, 5)
             assert r.status_code == 200, r.text
@@ -111,8 +134,9 @@ def test_the_router_drives_a_prefill_and_a_decode_of_other_layouts(
         assert r.status_code == 200, r.text
         wait_for(lambda: idle(prefill.get("/server_info")) and idle(decode.get("/server_info")),
                  30, "both pools free again")
-        for server, flags in ((prefill, prefill_flags), (decode, decode_flags)):
-            tp, dp = (2 if f in flags else 1 for f in ("--tp-size", "--dp-size"))
+        for server, layout in ((prefill, prefill_flags), (decode, decode_flags)):
+            tp, dp = (int(layout[layout.index(f) + 1]) if f in layout else 1
+                      for f in ("--tp-size", "--dp-size"))
             info = server.get("/server_info")
             assert [info[k] for k in LAYOUT] == [tp, 1, dp, tp * dp], info
         router.stop(timeout=60)
@@ -198,6 +222,10 @@ def _config(*flags: str) -> ServeConfig:
          r"the model's heads \(4\) must be a multiple of TP 3"),
         (("--role", "prefill", "--backend", "fake", "--pp-size", "3"),
          r"pp_size must be in 1\.\.2"),
+        (("--role", "prefill", "--backend", "fake", "--model", "smollm2", "--pp-size", "2"),
+         "a real checkpoint runs on TP ranks and DP replicas, not on pipeline stages"),
+        (("--role", "decode", "--backend", "mooncake", "--model", "smollm2", "--tp-size", "2"),
+         r"the checkpoint's heads \(9\) must be a multiple of TP 2"),
         # ModelConfig's own check, its fields named as the flags that set them.
         (("--role", "decode", "--backend", "mooncake", "--kv-heads", "3", "--tp-size", "2"),
          r"^--heads \(4\) must be a multiple of --kv-heads \(3\)$"),

@@ -101,9 +101,10 @@ def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._Argu
 
 #: The parallel layout's flags (each a count of at least 1, 1 by default): flag -> what it counts.
 _PARALLEL = {
-    "--tp-size": "tensor-parallel ranks per pipeline stage, each a process holding its KV heads "
-                 "(reference model); a decode server (mooncake) runs on TP ranks only",
-    "--pp-size": "pipeline stages, each holding a range of the layers",
+    "--tp-size": "tensor-parallel ranks per pipeline stage, each a process holding its heads "
+                 "(a real checkpoint loaded again in each); a decode server (mooncake) runs "
+                 "on TP ranks only",
+    "--pp-size": "pipeline stages, each holding a range of the layers (reference model)",
     "--dp-size": "data-parallel replicas behind one bootstrap port, each a TP x PP mesh with its "
                  "own scheduler; a request goes to replica bootstrap_room %% dp-size",
 }
@@ -440,8 +441,9 @@ SERVE = Subcommand(
         "cannot honour (a penalty, min_new_tokens, logit_bias, n > 1, ...) is refused with "
         "400 naming it (docs/operations.md lists them all). The OpenAI API: /v1/completions, "
         "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "
-        "and /v1/models. --tp-size/--pp-size run a prefill of the reference model on TP x PP "
-        "rank processes, --dp-size that many replicas of it; --tp-size a decode on TP ranks. "
+        "and /v1/models. --tp-size/--pp-size run a prefill on TP x PP rank processes (a real "
+        "checkpoint on TP only), --dp-size that many replicas of it; --tp-size a decode on TP "
+        "ranks. "
         "SGLang's router refuses text batches and per-prompt sampling_params lists before a "
         "worker sees them (input_ids batches go through), and does not forward /abort_request "
         "(docs/operations.md)."

@@ -97,7 +97,7 @@ class RealModel:
             float32 keeps it contiguous; bfloat16 keeps ``[out, in]`` contiguous and reads
             it transposed: CPU bfloat16 matmuls without native bfloat16 instructions take a
             path about ten times slower for a contiguous ``[in, out]`` operand."""
-            w = torch.cat([t[n] for n in names]).to(self.device, self.dtype)
+            w = torch.cat([self._part(n, t[n]) for n in names]).to(self.device, self.dtype)
             return w.contiguous().T if self.dtype == torch.bfloat16 else w.T.contiguous()
 
         self._layers = [
@@ -119,6 +119,16 @@ class RealModel:
         self._cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.device, self.dtype)
         # The sine with the rotation's sign folded in (see _rotate).
         self._sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.device, self.dtype)
+
+    def _part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a layer's projection ``name`` this model holds: all of it (a shard
+        holds its heads' and MLP rows' part: :mod:`scheduler.model.sharded_checkpoint`)."""
+        return tensor
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A product over what a shard splits (attention heads, MLP rows), summed over the
+        shards; one model holds all of it."""
+        return partial
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -196,11 +206,11 @@ class RealModel:
         """The output projection and the SwiGLU MLP of some rows (a slice of the layer's, so
         the MLP's intermediate activations stay small), written into ``out``."""
         c = self.config
-        x = x + attn @ w.o
+        x = x + self._reduce(attn @ w.o)
         gate_up = _rms_norm(x, w.mlp_norm, c.rms_eps) @ w.gate_up
         act = torch.nn.functional.silu(gate_up[:, : c.intermediate])
         act.mul_(gate_up[:, c.intermediate :])
-        torch.add(x, act @ w.down, out=out)
+        torch.add(x, self._reduce(act @ w.down), out=out)
 
     def _plan(
         self, pool: KVPool, items: Sequence[ForwardItem]

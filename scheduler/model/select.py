@@ -61,6 +61,26 @@ class ServedModel:
                                             layout=layout)
         return pool
 
+    def shard(self, mesh: Any, device: str | torch.device) -> Any:
+        """This rank's part of the model on ``mesh`` (a :class:`scheduler.model.sharded.Mesh`):
+        the reference model's TP x PP shard, or a real checkpoint's TP shard."""
+        if self.is_reference:
+            from scheduler.model.sharded import ShardedLlama
+
+            return ShardedLlama(self.model.config, mesh, device)
+        from scheduler.model.sharded_checkpoint import ShardedRealModel
+
+        return ShardedRealModel(self.model.checkpoint, mesh, dtype=self.model.dtype,
+                                device=device, eos_token_ids=self.eos_token_ids, name=self.name)
+
+    @property
+    def source(self) -> tuple[str, str] | None:
+        """What another process loads this model again from: ``load_model``'s spec and dtype
+        (None for the reference model, which a :class:`ModelConfig` shapes)."""
+        if self.is_reference:
+            return None
+        return self.name, str(self.model.dtype).removeprefix("torch.")
+
     def runner(self, model: Any, pool: KVPool) -> ModelRunner:
         """A runner over ``pool`` (the signature of :data:`scheduler.assemble.RunnerFactory`)."""
         if self.is_reference:

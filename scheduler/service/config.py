@@ -121,8 +121,16 @@ class ServeConfig:
             return (f"{layout} with backend {self.backend!r}: a decode server runs on several "
                     "ranks only over the mooncake backend (--backend mooncake)")
         if self.served is not None:
-            return (f"{layout}: only the reference model runs sharded "
-                    "(scheduler/model/sharded.py); drop --model or use TP 1 x PP 1")
+            from scheduler.model.sharded_checkpoint import check_tp
+
+            if pp > 1:
+                return (f"{layout}: a real checkpoint runs on TP ranks and DP replicas, not on "
+                        "pipeline stages (use --pp-size 1; the reference model runs on PP)")
+            try:
+                check_tp(self.served.model.config, tp)
+            except (LayoutError, ShardError) as exc:
+                return f"{layout}: {exc}"
+            return ""
         m = self.model
         for name, value in (("heads", m.heads), ("intermediate", m.intermediate)):
             if value % tp:
@@ -138,6 +146,12 @@ class ServeConfig:
     def max_position(self) -> int:
         """The served model's context, in positions."""
         return int(self.served.max_position if self.served else self.model.max_position)
+
+    @property
+    def model_shape(self) -> Any:
+        """The served model's shape (``layers``, ``heads``, ``kv_heads``, ...): a real
+        checkpoint's :class:`~scheduler.model.checkpoint.LlamaConfig` or ``model``."""
+        return self.served.model.config if self.served else self.model
 
     @property
     def vocab_size(self) -> int:

@@ -46,7 +46,6 @@ from scheduler.decode.mesh import DecodeMeshControl
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
-from scheduler.model.sharded import ShardedLlama
 from scheduler.prefill.mesh import MeshControl
 from scheduler.service.config import (
     Answer,
@@ -115,7 +114,7 @@ class Service:
         self.model: Any = served.model
         for ranks in (mesh, decode_mesh):
             if ranks is not None:
-                self.model = ShardedLlama(config.model, ranks.mesh, config.device)
+                self.model = served.shard(ranks.mesh, config.device)
         if runner_factory is PagedModelRunner:
             runner_factory = served.runner
         self._lock = threading.Lock()
@@ -134,7 +133,7 @@ class Service:
             on_prefill=self._on_prefill, on_decode=self._on_decode,
             prefill_options=None if mesh is None else mesh.scheduler_options(),
             place=None if mesh is None else mesh.rank_place(
-                config.model.layers, config.model.kv_heads, 0, config.dp_size),
+                config.model_shape.layers, config.model_shape.kv_heads, 0, config.dp_size),
             decode_mesh=decode_mesh,
         )
         self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv

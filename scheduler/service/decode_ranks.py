@@ -38,11 +38,17 @@ from scheduler.decode.mesh import DecodeMeshControl, build_decode_mesh
 from scheduler.dist.ports import free_port
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import DecodeResponse, Response
-from scheduler.model.select import reference_model
-from scheduler.model.sharded import ShardedLlama
 from scheduler.service.config import ServeConfig
 from scheduler.service.engines import Engines
-from scheduler.service.ranks import MESH_TIMEOUT, START_TIMEOUT, kill_ranks, stop_ranks
+from scheduler.service.ranks import (
+    MESH_TIMEOUT,
+    START_TIMEOUT,
+    for_ranks,
+    in_rank,
+    kill_ranks,
+    served_by,
+    stop_ranks,
+)
 from scheduler.stepping import step_or_rest
 
 logger = logging.getLogger(__name__)
@@ -64,7 +70,8 @@ class DecodeRanks:
         port = free_port()
         # torch's start_processes has no annotations.
         self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _rank_main, args=(self.world, port, config), nprocs=self.world - 1, join=False,
+            _rank_main, args=(self.world, port, *for_ranks(config)), nprocs=self.world - 1,
+            join=False,
             start_method="spawn",
         )
         try:
@@ -92,7 +99,8 @@ def _ignore(_answer: Response | DecodeResponse) -> None:
     """Only rank 0 answers (every rank's answers are the same)."""
 
 
-def _rank_main(index: int, world: int, port: int, config: ServeConfig) -> None:
+def _rank_main(index: int, world: int, port: int, config: ServeConfig,
+               source: tuple[str, str] | None) -> None:
     """TP rank ``index + 1``: build when rank 0 says so, then step in its lockstep."""
     rank = index + 1
     # Rank 0 stops every rank when its drain ends; a Ctrl-C or SIGTERM to the whole process
@@ -105,9 +113,10 @@ def _rank_main(index: int, world: int, port: int, config: ServeConfig) -> None:
     control = _join(rank, world, port)
     try:
         control.relay.exchange([])  # rank 0 says: build
-        served = reference_model(config.model, device=config.device)
+        config = in_rank(config, source)
+        served = served_by(config)
         engines = Engines(
-            config, ShardedLlama(config.model, control.mesh, config.device),
+            config, served.shard(control.mesh, config.device),
             runner_factory=served.runner, compiler=constraint_compiler(served),
             detokenize=served.tokenizer.decode, on_prefill=_ignore, on_decode=_ignore,
             decode_mesh=control,

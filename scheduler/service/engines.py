@@ -191,7 +191,7 @@ class Engines:
     def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
                          addr: str) -> MooncakeDecodeManager:
         try:
-            mesh, model = self._decode_mesh, self.config.model
+            mesh, model = self._decode_mesh, self.config.model_shape
             place = None if mesh is None else mesh.rank_place(model.kv_heads, model.layers)
             manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake,
                                             place=place)

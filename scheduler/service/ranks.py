@@ -49,6 +49,7 @@ requests are not answered (a known gap).
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import multiprocessing
@@ -71,9 +72,7 @@ from scheduler.assemble import Closers, build_prefill, close_all, constraint_com
 from scheduler.dist.ports import free_ports
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import AbortRequest, NewRequest, Response
-from scheduler.model.reference import PagedModelRunner
-from scheduler.model.select import reference_model
-from scheduler.model.sharded import ShardedLlama
+from scheduler.model.select import ServedModel, load_model, reference_model
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
 from scheduler.prefill.replica_delayer import MeshFollower, ReplicaGather, counts_of, delay
 from scheduler.prefill.scheduler import PrefillScheduler
@@ -129,7 +128,8 @@ class Ranks:
         self._reader: threading.Thread | None = None
         # torch's start_processes has no annotations.
         self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _rank_main, args=(self.world, ports, config, self._inboxes, self._answers),
+            _rank_main, args=(self.world, ports, *for_ranks(config), self._inboxes,
+                              self._answers),
             nprocs=self.world * self.dp_size - 1, join=False, start_method="spawn",
         )
         try:
@@ -262,8 +262,36 @@ def kill_ranks(processes: ProcessContext) -> None:
             process.kill()
 
 
+def for_ranks(config: ServeConfig) -> tuple[ServeConfig, tuple[str, str] | None]:
+    """What a rank process is given: ``config`` without its loaded checkpoint, and where the
+    rank loads it again from (None: the reference model, which ``config.model`` shapes)."""
+    if config.served is None:
+        return config, None
+    # Not evolve: without its checkpoint the config would be checked against the reference
+    # model's shape. The copy only crosses to the rank, which puts the checkpoint back.
+    bare = copy.copy(config)
+    object.__setattr__(bare, "served", None)
+    return bare, config.served.source
+
+
+def in_rank(config: ServeConfig, source: tuple[str, str] | None) -> ServeConfig:
+    """A rank process's config: with the checkpoint of ``source`` loaded again."""
+    if source is None:
+        return config
+    name, dtype = source
+    return attrs.evolve(config, served=load_model(name, dtype=dtype, device=config.device))
+
+
+def served_by(config: ServeConfig) -> ServedModel:
+    """The model ``config`` serves: its loaded checkpoint or the reference model."""
+    if config.served is not None:
+        served: ServedModel = config.served
+        return served
+    return reference_model(config.model, device=config.device)
+
+
 def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig,
-               inboxes: Sequence[Any], answers: Any) -> None:
+               source: tuple[str, str] | None, inboxes: Sequence[Any], answers: Any) -> None:
     """The rank process at position ``index + 1`` (replica-major): the first rank of a
     replica leads it (:func:`_lead`), any other follows its replica's first rank."""
     replica, rank = divmod(index + 1, world)
@@ -274,6 +302,7 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s dp{replica}/rank{rank} %(name)s: %(message)s")
+    config = in_rank(config, source)
     control = _join(rank, world, ports[replica], config)
     closers: Closers = []
     outcomes: Counter[str] | None = None  # a follower's delayer outcomes
@@ -363,15 +392,14 @@ def _mesh_of(control: MeshControl) -> tuple[Any, int] | None:
 def _build(control: MeshControl, config: ServeConfig, replica: int, closers: Closers,
            on_response: Callable[[Response], None] | None) -> PrefillScheduler:
     """This rank's scheduler, as rank 0 builds its own (registered at rank 0's endpoint)."""
-    served = reference_model(config.model, device=config.device)
+    served, shape = served_by(config), config.model_shape
     return build_prefill(
-        ShardedLlama(config.model, control.mesh, config.device), backend=config.backend,
+        served.shard(control.mesh, config.device), backend=config.backend,
         config=config.scheduler, pages=config.pool_pages, metadata_slots=config.metadata_slots,
-        runner_factory=PagedModelRunner, closers=closers, kv_layout=config.kv_layout,
+        runner_factory=served.runner, closers=closers, kv_layout=config.kv_layout,
         overlap=config.overlap, compiler=constraint_compiler(served), mooncake=config.mooncake,
         bootstrap_addr=f"{config.bootstrap_host}:{config.bootstrap_port}",
-        place=control.rank_place(config.model.layers, config.model.kv_heads, replica,
-                                 config.dp_size),
+        place=control.rank_place(shape.layers, shape.kv_heads, replica, config.dp_size),
         on_response=on_response, eos_token_id=served.eos_token_ids,
         **control.scheduler_options(),
     )
