@@ -65,7 +65,8 @@ class Trigger(Protocol):
     def __call__(self, detail: str = "", *, reason: enum.Enum | None = None) -> None: ...
 
 
-def _suggest(name: str, choices: Iterable[str]) -> str:
+def suggest(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to a misspelt ``name``, or ``""``."""
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -120,7 +121,7 @@ def check_guards(table: str, guards: Mapping[str, str], record: type) -> dict[st
         if static is None:
             methods = [n for n in dir(record) if not n.startswith("_")]
             raise InvalidTable(
-                f"{where} is not a method of {record.__name__}{_suggest(name, methods)}"
+                f"{where} is not a method of {record.__name__}{suggest(name, methods)}"
             )
         if not inspect.isfunction(static):
             raise InvalidTable(
@@ -235,7 +236,7 @@ def install_triggers(table: str, events: Mapping[str, str], record: type) -> Non
     for name in sorted(_declared_triggers(record) - set(events)):
         raise InvalidTable(
             f"{table}: {record.__name__}.{name} is declared a Trigger, but the table has no "
-            f"event {name!r}{_suggest(name, events)}"
+            f"event {name!r}{suggest(name, events)}"
         )
     for event, doc in events.items():
         # (The table's validation refused event names that are not identifiers or are

@@ -289,5 +289,6 @@ class MachineInvariants:
                     # The assertion's own message (pytest appends its explanation after it).
                     message = str(exc).splitlines()[0] if str(exc) else "failed"
                     raise self.broken(f"invariant {name}", message, rid) from None
-                if ok is False:
+                # None passes (an invariant that asserts); any other falsy result fails.
+                if ok is not None and not ok:
                     raise self.broken(f"invariant {name}", f"false for {rid}", rid)

@@ -288,7 +288,7 @@ class Lifecycle(Generic[R]):
         is copied before anything moves)."""
         # Anything but a list or tuple is read once here: a generator cannot be read twice, and
         # a view of a bucket would change as the batch moves.
-        batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else list(reqs)
+        batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else _batch(reqs, "fire")
         if not batch:
             return
         first = batch[0]
@@ -348,7 +348,7 @@ class Lifecycle(Generic[R]):
                 f"fail(): event {str(event)!r} is not a failure event of table "
                 f"{self.table.name!r} (its failure events: {known}); fire it with fire()"
             )
-        batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else list(reqs)
+        batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else _batch(reqs, "fail")
         groups: dict[enum.IntEnum, list[R]] = {}
         for r in batch:
             state = r.state
@@ -523,3 +523,13 @@ class Lifecycle(Generic[R]):
     def check_index(self) -> None:
         """Invariant 4: the per-state collections are exactly the live requests by state."""
         check_filing(self._index, self._by_rid)
+
+
+def _batch(reqs: Iterable[R], method: str) -> list[R]:
+    """``reqs`` read once into a list; one request given alone is refused by name (a record
+    is not iterable, and saying so would not say what to do)."""
+    rid = getattr(reqs, "rid", None)
+    if isinstance(rid, str) and hasattr(reqs, "state"):
+        raise TypeError(f"{method}() takes a batch of requests, got the one request {rid!r}: "
+                        "pass [request]")
+    return list(reqs)

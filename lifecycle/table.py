@@ -30,13 +30,26 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from lifecycle.binding import check_event_name, check_guards, install_triggers
+from lifecycle.binding import check_event_name, check_guards, install_triggers, suggest
 from lifecycle.errors import InvalidTable
 
 
 def _names(value: str | Iterable[str]) -> tuple[str, ...]:
     # A lone name is one name, not its letters.
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _edge_names(value: str | Iterable[str]) -> tuple[str, ...]:
+    """An edge's guards or hooks: names, refused with the rule when given as callables (as
+    ``transitions`` takes them)."""
+    names = (value,) if callable(value) else _names(value)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(
+                f"an Edge names its guards and hooks, got {n!r}: a guard is the name of a "
+                "method of the record class, a hook the name of a callable given to "
+                "Lifecycle(hooks={name: callable})")
+    return names
 
 
 @attrs.frozen
@@ -47,9 +60,9 @@ class Edge:
     event: str
     source: enum.IntEnum
     dest: enum.IntEnum
-    conditions: tuple[str, ...] = attrs.field(default=(), converter=_names)
-    unless: tuple[str, ...] = attrs.field(default=(), converter=_names)
-    after: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    conditions: tuple[str, ...] = attrs.field(default=(), converter=_edge_names)
+    unless: tuple[str, ...] = attrs.field(default=(), converter=_edge_names)
+    after: tuple[str, ...] = attrs.field(default=(), converter=_edge_names)
     doc: str = ""
 
     @property
@@ -145,9 +158,13 @@ def _lookup(
     for e in edges:
         for s in (e.source, e.dest):
             if not isinstance(s, states):
-                raise InvalidTable(
-                    f"{name}: edge {str(e.event)!r} names {s!r}, not a {states.__name__}"
-                )
+                raise InvalidTable(f"{name}: edge {str(e.event)!r} names {s!r}, not a "
+                                   f"{states.__name__}{_state_hint(s, states)}")
+        both = sorted(set(e.conditions) & set(e.unless))
+        if both:
+            raise InvalidTable(
+                f"{name}: edge {str(e.event)!r} from {e.source.name} has guard {both[0]!r} in "
+                "both conditions and unless: it can never fire")
         key = (e.source, e.event)
         if key in lookup:
             # One event from one state has one outcome: a second edge would make the table
@@ -241,7 +258,12 @@ def validate(table: LifecycleTable) -> None:
 def _check_states(table: LifecycleTable) -> None:
     name = table.name
     if not isinstance(table.initial, table.states):
-        raise InvalidTable(f"{name}: the initial state {table.initial!r} is not a state")
+        raise InvalidTable(f"{name}: the initial state {table.initial!r} is not a state"
+                           f"{_state_hint(table.initial, table.states)}")
+    for s in table.finals:
+        if not isinstance(s, table.states):
+            raise InvalidTable(f"{name}: finals names {s!r}, not a {table.states.__name__}"
+                               f"{_state_hint(s, table.states)}")
     if not table.finals:
         raise InvalidTable(f"{name}: no final state")
     if table.initial in table.finals:
@@ -254,7 +276,8 @@ def _check_states(table: LifecycleTable) -> None:
             )
     for s in table.on_enter:
         if not isinstance(s, table.states):
-            raise InvalidTable(f"{name}: on_enter names {s!r}, not a state")
+            raise InvalidTable(f"{name}: on_enter names {s!r}, not a state"
+                               f"{_state_hint(s, table.states)}")
     if table.on_enter.get(table.initial):
         # Admission is not an edge: nothing would run them.
         raise InvalidTable(f"{name}: on_enter hooks on the initial state {table.initial.name}")
@@ -283,6 +306,9 @@ def _check_graph(table: LifecycleTable) -> None:
 def _check_failure_events(table: LifecycleTable) -> None:
     name = table.name
     for event in table.failure_events:
+        if event not in table.events:
+            raise InvalidTable(f"{name}: failure event {str(event)!r} is not an event of the "
+                               f"table{suggest(str(event), map(str, table.events))}")
         for s in table.live_states():
             edge = table.lookup.get((s, event))
             if edge is None:
@@ -299,6 +325,15 @@ def _check_failure_events(table: LifecycleTable) -> None:
                     f"{name}: failure event {str(event)!r} from {s.name} is guarded; a failure "
                     f"must always be possible"
                 )
+
+
+def _state_hint(value: object, states: type[enum.IntEnum]) -> str:
+    """What to write instead of ``value``, a state given by its name or misspelt."""
+    if isinstance(value, str):
+        if value in states.__members__:
+            return f" (give the member {states.__name__}.{value}, not its name)"
+        return suggest(value, states.__members__)
+    return ""
 
 
 def _closure(

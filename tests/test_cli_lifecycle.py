@@ -151,6 +151,25 @@ def test_diagram_of_a_user_table(user_module: str, capsys: pytest.CaptureFixture
     assert main(["diagram", "--load", f"{user_module}:BROKEN"]) == 1
 
 
+def test_write_docs_syncs_a_loaded_tables_blocks(
+        user_module: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = tmp_path / "mine.md"
+    doc.write_text("".join(f"<!-- BEGIN GENERATED: toy-{kind} -->\nold\n"
+                           f"<!-- END GENERATED: toy-{kind} -->\n"
+                           for kind in ("mermaid", "transitions")))
+    load = f"{user_module}:TABLE"
+    assert main(["diagram", "--load", load, "--write-docs", str(doc), "--check"]) == 1
+    assert f"run: pdlife diagram --load {load} --write-docs {doc}" in capsys.readouterr().err
+    assert main(["diagram", "--load", load, "--write-docs", str(doc)]) == 0
+    assert "stateDiagram-v2" in doc.read_text() and "old" not in doc.read_text()
+    assert main(["diagram", "--load", load, "--write-docs", str(doc), "--check"]) == 0
+    # A file that is not there is a usage error, not a traceback.
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "--load", load, "--write-docs", str(tmp_path / "none.md")])
+    assert info.value.code == 2
+    assert "none.md: No such file or directory" in capsys.readouterr().err
+
+
 def test_write_docs_regenerates_and_checks(tmp_path: Path) -> None:
     doc = tmp_path / "lifecycle.md"
     repo_doc = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"

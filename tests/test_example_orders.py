@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from examples.orders import ORDER_TABLE, Order, Shop, holds_nothing_once_ended, satisfy
 from lifecycle.diagram import mermaid
 from lifecycle.testing import fuzz_settings, lifecycle_state_machine
@@ -152,3 +154,21 @@ def test_pdlife_fuzz_passes_the_example_and_refuses_what_is_not_a_record(tmp_pat
     assert bad.returncode == 2
     assert bad.stderr == ("pdlife fuzz: --record: examples.orders:satisfy is a function, not a "
                           "class\n")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--record", "lifecycle:Tracked"),
+     "--record Tracked: order: guard 'paid_in_full' of event 'pay' is not a method of Tracked"),
+    (("--loop", "overlap"), "--loop picks what the scheduler's fuzz runs; --load fuzzes the "
+                            "table alone: drop it"),
+])
+def test_pdlife_fuzz_refuses_before_the_search_what_cannot_fuzz_the_table(
+        flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as info:
+        main(["fuzz", "--load", "examples.orders:ORDER_TABLE", *flags])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"pdlife fuzz: {message}\n"

@@ -199,6 +199,16 @@ def test_an_embedders_invariant_is_checked_after_every_step() -> None:
     assert "ended CANCELLED" in text
 
 
+def test_an_invariant_that_returns_a_falsy_value_fails_and_none_passes() -> None:
+    """An invariant asserts (None passes) or returns its verdict: ``0`` or ``[]`` fails like
+    ``False``."""
+    text = _broken(lifecycle_state_machine(
+        ORDER_TABLE, lambda rid: Order(rid, total=5), satisfy=satisfy,
+        invariants=[lambda order: [] if order.paid else [order.rid]],
+    ))
+    assert text.startswith("rule broken: invariant <lambda>\n  false for r")
+
+
 def test_hooks_in_the_event_form_are_counted_and_called() -> None:
     seen: list[str] = []
 

@@ -447,3 +447,15 @@ def test_a_batch_may_be_any_iterable_read_once() -> None:
     o.lc.fire(E.SUCCEED, iter([]))  # nothing to fire
     assert [j.state for j in (a, b, c, d)] == [S.SUCCEEDED] * 2 + [S.RUNNING] * 2
     o.lc.check_index()
+
+
+def test_one_request_given_where_a_batch_goes_is_refused_by_name() -> None:
+    o = Owner()
+    (a,) = o.jobs("a")
+    with pytest.raises(TypeError, match=r"fire\(\) takes a batch of requests, got the one "
+                                        r"request 'a': pass \[request\]"):
+        o.lc.fire(E.START, a)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"fail\(\) takes a batch of requests, got the one "
+                                        r"request 'a'"):
+        o.lc.fail(a, None)  # type: ignore[arg-type]
+    assert a.state is S.QUEUED

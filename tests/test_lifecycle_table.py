@@ -121,6 +121,25 @@ def test_a_good_table_builds_with_derived_lookups() -> None:
             "on_enter hooks on the initial state START",
             id="on-enter-initial-state",
         ),
+        # States given by name, right or misspelt, say what to write instead.
+        pytest.param({"finals": ("DONE", S.FAILED)},
+                     "finals names 'DONE', not a S (give the member S.DONE, not its name)",
+                     id="final-by-name"),
+        pytest.param({"finals": ("DONNE", S.FAILED)},
+                     "finals names 'DONNE', not a S (did you mean 'DONE'?)", id="final-misspelt"),
+        pytest.param({"initial": "START"}, "(give the member S.START, not its name)",
+                     id="initial-by-name"),
+        pytest.param({"edges": (*GOOD_EDGES, Edge("stray", S.MIDDLE, "MIDLE"))},  # type: ignore[arg-type]
+                     "edge 'stray' names 'MIDLE', not a S (did you mean 'MIDDLE'?)",
+                     id="edge-state-misspelt"),
+        pytest.param({"failure_events": ("fial",)},
+                     "failure event 'fial' is not an event of the table (did you mean 'fail'?)",
+                     id="failure-event-misspelt"),
+        pytest.param({"edges": (*GOOD_EDGES[:1], Edge("finish", S.MIDDLE, S.DONE,
+                                                       conditions="ok", unless=("ok",)),
+                                *GOOD_EDGES[2:])},
+                     "edge 'finish' from MIDDLE has guard 'ok' in both conditions and unless",
+                     id="dead-edge"),
     ],
 )
 def test_each_broken_rule_raises_naming_the_state_or_edge(
@@ -158,3 +177,11 @@ def test_the_shipped_tables_are_valid_and_fully_failable(table: LifecycleTable) 
             edge = table.edge(state, event)
             assert edge is not None and edge.dest in table.finals
     assert table.hooks() == {"release", "respond"}
+
+
+@pytest.mark.parametrize("given", [{"conditions": lambda r: True}, {"after": print},
+                                   {"unless": ["ok", len]}])
+def test_an_edge_names_its_guards_and_hooks(given: dict[str, Any]) -> None:
+    """A callable where a name goes (as ``transitions`` takes them) says the rule."""
+    with pytest.raises(TypeError, match=r"an Edge names its guards and hooks, got .*Lifecycle"):
+        Edge("go", S.START, S.MIDDLE, **given)

@@ -34,12 +34,18 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=50,
                         help="the most rules per program (default: %(default)s)")
-    parser.add_argument("--loop", choices=("normal", "overlap", "both"), default="both",
-                        help="which scheduler loop to fuzz (default: %(default)s)")
-    parser.add_argument("--model", choices=("echo", "tiny"), default="echo",
+    # None: not given (the scheduler's fuzz takes both and echo; --load takes neither).
+    parser.add_argument("--loop", choices=("normal", "overlap", "both"), default=None,
+                        help="which scheduler loop to fuzz (default: both)")
+    parser.add_argument("--model", choices=("echo", "tiny"), default=None,
                         help="echo: a page-checking fake runner (fast); tiny: the reference "
                         "Llama in its tiny shape, first tokens checked against the colocated "
-                        "reference (tens of ms per forward) (default: %(default)s)")
+                        "reference (tens of ms per forward) (default: echo)")
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    """The scheduler fuzz's defaults for the flags not given."""
+    args.loop, args.model = args.loop or "both", args.model or "echo"
 
 
 def _rerun(args: argparse.Namespace, loop: str) -> str:
@@ -56,6 +62,7 @@ def run_fuzz(
     report to ``out``. Returns the exit status: 0 if every program kept the invariants, else
     the :class:`~scheduler.testing.verdicts.Kind` of the failure (1 an invariant broken, 3 the
     code under test raised, 4 the fuzz machine itself failed)."""
+    _defaults(args)
     from hypothesis import HealthCheck, seed, settings
     from hypothesis.stateful import run_state_machine_as_test
 
@@ -106,6 +113,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    _defaults(args)
     from scheduler.testing.fakes import tiny_model
     from scheduler.testing.machine import scheduler_machine
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lifecycle.errors import InvalidTable
+from lifecycle.table import guard_methods
 from scheduler.cli.command import UsageError
 from scheduler.cli.tables import load_object, load_table, loadable_class
 
@@ -57,6 +58,10 @@ def _record_class(args: argparse.Namespace, table: Any) -> type:
             f"--record: {record.__name__}('probe') raised {type(exc).__name__}: {exc}; the "
             f"fuzzer builds records as CLASS(rid)"
         ) from None
+    try:
+        guard_methods(table, record)
+    except InvalidTable as exc:
+        raise UsageError(f"--record {record.__name__}: {exc}") from None
     return record
 
 

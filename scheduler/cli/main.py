@@ -47,6 +47,10 @@ def _fuzz(args: argparse.Namespace) -> int:
         return SCHEDULER_FUZZ.run(args)
     from scheduler.cli.fuzz_table import run_table_fuzz
 
+    for flag in ("loop", "model"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag} picks what the scheduler's fuzz runs; --load fuzzes "
+                             "the table alone: drop it")
     for name in ("examples", "steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -188,7 +188,8 @@ def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         nargs="?",
         const=str(DOCS_LIFECYCLE),
-        help="regenerate the generated blocks of the lifecycle doc in place "
+        help="regenerate the generated blocks of the lifecycle doc in place: with --load, "
+        "the loaded table's (NAME-mermaid, NAME-transitions) "
         f"(default FILE: {DOCS_LIFECYCLE.relative_to(DOCS_LIFECYCLE.parents[1])})",
     )
     parser.add_argument(
@@ -198,16 +199,24 @@ def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _write_docs(path: Path, check: bool) -> int:
+def _write_docs(path: Path, check: bool, args: argparse.Namespace) -> int:
+    """Regenerate ``path``'s blocks: those of the table ``--load`` gives (``NAME-mermaid``,
+    ``NAME-transitions``), or of every shipped table and the prefill ownership table."""
     from lifecycle.diagram import pdlife_doc_extra, sync_docs
 
-    old = path.read_text(encoding="utf-8")
-    new = sync_docs(old, TABLES, pdlife_doc_extra())
+    try:
+        old = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--write-docs {path}: {exc.strerror or exc}") from None
+    tables, extra = (_tables(args), None) if args.load else (TABLES, pdlife_doc_extra())
+    new = sync_docs(old, tables, extra)
     if new == old:
         print(f"{path}: up to date")
         return 0
     if check:
-        print(f"{path}: out of date; run: pdlife diagram --write-docs", file=sys.stderr)
+        load = f" --load {args.load}" if args.load else ""
+        print(f"{path}: out of date; run: pdlife diagram{load} --write-docs {path}",
+              file=sys.stderr)
         return 1
     path.write_text(new, encoding="utf-8")
     print(f"{path}: regenerated")
@@ -254,7 +263,7 @@ def _diagram(args: argparse.Namespace) -> int:
         raise UsageError("--check goes with --write-docs")
     try:
         if args.write_docs:
-            return _write_docs(Path(args.write_docs), args.check)
+            return _write_docs(Path(args.write_docs), args.check, args)
         return _render(args)
     except InvalidTable as exc:
         print(f"invalid lifecycle table: {exc}", file=sys.stderr)
