@@ -84,7 +84,8 @@ def lookup_prefill(bootstrap_addr: str, config: MooncakeConfig, me: DecodeRank,
         raise IncompatiblePeerError(
             f"prefill at {bootstrap_addr} serves model {table.model_label}, this decode "
             f"serves {describe_model(me.model_name, me.model)}: one model's KV means nothing "
-            "to another; start both with the same --model and --dtype")
+            "to another; start both with the same --model and --dtype (the reference model: "
+            "the same --seed and shape flags too)")
     if (table.page_size, table.kv_dtype, table.kv_layout) != (
             me.page_size, me.kv_dtype, me.kv_layout):
         raise IncompatiblePeerError(

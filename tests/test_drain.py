@@ -1,11 +1,13 @@
 """SIGTERM drains a real ``pdlife serve`` process: it stops admitting (503 on /generate and
-/health), finishes the request in flight, and exits 0; a drain that had to abort requests exits
-3. Sizes on the command line take units."""
+/health), finishes the request in flight, and exits 0; a drain that had to abort requests (its
+timeout, or a second signal) exits 3; a port in use is refused before anything starts. Sizes on
+the command line take units."""
 
 from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,12 +73,18 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> No
 
 @pytest.mark.multiprocess
 @pytest.mark.mooncake
-def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("drain_timeout", "why"), [
+    ("0.2", "its drain timeout of 0.2 s ran out first"),
+    ("3600", "a second signal ended its drain"),
+], ids=["drain-timeout", "second-signal"])
+def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path, drain_timeout: str,
+                                              why: str) -> None:
     """A prefill whose request waits for a decode peer that never comes: the drain times out,
-    aborts it (the client gets a 503 saying so) and the exit status says so."""
+    or a second SIGINT ends it, and aborts the request (the client gets a 503 saying so), and
+    the exit status says so."""
     bootstrap_port = free_port()
     server = Server(tmp_path / "serve.log", "--backend", "mooncake", "--role", "prefill",
-                    "--bootstrap-port", str(bootstrap_port), "--drain-timeout", "0.2")
+                    "--bootstrap-port", str(bootstrap_port), "--drain-timeout", drain_timeout)
     try:
         server.wait_healthy()
         body = {"input_ids": [3, 1, 4], "bootstrap_host": "127.0.0.1",
@@ -88,12 +96,18 @@ def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path) -> None:
             waiting.start()
             wait_for(lambda: server.get("/server_info")["live_requests"] == 1, 30,
                      "the request admitted")
-            server.signal(signal.SIGTERM)
+            if drain_timeout == "3600":  # a Ctrl-C, then another
+                server.signal(signal.SIGINT)
+                wait_for(lambda: "draining: no new requests" in server.tail(200_000), 30,
+                         "the server draining")
+                server.signal(signal.SIGINT)
+            else:
+                server.signal(signal.SIGTERM)
             waiting.join(60)
         # Not a client's abort: a 503 (retry elsewhere) that says why.
         assert answers[0].status_code == 503, answers[0].text
         error = answers[0].json()["error"]
-        assert error["message"].startswith("aborted: the server is shutting down"), error
+        assert error["message"] == f"aborted: the server is shutting down ({why})", error
         assert server.wait(timeout=30) == EXIT_DRAIN_ABORTED, server.tail()
         assert "the drain aborted 1 requests" in server.tail()
     finally:
@@ -110,6 +124,24 @@ def test_an_idle_server_exits_zero_on_sigterm(tmp_path: Path) -> None:
         assert "drained; shutting down" in server.tail()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--bootstrap-port"])
+def test_a_port_in_use_is_refused_before_anything_starts(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from scheduler.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": str(free_port()), "--bootstrap-port": str(free_port()), flag: str(port)}
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--role", "prefill", "--backend", "mooncake", "--host", "127.0.0.1",
+                  *(arg for item in ports.items() for arg in item), *model_flags(MODEL)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in err
 
 
 @pytest.mark.parametrize(("text", "size"), [("65536", 65536), ("64KiB", 65536),

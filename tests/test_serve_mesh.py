@@ -15,6 +15,8 @@ The flags are checked before anything starts, with errors that say what to chang
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +56,43 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
     assert "DP 2 x TP 1 x PP 2, 3 rank processes beside this one" in log
     assert "killing them" not in log and "a prefill rank failed" not in log, log
     assert "leaked semaphore" not in log, log  # the replicas' queues are let go
+
+
+def _rank_processes(parent: int) -> list[int]:
+    """The pids of the rank processes ``parent`` spawned (not multiprocessing's tracker)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == parent and b"spawn_main" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.mooncake
+@pytest.mark.multiprocess
+def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Path) -> None:
+    """Nothing is asked of the server: rank 0 runs no collective that would fail, yet the
+    rank's exit makes it unhealthy at once (the engine loop fails), and it exits 1."""
+    server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "mooncake",
+                    "--bootstrap-port", str(free_port()), *model_flags(MODEL), "--tp-size", "2")
+    try:
+        server.wait_healthy(timeout=180)
+        (rank,) = _rank_processes(server.proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503, 20,
+                 "/health turning 503")
+        r = httpx.post(f"{server.url}/generate", timeout=30, json={
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 503, r.text
+        server.signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 1, server.tail()
+        assert f"a prefill rank process (pid {rank}) exited with code -9" in server.tail()
+    finally:
+        server.stop()
 
 
 @pytest.mark.multiprocess

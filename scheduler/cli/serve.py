@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 from types import FrameType
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 EXIT_DRAIN_ABORTED = 3
 #: Exit status of a server whose engine loop failed.
 EXIT_ENGINE_FAILED = 1
+#: Exit status of bad input: a flag refused, or the HTTP port not listened on.
+EXIT_USAGE = 2
 
 _SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
@@ -314,6 +317,22 @@ def _check_trace_extra() -> None:
             "install them with: pip install 'pdlife[trace]'") from None
 
 
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    """:class:`UsageError` naming ``flag`` when ``host:port`` cannot be bound now (in use, or
+    not an address of this machine): a clear refusal before anything is built."""
+    if port == 0:
+        return  # the system picks one
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            probe.bind(address)
+    except OSError as exc:
+        raise UsageError(f"{flag} {port}: cannot listen on {host}:{port} "
+                         f"({exc.strerror or exc}); pick another port") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.overlap and args.device == "cpu":  # before another thread allocates
         from scheduler.malloc_arena import use_one_arena
@@ -330,6 +349,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     raise_open_files_limit()  # before the rank processes start: they inherit it
     config = serve_config(args)
+    _check_port_free(args.host, args.port, "--port")
+    if config.role == "prefill" and config.backend == "mooncake":
+        _check_port_free(config.bootstrap_host, config.bootstrap_port, "--bootstrap-port")
     ranks: Ranks | None = None  # a prefill's other ranks and DP replicas
     decode_ranks: DecodeRanks | None = None  # a decode's other TP ranks
     if config.dp_size * config.tp_size * config.pp_size > 1:
@@ -353,22 +375,36 @@ def _serve(args: argparse.Namespace) -> int:
         raise
     if launched is not None:
         launched.started()  # rank 0's engines are up: the other ranks build (and register)
+        launched.watch(service.loop.fail)  # a rank that dies makes the server unhealthy
     if ranks is not None and service.prefill is not None:
         ranks.delay(service.prefill)  # with --enable-prefill-delayer
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT."""
+        """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT; a second
+        aborts what is live (answered 503) and exits, a third exits at once."""
 
         drain_started = False
+        stopping = False
         aborted = 0
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if self.drain_started:
+            if self.stopping:
                 self.should_exit = self.force_exit = True
+                return
+            if self.drain_started:
+                self.stopping = True
+                threading.Thread(target=self._stop, name="pdlife-stop", daemon=True).start()
                 return
             self.drain_started = True
             service.begin_drain()
             threading.Thread(target=self._drain, name="pdlife-drain", daemon=True).start()
+
+        def _stop(self) -> None:
+            logger.warning("second signal: aborting %d requests", service.live_requests())
+            self.aborted += service.abort_all(
+                "aborted: the server is shutting down (a second signal ended its drain)")
+            service.wait_drained(10.0)
+            self.should_exit = True
 
         def _drain(self) -> None:
             if not service.wait_drained(args.drain_timeout):
@@ -394,17 +430,24 @@ def _serve(args: argparse.Namespace) -> int:
                        "names: a client that can reach this worker can have it sent to a "
                        "server of its own; name the prefill servers with --allow-prefill "
                        "(docs/security.md)")
-    logger.info("pdlife serve: role %s, backend %s, on http://%s:%d", config.role,
+    logger.info("pdlife serve: role %s, backend %s, starting on http://%s:%d", config.role,
                 config.backend, args.host, args.port)
     try:
         server.run()
+    except SystemExit:
+        if server.started:
+            raise
+        # uvicorn could not listen (the port taken since it was checked); it logged why.
     finally:
         try:
             service.close()
         finally:
             if launched is not None:
                 launched.close()
-    if service.loop.failure is not None:
+    if not server.started:
+        logger.error("exiting %d: the HTTP server did not start", EXIT_USAGE)
+        code = EXIT_USAGE
+    elif service.loop.failure is not None:
         code = EXIT_ENGINE_FAILED
     elif server.aborted:
         logger.warning("exiting %d: the drain aborted %d requests", EXIT_DRAIN_ABORTED,
@@ -437,9 +480,10 @@ SERVE = Subcommand(
     ),
     epilog=(
         "/generate takes SGLang's sampling fields (temperature, top_p, top_k, min_p, "
-        "sampling_seed, stop strings, json_schema/regex/ebnf) and logprob fields; one pdlife "
-        "cannot honour (a penalty, min_new_tokens, logit_bias, n > 1, ...) is refused with "
-        "400 naming it (docs/operations.md lists them all). The OpenAI API: /v1/completions, "
+        "sampling_seed, penalties, min_new_tokens, logit_bias, n, stop strings, "
+        "json_schema/regex/ebnf) and logprob fields; one pdlife cannot honour (stop_regex, "
+        "lora_path, image_data, ...) is refused with 400 naming it (docs/operations.md lists "
+        "them all). The OpenAI API: /v1/completions, "
         "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "
         "and /v1/models. --tp-size/--pp-size run a prefill on TP x PP rank processes (a real "
         "checkpoint on TP only), --dp-size that many replicas of it; --tp-size a decode on TP "

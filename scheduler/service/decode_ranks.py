@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
@@ -48,6 +50,7 @@ from scheduler.service.ranks import (
     kill_ranks,
     served_by,
     stop_ranks,
+    watch_ranks,
 )
 from scheduler.stepping import step_or_rest
 
@@ -67,6 +70,7 @@ class DecodeRanks:
 
     def __init__(self, config: ServeConfig) -> None:
         self.world = config.tp_size
+        self._closing = threading.Event()
         port = free_port()
         # torch's start_processes has no annotations.
         self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
@@ -87,8 +91,13 @@ class DecodeRanks:
         first pass."""
         self.control.relay.exchange([])
 
+    def watch(self, on_exit: Callable[[BaseException], None]) -> None:
+        """``on_exit`` when a rank process ends before :meth:`close`."""
+        watch_ranks(self._processes, "decode", self._closing, on_exit)
+
     def close(self) -> None:
         """Stop the group (rank 0's engine loop must have stopped) and wait for the ranks."""
+        self._closing.set()
         try:
             stop_ranks(self._processes, self.control.relay.stop, "decode")
         finally:

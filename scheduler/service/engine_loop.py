@@ -15,7 +15,9 @@ so a submit that lands during the pass makes the following wait return at once.
 
 Failure: an exception out of a pass ends the loop; it is logged, kept in :attr:`failure`, and
 handed to ``on_crash`` (which fails the requests waiting on this loop), so a dead loop is
-always visible, never silent.
+always visible, never silent. Another thread that finds what the engines depend on dead (a rank
+process) calls :meth:`EngineLoop.fail`: the loop wakes and ends the same way, on its own
+thread.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.failure: BaseException | None = None
+        self._outside: BaseException | None = None  # a failure found by another thread
         self.passes = 0
 
     def start(self) -> None:
@@ -75,6 +78,12 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
+
+    def fail(self, exc: BaseException) -> None:
+        """End the loop from another thread as if its next pass had raised ``exc`` (the loop
+        wakes for it, idle or not)."""
+        self._outside = exc
+        self._wake.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop stepping and wait for the thread; the engines are left as they are."""
@@ -89,6 +98,8 @@ class EngineLoop:
         while not self._stop.is_set():
             self._wake.clear()
             try:
+                if self._outside is not None:
+                    raise self._outside
                 worked = False
                 for engine in self._engines:
                     worked |= engine.step()

@@ -42,9 +42,9 @@ relay stops its mesh, so every rank's next pass raises
 :class:`~scheduler.dist.relay.MeshStopped`, and each closes its backends and exits 0. The rank
 processes ignore SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): rank 0 alone
 drains and decides when they stop. A rank that fails breaks the next collective of its
-replica: in replica 0, rank 0's engine loop fails and the service reports it (unhealthy;
-``pdlife serve`` exits 1); in another replica its first rank logs the failure and its
-requests are not answered (a known gap).
+replica, whose ranks then fail and exit too; rank 0 watches every rank process
+(:func:`watch_ranks`), so one that ends, idle or not, fails rank 0's engine loop and the
+service reports it (unhealthy; ``pdlife serve`` exits 1 once stopped).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import copy
 import gc
 import logging
 import multiprocessing
+import multiprocessing.connection
 import queue
 import signal
 import threading
@@ -124,6 +125,7 @@ class Ranks:
         self._delayer_config = config.prefill_delayer
         context = multiprocessing.get_context("spawn")
         self._inboxes: list[Any] = [context.Queue() for _ in range(self.dp_size - 1)]
+        self._closing = threading.Event()
         self._answers: Any = context.Queue()
         self._reader: threading.Thread | None = None
         # torch's start_processes has no annotations.
@@ -198,9 +200,14 @@ class Ranks:
 
     # -- shutdown ---------------------------------------------------------------------------
 
+    def watch(self, on_exit: Callable[[BaseException], None]) -> None:
+        """``on_exit`` when a rank process ends before :meth:`close` (:func:`watch_ranks`)."""
+        watch_ranks(self._processes, "prefill", self._closing, on_exit)
+
     def close(self) -> None:
         """Stop every replica (rank 0's engine loop must have stopped) and wait for the
         ranks."""
+        self._closing.set()
         try:
             stop_ranks(self._processes, self._stop, "prefill")
         finally:
@@ -235,6 +242,31 @@ class Ranks:
 
     def _kill(self) -> None:
         kill_ranks(self._processes)
+
+
+class RankExited(RuntimeError):
+    """A rank process ended while its server was serving."""
+
+
+def watch_ranks(processes: ProcessContext, what: str, closing: threading.Event,
+                on_exit: Callable[[BaseException], None]) -> None:
+    """Call ``on_exit`` (on a thread of this function's) when one of the rank ``processes`` of
+    a ``what`` server ends before ``closing`` is set: an idle rank 0 runs no collective that
+    would fail, and would look healthy with a rank gone."""
+    sentinels = {p.sentinel: p for p in processes.processes}
+
+    def watch() -> None:
+        (ended, *_) = multiprocessing.connection.wait(list(sentinels))
+        if closing.is_set():
+            return
+        process = sentinels[ended]
+        process.join(JOIN_TIMEOUT_S)
+        message = (f"a {what} rank process (pid {process.pid}) exited with code "
+                   f"{process.exitcode}; its mesh cannot serve")
+        logger.critical("%s", message)
+        on_exit(RankExited(message))
+
+    threading.Thread(target=watch, name=f"pdlife-{what}-ranks", daemon=True).start()
 
 
 def stop_ranks(processes: ProcessContext, stop: Callable[[], None], what: str) -> None:
