@@ -265,6 +265,10 @@ def _config(*flags: str) -> ServeConfig:
          "a real checkpoint runs on TP ranks and DP replicas, not on pipeline stages"),
         (("--role", "decode", "--backend", "mooncake", "--model", "smollm2", "--tp-size", "2"),
          r"the checkpoint's heads \(9\) must be a multiple of TP 2"),
+        (("--role", "decode", "--backend", "mooncake", "--overlap", "--schedule-policy",
+          "lpm"),
+         r"^--overlap and --schedule-policy: the prefill role's; a decode server has no "
+         "prefill loop"),
         # ModelConfig's own check, its fields named as the flags that set them.
         (("--role", "decode", "--backend", "mooncake", "--kv-heads", "3", "--tp-size", "2"),
          r"^--heads \(4\) must be a multiple of --kv-heads \(3\)$"),

@@ -362,6 +362,27 @@ def test_service_metrics_share_a_registry_that_has_the_process_series() -> None:
     assert "pdlife_service_healthy 1.0" in text
 
 
+def test_dropped_messages_are_exported_at_zero_before_the_first() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kv.wire import DroppedMessages, WireError
+    from scheduler.service.metrics import ALWAYS_DROP_REASONS, DroppedMessagesCollector
+
+    dropped = DroppedMessages()
+    registry = CollectorRegistry()
+    registry.register(DroppedMessagesCollector(lambda: [("prefill", dropped)]))
+    name = "pdlife_control_messages_dropped_total"
+    text = generate_latest(registry).decode()
+    for reason in ALWAYS_DROP_REASONS:
+        assert f'{name}{{reason="{reason}",side="prefill"}} 0.0' in text, text
+    dropped.record(WireError("unknown_type", "t: 'x'"))
+    dropped.record(WireError("malformed", "not msgpack"))
+    text = generate_latest(registry).decode()
+    assert f'{name}{{reason="unknown_type",side="prefill"}} 1.0' in text
+    assert f'{name}{{reason="malformed",side="prefill"}} 1.0' in text
+    assert 'side="decode"' not in text  # a side without a manager yet
+
+
 # -- failure ----------------------------------------------------------------------------------
 
 POISON = 251

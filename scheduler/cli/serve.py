@@ -254,6 +254,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError(f"--backend {args.backend} needs --role prefill or --role decode")
     else:
         role = args.role
+    if role == "decode":
+        given = [flag for flag, on in (("--overlap", args.overlap),
+                                       ("--disable-radix-cache", args.disable_radix_cache),
+                                       ("--schedule-policy", args.schedule_policy != "fcfs"))
+                 if on]
+        if given:
+            raise UsageError(f"{' and '.join(given)}: the prefill role's; a decode server has "
+                             "no prefill loop, prefix cache or waiting queue of prompts: drop it")
     if args.enable_trace:
         _check_trace_extra()
     served = load_served(args) if args.model != "reference" else None

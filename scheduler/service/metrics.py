@@ -54,6 +54,10 @@ class ServiceMetrics:
             ProcessCollector(registry=r)
 
 
+#: The drop reasons every side exports, at 0 before the first (the others appear when counted).
+ALWAYS_DROP_REASONS = ("malformed", "unauthenticated", "stale_room", "state_out_of_range")
+
+
 class DroppedMessagesCollector(Collector):
     """``pdlife_control_messages_dropped_total{side,reason}``: control messages the transfer
     backends validated and dropped (malformed, unauthenticated, out of range, stale), read from
@@ -70,6 +74,8 @@ class DroppedMessagesCollector(Collector):
         )
         totals: dict[tuple[str, str], int] = {}
         for side, dropped in self._sources():
+            for reason in ALWAYS_DROP_REASONS:  # 0 before the first, for rates and alerts
+                totals.setdefault((side, reason), 0)
             for reason, n in dropped.snapshot().items():
                 totals[(side, reason)] = totals.get((side, reason), 0) + n
         for (side, reason), n in sorted(totals.items()):
