@@ -11,9 +11,11 @@ registration that disagrees with the ranks already there is refused, naming both
 ``GET /route``: 503 until every expected rank has registered, then the whole table, from which
 it checks that its own pool matches and computes which ranks to contact (:mod:`kv.routes`)
 before it sends anything.
-``GET /health`` answers ``OK`` for liveness probes. ``POST /refusal`` is how a decode peer says
-it will never ask for a room's KV (it refused the request, or gave up before the handshake): the
-room and the reason go to every listener the prefill ranks in this process added
+``GET /health`` answers ``OK`` for liveness probes, or 503 with the reason once the server is
+marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed, so no rank writes
+any more and a decode peer's heartbeat gives up its rooms). ``POST /refusal`` is how a decode
+peer says it will never ask for a room's KV (it refused the request, or gave up before the
+handshake): the room and the reason go to every listener the prefill ranks in this process added
 (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
 
 The server is stdlib ``ThreadingHTTPServer`` in a daemon thread, bounded: at most
@@ -94,12 +96,20 @@ class BootstrapServer:
         self._ranks: dict[int, RankInfo] = {}
         self._refusal_listeners: list[Callable[[int, str], None]] = []
         self._unauthorized = 0
+        #: Why ``/health`` answers 503 (None: healthy).
+        self.unhealthy: str | None = None
         self._httpd = _BoundedServer((host, port), _make_handler(self))
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, args=(0.05,), name="pdlife-bootstrap",
             daemon=True,
         )
         self._thread.start()
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """From now on ``/health`` answers 503 with ``reason``: the server behind this endpoint
+        will not write KV any more (its engine failed), and decode peers should let its rooms
+        go."""
+        self.unhealthy = reason
 
     @property
     def address(self) -> str:
@@ -253,7 +263,11 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self._path()
             if path == "/health":
-                self._reply(200, "OK")
+                unhealthy = server.unhealthy
+                if unhealthy is None:
+                    self._reply(200, "OK")
+                else:
+                    self._reply(503, {"error": unhealthy})
             elif not self._authorized():
                 pass
             elif path == "/route":

@@ -62,6 +62,11 @@ def test_lookup_is_503_until_every_rank_registered(server: BootstrapServer) -> N
 def test_health(server: BootstrapServer) -> None:
     assert BootstrapClient(server.address).health()
     assert _raw(server, "GET", "/health") == (200, b"OK")
+    # An engine that failed: decode peers' heartbeats see it and let the rooms go.
+    server.mark_unhealthy("the engine failed")
+    assert not BootstrapClient(server.address).health()
+    status, body = _raw(server, "GET", "/health")
+    assert (status, json.loads(body)) == (503, {"error": "the engine failed"})
 
 
 @pytest.mark.parametrize(

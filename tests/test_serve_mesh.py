@@ -76,22 +76,41 @@ def _rank_processes(parent: int) -> list[int]:
 @pytest.mark.multiprocess
 def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Path) -> None:
     """Nothing is asked of the server: rank 0 runs no collective that would fail, yet the
-    rank's exit makes it unhealthy at once (the engine loop fails), and it exits 1."""
-    server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "mooncake",
-                    "--bootstrap-port", str(free_port()), *model_flags(MODEL), "--tp-size", "2")
+    rank's exit makes it unhealthy at once (the engine loop fails) and it exits 1. Its
+    bootstrap endpoint's health turns 503 too, so a decode peer that sent a destination to the
+    dead rank (which will never answer for it) lets the room's pages go at its heartbeat."""
+    bootstrap = free_port()
+    flags = ["--backend", "mooncake", *model_flags(MODEL), "--log-level", "info"]
+    server = Server(tmp_path / "serve.log", "--role", "prefill", "--bootstrap-port",
+                    str(bootstrap), "--tp-size", "2", *flags)
+    decode = Server(tmp_path / "decode.log", "--role", "decode", *flags)
     try:
         server.wait_healthy(timeout=180)
+        decode.wait_healthy(timeout=180)
+        peers_health = f"http://127.0.0.1:{bootstrap}/health"
+        assert httpx.get(peers_health, timeout=10).status_code == 200
         (rank,) = _rank_processes(server.proc.pid)
         os.kill(rank, signal.SIGKILL)
         wait_for(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503, 20,
                  "/health turning 503")
-        r = httpx.post(f"{server.url}/generate", timeout=30, json={
-            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
-        assert r.status_code == 503, r.text
+        wait_for(lambda: httpx.get(peers_health, timeout=10).status_code == 503, 20,
+                 "the bootstrap endpoint's /health turning 503")
+        assert "engine failed" in httpx.get(peers_health, timeout=10).text
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap,
+                "bootstrap_room": 222}
+        refused = httpx.post(f"{server.url}/generate", timeout=60, json=body)
+        assert refused.status_code == 503, refused.text
+        # The decode half fails too: refused by the prefill, or with contact lost.
+        failed = httpx.post(f"{decode.url}/generate", timeout=60, json=body)
+        assert failed.status_code in (500, 503), failed.text
+        wait_for(lambda: idle(decode.get("/server_info")), 60, "the decode's pages free")
+        assert "lost contact with prefill" in decode.tail(100_000)
         server.signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 1, server.tail()
         assert f"a prefill rank process (pid {rank}) exited with code -9" in server.tail()
     finally:
+        decode.stop()
         server.stop()
 
 

@@ -405,6 +405,8 @@ class Service:
             self.decode_kv.fake.forget(item.bootstrap_room)
 
     def _on_crash(self, exc: BaseException) -> None:
+        if self.bootstrap is not None:  # decode peers' heartbeats let this server's rooms go
+            self.bootstrap.mark_unhealthy(f"the prefill server's engine failed: {exc}")
         self.metrics.healthy.set(0)
         with self._lock:
             pending = list(self._pending.values())
