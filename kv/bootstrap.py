@@ -105,6 +105,12 @@ class BootstrapServer:
         )
         self._thread.start()
 
+    @property
+    def registered(self) -> int:
+        """How many of the :attr:`expected_ranks` have registered."""
+        with self._lock:
+            return len(self._ranks)
+
     def mark_unhealthy(self, reason: str) -> None:
         """From now on ``/health`` answers 503 with ``reason``: the server behind this endpoint
         will not write KV any more (its engine failed), and decode peers should let its rooms

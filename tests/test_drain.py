@@ -110,6 +110,7 @@ def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path, drain_timeout: str
         assert error["message"] == f"aborted: the server is shutting down ({why})", error
         assert server.wait(timeout=30) == EXIT_DRAIN_ABORTED, server.tail()
         assert "the drain aborted 1 requests" in server.tail()
+        assert "drained; shutting down" not in server.tail()  # it did not drain
     finally:
         server.stop()
 
@@ -142,6 +143,17 @@ def test_a_port_in_use_is_refused_before_anything_starts(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"{flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in err
+
+
+def test_the_bootstrap_port_must_not_be_the_http_port(capsys: pytest.CaptureFixture[str]) -> None:
+    from scheduler.cli.main import main
+
+    port = str(free_port())
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--role", "prefill", "--backend", "mooncake", "--port", port,
+              "--bootstrap-port", port, *model_flags(MODEL)])
+    assert info.value.code == 2
+    assert f"--bootstrap-port {port} is --port too" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("text", "size"), [("65536", 65536), ("64KiB", 65536),

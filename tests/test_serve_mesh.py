@@ -53,7 +53,7 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
     finally:
         server.stop()
     log = server.log.read_text()
-    assert "DP 2 x TP 1 x PP 2, 3 rank processes beside this one" in log
+    assert "DP 2 x TP 1 x PP 2, rank processes beside this one: 3" in log
     assert "killing them" not in log and "a prefill rank failed" not in log, log
     assert "leaked semaphore" not in log, log  # the replicas' queues are let go
 
@@ -288,6 +288,9 @@ def _config(*flags: str) -> ServeConfig:
           "lpm"),
          r"^--overlap and --schedule-policy: the prefill role's; a decode server has no "
          "prefill loop"),
+        (("--role", "prefill", "--backend", "mooncake", "--allow-prefill", "10.0.0.5:8998"),
+         "--allow-prefill names the prefill servers a decode worker may send its peer token "
+         "to; this is not a decode worker: drop it"),
         # ModelConfig's own check, its fields named as the flags that set them.
         (("--role", "decode", "--backend", "mooncake", "--kv-heads", "3", "--tp-size", "2"),
          r"^--heads \(4\) must be a multiple of --kv-heads \(3\)$"),

@@ -258,6 +258,37 @@ def test_oversized_body_unknown_abort_and_non_json() -> None:
 
 
 @pytest.mark.mooncake
+def test_a_prefill_is_not_ready_until_every_rank_registered() -> None:
+    """A decode peer finds no route to a prefill whose ranks have not all registered at its
+    bootstrap endpoint: /health and /generate say ``starting`` until they have."""
+
+    async def main() -> None:
+        from tests.service_harness import free_port
+
+        with running_service(config("prefill", "mooncake", bootstrap_port=free_port())
+                             ) as service:
+            bootstrap = service.bootstrap
+            assert bootstrap is not None
+            async with asgi_client(service) as client:
+                for _ in range(2000):  # rank 0 registers as its KV manager starts
+                    if bootstrap.registered == 1:
+                        break
+                    await _yield()
+                assert (await client.get("/health")).status_code == 200
+                bootstrap.expected_ranks = 2  # as a TP 2 prefill whose rank 1 is not up yet
+                for r in (await client.get("/health"),
+                          await gen(client, input_ids=[1], bootstrap_host="127.0.0.1",
+                                    bootstrap_port=9, bootstrap_room=5)):
+                    assert r.status_code == 503, r.text
+                    assert r.json()["error"]["type"] == "starting", r.text
+                    assert "1 of 2 prefill ranks registered" in r.text
+                bootstrap.expected_ranks = 1
+                assert (await client.get("/health")).status_code == 200
+
+    run(main())
+
+
+@pytest.mark.mooncake
 def test_prefill_room_in_use_duplicate_rid_and_abort() -> None:
     """With no decode peer a request waits in BOOTSTRAPPING: its room and rid stay taken until
     it is aborted, and the abort answers it with finish_reason abort."""

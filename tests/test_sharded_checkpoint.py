@@ -122,7 +122,8 @@ def test_every_rank_computes_the_same_batch_invariant_floats(ranks: list[dict[st
 def test_what_cannot_be_split_is_refused(smollm2: ServedModel) -> None:
     config = smollm2.model.config  # 9 heads, 3 KV heads, 1,536 MLP rows
     check_tp(config, 3)
-    with pytest.raises(ShardError, match=r"heads \(9\) must be a multiple of TP 2"):
+    with pytest.raises(ShardError, match=r"heads \(9\) must be a multiple of TP 2 \(TP sizes "
+                                         r"this checkpoint splits over: 1, 3\)"):
         check_tp(config, 2)
     with pytest.raises(ShardError, match=r"intermediate \(1536\) must be a multiple of TP 9"):
         check_tp(config, 9)

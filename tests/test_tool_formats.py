@@ -4,6 +4,7 @@ the whole answer reads as a call."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler.cli.serve import SERVE
 from scheduler.service.config import ServeConfig
 from scheduler.service.openai_tools import ToolAnswer, ToolStream, read
 from scheduler.service.tool_formats import FORMATS, TOOL_CALL_PARSERS, canonical
@@ -76,7 +78,7 @@ def test_pythonic_lists_of_calls_with_literal_arguments() -> None:
     assert calls_of("pythonic", '[get_weather(city="Pa', "length") == (None, [], "length")
 
 
-def test_every_name_the_flag_takes_reads_its_format() -> None:
+def test_every_name_the_flag_takes_reads_its_format(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(TOOL_CALL_PARSERS) == {"hermes", "qwen25", "llama3", "llama3_json", "mistral",
                                       "pythonic"}
     assert {canonical(name) for name in TOOL_CALL_PARSERS} == set(FORMATS)
@@ -84,6 +86,11 @@ def test_every_name_the_flag_takes_reads_its_format() -> None:
     assert calls_of(canonical("qwen25"), block)[1] == [PARIS]
     with pytest.raises(ValueError, match=r"tool_call_parser 'qwen3'.*hermes, llama3, mistral"):
         ServeConfig(role="both", backend="local", tool_call_parser="qwen3")
+    parser = argparse.ArgumentParser()
+    SERVE.add_arguments(parser)
+    with pytest.raises(SystemExit):  # the flag says so at once, before a model loads
+        parser.parse_args(["--tool-call-parser", "qwen3"])
+    assert "invalid choice: 'qwen3'" in capsys.readouterr().err
     # Only the formats whose tags are special tokens read the answer with them.
     assert {n for n, f in FORMATS.items() if f.special_tags} == {"llama3", "mistral", "pythonic"}
 

@@ -28,6 +28,7 @@ from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.credentials import API_KEY_ENV, PEER_TOKEN_ENV, api_key, peer_token
 from scheduler.cli.model_flags import REFERENCE_NAME, add_model_arguments, load_served, model_config
 from scheduler.cli.open_files import raise_open_files_limit
+from scheduler.service.tool_formats import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from scheduler.service.config import Role, ServeConfig
@@ -136,6 +137,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         f"value; {REFERENCE_NAME} for the reference model)")
     add_model_arguments(parser)
     parser.add_argument("--tool-call-parser", default=None, metavar="FORMAT",
+                        choices=TOOL_CALL_PARSERS,
                         help="the format the model writes tool calls in, read for OpenAI's "
                         "tool_choice auto: hermes or qwen25 (<tool_call> blocks: Hermes, "
                         "Qwen 2.5), llama3 or llama3_json (JSON calls: Llama 3.1-3.3), mistral "
@@ -254,6 +256,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError(f"--backend {args.backend} needs --role prefill or --role decode")
     else:
         role = args.role
+    if role != "decode" and args.allow_prefill:
+        raise UsageError("--allow-prefill names the prefill servers a decode worker may send "
+                         "its peer token to; this is not a decode worker: drop it")
     if role == "decode":
         given = [flag for flag, on in (("--overlap", args.overlap),
                                        ("--disable-radix-cache", args.disable_radix_cache),
@@ -356,10 +361,14 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     raise_open_files_limit()  # before the rank processes start: they inherit it
-    config = serve_config(args)
+    # The ports before the model loads (seconds for a checkpoint): a clash is said at once.
     _check_port_free(args.host, args.port, "--port")
-    if config.role == "prefill" and config.backend == "mooncake":
-        _check_port_free(config.bootstrap_host, config.bootstrap_port, "--bootstrap-port")
+    if args.role == "prefill" and args.backend == "mooncake":
+        if args.bootstrap_port == args.port:
+            raise UsageError(f"--bootstrap-port {args.port} is --port too: give the bootstrap "
+                             "endpoint a port of its own")
+        _check_port_free(args.host, args.bootstrap_port, "--bootstrap-port")
+    config = serve_config(args)
     ranks: Ranks | None = None  # a prefill's other ranks and DP replicas
     decode_ranks: DecodeRanks | None = None  # a decode's other TP ranks
     if config.dp_size * config.tp_size * config.pp_size > 1:
@@ -423,6 +432,8 @@ def _serve(args: argparse.Namespace) -> int:
                     f"{args.drain_timeout:g} s ran out first)")
                 service.wait_drained(10.0)
                 logger.info("shutting down")
+            elif self.stopping or not service.healthy:
+                logger.info("shutting down")  # aborted by a second signal, or failed
             else:
                 logger.info("drained; shutting down")
             self.should_exit = True

@@ -32,7 +32,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from kv.layouts import TPLayout
+from kv.layouts import LayoutError, TPLayout
 from scheduler.model.checkpoint import Checkpoint, LlamaConfig
 from scheduler.model.llama import RealModel
 from scheduler.model.sharded import Mesh, ShardError
@@ -46,9 +46,24 @@ def check_tp(config: LlamaConfig, tp_size: int) -> None:
     ``config`` cannot be split over ``tp_size`` ranks."""
     for name, value in (("heads", config.heads), ("intermediate", config.intermediate)):
         if value % tp_size:
+            sizes = ", ".join(map(str, tp_sizes(config)))
             raise ShardError(f"the checkpoint's {name} ({value}) must be a multiple of TP "
-                             f"{tp_size}")
+                             f"{tp_size} (TP sizes this checkpoint splits over: {sizes})")
     TPLayout(tp_size, config.kv_heads)
+
+
+def tp_sizes(config: LlamaConfig, most: int = 64) -> list[int]:
+    """The TP sizes up to ``most`` a checkpoint of ``config`` splits over."""
+    sizes = []
+    for tp in range(1, most + 1):
+        if config.heads % tp or config.intermediate % tp:
+            continue
+        try:
+            TPLayout(tp, config.kv_heads)
+        except LayoutError:
+            continue
+        sizes.append(tp)
+    return sizes
 
 
 class ShardedRealModel(RealModel):

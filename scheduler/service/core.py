@@ -183,6 +183,15 @@ class Service:
     def draining(self) -> bool:
         return self._draining
 
+    def starting(self) -> str:
+        """Why the server cannot serve yet ("" when it can): rank processes not all registered
+        at its bootstrap endpoint (a decode peer would find no route to them)."""
+        bootstrap = self.bootstrap
+        if bootstrap is None or bootstrap.registered >= bootstrap.expected_ranks:
+            return ""
+        return (f"starting: {bootstrap.registered} of {bootstrap.expected_ranks} prefill ranks "
+                "registered")
+
     def check(self, **fields: Any) -> Item:
         """One prompt as an :class:`Item` (see :func:`check_item`); fake and local requests get
         a fresh service-local room."""

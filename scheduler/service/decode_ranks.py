@@ -83,7 +83,7 @@ class DecodeRanks:
         except BaseException:
             kill_ranks(self._processes)
             raise
-        logger.info("decode: TP %d, %d rank processes beside this one", self.world,
+        logger.info("decode: TP %d, rank processes beside this one: %d", self.world,
                     self.world - 1)
 
     def started(self) -> None:

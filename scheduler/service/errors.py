@@ -48,6 +48,9 @@ def unavailable_reason(service: Service) -> tuple[str, str] | None:
         return "unhealthy", f"the engine loop failed: {service.loop.failure!r}"
     if service.draining:
         return "draining", "the server is draining (shutting down)"
+    starting = service.starting()
+    if starting:
+        return "starting", starting
     return None
 
 

@@ -100,8 +100,9 @@ def plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
             raise ToolChoiceError(
                 "unsupported", "tool_choice auto (the default with tools) needs a tool-call "
                 "parser for the model's format, and this server has none (pdlife serve "
-                "--tool-call-parser hermes); send tool_choice required or a named function, "
-                "which a grammar forces whatever the model", "tool_choice")
+                f"--tool-call-parser, one of {', '.join(tool_formats.FORMATS)}); or send "
+                "tool_choice required or a named function: a grammar forces those calls, "
+                "whatever the model's format", "tool_choice")
         name = tool_formats.canonical(parser)
         special = tool_formats.FORMATS[name].special_tags
         return ToolPlan(ToolAnswer("auto", parser=name), tools=template_tools,

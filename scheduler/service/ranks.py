@@ -141,7 +141,7 @@ class Ranks:
             raise
         self.delayer = (None if config.prefill_delayer is None else ReplicaGather(
             0, self.dp_size, config.prefill_delayer, _mesh_of(self.control)))
-        logger.info("prefill: DP %d x TP %d x PP %d, %d rank processes beside this one",
+        logger.info("prefill: DP %d x TP %d x PP %d, rank processes beside this one: %d",
                     self.dp_size, config.tp_size, config.pp_size,
                     self.world * self.dp_size - 1)
 
