@@ -291,9 +291,8 @@ def test_smollm2_calls_a_forced_function_plain_and_streamed(
 
 
 @pytest.mark.parametrize(("parser", "block"), [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-               "</tool_call>"),
-    # Its tag is a special token: the answer is read with special tokens, EOS still trimmed.
+    # vLLM's name of the Llama 3 format, whose tag is a special token: the answer is read with
+    # special tokens, EOS still trimmed (every format's reading: tests/test_tool_formats.py).
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
 ])
 def test_smollm2_auto_reads_the_models_format_plain_and_streamed(

@@ -70,6 +70,8 @@ class ServedModel:
             return ShardedLlama(self.model.config, mesh, device)
         from scheduler.model.sharded_checkpoint import ShardedRealModel
 
+        if isinstance(self.model, ShardedRealModel) and self.model.mesh == mesh:
+            return self.model  # loaded as this rank's part (load_model's mesh=)
         return ShardedRealModel(self.model.checkpoint, mesh, dtype=self.model.dtype,
                                 device=device, eos_token_ids=self.eos_token_ids, name=self.name)
 
@@ -135,8 +137,11 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     reference: ModelConfig | None = None,
+    mesh: Any = None,
 ) -> ServedModel:
-    """``reference``, a shipped model's name, or a path to a GGUF file or HF directory."""
+    """``reference``, a shipped model's name, or a path to a GGUF file or HF directory. With
+    ``mesh`` (a :class:`scheduler.model.sharded.Mesh`), a real checkpoint is built as this
+    rank's part only (:meth:`ServedModel.shard` hands it back), never whole."""
     if spec == REFERENCE:
         return reference_model(reference or ModelConfig(), device=device)
     from scheduler.model.checkpoint import CheckpointError
@@ -157,8 +162,14 @@ def load_model(
                        "holding one of the last %d is refused (token ids beyond the vocabulary)",
                        path, tokenizer.vocab_size, checkpoint.config.vocab_size,
                        tokenizer.vocab_size - checkpoint.config.vocab_size)
-    model = RealModel(checkpoint, dtype=dtype, device=device,
-                      eos_token_ids=tokenizer.eos_token_ids, name=name)
+    if mesh is None:
+        model = RealModel(checkpoint, dtype=dtype, device=device,
+                          eos_token_ids=tokenizer.eos_token_ids, name=name)
+    else:
+        from scheduler.model.sharded_checkpoint import ShardedRealModel
+
+        model = ShardedRealModel(checkpoint, mesh, dtype=dtype, device=device,
+                                 eos_token_ids=tokenizer.eos_token_ids, name=name)
     return ServedModel(
         name=name, model=model, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
         vocab_size=checkpoint.config.vocab_size, max_position=checkpoint.config.max_position,

@@ -120,14 +120,14 @@ class ServeConfig:
         if self.role == "decode" and self.backend != "mooncake":
             return (f"{layout} with backend {self.backend!r}: a decode server runs on several "
                     "ranks only over the mooncake backend (--backend mooncake)")
-        if self.served is not None:
+        if self.served is not None and not self.served.is_reference:
             from scheduler.model.sharded_checkpoint import check_tp
 
             if pp > 1:
                 return (f"{layout}: a real checkpoint runs on TP ranks and DP replicas, not on "
                         "pipeline stages (use --pp-size 1; the reference model runs on PP)")
             try:
-                check_tp(self.served.model.config, tp)
+                check_tp(self.model_shape, tp)
             except (LayoutError, ShardError) as exc:
                 return f"{layout}: {exc}"
             return ""
@@ -149,9 +149,13 @@ class ServeConfig:
 
     @property
     def model_shape(self) -> Any:
-        """The served model's shape (``layers``, ``heads``, ``kv_heads``, ...): a real
-        checkpoint's :class:`~scheduler.model.checkpoint.LlamaConfig` or ``model``."""
-        return self.served.model.config if self.served else self.model
+        """The whole served model's shape (``layers``, ``heads``, ``kv_heads``, ...), a rank's
+        part or not: a real checkpoint's :class:`~scheduler.model.checkpoint.LlamaConfig` or
+        ``model``."""
+        if self.served is None:
+            return self.model
+        checkpoint = getattr(self.served.model, "checkpoint", None)  # None: the reference model
+        return self.served.model.config if checkpoint is None else checkpoint.config
 
     @property
     def vocab_size(self) -> int:

@@ -122,7 +122,7 @@ def _rank_main(index: int, world: int, port: int, config: ServeConfig,
     control = _join(rank, world, port)
     try:
         control.relay.exchange([])  # rank 0 says: build
-        config = in_rank(config, source)
+        config = in_rank(config, source, control.mesh)
         served = served_by(config)
         engines = Engines(
             config, served.shard(control.mesh, config.device),
@@ -138,5 +138,9 @@ def _rank_main(index: int, world: int, port: int, config: ServeConfig,
             engines.close()
     except MeshStopped:
         pass  # rank 0 stopped the group
+    except BaseException:
+        # torch's spawn hands the traceback to a join that comes only at shutdown: say it now.
+        logger.critical("decode rank %d failed", rank, exc_info=True)
+        raise
     finally:
         dist.destroy_process_group()

@@ -74,6 +74,7 @@ from scheduler.dist.ports import free_ports
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.model.select import ServedModel, load_model, reference_model
+from scheduler.model.sharded import Mesh
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
 from scheduler.prefill.replica_delayer import MeshFollower, ReplicaGather, counts_of, delay
 from scheduler.prefill.scheduler import PrefillScheduler
@@ -306,12 +307,14 @@ def for_ranks(config: ServeConfig) -> tuple[ServeConfig, tuple[str, str] | None]
     return bare, config.served.source
 
 
-def in_rank(config: ServeConfig, source: tuple[str, str] | None) -> ServeConfig:
-    """A rank process's config: with the checkpoint of ``source`` loaded again."""
+def in_rank(config: ServeConfig, source: tuple[str, str] | None, mesh: Mesh) -> ServeConfig:
+    """A rank process's config: with the checkpoint of ``source`` loaded again, as this rank's
+    part of it on ``mesh`` (the whole model is never built in a rank process)."""
     if source is None:
         return config
     name, dtype = source
-    return attrs.evolve(config, served=load_model(name, dtype=dtype, device=config.device))
+    served = load_model(name, dtype=dtype, device=config.device, mesh=mesh)
+    return attrs.evolve(config, served=served)
 
 
 def served_by(config: ServeConfig) -> ServedModel:
@@ -334,11 +337,11 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s dp{replica}/rank{rank} %(name)s: %(message)s")
-    config = in_rank(config, source)
     control = _join(rank, world, ports[replica], config)
     closers: Closers = []
     outcomes: Counter[str] | None = None  # a follower's delayer outcomes
     try:
+        config = in_rank(config, source, control.mesh)
         if rank == 0:
             _lead(control, config, replica, ports, inboxes[replica - 1], answers, closers)
         else:
@@ -355,6 +358,10 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
         if outcomes is not None:
             logger.info("prefill delayer outcomes of replica %d rank %d: %s", replica, rank,
                         counts_of(outcomes))
+    except BaseException:
+        # torch's spawn hands the traceback to a join that comes only at shutdown: say it now.
+        logger.critical("prefill rank %d of replica %d failed", rank, replica, exc_info=True)
+        raise
     finally:
         for exc in close_all(closers):
             logger.error("closing a backend failed", exc_info=exc)
