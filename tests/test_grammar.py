@@ -4,8 +4,10 @@ leaves the matcher as it was, and SmolLM2's greedy answers under a mask parse an
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+import threading
 from typing import Any
 
 import jsonschema
@@ -227,6 +229,98 @@ def test_a_model_vocabulary_wider_than_the_tokenizer_is_padded_with_false() -> N
     mask = constraint.allowed()
     assert mask.shape == (300,)
     assert mask.nonzero().flatten().tolist() == [ord("a"), EOS_TOKEN_ID]
+
+
+# -- grammars compiled ahead ---------------------------------------------------------------------
+
+def _fresh(served: ServedModel, prepared_limit: int = 8) -> LLGuidanceCompiler:
+    compiler = constraint_compiler(served)
+    assert compiler is not None
+    return LLGuidanceCompiler(compiler.tokenizer, vocab_size=compiler.vocab_size,
+                              prepared_limit=prepared_limit)
+
+
+def _counts(compiler: LLGuidanceCompiler) -> tuple[int, int, int]:
+    return compiler.stats.prepared, compiler.stats.inline, compiler.stats.refused
+
+
+def test_the_engines_take_the_matchers_admission_prepared_each_its_own(
+    byte_model: ServedModel,
+) -> None:
+    compiler = _fresh(byte_model)
+    spec = GrammarSpec(GrammarKind.EBNF, 'start: "ab" | "ac" | "b"')
+    compiler.prepare(spec, 2)  # admission: one for each engine of a colocated pair
+    first, second = compiler.compile(spec), compiler.compile(spec)
+    assert _counts(compiler) == (2, 0, 0)
+    _walk(first, list(b"a"), byte_model.vocab_size)
+    assert bool(second.allowed()[ord("b")]) and not bool(first.allowed()[ord("a")])
+    _walk(second, list(b"b"), byte_model.vocab_size)
+    assert second.finished() and not first.finished()
+    _walk(first, list(b"c"), byte_model.vocab_size)
+    assert first.finished()
+    compiler.compile(spec)  # nothing prepared waits: the engine compiles it itself
+    assert _counts(compiler) == (2, 1, 0)
+
+
+def test_a_request_that_reaches_the_lexers_limit_leaves_the_next_one_of_its_grammar_whole(
+    byte_model: ServedModel,
+) -> None:
+    """Matchers never share a lexer across requests (copies of one matcher would): one that
+    exhausted the lexer's states does not fail the next request of the same grammar."""
+    compiler = _fresh(byte_model)
+    compiler.prepare(TOO_BIG, 2)
+    for _ in range(3):  # two prepared, then one compiled inline
+        constraint = compiler.compile(TOO_BIG)
+        assert bool(constraint.allowed()[ord("a")])
+        with pytest.raises(GrammarLimitError, match="too many expressions constructed"):
+            constraint.accept(ord("a"))
+    assert _counts(compiler) == (2, 1, 0)
+
+
+def test_a_grammar_that_does_not_compile_prepares_nothing(byte_model: ServedModel) -> None:
+    compiler = _fresh(byte_model)
+    for spec, why in BAD[:-1]:
+        with pytest.raises(GrammarError, match=re.escape(why)) as refused:
+            compiler.prepare(spec, 2)
+        assert str(refused.value).startswith(spec.kind.value)
+    assert _counts(compiler) == (0, 0, len(BAD) - 1)
+    assert "prepared=0" in repr(compiler)
+
+
+def test_prepared_matchers_no_engine_took_are_dropped_oldest_first(
+    byte_model: ServedModel,
+) -> None:
+    """A request refused after admission never takes its matchers: they are bounded."""
+    compiler = _fresh(byte_model, prepared_limit=2)
+    a, b, c = (GrammarSpec(GrammarKind.REGEX, r) for r in ("a+", "b+", "c+"))
+    for spec in (a, b, c):
+        compiler.prepare(spec)
+    assert "prepared=2" in repr(compiler)
+    for spec in (b, c, a):  # a's was dropped for c's
+        _walk(compiler.compile(spec), list(spec.source[0].encode()), byte_model.vocab_size)
+    assert _counts(compiler) == (3, 1, 0)
+
+
+def test_threads_preparing_and_compiling_at_once_get_one_matcher_each(
+    smollm2: ServedModel,
+) -> None:
+    compiler = _fresh(smollm2, prepared_limit=64)
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(PERSON))
+    barrier = threading.Barrier(4)
+
+    def request() -> list[int]:
+        barrier.wait(timeout=30)
+        compiler.prepare(spec, 2)
+        masks = [compiler.compile(spec).allowed().nonzero().flatten().tolist()
+                 for _ in range(2)]
+        assert masks[0] == masks[1]
+        return masks[0]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        masks = list(pool.map(lambda _: request(), range(4)))
+    assert all(m == masks[0] for m in masks) and masks[0]
+    assert _counts(compiler) == (8, 0, 0)
+    assert "prepared=0" in repr(compiler)
 
 
 # -- SmolLM2's greedy answers under a mask -------------------------------------------------------

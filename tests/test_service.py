@@ -575,3 +575,39 @@ def test_a_grammar_llguidance_cannot_run_is_the_clients_400_saying_why() -> None
                 assert r.status_code == 200 and r.json()["text"] == "aa", r.text
 
     run(main())
+
+
+def compiles(metrics_text: str) -> dict[str, float]:
+    found = re.findall(r'^pdlife_grammar_compiles_total\{result="(\w+)"\} (\S+)$', metrics_text,
+                       re.MULTILINE)
+    return {result: float(n) for result, n in found}
+
+
+def test_admission_compiles_a_grammar_for_each_engine_and_the_engines_compile_none() -> None:
+    """A colocated worker compiles a request's grammar off the engine thread, one matcher for
+    its prefill engine and one for its decode engine; a grammar naming a special token the
+    vocabulary lacks is refused at admission, before any engine sees it."""
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                assert compiles((await client.get("/metrics")).text) == {
+                    "prepared": 0, "inline": 0, "refused": 0}
+                for _ in range(2):
+                    r = await client.post("/generate", json={"text": "a", "sampling_params": {
+                        "max_new_tokens": 4, "regex": "(ab|c)+"}})
+                    assert r.status_code == 200, r.text
+                    assert re.fullmatch("(ab|c)+", r.json()["text"]), r.text
+                await settled(client)
+                assert compiles((await client.get("/metrics")).text) == {
+                    "prepared": 4, "inline": 0, "refused": 0}
+                r = await client.post("/generate", json={"text": "a", "sampling_params": {
+                    "max_new_tokens": 4, "ebnf": 'start: "a" <|no_such_token|>'}})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["type"] == "bad_grammar", error
+                assert "sampling_params.ebnf does not compile" in error["message"], error
+                assert "unknown special token" in error["message"], error
+                assert compiles((await client.get("/metrics")).text) == {
+                    "prepared": 4, "inline": 0, "refused": 1}
+
+    run(main())

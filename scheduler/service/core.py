@@ -40,13 +40,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from lifecycle import FailureReason
+from lifecycle import FailureReason, GrammarSpec
 from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl
 from scheduler.messages import DecodeResponse, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
 from scheduler.prefill.mesh import MeshControl
+from scheduler.sample.grammar import check as check_grammar
 from scheduler.service.config import (
     Answer,
     BadRequest,
@@ -58,7 +59,12 @@ from scheduler.service.config import (
 )
 from scheduler.service.engine_loop import EngineLoop
 from scheduler.service.engines import Engines
-from scheduler.service.metrics import DroppedMessagesCollector, PeerAuthCollector, ServiceMetrics
+from scheduler.service.metrics import (
+    DroppedMessagesCollector,
+    GrammarCompilesCollector,
+    PeerAuthCollector,
+    ServiceMetrics,
+)
 from scheduler.service.pending import Pending
 from scheduler.service.shedding import QueueBound
 
@@ -127,9 +133,12 @@ class Service:
         self._queue = QueueBound(config.max_queued_requests)
         self._idle = threading.Condition(self._lock)
         self.snapshot: dict[str, Any] = {}
+        # One compiler for admission and the engines: admission compiles a request's grammar
+        # (off the engine thread) into the matchers the engines take.
+        self.compiler = constraint_compiler(served)
         self.engines = engines = Engines(
             config, self.model, runner_factory=runner_factory,
-            compiler=constraint_compiler(served), detokenize=self.tokenizer.decode,
+            compiler=self.compiler, detokenize=self.tokenizer.decode,
             on_prefill=self._on_prefill, on_decode=self._on_decode,
             prefill_options=None if mesh is None else mesh.scheduler_options(),
             place=None if mesh is None else mesh.rank_place(
@@ -146,6 +155,9 @@ class Service:
         self.metrics = ServiceMetrics(engine.metrics.registry if engine is not None else None)
         self.metrics.registry.register(DroppedMessagesCollector(engines.dropped_messages))
         self.metrics.registry.register(PeerAuthCollector(engines.peer_auth_failures))
+        if self.compiler is not None:
+            compiler = self.compiler
+            self.metrics.registry.register(GrammarCompilesCollector(lambda: compiler.stats))
         if tracer is None and config.otlp_traces_endpoint is not None:
             from scheduler.service.tracing import otlp_tracer
 
@@ -196,6 +208,16 @@ class Service:
         """One prompt as an :class:`Item` (see :func:`check_item`); fake and local requests get
         a fresh service-local room."""
         return check_item(self.config, self._rooms, **fields)
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Raises :class:`~scheduler.sample.constraint.GrammarError` if ``spec`` does not
+        compile. With a compiler, against the model's vocabulary, into a matcher for each engine
+        of this process (:meth:`~scheduler.sample.grammar.LLGuidanceCompiler.prepare`; call it
+        off the event loop); without one, the grammar alone (the engines then refuse it)."""
+        if self.compiler is None:
+            check_grammar(spec)
+        else:
+            self.compiler.prepare(spec, (self.prefill is not None) + (self.decode is not None))
 
     def needs_connect(self, item: Item) -> bool:
         """Whether :meth:`connect_peer` may block for ``item`` (a peer not yet connected)."""

@@ -3,19 +3,19 @@ admit the checked items, then wait for their answers (or the client's going away
 stream's new tokens.
 
 Theory of operation: :func:`checked` refuses a body while the server takes no requests, then
-builds the route's items from it; what building refuses is told to the body's peers and raised
-as a :class:`Refusal`. :func:`admit` connects the decode role to the prefill servers the items
-name (off the event loop: a first lookup may block), then registers and submits each item
-(:meth:`Service.start`). What it refuses it raises as :class:`Refusal`, after telling the
-items' peers (:mod:`.refusals`) and aborting what it had already started, so the route only
-has to answer the refusal in its own error shape. :func:`wait` returns the answers, or None
-when the client went away first (its requests are aborted). :func:`new_tokens` yields the
-tokens the decode side produced after every pass, with their logprobs when the request asked
-for them (:class:`~.pending.Progress`), until the request's future is resolved; the route reads
-the final :class:`Answer` from the future, and aborts the request if its stream is closed before
-that. :func:`answered` is :func:`wait` for a route that answers all or nothing: the answers, or
-the response to send instead. :func:`merged` interleaves the streams of a request's samples
-(``n`` > 1).
+builds the route's items from it (on a worker thread); what building refuses is told to the
+body's peers and raised as a :class:`Refusal`. :func:`admit` connects the decode role to the
+prefill servers the items name (off the event loop: a first lookup may block), then registers
+and submits each item (:meth:`Service.start`). What it refuses it raises as :class:`Refusal`,
+after telling the items' peers (:mod:`.refusals`) and aborting what it had already started, so
+the route only has to answer the refusal in its own error shape. :func:`wait` returns the
+answers, or None when the client went away first (its requests are aborted). :func:`new_tokens`
+yields the tokens the decode side produced after every pass, with their logprobs when the
+request asked for them (:class:`~.pending.Progress`), until the request's future is resolved;
+the route reads the final :class:`Answer` from the future, and aborts the request if its stream
+is closed before that. :func:`answered` is :func:`wait` for a route that answers all or nothing:
+the answers, or the response to send instead. :func:`merged` interleaves the streams of a
+request's samples (``n`` > 1).
 """
 
 from __future__ import annotations
@@ -69,15 +69,17 @@ def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> 
         raise Refusal(why[0], 503, why[1], label="unavailable")
 
 
-def checked(service: Service, body: BaseModel, build: Callable[[], T], *,
-            param: Callable[[BadRequest], str | None] = lambda exc: None) -> T:
+async def checked(service: Service, body: BaseModel, build: Callable[[], T], *,
+                  param: Callable[[BadRequest], str | None] = lambda exc: None) -> T:
     """What ``build`` makes of ``body`` when the server takes requests, or :class:`Refusal`
     (503 from :func:`check_available`, or ``build``'s :class:`BadRequest` with the field
-    ``param`` names); either way the body's peers are told."""
+    ``param`` names); either way the body's peers are told. ``build`` runs off the event loop:
+    it tokenizes, renders chat templates and compiles grammars, milliseconds each for a long
+    prompt or a large schema, which would hold up every other request's handler."""
     fields = body.model_dump()
     check_available(service, peer_rooms(fields))
     try:
-        return build()
+        return await asyncio.to_thread(build)
     except BadRequest as exc:
         refuse_peers(service, peer_rooms(fields), exc.reason, exc.status, str(exc))
         raise Refusal.of(exc, param=param(exc)) from exc

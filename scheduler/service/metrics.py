@@ -8,12 +8,16 @@ is one registry.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kv.wire import DroppedMessages
+
+if TYPE_CHECKING:
+    from scheduler.sample.grammar import CompileStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -99,4 +103,24 @@ class PeerAuthCollector(Collector):
         )
         for side, n in sorted(self._sources().items()):
             family.add_metric([side], n)
+        yield family
+
+
+class GrammarCompilesCollector(Collector):
+    """``pdlife_grammar_compiles_total{result}``: the grammars the server's compiler compiled,
+    read at scrape time: ``prepared`` (at admission, for the engines to take), ``inline`` (on
+    an engine's thread, which stalls every live request's pass meanwhile: nothing prepared
+    waited), ``refused`` (it did not compile)."""
+
+    def __init__(self, stats: Callable[[], CompileStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._stats()
+        family = CounterMetricFamily(
+            "pdlife_grammar_compiles", "Grammars the server compiled, by where and whether "
+            "they compiled.", labels=["result"],
+        )
+        for result in ("prepared", "inline", "refused"):
+            family.add_metric([result], getattr(stats, result))
         yield family

@@ -254,7 +254,8 @@ def _sampling(service: Service, body: SamplingFields, sp: SamplingParamsBody, ma
     try:
         return sampling_params_from(sp, return_logprob=return_logprob, top_logprobs_num=top,
                                     logprob_start_len=logprob_start_len,
-                                    max_new_tokens_limit=service.config.new_tokens_limit)
+                                    max_new_tokens_limit=service.config.new_tokens_limit,
+                                    grammar_check=service.check_grammar)
     except BadRequest as exc:
         names = {**_NAMES, "max_new_tokens": max_name}
         given = body.constraints()

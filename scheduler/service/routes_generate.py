@@ -156,7 +156,8 @@ def _sampling(service: Service, body: GenerateRequest, sp: SamplingParamsBody,
         return sampling_params_from(
             sp, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
             logprob_start_len=body.logprob_start_len, token_ids_logprob=asked,
-            max_new_tokens_limit=service.config.new_tokens_limit)
+            max_new_tokens_limit=service.config.new_tokens_limit,
+            grammar_check=service.check_grammar)
     except BadRequest as exc:
         exc.rid = rid
         raise
@@ -209,7 +210,7 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
     """Generate for one prompt or a batch, ``sampling_params.n`` answers each (SGLang's
     ``/generate``)."""
     try:
-        items, batch = handoff.checked(service, body, lambda: _items(service, body))
+        items, batch = await handoff.checked(service, body, lambda: _items(service, body))
         started = await handoff.admit(service, request, items, stream=body.stream)
     except handoff.Refusal as refusal:
         handoff.count(service, refusal)

@@ -126,7 +126,7 @@ async def _serve(service: Service, request: Request, body: Body,
                  build: Callable[[Service, Body], list[Item]], *, chat: bool) -> Response:
     model = body.model or service.config.model_name
     try:
-        items = handoff.checked(service, body, lambda: build(service, body), param=_param)
+        items = await handoff.checked(service, body, lambda: build(service, body), param=_param)
         started = await handoff.admit(service, request, items, stream=body.stream)
     except handoff.Refusal as refusal:
         return _refused(service, refusal)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,10 +61,12 @@ def sampling_params_from(
     logprob_start_len: int = -1,
     token_ids_logprob: Sequence[int] = (),
     max_new_tokens_limit: int = 1 << 20,
+    grammar_check: Callable[[GrammarSpec], None] = check_grammar,
 ) -> SamplingParams:
     """The request's :class:`SamplingParams`, or :class:`BadRequest` naming the field to change
     (reason ``unsupported`` for a field pdlife cannot honour, ``bad_grammar`` for a grammar
-    that does not parse or compile, ``bad_sampling`` for a value out of range). The server's own
+    that does not parse or compile (``grammar_check`` compiles it: the server's compiler, whose
+cache the engines then copy it from), ``bad_sampling`` for a value out of range). The server's own
     limits beyond ``max_new_tokens_limit`` (the prompt and the answer against the context and
     the pool) are :func:`~.config.check_item`'s."""
     refuse_unsupported(sp)
@@ -93,7 +95,7 @@ def sampling_params_from(
             seed=sp.sampling_seed, stop=stop,
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-            grammar=grammar_of(sp), frequency_penalty=sp.frequency_penalty,
+            grammar=grammar_of(sp, grammar_check), frequency_penalty=sp.frequency_penalty,
             presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
             min_new_tokens=sp.min_new_tokens, logit_bias=logit_bias_of(sp),
             token_ids_logprob=token_ids_logprob,
@@ -140,9 +142,10 @@ def _nesting(source: str) -> int:
     return int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
 
 
-def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
+def grammar_of(sp: SamplingParamsBody,
+               check: Callable[[GrammarSpec], None] = check_grammar) -> GrammarSpec | None:
     """The request's structured-output constraint, checked: at most one grammar field, a JSON
-    schema that parses, and a grammar the compiler accepts."""
+    schema that parses, and a grammar ``check`` accepts."""
     given = {name: getattr(sp, name) for name in GRAMMAR_FIELDS if getattr(sp, name) is not None}
     if len(given) > 1:
         names = [f"sampling_params.{name}" for name in given]
@@ -165,7 +168,7 @@ def grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
                              f"(an object or a boolean), got {type(schema).__name__}")
     spec = GrammarSpec(GRAMMAR_FIELDS[name], source)
     try:
-        check_grammar(spec)
+        check(spec)
     except RecursionError:
         raise BadRequest("bad_grammar", f"sampling_params.{name} is nested too deeply to "
                          "compile") from None
