@@ -216,9 +216,9 @@ def test_a_mask_the_engine_cannot_compute_is_drawn_unmasked_and_fails_the_token(
     assert state.row(1).mask is None  # asked once: the error is kept
     with pytest.raises(GrammarLimitError, match="too many expressions") as limit:
         state.accept(7)
-    reason, detail = grammar_failure(limit.value, 7)
-    assert reason is FailureReason.REJECTED and "output token 7" in detail, detail
-    reason, _ = grammar_failure(GrammarError("regex grammar does not allow token 7"), 7)
+    reason, detail = grammar_failure(limit.value, 7, 3)
+    assert reason is FailureReason.REJECTED and "token 7 at output position 3" in detail, detail
+    reason, _ = grammar_failure(GrammarError("regex grammar does not allow token 7"), 7, 3)
     assert reason is FailureReason.INTERNAL
 
 
@@ -382,6 +382,32 @@ def _pair_answers(served: ServedModel, compiler: LLGuidanceCompiler,
         pair.close()
 
 
+def test_a_grammar_that_names_the_eos_token_ends_on_it(
+    smollm2: ServedModel, smol: LLGuidanceCompiler
+) -> None:
+    """``<|im_end|>`` is SmolLM2's EOS: llguidance's ``validate_tokens`` refuses it where the
+    grammar asks for it, the mask allows it, and the answer ends on it (it was a 500)."""
+    spec = GrammarSpec(GrammarKind.EBNF, 'start: "ok" <|im_end|>')
+    (eos,) = smollm2.eos_token_ids
+    constraint = smol.compile(spec)
+    _walk(constraint, smollm2.encode("ok"), smollm2.vocab_size)
+    assert constraint.allowed().nonzero().flatten().tolist() == [eos]
+    constraint.accept(eos)
+    assert constraint.finished()
+    early = smol.compile(spec)
+    with pytest.raises(GrammarError, match=f"does not allow token {eos}"):
+        early.accept(eos)  # before "ok": refused by the mask, computed for the check
+    out = _pair_answers(smollm2, smol, {
+        "ok": (smollm2.encode("Say ok.", chat=True), SamplingParams(8, grammar=spec)),
+        "drawn": (smollm2.encode("Say ok.", chat=True),
+                  SamplingParams(8, grammar=spec, temperature=1.0, seed=3)),
+    })
+    for rid, got in out.items():
+        assert got.decode is not None and got.decode.ok, (rid, got)
+        assert got.decode.finish_reason == "stop", got.decode
+        assert list(got.decode.output_ids) == [*smollm2.encode("ok"), eos], got.decode
+
+
 def test_smollm2_disaggregated_grammar_answers_validate_and_equal_the_colocated_walk(
     smollm2: ServedModel, smol: LLGuidanceCompiler
 ) -> None:
@@ -440,11 +466,13 @@ def test_a_grammar_beyond_the_engines_limits_fails_as_the_clients_on_either_side
     })
     first = out["first"].prefill
     assert first.reason is FailureReason.REJECTED, first
-    assert "grammar engine cannot run" in first.detail and "output token 97" in first.detail
+    assert "grammar engine cannot run" in first.detail
+    assert "(token 97 at output position 0)" in first.detail, first.detail
     assert out["later"].prefill.reason is None, out["later"].prefill
     later = out["later"].decode
     assert later is not None and later.reason is FailureReason.REJECTED, later
-    assert "too many expressions" in later.detail and "output token 101" in later.detail
+    assert "too many expressions" in later.detail
+    assert "(token 101 at output position 4)" in later.detail, later.detail
     assert list(later.output_ids[:4]) == list(b"abce")
     answer = out["healthy"].decode
     assert answer is not None and answer.ok, answer

@@ -432,6 +432,9 @@ def test_refusals_are_openai_errors_naming_the_field(path: str, body: dict[str, 
                 assert (error["code"], error["param"]) == (code, param), error
                 if code == "unsupported":
                     assert param is not None and param in error["message"]
+                # The request's id, as on an answer (the client's ``_request_id``).
+                prefix = "chatcmpl-" if path.endswith("chat/completions") else "cmpl-"
+                assert r.headers["x-request-id"].startswith(prefix), r.headers
                 metrics = (await client.get("/metrics")).text
                 assert f'pdlife_http_rejected_total{{reason="{code}"}} 1.0' in metrics
 
@@ -500,6 +503,22 @@ def test_a_request_beyond_the_context_is_refused_in_openais_words() -> None:
                 r = await client.post("/generate", json={
                     "text": "x" * 239, "sampling_params": {"max_new_tokens": 30}})
                 assert r.json()["error"]["type"] == "prompt_too_long", r.text
+        short = attrs.evolve(MODEL, max_position=64)  # the context, not the pool, is the limit
+        with running_service(attrs.evolve(config(), model=short)) as service:
+            async with asgi_client(service) as client:
+                # The numbers are the client's: max_tokens as sent.
+                r = await post(client, "/v1/completions", prompt="x" * 49, max_tokens=20)
+                error = r.json()["error"]
+                assert (error["code"], error["param"]) == ("context_length_exceeded",
+                                                           "max_tokens"), error
+                assert error["message"].startswith(
+                    "This model's maximum context length is 64 tokens. However, you requested "
+                    "69 tokens (49 in the prompt, 20 in the completion)."), error
+                # An answer's last token takes no position: 49 + 16 fits a context of 64.
+                r = await post(client, "/v1/completions", prompt="x" * 49, max_tokens=16,
+                               ignore_eos=True)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == 16, r.text
 
     run(main())
 

@@ -418,7 +418,7 @@ def test_a_first_token_the_grammar_rejects_fails_the_request_and_releases_everyt
     bad = out["bad"].prefill
     assert (bad.state, bad.reason, bad.http_status) == (
         PrefillState.FAILED, FailureReason.INTERNAL, 500)
-    assert "the grammar rejected output token 105" in bad.detail
+    assert "the grammar rejected token 105 at output position 0" in bad.detail
     assert "is not in the set" in bad.detail
     assert out["bad"].decode is not None and not out["bad"].decode.ok
     assert out["good"].decode is not None and out["good"].decode.ok
@@ -434,7 +434,8 @@ def test_a_later_token_the_grammar_rejects_fails_the_decode_side() -> None:
     assert decode is not None
     assert (decode.state, decode.reason, decode.http_status) == (
         DecodeState.FAILED, FailureReason.INTERNAL, 500)
-    assert "grammar rejected output token" in decode.detail
+    assert "grammar rejected token" in decode.detail
+    assert "at output position 2" in decode.detail, decode.detail
     assert len(decode.output_ids) == 3
 
 

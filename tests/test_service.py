@@ -433,7 +433,9 @@ def poisoned(model: LlamaModel, pool: KVPool) -> PagedModelRunner:
     return PoisonedRunner(model, pool)
 
 
-def test_a_failed_forward_fails_its_request_and_the_service_carries_on() -> None:
+def test_a_failed_forward_fails_its_request_and_the_service_carries_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async def main() -> None:
         with running_service(config(), runner_factory=poisoned) as service:
             async with asgi_client(service) as client:
@@ -446,7 +448,11 @@ def test_a_failed_forward_fails_its_request_and_the_service_carries_on() -> None
                 assert (await gen(client, input_ids=[1, 2])).status_code == 200
                 assert service.loop.alive
 
-    run(main())
+    with caplog.at_level("ERROR", logger="scheduler.service.core"):
+        run(main())
+    logged = [r.getMessage() for r in caplog.records if r.name == "scheduler.service.core"]
+    assert any(m.startswith("request 'bad' failed on the") and "500 internal" in m
+               and "device fault" in m for m in logged), logged
 
 
 def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:

@@ -100,7 +100,7 @@ class DecodeSampling:
         try:
             state.accept(token)
         except GrammarError as exc:
-            return grammar_failure(exc, token)
+            return grammar_failure(exc, token, len(req.output_ids) - 1)
         stops = req.sampling.stop
         if stops and state.matched_stop is None and self._detokenize is not None:
             # A new match ends in the newest token's text: decode only the tokens it can span.

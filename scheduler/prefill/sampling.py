@@ -81,7 +81,7 @@ class PrefillSampling:
         try:
             state.accept(result.sampled.token)
         except GrammarError as exc:
-            return grammar_failure(exc, result.sampled.token)
+            return grammar_failure(exc, result.sampled.token, 0)
         if result.sampled.logprob is not None:
             state.output_logprobs.append(result.sampled.logprob)
         return None

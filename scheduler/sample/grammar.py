@@ -143,6 +143,7 @@ class LLGuidanceConstraint:
         self._vocab_size = compiler.vocab_size
         self._eos = frozenset(compiler.tokenizer.eos_tokens)
         self._bits = np.zeros((compiler.tokenizer.vocab_size + 31) // 32, dtype=np.uint32)
+        self._bits_current = False  # ``_bits`` is the mask at the matcher's present state
         self.accepted = 0  # tokens consumed so far
 
     def __repr__(self) -> str:
@@ -155,9 +156,7 @@ class LLGuidanceConstraint:
         # byte order, little-endian wherever torch serves) into our buffer; numpy unpacks it,
         # low bit first, into one byte per token, which torch reads as bool without a copy
         # (7 us for 49k tokens; llguidance's byte-per-token mask compared with 0 took 55 us).
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        if self._matcher.is_error():
-            raise self._limit()
+        self._compute_mask()
         unpacked = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         mask = torch.from_numpy(unpacked).view(torch.bool)
         if mask.numel() >= self._vocab_size:
@@ -173,16 +172,22 @@ class LLGuidanceConstraint:
             raise GrammarError(
                 f"{self._kind.value} grammar: token {token} is outside the grammar's vocabulary "
                 f"0..{self._tokenizer.vocab_size - 1}")
-        # validate_tokens says 0 for EOS once the matcher has stopped, though EOS is what a
-        # stopped, accepting matcher expects.
-        allowed = self._matcher.validate_tokens([token]) == 1 or (
-            token in self._eos and self._matcher.is_accepting())
+        if token in self._eos:
+            # validate_tokens says 0 for EOS where the mask allows it: once the matcher has
+            # stopped (EOS is all a stopped, accepting matcher expects), and where the grammar
+            # names the EOS token itself (``start: "ok" <|im_end|>``). The mask decides.
+            if not self._bits_current:
+                self._compute_mask()
+            allowed = bool(self._bits[token >> 5] >> np.uint32(token & 31) & np.uint32(1))
+        else:
+            allowed = self._matcher.validate_tokens([token]) == 1
         if not allowed:
             if self._matcher.is_error():
                 raise self._limit()
             raise GrammarError(
                 f"{self._kind.value} grammar does not allow token {token} "
                 f"{self._tokenizer.dbg_tokens([token])} after {self.accepted} tokens")
+        self._bits_current = False
         if not self._matcher.consume_token(token):
             raise self._limit()
         self.accepted += 1
@@ -191,6 +196,12 @@ class LLGuidanceConstraint:
         """Whether the grammar is complete and allows nothing but EOS."""
         m = self._matcher
         return m.is_stopped() and m.is_accepting() and not m.is_error()
+
+    def _compute_mask(self) -> None:
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._matcher.is_error():
+            raise self._limit()
+        self._bits_current = True
 
     def _limit(self) -> GrammarLimitError:
         """The matcher's own error (a validated token it could not consume, a mask it could not

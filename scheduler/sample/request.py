@@ -81,14 +81,15 @@ class RequestSampling:
             self.grammar_done = self.constraint.finished()
 
 
-def grammar_failure(exc: GrammarError, token: int) -> tuple[FailureReason, str]:
-    """How a request fails when its grammar raised ``exc`` on output token ``token``: the
-    request's fault (400) when the engine cannot run the grammar, else the server's (500: the
-    sampler drew a token the mask did not allow)."""
+def grammar_failure(exc: GrammarError, token: int, position: int) -> tuple[FailureReason, str]:
+    """How a request fails when its grammar raised ``exc`` on token id ``token``, drawn at
+    output position ``position`` (0: the first): the request's fault (400) when the engine
+    cannot run the grammar, else the server's (500: the sampler drew a token the mask did not
+    allow)."""
+    at = f"token {token} at output position {position}"
     if isinstance(exc, GrammarLimitError):
-        return FailureReason.REJECTED, (f"the grammar engine cannot run this grammar (at output "
-                                        f"token {token}): {exc}")
-    return FailureReason.INTERNAL, f"the grammar rejected output token {token}: {exc}"
+        return FailureReason.REJECTED, f"the grammar engine cannot run this grammar ({at}): {exc}"
+    return FailureReason.INTERNAL, f"the grammar rejected {at}: {exc}"
 
 
 def token_set(ids: int | Iterable[int] | None) -> frozenset[int]:

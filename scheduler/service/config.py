@@ -351,7 +351,7 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
         raise ContextTooLong(
             f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
             f"exceeds the model's context of {c.max_position} positions",
-            prompt_tokens=n, new_tokens=max_new_tokens - 1, limit=c.max_position)
+            prompt_tokens=n, new_tokens=max_new_tokens, limit=c.max_position)
     new_tokens = max_new_tokens if c.role != "prefill" else 0
     pool_tokens = c.pool_pages * c.scheduler.page_size
     if pages_needed(n + new_tokens, c.scheduler.page_size) > c.pool_pages:

@@ -413,6 +413,9 @@ class Service:
 
     def _done(self, pending: Pending, side: str, answer: Answer | None) -> None:
         if answer is not None:
+            if answer.reason is FailureReason.INTERNAL:  # the server's fault: say it here
+                logger.error("request %r failed on the %s side (500 internal): %s",
+                             pending.item.rid, side, answer.message)
             if pending.item.options.prompt_only and answer.status == 200:
                 answer = attrs.evolve(answer, output_ids=(), output_logprobs=(),
                                       finish_reason="length", matched_stop=None)

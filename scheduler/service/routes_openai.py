@@ -17,6 +17,7 @@ prompt's text (with its logprobs) is the first text chunk of its choice.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -55,9 +56,17 @@ def _param(exc: BadRequest) -> str | None:
     return exc.param if isinstance(exc, FieldError) else None
 
 
-def _refused(service: Service, refusal: handoff.Refusal) -> JSONResponse:
+def _refused(service: Service, refusal: handoff.Refusal, rid: str) -> JSONResponse:
+    """The refusal as an OpenAI error, with the request's id in OpenAI's header (a body the
+    route could not read gets a fresh one, as any request has an id)."""
     handoff.count(service, refusal)
-    return openai_error(refusal.status, str(refusal), refusal.kind, refusal.param)
+    response = openai_error(refusal.status, str(refusal), refusal.kind, refusal.param)
+    response.headers["x-request-id"] = rid
+    return response
+
+
+def _new_rid(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 class OpenAIRoute(APIRoute):
@@ -76,26 +85,29 @@ class OpenAIRoute(APIRoute):
                 if exc.status_code != 400:
                     raise
                 return _refused(service_of(request), handoff.Refusal(
-                    "malformed_json", 400, f"the body is not valid JSON: {exc.detail}"))
+                    "malformed_json", 400, f"the body is not valid JSON: {exc.detail}"),
+                    _new_rid(request.url.path.endswith("chat/completions")))
 
         return route
 
 
 def _invalid(service: Service, request: Request, exc: RequestValidationError) -> JSONResponse:
+    rid = _new_rid(request.url.path.endswith("chat/completions"))
     errors = exc.errors()
     bad_json = [e for e in errors if e.get("type") == "json_invalid"]
     if bad_json:
         why = bad_json[0].get("ctx", {}).get("error", "")
         return _refused(service, handoff.Refusal("malformed_json", 400,
-                                                 f"the body is not valid JSON: {why}"))
+                                                 f"the body is not valid JSON: {why}"), rid)
     if "json" not in request.headers.get("content-type", ""):
         return _refused(service, handoff.Refusal(
-            "invalid_request", 400, "send a JSON object with Content-Type: application/json"))
+            "invalid_request", 400, "send a JSON object with Content-Type: application/json"),
+            rid)
     messages = plain_validation_errors(errors)
     message = "; ".join(messages[:5]) or "invalid request"
     param = messages[0].partition(":")[0] if messages else None
     refuse_peers(service, peer_rooms(exc.body), "invalid_request", 400, message)
-    return _refused(service, handoff.Refusal("invalid_request", 400, message, param=param))
+    return _refused(service, handoff.Refusal("invalid_request", 400, message, param=param), rid)
 
 
 router = APIRouter(route_class=OpenAIRoute)
@@ -125,15 +137,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 async def _serve(service: Service, request: Request, body: Body,
                  build: Callable[[Service, Body], list[Item]], *, chat: bool) -> Response:
     model = body.model or service.config.model_name
+    # The answer's id, on a refusal too: the request's rid, which choice i's ``<rid>_<i>``
+    # extends when there are several; OpenAI's header of it (the client's ``_request_id``).
+    rid = body.rid = body.rid or _new_rid(chat)
+    headers = {"x-request-id": rid}
     try:
         items = await handoff.checked(service, body, lambda: build(service, body), param=_param)
         started = await handoff.admit(service, request, items, stream=body.stream)
     except handoff.Refusal as refusal:
-        return _refused(service, refusal)
-    # The answer's id: the request's rid, which choice i's ``<rid>_<i>`` extends when n > 1.
-    rid = items[0].rid.rpartition("_")[0] if len(items) > 1 else items[0].rid
-    # OpenAI's header of the request's id (the client's ``_request_id``).
-    headers = {"x-request-id": rid}
+        return _refused(service, refusal, rid)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _stream(service, started, Chunks(rid, model, chat, include_usage=include_usage),
