@@ -59,9 +59,12 @@ from lifecycle.table import Edge, LifecycleTable
 
 #: An event name no table defines; the machine mixes it in as an always-illegal event.
 UNKNOWN_EVENT = "no_such_event"
+#: How many times the machine redraws a record's fields looking for values its guards take.
+REDRAWS = 8
 
 # Strategies built once (building one per draw is most of a step's cost).
 _BOOLEANS = st.booleans()
+_MOSTLY = st.sampled_from((True, True, True, False))
 _TICKS = st.sampled_from((0.0, 0.001, 0.5, 3.0))
 _INTRUDERS = st.sampled_from(("none", "none", "other_state", "duplicate", "foreign"))
 # Per table: its strategies by key, built on first use.
@@ -196,7 +199,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
 
     def _maybe_satisfy(self, data: st.DataObject, reqs: Sequence[Any], event: str) -> None:
         satisfy, redraw = self.config.satisfy, self.config.redraw_fields
-        if (satisfy is None and not redraw) or not data.draw(_BOOLEANS, label="satisfy"):
+        if (satisfy is None and not redraw) or not data.draw(_MOSTLY, label="satisfy"):
             return
         for r in reqs:
             edge = self.table.lookup.get((self.model[r.rid], event))
@@ -206,15 +209,27 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                 with self._code_under_test(f"satisfy({r.rid}, {edge.event})", r.rid):
                     satisfy(r, edge)
             elif edge.guarded:
-                self._done(f"{r.rid}: fields set to {redraw_fields(data, r)}")
+                self._redraw(data, r, edge)
+
+    def _redraw(self, data: st.DataObject, req: Any, edge: Edge) -> None:
+        """Draw ``req``'s plain fields until ``edge``'s guards hold, at most :data:`REDRAWS`
+        times (drawn values rarely make a guard hold on the first try, and a request past a
+        guarded edge is deeper in its table, where bugs hide); the program shows the last."""
+        for _ in range(REDRAWS):
+            self.attempt = f"{req.rid}: fields set to {redraw_fields(data, req)}"
+            if req.owner is not self.lifecycle:
+                break
+            with self._code_under_test(f"a guard of {_guarding(edge)} on {req.rid}", req.rid):
+                if not self.lifecycle.refusal(req, edge.event):
+                    break
+        self._done(self.attempt)
 
     def _pure_refusal(self, req: Any, event: str, edge: Edge | None) -> str:
         """Why ``event`` would be refused for ``req``, checking that its guards are pure."""
         if edge is None or not edge.guarded or req.owner is not self.lifecycle:
             return "" if edge is not None else "no edge"
-        guards = ", ".join((*edge.conditions, *edge.unless))
         before = record_fields(req)
-        with self._code_under_test(f"a guard of {str(event)!r} ({guards}) on {req.rid}", req.rid):
+        with self._code_under_test(f"a guard of {_guarding(edge)} on {req.rid}", req.rid):
             first: str = self.lifecycle.refusal(req, event)
             after = record_fields(req)
             second: str = self.lifecycle.refusal(req, event)
@@ -222,14 +237,14 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         if changed:
             raise self.broken(
                 "guards are pure",
-                f"evaluating the guards of {str(event)!r} ({guards}) on {req.rid} changed its "
+                f"evaluating the guards of {_guarding(edge)} on {req.rid} changed its "
                 f"{', '.join(changed)}",
                 req.rid,
             )
         if first != second:
             raise self.broken(
                 "guards are pure",
-                f"the guards of {str(event)!r} ({guards}) answered differently when evaluated "
+                f"the guards of {_guarding(edge)} answered differently when evaluated "
                 f"twice on {req.rid}: {first or 'allowed'}, then {second or 'allowed'}",
                 req.rid,
             )
@@ -441,3 +456,8 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                 reason is not None and r.reason is not reason
             ):
                 raise self.broken("failures end requests", f"{r.rid} after {event}", r.rid)
+
+
+def _guarding(edge: Edge) -> str:
+    """``'event' (guard, ...)``: an edge's event and guards, as a report names them."""
+    return f"{str(edge.event)!r} ({', '.join((*edge.conditions, *edge.unless))})"

@@ -171,7 +171,8 @@ def lifecycle_state_machine(
     ``invariants`` are checks of one record each, run on every request after every step (raise
     ``AssertionError`` or return ``False`` when broken). Without ``satisfy``,
     ``redraw_fields`` has the machine set the record's plain fields (numbers, strings,
-    booleans, enums) to drawn values before some guarded events instead (what ``pdlife fuzz
+    booleans, enums) to drawn values before some guarded events instead, drawing again (up to
+    :data:`~lifecycle.fuzzer.REDRAWS` times) until the guards hold (what ``pdlife fuzz
     --load`` does). Use ``.TestCase`` of the result in pytest; its settings are
     :func:`fuzz_settings` (``explain`` turns Hypothesis's explain phase back on).
     """

@@ -6,8 +6,8 @@ with, ``make_table(..., record=...)``), singly and in batches. Its hooks are cou
 what is checked is the table and the record's guards (pure, one evaluation each), and that
 every hook in the table's ``once`` runs exactly once per request. So that guarded edges are
 taken as well as refused, the machine sets the record's plain fields to drawn values before
-some guarded events, or calls ``--satisfy``, a function ``satisfy(record, edge)`` that makes
-the edge's guards hold.
+some guarded events (drawing again, a few times, until the guards hold), or calls
+``--satisfy``, a function ``satisfy(record, edge)`` that makes the edge's guards hold.
 
 On a broken rule it prints the report (the rule, the shrunk event program, the request's
 timeline) and the command that reruns the search, and exits 1; 3 when the code under test
