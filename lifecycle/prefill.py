@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -129,7 +130,8 @@ class SamplingParams:
     from the softmax of ``logits / temperature`` restricted by ``top_k`` (0 = no limit),
     ``top_p`` and ``min_p``, with the uniform number of output position ``i`` taken from the
     request's ``seed`` (``scheduler.sample`` defines the stream, so the prefill side can draw
-    position 0 and the decode side the rest). ``stop`` strings are matched on the decoded text.
+    position 0 and the decode side the rest). ``stop`` strings, and matches of the ``stop_regex``
+    patterns (Python ``re``), are searched for in the decoded text.
     ``return_logprob`` asks for each output token's logprob (and ``top_logprobs_num``
     alternatives, and the logprobs of the ``token_ids_logprob`` ids, in their order); input
     logprobs start at ``logprob_start_len`` (-1: none).
@@ -151,6 +153,8 @@ class SamplingParams:
     min_p: float = attrs.field(default=0.0, kw_only=True, validator=_in(0.0, 1.0))
     seed: int | None = attrs.field(default=None, kw_only=True)
     stop: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=as_stop_strings)
+    stop_regex: tuple[str, ...] = attrs.field(default=(), kw_only=True,
+                                              converter=as_stop_strings)
     return_logprob: bool = attrs.field(default=False, kw_only=True)
     top_logprobs_num: int = attrs.field(default=0, kw_only=True, validator=_in(0, TOP_LOGPROBS_MAX))
     logprob_start_len: int = attrs.field(default=-1, kw_only=True)
@@ -174,6 +178,18 @@ class SamplingParams:
     def _check_stop(self, _attr: object, value: tuple[str, ...]) -> None:
         if "" in value:
             raise ValueError("a stop string must not be empty (it would match at once)")
+
+    @stop_regex.validator
+    def _check_stop_regex(self, _attr: object, value: tuple[str, ...]) -> None:
+        for pattern in value:
+            try:
+                compiled = re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a regular expression: "
+                                 f"{exc}") from None
+            if compiled.search("") is not None:
+                raise ValueError(f"stop_regex {pattern!r} matches the empty string (it would "
+                                 "match at once)")
 
     @max_new_tokens.validator
     def _check_max_new(self, _attr: object, value: int) -> None:

@@ -492,11 +492,13 @@ def test_stop_strings_and_stop_tokens_end_the_answer_and_say_what_matched() -> N
         assert (list(a.output_ids), a.finish_reason, a.matched_stop) == (ids, finish, matched)
 
 
-def test_stop_strings_need_a_detokenizer_on_the_decode_side() -> None:
-    out = run(make_pair(), {"s": (PROMPTS["p9"], SamplingParams(stop=("x",)))})
-    decode = out["s"].decode
-    assert decode is not None and decode.reason is FailureReason.REJECTED
-    assert "stop strings need a tokenizer" in decode.detail
+def test_stop_strings_and_regexes_need_a_detokenizer_on_the_decode_side() -> None:
+    out = run(make_pair(), {"s": (PROMPTS["p9"], SamplingParams(stop=("x",))),
+                            "r": (PROMPTS["p9"], SamplingParams(stop_regex=("x+",)))})
+    for rid in ("s", "r"):
+        decode = out[rid].decode
+        assert decode is not None and decode.reason is FailureReason.REJECTED
+        assert "stop strings and regexes need a tokenizer" in decode.detail
 
 
 # -- runners without logits ------------------------------------------------------------------

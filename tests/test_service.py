@@ -193,8 +193,8 @@ BAD_INPUTS = [
      "distinct rooms"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "sampling_params": [{}]}).encode(), "entries"),
     ("bad_batch", json.dumps({"text": "a", "sampling_params": [{}]}).encode(), "not a batch"),
-    ("unsupported", json.dumps({"text": "a", "sampling_params": {"stop_regex": "a+"}}
-                               ).encode(), "stop_regex"),
+    ("unsupported", json.dumps({"text": "a", "sampling_params": {"structural_tag": "{}"}}
+                               ).encode(), "structural_tag"),
     # An unpaired surrogate is no text (it was a 500, and the other worker waited).
     ("invalid_request", b'{"text": "a\\ud800b"}', "unpaired surrogate"),
     ("invalid_request", b'{"text": "a", "rid": "\\udfff"}', "unpaired surrogate"),

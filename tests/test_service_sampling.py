@@ -27,6 +27,7 @@ from scheduler.service.answers import (
 )
 from scheduler.service.config import Answer, AnswerOptions, BadRequest, Item, ServeConfig
 from scheduler.service.core import Service
+from scheduler.service.openai_format import StreamText
 from scheduler.service.sampling import NEUTRAL, sampling_params_from
 from scheduler.service.schema import GenerateAnswer, GenerateRequest, SamplingParamsBody
 from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
@@ -87,7 +88,6 @@ def test_the_penalties_min_new_tokens_and_logit_bias_reach_sampling_params() -> 
 
 
 @pytest.mark.parametrize(("fields", "says"), [
-    ({"stop_regex": "a+"}, "sampling_params.stop_regex"),
     ({"structural_tag": "{}"}, "sampling_params.structural_tag"),
     ({"custom_params": {"x": 1}}, "sampling_params.custom_params"),
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
@@ -182,7 +182,11 @@ HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"min_new_tokens": 17}, "bad_sampling", "must be at most sampling_params.max_new_tokens"),
     ({"logit_bias": {"258": 2.0}}, "bad_token_id",
      "sampling_params.logit_bias: token ids must be in 0..257, got 258"),
-    ({"stop_regex": "a+"}, "unsupported", "sampling_params.stop_regex"),
+    ({"stop_regex": "(a"}, "bad_sampling",
+     "sampling_params.stop_regex '(a' is not a regular expression: missing ), unterminated "
+     "subpattern"),
+    ({"stop_regex": ["a+", "b*"]}, "bad_sampling",
+     "sampling_params.stop_regex 'b*' matches the empty string (it would match at once)"),
 ]
 TOP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"top_logprobs_num": 21}, "invalid_request", "top_logprobs_num"),
@@ -257,8 +261,17 @@ def done(ids: Sequence[int], finish: str = "stop", matched: int | str | None = N
 def test_a_matched_stop_is_cut_from_the_text_unless_no_stop_trim() -> None:
     ids = BYTES.encode("one. two. three")
     keep = AnswerOptions(no_stop_trim=True)
-    assert answer_text(BYTES, item(), ids, ". t") == "one"  # at the string's first occurrence
-    assert answer_text(BYTES, item(keep), ids, ". t") == "one. two. three"
+    # At the string's first occurrence.
+    assert answer_text(BYTES, item(stop=". t"), ids, ". t") == "one"
+    assert answer_text(BYTES, item(keep, stop=". t"), ids, ". t") == "one. two. three"
+    # At the first match of a regex, the one a stream of the same text was cut at.
+    for pattern, cut in ((r"\. t\w", "one"), (r"t[hw]+", "one. "), (r"o+\.", "one. tw")):
+        regex = item(stop_regex=pattern)
+        assert answer_text(BYTES, regex, ids, pattern) == cut
+        assert answer_text(BYTES, item(keep, stop_regex=pattern), ids, pattern) == BYTES.decode(ids)
+        stream = StreamText(BYTES, regex)
+        sent = "".join(stream.more([t]) for t in ids)
+        assert sent == cut, (pattern, sent)
     assert answer_text(BYTES, item(), ids, ord("e")) == "one. two. thre"  # a stop token
     assert answer_text(BYTES, item(keep), ids, ord("e")) == "one. two. three"
     assert answer_text(BYTES, item(), ids, None) == "one. two. three"
@@ -429,6 +442,24 @@ def test_stop_strings_and_tokens_end_and_trim_the_answer(service: Service) -> No
     assert token["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
     assert token["output_ids"] == ids[:3]
     assert token["text"] == BYTES.decode(ids[:2])
+
+
+def test_stop_regexes_end_and_trim_the_answer_as_the_same_stop_string(service: Service) -> None:
+    """A regex matching what a stop string matches ends the answer at the same token; one
+    without a bound on its matches too (the decode side searches the whole output); the
+    finish reason names the pattern."""
+    full = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+    ids, text = full["output_ids"], full["text"]
+    stop = BYTES.decode(ids[3:5])
+    for pattern in (re.escape(stop), f"{re.escape(stop[0])}+{re.escape(stop[1:])}"):
+        cut = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True,
+                                                 "stop_regex": ["zzz{3}", pattern]})
+        assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+        assert cut["output_ids"] == ids[:5], pattern
+        assert cut["text"] == text[:text.find(stop)]
+        kept = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True,
+                                                  "stop_regex": pattern, "no_stop_trim": True})
+        assert kept["text"] == BYTES.decode(ids[:5])
 
 
 def test_a_grammar_shapes_the_answer_and_keeps_its_last_token(service: Service) -> None:

@@ -499,8 +499,8 @@ SERVE = Subcommand(
     ),
     epilog=(
         "/generate takes SGLang's sampling fields (temperature, top_p, top_k, min_p, "
-        "sampling_seed, penalties, min_new_tokens, logit_bias, n, stop strings, "
-        "json_schema/regex/ebnf) and logprob fields; one pdlife cannot honour (stop_regex, "
+        "sampling_seed, penalties, min_new_tokens, logit_bias, n, stop strings and regexes, "
+        "json_schema/regex/ebnf) and logprob fields; one pdlife cannot honour (structural_tag, "
         "lora_path, image_data, ...) is refused with 400 naming it (docs/operations.md lists "
         "them all). The OpenAI API: /v1/completions, "
         "/v1/chat/completions (chat needs a model with a chat template, e.g. --model smollm2) "

@@ -12,10 +12,10 @@ strings, which need ``detokenize``. Then, per request that needs more than greed
 - after each token the constraint accepts it (a rejection fails the request, naming the
   grammar error: 500, or 400 where the grammar engine cannot run the grammar; a completed
   grammar stops the answer) and the tail of the decoded output that can hold a new match is
-  searched for the stop strings.
+  searched for the stop strings and regexes (:mod:`scheduler.sample.stops`).
 
 A request is finished (:meth:`DecodeSampling.finished`) at ``max_new_tokens``, a stop token, a
-matched stop string, a completed grammar or, unless it ignores EOS, one of the model's
+matched stop string or regex, a completed grammar or, unless it ignores EOS, one of the model's
 end-of-sequence ids.
 """
 
@@ -101,12 +101,11 @@ class DecodeSampling:
             state.accept(token)
         except GrammarError as exc:
             return grammar_failure(exc, token, len(req.output_ids) - 1)
-        stops = req.sampling.stop
+        stops = state.stops
         if stops and state.matched_stop is None and self._detokenize is not None:
             # A new match ends in the newest token's text: decode only the tokens it can span.
-            longest = max(len(s) for s in stops)
-            tail = self._detokenize(req.output_ids[-(longest + 1):])
-            state.matched_stop = next((s for s in stops if s in tail), None)
+            state.matched_stop = stops.matched(
+                self._detokenize(stops.tail_tokens(req.output_ids)))
         return None
 
     def output_logprobs(self, rid: str) -> Sequence[TokenLogprob]:

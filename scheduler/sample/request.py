@@ -27,6 +27,7 @@ from scheduler.sample.constraint import (
 )
 from scheduler.sample.logprobs import first_entries, wants_input_logprobs
 from scheduler.sample.sampler import RowSpec
+from scheduler.sample.stops import Stops
 from scheduler.sample.stream import request_seed
 
 #: Turns output token ids into text (for stop strings).
@@ -46,12 +47,15 @@ class RequestSampling:
     constraint: Constraint | None = None
     input_logprobs: list[TokenLogprob] = attrs.Factory(list)
     output_logprobs: list[TokenLogprob] = attrs.Factory(list)
-    # The stop string the decoded output contains (the decode side stops on it).
+    # The stop string, or stop regex's pattern, the decoded output holds (the decode side stops
+    # on it).
     matched_stop: str | None = None
     # The constraint is complete: the answer stops.
     grammar_done: bool = False
     # What min_new_tokens excludes while the answer is shorter: stop tokens and EOS ids.
     banned: tuple[int, ...] = ()
+    # The stop strings and regexes the decoded output is searched for.
+    stops: Stops = attrs.field(default=Stops())
     # The engine could not compute the constraint's mask: the row is drawn unmasked, and
     # accept raises this instead of taking the token.
     limit: GrammarLimitError | None = None
@@ -156,9 +160,10 @@ class Sampling:
         if bias and self._vocab is not None and bias[-1][0] >= self._vocab:
             raise SamplingRefused(f"request {rid!r}: logit_bias names token {bias[-1][0]}, "
                                   f"beyond the vocabulary of {self._vocab}")
-        if self._stop_strings and params.stop and self.detokenize is None:
-            raise SamplingRefused(f"request {rid!r}: stop strings need a tokenizer to decode "
-                                  f"the output, and this server has none")
+        stops = self._stop_strings and bool(params.stop or params.stop_regex)
+        if stops and self.detokenize is None:
+            raise SamplingRefused(f"request {rid!r}: stop strings and regexes need a tokenizer "
+                                  f"to decode the output, and this server has none")
         constraint = None
         if params.grammar is not None:
             if self.compiler is None:
@@ -171,9 +176,10 @@ class Sampling:
                 why = str(exc).removeprefix(f"{kind} does not compile: ")  # said once
                 raise SamplingRefused(f"request {rid!r}: the {kind} grammar does not compile: "
                                       f"{why}") from exc
-        if not needs_logits(params, len(prompt)) and not (self._stop_strings and params.stop):
+        if not needs_logits(params, len(prompt)) and not stops:
             return None
         banned = tuple(sorted(self._eos.union(params.stop_token_ids))
                        if params.min_new_tokens else ())
         return RequestSampling(params, request_seed(params, room), constraint,
-                               first_entries(params, prompt), banned=banned)
+                               first_entries(params, prompt), banned=banned,
+                               stops=Stops.of(params) if self._stop_strings else Stops())

@@ -22,6 +22,7 @@ from typing import Any
 
 from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.sample.stops import Stops
 from scheduler.service.config import Answer, Item
 from scheduler.service.schema import FinishReason, GenerateAnswer, MetaInfo
 
@@ -60,16 +61,15 @@ def continuation(tokenizer: Any, item: Item, ids: Sequence[int]) -> str:
 
 def answer_text(tokenizer: Any, item: Item, ids: Sequence[int],
                 matched: int | str | None) -> str:
-    """The answer's text as SGLang gives it (:func:`continuation`): a matched stop token's or
-    stop string's text is cut off (at the string's first occurrence) unless
+    """The answer's text as SGLang gives it (:func:`continuation`): a matched stop token's text,
+    or the text from where the first stop string or regex match begins, is cut off unless
     ``no_stop_trim``."""
     trim = matched is not None and not item.options.no_stop_trim
     if trim and isinstance(matched, int) and ids:
         ids = ids[:-1]
     text = continuation(tokenizer, item, ids)
     if trim and isinstance(matched, str):
-        at = text.find(matched)
-        text = text if at < 0 else text[:at]
+        text = text[:Stops.of(item.sampling).cut(text)]
     return text
 
 

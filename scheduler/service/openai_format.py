@@ -24,6 +24,7 @@ import attrs
 
 from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.sample.stops import Stops
 from scheduler.service import openai_tools
 from scheduler.service.answers import continuation, decode, final_text
 from scheduler.service.config import Answer, Item
@@ -288,7 +289,7 @@ class StreamText:
         self.ids: list[int] = []
         self.sent = ""
         trim = not item.options.no_stop_trim
-        self._stops = item.sampling.stop if trim else ()
+        self._stops = Stops.of(item.sampling) if trim else Stops()
         self._hold_token = trim and bool(item.sampling.stop_token_ids)
         # The leading tokens whose whole text is in ``sent`` (counted when logprobs are asked).
         self.released = 0
@@ -306,10 +307,7 @@ class StreamText:
             end -= 1
         text = continuation(self.tokenizer, self.item, ids[:end]).rstrip("\ufffd")
         if self._stops:
-            cut = min((at for at in (text.find(s) for s in self._stops) if at >= 0),
-                      default=len(text))
-            hold = max(len(s) for s in self._stops) - 1
-            text = text[:min(cut, len(text) - hold)]
+            text = text[:self._stops.settled(text)]
         delta = self._send(text)
         if delta and self._count:
             self._release()

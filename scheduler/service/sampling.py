@@ -27,7 +27,6 @@ from scheduler.service.schema import SamplingParamsBody
 
 #: SGLang sampling fields pdlife cannot honour, with the value that asks for nothing.
 NEUTRAL: dict[str, Any] = {
-    "stop_regex": None,
     "structural_tag": None,
     "custom_params": None,
     "spaces_between_special_tokens": True,
@@ -92,7 +91,7 @@ cache the engines then copy it from), ``bad_sampling`` for a value out of range)
             # writes none (:attr:`~.config.AnswerOptions.prompt_only`).
             max(sp.max_new_tokens, 1), stop_ids, sp.ignore_eos,
             temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), min_p=sp.min_p,
-            seed=sp.sampling_seed, stop=stop,
+            seed=sp.sampling_seed, stop=stop, stop_regex=as_stop_strings(sp.stop_regex or ()),
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
             grammar=grammar_of(sp, grammar_check), frequency_penalty=sp.frequency_penalty,

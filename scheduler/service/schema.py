@@ -52,7 +52,7 @@ TokenIds = list[Annotated[int, Field(ge=0)]] | None
 class SamplingParamsBody(StrictBody):
     """``sampling_params`` of a ``/generate`` body, with SGLang's names. Decoding is greedy unless
     ``temperature`` > 0 (SGLang's default is 1.0; pdlife's is greedy). A field pdlife cannot
-    honour (``stop_regex``, ``structural_tag``, ...) is refused with 400 unless it has its
+    honour (``structural_tag``, ``custom_params``, ...) is refused with 400 unless it has its
     neutral value; fields SGLang does not have are ignored."""
 
     max_new_tokens: int = Field(default=16, ge=0, description="at most the server's limit; "
@@ -82,8 +82,9 @@ class SamplingParamsBody(StrictBody):
     min_new_tokens: int = Field(default=0, ge=0, description="no stop token or EOS before")
     logit_bias: dict[str, float] | None = Field(default=None,
                                                 description="token id (a string) to bias")
+    stop_regex: str | list[str] | None = Field(
+        default=None, description="the answer ends where a match of one (Python re) begins")
     # SGLang fields pdlife cannot honour: refused with 400 unless neutral.
-    stop_regex: str | list[str] | None = None
     structural_tag: str | None = None
     custom_params: dict[str, Any] | None = None
     spaces_between_special_tokens: bool = True

@@ -1,0 +1,61 @@
+"""Stop strings and stop regexes (``scheduler.sample.stops``): the width of their matches, the
+tail the decode side decodes, where the text is cut and what a stream may send."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lifecycle import SamplingParams
+from scheduler.sample.stops import Stops, regex_width
+
+
+@pytest.mark.parametrize(("pattern", "width"), [
+    ("abc", 3), (r"\d{3}", 3), (r"x{2,5}", 5), ("a|bcd", 3), (r"(?i)end", 3), (r"\n\n", 2),
+    (r"\d+", None), (".*END", None), (r"a{1,70000}", None),
+])
+def test_a_regex_width_is_its_widest_match_or_none_without_a_bound(pattern: str,
+                                                                    width: int | None) -> None:
+    assert regex_width(re.compile(pattern)) == width
+
+
+def test_the_tail_spans_the_widest_stop_and_one_token_more() -> None:
+    output = list(range(20))
+    stops = Stops.of(SamplingParams(8, stop=["abcd"], stop_regex=[r"\d{6}"]))
+    assert stops.width == 6
+    assert stops.tail_tokens(output) == output[-7:]
+    assert stops.tail_tokens(output[:3]) == output[:3]
+    unbounded = Stops.of(SamplingParams(8, stop=["abcd"], stop_regex=[r"x\d+"]))
+    assert unbounded.width is None and unbounded.tail_tokens(output) == output
+    assert not Stops.of(SamplingParams(8)) and Stops.of(SamplingParams(8, stop_regex="a"))
+
+
+def test_a_match_names_a_string_first_then_a_pattern_and_the_cut_is_the_first_to_begin(
+) -> None:
+    stops = Stops.of(SamplingParams(8, stop=["END"], stop_regex=[r"[0-9]{2}", r"to+"]))
+    assert stops.matched("nothing here") is None
+    assert stops.matched("a 42 END") == "END"
+    assert stops.matched("count 42") == "[0-9]{2}"
+    assert stops.cut("go to 42 END") == 3  # "to" begins first
+    assert stops.cut("nothing") == len("nothing")
+
+
+def test_a_stream_sends_what_no_stop_can_still_claim() -> None:
+    bounded = Stops.of(SamplingParams(8, stop=["STOP"], stop_regex=[r"\d{3}"]))
+    assert bounded.settled("abcdef") == 3  # "def" may begin "STOP"
+    assert bounded.settled("ab12") == 1
+    assert bounded.settled("ab STOP more") == 3  # a match: up to it, and no further
+    unbounded = Stops.of(SamplingParams(8, stop_regex=[r"x\d+"]))
+    assert unbounded.settled("abcdef") == 0  # any text may still become a match's start
+    assert unbounded.settled("ab x1 cd") == 3
+
+
+@pytest.mark.parametrize(("pattern", "why"), [
+    ("(a", "is not a regular expression"), ("a*", "matches the empty string"),
+    ("", "matches the empty string"), ("(x|)", "matches the empty string"),
+])
+def test_a_stop_regex_that_cannot_end_an_answer_properly_is_refused(pattern: str,
+                                                                     why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        SamplingParams(8, stop_regex=[pattern])
