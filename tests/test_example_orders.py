@@ -112,6 +112,29 @@ def test_pdlife_fuzz_finds_a_planted_double_release_naming_the_hook(tmp_path: Pa
     assert out.splitlines()[-1] == "torch imported: False"
 
 
+def test_pdlife_fuzz_no_shrink_reports_the_program_as_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scheduler.cli.main import main
+
+    planted = EXAMPLE.read_text().replace('doc="handed to the carrier"',
+                                          'after="release", doc="handed to the carrier"')
+    (tmp_path / "orders_unshrunk.py").write_text(planted)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["fuzz", "--load", "orders_unshrunk:ORDER_TABLE", "--record",
+            "orders_unshrunk:Order", "--examples", "300", "--no-shrink"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "rule broken: once-hook 'release' runs exactly once per request" in out
+    assert "ship: PAID -> SHIPPED" in out
+    assert ("rerun: pdlife fuzz --load orders_unshrunk:ORDER_TABLE --record "
+            "orders_unshrunk:Order --no-shrink --examples 300 --steps 50 --seed 0") in out
+    with pytest.raises(SystemExit) as info:
+        main(["fuzz", "--no-shrink"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "pdlife fuzz: --no-shrink goes with --load\n"
+
+
 def test_pdlife_fuzz_shows_the_program_when_a_guard_raises(tmp_path: Path) -> None:
     (tmp_path / "orders_raise.py").write_text(
         "import attrs\n"

@@ -45,6 +45,9 @@ def table_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
                        help="satisfy(record, edge) makes the edge's guards hold")
     group.add_argument("--explain", action="store_true",
                        help="run Hypothesis's explain phase on a failure (slow)")
+    group.add_argument("--no-shrink", action="store_true",
+                       help="report the first failing program as found, not shrunk (shrinking "
+                       "a deep failure can take a minute)")
 
 
 def _record_class(args: argparse.Namespace, table: Any) -> type:
@@ -69,13 +72,14 @@ def _rerun(args: argparse.Namespace) -> str:
     parts = [f"pdlife fuzz --load {args.load}"]
     parts += [f"--record {args.record}"] if args.record else []
     parts += [f"--satisfy {args.satisfy}"] if args.satisfy else []
+    parts += ["--no-shrink"] if args.no_shrink else []
     parts.append(f"--examples {args.examples} --steps {args.steps} --seed {args.seed}")
     return " ".join(parts)
 
 
 def run_table_fuzz(args: argparse.Namespace) -> int:
     """Fuzz the table ``args.load`` names; print the outcome; the exit status."""
-    from hypothesis import seed
+    from hypothesis import Phase, seed, settings
     from hypothesis.errors import HypothesisException
     from hypothesis.stateful import run_state_machine_as_test
 
@@ -99,6 +103,9 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
         explain=args.explain, max_examples=args.examples, stateful_step_count=args.steps,
         database=None, derandomize=False, print_blob=False,
     )
+    if args.no_shrink:
+        run_settings = settings(run_settings, phases=[
+            p for p in run_settings.phases if p is not Phase.shrink])
     print(f"fuzzing table {table.name!r} with {record.__name__} records: {args.examples} "
           f"programs of up to {args.steps} steps, seed {args.seed}", flush=True)
     started = time.monotonic()

@@ -41,9 +41,9 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
 def _fuzz(args: argparse.Namespace) -> int:
     # --load fuzzes one's own lifecycle table; otherwise the whole prefill scheduler.
     if args.load is None:
-        for flag in ("record", "satisfy"):
+        for flag in ("record", "satisfy", "explain", "no_shrink"):
             if getattr(args, flag):
-                raise UsageError(f"--{flag} goes with --load")
+                raise UsageError(f"--{flag.replace('_', '-')} goes with --load")
         return SCHEDULER_FUZZ.run(args)
     from scheduler.cli.fuzz_table import run_table_fuzz
 
