@@ -103,7 +103,19 @@ class LocalKVReceiver(LocalEndpoint):
             self._side.fail(str(exc))
 
     def _resolve(self, server: LocalServer) -> None:
-        """Check the pools and route the room (lock held; ``server`` is complete)."""
+        """Route the room (lock held; ``server`` is complete); a geometry the two servers
+        cannot exchange raises :class:`KVGeometryError`, after telling the prefill server that
+        this side will never ask for the room's KV (it fails its half at once, invariant 8)."""
+        try:
+            self._route = self._routed(server)
+        except KVGeometryError as exc:
+            for prefill in server.managers.values():
+                prefill.peer_refused(self.room, str(exc))
+            raise
+        self._side.set(KVPoll.WAITING_FOR_INPUT)
+
+    def _routed(self, server: LocalServer) -> PrefillRoute[PrefillRank]:
+        """The room's route, once the pools are checked (lock held)."""
         manager = self._manager
         mine = manager.pool.geometry
         for rank, prefill in sorted(server.managers.items()):
@@ -129,11 +141,9 @@ class LocalKVReceiver(LocalEndpoint):
             raise KVGeometryError(f"room {self.room}: the prefill server at "
                                   f"{self.bootstrap_addr!r}: {'; '.join(gaps)}")
         try:
-            self._route = route_places(list(server.managers.values()), manager.place,
-                                       self.room)
+            return route_places(list(server.managers.values()), manager.place, self.room)
         except IncompatibleRanksError as exc:
             raise KVGeometryError(f"room {self.room}: {exc}") from None
-        self._side.set(KVPoll.WAITING_FOR_INPUT)
 
     def send_metadata(self, pages: Sequence[int], slot: int,
                       state: Mapping[StateKind, Sequence[int]] | None = None) -> None:

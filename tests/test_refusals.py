@@ -17,6 +17,7 @@ from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
+from kv.pool import KVGeometryError
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.rank_table import RankPlace
@@ -135,6 +136,31 @@ def test_local_a_decode_refusal_fails_the_sender_waiting_or_still_to_come(local:
     assert later.poll() == KVPoll.FAILED
     assert _refused(later.failure_exception(), "bootstrap_room must be non-zero")
     local.decode.refuse("local:nobody", 6, "no prefill there")  # nobody to tell: no error
+
+
+def test_local_a_decode_pool_that_cannot_take_the_prefills_kv_fails_the_sender_at_once() -> None:
+    """A pool of another page size (found when the receiver resolves the prefill server, at
+    init or when the server's last rank registers) is the decode side giving the room up: the
+    prefill's sender fails with the reason, as for any refusal, not at its timeout."""
+    hub = LocalTransferHub()
+    decode = LocalDecodeManager(make_pool(page_size=8), MetadataBuffers(4), hub=hub)
+    prefill = LocalKVManager(make_pool(), MetadataBuffers(4), hub=hub, bootstrap_addr=ADDR)
+    try:
+        sender = prefill.create_sender(ADDR, 7)
+        receiver = decode.create_receiver(ADDR, 7)
+        with pytest.raises(KVGeometryError, match="differ in page_size"):
+            receiver.init()
+        assert drive(prefill, sender, {KVPoll.FAILED})[-1] == KVPoll.FAILED
+        err = sender.failure_exception()
+        assert err.refused and "differ in page_size" in err.reason, err
+        with pytest.raises(KVGeometryError):
+            decode.create_receiver(ADDR, 8).init()
+        later = prefill.create_sender(ADDR, 8)  # refused before its sender existed
+        assert later.poll() == KVPoll.FAILED
+        assert "differ in page_size" in later.failure_exception().reason
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_local_a_refused_room_in_use_keeps_its_own_destination(local: Local) -> None:

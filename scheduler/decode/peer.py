@@ -219,7 +219,9 @@ class DecodePeer:
             )
             req.receiver = receiver
             receiver.init()
-        except Exception as exc:  # a peer that cannot be reached fails this request only
+        except Exception as exc:
+            # A peer that cannot be reached fails this request only; one whose pools cannot
+            # exchange with ours was told by the KV layer, which found it.
             logger.warning("request %r: bootstrap failed: %s", req.rid, exc)
             self._fail(req, FailureReason.BOOTSTRAP_FAILED, str(exc), tell_peer=False)
             return
