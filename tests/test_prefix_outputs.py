@@ -50,7 +50,10 @@ def run_cached_pair(prompts: dict[str, list[int]], want: dict[str, list[int]], *
         prefix = pair.prefill.prefix
         assert prefix is not None and prefix.tree.evictable == prefix.tree.size
         assert pair.prefill_pool.allocator.available() + prefix.tree.size == pages
+        assert prefix.tree.size > 0
         assert pair.decode_pool.allocator.available() == pages
+        pair.close()  # the tree gives its pages back: every page of both pools is free
+        assert pair.prefill_pool.allocator.available() == pages and prefix.tree.size == 0
         return sum(o.prefill.cached_tokens for o in out.values())
     finally:
         pair.close()

@@ -244,11 +244,15 @@ class PrefillScheduler:
                    lambda: f"scheduler did not reach the condition in {timeout} s")
 
     def close(self) -> None:
+        """Land what is in flight, stop the device worker and give the prefix cache's unlocked
+        pages back to the pool (nothing reuses them once the scheduler is closed)."""
         if self._inflight is not None:
             self._land(self._inflight)
             self._inflight = None
         if self._device is not None:
             self._device.shutdown()
+        if self.prefix is not None:
+            self.prefix.tree.evict(self.prefix.tree.evictable)
 
     @property
     def pages_held(self) -> int:
