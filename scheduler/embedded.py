@@ -164,7 +164,9 @@ class EmbeddedPair:
         self.decode_kv = self.decode.kv
         self._rooms = itertools.count(1)
         self._lock = threading.Lock()
-        self._submitted: set[str] = set()  # ids whose outcome is not yet handed over
+        # Ids whose outcome is not yet handed over, and their bootstrap rooms.
+        self._submitted: dict[str, int] = {}
+        self._rooms_in_use: set[int] = set()
         self._propagated: set[str] = set()
         self._closed = False
 
@@ -181,18 +183,26 @@ class EmbeddedPair:
     def submit(self, rid: str, prompt: Iterable[int], sampling: SamplingParams, *,
                room: int | None = None) -> None:
         """Send one request to both sides, as a PD router does, in a bootstrap room of its
-        own (``room``, default the pair's next: one given must not be live) (thread-safe).
-        Raises ``ValueError`` while ``rid`` is the pair's (submitted, its outcome not yet
-        handed over) and ``RuntimeError`` once the pair is closed."""
+        own (``room``, default the pair's next) (thread-safe). Raises ``ValueError`` while
+        ``rid`` or ``room`` is the pair's (submitted, its outcome not yet handed over), for room
+        0 (it marks an empty metadata row), and ``RuntimeError`` once the pair is closed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"request {rid!r}: this EmbeddedPair is closed")
             if rid in self._submitted:
                 raise ValueError(f"request id {rid!r} is in use: it was submitted and its "
                                  f"outcome not yet handed over (run_until_done or take)")
-            self._submitted.add(rid)
+            in_use = self._rooms_in_use
             if room is None:
-                room = next(self._rooms)
+                room = next(r for r in self._rooms if r not in in_use)
+            elif room == 0:
+                raise ValueError(f"request {rid!r}: bootstrap room 0 marks an empty metadata "
+                                 "row; give a room >= 1")
+            elif room in in_use:
+                raise ValueError(f"request {rid!r}: bootstrap room {room} is in use: a request "
+                                 "submitted in it has not had its outcome handed over")
+            self._submitted[rid] = room
+            in_use.add(room)
         new = NewRequest(
             rid, tuple(prompt), bootstrap_host=self.bootstrap_host,
             bootstrap_port=self.bootstrap_port, bootstrap_room=room, sampling=sampling,
@@ -244,9 +254,15 @@ class EmbeddedPair:
         stepping (a loop that steps the pair itself); the pair forgets them, so their ids may
         come back. The others are left. On the stepping thread."""
         prefill, decode = self.prefill_responses, self.decode_responses
+        rids = list(rids)
         done = [r for r in rids if r in decode and r in prefill]
         with self._lock:
-            self._submitted.difference_update(done)
+            unknown = [r for r in rids if r not in self._submitted]
+            if unknown:
+                raise ValueError(f"requests {unknown[:5]} were not submitted to this pair (or "
+                                 f"their outcomes were handed over already)")
+            for r in done:
+                self._rooms_in_use.discard(self._submitted.pop(r))
             self._propagated.difference_update(done)
         return {r: Outcome(prefill.pop(r), decode.pop(r)) for r in done}
 

@@ -75,11 +75,33 @@ def test_a_request_id_is_the_pairs_until_its_outcome_is_handed_over():
         pair.close()
 
 
+def test_a_room_is_the_pairs_until_its_outcome_is_handed_over_and_never_0():
+    """Refused at submit, as a live id is (both sides refused them later, with a 400 on one
+    side and a 500 on the other for room 0); the pair's own rooms skip those given."""
+    pair = make_pair()
+    try:
+        pair.submit("a", [1, 2, 3], SamplingParams(max_new_tokens=2), room=2)
+        with pytest.raises(ValueError, match="bootstrap room 2 is in use"):
+            pair.submit("b", [4, 5], SamplingParams(max_new_tokens=2), room=2)
+        with pytest.raises(ValueError, match="bootstrap room 0 marks an empty metadata row"):
+            pair.submit("b", [4, 5], SamplingParams(max_new_tokens=2), room=0)
+        pair.submit("b", [4, 5], SamplingParams(max_new_tokens=2))  # room 1
+        pair.submit("c", [6, 7], SamplingParams(max_new_tokens=2))  # room 3: 2 is a's
+        out = pair.run_until_done(["a", "b", "c"])
+        assert all(o.prefill.ok and o.decode is not None and o.decode.ok for o in out.values())
+        pair.submit("d", [8], SamplingParams(max_new_tokens=2), room=2)  # handed over: free
+        assert pair.run_until_done(["d"])["d"].decode.ok
+    finally:
+        pair.close()
+
+
 def test_a_loop_stepping_the_pair_itself_takes_answered_outcomes():
     pair = make_pair()
     try:
         with pytest.raises(ValueError, match=r"\['typo'\] were not submitted"):
             pair.run_until_done(["typo"], timeout=60)  # at once, not after the timeout
+        with pytest.raises(ValueError, match=r"\['typo'\] were not submitted"):
+            pair.take(["typo"])
         pair.submit("a", [1, 2, 3], SamplingParams(max_new_tokens=2))
         pair.submit("b", [4, 5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True))
         assert pair.take(["a", "b"]) == {}  # nothing answered yet
