@@ -25,6 +25,7 @@ from kv.metadata import MetadataBuffers
 from kv.native_log import HARMLESS, HARMLESS_ON_TCP, engine_log_captured
 from kv.pool import KVPool
 from kv.state_pools import StatePools
+from lifecycle.validators import one_of
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class MooncakeConfig:
     """Engine and control-plane settings of one side."""
 
     hostname: str = "127.0.0.1"
-    protocol: str = attrs.field(default="tcp", validator=attrs.validators.in_(("tcp", "rdma")))
+    protocol: str = attrs.field(default="tcp", validator=one_of(("tcp", "rdma")))
     device: str = ""
     num_workers: int = attrs.field(
         default=2, validator=[attrs.validators.ge(1), attrs.validators.le(64)]
@@ -104,7 +105,7 @@ class MooncakeConfig:
     # the process environment does not set MC_LOG_LEVEL itself; the engine library reads it once,
     # so the first engine of a process decides. At INFO it logs every connection and segment.
     log_level: str = attrs.field(
-        default="WARNING", validator=attrs.validators.in_(("INFO", "WARNING", "ERROR"))
+        default="WARNING", validator=one_of(("INFO", "WARNING", "ERROR"))
     )
 
 

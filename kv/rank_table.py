@@ -34,6 +34,7 @@ from kv.layouts import LayoutError, TPLayout
 from kv.model_id import MAX_MODEL_NAME, describe_model
 from kv.pool_layout import KV_LAYOUTS, KVLayout
 from kv.wire import KV_DTYPES
+from lifecycle.validators import one_of
 
 #: The largest TP, PP or DP size a registration may name.
 MAX_RANKS = 1 << 12
@@ -128,7 +129,7 @@ class RankInfo:
     endpoint: str = attrs.field(validator=attrs.validators.instance_of(str))
     session: str = attrs.field(validator=attrs.validators.instance_of(str))
     page_size: int = attrs.field(validator=[_count, attrs.validators.ge(1)])
-    kv_dtype: str = attrs.field(validator=attrs.validators.in_(KV_DTYPES))
+    kv_dtype: str = attrs.field(validator=one_of(KV_DTYPES))
     #: The model whose KV the rank's pool holds: its fingerprint (compared) and its name.
     model: str = attrs.field(default="", validator=[
         attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
@@ -136,7 +137,7 @@ class RankInfo:
         attrs.validators.instance_of(str), attrs.validators.max_len(MAX_MODEL_NAME)])
     #: The order of the rank's pool tensor (:mod:`kv.pool_layout`).
     kv_layout: str = attrs.field(default=KVLayout.LAYER_MAJOR.value,
-                                 validator=attrs.validators.in_(KV_LAYOUTS))
+                                 validator=one_of(KV_LAYOUTS))
     head_dim: int = attrs.field(kw_only=True, validator=[_count, attrs.validators.ge(1)])
     place: RankPlace = attrs.field(kw_only=True,
                                    validator=attrs.validators.instance_of(RankPlace))

@@ -38,6 +38,7 @@ from kv.pool import KVPool
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from kv.state_pools import StatePools
 from lifecycle import SamplingParams
+from lifecycle.validators import one_of
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
 from scheduler.decode import DecodeConfig
 from scheduler.messages import LOCAL_HOST, DecodeResponse, NewRequest, Response
@@ -62,7 +63,7 @@ class PairConfig:
     overlap: bool = False
     device: str = "cpu"
     backend: Literal["local", "mooncake"] = attrs.field(
-        default="local", validator=attrs.validators.in_(("local", "mooncake"))
+        default="local", validator=one_of(("local", "mooncake"))
     )
     #: Both pools' layout (docs/backends.md#pool-layouts).
     kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)

@@ -313,8 +313,10 @@ def test_lpm_leaves_a_request_for_the_next_pass_when_its_batch_computes_its_pref
 def test_lpm_needs_the_prefix_cache() -> None:
     with pytest.raises(ValueError, match="needs radix_cache"):
         SchedulerConfig(schedule_policy="lpm")
-    with pytest.raises(ValueError, match="schedule_policy"):
+    with pytest.raises(ValueError) as bad:
         SchedulerConfig(radix_cache=True, schedule_policy="lifo")
+    # One line (attrs' own validator's message was the tuple of its arguments).
+    assert str(bad.value) == "'schedule_policy' must be one of ('fcfs', 'lpm'), got 'lifo'"
 
 
 def test_the_adder_counts_only_uncached_tokens_and_the_pages_locking_takes() -> None:

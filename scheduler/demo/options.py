@@ -12,6 +12,8 @@ from typing import Literal
 
 import attrs
 
+from lifecycle.validators import one_of
+
 Backend = Literal["local", "mooncake"]
 Loop = Literal["normal", "overlap"]
 
@@ -44,10 +46,10 @@ class DemoOptions:
 
     requests: int = attrs.field(default=48, validator=_at_least(MIN_REQUESTS))
     backend: Backend = attrs.field(
-        default="local", validator=attrs.validators.in_(("local", "mooncake"))
+        default="local", validator=one_of(("local", "mooncake"))
     )
     loop: Loop = attrs.field(
-        default="normal", validator=attrs.validators.in_(("normal", "overlap"))
+        default="normal", validator=one_of(("normal", "overlap"))
     )
     seed: int = attrs.field(default=0, validator=_at_least(0))
     max_prompt: int = attrs.field(default=2048, validator=_max_prompt)

@@ -27,6 +27,8 @@ from typing import Any
 import attrs
 import torch
 
+from lifecycle.validators import one_of
+
 #: The architectures this runner computes (GGUF ``general.architecture``, HF ``model_type``).
 LLAMA_ARCHITECTURES = frozenset({"llama"})
 
@@ -45,7 +47,7 @@ class UnsupportedCheckpoint(CheckpointError):
 class RopeScaling:
     """RoPE frequency scaling as Hugging Face's Llama defines it (``linear`` or ``llama3``)."""
 
-    kind: str = attrs.field(validator=attrs.validators.in_(("linear", "llama3")))
+    kind: str = attrs.field(validator=one_of(("linear", "llama3")))
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-from attrs.validators import gt, in_, optional
+from attrs.validators import gt, optional
+
+from lifecycle.validators import one_of
 
 # attrs types a field by its default (int for 8192), so an optional field's validator is typed
 # for any value.
@@ -36,7 +38,7 @@ class SchedulerConfig:
     bootstrap_timeout: float = attrs.field(default=300.0, validator=gt(0))
     transfer_timeout: float = attrs.field(default=300.0, validator=gt(0))
     radix_cache: bool = False
-    schedule_policy: str = attrs.field(default="fcfs", validator=in_(SCHEDULE_POLICIES))
+    schedule_policy: str = attrs.field(default="fcfs", validator=one_of(SCHEDULE_POLICIES))
     # Check the lifecycle invariants after every event (tests and fuzzing; costs time).
     check_invariants: bool = False
 

@@ -19,6 +19,7 @@ from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from lifecycle import FailureReason, SamplingParams
+from lifecycle.validators import one_of
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST, TokenLogprob
 from scheduler.model.reference import ModelConfig
 from scheduler.model.sharded import ShardError, stage_layers
@@ -37,8 +38,8 @@ _MAX_RID_LEN = 256
 class ServeConfig:
     """Everything a service is built from (validated when built)."""
 
-    role: Role = attrs.field(validator=attrs.validators.in_(("prefill", "decode", "both")))
-    backend: Backend = attrs.field(validator=attrs.validators.in_(("local", "mooncake", "fake")))
+    role: Role = attrs.field(validator=one_of(("prefill", "decode", "both")))
+    backend: Backend = attrs.field(validator=one_of(("local", "mooncake", "fake")))
     model: ModelConfig = attrs.field(factory=ModelConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     pool_pages: int = attrs.field(default=2048, validator=attrs.validators.gt(0))

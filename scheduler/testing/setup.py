@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kv.fake import FaultPlan
 from kv.pool import KVPool
 from kv.state_pools import StatePools
+from lifecycle.validators import one_of
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.testing.fakes import Reference, RunnerFactory, echo_next_token, echo_runner_factory
 
@@ -36,7 +37,7 @@ class MachineSetup:
     reference: Reference | None = echo_next_token
     pages: int | None = attrs.field(default=None)
     slots: int | None = None
-    loop: str = attrs.field(default="both", validator=attrs.validators.in_(LOOPS))
+    loop: str = attrs.field(default="both", validator=one_of(LOOPS))
     faults: FaultPlan = attrs.field(factory=lambda: FAKE_HOST_FAULTS)
     # Called at the end of every example with its program (SchedulerMachine.program).
     on_program: Callable[[tuple[str, ...]], None] | None = None
