@@ -312,6 +312,21 @@ def test_generate_rejects_what_does_not_fit() -> None:
         ref.generate([1], 0)
 
 
+@pytest.mark.parametrize(("ids", "says"), [
+    ("", "the prompt is empty; it needs at least one token"),
+    ("1,99999", "token ids must be in 0..257, got 1..99999"),
+])
+def test_pdlife_generate_says_what_is_wrong_with_the_prompt_alone(
+    ids: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scheduler.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--input-ids", ids])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"pdlife generate: {says}\n"  # no request id of its own
+
+
 @pytest.mark.parametrize(
     ("changes", "field"),
     [

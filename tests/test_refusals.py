@@ -17,9 +17,9 @@ from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
-from kv.pool import KVGeometryError
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
+from kv.pool import KVGeometryError
 from kv.rank_table import RankPlace
 from kv.refusal import RefusalPoster, RefusedRooms
 from kv.transfer import KVPoll, TransferError

@@ -63,8 +63,8 @@ def _generate(args: argparse.Namespace) -> int:
         out = served.generate(ids, args.max_new_tokens,
                               stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
                               ignore_eos=args.ignore_eos)
-    except ModelInputError as exc:
-        raise UsageError(str(exc)) from exc
+    except ModelInputError as exc:  # one prompt: no request id to name
+        raise UsageError(exc.problem) from exc
     json.dump({"text": served.decode(out), "output_ids": out, "prompt_tokens": len(ids)},
               sys.stdout)
     sys.stdout.write("\n")

@@ -51,6 +51,7 @@ class ModelInputError(ValueError):
     def __init__(self, rid: str, problem: str) -> None:
         super().__init__(f"request {rid!r}: {problem}")
         self.rid = rid
+        self.problem = problem
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

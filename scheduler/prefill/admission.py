@@ -165,7 +165,7 @@ class Admission:
     def _never_fits(self, req: PrefillRequest) -> str:
         n = len(req.input_ids)
         if n == 0:
-            return "the prompt is empty"
+            return "the prompt is empty; it needs at least one token"
         if pages_needed(n, self.config.page_size) > self.num_pages:
             return (
                 f"the prompt has {n} tokens; the KV pool holds at most "
