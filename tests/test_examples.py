@@ -39,6 +39,6 @@ def test_embed_pair(backend: str) -> None:
     out = _run("embed_pair.py", "--backend", backend)
     served = [line for line in out.splitlines() if "prefill DONE, decode DONE" in line]
     assert len(served) == 3 and all("matches the reference" in line for line in served)
-    assert re.search(r"\(stop, \d+ tokens\)|\(length, 24 tokens\)", out)
+    assert re.search(r"^stop .*\(stop, [1-6] tokens\)", out, re.MULTILINE), out
     assert re.search(rf"handed to the {backend} transfer backend: [1-9]\d* bytes", out)
     assert out.splitlines()[-1] == "ok"
