@@ -31,6 +31,10 @@ def test_an_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str
 
 def test_default_paths_point_into_the_checkout() -> None:
     assert all((BENCH_DIR / f"{b.name}.py").is_file() for b in ALL)
+    # Every benchmark module is in the plan (the transfer_* modules are parts of transfer).
+    modules = {p.stem for p in BENCH_DIR.glob("*.py")
+               if p.stem != "__init__" and not p.stem.startswith("transfer_")}
+    assert modules == {b.name for b in ALL}
     assert DOCS_LIFECYCLE.is_file()
 
 
