@@ -260,6 +260,11 @@ def test_the_engines_take_the_matchers_admission_prepared_each_its_own(
     assert first.finished()
     compiler.compile(spec)  # nothing prepared waits: the engine compiles it itself
     assert _counts(compiler) == (2, 1, 0)
+    compiler.prepare(spec)  # a request of three samples, checked once
+    compiler.top_up(spec, 6)  # then one matcher for each engine of each sample
+    assert _counts(compiler) == (8, 1, 0) and "prepared=6" in repr(compiler)
+    compiler.top_up(spec, 4)  # enough wait
+    assert _counts(compiler) == (8, 1, 0)
 
 
 def test_a_request_that_reaches_the_lexers_limit_leaves_the_next_one_of_its_grammar_whole(
@@ -296,6 +301,8 @@ def test_prepared_matchers_no_engine_took_are_dropped_oldest_first(
     for spec in (a, b, c):
         compiler.prepare(spec)
     assert "prepared=2" in repr(compiler)
+    with pytest.raises(ValueError, match="prepared_limit must be >= 0"):
+        _fresh(byte_model, prepared_limit=-1)
     for spec in (b, c, a):  # a's was dropped for c's
         _walk(compiler.compile(spec), list(spec.source[0].encode()), byte_model.vocab_size)
     assert _counts(compiler) == (3, 1, 0)

@@ -607,6 +607,13 @@ def test_admission_compiles_a_grammar_for_each_engine_and_the_engines_compile_no
                 assert compiles((await client.get("/metrics")).text) == {
                     "prepared": 4, "inline": 0, "refused": 0}
                 r = await client.post("/generate", json={"text": "a", "sampling_params": {
+                    "max_new_tokens": 4, "regex": "(ab|c)+", "n": 3, "temperature": 1.0}})
+                assert r.status_code == 200, r.text
+                assert all(re.fullmatch("(ab|c)+", a["text"]) for a in r.json()), r.text
+                await settled(client)  # the samples' grammar is checked once, compiled for each
+                assert compiles((await client.get("/metrics")).text) == {
+                    "prepared": 10, "inline": 0, "refused": 0}
+                r = await client.post("/generate", json={"text": "a", "sampling_params": {
                     "max_new_tokens": 4, "ebnf": 'start: "a" <|no_such_token|>'}})
                 assert r.status_code == 400, r.text
                 error = r.json()["error"]
@@ -614,6 +621,6 @@ def test_admission_compiles_a_grammar_for_each_engine_and_the_engines_compile_no
                 assert "sampling_params.ebnf does not compile" in error["message"], error
                 assert "unknown special token" in error["message"], error
                 assert compiles((await client.get("/metrics")).text) == {
-                    "prepared": 4, "inline": 0, "refused": 1}
+                    "prepared": 10, "inline": 0, "refused": 1}
 
     run(main())

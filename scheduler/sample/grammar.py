@@ -23,6 +23,13 @@ LLGuidanceCompiler.compile` takes them: the engine thread, which runs every live
 forward, does not stall for a compile (0.4-11 ms on SmolLM2's vocabulary). Each matcher serves
 one request: copies of one matcher share its lexer's states, and with them the lexer's limits
 and memory, so a grammar's history across requests could fail a request that alone runs.
+
+A matcher refuses a token without changing its state (the token is validated before it is
+consumed), so a rejected token raises and leaves the matcher as it was. The end of a grammar is
+EOS: once the matcher accepts and can take nothing else, :meth:`LLGuidanceConstraint.finished`
+is true and the mask holds only the EOS tokens. Whether EOS may come is the mask's to say (a
+grammar may name the EOS token itself, ``start: "ok" <|im_end|>``, where llguidance's token
+validation refuses it).
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ class LLGuidanceCompiler:
                  prepared_limit: int = PREPARED_LIMIT) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if prepared_limit < 0:
+            raise ValueError(f"prepared_limit must be >= 0, got {prepared_limit}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.prepared_limit = prepared_limit
@@ -103,6 +112,15 @@ class LLGuidanceCompiler:
                 self._prepared[(next(self._serial), key)] = matcher
             while len(self._prepared) > self.prepared_limit:
                 self._prepared.popitem(last=False)
+
+    def top_up(self, spec: GrammarSpec, matchers: int) -> None:
+        """Prepare what ``spec`` lacks of ``matchers`` waiting (a request's samples: they
+        share its grammar, checked once)."""
+        key = (spec.kind, spec.source)
+        with self._lock:
+            waiting = sum(k[1] == key for k in self._prepared)
+        if matchers > waiting:
+            self.prepare(spec, matchers - waiting)
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceConstraint:
         """A fresh matcher for ``spec`` (one :meth:`prepare` made, when one waits); raises

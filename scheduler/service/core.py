@@ -31,6 +31,7 @@ unhealthy for good.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -211,13 +212,26 @@ class Service:
 
     def check_grammar(self, spec: GrammarSpec) -> None:
         """Raises :class:`~scheduler.sample.constraint.GrammarError` if ``spec`` does not
-        compile. With a compiler, against the model's vocabulary, into a matcher for each engine
-        of this process (:meth:`~scheduler.sample.grammar.LLGuidanceCompiler.prepare`; call it
-        off the event loop); without one, the grammar alone (the engines then refuse it)."""
+        compile. With a compiler, against the model's vocabulary, into a matcher an engine will
+        take (:meth:`~scheduler.sample.grammar.LLGuidanceCompiler.prepare`; call it off the
+        event loop, then :meth:`prepare_grammars`); without one, the grammar alone (the engines
+        then refuse it)."""
         if self.compiler is None:
             check_grammar(spec)
         else:
-            self.compiler.prepare(spec, (self.prefill is not None) + (self.decode is not None))
+            self.compiler.prepare(spec)
+
+    def prepare_grammars(self, items: list[Item]) -> list[Item]:
+        """Compile what the checked ``items`` still need: a matcher for each engine of this
+        process that runs each item (off the event loop); returns ``items``."""
+        if self.compiler is None:
+            return items
+        engines = (self.prefill is not None) + (self.decode is not None)
+        wanted = collections.Counter(i.sampling.grammar for i in items
+                                     if i.sampling.grammar is not None)
+        for spec, n in wanted.items():
+            self.compiler.top_up(spec, n * engines)
+        return items
 
     def needs_connect(self, item: Item) -> bool:
         """Whether :meth:`connect_peer` may block for ``item`` (a peer not yet connected)."""

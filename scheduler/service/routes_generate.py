@@ -122,7 +122,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     ]
     if body.stream and many:
         raise BadRequest("bad_batch", "streaming a batch (or n > 1) is not supported")
-    return items, many
+    return service.prepare_grammars(items), many
 
 
 def _asked_ids(body: GenerateRequest, count: int, batch: bool) -> list[tuple[int, ...]]:

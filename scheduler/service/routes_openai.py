@@ -142,7 +142,8 @@ async def _serve(service: Service, request: Request, body: Body,
     rid = body.rid = body.rid or _new_rid(chat)
     headers = {"x-request-id": rid}
     try:
-        items = await handoff.checked(service, body, lambda: build(service, body), param=_param)
+        items = await handoff.checked(
+            service, body, lambda: service.prepare_grammars(build(service, body)), param=_param)
         started = await handoff.admit(service, request, items, stream=body.stream)
     except handoff.Refusal as refusal:
         return _refused(service, refusal, rid)
