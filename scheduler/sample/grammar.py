@@ -20,7 +20,7 @@ A server compiles a request's grammar when it admits the request (:meth:`LLGuida
 prepare`, off the event loop; llguidance drops the GIL while it builds), one matcher for each
 engine of the process that will run the request, and keeps them until the engines' :meth:`~
 LLGuidanceCompiler.compile` takes them: the engine thread, which runs every live request's
-forward, does not stall for a compile (0.4-11 ms on SmolLM2's vocabulary). Each matcher serves
+forward, does not stall for a compile (0.4-12 ms on SmolLM2's vocabulary). Each matcher serves
 one request: copies of one matcher share its lexer's states, and with them the lexer's limits
 and memory, so a grammar's history across requests could fail a request that alone runs.
 
