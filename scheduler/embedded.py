@@ -186,7 +186,8 @@ class EmbeddedPair:
         """Send one request to both sides, as a PD router does, in a bootstrap room of its
         own (``room``, default the pair's next) (thread-safe). Raises ``ValueError`` while
         ``rid`` or ``room`` is the pair's (submitted, its outcome not yet handed over), for room
-        0 (it marks an empty metadata row), and ``RuntimeError`` once the pair is closed."""
+        0 (it marks an empty metadata row) or one beyond 2**64 - 1, and ``RuntimeError`` once
+        the pair is closed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"request {rid!r}: this EmbeddedPair is closed")
@@ -202,12 +203,12 @@ class EmbeddedPair:
             elif room in in_use:
                 raise ValueError(f"request {rid!r}: bootstrap room {room} is in use: a request "
                                  "submitted in it has not had its outcome handed over")
+            new = NewRequest(  # checks the room's range: refused, nothing is recorded
+                rid, tuple(prompt), bootstrap_host=self.bootstrap_host,
+                bootstrap_port=self.bootstrap_port, bootstrap_room=room, sampling=sampling,
+            )
             self._submitted[rid] = room
             in_use.add(room)
-        new = NewRequest(
-            rid, tuple(prompt), bootstrap_host=self.bootstrap_host,
-            bootstrap_port=self.bootstrap_port, bootstrap_room=room, sampling=sampling,
-        )
         self.prefill.submit(new)
         self.decode.submit(new)
 

@@ -35,8 +35,16 @@ class NewRequest:
     input_ids: tuple[int, ...] = attrs.field(converter=as_token_ids)
     bootstrap_host: str = attrs.field(validator=attrs.validators.min_len(1))
     bootstrap_port: int = 0
-    bootstrap_room: int = 0
+    bootstrap_room: int = attrs.field(default=0)
     sampling: SamplingParams = DEFAULT_SAMPLING  # frozen: one shared default
+
+    @bootstrap_room.validator
+    def _check_room(self, _attr: object, value: int) -> None:
+        # What a metadata row and the wire carry: an out-of-range room failed the engine's pass
+        # when its first token was written.
+        if not 0 <= value < 1 << 64:
+            raise ValueError(f"request {self.rid!r}: bootstrap_room must be in 0 .. 2**64 - 1, "
+                             f"got {value}")
 
     def record_fields(self) -> dict[str, Any]:
         """The fields a request record (prefill or decode) takes from the request."""

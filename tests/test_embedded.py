@@ -85,6 +85,9 @@ def test_a_room_is_the_pairs_until_its_outcome_is_handed_over_and_never_0():
             pair.submit("b", [4, 5], SamplingParams(max_new_tokens=2), room=2)
         with pytest.raises(ValueError, match="bootstrap room 0 marks an empty metadata row"):
             pair.submit("b", [4, 5], SamplingParams(max_new_tokens=2), room=0)
+        for beyond in (-1, 1 << 64):  # what a metadata row cannot carry (it failed a pass)
+            with pytest.raises(ValueError, match=r"bootstrap_room must be in 0 \.\. 2\*\*64"):
+                pair.submit("b", [4, 5], SamplingParams(max_new_tokens=2), room=beyond)
         pair.submit("b", [4, 5], SamplingParams(max_new_tokens=2))  # room 1
         pair.submit("c", [6, 7], SamplingParams(max_new_tokens=2))  # room 3: 2 is a's
         out = pair.run_until_done(["a", "b", "c"])

@@ -926,6 +926,29 @@ def test_stop_strings_end_the_answer_plain_and_streamed(smollm2: Any,
     run(main())
 
 
+def test_stop_regexes_end_the_answer_plain_and_streamed(smollm2: Any,
+                                                      chat_config: ServeConfig) -> None:
+    """SGLang's ``stop_regex`` on the OpenAI routes (an extra field): a bounded pattern, and one
+    without a bound, whose stream holds its text back until the answer ends."""
+    async def main() -> None:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                for pattern in (r"\.\s", r"[.!?]\s*"):
+                    body = {"stop_regex": pattern}
+                    plain = await client.completions.create(
+                        model="smollm2", prompt="The capital of France is", max_tokens=8,
+                        temperature=0, extra_body=body)
+                    stream = await client.completions.create(
+                        model="smollm2", prompt="The capital of France is", max_tokens=8,
+                        temperature=0, stream=True, extra_body=body)
+                    chunks = [c async for c in stream]
+                    assert (plain.choices[0].text, plain.choices[0].finish_reason) == (
+                        " Paris", "stop"), pattern
+                    assert "".join(c.choices[0].text for c in chunks) == " Paris", pattern
+
+    run(main())
+
+
 def test_the_openapi_schema_lists_the_openai_bodies() -> None:
     async def main() -> None:
         with running_service(config()) as service:

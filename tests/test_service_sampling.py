@@ -460,6 +460,11 @@ def test_stop_regexes_end_and_trim_the_answer_as_the_same_stop_string(service: S
         kept = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True,
                                                   "stop_regex": pattern, "no_stop_trim": True})
         assert kept["text"] == BYTES.decode(ids[:5])
+    # An anchor holds at the output's start, not at the start of the tail the decode side reads.
+    anchored = generate(service, sampling_params={"max_new_tokens": 12, "ignore_eos": True,
+                                                  "stop_regex": f"^{re.escape(stop)}"})
+    assert anchored["meta_info"]["finish_reason"]["type"] == "length", anchored
+    assert anchored["text"] == text
 
 
 def test_a_grammar_shapes_the_answer_and_keeps_its_last_token(service: Service) -> None:

@@ -14,8 +14,11 @@ from scheduler.sample.stops import Stops, regex_width
 @pytest.mark.parametrize(("pattern", "width"), [
     ("abc", 3), (r"\d{3}", 3), (r"x{2,5}", 5), ("a|bcd", 3), (r"(?i)end", 3), (r"\n\n", 2),
     (r"\d+", None), (".*END", None), (r"a{1,70000}", None),
+    # Assertions about the text around the match: a tail would answer them wrongly.
+    ("^ 6", None), (r"\A 7", None), (r"(?<=8, )9", None), (r"5(?=, 6)", None), (r"\bend", None),
+    (r"(x|(?!b)c)", None), ("(?m)^a", None), (r"x$", 1), (r"x\Z", 1),
 ])
-def test_a_regex_width_is_its_widest_match_or_none_without_a_bound(pattern: str,
+def test_a_regex_width_is_its_widest_match_or_none_without_one(pattern: str,
                                                                     width: int | None) -> None:
     assert regex_width(re.compile(pattern)) == width
 
@@ -31,14 +34,20 @@ def test_the_tail_spans_the_widest_stop_and_one_token_more() -> None:
     assert not Stops.of(SamplingParams(8)) and Stops.of(SamplingParams(8, stop_regex="a"))
 
 
-def test_a_match_names_a_string_first_then_a_pattern_and_the_cut_is_the_first_to_begin(
+def test_a_match_names_the_stop_that_begins_first_where_the_text_is_cut(
 ) -> None:
     stops = Stops.of(SamplingParams(8, stop=["END"], stop_regex=[r"[0-9]{2}", r"to+"]))
     assert stops.matched("nothing here") is None
-    assert stops.matched("a 42 END") == "END"
+    assert stops.matched("a 42 END") == "[0-9]{2}"  # it begins first
+    assert stops.matched("END 42") == "END"
     assert stops.matched("count 42") == "[0-9]{2}"
     assert stops.cut("go to 42 END") == 3  # "to" begins first
     assert stops.cut("nothing") == len("nothing")
+    # Two on one tail: the one that begins first names the match, where the text is cut.
+    both = Stops.of(SamplingParams(8, stop=["5"], stop_regex=[", 5"]))
+    assert both.matched(" 4, 5") == ", 5" and both.cut(" 4, 5") == 2
+    assert Stops.of(SamplingParams(8, stop_regex=["5", ", 5"])).matched(" 4, 5") == ", 5"
+    assert Stops.of(SamplingParams(8, stop=["a"], stop_regex=["a"])).matched("xa") == "a"
 
 
 def test_a_stream_sends_what_no_stop_can_still_claim() -> None:

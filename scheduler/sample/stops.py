@@ -7,21 +7,23 @@ A request's :class:`Stops` are its ``stop`` strings and its ``stop_regex`` patte
 ends an answer at the first token after which its decoded output holds one of them. It decodes
 only the tail that can hold a match ending in the new token: the longest stop's width in
 characters (a string's length; the widest match ``re`` says a regex can make) plus one token (a
-token is at least one character). A regex whose matches have no bound (``\\d+``, ``.*END``)
-makes the tail the whole output, decoded again after every token: a cost that grows with the
-square of the answer's length, as in SGLang.
+token is at least one character). A regex whose matches have no bound (``\\d+``, ``.*END``), or
+that asserts something about the text around its match (a lookaround, ``^``, ``\\A``, ``\\b``:
+at a tail's first character ``^`` would hold), makes the tail the whole output, decoded again
+after every token: a cost that grows with the square of the answer's length, as in SGLang.
 
 The answer's text is cut where the first stop in it begins, unless the request keeps it
 (``no_stop_trim``), and its finish reason names the stop that matched (a string, or a regex's
 pattern). A stream sends only text no stop can still claim (:meth:`Stops.settled`): up to the
-first match once there is one, else all but the last ``width - 1`` characters; with an
-unbounded regex, nothing before the answer ends.
+first match once there is one, else all but the last ``width - 1`` characters; with a regex
+of no width (unbounded, or asserting about its context), nothing before the answer ends.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 
@@ -32,14 +34,46 @@ WIDEST = 1 << 16
 
 
 def regex_width(pattern: re.Pattern[str]) -> int | None:
-    """The most characters a match of ``pattern`` can span, or None without a bound."""
+    """The most characters a match of ``pattern`` can span, or None when the match alone does
+    not bound the text it needs: no bound on its width, or an assertion about the text around
+    it (a lookaround, ``^``, ``\\A``, ``\\b``), which a tail cut out of the output would
+    answer wrongly (``^`` would hold at the tail's start)."""
     try:
         from re import _parser  # type: ignore[attr-defined]
 
-        widest = int(_parser.parse(pattern.pattern, pattern.flags).getwidth()[1])
+        parsed = _parser.parse(pattern.pattern, pattern.flags)
+        if _needs_context(parsed):
+            return None
+        widest = int(parsed.getwidth()[1])
     except Exception:  # a private module: if it changes, scan the whole output
         return None
     return widest if widest < WIDEST else None
+
+
+def _needs_context(tree: Any) -> bool:
+    """Whether a parsed pattern (``re._parser``'s tree) asserts anything about the text before
+    or around its match; end anchors (``$``, ``\\Z``) see the same end in a tail."""
+    from re import _constants  # type: ignore[attr-defined]
+
+    ends = {_constants.AT_END, _constants.AT_END_STRING, _constants.AT_END_LINE}
+    looks = {_constants.ASSERT, _constants.ASSERT_NOT}
+    for op, av in tree:
+        if op in looks or (op == _constants.AT and av not in ends):
+            return True
+        if any(_needs_context(sub) for sub in _subtrees(av)):
+            return True
+    return False
+
+
+def _subtrees(av: Any) -> Iterator[Any]:
+    """The nested patterns in an item's argument (groups, branches, repeats)."""
+    from re import _parser  # type: ignore[attr-defined]
+
+    if isinstance(av, _parser.SubPattern):
+        yield av
+    elif isinstance(av, tuple | list):
+        for part in av:
+            yield from _subtrees(part)
 
 
 @attrs.frozen
@@ -68,11 +102,12 @@ class Stops:
         return output[-(self.width + 1):]
 
     def matched(self, tail: str) -> str | None:
-        """The stop ``tail`` holds: a string, else a regex's pattern; None when none."""
-        found = next((s for s in self.strings if s in tail), None)
-        if found is None:
-            found = next((r.pattern for r in self.regexes if r.search(tail)), None)
-        return found
+        """The stop that begins first in ``tail`` (a string, or a regex's pattern; a string
+        before a regex, then in the request's order, where two begin together); None when
+        none is there. The answer's text is cut where it begins."""
+        found = [(at, s) for s in self.strings if (at := tail.find(s)) >= 0]
+        found += [(m.start(), r.pattern) for r in self.regexes if (m := r.search(tail))]
+        return min(found, key=lambda f: f[0])[1] if found else None
 
     def cut(self, text: str) -> int:
         """Where the first stop in ``text`` begins (``len(text)`` when none does)."""

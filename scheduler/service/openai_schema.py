@@ -110,6 +110,8 @@ class SamplingFields(_Body):
     seed: int | None = Field(None, ge=0, le=(1 << 64) - 1,
                              description="the same seed gives the same tokens")
     stop: str | list[str] | None = Field(None, description="strings that end the answer")
+    stop_regex: str | list[str] | None = Field(
+        None, description="SGLang's: regular expressions (Python re) that end the answer")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     no_stop_trim: bool = Field(False, description="keep a matched stop in the text")
