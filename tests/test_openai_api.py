@@ -600,9 +600,13 @@ def test_a_body_that_is_not_json_and_a_draining_server_answer_openai_errors() ->
                                       headers={"content-type": "application/json"})
                 assert r.status_code == 400
                 assert r.json()["error"]["code"] == "malformed_json"
+                assert r.headers["x-request-id"].startswith("cmpl-")  # a fresh id
                 r = await client.post("/v1/chat/completions", content=b"prompt=x",
                                       headers={"content-type": "text/plain"})
                 assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_request")
+                # A body that fails the schema but names its rid: the error carries it.
+                r = await post(client, "/v1/chat/completions", messages="x", rid="abc1")
+                assert (r.status_code, r.headers["x-request-id"]) == (400, "abc1")
                 service.begin_drain()
                 r = await post(client, "/v1/completions", prompt="x")
                 assert r.status_code == 503

@@ -92,7 +92,9 @@ class OpenAIRoute(APIRoute):
 
 
 def _invalid(service: Service, request: Request, exc: RequestValidationError) -> JSONResponse:
-    rid = _new_rid(request.url.path.endswith("chat/completions"))
+    given = exc.body.get("rid") if isinstance(exc.body, dict) else None
+    rid = given if isinstance(given, str) and 0 < len(given) <= 256 else _new_rid(
+        request.url.path.endswith("chat/completions"))
     errors = exc.errors()
     bad_json = [e for e in errors if e.get("type") == "json_invalid"]
     if bad_json:
