@@ -607,6 +607,9 @@ def test_a_body_that_is_not_json_and_a_draining_server_answer_openai_errors() ->
                 # A body that fails the schema but names its rid: the error carries it.
                 r = await post(client, "/v1/chat/completions", messages="x", rid="abc1")
                 assert (r.status_code, r.headers["x-request-id"]) == (400, "abc1")
+                # One a header cannot carry is percent-encoded (it was a 500).
+                r = await post(client, "/v1/completions", echo=False, rid="\u0100 x")
+                assert (r.status_code, r.headers["x-request-id"]) == (400, "%C4%80%20x")
                 service.begin_drain()
                 r = await post(client, "/v1/completions", prompt="x")
                 assert r.status_code == 503

@@ -17,6 +17,7 @@ prompt's text (with its logprobs) is the first text chunk of its choice.
 
 from __future__ import annotations
 
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
@@ -61,8 +62,14 @@ def _refused(service: Service, refusal: handoff.Refusal, rid: str) -> JSONRespon
     route could not read gets a fresh one, as any request has an id)."""
     handoff.count(service, refusal)
     response = openai_error(refusal.status, str(refusal), refusal.kind, refusal.param)
-    response.headers["x-request-id"] = rid
+    response.headers["x-request-id"] = _header_id(rid)
     return response
+
+
+def _header_id(rid: str) -> str:
+    """``rid`` as a header value: a client's rid may hold what a header cannot carry (beyond
+    Latin-1, control characters), which is percent-encoded."""
+    return rid if rid.isascii() and rid.isprintable() else urllib.parse.quote(rid, safe="")
 
 
 def _new_rid(chat: bool) -> str:
@@ -142,7 +149,7 @@ async def _serve(service: Service, request: Request, body: Body,
     # The answer's id, on a refusal too: the request's rid, which choice i's ``<rid>_<i>``
     # extends when there are several; OpenAI's header of it (the client's ``_request_id``).
     rid = body.rid = body.rid or _new_rid(chat)
-    headers = {"x-request-id": rid}
+    headers = {"x-request-id": _header_id(rid)}
     try:
         items = await handoff.checked(
             service, body, lambda: service.prepare_grammars(build(service, body)), param=_param)
