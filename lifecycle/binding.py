@@ -179,6 +179,11 @@ def check_event_name(table: str, event: str) -> None:
         )
     if keyword.iskeyword(name):
         raise InvalidTable(f"{where} is a Python keyword, which cannot name a trigger method")
+    if name.startswith("__") and name.endswith("__"):
+        raise InvalidTable(
+            f"{where} is a special method name (Python calls {name} itself); name the event "
+            f"otherwise"
+        )
     if name in RESERVED:
         raise InvalidTable(
             f"{where} is a name every record uses (Tracked.{name}); name the event otherwise"
@@ -224,6 +229,22 @@ def _trigger(event: str, doc: str) -> Callable[..., None]:
     return trigger
 
 
+def _field_names(record: type) -> set[str]:
+    """The record's attrs fields and its annotated names other than trigger declarations."""
+    names = {f.name for f in attrs.fields(record)} if attrs.has(record) else set()
+    for klass in record.__mro__:
+        names |= {n for n in vars(klass).get("__annotations__", {}) if n not in RESERVED}
+    return names - _declared_triggers(record)
+
+
+def _what(existing: object) -> str:
+    if isinstance(existing, property):
+        return "a property"
+    if isinstance(existing, (staticmethod, classmethod)) or inspect.isfunction(existing):
+        return "a method"
+    return f"a class attribute, {type(existing).__name__}"
+
+
 def install_triggers(table: str, events: Mapping[str, str], record: type) -> None:
     """Give ``record`` one trigger method per event (event name → its doc), checking the
     ``ClassVar[Trigger]`` declarations against the events and refusing a name the class
@@ -241,11 +262,17 @@ def install_triggers(table: str, events: Mapping[str, str], record: type) -> Non
     for event, doc in events.items():
         # (The table's validation refused event names that are not identifiers or are
         # reserved: check_event_name.)
+        if event in _field_names(record):
+            raise InvalidTable(
+                f"{table}: {record.__name__}.{event} is a field of the record, and event "
+                f"{event!r} makes a trigger method of that name; rename one of them"
+            )
         existing = inspect.getattr_static(record, event, None)
         if existing is not None and not getattr(existing, "_lifecycle_trigger", False):
             raise InvalidTable(
-                f"{table}: {record.__name__}.{event} already exists; the table makes a "
-                f"trigger method of that name for event {event!r} (to declare it for mypy, "
-                f"write {event}: ClassVar[Trigger])"
+                f"{table}: {record.__name__}.{event} already exists ({_what(existing)}); "
+                f"event {event!r} makes a trigger method of that name, so rename one of them "
+                f"(the table writes the method: to declare it for mypy, write only "
+                f"{event}: ClassVar[Trigger])"
             )
         setattr(record, event, _trigger(event, doc))

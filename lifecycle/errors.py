@@ -60,6 +60,6 @@ class HookFailed(LifecycleError):
         more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
         super().__init__(
             f"hook {first_hook!r} raised {type(first_exc).__name__}: {first_exc} for request "
-            f"{first_rid!r}{more}; event {str(event)!r} took effect, the requests are "
-            f"{dest.name}"
+            f"{first_rid!r}{more}; event {str(event)!r} took effect: every request it was "
+            f"fired for is in {dest.name}"
         )

@@ -115,11 +115,20 @@ def counting_hooks(
 
 
 def redraw_fields(data: st.DataObject, req: Any) -> str:
-    """Set ``req``'s plain fields to drawn values; what was set, for the event program."""
-    values = {
-        name: data.draw(strategy, label=name)
-        for name, strategy in field_strategies(type(req)).items()
-    }
+    """Set ``req``'s plain fields to drawn values; what was set, for the event program. A value
+    the field's validator refuses is not set (the field keeps its value): the record says
+    which values it can hold, and the fuzzer keeps to them."""
+    fields = attrs.fields_dict(type(req))
+    values = {}
+    for name, strategy in field_strategies(type(req)).items():
+        value = data.draw(strategy, label=name)
+        validator = fields[name].validator
+        if validator is not None:
+            try:
+                validator(req, fields[name], value)
+            except Exception:  # any refusal: not a value to set
+                continue
+        values[name] = value
     for name, value in values.items():
         setattr(req, name, value)
     return ", ".join(f"{k}={v!r}" for k, v in values.items())

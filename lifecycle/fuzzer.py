@@ -216,7 +216,9 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         times (drawn values rarely make a guard hold on the first try, and a request past a
         guarded edge is deeper in its table, where bugs hide); the program shows the last."""
         for _ in range(REDRAWS):
-            self.attempt = f"{req.rid}: fields set to {redraw_fields(data, req)}"
+            with self._code_under_test(f"setting the fields of {req.rid}", req.rid):
+                drawn = redraw_fields(data, req)  # a record's on_setattr hooks may raise
+            self.attempt = f"{req.rid}: fields set to {drawn}"
             if req.owner is not self.lifecycle:
                 break
             with self._code_under_test(f"a guard of {_guarding(edge)} on {req.rid}", req.rid):

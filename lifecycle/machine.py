@@ -59,7 +59,7 @@ import enum
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Generic
+from typing import Any, Generic
 
 from transitions.core import EventData
 
@@ -77,7 +77,7 @@ from lifecycle.steps import (
     run_hooks,
     shared_machine,
 )
-from lifecycle.table import LifecycleTable, guard_methods
+from lifecycle.table import LifecycleTable, bind_record
 
 
 class Lifecycle(Generic[R]):
@@ -138,8 +138,17 @@ class Lifecycle(Generic[R]):
             if cls is not None and cls not in self._guard_forms:
                 self._bind(cls)
 
+    def __reduce__(self) -> Any:
+        raise LifecycleError(
+            f"a Lifecycle ({self.table.name}) cannot be pickled or copied: it is the live "
+            f"requests of one owner, with their hooks; pickle or copy a record once it has "
+            f"ended (it keeps only its table), or the fields you need of a live one")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Lifecycle[R]:
+        return self  # a deep copy of a live record keeps its owner, as a copy does
+
     def _bind(self, record: type) -> None:
-        forms = self._guard_forms[record] = guard_methods(self.table, record)
+        forms = self._guard_forms[record] = bind_record(self.table, record)
         for step in self._steps.values():
             step.bind(record, forms)
 
@@ -149,7 +158,19 @@ class Lifecycle(Generic[R]):
         """The live requests in ``state``, oldest first: a read-only view of the lifecycle's own
         collection (it follows later events; copy it, ``list(...values())``, to keep a
         snapshot)."""
-        return self._views[state]
+        try:
+            return self._views[state]
+        except KeyError:
+            raise self._not_live(state) from None
+
+    def _not_live(self, state: object) -> LifecycleError:
+        table = self.table
+        if isinstance(state, table.states) and state in table.finals:
+            return LifecycleError(
+                f"{table.name}: {state.name} is a final state, and the lifecycle keeps only "
+                f"live requests; ended ones are counted in .finished by (state, reason)")
+        return LifecycleError(
+            f"{table.name}: {state!r} is not a state of {table.states.__name__}")
 
     def get(self, rid: str) -> R | None:
         return self._by_rid.get(rid)
@@ -253,6 +274,8 @@ class Lifecycle(Generic[R]):
         assert state is not None
         step = self._steps.get((state, event))
         if step is None:
+            if state not in self.table.finals and self._by_rid.get(req.rid) is not req:
+                raise self._misfiled(req)
             raise IllegalTransition(req.rid, state, event, self.table.no_edge(state, event))
         if step.src_bucket.get(req.rid) is not req:  # a copy, or a state assigned by hand
             raise self._misfiled(req)
@@ -297,6 +320,8 @@ class Lifecycle(Generic[R]):
             raise LifecycleError(f"request {first.rid!r} was never admitted to a lifecycle")
         step = self._steps.get((src, event))
         if step is None:
+            if src not in self.table.finals and self._by_rid.get(first.rid) is not first:
+                raise self._misfiled(first)
             raise IllegalTransition(first.rid, src, event, self.table.no_edge(src, event))
         firing = (
             step.firing

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import attrs
 
 from lifecycle.binding import ADMITTED as ADMITTED  # the admission's timeline entry
-from lifecycle.errors import LifecycleError
+from lifecycle.errors import IllegalTransition, LifecycleError
 from lifecycle.table import LifecycleTable
 
 
@@ -56,6 +56,17 @@ class Tracked:
         owner = self.owner
         return owner is not None and self.state in owner.table.finals
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A record that ended is a value: pickled or copied, it leaves its lifecycle behind and
+        # keeps only the table (:class:`Ended`), so ``is_final`` and a refused event still
+        # read as before. A live one keeps its owner: copies cannot fire, and pickling it
+        # meets the lifecycle's refusal (Lifecycle.__reduce__).
+        reduced = super().__reduce_ex__(protocol)
+        owner = self.owner
+        if owner is None or isinstance(owner, Ended) or not self.is_final:
+            return reduced
+        return (*reduced[:2], _owned_by(reduced[2], Ended(owner.table)), *reduced[3:])
+
     def fire(self, event: str, *, reason: enum.Enum | None = None, detail: str = "") -> None:
         """Fire ``event`` (a member of the table's events enum, or its name) for this request,
         through its lifecycle; the trigger methods the table gives the class call this."""
@@ -63,3 +74,27 @@ class Tracked:
         if owner is None:
             raise LifecycleError(f"request {self.rid!r} was never admitted to a lifecycle")
         owner.trigger(self, event, reason=reason, detail=detail)
+
+
+@attrs.frozen
+class Ended:
+    """The owner of a record pickled or copied after it ended: its table, without the lifecycle
+    (its hooks, index and live requests), which stays where it was."""
+
+    table: LifecycleTable
+
+    def trigger(
+        self, req: Any, event: str, *, reason: enum.Enum | None = None, detail: str = ""
+    ) -> None:
+        state = req.state
+        raise IllegalTransition(req.rid, state, event, self.table.no_edge(state, event))
+
+
+def _owned_by(state: Any, owner: Ended) -> Any:
+    """An object's pickled state (a dict of its fields, or a ``(dict, slots)`` pair) with
+    ``owner`` in place of the lifecycle."""
+    if isinstance(state, dict) and "owner" in state:
+        return {**state, "owner": owner}
+    if isinstance(state, tuple):
+        return tuple(_owned_by(part, owner) for part in state)
+    return state

@@ -135,7 +135,9 @@ def _normalise_events(
     if events is None:
         return edges
     if not (isinstance(events, type) and issubclass(events, enum.StrEnum)):
-        raise InvalidTable(f"{name}: events must be an enum.StrEnum class, got {events!r}")
+        raise InvalidTable(
+            f"{name}: events must be an enum.StrEnum class, got {events!r}; to use plain "
+            f"names, leave events out (the edges' names are the events)")
     out = []
     for e in edges:
         try:
@@ -222,9 +224,17 @@ def make_table(
     )
     validate(table)
     if record is not None:
-        docs = {str(e.event): e.doc for e in reversed(edges)}
-        install_triggers(name, {str(ev): docs[str(ev)] for ev in all_events}, record)
+        bind_record(table, record)
     return table
+
+
+def bind_record(table: LifecycleTable, record: type) -> dict[str, bool]:
+    """Check ``table``'s guards against ``record`` and give it one trigger method per event;
+    per guard, whether it takes the event."""
+    forms = guard_methods(table, record)
+    docs = {str(e.event): e.doc for e in reversed(table.edges)}
+    install_triggers(table.name, {str(ev): docs[str(ev)] for ev in table.events}, record)
+    return forms
 
 
 def guard_methods(table: LifecycleTable, record: type) -> dict[str, bool]:

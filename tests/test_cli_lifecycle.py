@@ -120,6 +120,19 @@ def test_diagram_formats(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert capsys.readouterr().out == f"{target}\n"  # what it wrote, as for a directory
 
 
+def test_diagram_into_a_missing_folder_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "missing" / "prefill.md"
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "--table", "prefill", "--format", "md", "--out", str(target)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"pdlife diagram: --out {target}: there is no directory {target.parent} to write it "
+        f"in\n")
+    assert not target.parent.exists()
+
+
 @pytest.mark.parametrize("fmt", ["dot", "svg"])
 def test_one_table_per_dot_or_svg_output(
     fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -4,7 +4,9 @@ and what a batch looks like when a hook raises."""
 
 from __future__ import annotations
 
+import copy
 import enum
+import pickle
 import re
 from pathlib import Path
 from typing import Any, ClassVar
@@ -209,6 +211,73 @@ def test_trigger_methods_come_from_the_table() -> None:
         shop.orders("b")[0].fail(Why.DECLINED)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("when", ["lifecycle", "admission"])
+def test_a_table_without_a_record_gives_triggers_to_the_class_it_is_bound_to(when: str) -> None:
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class Unbound(Tracked):
+        def paid_in_full(self) -> bool:
+            return True
+
+        def ready(self) -> bool:
+            return False
+
+    plain = table()  # no record=
+    assert not hasattr(Unbound, "pay")
+    lc: Lifecycle[Unbound] = Lifecycle(
+        plain, dict.fromkeys(("charge", "release", "notify"), lambda u: None),
+        record=Unbound if when == "lifecycle" else None)
+    assert hasattr(Unbound, "pay") == (when == "lifecycle")
+    u = Unbound("u")
+    lc.admit(u)
+    u.pay()  # type: ignore[attr-defined]
+    u.finish()  # type: ignore[attr-defined]
+    assert u.state is S.DONE
+
+
+def test_plain_event_names_are_the_edges_not_a_list() -> None:
+    with pytest.raises(InvalidTable, match=r"events must be an enum\.StrEnum class, got "
+                       r"\['pay'\]; to use plain names, leave events out"):
+        table(Order, events=["pay"])
+
+
+def test_an_event_may_not_be_a_special_method_name() -> None:
+    with pytest.raises(InvalidTable, match=r"event '__init__' is a special method name"):
+        make_table("dunder", S, initial=S.CREATED, finals=FINALS,
+                   edges=(Edge("__init__", S.CREATED, S.DONE),))
+
+
+def test_an_ended_record_pickles_and_copies_without_its_lifecycle() -> None:
+    shop = Shop()
+    a, b = shop.orders("a", "b", paid=10)
+    with pytest.raises(LifecycleError, match=r"a Lifecycle \(shop\) cannot be pickled or "
+                       r"copied: .* pickle or copy a record once it has ended"):
+        pickle.dumps(a)
+    assert copy.deepcopy(a).owner is shop.lc  # a deep copy of a live record is a copy
+    with pytest.raises(LifecycleError, match="is a copy of a tracked record"):
+        copy.deepcopy(a).finish()  # no edge from CREATED: still named a copy
+    a.pay()
+    a.cancel("changed my mind")
+    for kept in (pickle.loads(pickle.dumps(a)), copy.deepcopy(a), copy.copy(a)):
+        assert (kept.rid, kept.state, kept.detail, kept.paid) == (
+            "a", S.CANCELLED, "changed my mind", 10)
+        assert kept.timeline == a.timeline and kept.is_final
+        assert kept.owner is not shop.lc and kept.owner.table == TABLE
+        with pytest.raises(IllegalTransition, match="CANCELLED cannot take event 'pay'"):
+            kept.pay()
+        with pytest.raises(LifecycleError, match="ended in CANCELLED: a record is admitted once"):
+            shop.lc.admit(kept)
+    assert shop.lc.get("b") is b and len(shop.lc) == 1  # the lifecycle is as it was
+
+
+def test_a_final_state_has_no_live_view() -> None:
+    shop = Shop()
+    with pytest.raises(LifecycleError, match=re.escape(
+            "shop: DONE is a final state, and the lifecycle keeps only live requests; ended "
+            "ones are counted in .finished")):
+        shop.lc.in_state(S.DONE)
+    assert dict(shop.lc.in_state(S.CREATED)) == {}
+
+
 def test_trigger_names_are_checked_against_the_class() -> None:
     @attrs.define(slots=True, eq=False, weakref_slot=False)
     class Typo(Tracked):
@@ -243,8 +312,22 @@ def test_trigger_names_are_checked_against_the_class() -> None:
         def ready(self) -> bool:
             return True
 
-    with pytest.raises(InvalidTable, match=r"Clash\.finish already exists"):
+    with pytest.raises(InvalidTable, match=r"Clash\.finish is a field of the record, and "
+                       r"event 'finish' makes a trigger method of that name; rename one"):
         table(Clash)
+
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class MethodClash(Tracked):
+        def finish(self) -> None: ...
+
+        def paid_in_full(self) -> bool:
+            return True
+
+        def ready(self) -> bool:
+            return True
+
+    with pytest.raises(InvalidTable, match=r"MethodClash\.finish already exists \(a method\)"):
+        table(MethodClash)
 
 
 def test_events_are_an_enum_per_table() -> None:
@@ -307,7 +390,7 @@ def test_a_raising_hook_never_splits_a_batch() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
     assert str(info.value) == (
         "hook 'release' raised RuntimeError: the warehouse is closed for request 'y'; event "
-        "'cancel' took effect, the requests are CANCELLED"
+        "'cancel' took effect: every request it was fired for is in CANCELLED"
     )
     # The trigger path leaves the same state.
     one_shop = Shop(raising="y")

@@ -134,6 +134,27 @@ def test_code_under_test_that_raises_is_reported_with_the_program() -> None:
     assert isinstance(info.value.__cause__, ValueError)
 
 
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class WeighedOrder(Order):
+    """A field whose validator refuses most of what the fuzzer draws for an int."""
+
+    weight: int = attrs.field(default=1, kw_only=True, validator=attrs.validators.in_(range(1, 5)))
+
+
+def test_redrawn_fields_keep_to_their_validators() -> None:
+    weights: set[int] = set()
+
+    def weighed(order: WeighedOrder) -> bool:
+        weights.add(order.weight)
+        return 1 <= order.weight < 5
+
+    run_state_machine_as_test(
+        lifecycle_state_machine(ORDER_TABLE, WeighedOrder, redraw_fields=True,
+                                invariants=[weighed]),
+        settings=fuzz_settings(max_examples=100, stateful_step_count=30, database=None))
+    assert weights > {1}  # drawn values were set, only those the validator takes
+
+
 def test_a_hook_run_twice_by_the_table_is_reported_naming_it() -> None:
     # Counting hooks only: the table's own edges call release twice on the way to a final.
     # Without satisfy, the machine draws the order's fields, so the guarded edges are taken.

@@ -234,19 +234,27 @@ def _render(args: argparse.Namespace) -> int:
     }
     if out is not None and out.is_dir():
         for name, text in texts.items():
-            (out / f"{name}.{args.format}").write_text(text, encoding="utf-8")
-            print(out / f"{name}.{args.format}")
+            _write(out / f"{name}.{args.format}", text)
     elif out is not None:
-        out.write_text("\n".join(texts.values()), encoding="utf-8")
-        print(out)
+        _write(out, "\n".join(texts.values()))
     else:
         sys.stdout.write("\n".join(texts.values()))
     return 0
 
 
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--out {path}: {exc.strerror or exc}") from None
+    print(path)
+
+
 def _checked(
     tables: dict[str, LifecycleTable], args: argparse.Namespace, out: Path | None
 ) -> dict[str, LifecycleTable]:
+    if out is not None and not out.is_dir() and not out.parent.is_dir():
+        raise UsageError(f"--out {out}: there is no directory {out.parent} to write it in")
     # A dot graph or an SVG holds one table: several need a directory to go into.
     if len(tables) > 1 and args.format in ("dot", "svg") and not (out and out.is_dir()):
         raise UsageError(
