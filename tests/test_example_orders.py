@@ -130,9 +130,9 @@ def test_pdlife_fuzz_no_shrink_reports_the_program_as_found(
     assert ("rerun: pdlife fuzz --load orders_unshrunk:ORDER_TABLE --record "
             "orders_unshrunk:Order --no-shrink --examples 300 --steps 50 --seed 0") in out
     with pytest.raises(SystemExit) as info:
-        main(["fuzz", "--no-shrink"])
+        main(["fuzz", "--satisfy", "orders_unshrunk:satisfy"])
     assert info.value.code == 2
-    assert capsys.readouterr().err == "pdlife fuzz: --no-shrink goes with --load\n"
+    assert capsys.readouterr().err == "pdlife fuzz: --satisfy goes with --load\n"
 
 
 def test_pdlife_fuzz_shows_the_program_when_a_guard_raises(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """The whole prefill scheduler under the Hypothesis machine of ``scheduler.testing.machine``.
 
 Budgets are explicit (they are the point of this file): on two CPU cores the ``ci`` profile
-runs about four thousand programs in total in under three minutes; ``HYPOTHESIS_PROFILE=dev``
-runs five times as many, longer. ``pdlife fuzz`` runs the same machine from the command line.
+runs about two and a half thousand programs in total in about a minute;
+``HYPOTHESIS_PROFILE=dev`` runs eight times as many, longer. ``pdlife fuzz`` runs the same
+machine from the command line.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from scheduler.testing.machine import scheduler_machine
 
 _DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
 # (programs, rules per program) for each machine below.
-_ECHO = (10_000, 60) if _DEV else (1800, 40)
+_ECHO = (10_000, 60) if _DEV else (1200, 40)
 _TINY = (300, 25) if _DEV else (200, 20)
 
 
@@ -86,6 +87,20 @@ def test_the_cli_reports_a_broken_scheduler_with_its_program_and_rerun_line() ->
     assert "invariant 1 (every admission is answered once" in text  # names the invariant
     assert ("rerun: pdlife fuzz --examples 50 --seed 2 --steps 10 --loop overlap "
             "--model echo") in text
+
+
+def test_the_cli_reports_unshrunk_with_no_shrink_and_says_so_in_the_rerun_line() -> None:
+    out = io.StringIO()
+    args = _args("--examples", "50", "--steps", "10", "--seed", "2", "--loop", "normal",
+                 "--no-shrink")
+    status = run_fuzz(
+        args, lambda loop: scheduler_machine(loop=loop, reference=lambda prompt: -1), out
+    )
+    text = out.getvalue()
+    assert status == 1
+    assert "first token" in text and "state.submit(" in text
+    assert ("rerun: pdlife fuzz --examples 50 --seed 2 --steps 10 --loop normal "
+            "--model echo --no-shrink") in text
 
 
 class _WrongLengthRunner(PageEchoRunner):

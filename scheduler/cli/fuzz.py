@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TextIO
 from scheduler.cli.command import Subcommand
 
 if TYPE_CHECKING:
+    from hypothesis import settings
     from hypothesis.stateful import RuleBasedStateMachine
 
 
@@ -41,6 +42,11 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="echo: a page-checking fake runner (fast); tiny: the reference "
                         "Llama in its tiny shape, first tokens checked against the colocated "
                         "reference (tens of ms per forward) (default: echo)")
+    parser.add_argument("--explain", action="store_true",
+                        help="run Hypothesis's explain phase on a failure (slow)")
+    parser.add_argument("--no-shrink", action="store_true",
+                        help="report the first failing program as found, not shrunk (shrinking "
+                        "a deep failure can take a minute)")
 
 
 def _defaults(args: argparse.Namespace) -> None:
@@ -49,8 +55,28 @@ def _defaults(args: argparse.Namespace) -> None:
 
 
 def _rerun(args: argparse.Namespace, loop: str) -> str:
+    shrink = " --no-shrink" if args.no_shrink else ""
     return (f"pdlife fuzz --examples {args.examples} --seed {args.seed} --steps {args.steps} "
-            f"--loop {loop} --model {args.model}")
+            f"--loop {loop} --model {args.model}{shrink}")
+
+
+def fuzz_run_settings(args: argparse.Namespace, *, print_blob: bool) -> settings:
+    """The Hypothesis settings of a ``pdlife fuzz`` run: ``args``' budget, no example
+    database, no deadline, no explain phase unless ``--explain``, no shrinking with
+    ``--no-shrink``."""
+    from hypothesis import Phase
+    from hypothesis import settings as hypothesis_settings
+
+    from lifecycle.testing import fuzz_settings
+
+    run_settings = fuzz_settings(
+        explain=args.explain, max_examples=args.examples, stateful_step_count=args.steps,
+        database=None, derandomize=False, print_blob=print_blob,
+    )
+    if args.no_shrink:
+        run_settings = hypothesis_settings(run_settings, phases=[
+            p for p in run_settings.phases if p is not Phase.shrink])
+    return run_settings
 
 
 def run_fuzz(
@@ -63,17 +89,13 @@ def run_fuzz(
     the :class:`~scheduler.testing.verdicts.Kind` of the failure (1 an invariant broken, 3 the
     code under test raised, 4 the fuzz machine itself failed)."""
     _defaults(args)
-    from hypothesis import HealthCheck, seed, settings
+    from hypothesis import seed
     from hypothesis.stateful import run_state_machine_as_test
 
     from scheduler.testing.setup import iter_loops
     from scheduler.testing.verdicts import EXIT_OK, classify
 
-    run_settings = settings(
-        max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
-        database=None, derandomize=False, print_blob=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
+    run_settings = fuzz_run_settings(args, print_blob=True)
     for loop in iter_loops(args.loop):
         machine = seed(args.seed)(make_machine(loop))
         started = time.monotonic()

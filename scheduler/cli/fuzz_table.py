@@ -43,11 +43,6 @@ def table_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
                        "record=)")
     group.add_argument("--satisfy", metavar="MODULE:FUNC",
                        help="satisfy(record, edge) makes the edge's guards hold")
-    group.add_argument("--explain", action="store_true",
-                       help="run Hypothesis's explain phase on a failure (slow)")
-    group.add_argument("--no-shrink", action="store_true",
-                       help="report the first failing program as found, not shrunk (shrinking "
-                       "a deep failure can take a minute)")
 
 
 def _record_class(args: argparse.Namespace, table: Any) -> type:
@@ -79,11 +74,12 @@ def _rerun(args: argparse.Namespace) -> str:
 
 def run_table_fuzz(args: argparse.Namespace) -> int:
     """Fuzz the table ``args.load`` names; print the outcome; the exit status."""
-    from hypothesis import Phase, seed, settings
+    from hypothesis import seed
     from hypothesis.errors import HypothesisException
     from hypothesis.stateful import run_state_machine_as_test
 
-    from lifecycle.testing import CodeRaised, RuleBroken, fuzz_settings, lifecycle_state_machine
+    from lifecycle.testing import CodeRaised, RuleBroken, lifecycle_state_machine
+    from scheduler.cli.fuzz import fuzz_run_settings
 
     try:
         table = load_table(args.load)
@@ -99,13 +95,7 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
     machine = seed(args.seed)(lifecycle_state_machine(
         table, record, satisfy=satisfy, redraw_fields=satisfy is None, explain=args.explain
     ))
-    run_settings = fuzz_settings(
-        explain=args.explain, max_examples=args.examples, stateful_step_count=args.steps,
-        database=None, derandomize=False, print_blob=False,
-    )
-    if args.no_shrink:
-        run_settings = settings(run_settings, phases=[
-            p for p in run_settings.phases if p is not Phase.shrink])
+    run_settings = fuzz_run_settings(args, print_blob=False)
     print(f"fuzzing table {table.name!r} with {record.__name__} records: {args.examples} "
           f"programs of up to {args.steps} steps, seed {args.seed}", flush=True)
     started = time.monotonic()

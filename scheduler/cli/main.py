@@ -41,7 +41,7 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
 def _fuzz(args: argparse.Namespace) -> int:
     # --load fuzzes one's own lifecycle table; otherwise the whole prefill scheduler.
     if args.load is None:
-        for flag in ("record", "satisfy", "explain", "no_shrink"):
+        for flag in ("record", "satisfy"):
             if getattr(args, flag):
                 raise UsageError(f"--{flag.replace('_', '-')} goes with --load")
         return SCHEDULER_FUZZ.run(args)
