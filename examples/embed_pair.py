@@ -45,7 +45,8 @@ def main() -> int:
         "pages": "Pages move from one pool to the other, " * 6,  # > 64 tokens: chunked
         "stop": "Stop at a byte the model writes",
     }
-    # The weights are random, so no byte is sure to come: stop at the one it writes sixth.
+    # The weights are random, so no byte is sure to come: stop on the byte it writes sixth
+    # (the answer stops where that byte first comes, which may be sooner).
     sixth = reference.generate(tok.encode(prompts["stop"], add_bos=True), 6)[5]
     sampling = {
         "greeting": SamplingParams(max_new_tokens=12),

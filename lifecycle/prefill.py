@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -55,13 +56,24 @@ class PrefillEvent(enum.StrEnum):
 
 
 def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
-    """Token ids as the immutable tuple records keep (an attrs converter)."""
-    return tuple(ids)
+    """Token ids as the immutable tuple of ints records keep (an attrs converter); numpy's and
+    torch's integer scalars become ints. Anything but an iterable of integers (a string, one
+    int, floats) raises ``TypeError``."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise TypeError(f"token ids must be a sequence of integers, got {ids!r:.80}")
+    try:
+        return tuple(map(operator.index, ids))
+    except TypeError:
+        bad = next(t for t in ids if not hasattr(t, "__index__"))
+        raise TypeError(f"token ids must be integers, got {bad!r:.40} "
+                        f"({type(bad).__name__})") from None
 
 
-def as_stop_strings(stop: str | Iterable[str]) -> tuple[str, ...]:
+def as_stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
     """Stop strings as the tuple records keep (an attrs converter): one string is one stop
-    string, not its characters; anything else raises ``ValueError``."""
+    string, not its characters; None is none; anything else raises ``ValueError``."""
+    if stop is None:
+        return ()
     if not isinstance(stop, str | Iterable):
         raise ValueError(f"stop must be a string or strings, got {stop!r}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -110,6 +122,24 @@ class GrammarSpec:
     source: str = ""
 
 
+def of_type(types: type | tuple[type, ...], name: str) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: ``value`` is one of ``types`` (a bool is a bool, not a number), so
+    a wrong type is refused where the request is built, not in a forward pass; ``name`` says
+    what is wanted."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, types) or (isinstance(value, bool) and name != "a bool"):
+            raise TypeError(f"{attribute.name} must be {name}, got {value!r:.40} "
+                            f"({type(value).__name__})")
+
+    return check
+
+
+_INT = of_type(int, "an integer")
+_NUMBER = of_type((float, int), "a number")
+_BOOL = of_type(bool, "a bool")
+
+
 def _in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any, Any, Any], None]:
     """An attrs validator: ``value`` in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``)."""
 
@@ -144,26 +174,33 @@ class SamplingParams:
     bias) is added.
     """
 
-    max_new_tokens: int = attrs.field(default=16)
+    max_new_tokens: int = attrs.field(default=16, validator=_INT)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=as_token_ids)
-    ignore_eos: bool = False
-    temperature: float = attrs.field(default=0.0, kw_only=True, validator=_in(0.0, 100.0))
-    top_p: float = attrs.field(default=1.0, kw_only=True, validator=_in(0.0, 1.0, lo_open=True))
-    top_k: int = attrs.field(default=0, kw_only=True, validator=_in(0, 1 << 31))
-    min_p: float = attrs.field(default=0.0, kw_only=True, validator=_in(0.0, 1.0))
-    seed: int | None = attrs.field(default=None, kw_only=True)
+    ignore_eos: bool = attrs.field(default=False, validator=_BOOL)
+    temperature: float = attrs.field(default=0.0, kw_only=True,
+                                     validator=[_NUMBER, _in(0.0, 100.0)])
+    top_p: float = attrs.field(default=1.0, kw_only=True,
+                               validator=[_NUMBER, _in(0.0, 1.0, lo_open=True)])
+    top_k: int = attrs.field(default=0, kw_only=True, validator=[_INT, _in(0, 1 << 31)])
+    min_p: float = attrs.field(default=0.0, kw_only=True, validator=[_NUMBER, _in(0.0, 1.0)])
+    seed: int | None = attrs.field(default=None, kw_only=True,
+                                   validator=attrs.validators.optional(_INT))
     stop: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=as_stop_strings)
     stop_regex: tuple[str, ...] = attrs.field(default=(), kw_only=True,
                                               converter=as_stop_strings)
-    return_logprob: bool = attrs.field(default=False, kw_only=True)
-    top_logprobs_num: int = attrs.field(default=0, kw_only=True, validator=_in(0, TOP_LOGPROBS_MAX))
-    logprob_start_len: int = attrs.field(default=-1, kw_only=True)
-    grammar: GrammarSpec | None = attrs.field(default=None, kw_only=True)
-    frequency_penalty: float = attrs.field(default=0.0, kw_only=True, validator=_in(-2.0, 2.0))
-    presence_penalty: float = attrs.field(default=0.0, kw_only=True, validator=_in(-2.0, 2.0))
+    return_logprob: bool = attrs.field(default=False, kw_only=True, validator=_BOOL)
+    top_logprobs_num: int = attrs.field(default=0, kw_only=True,
+                                        validator=[_INT, _in(0, TOP_LOGPROBS_MAX)])
+    logprob_start_len: int = attrs.field(default=-1, kw_only=True, validator=_INT)
+    grammar: GrammarSpec | None = attrs.field(default=None, kw_only=True, validator=(
+        attrs.validators.optional(of_type(GrammarSpec, "a GrammarSpec"))))
+    frequency_penalty: float = attrs.field(default=0.0, kw_only=True,
+                                           validator=[_NUMBER, _in(-2.0, 2.0)])
+    presence_penalty: float = attrs.field(default=0.0, kw_only=True,
+                                          validator=[_NUMBER, _in(-2.0, 2.0)])
     repetition_penalty: float = attrs.field(default=1.0, kw_only=True,
-                                            validator=_in(0.0, 2.0, lo_open=True))
-    min_new_tokens: int = attrs.field(default=0, kw_only=True)
+                                            validator=[_NUMBER, _in(0.0, 2.0, lo_open=True)])
+    min_new_tokens: int = attrs.field(default=0, kw_only=True, validator=_INT)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), kw_only=True,
                                                             converter=as_logit_bias)
     token_ids_logprob: tuple[int, ...] = attrs.field(default=(), kw_only=True,

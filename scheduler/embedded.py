@@ -37,7 +37,7 @@ from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVPool
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from kv.state_pools import StatePools
-from lifecycle import SamplingParams
+from lifecycle import FailureReason, SamplingParams
 from lifecycle.validators import one_of
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
 from scheduler.decode import DecodeConfig
@@ -89,6 +89,17 @@ class Outcome:
 
     prefill: Response
     decode: DecodeResponse
+
+    @property
+    def answer(self) -> Response | DecodeResponse:
+        """The answer the client gets: a side's refusal (``rejected``, 400: the request's own
+        fault, which the other side only sees as its peer failing), else the prefill side's
+        failure (the decode side's is its consequence; a PD router answers with it too),
+        else the decode side's answer."""
+        for side in (self.prefill, self.decode):
+            if side.reason is FailureReason.REJECTED:
+                return side
+        return self.prefill if not self.prefill.ok else self.decode
 
 
 class EmbeddedPair:
@@ -186,8 +197,9 @@ class EmbeddedPair:
         """Send one request to both sides, as a PD router does, in a bootstrap room of its
         own (``room``, default the pair's next) (thread-safe). Raises ``ValueError`` while
         ``rid`` or ``room`` is the pair's (submitted, its outcome not yet handed over), for room
-        0 (it marks an empty metadata row) or one beyond 2**64 - 1, and ``RuntimeError`` once
-        the pair is closed."""
+        0 (it marks an empty metadata row) or one beyond 2**64 - 1, ``TypeError`` for a value
+        of the wrong type (a prompt of text, not token ids; sampling not a
+        :class:`~lifecycle.SamplingParams`), and ``RuntimeError`` once the pair is closed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"request {rid!r}: this EmbeddedPair is closed")
@@ -204,7 +216,7 @@ class EmbeddedPair:
                 raise ValueError(f"request {rid!r}: bootstrap room {room} is in use: a request "
                                  "submitted in it has not had its outcome handed over")
             new = NewRequest(  # checks the room's range: refused, nothing is recorded
-                rid, tuple(prompt), bootstrap_host=self.bootstrap_host,
+                rid, prompt, bootstrap_host=self.bootstrap_host,
                 bootstrap_port=self.bootstrap_port, bootstrap_room=room, sampling=sampling,
             )
             self._submitted[rid] = room

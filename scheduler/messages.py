@@ -14,13 +14,16 @@ from typing import Any, Protocol, TypeVar
 import attrs
 
 from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
-from lifecycle.prefill import DEFAULT_SAMPLING, as_token_ids
+from lifecycle.prefill import DEFAULT_SAMPLING, as_token_ids, of_type
 
 # Requests for this bootstrap host use the fake transfer backend (SGLang's warm-up and
 # health-check path).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 # The bootstrap host of the in-process local backend (prefill and decode in one process).
 LOCAL_HOST = "local"
+
+
+_STR, _INT = of_type(str, "a string"), of_type(int, "an integer")
 
 
 @attrs.frozen
@@ -31,12 +34,13 @@ class NewRequest:
     says so with :data:`FAKE_BOOTSTRAP_HOST`, so no request is ever routed to a peer nobody
     chose."""
 
-    rid: str
+    rid: str = attrs.field(validator=_STR)
     input_ids: tuple[int, ...] = attrs.field(converter=as_token_ids)
-    bootstrap_host: str = attrs.field(validator=attrs.validators.min_len(1))
-    bootstrap_port: int = 0
-    bootstrap_room: int = attrs.field(default=0)
-    sampling: SamplingParams = DEFAULT_SAMPLING  # frozen: one shared default
+    bootstrap_host: str = attrs.field(validator=[_STR, attrs.validators.min_len(1)])
+    bootstrap_port: int = attrs.field(default=0, validator=_INT)
+    bootstrap_room: int = attrs.field(default=0, validator=_INT)
+    sampling: SamplingParams = attrs.field(  # frozen: one shared default
+        default=DEFAULT_SAMPLING, validator=of_type(SamplingParams, "a SamplingParams"))
 
     @bootstrap_room.validator
     def _check_room(self, _attr: object, value: int) -> None:

@@ -46,7 +46,11 @@ class ForwardBatch:
 
 class ModelRunner(Protocol):
     """Runs a batch: writes the K/V of every item's tokens into ``pool`` and returns, per item,
-    the greedy next token after its last input token."""
+    the greedy next token after its last input token.
+
+    A runner whose model has a context limit says so in an attribute ``max_position`` (the
+    shipped runners do): admission then refuses a request whose prompt and answer need more
+    positions (:mod:`scheduler.sample.request`)."""
 
     pool: KVPool
 

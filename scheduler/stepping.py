@@ -27,12 +27,13 @@ def step_until(
     step: Callable[[], bool],
     done: Callable[[], bool],
     timeout: float,
-    timed_out: Callable[[], str],
+    timed_out: Callable[[], str] | None = None,
 ) -> None:
-    """Step until ``done()``; raise ``TimeoutError(timed_out())`` after ``timeout`` wall
-    seconds."""
+    """Step until ``done()``; raise ``TimeoutError`` after ``timeout`` wall seconds, with the
+    message ``timed_out()`` (say what is still missing), or a plain one without it."""
     end = time.monotonic() + timeout
     while not done():
         if time.monotonic() > end:
-            raise TimeoutError(timed_out())
+            raise TimeoutError(timed_out() if timed_out is not None else
+                               f"the condition did not hold within {timeout} s")
         step_or_rest(step)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import attrs
 import pytest
 
 from lifecycle import FailureReason, PrefillState, SamplingParams
@@ -71,6 +72,49 @@ def test_a_request_id_is_the_pairs_until_its_outcome_is_handed_over():
             assert out.prefill.ok and out.decode is not None and out.decode.ok, out
             assert pair.prefill_responses == {} and pair.decode_responses == {}
         pair.prefill.check_invariants()
+    finally:
+        pair.close()
+
+
+def test_a_wrong_type_at_submit_raises_there_and_the_pair_serves_on():
+    """A prompt of text or a dict for sampling reached the engine's pass, whose TypeError ended
+    the pair's loop for every request (and close() raised it again)."""
+    pair = make_pair()
+    try:
+        pair.submit("good", [1, 2, 3], SamplingParams(max_new_tokens=3))
+        with pytest.raises(TypeError, match="token ids must be a sequence of integers, got "
+                                            "'hello'"):
+            pair.submit("bad", "hello", SamplingParams(max_new_tokens=3))
+        with pytest.raises(TypeError, match=r"sampling must be a SamplingParams, got "
+                                            r"{'max_new_tokens': 4} \(dict\)"):
+            pair.submit("bad", [1], {"max_new_tokens": 4})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="rid must be a string, got 7"):
+            pair.submit(7, [1], SamplingParams())  # type: ignore[arg-type]
+        pair.submit("bad", [4, 5], SamplingParams(max_new_tokens=2))  # nothing was recorded
+        out = pair.run_until_done(["good", "bad"])
+        assert all(o.answer.ok for o in out.values()), out
+    finally:
+        pair.close()
+
+
+def test_a_request_beyond_the_models_context_is_refused_on_both_sides():
+    """It was computed, then failed on prefill as internal (a 500) past the context, or on
+    decode after a few tokens when only the answer went beyond it."""
+    cfg = PairConfig(model=attrs.evolve(ModelConfig.tiny(), max_position=64),
+                     prefill_pages=64, decode_pages=64,
+                     scheduler=SchedulerConfig(page_size=4, check_invariants=True))
+    pair = EmbeddedPair(cfg)
+    try:
+        pair.submit("long", list(range(60)), SamplingParams(max_new_tokens=6))
+        pair.submit("fits", list(range(60)), SamplingParams(max_new_tokens=5))
+        out = pair.run_until_done(["long", "fits"])
+        why = ("request 'long': prompt (60 tokens) + max_new_tokens (6) - 1 exceeds the "
+               "model's context of 64 positions")
+        for side in (out["long"].prefill, out["long"].decode):
+            assert (side.reason, side.detail) == (FailureReason.REJECTED, why), side
+        assert out["long"].answer is out["long"].prefill
+        assert out["fits"].answer is out["fits"].decode
+        assert len(out["fits"].decode.output_ids) == 5, out["fits"]
     finally:
         pair.close()
 

@@ -475,12 +475,17 @@ def test_a_grammar_beyond_the_engines_limits_fails_as_the_clients_on_either_side
     assert first.reason is FailureReason.REJECTED, first
     assert "grammar engine cannot run" in first.detail
     assert "(token 97 at output position 0)" in first.detail, first.detail
+    # The decode side only saw its peer abort; the client gets the refusal.
+    assert out["first"].decode.reason is FailureReason.TRANSFER_FAILED, out["first"].decode
+    assert out["first"].answer is first
     assert out["later"].prefill.reason is None, out["later"].prefill
     later = out["later"].decode
     assert later is not None and later.reason is FailureReason.REJECTED, later
     assert "too many expressions" in later.detail
     assert "(token 101 at output position 4)" in later.detail, later.detail
     assert list(later.output_ids[:4]) == list(b"abce")
+    assert out["later"].answer is later
     answer = out["healthy"].decode
     assert answer is not None and answer.ok, answer
+    assert out["healthy"].answer is answer
     assert re.fullmatch("[a-c]{4}", byte_model.decode(answer.output_ids))

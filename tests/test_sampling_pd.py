@@ -573,3 +573,24 @@ def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> N
             assert first.logprob == pytest.approx(float(want[first.token]), abs=1e-5)
             assert len(first.top) == TOP
     assert list(got["biased"].output_ids) == [7, 7, 7, 7]  # the first token from the fake too
+
+
+def test_the_decode_peer_says_whether_the_id_or_the_room_is_in_use() -> None:
+    pool = MODEL.make_pool(num_pages=32, page_size=4)
+    runner = PagedModelRunner(MODEL, pool)
+    metadata = MetadataBuffers(4)
+    fake = LocalPrefillFake(runner, metadata)
+    answers: list[DecodeResponse] = []
+    peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
+                      slots=SlotAllocator(4), on_response=answers.append)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    fake.expect(500, "a", PROMPTS["p17"], params)
+    for rid, room in (("a", 500), ("a", 501), ("b", 500)):
+        peer.submit(NewRequest(rid, tuple(PROMPTS["p17"]), bootstrap_host=FAKE_BOOTSTRAP_HOST,
+                               bootstrap_room=room, sampling=params))
+    step_until(peer.step, lambda: len(answers) == 3, 30.0, lambda: f"answered: {answers}")
+    refused = [(a.rid, a.reason, a.detail) for a in answers if not a.ok]
+    assert refused == [("a", FailureReason.REJECTED, "request id 'a' is already live"),
+                       ("b", FailureReason.REJECTED,
+                        "bootstrap room 500 is in use by a live request")], answers
+    assert [a.rid for a in answers if a.ok] == ["a"]

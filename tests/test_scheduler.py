@@ -16,6 +16,7 @@ from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner,
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch
+from scheduler.stepping import step_until
 from scheduler.testing.device import SteppedDevice
 
 S = PrefillState
@@ -342,6 +343,24 @@ def test_the_overlap_loop_runs_forwards_on_the_device_it_is_given():
     h.assert_empty()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_closed_scheduler_takes_no_requests_and_runs_no_passes(overlap: bool) -> None:
+    """A submit after close() was served (normal loop), and a step after it raised out of the
+    device worker's executor and stranded pages (overlap loop)."""
+    h = Harness(overlap=overlap, device=SteppedDevice() if overlap else None)
+    h.submit("a", 6)
+    while h.answered() != {"a": (S.DONE, None)}:
+        h.step()
+    h.sched.close()
+    h.sched.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="this PrefillScheduler is closed: it takes no more"):
+        h.submit("b", 6)
+    with pytest.raises(RuntimeError, match="this PrefillScheduler is closed: it runs no more"):
+        h.sched.step()
+    assert h.sched.lifecycle.get("b") is None
+    h.assert_empty()
+
+
 def test_a_device_needs_the_overlap_loop():
     with pytest.raises(ValueError, match="only the overlap loop"):
         Harness(device=SteppedDevice())
@@ -397,6 +416,35 @@ def test_sampling_params_are_validated():
         SamplingParams(stop=["ok", 5])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         SchedulerConfig(page_size=16, chunked_prefill_size=8)
+    assert SamplingParams(stop=None).stop == ()  # OpenAI's null: no stop strings
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"max_new_tokens": "8"}, "max_new_tokens must be an integer, got '8' (str)"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True (bool)"),
+    ({"temperature": "0.5"}, "temperature must be a number, got '0.5' (str)"),
+    ({"ignore_eos": 1}, "ignore_eos must be a bool, got 1 (int)"),
+    ({"seed": 1.5}, "seed must be an integer, got 1.5 (float)"),
+    ({"grammar": {"type": "object"}}, "grammar must be a GrammarSpec, got {'type': 'object'}"),
+    ({"stop_token_ids": 5}, "token ids must be a sequence of integers, got 5"),
+    ({"stop_token_ids": [1, "2"]}, "token ids must be integers, got '2' (str)"),
+    ({"min_new_tokens": "1"}, "min_new_tokens must be an integer, got '1' (str)"),
+])
+def test_sampling_params_refuse_a_wrong_type_where_they_are_built(
+        fields: dict[str, object], says: str) -> None:
+    """A wrong type failed much later, in the engine's pass (a TypeError comparing an int with
+    a string ended an embedded pair's loop for every request)."""
+    with pytest.raises(TypeError) as refused:
+        SamplingParams(**fields)  # type: ignore[arg-type]
+    assert str(refused.value).startswith(says), refused.value
+
+
+def test_sampling_params_take_ints_for_numbers_and_numpy_ids() -> None:
+    import numpy as np
+
+    params = SamplingParams(temperature=1, top_p=1, stop_token_ids=np.array([3, 4]))
+    assert params.temperature == 1 and params.stop_token_ids == (3, 4)
+    assert all(type(t) is int for t in params.stop_token_ids)
 
 
 def test_the_delayer_gates_every_pass_and_counts_outcomes():
@@ -447,3 +495,10 @@ def test_a_failing_forward_fails_its_batch_and_the_loop_goes_on(overlap):
     assert "device error" in h.responses[0].detail
     assert h.responses[0].http_status == 500
     h.assert_empty()
+
+
+def test_step_until_names_its_timeout_when_not_told_what_is_missing() -> None:
+    passes: list[int] = []
+    with pytest.raises(TimeoutError, match=r"^the condition did not hold within 0\.01 s$"):
+        step_until(lambda: passes.append(1) is None, lambda: False, 0.01)
+    assert passes  # it stepped meanwhile

@@ -192,8 +192,12 @@ class DecodePeer:
             # Room 0 marks an empty metadata row: the first token could never be read back.
             self._refuse(new, "bootstrap_room must be non-zero")
             return
-        if new.rid in self.lifecycle or new.bootstrap_room in self._rooms:
-            self._refuse(new, f"request id or bootstrap room {new.bootstrap_room} in use")
+        if new.rid in self.lifecycle:
+            self._refuse(new, f"request id {new.rid!r} is already live")
+            return
+        if new.bootstrap_room in self._rooms:
+            self._refuse(new, f"bootstrap room {new.bootstrap_room} is in use by a live "
+                              "request")
             return
         self.lifecycle.admit(req)
         n = len(req.input_ids)

@@ -52,6 +52,7 @@ class DraftingRunner:
         self.target, self.draft, self.k = target, draft, k
         self.pool = target.pool
         self.vocab_size = target.vocab_size
+        self.max_position = target.max_position
         self._lock = threading.Lock()
         self._kept: dict[str, tuple[torch.Tensor, ForwardItem]] = {}
 

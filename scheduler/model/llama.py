@@ -292,6 +292,7 @@ class LlamaRunner:
         self.model = model
         self.pool = pool
         self.vocab_size = c.vocab_size
+        self.max_position = c.max_position
 
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Write every item's K/V into the pool; return each item's greedy next token, the

@@ -147,6 +147,7 @@ class PagedModelRunner:
         self.swa_pool = swa_pool
         self.states = states
         self.vocab_size = c.vocab_size
+        self.max_position = c.max_position
 
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Write every item's K/V into the pool; return each item's greedy next token, from

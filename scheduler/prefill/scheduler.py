@@ -172,12 +172,17 @@ class PrefillScheduler:
         self._planner = Planner(lifecycle=self.lifecycle, config=config, pool=self.pool,
                                 prefix=self.prefix, states=states)
         self.passes = 0
+        self._closed = False
         self.last_batch_size = 0  # requests in the batch launched by the latest pass
         self.metrics.kv_pages_total.set(self.pool.num_pages)
 
     # -- the thread-safe surface ------------------------------------------------------------
 
     def submit(self, req: NewRequest) -> None:
+        """Queue ``req`` for the next pass (thread-safe). Raises ``RuntimeError`` once the
+        scheduler is closed."""
+        if self._closed:
+            raise RuntimeError("this PrefillScheduler is closed: it takes no more requests")
         self._admission.put(req)
 
     def abort(self, rid: str, *, shutdown: bool = False) -> None:
@@ -193,7 +198,10 @@ class PrefillScheduler:
     # -- the pass ---------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Run one pass (steps 1 to 7 of the module docstring); True if it did any work."""
+        """Run one pass (steps 1 to 7 of the module docstring); True if it did any work.
+        Raises ``RuntimeError`` once the scheduler is closed."""
+        if self._closed:
+            raise RuntimeError("this PrefillScheduler is closed: it runs no more passes")
         self.passes += 1
         worked = self._admission.receive(self._abort)  # 1
         worked |= self._poll()  # 2
@@ -245,7 +253,12 @@ class PrefillScheduler:
 
     def close(self) -> None:
         """Land what is in flight, stop the device worker and give the prefix cache's unlocked
-        pages back to the pool (nothing reuses them once the scheduler is closed)."""
+        pages back to the pool (nothing reuses them once the scheduler is closed). Requests
+        still live keep their pages: fail them first (``abort(rid, shutdown=True)`` and a
+        pass) to have every page back. Later calls do nothing; ``submit`` and ``step`` raise."""
+        if self._closed:
+            return
+        self._closed = True
         if self._inflight is not None:
             self._land(self._inflight)
             self._inflight = None

@@ -5,9 +5,10 @@ Both the prefill scheduler and the decode peer admit a request through
 that maps to 400), never served greedily instead — it needs logits and the runner has none, or
 a grammar and the side has no compiler, or a grammar that does not compile, or stop strings and
 the side cannot detokenize; so is a prompt holding an id outside the runner's vocabulary (it
-would fail its whole batch). A request that needs more than a runner's greedy ``forward`` gets a
-:class:`RequestSampling`: its stream's seed, its compiled constraint, and the logprobs gathered
-so far. The side keeps it by request id until the request is answered.
+would fail its whole batch), and a prompt and ``max_new_tokens`` beyond the runner's context
+(its ``max_position``, where it has one). A request that needs more than a runner's greedy
+``forward`` gets a :class:`RequestSampling`: its stream's seed, its compiled constraint, and the
+logprobs gathered so far. The side keeps it by request id until the request is answered.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class Sampling:
         ``min_new_tokens`` excludes with the request's stop tokens."""
         self.logits = isinstance(runner, LogitsRunner)
         self._vocab = runner.vocab_size if isinstance(runner, LogitsRunner) else None
+        self._context: int | None = getattr(runner, "max_position", None)
         self._eos = frozenset(eos_token_ids)
         self.compiler = compiler
         self.detokenize = detokenize
@@ -147,6 +149,13 @@ class Sampling:
                 prompt: Sequence[int]) -> RequestSampling | None:
         """The request's sampling state, or None when greedy ``forward`` serves it alone.
         Raises :class:`SamplingRefused`."""
+        context = self._context
+        # The last output token is never fed back: it needs no position.
+        if context is not None and len(prompt) + params.max_new_tokens - 1 > context:
+            raise SamplingRefused(
+                f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) - 1 exceeds the model's context of {context} "
+                f"positions")
         vocab = self._vocab
         if vocab is not None and prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
             # Refused alone: in a batch, an id the model cannot embed fails every request.
