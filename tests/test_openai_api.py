@@ -493,7 +493,8 @@ def test_a_request_beyond_the_context_is_refused_in_openais_words() -> None:
                 assert (error["code"], error["param"]) == ("context_length_exceeded",
                                                            "max_tokens"), error
                 assert error["message"].startswith(
-                    "This model's maximum context length is 256 tokens. However, you requested "
+                    "This server's (its KV pool's) maximum context length is 256 tokens. "
+                    "However, you requested "
                     "269 tokens (239 in the prompt, 30 in the completion). Please reduce the "
                     "length of the prompt or max_tokens."), error
                 r = await post(client, "/v1/completions", prompt="x" * 300, max_tokens=2)
@@ -540,7 +541,15 @@ def test_models_are_retrieved_and_a_wrong_path_is_an_openai_error() -> None:
                 r = await client.get("/v1/chat/completions")
                 assert (r.status_code, r.json()["error"]["code"]) == (405, "method_not_allowed")
                 r = await client.get("/no_such_route")  # elsewhere: /generate's shape
-                assert r.json()["error"]["type"] == "http_error"
+                assert r.json()["error"] == {"type": "http_error", "rid": None,
+                                             "message": "GET /no_such_route: Not Found"}
+                r = await client.get("/generate")
+                assert r.status_code == 405, r.text
+                assert r.json()["error"]["message"] == "GET /generate: Method Not Allowed"
+                metrics = (await client.get("/metrics")).text  # one label for every model
+                for status in ("200", "404"):
+                    assert (f'pdlife_http_requests_total{{method="GET",'
+                            f'route="/v1/models/{{model}}",status="{status}"}}') in metrics
             async with openai_client(service) as openai_api:
                 assert (await openai_api.models.retrieve("org/tiny")).id == "org/tiny"
                 with pytest.raises(openai.NotFoundError):

@@ -181,6 +181,11 @@ BAD_INPUTS = [
                                    ).encode(),
      "sampling_params.max_new_tokens: Input should be greater than or equal to 0"),
     ("invalid_request", json.dumps({"text": 5}).encode(), "text: should be one of list[str], str"),
+    # A constrained member is named as its type (it was "bootstrap_port.constrained-int: ...").
+    ("invalid_request", json.dumps({"text": "a", "bootstrap_port": "abc"}).encode(),
+     "bootstrap_port: should be one of int, list[int]"),
+    ("invalid_request", json.dumps({"text": "a", "bootstrap_port": 70000}).encode(),
+     "bootstrap_port: Input should be less than or equal to 65535"),
     ("bad_max_new_tokens", json.dumps({"text": "a", "sampling_params": {
         "max_new_tokens": 10**9}}).encode(), "at most 32"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "stream": True}).encode(), "stream"),

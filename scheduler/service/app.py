@@ -26,7 +26,7 @@ from scheduler.service.shedding import RETRY_AFTER_S
 _ROUTES = frozenset({
     "/health", "/health_generate", "/server_info", "/get_server_info", "/model_info",
     "/get_model_info", "/v1/models", "/metrics", "/generate", "/abort_request", "/openapi.json",
-    "/v1/completions", "/v1/chat/completions",
+    "/v1/completions", "/v1/chat/completions", "/v1/models/{model}",
 })
 
 

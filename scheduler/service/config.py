@@ -190,15 +190,16 @@ class BadRequest(Exception):
 
 class ContextTooLong(BadRequest):
     """A prompt and its answer beyond what the server can hold (``prompt_too_long``): the
-    model's context or the KV pool, ``limit`` tokens. The OpenAI routes say it as OpenAI does
-    (``context_length_exceeded``)."""
+    model's context or (``pool``) the KV pool, ``limit`` tokens. The OpenAI routes say it as
+    OpenAI does (``context_length_exceeded``)."""
 
     def __init__(self, message: str, *, prompt_tokens: int, new_tokens: int,
-                 limit: int) -> None:
+                 limit: int, pool: bool = False) -> None:
         super().__init__("prompt_too_long", message)
         self.prompt_tokens = prompt_tokens
         self.new_tokens = new_tokens
         self.limit = limit
+        self.pool = pool
 
 
 def peer_refusal(kind: str, status: int, message: str) -> str:
@@ -358,7 +359,7 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
     if pages_needed(n + new_tokens, c.scheduler.page_size) > c.pool_pages:
         raise ContextTooLong(
             f"request {rid!r}: {n + new_tokens} tokens exceed the KV pool of {pool_tokens} "
-            f"tokens", prompt_tokens=n, new_tokens=new_tokens, limit=pool_tokens)
+            f"tokens", prompt_tokens=n, new_tokens=new_tokens, limit=pool_tokens, pool=True)
 
 
 def _with_bootstrap(

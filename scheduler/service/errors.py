@@ -68,10 +68,16 @@ def failure_kind(answer: Answer) -> str:
 
 def _is_union_tag(part: object) -> bool:
     """A pydantic location part that names a union member (``list[int]``, ``SamplingParamsBody``,
-    ``str``) rather than a field (the API's fields are snake_case)."""
+    ``str``, ``constrained-int``) rather than a field (the API's fields are snake_case)."""
     return isinstance(part, str) and (
-        "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool")
+        "[" in part or "-" in part or part[:1].isupper()
+        or part in ("str", "int", "float", "bool")
     )
+
+
+def _type_name(tag: str) -> str:
+    """A union member's name as a client reads it: ``constrained-int`` is an ``int``."""
+    return tag.replace("constrained-", "")
 
 
 def _is_type_mismatch(error: dict[str, Any]) -> bool:
@@ -110,7 +116,7 @@ def plain_validation_errors(errors: Sequence[Any]) -> list[str]:
         if len(models) == 1:
             messages.extend(plain_validation_errors(next(iter(models.values()))))
             continue
-        tags = sorted({tag for tag, _, _ in found if tag})
+        tags = sorted({_type_name(tag) for tag, _, _ in found if tag})
         relevant = [(where, e) for _, where, e in found if not _is_type_mismatch(e)]
         if relevant or len(tags) < 2:
             chosen = relevant or [(where, e) for _, where, e in found]
@@ -132,7 +138,8 @@ def install_error_handlers(app: FastAPI, service: Service) -> None:
             what = f"{request.method} {request.url.path}: {exc.detail}"
             return openai_error(exc.status_code, what,
                                 str(exc.detail).lower().replace(" ", "_"))
-        return error(exc.status_code, "http_error", str(exc.detail))
+        return error(exc.status_code, "http_error",
+                     f"{request.method} {request.url.path}: {exc.detail}")
 
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -188,16 +188,25 @@ class BodyLimit(HttpMiddleware):
 
 
 class HttpMetrics(HttpMiddleware):
-    """Counts every answer by route, method and status; times it to its first byte."""
+    """Counts every answer by route, method and status; times it to its first byte. A route
+    with a parameter (``/v1/models/{model}``) is one label for every path it matches; a path
+    of no route is ``other``."""
 
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics, routes: frozenset[str]) -> None:
         super().__init__(app)
         self.metrics = metrics
         self.routes = routes
+        self.templates = tuple((r.split("{", 1)[0], r) for r in sorted(routes) if "{" in r)
+
+    def _route(self, path: str) -> str:
+        if path in self.routes:
+            return path
+        return next((route for prefix, route in self.templates
+                     if path.startswith(prefix) and len(path) > len(prefix)), "other")
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        route = path if path in self.routes else "other"
+        route = self._route(path)
         start = time.monotonic()
 
         async def counted(message: Message) -> None:

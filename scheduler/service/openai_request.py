@@ -341,12 +341,14 @@ def _prompt_field(prefix: str) -> str:
 def _too_long(exc: ContextTooLong, rid: str, prefix: str, max_name: str) -> FieldError:
     """OpenAI's refusal of a request beyond the context, in its words (clients look for the
     code ``context_length_exceeded`` or "maximum context length"); ``param`` is the field to
-    change: ``max_tokens`` when the prompt alone fits."""
+    change: ``max_tokens`` when the prompt alone fits. Where the KV pool is the limit, the
+    server's context is named, not the model's."""
     where = "messages" if prefix == "chatcmpl" else "prompt"
     prompt_fits = exc.prompt_tokens + (exc.new_tokens > 0) <= exc.limit
+    holder = "server's (its KV pool's)" if exc.pool else "model's"
     error = FieldError(
         "context_length_exceeded",
-        f"This model's maximum context length is {exc.limit} tokens. However, you requested "
+        f"This {holder} maximum context length is {exc.limit} tokens. However, you requested "
         f"{exc.prompt_tokens + exc.new_tokens} tokens ({exc.prompt_tokens} in the {where}, "
         f"{exc.new_tokens} in the completion). Please reduce the length of the {where} or "
         f"{max_name}. ({exc})",
