@@ -544,7 +544,9 @@ def test_a_runner_without_logits_refuses_what_needs_them(params: SamplingParams)
 # -- the fake bootstrap host: the decode side computes the prompt itself ----------------------
 
 
-def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> None:
+def _warm_up_peer() -> tuple[DecodePeer, LocalPrefillFake, list[DecodeResponse]]:
+    """A decode peer whose requests all take the fake host (it computes their prompts), the
+    fake, and the peer's answers."""
     pool = MODEL.make_pool(num_pages=32, page_size=4)
     runner = PagedModelRunner(MODEL, pool)
     metadata = MetadataBuffers(4)
@@ -552,6 +554,11 @@ def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> N
     answers: list[DecodeResponse] = []
     peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
                       slots=SlotAllocator(4), on_response=answers.append)
+    return peer, fake, answers
+
+
+def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> None:
+    peer, fake, answers = _warm_up_peer()
     requests = {"warm": attrs.evolve(WARM, seed=21), "room": attrs.evolve(WARM, seed=None),
                 "plain": SamplingParams(max_new_tokens=5, ignore_eos=True),
                 "biased": SamplingParams(max_new_tokens=4, ignore_eos=True,
@@ -576,13 +583,7 @@ def test_the_warm_up_path_draws_the_first_token_as_the_prefill_side_would() -> N
 
 
 def test_the_decode_peer_says_whether_the_id_or_the_room_is_in_use() -> None:
-    pool = MODEL.make_pool(num_pages=32, page_size=4)
-    runner = PagedModelRunner(MODEL, pool)
-    metadata = MetadataBuffers(4)
-    fake = LocalPrefillFake(runner, metadata)
-    answers: list[DecodeResponse] = []
-    peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
-                      slots=SlotAllocator(4), on_response=answers.append)
+    peer, fake, answers = _warm_up_peer()
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     fake.expect(500, "a", PROMPTS["p17"], params)
     for rid, room in (("a", 500), ("a", 501), ("b", 500)):
