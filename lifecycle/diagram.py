@@ -245,7 +245,11 @@ def sync_docs(text: str, tables: Mapping[str, LifecycleTable],
     blocks = doc_blocks(tables, extra)
     missing = sorted(set(blocks) - {m.group("name") for m in _BLOCK.finditer(text)})
     if missing:
-        raise DiagramError(f"the document has no generated block for {missing}")
+        first = missing[0]
+        raise DiagramError(
+            f"the document has no generated block for {missing}: put a pair of marker lines "
+            f"where each goes, e.g. '<!-- BEGIN GENERATED: {first} -->' and "
+            f"'<!-- END GENERATED: {first} -->', each on a line of its own")
 
     def fill(m: re.Match[str]) -> str:
         name = m.group("name")

@@ -57,7 +57,8 @@ class HookFailed(LifecycleError):
         self.dest = dest
         self.errors = tuple(errors)
         first_rid, first_hook, first_exc = self.errors[0]
-        more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+        others = len(self.errors) - 1
+        more = f" (and {others} more hook error{'s' if others > 1 else ''})" if others else ""
         super().__init__(
             f"hook {first_hook!r} raised {type(first_exc).__name__}: {first_exc} for request "
             f"{first_rid!r}{more}; event {str(event)!r} took effect: every request it was "

@@ -55,7 +55,7 @@ _SIMPLE: dict[Any, st.SearchStrategy[Any]] = {
     int: st.integers(min_value=-1, max_value=100),
     float: st.floats(min_value=-1.0, max_value=100.0),
     bool: st.booleans(),
-    str: st.sampled_from(["", "x", "1 Main St"]),
+    str: st.sampled_from(["", "x", "a longer text"]),
 }
 
 
@@ -112,6 +112,13 @@ def counting_hooks(
         return hook
 
     return {name: counting(name) for name in table.hooks()}
+
+
+def shown_fields(req: Any) -> str:
+    """``req``'s own fields as a report shows them (``slots=1, note='x'``; long values cut)."""
+    shown = [f"{f.name}={getattr(req, f.name)!r:.40}" for f in attrs.fields(type(req))
+             if f.name not in _TRACKED_FIELDS]
+    return ", ".join(shown) or "no fields of its own"
 
 
 def redraw_fields(data: st.DataObject, req: Any) -> str:
@@ -300,4 +307,5 @@ class MachineInvariants:
                     raise self.broken(f"invariant {name}", message, rid) from None
                 # None passes (an invariant that asserts); any other falsy result fails.
                 if ok is not None and not ok:
-                    raise self.broken(f"invariant {name}", f"false for {rid}", rid)
+                    raise self.broken(f"invariant {name}",
+                                      f"false for {rid} ({shown_fields(r)})", rid)

@@ -221,9 +221,14 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             self.attempt = f"{req.rid}: fields set to {drawn}"
             if req.owner is not self.lifecycle:
                 break
+            # A guard that raises here is reported on this step, as the one evaluating it.
+            set_to, self.attempt = self.attempt, (f"{self.attempt}; the guards of "
+                                                  f"{_guarding(edge)} evaluated")
             with self._code_under_test(f"a guard of {_guarding(edge)} on {req.rid}", req.rid):
                 if not self.lifecycle.refusal(req, edge.event):
+                    self.attempt = set_to
                     break
+            self.attempt = set_to
         self._done(self.attempt)
 
     def _pure_refusal(self, req: Any, event: str, edge: Edge | None) -> str:

@@ -211,7 +211,8 @@ class Lifecycle(Generic[R]):
         assert req.state is not None
         step = self._steps.get((req.state, event))
         if step is None:
-            return self.table.no_edge(req.state, event)
+            refused = self._no_step(req, req.state, event)
+            return refused.why if isinstance(refused, IllegalTransition) else str(refused)
         if step.src_bucket.get(req.rid) is not req:
             return str(self._misfiled(req))
         try:
@@ -225,10 +226,17 @@ class Lifecycle(Generic[R]):
     def admit(self, req: R) -> None:
         """Start tracking ``req`` in the table's initial state; its timeline starts with the
         admission (a timeline it held before is replaced). A record is admitted once: one that
-        is tracked, or that ended, is refused (a new attempt is a new record)."""
+        is tracked, or that ended, is refused (a new attempt is a new record), and so is one
+        built in another state than the initial one."""
         if type(req) is not self._kind:
             self._admit_kind(type(req))
         rid = req.rid
+        state = req.state
+        if state is not None and state is not self._initial and req.owner is None:
+            raise LifecycleError(
+                f"request {rid!r} was built in state {state.name}: a record starts in the "
+                f"initial state {self._initial.name}, and only firing events moves it; leave "
+                f"state out when you build it")
         # ``setdefault`` files the request under its id unless another is: one lookup.
         if req.owner is not None or self._by_rid.setdefault(rid, req) is not req:
             raise self._admitted_before(req)
@@ -274,9 +282,7 @@ class Lifecycle(Generic[R]):
         assert state is not None
         step = self._steps.get((state, event))
         if step is None:
-            if state not in self.table.finals and self._by_rid.get(req.rid) is not req:
-                raise self._misfiled(req)
-            raise IllegalTransition(req.rid, state, event, self.table.no_edge(state, event))
+            raise self._no_step(req, state, event)
         if step.src_bucket.get(req.rid) is not req:  # a copy, or a state assigned by hand
             raise self._misfiled(req)
         firing = (
@@ -320,9 +326,7 @@ class Lifecycle(Generic[R]):
             raise LifecycleError(f"request {first.rid!r} was never admitted to a lifecycle")
         step = self._steps.get((src, event))
         if step is None:
-            if src not in self.table.finals and self._by_rid.get(first.rid) is not first:
-                raise self._misfiled(first)
-            raise IllegalTransition(first.rid, src, event, self.table.no_edge(src, event))
+            raise self._no_step(first, src, event)
         firing = (
             step.firing
             if reason is None and not detail
@@ -425,6 +429,16 @@ class Lifecycle(Generic[R]):
                 raise self._misfiled(r)
         if len({id(r) for r in reqs}) != len(reqs):
             raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+
+    def _no_step(self, req: R, state: enum.IntEnum, event: str) -> LifecycleError:
+        """Why ``event`` cannot fire at ``req``, whose state ``state`` has no such edge: the
+        record is not the one filed in that state (a copy, or a state assigned by hand), or,
+        when it is, the table has no such edge (:class:`IllegalTransition`)."""
+        live = self._by_rid.get(req.rid) is req
+        if (self._index.get(state, {}).get(req.rid) is not req) if live else (
+                state not in self.table.finals):
+            return self._misfiled(req)
+        return IllegalTransition(req.rid, state, event, self.table.no_edge(state, event))
 
     def _misfiled(self, req: R) -> LifecycleError:
         """Why ``req`` is not the record this lifecycle files under its id in its state: another

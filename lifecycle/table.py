@@ -289,8 +289,13 @@ def _check_states(table: LifecycleTable) -> None:
             raise InvalidTable(f"{name}: on_enter names {s!r}, not a state"
                                f"{_state_hint(s, table.states)}")
     if table.on_enter.get(table.initial):
-        # Admission is not an edge: nothing would run them.
-        raise InvalidTable(f"{name}: on_enter hooks on the initial state {table.initial.name}")
+        # Admission is not an edge: they would run on the edges back into it only.
+        back = sorted({str(e.event) for e in table.edges if e.dest is table.initial})
+        instead = (f"; for the edges back into it, put them in after= on "
+                   f"{', '.join(repr(b) for b in back)}" if back else "")
+        raise InvalidTable(
+            f"{name}: on_enter hooks on the initial state {table.initial.name}: admission runs "
+            f"no hooks, so they would not run for a request's start{instead}")
 
 
 def _check_graph(table: LifecycleTable) -> None:

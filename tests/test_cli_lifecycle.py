@@ -84,6 +84,8 @@ def test_validate_a_broken_user_table_names_the_edge(
         ("user_tables:S", "is the class S, not a table; expected a LifecycleTable"),
         ("user_tables:RAISES", "user_tables:RAISES() raised ValueError: no table today"),
         ("user_tables:BAD_SPEC", "is not a dict of make_table arguments"),
+        ("user_tables.py:TABLE", "(give the module's name, 'user_tables', not its file; run "
+                                 "from its folder or put that folder on PYTHONPATH)"),
     ],
 )
 def test_bad_load_targets_are_usage_errors(
@@ -176,6 +178,15 @@ def test_write_docs_syncs_a_loaded_tables_blocks(
     assert main(["diagram", "--load", load, "--write-docs", str(doc)]) == 0
     assert "stateDiagram-v2" in doc.read_text() and "old" not in doc.read_text()
     assert main(["diagram", "--load", load, "--write-docs", str(doc), "--check"]) == 0
+    # A document without the markers: which file, and the lines to paste.
+    bare = tmp_path / "bare.md"
+    bare.write_text("# my lifecycle\n")
+    assert main(["diagram", "--load", load, "--write-docs", str(bare)]) == 1
+    assert capsys.readouterr().err == (
+        f"pdlife diagram: {bare}: the document has no generated block for ['toy-mermaid', "
+        "'toy-transitions']: put a pair of marker lines where each goes, e.g. "
+        "'<!-- BEGIN GENERATED: toy-mermaid -->' and '<!-- END GENERATED: toy-mermaid -->', "
+        "each on a line of its own\n")
     # A file that is not there is a usage error, not a traceback.
     with pytest.raises(SystemExit) as info:
         main(["diagram", "--load", load, "--write-docs", str(tmp_path / "none.md")])
@@ -242,3 +253,30 @@ def test_the_console_script() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("prefill: valid\n")
+
+
+def test_a_search_of_several_failures_reports_a_broken_rule_impure_guards_first(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Hypothesis raises an ExceptionGroup when one search finds distinct failures (a guard
+    that answers at random breaks several rules): it was reported as the code under test
+    raising an ExceptionGroup (exit 3), 270 lines of traceback."""
+    from lifecycle.testing import CodeRaised, RuleBroken
+    from scheduler.cli.fuzz_table import _most_telling, _print_notes
+
+    follows = RuleBroken("rule broken: illegal events are refused\n  fire ship [r3] was accepted")
+    cause = RuleBroken("rule broken: guards are pure\n  answered differently")
+    raised = CodeRaised("a guard raised")
+    group = ExceptionGroup("3 distinct failures", [raised, ExceptionGroup("2", [follows, cause])])
+    assert _most_telling(group) is cause
+    assert _most_telling(ExceptionGroup("2", [raised, follows])) is follows
+    assert _most_telling(ExceptionGroup("1", [raised])) is raised
+    # --explain's explanation is in the notes, after Hypothesis's copy of the program.
+    cause.add_note("Falsifying example:")
+    cause.add_note("state.admit(n=1)")
+    _print_notes(cause)
+    assert capsys.readouterr().out == ""
+    cause.add_note("Explanation:")
+    cause.add_note("    These lines were always and only run by failing examples:")
+    _print_notes(cause)
+    assert capsys.readouterr().out == (
+        "Explanation:\n    These lines were always and only run by failing examples:\n\n")

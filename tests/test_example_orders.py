@@ -122,13 +122,13 @@ def test_pdlife_fuzz_no_shrink_reports_the_program_as_found(
     (tmp_path / "orders_unshrunk.py").write_text(planted)
     monkeypatch.syspath_prepend(str(tmp_path))
     args = ["fuzz", "--load", "orders_unshrunk:ORDER_TABLE", "--record",
-            "orders_unshrunk:Order", "--examples", "300", "--no-shrink"]
+            "orders_unshrunk:Order", "--examples", "300", "--no-shrink", "--explain"]
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "rule broken: once-hook 'release' runs exactly once per request" in out
     assert "ship: PAID -> SHIPPED" in out
     assert ("rerun: pdlife fuzz --load orders_unshrunk:ORDER_TABLE --record "
-            "orders_unshrunk:Order --no-shrink --examples 300 --steps 50 --seed 0") in out
+            "orders_unshrunk:Order --no-shrink --explain --examples 300 --steps 50 --seed 0") in out
     with pytest.raises(SystemExit) as info:
         main(["fuzz", "--satisfy", "orders_unshrunk:satisfy"])
     assert info.value.code == 2
@@ -180,6 +180,10 @@ def test_pdlife_fuzz_passes_the_example_and_refuses_what_is_not_a_record(tmp_pat
 
 
 @pytest.mark.parametrize(("flags", "message"), [
+    # A class, not a record's: said of the class (it was said of the table's first guard).
+    (("--record", "examples.orders:Shop"),
+     "--record: examples.orders:Shop is not a record class: a record is an attrs class that "
+     "subclasses lifecycle.Tracked"),
     (("--record", "lifecycle:Tracked"),
      "--record Tracked: order: guard 'paid_in_full' of event 'pay' is not a method of Tracked"),
     (("--loop", "overlap"), "--loop picks what the scheduler's fuzz runs; --load fuzzes the "

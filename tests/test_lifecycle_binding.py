@@ -392,6 +392,12 @@ def test_a_raising_hook_never_splits_a_batch() -> None:
         "hook 'release' raised RuntimeError: the warehouse is closed for request 'y'; event "
         "'cancel' took effect: every request it was fired for is in CANCELLED"
     )
+    # Several errors: the message counts the others as errors (one request may raise twice).
+    errors = [("y", "release", RuntimeError("a")), ("y", "notify", RuntimeError("b")),
+              ("z", "release", RuntimeError("c"))]
+    assert "for request 'y' (and 2 more hook errors); event" in str(
+        HookFailed("cancel", S.CANCELLED, errors))
+    assert "(and 1 more hook error);" in str(HookFailed("cancel", S.CANCELLED, errors[:2]))
     # The trigger path leaves the same state.
     one_shop = Shop(raising="y")
     (y1,) = one_shop.orders("y")

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import copy
 import enum
+import tomllib
 from pathlib import Path
 from typing import ClassVar
 
 import attrs
 import pytest
-import tomllib
 
 from lifecycle import (
     Edge,
@@ -347,15 +347,36 @@ def test_a_record_whose_state_was_assigned_by_hand_cannot_fire() -> None:
         lambda: o.lc.fire(E.BACKOFF, [b, a]),
         lambda: o.lc.fire(E.HEARTBEAT, [a, b]),
         lambda: o.lc.fail([a], Why.CRASHED),
+        # An event the assigned state has no edge for: it said IllegalTransition, which a
+        # caller takes for an ordinary refusal.
+        lambda: a.start(),
+        lambda: o.lc.fire(E.START, [a]),
     ):
-        with pytest.raises(LifecycleError, match=says):
+        with pytest.raises(LifecycleError, match=says) as raised:
             attempt()
+        assert not isinstance(raised.value, IllegalTransition)
     assert "assigned by hand" in o.lc.refusal(a, E.SUCCEED)
+    assert "assigned by hand" in o.lc.refusal(a, E.START)
+    a.state = S.SUCCEEDED  # a final state, by hand: the record is still live
+    with pytest.raises(LifecycleError, match="filed under QUEUED but its state says SUCCEEDED"):
+        a.start()
     assert b.state is S.RUNNING and not o.notified
     assert dict(o.lc.in_state(S.QUEUED)) == {"a": a}
     a.state = S.QUEUED  # put back, it fires again
     a.start()
     o.lc.check_index()
+
+
+def test_a_record_built_in_another_state_is_refused_at_admission() -> None:
+    """It was admitted, its state silently reset to the initial one."""
+    o = Owner()
+    with pytest.raises(LifecycleError, match="request 'm' was built in state RUNNING: a record "
+                                             "starts in the initial state QUEUED"):
+        o.lc.admit(Job("m", state=S.RUNNING))
+    assert "m" not in o.lc
+    built_queued = Job("q", state=S.QUEUED)  # the initial state itself is fine
+    o.lc.admit(built_queued)
+    assert built_queued.state is S.QUEUED and "q" in o.lc
 
 
 def test_a_copy_of_an_ended_record_cannot_fire() -> None:

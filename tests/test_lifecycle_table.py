@@ -118,8 +118,15 @@ def test_a_good_table_builds_with_derived_lookups() -> None:
         ),
         pytest.param(
             {"on_enter": {S.START: ("release",)}},
-            "on_enter hooks on the initial state START",
+            "on_enter hooks on the initial state START: admission runs no hooks, so they would "
+            "not run for a request's start",
             id="on-enter-initial-state",
+        ),
+        pytest.param(  # a retry loop back into the start: where its hooks go instead
+            {"edges": (*GOOD_EDGES, Edge("retry", S.MIDDLE, S.START)),
+             "on_enter": {S.START: ("release",)}},
+            "for the edges back into it, put them in after= on 'retry'",
+            id="on-enter-initial-state-with-a-way-back",
         ),
         # States given by name, right or misspelt, say what to write instead.
         pytest.param({"finals": ("DONE", S.FAILED)},

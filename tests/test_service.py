@@ -559,6 +559,33 @@ def test_a_decode_worker_contacts_only_the_prefill_servers_it_allows() -> None:
                       bootstrap_port=8998, **fields).bootstrap_host == "10.0.0.6"
 
 
+@pytest.mark.mooncake
+def test_a_decode_worker_tells_no_refusal_to_a_prefill_it_may_not_contact() -> None:
+    """A refusal carries the peer token: refusing a request that names an address outside
+    ``--allow-prefill`` posted the token to that address."""
+    sent = 'pdlife_decode_peer_refusals_total{direction="sent"}'
+
+    async def main() -> None:
+        allowed = config("decode", "mooncake", allowed_prefills=("127.0.0.1:8998",))
+        with running_service(allowed) as service:
+            async with asgi_client(service) as client:
+                elsewhere = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 32555}
+                for fields in ({"input_ids": [1, 2]},  # refused for naming that address
+                               {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -4}}):
+                    r = await gen(client, bootstrap_room=99, **elsewhere, **fields)
+                    assert r.status_code == 400, r.text
+                metrics = (await client.get("/metrics")).text
+                assert f"{sent} 0.0" in metrics
+                # The same refusal of a request naming an allowed prefill is told to it.
+                r = await gen(client, input_ids=[1, 2], bootstrap_host="127.0.0.1",
+                              bootstrap_port=8998, bootstrap_room=99,
+                              sampling_params={"max_new_tokens": -4})
+                assert r.status_code == 400, r.text
+                assert f"{sent} 1.0" in (await client.get("/metrics")).text
+
+    run(main())
+
+
 def test_a_grammar_llguidance_cannot_run_is_the_clients_400_saying_why() -> None:
     """The grammar compiles but llguidance's lexer reaches its limit on the first token: the
     request's fault (400 ``rejected``, also in a stream's OpenAI error event), said without

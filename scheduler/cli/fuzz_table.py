@@ -68,6 +68,7 @@ def _rerun(args: argparse.Namespace) -> str:
     parts += [f"--record {args.record}"] if args.record else []
     parts += [f"--satisfy {args.satisfy}"] if args.satisfy else []
     parts += ["--no-shrink"] if args.no_shrink else []
+    parts += ["--explain"] if args.explain else []
     parts.append(f"--examples {args.examples} --steps {args.steps} --seed {args.seed}")
     return " ".join(parts)
 
@@ -100,9 +101,13 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
           f"programs of up to {args.steps} steps, seed {args.seed}", flush=True)
     started = time.monotonic()
     try:
-        run_state_machine_as_test(machine, settings=run_settings)
+        try:
+            run_state_machine_as_test(machine, settings=run_settings)
+        except ExceptionGroup as group:  # several distinct failures: report the most telling
+            raise _most_telling(group) from None
     except RuleBroken as exc:
         print(f"\n{exc}\n")
+        _print_notes(exc)
         print(f"FAILED after {time.monotonic() - started:.1f} s (seed {args.seed}); rerun: "
               f"{_rerun(args)}")
         return 1
@@ -110,6 +115,7 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
         if exc.__cause__ is not None:
             traceback.print_exception(exc.__cause__)
         print(f"\n{exc}\n")
+        _print_notes(exc)
         print(f"FAILED after {time.monotonic() - started:.1f} s: the code under test raised "
               f"(seed {args.seed}); rerun: {_rerun(args)}")
         return 3
@@ -125,3 +131,35 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
         return 3
     print(f"ok: {args.examples} programs kept every rule ({time.monotonic() - started:.1f} s)")
     return 0
+
+
+def _most_telling(group: BaseExceptionGroup[Any]) -> BaseException:
+    """Of the distinct failures Hypothesis found in one search, the one to report: a broken
+    rule before the code under test raising (exit 1 before 3, as the scheduler's fuzz sorts
+    them), and among broken rules an impure guard first, which makes the others follow."""
+    from lifecycle.testing import CodeRaised, RuleBroken
+
+    found = _leaves(group)
+
+    def rank(exc: BaseException) -> int:
+        if isinstance(exc, RuleBroken):
+            return 0 if str(exc).startswith("rule broken: guards are pure") else 1
+        return 2 if isinstance(exc, CodeRaised) else 3
+
+    return min(found, key=rank)
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
+
+
+def _print_notes(exc: BaseException) -> None:
+    """The explanation ``--explain`` added to the failure (Hypothesis keeps it in the
+    exception's notes, after its own copy of the program, which the report already shows)."""
+    notes = list(getattr(exc, "__notes__", ()))
+    start = next((i for i, note in enumerate(notes) if note.startswith("Explanation:")), None)
+    if start is not None:
+        print("\n".join(notes[start:]) + "\n")

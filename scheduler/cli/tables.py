@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lifecycle import TABLES, LifecycleTable, make_table, validate
+import attrs
+
+from lifecycle import TABLES, LifecycleTable, Tracked, make_table, validate
 from lifecycle.errors import InvalidTable
 from scheduler.cli.command import Subcommand, UsageError
 
@@ -36,7 +38,11 @@ def load_object(spec: str, flag: str = "--load") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UsageError(f"{flag}: cannot import {module_name!r}: {exc}") from None
+        hint = ""
+        if module_name.endswith(".py"):  # a file name where a module name goes
+            hint = (f" (give the module's name, {module_name.removesuffix('.py')!r}, not its "
+                    f"file; run from its folder or put that folder on PYTHONPATH)")
+        raise UsageError(f"{flag}: cannot import {module_name!r}: {exc}{hint}") from None
     except InvalidTable:
         raise
     except Exception as exc:  # the user's module: report it in one line
@@ -277,7 +283,8 @@ def _diagram(args: argparse.Namespace) -> int:
         print(f"invalid lifecycle table: {exc}", file=sys.stderr)
         return 1
     except DiagramError as exc:
-        print(f"pdlife diagram: {exc}", file=sys.stderr)
+        where = f"{args.write_docs}: " if args.write_docs else ""
+        print(f"pdlife diagram: {where}{exc}", file=sys.stderr)
         return 1
 
 
@@ -299,4 +306,7 @@ def loadable_class(spec: str, flag: str) -> type:
     obj = load_object(spec, flag)
     if not inspect.isclass(obj):
         raise UsageError(f"{flag}: {spec} is a {type(obj).__name__}, not a class")
+    if not issubclass(obj, Tracked) or not attrs.has(obj):
+        raise UsageError(f"{flag}: {spec} is not a record class: a record is an attrs class "
+                         f"that subclasses lifecycle.Tracked")
     return obj

@@ -170,6 +170,12 @@ class ServeConfig:
     def new_tokens_limit(self) -> int:
         return self.max_new_tokens_limit or self.max_position
 
+    def may_contact(self, host: str, port: int) -> bool:
+        """Whether this worker may send to the prefill bootstrap server at ``host:port``: a
+        decode worker with ``allowed_prefills`` only to those (it sends its peer token)."""
+        return (not self.allowed_prefills or self.role != "decode"
+                or f"{host}:{port}" in self.allowed_prefills)
+
     @property
     def answered_by(self) -> Literal["prefill", "decode"]:
         return "prefill" if self.role == "prefill" else "decode"
@@ -390,7 +396,7 @@ def _with_bootstrap(
         )
     if not 1 <= port <= 65535:
         raise BadRequest("bad_bootstrap", f"request {rid!r}: bootstrap_port must be 1..65535")
-    if c.allowed_prefills and c.role == "decode" and f"{host}:{port}" not in c.allowed_prefills:
+    if not c.may_contact(host, port):
         raise BadRequest("bad_bootstrap", f"request {rid!r}: {host}:{port} is not a prefill "
                          "server this worker may contact (--allow-prefill)")
     return Item(rid, input_ids, sampling, host, port, room)

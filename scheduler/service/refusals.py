@@ -50,7 +50,8 @@ def refuse_peers(service: Service, rooms: Iterator[tuple[str, int, int]], kind: 
     """Tell the peers of ``rooms`` that this worker refused their request (``kind`` and
     ``status`` are the error type and HTTP status the client got). A room a live request holds
     is left alone: its refusal would fail that request's other half (a retried request, a
-    duplicate rid)."""
+    duplicate rid); so is a peer this worker may not contact (``--allow-prefill``: the refusal
+    would carry its peer token there)."""
     if service.config.backend != "mooncake":
         return
     engine = service.prefill if service.prefill is not None else service.decode
@@ -59,7 +60,7 @@ def refuse_peers(service: Service, rooms: Iterator[tuple[str, int, int]], kind: 
     why = peer_refusal(kind, status, message)[:_MAX_REASON]
     held = service.live_rooms()
     for host, port, room in rooms:
-        if (host, port, room) not in held:
+        if (host, port, room) not in held and service.config.may_contact(host, port):
             engine.refuse_room(host, port, room, why)
 
 

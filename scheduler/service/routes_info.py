@@ -60,7 +60,7 @@ async def health_generate(service: ServiceDep) -> Response:
         return error(503, "unavailable", str(exc))
     try:
         answer = await asyncio.wait_for(asyncio.shield(pending.future), _HEALTH_TIMEOUT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         service.abort(item.rid)
         return error(503, "timeout", f"no answer within {_HEALTH_TIMEOUT_S:g} s")
     if answer.status != 200:
