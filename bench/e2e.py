@@ -38,11 +38,12 @@ import time
 
 import torch
 
+from bench import bench_model
 from lifecycle import SamplingParams
 from lifecycle.timeline import ttft_phases
 from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
 from scheduler.malloc_arena import use_one_arena
-from scheduler.model.select import ServedModel, load_model
+from scheduler.model.select import ServedModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.runner import ForwardBatch, ModelRunner
 
@@ -156,7 +157,7 @@ def main() -> None:
     use_one_arena()
     torch.set_num_threads(args.threads)
 
-    served = load_model(args.model)
+    served = bench_model(args.model)
     defaults = WORKLOADS["reference" if served.is_reference else "real"]
     requests, lo, hi, chunk = (given if given is not None else default for given, default in zip(
         (args.requests, args.min_len, args.max_len, args.chunk), defaults, strict=True))
@@ -202,7 +203,7 @@ def main() -> None:
     for name, rs in ratios.items():
         print(f"{name}: median ratio {statistics.median(rs):.3f} (rounds "
               + " ".join(f"{r:.3f}" for r in rs)
-              + f"), ttft p50 {statistics.median(ttfts_of[name]) * 1e3:.1f} ms")
+              + f"), ttft p50 {percentile(ttfts_of[name], 0.5) * 1e3:.1f} ms")
     loop = max(ratios, key=lambda k: statistics.median(ratios[k]))
     ratio, ttfts = statistics.median(ratios[loop]), ttfts_of[loop]
     gap_ms = {name: statistics.mean(gaps) * 1e3 if gaps else 0.0 for name, gaps in gaps_of.items()}

@@ -32,9 +32,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from bench import bench_model
 from bench.e2e import serve_once
 from scheduler.embedded import EmbeddedPair, PairConfig
-from scheduler.model.select import REFERENCE, ServedModel, load_model
+from scheduler.model.select import REFERENCE, ServedModel
 from scheduler.model.shipped import ShippedModelMissing, shipped_path
 from scheduler.prefill.config import SchedulerConfig
 
@@ -119,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     name = pick_model(args.model)
-    served = load_model(name)
+    served = bench_model(name)
     prompts = workload(served, args.requests, args.system_tokens, args.question_tokens,
                        args.seed)
     per_request = args.system_tokens + args.question_tokens

@@ -109,9 +109,9 @@ def shape_of(model: str, dtype: str) -> Shape:
     """``synthetic``, or the geometry of the pool that model ``model`` (in ``dtype``) makes."""
     if model == SYNTHETIC.name:
         return SYNTHETIC
-    from scheduler.model.select import load_model
+    from bench import bench_model
 
-    pool = load_model(model, dtype=dtype).make_pool(num_pages=1, page_size=PAGE_SIZE)
+    pool = bench_model(model, dtype=dtype).make_pool(num_pages=1, page_size=PAGE_SIZE)
     return Shape(model, pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
 
 

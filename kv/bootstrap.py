@@ -157,7 +157,8 @@ class BootstrapServer:
         if n == 1 or n % _LOG_EVERY == 0:
             logger.warning(
                 "refused %s %s from %s: missing or wrong peer token (refusal %d; both workers "
-                "need the same --peer-token-file or PDLIFE_PEER_TOKEN)", method, path, peer, n)
+                "need the same --peer-token-file or PDLIFE_PEER_TOKEN, or MooncakeConfig.token)",
+                method, path, peer, n)
 
     def _register(self, info: RankInfo) -> tuple[int, str]:
         with self._lock:

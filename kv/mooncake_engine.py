@@ -23,6 +23,7 @@ import zmq
 from kv import wire
 from kv.metadata import MetadataBuffers
 from kv.native_log import HARMLESS, HARMLESS_ON_TCP, engine_log_captured
+from kv.peer_token import peer_token_problem
 from kv.pool import KVPool
 from kv.state_pools import StatePools
 from lifecycle.validators import one_of
@@ -99,8 +100,14 @@ class MooncakeConfig:
     # that address connects anew. None keeps every manager until the decode server stops.
     retire_lost_after_s: float | None = attrs.field(default=60.0, validator=_positive_or_none)
     # The shared peer token: the bootstrap endpoint and every control message require it. Never
-    # in a repr (configs get logged).
+    # in a repr (configs get logged). At least MIN_PEER_TOKEN_CHARS visible ASCII characters.
     token: str | None = attrs.field(default=None, repr=False)
+
+    @token.validator
+    def _check_token(self, _attr: object, value: str | None) -> None:
+        problem = peer_token_problem(value)
+        if problem:
+            raise ValueError(f"MooncakeConfig.token {problem}")
     # The engine's log level (Mooncake reads MC_LOG_LEVEL: INFO, WARNING or ERROR), applied when
     # the process environment does not set MC_LOG_LEVEL itself; the engine library reads it once,
     # so the first engine of a process decides. At INFO it logs every connection and segment.

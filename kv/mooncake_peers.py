@@ -70,7 +70,7 @@ def lookup_prefill(bootstrap_addr: str, config: MooncakeConfig, me: DecodeRank,
                     f"prefill bootstrap {bootstrap_addr} refused this decode's peer token "
                     f"({'none was sent' if config.token is None else 'a wrong one'}): "
                     "start both workers with the same --peer-token-file or "
-                    "PDLIFE_PEER_TOKEN") from exc
+                    "PDLIFE_PEER_TOKEN (MooncakeConfig.token in a library)") from exc
             if exc.status not in (0, 503) or time.monotonic() >= deadline:
                 raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
             if stop.wait(0.05):  # closing
@@ -79,7 +79,8 @@ def lookup_prefill(bootstrap_addr: str, config: MooncakeConfig, me: DecodeRank,
         raise PeerAuthError(
             f"prefill at {bootstrap_addr} does not authenticate its peers but this decode "
             "has a peer token (it would drop prefill's unauthenticated statuses): start "
-            "both workers with the same --peer-token-file or PDLIFE_PEER_TOKEN")
+            "both workers with the same --peer-token-file or PDLIFE_PEER_TOKEN "
+            "(MooncakeConfig.token in a library)")
     if table.model != me.model:
         raise IncompatiblePeerError(
             f"prefill at {bootstrap_addr} serves model {table.model_label}, this decode "

@@ -175,6 +175,30 @@ def test_other_architectures_are_refused_by_name(tmp_path):
     (directory / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(UnsupportedCheckpoint, match="'gpt2'"):
         load_checkpoint(directory)
+    (directory / "config.json").write_text("{}")  # it said "the architecture is None"
+    with pytest.raises(UnsupportedCheckpoint, match="does not say its architecture "
+                                                    r"\(no model_type in config\.json"):
+        load_checkpoint(directory)
+
+
+def test_a_name_pdlife_does_not_know_is_said_to_be_one() -> None:
+    """A misspelt model name read as a missing path, and "" as the current directory."""
+    with pytest.raises(CheckpointError, match=r"^smollm3: no such file or directory, and not a "
+                                              r"model pdlife knows by name \(reference, "
+                                              r"smollm2\)$"):
+        load_model("smollm3")
+    with pytest.raises(CheckpointError, match=r"^no model named: give 'reference'"):
+        load_model("")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there: the device is valid")
+def test_a_cuda_device_without_cuda_is_refused_before_any_forward() -> None:
+    from scheduler.model.decoder import resolve_device
+
+    with pytest.raises(ValueError, match=r"^device 'cuda': this torch \(.*\) (has no CUDA "
+                                         r"build|finds no CUDA device); use --device cpu"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == torch.device("cpu")
 
 
 def test_missing_or_broken_checkpoints_are_named(tmp_path):

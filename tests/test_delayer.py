@@ -184,6 +184,15 @@ def test_decide_rejects_rows_of_the_wrong_width(rows: list[list[int]]) -> None:
         run(rows)
 
 
+def test_decide_given_the_gathered_table_says_it_wants_a_row_per_replica() -> None:
+    """A [dp][tp] table of rows where each replica's TP-rank-0 row goes said "got [1, 1]"."""
+    table = [[[1, 0, 0, 0, 0]], [[1, 0, 0, 0, 0]]]
+    with pytest.raises(GatherShapeError, match=r"one per DP replica \(its TP rank 0's: "
+                                               r"table\[dp\]\[0\], not the gathered table\), "
+                                               r"got rows of lengths \[1, 1\]"):
+        run(table)  # type: ignore[arg-type]
+
+
 # --- config --------------------------------------------------------------------------------
 
 

@@ -68,7 +68,8 @@ def test_a_mooncake_pair_takes_its_engine_settings():
     agreeing on it lets a transfer through) and a 4 KiB cut (every page of a run a block of
     its own, cut further), the pair still serves the reference's tokens."""
     run_pair(prompts_of([1, 300, 1200], 5), page_size=16, chunk=512, overlap=False,
-             backend="mooncake", mooncake=MooncakeConfig(max_block_bytes=4096, token="t0k3n"))
+             backend="mooncake",
+             mooncake=MooncakeConfig(max_block_bytes=4096, token="t0k3n-0123456789abcdef"))
 
 
 def test_mooncake_settings_need_the_mooncake_backend():

@@ -30,7 +30,7 @@ from tests.transfer_harness import GEOMETRY, drive, eventually, make_pool
 pytestmark = pytest.mark.mooncake
 
 _TERMINAL = {KVPoll.SUCCESS, KVPoll.FAILED}
-TOKEN = "t0ken"
+TOKEN = "t0ken-0123456789abcdef"
 
 
 @pytest.fixture

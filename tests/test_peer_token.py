@@ -25,9 +25,10 @@ from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import MooncakeConfig, PeerAuthError
+from kv.peer_token import MIN_PEER_TOKEN_CHARS
 from kv.rank_table import RankInfo, RankPlace
 from scheduler.cli.command import UsageError
-from scheduler.cli.credentials import MIN_PEER_TOKEN_CHARS, PEER_TOKEN_ENV, peer_token
+from scheduler.cli.credentials import PEER_TOKEN_ENV, peer_token
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from tests.service_harness import Server, free_port, idle, model_flags, wait_for
 from tests.transfer_harness import make_pool
@@ -115,6 +116,11 @@ def test_the_token_is_read_from_a_file_or_the_environment(tmp_path: Path,
             peer_token(None, {PEER_TOKEN_ENV: bad})
     with pytest.raises(UsageError, match="No such file"):
         peer_token(str(tmp_path / "missing"), {})
+    # A library user's token is held to the same rule (an empty one let "Bearer " in).
+    for bad, says in [("", "visible ASCII"), ("a shared secret", "visible ASCII"),
+                      ("s3cret", f"has 6 characters, fewer than {MIN_PEER_TOKEN_CHARS}")]:
+        with pytest.raises(ValueError, match=f"^MooncakeConfig.token .*{says}"):
+            MooncakeConfig(token=bad)
 
 
 # -- real processes over Mooncake -------------------------------------------------------------

@@ -26,7 +26,9 @@ from tests.service_harness import Server, model_flags
 MODEL = ModelConfig(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48,
                     max_position=256, seed=9)
 PROMPTS = [[(5 * i + 2 * j + 1) % 250 for j in range(3 + 7 * i)] for i in range(6)]
-OUTCOMES = re.compile(r"prefill delayer outcomes of replica (\d( rank \d)?): \[([\d, ]+)\]")
+# Each replica (and rank) logs its counts by name: "none=3 no_wait=0 ... delay=5".
+OUTCOMES = re.compile(r"prefill delayer outcomes of replica (\d( rank \d)?): "
+                      r"((?:[a-z_]+=\d+ ?){6})")
 
 
 @pytest.mark.multiprocess
@@ -49,7 +51,8 @@ def test_two_replicas_negotiate_prefill_in_lockstep(tmp_path: Path,
         server.stop()
     log = server.log.read_text()
     # Every rank of every replica: the first ranks, and with TP 2 the second ones.
-    counts = {m[1]: [int(v) for v in m[3].split(",")] for m in OUTCOMES.finditer(log)}
+    counts = {m[1]: [int(v.split("=")[1]) for v in m[3].split()]
+              for m in OUTCOMES.finditer(log)}
     ranks = ["0", "1"] if not layout else ["0", "0 rank 1", "1", "1 rank 1"]
     assert sorted(counts) == ranks, log[-4000:]
     assert all(c == counts["0"] for c in counts.values()) and sum(counts["0"]) > 0, counts
@@ -68,3 +71,18 @@ def test_the_delayer_flag_is_refused_where_it_does_not_apply(flags: tuple[str, .
                               "--enable-prefill-delayer"])
     with pytest.raises(UsageError, match="prefill delayer runs across the DP replicas"):
         serve_config(args)
+
+
+def test_the_delayers_passes_go_with_the_delayer() -> None:
+    """Given alone, the flag was taken and did nothing."""
+    parser = argparse.ArgumentParser()
+    SERVE.add_arguments(parser)
+    base = ["--role", "prefill", "--backend", "fake", "--dp-size", "2", *model_flags(MODEL)]
+    with pytest.raises(UsageError, match=r"^--prefill-delayer-max-delay-passes goes with "
+                                         r"--enable-prefill-delayer$"):
+        serve_config(parser.parse_args([*base, "--prefill-delayer-max-delay-passes", "5"]))
+    both = ["--enable-prefill-delayer", "--prefill-delayer-max-delay-passes", "5"]
+    config = serve_config(parser.parse_args([*base, *both]))
+    assert config.prefill_delayer is not None and config.prefill_delayer.max_delay_passes == 5
+    config = serve_config(parser.parse_args([*base, "--enable-prefill-delayer"]))
+    assert config.prefill_delayer is not None and config.prefill_delayer.max_delay_passes == 30

@@ -353,6 +353,7 @@ def test_info_endpoints_and_openapi() -> None:
                 a = (await client.get("/server_info")).json()
                 b = (await client.get("/get_server_info")).json()
                 assert a["role"] == b["role"] == "both"
+                assert (a["kv_layout"], a["disaggregation_mode"]) == ("page_major", "null")
                 layout = ("tp_size", "pp_size", "dp_size", "rank_processes")
                 assert [a[k] for k in layout] == [1, 1, 1, 1]
                 assert set(a["requests"]) == {"prefill", "decode"}

@@ -13,15 +13,13 @@ import os
 import stat
 from collections.abc import Mapping
 
+from kv.peer_token import peer_token_problem
 from scheduler.cli.command import UsageError
 
 logger = logging.getLogger(__name__)
 
 PEER_TOKEN_ENV = "PDLIFE_PEER_TOKEN"
 API_KEY_ENV = "PDLIFE_API_KEY"
-#: The shortest peer token accepted: anyone who guesses it can take part in KV transfers.
-MIN_PEER_TOKEN_CHARS = 16
-_MAKE_ONE = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
 def _checked(secret: str, what: str) -> str:
@@ -51,10 +49,11 @@ def peer_token(path: str | None, environ: Mapping[str, str] = os.environ) -> str
         secret, what = environ[PEER_TOKEN_ENV].strip(), PEER_TOKEN_ENV
     else:
         return None
-    _checked(secret, what)
-    if len(secret) < MIN_PEER_TOKEN_CHARS:
-        raise UsageError(f"{what} has {len(secret)} characters, fewer than "
-                         f"{MIN_PEER_TOKEN_CHARS}; make one with: {_MAKE_ONE}")
+    if not secret:
+        raise UsageError(f"{what} is empty")
+    problem = peer_token_problem(secret)
+    if problem:
+        raise UsageError(f"{what} {problem}")
     return secret
 
 

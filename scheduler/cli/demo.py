@@ -28,7 +28,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt", type=int, default=d.max_prompt, metavar="TOKENS",
                         help=f"longest prompt, in byte tokens ({MAX_PROMPT_RANGE[0]}.."
                         f"{MAX_PROMPT_RANGE[1]}); prompts range from 16 to this, and chunked "
-                        f"prefill cuts the longest in four or more chunks "
+                        f"prefill cuts the longest in four or more chunks; the reference model's "
+                        f"workload only: with a real --model the prompts are chat questions "
                         f"(default: {d.max_prompt})")
     parser.add_argument("--model", default=d.model, metavar="MODEL",
                         help="reference (the exact fixed-point model, byte prompts), smollm2 "

@@ -167,8 +167,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--enable-prefill-delayer", action="store_true",
                      help="SGLang's PrefillDelayer negotiated across the DP replicas each pass "
                           "(docs/delayer.md)")
-    _defaulted(par, "--prefill-delayer-max-delay-passes", 30,
-               "passes the delayer may hold prefill back", type=positive_int)
+    # None: not given (it goes with --enable-prefill-delayer); 30 then.
+    par.add_argument("--prefill-delayer-max-delay-passes", type=positive_int, default=None,
+                     help="with --enable-prefill-delayer: passes the delayer may hold prefill "
+                     "back (default: 30)")
     times = _number_group(parser, "timeouts and limits")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
@@ -234,10 +236,17 @@ def _as_given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The :class:`~scheduler.service.core.ServeConfig` the flags describe."""
     from kv.mooncake_engine import MooncakeConfig
+    from scheduler.model.decoder import resolve_device
     from scheduler.prefill.config import SchedulerConfig
     from scheduler.prefill.delayer_decision import DelayerConfig
     from scheduler.service.core import ServeConfig
 
+    try:
+        resolve_device(args.device)
+    except (ValueError, RuntimeError) as exc:  # a CUDA device torch has none of; a bad name
+        raise UsageError(f"--device: {exc}") from None
+    if args.prefill_delayer_max_delay_passes is not None and not args.enable_prefill_delayer:
+        raise UsageError("--prefill-delayer-max-delay-passes goes with --enable-prefill-delayer")
     if args.mooncake_block_mib < 1:
         raise UsageError(f"--mooncake-block-mib must be >= 1, got {args.mooncake_block_mib}")
     for flag, value in (("--mooncake-engines", args.mooncake_engines),
@@ -309,7 +318,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             allowed_prefills=tuple(a.strip() for given in args.allow_prefill
                                    for a in given.split(",") if a.strip()),
             otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
-            prefill_delayer=DelayerConfig(max_delay_passes=args.prefill_delayer_max_delay_passes)
+            prefill_delayer=DelayerConfig(
+                max_delay_passes=args.prefill_delayer_max_delay_passes or 30)
             if args.enable_prefill_delayer else None,
             **_as_given(args, _SERVE_AS_GIVEN),
         )

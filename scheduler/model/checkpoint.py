@@ -156,6 +156,11 @@ def fingerprint(config: LlamaConfig, tensors: Mapping[str, torch.Tensor]) -> str
 
 
 def refuse_architecture(where: Path, architecture: object) -> None:
+    if architecture is None:
+        raise UnsupportedCheckpoint(
+            f"{where}: the checkpoint does not say its architecture (no model_type in "
+            f"config.json, or general.architecture in the GGUF file); pdlife's runner computes "
+            f"Llama-family checkpoints ({', '.join(sorted(LLAMA_ARCHITECTURES))})")
     if architecture not in LLAMA_ARCHITECTURES:
         raise UnsupportedCheckpoint(
             f"{where}: the checkpoint's architecture is {architecture!r}; pdlife's runner "

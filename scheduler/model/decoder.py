@@ -55,10 +55,16 @@ class ModelInputError(ValueError):
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given."""
+    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given, but a CUDA
+    device where torch has none is refused (``ValueError``) here, not in the first forward."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        built = "has no CUDA build" if torch.version.cuda is None else "finds no CUDA device"
+        raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) {built}; "
+                         f"use --device cpu (or auto)")
+    return resolved
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

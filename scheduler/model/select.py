@@ -150,8 +150,14 @@ def load_model(
     from scheduler.model.loader import load_checkpoint
     from scheduler.model.shipped import SHIPPED, shipped_path
 
+    if not spec:
+        raise CheckpointError(f"no model named: give {REFERENCE!r}, a shipped model's name "
+                              f"({', '.join(sorted(SHIPPED))}) or a checkpoint's path")
     path = shipped_path(spec) if spec in SHIPPED else Path(spec)
     name = spec if spec in SHIPPED else str(path)  # one name for ``dir`` and ``dir/``
+    if spec not in SHIPPED and not path.exists():
+        raise CheckpointError(f"{spec}: no such file or directory, and not a model pdlife "
+                              f"knows by name ({', '.join(sorted((REFERENCE, *SHIPPED)))})")
     checkpoint = load_checkpoint(path)
     try:
         tokenizer = load_tokenizer(checkpoint.tokenizer)

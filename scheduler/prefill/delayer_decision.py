@@ -205,8 +205,9 @@ def decide(
     width = ROW_WIDTH[config.mode]
     if not rows or any(len(r) != width for r in rows):
         raise GatherShapeError(
-            f"decide needs >= 1 row of width {width} (mode {config.mode!r}), got "
-            f"{[len(r) for r in rows]}"
+            f"decide needs >= 1 row of width {width} (mode {config.mode!r}), one per DP "
+            f"replica (its TP rank 0's: table[dp][0], not the gathered table), got rows of "
+            f"lengths {[len(r) for r in rows]}"
         )
     reading = _Reading.of(rows, prev_state, now, config)
     if reading.estimation == "none":

@@ -171,6 +171,12 @@ def counts_of(outcomes: Counter[str]) -> list[int]:
     return [outcomes[reason] for reason in REASONS]
 
 
+def named_counts(counts: Sequence[int]) -> str:
+    """Outcome counts in :data:`REASONS` order, as a log line names them
+    (``delay=3 wait_success=1 ...``)."""
+    return " ".join(f"{reason}={n}" for reason, n in zip(REASONS, counts, strict=True))
+
+
 def _table(rows: list[list[int]], width: int) -> Table:
     """The delayer's table of gathered ``rows``; :class:`MeshStopped` on a stop row."""
     if any(r[width + _STOP] for r in rows):

@@ -76,7 +76,13 @@ from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.model.select import ServedModel, load_model, reference_model
 from scheduler.model.sharded import Mesh
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
-from scheduler.prefill.replica_delayer import MeshFollower, ReplicaGather, counts_of, delay
+from scheduler.prefill.replica_delayer import (
+    MeshFollower,
+    ReplicaGather,
+    counts_of,
+    delay,
+    named_counts,
+)
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service.config import ServeConfig
 from scheduler.stepping import step_or_rest
@@ -236,7 +242,7 @@ class Ranks:
             # First: a replica that reads _STOP first would never join this last gather.
             self.delayer.stop()
             logger.info("prefill delayer outcomes of replica 0: %s (%d splits)",
-                        self.delayer.outcome_counts(), self.delayer.splits)
+                        named_counts(self.delayer.outcome_counts()), self.delayer.splits)
         for inbox in self._inboxes:
             inbox.put(_STOP)
         self.control.relay.stop()
@@ -357,7 +363,7 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
     except MeshStopped:  # the replica's first rank stopped it
         if outcomes is not None:
             logger.info("prefill delayer outcomes of replica %d rank %d: %s", replica, rank,
-                        counts_of(outcomes))
+                        named_counts(counts_of(outcomes)))
     except BaseException:
         # torch's spawn hands the traceback to a join that comes only at shutdown: say it now.
         logger.critical("prefill rank %d of replica %d failed", rank, replica, exc_info=True)
@@ -410,7 +416,7 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, ports: Sequen
         stopped = True
         if delayer is not None:
             logger.info("prefill delayer outcomes of replica %d: %s", replica,
-                        delayer.outcome_counts())
+                        named_counts(delayer.outcome_counts()))
         raise
     except Exception:
         logger.critical("prefill replica %d failed; its requests are not answered", replica,

@@ -77,6 +77,7 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         model_path=config.model_name,
         model_fingerprint=config.served.fingerprint if config.served is not None else None,
         page_size=config.scheduler.page_size,
+        kv_layout=str(config.kv_layout),
         pool_pages=config.pool_pages,
         metadata_slots=config.metadata_slots,
         max_new_tokens_limit=config.new_tokens_limit,

@@ -194,6 +194,9 @@ class ServerInfo(BaseModel):
     # must show the same one.
     model_fingerprint: str | None
     page_size: int
+    # The KV pool's layout (``--kv-layout``): a pair's workers must agree on it, as on the page
+    # size.
+    kv_layout: str
     pool_pages: int
     metadata_slots: int
     max_new_tokens_limit: int
