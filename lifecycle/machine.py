@@ -434,9 +434,11 @@ class Lifecycle(Generic[R]):
         """Why ``event`` cannot fire at ``req``, whose state ``state`` has no such edge: the
         record is not the one filed in that state (a copy, or a state assigned by hand), or,
         when it is, the table has no such edge (:class:`IllegalTransition`)."""
-        live = self._by_rid.get(req.rid) is req
-        if (self._index.get(state, {}).get(req.rid) is not req) if live else (
-                state not in self.table.finals):
+        if self._by_rid.get(req.rid) is req:  # live: it must be filed in the state it says
+            misfiled = self._index.get(state, {}).get(req.rid) is not req
+        else:  # ended: only a final state is its own
+            misfiled = state not in self.table.finals
+        if misfiled:
             return self._misfiled(req)
         return IllegalTransition(req.rid, state, event, self.table.no_edge(state, event))
 

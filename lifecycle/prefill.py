@@ -61,10 +61,11 @@ def as_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
     int, floats) raises ``TypeError``."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
         raise TypeError(f"token ids must be a sequence of integers, got {ids!r:.80}")
+    given = ids if isinstance(ids, Sequence) else tuple(ids)  # read twice on a refusal
     try:
-        return tuple(map(operator.index, ids))
+        return tuple(map(operator.index, given))
     except TypeError:
-        bad = next(t for t in ids if not hasattr(t, "__index__"))
+        bad = next(t for t in given if not hasattr(t, "__index__"))
         raise TypeError(f"token ids must be integers, got {bad!r:.40} "
                         f"({type(bad).__name__})") from None
 
