@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import itertools
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -177,6 +178,33 @@ def test_a_failure_in_any_state_names_its_reason_on_the_root_and_the_failed_stay
 def test_otlp_endpoint_url() -> None:
     assert otlp_endpoint_url("collector:4318") == "http://collector:4318/v1/traces"
     assert otlp_endpoint_url("https://x/otlp/v1/traces") == "https://x/otlp/v1/traces"
+    assert otlp_endpoint_url("[::1]:4318") == "http://[::1]:4318/v1/traces"
+    # What the exporter refused only at its first export, the server running without spans.
+    for wrong in ("127.0.0.1:99999", "collector", "not_a_host_port", "ftp://x:1",
+                  "http://x:99999/v1/traces"):
+        with pytest.raises(ValueError, match="is not HOST:PORT"):
+            otlp_endpoint_url(wrong)
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--otlp-traces-endpoint", "127.0.0.1:4318"),
+     "--otlp-traces-endpoint goes with --enable-trace"),
+    (("--enable-trace", "--otlp-traces-endpoint", "127.0.0.1:99999"),
+     "--otlp-traces-endpoint: '127.0.0.1:99999' is not HOST:PORT"),
+])
+def test_serve_refuses_a_collector_it_cannot_send_to(flags: tuple[str, ...], says: str) -> None:
+    import argparse
+
+    from scheduler.cli.command import UsageError
+    from scheduler.cli.serve import SERVE, serve_config
+
+    parser = argparse.ArgumentParser()
+    SERVE.add_arguments(parser)
+    with pytest.raises(UsageError, match=f"^{re.escape(says)}"):
+        serve_config(parser.parse_args(["--backend", "local", *flags]))
+    config = serve_config(parser.parse_args(["--backend", "local", "--enable-trace",
+                                             "--log-level", "DEBUG"]))
+    assert config.otlp_traces_endpoint == "localhost:4318"
 
 
 # -- a real server exporting OTLP/HTTP ------------------------------------------------------

@@ -114,6 +114,9 @@ _PARALLEL = {
 }
 
 
+#: Where spans go with --enable-trace and no --otlp-traces-endpoint (SGLang's default).
+DEFAULT_OTLP_ENDPOINT = "localhost:4318"
+
 def _defaulted(group: argparse._ActionsContainer, flag: str, default: str | int, text: str,
                **how: Any) -> None:
     """A flag whose help ends with its default, as a number's does (``how``: add_argument's
@@ -211,12 +214,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     obs.add_argument("--enable-trace", action="store_true",
                      help="export an OpenTelemetry span tree per finished request (needs the "
                      "trace extra: pip install 'pdlife[trace]')")
-    _defaulted(obs, "--otlp-traces-endpoint", "localhost:4318",
-               "the collector's OTLP/HTTP endpoint, HOST:PORT (spans go to /v1/traces there) or "
-               "a full URL", metavar="HOST:PORT")
+    # None: not given (it goes with --enable-trace); localhost:4318 then.
+    obs.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
+                     help="with --enable-trace: the collector's OTLP/HTTP endpoint, HOST:PORT "
+                     "(spans go to /v1/traces there) or a full URL (default: localhost:4318)")
     _defaulted(parser, "--log-level", "info",
                "the server's log level; debug adds an access log line per HTTP request",
-               choices=("debug", "info", "warning", "error"))
+               choices=("debug", "info", "warning", "error"), type=str.lower)
 
 
 #: The SchedulerConfig fields that take their flag's value as it is (``--page-size`` sets
@@ -278,6 +282,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                              "no prefill loop, prefix cache or waiting queue of prompts: drop it")
     if args.enable_trace:
         _check_trace_extra()
+        from scheduler.service.tracing import otlp_endpoint_url
+
+        try:
+            otlp_endpoint_url(args.otlp_traces_endpoint or DEFAULT_OTLP_ENDPOINT)
+        except ValueError as exc:
+            raise UsageError(f"--otlp-traces-endpoint: {exc}") from None
+    elif args.otlp_traces_endpoint is not None:
+        raise UsageError("--otlp-traces-endpoint goes with --enable-trace")
     served = load_served(args) if args.model != "reference" else None
     pool_pages = args.pool_pages
     if args.kv_cache_memory is not None:
@@ -317,7 +329,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             tool_call_parser=args.tool_call_parser,
             allowed_prefills=tuple(a.strip() for given in args.allow_prefill
                                    for a in given.split(",") if a.strip()),
-            otlp_traces_endpoint=args.otlp_traces_endpoint if args.enable_trace else None,
+            otlp_traces_endpoint=(args.otlp_traces_endpoint or DEFAULT_OTLP_ENDPOINT)
+            if args.enable_trace else None,
             prefill_delayer=DelayerConfig(
                 max_delay_passes=args.prefill_delayer_max_delay_passes or 30)
             if args.enable_prefill_delayer else None,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -75,8 +76,20 @@ _STAY_NAMES: dict[str, dict[str, str]] = {
 
 def otlp_endpoint_url(endpoint: str) -> str:
     """The OTLP/HTTP traces URL of ``endpoint``: ``HOST:PORT`` (SGLang's form) becomes
-    ``http://HOST:PORT/v1/traces``; a URL is taken as it is."""
-    return endpoint if "://" in endpoint else f"http://{endpoint}/v1/traces"
+    ``http://HOST:PORT/v1/traces``; a URL (``http`` or ``https``) is taken as it is. Raises
+    ``ValueError`` for anything else (a port beyond 65535, no port), which the exporter
+    would only refuse at its first export."""
+    url = endpoint if "://" in endpoint else f"http://{endpoint}/v1/traces"
+    parts = urllib.parse.urlsplit(url)
+    wrong = ValueError(f"{endpoint!r} is not HOST:PORT (the port 1..65535) nor an http(s) URL")
+    try:
+        port = parts.port  # raises for a port beyond 0..65535 or not a number
+    except ValueError:
+        raise wrong from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or (
+            "://" not in endpoint and not port):
+        raise wrong
+    return url
 
 
 @attrs.frozen
@@ -113,7 +126,10 @@ class LifecycleTracer:
         self._propagator = TraceContextTextMapPropagator()
 
     def close(self) -> None:
-        """Export what is buffered and stop the exporter."""
+        """Export what is buffered and stop the exporter (the exporter retries a collector
+        that does not answer for several seconds: this says why shutdown waits)."""
+        logger.info("tracing: sending the spans still buffered before exit (several seconds "
+                    "if the collector does not answer)")
         self.provider.shutdown()
 
     def finished(self, pending: Pending) -> None:
