@@ -14,7 +14,12 @@ depends on the batch. Three rules make it so:
    rows computed with M = 1..11 differ from the same rows computed in a larger batch; with
    M >= 12 every row matched, for M up to 4096, at any offset, with 1 or 2 threads). So every
    matmul over tokens is padded to at least 16 rows (:func:`pad_rows`); the batched attention
-   matmuls (where only M <= 3 differed) to at least :data:`MIN_ATTENTION_ROWS`. RMSNorm, SiLU, the
+   matmuls (where only M <= 3 differed) to at least :data:`MIN_ATTENTION_ROWS`. With several
+   threads a BLAS may also split a long reduction between them for some row counts (MKL on
+   one 2-core machine: with K = 1536, rows computed with M = 17..192 differed from the same
+   rows in a batch of 193 or more; with K <= 768 none did), so :func:`token_matmul` cuts a
+   reduction longer than :data:`MAX_INNER` into blocks of at most that length and adds their
+   products in block order. RMSNorm, SiLU, the
    rotary products and the residual adds are row-wise elementwise ops or per-row reductions of a
    fixed length, which are row-independent too. ``tests/test_invariance.py`` checks all of this
    on the machine at hand.
@@ -47,6 +52,8 @@ import torch
 
 #: Fewest rows of any matmul over tokens (rule 1).
 MIN_ROWS = 16
+#: Longest reduction one BLAS call over tokens runs (rule 1): longer ones are cut into blocks.
+MAX_INNER = 768
 #: Fewest query rows of an attention matmul (one per head sharing a KV head and position): the
 #: batched matmul keeps a row's arithmetic from 4 rows up, on the machines measured.
 MIN_ATTENTION_ROWS = 8
@@ -63,6 +70,19 @@ def pad_rows(x: torch.Tensor, rows: int = MIN_ROWS) -> torch.Tensor:
     if x.shape[0] >= rows:
         return x
     return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def token_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for a matmul over tokens (``x`` padded by :func:`pad_rows`), each row's
+    arithmetic independent of how many rows ``x`` has: a reduction (``w``'s rows) longer than
+    :data:`MAX_INNER` is computed in blocks of at most that length, added in order (rule 1)."""
+    inner = w.shape[0]
+    if inner <= MAX_INNER:
+        return x @ w
+    out = x[:, :MAX_INNER] @ w[:MAX_INNER]
+    for start in range(MAX_INNER, inner, MAX_INNER):
+        out += x[:, start:start + MAX_INNER] @ w[start:start + MAX_INNER]
+    return out
 
 
 @attrs.frozen(eq=False)

@@ -33,7 +33,7 @@ from kv.pages import pages_needed
 from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from scheduler.model.checkpoint import Checkpoint, LlamaConfig, rope_inv_freq
-from scheduler.model.invariant import MIN_ROWS, Span, pad_rows, paged_attention
+from scheduler.model.invariant import MIN_ROWS, Span, pad_rows, paged_attention, token_matmul
 from scheduler.model.reference import ModelInputError, resolve_device
 from scheduler.runner import ForwardBatch, ForwardItem, check_pool_fits
 
@@ -171,7 +171,7 @@ class RealModel:
             rows = [r for s in wanted for r in range(s.row, s.row + s.n)]
             x = self._layer(last, x, cos, sin, pool, wanted, new_slots, rows)
             h = _rms_norm(x, self._norm, self.config.rms_eps)
-            return (h @ self._head.T).float()[: len(rows)]
+            return token_matmul(h, self._head.T).float()[: len(rows)]
 
     def _layer(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool,
@@ -182,7 +182,7 @@ class RealModel:
         theirs (in that order, padded to :data:`MIN_ROWS`)."""
         c, w, n_rows = self.config, self._layers[layer], x.shape[0]
         q_dim, kv_dim = c.heads * c.head_dim, c.kv_heads * c.head_dim
-        qkv = _rms_norm(x, w.attn_norm, c.rms_eps) @ w.qkv
+        qkv = token_matmul(_rms_norm(x, w.attn_norm, c.rms_eps), w.qkv)
         qk = _rotate(qkv[:, : q_dim + kv_dim].view(n_rows, c.heads + c.kv_heads, c.head_dim),
                      cos, sin)
         q, k = qk[:, : c.heads], qk[:, c.heads :]
@@ -206,11 +206,11 @@ class RealModel:
         """The output projection and the SwiGLU MLP of some rows (a slice of the layer's, so
         the MLP's intermediate activations stay small), written into ``out``."""
         c = self.config
-        x = x + self._reduce(attn @ w.o)
-        gate_up = _rms_norm(x, w.mlp_norm, c.rms_eps) @ w.gate_up
+        x = x + self._reduce(token_matmul(attn, w.o))
+        gate_up = token_matmul(_rms_norm(x, w.mlp_norm, c.rms_eps), w.gate_up)
         act = torch.nn.functional.silu(gate_up[:, : c.intermediate])
         act.mul_(gate_up[:, c.intermediate :])
-        torch.add(x, self._reduce(act @ w.down), out=out)
+        torch.add(x, self._reduce(token_matmul(act, w.down)), out=out)
 
     def _plan(
         self, pool: KVPool, items: Sequence[ForwardItem]
