@@ -328,6 +328,25 @@ def test_pdlife_generate_says_what_is_wrong_with_the_prompt_alone(
     assert capsys.readouterr().err == f"pdlife generate: {says}\n"  # no request id of its own
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--dtype", "bfloat16"), "--dtype is a real model's: the reference model computes in fixed "
+                              "point; drop it, or give --model"),
+    (("--model", "smollm2", "--hidden", "128", "--seed", "3"),
+     "--hidden, --seed are the reference model's; --model smollm2 brings its own shape and "
+     "weights: drop them"),
+])
+def test_pdlife_generate_refuses_flags_of_the_other_kind_of_model(
+    flags: tuple[str, ...], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were taken without effect."""
+    from scheduler.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--prompt", "hi", *flags])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"pdlife generate: {says}\n"
+
+
 @pytest.mark.parametrize(
     ("changes", "field"),
     [

@@ -174,3 +174,17 @@ def test_ctrl_c_ends_pdlife_top_cleanly(worker: Server, tmp_path: Path) -> None:
         assert worker.url in out
     finally:
         top.stop()
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--interval", "0"), "--interval must be > 0, got 0.0"),
+    (("--timeout", "-1"), "--timeout must be > 0, got -1.0"),
+    (("--iterations", "-2"), "--iterations must be >= 0, got -2"),
+])
+def test_top_names_the_value_it_refuses(flags: tuple[str, ...], says: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """It named every rule whichever was broken."""
+    with pytest.raises(SystemExit) as info:
+        main(["top", "http://127.0.0.1:9", *flags])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(says)

@@ -52,10 +52,29 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a real model's weights and KV cache (default: float32)")
 
 
+def _check_flags_fit_the_model(args: argparse.Namespace) -> None:
+    """A flag that shapes the other kind of model than ``--model`` names is refused: it was
+    taken without effect (a real checkpoint brings its shape; the reference model computes in
+    fixed point, whatever ``--dtype``)."""
+    if args.model == "reference":
+        if args.dtype != "float32":
+            raise UsageError("--dtype is a real model's: the reference model computes in fixed "
+                             "point; drop it, or give --model")
+        return
+    shaped = [f"--{name.replace('_', '-')}" for name, default in _model_defaults().items()
+              if getattr(args, name) != default]
+    if shaped:
+        many = len(shaped) > 1
+        raise UsageError(f"{', '.join(shaped)} {'are' if many else 'is'} the reference model's; "
+                         f"--model {args.model} brings its own shape and weights: drop "
+                         f"{'them' if many else 'it'}")
+
+
 def model_config(args: argparse.Namespace) -> Any:
     """The reference model's :class:`~scheduler.model.reference.ModelConfig` the flags give."""
     from scheduler.model.reference import ModelConfig
 
+    _check_flags_fit_the_model(args)
     try:
         return ModelConfig(**{name: getattr(args, name) for name in _MODEL_FLAGS})
     except ValueError as exc:

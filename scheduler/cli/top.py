@@ -151,8 +151,10 @@ def _run(args: argparse.Namespace) -> int:
 
     from scheduler.cli.top_view import History
 
-    if args.interval <= 0 or args.timeout <= 0 or args.iterations < 0:
-        raise UsageError("--interval and --timeout must be > 0, --iterations >= 0")
+    for flag, value, least in (("--interval", args.interval, 0), ("--timeout", args.timeout, 0),
+                               ("--iterations", args.iterations, -1)):
+        if value <= least:
+            raise UsageError(f"{flag} must be {'>= 0' if least < 0 else '> 0'}, got {value}")
     histories = [History(_url(u)) for u in args.urls]
     console = Console()
     # Ctrl-C sets this event instead of raising KeyboardInterrupt wherever the main thread is
