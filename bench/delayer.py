@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 
 from kv.fake import FakeKVManager
 from kv.metadata import MetadataBuffers, SlotAllocator
+from scheduler.dist import rendezvous
 from scheduler.dist.gather import TorchDistributedGather
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
@@ -78,9 +78,8 @@ def run_rank(rank: int, world: int, passes: int, with_delayer: bool, seed: int) 
             "outcomes": dict(delayer.outcomes) if delayer else {}}
 
 
-def worker(rank: int, world: int, port: int, passes: int, seed: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+def worker(rank: int, world: int, passes: int, seed: int, out: str) -> None:
+    rendezvous.join(str(Path(out, "store")), rank, world, timedelta(seconds=120))
     try:
         result = {
             "without": run_rank(rank, world, passes, False, seed),
@@ -91,13 +90,6 @@ def worker(rank: int, world: int, port: int, passes: int, seed: int, out: str) -
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
@@ -105,7 +97,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, args=(args.ranks, free_port(), args.passes, args.seed, out),
+        mp.start_processes(worker, args=(args.ranks, args.passes, args.seed, out),
                            nprocs=args.ranks, start_method="spawn", join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
     figures = {}

@@ -27,7 +27,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 import attrs
 import httpx
 
+from scheduler.dist.ports import free_port
 from scheduler.model.reference import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,13 +59,6 @@ class Round:
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Server:

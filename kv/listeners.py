@@ -130,8 +130,7 @@ class ExposureCheck:
             logger.warning(
                 "this server is configured for %s, but it listens on every interface (%s): "
                 "the Mooncake transfer engine's ports, MC_MIN_RPC_PORT..MC_MAX_RPC_PORT "
-                "(15000-17000 by default), and on several ranks torch's rendezvous store, "
-                "cannot be bound to an address; a firewall must keep them to the peers "
-                "(docs/security.md)", " and ".join(sorted(set(self.hosts))),
+                "(15000-17000 by default), cannot be bound to an address; a firewall must "
+                "keep them to the peers (docs/security.md)", " and ".join(sorted(set(self.hosts))),
                 ", ".join(map(str, exposed)))
         return exposed

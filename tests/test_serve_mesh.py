@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kv.listeners import listening
 from scheduler.cli.command import UsageError
 from scheduler.cli.serve import SERVE, serve_config
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
@@ -40,18 +41,30 @@ PROMPTS = [[(7 * i + 3 * j + 1) % 250 for j in range(2 + 9 * i)] for i in range(
 
 @pytest.mark.multiprocess
 def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "fake",
                     *model_flags(MODEL), "--page-size", "4", "--chunked-prefill-size", "8",
-                    "--dp-size", "2", "--pp-size", "2", "--log-level", "info")
+                    "--dp-size", "2", "--pp-size", "2", "--log-level", "info",
+                    env={"TMPDIR": str(temp)})
     try:
         server.wait_healthy(timeout=180)
         server.answers_as_colocated(MODEL, PROMPTS)
         info = server.get("/server_info")
         assert [info[k] for k in LAYOUT] == [1, 2, 2, 4], info
+        # The ranks met through store files of their own, and listen on loopback only (no
+        # rendezvous store on every interface; the fake backend opens no transfer engine).
+        (stores,) = temp.glob("pdlife-ranks-*")
+        assert {"replica0", "replica1"} <= {p.name for p in stores.iterdir()}
+        pids = [server.proc.pid, *_rank_processes(server.proc.pid)]
+        assert len(pids) == 4
+        hosts = {lst.host for pid in pids for lst in listening(pid)}
+        assert hosts == {"127.0.0.1"}, hosts
         log = server.tail()
         assert server.stop(timeout=60) == 0, log
     finally:
         server.stop()
+    assert not list(temp.glob("pdlife-ranks-*"))  # removed on the way out
     log = server.log.read_text()
     assert "DP 2 x TP 1 x PP 2, rank processes beside this one: 3" in log
     assert "killing them" not in log and "a prefill rank failed" not in log, log

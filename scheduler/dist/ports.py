@@ -1,4 +1,5 @@
-"""Loopback ports for rendezvous: :func:`free_port`.
+"""Loopback ports to hand to a server or a rendezvous in another process: :func:`free_port`
+(the tests' and benchmarks' workers, whose ports are picked before they start).
 
 A port picked by binding port 0 comes from the kernel's ephemeral range, the range outgoing
 connections also take their local ports from; between picking it and the bind of whoever is
@@ -37,17 +38,6 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports nothing holds now (:func:`free_port` may give one twice:
-    nothing holds a port between two calls)."""
-    ports: list[int] = []
-    while len(ports) < n:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 def free_port(ephemeral: tuple[int, int] | None = None) -> int:

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 Each replica runs its own :class:`~scheduler.prefill.scheduler.PrefillScheduler`
 (:mod:`scheduler.service.ranks`). With the delayer on, the first rank of every replica joins
-one gloo group of ``D`` ranks (a group of its own, on its own loopback port: the replicas'
+one gloo group of ``D`` ranks (a group of its own, through its own store file: the replicas'
 meshes are separate ``torch.distributed`` worlds), and every scheduler pass negotiates over
 it: :class:`ReplicaGather` is the delayer's :class:`~scheduler.dist.gather.RowGather`, so the
 replicas step in lockstep, one gather per pass each.
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scheduler.dist import rendezvous
 from scheduler.dist.gather import Table
 from scheduler.dist.relay import MeshStopped
 from scheduler.prefill.delayer import DelayerMetrics, PrefillDelayer
@@ -77,12 +78,11 @@ class ReplicaGather:
         self._peers_busy = False
         self._group: Any = None
 
-    def connect(self, port: int, start: timedelta, timeout: timedelta) -> None:
-        """Join the group (a rendezvous of every replica, at rank 0's store on ``port``);
-        ``timeout`` bounds one gather: how long rank 0 may sit idle."""
-        store = dist.TCPStore(  # type: ignore[attr-defined]  # exported at run time
-            "127.0.0.1", port, self.dp_size, self.replica == 0, timeout=start)
-        self._group = dist.ProcessGroupGloo(store, self.replica, self.dp_size, timeout)
+    def connect(self, store: str, start: timedelta, timeout: timedelta) -> None:
+        """Join the group (a rendezvous of every replica through the store file ``store``:
+        :mod:`scheduler.dist.rendezvous`); ``timeout`` bounds one gather: how long rank 0 may
+        sit idle."""
+        self._group = rendezvous.group(store, self.replica, self.dp_size, start, timeout)
 
     @property
     def connected(self) -> bool:

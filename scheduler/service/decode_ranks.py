@@ -5,8 +5,9 @@ Theory of operation
 A decode server at TP ``T`` runs the reference model over ``T`` ranks
 (:mod:`scheduler.decode.mesh`). The ``pdlife serve`` process is TP rank 0, behind the HTTP
 front; :class:`DecodeRanks` spawns the other ``T - 1`` as processes (``spawn``, so none
-inherits the launcher's threads). The ranks join a gloo group of their own on a loopback port
-and build the decode group (:func:`scheduler.decode.mesh.build_decode_mesh`).
+inherits the launcher's threads). The ranks join a gloo group of their own (through a store
+file, over loopback: :mod:`scheduler.dist.rendezvous`) and build the decode group
+(:func:`scheduler.decode.mesh.build_decode_mesh`).
 
 Every rank builds the same engines (:class:`~scheduler.service.engines.Engines`, role
 ``decode``) over its own shard (:class:`~scheduler.model.sharded.ShardedLlama`), its own pool
@@ -37,7 +38,7 @@ from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from scheduler.assemble import constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl, build_decode_mesh
-from scheduler.dist.ports import free_port
+from scheduler.dist import rendezvous
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import DecodeResponse, Response
 from scheduler.service.config import ServeConfig
@@ -57,9 +58,8 @@ from scheduler.stepping import step_or_rest
 logger = logging.getLogger(__name__)
 
 
-def _join(rank: int, world: int, port: int) -> DecodeMeshControl:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=START_TIMEOUT)
+def _join(rank: int, world: int, store: str) -> DecodeMeshControl:
+    rendezvous.join(store, rank, world, START_TIMEOUT)
     control = build_decode_mesh(world, range(world), timeout=MESH_TIMEOUT)
     assert control is not None  # the group holds every rank
     return control
@@ -71,17 +71,19 @@ class DecodeRanks:
     def __init__(self, config: ServeConfig) -> None:
         self.world = config.tp_size
         self._closing = threading.Event()
-        port = free_port()
+        self._store_files = rendezvous.StoreFiles()
+        store = self._store_files.path("decode")
         # torch's start_processes has no annotations.
         self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _rank_main, args=(self.world, port, *for_ranks(config)), nprocs=self.world - 1,
+            _rank_main, args=(self.world, store, *for_ranks(config)), nprocs=self.world - 1,
             join=False,
             start_method="spawn",
         )
         try:
-            self.control = _join(0, self.world, port)
+            self.control = _join(0, self.world, store)
         except BaseException:
             kill_ranks(self._processes)
+            self._store_files.remove()
             raise
         logger.info("decode: TP %d, rank processes beside this one: %d", self.world,
                     self.world - 1)
@@ -102,13 +104,14 @@ class DecodeRanks:
             stop_ranks(self._processes, self.control.relay.stop, "decode")
         finally:
             dist.destroy_process_group()
+            self._store_files.remove()
 
 
 def _ignore(_answer: Response | DecodeResponse) -> None:
     """Only rank 0 answers (every rank's answers are the same)."""
 
 
-def _rank_main(index: int, world: int, port: int, config: ServeConfig,
+def _rank_main(index: int, world: int, store: str, config: ServeConfig,
                source: tuple[str, str] | None) -> None:
     """TP rank ``index + 1``: build when rank 0 says so, then step in its lockstep."""
     rank = index + 1
@@ -119,7 +122,7 @@ def _rank_main(index: int, world: int, port: int, config: ServeConfig,
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s decode/rank{rank} %(name)s: %(message)s")
-    control = _join(rank, world, port)
+    control = _join(rank, world, store)
     try:
         control.relay.exchange([])  # rank 0 says: build
         config = in_rank(config, source, control.mesh)

@@ -7,8 +7,9 @@ own scheduler (SGLang's DP ranks). The ``pdlife serve`` process is the launcher 
 rank of replica 0: stage 0, TP rank 0, behind the HTTP front (as SGLang's launcher starts its
 scheduler processes and keeps the HTTP server). :class:`Ranks` spawns every other rank as a
 process (``spawn``, so none inherits the launcher's threads); the ranks of each replica join a
-gloo process group of their own on a loopback port and build the mesh and the scheduler's
-groups (:func:`scheduler.prefill.mesh.build_mesh_control`).
+gloo process group of their own (through a store file, over loopback:
+:mod:`scheduler.dist.rendezvous`) and build the mesh and the scheduler's groups
+(:func:`scheduler.prefill.mesh.build_mesh_control`).
 
 Every rank builds the same scheduler over its own shard
 (:class:`~scheduler.model.sharded.ShardedLlama`: its KV heads of its stage's layers), its own
@@ -70,7 +71,7 @@ from torch.multiprocessing.spawn import ProcessContext, start_processes
 from kv.mooncake import MooncakeKVManager
 from kv.routes import dp_rank_of
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
-from scheduler.dist.ports import free_ports
+from scheduler.dist import rendezvous
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import AbortRequest, NewRequest, Response
 from scheduler.model.select import ServedModel, load_model, reference_model
@@ -99,9 +100,8 @@ START_TIMEOUT = timedelta(minutes=5)
 JOIN_TIMEOUT_S = 30.0
 
 
-def _join(rank: int, world: int, port: int, config: ServeConfig) -> MeshControl:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=START_TIMEOUT)
+def _join(rank: int, world: int, store: str, config: ServeConfig) -> MeshControl:
+    rendezvous.join(store, rank, world, START_TIMEOUT)
     control = build_mesh_control(config.tp_size, config.pp_size, timeout=MESH_TIMEOUT)
     assert control is not None  # the mesh holds every rank of this group
     return control
@@ -126,9 +126,11 @@ class Ranks:
     def __init__(self, config: ServeConfig) -> None:
         self.world = config.tp_size * config.pp_size
         self.dp_size = config.dp_size
-        # One rendezvous port per replica's mesh, and one for the delayer's group.
-        ports = free_ports(self.dp_size + 1)
-        self._delayer_port = ports[-1]
+        # One store file per replica's mesh, and one for the delayer's group.
+        self._store_files = rendezvous.StoreFiles()
+        stores = [*map(self._store_files.path, (f"replica{r}" for r in range(self.dp_size))),
+                  self._store_files.path("delayer")]
+        self._delayer_store = stores[-1]
         self._delayer_config = config.prefill_delayer
         context = multiprocessing.get_context("spawn")
         self._inboxes: list[Any] = [context.Queue() for _ in range(self.dp_size - 1)]
@@ -137,14 +139,15 @@ class Ranks:
         self._reader: threading.Thread | None = None
         # torch's start_processes has no annotations.
         self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _rank_main, args=(self.world, ports, *for_ranks(config), self._inboxes,
+            _rank_main, args=(self.world, stores, *for_ranks(config), self._inboxes,
                               self._answers),
             nprocs=self.world * self.dp_size - 1, join=False, start_method="spawn",
         )
         try:
-            self.control = _join(0, self.world, ports[0], config)
+            self.control = _join(0, self.world, stores[0], config)
         except BaseException:
             self._kill()
+            self._store_files.remove()
             raise
         self.delayer = (None if config.prefill_delayer is None else ReplicaGather(
             0, self.dp_size, config.prefill_delayer, _mesh_of(self.control)))
@@ -163,7 +166,7 @@ class Ranks:
         """With the delayer on: join the replicas' delayer group and give rank 0's
         ``scheduler`` its delayer (after :meth:`started`, before rank 0's first pass)."""
         if self.delayer is not None and self._delayer_config is not None:
-            self.delayer.connect(self._delayer_port, START_TIMEOUT, MESH_TIMEOUT)
+            self.delayer.connect(self._delayer_store, START_TIMEOUT, MESH_TIMEOUT)
             self.delayer.serve(scheduler, self._delayer_config)
 
     # -- the replicas (thread-safe) ---------------------------------------------------------
@@ -222,6 +225,7 @@ class Ranks:
             if self._reader is not None:
                 self._reader.join(timeout=JOIN_TIMEOUT_S)
             dist.destroy_process_group()
+            self._store_files.remove()
             self._release_queues()
 
     def _release_queues(self) -> None:
@@ -331,7 +335,7 @@ def served_by(config: ServeConfig) -> ServedModel:
     return reference_model(config.model, device=config.device)
 
 
-def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig,
+def _rank_main(index: int, world: int, stores: Sequence[str], config: ServeConfig,
                source: tuple[str, str] | None, inboxes: Sequence[Any], answers: Any) -> None:
     """The rank process at position ``index + 1`` (replica-major): the first rank of a
     replica leads it (:func:`_lead`), any other follows its replica's first rank."""
@@ -343,13 +347,13 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s dp{replica}/rank{rank} %(name)s: %(message)s")
-    control = _join(rank, world, ports[replica], config)
+    control = _join(rank, world, stores[replica], config)
     closers: Closers = []
     outcomes: Counter[str] | None = None  # a follower's delayer outcomes
     try:
         config = in_rank(config, source, control.mesh)
         if rank == 0:
-            _lead(control, config, replica, ports, inboxes[replica - 1], answers, closers)
+            _lead(control, config, replica, stores[-1], inboxes[replica - 1], answers, closers)
         else:
             control.relay.exchange([])  # the replica's first rank says: build
             scheduler = _build(control, config, replica, closers, None)
@@ -374,7 +378,7 @@ def _rank_main(index: int, world: int, ports: Sequence[int], config: ServeConfig
         dist.destroy_process_group()
 
 
-def _lead(control: MeshControl, config: ServeConfig, replica: int, ports: Sequence[int],
+def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store: str,
           inbox: Any, answers: Any, closers: Closers) -> None:
     """The first rank of replica ``replica`` (not 0): its scheduler takes the launcher's
     requests off ``inbox`` and puts its answers on ``answers``."""
@@ -387,7 +391,7 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, ports: Sequen
         if config.prefill_delayer is not None:
             delayer = ReplicaGather(replica, config.dp_size, config.prefill_delayer,
                                     _mesh_of(control))
-            delayer.connect(ports[-1], START_TIMEOUT, MESH_TIMEOUT)
+            delayer.connect(delayer_store, START_TIMEOUT, MESH_TIMEOUT)
         scheduler = _build(control, config, replica, closers, answers.put)
         if delayer is not None and config.prefill_delayer is not None:
             delayer.serve(scheduler, config.prefill_delayer)
