@@ -26,7 +26,7 @@ from kv.native_log import HARMLESS, HARMLESS_ON_TCP, engine_log_captured
 from kv.peer_token import peer_token_problem
 from kv.pool import KVPool
 from kv.state_pools import StatePools
-from lifecycle.validators import one_of
+from lifecycle.validators import one_of, typed_fields
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _positive_or_none(_: object, attribute: attrs.Attribute[Any],
         raise ValueError(f"{attribute.name} must be > 0 or None, got {value!r}")
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class MooncakeConfig:
     """Engine and control-plane settings of one side."""
 

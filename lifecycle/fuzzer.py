@@ -56,6 +56,7 @@ from lifecycle.fuzz_checks import (
 from lifecycle.machine import Lifecycle
 from lifecycle.record import ADMITTED
 from lifecycle.table import Edge, LifecycleTable
+from lifecycle.validators import typed_fields
 
 #: An event name no table defines; the machine mixes it in as an always-illegal event.
 UNKNOWN_EVENT = "no_such_event"
@@ -85,7 +86,7 @@ def hooks_of(table: LifecycleTable, hooks: Hooks) -> Mapping[str, Callable[..., 
     return given
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class MachineConfig:
     """What a :class:`LifecycleMachine` subclass is about."""
 

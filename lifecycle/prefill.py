@@ -32,6 +32,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.record import Owner, Tracked
 from lifecycle.request_table import request_table
 from lifecycle.table import Edge
+from lifecycle.validators import of_type
 
 
 class PrefillState(enum.IntEnum):
@@ -121,19 +122,6 @@ class GrammarSpec:
 
     kind: GrammarKind = attrs.field(converter=GrammarKind)
     source: str = ""
-
-
-def of_type(types: type | tuple[type, ...], name: str) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator: ``value`` is one of ``types`` (a bool is a bool, not a number), so
-    a wrong type is refused where the request is built, not in a forward pass; ``name`` says
-    what is wanted."""
-
-    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, types) or (isinstance(value, bool) and name != "a bool"):
-            raise TypeError(f"{attribute.name} must be {name}, got {value!r:.40} "
-                            f"({type(value).__name__})")
-
-    return check
 
 
 _INT = of_type(int, "an integer")

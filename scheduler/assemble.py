@@ -251,8 +251,14 @@ def build_decode(
 
 def hybrid_side(model: object, pool: KVPool, hybrid: HybridConfig | None) -> SideModel | None:
     """The reference model's side over ``pool`` for ``hybrid`` (None without it); ValueError
-    for another model."""
+    for another model, and for a hybrid model without it."""
     if hybrid is None:
+        if isinstance(model, LlamaModel) and model.config.hybrid:
+            c = model.config
+            raise ValueError(
+                f"the model has sliding-window layers {c.swa_layers} and recurrent layers "
+                f"{c.recurrent_layers}: each side needs their pools; give it a HybridConfig "
+                "(PairConfig(hybrid=HybridConfig()), or hybrid= when building a side)")
         return None
     if not isinstance(model, LlamaModel):
         raise ValueError(f"hybrid state and drafts are built for the reference model, not "

@@ -38,7 +38,7 @@ from kv.pool import KVPool
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from kv.state_pools import StatePools
 from lifecycle import FailureReason, SamplingParams
-from lifecycle.validators import one_of
+from lifecycle.validators import one_of, typed_fields
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
 from scheduler.decode import DecodeConfig
 from scheduler.messages import LOCAL_HOST, DecodeResponse, NewRequest, Response
@@ -53,7 +53,7 @@ from scheduler.sample.request import Detokenize
 from scheduler.stepping import step_until
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class PairConfig:
     model: ModelConfig = attrs.field(factory=ModelConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)

@@ -14,7 +14,8 @@ from typing import Any, Protocol, TypeVar
 import attrs
 
 from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
-from lifecycle.prefill import DEFAULT_SAMPLING, as_token_ids, of_type
+from lifecycle.prefill import DEFAULT_SAMPLING, as_token_ids
+from lifecycle.validators import of_type
 
 # Requests for this bootstrap host use the fake transfer backend (SGLang's warm-up and
 # health-check path).

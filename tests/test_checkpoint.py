@@ -196,7 +196,8 @@ def test_a_cuda_device_without_cuda_is_refused_before_any_forward() -> None:
     from scheduler.model.decoder import resolve_device
 
     with pytest.raises(ValueError, match=r"^device 'cuda': this torch \(.*\) (has no CUDA "
-                                         r"build|finds no CUDA device); use --device cpu"):
+                                         r"build|finds no CUDA device); use device 'cpu' or "
+                                         r"'auto'"):
         resolve_device("cuda")
     assert resolve_device("auto") == torch.device("cpu")
 

@@ -83,7 +83,8 @@ def _prefill(rank: int, port: int, events: dict[str, Event], out_dir: str) -> No
     slots = SlotAllocator(SLOTS)
     server = BootstrapServer(port=port, expected_ranks=TP) if control.first else None
     kv = MooncakeKVManager(pool, metadata,
-                           place=control.rank_place(CONFIG.layers, CONFIG.kv_heads))
+                           place=control.rank_place(num_layers=CONFIG.layers,
+                                                    kv_heads=CONFIG.kv_heads))
     responses: list[Response] = []
     try:
         dist.barrier()  # the endpoint is up
@@ -148,7 +149,8 @@ def _decode(rank: int, port: int, events: dict[str, Event], out_dir: str) -> Non
     metadata = MetadataBuffers(SLOTS)
     _wait(events["registered"], "prefill registration")
     kv = MooncakeDecodeManager(pool, metadata, f"127.0.0.1:{port}",
-                               place=control.rank_place(CONFIG.kv_heads, CONFIG.layers))
+                               place=control.rank_place(num_layers=CONFIG.layers,
+                                                                  kv_heads=CONFIG.kv_heads))
     peer = MeshDecodePeer(control, runner=PagedModelRunner(model, pool), kv=kv,
                           metadata=metadata, slots=SlotAllocator(SLOTS))
     if control.first:

@@ -109,7 +109,8 @@ def _decode(control: DecodeMeshControl, port: int) -> dict[str, object]:
     slots = SlotAllocator(SLOTS)
     dist.barrier()
     kv = MooncakeDecodeManager(pool, metadata, f"127.0.0.1:{port}",
-                               place=control.rank_place(CONFIG.kv_heads, CONFIG.layers))
+                               place=control.rank_place(num_layers=CONFIG.layers,
+                                                                  kv_heads=CONFIG.kv_heads))
     responses: list[DecodeResponse] = []
     try:
         peer = MeshDecodePeer(control, runner=PagedModelRunner(model, pool), kv=kv,

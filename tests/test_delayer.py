@@ -206,7 +206,6 @@ def test_config_defaults() -> None:
     ("field", "value", "message"),
     [
         ("max_delay_passes", 0, "max_delay_passes must be an integer >= 1, got 0"),
-        ("max_delay_passes", True, "max_delay_passes must be an integer >= 1"),
         ("token_usage_low_watermark", 1.5, r"low_watermark must be None or in \[0, 1\]"),
         ("queue_min_ratio", 0.0, r"queue_min_ratio must be None or in \(0, 1\], got 0.0"),
         ("queue_min_ratio", 1.01, r"queue_min_ratio must be None or in \(0, 1\]"),
@@ -217,6 +216,21 @@ def test_config_defaults() -> None:
 )
 def test_config_rejects_out_of_range_fields(field: str, value: object, message: str) -> None:
     with pytest.raises(DelayerConfigError, match=message):
+        DelayerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_delay_passes", True, "max_delay_passes must be an integer, got True"),
+        ("max_delay_passes", "30", "max_delay_passes must be an integer, got '30'"),
+        ("token_usage_low_watermark", "0.5", "must be a number or None, got '0.5'"),
+        ("mode", 1, "mode must be a string, got 1"),
+        ("debug_log", "no", "debug_log must be a bool, got 'no'"),
+    ],
+)
+def test_config_refuses_wrong_types(field: str, value: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
         DelayerConfig(**{field: value})  # type: ignore[arg-type]
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kv.pages import pages_needed
 from kv.state_pools import StatePools
 from lifecycle import SamplingParams
-from scheduler.embedded import EmbeddedPair
+from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.model.side_pools import HybridConfig
 from tests.hybrid_harness import assert_empty, hybrid_pair
@@ -199,3 +199,31 @@ def test_a_tight_swa_pool_never_leaves_decoding_requests_waiting_for_each_other(
         assert_empty(pair, sum(need) + 2)
     finally:
         pair.close()
+
+
+TINY = ModelConfig.tiny()
+
+
+@pytest.mark.parametrize(
+    ("model", "hybrid", "message"),
+    [
+        (TINY, HybridConfig(swa_pages=256),
+         "HybridConfig: the model has no sliding-window or recurrent layers and there is no "
+         "draft .* it would change nothing; leave it None"),
+        (attrs.evolve(TINY, **CONFIGS["swa"]), HybridConfig(speculative_k=5),
+         r"HybridConfig: speculative_k=5 without a draft \(draft_layers=0\)"),
+        (attrs.evolve(TINY, **CONFIGS["both"]), HybridConfig(draft_layers=2),
+         r"a draft of 2 layers \(the target's first\) has sliding-window or recurrent layers "
+         r"\[0, 1\]; a hybrid draft is not built"),
+        (attrs.evolve(TINY, **CONFIGS["both"]), None,
+         r"sliding-window layers \(0, 2\) and recurrent layers \(1,\): each side needs their "
+         r"pools; give it a HybridConfig \(PairConfig\(hybrid=HybridConfig\(\)\)"),
+    ],
+    ids=["nothing", "speculative-k", "hybrid-draft", "no-hybrid"],
+)
+def test_a_hybrid_setting_the_model_cannot_use_is_refused(
+    model: ModelConfig, hybrid: HybridConfig | None, message: str
+) -> None:
+    """A setting taken without effect reads as one that works: each is refused by name."""
+    with pytest.raises(ValueError, match=message):
+        EmbeddedPair(PairConfig(model=model, hybrid=hybrid))

@@ -157,6 +157,9 @@ def test_a_smaller_swa_pool_bounds_what_is_admitted_and_scheduled() -> None:
                               bootstrap_port=1, bootstrap_room=99))
     h.step()
     assert [(r.rid, r.reason) for r in h.responses] == [("long", FailureReason.REJECTED)]
+    # The pool that bounds it is named: the full pool has room for it.
+    assert h.responses[0].detail == (f"the prompt has {4 * PS} tokens; the SWA pool "
+                                     f"(HybridConfig.swa_pages) holds at most {3 * PS}")
     a, b = h.submit("a", 2 * PS), h.submit("b", 2 * PS)
     a.act("handshake")
     b.act("handshake")
@@ -179,8 +182,14 @@ def test_the_scheduler_refuses_state_pools_it_cannot_honour() -> None:
     plain = SchedulerConfig(page_size=PS)
     with pytest.raises(ValueError, match="built on the runner's KV pool"):
         build(make_states(other), plain, kv)
-    with pytest.raises(ValueError, match="turn radix_cache off"):
-        build(make_states(pool), SchedulerConfig(page_size=PS, radix_cache=True), kv)
+    cached = SchedulerConfig(page_size=PS, radix_cache=True)
+    with pytest.raises(ValueError, match="keeps the full pool's pages only, not SWA pages or "
+                                         "recurrent state or index pages or a draft's KV pages "
+                                         r"\(speculative decoding\); turn radix_cache off"):
+        build(make_states(pool), cached, kv)
+    draft = KVPool(num_layers=1, num_pages=8, page_size=PS, kv_heads=1, head_dim=1)
+    with pytest.raises(ValueError, match=r"only, not a draft's KV pages \(speculative"):
+        build(StatePools(pool, draft=draft), cached, kv)
 
     class NoState:
         pass

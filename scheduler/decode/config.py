@@ -5,8 +5,10 @@ from __future__ import annotations
 import attrs
 from attrs.validators import gt
 
+from lifecycle.validators import typed_fields
 
-@attrs.frozen
+
+@attrs.frozen(field_transformer=typed_fields)
 class DecodeConfig:
     """Limits of the decode peer.
 

@@ -69,9 +69,9 @@ class DecodeMeshControl:
         """Whether this rank takes the requests (and answers them)."""
         return self.relay.rank == self.relay.src
 
-    def rank_place(self, kv_heads: int, num_layers: int) -> RankPlace:
+    def rank_place(self, *, num_layers: int, kv_heads: int) -> RankPlace:
         """This rank's place, as its KV manager registers it (a decode rank holds every
-        layer)."""
+        layer). Keywords only, as the prefill mesh's: both are ints, easily swapped."""
         return RankPlace(
             tp_rank=self.mesh.tp_rank,
             tp_size=self.mesh.tp_size,

@@ -63,7 +63,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         built = "has no CUDA build" if torch.version.cuda is None else "finds no CUDA device"
         raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) {built}; "
-                         f"use --device cpu (or auto)")
+                         f"use device 'cpu' or 'auto' (--device on the command line)")
     return resolved
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from lifecycle.validators import typed_fields
 from scheduler.model.byte_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 # The K/V cache dtypes that hold activation-grid values (20 significant bits) exactly.
@@ -63,7 +64,7 @@ def _cache_dtype(_instance: Any, attribute: attrs.Attribute[torch.dtype], value:
         )
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class ModelConfig:
     """Shape and seed of the reference model.
 

@@ -17,7 +17,8 @@ import attrs
 
 from kv.pool import KVPool
 from kv.state_pools import RecurrentPool, StatePools, SWAPool
-from scheduler.model.reference import LlamaModel, PagedModelRunner
+from lifecycle.validators import typed_fields
+from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
 
 
 def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -25,7 +26,7 @@ def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int
         raise ValueError(f"HybridConfig.{attribute.name} must be an integer >= 0, got {value!r}")
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class HybridConfig:
     """What each side holds beside its full pool (for a model whose config has sliding-window
     or recurrent layers, or with a draft).
@@ -39,6 +40,20 @@ class HybridConfig:
     state_slots: int = attrs.field(default=64, validator=_non_negative)
     draft_layers: int = attrs.field(default=0, validator=_non_negative)
     speculative_k: int = attrs.field(default=3, validator=_non_negative)
+
+
+def _unused(config: ModelConfig, hybrid: HybridConfig) -> list[str]:
+    """What of ``hybrid`` would change nothing on a model of ``config`` (a setting taken
+    without effect reads as one that works). One config may serve models of different kinds:
+    an SWA pool's size is not refused for a model without sliding-window layers, but a config
+    that builds nothing at all is."""
+    if hybrid.speculative_k != HybridConfig().speculative_k and not hybrid.draft_layers:
+        return [f"speculative_k={hybrid.speculative_k} without a draft (draft_layers=0)"]
+    if not (config.hybrid or hybrid.draft_layers):
+        return ["the model has no sliding-window or recurrent layers and there is no draft "
+                "(draft_layers=0): it would change nothing; leave it None, or set draft_layers "
+                "for speculative decoding"]
+    return []
 
 
 @attrs.frozen
@@ -56,6 +71,9 @@ def build_side(model: LlamaModel, pool: KVPool, hybrid: HybridConfig) -> SideMod
     runners over them. ValueError for a draft with hybrid layers (not built) or pools that
     cannot be sized."""
     c, ps = model.config, pool.page_size
+    unused = _unused(c, hybrid)
+    if unused:
+        raise ValueError(f"HybridConfig: {'; '.join(unused)}")
     swa = None
     if c.swa_layers:
         swa_pool = model.make_swa_pool(
@@ -71,12 +89,16 @@ def build_side(model: LlamaModel, pool: KVPool, hybrid: HybridConfig) -> SideMod
         recurrent = RecurrentPool(model.make_states(hybrid.state_slots))
     draft = None
     if hybrid.draft_layers:
-        draft_model = model.draft(hybrid.draft_layers)
-        if draft_model.config.hybrid:
+        in_draft = sorted(i for i in (*c.swa_layers, *c.recurrent_layers)
+                          if i < hybrid.draft_layers)
+        if in_draft:
             raise ValueError(
-                f"a draft of {hybrid.draft_layers} layers has sliding-window or "
-                "recurrent layers; a hybrid draft is not built"
+                f"a draft of {hybrid.draft_layers} layers (the target's first) has "
+                f"sliding-window or recurrent layers {in_draft}; a hybrid draft is not built: "
+                "give HybridConfig.draft_layers the full-attention layers before the first "
+                "hybrid one"
             )
+        draft_model = model.draft(hybrid.draft_layers)
         draft = PagedModelRunner(
             draft_model,
             draft_model.make_pool(num_pages=pool.num_pages, page_size=ps, layout=pool.layout),

@@ -63,16 +63,20 @@ class Admission:
         metrics: SchedulerMetrics,
         respond: Callable[[Response], None],
         vet: Callable[[PrefillRequest], str] = lambda _req: "",
+        pool_name: str = "the KV pool",
         relay: Callable[[list[NewRequest | AbortRequest]], list[NewRequest | AbortRequest]]
         | None = None,
     ) -> None:
-        """``vet(req)`` says why a request's sampling is refused ("" when it is not).
+        """``num_pages``: the most pages one request can hold, in the pool ``pool_name`` (a
+        longer prompt is refused). ``vet(req)`` says why a request's sampling is refused (""
+        when it is not).
         ``relay`` turns what arrived on this rank's inbox into what every rank of a mesh
         admits this pass (:class:`scheduler.dist.relay.InboxRelay`); None: a rank alone."""
         self.lifecycle = lifecycle
         self._vet = vet
         self.config = config
         self.num_pages = num_pages
+        self._pool_name = pool_name
         self.managers = tuple(m for m in (kv, fake_kv) if m is not None)
         self._kv, self._fake_kv = kv, fake_kv
         self._arm_deadline = arm_deadline
@@ -168,7 +172,7 @@ class Admission:
             return "the prompt is empty; it needs at least one token"
         if pages_needed(n, self.config.page_size) > self.num_pages:
             return (
-                f"the prompt has {n} tokens; the KV pool holds at most "
+                f"the prompt has {n} tokens; {self._pool_name} holds at most "
                 f"{self.num_pages * self.config.page_size}"
             )
         return ""

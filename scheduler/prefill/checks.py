@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kv.state_pools import StatePools
+from kv.state_pools import StateKind, StatePools
 from kv.transfer import KVManager
 from lifecycle import PrefillRequest
 from scheduler.prefill.config import SchedulerConfig
@@ -31,20 +31,28 @@ def check_arguments(
     if states.full is not runner.pool:
         raise ValueError("states: the state pools must be built on the runner's KV pool")
     if config.radix_cache:
-        raise ValueError("states: the prefix cache does not keep SWA pages or recurrent state; "
-                         "turn radix_cache off with state pools")
+        held = [_HELD[kind] for kind in states.kinds]
+        held += ["a draft's KV pages (speculative decoding)"] if states.draft is not None else []
+        raise ValueError(f"states: the prefix cache keeps the full pool's pages only, not "
+                         f"{' or '.join(held) or 'state pools'}; turn radix_cache off with "
+                         "state pools")
     moves = states.kinds or states.draft is not None
     if moves and not getattr(kv, "carries_state", False):
         raise ValueError(f"states: the transfer backend {type(kv).__name__} does not carry "
                          "state pools (KVManager.carries_state)")
 
 
-def pages_admissible(states: StatePools | None, num_pages: int) -> int:
-    """The most pages one request can ever hold: the full pool's, or fewer with a smaller SWA
-    pool (a longer prompt is refused when admitted, not left waiting)."""
-    if states is None or states.swa is None:
-        return num_pages
-    return min(num_pages, states.swa.pool.num_pages)
+_HELD = {StateKind.SWA: "SWA pages", StateKind.RECURRENT: "recurrent state",
+         StateKind.INDEX: "index pages"}
+
+
+def pages_admissible(states: StatePools | None, num_pages: int) -> tuple[int, str]:
+    """The most pages one request can ever hold, and the pool that bounds them: the full
+    pool's, or fewer with a smaller SWA pool (a longer prompt is refused when admitted, not
+    left waiting)."""
+    if states is None or states.swa is None or states.swa.pool.num_pages >= num_pages:
+        return num_pages, "the KV pool"
+    return states.swa.pool.num_pages, "the SWA pool (HybridConfig.swa_pages)"
 
 
 def check_state_conservation(

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 from attrs.validators import gt, optional
 
-from lifecycle.validators import one_of
+from lifecycle.validators import one_of, typed_fields
 
 # attrs types a field by its default (int for 8192), so an optional field's validator is typed
 # for any value.
@@ -18,7 +18,7 @@ _optional_positive: Callable[[Any, attrs.Attribute[Any], Any], Any] = optional(g
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class SchedulerConfig:
     """Budgets and timeouts of the prefill scheduler (SGLang's names and defaults).
 

@@ -21,6 +21,7 @@ from typing import Literal
 
 import attrs
 
+from lifecycle.validators import typed_fields
 from scheduler.dist.gather import GatherShapeError
 
 Mode = Literal["sglang", "bounded"]
@@ -72,7 +73,7 @@ def _delay_ms_or_default(v: float | None) -> float:
     return 5000.0 if v is None else float(v)
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class DelayerConfig:
     """PrefillDelayer settings (SGLang's ``--prefill-delayer-*`` server arguments).
 

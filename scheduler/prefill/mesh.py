@@ -72,7 +72,7 @@ class MeshControl:
         """The :class:`~scheduler.prefill.scheduler.PrefillScheduler` arguments of a rank."""
         return MeshOptions(ranks=self.ranks, relay=self.relay, stages=self.stages)
 
-    def rank_place(self, num_layers: int, kv_heads: int, dp_rank: int = 0,
+    def rank_place(self, *, num_layers: int, kv_heads: int, dp_rank: int = 0,
                    dp_size: int = 1) -> RankPlace:
         """This rank's place, as it registers at the bootstrap endpoint (a model of
         ``num_layers`` layers and ``kv_heads`` KV heads; this mesh is DP replica ``dp_rank``

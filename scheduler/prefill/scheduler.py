@@ -148,9 +148,10 @@ class PrefillScheduler:
         self.metrics.count_transitions(self.lifecycle.fired_by_event)
         self._deadlines = Deadlines()
         self._sampling = PrefillSampling(runner, compiler, eos_token_id)
+        admissible, bound_by = pages_admissible(states, self.pool.num_pages)
         self._admission = Admission(
             lifecycle=self.lifecycle, config=config, kv=kv,
-            num_pages=pages_admissible(states, self.pool.num_pages),
+            num_pages=admissible, pool_name=bound_by,
             fake_kv=fake_kv, arm_deadline=self._admitted, clock=clock,
             metrics=self.metrics, respond=self._emit, vet=self._sampling.admit,
             relay=None if relay is None else relay.exchange,

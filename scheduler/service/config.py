@@ -19,7 +19,7 @@ from kv.mooncake_engine import MooncakeConfig
 from kv.pages import pages_needed
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KVLayout, parse_kv_layout
 from lifecycle import FailureReason, SamplingParams
-from lifecycle.validators import one_of
+from lifecycle.validators import one_of, typed_fields
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST, TokenLogprob
 from scheduler.model.reference import ModelConfig
 from scheduler.model.sharded import ShardError, stage_layers
@@ -34,7 +34,7 @@ _MAX_ROOM = (1 << 64) - 1
 _MAX_RID_LEN = 256
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=typed_fields)
 class ServeConfig:
     """Everything a service is built from (validated when built)."""
 

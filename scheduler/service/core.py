@@ -143,7 +143,8 @@ class Service:
             on_prefill=self._on_prefill, on_decode=self._on_decode,
             prefill_options=None if mesh is None else mesh.scheduler_options(),
             place=None if mesh is None else mesh.rank_place(
-                config.model_shape.layers, config.model_shape.kv_heads, 0, config.dp_size),
+                num_layers=config.model_shape.layers, kv_heads=config.model_shape.kv_heads,
+                dp_size=config.dp_size),
             decode_mesh=decode_mesh,
         )
         self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv

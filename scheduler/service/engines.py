@@ -192,7 +192,8 @@ class Engines:
                          addr: str) -> MooncakeDecodeManager:
         try:
             mesh, model = self._decode_mesh, self.config.model_shape
-            place = None if mesh is None else mesh.rank_place(model.kv_heads, model.layers)
+            place = None if mesh is None else mesh.rank_place(
+                num_layers=model.layers, kv_heads=model.kv_heads)
             manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake,
                                             place=place)
         except PeerAuthError:

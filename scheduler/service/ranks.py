@@ -448,7 +448,8 @@ def _build(control: MeshControl, config: ServeConfig, replica: int, closers: Clo
         runner_factory=served.runner, closers=closers, kv_layout=config.kv_layout,
         overlap=config.overlap, compiler=constraint_compiler(served), mooncake=config.mooncake,
         bootstrap_addr=f"{config.bootstrap_host}:{config.bootstrap_port}",
-        place=control.rank_place(shape.layers, shape.kv_heads, replica, config.dp_size),
+        place=control.rank_place(num_layers=shape.layers, kv_heads=shape.kv_heads,
+                                 dp_rank=replica, dp_size=config.dp_size),
         on_response=on_response, eos_token_id=served.eos_token_ids,
         **control.scheduler_options(),
     )
