@@ -36,7 +36,7 @@ from scheduler.service.openai_format import (
     token_bytes,
 )
 from scheduler.service.openai_schema import ChatCompletionRequest, CompletionRequest
-from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
+from tests.service_harness import asgi_client, free_port, run, running_service, tokens_of_stream
 
 MODEL = ModelConfig.tiny(seed=3)
 SCHED = SchedulerConfig(page_size=4, chunked_prefill_size=16, check_invariants=True)
@@ -346,6 +346,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
                          "bootstrap_port": [9, 9], "bootstrap_room": [5, 6]}, "bad_bootstrap",
      "bootstrap_host"),
     ("/v1/completions", {"prompt": "x", "n": 17}, "bad_sampling", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "bad_sampling", "n"),
     # SGLang's router sends n > 1 with one bootstrap room per sample.
     ("/v1/completions", {"prompt": "x", "n": 2, "bootstrap_host": ["h", "h"],
                          "bootstrap_port": [9, 9], "bootstrap_room": [5]}, "bad_bootstrap",
@@ -983,3 +984,53 @@ def test_operations_md_lists_every_openai_field() -> None:
     section = docs[docs.index("### The OpenAI API"):docs.index("## Metrics")]
     fields = {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields}
     assert sorted(f for f in fields if f"`{f}`" not in section) == []
+
+
+def test_created_is_when_the_request_arrived(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI stamps an answer, and every chunk of a stream, with the request's arrival (a long
+    answer's ``created`` is not its end)."""
+    import scheduler.service.routes_openai as routes
+
+    arrived = 1_000_000
+    monkeypatch.setattr(routes, "now", lambda: arrived)  # the route's clock, read on arrival
+
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                # (Chat answers through the same route code; the reference model has no chat
+                # template.)
+                body = {"prompt": "when", "max_tokens": 3, "temperature": 0}
+                r = await post(client, "/v1/completions", **body)
+                assert r.status_code == 200, r.text
+                assert r.json()["created"] == arrived
+                r = await post(client, "/v1/completions", **body, stream=True,
+                               stream_options={"include_usage": True})
+                assert {c["created"] for c in sse(r.text)} == {arrived}
+
+    run(main())
+
+
+@pytest.mark.parametrize("role", ["both", "prefill"])
+def test_max_model_len_is_what_this_server_takes(role: str) -> None:
+    """``/v1/models`` advertises the longest request (prompt and answer) this worker takes: its
+    KV pool's 256 tokens here, not the model's context of 8,192 positions, so a client sizing
+    its requests from it is not refused."""
+    extra: dict[str, Any] = {} if role == "both" else {"bootstrap_port": free_port()}
+    backend = "local" if role == "both" else "fake"
+
+    async def main() -> None:
+        with running_service(config(role, backend, **extra)) as service:
+            async with asgi_client(service) as client:
+                (card,) = (await client.get("/v1/models")).json()["data"]
+                assert card["max_model_len"] == 64 * SCHED.page_size < MODEL.max_position
+                if role != "both":
+                    return
+                for answer, status in ((26, 200), (27, 400)):  # 230 + 26 = 256 tokens
+                    r = await post(client, "/v1/completions", prompt=[7] * 230,
+                                   max_tokens=answer, temperature=0, ignore_eos=True)
+                    assert r.status_code == status, r.text
+                    if status == 400:
+                        assert r.json()["error"]["code"] == "context_length_exceeded"
+                        assert "maximum context length is 256 tokens" in r.text
+
+    run(main())

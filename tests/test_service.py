@@ -174,7 +174,11 @@ BAD_INPUTS = [
     ("empty_prompt", json.dumps({"input_ids": []}).encode(), "empty"),
     ("bad_prompt", json.dumps({"text": "a", "input_ids": [1]}).encode(), "exactly one"),
     ("bad_token_id", json.dumps({"input_ids": [1, 9999]}).encode(), "token ids"),
-    ("prompt_too_long", json.dumps({"input_ids": [7] * 300}).encode(), "KV pool"),
+    ("prompt_too_long", json.dumps({"input_ids": [7] * 300}).encode(),
+     "the prompt (300 tokens) and max_new_tokens (16) need 316 tokens of KV, more than "
+     "the KV pool's 256"),
+    ("prompt_too_long", json.dumps({"input_ids": [7] * 240, "sampling_params": {
+        "max_new_tokens": 20}}).encode(), "max_new_tokens (20) need 260 tokens of KV"),
     ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -3}}
                                    ).encode(), "max_new_tokens"),
     ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -1}}
@@ -321,6 +325,13 @@ def test_prefill_room_in_use_duplicate_rid_and_abort() -> None:
                 dup = await gen(client, rid="a", **{**body, "bootstrap_room": 78})
                 assert dup.status_code == 400
                 assert dup.json()["error"]["type"] == "duplicate_rid"
+                dup = await client.post("/v1/completions", json={
+                    "prompt": [5, 6, 7], "rid": "a", "max_tokens": 1,
+                    **{k: v for k, v in body.items() if k != "input_ids"},
+                    "bootstrap_room": 79})
+                assert dup.status_code == 400
+                error = dup.json()["error"]
+                assert (error["code"], error["param"]) == ("duplicate_rid", "rid"), error
                 missing = await gen(client, input_ids=[1])
                 assert missing.status_code == 400
                 assert missing.json()["error"]["type"] == "missing_bootstrap"

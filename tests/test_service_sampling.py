@@ -176,6 +176,7 @@ HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"json_schema": "{"}, "bad_grammar", "json_schema is not valid JSON"),
     ({"regex": "(", "ebnf": "start: \"a\""}, "bad_grammar", "at most one grammar field"),
     ({"n": 17}, "bad_sampling", "sampling_params.n must be in 1..16, got 17"),
+    ({"n": 0}, "bad_sampling", "sampling_params.n must be in 1..16, got 0"),
     ({"frequency_penalty": 2.5}, "invalid_request", "sampling_params.frequency_penalty"),
     ({"repetition_penalty": 0}, "invalid_request", "sampling_params.repetition_penalty"),
     ({"min_new_tokens": -1}, "invalid_request", "sampling_params.min_new_tokens"),

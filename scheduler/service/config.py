@@ -149,6 +149,13 @@ class ServeConfig:
         return int(self.served.max_position if self.served else self.model.max_position)
 
     @property
+    def max_request_tokens(self) -> int:
+        """The most tokens, prompt and answer, one request may have on this server: the
+        model's context, and the KV pool (a prefill's pool holds the prompt, the others' the
+        answer too). OpenAI's ``max_model_len`` for a client sizing its requests."""
+        return min(self.max_position, self.pool_pages * self.scheduler.page_size)
+
+    @property
     def model_shape(self) -> Any:
         """The whole served model's shape (``layers``, ``heads``, ``kv_heads``, ...), a rank's
         part or not: a real checkpoint's :class:`~scheduler.model.checkpoint.LlamaConfig` or
@@ -182,16 +189,18 @@ class ServeConfig:
 
 
 class BadRequest(Exception):
-    """The request can never be served as sent; ``reason`` is the error's type (code) and
-    ``label`` the metrics label (``reason`` unless said)."""
+    """The request can never be served as sent; ``reason`` is the error's type (code),
+    ``label`` the metrics label (``reason`` unless said) and ``param`` the request field to
+    change, when one is to blame (OpenAI's ``param``)."""
 
     def __init__(self, reason: str, message: str, *, rid: str | None = None,
-                 status: int = 400) -> None:
+                 status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.rid = rid
         self.status = status
         self.label = reason
+        self.param = param
 
 
 class ContextTooLong(BadRequest):
@@ -363,9 +372,11 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
     new_tokens = max_new_tokens if c.role != "prefill" else 0
     pool_tokens = c.pool_pages * c.scheduler.page_size
     if pages_needed(n + new_tokens, c.scheduler.page_size) > c.pool_pages:
+        need = (f"the prompt ({n} tokens) and max_new_tokens ({new_tokens}) need "
+                f"{n + new_tokens}" if new_tokens else f"the prompt needs {n}")
         raise ContextTooLong(
-            f"request {rid!r}: {n + new_tokens} tokens exceed the KV pool of {pool_tokens} "
-            f"tokens", prompt_tokens=n, new_tokens=new_tokens, limit=pool_tokens, pool=True)
+            f"request {rid!r}: {need} tokens of KV, more than the KV pool's {pool_tokens}",
+            prompt_tokens=n, new_tokens=new_tokens, limit=pool_tokens, pool=True)
 
 
 def _with_bootstrap(

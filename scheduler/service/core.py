@@ -273,7 +273,7 @@ class Service:
                 raise Unavailable("the server is draining (shutting down)")
             if item.rid in self._pending:
                 raise BadRequest("duplicate_rid", f"request id {item.rid!r} is already live",
-                                 rid=item.rid)
+                                 rid=item.rid, param="rid")
             self._queue.check(len(self._pending), item.rid)
             self._pending[item.rid] = pending
             if stream and self.decode is not None:

@@ -56,8 +56,8 @@ class Refusal(Exception):
         self.label = label or kind
 
     @classmethod
-    def of(cls, exc: BadRequest, *, param: str | None = None) -> Refusal:
-        return cls(exc.reason, exc.status, str(exc), exc.rid, param=param, label=exc.label)
+    def of(cls, exc: BadRequest) -> Refusal:
+        return cls(exc.reason, exc.status, str(exc), exc.rid, param=exc.param, label=exc.label)
 
 
 def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> None:
@@ -69,11 +69,10 @@ def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> 
         raise Refusal(why[0], 503, why[1], label="unavailable")
 
 
-async def checked(service: Service, body: BaseModel, build: Callable[[], T], *,
-                  param: Callable[[BadRequest], str | None] = lambda exc: None) -> T:
+async def checked(service: Service, body: BaseModel, build: Callable[[], T]) -> T:
     """What ``build`` makes of ``body`` when the server takes requests, or :class:`Refusal`
-    (503 from :func:`check_available`, or ``build``'s :class:`BadRequest` with the field
-    ``param`` names); either way the body's peers are told. ``build`` runs off the event loop:
+    (503 from :func:`check_available`, or ``build``'s :class:`BadRequest`, with the field it
+    names); either way the body's peers are told. ``build`` runs off the event loop:
     it tokenizes, renders chat templates and compiles grammars, milliseconds each for a long
     prompt or a large schema, which would hold up every other request's handler."""
     fields = body.model_dump()
@@ -82,7 +81,7 @@ async def checked(service: Service, body: BaseModel, build: Callable[[], T], *,
         return await asyncio.to_thread(build)
     except BadRequest as exc:
         refuse_peers(service, peer_rooms(fields), exc.reason, exc.status, str(exc))
-        raise Refusal.of(exc, param=param(exc)) from exc
+        raise Refusal.of(exc) from exc
 
 
 def count(service: Service, refusal: Refusal) -> None:

@@ -227,10 +227,11 @@ def answer_logprobs(tokenizer: Any, item: Item, entries: Sequence[TokenLogprob],
 
 
 def answer_body(tokenizer: Any, rid: str, choices: Sequence[tuple[Item, Answer]], model: str,
-                *, chat: bool, n: int | None = None) -> dict[str, Any]:
+                *, chat: bool, created: int, n: int | None = None) -> dict[str, Any]:
     """A whole chat completion (``chat``) or completion: one choice per (item, answer), indexed
-    in order (``n`` per prompt), and their usage."""
-    head: dict[str, Any] = {"id": rid, "created": now(), "model": model,
+    in order (``n`` per prompt), and their usage; ``created`` is when the request arrived (Unix
+    seconds), as OpenAI stamps it."""
+    head: dict[str, Any] = {"id": rid, "created": created, "model": model,
                             "usage": usage([answer for _, answer in choices], n)}
     if chat:
         return ChatCompletionResponse(**head, choices=[
@@ -382,7 +383,7 @@ class Chunks:
     model: str
     chat: bool
     index: int = 0
-    created: int = attrs.field(factory=now)
+    created: int = attrs.field(factory=now)  # when the request arrived
     # stream_options.include_usage: every chunk has ``usage``, null but in the last.
     include_usage: bool = False
 

@@ -73,12 +73,11 @@ _SGLANG_FIELD = re.compile(r"sampling_params\.(\w+)")
 
 
 class FieldError(BadRequest):
-    """A refusal that names the request field to change (OpenAI's ``param``)."""
+    """A refusal that names the request field to change (OpenAI's ``param``) as it is built."""
 
     def __init__(self, reason: str, message: str, param: str | None, *,
                  status: int = 400) -> None:
-        super().__init__(reason, message, status=status)
-        self.param = param
+        super().__init__(reason, message, status=status, param=param)
 
 
 def completion_items(service: Service, body: CompletionRequest) -> list[Item]:

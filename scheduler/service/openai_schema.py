@@ -127,7 +127,7 @@ class SamplingFields(_Body):
                                             description="vLLM's: the answer is one of these")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's newer form of the guided_ fields")
-    n: int = Field(1, ge=1, description="choices (at most 16)")
+    n: int = Field(1, description="choices, 1 to 16 (checked with the sampling parameters)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

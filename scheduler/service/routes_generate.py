@@ -104,7 +104,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
         asked = [ids for ids in asked for _ in range(n)]
     total = len(rids)
     if len(set(rids)) != total:
-        raise BadRequest("duplicate_rid", "the rids of a batch must be distinct")
+        raise BadRequest("duplicate_rid", "the rids of a batch must be distinct", param="rid")
     hosts = _per_item(body.bootstrap_host, total, "bootstrap_host", many)
     ports = _per_item(body.bootstrap_port, total, "bootstrap_port", many)
     rooms = _per_item(body.bootstrap_room, total, "bootstrap_room", many)

@@ -131,7 +131,7 @@ async def models(service: ServiceDep) -> ModelList:
     config = service.config
     return ModelList(data=[ModelCard(
         id=config.model_name, created=_STARTED, owned_by="pdlife", root=config.model_name,
-        max_model_len=config.max_position,
+        max_model_len=config.max_request_tokens,
     )])
 
 

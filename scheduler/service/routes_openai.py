@@ -31,11 +31,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service import handoff
 from scheduler.service.answers import final_text
-from scheduler.service.config import BadRequest
 from scheduler.service.core import Answer, Item, Pending, Service
 from scheduler.service.errors import failure_kind, openai_error, plain_validation_errors
-from scheduler.service.openai_format import Chunks, StreamLogprobs, StreamText, answer_body
-from scheduler.service.openai_request import FieldError, chat_items, completion_items
+from scheduler.service.openai_format import (
+    Chunks,
+    StreamLogprobs,
+    StreamText,
+    answer_body,
+    now,
+)
+from scheduler.service.openai_request import chat_items, completion_items
 from scheduler.service.openai_schema import (
     OPENAI_ERRORS,
     ChatCompletionRequest,
@@ -50,11 +55,6 @@ from scheduler.service.refusals import peer_rooms, refuse_peers
 from scheduler.service.routes_info import ServiceDep, service_of
 
 Body = TypeVar("Body", bound=SamplingFields)
-
-
-def _param(exc: BadRequest) -> str | None:
-    """The request field a refusal names (OpenAI's ``param``), when it names one."""
-    return exc.param if isinstance(exc, FieldError) else None
 
 
 def _refused(service: Service, refusal: handoff.Refusal, rid: str) -> JSONResponse:
@@ -145,6 +145,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 
 async def _serve(service: Service, request: Request, body: Body,
                  build: Callable[[Service, Body], list[Item]], *, chat: bool) -> Response:
+    created = now()  # when the request arrived: the answer's and every chunk's ``created``
     model = body.model or service.config.model_name
     # The answer's id, on a refusal too: the request's rid, which choice i's ``<rid>_<i>``
     # extends when there are several; OpenAI's header of it (the client's ``_request_id``).
@@ -152,13 +153,14 @@ async def _serve(service: Service, request: Request, body: Body,
     headers = {"x-request-id": _header_id(rid)}
     try:
         items = await handoff.checked(
-            service, body, lambda: service.prepare_grammars(build(service, body)), param=_param)
+            service, body, lambda: service.prepare_grammars(build(service, body)))
         started = await handoff.admit(service, request, items, stream=body.stream)
     except handoff.Refusal as refusal:
         return _refused(service, refusal, rid)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _stream(service, started, Chunks(rid, model, chat, include_usage=include_usage),
+        chunks = _stream(service, started, Chunks(rid, model, chat, created=created,
+                                                    include_usage=include_usage),
                          body.n)
         return StreamingResponse(handoff.events(service, started, chunks),
                                  media_type="text/event-stream", headers=headers)
@@ -169,7 +171,8 @@ async def _serve(service: Service, request: Request, body: Body,
         return answers
     return JSONResponse(answer_body(service.tokenizer, rid, list(zip(items, answers,
                                                                       strict=True)),
-                                    model, chat=chat, n=body.n), headers=headers)
+                                    model, chat=chat, created=created, n=body.n),
+                        headers=headers)
 
 
 async def _stream(service: Service, started: list[Pending], chunks: Chunks,

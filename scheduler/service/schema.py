@@ -72,7 +72,7 @@ class SamplingParamsBody(StrictBody):
     json_schema: str | None = Field(default=None, description="a JSON schema, as JSON text")
     regex: str | None = None
     ebnf: str | None = Field(default=None, description="a Lark grammar")
-    n: int = Field(default=1, ge=1, description="answers per prompt (at most 16)")
+    n: int = Field(default=1, description="answers per prompt, 1 to 16")
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2,
                                      description="times each output token's count, subtracted")
     presence_penalty: float = Field(default=0.0, ge=-2, le=2,
