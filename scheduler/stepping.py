@@ -8,6 +8,7 @@ scheduler or an embedded pair by hand goes through here.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,3 +38,28 @@ def step_until(
             raise TimeoutError(timed_out() if timed_out is not None else
                                f"the condition did not hold within {timeout} s")
         step_or_rest(step)
+
+
+class OneThread:
+    """Refuses a pass begun while another thread is in one: ``step()`` belongs to one thread,
+    and two threads inside one pass would corrupt the scheduler without an error. Reentrant on
+    the thread that holds it (a subclass's pass runs its base's). Cheap: one uncontended lock
+    per pass.
+
+    """
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._lock = threading.RLock()
+        self._holder = ""
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self._what}.step() called on thread {threading.current_thread().name!r} "
+                f"while thread {self._holder!r} runs a pass: one thread steps it (submit and "
+                "abort are the calls other threads may make)")
+        self._holder = threading.current_thread().name
+
+    def __exit__(self, *_exc: object) -> None:
+        self._lock.release()

@@ -16,7 +16,7 @@ from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner,
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch
-from scheduler.stepping import step_until
+from scheduler.stepping import OneThread, step_until
 from scheduler.testing.device import SteppedDevice
 
 S = PrefillState
@@ -502,3 +502,49 @@ def test_step_until_names_its_timeout_when_not_told_what_is_missing() -> None:
     with pytest.raises(TimeoutError, match=r"^the condition did not hold within 0\.01 s$"):
         step_until(lambda: passes.append(1) is None, lambda: False, 0.01)
     assert passes  # it stepped meanwhile
+
+
+def test_a_second_thread_stepping_during_a_pass_is_refused():
+    """step() belongs to one thread: a pass begun while another thread is in one is refused
+    (it would have run the same requests' transitions twice over); one thread after another
+    is fine."""
+    pool = MODEL.make_pool(num_pages=64, page_size=4)
+    runner = GatedRunner(pool)
+    h = Harness(runner=runner)
+    h.pool = h.sched.pool = pool
+    h.submit("a", 12)
+    first = threading.Thread(target=h.sched.step, name="engine")
+    first.start()
+    assert runner.entered.wait(10)  # the engine thread is inside the pass, in the forward
+    with pytest.raises(RuntimeError, match=r"PrefillScheduler.step\(\) called on thread "
+                                           r"'MainThread' while thread 'engine' runs a pass"):
+        h.sched.step()
+    runner.gate.set()
+    first.join(30)
+    assert not first.is_alive()
+    h.sched.run_until(lambda: len(h.responses) == 1)  # this thread steps now
+    assert h.answered() == {"a": (S.DONE, None)}
+    h.sched.close()
+    h.assert_empty()
+
+
+def test_one_thread_is_reentrant_on_its_holder_only():
+    guard = OneThread("Thing")
+    with guard, guard:  # a subclass's pass running its base's
+        refused: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                with guard:
+                    pass
+            except RuntimeError as exc:
+                refused.append(exc)
+
+        thread = threading.Thread(target=other, name="other")
+        thread.start()
+        thread.join(30)
+        assert [str(e) for e in refused] == [
+            "Thing.step() called on thread 'other' while thread 'MainThread' runs a pass: one "
+            "thread steps it (submit and abort are the calls other threads may make)"]
+    with guard:  # released: any thread may take it now
+        pass

@@ -151,10 +151,10 @@ class MeshDecodePeer(DecodePeer):
     def abort(self, rid: str, *, shutdown: bool = False) -> None:
         self._relayed.put(AbortRequest(rid, shutdown))
 
-    def step(self) -> bool:
-        """One pass on every rank: the relay, the clock, the receivers' agreement, then the
-        peer's own pass. Raises :class:`scheduler.dist.relay.MeshStopped` once the first rank
-        stopped the group."""
+    def _pass(self) -> bool:
+        """One pass on every rank (:meth:`step`): the relay, the clock, the receivers'
+        agreement, then the peer's own pass. Raises :class:`scheduler.dist.relay.MeshStopped`
+        once the first rank stopped the group."""
         items = self.control.relay.exchange(take_all(self._relayed))
         self._now = self.control.share_clock(self._clock())
         for item in items:
@@ -165,7 +165,7 @@ class MeshDecodePeer(DecodePeer):
                     self.on_relayed(item)
                 super().submit(item)
         self.mesh_kv.agree()
-        return super().step() or bool(items)
+        return super()._pass() or bool(items)
 
     def idle(self) -> bool:
         """Whether this rank's peer holds nothing (not an agreement: see

@@ -70,6 +70,7 @@ from scheduler.model.speculative import SpeculativeDecoder
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
+from scheduler.stepping import OneThread
 
 logger = logging.getLogger(__name__)
 S = DecodeState
@@ -105,6 +106,7 @@ class DecodePeer:
         :mod:`.speculative`. ``states``: a hybrid model's state pools (or a draft's pool) on
         the runner's pool, which ``kv`` receives into (:mod:`.pages`)."""
         check_state_manager(states, runner.pool, kv)
+        self._one_thread = OneThread(type(self).__name__)
         self.runner = runner
         self.pool = runner.pool
         self.states = states
@@ -165,6 +167,12 @@ class DecodePeer:
     # -- the pass ---------------------------------------------------------------------------
 
     def step(self) -> bool:
+        """Run one pass; True if it did any work. ``RuntimeError`` on a thread that calls it
+        while another thread is in a pass."""
+        with self._one_thread:
+            return self._pass()
+
+    def _pass(self) -> bool:
         worked = self._receive()
         worked |= self._poll()
         worked |= self._preallocate()

@@ -86,7 +86,7 @@ from scheduler.prefill.readiness import Deadlines, Readiness, SlotQueue
 from scheduler.prefill.sampling import PrefillSampling
 from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
-from scheduler.stepping import step_until
+from scheduler.stepping import OneThread, step_until
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ class PrefillScheduler:
                                 prefix=self.prefix, states=states)
         self.passes = 0
         self._closed = False
+        self._one_thread = OneThread("PrefillScheduler")
         self.last_batch_size = 0  # requests in the batch launched by the latest pass
         self.metrics.kv_pages_total.set(self.pool.num_pages)
 
@@ -200,7 +201,12 @@ class PrefillScheduler:
 
     def step(self) -> bool:
         """Run one pass (steps 1 to 7 of the module docstring); True if it did any work.
-        Raises ``RuntimeError`` once the scheduler is closed."""
+        Raises ``RuntimeError`` once the scheduler is closed, and on a thread that calls it
+        while another thread is in a pass."""
+        with self._one_thread:
+            return self._pass()
+
+    def _pass(self) -> bool:
         if self._closed:
             raise RuntimeError("this PrefillScheduler is closed: it runs no more passes")
         self.passes += 1
