@@ -6,6 +6,7 @@ protobuf to a receiver in the test."""
 from __future__ import annotations
 
 import http.server
+import importlib.metadata
 import itertools
 import re
 import threading
@@ -19,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import SpanKind, StatusCode
 
 from lifecycle import FailureReason, PrefillState
 from lifecycle.record import ADMITTED
@@ -27,7 +28,12 @@ from scheduler.messages import Response
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.service.core import ServeConfig
-from scheduler.service.tracing import LifecycleTracer, Request, otlp_endpoint_url
+from scheduler.service.tracing import (
+    LifecycleTracer,
+    Request,
+    otlp_endpoint_url,
+    pdlife_version,
+)
 from tests.service_harness import Server, asgi_client, run, running_service, wait_for
 
 MODEL = ModelConfig.tiny(seed=5)
@@ -103,6 +109,12 @@ def test_prefill_span_tree_has_a_span_per_state_and_chunk_under_the_callers_trac
     for before, after in itertools.pairwise(kids):
         assert before.end_time == after.start_time
     assert all(k.status.status_code is StatusCode.UNSET for k in [first, *kids])
+    # The request's span in this worker is its entry point; the stays are inside it.
+    assert first.kind is SpanKind.SERVER and {k.kind for k in kids} == {SpanKind.INTERNAL}
+    assert first.instrumentation_scope is not None
+    assert (first.instrumentation_scope.name,
+            first.instrumentation_scope.version) == ("pdlife", pdlife_version())
+    assert pdlife_version() == importlib.metadata.version("pdlife")
     batch = kids[1].events[0].attributes
     assert batch is not None and str(batch["pdlife.batch_id"]).startswith("prefill:schedule:")
     assert roots["again"].attributes["pdlife.cached_tokens"] > 0
@@ -126,6 +138,8 @@ def test_local_backend_puts_both_sides_under_one_request_span() -> None:
     assert root.parent is None
     sides = children(spans, root)
     assert [s.name for s in sides] == ["pdlife.prefill", "pdlife.decode"]
+    assert root.kind is SpanKind.SERVER
+    assert {s.kind for s in spans if s is not root} == {SpanKind.INTERNAL}
     assert sides[1].attributes["pdlife.output_tokens"] == 3
     assert [k.name for k in children(spans, sides[1])] == [
         "bootstrap_wait", "prealloc_wait", "kv_receive", "decode"]
@@ -278,12 +292,18 @@ def test_serve_exports_otlp_http_protobuf_to_a_collector(tmp_path: Path,
     names = {a.value.string_value for rs in resources for a in rs.resource.attributes
              if a.key == "service.name"}
     assert names == {"pdlife-prefill"}
+    versions = {a.value.string_value for rs in resources for a in rs.resource.attributes
+                if a.key == "service.version"}
+    assert versions == {pdlife_version()}
+    assert {(ss.scope.name, ss.scope.version) for rs in resources
+            for ss in rs.scope_spans} == {("pdlife", pdlife_version())}
     spans = [s for rs in resources for ss in rs.scope_spans for s in ss.spans]
     mine = [s for s in spans if s.trace_id.hex() == TRACE_ID]
     (root,) = [s for s in mine if s.name == "pdlife.prefill"]
     assert root.parent_span_id.hex() == PARENT_ID
     attrs = {a.key: a.value for a in root.attributes}
     assert attrs["pdlife.rid"].string_value == "otlp"
+    assert root.kind == root.SPAN_KIND_SERVER
     assert attrs["pdlife.prompt_tokens"].int_value == 19
     kids = sorted((s for s in mine if s.parent_span_id == root.span_id),
                   key=lambda s: s.start_time_unix_nano)

@@ -29,7 +29,10 @@ is how a tracing backend groups a batch. A request that failed has its reason on
 (``pdlife.failure_reason``) and error status on the root and on the span it failed in.
 
 A W3C ``traceparent`` (and ``tracestate``) the client sent makes the root a child of the
-caller's span, so a router's trace and both workers' spans join up.
+caller's span, so a router's trace and both workers' spans join up. The root is the request's
+span in this worker (kind SERVER, as a backend draws a service's entry point); the stays, and
+a local pair's two sides under ``pdlife.request``, are INTERNAL. The instrumentation scope is
+``pdlife`` at the installed version, which the resource also carries (``service.version``).
 
 Monotonic timeline times are placed on the wall clock by one reading of both clocks per request.
 The SDK's batch processor exports from its own thread; a request whose spans cannot be built is
@@ -40,6 +43,7 @@ imports it only when tracing is on (the ``trace`` extra).
 from __future__ import annotations
 
 import enum
+import importlib.metadata
 import logging
 import time
 import urllib.parse
@@ -51,7 +55,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
@@ -122,7 +126,7 @@ class LifecycleTracer:
     def __init__(self, provider: TracerProvider, *, backend: str) -> None:
         self.provider = provider
         self.backend = backend
-        self._tracer = provider.get_tracer("pdlife")
+        self._tracer = provider.get_tracer("pdlife", pdlife_version())
         self._propagator = TraceContextTextMapPropagator()
 
     def close(self) -> None:
@@ -152,7 +156,7 @@ class LifecycleTracer:
         clock = _Clock.now()
         parent = self._propagator.extract(request.carrier) if request.carrier else None
         if len(answers) == 1:
-            self._side(answers[0], request, parent, clock)
+            self._side(answers[0], request, parent, clock, SpanKind.SERVER)
             return
         now = time.monotonic()
         start = min((a.timeline[0][0] for a in answers if a.timeline), default=now)
@@ -160,6 +164,7 @@ class LifecycleTracer:
         root = self._tracer.start_span(
             "pdlife.request", context=parent, start_time=clock.ns(start),
             attributes={"pdlife.rid": answers[0].rid, **_request_attributes(request)},
+            kind=SpanKind.SERVER,
         )
         failed = next((a for a in reversed(answers) if a.reason is not None), None)
         if failed is not None:
@@ -170,8 +175,9 @@ class LifecycleTracer:
         root.end(end_time=clock.ns(end))
 
     def _side(self, answer: Answer, request: Request, parent: Context | None,
-              clock: _Clock) -> None:
-        """One side's root span and a child span per stay in a state."""
+              clock: _Clock, kind: SpanKind = SpanKind.INTERNAL) -> None:
+        """One side's root span (``kind`` SERVER when it is the request's span in this
+        worker) and a child span per stay in a state."""
         table = PREFILL_TABLE if isinstance(answer, Response) else DECODE_TABLE
         names = _STAY_NAMES[table.name]
         looping = {e.source for e in table.edges if e.source is e.dest}
@@ -181,7 +187,7 @@ class LifecycleTracer:
         end = transitions[-1].time if transitions else start
         root = self._tracer.start_span(
             f"pdlife.{table.name}", context=parent, start_time=clock.ns(start),
-            attributes=_answer_attributes(answer, request),
+            attributes=_answer_attributes(answer, request), kind=kind,
         )
         if answer.reason is not None:
             _fail(root, answer)
@@ -206,6 +212,14 @@ class LifecycleTracer:
             chunk = chunk + 1 if rec.dest is state else 0
             state, entered = rec.dest, rec.time
         root.end(end_time=clock.ns(end))
+
+
+def pdlife_version() -> str:
+    """The installed pdlife's version (the spans' instrumentation scope and resource)."""
+    try:
+        return importlib.metadata.version("pdlife")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout not installed
+        return "unknown"
 
 
 def _request_attributes(request: Request) -> dict[str, AttributeValue]:
@@ -243,7 +257,8 @@ def otlp_tracer(endpoint: str, *, role: str, backend: str) -> LifecycleTracer:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     name = "pdlife" if role == "both" else f"pdlife-{role}"
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider = TracerProvider(resource=Resource.create(
+        {"service.name": name, "service.version": pdlife_version()}))
     url = otlp_endpoint_url(endpoint)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
     logger.info("tracing: spans of finished requests go to %s (OTLP/HTTP) as %s", url, name)
