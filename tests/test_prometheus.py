@@ -45,9 +45,13 @@ def scrape_config(prefill: str, decode: str) -> str:
     return text.replace("scrape_interval: 5s", "scrape_interval: 1s")
 
 
-def dashboard_queries() -> list[str]:
+def dashboard_queries(job: str | None = None) -> list[str]:
+    """Every panel's query as Grafana sends it with ``job`` chosen in the dashboard's job
+    variable (None: "All", the variable's ``allValue``)."""
     dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
-    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "job"]
+    chosen = variable["allValue"] if job is None else job
+    return [t["expr"].replace("$job", chosen) for p in dashboard["panels"] for t in p["targets"]]
 
 
 class Prometheus(Process):
@@ -121,6 +125,14 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
                     and all(prometheus.query(q) for q in queries))
 
         wait_for(scraped, 60, "the traffic scraped and every dashboard query answered")
+        # The job variable lists both workers, and choosing one keeps the other's series out.
+        jobs = httpx.get(f"{prometheus.url}/api/v1/label/job/values",
+                         params={"match[]": 'up{job=~"pdlife-.*"}'}, timeout=10).json()["data"]
+        assert sorted(jobs) == ["pdlife-decode", "pdlife-prefill"]
+        for job in jobs:
+            found = {s["metric"]["job"] for q in dashboard_queries(job)
+                     for s in prometheus.query(q) if "job" in s["metric"]}
+            assert found == {job}, (job, found)
 
         finished = {(s["metric"]["state"], s["metric"].get("reason", "")): float(s["value"][1])
                     for s in prometheus.query("pdlife_requests_finished_total")}
