@@ -92,9 +92,13 @@ def worker(rank: int, world: int, passes: int, seed: int, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--passes", type=int, default=400)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ranks", type=int, default=4,
+                    help="data-parallel ranks, one process each (default: %(default)s)")
+    ap.add_argument("--passes", type=int, default=400,
+                    help="scheduler passes per rank, with and without the delayer "
+                         "(default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the arrivals each rank draws (default: %(default)s)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(worker, args=(args.ranks, args.passes, args.seed, out),

@@ -143,11 +143,13 @@ def main() -> None:
                     help="requests (default: 64 on the reference model, 16 on a real one)")
     ap.add_argument("--min-len", type=int, help="shortest prompt (default: 128; real: 64)")
     ap.add_argument("--max-len", type=int, help="longest prompt (default: 1024; real: 512)")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16,
+                    help="tokens per KV page (default: %(default)s)")
     ap.add_argument("--chunk", type=int,
                     help="most prompt tokens per forward (default: 2048; real: 1024)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of both loops (default: 5)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the prompts' lengths and tokens (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on 2 shared cores more threads only "
                          "contend with the transfer worker and made passes 5-30x slower)")

@@ -78,7 +78,8 @@ def seconds(fn: Callable[[], object], clock: Callable[[], float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="timed compiles and mask walks of each side (default: %(default)s)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall time, or this process's CPU time (for shared machines)")
     args = parser.parse_args()

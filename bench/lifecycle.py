@@ -401,9 +401,13 @@ def bytes_per_request(run: Callable[[int], list[Any]], n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--memory-requests", type=int, default=2_000)
+    parser.add_argument("--requests", type=int, default=10_000,
+                        help="request lifecycles per run (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="interleaved rounds; the best of each variant counts "
+                             "(default: %(default)s)")
+    parser.add_argument("--memory-requests", type=int, default=2_000,
+                        help="live requests whose memory is measured (default: %(default)s)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or this process's CPU time (default: wall)")
     parser.add_argument("--breakdown", action="store_true",

@@ -117,10 +117,15 @@ def hf_round(hf: Any, batch: list[list[int]], steps: int) -> tuple[float, float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=8, help="prompts per batch")
-    parser.add_argument("--min-len", type=int, default=128)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--min-len", type=int, default=128,
+                        help="shortest prompt; the others evenly up to --max-len "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-len", type=int, default=1024,
+                        help="longest prompt (default: %(default)s)")
+    parser.add_argument("--decode-steps", type=int, default=16,
+                        help="tokens decoded per prompt after the prefill (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="timed rounds of both sides (default: %(default)s)")
     # One thread and CPU time by default, as the published figures: two sides sharing a small
     # machine's cores measure the scheduling of threads, not the model (docs/models.md).
     parser.add_argument("--threads", type=int, default=1,

@@ -110,13 +110,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="auto",
                     help="smollm2, reference, a checkpoint path, or auto (smollm2 if installed)")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--system-tokens", type=int, default=1024)
-    ap.add_argument("--question-tokens", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=64,
+                    help="requests, each a shared system prompt and a question of its own "
+                         "(default: %(default)s)")
+    ap.add_argument("--system-tokens", type=int, default=1024,
+                    help="tokens of the shared system prompt (default: %(default)s)")
+    ap.add_argument("--question-tokens", type=int, default=64,
+                    help="tokens of each request's own question (default: %(default)s)")
+    ap.add_argument("--page-size", type=int, default=16,
+                    help="tokens per KV page (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed rounds, with and without the cache (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the prompts' tokens (default: %(default)s)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     name = pick_model(args.model)

@@ -124,8 +124,11 @@ def passes_for(mode: str, waiting: int, passes: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--passes", type=int, default=500)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--passes", type=int, default=500,
+                    help="pdlife's scheduler passes per round (the baseline's shrink as its "
+                         "pass grows; default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=15,
+                    help="rounds; the best pass time of each size counts (default: %(default)s)")
     args = ap.parse_args()
     largest = SIZES[-1]
     scheds = {n: build(n) for n in SIZES[:-1]}

@@ -185,11 +185,18 @@ def timeline_work(n: int) -> list[Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--lifecycle-requests", type=int, default=10_000)
+    parser.add_argument("--requests", type=int, default=400,
+                        help="requests through the service per round (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=32,
+                        help="requests in flight at once (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=4,
+                        help="tokens each request decodes (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds after a warm-up, tracing off and on alternating; the "
+                             "best counts (default: %(default)s)")
+    parser.add_argument("--lifecycle-requests", type=int, default=10_000,
+                        help="request lifecycles of the span-building measurement "
+                             "(default: %(default)s)")
     args = parser.parse_args()
 
     print(f"the service loop (--backend local, tiny reference model): {args.requests} requests "

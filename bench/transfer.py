@@ -393,7 +393,9 @@ def main() -> None:
     ap.add_argument("--min-pages", type=int, default=16, help="smallest request (16 tokens/page)")
     ap.add_argument("--max-pages", type=int, default=128, help="largest request")
     ap.add_argument("--churn", type=int, default=2000, help="arrivals before the measured ones")
-    ap.add_argument("--shredded-requests", type=int, default=16)
+    ap.add_argument("--shredded-requests", type=int, default=16,
+                    help="requests of the shredded round, printed for reference "
+                         "(default: %(default)s)")
     ap.add_argument("--shredded-pages", type=int, default=4, help="pages per shredded request")
     ap.add_argument("--run-pages", type=int, default=4, help="free run length when shredded")
     ap.add_argument("--iters", type=int, default=9, help="timed rounds (at least 5)")
@@ -403,10 +405,12 @@ def main() -> None:
     ap.add_argument("--tcp-lanes", type=int, default=MooncakeConfig().tcp_lanes,
                     help="TCP connections per decode peer of each engine (MooncakeConfig."
                          "tcp_lanes; default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the churn and of the requests' sizes (default: %(default)s)")
     ap.add_argument("--prefill-tp", type=int, default=1,
                     help="with --decode-tp: head slicing against whole pages (transfer_sliced)")
-    ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--decode-tp", type=int, default=1,
+                    help="with --prefill-tp: the decode side's TP size (transfer_sliced)")
     ap.add_argument("--cuts", help="MiB,MiB,...: the sender's cut sizes compared (transfer_cuts)")
     ap.add_argument("--lanes", help="N,N,...: the sender's TCP lanes compared (transfer_lanes)")
     args = ap.parse_args()

@@ -3,6 +3,8 @@ every line whole."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import io
 
 import pytest
@@ -47,3 +49,29 @@ def test_a_long_result_line_is_echoed_whole_at_any_width() -> None:
     line = "RESULT tracing " + " ".join(f"field_{i}=0.{i:03d}" for i in range(20))
     echo(Console(file=out, width=40), line)
     assert out.getvalue() == line + "\n"
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing: carries the parser a benchmark's main built."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__()
+        self.parser = parser
+
+
+@pytest.mark.parametrize("name", sorted(b.name for b in ALL))
+def test_every_benchmark_flag_says_what_it_does(name: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m bench.NAME --help`` describes every flag (the parser each main builds, caught
+    before it parses anything or runs)."""
+
+    def caught(parser: argparse.ArgumentParser, *_args: object, **_kw: object) -> None:
+        raise _Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    module = importlib.import_module(f"bench.{name}")
+    with pytest.raises(_Parsed) as parsed:
+        module.main()
+    bare = [action.option_strings[0] for action in parsed.value.parser._actions
+            if action.option_strings and not action.help]
+    assert bare == [], f"bench.{name}: flags without help: {bare}"
