@@ -25,13 +25,13 @@ def one_of(options: Collection[Any]) -> Callable[[Any, attrs.Attribute[Any], Any
     return check
 
 
-def of_type(types: type | tuple[type, ...], name: str) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator: ``value`` is one of ``types`` (a bool is a bool, not a number), so
+def of_type(kinds: type | tuple[type, ...], name: str) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: ``value`` is one of ``kinds`` (a bool is a bool, not a number), so
     a wrong type is refused where the object is built, not where it is first used; ``name``
     says what is wanted."""
 
     def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, types) or (isinstance(value, bool) and name != "a bool"):
+        if not isinstance(value, kinds) or (isinstance(value, bool) and name != "a bool"):
             raise TypeError(f"{attribute.name} must be {name}, got {value!r:.40} "
                             f"({type(value).__name__})")
 

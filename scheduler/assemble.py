@@ -255,10 +255,12 @@ def hybrid_side(model: object, pool: KVPool, hybrid: HybridConfig | None) -> Sid
     if hybrid is None:
         if isinstance(model, LlamaModel) and model.config.hybrid:
             c = model.config
+            kinds = [f"{what} layers {layers}" for what, layers in (
+                ("sliding-window", c.swa_layers), ("recurrent", c.recurrent_layers)) if layers]
             raise ValueError(
-                f"the model has sliding-window layers {c.swa_layers} and recurrent layers "
-                f"{c.recurrent_layers}: each side needs their pools; give it a HybridConfig "
-                "(PairConfig(hybrid=HybridConfig()), or hybrid= when building a side)")
+                f"the model has {' and '.join(kinds)}: each side needs their pools; give it a "
+                "HybridConfig (PairConfig(hybrid=HybridConfig()), or hybrid= when building a "
+                "side)")
         return None
     if not isinstance(model, LlamaModel):
         raise ValueError(f"hybrid state and drafts are built for the reference model, not "

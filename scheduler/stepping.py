@@ -43,10 +43,7 @@ def step_until(
 class OneThread:
     """Refuses a pass begun while another thread is in one: ``step()`` belongs to one thread,
     and two threads inside one pass would corrupt the scheduler without an error. Reentrant on
-    the thread that holds it (a subclass's pass runs its base's). Cheap: one uncontended lock
-    per pass.
-
-    """
+    the thread that holds it. Cheap: one uncontended lock per pass."""
 
     def __init__(self, what: str) -> None:
         self._what = what

@@ -42,18 +42,18 @@ class HybridConfig:
     speculative_k: int = attrs.field(default=3, validator=_non_negative)
 
 
-def _unused(config: ModelConfig, hybrid: HybridConfig) -> list[str]:
-    """What of ``hybrid`` would change nothing on a model of ``config`` (a setting taken
-    without effect reads as one that works). One config may serve models of different kinds:
-    an SWA pool's size is not refused for a model without sliding-window layers, but a config
-    that builds nothing at all is."""
+def _unused(config: ModelConfig, hybrid: HybridConfig) -> str:
+    """What of ``hybrid`` would change nothing on a model of ``config`` ("" when all is used: a
+    setting taken without effect reads as one that works). One config may serve models of
+    different kinds: an SWA pool's size is not refused for a model without sliding-window
+    layers, but a config that builds nothing at all is."""
     if hybrid.speculative_k != HybridConfig().speculative_k and not hybrid.draft_layers:
-        return [f"speculative_k={hybrid.speculative_k} without a draft (draft_layers=0)"]
+        return f"speculative_k={hybrid.speculative_k} without a draft (draft_layers=0)"
     if not (config.hybrid or hybrid.draft_layers):
-        return ["the model has no sliding-window or recurrent layers and there is no draft "
+        return ("the model has no sliding-window or recurrent layers and there is no draft "
                 "(draft_layers=0): it would change nothing; leave it None, or set draft_layers "
-                "for speculative decoding"]
-    return []
+                "for speculative decoding")
+    return ""
 
 
 @attrs.frozen
@@ -68,12 +68,12 @@ class SideModel:
 
 def build_side(model: LlamaModel, pool: KVPool, hybrid: HybridConfig) -> SideModel:
     """The pools ``model`` needs beside ``pool`` (in its layout and page size), and the
-    runners over them. ValueError for a draft with hybrid layers (not built) or pools that
-    cannot be sized."""
+    runners over them. ValueError for a draft with hybrid layers (not built), pools that
+    cannot be sized, and a ``hybrid`` that would change nothing."""
     c, ps = model.config, pool.page_size
     unused = _unused(c, hybrid)
     if unused:
-        raise ValueError(f"HybridConfig: {'; '.join(unused)}")
+        raise ValueError(f"HybridConfig: {unused}")
     swa = None
     if c.swa_layers:
         swa_pool = model.make_swa_pool(
