@@ -12,7 +12,7 @@ from scheduler.cli.serve import serve_config
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.service.core import ServeConfig
-from tests.service_harness import asgi_client, idle, run, running_service
+from tests.service_harness import asgi_client, idle, run, running_service, tokens_of_stream
 
 MODEL = ModelConfig.tiny(seed=3)
 REFERENCE = ReferenceModel(LlamaModel(MODEL))
@@ -50,6 +50,13 @@ def test_cached_tokens_reach_the_client_and_outputs_stay_the_reference() -> None
                 assert info["kv_pool"]["prefill"]["prefix_cache_pages"] == 10
                 metrics = (await client.get("/metrics")).text
                 assert "pdlife_prefix_cache_hit_tokens_total 40.0" in metrics
+                # A stream says what was cached from its first chunk on, not only in its last.
+                r = await client.post("/generate", json={
+                    "input_ids": [*SYSTEM, 6], "rid": "c", "stream": True,
+                    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+                chunks, done = tokens_of_stream(r.text)
+                assert done and len(chunks) > 1
+                assert [c["meta_info"]["cached_tokens"] for c in chunks] == [40] * len(chunks)
 
     run(main())
 

@@ -46,9 +46,15 @@ class SchedulerMetrics:
             "Time to first token on the prefill side: admission to the end of the transfer.",
             buckets=_PHASE_BUCKETS, registry=r,
         )
-        self.kv_pages_used = Gauge("pdlife_kv_pages_used", "KV pages held.", registry=r)
+        self.kv_pages_used = Gauge(
+            "pdlife_kv_pages_used",
+            "KV pages held: by live requests, held back until their transfer is quiet, and by "
+            "the prefix cache.", registry=r)
         self.kv_pages_total = Gauge("pdlife_kv_pool_pages", "KV pages in the pool.", registry=r)
-        self.kv_usage = Gauge("pdlife_kv_usage_ratio", "Fraction of KV pages held.", registry=r)
+        self.kv_usage = Gauge(
+            "pdlife_kv_usage_ratio",
+            "Fraction of the KV pool in use; prefix-cache pages no request locks count as free "
+            "(pdlife_kv_pages_used counts them).", registry=r)
         self.slots_used = Gauge(
             "pdlife_metadata_slots_used", "Metadata-buffer slots held.", registry=r
         )

@@ -490,7 +490,7 @@ class Service:
             req = self.decode.lifecycle.get(p.item.rid)
             if req is not None:
                 p.follow(req.output_ids, self.decode.output_logprobs(req.rid)
-                         if req.sampling.return_logprob else None)
+                         if req.sampling.return_logprob else None, req.cached_tokens)
 
 
 def _refused_or(status: int, failure: str | None) -> tuple[str | None, int]:

@@ -20,10 +20,12 @@ logger = logging.getLogger(__name__)
 @attrs.frozen
 class Progress:
     """What engine passes added to a streamed answer: new output tokens and, when the request
-    asked for logprobs, one logprob per token (else none)."""
+    asked for logprobs, one logprob per token (else none); the prompt tokens the prefix cache
+    held (known with the first tokens)."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    cached_tokens: int = 0
 
 
 @attrs.define(eq=False)
@@ -58,20 +60,21 @@ class Pending:
         except RuntimeError:  # the handler's event loop is gone: nobody is waiting
             logger.debug("answer for %r dropped: its event loop is closed", self.item.rid)
 
-    def follow(self, output_ids: Sequence[int],
-               logprobs: Sequence[TokenLogprob] | None) -> None:
-        """Push the output tokens beyond those already streamed (engine thread). ``logprobs``:
-        the request's output logprobs so far, or None when it did not ask for them; a token
-        goes out with its logprob, so only tokens whose logprob is known are pushed; and none
-        before the prefill side of a colocated request answered (its input logprobs are then
-        known to every chunk)."""
+    def follow(self, output_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None,
+               cached_tokens: int = 0) -> None:
+        """Push the output tokens beyond those already streamed (engine thread), with the
+        request's ``cached_tokens``. ``logprobs``: the request's output logprobs so far, or
+        None when it did not ask for them; a token goes out with its logprob, so only tokens
+        whose logprob is known are pushed; and none before the prefill side of a colocated
+        request answered (its input logprobs are then known to every chunk)."""
         end = len(output_ids) if logprobs is None else min(len(output_ids), len(logprobs))
         if end <= self.streamed or self.progress is None or "prefill" in self.waiting_on or (
                 self.item.options.prompt_only):
             return
         start, self.streamed = self.streamed, end
         progress = Progress(tuple(output_ids[start:end]),
-                            () if logprobs is None else tuple(logprobs[start:end]))
+                            () if logprobs is None else tuple(logprobs[start:end]),
+                            cached_tokens)
         try:
             self.loop.call_soon_threadsafe(self.progress.put_nowait, progress)
         except RuntimeError:

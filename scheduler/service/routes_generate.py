@@ -241,6 +241,7 @@ async def _chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str,
                           text=answer_text(service.tokenizer, item, emitted, None),
                           prompt_tokens=len(item.input_ids),
                           latency=time.monotonic() - pending.started, finish=None,
+                          cached_tokens=progress.cached_tokens,
                           input_logprobs=pending.input_logprobs, output_logprobs=logprobs)
     answer = pending.future.result()
     if answer.status != 200:
