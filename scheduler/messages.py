@@ -78,6 +78,29 @@ class AbortRequest:
 
 
 @attrs.frozen
+class FlushCache:
+    """Empty the prefix cache (SGLang's ``/flush_cache``) on the pass this is received, when no
+    request is live then; ``ticket`` says whose request it is (the rank that took it answers)."""
+
+    ticket: int
+
+
+@attrs.frozen
+class CacheFlushed:
+    """What a :class:`FlushCache` did: whether the cache was emptied (there is one and no
+    request was live), the pages that went back to the pool, and the live requests that
+    stopped it."""
+
+    flushed: bool
+    pages: int
+    live: int
+
+
+#: What a prefill scheduler's inbox takes (and a mesh's first rank relays to the others).
+InboxItem = NewRequest | AbortRequest | FlushCache
+
+
+@attrs.frozen
 class TokenLogprob:
     """A token's logprob and, when asked, the ``top`` alternatives at its position
     (``(token, logprob)`` pairs, most likely first) and the logprobs of the ids the request

@@ -26,7 +26,7 @@ from kv.layouts import TPLayout
 from kv.metadata import MetadataBuffers, SlotAllocator
 from lifecycle import PrefillState
 from scheduler.dist.relay import InboxRelay, RelayError, decode_items, encode_items
-from scheduler.messages import AbortRequest, NewRequest, Response
+from scheduler.messages import AbortRequest, FlushCache, InboxItem, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.model.sharded import ShardedLlama, stage_layers
 from scheduler.prefill.config import SchedulerConfig
@@ -222,11 +222,12 @@ def test_only_the_first_rank_takes_requests(results: Path) -> None:
 def test_relayed_requests_keep_every_field() -> None:
     from lifecycle import GrammarSpec, SamplingParams
 
-    items: list[NewRequest | AbortRequest] = [
+    items: list[InboxItem] = [
         NewRequest("a", [1, 2, 3], bootstrap_host="h", bootstrap_port=7, bootstrap_room=9,
                    sampling=SamplingParams(5, (2,), temperature=0.5, seed=3, stop=("x",),
                                            grammar=GrammarSpec("regex", "a+"))),
         AbortRequest("b"),
+        FlushCache(7),
         AbortRequest("d", shutdown=True),
         NewRequest("c", [4], bootstrap_host="2.2.2.2"),
     ]

@@ -15,7 +15,7 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pages import pages_needed
 from lifecycle import FailureReason, PrefillRequest, PrefillState
 from lifecycle.testing import FakeClock
-from scheduler.messages import NewRequest, Response
+from scheduler.messages import CacheFlushed, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.prefill.adder import Stop, plan_batch
 from scheduler.prefill.config import SchedulerConfig
@@ -447,3 +447,45 @@ def test_the_prefix_cache_is_off_unless_configured() -> None:
     )
     assert sched.prefix is None
     assert isinstance(PrefixCache(runner.pool, sched.metrics.prefix).tree.size, int)
+
+
+def test_a_flush_empties_the_cache_only_when_no_request_is_live() -> None:
+    """SGLang's /flush_cache: every cached page back in the pool on the next pass, and the next
+    prompt computed cold; refused while a request is live (it holds the pages it matched)."""
+    rig = Rig()
+    rig.submit("a", (*SYSTEM, 1, 2))
+    rig.finish()
+    tree = rig.prefix.tree
+    assert tree.size == 4
+    outcomes: list[CacheFlushed] = []
+    rig.submit("b", (*SYSTEM, 3))
+    rig.sched.flush_cache(outcomes.append)  # after b, on the same pass: b is live
+    rig.step()
+    assert outcomes == [CacheFlushed(flushed=False, pages=0, live=1)]
+    assert tree.size == 4
+    rig.finish()
+    assert rig.answer("b").cached_tokens == 16  # the cache it was refused for served it
+    rig.sched.flush_cache(outcomes.append)
+    assert outcomes[1:] == []  # the outcome comes with the pass
+    rig.step()
+    assert outcomes[1:] == [CacheFlushed(flushed=True, pages=4, live=0)]
+    assert tree.size == 0 and rig.pool.allocator.available() == rig.pool.num_pages
+    rig.submit("c", (*SYSTEM, 4))
+    rig.finish()
+    assert rig.answer("c").cached_tokens == 0  # computed cold
+    rig.assert_no_leak()
+
+
+def test_a_flush_without_a_prefix_cache_empties_nothing() -> None:
+    runner = echo_runner_factory(8, PS)
+    sched = PrefillScheduler(
+        config=SchedulerConfig(page_size=PS, chunked_prefill_size=8), runner=runner,
+        kv=ScriptedKVManager(runner.pool), metadata=MetadataBuffers(1), slots=SlotAllocator(1),
+    )
+    outcomes: list[CacheFlushed] = []
+    sched.flush_cache(outcomes.append)
+    assert sched.step()  # a flush is work: the loop does not rest on it
+    assert outcomes == [CacheFlushed(flushed=False, pages=0, live=0)]
+    sched.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sched.flush_cache(outcomes.append)

@@ -3,8 +3,10 @@ side from the metadata row), ``/server_info`` and ``/metrics``, and ``--disable-
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import attrs
 import httpx
 
 from scheduler.cli.main import build_parser
@@ -12,7 +14,14 @@ from scheduler.cli.serve import serve_config
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.service.core import ServeConfig
-from tests.service_harness import asgi_client, idle, run, running_service, tokens_of_stream
+from tests.service_harness import (
+    asgi_client,
+    free_port,
+    idle,
+    run,
+    running_service,
+    tokens_of_stream,
+)
 
 MODEL = ModelConfig.tiny(seed=3)
 REFERENCE = ReferenceModel(LlamaModel(MODEL))
@@ -70,3 +79,80 @@ def test_serve_turns_the_cache_on_unless_disabled() -> None:
                                           "--schedule-policy", "lpm"]))
     assert (on.scheduler.radix_cache, off.scheduler.radix_cache) == (True, False)
     assert lpm.scheduler.schedule_policy == "lpm"
+
+
+def _config(role: str, backend: str, cache: bool = True, **kw: Any) -> ServeConfig:
+    return ServeConfig(role=role, backend=backend, model=MODEL,  # type: ignore[arg-type]
+                       scheduler=attrs.evolve(SCHED, radix_cache=cache), pool_pages=64,
+                       metadata_slots=8, max_new_tokens_limit=32, max_body_bytes=4096, **kw)
+
+
+def test_flush_cache_empties_the_cache_when_idle_as_sglang_does() -> None:
+    async def main() -> None:
+        with running_service(_config("both", "local")) as service:
+            async with asgi_client(service) as client:
+                await _answer(client, "a", [*SYSTEM, 1, 2])
+                for _ in range(2000):
+                    info: dict[str, Any] = (await client.get("/server_info")).json()
+                    if idle(info):
+                        break
+                assert info["kv_pool"]["prefill"]["prefix_cache_pages"] == 10
+                for method in ("POST", "GET"):  # SGLang's route takes both
+                    r = await client.request(method, "/flush_cache")
+                    assert r.status_code == 200, r.text
+                    assert r.headers["content-type"].startswith("text/plain")
+                    pages = 10 if method == "POST" else 0
+                    assert r.text == f"Cache flushed: {pages} pages back in the KV pool.\n"
+                info = (await client.get("/server_info")).json()
+                assert info["kv_pool"]["prefill"]["prefix_cache_pages"] == 0
+                again = await _answer(client, "b", [*SYSTEM, 1, 2])
+                assert again["meta_info"]["cached_tokens"] == 0  # computed cold
+                assert again["output_ids"] == REFERENCE.generate([*SYSTEM, 1, 2], 4)
+
+    run(main())
+
+
+def test_flush_cache_is_refused_while_a_request_is_live() -> None:
+    """A prefill with no decode peer keeps its request bootstrapping: the flush waits for no
+    one and says why it did nothing (SGLang answers 400 too)."""
+
+    async def main() -> None:
+        with running_service(_config("prefill", "mooncake", bootstrap_port=free_port())
+                             ) as service:
+            async with asgi_client(service) as client:
+                waiting = asyncio.ensure_future(client.post("/generate", json={
+                    "input_ids": [5, 6, 7], "rid": "w", "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": 9, "bootstrap_room": 77}))
+                for _ in range(2000):
+                    info = (await client.get("/server_info")).json()
+                    if info["requests"]["prefill"]["bootstrapping"] == 1:
+                        break
+                    await asyncio.sleep(0)
+                r = await client.post("/flush_cache")
+                assert r.status_code == 400
+                assert r.text == ("Cache not flushed: 1 requests are live; flush it when the "
+                                  "server is idle.\n")
+                assert (await client.post("/abort_request", json={"rid": "w"})).status_code == 200
+                assert (await waiting).status_code == 200
+                r = await client.post("/flush_cache")
+                assert (r.status_code, r.text) == (
+                    200, "Cache flushed: 0 pages back in the KV pool.\n")
+
+    run(main())
+
+
+def test_flush_cache_where_there_is_no_cache() -> None:
+    async def main() -> None:
+        for config, says in (
+            (_config("decode", "fake"), "No prefix cache on this worker (a decode worker "
+                                          "keeps none).\n"),
+            (_config("both", "local", cache=False), "The prefix cache is off "
+                                                    "(--disable-radix-cache): nothing to "
+                                                    "flush.\n"),
+        ):
+            with running_service(config) as service:
+                async with asgi_client(service) as client:
+                    r = await client.post("/flush_cache")
+                    assert (r.status_code, r.text) == (200, says)
+
+    run(main())

@@ -217,3 +217,15 @@ def run_checks(cluster: Cluster, cases: list[tuple[list[int], int]], want: list[
     for server in (cluster.prefill, cluster.decode):
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200
+    # The router's /flush_cache reaches both workers, which answer as SGLang's do: the
+    # prefill's cache is empty after it.
+    def cached_pages() -> int:
+        info = httpx.get(f"{cluster.prefill.url}/server_info", timeout=10).json()
+        pages: int = info["kv_pool"]["prefill"]["prefix_cache_pages"]
+        return pages
+
+    assert cached_pages() > 0
+    r = httpx.post(f"{cluster.url}/flush_cache", headers=cluster.headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["workers_flushed"] == r.json()["total_workers"] == 2, r.text
+    assert cached_pages() == 0

@@ -60,6 +60,13 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
         assert len(pids) == 4
         hosts = {lst.host for pid in pids for lst in listening(pid)}
         assert hosts == {"127.0.0.1"}, hosts
+        # /flush_cache empties every replica's cache (each prompt's whole pages), on every
+        # rank of its mesh alike: the meshes answer as before after it.
+        r = httpx.post(f"{server.url}/flush_cache", timeout=60)
+        pages = sum(len(p) // 4 for p in PROMPTS)
+        assert (r.status_code, r.text) == (200, f"Cache flushed: {pages} pages back in the KV "
+                                                "pool.\n")
+        server.answers_as_colocated(MODEL, PROMPTS)
         log = server.tail()
         assert server.stop(timeout=60) == 0, log
     finally:

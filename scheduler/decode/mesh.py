@@ -160,7 +160,7 @@ class MeshDecodePeer(DecodePeer):
         for item in items:
             if isinstance(item, AbortRequest):
                 super().abort(item.rid, shutdown=item.shutdown)
-            else:
+            elif isinstance(item, NewRequest):  # (a decode peer keeps no prefix cache)
                 if self.on_relayed is not None:
                     self.on_relayed(item)
                 super().submit(item)

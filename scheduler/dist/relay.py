@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from lifecycle import GrammarSpec, SamplingParams
-from scheduler.messages import AbortRequest, NewRequest
+from scheduler.messages import AbortRequest, FlushCache, InboxItem, NewRequest
 
-Item = NewRequest | AbortRequest
+Item = InboxItem
 
 
 class RelayError(ValueError):
@@ -46,11 +46,13 @@ def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
 
 def encode_items(items: Sequence[Item]) -> bytes:
     """The msgpack form of ``items`` (requests with all their fields, aborts by id and
-    whether the server is shutting down)."""
+    whether the server is shutting down, cache flushes by ticket)."""
     rows: list[list[Any]] = []
     for item in items:
         if isinstance(item, AbortRequest):
             rows.append(["abort", item.rid, item.shutdown])
+        elif isinstance(item, FlushCache):
+            rows.append(["flush", item.ticket])
         else:
             rows.append(["new", item.rid, list(item.input_ids), item.bootstrap_host,
                          item.bootstrap_port, item.bootstrap_room,
@@ -67,6 +69,9 @@ def decode_items(payload: bytes) -> list[Item]:
         for row in rows:
             if row[0] == "abort":
                 items.append(AbortRequest(row[1], bool(row[2])))
+                continue
+            if row[0] == "flush":
+                items.append(FlushCache(int(row[1])))
                 continue
             _, rid, input_ids, host, port, room, sampling = row
             grammar = sampling.pop("grammar")

@@ -32,7 +32,15 @@ from typing import cast
 from kv.pages import pages_needed
 from kv.transfer import KVManager, KVSender
 from lifecycle import FailureReason, Lifecycle, PrefillEvent, PrefillRequest, PrefillState
-from scheduler.messages import FAKE_BOOTSTRAP_HOST, AbortRequest, NewRequest, Response, take_all
+from scheduler.messages import (
+    FAKE_BOOTSTRAP_HOST,
+    AbortRequest,
+    FlushCache,
+    InboxItem,
+    NewRequest,
+    Response,
+    take_all,
+)
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.metrics import SchedulerMetrics
 
@@ -64,8 +72,7 @@ class Admission:
         respond: Callable[[Response], None],
         vet: Callable[[PrefillRequest], str] = lambda _req: "",
         pool_name: str = "the KV pool",
-        relay: Callable[[list[NewRequest | AbortRequest]], list[NewRequest | AbortRequest]]
-        | None = None,
+        relay: Callable[[list[InboxItem]], list[InboxItem]] | None = None,
     ) -> None:
         """``num_pages``: the most pages one request can hold, in the pool ``pool_name`` (a
         longer prompt is refused). ``vet(req)`` says why a request's sampling is refused (""
@@ -84,7 +91,7 @@ class Admission:
         self._metrics = metrics
         self._respond = respond
         self._relay = relay
-        self._inbox: queue.SimpleQueue[NewRequest | AbortRequest] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._next = 0
         self._by_seq: dict[int, PrefillRequest] = {}
         self._seq_of: dict[str, int] = {}
@@ -92,20 +99,24 @@ class Admission:
 
     # -- the inbox (thread-safe) --------------------------------------------------------------
 
-    def put(self, item: NewRequest | AbortRequest) -> None:
+    def put(self, item: InboxItem) -> None:
         self._inbox.put(item)
 
     def inbox_empty(self) -> bool:
         return self._inbox.empty()
 
-    def receive(self, abort: Callable[[AbortRequest], None]) -> bool:
-        """Admit what arrived and hand each abort to ``abort``; True if anything did."""
+    def receive(self, abort: Callable[[AbortRequest], None],
+                flush: Callable[[FlushCache], None]) -> bool:
+        """Admit what arrived, in order, and hand each abort to ``abort`` and each cache flush
+        to ``flush``; True if anything did."""
         items = take_all(self._inbox)
         if self._relay is not None:
             items = self._relay(items)
         for item in items:
             if isinstance(item, AbortRequest):
                 abort(item)
+            elif isinstance(item, FlushCache):
+                flush(item)
             else:
                 self.admit(item)
         return bool(items)

@@ -50,6 +50,7 @@ of the slot queue, and the waiting requests the adder considers — never every 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -69,7 +70,7 @@ from lifecycle import (
 from scheduler.dist.gather import min_reduce
 from scheduler.dist.ranks import RankSync, SingleRank
 from scheduler.dist.relay import InboxRelay
-from scheduler.messages import AbortRequest, NewRequest, Response
+from scheduler.messages import AbortRequest, CacheFlushed, FlushCache, NewRequest, Response
 from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import Admission, sender_of
 from scheduler.prefill.checks import check_arguments, check_state_conservation, pages_admissible
@@ -175,6 +176,9 @@ class PrefillScheduler:
         self.passes = 0
         self._closed = False
         self._one_thread = OneThread("PrefillScheduler")
+        # Cache flushes asked on this rank, by ticket: who gets the outcome.
+        self._flushes: dict[int, Callable[[CacheFlushed], None]] = {}
+        self._tickets = itertools.count(1)
         self.last_batch_size = 0  # requests in the batch launched by the latest pass
         self.metrics.kv_pages_total.set(self.pool.num_pages)
 
@@ -197,6 +201,17 @@ class PrefillScheduler:
         tell its decode peer, which then fails the room at once. Thread-safe."""
         self._admission.refuse_room(host, port, room, why)
 
+    def flush_cache(self, done: Callable[[CacheFlushed], None]) -> None:
+        """Empty the prefix cache on the next pass if no request is live then (SGLang's
+        ``/flush_cache``: a cache that is warm or not changes what a benchmark measures);
+        thread-safe. ``done`` gets the outcome on the stepping thread. On a mesh every rank
+        flushes on the same pass (the first rank relays it); ask the first rank."""
+        if self._closed:
+            raise RuntimeError("this PrefillScheduler is closed: it takes no more requests")
+        ticket = next(self._tickets)
+        self._flushes[ticket] = done
+        self._admission.put(FlushCache(ticket))
+
     # -- the pass ---------------------------------------------------------------------------
 
     def step(self) -> bool:
@@ -210,7 +225,7 @@ class PrefillScheduler:
         if self._closed:
             raise RuntimeError("this PrefillScheduler is closed: it runs no more passes")
         self.passes += 1
-        worked = self._admission.receive(self._abort)  # 1
+        worked = self._admission.receive(self._abort, self._flush)  # 1
         worked |= self._poll()  # 2
         worked |= self._promote()  # 3
         delayer_pass = (
@@ -297,6 +312,20 @@ class PrefillScheduler:
         return req.pages if self.prefix is None else self.prefix.owned_pages(req)
 
     # -- failing: now, or deferred while on the device ---------------------------------------
+
+    def _flush(self, flush: FlushCache) -> None:
+        live = len(self.lifecycle)
+        flushed = self.prefix is not None and live == 0
+        pages = self.prefix.tree.evict(self.prefix.tree.evictable) if flushed and (
+            self.prefix is not None) else 0
+        if flushed:
+            logger.info("prefix cache flushed: %d pages back in the pool", pages)
+        else:
+            logger.info("prefix cache not flushed: %s", "there is none" if self.prefix is None
+                        else f"{live} requests are live")
+        done = self._flushes.pop(flush.ticket, None)  # None on a mesh's other ranks
+        if done is not None:
+            done(CacheFlushed(flushed, pages, live))
 
     def _abort(self, abort: AbortRequest) -> None:
         req = self.lifecycle.get(abort.rid)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -44,7 +45,7 @@ import attrs
 from lifecycle import FailureReason, GrammarSpec
 from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl
-from scheduler.messages import DecodeResponse, NewRequest, Response
+from scheduler.messages import CacheFlushed, DecodeResponse, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
 from scheduler.model.select import reference_model
 from scheduler.prefill.mesh import MeshControl
@@ -90,6 +91,9 @@ class Replicas(Protocol):
 
     def answer_to(self, callback: Callable[[Response], None]) -> None:
         """Hand the replicas' answers to ``callback`` (from another thread)."""
+
+    def flush_cache(self) -> list[concurrent.futures.Future[CacheFlushed]]:
+        """Ask every other replica to empty its prefix cache: one outcome each."""
 
 
 class Service:
@@ -309,6 +313,20 @@ class Service:
             if reason is not None:
                 self._abort_reasons.update(dict.fromkeys(rids, reason))
         return sum(self.abort(rid) for rid in rids)
+
+    def flush_cache(self) -> list[concurrent.futures.Future[CacheFlushed]]:
+        """Ask every prefill scheduler of this server (each DP replica's) to empty its prefix
+        cache on its next pass, if no request is live there then (any thread): one outcome
+        each; none on a decode worker, which keeps no prefix cache."""
+        outcomes: list[concurrent.futures.Future[CacheFlushed]] = []
+        if self.prefill is not None:
+            mine: concurrent.futures.Future[CacheFlushed] = concurrent.futures.Future()
+            self.prefill.flush_cache(mine.set_result)
+            outcomes.append(mine)
+        if self._replicas is not None:
+            outcomes += self._replicas.flush_cache()
+        self.loop.wake()
+        return outcomes
 
     def live_requests(self) -> int:
         with self._lock:

@@ -50,8 +50,11 @@ service reports it (unhealthy; ``pdlife serve`` exits 1 once stopped).
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
+import functools
 import gc
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -73,7 +76,7 @@ from kv.routes import dp_rank_of
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
 from scheduler.dist import rendezvous
 from scheduler.dist.relay import MeshStopped
-from scheduler.messages import AbortRequest, NewRequest, Response
+from scheduler.messages import AbortRequest, CacheFlushed, FlushCache, NewRequest, Response
 from scheduler.model.select import ServedModel, load_model, reference_model
 from scheduler.model.sharded import Mesh
 from scheduler.prefill.mesh import MeshControl, build_mesh_control
@@ -112,6 +115,14 @@ _STARTED, _STOP = "started", "stop"
 
 
 @attrs.frozen
+class _Flushed:
+    """A replica's answer to a cache flush (on the answers queue)."""
+
+    ticket: int
+    outcome: CacheFlushed
+
+
+@attrs.frozen
 class _Refusal:
     """A decode peer will never ask for ``room`` (for the replica that serves it)."""
 
@@ -137,6 +148,8 @@ class Ranks:
         self._closing = threading.Event()
         self._answers: Any = context.Queue()
         self._reader: threading.Thread | None = None
+        self._flushes: dict[int, concurrent.futures.Future[CacheFlushed]] = {}
+        self._tickets = itertools.count(1)
         # torch's start_processes has no annotations.
         self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
             _rank_main, args=(self.world, stores, *for_ranks(config), self._inboxes,
@@ -194,6 +207,18 @@ class Ranks:
         if replica:
             self._inboxes[replica - 1].put(_Refusal(room, reason))
 
+    def flush_cache(self) -> list[concurrent.futures.Future[CacheFlushed]]:
+        """Ask every other replica to empty its prefix cache: one outcome each (set by the
+        reader thread of :meth:`answer_to`)."""
+        outcomes = []
+        for inbox in self._inboxes:
+            ticket = next(self._tickets)
+            outcome: concurrent.futures.Future[CacheFlushed] = concurrent.futures.Future()
+            self._flushes[ticket] = outcome
+            inbox.put(FlushCache(ticket))
+            outcomes.append(outcome)
+        return outcomes
+
     def answer_to(self, callback: Callable[[Response], None]) -> None:
         """Hand every answer of the other replicas to ``callback`` (on a reader thread)."""
         if self._inboxes and self._reader is None:
@@ -203,6 +228,11 @@ class Ranks:
 
     def _read(self, callback: Callable[[Response], None]) -> None:
         while (answer := self._answers.get()) is not None:
+            if isinstance(answer, _Flushed):
+                flushed = self._flushes.pop(answer.ticket, None)
+                if flushed is not None:
+                    flushed.set_result(answer.outcome)
+                continue
             try:
                 callback(answer)
             except Exception:  # one bad answer must not stop the others'
@@ -413,6 +443,8 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
                     scheduler.submit(item)
                     if delayer is not None:
                         delayer.taken += 1
+                elif isinstance(item, FlushCache):
+                    scheduler.flush_cache(functools.partial(_answer_flush, answers, item.ticket))
                 elif isinstance(item, _Refusal) and isinstance(scheduler.kv, MooncakeKVManager):
                     scheduler.kv.peer_refused(item.room, item.reason)
             step_or_rest(scheduler.step)
@@ -429,6 +461,10 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
     finally:
         if not stopped:
             control.relay.stop()
+
+
+def _answer_flush(answers: Any, ticket: int, outcome: CacheFlushed) -> None:
+    answers.put(_Flushed(ticket, outcome))
 
 
 def _mesh_of(control: MeshControl) -> tuple[Any, int] | None:

@@ -1,4 +1,5 @@
-"""The server's own endpoints: health, server and model info, the model list, metrics."""
+"""The server's own endpoints: health, server and model info, the model list, metrics, and
+emptying the prefix cache."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from scheduler.service.openai_schema import OpenAIError
 from scheduler.service.schema import ERRORS, ModelCard, ModelInfo, ModelList, ServerInfo
 
 _HEALTH_TIMEOUT_S = 30.0
+#: How long /flush_cache waits for the engines' next pass.
+_FLUSH_TIMEOUT_S = 30.0
 
 router = APIRouter()
 
@@ -144,6 +147,49 @@ async def model(model: str, service: ServiceDep) -> ModelCard | JSONResponse:
         return openai_error(404, f"the model {model!r} does not exist: this worker serves "
                             f"{service.config.model_name!r}", "model_not_found", "model")
     return (await models(service)).data[0]
+
+
+@router.post(
+    "/flush_cache", response_class=PlainTextResponse,
+    responses={400: {"description": "requests were live: the cache was not (all) emptied",
+                     "content": {"text/plain": {}}}, 503: ERRORS[503]})
+async def flush_cache(service: ServiceDep) -> Response:
+    """SGLang's: empty the prefix cache (every DP replica's), so that what follows starts
+    cold. Only when no request is live (400 otherwise, as SGLang: retry when idle); a decode
+    worker, or a prefill with the cache off, has nothing to empty (200)."""
+    refused = unavailable(service)
+    if refused is not None:
+        return refused
+    asked = service.flush_cache()
+    if not asked:
+        return PlainTextResponse("No prefix cache on this worker (a decode worker keeps "
+                                 "none).\n")
+    try:
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*map(asyncio.wrap_future, asked)), _FLUSH_TIMEOUT_S)
+    except TimeoutError:
+        return error(503, "unavailable", f"the engines did not run the flush within "
+                     f"{_FLUSH_TIMEOUT_S:.0f} s")
+    if not service.config.scheduler.radix_cache:
+        return PlainTextResponse("The prefix cache is off (--disable-radix-cache): nothing "
+                                 "to flush.\n")
+    pages = sum(o.pages for o in outcomes)
+    busy = [(i, o.live) for i, o in enumerate(outcomes) if not o.flushed]
+    if len(outcomes) == 1 and busy:
+        return PlainTextResponse(f"Cache not flushed: {busy[0][1]} requests are live; flush "
+                                 "it when the server is idle.\n", status_code=400)
+    if busy:
+        where = ", ".join(f"replica {i}: {live} live requests" for i, live in busy)
+        return PlainTextResponse(
+            f"Cache not flushed on every replica ({where}); flush it when the server is "
+            f"idle. {len(outcomes) - len(busy)} of {len(outcomes)} replicas flushed, {pages} "
+            "pages back in the KV pool.\n", status_code=400)
+    return PlainTextResponse(f"Cache flushed: {pages} pages back in the KV pool.\n")
+
+
+# SGLang's route takes GET too; one operation in the schema is enough.
+router.add_api_route("/flush_cache", flush_cache, methods=["GET"], include_in_schema=False,
+                     response_class=PlainTextResponse)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
