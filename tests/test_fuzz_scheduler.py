@@ -12,7 +12,10 @@ import argparse
 import io
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -20,7 +23,12 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from scheduler.cli.fuzz import FUZZ, run_fuzz
 from scheduler.runner import ForwardBatch
-from scheduler.testing.fakes import PageEchoRunner, echo_runner_factory, tiny_model
+from scheduler.testing.fakes import (
+    PageEchoRunner,
+    echo_next_token,
+    echo_runner_factory,
+    tiny_model,
+)
 from scheduler.testing.machine import scheduler_machine
 
 _DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
@@ -115,19 +123,23 @@ def _wrong_length_runner(num_pages: int, page_size: int) -> _WrongLengthRunner:
     return _WrongLengthRunner(echo.pool)
 
 
-def test_the_cli_reports_an_exception_of_the_code_under_test_as_such() -> None:
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_the_cli_reports_an_exception_of_the_code_under_test_as_such(loop: str) -> None:
+    """Once: in the overlap loop the batch in flight fails again as close() lands it, which
+    must not mask (or add to) the failure of step()."""
     out = io.StringIO()
-    args = _args("--examples", "30", "--steps", "6", "--seed", "4", "--loop", "normal")
+    args = _args("--examples", "30", "--steps", "6", "--seed", "4", "--loop", loop)
     status = run_fuzz(
         args, lambda loop: scheduler_machine(loop=loop, runner_factory=_wrong_length_runner),
         out,
     )
     text = out.getvalue()
-    assert status == 3
-    assert "FAILED: the code under test raised in the normal loop (seed 4)" in text
+    assert status == 3, text[-3000:]
+    assert f"FAILED: the code under test raised in the {loop} loop (seed 4)" in text
     assert "step() raised ValueError" in text
+    assert "close() raised" not in text and "distinct failures" not in text, text[-3000:]
     assert "broke an invariant" not in text
-    assert "rerun: pdlife fuzz --examples 30 --seed 4 --steps 6 --loop normal" in text
+    assert f"rerun: pdlife fuzz --examples 30 --seed 4 --steps 6 --loop {loop}" in text
 
 
 def test_the_cli_reports_an_error_of_the_fuzz_machine_itself() -> None:
@@ -156,8 +168,100 @@ def test_the_cli_reports_an_error_of_the_fuzz_machine_itself() -> None:
     assert "broke an invariant" not in text
 
 
+class _StrayWriter:
+    """A runner of one's own that breaks the page rule: its answers are the echo runner's, but
+    each forward also writes the values of a page its batch does not name (which the echo's
+    answers never read: only the guard around every runner can see it)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.echo = echo_runner_factory(num_pages, page_size)
+        self.pool = self.echo.pool
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        out = self.echo.forward(batch)
+        named = {p for item in batch.items for p in item.pages}
+        stray = [p for p in range(self.pool.num_pages) if p not in named]
+        if stray:
+            self.pool.v(0)[stray[0]] += 1.0
+        return out
+
+
+def test_a_runner_of_ones_own_that_writes_outside_its_pages_is_caught() -> None:
+    out = io.StringIO()
+    args = _args("--examples", "60", "--steps", "8", "--seed", "2", "--loop", "normal")
+    programs: list[tuple[str, ...]] = []
+    status = run_fuzz(args, lambda loop: scheduler_machine(
+        loop=loop, runner_factory=_StrayWriter, on_program=programs.append), out)
+    text = out.getvalue()
+    assert status == 1, text[-3000:]
+    assert "invariant 3" in text and "which none of its items names" in text, text[-3000:]
+
+
+def test_the_forward_fault_rule_runs_on_a_runner_of_ones_own() -> None:
+    """A raising forward is fuzzed whatever the runner (the guard raises in its place)."""
+    programs: list[tuple[str, ...]] = []
+    machine = scheduler_machine(loop="normal", runner_factory=_OwnRunner,
+                                on_program=programs.append)
+    case = machine.TestCase
+    case.settings = _budget(40, 12)
+    case().runTest()
+    faults = [p for p in programs if any(step.startswith("forward_fault") for step in p)]
+    assert faults, "forward_fault never ran"
+    # Some programs had a batch that the fault failed.
+    assert any(step.startswith("answer") and step.endswith("FAILED internal None")
+               for p in faults for step in p)
+
+
+class _OwnRunner:
+    """A runner of one's own that keeps no violations list and has no logits."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.echo = echo_runner_factory(num_pages, page_size)
+        self.pool = self.echo.pool
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        return self.echo.forward(batch)
+
+
+def test_a_finding_that_does_not_replay_is_still_a_finding() -> None:
+    """A runner that answers one wrong token once in the whole search (a counter that outlives
+    the program: as a runner reading os.urandom would): Hypothesis cannot replay it, but what
+    it saw was a broken invariant, reported as one."""
+    forwards = [0]
+
+    class Once(PageEchoRunner):
+        def forward(self, batch: ForwardBatch) -> list[int]:
+            out = super().forward(batch)
+            forwards[0] += 1
+            return [t + 1 for t in out] if forwards[0] == 20 else out
+
+    def once(num_pages: int, page_size: int) -> Once:
+        return Once(echo_runner_factory(num_pages, page_size).pool)
+
+    out = io.StringIO()
+    args = _args("--examples", "60", "--steps", "10", "--seed", "1", "--loop", "normal")
+    status = run_fuzz(args, lambda loop: scheduler_machine(
+        loop=loop, runner_factory=once, reference=echo_next_token), out)
+    text = out.getvalue()
+    assert status == 1, text[-3000:]
+    assert "FAILED: the normal loop broke an invariant" in text, text[-3000:]
+    assert "first token" in text and "is not deterministic, so it could not be shrunk" in text
+
+
 def test_the_cli_refuses_bad_budgets() -> None:
     from scheduler.cli.command import UsageError
 
     with pytest.raises(UsageError, match="--examples must be >= 1"):
         FUZZ.run(_args("--examples", "0"))
+
+
+def test_the_cli_leaves_nothing_in_the_working_directory(tmp_path: Path) -> None:
+    """Hypothesis's own cache goes to a directory of the run's, removed after it: a CI
+    workspace is left as it was (a fresh process: the cache is written once per process)."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", "fuzz", "--examples", "3", "--steps", "3",
+         "--loop", "normal"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert list(tmp_path.iterdir()) == []

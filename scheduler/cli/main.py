@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import attrs
@@ -39,6 +40,19 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
+    # Hypothesis keeps a cache of its own (.hypothesis/ in the working directory) even
+    # without an example database; a fuzz run from a CI workspace leaves nothing there.
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    with tempfile.TemporaryDirectory(prefix="pdlife-fuzz-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            return _fuzz_in(args)
+        finally:
+            set_hypothesis_home_dir(None)
+
+
+def _fuzz_in(args: argparse.Namespace) -> int:
     # --load fuzzes one's own lifecycle table; otherwise the whole prefill scheduler.
     if args.load is None:
         for flag in ("record", "satisfy"):

@@ -107,10 +107,20 @@ def classify(exc: BaseException) -> Verdict:
     distinct ones) is judged by its worst member."""
     from hypothesis.errors import Flaky, HypothesisException
 
+    members = getattr(exc, "exceptions", None)  # an exception group (a backport on 3.10)
     if isinstance(exc, Flaky):
+        # A failure that did not happen again on replay: if it was a finding (a broken
+        # invariant, the code under test raising), it is one still, of code that is not
+        # deterministic (a runner drawing from os.urandom, a thread's timing).
+        findings = [v for v in map(classify, members if isinstance(members, tuple) else ())
+                    if v.kind in (Kind.INVARIANT, Kind.CODE)]
+        if findings:
+            worst = min(findings, key=lambda v: v.kind)
+            return Verdict(worst.kind, f"{worst.summary} (it did not happen again when the "
+                                       "same choices were replayed: something under test is "
+                                       "not deterministic, so it could not be shrunk)")
         return Verdict(Kind.MACHINE, f"the fuzz machine is not deterministic: the same choices "
                                      f"did not replay the same way ({type(exc).__name__})")
-    members = getattr(exc, "exceptions", None)  # an exception group (a backport on 3.10)
     if isinstance(members, tuple) and members:
         return min((classify(e) for e in members), key=lambda v: v.kind)
     if isinstance(exc, InvariantViolation):
