@@ -439,14 +439,19 @@ def test_abort_and_failure_in_every_state_leave_shared_nodes_intact(where: str, 
     rig.assert_no_leak()
 
 
-def test_the_prefix_cache_is_off_unless_configured() -> None:
+def _without_cache() -> PrefillScheduler:
+    """A scheduler configured without the prefix cache."""
     runner = echo_runner_factory(8, PS)
-    sched = PrefillScheduler(
+    return PrefillScheduler(
         config=SchedulerConfig(page_size=PS, chunked_prefill_size=8), runner=runner,
         kv=ScriptedKVManager(runner.pool), metadata=MetadataBuffers(1), slots=SlotAllocator(1),
     )
+
+
+def test_the_prefix_cache_is_off_unless_configured() -> None:
+    sched = _without_cache()
     assert sched.prefix is None
-    assert isinstance(PrefixCache(runner.pool, sched.metrics.prefix).tree.size, int)
+    assert isinstance(PrefixCache(sched.pool, sched.metrics.prefix).tree.size, int)
 
 
 def test_a_flush_empties_the_cache_only_when_no_request_is_live() -> None:
@@ -477,11 +482,7 @@ def test_a_flush_empties_the_cache_only_when_no_request_is_live() -> None:
 
 
 def test_a_flush_without_a_prefix_cache_empties_nothing() -> None:
-    runner = echo_runner_factory(8, PS)
-    sched = PrefillScheduler(
-        config=SchedulerConfig(page_size=PS, chunked_prefill_size=8), runner=runner,
-        kv=ScriptedKVManager(runner.pool), metadata=MetadataBuffers(1), slots=SlotAllocator(1),
-    )
+    sched = _without_cache()
     outcomes: list[CacheFlushed] = []
     sched.flush_cache(outcomes.append)
     assert sched.step()  # a flush is work: the loop does not rest on it
