@@ -78,8 +78,8 @@ class FaultySender:
             return TransferError(self.room, self.reason, "soak")
         return self.inner.failure_exception()
 
-    def abort(self) -> None:
-        self.inner.abort()
+    def abort(self, why: str = "") -> None:
+        self.inner.abort(why)
 
     def clear(self) -> None:
         self.inner.clear()

@@ -203,7 +203,8 @@ class FakeKVSender:
     def failure_exception(self) -> TransferError:
         return TransferError.reported(self.room, self._status, self._reason, self.bootstrap_addr)
 
-    def abort(self) -> None:
+    def abort(self, why: str = "") -> None:
+        """``why`` has no one to go to: the fake has no peer."""
         if not self._status.terminal:
             self._fail(REASON_ABORTED)
 

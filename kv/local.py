@@ -283,10 +283,11 @@ class LocalEndpoint:
             end = self._joined()
             return end is None or end.inflight == 0
 
-    def abort(self) -> None:
-        """Fail the room here and on every other end of it."""
+    def abort(self, why: str = "") -> None:
+        """Fail the room here and on every other end of it (``why``: see
+        :meth:`kv.transfer.KVSender.abort`)."""
         with self._lock:
-            self._abort_locked()
+            self._abort_locked(why)
 
     def clear(self) -> None:
         with self._lock:
@@ -299,14 +300,18 @@ class LocalEndpoint:
         """This end as its group holds it, once it joined one."""
         raise NotImplementedError
 
-    def _abort_locked(self) -> None:
+    def _abort_locked(self, why: str = "") -> None:
         end = self._joined()
         if end is None or self._group is None:
             self._side.fail(REASON_ABORTED)
             return
         group = self._group
-        peer = REASON_PEER_ABORTED if group.receivers or end.side.end != PREFILL else (
-            refusal(REASON_ABORTED))
+        if why:
+            peer = refusal(why)
+        elif group.receivers or end.side.end != PREFILL:
+            peer = REASON_PEER_ABORTED
+        else:
+            peer = refusal(REASON_ABORTED)
         group.abort(end, peer, REASON_ABORTED, REASON_OTHER_RANK)
 
     def _forget(self) -> None:

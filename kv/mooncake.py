@@ -351,8 +351,8 @@ class MooncakeKVSender:
     def failure_exception(self) -> TransferError:
         return self._rooms.failure(self._rec)
 
-    def abort(self) -> None:
-        self._notify(self._rooms.fail(self._rec, REASON_ABORTED))
+    def abort(self, why: str = "") -> None:
+        self._notify(self._rooms.fail(self._rec, REASON_ABORTED, told=why))
 
     def clear(self) -> None:
         self._rooms.clear(self._rec)

@@ -45,6 +45,9 @@ class PrefillRoom:
     created: float
     status: KVPoll = KVPoll.BOOTSTRAPPING
     reason: str = ""
+    # What decode is told of the failure instead, as a refusal: a reason its client is to see
+    # (MooncakeKVSender.abort's ``why``).
+    told: str = ""
     timed_out: bool = False
     # The destinations that came, by decode rank, and the decode ranks the room waits for
     # (known with the first destination: they follow from the decode side's TP size).

@@ -178,7 +178,7 @@ class PrefillRooms:
                 return self._refuse_state(rec, dest, unfit)
             if rec is not None and not rec.paired:
                 if rec.status == KVPoll.FAILED:
-                    return [self._refusal(dest, rec.reason)]
+                    return [self._refusal(dest, rec.told or rec.reason)]
                 self._accept(rec, dest)
                 return []
             refused = self._refused.get(dest.room)
@@ -338,10 +338,12 @@ class PrefillRooms:
             return TransferError.reported(rec.room, rec.status, rec.reason, rec.sessions,
                                           timeout=rec.timed_out)
 
-    def fail(self, rec: PrefillRoom, reason: str) -> list[Owed]:
-        """Fail the room (its sender aborted it); the statuses owed to decode."""
+    def fail(self, rec: PrefillRoom, reason: str, *, told: str = "") -> list[Owed]:
+        """Fail the room (its sender aborted it); the statuses owed to decode. ``told``: what
+        decode is told instead of ``reason``, as a refusal (see ``MooncakeKVSender.abort``)."""
         with self._lock:
-            self._fail(rec, reason)
+            if self._fail(rec, reason):
+                rec.told = told
             return self._settle(rec)
 
     def clear(self, rec: PrefillRoom) -> None:
@@ -353,7 +355,7 @@ class PrefillRooms:
                 # Failed before decode's destinations came: a late one gets the refusal.
                 if (not rec.paired and rec.status == KVPoll.FAILED
                         and not rec.reason.startswith(REASON_PEER_REFUSED)):
-                    self._refused.add(rec.room, rec.reason)
+                    self._refused.add(rec.room, rec.told or rec.reason)
                 if len(self._tombstones) > _TOMBSTONES:
                     self._tombstones.popitem(last=False)
 
@@ -452,8 +454,8 @@ class PrefillRooms:
         if not rec.legs:
             return []
         self.ready.put(rec.room)  # quiescence is news to the owner of the pages
-        return [Owed(leg.session, rec.room, KVPoll.FAILED, rec.reason)
-                for leg in rec.legs.values()]
+        reason = refusal(rec.told) if rec.told else rec.reason
+        return [Owed(leg.session, rec.room, KVPoll.FAILED, reason) for leg in rec.legs.values()]
 
     def _fail_session(self, session: str, reason: str) -> list[Owed]:
         """Fail every live room with a leg to ``session`` (blacklisted or gone: none of them

@@ -19,12 +19,20 @@ Both records are bounded (the oldest entry goes first) and entries expire: a roo
 router's random 64-bit choice, so a refusal is about one request, and a record that outlived it
 must not refuse a later request that drew the same number. The default lifetime is as long as a
 decode request may wait for its KV (``--waiting-timeout``, 300 s).
+
+A refusal's reason is :func:`peer_refusal`'s text: the error type and HTTP status the refusing
+side's client got, then why. Where that status is the client's to act on (:func:`for_the_client`),
+the other half answers its client with the same type and status
+(:func:`refused_for_the_client`), so a router passes on the same answer whichever worker it reads.
+A prefill side that fails a request after the handshake for such a reason (a grammar the engine
+cannot run, a shutdown) tells decode the same way, through its sender's ``abort(why)``.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +45,33 @@ logger = logging.getLogger(__name__)
 #: How many refused rooms a record keeps, and for how many seconds.
 CAPACITY = 4096
 TTL_S = 300.0
+
+
+def peer_refusal(kind: str, status: int, message: str) -> str:
+    """What a side tells the other side of a request it refused or failed: the error type and
+    HTTP status its client got, then why (the other half fails with ``peer refused: `` and
+    this, :func:`kv.transfer.refusal`)."""
+    return f"{kind} ({status}): {message}"
+
+
+def for_the_client(status: int) -> bool:
+    """Whether a failure answered with ``status`` is the client's to act on, so that the other
+    half of the request answers it too: a 4xx (the request cannot be served as sent) or 503
+    (the worker takes no requests now)."""
+    return 400 <= status < 500 or status == 503
+
+
+_PEER_REFUSED = re.compile(r"peer refused: ([a-z_]+) \((\d{3})\): ")
+
+
+def refused_for_the_client(detail: str) -> tuple[str, int] | None:
+    """The error type and status of a peer's refusal in ``detail`` that the client is to act
+    on (:func:`for_the_client`), or None."""
+    found = _PEER_REFUSED.search(detail)
+    if found is None:
+        return None
+    kind, status = found.group(1), int(found.group(2))
+    return (kind, status) if for_the_client(status) else None
 
 
 class RefusedRooms:

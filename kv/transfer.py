@@ -34,7 +34,9 @@ recorded reason; when the sender did not fail itself (the failure came from anot
 through the MIN) the reason is :data:`REASON_OTHER_RANK`. A room aborted on its own side reports
 :data:`REASON_ABORTED`; a sender whose room the decode side aborted reports
 :data:`REASON_PEER_ABORTED` (so the prefill scheduler answers an abort, not a transfer failure),
-and so does a local-backend receiver whose room the prefill side aborted.
+and so does a local-backend receiver whose room the prefill side aborted. A sender aborted with
+a reason for the client (``abort(why)``: the request failed for a reason the client is to see,
+such as a grammar the engine cannot run) fails the peer's end with :func:`refusal` of ``why``.
 
 Refusals (no stranded peer): a side that refuses a request, or fails it before the handshake,
 tells its peer, which fails its own request for the room at once with :func:`refusal` of the
@@ -214,6 +216,11 @@ class KVSender(RoomTransfer, Protocol):
     def init(self, num_pages: int, slot: int) -> None: ...
 
     def send(self, pages: Sequence[int], last: bool) -> None: ...
+
+    def abort(self, why: str = "") -> None:
+        """Fail the room here and tell the decode peer. ``why`` (a :func:`kv.refusal.peer_refusal`
+        text) is for a failure its client is to see as it is: the peer's end fails with
+        :func:`refusal` of it rather than as aborted by its peer."""
 
 
 class KVManager(Protocol):

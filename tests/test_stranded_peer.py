@@ -135,6 +135,24 @@ def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
     until_idle(pair.prefill, pair.decode)
 
 
+def test_a_request_prefill_fails_after_the_handshake_fails_on_decode_with_its_reason(
+    pair: Pair,
+) -> None:
+    """The grammar compiles, then the prefill's first token reaches llguidance's lexer limit:
+    the client's fault (400 ``rejected``). Decode's half, paired already, fails with the same
+    type, status and reason (not as a failed transfer, which a router would retry)."""
+    body = pair.body("unrunnable-grammar", 109, prompt=4)
+    body["sampling_params"]["regex"] = "a{1000}{1000}"
+    on_decode = pair.post(pair.decode, body)
+    wait_for(lambda: pair.decode.get("/server_info")["requests"]["decode"]["receiving"] == 1,
+             60, "decode's half waiting for its KV")
+    failed_with(pair.post(pair.prefill, body).result(WAIT_S), 400, "rejected",
+                "the grammar engine cannot run this grammar")
+    failed_with(on_decode.result(WAIT_S), 400, "rejected",
+                "peer refused: rejected (400): the grammar engine cannot run this grammar")
+    until_idle(pair.prefill, pair.decode)
+
+
 def test_a_refusal_never_fails_a_live_request_that_holds_the_room(pair: Pair) -> None:
     body = pair.body("retried", 108, prompt=20)
     first = pair.post(pair.decode, body)

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from kv.pool_layout import KVLayout
-from kv.transfer import REASON_OTHER_RANK, KVPoll, KVSender, TransferError, TransferUsageError
+from kv.transfer import (
+    REASON_ABORTED,
+    REASON_OTHER_RANK,
+    KVPoll,
+    KVSender,
+    TransferError,
+    TransferUsageError,
+    refusal,
+)
 from tests.mooncake_harness import MooncakeHarness
 from tests.transfer_harness import (
     NUM_SLOTS,
@@ -31,6 +39,8 @@ HARNESSES: list[BackendHarness] = [FakeHarness(), LocalHarness(), MooncakeHarnes
 DATA_HARNESSES: list[BackendHarness] = [
     harness(layout) for harness in (LocalHarness, MooncakeHarness) for layout in KVLayout
 ]
+#: Every harness with a decode peer, in the default pool layout.
+PEER_HARNESSES: list[BackendHarness] = [LocalHarness(), MooncakeHarness()]
 
 ROOM = (1 << 63) + 12345  # above the int64 range: rooms are unsigned 64-bit
 
@@ -43,6 +53,14 @@ def _params(harnesses: list[BackendHarness]) -> list[object]:
 
 @pytest.fixture(params=_params(HARNESSES))
 def session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
+    harness: BackendHarness = request.param
+    s = harness.make()
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=_params(PEER_HARNESSES))
+def peer_session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
     harness: BackendHarness = request.param
     s = harness.make()
     yield s
@@ -125,6 +143,32 @@ def test_abort_in_each_state_fails_and_latches(session: HarnessSession, phase: s
     assert error.room == room
     assert "abort" in error.reason
     assert str(room) in str(error)
+    eventually(sender.quiescent, "quiescence after abort")
+    sender.clear()
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["after-handshake", "before-handshake"])
+def test_an_abort_with_a_reason_for_the_client_fails_the_peer_with_its_refusal(
+    peer_session: HarnessSession, paired: bool
+) -> None:
+    """``abort(why)`` (a request failed for a reason its client is to see): the decode peer's
+    end fails with the refusal of ``why``, whether its destination came before the abort or
+    after; the sender's own end reports its abort."""
+    room, why = 31, "rejected (400): the grammar engine cannot run this grammar"
+    if paired:
+        sender, _ = _handshake(peer_session, room, 4)
+        sender.init(4, 0)
+    else:
+        sender = peer_session.manager.create_sender(peer_session.bootstrap_addr, room)
+    sender.abort(why)
+    assert drive(peer_session.manager, sender, _TERMINAL)[-1] == KVPoll.FAILED
+    assert sender.failure_exception().reason == REASON_ABORTED
+    if not paired:
+        peer_session.connect_decode(room, 4)
+    receiver = peer_session.receivers[room][-1]
+    eventually(lambda: receiver.poll() == KVPoll.FAILED, "the peer's end to fail")
+    error = receiver.failure_exception()
+    assert error.refused and error.reason == refusal(why), error
     eventually(sender.quiescent, "quiescence after abort")
     sender.clear()
 

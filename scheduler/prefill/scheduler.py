@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.refusal import for_the_client, peer_refusal
 from kv.release import Releaser
 from kv.state_pools import StatePools
 from kv.transfer import KVManager
@@ -341,7 +342,9 @@ class PrefillScheduler:
             return
         sender = sender_of(req)
         if sender is not None:
-            sender.abort()
+            status = reason.http_status
+            sender.abort(peer_refusal(str(reason), status, detail) if for_the_client(status)
+                         else "")
         event = PrefillEvent.ABORT if reason is FailureReason.ABORTED else PrefillEvent.FAIL
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 

@@ -8,7 +8,6 @@ enough), so the engines never meet input that would fail their loop.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -215,27 +214,6 @@ class ContextTooLong(BadRequest):
         self.new_tokens = new_tokens
         self.limit = limit
         self.pool = pool
-
-
-def peer_refusal(kind: str, status: int, message: str) -> str:
-    """What a worker tells the other worker of a request it refused: the error type and HTTP
-    status its client got, then why (``kv.refusal``'s reason; the other half fails with
-    ``peer refused: `` and this)."""
-    return f"{kind} ({status}): {message}"
-
-
-_PEER_REFUSED = re.compile(r"peer refused: ([a-z_]+) \((\d{3})\): ")
-
-
-def refused_for_the_client(detail: str) -> tuple[str, int] | None:
-    """The error type and status of a peer's refusal in ``detail`` that is the client's to
-    act on (a 4xx: the request cannot be served as sent; 503: the peer takes no requests
-    now), or None."""
-    found = _PEER_REFUSED.search(detail)
-    if found is None:
-        return None
-    kind, status = found.group(1), int(found.group(2))
-    return (kind, status) if 400 <= status < 500 or status == 503 else None
 
 
 class Unavailable(Exception):

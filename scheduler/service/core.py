@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from kv.refusal import refused_for_the_client
 from lifecycle import FailureReason, GrammarSpec
 from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl
@@ -57,7 +58,6 @@ from scheduler.service.config import (
     ServeConfig,
     Unavailable,
     check_item,
-    refused_for_the_client,
 )
 from scheduler.service.engine_loop import EngineLoop
 from scheduler.service.engines import Engines

@@ -6,7 +6,7 @@ duplicate id) tells the other worker through its engine (:meth:`PrefillScheduler
 :meth:`DecodePeer.refuse_room`; :mod:`kv.refusal`), so the other half fails at once with
 ``peer refused: <kind> (<status>): <message>`` instead of waiting for its bootstrap or waiting
 timeout; a kind the client can act on (a 4xx, or 503) is what that half answers too
-(:func:`~.config.refused_for_the_client`), so a router passes the same status on whichever
+(:func:`kv.refusal.refused_for_the_client`), so a router passes the same status on whichever
 worker it reads.
 Only the Mooncake backend pairs workers; the local and fake backends choose their own rooms.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from kv.refusal import peer_refusal
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
-from scheduler.service.config import peer_refusal
 from scheduler.service.core import Item, Service
 
 _MAX_ROOM = (1 << 64) - 1

@@ -111,8 +111,8 @@ class ScriptedSender:
         return TransferError(self.room, self.reason or "failed on another rank", self.addr,
                              timeout=self.timeout)
 
-    def abort(self) -> None:
-        self._usable("abort()")
+    def abort(self, why: str = "") -> None:
+        self._usable("abort()")  # ``why`` has no peer to go to
         if self.status not in (KVPoll.SUCCESS, KVPoll.FAILED):
             self._set(KVPoll.FAILED, REASON_ABORTED)
 
