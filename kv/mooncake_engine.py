@@ -11,6 +11,7 @@ control socket and its listener. The prefill side is :mod:`kv.mooncake`, the dec
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -133,6 +134,53 @@ def kv_dtype_name(pool: KVPool) -> str:
     return str(pool.dtype).removeprefix("torch.")
 
 
+#: The port range the transfer engine takes its listeners from unless told otherwise.
+DEFAULT_RPC_PORTS = (15000, 17000)
+
+
+@functools.cache
+def _port_range_env() -> tuple[str | None, str | None]:
+    """``MC_MIN_RPC_PORT`` and ``MC_MAX_RPC_PORT`` as the process's first engine read them:
+    Mooncake reads its configuration once per process."""
+    return os.environ.get("MC_MIN_RPC_PORT"), os.environ.get("MC_MAX_RPC_PORT")
+
+
+def port_range_problem() -> str:
+    """Why Mooncake would not take the ``MC_MIN_RPC_PORT`` .. ``MC_MAX_RPC_PORT`` range in the
+    environment, or "": what a server checks before it starts any engine (a decode server's
+    starts with its first request). Mooncake (0.3.13) takes a range of port numbers that ends
+    below 32768, and falls back to 15000-17000 for any other."""
+    given = _port_range_env()
+    if given == (None, None):
+        return ""
+    low, high = (value or str(default) for value, default in zip(given, DEFAULT_RPC_PORTS,
+                                                                 strict=True))
+    if low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 32768:
+        return ""
+    return (f"MC_MIN_RPC_PORT..MC_MAX_RPC_PORT is {low}-{high}: the Mooncake transfer engine "
+            f"takes only a range of port numbers that ends below 32768, and would listen on "
+            f"{DEFAULT_RPC_PORTS[0]}-{DEFAULT_RPC_PORTS[1]} instead (docs/security.md)")
+
+
+def ignored_port_range(port: int) -> str:
+    """Why the engine listening on ``port`` did not take ``MC_MIN_RPC_PORT`` ..
+    ``MC_MAX_RPC_PORT`` from the environment, or "" when it did (or neither is set). Mooncake
+    (0.3.13) falls back to 15000-17000 for a range it does not take (one that reaches 32768 or
+    above, or is not a range), saying so only in its own log: a firewall written for the range
+    given would miss the ports the engine listens on."""
+    given = _port_range_env()
+    if given == (None, None):
+        return ""
+    low, high = (value or str(default) for value, default in zip(given, DEFAULT_RPC_PORTS,
+                                                                 strict=True))
+    if low.isdigit() and high.isdigit() and int(low) <= port <= int(high):
+        return ""
+    return (f"MC_MIN_RPC_PORT..MC_MAX_RPC_PORT asks for ports {low}-{high}, but the Mooncake "
+            f"transfer engine took {port}: it ignores a range that reaches 32768 or above (or "
+            f"is not a range of port numbers) and uses {DEFAULT_RPC_PORTS[0]}-"
+            f"{DEFAULT_RPC_PORTS[1]}; give a range that ends below 32768 (docs/security.md)")
+
+
 class MooncakeEngine:
     """One TransferEngine with its registered regions; ``session`` is ``host:rpc_port``."""
 
@@ -149,6 +197,7 @@ class MooncakeEngine:
         harmless = HARMLESS_ON_TCP if config.protocol == "tcp" else HARMLESS
         with engine_log_captured(logger, harmless), _engine_start:
             _apply_lanes(config.tcp_lanes)
+            _port_range_env()  # what the engine reads now, once per process
             self._engine: Any = TransferEngine()
             rc = self._engine.initialize(
                 config.hostname, "P2PHANDSHAKE", config.protocol, config.device
@@ -158,8 +207,13 @@ class MooncakeEngine:
                 f"TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE, "
                 f"{config.protocol!r}, {config.device!r}) returned {rc}"
             )
-        self.session = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        port = self._engine.get_rpc_port()
+        self.session = f"{config.hostname}:{port}"
         self._regions: list[int] = []
+        ignored = ignored_port_range(port)
+        if ignored:
+            self.close()
+            raise MooncakeError(ignored)
 
     def register(self, ptr: int, length: int) -> None:
         rc = self._engine.register_memory(ptr, length)

@@ -56,6 +56,13 @@ def local(service: Service, body: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def local_list(service: Service, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`local` for a body answered with a list (a batch, or n > 1)."""
+    answer: Any = local(service, body)
+    assert isinstance(answer, list)
+    return answer
+
+
 def same_logprobs(got: list[Any], want: list[Any]) -> None:
     """Equal triples (or per-position lists of them), logprobs to float precision."""
     assert len(got) == len(want)
@@ -194,3 +201,36 @@ def test_without_a_sampling_seed_the_room_seeds_both_workers(cluster: Cluster) -
                               "sampling_params": {**draw, "sampling_seed": room}})
     assert decode == seeded.json()["output_ids"]
     assert prefill == decode[:1]
+
+
+def test_one_room_for_several_samples_is_spread_over_them(cluster: Cluster,
+                                                          colocated: Service) -> None:
+    """n > 1 as the router sends it to ``/generate`` and ``/v1/completions``: one room for the
+    request (or one per prompt of a batch), which both workers spread over the samples as
+    SGLang does, sample ``i`` taking ``room + i``; unseeded, each draws as ``sampling_seed`` =
+    its room. Through the router, seeded samples equal the colocated ones."""
+    port = cluster.prefill.get("/server_info")["bootstrap_port"]
+    draw = {"max_new_tokens": 5, "ignore_eos": True, "temperature": 1.0}
+    room = 987654000
+    body = {"input_ids": PROMPT, "sampling_params": {**draw, "n": 2},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(
+            lambda url: httpx.post(f"{url}/generate", json=body, timeout=120),
+            [cluster.prefill.url, cluster.decode.url]))
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    decode = [a["output_ids"] for a in answers[1].json()]
+    assert decode == [routed(cluster, {"input_ids": PROMPT, "sampling_params": {
+        **draw, "sampling_seed": room + i}}).json()["output_ids"] for i in range(2)]
+    seeded = {"input_ids": [PROMPT, PROMPT[:4]],
+              "sampling_params": {**draw, "n": 2, "sampling_seed": 5}}
+    r = routed(cluster, seeded)
+    assert r.status_code == 200, r.text
+    assert [a["output_ids"] for a in r.json()] == [
+        a["output_ids"] for a in local_list(colocated, seeded)]
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "model": "pdlife", "prompt": ["Hello, pd", "Hell"], "max_tokens": 5, "temperature": 1.0,
+        "seed": 5, "ignore_eos": True, "n": 2})
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+    wait_for(cluster.workers_idle, 30, "both workers idle after the samples")

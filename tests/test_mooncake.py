@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from kv.mooncake_writes import cut_blocks, row_blocks, row_fields
 from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
 from tests.mooncake_harness import DecodePeer
-from tests.service_harness import wait_for
+from tests.service_harness import free_port, wait_for
 from tests.transfer_harness import GEOMETRY, drive, make_pool
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiprocess]
@@ -316,3 +319,39 @@ def test_the_config_checks_the_lanes_and_the_retirement() -> None:
         with pytest.raises(ValueError, match="retire_lost_after_s must be > 0 or None"):
             MooncakeConfig(retire_lost_after_s=bad_s)
     assert served_mooncake("decode", "--retire-lost-prefill-after", "5").retire_lost_after_s == 5
+
+
+@pytest.mark.parametrize(("low", "high", "taken"), [
+    ("32668", "32767", True), ("32669", "32768", False), ("16010", None, True),
+    ("17000", "16000", False),
+])
+def test_a_port_range_the_engine_ignores_is_refused_by_name(
+    low: str, high: str | None, taken: bool
+) -> None:
+    """Mooncake falls back to 15000-17000 for an MC_MIN_RPC_PORT..MC_MAX_RPC_PORT range it does
+    not take, and says so only in its own log: the engine is refused, naming the range, rather
+    than listening where a firewall written for the range would not let its peers in. (A process
+    each: Mooncake reads the range once per process.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MC_M")}
+    env.update({"MC_MIN_RPC_PORT": low} | ({"MC_MAX_RPC_PORT": high} if high else {}))
+    script = ("from kv.mooncake_engine import MooncakeConfig, MooncakeEngine\n"
+              "engine = MooncakeEngine(MooncakeConfig(hostname='127.0.0.1'))\n"
+              "print(engine.session.rsplit(':', 1)[1])\nengine.close()\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    if taken:
+        assert done.returncode == 0, done.stderr
+        assert int(low) <= int(done.stdout.split()[-1]) <= int(high or "17000")
+    else:
+        # A server refuses the range before it starts any engine (a decode server starts its
+        # first with its first request).
+        served = subprocess.run([sys.executable, "-m", "scheduler.cli", "serve", "--role",
+                                 "decode", "--backend", "mooncake", "--port", str(free_port())],
+                                env=env, capture_output=True, text=True, timeout=60,
+                                check=False)
+        assert served.returncode == 2, served.stderr
+        assert f"MC_MIN_RPC_PORT..MC_MAX_RPC_PORT is {low}-{high}: the Mooncake" in served.stderr
+        assert done.returncode != 0
+        assert re.search(rf"MooncakeError: MC_MIN_RPC_PORT..MC_MAX_RPC_PORT asks for ports "
+                         rf"{low}-{high}, but the Mooncake transfer engine took 1[5-7]\d\d\d: "
+                         "it ignores a range", done.stderr), done.stderr

@@ -1,7 +1,8 @@
 """``n`` > 1 (parallel samples) on ``/generate`` and the OpenAI endpoints, on the colocated
 reference model: one request per sample, seeded ``seed + i``, answered as a list (``/generate``)
-or as ``n`` choices with one usage (OpenAI), streamed choices carrying their index; the body
-SGLang's router sends (a bootstrap room per sample) on the prefill and decode roles; the
+or as ``n`` choices with one usage (OpenAI), streamed choices carrying their index; the bodies
+SGLang's router sends (a bootstrap room per sample, or one spread over the samples) on the
+prefill and decode roles; the
 refusals beyond the bound. Chat's ``n`` on SmolLM2 through the official client."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scheduler.service.config import ServeConfig
-from scheduler.service.sampling import MAX_N
+from scheduler.service.config import BadRequest, ServeConfig
+from scheduler.service.sampling import MAX_N, per_choice
 from tests.service_harness import asgi_client, run, running_service
 from tests.test_openai_api import (
     QUESTION,
@@ -134,9 +135,10 @@ def test_the_router_body_with_a_room_per_sample_runs_on_prefill_and_decode() -> 
                     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
                     assert [c["text"] for c in r.json()["choices"]] == [
                         TOKENIZER.decode(ids) for ids in samples[role]]
-                    # A room list that does not match n is refused.
+                    # A room list of neither one entry per prompt nor one per sample is
+                    # refused.
                     r = await client.post("/generate", json={
-                        **generate_body, "bootstrap_room": [601]})
+                        **generate_body, "bootstrap_room": [601, 602, 603]})
                     assert r.status_code == 400, r.text
                     assert r.json()["error"]["type"] == "bad_batch"
         # The prefill answers each sample's first token, the decode the whole sample (its
@@ -148,6 +150,19 @@ def test_the_router_body_with_a_room_per_sample_runs_on_prefill_and_decode() -> 
         assert samples["decode"][0][1:] != samples["decode"][1][1:]
 
     run(main())
+
+
+def test_per_choice_spreads_a_room_and_repeats_a_host() -> None:
+    assert per_choice(5, 2, 2, "bootstrap_room") == [5, 6, 7, 8]
+    assert per_choice([5, 9], 2, 2, "bootstrap_room") == [5, 6, 9, 10]
+    assert per_choice([5, 9, 1, 3], 2, 2, "bootstrap_room") == [5, 9, 1, 3]  # one per choice
+    assert per_choice((1 << 64) - 1, 1, 2, "bootstrap_room") == [(1 << 64) - 1, 0]  # mod 2**64
+    assert per_choice(["a", "b"], 2, 2, "bootstrap_host") == ["a", "a", "b", "b"]
+    assert per_choice(None, 1, 3, "bootstrap_room") == [None] * 3
+    # What is not a room is repeated, for the item's check to refuse.
+    assert per_choice(-1, 1, 2, "bootstrap_room") == [-1, -1]
+    with pytest.raises(BadRequest, match="3 entries for 2 prompts of 2 samples each"):
+        per_choice([1, 2, 3], 2, 2, "bootstrap_room")
 
 
 @pytest.mark.parametrize(("body", "kind", "says"), [

@@ -391,6 +391,11 @@ def _serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--bootstrap-port {args.port} is --port too: give the bootstrap "
                              "endpoint a port of its own")
         _check_port_free(args.host, args.bootstrap_port, "--bootstrap-port")
+    if args.backend == "mooncake":
+        from kv.mooncake_engine import port_range_problem
+
+        if problem := port_range_problem():
+            raise UsageError(problem)
     config = serve_config(args)
     ranks: Ranks | None = None  # a prefill's other ranks and DP replicas
     decode_ranks: DecodeRanks | None = None  # a decode's other TP ranks

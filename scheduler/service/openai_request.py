@@ -40,6 +40,7 @@ from scheduler.service.openai_schema import (
 )
 from scheduler.service.sampling import (
     check_own_rooms,
+    per_choice,
     sample,
     samples_per_prompt,
     sampling_params_from,
@@ -283,7 +284,7 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[li
            logprob_start_len: int = -1) -> list[Item]:
     """One checked item per choice, ``n`` per prompt, prompt-major: with more than one, choice
     ``k`` (the ``j``-th of its prompt) is request ``<rid>_<k>`` seeded ``seed + j``
-    (:func:`~.sampling.sample`), with its own entry of the bootstrap lists the router sends."""
+    (:func:`~.sampling.sample`), with its own room (:func:`~.sampling.per_choice`)."""
     try:
         n = samples_per_prompt([sp], len(prompts), service.config.max_queued_requests)
     except BadRequest as exc:
@@ -293,11 +294,14 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[li
     fields = []
     for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
         value = getattr(body, name)
-        if isinstance(value, list) and (total == 1 or len(value) != total):
-            raise FieldError("bad_bootstrap", f"{name} has {len(value)} entries for {total} "
-                             "choices (give one value, or with several choices (n, or a batch "
-                             "of prompts) one per choice)", name)
-        fields.append(value if isinstance(value, list) else [value] * total)
+        if isinstance(value, list) and total == 1:
+            raise FieldError("bad_bootstrap", f"{name} is a list for one choice (give one "
+                             "value, or with several choices (n, or a batch of prompts) one per "
+                             "prompt or one per choice)", name)
+        try:
+            fields.append(per_choice(value, len(prompts), n, name))
+        except BadRequest as exc:
+            raise FieldError("bad_bootstrap", str(exc), name) from exc
     try:
         check_own_rooms(zip(*fields, strict=True))
     except BadRequest as exc:

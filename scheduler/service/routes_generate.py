@@ -29,6 +29,7 @@ from scheduler.service.errors import error, failure_kind, rejected
 from scheduler.service.routes_info import ServiceDep
 from scheduler.service.sampling import (
     check_own_rooms,
+    per_choice,
     sample,
     samples_per_prompt,
     sampling_params_from,
@@ -53,15 +54,13 @@ router = APIRouter()
 
 
 def _per_item(value: Any, n: int, name: str, many: bool) -> list[Any]:
-    """A batch field: one value per prompt (or per sample, for the bootstrap fields), or one
-    value shared by all."""
+    """A batch field: one value per prompt, or one value shared by all."""
     if isinstance(value, list):
         if not many:
             raise BadRequest("bad_batch", f"{name} is a list but the prompt is not a batch "
                              "and asks for one sample")
         if len(value) != n:
-            raise BadRequest("bad_batch", f"{name} has {len(value)} entries for {n} "
-                             "prompts or samples")
+            raise BadRequest("bad_batch", f"{name} has {len(value)} entries for {n} prompts")
         return value
     return [value] * n
 
@@ -105,9 +104,8 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     total = len(rids)
     if len(set(rids)) != total:
         raise BadRequest("duplicate_rid", "the rids of a batch must be distinct", param="rid")
-    hosts = _per_item(body.bootstrap_host, total, "bootstrap_host", many)
-    ports = _per_item(body.bootstrap_port, total, "bootstrap_port", many)
-    rooms = _per_item(body.bootstrap_room, total, "bootstrap_room", many)
+    hosts, ports, rooms = (_bootstrap(body, name, count, n, many) for name in (
+        "bootstrap_host", "bootstrap_port", "bootstrap_room"))
     check_own_rooms(zip(hosts, ports, rooms, strict=True))
     items = [
         attrs.evolve(service.check(
@@ -123,6 +121,16 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     if body.stream and many:
         raise BadRequest("bad_batch", "streaming a batch (or n > 1) is not supported")
     return service.prepare_grammars(items), many
+
+
+def _bootstrap(body: GenerateRequest, name: str, count: int, n: int, many: bool) -> list[Any]:
+    """The bootstrap field ``name`` of each of the ``count`` x ``n`` items (see
+    :func:`~.sampling.per_choice`)."""
+    value = getattr(body, name)
+    if isinstance(value, list) and not many:
+        raise BadRequest("bad_batch", f"{name} is a list but the prompt is not a batch and "
+                         "asks for one sample")
+    return per_choice(value, count, n, name)
 
 
 def _asked_ids(body: GenerateRequest, count: int, batch: bool) -> list[tuple[int, ...]]:

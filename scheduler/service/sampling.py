@@ -198,6 +198,34 @@ def samples_per_prompt(params: list[SamplingParamsBody], prompts: int,
     return n
 
 
+def per_choice(value: Any, prompts: int, n: int, name: str) -> list[Any]:
+    """A bootstrap field's value for each of a request's ``prompts`` x ``n`` choices
+    (prompt-major), from one value for all of them, one per prompt, or one per choice. A room
+    given once for several choices is spread over them as SGLang does: the ``i``-th choice it
+    covers takes ``room + i`` (mod 2**64), so both workers of a pair derive the same rooms from
+    what the router sent once; a host or port is repeated. :class:`BadRequest` (``bad_batch``)
+    for a list of another length."""
+    total = prompts * n
+    if not isinstance(value, list):
+        values, per = [value], total
+    elif len(value) == total:
+        return value
+    elif len(value) == prompts:
+        values, per = value, n
+    else:
+        raise BadRequest("bad_batch", f"{name} has {len(value)} entries for {prompts} prompts "
+                         f"of {n} samples each (give one value, one per prompt or one per "
+                         "sample)")
+    if name != "bootstrap_room":
+        return [v for v in values for _ in range(per)]
+    return [(v + i) % _SEEDS if _a_room(v) else v for v in values for i in range(per)]
+
+
+def _a_room(value: Any) -> bool:
+    """An unsigned 64-bit room: anything else is left for the item's check to refuse."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _SEEDS
+
+
 def check_own_rooms(targets: Iterable[tuple[str | None, int | None, int | None]]) -> None:
     """:class:`BadRequest` (``bad_batch``) when two items of one request (prompts of a batch,
     or samples of ``n``) name the same bootstrap room of one decode peer (``(host, port, room)``):
