@@ -20,6 +20,12 @@ def test_a_decode_peer_counts_its_answers_and_sets_its_gauges() -> None:
         assert metrics.registry is not pair.prefill.metrics.registry
         value = metrics.registry.get_sample_value
         assert value("pdlife_decode_kv_pool_pages") == 96
+        # Every outcome is exported at 0 before the first request ends.
+        for labels in ({"state": "done", "reason": ""},
+                       {"state": "failed", "reason": "transfer_failed"}):
+            assert value("pdlife_decode_requests_finished_total", labels) == 0
+            assert pair.prefill.metrics.registry.get_sample_value(
+                "pdlife_requests_finished_total", labels) == 0
         for i, new_tokens in enumerate((3, 5, 7)):
             pair.submit(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(new_tokens, (), True))
         pair.submit("rejected", list(range(1, 200)), SamplingParams(300, (), True))

@@ -134,8 +134,10 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
                      for s in prometheus.query(q) if "job" in s["metric"]}
             assert found == {job}, (job, found)
 
+        # Every outcome is exported from the start, at 0 until it happens.
         finished = {(s["metric"]["state"], s["metric"].get("reason", "")): float(s["value"][1])
-                    for s in prometheus.query("pdlife_requests_finished_total")}
+                    for s in prometheus.query("pdlife_requests_finished_total")
+                    if float(s["value"][1])}
         # Prometheus drops empty labels: a request that finished well has no reason.
         assert finished == {("done", ""): PAIRS, ("failed", "bootstrap_timeout"): 1}
         assert prometheus.value('pdlife_decode_requests_finished_total{state="done"}') == PAIRS

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from scheduler.messages import DecodeResponse
+from scheduler.prefill.metrics import export_outcomes
 
 
 class DecodeMetrics:
@@ -28,6 +29,7 @@ class DecodeMetrics:
             "pdlife_decode_requests_finished", "Decode requests that ended, by final state "
             "and reason.", ["state", "reason"], registry=r,
         )
+        export_outcomes(self.finished)
         self.output_tokens = Counter(
             "pdlife_decode_output_tokens", "Output tokens of finished decode requests.",
             registry=r,
