@@ -16,6 +16,7 @@ import pytest
 
 from kv.pool import KVPool
 from lifecycle import SamplingParams
+from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.prefill.config import SchedulerConfig
@@ -634,6 +635,25 @@ def compiles(metrics_text: str) -> dict[str, float]:
     found = re.findall(r'^pdlife_grammar_compiles_total\{result="(\w+)"\} (\S+)$', metrics_text,
                        re.MULTILINE)
     return {result: float(n) for result, n in found}
+
+
+def test_a_decode_worker_compiles_a_fake_host_grammar_ahead_for_both_of_its_draws() -> None:
+    """On the fake host a decode worker draws the first token itself, the prefill's way, then
+    decodes: both matchers are compiled at admission, none on the engine thread."""
+    async def main() -> None:
+        with running_service(config("decode", "mooncake")) as service:
+            async with asgi_client(service) as client:
+                r = await client.post("/generate", json={
+                    "text": "a", "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": 1,
+                    "bootstrap_room": 0, "sampling_params": {
+                        "max_new_tokens": 4, "regex": "(ab|c)+"}})
+                assert r.status_code == 200, r.text
+                assert re.fullmatch("(ab|c)+", r.json()["text"]), r.text
+                await settled(client)
+                assert compiles((await client.get("/metrics")).text) == {
+                    "prepared": 2, "inline": 0, "refused": 0}
+
+    run(main())
 
 
 def test_admission_compiles_a_grammar_for_each_engine_and_the_engines_compile_none() -> None:

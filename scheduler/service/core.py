@@ -232,10 +232,14 @@ class Service:
         if self.compiler is None:
             return items
         engines = (self.prefill is not None) + (self.decode is not None)
-        wanted = collections.Counter(i.sampling.grammar for i in items
-                                     if i.sampling.grammar is not None)
+        # A decode worker draws a fake-host request's first token itself, the prefill's way.
+        drawn_here = self.prefill is None and self.decode is not None
+        wanted: collections.Counter[GrammarSpec] = collections.Counter()
+        for item in items:
+            if item.sampling.grammar is not None:
+                wanted[item.sampling.grammar] += engines + (item.fake and drawn_here)
         for spec, n in wanted.items():
-            self.compiler.top_up(spec, n * engines)
+            self.compiler.top_up(spec, n)
         return items
 
     def needs_connect(self, item: Item) -> bool:
