@@ -152,8 +152,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                "layer_major (SGLang's, for an SGLang peer); prefill and decode must agree",
                choices=KV_LAYOUTS)
     sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
-                       help="size the KV pool by memory instead (e.g. 2GiB): as many pages as "
-                       "fit, from the model's layers, KV heads, head dim and dtype")
+                       help="size the KV pool by memory instead (e.g. 2GiB), per role: as many "
+                       "pages as fit, from the model's layers, KV heads, head dim and dtype (a "
+                       "colocated worker's two pools take twice SIZE)")
     sched.add_argument("--max-new-tokens-limit", type=int, default=None,
                        help="largest max_new_tokens accepted (default: the model's max position)")
     sched.add_argument("--overlap", action="store_true",

@@ -149,9 +149,10 @@ class ServeConfig:
 
     @property
     def max_request_tokens(self) -> int:
-        """The most tokens, prompt and answer, one request may have on this server: the
-        model's context, and the KV pool (a prefill's pool holds the prompt, the others' the
-        answer too). OpenAI's ``max_model_len`` for a client sizing its requests."""
+        """The most positions one request may use on this server (its prompt's, and all but
+        its last answer token's): the model's context, and the KV pool (a prefill's pool holds
+        the prompt, the others' the answer too). OpenAI's ``max_model_len`` for a client sizing
+        its requests."""
         return min(self.max_position, self.pool_pages * self.scheduler.page_size)
 
     @property
