@@ -177,7 +177,9 @@ class Sampling:
         if params.grammar is not None:
             if self.compiler is None:
                 raise SamplingRefused(f"request {rid!r}: this server has no grammar backend "
-                                      f"for {params.grammar.kind} constraints")
+                                      f"for {params.grammar.kind} constraints: none was "
+                                      "given, or llguidance cannot take the model's tokenizer "
+                                      "(pdlife serve says why at start-up)")
             try:
                 constraint = self.compiler.compile(params.grammar)
             except GrammarError as exc:
