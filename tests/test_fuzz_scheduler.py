@@ -142,6 +142,21 @@ def test_the_cli_reports_an_exception_of_the_code_under_test_as_such(loop: str) 
     assert f"rerun: pdlife fuzz --examples 30 --seed 4 --steps 6 --loop {loop}" in text
 
 
+def test_a_runner_whose_pool_the_scheduler_refuses_is_the_code_under_test() -> None:
+    """A runner factory that ignores the page size it is given: the scheduler refuses its pool
+    as it is built, a finding about the runner (exit 3), not the machine's own failure."""
+    def fixed_page_size(num_pages: int, page_size: int) -> PageEchoRunner:
+        return PageEchoRunner(echo_runner_factory(num_pages, page_size + 1).pool)
+
+    out = io.StringIO()
+    args = _args("--examples", "5", "--steps", "4", "--seed", "1", "--loop", "normal")
+    status = run_fuzz(args, lambda loop: scheduler_machine(
+        loop=loop, runner_factory=fixed_page_size), out)
+    text = out.getvalue()
+    assert status == 3, text[-3000:]
+    assert "PrefillScheduler() raised ValueError" in text and "page" in text, text[-3000:]
+
+
 def test_the_cli_reports_an_error_of_the_fuzz_machine_itself() -> None:
     # A rule whose behaviour depends on something outside the drawn choices (here a counter
     # that survives between runs of the same program): Hypothesis cannot replay it.

@@ -165,7 +165,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         overlap = {"normal": False, "overlap": True}.get(s.loop)
         if overlap is None:
             overlap = self._draw(data, st.booleans(), "overlap")
-        self.runner = GuardedRunner(s.runner_factory(self.pages, ps))
+        with under_test("the runner factory"):
+            runner = s.runner_factory(self.pages, ps)
+        self.runner = GuardedRunner(runner)
         self.pool = self.runner.pool
         self.capacity = self.pool.num_pages * ps
         self.states = None if s.states is None else s.states(self.pool)
@@ -175,12 +177,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.fake = FakeKVManager(s.faults, clock=self.clock)
         self.config = config
         self.device = SteppedDevice() if overlap else None
-        self.sched = PrefillScheduler(
-            config=config, runner=self.runner, kv=self.scripted, fake_kv=self.fake,
-            metadata=MetadataBuffers(num_slots), slots=SlotAllocator(num_slots),
-            clock=self.clock, on_response=self.responses.append, overlap=overlap,
-            device=self.device, states=self.states,
-        )
+        with under_test("PrefillScheduler()"):  # the runner's pool as the config wants it
+            self.sched = PrefillScheduler(
+                config=config, runner=self.runner, kv=self.scripted, fake_kv=self.fake,
+                metadata=MetadataBuffers(num_slots), slots=SlotAllocator(num_slots),
+                clock=self.clock, on_response=self.responses.append, overlap=overlap,
+                device=self.device, states=self.states,
+            )
         self._observe()
 
     def teardown(self) -> None:
