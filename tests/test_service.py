@@ -361,7 +361,8 @@ def test_info_endpoints_and_openapi() -> None:
                 assert (await client.get("/health")).status_code == 200
                 for path in ("/model_info", "/get_model_info"):
                     info = (await client.get(path)).json()
-                    assert info["model_path"] == "tiny"
+                    # What --model loaded (SGLang's --model-path), not the served name.
+                    assert info["model_path"] == "reference"
                     assert info["is_generation"] is True
                 models = (await client.get("/v1/models")).json()
                 assert models["data"][0]["id"] == "tiny"

@@ -43,11 +43,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
                            help=f"reference model: {_MODEL_FLAGS[name]} (default: {default})")
     group.add_argument("--device", default="cpu",
-                       help="cpu, cuda, or auto (CUDA when available) (default: cpu)")
+                       help="cpu, cuda, cuda:N, or auto (CUDA when available); another name, "
+                       "or CUDA where torch has none, is refused (default: cpu)")
     group.add_argument("--model", default="reference", metavar="MODEL",
                        help="reference (the fixed-point model; the flags above shape it), "
                        "smollm2 (SmolLM2-135M-Instruct, shipped), or a path to a .gguf file or "
-                       "a Hugging Face directory (default: reference)")
+                       "a Hugging Face directory; a built-in name comes before a directory of "
+                       "that name, given as ./smollm2 (default: reference)")
     group.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                        help="a real model's weights and KV cache (default: float32)")
 
@@ -96,12 +98,23 @@ def _as_flags(message: str) -> str:
     return _FIELD.sub(flag, message)
 
 
+def check_device(args: argparse.Namespace) -> None:
+    """Refuse a ``--device`` torch does not know, or a CUDA device where it has none."""
+    from scheduler.model.decoder import resolve_device
+
+    try:
+        resolve_device(args.device)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
+
+
 def load_served(args: argparse.Namespace) -> Any:
     """The :class:`~scheduler.model.select.ServedModel` that ``--model`` names."""
     from scheduler.model.checkpoint import CheckpointError
     from scheduler.model.select import load_model
     from scheduler.model.shipped import ShippedModelMissing
 
+    check_device(args)
     try:
         return load_model(args.model, dtype=args.dtype, device=args.device,
                           reference=model_config(args))

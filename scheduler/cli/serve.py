@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KV_LAYOUTS
 from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.credentials import API_KEY_ENV, PEER_TOKEN_ENV, api_key, peer_token
-from scheduler.cli.model_flags import REFERENCE_NAME, add_model_arguments, load_served, model_config
+from scheduler.cli.model_flags import (
+    REFERENCE_NAME,
+    add_model_arguments,
+    check_device,
+    load_served,
+    model_config,
+)
 from scheduler.cli.open_files import raise_open_files_limit
 from scheduler.service.tool_formats import TOOL_CALL_PARSERS
 
@@ -241,15 +247,11 @@ def _as_given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The :class:`~scheduler.service.core.ServeConfig` the flags describe."""
     from kv.mooncake_engine import MooncakeConfig
-    from scheduler.model.decoder import resolve_device
     from scheduler.prefill.config import SchedulerConfig
     from scheduler.prefill.delayer_decision import DelayerConfig
     from scheduler.service.core import ServeConfig
 
-    try:
-        resolve_device(args.device)
-    except (ValueError, RuntimeError) as exc:  # a CUDA device torch has none of; a bad name
-        raise UsageError(f"--device: {exc}") from None
+    check_device(args)
     if args.prefill_delayer_max_delay_passes is not None and not args.enable_prefill_delayer:
         raise UsageError("--prefill-delayer-max-delay-passes goes with --enable-prefill-delayer")
     if args.mooncake_block_mib < 1:

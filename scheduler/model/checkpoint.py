@@ -19,6 +19,7 @@ carries per-frequency RoPE factors (GGUF files of Llama 3.1 do).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -153,6 +154,19 @@ def fingerprint(config: LlamaConfig, tensors: Mapping[str, torch.Tensor]) -> str
         digest.update(name.encode())
         digest.update(flat[::step].to(torch.float32).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def read_json(file: Path) -> Any:
+    """The JSON ``file`` holds; :class:`CheckpointError` naming the file where it is not JSON
+    (``json``'s own message says only where in the text it stopped) or cannot be read."""
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
 
 
 def refuse_architecture(where: Path, architecture: object) -> None:

@@ -55,11 +55,16 @@ class ModelInputError(ValueError):
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given, but a CUDA
-    device where torch has none is refused (``ValueError``) here, not in the first forward."""
+    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given, but a name
+    torch does not know, or a CUDA device where torch has none, is refused (``ValueError``)
+    here, not in the first forward."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # torch's message lists every device type it was ever built for
+        raise ValueError(f"device {str(device)!r} is not a device torch knows: use 'cpu', "
+                         "'cuda', 'cuda:N' or 'auto' (--device on the command line)") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         built = "has no CUDA build" if torch.version.cuda is None else "finds no CUDA device"
         raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) {built}; "

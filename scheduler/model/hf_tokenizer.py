@@ -40,7 +40,7 @@ from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from scheduler.model.checkpoint import CheckpointError, TokenizerSource
+from scheduler.model.checkpoint import CheckpointError, TokenizerSource, read_json
 
 #: ``tokenizer.ggml.token_type`` of a control token (llama.cpp's ``LLAMA_TOKEN_TYPE_CONTROL``).
 _CONTROL = 3
@@ -292,8 +292,16 @@ def _int_or_none(value: Any) -> int | None:
 def _from_directory(where: Path) -> ChatTokenizer:
     file = where / "tokenizer.json"
     if not file.is_file():
-        raise CheckpointError("no tokenizer.json")
-    tok = Tokenizer.from_file(str(file))
+        raise CheckpointError(
+            f"{where}: no tokenizer.json, where pdlife reads a directory's tokenizer from: write "
+            "one with transformers, AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) "
+            "(it converts a tokenizer.model), or, for a directory without tokenizer files, see "
+            "docs/models.md, 'Your own checkpoint'")
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise CheckpointError(f"{file}: not a tokenizer the tokenizers library reads, damaged "
+                              f"or truncated ({exc})") from exc
     config = _json(where / "tokenizer_config.json")
     if config.get("tokenizer_class") in _METASPACE_CLASSES:
         _as_transformers_builds(tok, config)
@@ -351,7 +359,7 @@ def _unique(ids: Iterable[int | None]) -> list[int]:
 def _json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         return {}
-    data = json.loads(file.read_text())
+    data = read_json(file)
     return data if isinstance(data, dict) else {}
 
 

@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from scheduler.model.checkpoint import (
@@ -24,6 +24,7 @@ from scheduler.model.checkpoint import (
     UnsupportedCheckpoint,
     check_tensors,
     fingerprint,
+    read_json,
     refuse_architecture,
     unsupported_rope_scaling,
     unsupported_tensor,
@@ -62,6 +63,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def _hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
     refuse_architecture(where, _architecture(where, raw))
+    _refuse_other_heads(where, raw.get("architectures"))
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
         raise UnsupportedCheckpoint(f"{where}: a quantized checkpoint ({method}) is not "
@@ -107,6 +109,19 @@ def _architecture(where: Path, raw: Mapping[str, Any]) -> object:
         "is served as one")
 
 
+def _refuse_other_heads(where: Path, architectures: object) -> None:
+    """A Llama decoder under another head than a language model's (``architectures``
+    ``LlamaForSequenceClassification``, ``LlamaModel``, ...): its weights mean something else."""
+    if not isinstance(architectures, list) or not architectures:
+        return  # older configs name none; the tensors then say what the checkpoint holds
+    if any(str(name).endswith("ForCausalLM") for name in architectures):
+        return
+    named = " / ".join(str(name) for name in architectures)
+    raise UnsupportedCheckpoint(
+        f"{where}: the checkpoint is a {named} (config.json's architectures), not a causal "
+        "language model; pdlife serves *ForCausalLM checkpoints")
+
+
 def hf_rope_scaling(where: Path, raw: Mapping[str, Any]) -> RopeScaling | None:
     """Hugging Face's ``rope_scaling`` (or 5.x ``rope_parameters``) as a :class:`RopeScaling`."""
     kind = raw.get("rope_type", raw.get("type", "default"))
@@ -124,15 +139,24 @@ def hf_rope_scaling(where: Path, raw: Mapping[str, Any]) -> RopeScaling | None:
 
 
 def _load_hf_directory(where: Path) -> Checkpoint:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config_file = where / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{where}: no config.json (a Hugging Face directory needs one)")
-    config = _hf_config(where, json.loads(config_file.read_text()))
+    raw = read_json(config_file)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file}: not a JSON object")
+    config = _hf_config(where, raw)
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(where):
-        for name, tensor in load_file(str(file)).items():
+        try:
+            held = load_file(str(file))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file, damaged or "
+                                  f"truncated ({exc})") from exc
+        for name, tensor in held.items():
             if name.endswith(_HF_IGNORED):
                 continue
             if not tensor.is_floating_point():
@@ -141,15 +165,32 @@ def _load_hf_directory(where: Path) -> Checkpoint:
                     "pdlife reads float weights (quantized safetensors are not supported; "
                     "a quantized GGUF file is)")
             tensors[_hf_name(file, name)] = tensor.to(torch.float32)
-    if config.tie_word_embeddings and tensors.pop("lm_head", None) is not None:
-        logger.warning("%s: config.json ties the output head to the embeddings "
-                       "(tie_word_embeddings); the lm_head.weight the files also hold is not used",
-                       where)
+    config = _tie_as_transformers_does(where, config, tensors)
     check_tensors(where, config, tensors, _hf_native)
     return Checkpoint(
         name=where.name, path=where, format="safetensors", config=config, tensors=tensors,
         tokenizer=TokenizerSource(directory=where), fingerprint=fingerprint(config, tensors),
     )
+
+
+def _tie_as_transformers_does(where: Path, config: LlamaConfig,
+                              tensors: dict[str, torch.Tensor]) -> LlamaConfig:
+    """The config, untied where it ties the output head to the embeddings but the files hold an
+    ``lm_head.weight`` that differs from them: transformers (5.x) then uses the file's head
+    ("both are present in the checkpoints with different values, so we will NOT tie them"), and
+    so does pdlife. An ``lm_head.weight`` equal to the embeddings is dropped (tied either way)."""
+    head = tensors.get("lm_head")
+    if not config.tie_word_embeddings or head is None:
+        return config
+    embed = tensors.get("embed")
+    if embed is not None and torch.equal(head, embed):
+        del tensors["lm_head"]
+        return config
+    logger.warning("%s: config.json ties the output head to the embeddings "
+                   "(tie_word_embeddings), but the files hold an lm_head.weight that differs from "
+                   "them: that head is used, as transformers uses it (set tie_word_embeddings to "
+                   "false in config.json to say so)", where)
+    return attrs.evolve(config, tie_word_embeddings=False)
 
 
 def _safetensors_files(where: Path) -> list[Path]:
@@ -160,9 +201,10 @@ def _safetensors_files(where: Path) -> list[Path]:
     if not index.is_file():
         files = sorted(where.glob("*.safetensors"))
         if not files:
-            raise CheckpointError(f"{where}: no *.safetensors files")
+            raise CheckpointError(f"{where}: no *.safetensors files{_convert_hint(where)}")
         return files
-    weight_map = json.loads(index.read_text()).get("weight_map")
+    listing = read_json(index)
+    weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
     files = [where / str(name) for name in sorted(set(weight_map.values()))]
@@ -170,6 +212,17 @@ def _safetensors_files(where: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{index}: names files that are missing: {missing[:5]}")
     return files
+
+
+def _convert_hint(where: Path) -> str:
+    """What to do with a directory of PyTorch pickles (``pytorch_model.bin``): convert it."""
+    pickles = sorted(p.name for p in where.glob("pytorch_model*.bin"))
+    if not pickles:
+        return ""
+    return (f"; it holds {', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}, and "
+            "pdlife reads safetensors or GGUF, not PyTorch pickles: convert it with transformers, "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR) (transformers 5 "
+            "writes safetensors; 4.x needs safe_serialization=True)")
 
 
 def _hf_native(name: str) -> str:

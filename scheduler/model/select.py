@@ -113,7 +113,12 @@ class ServedModel:
 
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         """``text`` as token ids; with ``chat`` as one user message through the chat template
-        (the reference model has none: BOS and the bytes)."""
+        (the reference model has none: BOS and the bytes). A conversation (a list of messages)
+        goes through :meth:`encode_messages`."""
+        if not isinstance(text, str):
+            raise TypeError(
+                f"encode takes one text (str), got {type(text).__name__}: for a list of chat "
+                "messages ({'role': ..., 'content': ...}) call encode_messages(messages)")
         if self.is_reference:
             ids: list[int] = self.tokenizer.encode(text, add_bos=chat)
             return ids
@@ -122,6 +127,8 @@ class ServedModel:
         return list(self.tokenizer.encode(text))
 
     def encode_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``messages`` (``[{"role": ..., "content": ...}, ...]``: a system prompt, earlier
+        turns) through the chat template, ready for the assistant's answer."""
         if self.is_reference:
             raise ValueError("the reference model has no chat template")
         return list(self.tokenizer.encode_chat(messages))
@@ -139,30 +146,40 @@ def load_model(
     reference: ModelConfig | None = None,
     mesh: Any = None,
 ) -> ServedModel:
-    """``reference``, a shipped model's name, or a path to a GGUF file or HF directory. With
-    ``mesh`` (a :class:`scheduler.model.sharded.Mesh`), a real checkpoint is built as this
+    """``reference``, a shipped model's name, or a path to a GGUF file or HF directory (a
+    built-in name comes before a path of that name, with a WARNING: ``./smollm2`` is the path).
+    With ``mesh`` (a :class:`scheduler.model.sharded.Mesh`), a real checkpoint is built as this
     rank's part only (:meth:`ServedModel.shard` hands it back), never whole."""
+    from scheduler.model.shipped import SHIPPED, shipped_path
+
+    if spec in (REFERENCE, *SHIPPED) and Path(spec).exists():
+        kind = "directory" if Path(spec).is_dir() else "file"
+        logger.warning("model %r: loading the built-in model of that name, not the %s %s (a "
+                       "built-in name comes before a path): pass ./%s to load the %s", spec,
+                       kind, Path(spec).resolve(), spec, kind)
     if spec == REFERENCE:
         return reference_model(reference or ModelConfig(), device=device)
     from scheduler.model.checkpoint import CheckpointError
     from scheduler.model.hf_tokenizer import load_tokenizer
     from scheduler.model.llama import RealModel
     from scheduler.model.loader import load_checkpoint
-    from scheduler.model.shipped import SHIPPED, shipped_path
 
     if not spec:
         raise CheckpointError(f"no model named: give {REFERENCE!r}, a shipped model's name "
                               f"({', '.join(sorted(SHIPPED))}) or a checkpoint's path")
     path = shipped_path(spec) if spec in SHIPPED else Path(spec)
     name = spec if spec in SHIPPED else str(path)  # one name for ``dir`` and ``dir/``
+    if spec not in SHIPPED and name in (REFERENCE, *SHIPPED):
+        name = f"./{name}"  # the path, as ServedModel.source loads it again, not the built-in
     if spec not in SHIPPED and not path.exists():
         raise CheckpointError(f"{spec}: no such file or directory, and not a model pdlife "
                               f"knows by name ({', '.join(sorted((REFERENCE, *SHIPPED)))})")
     checkpoint = load_checkpoint(path)
     try:
         tokenizer = load_tokenizer(checkpoint.tokenizer)
-    except CheckpointError as exc:
-        raise type(exc)(f"{path}: {exc}") from exc
+    except CheckpointError as exc:  # named by its file where it has one, else by the model's
+        said = str(exc)
+        raise type(exc)(said if said.startswith(str(path)) else f"{path}: {said}") from exc
     if tokenizer.vocab_size > checkpoint.config.vocab_size:
         logger.warning("%s: the tokenizer has %d tokens, the model's embedding %d rows: a prompt "
                        "holding one of the last %d is refused (token ids beyond the vocabulary)",

@@ -112,10 +112,15 @@ def _peers(service: Service) -> list[str]:
 
 
 def _model_info(service: ServiceDep) -> ModelInfo:
+    from scheduler.model.select import REFERENCE
+
     config, served = service.config, service.config.served
     own = served is not None and not served.is_reference  # the checkpoint's own tokenizer
+    # SGLang's model_path is what --model-path loaded (the served name, --served-model-name,
+    # is /v1/models' id): here what --model loaded, a path or a built-in name.
     return ModelInfo(
-        model_path=config.model_name, tokenizer_path=served.name if own else None,
+        model_path=served.name if served is not None else REFERENCE,
+        tokenizer_path=served.name if own else None,
         is_generation=True,
         vocab_size=config.vocab_size, max_position=config.max_position,
     )
