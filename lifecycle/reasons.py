@@ -39,3 +39,8 @@ _HTTP_STATUS = {
     FailureReason.SHUTDOWN: 503,
     FailureReason.INTERNAL: 500,
 }
+
+#: Every way a request ends, as ``(final state, reason)`` with the state's lower-case name and
+#: the reason's wire name ("" for a request done): the labels of a counter of ended requests.
+OUTCOMES: tuple[tuple[str, str], ...] = (("done", ""), *(("failed", r.value)
+                                                        for r in FailureReason))

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from lifecycle.reasons import OUTCOMES
 from scheduler.messages import DecodeResponse
-from scheduler.prefill.metrics import export_outcomes
 
 
 class DecodeMetrics:
@@ -29,7 +29,8 @@ class DecodeMetrics:
             "pdlife_decode_requests_finished", "Decode requests that ended, by final state "
             "and reason.", ["state", "reason"], registry=r,
         )
-        export_outcomes(self.finished)
+        for state, reason in OUTCOMES:  # at 0 before the first (see the prefill's)
+            self.finished.labels(state=state, reason=reason)
         self.output_tokens = Counter(
             "pdlife_decode_output_tokens", "Output tokens of finished decode requests.",
             registry=r,

@@ -15,8 +15,9 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kv.transfer import REASON_PEER_REFUSED
-from lifecycle import FailureReason, PrefillState
+from lifecycle import PrefillState
 from lifecycle.prefill import PrefillRequest
+from lifecycle.reasons import OUTCOMES
 from lifecycle.timeline import ttft_phases
 
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -34,7 +35,8 @@ class SchedulerMetrics:
             "pdlife_requests_finished", "Requests that ended, by final state and reason.",
             ["state", "reason"], registry=r,
         )
-        export_outcomes(self.finished)
+        for state, reason in OUTCOMES:  # every outcome at 0 before the first request ends
+            self.finished.labels(state=state, reason=reason)
         self.phase = Histogram(
             "pdlife_ttft_phase_seconds",
             "Time spent in each TTFT phase (bootstrap wait, queue wait, forward, transfer).",
@@ -160,12 +162,3 @@ class PrefixCacheMetrics:
         self.hit_tokens.inc(cached_tokens)
         self.query_tokens.inc(prompt_tokens)
         self.hit_rate.set(self._hits / self._queries if self._queries else 0.0)
-
-
-def export_outcomes(finished: Counter) -> None:
-    """Export a ``{state, reason}`` counter of ended requests at 0 for every outcome there is (a
-    request done, or failed for each reason) before the first ends, so a rate or an alert on
-    one reads 0 rather than "no data"."""
-    finished.labels(state="done", reason="")
-    for reason in FailureReason:
-        finished.labels(state="failed", reason=reason.value)
