@@ -204,6 +204,8 @@ def test_model_info_reports_the_path_and_v1_models_the_served_name(tmp_path):
                     info = (await client.get(path)).json()
                     assert (info["model_path"], info["tokenizer_path"]) == (str(model),
                                                                             str(model))
+                server = (await client.get("/server_info")).json()
+                assert server["model_path"] == str(model)
                 models = (await client.get("/v1/models")).json()
                 assert [card["id"] for card in models["data"]] == ["tiny"]
 

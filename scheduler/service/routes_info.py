@@ -77,7 +77,7 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         role=config.role,
         backend=config.backend,
         disaggregation_mode=config.role if config.role != "both" else "null",
-        model_path=config.model_name,
+        model_path=_model_path(service),
         model_fingerprint=config.served.fingerprint if config.served is not None else None,
         page_size=config.scheduler.page_size,
         kv_layout=str(config.kv_layout),
@@ -111,15 +111,21 @@ def _peers(service: Service) -> list[str]:
     return list(sessions()) if sessions is not None else []
 
 
-def _model_info(service: ServiceDep) -> ModelInfo:
+def _model_path(service: Service) -> str:
+    """SGLang's ``model_path``: what ``--model-path`` loaded (the served name,
+    ``--served-model-name``, is ``/v1/models``' id); here what ``--model`` loaded, a path or a
+    built-in name."""
     from scheduler.model.select import REFERENCE
 
+    served = service.config.served
+    return served.name if served is not None else REFERENCE
+
+
+def _model_info(service: ServiceDep) -> ModelInfo:
     config, served = service.config, service.config.served
     own = served is not None and not served.is_reference  # the checkpoint's own tokenizer
-    # SGLang's model_path is what --model-path loaded (the served name, --served-model-name,
-    # is /v1/models' id): here what --model loaded, a path or a built-in name.
     return ModelInfo(
-        model_path=served.name if served is not None else REFERENCE,
+        model_path=_model_path(service),
         tokenizer_path=served.name if own else None,
         is_generation=True,
         vocab_size=config.vocab_size, max_position=config.max_position,
