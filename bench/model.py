@@ -1,7 +1,8 @@
 """The real model's forward: pdlife's Llama runner against Hugging Face transformers.
 
-SmolLM2-135M-Instruct (the shipped GGUF file) is loaded by both, in float32, in this process,
-with the same thread count. The prompts are real text cut to lengths from 128 to 1,024 tokens.
+SmolLM2-135M-Instruct (the shipped GGUF file), or the checkpoint ``--model`` names (a GGUF file
+or a Hugging Face directory), is loaded by both, in float32, in this process, with the same
+thread count. The prompts are real text cut to lengths from 128 to 1,024 tokens.
 
 - **Prefill.** pdlife computes all prompts as one packed batch through its paged runner (K/V
   written into the pool, the output head on each prompt's last position only); transformers runs
@@ -30,6 +31,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,6 +134,9 @@ def main() -> None:
                         help="torch threads for both sides (default: %(default)s)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="wall time, or this process's CPU time (default: %(default)s)")
+    parser.add_argument("--model", default="smollm2",
+                        help="what both sides load: smollm2 (shipped), a .gguf file or a "
+                        "Hugging Face directory (default: %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global clock
@@ -141,15 +146,22 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model = load_model("smollm2")
-    path = shipped_path("smollm2")
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                              dtype=torch.float32).eval()
+    model = load_model(args.model)
+    if model.is_reference:
+        parser.error("--model: the reference model has no transformers twin; name a checkpoint")
+    if args.max_len > model.max_position:
+        parser.error(f"--max-len {args.max_len}: {model.name} holds {model.max_position} "
+                     "positions")
+    path = shipped_path("smollm2") if args.model == "smollm2" else Path(args.model)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32) if path.is_dir() else AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf.eval()
     step = (args.max_len - args.min_len) / max(1, args.prompts - 1)
     lengths = [round(args.min_len + i * step) for i in range(args.prompts)]
     batch = prompts(model, lengths)
     tokens, generated = sum(lengths), args.decode_steps * len(batch)
-    print(f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {args.clock} time: "
+    print(f"{model.name} fp32, {args.threads} threads, {args.clock} time: "
           f"{len(batch)} prompts of "
           f"{lengths[0]}..{lengths[-1]} tokens ({tokens} in all), {args.decode_steps} decode "
           f"steps each")

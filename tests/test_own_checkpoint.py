@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -21,6 +24,8 @@ from scheduler.model.llama import RealModel, generate
 from scheduler.model.loader import load_checkpoint
 from scheduler.model.select import load_model
 from tests.test_checkpoint import IDS, VOCAB, tiny_hf_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_directory(where: Path, **overrides: object) -> Path:
@@ -210,3 +215,28 @@ def test_model_info_reports_the_path_and_v1_models_the_served_name(tmp_path):
                 assert [card["id"] for card in models["data"]] == ["tiny"]
 
     run(main())
+
+
+def test_bench_model_compares_ones_own_checkpoint_with_transformers(
+    smollm2: Any, tmp_path: Path
+) -> None:
+    """``python -m bench.model --model DIR``: pdlife against transformers on a checkpoint of
+    one's own (a tiny random Llama with SmolLM2's tokenizer, for the benchmark's text)."""
+    where = tmp_path / "mine"
+    tiny_hf_model(vocab_size=smollm2.vocab_size, hidden_size=64, intermediate_size=64,
+                  max_position_embeddings=128).save_pretrained(where)
+    smollm2.tokenizer.tokenizer.save(str(where / "tokenizer.json"))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.model", "--model", str(where), "--prompts", "2",
+         "--min-len", "8", "--max-len", "32", "--decode-steps", "2", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"{where} fp32, 1 threads"), done.stdout
+    result = done.stdout.strip().splitlines()[-1]
+    assert result.startswith("RESULT model prefill_ratio="), result
+    assert float(result.rsplit("max_logit_diff=", 1)[1]) < 1e-3, result
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.model", "--model", str(where), "--max-len", "1024"],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
+    assert refused.returncode == 2 and f"--max-len 1024: {where} holds 128 positions" in (
+        refused.stderr), refused.stderr
