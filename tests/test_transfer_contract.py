@@ -51,28 +51,27 @@ def _params(harnesses: list[BackendHarness]) -> list[object]:
     return [pytest.param(h, id=h.name, marks=h.marks) for h in harnesses]
 
 
-@pytest.fixture(params=_params(HARNESSES))
-def session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
+def _opened(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
+    """A session of the fixture's harness, closed after the test."""
     harness: BackendHarness = request.param
     s = harness.make()
     yield s
     s.close()
+
+
+@pytest.fixture(params=_params(HARNESSES))
+def session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
+    yield from _opened(request)
 
 
 @pytest.fixture(params=_params(PEER_HARNESSES))
 def peer_session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
-    harness: BackendHarness = request.param
-    s = harness.make()
-    yield s
-    s.close()
+    yield from _opened(request)
 
 
 @pytest.fixture(params=_params(DATA_HARNESSES))
 def data_session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
-    harness: BackendHarness = request.param
-    s = harness.make()
-    yield s
-    s.close()
+    yield from _opened(request)
 
 
 def _handshake(session: HarnessSession, room: int, num_pages: int) -> tuple[KVSender, list[KVPoll]]:
