@@ -11,7 +11,9 @@ registration that disagrees with the ranks already there is refused, naming both
 ``GET /route``: 503 until every expected rank has registered, then the whole table, from which
 it checks that its own pool matches and computes which ranks to contact (:mod:`kv.routes`)
 before it sends anything.
-``GET /health`` answers ``OK`` for liveness probes, or 503 with the reason once the server is
+``GET /health`` answers ``OK`` for liveness probes (with this endpoint's :attr:`~BootstrapServer.
+instance` in an ``X-Pdlife-Instance`` header, as ``GET /route`` carries it: a decode peer tells a
+prefill server restarted at the same address by it), or 503 with the reason once the server is
 marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed, so no rank writes
 any more and a decode peer's heartbeat gives up its rooms). ``POST /refusal`` is how a decode
 peer says it will never ask for a room's KV (it refused the request, or gave up before the
@@ -38,6 +40,7 @@ import hmac
 import http.client
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,6 +53,8 @@ from kv.rank_table import PrefillInfo, RankInfo, registration_conflict
 logger = logging.getLogger(__name__)
 
 _MAX_BODY = 64 << 10
+#: The header of every answer (``/health``'s included) that names the server instance.
+INSTANCE_HEADER = "X-Pdlife-Instance"
 #: Connections served at once; the peers' requests are short (a look-up, a refusal, a health
 #: check), so more than this is a flood.
 MAX_CONNECTIONS = 64
@@ -98,6 +103,8 @@ class BootstrapServer:
         self._unauthorized = 0
         #: Why ``/health`` answers 503 (None: healthy).
         self.unhealthy: str | None = None
+        #: Drawn afresh by every server: another value at the same address is a restarted one.
+        self.instance = secrets.token_hex(8)
         self._httpd = _BoundedServer((host, port), _make_handler(self))
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, args=(0.05,), name="pdlife-bootstrap",
@@ -198,7 +205,8 @@ class BootstrapServer:
         return 200, {"page_size": ranks[0]["page_size"], "kv_dtype": ranks[0]["kv_dtype"],
                      "kv_layout": ranks[0]["kv_layout"], "model": ranks[0]["model"],
                      "model_name": ranks[0]["model_name"], "ranks": ranks,
-                     "token_required": self._token is not None, "keepalive": True}
+                     "token_required": self._token is not None, "keepalive": True,
+                     "instance": self.instance}
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -251,6 +259,7 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             ctype = "text/plain" if isinstance(body, str) else "application/json"
             self.send_header("Content-Type", ctype)
+            self.send_header(INSTANCE_HEADER, server.instance)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -351,6 +360,7 @@ class BootstrapClient:
                 page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks,
                 token_required=table.get("token_required") is True,
                 keepalive=table.get("keepalive") is True,
+                instance=str(table.get("instance", "")),
                 model=ranks[0].model, model_name=ranks[0].model_name,
                 kv_layout=ranks[0].kv_layout,
             )
@@ -363,12 +373,23 @@ class BootstrapClient:
         self._request("POST", "/refusal", json.dumps(body).encode())
 
     def health(self) -> bool:
+        return self.instance() is not None
+
+    def instance(self) -> str | None:
+        """The server's instance when its ``/health`` answers ``OK`` ("" from a server that
+        names none), else None."""
         try:
-            return self._request("GET", "/health") == b"OK"
+            body, instance = self._exchange("GET", "/health")
         except BootstrapError:
-            return False
+            return None
+        return instance if body == b"OK" else None
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        return self._exchange(method, path, body)[0]
+
+    def _exchange(self, method: str, path: str,
+                  body: bytes | None = None) -> tuple[bytes, str]:
+        """The answer's body and the server's instance header ("" when it sends none)."""
         headers = {"Content-Type": "application/json"}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
@@ -383,4 +404,4 @@ class BootstrapClient:
             conn.close()
         if resp.status != 200:
             raise BootstrapError(self.addr, resp.status, data.decode(errors="replace")[:200])
-        return data
+        return data, resp.getheader(INSTANCE_HEADER, "")

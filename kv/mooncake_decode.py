@@ -29,7 +29,9 @@ decode rank killed without its ``Deregister`` does not stay registered for ever)
 ``heartbeat_max_failures`` failures in a row the prefill counts as gone: every room not yet
 concluded fails with a reason naming it and is quiescent (a prefill that is gone writes nothing
 more), and receivers created meanwhile fail at once and wake the heartbeat for a check of its
-own (a request is the first sign that a restarted prefill is back). When the health check
+own (a request is the first sign that a restarted prefill is back). A health check answered
+by another instance of the bootstrap endpoint (``X-Pdlife-Instance``: a prefill restarted
+between two checks, too fast to miss any) counts as gone and back at once. When the health check
 answers again, the manager looks the prefill server up again, sends every rank a fresh
 ``Register``, so a restarted prefill server is used without restarting decode, and refuses to
 it the rooms it failed at once meanwhile (the router sent their other half there: without the
@@ -257,8 +259,14 @@ class MooncakeDecodeManager:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            if client.health():
+            instance = client.instance()
+            if instance is not None:
                 failures = 0
+                known = self._peers.table.instance
+                if self.lost is None and instance and known and instance != known:
+                    # Restarted between two checks: its ranks, engines and rooms are new.
+                    self._lose_prefill(f"prefill {self.bootstrap_addr} restarted (another "
+                                       "instance answers its bootstrap endpoint)")
                 if self.lost is not None:
                     self._reconnect()
                 elif self._register.keepalive_ms:  # a prefill rank forgets a silent session

@@ -318,6 +318,49 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
         server.close()
 
 
+def test_a_prefill_restarted_between_two_health_checks_is_registered_with_again() -> None:
+    """A prefill restarted at the same address faster than the heartbeat fails: its bootstrap
+    endpoint answers as another instance, so decode fails the rooms the old one held and
+    registers with the new one (whose ranks would otherwise never hear of this decode)."""
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    server = BootstrapServer()
+    port = int(server.address.rpartition(":")[2])
+    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
+    prefill.register_to_bootstrap(server.address)
+    decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(8), server.address,
+                                   config=MooncakeConfig(heartbeat_interval_s=3600))
+    try:
+        waiting = decode.create_receiver(server.address, 1)
+        waiting.init()
+        waiting.send_metadata([0, 1], 0)
+        eventually(lambda: bool(prefill.decode_sessions()), "decode registered")
+        prefill.close()
+        server.close()
+        server = BootstrapServer(port=port)
+        prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
+        prefill.register_to_bootstrap(server.address)
+        decode._wake.set()  # the next health check, without an hour's wait for it
+        eventually(lambda: bool(prefill.decode_sessions()), "decode registered again")
+        assert decode.lost is None
+        assert waiting.poll() == KVPoll.FAILED and waiting.quiescent()
+        assert "restarted (another instance" in waiting.failure_exception().reason
+        receiver = decode.create_receiver(server.address, 3)
+        receiver.init()
+        receiver.send_metadata([4, 5], 1)
+        sender = prefill.create_sender(server.address, 3)
+        assert drive(prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+        sender.init(2, 0)
+        prefill.metadata.write(0, first_token=9, cached_tokens=0, logprob=None, room=3)
+        sender.send([6, 7], last=True)
+        assert drive(prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+        eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "room 3 landed on decode")
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+
+
 def test_a_room_failed_while_the_prefill_counted_as_gone_is_refused_to_it_once_it_is_back(
 ) -> None:
     """A restarted prefill answers before decode's heartbeat notices. A request arriving in
