@@ -35,10 +35,10 @@ COMMON = ["--backend", "mooncake", "--page-size", "4", "--bootstrap-timeout", "6
 WAIT_S = 120
 
 
-def prefill_server(log: Path) -> tuple[Server, int]:
+def prefill_server(log: Path, *flags: str) -> tuple[Server, int]:
     port = free_port()
     return Server(log, "--role", "prefill", "--bootstrap-port", str(port), "--pool-pages", "64",
-                  *COMMON), port
+                  *flags, *COMMON), port
 
 
 def decode_server(log: Path) -> Server:
@@ -151,6 +151,27 @@ def test_a_request_prefill_fails_after_the_handshake_fails_on_decode_with_its_re
     failed_with(on_decode.result(WAIT_S), 400, "rejected",
                 "peer refused: rejected (400): the grammar engine cannot run this grammar")
     until_idle(pair.prefill, pair.decode)
+
+
+def test_a_refusal_of_a_dp_prefill_reaches_decode_for_a_room_of_any_replica(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """With DP replicas, decode asks the replica of the room for its KV: a request the prefill
+    worker refuses before any engine sees it is refused by that replica, for rooms of replica 1
+    as of replica 0."""
+    prefill, port = prefill_server(tmp_path / "dp-prefill.log", "--dp-size", "2")
+    try:
+        prefill.wait_healthy()
+        for room in (110, 111):  # replicas 0 and 1 (room % 2)
+            body = pair.body(f"dp-too-long-{room}", room, prompt=300, bootstrap_port=port)
+            on_prefill, on_decode = pair.post(prefill, body), pair.post(pair.decode, body)
+            failed_with(on_prefill.result(WAIT_S), 400, "prompt_too_long")
+            failed_with(on_decode.result(WAIT_S), 400, "prompt_too_long",
+                        f"room {room}: peer refused: prompt_too_long (400): ")
+        assert counter(prefill, "pdlife_peer_refusals_total", "sent") == 2
+    finally:
+        prefill.stop()
+    until_idle(pair.decode)
 
 
 def test_a_refusal_never_fails_a_live_request_that_holds_the_room(pair: Pair) -> None:

@@ -89,6 +89,10 @@ class Replicas(Protocol):
     def refuse(self, room: int, reason: str) -> None:
         """A decode peer refused ``room``: tell the replica of the room, if not this one."""
 
+    def refuse_room(self, room: int, reason: str) -> bool:
+        """This server refused a request of ``room``: tell the replica of the room; False
+        when that is this process's."""
+
     def answer_to(self, callback: Callable[[Response], None]) -> None:
         """Hand the replicas' answers to ``callback`` (from another thread)."""
 
@@ -335,6 +339,17 @@ class Service:
     def live_requests(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def refuse_on_replica(self, room: int, why: str) -> bool:
+        """Prefill role with DP replicas: have the replica that serves ``room`` refuse it to
+        its decode peer (counted here, with this worker's refusals); False when that is this
+        process's replica."""
+        if self._replicas is None or self.prefill is None:
+            return False
+        if not self._replicas.refuse_room(room, why):
+            return False
+        self.prefill.metrics.peer_refusals.labels(direction="sent").inc()
+        return True
 
     def live_rooms(self) -> set[tuple[str, int, int]]:
         """The bootstrap host, port and room of every live request."""

@@ -124,10 +124,12 @@ class _Flushed:
 
 @attrs.frozen
 class _Refusal:
-    """A decode peer will never ask for ``room`` (for the replica that serves it)."""
+    """A decode peer will never ask for ``room`` (for the replica that serves it); ``own``:
+    this server refused it, and the replica's manager answers decode's destination with that."""
 
     room: int
     reason: str
+    own: bool = False
 
 
 class Ranks:
@@ -206,6 +208,15 @@ class Ranks:
         replica = dp_rank_of(room, self.dp_size)
         if replica:
             self._inboxes[replica - 1].put(_Refusal(room, reason))
+
+    def refuse_room(self, room: int, reason: str) -> bool:
+        """This server refused a request of ``room`` before any engine saw it: the replica
+        that serves the room answers decode's destination with the refusal. False when that
+        is replica 0, rank 0's own."""
+        replica = dp_rank_of(room, self.dp_size)
+        if replica:
+            self._inboxes[replica - 1].put(_Refusal(room, reason, own=True))
+        return bool(replica)
 
     def flush_cache(self) -> list[concurrent.futures.Future[CacheFlushed]]:
         """Ask every other replica to empty its prefix cache: one outcome each (set by the
@@ -446,7 +457,10 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
                 elif isinstance(item, FlushCache):
                     scheduler.flush_cache(functools.partial(_answer_flush, answers, item.ticket))
                 elif isinstance(item, _Refusal) and isinstance(scheduler.kv, MooncakeKVManager):
-                    scheduler.kv.peer_refused(item.room, item.reason)
+                    if item.own:
+                        scheduler.kv.refuse(item.room, item.reason)
+                    else:
+                        scheduler.kv.peer_refused(item.room, item.reason)
             step_or_rest(scheduler.step)
     except MeshStopped:  # from the delayer's gather: this replica's other ranks stopped too
         stopped = True

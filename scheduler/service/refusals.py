@@ -5,7 +5,8 @@ fields. A worker that refuses the request before an engine sees it (draining, ba
 duplicate id) tells the other worker through its engine (:meth:`PrefillScheduler.refuse_room`,
 :meth:`DecodePeer.refuse_room`; :mod:`kv.refusal`), so the other half fails at once with
 ``peer refused: <kind> (<status>): <message>`` instead of waiting for its bootstrap or waiting
-timeout; a kind the client can act on (a 4xx, or 503) is what that half answers too
+timeout (a prefill worker with DP replicas has the replica of the room refuse it, as decode asks
+that replica for the room's KV); a kind the client can act on (a 4xx, or 503) is what that half answers too
 (:func:`kv.refusal.refused_for_the_client`), so a router passes the same status on whichever
 worker it reads.
 Only the Mooncake backend pairs workers; the local and fake backends choose their own rooms.
@@ -60,7 +61,8 @@ def refuse_peers(service: Service, rooms: Iterator[tuple[str, int, int]], kind: 
     why = peer_refusal(kind, status, message)[:_MAX_REASON]
     held = service.live_rooms()
     for host, port, room in rooms:
-        if (host, port, room) not in held and service.config.may_contact(host, port):
+        if ((host, port, room) not in held and service.config.may_contact(host, port)
+                and not service.refuse_on_replica(room, why)):
             engine.refuse_room(host, port, room, why)
 
 
