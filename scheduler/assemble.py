@@ -205,7 +205,7 @@ def build_prefill(
     elif side.draft is None:
         runner = side.runner
     else:
-        runner = DraftingRunner(side.runner, side.draft, hybrid.speculative_k)
+        runner = DraftingRunner(side.runner, side.draft, hybrid.proposals)
     scheduler = PrefillScheduler(
         config=config, runner=runner, kv=kv, fake_kv=fake_kv,
         metadata=metadata, slots=SlotAllocator(metadata_slots), states=states, **options,
@@ -242,7 +242,7 @@ def build_decode(
     closers.append(kv.close)
     speculative = None
     if side is not None and side.draft is not None and hybrid is not None:
-        speculative = SpeculativeDecoder(side.runner, side.draft, hybrid.speculative_k)
+        speculative = SpeculativeDecoder(side.runner, side.draft, hybrid.proposals)
     peer: Callable[..., DecodePeer] = (
         DecodePeer if decode_mesh is None else functools.partial(MeshDecodePeer, decode_mesh))
     return peer(runner=runner, kv=kv, metadata=metadata, slots=SlotAllocator(metadata_slots),

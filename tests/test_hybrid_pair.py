@@ -212,6 +212,9 @@ TINY = ModelConfig.tiny()
          "draft .* it would change nothing; leave it None"),
         (attrs.evolve(TINY, **CONFIGS["swa"]), HybridConfig(speculative_k=5),
          r"HybridConfig: speculative_k=5 without a draft \(draft_layers=0\)"),
+        # The default's value, given: still a draft's setting without a draft.
+        (attrs.evolve(TINY, **CONFIGS["swa"]), HybridConfig(speculative_k=3),
+         r"HybridConfig: speculative_k=3 without a draft \(draft_layers=0\)"),
         (attrs.evolve(TINY, **CONFIGS["both"]), HybridConfig(draft_layers=2),
          r"a draft of 2 layers \(the target's first\) has sliding-window or recurrent layers "
          r"\[0, 1\]; a hybrid draft is not built"),
@@ -219,7 +222,7 @@ TINY = ModelConfig.tiny()
          r"sliding-window layers \(0, 2\) and recurrent layers \(1,\): each side needs their "
          r"pools; give it a HybridConfig \(PairConfig\(hybrid=HybridConfig\(\)\)"),
     ],
-    ids=["nothing", "speculative-k", "hybrid-draft", "no-hybrid"],
+    ids=["nothing", "speculative-k", "speculative-k-default", "hybrid-draft", "no-hybrid"],
 )
 def test_a_hybrid_setting_the_model_cannot_use_is_refused(
     model: ModelConfig, hybrid: HybridConfig | None, message: str

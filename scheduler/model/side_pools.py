@@ -34,12 +34,23 @@ class HybridConfig:
     ``swa_pages``: pages of the SWA pool (0: as many as the full pool); ``state_slots``:
     recurrent-state slots, so requests that hold pages at once; ``draft_layers``: the draft
     model's layers, the target's first (0: no draft, no speculative decoding);
-    ``speculative_k``: proposals per round (and top-k proposals in the hand-off)."""
+    ``speculative_k``: proposals per round (and top-k proposals in the hand-off); None:
+    :data:`DEFAULT_SPECULATIVE_K` with a draft (given without one, it is refused)."""
 
     swa_pages: int = attrs.field(default=0, validator=_non_negative)
     state_slots: int = attrs.field(default=64, validator=_non_negative)
     draft_layers: int = attrs.field(default=0, validator=_non_negative)
-    speculative_k: int = attrs.field(default=3, validator=_non_negative)
+    speculative_k: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_non_negative))
+
+    @property
+    def proposals(self) -> int:
+        """Proposals per round: ``speculative_k``, or :data:`DEFAULT_SPECULATIVE_K`."""
+        return DEFAULT_SPECULATIVE_K if self.speculative_k is None else self.speculative_k
+
+
+#: Proposals per round of speculative decoding unless ``HybridConfig.speculative_k`` says.
+DEFAULT_SPECULATIVE_K = 3
 
 
 def _unused(config: ModelConfig, hybrid: HybridConfig) -> str:
@@ -47,7 +58,7 @@ def _unused(config: ModelConfig, hybrid: HybridConfig) -> str:
     setting taken without effect reads as one that works). One config may serve models of
     different kinds: an SWA pool's size is not refused for a model without sliding-window
     layers, but a config that builds nothing at all is."""
-    if hybrid.speculative_k != HybridConfig().speculative_k and not hybrid.draft_layers:
+    if hybrid.speculative_k is not None and not hybrid.draft_layers:
         return f"speculative_k={hybrid.speculative_k} without a draft (draft_layers=0)"
     if not (config.hybrid or hybrid.draft_layers):
         return ("the model has no sliding-window or recurrent layers and there is no draft "
