@@ -129,6 +129,7 @@ def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Pa
         server.signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 1, server.tail()
         assert f"a prefill rank process (pid {rank}) exited with code -9" in server.tail()
+        assert "exiting 1: the engine loop failed: a prefill rank process" in server.tail()
     finally:
         decode.stop()
         server.stop()

@@ -498,6 +498,8 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("exiting %d: the HTTP server did not start", EXIT_USAGE)
         code = EXIT_USAGE
     elif service.loop.failure is not None:
+        logger.error("exiting %d: the engine loop failed: %s", EXIT_ENGINE_FAILED,
+                     service.loop.failure)
         code = EXIT_ENGINE_FAILED
     elif server.aborted:
         logger.warning("exiting %d: the drain aborted %d requests", EXIT_DRAIN_ABORTED,

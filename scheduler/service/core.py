@@ -77,6 +77,10 @@ __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", 
 
 logger = logging.getLogger(__name__)
 
+#: How long a failed pass of a server with rank processes waits for the watcher of those
+#: processes to name one that exited (the failure then reported).
+RANK_EXIT_GRACE_S = 2.0
+
 
 class Replicas(Protocol):
     """The other DP replicas of a prefill server (:class:`scheduler.service.ranks.Ranks`)."""
@@ -177,7 +181,11 @@ class Service:
         stepped: list[Any] = [e for e in (self.prefill, self.decode) if e is not None]
         if self.decode is not None:
             self.decode.on_first_tokens = self._follow_streams
-        self.loop = EngineLoop(stepped, on_crash=self._on_crash, after_pass=self._after_pass)
+        # With rank processes, a pass that fails because one died waits for the watcher to
+        # say which (scheduler.service.ranks.watch_ranks).
+        ranked = mesh is not None or replicas is not None or decode_mesh is not None
+        self.loop = EngineLoop(stepped, on_crash=self._on_crash, after_pass=self._after_pass,
+                               outside_grace_s=RANK_EXIT_GRACE_S if ranked else 0.0)
         self._after_pass()
 
     def start_loop(self) -> None:

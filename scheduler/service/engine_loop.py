@@ -52,7 +52,12 @@ class EngineLoop:
         after_pass: Callable[[], None] | None = None,
         poll_interval: float = POLL_INTERVAL_S,
         name: str = "pdlife-engine",
+        outside_grace_s: float = 0.0,
     ) -> None:
+        """``outside_grace_s``: how long a failed pass waits for a failure found by another
+        thread (:meth:`fail`), which, when it comes, is the one reported: a pass of a mesh
+        whose rank process died fails in its collective ("connection closed by peer") a moment
+        before the thread that watches the processes says which one exited."""
         if not engines:
             raise ValueError("engines: the loop needs at least one engine to step")
         if not poll_interval > 0:
@@ -66,6 +71,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.failure: BaseException | None = None
         self._outside: BaseException | None = None  # a failure found by another thread
+        self._outside_came = threading.Event()
+        self._outside_grace_s = outside_grace_s
         self.passes = 0
 
     def start(self) -> None:
@@ -83,6 +90,7 @@ class EngineLoop:
         """End the loop from another thread as if its next pass had raised ``exc`` (the loop
         wakes for it, idle or not)."""
         self._outside = exc
+        self._outside_came.set()
         self._wake.set()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -93,6 +101,17 @@ class EngineLoop:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the engine loop did not stop within {timeout} s")
+
+    def _cause(self, exc: BaseException) -> BaseException:
+        """What a failed pass reports: ``exc``, or the failure another thread finds within
+        ``outside_grace_s`` (``exc`` its cause)."""
+        if exc is self._outside or not self._outside_came.wait(self._outside_grace_s):
+            return exc
+        outside = self._outside
+        assert outside is not None
+        if outside.__cause__ is None:
+            outside.__cause__ = exc
+        return outside
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -107,10 +126,11 @@ class EngineLoop:
                     self._after_pass()
                 idle = not worked and all(e.idle() for e in self._engines)
             except BaseException as exc:  # any failure must reach the waiting requests
-                self.failure = exc
+                failure = self._cause(exc)
+                self.failure = failure
                 logger.critical("the engine loop failed; the service is now unhealthy",
-                                exc_info=exc)
-                self._on_crash(exc)
+                                exc_info=failure)
+                self._on_crash(failure)
                 return
             self.passes += 1
             if not worked:
