@@ -370,6 +370,8 @@ def test_info_endpoints_and_openapi() -> None:
                 b = (await client.get("/get_server_info")).json()
                 assert a["role"] == b["role"] == "both"
                 assert (a["kv_layout"], a["disaggregation_mode"]) == ("page_major", "null")
+                # The reference model's fingerprint too: what a pair compares.
+                assert a["model_fingerprint"] == REFERENCE.model.fingerprint
                 layout = ("tp_size", "pp_size", "dp_size", "rank_processes")
                 assert [a[k] for k in layout] == [1, 1, 1, 1]
                 assert set(a["requests"]) == {"prefill", "decode"}

@@ -78,7 +78,7 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         backend=config.backend,
         disaggregation_mode=config.role if config.role != "both" else "null",
         model_path=_model_path(service),
-        model_fingerprint=config.served.fingerprint if config.served is not None else None,
+        model_fingerprint=_fingerprint(service),
         page_size=config.scheduler.page_size,
         kv_layout=str(config.kv_layout),
         pool_pages=config.pool_pages,
@@ -109,6 +109,16 @@ def _peers(service: Service) -> list[str]:
         return service.decode_kv.peers()
     sessions = getattr(service.prefill.kv, "decode_sessions", None) if service.prefill else None
     return list(sessions()) if sessions is not None else []
+
+
+def _fingerprint(service: Service) -> str | None:
+    """What names the served model's KV (:mod:`kv.model_id`; the reference model's too, whose
+    configuration decides every weight): its engine's pool carries it."""
+    engine = service.prefill if service.prefill is not None else service.decode
+    served = service.config.served
+    model: str = (served.fingerprint if served is not None
+                  else engine.pool.model if engine is not None else "")
+    return model or None
 
 
 def _model_path(service: Service) -> str:
