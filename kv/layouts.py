@@ -210,7 +210,8 @@ def plan_slices(prefill: TPLayout, decode: TPLayout) -> SlicePlan:
     tp, td = prefill.tp_size, decode.tp_size
     if tp % td and td % tp:
         raise LayoutError(
-            f"prefill tp_size {tp} and decode tp_size {td}: one must divide the other"
+            f"prefill tp_size {tp} and decode tp_size {td}: one must divide the other "
+            "(pdlife serve's --tp-size on either side)"
         )
     slices: list[HeadSlice] = []
     for d in range(td):

@@ -298,9 +298,11 @@ def _config(*flags: str) -> ServeConfig:
         (("--role", "decode", "--backend", "mooncake", "--tp-size", "3"),
          r"the model's heads \(4\) must be a multiple of TP 3"),
         (("--role", "prefill", "--backend", "fake", "--tp-size", "3"),
-         r"the model's heads \(4\) must be a multiple of TP 3"),
+         r"the model's heads \(4\) must be a multiple of TP 3 \(--tp-size 1, 2, 4 fit the "
+         r"model; its --heads, --kv-heads and --intermediate decide\)"),
         (("--role", "prefill", "--backend", "fake", "--pp-size", "3"),
-         r"pp_size must be in 1\.\.2"),
+         r"--pp-size must be in 1\.\.2, a stage for each of the model's --layers at most, "
+         "got 3"),
         (("--role", "prefill", "--backend", "fake", "--model", "smollm2", "--pp-size", "2"),
          "a real checkpoint runs on TP ranks and DP replicas, not on pipeline stages"),
         (("--role", "decode", "--backend", "mooncake", "--model", "smollm2", "--tp-size", "2"),

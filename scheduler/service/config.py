@@ -21,7 +21,7 @@ from lifecycle import FailureReason, SamplingParams
 from lifecycle.validators import one_of, typed_fields
 from scheduler.messages import FAKE_BOOTSTRAP_HOST, LOCAL_HOST, TokenLogprob
 from scheduler.model.reference import ModelConfig
-from scheduler.model.sharded import ShardError, stage_layers
+from scheduler.model.sharded import ShardError
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer_decision import DelayerConfig
 from scheduler.service.openai_tools import ToolAnswer
@@ -131,15 +131,22 @@ class ServeConfig:
             except (LayoutError, ShardError) as exc:
                 return f"{layout}: {exc}"
             return ""
+        from scheduler.model.sharded_checkpoint import tp_sizes
+
         m = self.model
+        fits = (f" (--tp-size {', '.join(map(str, tp_sizes(m)))} fit the model; its --heads, "
+                "--kv-heads and --intermediate decide)")
         for name, value in (("heads", m.heads), ("intermediate", m.intermediate)):
             if value % tp:
-                return f"{layout}: the model's {name} ({value}) must be a multiple of TP {tp}"
+                return (f"{layout}: the model's {name} ({value}) must be a multiple of TP "
+                        f"{tp}{fits}")
         try:
             TPLayout(tp, m.kv_heads)
-            stage_layers(m.layers, pp, 0)
-        except (LayoutError, ShardError) as exc:
-            return f"{layout}: {exc}"
+        except LayoutError as exc:
+            return f"{layout}: {exc}{fits}"
+        if not 1 <= pp <= m.layers:
+            return (f"{layout}: --pp-size must be in 1..{m.layers}, a stage for each of the "
+                    f"model's --layers at most, got {pp}")
         return ""
 
     @property
