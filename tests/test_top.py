@@ -91,6 +91,15 @@ def test_the_prefix_cache_is_shown_beside_the_pool_it_lives_in() -> None:
     assert plain.prefix_cache_pages == {} and _cells(plain)[6] == "prefill: 16/64 (25%)"
 
 
+def test_a_worker_of_several_ranks_says_its_layout() -> None:
+    one = History("http://w").add(Scrape(0.0, INFO, {}))
+    assert one.layout == "" and "\n" not in _cells(one)[0]
+    meshed = {**INFO, "tp_size": 2, "pp_size": 1, "dp_size": 2}
+    view = History("http://w").add(Scrape(0.0, meshed, {}))
+    assert view.layout == "TP 2 x PP 1 x DP 2, replica 0's figures"
+    assert _cells(view)[0].endswith("\nTP 2 x PP 1 x DP 2, replica 0's figures")
+
+
 def test_a_worker_that_restarted_counts_its_new_histogram() -> None:
     history = History("http://w")
     before = SchedulerMetrics()

@@ -116,7 +116,8 @@ def _cells(view: WorkerView) -> list[str]:
         for side, (used, total_) in view.kv_pool.items())
     failures = ", ".join(f"{r} {n}" for r, n in view.failures.items()) or "none"
     slots = "—" if view.slots is None else f"{view.slots[0]}/{view.slots[1]}"
-    return [f"{view.role}, {status}", requests or "—", _per_s(view.admissions_per_s),
+    worker = f"{view.role}, {status}" + (f"\n{view.layout}" if view.layout else "")
+    return [worker, requests or "—", _per_s(view.admissions_per_s),
             _per_s(view.completions_per_s), failures,
             f"{_ms(view.ttft_p50)} / {_ms(view.ttft_p99)}", pools or "—", slots,
             _bytes_per_s(view.transfer_bytes_per_s)]

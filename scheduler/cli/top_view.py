@@ -114,6 +114,9 @@ class WorkerView:
     url: str
     error: str | None = None
     role: str = ""
+    # ``TP t x PP p x DP d`` for a worker of several rank processes ("" for one), whose
+    # figures are its first replica's.
+    layout: str = ""
     healthy: bool = False
     draining: bool = False
     requests: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
@@ -156,6 +159,7 @@ class History:
         view = WorkerView(
             url=self.url,
             role=str(info.get("role", "?")),
+            layout=_layout(info),
             healthy=bool(info.get("healthy")),
             draining=bool(info.get("draining")),
             requests=info.get("requests", {}),
@@ -196,6 +200,14 @@ def _growth(now: Mapping[float, float], before: Mapping[float, float]) -> dict[f
     if any(now.get(le, 0.0) < v for le, v in before.items()):
         return dict(now)
     return {le: v - before.get(le, 0.0) for le, v in now.items()}
+
+
+def _layout(info: Mapping[str, Any]) -> str:
+    sizes = [int(info.get(f"{k}_size", 1)) for k in ("tp", "pp", "dp")]
+    if sizes == [1, 1, 1]:
+        return ""
+    tp, pp, dp = sizes
+    return f"TP {tp} x PP {pp} x DP {dp}" + (", replica 0's figures" if dp > 1 else "")
 
 
 def _slots(info: Mapping[str, Any], samples: Samples) -> tuple[int, int] | None:

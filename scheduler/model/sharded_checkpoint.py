@@ -27,6 +27,7 @@ Every rank of a mesh must run the same batches in the same order: these calls ar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import torch
@@ -52,8 +53,22 @@ def check_tp(config: LlamaConfig, tp_size: int) -> None:
     TPLayout(tp_size, config.kv_heads)
 
 
-def tp_sizes(config: LlamaConfig, most: int = 64) -> list[int]:
-    """The TP sizes up to ``most`` a checkpoint of ``config`` splits over."""
+class HeadCounts(Protocol):
+    """What decides the TP sizes a model splits over (a checkpoint's ``LlamaConfig``, the
+    reference model's ``ModelConfig``)."""
+
+    @property
+    def heads(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def intermediate(self) -> int: ...
+
+
+def tp_sizes(config: HeadCounts, most: int = 64) -> list[int]:
+    """The TP sizes up to ``most`` a model of ``config`` splits over."""
     sizes = []
     for tp in range(1, most + 1):
         if config.heads % tp or config.intermediate % tp:
