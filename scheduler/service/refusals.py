@@ -6,9 +6,9 @@ duplicate id) tells the other worker through its engine (:meth:`PrefillScheduler
 :meth:`DecodePeer.refuse_room`; :mod:`kv.refusal`), so the other half fails at once with
 ``peer refused: <kind> (<status>): <message>`` instead of waiting for its bootstrap or waiting
 timeout (a prefill worker with DP replicas has the replica of the room refuse it, as decode asks
-that replica for the room's KV); a kind the client can act on (a 4xx, or 503) is what that half answers too
-(:func:`kv.refusal.refused_for_the_client`), so a router passes the same status on whichever
-worker it reads.
+that replica for the room's KV); a kind the client can act on (a 4xx, or 503) is what that half
+answers too (:func:`kv.refusal.refused_for_the_client`), so a router passes the same status on
+whichever worker it reads.
 Only the Mooncake backend pairs workers; the local and fake backends choose their own rooms.
 """
 
