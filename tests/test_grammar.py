@@ -475,8 +475,12 @@ def test_a_grammar_beyond_the_engines_limits_fails_as_the_clients_on_either_side
     assert first.reason is FailureReason.REJECTED, first
     assert "grammar engine cannot run" in first.detail
     assert "(token 97 at output position 0)" in first.detail, first.detail
-    # The decode side only saw its peer abort; the client gets the refusal.
-    assert out["first"].decode.reason is FailureReason.TRANSFER_FAILED, out["first"].decode
+    # The decode side is told why (a refusal the client is to see); the client gets the
+    # prefill's answer.
+    refused = out["first"].decode
+    assert refused.reason is FailureReason.BOOTSTRAP_FAILED, refused
+    assert "peer refused: rejected (400): " in refused.detail, refused.detail
+    assert "grammar engine cannot run" in refused.detail, refused.detail
     assert out["first"].answer is first
     assert out["later"].prefill.reason is None, out["later"].prefill
     later = out["later"].decode

@@ -189,7 +189,8 @@ def test_a_refusal_never_fails_a_live_request_that_holds_the_room(pair: Pair) ->
     # The prefill lists the decode session registered with it (its engine's host:port).
     peers = pair.prefill.get("/server_info")["peers"]
     assert len(peers) == 1 and peers[0].startswith("127.0.0.1:"), peers
-    assert pair.decode.get("/server_info")["peers"] == [f"127.0.0.1:{pair.bootstrap_port}"]
+    # (Other tests' prefill servers may be listed too, until decode retires them.)
+    assert f"127.0.0.1:{pair.bootstrap_port}" in pair.decode.get("/server_info")["peers"]
 
 
 def held_draining(server: Server, hold: dict[str, Any], peer: Pair) -> Future[httpx.Response]:
