@@ -507,6 +507,10 @@ class Service:
             self._pending.clear()
             self._streams.clear()
             self._idle.notify_all()
+        # Every live request is answered below: none is live in the failed engines any more,
+        # whatever state their last pass left it in.
+        self.snapshot = {**self.snapshot, "requests": {
+            side: {} for side in self.snapshot.get("requests", {})}}
         message = f"internal error: the engine loop failed ({type(exc).__name__}: {exc})"
         for p in pending:
             p.resolve(Answer(
