@@ -510,7 +510,8 @@ class Service:
         # Every live request is answered below: none is live in the failed engines any more,
         # whatever state their last pass left it in.
         self.snapshot = {**self.snapshot, "requests": {
-            side: {} for side in self.snapshot.get("requests", {})}}
+            side: dict.fromkeys(states, 0)
+            for side, states in self.snapshot.get("requests", {}).items()}}
         message = f"internal error: the engine loop failed ({type(exc).__name__}: {exc})"
         for p in pending:
             p.resolve(Answer(
