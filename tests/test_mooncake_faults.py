@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -26,6 +26,9 @@ from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from lifecycle.testing import FakeClock
 from tests.mooncake_harness import DecodePeer
 from tests.transfer_harness import GEOMETRY, drive, eventually, make_pool
+
+if TYPE_CHECKING:
+    from kv.mooncake_decode import MooncakeDecodeManager
 
 pytestmark = pytest.mark.mooncake
 
@@ -269,6 +272,21 @@ def test_control_sockets_back_off_from_a_peer_that_does_not_answer() -> None:
         ctx.term()
 
 
+def _lands(decode: MooncakeDecodeManager, prefill: MooncakeKVManager, address: str,
+           room: int) -> None:
+    """A room sent from ``prefill`` lands on ``decode`` (both registered with each other)."""
+    receiver = decode.create_receiver(address, room)
+    receiver.init()
+    receiver.send_metadata([4, 5], 1)
+    sender = prefill.create_sender(address, room)
+    assert drive(prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
+    sender.init(2, 0)
+    prefill.metadata.write(0, first_token=9, cached_tokens=0, logprob=None, room=room)
+    sender.send([6, 7], last=True)
+    assert drive(prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
+    eventually(lambda: receiver.poll() == KVPoll.SUCCESS, f"room {room} landed on decode")
+
+
 def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when_it_returns(
 ) -> None:
     """The decode heartbeat: a prefill whose bootstrap stops answering fails its rooms in two
@@ -302,16 +320,7 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
         prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
         prefill.register_to_bootstrap(server.address)
         eventually(lambda: decode.lost is None, "decode registered with the new prefill")
-        receiver = decode.create_receiver(server.address, 3)
-        receiver.init()
-        receiver.send_metadata([4, 5], 1)
-        sender = prefill.create_sender(server.address, 3)
-        assert drive(prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
-        sender.init(2, 0)
-        prefill.metadata.write(0, first_token=9, cached_tokens=0, logprob=None, room=3)
-        sender.send([6, 7], last=True)
-        assert drive(prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
-        eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "room 3 landed on decode")
+        _lands(decode, prefill, server.address, room=3)
     finally:
         decode.close()
         prefill.close()
@@ -345,16 +354,7 @@ def test_a_prefill_restarted_between_two_health_checks_is_registered_with_again(
         assert decode.lost is None
         assert waiting.poll() == KVPoll.FAILED and waiting.quiescent()
         assert "restarted (another instance" in waiting.failure_exception().reason
-        receiver = decode.create_receiver(server.address, 3)
-        receiver.init()
-        receiver.send_metadata([4, 5], 1)
-        sender = prefill.create_sender(server.address, 3)
-        assert drive(prefill, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
-        sender.init(2, 0)
-        prefill.metadata.write(0, first_token=9, cached_tokens=0, logprob=None, room=3)
-        sender.send([6, 7], last=True)
-        assert drive(prefill, sender, _TERMINAL)[-1] == KVPoll.SUCCESS
-        eventually(lambda: receiver.poll() == KVPoll.SUCCESS, "room 3 landed on decode")
+        _lands(decode, prefill, server.address, room=3)
     finally:
         decode.close()
         prefill.close()
