@@ -34,8 +34,9 @@ by another instance of the bootstrap endpoint (``X-Pdlife-Instance``: a prefill 
 between two checks, too fast to miss any) counts as gone and back at once. When the health check
 answers again, the manager looks the prefill server up again, sends every rank a fresh
 ``Register``, so a restarted prefill server is used without restarting decode, and refuses to
-it the rooms it failed at once meanwhile (the router sent their other half there: without the
-refusal it would wait for its bootstrap timeout).
+it the rooms it failed when it lost the prefill and those it failed at once meanwhile (the
+router may have sent their other half there: without the refusal it would wait for its
+bootstrap timeout).
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class MooncakeDecodeManager:
         # None while it answers.
         self._lost: str | None = None
         self._lost_since: float | None = None
-        # Rooms failed at once meanwhile, with why: refused to the prefill when it is back.
+        # Rooms failed when the prefill was lost and at once meanwhile, with why: refused to
+        # the prefill when it is back.
         self._failed_while_lost: deque[tuple[int, str]] = deque(maxlen=_MAX_REFUSED_WHILE_LOST)
         self._closed = False
         infos = metadata.buffer_infos()
@@ -282,6 +284,11 @@ class MooncakeDecodeManager:
     def _lose_prefill(self, reason: str) -> None:
         with self._lock:
             self._lost, self._lost_since = reason, time.monotonic()
+            # Their other halves may wait on the prefill (one restarted took them after its
+            # restart, a prefill cut off by the network still holds them): refused to it once
+            # it answers again.
+            self._failed_while_lost.extend((room, reason) for room, rec in self._rooms.items()
+                                           if not rec.status.terminal)
             rooms = self._end_rooms(reason)
         for rec in rooms:
             self.ready.put(rec.room)
@@ -318,7 +325,7 @@ class MooncakeDecodeManager:
         for room, reason in failed:
             self.refuse(self.bootstrap_addr, room, reason)
         logger.info("prefill %s is back (%d ranks); registered again%s", self.bootstrap_addr,
-                    len(table.ranks), f", refused the {len(failed)} rooms failed meanwhile"
+                    len(table.ranks), f", refused the {len(failed)} rooms failed since it was lost"
                     if failed else "")
 
     def _handle(self, msg: wire.Message) -> None:

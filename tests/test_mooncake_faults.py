@@ -349,11 +349,18 @@ def test_a_prefill_restarted_between_two_health_checks_is_registered_with_again(
         server = BootstrapServer(port=port)
         prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
         prefill.register_to_bootstrap(server.address)
+        server.add_refusal_listener(prefill.peer_refused)  # as pdlife serve wires it
+        # The router sent room 1's other half to the new prefill after its restart.
+        half = prefill.create_sender(server.address, 1)
         decode._wake.set()  # the next health check, without an hour's wait for it
         eventually(lambda: bool(prefill.decode_sessions()), "decode registered again")
         assert decode.lost is None
         assert waiting.poll() == KVPoll.FAILED and waiting.quiescent()
         assert "restarted (another instance" in waiting.failure_exception().reason
+        # Refused to the new prefill: its half fails at once, not at its bootstrap timeout.
+        assert drive(prefill, half, _TERMINAL)[-1] == KVPoll.FAILED
+        assert half.failure_exception().refused
+        assert "restarted (another instance" in half.failure_exception().reason
         _lands(decode, prefill, server.address, room=3)
     finally:
         decode.close()
