@@ -272,6 +272,15 @@ def test_control_sockets_back_off_from_a_peer_that_does_not_answer() -> None:
         ctx.term()
 
 
+def _prefill_at(port: int = 0, config: MooncakeConfig | None = None,
+                ) -> tuple[BootstrapServer, MooncakeKVManager]:
+    """A prefill rank registered at a bootstrap endpoint on ``port`` (0: a free one)."""
+    server = BootstrapServer(port=port)
+    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8), config=config)
+    prefill.register_to_bootstrap(server.address)
+    return server, prefill
+
+
 def _lands(decode: MooncakeDecodeManager, prefill: MooncakeKVManager, address: str,
            room: int) -> None:
     """A room sent from ``prefill`` lands on ``decode`` (both registered with each other)."""
@@ -294,10 +303,8 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
     address again, decode registers with it and transfers resume."""
     from kv.mooncake_decode import MooncakeDecodeManager
 
-    server = BootstrapServer()
+    server, prefill = _prefill_at()
     port = int(server.address.rpartition(":")[2])
-    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
-    prefill.register_to_bootstrap(server.address)
     decode = MooncakeDecodeManager(
         make_pool(), MetadataBuffers(8), server.address,
         config=MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_max_failures=2),
@@ -316,9 +323,7 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
         assert late.poll() == KVPoll.FAILED  # while the prefill is gone, at once
         assert decode.lost is not None
 
-        server = BootstrapServer(port=port)
-        prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
-        prefill.register_to_bootstrap(server.address)
+        server, prefill = _prefill_at(port)
         eventually(lambda: decode.lost is None, "decode registered with the new prefill")
         _lands(decode, prefill, server.address, room=3)
     finally:
@@ -333,10 +338,8 @@ def test_a_prefill_restarted_between_two_health_checks_is_registered_with_again(
     registers with the new one (whose ranks would otherwise never hear of this decode)."""
     from kv.mooncake_decode import MooncakeDecodeManager
 
-    server = BootstrapServer()
+    server, prefill = _prefill_at()
     port = int(server.address.rpartition(":")[2])
-    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
-    prefill.register_to_bootstrap(server.address)
     decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(8), server.address,
                                    config=MooncakeConfig(heartbeat_interval_s=3600))
     try:
@@ -346,9 +349,7 @@ def test_a_prefill_restarted_between_two_health_checks_is_registered_with_again(
         eventually(lambda: bool(prefill.decode_sessions()), "decode registered")
         prefill.close()
         server.close()
-        server = BootstrapServer(port=port)
-        prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
-        prefill.register_to_bootstrap(server.address)
+        server, prefill = _prefill_at(port)
         server.add_refusal_listener(prefill.peer_refused)  # as pdlife serve wires it
         # The router sent room 1's other half to the new prefill after its restart.
         half = prefill.create_sender(server.address, 1)
@@ -377,10 +378,8 @@ def test_a_room_failed_while_the_prefill_counted_as_gone_is_refused_to_it_once_i
     timeout."""
     from kv.mooncake_decode import MooncakeDecodeManager
 
-    server = BootstrapServer()
+    server, prefill = _prefill_at()
     port = int(server.address.rpartition(":")[2])
-    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8))
-    prefill.register_to_bootstrap(server.address)
     decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(8), server.address,
                                    config=MooncakeConfig(heartbeat_interval_s=3600))
     try:
@@ -388,10 +387,7 @@ def test_a_room_failed_while_the_prefill_counted_as_gone_is_refused_to_it_once_i
         server.close()
         # The heartbeat's verdict, without an hour's wait for it.
         decode._lose_prefill(f"lost contact with prefill {server.address}")
-        server = BootstrapServer(port=port)
-        prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8),
-                                    config=MooncakeConfig(bootstrap_timeout_s=300.0))
-        prefill.register_to_bootstrap(server.address)
+        server, prefill = _prefill_at(port, MooncakeConfig(bootstrap_timeout_s=300.0))
         server.add_refusal_listener(prefill.peer_refused)  # as pdlife serve wires it
         half = prefill.create_sender(server.address, 5)
         late = decode.create_receiver(server.address, 5)
