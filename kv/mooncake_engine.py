@@ -145,16 +145,26 @@ def _port_range_env() -> tuple[str | None, str | None]:
     return os.environ.get("MC_MIN_RPC_PORT"), os.environ.get("MC_MAX_RPC_PORT")
 
 
+def _port_range() -> tuple[str, str] | None:
+    """The range the environment gives, a bound it leaves out at its default; None when it
+    gives none."""
+    given = _port_range_env()
+    if given == (None, None):
+        return None
+    low, high = (value or str(default) for value, default in zip(given, DEFAULT_RPC_PORTS,
+                                                                 strict=True))
+    return low, high
+
+
 def port_range_problem() -> str:
     """Why Mooncake would not take the ``MC_MIN_RPC_PORT`` .. ``MC_MAX_RPC_PORT`` range in the
     environment, or "": what a server checks before it starts any engine (a decode server's
     starts with its first request). Mooncake (0.3.13) takes a range of port numbers that ends
     below 32768, and falls back to 15000-17000 for any other."""
-    given = _port_range_env()
-    if given == (None, None):
+    given = _port_range()
+    if given is None:
         return ""
-    low, high = (value or str(default) for value, default in zip(given, DEFAULT_RPC_PORTS,
-                                                                 strict=True))
+    low, high = given
     if low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 32768:
         return ""
     return (f"MC_MIN_RPC_PORT..MC_MAX_RPC_PORT is {low}-{high}: the Mooncake transfer engine "
@@ -168,11 +178,10 @@ def ignored_port_range(port: int) -> str:
     (0.3.13) falls back to 15000-17000 for a range it does not take (one that reaches 32768 or
     above, or is not a range), saying so only in its own log: a firewall written for the range
     given would miss the ports the engine listens on."""
-    given = _port_range_env()
-    if given == (None, None):
+    given = _port_range()
+    if given is None:
         return ""
-    low, high = (value or str(default) for value, default in zip(given, DEFAULT_RPC_PORTS,
-                                                                 strict=True))
+    low, high = given
     if low.isdigit() and high.isdigit() and int(low) <= port <= int(high):
         return ""
     return (f"MC_MIN_RPC_PORT..MC_MAX_RPC_PORT asks for ports {low}-{high}, but the Mooncake "
