@@ -44,6 +44,7 @@ class ForwardBatch:
         return sum(len(i.input_ids) for i in self.items)
 
 
+@runtime_checkable
 class ModelRunner(Protocol):
     """Runs a batch: writes the K/V of every item's tokens into ``pool`` and returns, per item,
     the greedy next token after its last input token.
