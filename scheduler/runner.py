@@ -49,9 +49,10 @@ class ModelRunner(Protocol):
     """Runs a batch: writes the K/V of every item's tokens into ``pool`` and returns, per item,
     the greedy next token after its last input token.
 
-    A runner whose model has a context limit says so in an attribute ``max_position`` (the
-    shipped runners do): admission then refuses a request whose prompt and answer need more
-    positions (:mod:`scheduler.sample.request`)."""
+    Two optional attributes (the shipped runners have both) let admission refuse what the
+    model cannot run (:mod:`scheduler.sample.request`): ``vocab_size``, a prompt holding an id
+    outside ``0 .. vocab_size - 1``; ``max_position``, the count of positions the model has, a
+    request whose prompt and answer need more."""
 
     pool: KVPool
 
@@ -60,7 +61,8 @@ class ModelRunner(Protocol):
 
 @runtime_checkable
 class LogitsRunner(ModelRunner, Protocol):
-    """A runner that can also hand back logits, for sampling, logprobs and grammars.
+    """A runner that can also hand back logits, for sampling, logprobs and grammars; it needs
+    ``vocab_size`` (the width of a row of logits) besides :meth:`logits`.
 
     :meth:`logits` writes the K/V as :meth:`forward` does and returns float32 logits (float64
     for the exact reference model) of shape ``[rows, vocab]``: per item in batch order, one row

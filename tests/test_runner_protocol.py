@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from kv.fake import FakeKVManager
+from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
+from lifecycle import FailureReason, SamplingParams
+from lifecycle.testing import FakeClock
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 
 MODEL = LlamaModel(ModelConfig.tiny(seed=3))
@@ -35,3 +42,66 @@ def test_isinstance_tells_a_model_runner_and_a_logits_runner() -> None:
     assert isinstance(plain, ModelRunner) and not isinstance(plain, LogitsRunner)
     assert not isinstance(NoPool(), ModelRunner)
     assert not isinstance(torch.zeros(1), ModelRunner)
+
+
+class LogitsNoVocab(ForwardOnly):
+    """``logits`` without the ``vocab_size`` a logits runner needs."""
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        return self._inner.logits(batch)
+
+
+class ForwardWithVocab(ForwardOnly):
+    """``forward`` alone, with the optional ``vocab_size``."""
+
+    vocab_size = MODEL.config.vocab_size
+
+
+def serve(runner: ModelRunner, requests: dict[str, NewRequest]) -> dict[str, Response]:
+    """Each request through a prefill scheduler over ``runner`` (the fake backend); the
+    answers by id, once every page is back."""
+    clock, responses = FakeClock(), list[Response]()
+    sched = PrefillScheduler(
+        config=SchedulerConfig(page_size=4, chunked_prefill_size=8, check_invariants=True),
+        runner=runner, kv=FakeKVManager(clock=clock), metadata=MetadataBuffers(4),
+        slots=SlotAllocator(4), clock=clock, on_response=responses.append)
+    for req in requests.values():
+        sched.submit(req)
+    sched.run_until(lambda: len(responses) == len(requests) and sched.idle())
+    sched.check_invariants()
+    assert runner.pool.allocator.available() == runner.pool.num_pages
+    sched.close()
+    return {r.rid: r for r in responses}
+
+
+def request(rid: str, room: int, prompt: tuple[int, ...] = (1, 2, 3),
+            sampling: SamplingParams | None = None) -> NewRequest:
+    return NewRequest(rid, prompt, bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=room,
+                      sampling=sampling or SamplingParams())
+
+
+def test_a_runner_with_logits_but_no_vocab_size_is_told_which_attribute_it_lacks() -> None:
+    runner = LogitsNoVocab(MODEL.make_pool(num_pages=16, page_size=4))
+    assert not isinstance(runner, LogitsRunner)
+    out = serve(runner, {"sampled": request("sampled", 1, sampling=SamplingParams(
+        temperature=0.5, seed=1)), "plain": request("plain", 2)})
+    refused = out["sampled"]
+    assert refused.reason is FailureReason.REJECTED and refused.http_status == 400
+    assert "no vocab_size attribute, which a logits runner needs" in refused.detail, refused
+    assert out["plain"].ok
+
+    # A runner without logits at all is told that it serves greedy requests only.
+    out = serve(ForwardOnly(MODEL.make_pool(num_pages=16, page_size=4)), {
+        "sampled": request("sampled", 1, sampling=SamplingParams(temperature=0.5, seed=1))})
+    assert "serves only greedy requests without logprobs" in out["sampled"].detail
+
+
+def test_a_runner_that_declares_vocab_size_has_its_prompts_checked_against_it() -> None:
+    """Without logits too: an id outside the vocabulary is refused alone (400), where the
+    model would have failed its whole batch."""
+    vocab = MODEL.config.vocab_size
+    out = serve(ForwardWithVocab(MODEL.make_pool(num_pages=16, page_size=4)), {
+        "outside": request("outside", 1, prompt=(1, vocab, 2)), "inside": request("inside", 2)})
+    assert out["outside"].reason is FailureReason.REJECTED, out["outside"]
+    assert f"token ids must be in 0..{vocab - 1}, got 1..{vocab}" in out["outside"].detail
+    assert out["inside"].ok

@@ -4,9 +4,10 @@ Both the prefill scheduler and the decode peer admit a request through
 :meth:`Sampling.admit`: a request whose sampling the side cannot honour is refused (a reason
 that maps to 400), never served greedily instead — it needs logits and the runner has none, or
 a grammar and the side has no compiler, or a grammar that does not compile, or stop strings and
-the side cannot detokenize; so is a prompt holding an id outside the runner's vocabulary (it
-would fail its whole batch), and a prompt and ``max_new_tokens`` beyond the runner's context
-(its ``max_position``, where it has one). A request that needs more than a runner's greedy
+the side cannot detokenize; so is a prompt holding an id outside the runner's vocabulary (its
+``vocab_size``, where it has one: such an id would fail its whole batch), and a prompt and
+``max_new_tokens`` beyond the runner's context (its ``max_position``, a count of positions,
+where it has one). A request that needs more than a runner's greedy
 ``forward`` gets a :class:`RequestSampling`: its stream's seed, its compiled constraint, and the
 logprobs gathered so far. The side keeps it by request id until the request is answered.
 """
@@ -126,7 +127,13 @@ class Sampling:
         ``detokenize``. ``eos_token_ids``: the model's end-of-sequence ids, which
         ``min_new_tokens`` excludes with the request's stop tokens."""
         self.logits = isinstance(runner, LogitsRunner)
-        self._vocab = runner.vocab_size if isinstance(runner, LogitsRunner) else None
+        # Why a request that needs logits is refused: a runner with ``logits`` but without
+        # ``vocab_size`` is no LogitsRunner, and its author should hear which attribute is missing.
+        self._no_logits = "" if self.logits else (
+            "this one has logits() but no vocab_size attribute, which a logits runner needs "
+            "(scheduler.runner.LogitsRunner)" if hasattr(runner, "logits")
+            else "this one serves only greedy requests without logprobs")
+        self._vocab: int | None = getattr(runner, "vocab_size", None)
         self._context: int | None = getattr(runner, "max_position", None)
         self._eos = frozenset(eos_token_ids)
         self.compiler = compiler
@@ -164,7 +171,7 @@ class Sampling:
         if needs_logits(params, len(prompt)) and not self.logits:
             raise SamplingRefused(
                 f"request {rid!r}: sampling, logprobs and grammars need a model runner that "
-                f"returns logits; this one serves only greedy requests without logprobs")
+                f"returns logits; {self._no_logits}")
         bias = params.logit_bias
         if bias and self._vocab is not None and bias[-1][0] >= self._vocab:
             raise SamplingRefused(f"request {rid!r}: logit_bias names token {bias[-1][0]}, "
