@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -75,6 +75,24 @@ class LogitsRunner(ModelRunner, Protocol):
     vocab_size: int
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class RunnerAnswerError(ValueError):
+    """A model runner's forward answered other than one token per item of its batch."""
+
+
+def answer_error(tokens: object, batch_size: int) -> RunnerAnswerError | None:
+    """What is wrong with ``tokens``, a forward's answer to a batch of ``batch_size`` items, or
+    None when it holds one token per item. The scheduler and the decode peer fail the batch on
+    it as on a forward that raised."""
+    if isinstance(tokens, Sized):
+        if len(tokens) == batch_size:
+            return None
+        got = f"{len(tokens)} tokens"
+    else:
+        got = repr(tokens) if tokens is None else f"a {type(tokens).__name__}"
+    return RunnerAnswerError(f"the model runner answered {got} for a batch of {batch_size} "
+                             f"requests")
 
 
 def check_pool_fits(pool: KVPool, layers: int, kv_heads: int, head_dim: int,

@@ -112,7 +112,8 @@ def test_the_cli_reports_unshrunk_with_no_shrink_and_says_so_in_the_rerun_line()
 
 
 class _WrongLengthRunner(PageEchoRunner):
-    """A model runner that answers one token too few: the scheduler's results step raises."""
+    """A model runner that answers one token too few: the scheduler fails the batch and goes
+    on; the machine's guard around the runner reports it."""
 
     def forward(self, batch: ForwardBatch) -> list[int]:
         return super().forward(batch)[:-1]
@@ -124,9 +125,10 @@ def _wrong_length_runner(num_pages: int, page_size: int) -> _WrongLengthRunner:
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
-def test_the_cli_reports_an_exception_of_the_code_under_test_as_such(loop: str) -> None:
-    """Once: in the overlap loop the batch in flight fails again as close() lands it, which
-    must not mask (or add to) the failure of step()."""
+def test_the_cli_reports_a_runner_that_answers_the_wrong_count_as_the_code_under_test(
+        loop: str) -> None:
+    """Once, as the code under test's fault, although the scheduler survives it: nothing
+    raises out of step() or close()."""
     out = io.StringIO()
     args = _args("--examples", "30", "--steps", "6", "--seed", "4", "--loop", loop)
     status = run_fuzz(
@@ -136,10 +138,35 @@ def test_the_cli_reports_an_exception_of_the_code_under_test_as_such(loop: str) 
     text = out.getvalue()
     assert status == 3, text[-3000:]
     assert f"FAILED: the code under test raised in the {loop} loop (seed 4)" in text
-    assert "step() raised ValueError" in text
-    assert "close() raised" not in text and "distinct failures" not in text, text[-3000:]
+    assert "\n  the model runner answered 0 tokens for a batch of 1 requests" in text, text[-3000:]
+    assert "step() raised" not in text and "close() raised" not in text, text[-3000:]
+    assert "distinct failures" not in text, text[-3000:]
     assert "broke an invariant" not in text
     assert f"rerun: pdlife fuzz --examples 30 --seed 4 --steps 6 --loop {loop}" in text
+
+
+class _ShortContextRunner(PageEchoRunner):
+    """A model of 8 positions that does not declare ``max_position``: a longer prompt reaches
+    it and it raises. The scheduler fails the batch ``internal`` and goes on."""
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        for item in batch.items:
+            if item.start + len(item.input_ids) > 8:
+                raise IndexError(f"position {item.start + len(item.input_ids) - 1} of 8")
+        return super().forward(batch)
+
+
+def test_the_cli_reports_a_runner_that_raises_on_its_own_as_the_code_under_test() -> None:
+    """Not the machine's injected forward faults (every other search here has them), but a
+    runner that raises on a batch the scheduler admitted."""
+    out = io.StringIO()
+    args = _args("--examples", "30", "--steps", "6", "--seed", "4", "--loop", "normal")
+    status = run_fuzz(args, lambda loop: scheduler_machine(
+        loop=loop, runner_factory=lambda n, ps: _ShortContextRunner(
+            echo_runner_factory(n, ps).pool)), out)
+    text = out.getvalue()
+    assert status == 3, text[-3000:]
+    assert "\n  the model runner raised IndexError('position " in text, text[-3000:]
 
 
 def test_a_runner_whose_pool_the_scheduler_refuses_is_the_code_under_test() -> None:

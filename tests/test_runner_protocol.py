@@ -3,6 +3,7 @@ and how the scheduler tells a runner that lacks something from one that has it."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kv.fake import FakeKVManager
@@ -10,11 +11,14 @@ from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.pool import KVPool
 from lifecycle import FailureReason, SamplingParams
 from lifecycle.testing import FakeClock
-from scheduler.messages import FAKE_BOOTSTRAP_HOST, NewRequest, Response
+from scheduler.decode import DecodePeer
+from scheduler.decode.router import DecodeKVRouter, LocalPrefillFake
+from scheduler.messages import FAKE_BOOTSTRAP_HOST, DecodeResponse, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
+from scheduler.stepping import step_until
 
 MODEL = LlamaModel(ModelConfig.tiny(seed=3))
 
@@ -105,3 +109,67 @@ def test_a_runner_that_declares_vocab_size_has_its_prompts_checked_against_it() 
     assert out["outside"].reason is FailureReason.REJECTED, out["outside"]
     assert f"token ids must be in 0..{vocab - 1}, got 1..{vocab}" in out["outside"].detail
     assert out["inside"].ok
+
+
+class Short(ForwardOnly):
+    """Answers one token too few while ``short`` is set."""
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool)
+        self.short = True
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        tokens = super().forward(batch)
+        return tokens[:-1] if self.short else tokens
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_forward_that_answers_the_wrong_count_fails_its_batch_and_the_loop_goes_on(
+        overlap: bool) -> None:
+    runner = Short(MODEL.make_pool(num_pages=16, page_size=4))
+    clock, responses = FakeClock(), list[Response]()
+    sched = PrefillScheduler(
+        config=SchedulerConfig(page_size=4, check_invariants=True), runner=runner,
+        kv=FakeKVManager(clock=clock), metadata=MetadataBuffers(2), slots=SlotAllocator(2),
+        clock=clock, on_response=responses.append, overlap=overlap)
+    sched.submit(request("a", 1, prompt=tuple(range(1, 10))))
+    sched.run_until(lambda: len(responses) == 1 and sched.idle())
+    failed = responses[0]
+    assert failed.reason is FailureReason.INTERNAL and failed.http_status == 500, failed
+    assert "the model runner answered 0 tokens for a batch of 1 requests" in failed.detail
+    sched.check_invariants()
+    assert runner.pool.allocator.available() == runner.pool.num_pages
+    assert sched.slots.available() == sched.slots.num_slots
+
+    runner.short = False  # the loop went on: the next request is served
+    sched.submit(request("b", 2, prompt=tuple(range(1, 10))))
+    sched.run_until(lambda: len(responses) == 2 and sched.idle())
+    assert responses[1].ok, responses[1]
+    assert runner.pool.allocator.available() == runner.pool.num_pages
+    sched.close()
+
+
+def test_a_decode_step_that_answers_the_wrong_count_fails_its_batch_and_the_peer_goes_on() -> None:
+    pool = MODEL.make_pool(num_pages=32, page_size=4)
+    runner, metadata = Short(pool), MetadataBuffers(4)
+    # The fake host's requests have their prompt computed by a correct runner over the pool.
+    fake = LocalPrefillFake(PagedModelRunner(MODEL, pool), metadata)
+    answers: list[DecodeResponse] = []
+    peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
+                      slots=SlotAllocator(4), on_response=answers.append)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    def decode(rid: str, room: int) -> DecodeResponse:
+        fake.expect(room, rid, (1, 2, 3), params)
+        peer.submit(request(rid, room, sampling=params))
+        step_until(peer.step, lambda: any(a.rid == rid for a in answers) and peer.idle(), 30.0,
+                   lambda: f"answered: {answers}")
+        peer.check_invariants()
+        assert pool.allocator.available() == pool.num_pages
+        return next(a for a in answers if a.rid == rid)
+
+    failed = decode("a", 1)
+    assert failed.reason is FailureReason.INTERNAL, failed
+    assert "the model runner answered 0 tokens for a batch of 1 requests" in failed.detail
+    runner.short = False
+    assert decode("b", 2).ok

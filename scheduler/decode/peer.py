@@ -13,8 +13,9 @@ request's own room (a torn or foreign row fails the request); its first token st
 (``received``, DECODING). Every pass runs one decode step for all DECODING requests, growing
 their pages as the sequence grows; ``finished`` at max_new_tokens, a stop token, a stop string
 or a completed grammar. Tokens are greedy, or sampled from the request's seeded stream, with
-logprobs when asked (:mod:`.sampling` holds both rules). A decode step that raised fails its
-requests (``internal``) and the loop goes on. Room 0 is refused: it marks an empty metadata row.
+logprobs when asked (:mod:`.sampling` holds both rules). A decode step that raised, or whose
+runner answered other than one token per request, fails its requests (``internal``) and the
+loop goes on. Room 0 is refused: it marks an empty metadata row.
 A request still waiting for its KV when its waiting deadline passes (:mod:`.deadlines`) fails
 ``transfer_timeout``.
 
@@ -67,7 +68,7 @@ from scheduler.messages import (
     take_all,
 )
 from scheduler.model.speculative import SpeculativeDecoder
-from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner, answer_error
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
 from scheduler.stepping import OneThread
@@ -358,6 +359,9 @@ class DecodePeer:
             return worked
         try:
             tokens, sampled = self._sampling.step(reqs, ForwardBatch(tuple(items)))
+            malformed = answer_error(tokens, len(reqs))
+            if malformed is not None:
+                raise malformed
         except Exception as exc:  # the batch's requests fail; the loop goes on
             logger.error("decode step of %d requests failed: %r", len(reqs), exc)
             self.lifecycle.fire(DecodeEvent.FAIL, reqs, reason=FailureReason.INTERNAL,

@@ -9,7 +9,8 @@ the metadata row (with a draft model's hand-off: :mod:`.drafting`) and sends the
 request's state (:func:`kv.state_sends.chunk_send` decides both) — and returns what the pass
 must fire. With state pools (:mod:`kv.state_pools`) :func:`prepare` takes the SWA pages of
 the chunk's pages and, with a request's first pages, its recurrent-state slot. A forward that
-raised defers an ``internal`` failure on each of its requests; whatever was deferred settles as
+raised, or answered other than one token per item, defers an ``internal`` failure on each of its
+requests; whatever was deferred settles as
 the last batch holding a request lands. A batch with requests that sample or want logprobs runs
 a :class:`~scheduler.sample.batch.LogitsForward` instead of ``runner.forward``
 (:mod:`.sampling`); its per-item results are read here, after the forward's result.
@@ -50,7 +51,7 @@ from scheduler.prefill.on_device import (
     take_off_device,
 )
 from scheduler.prefill.sampling import PrefillSampling
-from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner, answer_error
 from scheduler.sample.batch import LogitsForward
 
 logger = logging.getLogger(__name__)
@@ -201,15 +202,15 @@ class Results:
     def land(self, launched: Launched) -> Landed:
         tokens, error = launched.outcome()
         chunks = launched.plan.chunks
+        if error is None:
+            # An answer of the wrong length fails the batch as a forward that raised would.
+            error = answer_error(tokens, len(chunks))
         if error is not None:
             logger.error("forward of a %d-request batch failed: %r", len(chunks), error)
             for chunk in chunks:
                 # Its pages are free to reuse once it lands: the forward has ended.
                 defer_failure(chunk.req, FailureReason.INTERNAL,
                                 f"the model forward failed: {error!r}")
-        elif tokens is None or len(tokens) != len(chunks):
-            raise ValueError(f"the model runner answered {0 if tokens is None else len(tokens)} "
-                             f"tokens for a batch of {len(chunks)} requests")
         else:
             self._metrics.batches.inc()
             self._metrics.prefill_tokens.inc(launched.plan.num_tokens)

@@ -4,9 +4,12 @@ The runner protocol's rule is that a forward writes only the KV pages its items 
 (docs/embedding.md). The machine cannot see what a runner of yours writes, so it wraps every
 runner it builds: each forward's pool is compared with a copy taken before it, and a page that
 changed without being named is a breach, kept in :attr:`GuardedRunner.violations` (the
-machine's invariant 3 fails on it). The wrapper can also make the next forward raise
-(:attr:`GuardedRunner.fail_next`, the machine's ``forward_fault`` rule: an injected device
-error), whatever the runner. The copy costs a pool's bytes per forward: fuzzing pools are small.
+machine's invariant 3 fails on it). The scheduler fails a batch whose forward raised, or
+answered other than one token (or row of logits) per item, and goes on; the wrapper keeps each
+such fault of the runner in :attr:`GuardedRunner.faults` (the machine reports it as the code
+under test's). It can also make the next forward raise (:attr:`GuardedRunner.fail_next`, the
+machine's ``forward_fault`` rule: an injected device error, which is not the runner's fault),
+whatever the runner. The copy costs a pool's bytes per forward: fuzzing pools are small.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 
 from kv.pool import KVPool
-from scheduler.runner import ForwardBatch, ModelRunner
+from scheduler.runner import ForwardBatch, ModelRunner, answer_error
 
 
 class GuardedRunner:
@@ -29,6 +32,7 @@ class GuardedRunner:
         self.pool: KVPool = inner.pool
         self.fail_next = False  # raise from the next forward (an injected device error)
         self._violations: list[str] = []
+        self._faults: list[str] = []
         self._lock = threading.Lock()  # the overlap loop's forwards run on the device worker
         if hasattr(inner, "logits"):  # only a runner that has it offers it
             self.logits = self._logits
@@ -43,17 +47,43 @@ class GuardedRunner:
         with self._lock:
             return [*self._violations, *getattr(self.inner, "violations", [])]
 
+    @property
+    def faults(self) -> list[str]:
+        """The runner's forwards that raised or answered a batch wrongly, so far."""
+        with self._lock:
+            return list(self._faults)
+
     def forward(self, batch: ForwardBatch) -> list[int]:
         before = self._before(batch)
-        out = self.inner.forward(batch)
+        try:
+            out = self.inner.forward(batch)
+        except Exception as exc:
+            self._fault(batch, f"the model runner raised {exc!r}")
+            raise
         self._check(batch, before)
+        error = answer_error(out, len(batch.items))
+        if error is not None:
+            self._fault(batch, str(error))
         return out
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         before = self._before(batch)
-        out: torch.Tensor = self.inner.logits(batch)  # type: ignore[attr-defined]
+        try:
+            out: torch.Tensor = self.inner.logits(batch)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._fault(batch, f"the model runner raised {exc!r}")
+            raise
         self._check(batch, before)
+        rows = sum(len(item.input_ids) if item.all_logits else 1 for item in batch.items)
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+        if shape is None or len(shape) != 2 or shape[0] != rows:
+            self._fault(batch, f"the model runner answered logits of shape {shape} where the "
+                               f"batch asks for {rows} rows")
         return out
+
+    def _fault(self, batch: ForwardBatch, what: str) -> None:
+        with self._lock:
+            self._faults.append(f"{what} (a forward of {[item.rid for item in batch.items]})")
 
     def _before(self, batch: ForwardBatch) -> torch.Tensor:
         if self.fail_next:

@@ -33,8 +33,10 @@ After every rule the machine checks invariants 1 to 5 of ``docs/architecture.md`
 the scheduler to quiescence and asserts every pool is full again and every sender was cleared.
 A broken check raises :class:`~scheduler.testing.verdicts.InvariantViolation` naming the
 invariant; an exception out of the scheduler is wrapped as
-:class:`~scheduler.testing.verdicts.CodeUnderTestError`; anything else is the machine's own
-error (:func:`~scheduler.testing.verdicts.classify`).
+:class:`~scheduler.testing.verdicts.CodeUnderTestError`, and a forward of the runner that
+raised or answered its batch wrongly (which the scheduler survives, failing the batch) is
+reported as one too; anything else is the machine's own error
+(:func:`~scheduler.testing.verdicts.classify`).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ from scheduler.testing.setup import (
     prompt_of,
     scheduler_configs,
 )
-from scheduler.testing.verdicts import invariant, under_test
+from scheduler.testing.verdicts import CodeUnderTestError, invariant, under_test
 
 S = PrefillState
 T = TypeVar("T")
@@ -348,6 +350,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if sched is None:
             return
         self._track()
+        faults = self.runner.faults
+        if faults:  # the scheduler failed the batch and went on: the runner is at fault
+            raise CodeUnderTestError(faults[0])
         with invariant(4):
             sched.lifecycle.check_index()
         check_prefix_cache(sched)  # before check_invariants(), which checks it too
