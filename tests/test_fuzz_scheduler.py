@@ -9,6 +9,7 @@ machine from the command line.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import logging
 import os
@@ -30,6 +31,7 @@ from scheduler.testing.fakes import (
     tiny_model,
 )
 from scheduler.testing.machine import scheduler_machine
+from scheduler.testing.setup import prompt_of
 
 _DEV = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
 # (programs, rules per program) for each machine below.
@@ -288,6 +290,44 @@ def test_a_finding_that_does_not_replay_is_still_a_finding() -> None:
     assert status == 1, text[-3000:]
     assert "FAILED: the normal loop broke an invariant" in text, text[-3000:]
     assert "first token" in text and "is not deterministic, so it could not be shrunk" in text
+
+
+def test_prompts_are_drawn_within_a_smaller_vocabulary_and_unchanged_otherwise() -> None:
+    # The draws of runners without a vocab_size, or with 256 ids or more, are the ones the
+    # seeds and replays recorded so far were made with (SHA-256 of these prompts, pinned).
+    cases = [(f"r{i}", n) for i in range(1, 40) for n in (0, 1, 5, 30, 97)]
+    digest = "9a67bf16164b8024df60f32ad72ab1931808fddbafb6c3949b5cd5f26c1cd5d4"
+    for vocab_size in (None, 256, 49_152):
+        drawn = [prompt_of(rid, n, vocab_size) for rid, n in cases]
+        assert hashlib.sha256(repr(drawn).encode()).hexdigest() == digest, vocab_size
+    small = [prompt_of(rid, n, 40) for rid, n in cases]
+    assert max(max(p, default=0) for p in small) == 39
+    assert small == [tuple(t % 40 for t in prompt_of(rid, n)) for rid, n in cases]
+
+
+class _SmallVocabRunner(PageEchoRunner):
+    vocab_size = 40
+
+
+def test_a_runner_with_a_small_vocabulary_is_fuzzed_not_refused() -> None:
+    """Admission refuses a prompt id outside a runner's vocab_size: the machine draws within
+    it, so the search serves requests instead of testing refusals."""
+    refused: list[str] = []
+    done = [0]
+
+    class Machine(scheduler_machine(  # type: ignore[misc]
+            loop="normal", reference=echo_next_token,
+            runner_factory=lambda n, ps: _SmallVocabRunner(echo_runner_factory(n, ps).pool))):
+        def teardown(self) -> None:
+            super().teardown()
+            refused.extend(r.detail for r in self.responses if "token ids must be" in r.detail)
+            done[0] += sum(r.ok for r in self.responses)
+
+    case = Machine.TestCase
+    case.settings = _budget(60, 20)
+    case().runTest()
+    assert refused == []
+    assert done[0] > 50  # served, first tokens checked against the echo of the drawn prompt
 
 
 def test_the_cli_refuses_bad_budgets() -> None:

@@ -75,10 +75,12 @@ def check_answer_counts(responses: Sequence[Response], submitted: collections.Co
             assert n <= submitted[rid], f"{rid!r} answered {n} times, submitted {submitted[rid]}"
 
 
-def check_response(resp: Response, pool: KVPool, reference: Reference | None) -> None:
+def check_response(resp: Response, pool: KVPool, reference: Reference | None,
+                   vocab_size: int | None = None) -> None:
     """Invariants 1 and 2 for one answer: a final state with a reason exactly when FAILED,
-    ``rejected`` for a prompt that can never fit, the reference's first token when DONE, and a
-    timeline that replays through the table."""
+    ``rejected`` for a prompt that can never fit, the reference's first token when DONE (of
+    :func:`prompt_of` the prompt, drawn within ``vocab_size``), and a timeline that replays
+    through the table."""
     with invariant(1):
         assert resp.state in (S.DONE, S.FAILED), resp
         assert (resp.state is S.DONE) == (resp.reason is None), resp
@@ -89,7 +91,7 @@ def check_response(resp: Response, pool: KVPool, reference: Reference | None) ->
         if not resp.timeline:  # refused before admission: only a duplicate id
             assert resp.reason is FailureReason.REJECTED and "already live" in resp.detail, resp
         if resp.ok and reference is not None:
-            want = reference(prompt_of(resp.rid, resp.prompt_tokens))
+            want = reference(prompt_of(resp.rid, resp.prompt_tokens, vocab_size))
             assert resp.first_token == want, (
                 f"{resp.rid}: first token {resp.first_token} != {want}"
             )

@@ -171,6 +171,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             runner = s.runner_factory(self.pages, ps)
         self.runner = GuardedRunner(runner)
         self.pool = self.runner.pool
+        # Prompts are drawn within the runner's vocabulary: outside it they would be refused.
+        self.vocab_size: int | None = getattr(runner, "vocab_size", None)
         self.capacity = self.pool.num_pages * ps
         self.states = None if s.states is None else s.states(self.pool)
         if self.states is not None:
@@ -261,8 +263,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             used.append(room)
             self.submitted[rid] += 1
             with under_test("submit()"):
-                self.sched.submit(NewRequest(rid, prompt_of(rid, length), bootstrap_host=host,
-                                             bootstrap_port=1, bootstrap_room=room))
+                self.sched.submit(NewRequest(
+                    rid, prompt_of(rid, length, self.vocab_size), bootstrap_host=host,
+                    bootstrap_port=1, bootstrap_room=room))
 
     def _draw_rid(self, data: st.DataObject) -> str:
         if self.submitted and self._draw(data, st.integers(0, 5), "reuse rid") == 0:
@@ -362,7 +365,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_requests(sched, self.seen)
         check_answer_counts(self.responses, self.submitted)
         for resp in self.responses[self._checked:]:
-            check_response(resp, self.pool, self.setup.reference)
+            check_response(resp, self.pool, self.setup.reference, self.vocab_size)
         self._checked = len(self.responses)
         self._observe()
         self._settled = True

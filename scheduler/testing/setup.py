@@ -69,11 +69,14 @@ def scheduler_configs(page_size: int = 4) -> st.SearchStrategy[SchedulerConfig]:
         drawn[0], radix_cache=drawn[1][0], schedule_policy=drawn[1][1]))
 
 
-def prompt_of(rid: str, length: int) -> tuple[int, ...]:
+def prompt_of(rid: str, length: int, vocab_size: int | None = None) -> tuple[int, ...]:
     """The prompt a submission of ``rid`` with ``length`` tokens carries (reproducible, so a
     response can be checked against the reference from its rid and token count). The first
-    0 to 24 tokens are one of three families', so prompts share prefixes (the prefix cache)."""
+    0 to 24 tokens are one of three families', so prompts share prefixes (the prefix cache).
+    Ids are in ``0 .. 255``, or ``0 .. vocab_size - 1`` for a runner whose ``vocab_size`` is
+    smaller (its prompts are then the same ones modulo its vocabulary, not refused)."""
     salt = sum(map(ord, rid))
     family, shared = salt % 3, 4 * (salt % 7)
-    return tuple(((family if i < shared else salt) * 31 + 7 * i * i + 3 * i) % 256
+    ids = 256 if vocab_size is None else min(256, vocab_size)
+    return tuple(((family if i < shared else salt) * 31 + 7 * i * i + 3 * i) % 256 % ids
                  for i in range(length))
