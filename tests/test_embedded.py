@@ -52,7 +52,10 @@ def test_a_prefill_failure_releases_both_sides():
         pair.prefill.abort("a")
         out = pair.run_until_done(["a"])["a"]
         assert out.prefill.reason is FailureReason.ABORTED
-        assert out.decode is not None and not out.decode.ok
+        # The decode half, which never got its KV, fails as a transfer the peer gave up on.
+        assert out.decode.reason is FailureReason.TRANSFER_FAILED, out.decode
+        assert out.decode.http_status == 500
+        assert "aborted by the peer" in out.decode.detail, out.decode.detail
         assert pair.prefill_pool.allocator.available() == 256
         assert pair.decode_pool.allocator.available() == 256
     finally:
