@@ -206,7 +206,7 @@ class BootstrapServer:
                      "kv_layout": ranks[0]["kv_layout"], "model": ranks[0]["model"],
                      "model_name": ranks[0]["model_name"], "ranks": ranks,
                      "token_required": self._token is not None, "keepalive": True,
-                     "instance": self.instance}
+                     "watch": True, "instance": self.instance}
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -360,6 +360,7 @@ class BootstrapClient:
                 page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks,
                 token_required=table.get("token_required") is True,
                 keepalive=table.get("keepalive") is True,
+                watch=table.get("watch") is True,
                 instance=str(table.get("instance", "")),
                 model=ranks[0].model, model_name=ranks[0].model_name,
                 kv_layout=ranks[0].kv_layout,

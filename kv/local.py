@@ -173,14 +173,15 @@ class LocalKVManager:
             return len(self._senders)
 
     def refuse(self, room: int, reason: str) -> None:
-        """This side will not serve ``room``: destinations for it, waiting or to come, fail
-        (any thread); a room this rank already serves keeps its own."""
+        """This side will not serve ``room``: destinations for it, waiting or to come, fail,
+        and so do receivers waiting for pages for it (any thread); a room this rank already
+        serves keeps its own."""
         with self._lock:
             self.refused.add(room, reason)
             server = self._hub.lookup(self.bootstrap_addr)
             group = None if server is None else server.groups.get(room)
-            if group is not None and self.rank not in group.senders and any(
-                    self.rank in r.contacts for r in group.receivers.values()):
+            if group is not None and self.rank not in group.senders and group.contacted(
+                    self.rank):
                 group.fail(Failure.everywhere(PREFILL, refusal(reason)))
 
     def peer_refused(self, room: int, reason: str) -> None:

@@ -6,7 +6,8 @@ but the heads and layers their places give them) and computed its route: the pre
 contacts and those whose writes complete its room, of every pipeline stage
 (:func:`kv.routes.route_places`; with state pools, :func:`kv.state_routes.state_sources`). It
 is WAITING_FOR_INPUT until ``send_metadata()`` hands its destination pages and slot to the
-room's group, then TRANSFERRING until every source rank wrote its part and the metadata row
+room's group (meanwhile it watches the group: a failure that starts on the prefill side fails it
+at once), then TRANSFERRING until every source rank wrote its part and the metadata row
 landed (SUCCESS) or the room failed. From ``send_metadata()`` on the group owns the
 receiver's state (see :mod:`kv.local_room`); a cleared receiver announces nothing more.
 """
@@ -21,7 +22,7 @@ import attrs
 from kv.layouts import LayoutError, SlicePlan, plan_slices
 from kv.local import LocalEndpoint, LocalTransferHub, check_pages, check_slot
 from kv.local_hub import LocalServer, PrefillRank
-from kv.local_room import DECODE, End, ReceiverEnd, Side
+from kv.local_room import DECODE, End, ReceiverEnd, RoomGroup, Side, Watcher
 from kv.metadata import MetadataBuffers
 from kv.pool import KVGeometryError, KVPool
 from kv.rank_table import RankPlace
@@ -74,6 +75,9 @@ class LocalKVReceiver(LocalEndpoint):
         self._manager = manager
         self._route: PrefillRoute[PrefillRank] | None = None
         self._end: ReceiverEnd | None = None
+        # The group it watches until it sends its destination (kv.local_room's watchers).
+        self._watcher: Watcher | None = None
+        self._watched: RoomGroup | None = None
 
     def init(self) -> None:
         """Resolve the prefill ranks; while the prefill server has not registered all of them,
@@ -113,6 +117,8 @@ class LocalKVReceiver(LocalEndpoint):
                 prefill.peer_refused(self.room, str(exc))
             raise
         self._side.set(KVPoll.WAITING_FOR_INPUT)
+        self._watcher = Watcher(self._side, frozenset(r.rank for r in self._route.contacts))
+        self._watched = server.watch(self._manager.place.tp_rank, self._watcher)
 
     def _routed(self, server: LocalServer) -> PrefillRoute[PrefillRank]:
         """The room's route, once the pools are checked (lock held)."""
@@ -167,6 +173,7 @@ class LocalKVReceiver(LocalEndpoint):
             if server is None:
                 self._side.fail(f"the prefill server at {self.bootstrap_addr!r} closed")
                 return
+            self._unwatch(server)
             last_stage = route.stages[-1]
             wanted = state_sources(route.plan, manager.place.tp_rank,
                                    {} if manager.states is None else manager.states.shapes())
@@ -191,8 +198,16 @@ class LocalKVReceiver(LocalEndpoint):
         server = self._manager.hub.lookup(self.bootstrap_addr)
         if server is not None and self._resume in server.waiting:
             server.waiting.remove(self._resume)
+        if server is not None:
+            self._unwatch(server)
         if self._group is not None and self._end is not None and server is not None:
             server.leave(self._group, self._end)
+
+
+    def _unwatch(self, server: LocalServer) -> None:
+        if self._watched is not None and self._watcher is not None:
+            server.unwatch(self._watched, self._manager.place.tp_rank, self._watcher)
+        self._watched = self._watcher = None
 
 
 def _plan(prefill: RankPlace, decode: RankPlace) -> SlicePlan | None:

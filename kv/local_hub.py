@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from kv.local_room import DECODE, PREFILL, Failure, ReceiverEnd, RoomGroup, SenderEnd
+from kv.local_room import DECODE, PREFILL, Failure, ReceiverEnd, RoomGroup, SenderEnd, Watcher
 from kv.pool import KVPool
 from kv.rank_table import RankInfo, RankPlace, registration_conflict
 from kv.refusal import RefusedRooms
@@ -121,16 +121,33 @@ class LocalServer:
         return group
 
     def join_receiver(self, end: ReceiverEnd) -> RoomGroup:
-        room = end.side.room
-        group = self.group(room, end.place.tp_rank)
+        group = self.group(end.side.room, end.place.tp_rank)
         group.join_receiver(end)
-        for rank in sorted(end.contacts - set(group.senders)):
+        self._fail_if_refused(group, end.contacts)
+        return group
+
+    def watch(self, tp_rank: int, watcher: Watcher) -> RoomGroup:
+        """``watcher`` holds its room and waits for pages: the group it watches."""
+        group = self.group(watcher.side.room, tp_rank)
+        group.watch(tp_rank, watcher)
+        self._fail_if_refused(group, watcher.contacts)
+        return group
+
+    def unwatch(self, group: RoomGroup, tp_rank: int, watcher: Watcher) -> None:
+        group.unwatch(tp_rank, watcher)
+        if group.empty and self.groups.get(group.room) is group:
+            del self.groups[group.room]
+
+    def _fail_if_refused(self, group: RoomGroup, contacts: frozenset[int]) -> None:
+        """Fail ``group`` if a prefill rank of ``contacts`` without a sender in it refused
+        the room or is gone."""
+        for rank in sorted(contacts - set(group.senders)):
             manager = self.managers.get(rank)
-            why = f"prefill rank {rank} closed" if manager is None else manager.refused.get(room)
+            why = (f"prefill rank {rank} closed" if manager is None
+                   else manager.refused.get(group.room))
             if why is not None:
                 group.fail(Failure.everywhere(PREFILL, refusal(why)))
-                break
-        return group
+                return
 
     def leave(self, group: RoomGroup, end: SenderEnd | ReceiverEnd,
               manager: PrefillRank | None = None) -> None:

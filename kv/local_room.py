@@ -21,6 +21,12 @@ all their state, under the hub's lock:
   the other side ``aborted by the peer``, its own side's other ranks ``failed on another
   rank``). Terminal states latch. A failed end is announced again when it becomes quiescent.
 
+Watchers: a decode receiver that resolved its route but has no pages yet (its request waits for
+them) watches the room's current group (:class:`Watcher`): a failure that starts on the prefill
+side (a refusal, an abort, a failed handshake) fails it at once, as it would fail a receiver
+that joined, instead of when its destination comes. It joins the group as a receiver when it
+sends its destination.
+
 Generations: a room number is reused once both sides are done with it. A cleared sender leaves
 its group and retires it (later ends form a new group), so a late abort from an old receiver
 reaches only the old group. A receiver for a decode rank that a sender of the current group
@@ -119,6 +125,14 @@ class ReceiverEnd:
 End = SenderEnd | ReceiverEnd
 
 
+@attrs.define(eq=False)
+class Watcher:
+    """A decode rank's receiver that holds a room but sent no destination yet."""
+
+    side: Side
+    contacts: frozenset[int]  # the prefill ranks its destination will go to
+
+
 @attrs.frozen
 class Failure:
     """Why a group failed, and what each end reports."""
@@ -147,10 +161,16 @@ class RoomGroup:
         self.failure: Failure | None = None
         self.retired = False
         self.taken_ranks: set[int] = set()  # decode ranks a sender paired with
+        self.watchers: dict[int, Watcher] = {}  # decode TP rank -> its receiver before joining
 
     @property
     def empty(self) -> bool:
-        return not self.senders and not self.receivers
+        return not self.senders and not self.receivers and not self.watchers
+
+    def contacted(self, rank: int) -> bool:
+        """Whether a receiver or watcher of the group names prefill rank ``rank``."""
+        return (any(rank in r.contacts for r in self.receivers.values())
+                or any(rank in w.contacts for w in self.watchers.values()))
 
     def ends(self) -> list[End]:
         return [*self.senders.values(), *self.receivers.values()]
@@ -175,6 +195,18 @@ class RoomGroup:
             return
         receiver.side.set(KVPoll.TRANSFERRING)
         self.pair()
+
+    def watch(self, tp_rank: int, watcher: Watcher) -> None:
+        """``watcher`` waits for pages; a failure that started on the prefill side fails it
+        now or when it happens."""
+        if self.failure is not None and self.failure.origin == PREFILL:
+            watcher.side.fail(self.failure.peer)
+            return
+        self.watchers[tp_rank] = watcher
+
+    def unwatch(self, tp_rank: int, watcher: Watcher) -> None:
+        if self.watchers.get(tp_rank) is watcher:
+            del self.watchers[tp_rank]
 
     def pair(self) -> None:
         """Hand every sender the destinations of the receivers that contact it."""
@@ -216,6 +248,9 @@ class RoomGroup:
         for end in self.ends():
             if end is not origin:
                 end.side.fail(failure.reason_for(end))
+        if failure.origin == PREFILL:
+            for watcher in self.watchers.values():
+                watcher.side.fail(failure.peer)
 
     def abort(self, end: End, peer_reason: str, own: str, sibling: str) -> None:
         """``end`` aborted: nothing once it concluded; otherwise the whole group fails."""

@@ -12,7 +12,8 @@ up at the bootstrap endpoint (:mod:`kv.bootstrap`), refuses one that serves anot
 (:mod:`kv.model_id`) or whose page size, KV dtype or pool layout (:mod:`kv.pool_layout`)
 differs, and sends one ``Register`` with its session, memory layout and model (prefill checks
 them too); then, per room, a
-``Destination`` (pages and metadata slot) or an ``Abort``. The prefill listener thread validates
+``Watch`` while it has no pages for the room yet, a ``Destination`` (pages and metadata slot)
+or an ``Abort``. The prefill listener thread validates
 every message and drops (logs, counts) bad ones; it never dies of one.
 
 The prefill side has three parts. :class:`~kv.mooncake_rooms.PrefillRooms` owns every room's
@@ -122,7 +123,7 @@ class MooncakeKVManager:
         )
         self.ready = self._rooms.ready
         self._clock = clock
-        self._checked_silence = clock()
+        self._last_tick = clock()
         self._control = ControlEndpoint(
             config, pool, metadata, self._handle, name="mooncake-listen", log=logger,
             states=states, tick=self._tick,
@@ -177,6 +178,11 @@ class MooncakeKVManager:
     def live_rooms(self) -> int:
         return len(self._rooms)
 
+    def watched_rooms(self) -> list[int]:
+        """The rooms decode ranks watch before sending their destination (a leak check: none
+        once every room ended on both sides; see :mod:`kv.mooncake_watch`)."""
+        return self._rooms.watched()
+
     def decode_sessions(self) -> list[str]:
         """The decode sessions (engine ``host:rpc_port``) whose ``Register`` this rank took."""
         return self._rooms.sessions()
@@ -213,6 +219,8 @@ class MooncakeKVManager:
     def _handle(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.Register):
             self._on_register(msg)
+        elif isinstance(msg, wire.Watch):
+            self._tell_decode(self._rooms.watch(msg))
         elif isinstance(msg, wire.Destination):
             self._tell_decode(self._rooms.destination(msg))
         elif isinstance(msg, wire.Abort):
@@ -264,10 +272,13 @@ class MooncakeKVManager:
             logger.info("decode session %s deregistered", msg.session)
 
     def _tick(self) -> None:
-        """The listener's periodic work: forget silent decode sessions (once a second)."""
+        """The listener's periodic work (once a second): fail the rooms past their bootstrap
+        timeout, so the scheduler sees them whether or not it polls them, and forget silent
+        decode sessions."""
         now = self._clock()
-        if now - self._checked_silence >= 1.0:
-            self._checked_silence = now
+        if now - self._last_tick >= 1.0:
+            self._last_tick = now
+            self._tell_decode(self._rooms.expire())
             self.forget_silent()
 
     def forget_silent(self) -> list[str]:
@@ -342,7 +353,8 @@ class MooncakeKVSender:
 
     def poll(self) -> KVPoll:
         if self._latched is None:
-            status = self._rooms.poll(self._rec)
+            status, owed = self._rooms.poll(self._rec)
+            self._notify(owed)
             if not status.terminal:
                 return status
             self._latched = status

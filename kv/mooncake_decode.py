@@ -6,6 +6,7 @@ holds every layer). It looks the prefill server up at its bootstrap endpoint and
 cannot pair with (:mod:`kv.mooncake_peers`: another model, page size, KV dtype, pool layout, head
 dim, head or layer counts, TP sizes that do not divide), sends every prefill rank one
 ``Register`` with its engine session, memory layout, model and place, and then per room a
+``Watch`` when the receiver is initialised (the request waits for pages from then on), then a
 ``Destination`` (or an ``Abort``) to the ranks the room's route names (:mod:`kv.routes`: the
 contacts of every pipeline stage of the DP replica serving the room); a room it will never ask
 for (refused, or failed before its destination) it reports to the prefill's bootstrap endpoint
@@ -21,6 +22,10 @@ metadata gate). A FAILED ``Status`` from any contact fails it with that rank's r
 contacts that may still hold the room get an ``Abort``, so every prefill rank fails it and
 tells this side when it stopped writing. A source's ``Status`` also means it no longer writes
 the room's pages: :meth:`MooncakeKVReceiver.quiescent` is True once every source sent one.
+Before its destination, a FAILED ``Status`` from a rank it watches (the prefill refused or failed
+the room: :mod:`kv.mooncake_watch`) fails the receiver at once, however long the request would
+still wait for pages; a late one from another watched rank, after the receiver was cleared, is
+expected and ignored.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s`` and, while it answers, sends every prefill rank the ``Register`` again
@@ -45,7 +50,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -71,6 +76,8 @@ logger = logging.getLogger(__name__)
 #: The most rooms failed while the prefill counted as gone that are refused to it when it is
 #: back (the newest; older ones have timed out there).
 _MAX_REFUSED_WHILE_LOST = 4096
+#: The most cleared rooms whose watched ranks may still send their failure (the newest).
+_MAX_CLEARED_WATCHES = 4096
 
 
 @attrs.define(eq=False)
@@ -88,6 +95,9 @@ class _DecodeRoom:
     # Sources with no Status back yet: they may still write into the pages.
     awaiting: set[int] = attrs.Factory(set)
     row_landed: bool = False
+    # The prefill ranks sent a Watch that may still answer it with a failure (none once the
+    # destination went out: from then on the contacts answer).
+    watched: set[int] = attrs.Factory(set)
 
     def unreported(self) -> list[int]:
         """The contacts that may still hold the room: sources with no Status back, and the
@@ -133,6 +143,8 @@ class MooncakeDecodeManager:
         self._rooms: dict[int, _DecodeRoom] = {}
         # Cleared rooms whose sources have not all sent their Status ("no more writes") yet.
         self._draining: dict[int, _DecodeRoom] = {}
+        # Cleared rooms whose watched ranks may still send the failure, and which ranks.
+        self._cleared_watches: OrderedDict[int, set[int]] = OrderedDict()
         self._peers = PrefillPeers(self._control.ctx, table, self._me, self.config.token)
         # Why the prefill counts as gone (see the heartbeat) and since when (monotonic), or
         # None while it answers.
@@ -302,6 +314,7 @@ class MooncakeDecodeManager:
         self._draining.clear()
         for rec in rooms:
             rec.awaiting.clear()
+            rec.watched.clear()
             if not rec.status.terminal:
                 rec.status, rec.reason = KVPoll.FAILED, reason
         return rooms
@@ -339,6 +352,8 @@ class MooncakeDecodeManager:
         told to abort, so every prefill rank fails it."""
         rank = msg.rank
         with self._lock:
+            if self._on_watched(msg):
+                return
             rec = self._rooms.get(msg.room)
             if rec is None or rank not in rec.awaiting:
                 rec = self._draining.get(msg.room)
@@ -364,6 +379,50 @@ class MooncakeDecodeManager:
             self._peers.send(abort, wire.Abort(msg.room, self.session))
 
 
+    def _on_watched(self, msg: wire.Status) -> bool:
+        """A failure from a rank this side watches the room of, before its destination: the
+        room fails (none of the prefill ranks will serve it). Whether ``msg`` was one; called
+        with ``self._lock`` held."""
+        if msg.poll != KVPoll.FAILED:
+            return False
+        # An earlier use of the room number comes first (a rank's statuses come in order): the
+        # status its destination is owed, then the failure owed to its watch.
+        old = self._draining.get(msg.room)
+        if old is not None and msg.rank in old.awaiting:
+            return False
+        late = self._cleared_watches.get(msg.room)
+        if late is not None and msg.rank in late:
+            late.discard(msg.rank)
+            if not late:
+                del self._cleared_watches[msg.room]
+            return True
+        rec = self._rooms.get(msg.room)
+        if rec is None or msg.rank not in rec.watched:
+            return False
+        rec.watched.discard(msg.rank)
+        if not rec.status.terminal:
+            rec.status = KVPoll.FAILED
+            rec.reason = msg.reason or "prefill reported a failure"
+            rec.peer = self._peers.session(msg.rank)
+        self.ready.put(msg.room)
+        return True
+
+    def _watch(self, rec: _DecodeRoom) -> None:
+        """Ask the ranks of ``rec``'s route to tell this side at once if they fail the room
+        before its destination (a prefill server that predates watches is not asked)."""
+        if not self._peers.table.watch:
+            return
+        try:
+            ranks = {r.rank for r in self._peers.route(rec.room).contacts}
+        except IncompatibleRanksError:
+            return  # send_metadata fails the room
+        with self._lock:
+            if rec.status.terminal or rec.contacts:
+                return
+            rec.watched = ranks
+        self._peers.send(sorted(ranks), wire.Watch(rec.room, self.session))
+
+
 class MooncakeKVReceiver:
     """The decode side of one room (see :mod:`kv.transfer` for the contract)."""
 
@@ -374,8 +433,11 @@ class MooncakeKVReceiver:
 
     def init(self) -> None:
         with self._mgr._lock:
-            if self._rec.status == KVPoll.BOOTSTRAPPING:
+            started = self._rec.status == KVPoll.BOOTSTRAPPING
+            if started:
                 self._rec.status = KVPoll.WAITING_FOR_INPUT
+        if started:
+            self._mgr._watch(self._rec)
         self._mgr.ready.put(self.room)
 
     def send_metadata(self, pages: Sequence[int], slot: int,
@@ -404,6 +466,7 @@ class MooncakeKVReceiver:
                 return
             rec.status = KVPoll.TRANSFERRING
             rec.slot = slot
+            rec.watched = set()
             rec.contacts = tuple(r.rank for r in route.contacts)
             wanted = state_sources(route.plan, mgr.place.tp_rank,
                                    {} if mgr.states is None else mgr.states.shapes())
@@ -448,11 +511,16 @@ class MooncakeKVReceiver:
             mgr._peers.send(tell, wire.Abort(self.room, mgr.session))
 
     def clear(self) -> None:
-        with self._mgr._lock:
-            if self._mgr._rooms.get(self.room) is self._rec:
-                del self._mgr._rooms[self.room]
+        mgr = self._mgr
+        with mgr._lock:
+            if mgr._rooms.get(self.room) is self._rec:
+                del mgr._rooms[self.room]
                 if self._rec.awaiting:
-                    self._mgr._draining[self.room] = self._rec
+                    mgr._draining[self.room] = self._rec
+                if self._rec.watched:
+                    mgr._cleared_watches[self.room] = self._rec.watched
+                    while len(mgr._cleared_watches) > _MAX_CLEARED_WATCHES:
+                        mgr._cleared_watches.popitem(last=False)
 
     def quiescent(self) -> bool:
         """False while a prefill rank may still write into the room's pages (a source sent no

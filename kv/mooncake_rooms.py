@@ -46,6 +46,13 @@ failed before its destination came, is recorded, and a destination for it is ans
 FAILED ``Status`` naming the refusal instead of being kept or dropped; a live room's own first
 destination is still its own. A room the decode peer refused (:meth:`PrefillRooms.peer_refused`)
 fails at once while it waits for its destination, or as soon as it is created.
+
+Watches (:mod:`kv.mooncake_watch`): a decode rank that holds a room but has no pages for it yet
+sends a ``Watch``. A refusal of the room, or its failure before that rank's destination came, is
+owed to it at once (a refusal that came before the watch, when the watch comes) rather than when
+its destination comes, which may be long after; a destination that crossed that ``Status`` on the
+wire is not answered a second time. A failure the decode side caused itself (its refusal, its
+abort) is owed to no watcher.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from kv import wire
 from kv.mooncake_early import EarlyDestinations
 from kv.mooncake_legs import Chunk, Leg, Owed, PrefillRoom
 from kv.mooncake_slices import Target
+from kv.mooncake_watch import Watchers
 from kv.refusal import RefusedRooms
 from kv.state_copy import pairing
 from kv.state_pools import StateKind
@@ -76,11 +84,19 @@ from kv.transfer import (
 logger = logging.getLogger(__name__)
 
 _TOMBSTONES = 65536
+#: The most rooms watched at once (the oldest watch is dropped beyond: its room's failure then
+#: reaches decode when its destination comes, as without a watch).
+_WATCHED_ROOMS = 16384
 #: A session is forgotten after this many keepalives in a row did not come, and never sooner
 #: than :data:`MIN_SILENCE_S`: a decode process paused (a long native call holding Python's
 #: lock, a stop-the-world pause) must not lose its rooms.
 KEEPALIVE_MISSES = 6
 MIN_SILENCE_S = 30.0
+
+
+def _ended_by_decode(rec: PrefillRoom) -> bool:
+    """Whether the decode side failed the room (it refused or aborted it)."""
+    return rec.reason == REASON_PEER_ABORTED or rec.reason.startswith(REASON_PEER_REFUSED)
 
 
 def silence_limit(reg: wire.Register) -> float | None:
@@ -116,6 +132,7 @@ class PrefillRooms:
         self._blacklist: set[str] = set()
         self._refused = RefusedRooms(clock=clock)  # rooms this rank will not serve
         self._peer_refused = RefusedRooms(clock=clock)  # rooms decode will not ask for
+        self._watchers = Watchers(_WATCHED_ROOMS)
 
     def __len__(self) -> int:
         with self._lock:
@@ -172,18 +189,19 @@ class PrefillRooms:
         Raises :class:`~kv.wire.WireError` for a destination that must be dropped."""
         with self._lock:
             wire.check_destination(dest, self._regs)
+            self._watchers.drop(dest.room, dest.session)
             rec = self._rooms.get(dest.room)
             unfit = self._targets[dest.session].state.refused
             if unfit and (rec is None or not rec.paired):
                 return self._refuse_state(rec, dest, unfit)
             if rec is not None and not rec.paired:
                 if rec.status == KVPoll.FAILED:
-                    return [self._refusal(dest, rec.told or rec.reason)]
+                    return self._answer(dest, rec.told or rec.reason)
                 self._accept(rec, dest)
                 return []
             refused = self._refused.get(dest.room)
             if refused is not None:
-                return [self._refusal(dest, refused)]
+                return self._answer(dest, refused)
             if rec is not None:
                 raise wire.WireError("duplicate_destination", f"room {dest.room}")
             if dest.room in self._tombstones:
@@ -191,18 +209,42 @@ class PrefillRooms:
             self._early.keep(dest)
             return []
 
+    def watch(self, msg: wire.Watch) -> list[Owed]:
+        """``msg.session`` holds ``msg.room`` and has no pages for it yet: a room refused or
+        failed before its destination is owed to it now, one that fails later when it does.
+        Raises :class:`~kv.wire.WireError` for a session that is not registered."""
+        with self._lock:
+            if msg.session not in self._regs:
+                raise wire.WireError("unknown_session",
+                                     f"watch of room {msg.room}: session {msg.session!r}")
+            rec = self._rooms.get(msg.room)
+            if rec is not None and any(leg.session == msg.session for leg in rec.legs.values()):
+                return []  # its destination came: the room's statuses reach it as a leg's
+            self._watchers.add(msg.room, msg.session)
+            if rec is None:
+                refused = self._refused.get(msg.room)
+                return [] if refused is None else self._owe_watchers(msg.room, refused)
+            if rec.notified and not _ended_by_decode(rec):  # failed and settled before
+                return self._owe_watchers(msg.room, rec.told or rec.reason)
+            return []
+
     def refuse(self, room: int, reason: str) -> list[Owed]:
         """This rank will not serve ``room``: a destination for it, already waiting or still
-        to come, is answered with the refusal (the statuses owed now, if some waited)."""
+        to come, is answered with the refusal, and a decode rank watching it is told now (the
+        statuses owed now)."""
         with self._lock:
             self._refused.add(room, reason)
-            return [self._refusal(d, reason) for d in self._early.take(room)]
+            owed = [self._refusal(d, reason) for d in self._early.take(room)]
+            if room not in self._rooms:  # a live room's request is not the one refused
+                owed += self._owe_watchers(room, reason)
+            return owed
 
     def peer_refused(self, room: int, reason: str) -> list[Owed]:
         """A decode rank will never send ``room``'s destination: the room fails now if it
         still waits for one, or when it is created (a room that has all its destinations is
         paired; decode aborts those with an ``Abort``)."""
         with self._lock:
+            self._watchers.forget(room)
             rec = self._rooms.get(room)
             if rec is None:
                 self._peer_refused.add(room, reason)
@@ -242,6 +284,7 @@ class PrefillRooms:
                 raise wire.WireError("unknown_session", f"deregister from {session!r}")
             del self._regs[session], self._targets[session], self._heard[session]
             self._blacklist.discard(session)
+            self._watchers.forget_session(session)
             reason = reason or f"decode session {session} closed"
             for room in self._early.withdraw_session(session):
                 self._peer_refused.add(room, reason)
@@ -323,15 +366,24 @@ class PrefillRooms:
             return [Chunk(rec, leg, list(pages), leg.dest.pages[span], last, state)
                     for leg in writers], []
 
-    def poll(self, rec: PrefillRoom) -> KVPoll:
-        """The room's status; a room still BOOTSTRAPPING past the bootstrap timeout fails."""
+    def poll(self, rec: PrefillRoom) -> tuple[KVPoll, list[Owed]]:
+        """The room's status, and the statuses owed (:meth:`expire`'s, for this room)."""
         with self._lock:
-            if rec.status == KVPoll.BOOTSTRAPPING:
-                waited = self._clock() - rec.created
-                if waited >= self._bootstrap_timeout_s:
-                    self._fail(rec, f"no destination from decode after {waited:.1f}s "
-                                    "(bootstrap timeout)", timed_out=True)
-            return rec.status
+            owed = self._expire(rec)
+            return rec.status, owed
+
+    def expire(self) -> list[Owed]:
+        """Fail every room still BOOTSTRAPPING past the bootstrap timeout (its readiness goes
+        to :attr:`ready`, so its owner sees it without polling it); the decode ranks that gave
+        their destination or watch the room are owed the failure."""
+        with self._lock:
+            return [o for rec in list(self._rooms.values()) for o in self._expire(rec)]
+
+    def watched(self) -> list[int]:
+        """The rooms decode ranks watch, oldest watch first (a leak check: none once every
+        room ended on both sides)."""
+        with self._lock:
+            return self._watchers.rooms()
 
     def failure(self, rec: PrefillRoom) -> TransferError:
         with self._lock:
@@ -407,6 +459,28 @@ class PrefillRooms:
     def _refusal(self, dest: wire.Destination, reason: str) -> Owed:
         return Owed(dest.session, dest.room, KVPoll.FAILED, refusal(reason))
 
+    def _expire(self, rec: PrefillRoom) -> list[Owed]:
+        if rec.status != KVPoll.BOOTSTRAPPING:
+            return []
+        waited = self._clock() - rec.created
+        if waited < self._bootstrap_timeout_s:
+            return []
+        self._fail(rec, f"no destination from decode after {waited:.1f}s (bootstrap timeout)",
+                   timed_out=True)
+        return self._settle(rec)
+
+    def _answer(self, dest: wire.Destination, reason: str) -> list[Owed]:
+        """The refusal that answers ``dest``, unless its session's watch was told already."""
+        if self._watchers.was_told(dest.room, dest.session):
+            return []
+        return [self._refusal(dest, reason)]
+
+    def _owe_watchers(self, room: int, reason: str, skip: frozenset[str] = frozenset()
+                      ) -> list[Owed]:
+        """The refusal of ``room`` owed to every decode rank watching it, but ``skip``."""
+        return [Owed(session, room, KVPoll.FAILED, refusal(reason))
+                for session in self._watchers.take(room, skip)]
+
     def _accept(self, rec: PrefillRoom, dest: wire.Destination) -> None:
         """Add ``dest`` as a leg of ``rec``; the room waits for its input once every decode
         rank it serves gave its destination."""
@@ -451,11 +525,18 @@ class PrefillRooms:
         if rec.status != KVPoll.FAILED or rec.in_flight or rec.notified:
             return []
         rec.notified = True
+        if _ended_by_decode(rec):
+            self._watchers.forget(rec.room)  # it knows
+            watchers = []
+        else:
+            watchers = self._owe_watchers(rec.room, rec.told or rec.reason,
+                                          frozenset(leg.session for leg in rec.legs.values()))
         if not rec.legs:
-            return []
+            return watchers
         self.ready.put(rec.room)  # quiescence is news to the owner of the pages
         reason = refusal(rec.told) if rec.told else rec.reason
-        return [Owed(leg.session, rec.room, KVPoll.FAILED, reason) for leg in rec.legs.values()]
+        return [*(Owed(leg.session, rec.room, KVPoll.FAILED, reason)
+                  for leg in rec.legs.values()), *watchers]
 
     def _fail_session(self, session: str, reason: str) -> list[Owed]:
         """Fail every live room with a leg to ``session`` (blacklisted or gone: none of them

@@ -187,6 +187,9 @@ class PrefillInfo:
     #: The prefill ranks take a decode rank's ``Register`` again as its keepalive and forget a
     #: silent one (a server that does not say so predates keepalives: it is sent neither).
     keepalive: bool = False
+    #: The prefill ranks take a decode rank's ``Watch`` (:class:`kv.wire.Watch`); a server that
+    #: does not say so predates it and is sent none.
+    watch: bool = False
     #: The bootstrap server's instance (:attr:`kv.bootstrap.BootstrapServer.instance`; "" from
     #: one that names none).
     instance: str = ""

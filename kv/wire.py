@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Five messages cross the network, each a msgpack map with a type tag ``"t"``:
+Six messages cross the network, each a msgpack map with a type tag ``"t"``:
 
 decode → prefill
     :class:`Register` per (decode manager, prefill rank), then again every ``keepalive_ms``
@@ -12,6 +12,10 @@ decode → prefill
     buffers), the model whose KV its pool holds (fingerprint and name), and its place: the
     model's KV heads, head dim and MLA, and its TP rank and size (:mod:`kv.mooncake_slices`);
     with a hybrid model, its state pools (:mod:`kv.wire_state`).
+    :class:`Watch` once per room, when decode holds the request but not yet its pages (it waits
+    for them in its queue): a prefill rank that fails or refuses the room before the room's
+    ``Destination`` comes tells decode at once. Sent only to a prefill server whose bootstrap
+    table says ``watch`` (an older one does not know the message).
     :class:`Destination` once per room: the decode pages and metadata slot to write into, and
     the items each state kind goes to.
     :class:`Abort` when decode gives up on a room.
@@ -131,6 +135,15 @@ class Destination:
 
 
 @attrs.frozen
+class Watch:
+    """decode → prefill: decode holds ``room`` and sends its destination once it has pages;
+    a failure of the room before then is owed to ``session`` at once."""
+
+    room: int
+    session: str
+
+
+@attrs.frozen
 class Abort:
     """decode → prefill: decode gave up on ``room``."""
 
@@ -156,7 +169,7 @@ class Status:
     rank: int
 
 
-Message = Register | Destination | Abort | Deregister | Status
+Message = Register | Watch | Destination | Abort | Deregister | Status
 
 
 def encode(msg: Message, token: str | None = None) -> bytes:
@@ -198,6 +211,8 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "slot": msg.slot,
             "state": encode_items(msg.state),
         }
+    elif isinstance(msg, Watch):
+        body = {"t": "watch", "room": msg.room, "session": msg.session}
     elif isinstance(msg, Abort):
         body = {"t": "abort", "room": msg.room, "session": msg.session}
     elif isinstance(msg, Deregister):
@@ -357,6 +372,10 @@ def _parse_destination(body: dict[Any, Any]) -> Destination:
     )
 
 
+def _parse_watch(body: dict[Any, Any]) -> Watch:
+    return Watch(room=int_field(body, "room", 0, MAX_ROOM), session=session_field(body))
+
+
 def _parse_abort(body: dict[Any, Any]) -> Abort:
     return Abort(room=int_field(body, "room", 0, MAX_ROOM), session=session_field(body))
 
@@ -380,6 +399,7 @@ def _parse_status(body: dict[Any, Any]) -> Status:
 
 _PARSERS: dict[str, Callable[[dict[Any, Any]], Message]] = {
     "register": _parse_register,
+    "watch": _parse_watch,
     "destination": _parse_destination,
     "abort": _parse_abort,
     "deregister": _parse_deregister,
@@ -387,6 +407,7 @@ _PARSERS: dict[str, Callable[[dict[Any, Any]], Message]] = {
 }
 _FIELDS = {
     "register": {f.name for f in attrs.fields(Register)},
+    "watch": {f.name for f in attrs.fields(Watch)},
     "destination": {f.name for f in attrs.fields(Destination)},
     "abort": {f.name for f in attrs.fields(Abort)},
     "deregister": {f.name for f in attrs.fields(Deregister)},

@@ -160,10 +160,9 @@ def test_a_receiver_that_fails_to_start_on_one_rank_fails_on_both(pair: Pair) ->
 def test_a_refusal_seen_on_one_rank_is_the_reason_on_both(pair: Pair) -> None:
     kvs = _mesh(pair)
     receivers = [kv.create_receiver(ADDR, ROOM) for kv in kvs]
-    for receiver in receivers:
-        receiver.init()
+    receivers[0].init()  # rank 1's receiver has not started yet: it hears of nothing
     _agree(kvs)
-    receivers[0].send_metadata(dst_pages(0), slot=0)  # rank 1 has not sent its destination
+    receivers[0].send_metadata(dst_pages(0), slot=0)
     pair.prefill[0].refuse(ROOM, "draining")
     eventually(lambda: receivers[0].inner.poll() == KVPoll.FAILED, "the refusal")  # type: ignore[union-attr]
     assert receivers[1].inner is not None and receivers[1].inner.poll() != KVPoll.FAILED

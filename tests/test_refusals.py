@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Iterator
 
 import attrs
+import numpy as np
 import pytest
 
+from kv import wire
 from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kv.local import LocalKVManager, LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
+from kv.mooncake_engine import MooncakeConfig
 from kv.pool import KVGeometryError
 from kv.rank_table import RankPlace
 from kv.refusal import RefusalPoster, RefusedRooms
@@ -174,13 +178,57 @@ def test_local_a_refused_room_in_use_keeps_its_own_destination(local: Local) -> 
     assert sender.poll() == KVPoll.WAITING_FOR_INPUT
 
 
+def test_local_a_receiver_waiting_for_pages_learns_of_a_prefill_refusal_at_once(
+    local: Local,
+) -> None:
+    """A receiver that holds its room but sent no destination (its request waits for decode
+    pages) fails as soon as prefill refuses the room, or fails it before its destination:
+    refused before the receiver was created, refused after, the sender aborted for a reason
+    the client is to see, and aborted because its client went away."""
+    local.prefill.refuse(30, "prompt_too_long (400): 9000 tokens")
+    receivers = {room: local.decode.create_receiver(ADDR, room) for room in (30, 31, 32, 33)}
+    senders = {room: local.prefill.create_sender(ADDR, room) for room in (32, 33)}
+    for receiver in receivers.values():
+        receiver.init()
+    local.prefill.refuse(31, "draining (503): the server is draining")
+    senders[32].abort("rejected (400): the grammar engine cannot run this grammar")
+    senders[33].abort()
+    for room, why in ((30, "prompt_too_long (400)"), (31, "draining (503)"),
+                      (32, "rejected (400)"), (33, "aborted")):
+        assert receivers[room].poll() == KVPoll.FAILED, room
+        assert _refused(receivers[room].failure_exception(), why)
+        assert receivers[room].quiescent()
+    for end in [*receivers.values(), *senders.values()]:
+        end.clear()
+    assert local.decode.hub.open_rooms(ADDR) == 0
+
+
+def test_local_a_waiting_receiver_is_not_failed_by_a_decode_side_failure(local: Local) -> None:
+    """What the decode side refused itself is not news to its receivers: only the sender
+    fails; a receiver of the room that still waits for pages keeps waiting, and once it sends
+    its destination the room of a later sender pairs."""
+    receiver = local.decode.create_receiver(ADDR, 34)
+    receiver.init()
+    waiting = local.prefill.create_sender(ADDR, 34)
+    local.decode.refuse(ADDR, 34, "draining (503): the decode server is draining")
+    assert waiting.poll() == KVPoll.FAILED
+    assert receiver.poll() == KVPoll.WAITING_FOR_INPUT
+    waiting.clear()
+    sender = local.prefill.create_sender(ADDR, 34)
+    receiver.send_metadata([0], 0)
+    assert sender.poll() == KVPoll.WAITING_FOR_INPUT
+    assert receiver.poll() == KVPoll.TRANSFERRING
+
+
 # -- Mooncake: both managers here, the bootstrap endpoint between them -------------------------
 
 
 class Mooncake:
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeClock | None = None,
+                 config: MooncakeConfig | None = None) -> None:
         self.bootstrap = BootstrapServer()
-        self.prefill = MooncakeKVManager(make_pool(), MetadataBuffers(4))
+        self.prefill = MooncakeKVManager(make_pool(), MetadataBuffers(4), config=config,
+                                         clock=clock or time.monotonic)
         self.prefill.register_to_bootstrap(self.bootstrap.address)
         self.bootstrap.add_refusal_listener(self.prefill.peer_refused)
         self.decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(4),
@@ -248,6 +296,68 @@ def test_mooncake_a_prefill_refusal_answers_decode_destinations(mooncake: Moonca
         eventually(lambda r=receiver: r.poll() == KVPoll.FAILED, f"room {receiver.room} failed")
         assert _refused(receiver.failure_exception(), why)
         assert receiver.quiescent()
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_receiver_waiting_for_pages_learns_of_a_prefill_refusal_at_once() -> None:
+    """A receiver that holds its room but sent no destination watches it (``Watch``): it
+    fails as soon as prefill refuses the room or fails it before its destination, for every
+    cause the local backend covers and the bootstrap timeout (found by the listener: nobody
+    polls that sender), and nothing is answered twice (no message dropped on either side)."""
+    clock = FakeClock()
+    # A timeout shorter than a decode session's silence limit (30 s on this clock).
+    mooncake = Mooncake(clock, MooncakeConfig(bootstrap_timeout_s=5.0))
+    try:
+        addr, prefill, decode = mooncake.bootstrap.address, mooncake.prefill, mooncake.decode
+        prefill.refuse(40, "prompt_too_long (400): 9000 tokens")
+        receivers = {room: decode.create_receiver(addr, room) for room in range(40, 45)}
+        senders = {room: prefill.create_sender(addr, room) for room in (42, 43, 44)}
+        for receiver in receivers.values():
+            receiver.init()
+        eventually(lambda: receivers[40].poll() == KVPoll.FAILED, "the refusal before the watch")
+        eventually(lambda: prefill.watched_rooms() == [41, 42, 43, 44], "the other watches")
+        prefill.refuse(41, "draining (503): the server is draining")
+        senders[42].abort("rejected (400): the grammar engine cannot run this grammar")
+        senders[43].abort()
+        clock.now += prefill.config.bootstrap_timeout_s
+        for room, why in ((40, "prompt_too_long (400)"), (41, "draining (503)"),
+                          (42, "rejected (400)"), (43, "aborted"),
+                          (44, "no destination from decode")):
+            eventually(lambda r=receivers[room]: r.poll() == KVPoll.FAILED, f"room {room}")
+            assert _refused(receivers[room].failure_exception(), why)
+            assert receivers[room].quiescent()
+        assert senders[44].poll() == KVPoll.FAILED
+        assert senders[44].failure_exception().timeout
+        for end in [*receivers.values(), *senders.values()]:
+            end.clear()
+        assert decode.live_rooms() == prefill.live_rooms() == 0
+        assert prefill.watched_rooms() == []
+        assert decode.dropped_messages.total == prefill.dropped_messages.total == 0
+    finally:
+        mooncake.close()
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_destination_that_crossed_the_watchs_failure_is_not_answered_again(
+    mooncake: Mooncake,
+) -> None:
+    """The decode rank sent its destination before the failure its watch was owed reached
+    it: prefill does not answer the destination with the failure a second time."""
+    addr, decode = mooncake.bootstrap.address, mooncake.decode
+    crossed = decode.create_receiver(addr, 50)
+    crossed.init()
+    eventually(lambda: mooncake.prefill.watched_rooms() == [50], "the watch")
+    mooncake.prefill.refuse(50, "draining (503): the server is draining")
+    eventually(lambda: crossed.poll() == KVPoll.FAILED, "the watch's failure")
+    # The destination it would have sent had the failure come a moment later.
+    decode._peers.send_all(wire.Destination(50, decode.session, np.arange(2), 0))
+    # Statuses from a prefill rank come in order: room 51's comes after any answer to 50's.
+    mooncake.prefill.refuse(51, "draining (503): the server is draining")
+    after = decode.create_receiver(addr, 51)
+    after.init()
+    eventually(lambda: after.poll() == KVPoll.FAILED, "room 51's refusal")
+    assert decode.dropped_messages.total == 0
+    assert mooncake.prefill.dropped_messages.total == 0
 
 
 @pytest.mark.mooncake
@@ -360,3 +470,24 @@ def test_a_request_one_side_gives_up_on_before_the_handshake_fails_on_the_other(
     assert late_prefill.reason is FailureReason.BOOTSTRAP_FAILED
     assert "peer refused: aborted by the client" in late_prefill.detail, late_prefill.detail
     assert pair.pair.idle()
+
+
+def test_a_request_prefill_refuses_fails_on_decode_at_once_while_it_waits_for_pages(
+    pair: Pair,
+) -> None:
+    """Decode's pool is taken by requests whose KV has not come: the refused request waits for
+    pages there, and fails as soon as prefill refuses it, not when pages free up."""
+    held = ["held-1", "held-2"]
+    for i, rid in enumerate(held):  # 30 of the 64 decode pages each; no prefill half
+        pair.send(rid, 25 + i, prompt=100, new_tokens=20, prefill=False)
+    step_until(pair.pair.step, lambda: len(
+        pair.pair.decode.lifecycle.in_state(DecodeState.RECEIVING)) == 2, 30, lambda: "held")
+    pair.send("too-long-for-prefill", 27, prompt=140, new_tokens=2)  # 140 > 128 prefill tokens
+    pair.run(["too-long-for-prefill"])
+    answer = pair.pair.decode_responses["too-long-for-prefill"]
+    assert (answer.state, answer.reason) == (DecodeState.FAILED, FailureReason.BOOTSTRAP_FAILED)
+    assert "peer refused: the prompt has 140 tokens" in answer.detail, answer.detail
+    assert len(pair.pair.decode.lifecycle.in_state(DecodeState.RECEIVING)) == 2
+    for rid in held:
+        pair.pair.decode.abort(rid)
+    step_until(pair.pair.step, pair.pair.idle, 30, lambda: "idle after the aborts")

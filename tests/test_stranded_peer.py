@@ -135,6 +135,29 @@ def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
     until_idle(pair.prefill, pair.decode)
 
 
+def test_a_request_prefill_refuses_fails_on_decode_at_once_while_it_waits_for_pages(
+    pair: Pair,
+) -> None:
+    """Decode's pool is taken by two requests whose prefill half never comes: the refused
+    request waits there for pages, and fails when prefill refuses it (decode's ``Watch``), not
+    when pages free up."""
+    held = [pair.post(pair.decode, pair.body(f"held-{i}", 120 + i, prompt=200, new_tokens=40))
+            for i in range(2)]  # 60 of the 128 decode pages each
+    wait_for(lambda: pair.decode.get("/server_info")["requests"]["decode"]["receiving"] == 2,
+             60, "the held requests waiting for their KV")
+    body = pair.body("prefill-too-long-no-pages", 122, prompt=300)  # 76 pages on decode
+    on_prefill, on_decode = pair.post(pair.prefill, body), pair.post(pair.decode, body)
+    failed_with(on_prefill.result(WAIT_S), 400, "prompt_too_long")
+    failed_with(on_decode.result(WAIT_S), 400, "prompt_too_long",
+                "peer refused: prompt_too_long (400): ")
+    assert pair.decode.get("/server_info")["requests"]["decode"]["receiving"] == 2
+    for i in range(2):
+        httpx.post(f"{pair.decode.url}/abort_request", json={"rid": f"held-{i}"}, timeout=10)
+    for call in held:
+        assert call.result(WAIT_S).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    until_idle(pair.prefill, pair.decode)
+
+
 def test_a_request_prefill_fails_after_the_handshake_fails_on_decode_with_its_reason(
     pair: Pair,
 ) -> None:

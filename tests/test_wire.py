@@ -82,6 +82,7 @@ destinations = st.builds(
     state=st.dictionaries(st.sampled_from(STATE_KINDS), int32_arrays, max_size=3),
 )
 aborts = st.builds(wire.Abort, room=rooms, session=sessions)
+watches = st.builds(wire.Watch, room=rooms, session=sessions)
 deregisters = st.builds(wire.Deregister, session=sessions)
 statuses = st.builds(
     wire.Status,
@@ -90,7 +91,7 @@ statuses = st.builds(
     reason=st.text(max_size=40),
     rank=st.integers(0, 8),
 )
-messages = st.one_of(registers, _hybrid_registers(), destinations, aborts, deregisters,
+messages = st.one_of(registers, _hybrid_registers(), destinations, watches, aborts, deregisters,
                      statuses)
 
 
