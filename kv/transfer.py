@@ -233,15 +233,19 @@ class KVManager(Protocol):
     def refuse(self, room: int, reason: str) -> None:
         """This side will not serve ``room`` (it refused the request, or failed it before the
         decode peer's destination came): a destination for it, already here or later, is
-        answered with :func:`refusal` of ``reason`` instead of waiting (thread-safe)."""
+        answered with :func:`refusal` of ``reason`` instead of waiting, and a decode receiver
+        that waits for pages for it fails with that refusal at once (thread-safe)."""
 
     def close(self) -> None: ...
 
 
 class KVReceiver(RoomTransfer, Protocol):
     """One per request on the decode side: BOOTSTRAPPING until ``init()`` resolved the prefill
-    peer, WAITING_FOR_INPUT until ``send_metadata()``, then TRANSFERRING until the KV and the
-    metadata row landed (SUCCESS) or the room failed. ``abort()`` tells the prefill peer."""
+    peer (it may do so after returning, and pushes the room's readiness then),
+    WAITING_FOR_INPUT until ``send_metadata()`` (the request waits for pages: a refusal or a
+    failure of the room on the prefill side fails it meanwhile), then TRANSFERRING until the
+    KV and the metadata row landed (SUCCESS) or the room failed. ``abort()`` tells the prefill
+    peer."""
 
     def init(self) -> None: ...
 
@@ -264,7 +268,10 @@ class DecodeKVManager(Protocol):
     @property
     def ready(self) -> ReadyRooms: ...
 
-    def create_receiver(self, bootstrap_addr: str, room: int) -> KVReceiver: ...
+    def create_receiver(self, bootstrap_addr: str, room: int) -> KVReceiver:
+        """The receiver of ``room`` (one live receiver per room: the decode peer clears one
+        before it creates another, and a backend may refuse a second with
+        :class:`TransferUsageError`)."""
 
     def refuse(self, bootstrap_addr: str, room: int, reason: str) -> None:
         """Tell the prefill peer at ``bootstrap_addr`` that this side will never send a

@@ -23,6 +23,15 @@ from hypothesis import HealthCheck, settings
 # compete with the transfer workers). Processes the tests spawn set their own.
 torch.set_num_threads(1)
 
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--transfer-harness", action="append", default=[], metavar="MODULE:NAME",
+        help="also run the transfer contract suite (tests/test_transfer_contract.py) over this "
+             "backend harness, or list of harnesses (see tests/transfer_harness.py)")
+
+
 settings.register_profile(
     "ci",
     max_examples=60,

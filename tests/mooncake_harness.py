@@ -166,6 +166,7 @@ class _MooncakeSession(InProcessDecode):
 
 class MooncakeHarness:
     moves_data = True
+    plays_decode = True
     marks: tuple[pytest.MarkDecorator, ...] = (pytest.mark.mooncake,)
 
     def __init__(self, layout: KVLayout = KVLayout.LAYER_MAJOR) -> None:

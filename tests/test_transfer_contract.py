@@ -2,13 +2,16 @@
 
 To cover another backend, write its harness (see tests/transfer_harness.py) and append it to
 ``HARNESSES`` below, and, when it moves data, to ``DATA_HARNESSES`` in every pool layout: the
-byte-for-byte tests run those.
+byte-for-byte tests run those; when its sessions play the decode side, to ``PEER_HARNESSES``.
+A backend outside this repository runs the suite with ``pytest tests/test_transfer_contract.py
+--transfer-harness MODULE:NAME`` (docs/backends.md, "A backend of your own").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import pairwise
+from typing import cast
 
 import pytest
 import torch
@@ -30,8 +33,10 @@ from tests.transfer_harness import (
     FakeHarness,
     HarnessSession,
     LocalHarness,
+    PeerSession,
     drive,
     eventually,
+    load_harnesses,
 )
 
 HARNESSES: list[BackendHarness] = [FakeHarness(), LocalHarness(), MooncakeHarness()]
@@ -47,8 +52,23 @@ ROOM = (1 << 63) + 12345  # above the int64 range: rooms are unsigned 64-bit
 _TERMINAL = (KVPoll.SUCCESS, KVPoll.FAILED)
 
 
-def _params(harnesses: list[BackendHarness]) -> list[object]:
-    return [pytest.param(h, id=h.name, marks=h.marks) for h in harnesses]
+def _harnesses(config: pytest.Config, fixture: str) -> list[BackendHarness]:
+    """The harnesses ``fixture`` runs over: this repository's, and those ``--transfer-harness``
+    names that fit it."""
+    extra = [h for spec in config.getoption("transfer_harness") for h in load_harnesses(spec)]
+    if fixture == "data_session":
+        return [*DATA_HARNESSES, *(h for h in extra if h.moves_data)]
+    if fixture == "peer_session":
+        return [*PEER_HARNESSES, *(h for h in extra if h.plays_decode)]
+    return [*HARNESSES, *extra]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    for fixture in ("session", "peer_session", "data_session"):
+        if fixture in metafunc.fixturenames:
+            metafunc.parametrize(fixture, [
+                pytest.param(h, id=h.name, marks=h.marks)
+                for h in _harnesses(metafunc.config, fixture)], indirect=True)
 
 
 def _opened(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
@@ -59,17 +79,17 @@ def _opened(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
     s.close()
 
 
-@pytest.fixture(params=_params(HARNESSES))
+@pytest.fixture
 def session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
     yield from _opened(request)
 
 
-@pytest.fixture(params=_params(PEER_HARNESSES))
-def peer_session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
-    yield from _opened(request)
+@pytest.fixture
+def peer_session(request: pytest.FixtureRequest) -> Iterator[PeerSession]:
+    yield from cast(Iterator[PeerSession], _opened(request))
 
 
-@pytest.fixture(params=_params(DATA_HARNESSES))
+@pytest.fixture
 def data_session(request: pytest.FixtureRequest) -> Iterator[HarnessSession]:
     yield from _opened(request)
 
@@ -170,6 +190,46 @@ def test_an_abort_with_a_reason_for_the_client_fails_the_peer_with_its_refusal(
     assert error.refused and error.reason == refusal(why), error
     eventually(sender.quiescent, "quiescence after abort")
     sender.clear()
+
+
+@pytest.mark.parametrize("refused", ["before", "after"])
+def test_a_receiver_waiting_for_pages_fails_when_prefill_refuses_its_room(
+    peer_session: PeerSession, refused: str
+) -> None:
+    """A receiver initialised without a destination (its request waits for decode pages)
+    fails with the refusal as soon as the prefill side refuses the room, whether the refusal
+    came before the receiver or after; quiescent, as nothing was written."""
+    room, why = 41, "draining (503): the server is draining"
+    if refused == "before":
+        peer_session.manager.refuse(room, why)
+    receiver = peer_session.wait_decode(room)
+    if refused == "after":
+        peer_session.manager.refuse(room, why)
+    eventually(lambda: receiver.poll() == KVPoll.FAILED, "the waiting receiver to fail")
+    error = receiver.failure_exception()
+    assert error.refused and error.reason == refusal(why), error
+    assert receiver.quiescent()
+    receiver.clear()
+
+
+@pytest.mark.parametrize("why", ["rejected (400): the grammar engine cannot run this grammar",
+                                 ""], ids=["for-the-client", "plain"])
+def test_a_receiver_waiting_for_pages_fails_when_its_sender_fails_first(
+    peer_session: PeerSession, why: str
+) -> None:
+    """The sender fails before the room's destination came (``abort(why)``, or ``abort()``:
+    its client went away): a receiver that waits for pages fails with it at once."""
+    room = 42
+    sender = peer_session.manager.create_sender(peer_session.bootstrap_addr, room)
+    receiver = peer_session.wait_decode(room)
+    sender.abort(why)
+    eventually(lambda: receiver.poll() == KVPoll.FAILED, "the waiting receiver to fail")
+    error = receiver.failure_exception()
+    assert error.refused and error.reason == refusal(why or REASON_ABORTED), error
+    assert drive(peer_session.manager, sender, _TERMINAL)[-1] == KVPoll.FAILED
+    eventually(sender.quiescent, "quiescence after abort")
+    sender.clear()
+    receiver.clear()
 
 
 def test_abort_after_success_changes_nothing(session: HarnessSession) -> None:

@@ -4,11 +4,15 @@ A :class:`BackendHarness` makes a :class:`HarnessSession`: a prefill :class:`KVM
 pool and metadata buffers, plus the means to play the decode side of a room (handshake with
 given destination pages and slot, read back what landed, send a late message). The contract
 suite (tests/test_transfer_contract.py) runs the same tests over every harness in its
-``HARNESSES`` list.
+``HARNESSES`` list, and over a backend's own harness named with ``--transfer-harness
+MODULE:NAME`` (:func:`load_harnesses`). A harness whose sessions play the decode side with a
+real :class:`DecodeKVManager` (``plays_decode``; :class:`InProcessDecode` does it) also runs the
+tests of a receiver.
 """
 
 from __future__ import annotations
 
+import importlib
 import queue
 import time
 import weakref
@@ -62,13 +66,43 @@ class HarnessSession(Protocol):
     def close(self) -> None: ...
 
 
+class PeerSession(HarnessSession, Protocol):
+    """A session whose decode side is a real :class:`DecodeKVManager`."""
+
+    decode: DecodeKVManager
+    receivers: dict[int, list[KVReceiver]]
+
+    def wait_decode(self, room: int) -> KVReceiver:
+        """Create and initialise ``room``'s receiver as the decode peer does when it admits a
+        request, and wait until ``init()`` resolved the prefill (it may do so later), without
+        sending a destination: the request waits for pages."""
+
+
 class BackendHarness(Protocol):
     name: str
     moves_data: bool
+    plays_decode: bool  # its sessions are PeerSessions
     marks: tuple[pytest.MarkDecorator, ...]
     layout: KVLayout
 
     def make(self) -> HarnessSession: ...
+
+
+def load_harnesses(spec: str) -> list[BackendHarness]:
+    """The harnesses ``MODULE:NAME`` names: a :class:`BackendHarness`, or a list of them (one
+    per pool layout, say)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise pytest.UsageError(f"--transfer-harness: expected MODULE:NAME, got {spec!r}")
+    found = getattr(importlib.import_module(module), name)
+    harnesses = list(found) if isinstance(found, (list, tuple)) else [found]
+    for harness in harnesses:
+        missing = [a for a in ("name", "moves_data", "plays_decode", "marks", "layout", "make")
+                   if not hasattr(harness, a)]
+        if missing:
+            raise pytest.UsageError(f"--transfer-harness {spec}: {harness!r} has no "
+                                    f"{', '.join(missing)} (see tests/transfer_harness.py)")
+    return harnesses
 
 
 # -- waiting, driven by the readiness queue ------------------------------------------------
@@ -152,6 +186,7 @@ class _FakeSession:
 class FakeHarness:
     name = "fake"
     moves_data = False
+    plays_decode = False
     marks: tuple[pytest.MarkDecorator, ...] = ()
     layout = KVLayout.LAYER_MAJOR
 
@@ -175,16 +210,21 @@ class InProcessDecode:
     receivers: dict[int, list[KVReceiver]]
     destinations: dict[int, tuple[list[int], int]]
 
+    def wait_decode(self, room: int) -> KVReceiver:
+        receiver = self.decode.create_receiver(self.bootstrap_addr, room)
+        receiver.init()
+        eventually(lambda: receiver.poll() != KVPoll.BOOTSTRAPPING,
+                   f"room {room}'s receiver to resolve the prefill")
+        self.receivers.setdefault(room, []).append(receiver)
+        return receiver
+
     def connect_decode(self, room: int, num_pages: int) -> None:
         pages = self.decode_pool.allocator.alloc(num_pages)
         slot = self.decode_slots.alloc()
         assert pages is not None and slot is not None, "decode side of the harness is full"
         # Reversed, so destination runs break where source runs do not.
         pages.reverse()
-        receiver = self.decode.create_receiver(self.bootstrap_addr, room)
-        receiver.init()
-        receiver.send_metadata(pages, slot)
-        self.receivers.setdefault(room, []).append(receiver)
+        self.wait_decode(room).send_metadata(pages, slot)
         self.destinations[room] = (pages, slot)
 
     def decode_kv(self, room: int) -> torch.Tensor:
@@ -227,6 +267,7 @@ class _LocalSession(InProcessDecode):
 
 class LocalHarness:
     moves_data = True
+    plays_decode = True
     marks: tuple[pytest.MarkDecorator, ...] = ()
 
     def __init__(self, layout: KVLayout = KVLayout.LAYER_MAJOR) -> None:
