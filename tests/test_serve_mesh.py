@@ -119,11 +119,17 @@ def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Pa
         body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1},
                 "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap,
                 "bootstrap_room": 222}
-        refused = httpx.post(f"{server.url}/generate", timeout=60, json=body)
-        assert refused.status_code == 503, refused.text
-        # The decode half fails too: refused by the prefill, or with contact lost.
-        failed = httpx.post(f"{decode.url}/generate", timeout=60, json=body)
-        assert failed.status_code in (500, 503), failed.text
+        with ThreadPoolExecutor(1) as pool:
+            # The decode half first: its destination goes to both ranks, the dead one too.
+            on_decode = pool.submit(httpx.post, f"{decode.url}/generate", timeout=60, json=body)
+            wait_for(lambda: decode.get("/server_info")["requests"]["decode"]["receiving"] == 1,
+                     60, "the decode half's destination sent")
+            refused = httpx.post(f"{server.url}/generate", timeout=60, json=body)
+            assert refused.status_code == 503, refused.text
+            # Refused by the live rank; the dead one never says it stopped writing.
+            failed = on_decode.result(60)
+        assert failed.status_code == 503, failed.text
+        assert failed.json()["error"]["type"] == refused.json()["error"]["type"]
         wait_for(lambda: idle(decode.get("/server_info")), 60, "the decode's pages free")
         assert "lost contact with prefill" in decode.tail(100_000)
         server.signal(signal.SIGTERM)

@@ -441,15 +441,21 @@ POISON = 251
 BREAK = 250
 
 
+class EngineLost(BaseException):
+    """What no batch's error handling catches (as ``SystemExit`` from a library would not be):
+    the engine loop itself fails."""
+
+
 class PoisonedRunner(PagedModelRunner):
-    """The model boundary failing: a batch holding token POISON raises; one holding BREAK
-    returns no tokens at all, a broken runner the scheduler cannot carry on from."""
+    """The model boundary failing: a batch holding token POISON raises (its batch fails, the
+    loop goes on); one holding BREAK raises :class:`EngineLost`, which the scheduler cannot
+    carry on from."""
 
     def forward(self, batch: ForwardBatch) -> list[int]:
         if any(POISON in item.input_ids for item in batch.items):
             raise RuntimeError("device fault")
         if any(BREAK in item.input_ids for item in batch.items):
-            return []
+            raise EngineLost("the device is gone")
         return super().forward(batch)
 
 
