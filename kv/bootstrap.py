@@ -399,8 +399,9 @@ class BootstrapClient:
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-        except OSError as exc:
-            raise BootstrapError(self.addr, 0, str(exc)) from None
+        except (OSError, http.client.HTTPException) as exc:
+            # Unreachable, or an answer cut short (a server shutting down mid-answer).
+            raise BootstrapError(self.addr, 0, str(exc) or type(exc).__name__) from None
         finally:
             conn.close()
         if resp.status != 200:

@@ -273,18 +273,13 @@ class MooncakeDecodeManager:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            instance = client.instance()
-            if instance is not None:
+            try:
+                answered = self._check_prefill(client)
+            except Exception:  # the heartbeat must outlive any one check: it is the way back
+                logger.exception("health check of prefill %s failed", self.bootstrap_addr)
+                answered = False
+            if answered:
                 failures = 0
-                known = self._peers.table.instance
-                if self.lost is None and instance and known and instance != known:
-                    # Restarted between two checks: its ranks, engines and rooms are new.
-                    self._lose_prefill(f"prefill {self.bootstrap_addr} restarted (another "
-                                       "instance answers its bootstrap endpoint)")
-                if self.lost is not None:
-                    self._reconnect()
-                elif self._register.keepalive_ms:  # a prefill rank forgets a silent session
-                    self._peers.send_all(self._register)
                 continue
             failures += 1
             if failures == cfg.heartbeat_max_failures:
@@ -292,6 +287,24 @@ class MooncakeDecodeManager:
                     f"lost contact with prefill {self.bootstrap_addr}: {failures} health checks "
                     "in a row failed"
                 )
+
+    def _check_prefill(self, client: BootstrapClient) -> bool:
+        """One health check; whether the prefill answered. A prefill that answers again, or
+        as another instance, is registered with anew; one that answers as before gets the
+        keepalive."""
+        instance = client.instance()
+        if instance is None:
+            return False
+        known = self._peers.table.instance
+        if self.lost is None and instance and known and instance != known:
+            # Restarted between two checks: its ranks, engines and rooms are new.
+            self._lose_prefill(f"prefill {self.bootstrap_addr} restarted (another "
+                               "instance answers its bootstrap endpoint)")
+        if self.lost is not None:
+            self._reconnect()
+        elif self._register.keepalive_ms:  # a prefill rank forgets a silent session
+            self._peers.send_all(self._register)
+        return True
 
     def _lose_prefill(self, reason: str) -> None:
         with self._lock:

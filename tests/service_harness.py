@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -180,3 +181,34 @@ async def asgi_client(service: Service) -> AsyncIterator[httpx.AsyncClient]:
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
+
+
+class CutShort:
+    """An HTTP endpoint on loopback (``port``, or a free one) that answers every request with a
+    status line and headers promising a body, then closes the connection: a server going away
+    mid-answer. A context manager giving its ``host:port``."""
+
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"
+
+    def __init__(self, port: int = 0) -> None:
+        self._sock = socket.create_server(("127.0.0.1", port))
+        self._thread = threading.Thread(target=self._serve, name="cut-short", daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        return f"127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._thread.join(timeout=10)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed: the context ended
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(self.ANSWER)

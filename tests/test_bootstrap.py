@@ -10,6 +10,7 @@ import pytest
 
 from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kv.rank_table import RankInfo, RankPlace
+from tests.service_harness import CutShort
 
 
 @pytest.fixture
@@ -136,6 +137,19 @@ def test_unreachable_server_is_a_bootstrap_error() -> None:
     with pytest.raises(BootstrapError) as err:
         BootstrapClient(addr, timeout_s=1).lookup()
     assert err.value.status == 0
+
+
+def test_an_answer_cut_short_is_a_bootstrap_error() -> None:
+    """A server that goes away mid-answer (a prefill shutting down): every call fails as an
+    unreachable server does, and a health check says the server does not answer."""
+    with CutShort() as addr:
+        client = BootstrapClient(addr, timeout_s=5)
+        assert client.instance() is None and not client.health()
+        with pytest.raises(BootstrapError) as err:
+            client.lookup()
+        assert err.value.status == 0 and "IncompleteRead" in err.value.detail
+        with pytest.raises(BootstrapError):
+            client.refuse(7, "draining")
 
 
 def test_a_flood_of_idle_connections_costs_neither_threads_nor_the_endpoint(

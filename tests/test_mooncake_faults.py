@@ -25,6 +25,7 @@ from kv.pool_layout import KVLayout
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from lifecycle.testing import FakeClock
 from tests.mooncake_harness import DecodePeer
+from tests.service_harness import CutShort
 from tests.transfer_harness import GEOMETRY, drive, eventually, make_pool
 
 if TYPE_CHECKING:
@@ -323,6 +324,46 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
         assert late.poll() == KVPoll.FAILED  # while the prefill is gone, at once
         assert decode.lost is not None
 
+        server, prefill = _prefill_at(port)
+        eventually(lambda: decode.lost is None, "decode registered with the new prefill")
+        _lands(decode, prefill, server.address, room=3)
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+
+
+@pytest.mark.parametrize("fault", ["cut-short", "raising"])
+def test_the_heartbeat_outlives_a_failed_health_check(
+    fault: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A health check answered by a server going away mid-answer (a prefill shutting down),
+    or one that fails in a way nobody foresaw, counts as a failed check: the heartbeat goes on,
+    loses the prefill, and registers with it again once it answers. Before, the heartbeat
+    thread died of such a check, and decode never noticed the prefill leave or come back."""
+    from kv.bootstrap import BootstrapClient
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    server, prefill = _prefill_at()
+    port = int(server.address.rpartition(":")[2])
+    decode = MooncakeDecodeManager(
+        make_pool(), MetadataBuffers(8), server.address,
+        config=MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_max_failures=2),
+    )
+    try:
+        prefill.close()
+        server.close()
+        if fault == "cut-short":
+            with CutShort(port):
+                eventually(lambda: decode.lost is not None, "the prefill lost")
+        else:
+            def broken(self: BootstrapClient) -> str | None:
+                raise RuntimeError("a check nobody foresaw")
+
+            with monkeypatch.context() as patch:
+                patch.setattr(BootstrapClient, "instance", broken)
+                eventually(lambda: decode.lost is not None, "the prefill lost")
+            assert "a check nobody foresaw" in caplog.text
         server, prefill = _prefill_at(port)
         eventually(lambda: decode.lost is None, "decode registered with the new prefill")
         _lands(decode, prefill, server.address, room=3)
