@@ -55,6 +55,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> No
                 refused = probe.post("/generate", json={"input_ids": [1]})
                 assert refused.status_code == 503
                 assert refused.json()["error"]["type"] == "draining"
+                metrics = probe.get("/metrics").text
+                assert 'pdlife_http_rejected_total{reason="draining"} 1.0' in metrics
             # Only now does the KV leave the prefill: the held request decodes to its end.
             assert client.post(f"{prefill.url}/generate", json=body).status_code == 200
             answer = streamed.result(timeout=120)

@@ -504,7 +504,9 @@ def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
                 assert health.json()["error"]["type"] == "unhealthy"
                 assert (await client.head("/health")).status_code == 503
                 assert (await gen(client, input_ids=[1, 2])).status_code == 503
-                assert "pdlife_service_healthy 0.0" in (await client.get("/metrics")).text
+                metrics = (await client.get("/metrics")).text
+                assert "pdlife_service_healthy 0.0" in metrics
+                assert rejected(metrics, "unhealthy") == 1.0
                 assert not service.loop.alive
                 info = (await client.get("/server_info")).json()
                 assert info["live_requests"] == 0

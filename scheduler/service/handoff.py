@@ -66,7 +66,7 @@ def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> 
     why = unavailable_reason(service)
     if why is not None:
         refuse_peers(service, rooms, why[0], 503, why[1])
-        raise Refusal(why[0], 503, why[1], label="unavailable")
+        raise Refusal(why[0], 503, why[1])
 
 
 async def checked(service: Service, body: BaseModel, build: Callable[[], T]) -> T:

@@ -40,7 +40,7 @@ class ServiceMetrics:
         )
         # The refusals every worker can meet, at 0 before the first: an alert on their rate
         # reads 0, not "no data" (other reasons appear as they occur).
-        for reason in ("invalid_request", "overloaded", "draining", "unauthorized",
+        for reason in ("invalid_request", "overloaded", "draining", "unhealthy", "unauthorized",
                        "body_too_large"):
             self.http_rejected.labels(reason=reason)
         self.healthy = Gauge(
