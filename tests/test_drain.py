@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size
+from scheduler.cli.command import UsageError
+from scheduler.cli.main import build_parser, main
+from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size, serve_config
 from scheduler.model.reference import ModelConfig
 from tests.service_harness import Server, free_port, model_flags, tokens_of_stream, wait_for
 
@@ -118,6 +120,42 @@ def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path, drain_timeout: str
 
 
 @pytest.mark.multiprocess
+def test_a_drained_server_lingers_refusing_until_its_linger_ends_or_a_second_signal(
+    tmp_path: Path,
+) -> None:
+    """With --drain-linger the drained server keeps its port, refusing new requests as draining,
+    so a router whose health check has not noticed yet gets a refusal rather than a closed
+    port; a second signal ends the linger, and a short linger ends by itself (exit 0 both)."""
+    server = Server(tmp_path / "serve.log", "--backend", "local", "--drain-linger", "3600")
+    short = Server(tmp_path / "short.log", "--backend", "local", "--drain-linger", "0.2")
+    try:
+        server.wait_healthy()
+        short.wait_healthy()
+        server.signal(signal.SIGTERM)
+        short.signal(signal.SIGTERM)
+        wait_for(lambda: "refusing new requests for 3600 s" in server.tail(), 30, "the linger")
+        with httpx.Client(base_url=server.url, timeout=10) as probe:
+            assert probe.get("/health").json()["error"]["type"] == "draining"
+            refused = probe.post("/generate", json={"input_ids": [1]})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["type"] == "draining"
+        server.signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0, server.tail()
+        assert short.wait(timeout=30) == 0, short.tail()
+        assert "refusing new requests for 0.2 s" in short.tail()
+        assert "drained; shutting down" in short.tail()
+    finally:
+        server.stop()
+        short.stop()
+
+
+def test_a_negative_linger_is_refused() -> None:
+    args = build_parser("serve").parse_args(["serve", "--backend", "local", "--drain-linger=-1"])
+    with pytest.raises(UsageError, match="--drain-linger must be >= 0, got -1"):
+        serve_config(args)
+
+
+@pytest.mark.multiprocess
 def test_an_idle_server_exits_zero_on_sigterm(tmp_path: Path) -> None:
     server = Server(tmp_path / "serve.log", "--backend", "local")
     try:
@@ -132,8 +170,6 @@ def test_an_idle_server_exits_zero_on_sigterm(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flag", ["--port", "--bootstrap-port"])
 def test_a_port_in_use_is_refused_before_anything_starts(
         flag: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from scheduler.cli.main import main
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -148,8 +184,6 @@ def test_a_port_in_use_is_refused_before_anything_starts(
 
 
 def test_the_bootstrap_port_must_not_be_the_http_port(capsys: pytest.CaptureFixture[str]) -> None:
-    from scheduler.cli.main import main
-
     port = str(free_port())
     with pytest.raises(SystemExit) as info:
         main(["serve", "--role", "prefill", "--backend", "mooncake", "--port", port,

@@ -4,7 +4,8 @@ The model flags are ``pdlife generate``'s too (:mod:`scheduler.cli.model_flags`)
 output and the colocated run agree token for token when started alike.
 
 Shutdown: the first SIGTERM or SIGINT starts a drain (``/generate`` and ``/health`` answer 503,
-requests in flight finish), then the server exits 0; after ``--drain-timeout`` seconds what is
+requests in flight finish; with ``--drain-linger`` the server goes on refusing new ones for that
+long), then the server exits 0; after ``--drain-timeout`` seconds what is
 still live is aborted and the exit status is 3, so a supervisor can tell. A failed engine loop
 exits 1. A second SIGINT exits at once. Once the backends are closed the process ends without
 the interpreter's slow teardown (torch's, the transfer engine's), so an idle server exits
@@ -85,6 +86,10 @@ _NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
                                         "transfer engine kept for it closes; 0 keeps it"),
         "--drain-timeout": (60.0, "on SIGTERM: seconds to let requests finish before aborting "
                             "them"),
+        "--drain-linger": (0.0, "on SIGTERM, once drained: seconds to go on answering, refusing "
+                           "new requests (503 draining, refused to their peers too), before "
+                           "the port closes; set it to the router's health-check interval so "
+                           "the router stops sending requests here first"),
     },
 }
 
@@ -263,6 +268,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.retire_lost_prefill_after < 0:
         raise UsageError("--retire-lost-prefill-after must be >= 0 (0 keeps managers), got "
                          f"{args.retire_lost_prefill_after:g}")
+    if args.drain_linger < 0:
+        raise UsageError(f"--drain-linger must be >= 0, got {args.drain_linger:g}")
     role: Role
     if args.backend == "local":
         if args.role is not None:
@@ -447,7 +454,10 @@ def _serve(args: argparse.Namespace) -> int:
             service.begin_drain()
             threading.Thread(target=self._drain, name="pdlife-drain", daemon=True).start()
 
+        linger_cut = threading.Event()  # a second signal ends the linger
+
         def _stop(self) -> None:
+            self.linger_cut.set()
             logger.warning("second signal: aborting %d requests", service.live_requests())
             self.aborted += service.abort_all(
                 "aborted: the server is shutting down (a second signal ended its drain)")
@@ -466,6 +476,10 @@ def _serve(args: argparse.Namespace) -> int:
             elif self.stopping or not service.healthy:
                 logger.info("shutting down")  # aborted by a second signal, or failed
             else:
+                if args.drain_linger > 0:
+                    logger.info("drained; refusing new requests for %g s before shutting down "
+                                "(--drain-linger)", args.drain_linger)
+                    self.linger_cut.wait(args.drain_linger)
                 logger.info("drained; shutting down")
             self.should_exit = True
 
