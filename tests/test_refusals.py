@@ -10,6 +10,7 @@ import logging
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -351,6 +352,47 @@ def test_mooncake_a_destination_that_crossed_the_watchs_failure_is_not_answered_
     eventually(lambda: after.poll() == KVPoll.FAILED, "room 51's refusal")
     assert decode.dropped_messages.total == 0
     assert mooncake.prefill.dropped_messages.total == 0
+
+
+class _BeforeWatches(BootstrapServer):
+    """The bootstrap endpoint of a prefill server that predates the ``Watch`` message: its
+    table does not say ``watch``."""
+
+    def _table(self) -> tuple[int, Any]:
+        status, table = super()._table()
+        if status == 200:
+            del table["watch"]
+        return status, table
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_prefill_that_predates_watches_is_sent_none() -> None:
+    """Decode sends no ``Watch`` to a prefill server whose table does not offer it (an older
+    one would drop it as an unknown message): the refusal answers the destination instead,
+    once decode has pages, as before watches."""
+    server = _BeforeWatches()
+    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(4))
+    prefill.register_to_bootstrap(server.address)
+    decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(4), server.address)
+    try:
+        assert not decode.prefill.watch
+        waiting = decode.create_receiver(server.address, 60)
+        waiting.init()
+        prefill.refuse(60, "draining (503): the server is draining")
+        after = decode.create_receiver(server.address, 61)  # a round trip after room 60's
+        after.init()
+        after.send_metadata([0], 0)
+        prefill.refuse(61, "draining (503): the server is draining")
+        eventually(lambda: after.poll() == KVPoll.FAILED, "room 61's refusal")
+        assert waiting.poll() == KVPoll.WAITING_FOR_INPUT and prefill.watched_rooms() == []
+        waiting.send_metadata([1], 1)
+        eventually(lambda: waiting.poll() == KVPoll.FAILED, "the refusal, at the destination")
+        assert _refused(waiting.failure_exception(), "draining (503)")
+        assert prefill.dropped_messages.total == 0
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
 
 
 @pytest.mark.mooncake
