@@ -142,6 +142,7 @@ class _MooncakeSession(InProcessDecode):
         self.prefill_metadata = MetadataBuffers(NUM_SLOTS)
         self.manager = MooncakeKVManager(self.prefill_pool, self.prefill_metadata)
         self.manager.register_to_bootstrap(self.bootstrap_addr)
+        self.server.add_refusal_listener(self.manager.peer_refused)  # as build_prefill does
         self.decode_pool = make_pool(2 * NUM_PAGES, layout=layout)
         self.decode_metadata = MetadataBuffers(2 * NUM_SLOTS)
         self.decode_slots = SlotAllocator(2 * NUM_SLOTS)

@@ -232,6 +232,22 @@ def test_a_receiver_waiting_for_pages_fails_when_its_sender_fails_first(
     receiver.clear()
 
 
+def test_a_decode_refusal_fails_the_sender_that_waits_for_its_destination(
+    peer_session: PeerSession,
+) -> None:
+    """The decode side refuses a room (``DecodeKVManager.refuse``: it refused the request, or
+    gave up on it before its destination): the prefill's sender for it fails with the refusal
+    at once, not at its bootstrap timeout."""
+    room, why = 43, "draining (503): the decode server is draining"
+    sender = peer_session.manager.create_sender(peer_session.bootstrap_addr, room)
+    peer_session.decode.refuse(peer_session.bootstrap_addr, room, why)
+    assert drive(peer_session.manager, sender, _TERMINAL)[-1] == KVPoll.FAILED
+    error = sender.failure_exception()
+    assert error.refused and error.reason == refusal(why), error
+    eventually(sender.quiescent, "quiescence after the refusal")
+    sender.clear()
+
+
 def test_abort_after_success_changes_nothing(session: HarnessSession) -> None:
     sender, _ = _handshake(session, 5, 1)
     sender.init(1, 0)
