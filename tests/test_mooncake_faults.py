@@ -282,6 +282,17 @@ def _prefill_at(port: int = 0, config: MooncakeConfig | None = None,
     return server, prefill
 
 
+def _quick_heartbeat(address: str) -> MooncakeDecodeManager:
+    """A decode rank whose heartbeat checks the prefill at ``address`` every 50 ms and loses
+    it after two failed checks."""
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    return MooncakeDecodeManager(
+        make_pool(), MetadataBuffers(8), address,
+        config=MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_max_failures=2),
+    )
+
+
 def _lands(decode: MooncakeDecodeManager, prefill: MooncakeKVManager, address: str,
            room: int) -> None:
     """A room sent from ``prefill`` lands on ``decode`` (both registered with each other)."""
@@ -302,14 +313,9 @@ def test_decode_fails_rooms_of_a_prefill_that_stops_answering_and_registers_when
     """The decode heartbeat: a prefill whose bootstrap stops answering fails its rooms in two
     heartbeats (quiescent, so their pages can go back); once a prefill answers on the same
     address again, decode registers with it and transfers resume."""
-    from kv.mooncake_decode import MooncakeDecodeManager
-
     server, prefill = _prefill_at()
     port = int(server.address.rpartition(":")[2])
-    decode = MooncakeDecodeManager(
-        make_pool(), MetadataBuffers(8), server.address,
-        config=MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_max_failures=2),
-    )
+    decode = _quick_heartbeat(server.address)
     try:
         waiting = decode.create_receiver(server.address, 1)
         waiting.init()
@@ -342,14 +348,9 @@ def test_the_heartbeat_outlives_a_failed_health_check(
     loses the prefill, and registers with it again once it answers. Before, the heartbeat
     thread died of such a check, and decode never noticed the prefill leave or come back."""
     from kv.bootstrap import BootstrapClient
-    from kv.mooncake_decode import MooncakeDecodeManager
-
     server, prefill = _prefill_at()
     port = int(server.address.rpartition(":")[2])
-    decode = MooncakeDecodeManager(
-        make_pool(), MetadataBuffers(8), server.address,
-        config=MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_max_failures=2),
-    )
+    decode = _quick_heartbeat(server.address)
     try:
         prefill.close()
         server.close()
