@@ -203,7 +203,6 @@ class LocalKVReceiver(LocalEndpoint):
         if self._group is not None and self._end is not None and server is not None:
             server.leave(self._group, self._end)
 
-
     def _unwatch(self, server: LocalServer) -> None:
         if self._watched is not None and self._watcher is not None:
             server.unwatch(self._watched, self._manager.place.tp_rank, self._watcher)

@@ -391,7 +391,6 @@ class MooncakeDecodeManager:
         if abort:
             self._peers.send(abort, wire.Abort(msg.room, self.session))
 
-
     def _on_watched(self, msg: wire.Status) -> bool:
         """A failure from a rank this side watches the room of, before its destination: the
         room fails (none of the prefill ranks will serve it). Whether ``msg`` was one; called
