@@ -29,7 +29,10 @@ destination (BOOTSTRAPPING, PREALLOC: an abort, the waiting timeout, a pool it c
 is refused to its prefill peer through the KV manager (``refuse``), which fails its half at once
 instead of at its bootstrap timeout; not when the failure came from the prefill side, and not
 for a room a live request holds (the refusal would fail that request's prefill half). A request
-the prefill peer refused fails ``bootstrap_failed`` with the peer's reason.
+the prefill peer refused fails ``bootstrap_failed`` with the peer's reason. A receiver that
+fails on its own is ``bootstrap_failed`` before the request's destination went out and
+``transfer_failed`` after, each ``*_timeout`` instead when its error says so
+(``TransferError.timeout``), as on the prefill side.
 """
 
 from __future__ import annotations
@@ -312,8 +315,11 @@ class DecodePeer:
         prefill is gone. Nothing to tell the peer."""
         if err.refused:
             self.metrics.peer_refusals.labels(direction="received").inc()
-        before_kv = req.state is S.BOOTSTRAPPING or err.refused
-        reason = FailureReason.BOOTSTRAP_FAILED if before_kv else FailureReason.TRANSFER_FAILED
+        R = FailureReason
+        if req.state is S.BOOTSTRAPPING or err.refused:  # before the destination went out
+            reason = R.BOOTSTRAP_TIMEOUT if err.timeout else R.BOOTSTRAP_FAILED
+        else:
+            reason = R.TRANSFER_TIMEOUT if err.timeout else R.TRANSFER_FAILED
         self._fail(req, reason, str(err), tell_peer=False)
 
     def _preallocate(self) -> bool:
