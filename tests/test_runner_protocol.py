@@ -19,19 +19,13 @@ from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch, LogitsRunner, ModelRunner
 from scheduler.stepping import step_until
+from scheduler.testing.fakes import ForwardOnly
 
 MODEL = LlamaModel(ModelConfig.tiny(seed=3))
 
 
-class ForwardOnly:
-    """A runner of one's own with ``pool`` and ``forward`` alone."""
-
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self._inner = PagedModelRunner(MODEL, pool)
-
-    def forward(self, batch: ForwardBatch) -> list[int]:
-        return self._inner.forward(batch)
+def paged() -> PagedModelRunner:
+    return PagedModelRunner(MODEL, MODEL.make_pool(num_pages=16, page_size=4))
 
 
 class NoPool:
@@ -41,7 +35,8 @@ class NoPool:
 
 def test_isinstance_tells_a_model_runner_and_a_logits_runner() -> None:
     pool = MODEL.make_pool(num_pages=4, page_size=4)
-    reference, plain = PagedModelRunner(MODEL, pool), ForwardOnly(pool)
+    reference = PagedModelRunner(MODEL, pool)
+    plain = ForwardOnly(reference)
     assert isinstance(reference, ModelRunner) and isinstance(reference, LogitsRunner)
     assert isinstance(plain, ModelRunner) and not isinstance(plain, LogitsRunner)
     assert not isinstance(NoPool(), ModelRunner)
@@ -52,7 +47,7 @@ class LogitsNoVocab(ForwardOnly):
     """``logits`` without the ``vocab_size`` a logits runner needs."""
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
-        return self._inner.logits(batch)
+        return self.inner.logits(batch)
 
 
 class ForwardWithVocab(ForwardOnly):
@@ -85,7 +80,7 @@ def request(rid: str, room: int, prompt: tuple[int, ...] = (1, 2, 3),
 
 
 def test_a_runner_with_logits_but_no_vocab_size_is_told_which_attribute_it_lacks() -> None:
-    runner = LogitsNoVocab(MODEL.make_pool(num_pages=16, page_size=4))
+    runner = LogitsNoVocab(paged())
     assert not isinstance(runner, LogitsRunner)
     out = serve(runner, {"sampled": request("sampled", 1, sampling=SamplingParams(
         temperature=0.5, seed=1)), "plain": request("plain", 2)})
@@ -95,7 +90,7 @@ def test_a_runner_with_logits_but_no_vocab_size_is_told_which_attribute_it_lacks
     assert out["plain"].ok
 
     # A runner without logits at all is told that it serves greedy requests only.
-    out = serve(ForwardOnly(MODEL.make_pool(num_pages=16, page_size=4)), {
+    out = serve(ForwardOnly(paged()), {
         "sampled": request("sampled", 1, sampling=SamplingParams(temperature=0.5, seed=1))})
     assert "serves only greedy requests without logprobs" in out["sampled"].detail
 
@@ -104,7 +99,7 @@ def test_a_runner_that_declares_vocab_size_has_its_prompts_checked_against_it() 
     """Without logits too: an id outside the vocabulary is refused alone (400), where the
     model would have failed its whole batch."""
     vocab = MODEL.config.vocab_size
-    out = serve(ForwardWithVocab(MODEL.make_pool(num_pages=16, page_size=4)), {
+    out = serve(ForwardWithVocab(paged()), {
         "outside": request("outside", 1, prompt=(1, vocab, 2)), "inside": request("inside", 2)})
     assert out["outside"].reason is FailureReason.REJECTED, out["outside"]
     assert f"token ids must be in 0..{vocab - 1}, got 1..{vocab}" in out["outside"].detail
@@ -115,7 +110,7 @@ class Short(ForwardOnly):
     """Answers one token too few while ``short`` is set."""
 
     def __init__(self, pool: KVPool) -> None:
-        super().__init__(pool)
+        super().__init__(PagedModelRunner(MODEL, pool))
         self.short = True
 
     def forward(self, batch: ForwardBatch) -> list[int]:

@@ -22,7 +22,6 @@ from transformers import (
 
 from kv.fake import FakeKVManager
 from kv.metadata import MetadataBuffers, SlotAllocator
-from kv.pool import KVPool
 from lifecycle import (
     DecodeState,
     FailureReason,
@@ -50,6 +49,7 @@ from scheduler.sample.constraint import Constraint, GrammarError
 from scheduler.sample.request import Sampling
 from scheduler.sample.sampler import RowSpec, sample
 from scheduler.stepping import step_until
+from scheduler.testing.fakes import ForwardOnly
 
 CONFIG = ModelConfig.tiny(seed=11)
 MODEL = LlamaModel(CONFIG)
@@ -504,17 +504,6 @@ def test_stop_strings_and_regexes_need_a_detokenizer_on_the_decode_side() -> Non
 # -- runners without logits ------------------------------------------------------------------
 
 
-class ForwardOnly:
-    """A runner with ``forward`` alone (no logits): it serves plain greedy requests only."""
-
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self._inner = PagedModelRunner(MODEL, pool)
-
-    def forward(self, batch: ForwardBatch) -> list[int]:
-        return self._inner.forward(batch)
-
-
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.5),
     SamplingParams(return_logprob=True),
@@ -523,12 +512,13 @@ class ForwardOnly:
 ])
 def test_a_runner_without_logits_refuses_what_needs_them(params: SamplingParams) -> None:
     pool = MODEL.make_pool(num_pages=16, page_size=4)
-    refused = Sampling(ForwardOnly(pool), SetCompiler()).admit("r", params, 1, [1, 2, 3])
+    plain = ForwardOnly(PagedModelRunner(MODEL, pool))
+    refused = Sampling(plain, SetCompiler()).admit("r", params, 1, [1, 2, 3])
     assert "need a model runner that returns logits" in refused
     clock, responses = FakeClock(), list[Response]()
     sched = PrefillScheduler(
         config=SchedulerConfig(page_size=4, chunked_prefill_size=8, check_invariants=True),
-        runner=ForwardOnly(pool), kv=FakeKVManager(clock=clock), metadata=MetadataBuffers(2),
+        runner=plain, kv=FakeKVManager(clock=clock), metadata=MetadataBuffers(2),
         slots=SlotAllocator(2), clock=clock, on_response=responses.append)
     sched.submit(NewRequest("r", (1, 2, 3), bootstrap_host="decode", bootstrap_room=1,
                             sampling=params))

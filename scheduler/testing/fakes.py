@@ -222,6 +222,18 @@ def echo_next_token(prompt: Sequence[int]) -> int:
     return sum((i + 1) * t for i, t in enumerate(prompt)) % 251
 
 
+class ForwardOnly:
+    """A runner of one's own with ``pool`` and ``forward`` alone (no logits, no
+    ``vocab_size``): ``inner``'s tokens over ``inner``'s pool. It serves greedy requests only."""
+
+    def __init__(self, inner: PagedModelRunner) -> None:
+        self.inner = inner
+        self.pool = inner.pool
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        return self.inner.forward(batch)
+
+
 class PageEchoRunner:
     """A cheap :class:`~scheduler.runner.ModelRunner`: stores each token id in its KV slot
     and answers :func:`echo_next_token` of the prefix read back from the pages, so a page that
