@@ -95,6 +95,19 @@ def answer_error(tokens: object, batch_size: int) -> RunnerAnswerError | None:
                              f"requests")
 
 
+def device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is the accelerator's own error (a device-side assert, an illegal memory
+    access, a device gone): ``torch.AcceleratorError``, or before torch 2.8 a ``RuntimeError``
+    that says ``CUDA error:``. The device's context does not recover from one, so a scheduler
+    lets it leave ``step()`` (a service's engine loop fails, and its health check with it)
+    instead of failing one batch after another. Running out of device memory is not one: the
+    batch fails and the loop goes on."""
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None and isinstance(exc, accelerator):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith("CUDA error:")
+
+
 def check_pool_fits(pool: KVPool, layers: int, kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> None:
     """:class:`ValueError` unless ``pool`` holds K/V of a model of this shape (as the model's

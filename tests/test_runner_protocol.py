@@ -168,3 +168,71 @@ def test_a_decode_step_that_answers_the_wrong_count_fails_its_batch_and_the_peer
     assert "the model runner answered 0 tokens for a batch of 1 requests" in failed.detail
     runner.short = False
     assert decode("b", 2).ok
+
+
+class Raising(ForwardOnly):
+    """Raises ``error`` from its forwards while it is set."""
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(PagedModelRunner(MODEL, pool))
+        self.error: Exception | None = None
+
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        if self.error is not None:
+            raise self.error
+        return super().forward(batch)
+
+
+OUT_OF_MEMORY = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+DEVICE_ERRORS = pytest.mark.parametrize("error", [
+    torch.AcceleratorError("CUDA error: device-side assert triggered"),
+    RuntimeError("CUDA error: an illegal memory access was encountered"),  # torch before 2.8
+], ids=["accelerator-error", "runtime-error"])
+
+
+@DEVICE_ERRORS
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_device_error_leaves_the_prefill_step_where_running_out_of_memory_fails_a_batch(
+        overlap: bool, error: Exception) -> None:
+    runner = Raising(MODEL.make_pool(num_pages=16, page_size=4))
+    clock, responses = FakeClock(), list[Response]()
+    sched = PrefillScheduler(
+        config=SchedulerConfig(page_size=4, check_invariants=True), runner=runner,
+        kv=FakeKVManager(clock=clock), metadata=MetadataBuffers(2), slots=SlotAllocator(2),
+        clock=clock, on_response=responses.append, overlap=overlap)
+    runner.error = OUT_OF_MEMORY
+    sched.submit(request("a", 1, prompt=tuple(range(1, 10))))
+    sched.run_until(lambda: len(responses) == 1 and sched.idle())
+    assert responses[0].reason is FailureReason.INTERNAL, responses[0]
+    assert "CUDA out of memory" in responses[0].detail
+
+    runner.error = error
+    sched.submit(request("b", 2, prompt=tuple(range(1, 10))))
+    with pytest.raises(type(error), match=r"^CUDA error: "):
+        sched.run_until(lambda: len(responses) == 2, timeout=30.0)
+    assert len(responses) == 1  # "b" is answered by whoever ran the loop (a service: 500)
+    sched.close()
+
+
+@DEVICE_ERRORS
+def test_a_device_error_leaves_the_decode_step(error: Exception) -> None:
+    pool = MODEL.make_pool(num_pages=32, page_size=4)
+    runner, metadata = Raising(pool), MetadataBuffers(4)
+    fake = LocalPrefillFake(PagedModelRunner(MODEL, pool), metadata)
+    answers: list[DecodeResponse] = []
+    peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
+                      slots=SlotAllocator(4), on_response=answers.append)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    runner.error = OUT_OF_MEMORY
+    fake.expect(1, "a", (1, 2, 3), params)
+    peer.submit(request("a", 1, sampling=params))
+    step_until(peer.step, lambda: bool(answers) and peer.idle(), 30.0, lambda: f"{answers}")
+    assert answers[0].reason is FailureReason.INTERNAL and "CUDA out of memory" in \
+        answers[0].detail, answers
+
+    runner.error = error
+    fake.expect(2, "b", (1, 2, 3), params)
+    peer.submit(request("b", 2, sampling=params))
+    with pytest.raises(type(error), match=r"^CUDA error: "):
+        step_until(peer.step, lambda: len(answers) == 2, 30.0, lambda: f"{answers}")
+    assert len(answers) == 1

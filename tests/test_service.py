@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import httpx
 import pytest
+import torch
 
 from kv.pool import KVPool
 from lifecycle import SamplingParams
@@ -439,6 +440,7 @@ def test_dropped_messages_are_exported_at_zero_before_the_first() -> None:
 
 POISON = 251
 BREAK = 250
+DEVICE = 249
 
 
 class EngineLost(BaseException):
@@ -448,14 +450,16 @@ class EngineLost(BaseException):
 
 class PoisonedRunner(PagedModelRunner):
     """The model boundary failing: a batch holding token POISON raises (its batch fails, the
-    loop goes on); one holding BREAK raises :class:`EngineLost`, which the scheduler cannot
-    carry on from."""
+    loop goes on); one holding BREAK raises :class:`EngineLost`, and one holding DEVICE a device
+    error, which the scheduler cannot carry on from."""
 
     def forward(self, batch: ForwardBatch) -> list[int]:
         if any(POISON in item.input_ids for item in batch.items):
             raise RuntimeError("device fault")
         if any(BREAK in item.input_ids for item in batch.items):
             raise EngineLost("the device is gone")
+        if any(DEVICE in item.input_ids for item in batch.items):
+            raise torch.AcceleratorError("CUDA error: device-side assert triggered")
         return super().forward(batch)
 
 
@@ -485,7 +489,8 @@ def test_a_failed_forward_fails_its_request_and_the_service_carries_on(
                and "device fault" in m for m in logged), logged
 
 
-def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
+@pytest.mark.parametrize("token", [BREAK, DEVICE], ids=["engine-lost", "device-error"])
+def test_a_failed_engine_loop_fails_requests_and_the_health_check(token: int) -> None:
     async def main() -> None:
         with running_service(config(), runner_factory=poisoned) as service:
             async with asgi_client(service) as client:
@@ -496,12 +501,14 @@ def test_a_failed_engine_loop_fails_requests_and_the_health_check() -> None:
                     schema = (await client.get("/openapi.json")).json()
                 assert list(schema["paths"]["/health"]) == ["get"]
                 assert (await gen(client, input_ids=[1, 2])).status_code == 200
-                r = await gen(client, input_ids=[BREAK, 2], rid="bad")
+                r = await gen(client, input_ids=[token, 2], rid="bad")
                 assert r.status_code == 500
                 assert r.json()["error"]["rid"] == "bad"
                 health = await client.get("/health")
                 assert health.status_code == 503
                 assert health.json()["error"]["type"] == "unhealthy"
+                cause = "the device is gone" if token == BREAK else "device-side assert"
+                assert cause in health.json()["error"]["message"]
                 assert (await client.head("/health")).status_code == 503
                 assert (await gen(client, input_ids=[1, 2])).status_code == 503
                 metrics = (await client.get("/metrics")).text

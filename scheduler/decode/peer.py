@@ -15,7 +15,8 @@ their pages as the sequence grows; ``finished`` at max_new_tokens, a stop token,
 or a completed grammar. Tokens are greedy, or sampled from the request's seeded stream, with
 logprobs when asked (:mod:`.sampling` holds both rules). A decode step that raised, or whose
 runner answered other than one token per request, fails its requests (``internal``) and the
-loop goes on. Room 0 is refused: it marks an empty metadata row.
+loop goes on; a device error (:func:`scheduler.runner.device_lost`) leaves ``step()`` instead.
+Room 0 is refused: it marks an empty metadata row.
 A request still waiting for its KV when its waiting deadline passes (:mod:`.deadlines`) fails
 ``transfer_timeout``.
 
@@ -71,7 +72,7 @@ from scheduler.messages import (
     take_all,
 )
 from scheduler.model.speculative import SpeculativeDecoder
-from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner, answer_error
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner, answer_error, device_lost
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
 from scheduler.stepping import OneThread
@@ -369,6 +370,8 @@ class DecodePeer:
             if malformed is not None:
                 raise malformed
         except Exception as exc:  # the batch's requests fail; the loop goes on
+            if device_lost(exc):
+                raise
             logger.error("decode step of %d requests failed: %r", len(reqs), exc)
             self.lifecycle.fire(DecodeEvent.FAIL, reqs, reason=FailureReason.INTERNAL,
                                 detail=f"the model forward failed: {exc!r}")
@@ -388,6 +391,8 @@ class DecodePeer:
         try:
             worked = self._speculation.step(req, self._sampling.finished)
         except Exception as exc:  # the request fails; the loop goes on
+            if device_lost(exc):
+                raise
             self._fail(req, FailureReason.INTERNAL, f"a speculative round failed: {exc!r}")
             return True
         if self._sampling.finished(req):

@@ -10,9 +10,10 @@ request's state (:func:`kv.state_sends.chunk_send` decides both) — and returns
 must fire. With state pools (:mod:`kv.state_pools`) :func:`prepare` takes the SWA pages of
 the chunk's pages and, with a request's first pages, its recurrent-state slot. A forward that
 raised, or answered other than one token per item, defers an ``internal`` failure on each of its
-requests; whatever was deferred settles as
-the last batch holding a request lands. A batch with requests that sample or want logprobs runs
-a :class:`~scheduler.sample.batch.LogitsForward` instead of ``runner.forward``
+requests; whatever was deferred settles as the last batch holding a request lands. A device
+error (:func:`scheduler.runner.device_lost`) is not a batch's failure: it leaves the pass. A
+batch with requests that sample or want logprobs runs a
+:class:`~scheduler.sample.batch.LogitsForward` instead of ``runner.forward``
 (:mod:`.sampling`); its per-item results are read here, after the forward's result.
 
 The device is injectable. :class:`DeviceWorker`, the default, is one thread (on CUDA it also
@@ -51,7 +52,7 @@ from scheduler.prefill.on_device import (
     take_off_device,
 )
 from scheduler.prefill.sampling import PrefillSampling
-from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner, answer_error
+from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner, answer_error, device_lost
 from scheduler.sample.batch import LogitsForward
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class Launched:
         try:
             return self.job.result(), None
         except Exception as exc:
+            if device_lost(exc):
+                raise
             return None, exc
 
 
@@ -167,6 +170,8 @@ def start(plan: Plan, batch: ForwardBatch, runner: ModelRunner, device: Device |
     try:
         return Launched(plan, None, forward(batch), sampled=sampled)
     except Exception as exc:  # the batch's requests fail; the loop goes on
+        if device_lost(exc):
+            raise
         return Launched(plan, None, None, exc, sampled)
 
 
