@@ -71,7 +71,7 @@ from kv.mooncake_engine import (
 )
 from kv.mooncake_legs import Chunk, Owed, PrefillRoom
 from kv.mooncake_rooms import PrefillRooms
-from kv.mooncake_slices import target_of
+from kv.mooncake_slices import Target, target_of
 from kv.mooncake_state import pool_memory
 from kv.mooncake_writes import WritePipeline
 from kv.pool import KVPool
@@ -82,6 +82,10 @@ from kv.state_pools import StateKind, StatePools
 from kv.transfer import REASON_ABORTED, KVPoll, TransferError, TransferUsageError
 
 logger = logging.getLogger(__name__)
+
+#: How long a refusal to a decode rank that cannot pair (:class:`kv.wire.Refused`) may wait
+#: for its connection before it is dropped.
+_REFUSAL_LINGER_MS = 1000
 
 
 class MooncakeKVManager:
@@ -233,6 +237,25 @@ class MooncakeKVManager:
     def _on_register(self, reg: wire.Register) -> None:
         if self._rooms.touch(reg):  # the decode rank's keepalive
             return
+        try:
+            target = self._target_of(reg)
+        except wire.WireError as exc:
+            self._refuse_session(reg, exc)
+            raise
+        if target.state.refused:
+            logger.warning("decode session %s: its rooms are refused: %s", reg.session,
+                           target.state.refused)
+        self._rooms.register(target)
+        with self._push_lock:
+            old = self._push.pop(reg.session, None)
+            if old is not None:
+                old.close()
+            self._push[reg.session] = push_socket(self._control.ctx, reg.status_endpoint)
+        logger.info("decode session %s registered", reg.session)
+
+    def _target_of(self, reg: wire.Register) -> Target:
+        """What ``reg`` describes, for this rank; raises :class:`~kv.wire.WireError` when
+        this rank cannot pair with it (another model, pool or metadata layout)."""
         if reg.model != self.pool.model:
             raise wire.WireError(
                 "incompatible_model",
@@ -249,17 +272,21 @@ class MooncakeKVManager:
                 f"session {reg.session}: (page_size, kv_dtype, kv_layout, metadata item lens) "
                 f"{theirs} differ from this rank's {mine}",
             )
-        target = target_of(self.pool, self.place, reg, self.states, self._state_memory)
-        if target.state.refused:
-            logger.warning("decode session %s: its rooms are refused: %s", reg.session,
-                           target.state.refused)
-        self._rooms.register(target)
-        with self._push_lock:
-            old = self._push.pop(reg.session, None)
-            if old is not None:
-                old.close()
-            self._push[reg.session] = push_socket(self._control.ctx, reg.status_endpoint)
-        logger.info("decode session %s registered", reg.session)
+        return target_of(self.pool, self.place, reg, self.states, self._state_memory)
+
+    def _refuse_session(self, reg: wire.Register, err: wire.WireError) -> None:
+        """Tell the decode rank of ``reg`` why it cannot pair with this rank (on a socket of
+        its own: the session is not registered), so it fails its rooms for this prefill at
+        once rather than at their timeouts."""
+        sock = push_socket(self._control.ctx, reg.status_endpoint)
+        try:
+            sock.setsockopt(zmq.LINGER, _REFUSAL_LINGER_MS)  # sent once the connection is up
+            sock.send(wire.encode(wire.Refused(str(err), self.rank),
+                                  self.config.token), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("refusal to decode session %s not sent: %s", reg.session, exc)
+        finally:
+            sock.close()
 
     def _on_deregister(self, msg: wire.Deregister, reason: str | None = None) -> None:
         owed = self._rooms.deregister(msg.session, reason)

@@ -153,6 +153,9 @@ class MooncakeDecodeManager:
         # Rooms failed when the prefill was lost and at once meanwhile, with why: refused to
         # the prefill when it is back.
         self._failed_while_lost: deque[tuple[int, str]] = deque(maxlen=_MAX_REFUSED_WHILE_LOST)
+        # The prefill instance that refused this rank's Register (wire.Refused), while it
+        # counts as gone for that reason.
+        self._refused_by: str | None = None
         self._closed = False
         infos = metadata.buffer_infos()
         self._register = wire.Register(
@@ -300,13 +303,17 @@ class MooncakeDecodeManager:
             # Restarted between two checks: its ranks, engines and rooms are new.
             self._lose_prefill(f"prefill {self.bootstrap_addr} restarted (another "
                                "instance answers its bootstrap endpoint)")
-        if self.lost is not None:
+        with self._lock:
+            refused = self._refused_by is not None and instance == self._refused_by
+        if refused:  # the same prefill instance: it still cannot pair
+            self._refuse_failed()
+        elif self.lost is not None:
             self._reconnect()
         elif self._register.keepalive_ms:  # a prefill rank forgets a silent session
             self._peers.send_all(self._register)
         return True
 
-    def _lose_prefill(self, reason: str) -> None:
+    def _lose_prefill(self, reason: str, level: int = logging.WARNING) -> None:
         with self._lock:
             self._lost, self._lost_since = reason, time.monotonic()
             # Their other halves may wait on the prefill (one restarted took them after its
@@ -317,7 +324,7 @@ class MooncakeDecodeManager:
             rooms = self._end_rooms(reason)
         for rec in rooms:
             self.ready.put(rec.room)
-        logger.warning("%s; its %d rooms failed", reason, len(rooms))
+        logger.log(level, "%s; its %d rooms failed", reason, len(rooms))
 
     def _end_rooms(self, reason: str) -> list[_DecodeRoom]:
         """Fail every room not concluded with ``reason`` and make every room quiescent: no
@@ -345,19 +352,41 @@ class MooncakeDecodeManager:
         self._register = attrs.evolve(self._register, keepalive_ms=self._keepalive_ms(table))
         peers.send_all(self._register)
         with self._lock:
-            self._lost = self._lost_since = None
-            failed = list(self._failed_while_lost)
-            self._failed_while_lost.clear()
-        for room, reason in failed:
-            self.refuse(self.bootstrap_addr, room, reason)
+            self._lost = self._lost_since = self._refused_by = None
+        failed = self._refuse_failed()
         logger.info("prefill %s is back (%d ranks); registered again%s", self.bootstrap_addr,
                     len(table.ranks), f", refused the {len(failed)} rooms failed since it was lost"
                     if failed else "")
 
     def _handle(self, msg: wire.Message) -> None:
-        if not isinstance(msg, wire.Status):
+        if isinstance(msg, wire.Status):
+            self._on_status(msg)
+        elif isinstance(msg, wire.Refused):
+            self._on_refused(msg)
+        else:
             raise wire.WireError("unexpected_type", f"{type(msg).__name__} not for decode")
-        self._on_status(msg)
+
+    def _on_refused(self, msg: wire.Refused) -> None:
+        """A prefill rank cannot pair with this decode rank (another model, another pool or
+        metadata layout): the prefill counts as gone until another instance of it answers
+        its bootstrap endpoint, and the rooms failed meanwhile are refused to it at once."""
+        with self._lock:
+            if self._lost is not None:
+                return  # already gone (the rank's refusal of a keepalive, or another rank's)
+            self._refused_by = self._peers.table.instance or None
+        self._lose_prefill(f"prefill {self.bootstrap_addr} (rank {msg.rank}) cannot pair with "
+                           f"this decode rank: {msg.reason}", level=logging.ERROR)
+        self._refuse_failed()
+
+    def _refuse_failed(self) -> list[tuple[int, str]]:
+        """Refuse to the prefill the rooms failed since it counted as gone (their other halves
+        wait there); those rooms, with why."""
+        with self._lock:
+            failed = list(self._failed_while_lost)
+            self._failed_while_lost.clear()
+        for room, reason in failed:
+            self.refuse(self.bootstrap_addr, room, reason)
+        return failed
 
     def _on_status(self, msg: wire.Status) -> None:
         """A prefill rank concluded its side: a source's SUCCESS counts towards the room's, a

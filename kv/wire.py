@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Six messages cross the network, each a msgpack map with a type tag ``"t"``:
+Seven messages cross the network, each a msgpack map with a type tag ``"t"``:
 
 decode → prefill
     :class:`Register` per (decode manager, prefill rank), then again every ``keepalive_ms``
@@ -22,6 +22,10 @@ decode → prefill
     :class:`Deregister` when the decode manager closes: the prefill rank forgets the session.
 prefill → decode
     :class:`Status` when a room concludes (SUCCESS or FAILED), with a reason.
+    :class:`Refused` answering a ``Register`` the prefill rank cannot pair with (another model,
+    another pool or metadata layout: a worker built otherwise, or of another pdlife version),
+    with why: decode fails the prefill's rooms at once instead of each waiting for its timeout.
+    A decode that predates the message drops it (``unknown_type``).
 
 Nothing from the network is trusted. :func:`decode` turns bytes into one of these records or
 raises :class:`WireError`, and never anything else: size limit, msgpack syntax, the type tag,
@@ -169,7 +173,16 @@ class Status:
     rank: int
 
 
-Message = Register | Watch | Destination | Abort | Deregister | Status
+@attrs.frozen
+class Refused:
+    """prefill → decode: prefill rank ``rank`` dropped this decode rank's ``Register`` (it
+    cannot pair with it: ``reason``); none of the rooms it would serve will be."""
+
+    reason: str
+    rank: int
+
+
+Message = Register | Watch | Destination | Abort | Deregister | Status | Refused
 
 
 def encode(msg: Message, token: str | None = None) -> bytes:
@@ -225,6 +238,8 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "reason": msg.reason[: MAX_STR // 2],
             "rank": msg.rank,
         }
+    elif isinstance(msg, Refused):
+        body = {"t": "refused", "reason": msg.reason[: MAX_STR // 2], "rank": msg.rank}
     else:
         raise AssertionError(f"not a wire message: {msg!r}")
     if token is not None:
@@ -397,6 +412,10 @@ def _parse_status(body: dict[Any, Any]) -> Status:
     )
 
 
+def _parse_refused(body: dict[Any, Any]) -> Refused:
+    return Refused(reason=str_field(body, "reason"), rank=int_field(body, "rank", 0, 1 << 16))
+
+
 _PARSERS: dict[str, Callable[[dict[Any, Any]], Message]] = {
     "register": _parse_register,
     "watch": _parse_watch,
@@ -404,6 +423,7 @@ _PARSERS: dict[str, Callable[[dict[Any, Any]], Message]] = {
     "abort": _parse_abort,
     "deregister": _parse_deregister,
     "status": _parse_status,
+    "refused": _parse_refused,
 }
 _FIELDS = {
     "register": {f.name for f in attrs.fields(Register)},
@@ -412,4 +432,5 @@ _FIELDS = {
     "abort": {f.name for f in attrs.fields(Abort)},
     "deregister": {f.name for f in attrs.fields(Deregister)},
     "status": {f.name for f in attrs.fields(Status)},
+    "refused": {f.name for f in attrs.fields(Refused)},
 }

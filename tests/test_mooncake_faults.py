@@ -173,9 +173,19 @@ def test_incompatible_registration_is_refused(
     manager: MooncakeKVManager, caplog: pytest.LogCaptureFixture
 ) -> None:
     raw = RawDecode(manager)
+    status = raw.ctx.socket(zmq.PULL)
+    status.setsockopt(zmq.LINGER, 0)
+    port = status.bind_to_random_port("tcp://127.0.0.1")
     try:
-        raw.send(attrs.evolve(raw.register, page_size=8))
+        raw.send(attrs.evolve(raw.register, page_size=8,
+                              status_endpoint=f"tcp://127.0.0.1:{port}"))
         _dropped(manager, "incompatible_layout")
+        # The decode rank is told why, on its status endpoint.
+        assert status.poll(10_000), "no refusal came"
+        refused = wire.decode(status.recv(), TOKEN)
+        assert isinstance(refused, wire.Refused) and refused.rank == 0
+        assert refused.reason.startswith("incompatible_layout: session 127.0.0.1:9: "
+                                         "(page_size, kv_dtype, kv_layout, metadata item lens)")
         raw.send(raw.destination(1, [0]))
         _dropped(manager, "unknown_session")
         # A pool of the other layout: the same bytes per page, at other offsets.
@@ -183,6 +193,7 @@ def test_incompatible_registration_is_refused(
         _dropped(manager, "incompatible_layout", 2)
         assert "'page_major'" in caplog.text and "'layer_major'" in caplog.text
     finally:
+        status.close()
         raw.close()
 
 

@@ -395,6 +395,75 @@ def test_mooncake_a_prefill_that_predates_watches_is_sent_none() -> None:
         server.close()
 
 
+class _Prefill:
+    """A prefill server (bootstrap endpoint and one rank) that can be started again on the
+    same port, with metadata rows of ``hidden`` (a draft's hand-off) or plain ones."""
+
+    def __init__(self, hidden: int, port: int = 0) -> None:
+        self.bootstrap = BootstrapServer(port=port)
+        self.port = int(self.bootstrap.address.rpartition(":")[2])
+        self.kv = MooncakeKVManager(make_pool(), MetadataBuffers(4, speculative_hidden=hidden))
+        self.kv.register_to_bootstrap(self.bootstrap.address)
+        self.bootstrap.add_refusal_listener(self.kv.peer_refused)
+
+    def close(self) -> None:
+        self.kv.close()
+        self.bootstrap.close()
+
+
+@pytest.mark.mooncake
+def test_mooncake_a_decode_rank_prefill_cannot_pair_with_fails_its_rooms_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A prefill rank drops a ``Register`` it cannot pair with, here metadata rows of another
+    layout, which the bootstrap table does not show (a worker of another pdlife version). It
+    tells the decode rank why (``Refused``): decode's rooms for that prefill fail at once,
+    later ones too, and their prefill halves are refused to the prefill instead of waiting for
+    its bootstrap timeout; decode does not register with that instance again, and pairs with
+    the compatible one started after it."""
+    prefill = _Prefill(hidden=0)
+    addr = prefill.bootstrap.address
+    config = MooncakeConfig(heartbeat_interval_s=0.05, heartbeat_max_failures=2)
+    decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(4, speculative_hidden=8), addr,
+                                   config=config)
+    try:
+        eventually(lambda: decode.lost is not None, "the refusal")
+        lost = decode.lost
+        assert lost is not None and "cannot pair with this decode rank: incompatible_layout" \
+            in lost and "metadata item lens" in lost, lost
+        assert any(r.levelno == logging.ERROR and "cannot pair" in r.getMessage()
+                   for r in caplog.records)
+        sender = prefill.kv.create_sender(addr, 7)
+        receiver = decode.create_receiver(addr, 7)
+        assert receiver.poll() == KVPoll.FAILED and receiver.quiescent()
+        assert "incompatible_layout" in receiver.failure_exception().reason
+        receiver.clear()
+        eventually(lambda: sender.poll() == KVPoll.FAILED, "the prefill half refused")
+        assert _refused(sender.failure_exception(), f"prefill {addr} (rank 0) cannot pair")
+        sender.clear()
+        # Refused once: the heartbeat that refused room 7 sent no keepalive to that instance.
+        assert prefill.kv.dropped_messages.snapshot() == {"incompatible_layout": 1}
+
+        prefill.close()
+        prefill = _Prefill(hidden=8, port=prefill.port)  # another instance, compatible
+        eventually(lambda: decode.lost is None, "registered with the new instance")
+        sender = prefill.kv.create_sender(addr, 8)
+        receiver = decode.create_receiver(addr, 8)
+        receiver.init()
+        receiver.send_metadata([0], 0)
+        assert drive(prefill.kv, sender, {KVPoll.WAITING_FOR_INPUT})[-1] == \
+            KVPoll.WAITING_FOR_INPUT
+        sender.abort()
+        eventually(lambda: receiver.poll() == KVPoll.FAILED, "the abort")
+        for end in (sender, receiver):
+            eventually(end.quiescent, "quiescent")
+            end.clear()
+        assert prefill.kv.dropped_messages.total == decode.dropped_messages.total == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
 @pytest.mark.mooncake
 def test_mooncake_bad_refusals_are_refused_by_the_bootstrap(mooncake: Mooncake) -> None:
     client = BootstrapClient(mooncake.bootstrap.address)

@@ -91,8 +91,10 @@ statuses = st.builds(
     reason=st.text(max_size=40),
     rank=st.integers(0, 8),
 )
+refusals = st.builds(wire.Refused, reason=st.text(min_size=1, max_size=40),
+                     rank=st.integers(0, 8))
 messages = st.one_of(registers, _hybrid_registers(), destinations, watches, aborts, deregisters,
-                     statuses)
+                     statuses, refusals)
 
 
 def _same(a: wire.Message, b: wire.Message) -> bool:

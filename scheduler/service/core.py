@@ -385,7 +385,8 @@ class Service:
             return
         if resp.reason == FailureReason.BOOTSTRAP_TIMEOUT:
             logger.warning("request %r failed: %s: no decode peer asked for bootstrap room %d "
-                           "(a decode worker that died, or a client that sent this worker "
+                           "(a decode worker that died, one this worker cannot pair with (see "
+                           "its dropped control messages), or a client that sent this worker "
                            "alone its half)", resp.rid, resp.detail,
                            pending.item.bootstrap_room)
         if self.config.role == "both":
