@@ -366,7 +366,8 @@ class BootstrapClient:
                 kv_layout=ranks[0].kv_layout,
             )
         except (ValueError, TypeError, KeyError) as exc:
-            raise BootstrapError(self.addr, 200, f"unreadable route table: {exc}") from None
+            raise BootstrapError(self.addr, 200, f"unreadable route table (a prefill of another "
+                                 f"pdlife version?): {exc}") from None
 
     def refuse(self, room: int, reason: str) -> None:
         """Tell the prefill server that this decode side will never ask for ``room``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -188,4 +189,31 @@ def test_a_flood_of_idle_connections_costs_neither_threads_nor_the_endpoint(
     finally:
         for s in flood:
             s.close()
+        server.close()
+
+
+class _Newer(BootstrapServer):
+    """The bootstrap endpoint of a prefill whose ranks carry a field this version does not
+    know (a later pdlife version's)."""
+
+    def _table(self) -> tuple[int, Any]:
+        status, table = super()._table()
+        if status == 200:
+            for rank in table["ranks"]:
+                rank["draft_layout"] = "page_major"
+        return status, table
+
+
+def test_a_table_of_unknown_rank_fields_is_refused_naming_them_and_the_likely_cause() -> None:
+    server = _Newer(expected_ranks=1)
+    try:
+        client = BootstrapClient(server.address)
+        client.register(_rank(0, tp_size=1))
+        with pytest.raises(BootstrapError) as err:
+            client.lookup()
+        assert err.value.status == 200
+        assert str(err.value).endswith(
+            "unreadable route table (a prefill of another pdlife version?): missing fields [], "
+            "unexpected ['draft_layout']"), str(err.value)
+    finally:
         server.close()
