@@ -144,14 +144,22 @@ def test_a_forward_that_answers_the_wrong_count_fails_its_batch_and_the_loop_goe
     sched.close()
 
 
-def test_a_decode_step_that_answers_the_wrong_count_fails_its_batch_and_the_peer_goes_on() -> None:
-    pool = MODEL.make_pool(num_pages=32, page_size=4)
-    runner, metadata = Short(pool), MetadataBuffers(4)
-    # The fake host's requests have their prompt computed by a correct runner over the pool.
-    fake = LocalPrefillFake(PagedModelRunner(MODEL, pool), metadata)
+def decode_peer(runner: ModelRunner) -> tuple[DecodePeer, LocalPrefillFake,
+                                                list[DecodeResponse]]:
+    """A decode peer over ``runner`` for the fake host, whose requests have their prompt
+    computed by a correct runner over the same pool; the peer, the host, the answers."""
+    metadata = MetadataBuffers(4)
+    fake = LocalPrefillFake(PagedModelRunner(MODEL, runner.pool), metadata)
     answers: list[DecodeResponse] = []
     peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
                       slots=SlotAllocator(4), on_response=answers.append)
+    return peer, fake, answers
+
+
+def test_a_decode_step_that_answers_the_wrong_count_fails_its_batch_and_the_peer_goes_on() -> None:
+    pool = MODEL.make_pool(num_pages=32, page_size=4)
+    runner = Short(pool)
+    peer, fake, answers = decode_peer(runner)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
     def decode(rid: str, room: int) -> DecodeResponse:
@@ -216,12 +224,8 @@ def test_a_device_error_leaves_the_prefill_step_where_running_out_of_memory_fail
 
 @DEVICE_ERRORS
 def test_a_device_error_leaves_the_decode_step(error: Exception) -> None:
-    pool = MODEL.make_pool(num_pages=32, page_size=4)
-    runner, metadata = Raising(pool), MetadataBuffers(4)
-    fake = LocalPrefillFake(PagedModelRunner(MODEL, pool), metadata)
-    answers: list[DecodeResponse] = []
-    peer = DecodePeer(runner=runner, kv=DecodeKVRouter(fake=fake), metadata=metadata,
-                      slots=SlotAllocator(4), on_response=answers.append)
+    runner = Raising(MODEL.make_pool(num_pages=32, page_size=4))
+    peer, fake, answers = decode_peer(runner)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     runner.error = OUT_OF_MEMORY
     fake.expect(1, "a", (1, 2, 3), params)
