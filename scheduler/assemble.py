@@ -44,6 +44,7 @@ from scheduler.model.speculative import SpeculativeDecoder
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
 from scheduler.prefill.mesh import MeshOptions
+from scheduler.prefill.metrics import SchedulerMetrics
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
@@ -82,6 +83,7 @@ class PrefillOptions(MeshOptions, total=False):
     delayer: PrefillDelayer | None
     clock: Callable[[], float]
     on_response: Callable[[Response], None] | None
+    metrics: SchedulerMetrics | None
     overlap: bool
     compiler: ConstraintCompiler | None
 

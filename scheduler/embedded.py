@@ -7,8 +7,10 @@ the bootstrap endpoint and the ZeroMQ control plane in between, exactly as betwe
 processes. With ``PairConfig.hybrid`` both sides also hold a hybrid reference model's SWA pool
 and recurrent slots, or a draft model's pool (speculative decoding), and the backend moves them
 too (:mod:`scheduler.model.side_pools`). :class:`EmbeddedPair` drives both loops from the
-calling thread, which makes it the harness of the demo, the benchmarks and the end-to-end
-tests, and the simplest way to embed pdlife.
+calling thread (:meth:`~EmbeddedPair.run_until_done`), which makes it the harness of the demo,
+the benchmarks and the end-to-end tests, and the simplest way to embed pdlife; a service steps
+it on an engine thread instead (``EngineLoop([pair], after_pass=...)``, which takes the answers
+there: docs/embedding.md, "Serving from one process").
 
 A request id is the pair's from :meth:`EmbeddedPair.submit` until :meth:`~EmbeddedPair.take`
 (or :meth:`~EmbeddedPair.run_until_done`) hands its :class:`Outcome` over (the pair then
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 import attrs
+from prometheus_client import CollectorRegistry
 
 from kv.bootstrap import BootstrapServer
 from kv.fake import FaultPlan
@@ -40,13 +43,14 @@ from kv.state_pools import StatePools
 from lifecycle import FailureReason, SamplingParams
 from lifecycle.validators import one_of, typed_fields
 from scheduler.assemble import Closers, RunnerFactory, build_decode, build_prefill, close_all
-from scheduler.decode import DecodeConfig
+from scheduler.decode import DecodeConfig, DecodeMetrics
 from scheduler.messages import LOCAL_HOST, DecodeResponse, NewRequest, Response
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, resolve_device
 from scheduler.model.select import ServedModel
 from scheduler.model.side_pools import HybridConfig
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import PrefillDelayer
+from scheduler.prefill.metrics import SchedulerMetrics
 from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
@@ -114,12 +118,15 @@ class EmbeddedPair:
         clock: Callable[[], float] = time.monotonic,
         compiler: ConstraintCompiler | None = None,
         detokenize: Detokenize | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         """``served`` (from :func:`scheduler.model.select.load_model`) runs a real checkpoint or
         the reference model on both sides; without it, ``model`` or ``config.model`` is the
         reference model. ``compiler`` (both sides) and ``detokenize`` (decode) serve grammars
         and stop strings; they default to ``served``'s (its grammar compiler, its tokenizer's
-        decode), and without them such requests are refused."""
+        decode), and without them such requests are refused. ``registry``: both sides' metrics
+        go into it (one pair per registry: a second raises ``ValueError``, duplicated
+        series); without it each side has a registry of its own."""
         self.config = config
         self.served = served
         if served is not None:
@@ -156,7 +163,7 @@ class EmbeddedPair:
                 bootstrap=self.bootstrap, faults=faults, kv_layout=config.kv_layout,
                 delayer=delayer, clock=clock, on_response=self._on_prefill,
                 overlap=config.overlap, compiler=compiler, hybrid=config.hybrid,
-                mooncake=config.mooncake, eos_token_id=eos,
+                mooncake=config.mooncake, eos_token_id=eos, metrics=SchedulerMetrics(registry),
             )
             self.decode = build_decode(
                 self.model, kv_for=functools.partial(self._decode_kv, hub),
@@ -166,6 +173,7 @@ class EmbeddedPair:
                 clock=clock, on_response=self._on_decode,
                 config=DecodeConfig(check_invariants=config.scheduler.check_invariants),
                 compiler=compiler, detokenize=detokenize, hybrid=config.hybrid,
+                metrics=DecodeMetrics(registry),
             )
         except BaseException:
             close_all(self._closers)
@@ -230,6 +238,7 @@ class EmbeddedPair:
         self.decode.abort(rid)
 
     def step(self) -> bool:
+        """One pass of each side; True if either did any work. On the stepping thread."""
         worked = self.prefill.step()
         worked |= self.decode.step()
         return worked
@@ -293,6 +302,8 @@ class EmbeddedPair:
                 self.decode.abort(rid)
 
     def idle(self) -> bool:
+        """Both sides idle: nothing live, queued, on the device or held back (every page back
+        but the prefix cache's); outcomes not yet taken do not count."""
         return self.prefill.idle() and self.decode.idle()
 
     def _decode_kv(

@@ -54,7 +54,15 @@ class EngineLoop:
         name: str = "pdlife-engine",
         outside_grace_s: float = 0.0,
     ) -> None:
-        """``outside_grace_s``: how long a failed pass waits for a failure found by another
+        """``engines``: anything with ``step()`` and ``idle()``, stepped in order once each per
+        pass (a prefill scheduler, a decode peer, an :class:`~scheduler.embedded.EmbeddedPair`).
+        ``on_crash``: called once, on this thread, with the failure that ended the loop.
+        ``after_pass``: called after every pass, on this thread (it may read the engines' state
+        and take their answers); an exception out of it ends the loop as a failed pass does.
+        ``poll_interval``: seconds to wait after a pass that did no work while an engine is
+        not idle. ``name``: the thread's.
+
+        ``outside_grace_s``: how long a failed pass waits for a failure found by another
         thread (:meth:`fail`), which, when it comes, is the one reported: a pass of a mesh
         whose rank process died fails in its collective ("connection closed by peer") a moment
         before the thread that watches the processes says which one exited."""
