@@ -10,8 +10,13 @@ differ. The programs are compared one by one: every rule, every value drawn, eve
 from __future__ import annotations
 
 import builtins
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, seed, settings
@@ -60,6 +65,63 @@ def test_the_same_seed_runs_the_same_programs_under_load(loop: str) -> None:
 
 def test_a_different_seed_runs_a_different_search() -> None:
     assert _search("overlap", 11) != _search("overlap", 12)
+
+
+# Run in a process of its own: the constants of a module once imported stay in Hypothesis's
+# pool for the rest of the process, and would change what later searches in it draw.
+_SEARCHES_AROUND_AN_IMPORT = """
+import argparse, hashlib, importlib, io, json, logging
+from hypothesis import seed
+from hypothesis.stateful import run_state_machine_as_test
+from scheduler.cli.fuzz import FUZZ, fuzz_run_settings, run_fuzz
+from scheduler.testing.machine import scheduler_machine
+
+logging.disable(logging.ERROR)
+parser = argparse.ArgumentParser()
+FUZZ.add_arguments(parser)
+args = parser.parse_args("--examples 60 --steps 10 --seed 1 --loop normal".split())
+
+def digest(programs):
+    return hashlib.sha256(repr(programs).encode()).hexdigest()
+
+def fuzz():
+    programs = []
+    assert run_fuzz(args, lambda loop: scheduler_machine(loop=loop, on_program=programs.append),
+                    io.StringIO()) == 0
+    return digest(programs)
+
+def bare():
+    programs = []
+    machine = seed(args.seed)(scheduler_machine(loop="normal", on_program=programs.append))
+    run_state_machine_as_test(machine, settings=fuzz_run_settings(args, print_blob=False))
+    return digest(programs)
+
+searches = {"fuzz": [fuzz()], "bare": [bare()]}
+importlib.import_module("many_constants")
+searches["fuzz"].append(fuzz())
+searches["bare"].append(bare())
+print(json.dumps(searches))
+"""
+
+
+def test_a_seeded_fuzz_draws_the_same_programs_whatever_was_imported_before(
+        tmp_path: Path) -> None:
+    """Hypothesis draws some numbers from the literals of the modules imported from outside
+    site-packages and the standard library: after importing one more, the same seeded search
+    drew other programs (``pdlife fuzz``'s own tests failed when the service's tests had run
+    before them). ``run_fuzz`` draws from the seed alone, whatever the process imported."""
+    (tmp_path / "many_constants.py").write_text(f"VALUES = {list(range(100, 400))}\n")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _SEARCHES_AROUND_AN_IMPORT], cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(tmp_path)])},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    searches = json.loads(done.stdout)
+    before, after = searches["bare"]
+    assert before != after, "the import no longer changes what a bare Hypothesis search draws"
+    before, after = searches["fuzz"]
+    assert before == after, "pdlife fuzz drew other programs after the import"
 
 
 def test_the_stepped_device_runs_forwards_in_order_when_told_or_waited_for() -> None:

@@ -6,18 +6,21 @@ prints it (every rule and every value drawn), what kind of failure it is, the se
 command line that reruns exactly this search. Exit status: 0 every program kept the
 invariants; 1 an invariant was broken (the report names it); 2 bad arguments; 3 the code under
 test raised; 4 the fuzz machine itself failed (an exception in its own code, or data generation
-that did not replay). Nothing is written to Hypothesis's example database, and the machine runs
-no thread beside its rules, so a run depends on its arguments only.
+that did not replay). Nothing is written to Hypothesis's example database, the machine runs
+no thread beside its rules, and Hypothesis draws from the seed alone
+(:func:`without_source_constants`), so a run depends on its arguments only, whatever the process
+ran or imported before it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TextIO
 
 from scheduler.cli.command import Subcommand
@@ -79,6 +82,37 @@ def fuzz_run_settings(args: argparse.Namespace, *, print_blob: bool) -> settings
     return run_settings
 
 
+@contextlib.contextmanager
+def without_source_constants() -> Iterator[None]:
+    """Hypothesis draws without the constants of the source code it finds in the process.
+
+    Recent Hypothesis versions (6.170 here) draw about one number in twenty from the literals
+    of every module imported from outside site-packages and the standard library, collected
+    anew whenever ``sys.modules`` grows. So what a seed draws depends on which of the project's
+    modules, or one's own, were imported before the search: in one process, a search run after
+    the service's tests had imported ``scheduler.service`` drew other programs than the same
+    search run first. Within this block that pool is empty, and a seed's search depends on its
+    settings and the machine alone. Hypothesis versions without the pool draw that way anyway.
+    """
+    from hypothesis.internal.conjecture import providers
+
+    collect = getattr(providers, "_get_local_constants", None)
+    if collect is None:
+        yield
+        return
+    from hypothesis.internal.constants_ast import Constants
+
+    # Hypothesis caches the constants each kind of draw may take, local ones included: cleared
+    # on the way in (none from before) and out (the pool counts again after).
+    providers.CONSTANTS_CACHE.cache.clear()
+    providers._get_local_constants = Constants
+    try:
+        yield
+    finally:
+        providers._get_local_constants = collect
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
 def run_fuzz(
     args: argparse.Namespace,
     make_machine: Callable[[str], type[RuleBasedStateMachine]],
@@ -102,7 +136,8 @@ def run_fuzz(
         print(f"fuzzing the {loop} loop: {args.examples} programs of up to {args.steps} "
               f"rules, seed {args.seed}", file=out, flush=True)
         try:
-            run_state_machine_as_test(machine, settings=run_settings)
+            with without_source_constants():
+                run_state_machine_as_test(machine, settings=run_settings)
         except Exception as exc:  # the report is the point: print it all
             traceback.print_exception(exc, file=out)
             verdict = classify(exc)
