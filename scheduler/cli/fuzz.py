@@ -89,10 +89,11 @@ def without_source_constants() -> Iterator[None]:
     Recent Hypothesis versions (6.170 here) draw about one number in twenty from the literals
     of every module imported from outside site-packages and the standard library, collected
     anew whenever ``sys.modules`` grows. So what a seed draws depends on which of the project's
-    modules, or one's own, were imported before the search: in one process, a search run after
-    the service's tests had imported ``scheduler.service`` drew other programs than the same
-    search run first. Within this block that pool is empty, and a seed's search depends on its
-    settings and the machine alone. Hypothesis versions without the pool draw that way anyway.
+    modules, or one's own, were imported before the search (importing ``scheduler.service``
+    changes the programs a scheduler search draws). Within this block that pool is empty, and a
+    seed's search depends on its settings and the machine alone. Hypothesis versions without
+    the pool draw that way anyway. It patches a private function of Hypothesis;
+    ``tests/test_fuzz_replay.py`` finds out if a release moves it.
     """
     from hypothesis.internal.conjecture import providers
 
