@@ -370,10 +370,14 @@ class MooncakeDecodeManager:
         """A prefill rank cannot pair with this decode rank (another model, another pool or
         metadata layout): the prefill counts as gone until another instance of it answers
         its bootstrap endpoint, and the rooms failed meanwhile are refused to it at once."""
+        table = self._peers.table
+        if all(r.rank != msg.rank for r in table.ranks):
+            raise wire.WireError("not_a_contact", f"refusal from rank {msg.rank}, which the "
+                                 f"table of prefill {self.bootstrap_addr} does not hold")
         with self._lock:
             if self._lost is not None:
                 return  # already gone (the rank's refusal of a keepalive, or another rank's)
-            self._refused_by = self._peers.table.instance or None
+            self._refused_by = table.instance or None
         self._lose_prefill(f"prefill {self.bootstrap_addr} (rank {msg.rank}) cannot pair with "
                            f"this decode rank: {msg.reason}", level=logging.ERROR)
         self._refuse_failed()

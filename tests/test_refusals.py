@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+import zmq
 
 from kv import wire
 from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
@@ -23,7 +24,7 @@ from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
-from kv.mooncake_engine import MooncakeConfig
+from kv.mooncake_engine import MooncakeConfig, push_socket
 from kv.pool import KVGeometryError
 from kv.rank_table import RankPlace
 from kv.refusal import RefusalPoster, RefusedRooms
@@ -459,6 +460,16 @@ def test_mooncake_a_decode_rank_prefill_cannot_pair_with_fails_its_rooms_at_once
             eventually(end.quiescent, "quiescent")
             end.clear()
         assert prefill.kv.dropped_messages.total == decode.dropped_messages.total == 0
+
+        # A refusal from a rank the prefill's table does not hold is dropped.
+        forged = push_socket(zmq.Context.instance(), decode._control.endpoint)
+        try:
+            forged.send(wire.encode(wire.Refused("incompatible_model: forged", 5)))
+            eventually(lambda: decode.dropped_messages.snapshot() == {"not_a_contact": 1},
+                       "the forged refusal dropped")
+        finally:
+            forged.close()
+        assert decode.lost is None
     finally:
         decode.close()
         prefill.close()
