@@ -281,8 +281,10 @@ class MooncakeKVManager:
         sock = push_socket(self._control.ctx, reg.status_endpoint)
         try:
             sock.setsockopt(zmq.LINGER, _REFUSAL_LINGER_MS)  # sent once the connection is up
-            sock.send(wire.encode(wire.Refused(str(err), self.rank),
-                                  self.config.token), zmq.NOBLOCK)
+            # Without the session's name, which the decode rank knows: the reason is cut short
+            # on the wire, and both sides' values are what it must keep.
+            why = str(err).replace(f"session {reg.session}: ", "", 1)
+            sock.send(wire.encode(wire.Refused(why, self.rank), self.config.token), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.warning("refusal to decode session %s not sent: %s", reg.session, exc)
         finally:

@@ -184,8 +184,8 @@ def test_incompatible_registration_is_refused(
         assert status.poll(10_000), "no refusal came"
         refused = wire.decode(status.recv(), TOKEN)
         assert isinstance(refused, wire.Refused) and refused.rank == 0
-        assert refused.reason.startswith("incompatible_layout: session 127.0.0.1:9: "
-                                         "(page_size, kv_dtype, kv_layout, metadata item lens)")
+        assert refused.reason.startswith("incompatible_layout: (page_size, kv_dtype, kv_layout, "
+                                         "metadata item lens) (8, 'float32', 'layer_major', ")
         raw.send(raw.destination(1, [0]))
         _dropped(manager, "unknown_session")
         # A pool of the other layout: the same bytes per page, at other offsets.

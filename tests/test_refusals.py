@@ -430,8 +430,9 @@ def test_mooncake_a_decode_rank_prefill_cannot_pair_with_fails_its_rooms_at_once
     try:
         eventually(lambda: decode.lost is not None, "the refusal")
         lost = decode.lost
-        assert lost is not None and "cannot pair with this decode rank: incompatible_layout" \
-            in lost and "metadata item lens" in lost, lost
+        assert lost is not None and "cannot pair with this decode rank: incompatible_layout: " \
+            "(page_size, kv_dtype, kv_layout, metadata item lens)" in lost, lost
+        assert lost.endswith("))"), lost  # both sides' values, whole
         assert any(r.levelno == logging.ERROR and "cannot pair" in r.getMessage()
                    for r in caplog.records)
         sender = prefill.kv.create_sender(addr, 7)
