@@ -118,7 +118,10 @@ class MooncakeDecodeManager:
         place: RankPlace | None = None,
         config: MooncakeConfig | None = None,
         states: StatePools | None = None,
+        closing: threading.Event | None = None,
     ) -> None:
+        """Looks the prefill server up first, for up to ``config.connect_timeout_s``, or until
+        ``closing`` (its owner's, set when the owner closes) is set."""
         if states is not None and states.full is not pool:
             raise ValueError("the state pools' full pool must be the manager's KV pool")
         self.config = config or MooncakeConfig()
@@ -132,7 +135,7 @@ class MooncakeDecodeManager:
         self._stop = threading.Event()
         self._wake = threading.Event()  # check the prefill's health now (or stop)
         self._refusals = RefusalPoster(token=self.config.token)
-        table = lookup_prefill(bootstrap_addr, self.config, self._me, self._stop)
+        table = lookup_prefill(bootstrap_addr, self.config, self._me, closing or self._stop)
         self._control = ControlEndpoint(
             self.config, pool, metadata, self._handle, name="mooncake-status", log=logger,
             states=states,

@@ -131,6 +131,48 @@ def test_calls_for_an_address_being_looked_up_share_that_look_up(reachable: bool
         router.close()
 
 
+def test_a_manager_made_after_the_router_closed_is_closed_and_its_call_refused() -> None:
+    started, release = threading.Event(), threading.Event()
+    made: list[Closing] = []
+
+    def factory(addr: str) -> FakeDecodeManager:
+        started.set()
+        assert release.wait(10)
+        made.append(Closing())
+        return made[-1]
+
+    router = DecodeKVRouter(fake=local_fake(), factory=factory)
+    outcomes: list[str] = []
+
+    def connect() -> None:
+        try:
+            router.connect(ADDR)
+            outcomes.append("connected")
+        except PeerUnreachable as exc:
+            outcomes.append(str(exc))
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    try:
+        assert started.wait(10)
+        router.close()
+        assert router.closing.is_set()
+    finally:
+        release.set()
+        thread.join(10)
+    assert outcomes == [f"prefill bootstrap {ADDR}: the decode side is closing"]
+    assert made[0].closed and router.peers() == []
+
+
+class Closing(FakeDecodeManager):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
 @pytest.mark.mooncake
 def test_a_lost_prefill_is_retired_after_its_rooms_and_a_returning_one_gets_a_new_manager(
     prefill: Prefill,

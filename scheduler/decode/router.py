@@ -294,13 +294,24 @@ class DecodeKVRouter:
             raise attempt.error from exc
         else:
             with self._lock:
-                self._managers[bootstrap_addr] = manager
-                self._snapshot = self._all()
+                closed = self._stop.is_set()
+                if not closed:
+                    self._managers[bootstrap_addr] = manager
+                    self._snapshot = self._all()
+            if closed:  # the router closed during the look-up: nobody would close it
+                self._close(manager)
+                attempt.error = PeerUnreachable(bootstrap_addr, "the decode side is closing")
+                raise attempt.error
             logger.info("connected to prefill %s", bootstrap_addr)
         finally:
             with self._lock:
                 del self._connecting[bootstrap_addr]
             attempt.done.set()
+
+    @property
+    def closing(self) -> threading.Event:
+        """Set once :meth:`close` is called: a factory's look-up in progress may stop on it."""
+        return self._stop
 
     def connecting(self) -> dict[str, int]:
         """The prefill addresses being looked up now, each with how many calls of

@@ -194,8 +194,9 @@ class Engines:
             mesh, model = self._decode_mesh, self.config.model_shape
             place = None if mesh is None else mesh.rank_place(
                 num_layers=model.layers, kv_heads=model.kv_heads)
+            closing = None if self.decode_kv is None else self.decode_kv.closing
             manager = MooncakeDecodeManager(pool, meta, addr, config=self.config.mooncake,
-                                            place=place)
+                                            place=place, closing=closing)
         except PeerAuthError:
             with self._lock:
                 self._decode_auth_refused += 1

@@ -21,8 +21,10 @@ request's samples (``n`` > 1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -95,11 +97,14 @@ async def admit(service: Service, request: Request, items: list[Item], *,
     try:
         for addr_item in {i.bootstrap_addr: i for i in items}.values():
             if service.needs_connect(addr_item):
-                await asyncio.to_thread(service.connect_peer, addr_item)
+                await _connect(service, addr_item)
     except PeerUnreachable as exc:
         refuse_items(service, items, "bootstrap_failed", 500, str(exc))
         # The rid of the first request that names the unreachable prefill.
         raise Refusal("bootstrap_failed", 500, str(exc), addr_item.rid) from exc
+    except Unavailable as exc:  # draining began during the look-up
+        refuse_items(service, items, "draining", 503, str(exc))
+        raise Refusal("draining", 503, str(exc)) from exc
     started: list[Pending] = []
     carrier = trace_carrier(service, request)
     try:
@@ -115,6 +120,45 @@ async def admit(service: Service, request: Request, items: list[Item], *,
             raise Refusal.of(exc) from exc
         raise Refusal("unavailable", 503, str(exc)) from exc
     return started
+
+
+#: How often a request waiting for its prefill server's look-up checks for a drain.
+_CONNECT_POLL_S = 0.25
+
+
+async def _connect(service: Service, item: Item) -> None:
+    """Connect ``item``'s prefill server on a thread of its own, or :class:`Unavailable` once
+    the server drains: a look-up of a prefill that does not answer takes up to
+    ``--connect-timeout``, which a drain (its requests counted only once started) would not
+    wait for, and neither would the interpreter's exit (unlike the event loop's executor, the
+    thread is not joined)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if not done.done():
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
+
+    def look_up() -> None:
+        try:
+            service.connect_peer(item)
+        except BaseException as exc:  # handed to the waiting handler
+            outcome: BaseException | None = exc
+        else:
+            outcome = None
+        with contextlib.suppress(RuntimeError):  # the event loop closed: nobody waits
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=look_up, name="pdlife-connect", daemon=True).start()
+    while not done.done():
+        await asyncio.wait([done], timeout=_CONNECT_POLL_S)
+        if not done.done() and service.draining:
+            done.cancel()
+            raise Unavailable("the server is draining (shutting down)")
+    done.result()
 
 
 def trace_carrier(service: Service, request: Request) -> dict[str, str] | None:
