@@ -85,10 +85,12 @@ def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path, drain_timeout: str
                                               why: str) -> None:
     """A prefill whose request waits for a decode peer that never comes: the drain times out,
     or a second SIGINT ends it, and aborts the request (the client gets a 503 saying so), and
-    the exit status says so."""
+    the exit status says so. A timed-out drain lingers (``--drain-linger``) as a complete one
+    does; a second signal ends the linger too."""
     bootstrap_port = free_port()
     server = Server(tmp_path / "serve.log", "--backend", "mooncake", "--role", "prefill",
-                    "--bootstrap-port", str(bootstrap_port), "--drain-timeout", drain_timeout)
+                    "--bootstrap-port", str(bootstrap_port), "--drain-timeout", drain_timeout,
+                    "--drain-linger", "0.2")
     try:
         server.wait_healthy()
         body = {"input_ids": [3, 1, 4], "bootstrap_host": "127.0.0.1",
@@ -115,6 +117,8 @@ def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path, drain_timeout: str
         assert server.wait(timeout=30) == EXIT_DRAIN_ABORTED, server.tail()
         assert "the drain aborted 1 requests" in server.tail()
         assert "drained; shutting down" not in server.tail()  # it did not drain
+        lingered = "aborted the rest; refusing new requests for 0.2 s" in server.tail()
+        assert lingered == (drain_timeout == "0.2"), server.tail()
     finally:
         server.stop()
 

@@ -86,7 +86,8 @@ _NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
                                         "transfer engine kept for it closes; 0 keeps it"),
         "--drain-timeout": (60.0, "on SIGTERM: seconds to let requests finish before aborting "
                             "them"),
-        "--drain-linger": (0.0, "on SIGTERM, once drained: seconds to go on answering, refusing "
+        "--drain-linger": (0.0, "on SIGTERM, once drained (or the drain timed out): seconds to "
+                           "go on answering, refusing "
                            "new requests (503 draining, refused to their peers too), before "
                            "the port closes; set it to the router's health-check interval so "
                            "the router stops sending requests here first"),
@@ -465,22 +466,24 @@ def _serve(args: argparse.Namespace) -> int:
             self.should_exit = True
 
         def _drain(self) -> None:
-            if not service.wait_drained(args.drain_timeout):
+            drained = service.wait_drained(args.drain_timeout)
+            if not drained:
                 logger.warning("drain timeout (%g s): aborting %d requests",
                                args.drain_timeout, service.live_requests())
                 self.aborted = service.abort_all(
                     f"aborted: the server is shutting down (its drain timeout of "
                     f"{args.drain_timeout:g} s ran out first)")
                 service.wait_drained(10.0)
-                logger.info("shutting down")
-            elif self.stopping or not service.healthy:
+            if self.stopping or not service.healthy:
                 logger.info("shutting down")  # aborted by a second signal, or failed
-            else:
-                if args.drain_linger > 0:
-                    logger.info("drained; refusing new requests for %g s before shutting down "
-                                "(--drain-linger)", args.drain_linger)
-                    self.linger_cut.wait(args.drain_linger)
-                logger.info("drained; shutting down")
+                self.should_exit = True
+                return
+            if args.drain_linger > 0:  # after a timed-out drain too: the router has to notice
+                logger.info("%s; refusing new requests for %g s before shutting down "
+                            "(--drain-linger)", "drained" if drained else "aborted the rest",
+                            args.drain_linger)
+                self.linger_cut.wait(args.drain_linger)
+            logger.info("%s; shutting down", "drained" if drained else "drain timed out")
             self.should_exit = True
 
     server = DrainingServer(uvicorn.Config(
