@@ -7,8 +7,11 @@ The decode rank reads the prefill server's table at its bootstrap endpoint
 (:func:`lookup_prefill`) and refuses a server it cannot pair with before it sends anything: a
 peer token the server does not use, another model, page size, KV dtype or pool layout, and then
 whatever :func:`kv.routes.check_pair` refuses for any rank (head dim, the model's layer and head
-counts, MLA, TP sizes that do not divide one another). :class:`PrefillPeers` opens a ZeroMQ PUSH
-socket to every rank of the table and sends each the decode rank's ``Register``; a room's
+counts, MLA, TP sizes that do not divide one another), and one on another host where either
+side's transfer engine and control sockets listen on loopback (:func:`check_reachable`: the
+other side cannot reach them, and requests would wait out their timeouts).
+:class:`PrefillPeers` opens a ZeroMQ PUSH socket to every rank of the table and sends each the
+decode rank's ``Register``; a room's
 ``Destination`` and ``Abort`` go to the ranks its route names (the contacts of every stage of
 the DP replica that serves the room), and a closing decode rank's ``Deregister`` to every rank.
 Routes are cached by DP replica: they do not depend on the room otherwise.
@@ -17,6 +20,8 @@ Routes are cached by DP replica: they do not depend on the room otherwise.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import socket
 import threading
 import time
 from typing import Any
@@ -99,7 +104,57 @@ def lookup_prefill(bootstrap_addr: str, config: MooncakeConfig, me: DecodeRank,
             check_pair(rank, me)
     except IncompatibleRanksError as exc:
         raise IncompatiblePeerError(f"prefill at {bootstrap_addr}: {exc}") from None
+    check_reachable(bootstrap_addr, table, config.hostname)
     return table
+
+
+def check_reachable(bootstrap_addr: str, table: PrefillInfo, hostname: str) -> None:
+    """:class:`~kv.mooncake_engine.IncompatiblePeerError` when the prefill server at
+    ``bootstrap_addr`` is on another host (its address is not one of this host's) while its
+    ranks' sockets, or this decode rank's (``hostname``), are on loopback, which the other host
+    cannot reach: ``--host 0.0.0.0`` with the default ``--mooncake-host``."""
+    host = bootstrap_addr.rpartition(":")[0]
+    if _on_this_host(host):
+        return
+    fix = "to its address on the network (MooncakeConfig.hostname in a library)"
+    for rank in table.ranks:
+        where = rank.endpoint.removeprefix("tcp://").rpartition(":")[0]
+        if _loopback(where):
+            raise IncompatiblePeerError(
+                f"prefill at {bootstrap_addr} is on another host, but its rank {rank.rank} "
+                f"listens on {where} (loopback), which this host cannot reach: start the "
+                f"prefill with --mooncake-host set {fix}")
+    if _loopback(hostname):
+        raise IncompatiblePeerError(
+            f"prefill at {bootstrap_addr} is on another host, but this decode's transfer "
+            f"engine and control sockets listen on {hostname} (loopback), which that host "
+            f"cannot reach: start this decode with --mooncake-host set {fix}")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _on_this_host(host: str) -> bool:
+    """Whether ``host`` names this machine (a loopback address, or one a socket can bind here);
+    True when it does not resolve (the look-up itself then fails, saying so)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return True
+    for family, kind, proto, _, addr in infos:
+        if _loopback(str(addr[0])):
+            return True
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind((addr[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
 
 
 class PrefillPeers:

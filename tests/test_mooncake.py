@@ -289,6 +289,14 @@ def served_mooncake(role: str, *flags: str) -> MooncakeConfig:
     return serve_config(args).mooncake
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]"])
+def test_an_unspecified_mooncake_host_is_refused(host: str) -> None:
+    from scheduler.cli.command import UsageError
+
+    with pytest.raises(UsageError, match="is not an address a peer can connect to"):
+        served_mooncake("decode", "--mooncake-host", host)
+
+
 @pytest.mark.parametrize(("role", "flag", "field", "default", "given", "bad", "error"), [
     ("prefill", "--mooncake-block-mib", "max_block_bytes", 16 << 20, ("2", 2 << 20), "0",
      "--mooncake-block-mib must be >= 1"),

@@ -271,6 +271,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                          f"{args.retire_lost_prefill_after:g}")
     if args.drain_linger < 0:
         raise UsageError(f"--drain-linger must be >= 0, got {args.drain_linger:g}")
+    if args.mooncake_host.strip("[]") in ("0.0.0.0", "::", ""):
+        raise UsageError(f"--mooncake-host {args.mooncake_host!r} is not an address a peer can "
+                         "connect to: give this machine's address on the network (a pod's IP), "
+                         "or 127.0.0.1 with both workers on one host")
     role: Role
     if args.backend == "local":
         if args.role is not None:
