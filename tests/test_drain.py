@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import signal
 import socket
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -185,6 +186,31 @@ def test_a_port_in_use_is_refused_before_anything_starts(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"{flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in err
+
+
+def test_an_ipv6_host_is_refused_for_a_prefill_bootstrap(capsys: pytest.CaptureFixture[str],
+                                                          ) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--role", "prefill", "--backend", "mooncake", "--host", "::",
+              "--port", str(free_port()), "--bootstrap-port", str(free_port()),
+              *model_flags(MODEL)])
+    assert info.value.code == 2
+    assert "--host ::: the bootstrap endpoint listens on IPv4 only" in capsys.readouterr().err
+
+
+def test_no_writable_temporary_directory_is_refused_before_anything_starts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def none_usable() -> str:  # what tempfile says on a read-only root file system
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/tmp', '/var/tmp']")
+
+    monkeypatch.setattr(tempfile, "gettempdir", none_usable)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--role", "decode", "--backend", "mooncake", "--port", str(free_port()),
+              *model_flags(MODEL)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "No usable temporary directory found in ['/tmp', '/var/tmp']: pdlife serve writes" \
+        in err and "mount a writable directory at /tmp or set TMPDIR" in err, err
 
 
 def test_the_bootstrap_port_must_not_be_the_http_port(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -368,6 +369,17 @@ def _check_trace_extra() -> None:
             "install them with: pip install 'pdlife[trace]'") from None
 
 
+def _check_temp_dir() -> None:
+    """:class:`UsageError` without a writable temporary directory, which the transfer engine's
+    log and the rank processes' rendezvous go through (a read-only root file system)."""
+    try:
+        tempfile.gettempdir()
+    except FileNotFoundError as exc:
+        raise UsageError(f"{exc}: pdlife serve writes a few small files there (the transfer "
+                         "engine's log, the rank processes' rendezvous); mount a writable "
+                         "directory at /tmp or set TMPDIR") from None
+
+
 def _check_port_free(host: str, port: int, flag: str) -> None:
     """:class:`UsageError` naming ``flag`` when ``host:port`` cannot be bound now (in use, or
     not an address of this machine): a clear refusal before anything is built."""
@@ -400,8 +412,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     raise_open_files_limit()  # before the rank processes start: they inherit it
     # The ports before the model loads (seconds for a checkpoint): a clash is said at once.
+    prefill_bootstrap = args.role == "prefill" and args.backend == "mooncake"
+    if prefill_bootstrap and ":" in args.host:
+        raise UsageError(f"--host {args.host}: the bootstrap endpoint listens on IPv4 only; "
+                         "give an IPv4 address (0.0.0.0 for every interface)")
     _check_port_free(args.host, args.port, "--port")
-    if args.role == "prefill" and args.backend == "mooncake":
+    _check_temp_dir()
+    if prefill_bootstrap:
         if args.bootstrap_port == args.port:
             raise UsageError(f"--bootstrap-port {args.port} is --port too: give the bootstrap "
                              "endpoint a port of its own")
