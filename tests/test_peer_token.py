@@ -101,15 +101,22 @@ def test_the_token_is_read_from_a_file_or_the_environment(tmp_path: Path,
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
     path.chmod(0o600)
-    assert peer_token(str(path), {}) == TOKEN
-    assert peer_token(str(path), {PEER_TOKEN_ENV: OTHER}) == TOKEN  # the flag wins
+    with caplog.at_level(logging.WARNING, logger="scheduler.cli.credentials"):
+        assert peer_token(str(path), {}) == TOKEN
+        assert not caplog.records
+        assert peer_token(str(path), {PEER_TOKEN_ENV: OTHER}) == TOKEN  # the flag wins, saying so
+        assert [r.getMessage() for r in caplog.records] == [
+            f"both --peer-token-file and {PEER_TOKEN_ENV} are set: the file's token is used"]
     assert peer_token(None, {PEER_TOKEN_ENV: f" {OTHER}\n"}) == OTHER
     assert peer_token(None, {}) is None
     assert TOKEN not in repr(MooncakeConfig(token=TOKEN))
-    path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="scheduler.cli.credentials"):
-        assert peer_token(str(path), {}) == TOKEN
-    assert "can be read by other users (mode 644)" in caplog.text
+    for mode in (0o644, 0o440):
+        path.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="scheduler.cli.credentials"):
+            assert peer_token(str(path), {}) == TOKEN
+        assert f"is open to users other than its owner (mode {mode:o}): chmod 600 it" \
+            in caplog.text
     for bad, says in [("short", f"fewer than {MIN_PEER_TOKEN_CHARS}"), ("", "empty"),
                       ("with a space in it, long enough", "visible ASCII")]:
         with pytest.raises(UsageError, match=says):

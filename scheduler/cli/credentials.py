@@ -42,8 +42,12 @@ def peer_token(path: str | None, environ: Mapping[str, str] = os.environ) -> str
         except OSError as exc:
             raise UsageError(f"--peer-token-file {path}: {exc.strerror}") from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            logger.warning("peer token file %s can be read by other users (mode %o): chmod 600 "
-                           "it", path, stat.S_IMODE(mode))
+            logger.warning("peer token file %s is open to users other than its owner (mode %o): "
+                           "chmod 600 it (a Kubernetes Secret volume: defaultMode 0400)", path,
+                           stat.S_IMODE(mode))
+        if PEER_TOKEN_ENV in environ:
+            logger.warning("both --peer-token-file and %s are set: the file's token is used",
+                           PEER_TOKEN_ENV)
         what = f"the peer token in {path}"
     elif PEER_TOKEN_ENV in environ:
         secret, what = environ[PEER_TOKEN_ENV].strip(), PEER_TOKEN_ENV
