@@ -127,11 +127,11 @@ _CONNECT_POLL_S = 0.25
 
 
 async def _connect(service: Service, item: Item) -> None:
-    """Connect ``item``'s prefill server on a thread of its own, or :class:`Unavailable` once
-    the server drains: a look-up of a prefill that does not answer takes up to
-    ``--connect-timeout``, which a drain (its requests counted only once started) would not
-    wait for, and neither would the interpreter's exit (unlike the event loop's executor, the
-    thread is not joined)."""
+    """Connect ``item``'s prefill server on a thread of its own; :class:`Unavailable` once the
+    server drains. The look-up of a prefill that does not answer lasts up to
+    ``--connect-timeout``, and a drain counts a request only once it has started: the exit
+    would have waited for this handler (and for the event loop's executor, whose threads are
+    joined). The thread is not joined; closing the decode router ends its look-up."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
