@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -81,6 +81,21 @@ def local_fake() -> LocalPrefillFake:
     return LocalPrefillFake(PageEchoRunner(make_pool()), MetadataBuffers(8))
 
 
+def connector(router: DecodeKVRouter) -> tuple[Callable[[], None], list[str]]:
+    """A call connecting ``router`` to ADDR, and the outcomes of its calls: "connected", or
+    why not."""
+    outcomes: list[str] = []
+
+    def connect() -> None:
+        try:
+            router.connect(ADDR)
+            outcomes.append("connected")
+        except PeerUnreachable as exc:
+            outcomes.append(str(exc))
+
+    return connect, outcomes
+
+
 @pytest.mark.parametrize("reachable", [False, True])
 def test_calls_for_an_address_being_looked_up_share_that_look_up(reachable: bool) -> None:
     started, release = threading.Event(), threading.Event()
@@ -95,14 +110,7 @@ def test_calls_for_an_address_being_looked_up_share_that_look_up(reachable: bool
         return FakeDecodeManager()
 
     router = DecodeKVRouter(fake=local_fake(), factory=factory)
-    outcomes: list[str] = []
-
-    def connect() -> None:
-        try:
-            router.connect(ADDR)
-            outcomes.append("connected")
-        except PeerUnreachable as exc:
-            outcomes.append(str(exc))
+    connect, outcomes = connector(router)
 
     threads = [threading.Thread(target=connect) for _ in range(3)]
     try:
@@ -142,14 +150,7 @@ def test_a_manager_made_after_the_router_closed_is_closed_and_its_call_refused()
         return made[-1]
 
     router = DecodeKVRouter(fake=local_fake(), factory=factory)
-    outcomes: list[str] = []
-
-    def connect() -> None:
-        try:
-            router.connect(ADDR)
-            outcomes.append("connected")
-        except PeerUnreachable as exc:
-            outcomes.append(str(exc))
+    connect, outcomes = connector(router)
 
     thread = threading.Thread(target=connect)
     thread.start()
