@@ -165,11 +165,21 @@ def port_range_problem() -> str:
     if given is None:
         return ""
     low, high = given
-    if low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 32768:
+    where = f"MC_MIN_RPC_PORT..MC_MAX_RPC_PORT is {low}-{high}"
+    if low.isdigit() and high.isdigit() and 0 < int(low) < int(high) < 32768:
         return ""
-    return (f"MC_MIN_RPC_PORT..MC_MAX_RPC_PORT is {low}-{high}: the Mooncake transfer engine "
-            f"takes only a range of port numbers that ends below 32768, and would listen on "
-            f"{DEFAULT_RPC_PORTS[0]}-{DEFAULT_RPC_PORTS[1]} instead (docs/security.md)")
+    if low.isdigit() and high.isdigit() and 0 < int(low) == int(high) < 32768:
+        # Measured: an engine did not start on a range of one port (it takes two or more).
+        return (f"{where}: one port, and a transfer engine listens on more than one; give a "
+                f"range of a few ports per engine (docs/security.md)")
+    if low.isdigit() and high.isdigit() and int(low) > int(high):
+        why = "the range is reversed"
+    elif not (low.isdigit() and high.isdigit()):
+        why = "not port numbers"
+    else:
+        why = "the Mooncake transfer engine takes only a range that ends below 32768"
+    return (f"{where}: {why}; the engine would listen on {DEFAULT_RPC_PORTS[0]}-"
+            f"{DEFAULT_RPC_PORTS[1]} instead (docs/security.md)")
 
 
 def ignored_port_range(port: int) -> str:

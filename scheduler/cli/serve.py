@@ -276,6 +276,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError(f"--mooncake-host {args.mooncake_host!r} is not an address a peer can "
                          "connect to: give this machine's address on the network (a pod's IP), "
                          "or 127.0.0.1 with both workers on one host")
+    if ":" in args.mooncake_host:
+        raise UsageError(f"--mooncake-host {args.mooncake_host}: the control sockets and the "
+                         "transfer engine take IPv4 addresses only")
     role: Role
     if args.backend == "local":
         if args.role is not None:

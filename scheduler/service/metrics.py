@@ -59,7 +59,8 @@ class ServiceMetrics:
 
 
 #: The drop reasons every side exports, at 0 before the first (the others appear when counted).
-ALWAYS_DROP_REASONS = ("malformed", "unauthenticated", "stale_room", "state_out_of_range")
+ALWAYS_DROP_REASONS = ("malformed", "unauthenticated", "stale_room", "state_out_of_range",
+                       "incompatible_layout", "incompatible_model", "unknown_type")
 
 
 class DroppedMessagesCollector(Collector):
