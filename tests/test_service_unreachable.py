@@ -54,10 +54,12 @@ def test_an_unreachable_prefill_fails_the_request_naming_its_address_once(
 
 
 @pytest.mark.mooncake
-def test_a_request_waiting_for_its_prefills_look_up_is_refused_when_the_server_drains() -> None:
+def test_a_request_waiting_for_its_prefills_look_up_is_refused_when_the_server_drains(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The look-up of a prefill server nothing answers takes up to ``--connect-timeout``; the
     drain does not wait for it (the request is refused ``draining``), and closing the service
-    ends the look-up."""
+    ends the look-up, which is not logged as a lost peer."""
     port = free_port()
     config = ServeConfig(role="decode", backend="mooncake", model=ModelConfig.tiny(),
                          scheduler=SchedulerConfig(page_size=4), pool_pages=16,
@@ -77,14 +79,22 @@ def test_a_request_waiting_for_its_prefills_look_up_is_refused_when_the_server_d
                         break
                     await asyncio.sleep(0.01)
                 assert router.connecting() == {addr: 0}
+                info = (await client.get("/server_info")).json()
+                assert (info["connecting"], info["live_requests"]) == ({addr: 1}, 0)
                 service.begin_drain()
                 r = await asyncio.wait_for(waiting, 30)
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["type"] == "draining"
+                assert (await client.get("/server_info")).json()["connecting"] == {}
                 assert service.wait_drained(0)
         return router
 
-    router = run(main())
-    # Closing the service ended the look-up (not its 600 s timeout).
-    eventually(lambda: router.connecting() == {}, "the look-up ended")
+    with caplog.at_level(logging.INFO, logger="scheduler.decode.router"):
+        router = run(main())
+        # Closing the service ended the look-up (not its 600 s timeout).
+        eventually(lambda: router.connecting() == {}, "the look-up ended")
     assert router.peers() == []
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records
+              if r.name == "scheduler.decode.router"]
+    assert logged == [(logging.INFO, f"cannot connect: prefill bootstrap {addr}: "
+                                     "prefill bootstrap lookup stopped: closing")]

@@ -290,7 +290,9 @@ class DecodeKVRouter:
             manager = self._factory(bootstrap_addr)
         except Exception as exc:
             attempt.error = PeerUnreachable.of(bootstrap_addr, exc)
-            logger.warning("cannot connect: %s", attempt.error)
+            # A look-up that closing cut short is part of shutting down, not a lost peer.
+            logger.log(logging.INFO if self._stop.is_set() else logging.WARNING,
+                       "cannot connect: %s", attempt.error)
             raise attempt.error from exc
         else:
             with self._lock:

@@ -33,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -138,6 +139,9 @@ class Service:
             runner_factory = served.runner
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
+        # Requests not yet started because their prefill server is being looked up, by its
+        # bootstrap address (decode over Mooncake).
+        self._looking_up: collections.Counter[str] = collections.Counter()
         # Why the server aborted a live request (abort_all with a reason), for its answer.
         self._abort_reasons: dict[str, str] = {}
         self._streams: dict[str, Pending] = {}
@@ -260,6 +264,26 @@ class Service:
         return kv is not None and not item.fake and self.config.backend == "mooncake" and (
             item.bootstrap_addr not in kv.peers())
 
+    @contextlib.contextmanager
+    def looking_up(self, items: list[Item]) -> Iterator[None]:
+        """Count ``items`` as waiting for their prefill servers' look-up while the block runs
+        (:meth:`connecting`)."""
+        waiting = collections.Counter(i.bootstrap_addr for i in items)
+        with self._lock:
+            self._looking_up.update(waiting)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._looking_up.subtract(waiting)
+                self._looking_up = +self._looking_up  # drops the addresses at 0
+
+    def connecting(self) -> dict[str, int]:
+        """Requests not yet started because their prefill server is being looked up, by its
+        bootstrap address (decode over Mooncake): not in :meth:`live_requests`."""
+        with self._lock:
+            return dict(sorted(self._looking_up.items()))
+
     def connect_peer(self, item: Item) -> None:
         """Decode role: make sure the request's prefill server is connected (blocking; call it
         off the event loop). Raises :class:`PeerUnreachable`."""
@@ -368,7 +392,10 @@ class Service:
     def begin_drain(self) -> None:
         with self._lock:
             if not self._draining:
-                logger.info("draining: no new requests; %d in flight", len(self._pending))
+                looking_up = sum(self._looking_up.values())
+                logger.info("draining: no new requests; %d in flight%s", len(self._pending),
+                            f", {looking_up} waiting for a prefill look-up (refused)"
+                            if looking_up else "")
             self._draining = True
         self.metrics.draining.set(1)
 

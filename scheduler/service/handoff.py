@@ -95,8 +95,9 @@ async def admit(service: Service, request: Request, items: list[Item], *,
                 stream: bool) -> list[Pending]:
     """Start ``items`` (see the module's theory), or :class:`Refusal`."""
     try:
-        for addr_item in {i.bootstrap_addr: i for i in items}.values():
-            if service.needs_connect(addr_item):
+        looked_up = [i for i in items if service.needs_connect(i)]
+        with service.looking_up(looked_up):
+            for addr_item in {i.bootstrap_addr: i for i in looked_up}.values():
                 await _connect(service, addr_item)
     except PeerUnreachable as exc:
         refuse_items(service, items, "bootstrap_failed", 500, str(exc))

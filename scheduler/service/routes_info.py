@@ -96,6 +96,7 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         healthy=service.healthy,
         draining=service.draining,
         live_requests=service.live_requests(),
+        connecting=service.connecting(),
         requests=snap.get("requests", {}),
         kv_pool=snap.get("kv_pool", {}),
         peers=_peers(service),

@@ -211,6 +211,9 @@ class ServerInfo(BaseModel):
     healthy: bool
     draining: bool
     live_requests: int
+    # Decode over Mooncake: requests not yet started (not in live_requests) because their
+    # prefill server is being looked up, by its bootstrap address.
+    connecting: dict[str, int]
     requests: dict[str, dict[str, int]]
     kv_pool: dict[str, dict[str, int]]
     peers: list[str]
