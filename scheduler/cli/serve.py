@@ -36,6 +36,8 @@ from scheduler.cli.model_flags import (
     model_config,
 )
 from scheduler.cli.open_files import raise_open_files_limit
+from scheduler.service import logs
+from scheduler.service.logs import FORMATS, LEVELS, LogSettings
 from scheduler.service.tool_formats import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
@@ -233,8 +235,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="with --enable-trace: the collector's OTLP/HTTP endpoint, HOST:PORT "
                      "(spans go to /v1/traces there) or a full URL (default: localhost:4318)")
     _defaulted(parser, "--log-level", "info",
-               "the server's log level; debug adds an access log line per HTTP request",
-               choices=("debug", "info", "warning", "error"), type=str.lower)
+               "the server's log level, its rank processes' too; debug adds an access log line "
+               "per HTTP request", choices=LEVELS, type=str.lower)
+    _defaulted(parser, "--log-format", "text",
+               "text (a line per record) or json (an object per line, for log collectors: "
+               "time, level, logger, message, process, exception)", choices=FORMATS)
 
 
 #: The SchedulerConfig fields that take their flag's value as it is (``--page-size`` sets
@@ -353,6 +358,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             prefill_delayer=DelayerConfig(
                 max_delay_passes=args.prefill_delayer_max_delay_passes or 30)
             if args.enable_prefill_delayer else None,
+            log=LogSettings(args.log_level, args.log_format),
             **_as_given(args, _SERVE_AS_GIVEN),
         )
     except (ValueError, TypeError) as exc:
@@ -409,10 +415,7 @@ def _serve(args: argparse.Namespace) -> int:
     from scheduler.service.app import create_app
     from scheduler.service.core import Service
 
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(LogSettings(args.log_level, args.log_format))
     raise_open_files_limit()  # before the rank processes start: they inherit it
     # The ports before the model loads (seconds for a checkpoint): a clash is said at once.
     prefill_bootstrap = args.role == "prefill" and args.backend == "mooncake"

@@ -24,6 +24,7 @@ from scheduler.model.reference import ModelConfig
 from scheduler.model.sharded import ShardError
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer_decision import DelayerConfig
+from scheduler.service.logs import LogSettings
 from scheduler.service.openai_tools import ToolAnswer
 from scheduler.service.tool_formats import TOOL_CALL_PARSERS
 
@@ -78,6 +79,8 @@ class ServeConfig:
     # The PrefillDelayer negotiated across the DP replicas (scheduler.prefill.replica_delayer);
     # None: off (SGLang's default).
     prefill_delayer: DelayerConfig | None = None
+    # How the worker's processes log (its rank processes take it from here).
+    log: LogSettings = attrs.field(factory=LogSettings)
 
     def __attrs_post_init__(self) -> None:
         problem = self._parallel_problem()

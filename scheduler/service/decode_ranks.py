@@ -41,6 +41,7 @@ from scheduler.decode.mesh import DecodeMeshControl, build_decode_mesh
 from scheduler.dist import rendezvous
 from scheduler.dist.relay import MeshStopped
 from scheduler.messages import DecodeResponse, Response
+from scheduler.service import logs
 from scheduler.service.config import ServeConfig
 from scheduler.service.engines import Engines
 from scheduler.service.ranks import (
@@ -119,9 +120,7 @@ def _rank_main(index: int, world: int, store: str, config: ServeConfig,
     # group must not end this one first, under rank 0's drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s decode/rank{rank} %(name)s: %(message)s")
+    logs.configure(config.log, process=f"decode/rank{rank}")
     control = _join(rank, world, store)
     try:
         control.relay.exchange([])  # rank 0 says: build

@@ -88,6 +88,7 @@ from scheduler.prefill.replica_delayer import (
     named_counts,
 )
 from scheduler.prefill.scheduler import PrefillScheduler
+from scheduler.service import logs
 from scheduler.service.config import ServeConfig
 from scheduler.stepping import step_or_rest
 
@@ -385,9 +386,7 @@ def _rank_main(index: int, world: int, stores: Sequence[str], config: ServeConfi
     # group must not end this one first, under rank 0's drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s dp{replica}/rank{rank} %(name)s: %(message)s")
+    logs.configure(config.log, process=f"dp{replica}/rank{rank}")
     control = _join(rank, world, stores[replica], config)
     closers: Closers = []
     outcomes: Counter[str] | None = None  # a follower's delayer outcomes
