@@ -62,6 +62,8 @@ MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 10.0
 _MAX_ROOM = (1 << 64) - 1
 _MAX_REASON = 512
+#: What every prefill's route table (``GET /route``) holds.
+_TABLE_FIELDS = ("ranks", "page_size", "kv_dtype")
 
 
 class BootstrapError(Exception):
@@ -355,7 +357,14 @@ class BootstrapClient:
         body = self._request("GET", "/route")
         try:
             table = json.loads(body)
+            if not isinstance(table, dict):
+                raise ValueError(f"a JSON {type(table).__name__}, not an object")
+            missing = [k for k in _TABLE_FIELDS if k not in table]
+            if missing:
+                raise ValueError(f"missing fields {missing}")
             ranks = tuple(RankInfo.from_json(r) for r in table["ranks"])
+            if not ranks:
+                raise ValueError("no ranks")
             return PrefillInfo(
                 page_size=int(table["page_size"]), kv_dtype=str(table["kv_dtype"]), ranks=ranks,
                 token_required=table.get("token_required") is True,

@@ -217,3 +217,30 @@ def test_a_table_of_unknown_rank_fields_is_refused_naming_them_and_the_likely_ca
             "unexpected ['draft_layout']"), str(err.value)
     finally:
         server.close()
+
+
+class _Serving(BootstrapServer):
+    """A bootstrap endpoint whose route table is ``table``, whatever registered."""
+
+    def __init__(self, table: Any) -> None:
+        super().__init__(expected_ranks=1)
+        self.table = table
+
+    def _table(self) -> tuple[int, Any]:
+        return 200, self.table
+
+
+@pytest.mark.parametrize(("table", "why"), [
+    ({"hello": 1}, "missing fields ['ranks', 'page_size', 'kv_dtype']"),
+    ([1, 2], "a JSON list, not an object"),
+    ({"ranks": [], "page_size": 4, "kv_dtype": "float32"}, "no ranks"),
+], ids=["other-fields", "a-list", "no-ranks"])
+def test_a_table_of_another_shape_is_refused_saying_what_is_wrong(table: Any, why: str) -> None:
+    server = _Serving(table)
+    try:
+        with pytest.raises(BootstrapError) as err:
+            BootstrapClient(server.address).lookup()
+        assert str(err.value).endswith(
+            f"unreadable route table (a prefill of another pdlife version?): {why}"), err.value
+    finally:
+        server.close()

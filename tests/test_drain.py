@@ -6,6 +6,7 @@ the command line take units."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import socket
 import tempfile
@@ -20,7 +21,18 @@ from scheduler.cli.command import UsageError
 from scheduler.cli.main import build_parser, main
 from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size, serve_config
 from scheduler.model.reference import ModelConfig
-from tests.service_harness import Server, free_port, model_flags, tokens_of_stream, wait_for
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.service.config import ServeConfig
+from tests.service_harness import (
+    Server,
+    asgi_client,
+    free_port,
+    model_flags,
+    run,
+    running_service,
+    tokens_of_stream,
+    wait_for,
+)
 
 MODEL = ModelConfig.tiny()
 NEW_TOKENS = 300
@@ -122,6 +134,48 @@ def test_a_drain_that_aborts_requests_exits_3(tmp_path: Path, drain_timeout: str
         assert lingered == (drain_timeout == "0.2"), server.tail()
     finally:
         server.stop()
+
+
+@pytest.mark.mooncake
+def test_the_servers_own_abort_counts_as_shutdown_not_as_the_clients() -> None:
+    """What a timed-out drain aborts fails ``shutdown`` in the metrics (and traces), with a
+    503 that says why; a client's abort of the same kind of request stays ``aborted``."""
+    config = ServeConfig(role="prefill", backend="mooncake", model=MODEL,
+                         scheduler=SchedulerConfig(page_size=4), pool_pages=16,
+                         bootstrap_port=free_port())
+    why = "aborted: the server is shutting down (a test)"
+
+    async def main() -> str:
+        with running_service(config) as service:
+            async with asgi_client(service) as client:
+                def waiting(rid: str) -> asyncio.Future[httpx.Response]:
+                    return asyncio.ensure_future(client.post("/generate", json={
+                        "rid": rid, "input_ids": [3, 1, 4], "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": config.bootstrap_port, "bootstrap_room": 7}))
+
+                async def admitted() -> None:
+                    for _ in range(3000):  # no decode peer comes: it waits (30 s at most)
+                        if service.live_requests() == 1:
+                            return
+                        await asyncio.sleep(0.01)
+                    raise TimeoutError("the request was not admitted")
+
+                by_client = waiting("by-client")
+                await admitted()
+                assert service.abort("by-client")
+                assert (await asyncio.wait_for(by_client, 30)).status_code == 200
+                by_server = waiting("by-server")
+                await admitted()
+                assert service.abort_all(why) == 1
+                r = await asyncio.wait_for(by_server, 30)
+                assert (r.status_code, r.json()["error"]["message"]) == (503, why), r.text
+                return (await client.get("/metrics")).text
+
+    metrics = run(main())
+    finished = {line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in metrics.splitlines()
+                if line.startswith("pdlife_requests_finished_total{")}
+    assert finished['pdlife_requests_finished_total{reason="aborted",state="failed"}'] == "1.0"
+    assert finished['pdlife_requests_finished_total{reason="shutdown",state="failed"}'] == "1.0"
 
 
 @pytest.mark.multiprocess

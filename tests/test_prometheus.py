@@ -10,12 +10,14 @@ import json
 import math
 import re
 import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from scheduler.model.reference import ModelConfig
 from tests.service_harness import ROOT, Process, Server, free_port, wait_for
@@ -42,7 +44,19 @@ def scrape_config(prefill: str, decode: str) -> str:
     for default, target in (("127.0.0.1:30000", prefill), ("127.0.0.1:30001", decode)):
         assert default in text
         text = text.replace(default, target)
-    return text.replace("scrape_interval: 5s", "scrape_interval: 1s")
+    return text.replace("scrape_interval: 5s", "scrape_interval: 1s").replace(
+        "evaluation_interval: 15s", "evaluation_interval: 1s")
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    """The rules of docs/prometheus-alerts.yml (``promtool check rules`` accepts them)."""
+    path = ROOT / "docs" / "prometheus-alerts.yml"
+    check = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    rules: list[dict[str, Any]] = [
+        r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
+    return rules
 
 
 def dashboard_queries(job: str | None = None) -> list[str]:
@@ -57,6 +71,7 @@ def dashboard_queries(job: str | None = None) -> list[str]:
 class Prometheus(Process):
     def __init__(self, tmp: Path, config: str) -> None:
         (tmp / "prometheus.yml").write_text(config)
+        shutil.copy(ROOT / "docs" / "prometheus-alerts.yml", tmp)
         self.url = f"http://127.0.0.1:{free_port()}"
         super().__init__([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
                           f"--storage.tsdb.path={tmp / 'data'}",
@@ -152,6 +167,23 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
         # A prefill worker exports the decode gauges too, at 0.
         assert prometheus.value('pdlife_decode_kv_pool_pages{job="pdlife-decode"}') == POOL_PAGES
         assert 0 <= prometheus.value("pdlife_kv_usage_ratio") <= 1
+
+        # Every alert rule is loaded and evaluates, and every series it reads is scraped (a
+        # misspelt name would make an alert that can never fire).
+        rules = alert_rules()
+
+        def evaluated() -> list[tuple[str, str]]:
+            groups = httpx.get(f"{prometheus.url}/api/v1/rules", timeout=10).json()
+            return [(r["name"], r["health"]) for g in groups["data"]["groups"]
+                    for r in g["rules"]]
+
+        wait_for(lambda: all(health != "unknown" for _, health in evaluated()), 30,
+                 "every rule evaluated")
+        assert evaluated() == [(r["alert"], "ok") for r in rules]
+        names = {n for r in rules for n in re.findall(r"\b(?:pdlife|process)_[a-z_]+", r["expr"])}
+        assert len(names) >= 8, names
+        for name in sorted(names):
+            assert prometheus.query(f'count({{__name__="{name}"}})'), f"{name} is not scraped"
     finally:
         prometheus.stop()
         decode.stop()

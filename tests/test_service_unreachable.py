@@ -47,10 +47,13 @@ def test_an_unreachable_prefill_fails_the_request_naming_its_address_once(
                 assert service.live_requests() == 0
                 return str(message)
 
-    with caplog.at_level(logging.WARNING, logger="scheduler.decode.router"):
+    with caplog.at_level(logging.INFO):
         message = run(main())
     logged = [r.getMessage() for r in caplog.records if r.name == "scheduler.decode.router"]
     assert logged == [f"cannot connect: {message}"]
+    # The client's rid, to find its request in the log by.
+    logged = [r.getMessage() for r in caplog.records if r.name == "scheduler.service.handoff"]
+    assert logged == [f"refused ['lost-1'] (500 bootstrap_failed): {message}"]
 
 
 @pytest.mark.mooncake

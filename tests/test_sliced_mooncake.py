@@ -260,8 +260,10 @@ def test_a_failure_on_one_rank_fails_the_room_everywhere(
         for m, rx in zip(s.decode[: connected[1]], receivers, strict=False):
             assert drive(m, rx, _DONE)[-1] == KVPoll.FAILED
         for tx in senders[connected[0] :]:
-            # Not connected to the failure (the message says what failed it otherwise).
-            assert tx.poll() != KVPoll.FAILED, tx.failure_exception()
+            # Not connected to the failure (the message says what failed it otherwise, and
+            # which decode rank's session is which).
+            assert tx.poll() != KVPoll.FAILED, (tx.failure_exception(),
+                                                [m.session for m in s.decode])
             tx.abort()  # the prefill TP group's MIN poll
         for tx in senders:
             tx.send(SRC_PAGES[3:], last=True)

@@ -18,6 +18,7 @@ from scheduler.cli.top import _bytes_per_s, _cells, _scrape, render
 from scheduler.cli.top_view import History, Scrape, parse_metrics, quantile, total
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.metrics import SchedulerMetrics
+from scheduler.service.metrics import ServiceMetrics
 from tests.service_harness import PDLIFE, Process, Server, free_port, wait_for
 
 MODEL = ModelConfig.tiny()
@@ -73,6 +74,24 @@ def test_views_from_a_schedulers_real_metrics_text() -> None:
     assert [c.header for c in table.columns] == ["", "http://w", "http://w"]
 
 
+def test_refusals_before_an_engine_are_shown_beside_the_failures() -> None:
+    """A decode that could not look its prefill server up refuses the request before an
+    engine takes it: not a failure of the finished counters, a refusal of the HTTP service's
+    (exported at 0 from the start, shown once it counts)."""
+    metrics = SchedulerMetrics()
+    service = ServiceMetrics(metrics.registry)
+    view = History("http://w").add(Scrape(0.0, INFO, parse_metrics(
+        generate_latest(metrics.registry).decode())))
+    assert (view.failures, view.refusals) == ({}, {})
+    assert _cells(view)[4:6] == ["none", "none"]
+    service.http_rejected.labels(reason="bootstrap_failed").inc(3)
+    service.http_rejected.labels(reason="draining").inc()
+    view = History("http://w").add(Scrape(1.0, INFO, parse_metrics(
+        generate_latest(metrics.registry).decode())))
+    assert view.refusals == {"bootstrap_failed": 3, "draining": 1}
+    assert _cells(view)[5] == "bootstrap_failed 3, draining 1"
+
+
 def test_kv_sent_keeps_its_digits_at_every_scale() -> None:
     assert [_bytes_per_s(v) for v in (None, 0.0, 512.0, 3.2e4, 4.56e6, 2e9)] == [
         "—", "0 B/s", "512 B/s", "32.0 kB/s", "4.6 MB/s", "2.0 GB/s"]
@@ -86,9 +105,9 @@ def test_the_prefix_cache_is_shown_beside_the_pool_it_lives_in() -> None:
     samples = parse_metrics(generate_latest(metrics.registry).decode())
     view = History("http://w").add(Scrape(0.0, cached, samples))
     assert view.prefix_cache_pages == {"prefill": 20}
-    assert _cells(view)[6] == "prefill: 16/64 (25%), prefix cache 20, 38% hit"
+    assert _cells(view)[7] == "prefill: 16/64 (25%), prefix cache 20, 38% hit"
     plain = History("http://w").add(Scrape(0.0, INFO, {}))
-    assert plain.prefix_cache_pages == {} and _cells(plain)[6] == "prefill: 16/64 (25%)"
+    assert plain.prefix_cache_pages == {} and _cells(plain)[7] == "prefill: 16/64 (25%)"
 
 
 def test_a_worker_of_several_ranks_says_its_layout() -> None:
@@ -178,7 +197,7 @@ def test_ctrl_c_ends_pdlife_top_cleanly(worker: Server, tmp_path: Path) -> None:
         top.check_alive("pdlife top")
         top.signal(signal.SIGINT)
         assert top.wait(timeout=30) == 0, top.tail()
-        out = top.tail()
+        out = top.tail(100_000)  # the whole screen, the header row included
         assert "Traceback" not in out and "KeyboardInterrupt" not in out
         assert worker.url in out
     finally:

@@ -114,16 +114,18 @@ def _cells(view: WorkerView) -> list[str]:
         + (f", prefix cache {view.prefix_cache_pages[side]}{hits}"
            if side in view.prefix_cache_pages else "")
         for side, (used, total_) in view.kv_pool.items())
-    failures = ", ".join(f"{r} {n}" for r, n in view.failures.items()) or "none"
+    failures, refusals = (", ".join(f"{r} {n}" for r, n in counts.items()) or "none"
+                          for counts in (view.failures, view.refusals))
     slots = "—" if view.slots is None else f"{view.slots[0]}/{view.slots[1]}"
     worker = f"{view.role}, {status}" + (f"\n{view.layout}" if view.layout else "")
     return [worker, requests or "—", _per_s(view.admissions_per_s),
-            _per_s(view.completions_per_s), failures,
+            _per_s(view.completions_per_s), failures, refusals,
             f"{_ms(view.ttft_p50)} / {_ms(view.ttft_p99)}", pools or "—", slots,
             _bytes_per_s(view.transfer_bytes_per_s)]
 
 
 _ROWS = ("worker", "requests by state", "admitted", "completed", "failures (total)",
+         "refused (total)",
          "TTFT p50 / p99 (1 min)", "KV pool used", "metadata slots", "KV sent")
 
 
@@ -194,9 +196,9 @@ TOP = Subcommand(
     description=(
         "A live view of pdlife serve workers (prefill, decode or local), refreshed every "
         "--interval seconds from their /server_info and /metrics: requests per lifecycle state, "
-        "admissions and completions per second, failures by reason, TTFT p50/p99 over the "
-        "last minute (prefill workers), KV pool and metadata-slot usage, KV bytes sent per "
-        "second. A worker that cannot be read says why in its column. Ctrl-C quits."
+        "admissions and completions per second, failures and refusals by reason, TTFT p50/p99 "
+        "over the last minute (prefill workers), KV pool and metadata-slot usage, KV bytes sent "
+        "per second. A worker that cannot be read says why in its column. Ctrl-C quits."
     ),
     epilog=(
         "Example: pdlife top 127.0.0.1:30000 127.0.0.1:30001. Workers that require an API "

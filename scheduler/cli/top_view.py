@@ -15,7 +15,7 @@ turns the newest into a :class:`WorkerView`:
 - TTFT p50/p99 over the last minute are quantiles of the growth of ``pdlife_ttft_seconds``'s
   buckets since the oldest scrape of that minute, interpolated within a bucket as Prometheus'
   ``histogram_quantile`` does;
-- failures by reason are totals since the worker started.
+- failures and refusals by reason are totals since the worker started.
 
 Counters are read from the side that answers the worker's requests: the prefill scheduler's on
 a prefill worker, the decode peer's on a decode worker and on ``--backend local``.
@@ -123,6 +123,9 @@ class WorkerView:
     admissions_per_s: float | None = None
     completions_per_s: float | None = None
     failures: Mapping[str, int] = attrs.field(factory=dict)
+    # Requests the HTTP service refused before an engine took them, by reason (a prefill
+    # server a decode could not look up, ``bootstrap_failed``, among them).
+    refusals: Mapping[str, int] = attrs.field(factory=dict)
     ttft_p50: float | None = None
     ttft_p99: float | None = None
     kv_pool: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)  # side: (used, total)
@@ -164,6 +167,8 @@ class History:
             draining=bool(info.get("draining")),
             requests=info.get("requests", {}),
             failures={reason or "?": int(n) for reason, n in sorted(failed.items()) if n},
+            refusals={reason: int(n) for reason, n in sorted(by_label(
+                now, "pdlife_http_rejected_total", "reason").items()) if n},
             kv_pool={s: (p["used_pages"], p["total_pages"]) for s, p in pools.items()},
             prefix_cache_pages={s: p["prefix_cache_pages"] for s, p in pools.items()
                                 if "prefix_cache_pages" in p},

@@ -89,7 +89,7 @@ class Replicas(Protocol):
     def submit(self, new: NewRequest) -> bool:
         """Hand ``new`` to the replica of its room; False when that is this process's."""
 
-    def abort(self, rid: str) -> None: ...
+    def abort(self, rid: str, *, shutdown: bool = False) -> None: ...
 
     def refuse(self, room: int, reason: str) -> None:
         """A decode peer refused ``room``: tell the replica of the room, if not this one."""
@@ -332,27 +332,29 @@ class Service:
         self.loop.wake()
         return pending
 
-    def abort(self, rid: str) -> bool:
-        """Abort a live request (any thread); False if ``rid`` is not live."""
+    def abort(self, rid: str, *, shutdown: bool = False) -> bool:
+        """Abort a live request (any thread): the client's abort (``aborted``), or with
+        ``shutdown`` the server's own (``shutdown``, in metrics and traces). False if ``rid``
+        is not live."""
         with self._lock:
             if rid not in self._pending:
                 return False
         for engine in (self.prefill, self.decode):
             if engine is not None:
-                engine.abort(rid)
+                engine.abort(rid, shutdown=shutdown)
         if self._replicas is not None:
-            self._replicas.abort(rid)
+            self._replicas.abort(rid, shutdown=shutdown)
         self.loop.wake()
         return True
 
     def abort_all(self, reason: str | None = None) -> int:
-        """Abort every live request; with ``reason``, their answers say it (the server's own
-        abort, status 503) instead of a client's abort."""
+        """Abort every live request; with ``reason``, as the server shutting down: their
+        answers say it (status 503) and they fail ``shutdown``, not as a client's abort."""
         with self._lock:
             rids = list(self._pending)
             if reason is not None:
                 self._abort_reasons.update(dict.fromkeys(rids, reason))
-        return sum(self.abort(rid) for rid in rids)
+        return sum(self.abort(rid, shutdown=reason is not None) for rid in rids)
 
     def flush_cache(self) -> list[concurrent.futures.Future[CacheFlushed]]:
         """Ask every prefill scheduler of this server (each DP replica's) to empty its prefix

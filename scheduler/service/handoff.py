@@ -100,6 +100,7 @@ async def admit(service: Service, request: Request, items: list[Item], *,
             for addr_item in {i.bootstrap_addr: i for i in looked_up}.values():
                 await _connect(service, addr_item)
     except PeerUnreachable as exc:
+        logger.info("refused %s (500 bootstrap_failed): %s", [i.rid for i in items], exc)
         refuse_items(service, items, "bootstrap_failed", 500, str(exc))
         # The rid of the first request that names the unreachable prefill.
         raise Refusal("bootstrap_failed", 500, str(exc), addr_item.rid) from exc

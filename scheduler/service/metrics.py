@@ -40,8 +40,8 @@ class ServiceMetrics:
         )
         # The refusals every worker can meet, at 0 before the first: an alert on their rate
         # reads 0, not "no data" (other reasons appear as they occur).
-        for reason in ("invalid_request", "overloaded", "draining", "unhealthy", "unauthorized",
-                       "body_too_large"):
+        for reason in ("invalid_request", "overloaded", "draining", "unhealthy", "starting",
+                       "unauthorized", "body_too_large", "bootstrap_failed"):
             self.http_rejected.labels(reason=reason)
         self.healthy = Gauge(
             "pdlife_service_healthy", "1 while the engine loop runs, 0 once it failed.", registry=r

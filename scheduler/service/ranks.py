@@ -198,10 +198,10 @@ class Ranks:
         self._inboxes[replica - 1].put(new)
         return True
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, *, shutdown: bool = False) -> None:
         """Abort ``rid`` on the other replicas (those that do not hold it ignore it)."""
         for inbox in self._inboxes:
-            inbox.put(AbortRequest(rid))
+            inbox.put(AbortRequest(rid, shutdown))
 
     def refuse(self, room: int, reason: str) -> None:
         """A decode peer refused ``room`` (a bootstrap refusal listener): tell the replica
