@@ -2,10 +2,11 @@
 rank processes (:mod:`scheduler.service.logs`).
 
 In a fresh interpreter, ``json`` writes one object per line with the documented keys (a
-traceback under ``exception``, a rank process's name under ``process``) and ``text`` names the
-process in each line. A prefill of two DP replicas with the delayer writes only JSON lines, the
-second replica's among them under its own name; at ``--log-level warning`` none of its
-processes logs at INFO (the rank processes used to log at INFO whatever the flag said).
+traceback under ``exception``, a rank process's name under ``process``), warnings and uncaught
+exceptions included, and ``text`` names the process in each line. A prefill of two DP replicas
+with the delayer writes only JSON lines, the second replica's among them under its own name; at
+``--log-level warning`` none of its processes logs at INFO (the rank processes used to log at
+INFO whatever the flag said).
 """
 
 from __future__ import annotations
@@ -58,6 +59,34 @@ def test_json_is_one_object_per_record_with_the_documented_keys() -> None:
     assert failed["exception"].endswith("ZeroDivisionError: division by zero")
     # The HTTP process has no process name.
     assert "process" not in json.loads(_log_some("warning", "json")[0])
+
+
+_FAIL_UNCAUGHT = """
+import threading, warnings
+from scheduler.service.logs import LogSettings, configure
+configure(LogSettings("info", "json"))
+warnings.warn("an old API")
+worker = threading.Thread(target=lambda: 1 / 0, name="worker-1")
+worker.start()
+worker.join()
+raise KeyError("at the top")
+"""
+
+
+def test_json_takes_warnings_and_uncaught_exceptions_too() -> None:
+    """Nothing of the process's own reaches standard error as plain text: a warning, a
+    thread's uncaught exception and the main thread's are JSON records as well."""
+    done = subprocess.run([sys.executable, "-c", _FAIL_UNCAUGHT], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    warned, in_thread, at_top = (json.loads(line) for line in done.stderr.splitlines())
+    assert (warned["logger"], warned["level"]) == ("py.warnings", "WARNING")
+    assert "UserWarning: an old API" in warned["message"]
+    assert (in_thread["logger"], in_thread["level"], in_thread["message"]) == (
+        "pdlife.uncaught", "CRITICAL", "uncaught ZeroDivisionError in thread worker-1")
+    assert in_thread["exception"].endswith("ZeroDivisionError: division by zero")
+    assert (at_top["message"], at_top["exception"].splitlines()[-1]) == (
+        "uncaught KeyError", "KeyError: 'at the top'")
 
 
 def test_text_names_the_process_and_the_level_filters() -> None:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import threading
 import time
+import types
 
 import attrs
 
@@ -57,12 +60,35 @@ class JsonFormatter(logging.Formatter):
 
 def configure(settings: LogSettings, process: str | None = None) -> None:
     """Log to standard error as ``settings`` say; ``process`` names a rank process in each
-    line. Replaces the root logger's handlers (a rank process inherits none that matter)."""
+    line. Replaces the root logger's handlers (a rank process inherits none that matter).
+    Python's warnings go through logging too (logger ``py.warnings``), and with ``json`` so do
+    exceptions nothing caught, in any thread (logger ``pdlife.uncaught``, CRITICAL): no line of
+    the process's own reaches standard error as plain text."""
     handler = logging.StreamHandler()
     if settings.format == "json":
         handler.setFormatter(JsonFormatter(process))
+        sys.excepthook = _log_uncaught
+        threading.excepthook = _log_uncaught_in_thread
     else:
         name = f"{process} " if process is not None else ""
         handler.setFormatter(logging.Formatter(
             f"%(asctime)s %(levelname)s {name}%(name)s: %(message)s"))
     logging.basicConfig(level=settings.level.upper(), handlers=[handler], force=True)
+    logging.captureWarnings(True)
+
+
+_uncaught = logging.getLogger("pdlife.uncaught")
+
+
+def _log_uncaught(kind: type[BaseException], exc: BaseException,
+                  tb: types.TracebackType | None) -> None:
+    _uncaught.critical("uncaught %s", kind.__name__, exc_info=(kind, exc, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as threading's own hook: a thread's quiet exit
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    exc = args.exc_value if args.exc_value is not None else args.exc_type()
+    _uncaught.critical("uncaught %s in thread %s", args.exc_type.__name__, name,
+                       exc_info=(args.exc_type, exc, args.exc_traceback))
