@@ -1,7 +1,7 @@
 """pdlife's benchmarks; run each as a module from the repository root
 (``python -m bench.lifecycle``) or all through ``pdlife bench``."""
 
-from typing import Any
+from typing import Any, NoReturn
 
 
 def bench_model(spec: str, **kwargs: Any) -> Any:
@@ -18,3 +18,14 @@ def bench_model(spec: str, **kwargs: Any) -> Any:
         return load_model(spec, **kwargs)
     except (CheckpointError, ShippedModelMissing, ValueError) as exc:
         sys.exit(f"bench.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}: --model: {exc}")
+
+
+def part_of_transfer(module: str, run: str) -> NoReturn:
+    """End ``python -m bench.<module>`` for a module that is a part of :mod:`bench.transfer`,
+    not a benchmark of its own: say which ``bench.transfer`` command runs it (``run``), exit 2
+    (whatever the arguments, ``--help`` included)."""
+    import sys
+
+    print(f"bench.{module} is a part of bench.transfer, not a benchmark of its own: run "
+          f"{run}", file=sys.stderr)
+    raise SystemExit(2)

@@ -91,7 +91,7 @@ def worker(rank: int, world: int, passes: int, seed: int, out: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4,
                     help="data-parallel ranks, one process each (default: %(default)s)")
     ap.add_argument("--passes", type=int, default=400,

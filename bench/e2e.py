@@ -136,7 +136,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="reference",
                     help="reference (default), smollm2, or a GGUF file / Hugging Face directory")
     ap.add_argument("--requests", type=int,

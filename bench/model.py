@@ -118,7 +118,8 @@ def hf_round(hf: Any, batch: list[list[int]], steps: int) -> tuple[float, float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per batch")
+    parser.add_argument("--prompts", type=int, default=8,
+                        help="prompts per batch (default: %(default)s)")
     parser.add_argument("--min-len", type=int, default=128,
                         help="shortest prompt; the others evenly up to --max-len "
                              "(default: %(default)s)")

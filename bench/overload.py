@@ -4,9 +4,11 @@ Two ``pdlife serve --backend local`` processes on loopback (the tiny reference m
 and decode in one process, so ``/generate`` answers whole requests), one with
 ``--max-queued-requests`` and one without, get the same open-loop load, one after the other: a
 fixed number of requests (ten times the bounded server's queued plus running requests), sent at
-a fixed rate above what either can serve, each asking for a fixed number of tokens. Each server
-takes the load twice; the second round is measured, and its resident memory is compared with the
-first round's.
+a fixed rate above what either can serve, each a prompt of ``--prompt`` tokens asking for
+``--new-tokens`` new tokens. Each server takes the load twice; the second round is measured, and
+its resident memory is compared with the first round's. The servers' logs go to a temporary
+folder, removed at the end unless the run failed or lost or leaked something; then its path is
+printed.
 
 For each server: the offered and admitted rates, the p99 latency of admitted requests (to their
 last token) and of refused ones (503), requests that got neither (``lost``), KV pages still used
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,21 +177,41 @@ def report(name: str, r: Round, leaked: int, growth: float) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-queued", type=int, default=16, help="the bounded server's bound")
-    ap.add_argument("--max-running", type=int, default=8, help="both servers' running requests")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-queued", type=int, default=16,
+                    help="the bounded server's --max-queued-requests (default: %(default)s)")
+    ap.add_argument("--max-running", type=int, default=8,
+                    help="both servers' --max-running-requests (default: %(default)s)")
     ap.add_argument("--times", type=int, default=10,
-                    help="requests sent, as a multiple of what the bounded server holds")
-    ap.add_argument("--rate", type=float, default=200.0, help="requests sent per second")
-    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    ap.add_argument("--new-tokens", type=int, default=16, help="tokens asked per request")
-    ap.add_argument("--timeout", type=float, default=120.0, help="a request's client timeout")
+                    help="requests sent, as a multiple of what the bounded server holds "
+                         "(default: %(default)s)")
+    ap.add_argument("--rate", type=float, default=200.0,
+                    help="requests sent per second (default: %(default)s)")
+    ap.add_argument("--prompt", type=int, default=32,
+                    help="prompt tokens per request (default: %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=16,
+                    help="new tokens asked per request (default: %(default)s)")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="a request's client timeout, seconds (default: %(default)s)")
     args = ap.parse_args()
     args.requests = args.times * (args.max_queued + args.max_running)
     logs = Path(tempfile.mkdtemp(prefix="pdlife-overload-"))  # the servers' output
-    print(f"{args.requests} requests at {args.rate:g}/s, {args.new_tokens} tokens each; the "
-          f"bounded server holds {args.max_queued} queued + {args.max_running} running",
-          flush=True)
+    status = 1  # until the run ends with nothing lost or leaked: keep the logs
+    try:
+        status = run(args, logs)
+        return status
+    finally:
+        if status:
+            print(f"the servers' logs are kept in {logs}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, logs: Path) -> int:
+    """Both servers in turn, their logs in ``logs``; the exit status."""
+    print(f"{args.requests} requests at {args.rate:g}/s, prompts of {args.prompt} tokens, "
+          f"{args.new_tokens} new tokens each; the bounded server holds {args.max_queued} "
+          f"queued + {args.max_running} running", flush=True)
     bounded = measure(args, args.max_queued, logs / "bounded.log")
     report("bounded", *bounded)
     unbounded = measure(args, None, logs / "unbounded.log")
@@ -202,7 +225,6 @@ def main() -> int:
           f"leaked_pages={leaked + u_leaked} rss_growth_mb={growth:.1f} "
           f"unbounded_admitted_p99_ms={p99(u.admitted_ms):.1f}", flush=True)
     return 1 if b.lost + u.lost or leaked + u_leaked else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

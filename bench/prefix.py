@@ -107,9 +107,10 @@ def run(served: ServedModel, prompts: dict[str, list[int]], cache: bool, page_si
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="auto",
-                    help="smollm2, reference, a checkpoint path, or auto (smollm2 if installed)")
+                    help="smollm2, reference, a checkpoint path, or auto: smollm2 if installed, "
+                         "else reference (default: %(default)s)")
     ap.add_argument("--requests", type=int, default=64,
                     help="requests, each a shared system prompt and a question of its own "
                          "(default: %(default)s)")
@@ -121,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="tokens per KV page (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed rounds, with and without the cache (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the prompts' tokens (default: %(default)s)")
     args = ap.parse_args(argv)

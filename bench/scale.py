@@ -123,7 +123,7 @@ def passes_for(mode: str, waiting: int, passes: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--passes", type=int, default=500,
                     help="pdlife's scheduler passes per round (the baseline's shrink as its "
                          "pass grows; default: %(default)s)")

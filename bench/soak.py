@@ -191,16 +191,18 @@ def soak(requests: int, wave: int, seed: int, overlap: bool, cache: bool) -> dic
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000,
                         help="requests through the pair (default: %(default)s)")
-    parser.add_argument("--wave", type=int, default=200, help="requests sent per wave")
+    parser.add_argument("--wave", type=int, default=200,
+                        help="requests sent per wave (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the prompts, the faults and the aborts "
                              "(default: %(default)s)")
-    parser.add_argument("--overlap", action="store_true", help="the overlap loop on prefill")
+    parser.add_argument("--overlap", action="store_true",
+                        help="run the prefill side's overlap loop (default: the normal loop)")
     parser.add_argument("--disable-radix-cache", action="store_true",
-                        help="run the prefill side without the prefix cache")
+                        help="run the prefill side without the prefix cache (default: with it)")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)  # every injected failure is logged; the counts matter
     r = soak(args.requests, args.wave, args.seed, args.overlap, not args.disable_radix_cache)

@@ -22,9 +22,10 @@ run:
    event), next to the lifecycle's whole per-request cost (``bench.lifecycle``'s batched
    variant).
 
-Last line: ``RESULT tracing on_vs_off=<on rps ÷ off rps> off_rps=<..> on_rps=<..>
-spans_us=<µs per request, on> off_ns=<ns per request, off> timeline_us=<µs per request>
-lifecycle_us=<µs per request>``.
+Last line: ``RESULT tracing on_vs_off=<on rps ÷ off rps> cpu_on_vs_off=<on CPU µs per request
+÷ off's> off_rps=<..> on_rps=<..> spans_us=<µs per request, on> off_ns=<ns per request, off>
+timeline_us=<µs per request> lifecycle_us=<µs per request>``; the per-request figures of part 2
+are CPU time.
 """
 
 from __future__ import annotations

@@ -388,17 +388,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="a real model's KV dtype (default: float32)")
     ap.add_argument("--pages", type=int, default=1152,
-                    help="pages per pool (2 MiB each on the synthetic geometry)")
-    ap.add_argument("--requests", type=int, default=10, help="requests per churned round")
-    ap.add_argument("--min-pages", type=int, default=16, help="smallest request (16 tokens/page)")
-    ap.add_argument("--max-pages", type=int, default=128, help="largest request")
-    ap.add_argument("--churn", type=int, default=2000, help="arrivals before the measured ones")
+                    help="pages per pool (2 MiB each on the synthetic geometry; default: "
+                         "%(default)s)")
+    ap.add_argument("--requests", type=int, default=10,
+                    help="requests per churned round (default: %(default)s)")
+    ap.add_argument("--min-pages", type=int, default=16,
+                    help="smallest request, pages of 16 tokens (default: %(default)s)")
+    ap.add_argument("--max-pages", type=int, default=128,
+                    help="largest request, pages (default: %(default)s)")
+    ap.add_argument("--churn", type=int, default=2000,
+                    help="arrivals before the measured ones (default: %(default)s)")
     ap.add_argument("--shredded-requests", type=int, default=16,
                     help="requests of the shredded round, printed for reference "
                          "(default: %(default)s)")
-    ap.add_argument("--shredded-pages", type=int, default=4, help="pages per shredded request")
-    ap.add_argument("--run-pages", type=int, default=4, help="free run length when shredded")
-    ap.add_argument("--iters", type=int, default=9, help="timed rounds (at least 5)")
+    ap.add_argument("--shredded-pages", type=int, default=4,
+                    help="pages per shredded request (default: %(default)s)")
+    ap.add_argument("--run-pages", type=int, default=4,
+                    help="free run length when shredded, pages (default: %(default)s)")
+    ap.add_argument("--iters", type=int, default=9,
+                    help="timed rounds, at least 5 (default: %(default)s)")
     ap.add_argument("--engines", type=int, default=MooncakeConfig().engines,
                     help="the sender's transfer engines (MooncakeConfig.engines; default: "
                          "%(default)s)")
@@ -408,11 +416,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the churn and of the requests' sizes (default: %(default)s)")
     ap.add_argument("--prefill-tp", type=int, default=1,
-                    help="with --decode-tp: head slicing against whole pages (transfer_sliced)")
+                    help="with --decode-tp: head slicing against whole pages (transfer_sliced; "
+                         "default: %(default)s, no slicing)")
     ap.add_argument("--decode-tp", type=int, default=1,
-                    help="with --prefill-tp: the decode side's TP size (transfer_sliced)")
-    ap.add_argument("--cuts", help="MiB,MiB,...: the sender's cut sizes compared (transfer_cuts)")
-    ap.add_argument("--lanes", help="N,N,...: the sender's TCP lanes compared (transfer_lanes)")
+                    help="with --prefill-tp: the decode side's TP size (transfer_sliced; default: "
+                         "%(default)s)")
+    ap.add_argument("--cuts",
+                    help="MiB,MiB,...: the sender's cut sizes compared (transfer_cuts; no "
+                         "RESULT line; default: none, the transfer benchmark)")
+    ap.add_argument("--lanes", help="N,N,...: the sender's TCP lanes compared (transfer_lanes; no "
+                         "RESULT line; default: none, the transfer benchmark)")
     args = ap.parse_args()
     if args.iters < 5:
         ap.error("--iters must be at least 5: the figures are medians of the rounds")

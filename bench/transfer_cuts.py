@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from bench import part_of_transfer
 from bench.transfer_plans import churned_requests
 from kv.mooncake import MooncakeKVManager
 from kv.pool_layout import KVLayout
@@ -57,3 +58,8 @@ def bench_cuts(args: argparse.Namespace, shape: Shape, cuts_mib: list[int]) -> N
             print(f"{layout.value:11s} cut {cut:>7s}: ratio median {f.ratio:.3f} "
                   f"mean {statistics.mean(f.rounds):.3f} (rounds {f.spread()}), "
                   f"{f.pdlife_gbps:.2f} GB/s, raw {f.base_gbps:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    part_of_transfer("transfer_cuts",
+                     "python -m bench.transfer --cuts 1,16,64 (the cut sizes compared, in MiB)")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bench import part_of_transfer
 from bench.transfer_plans import churned_requests
 from kv.bootstrap import BootstrapServer
 from kv.metadata import MetadataBuffers
@@ -72,3 +73,8 @@ def bench_lanes(args: argparse.Namespace, shape: Shape, lanes: list[int]) -> Non
             print(f"{layout.value:11s} {n:2d} lanes: {statistics.median(gbps[n]):.2f} GB/s, "
                   f"over {lanes[0]} lanes median {statistics.median(ratios):.3f} "
                   f"(rounds {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    part_of_transfer("transfer_lanes",
+                     "python -m bench.transfer --lanes 4,16 (the TCP lanes compared)")

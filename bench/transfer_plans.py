@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from bench import part_of_transfer
 from kv.pages import coalesce
 from kv.pool import PageAllocator
 
@@ -60,3 +61,9 @@ def describe(name: str, plan: Plan, pool_pages: int, page_mib: float, num_layers
     return (f"{name}: {len(plan)} requests, {pages} of {pool_pages} pages "
             f"({pages * page_mib:.0f} MiB per round), {pages / runs:.1f} pages per run, "
             f"at most {runs} blocks per round page-major, {runs * 2 * num_layers} layer-major")
+
+
+if __name__ == "__main__":
+    part_of_transfer("transfer_plans",
+                     "python -m bench.transfer (its plans: --pages, --requests, --min-pages, "
+                     "--max-pages, --churn, --shredded-requests, --shredded-pages, --run-pages)")

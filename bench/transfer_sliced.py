@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bench import part_of_transfer
 from bench.transfer_plans import Plan, churned_requests
 from kv.bootstrap import BootstrapServer
 from kv.layouts import TPLayout, plan_slices
@@ -173,3 +174,8 @@ def bench_sliced(args: argparse.Namespace, shape: Shape) -> None:
     print(f"RESULT transfer_sliced ratio={figures.ratio:.3f} "
           f"sliced_gbps={figures.pdlife_gbps:.3f} whole_gbps={figures.base_gbps:.3f} "
           f"prefill_tp={tp} decode_tp={td} blocks_per_page={per_page} model={shape.name}")
+
+
+if __name__ == "__main__":
+    part_of_transfer("transfer_sliced", "python -m bench.transfer --prefill-tp 2 --decode-tp 1 "
+                     "(head slicing from TP 2 to TP 1; any two TP sizes)")

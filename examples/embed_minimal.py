@@ -4,7 +4,8 @@ Your service brings a model runner (here a toy one) and a KV transfer backend (h
 backend, which follows the transfer protocol but moves no data, so no decode server is needed).
 The scheduler does the rest: bootstrap, batching, chunked prefill, transfer, failures, aborts,
 one answer per request, metrics. This script drives it from its own thread, submits five
-requests that end five different ways, and prints what each got.
+requests and prints what each got: two that succeed (one short, one long enough to be computed
+in chunks), one the client aborts, one whose transfer fails and one too long for the pool.
 
     python examples/embed_minimal.py
 

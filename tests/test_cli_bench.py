@@ -1,15 +1,19 @@
-"""``pdlife bench`` shows its plan, refuses unknown names, finds the checkout's files, and echoes
-every line whole."""
+"""``pdlife bench`` shows its plan, refuses unknown names and a tree without benchmarks, finds
+the checkout's files, and echoes every line whole; each benchmark's ``--help`` describes it and
+every flag, defaults included; the parts of ``bench.transfer`` refuse to run on their own."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import io
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 
-from scheduler.cli.bench import ALL, BENCH_DIR
+from scheduler.cli.bench import ALL, BENCH_DIR, ROOT
 from scheduler.cli.main import DOCS_LIFECYCLE, main
 
 
@@ -17,7 +21,7 @@ def test_the_plan_lists_every_benchmark_with_an_estimate(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--list"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"pdlife bench: {len(ALL)} benchmark(s), about ")
+    assert out.startswith(f"pdlife bench: {len(ALL)} benchmark(s) of {ROOT}, about ")
     for b in ALL:
         assert f"  {b.name:<10} ~" in out
         assert b.measures in out
@@ -29,6 +33,21 @@ def test_an_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str
         main(["bench", "lifecycle", "nope"])
     assert exited.value.code == 2
     assert "unknown benchmark(s) ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--list"], ["lifecycle"]])
+def test_a_tree_without_benchmarks_is_a_usage_error(
+        args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """pdlife installed from a wheel (no bench/ beside its packages) refuses and says why."""
+    monkeypatch.setattr("scheduler.cli.bench.BENCH_DIR", tmp_path / "bench")
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *args])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"no bench/ folder at {tmp_path / 'bench'}" in err
+    assert "installed from" in err and "pip install -e ." in err
+    assert "Traceback" not in err
 
 
 def test_default_paths_point_into_the_checkout() -> None:
@@ -72,6 +91,37 @@ def test_every_benchmark_flag_says_what_it_does(name: str,
     module = importlib.import_module(f"bench.{name}")
     with pytest.raises(_Parsed) as parsed:
         module.main()
-    bare = [action.option_strings[0] for action in parsed.value.parser._actions
-            if action.option_strings and not action.help]
+    parser = parsed.value.parser
+    assert parser.description == module.__doc__.split("\n\n")[0]  # the whole first paragraph
+    flags = [action for action in parser._actions
+             if action.option_strings and not isinstance(action, argparse._HelpAction)]
+    bare = [action.option_strings[0] for action in flags if not action.help]
     assert bare == [], f"bench.{name}: flags without help: {bare}"
+
+    def hides_its_default(action: argparse.Action) -> bool:
+        if action.default is False:  # a switch: off unless given
+            return False
+        shown = (action.help or "") % {"default": action.default}
+        return "default" not in shown or (action.default is not None
+                                          and str(action.default) not in shown)
+
+    hidden = [action.option_strings[0] for action in flags if hides_its_default(action)]
+    assert hidden == [], f"bench.{name}: flags whose help hides the default: {hidden}"
+
+
+@pytest.mark.parametrize(("module", "flag"), [
+    ("transfer_sliced", "--prefill-tp 2 --decode-tp 1"), ("transfer_cuts", "--cuts"),
+    ("transfer_lanes", "--lanes"), ("transfer_plans", "python -m bench.transfer")])
+def test_a_part_of_transfer_run_alone_names_the_transfer_flag(
+        module: str, flag: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.argv", [f"{module}.py", "--help"])
+    # Run as ``python -m`` runs it: a fresh module, not the one an earlier import left behind.
+    monkeypatch.delitem(sys.modules, f"bench.{module}", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module(f"bench.{module}", run_name="__main__")
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"bench.{module} is a part of bench.transfer")
+    assert flag in captured.err

@@ -1,4 +1,9 @@
-"""``pdlife bench``: run the benchmarks of a source checkout.
+"""``pdlife bench``: run the benchmarks of the source tree pdlife is installed from.
+
+The benchmarks (``bench/``) are not part of the installed package: ``pdlife bench`` runs
+``python -m bench.NAME`` in the tree that holds the ``scheduler`` package it was imported from,
+which is a checkout only for an editable install (``make setup``, ``pip install -e .``), and that
+checkout whatever the current directory. Without a ``bench/`` there it refuses (exit 2).
 
 Before it runs anything it shows the plan: which benchmarks, what each measures and about how
 long each takes on a 2-core machine; then a progress bar over the estimated total while each
@@ -36,7 +41,7 @@ class Benchmark:
 #: About how long each takes on an idle 2-core machine, in the order `pdlife bench` runs them
 #: with no names given (the quick ones first).
 _SECONDS = {"lifecycle": 50, "scale": 35, "delayer": 30, "tracing": 25, "grammar": 15,
-            "e2e": 65, "transfer": 300, "soak": 30, "overload": 70, "prefix": 780, "model": 240}
+            "e2e": 65, "transfer": 300, "soak": 30, "overload": 70, "prefix": 200, "model": 240}
 
 
 def _measures(name: str) -> str:
@@ -74,10 +79,15 @@ def plan(names: list[str]) -> list[Benchmark]:
 
 def _run(args: argparse.Namespace) -> int:
     if not BENCH_DIR.is_dir():
-        raise UsageError(f"no bench/ folder at {BENCH_DIR}: run from a source checkout")
+        raise UsageError(
+            f"no bench/ folder at {BENCH_DIR}: pdlife bench runs the benchmarks of the source "
+            f"tree pdlife is installed from, and this pdlife is not installed from a checkout; "
+            f"install it editable from one (make setup, or pip install -e .), or run python -m "
+            f"bench.NAME in the checkout")
     chosen = plan(args.names)
     total = sum(b.seconds for b in chosen)
-    print(f"pdlife bench: {len(chosen)} benchmark(s), about {_duration(total)} on 2 idle cores")
+    print(f"pdlife bench: {len(chosen)} benchmark(s) of {ROOT}, about {_duration(total)} on 2 "
+          f"idle cores")
     for b in chosen:
         print(f"  {b.name:<10} ~{_duration(b.seconds):>8}  {b.measures}")
     if args.list:
@@ -153,7 +163,10 @@ BENCH = Subcommand(
     description=(
         "Run the benchmarks in bench/ (each measures pdlife and its baseline in one run and "
         "ends with a RESULT line of ratios). Shows the plan with estimated times first, then "
-        "a progress bar. Machines are noisy: compare ratios, not times."
+        "a progress bar. Machines are noisy: compare ratios, not times. The benchmarks are "
+        "those of the source tree pdlife is installed from (an editable install, as make setup "
+        f"makes; here {ROOT}), whatever the current directory; bench/ is not in the installed "
+        "package, so without one there pdlife bench refuses (exit 2)."
     ),
     add_arguments=_arguments,
     run=_run,
