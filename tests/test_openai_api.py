@@ -401,6 +401,13 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/chat/completions", {"messages": []}, "invalid_request", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
      "invalid_request", "messages.0.role"),
+    # Only an assistant's content may be null (a message that only calls tools).
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "invalid_request",
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+        {"role": "tool", "content": None, "tool_call_id": "c1"}]}, "invalid_request",
+     "messages.2.content"),
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]},
@@ -810,6 +817,26 @@ def test_a_chat_with_a_system_message_equals_pdlife_generate(
     assert r.usage is not None and r.usage.prompt_tokens == want["prompt_tokens"]
 
 
+def test_chat_without_max_tokens_may_fill_the_pool(smollm2: Any, chat_config: ServeConfig
+                                                  ) -> None:
+    """Chat's default answer is what the KV pool (64 tokens here) leaves after the prompt,
+    counting that the answer's last token takes none: ``max_model_len`` + 1 in all."""
+    small = attrs.evolve(chat_config, pool_pages=4)
+
+    async def main() -> None:
+        with running_service(small) as service:
+            async with openai_client(service) as client:
+                (card,) = (await client.models.list()).data
+                assert card.model_extra is not None and card.model_extra["max_model_len"] == 64
+                r = await client.chat.completions.create(
+                    model="smollm2", messages=QUESTION, temperature=0,
+                    extra_body={"ignore_eos": True})
+                assert r.usage is not None and r.choices[0].finish_reason == "length"
+                assert r.usage.prompt_tokens + r.usage.completion_tokens == 64 + 1, r.usage
+
+    run(main())
+
+
 def test_chat_sampling_with_a_seed_reproduces(
         smollm2: Any, chat_config: ServeConfig) -> None:
     async def main() -> None:
@@ -1010,7 +1037,8 @@ def test_created_is_when_the_request_arrived(monkeypatch: pytest.MonkeyPatch) ->
 def test_max_model_len_is_what_this_server_takes(role: str) -> None:
     """``/v1/models`` advertises the longest request (prompt and answer) this worker takes: its
     KV pool's 256 tokens here, not the model's context of 8,192 positions, so a client sizing
-    its requests from it is not refused."""
+    its requests from it is not refused; as with the context, the answer's last token needs no
+    KV, so prompt + ``max_tokens`` may reach ``max_model_len`` + 1."""
     extra: dict[str, Any] = {} if role == "both" else {"bootstrap_port": free_port()}
     backend = "local" if role == "both" else "fake"
 
@@ -1021,7 +1049,7 @@ def test_max_model_len_is_what_this_server_takes(role: str) -> None:
                 assert card["max_model_len"] == 64 * SCHED.page_size < MODEL.max_position
                 if role != "both":
                     return
-                for answer, status in ((26, 200), (27, 400)):  # 230 + 26 = 256 tokens
+                for answer, status in ((27, 200), (28, 400)):  # 230 + 27 - 1 = 256 tokens
                     r = await post(client, "/v1/completions", prompt=[7] * 230,
                                    max_tokens=answer, temperature=0, ignore_eos=True)
                     assert r.status_code == status, r.text

@@ -177,10 +177,11 @@ BAD_INPUTS = [
     ("bad_prompt", json.dumps({"text": "a", "input_ids": [1]}).encode(), "exactly one"),
     ("bad_token_id", json.dumps({"input_ids": [1, 9999]}).encode(), "token ids"),
     ("prompt_too_long", json.dumps({"input_ids": [7] * 300}).encode(),
-     "the prompt (300 tokens) and max_new_tokens (16) need 316 tokens of KV, more than "
-     "the KV pool's 256"),
+     "the prompt (300 tokens) and max_new_tokens (16), less the last token, need 315 tokens "
+     "of KV, more than the KV pool's 256"),
     ("prompt_too_long", json.dumps({"input_ids": [7] * 240, "sampling_params": {
-        "max_new_tokens": 20}}).encode(), "max_new_tokens (20) need 260 tokens of KV"),
+        "max_new_tokens": 20}}).encode(), "max_new_tokens (20), less the last token, need 259 "
+     "tokens of KV"),
     ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -3}}
                                    ).encode(), "max_new_tokens"),
     ("invalid_request", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -1}}

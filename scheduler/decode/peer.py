@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
-from kv.pages import pages_needed
 from kv.state_pools import StatePools
 from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError
 from lifecycle import (
@@ -218,9 +217,7 @@ class DecodePeer:
             self._fail(req, FailureReason.REJECTED,
                        "the prompt is empty; it needs at least one token")
             return
-        if pages_needed(n + req.sampling.max_new_tokens, self.pool.page_size) > (
-            self._pages.admissible()
-        ):
+        if self._pages.final_pages(req) > self._pages.admissible():
             self._fail(req, FailureReason.REJECTED,
                        f"prompt of {n} tokens plus {req.sampling.max_new_tokens} new tokens "
                        f"cannot fit the decode KV pool")

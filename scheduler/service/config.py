@@ -358,11 +358,13 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
             f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
             f"exceeds the model's context of {c.max_position} positions",
             prompt_tokens=n, new_tokens=max_new_tokens, limit=c.max_position)
+    # A prefill's pool holds the prompt; the others' the answer too, but for its last token.
     new_tokens = max_new_tokens if c.role != "prefill" else 0
+    kv_tokens = max(n + new_tokens - 1, n)
     pool_tokens = c.pool_pages * c.scheduler.page_size
-    if pages_needed(n + new_tokens, c.scheduler.page_size) > c.pool_pages:
-        need = (f"the prompt ({n} tokens) and max_new_tokens ({new_tokens}) need "
-                f"{n + new_tokens}" if new_tokens else f"the prompt needs {n}")
+    if pages_needed(kv_tokens, c.scheduler.page_size) > c.pool_pages:
+        need = (f"the prompt ({n} tokens) and max_new_tokens ({new_tokens}), less the last "
+                f"token, need {kv_tokens}" if new_tokens else f"the prompt needs {n}")
         raise ContextTooLong(
             f"request {rid!r}: {need} tokens of KV, more than the KV pool's {pool_tokens}",
             prompt_tokens=n, new_tokens=new_tokens, limit=pool_tokens, pool=True)

@@ -165,8 +165,18 @@ def _text(content: str | list[TextPart | OtherPart] | None, at: str) -> str:
     return "\n".join(texts)
 
 
+#: The roles whose messages must have content (an assistant's may be null, as a message that
+#: only calls tools is; a ``function`` message is OpenAI's deprecated form).
+_CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
 def _chat_prompt(service: Service, body: ChatCompletionRequest,
                  tools: Sequence[dict[str, Any]]) -> list[int]:
+    for i, m in enumerate(body.messages):
+        if m.content is None and m.role in _CONTENT_REQUIRED:
+            raise FieldError("invalid_request", f"messages.{i}.content: a {m.role} message "
+                             "needs content (a string or a list of text parts)",
+                             f"messages.{i}.content")
     messages = [openai_tools.template_message(m.role, _text(m.content, f"messages.{i}"),
                                               m.name, m.tool_calls, m.tool_call_id)
                 for i, m in enumerate(body.messages)]
@@ -186,9 +196,10 @@ def _room_left(service: Service, prompt_tokens: int) -> int:
     the KV pool leave after the prompt; at least 1 (a prompt that leaves nothing is refused
     by the check)."""
     c = service.config
+    # The answer's last token takes no position and no KV.
     room = [c.new_tokens_limit, c.max_position - prompt_tokens + 1]
     if c.role != "prefill":
-        room.append(c.pool_pages * c.scheduler.page_size - prompt_tokens)
+        room.append(c.pool_pages * c.scheduler.page_size - prompt_tokens + 1)
     return max(1, min(room))
 
 
