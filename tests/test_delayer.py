@@ -143,10 +143,11 @@ def test_queue_trigger_is_off_without_a_ratio_or_running_batch() -> None:
 
 
 def test_max_running_requests_is_split_across_dp_without_dp_attention() -> None:
-    rows = [[1, 0, 1, 3, 0]]
-    out, _ = run(rows, max_running_requests=10, dp_size=4, enable_dp_attention=True)
+    row = [1, 0, 1, 3, 0]
+    out, _ = run([row] * 4, max_running_requests=10, dp_size=4, enable_dp_attention=True)
     assert out.reason == "no_wait"  # 10 - 1 >= 3
-    out, _ = run(rows, max_running_requests=10, dp_size=4, enable_dp_attention=False)
+    # Without DP attention the table has one replica entry: one row, whatever dp_size.
+    out, _ = run([row], max_running_requests=10, dp_size=4, enable_dp_attention=False)
     assert out.reason == "delay"  # ceil(10 / 4) - 1 = 2 < 3
 
 
@@ -187,10 +188,40 @@ def test_decide_rejects_rows_of_the_wrong_width(rows: list[list[int]]) -> None:
 def test_decide_given_the_gathered_table_says_it_wants_a_row_per_replica() -> None:
     """A [dp][tp] table of rows where each replica's TP-rank-0 row goes said "got [1, 1]"."""
     table = [[[1, 0, 0, 0, 0]], [[1, 0, 0, 0, 0]]]
-    with pytest.raises(GatherShapeError, match=r"one per DP replica \(its TP rank 0's: "
-                                               r"table\[dp\]\[0\], not the gathered table\), "
-                                               r"got rows of lengths \[1, 1\]"):
-        run(table)  # type: ignore[arg-type]
+    with pytest.raises(GatherShapeError, match=r"one per DP replica \(dp_size=2; its TP rank "
+                                               r"0's: table\[dp\]\[0\], not the gathered "
+                                               r"table\), got rows of lengths \[1, 1\]"):
+        run(table, dp_size=2)  # type: ignore[arg-type]
+
+
+def test_decide_refuses_fewer_rows_than_replicas_as_decide_table_does() -> None:
+    """One row with dp_size=2 and DP attention was decided as if there were one replica."""
+    config = DelayerConfig()
+    with pytest.raises(GatherShapeError, match=r"decide needs 2 rows of width 5 .* one per DP "
+                                               r"replica \(dp_size=2;.*got rows of lengths \[5\]"):
+        run([[1, 0, 0, 0, 0]], dp_size=2, enable_dp_attention=True)
+    delayer = PrefillDelayer(config, StaticGather(), dp_size=2, attn_tp_size=1,
+                             enable_dp_attention=True, clock=FakeClock())
+    with pytest.raises(GatherShapeError, match=r"expected a \[2\]\[1\] table"):
+        delayer.decide_table([[[1, 0, 0, 0, 0]]], 10, now=NOW)
+    with pytest.raises(GatherShapeError, match=r"decide needs 3 rows"):
+        run([[1, 0, 0, 0, 0]] * 2, dp_size=3)
+    with pytest.raises(GatherShapeError, match=r"decide needs dp_size >= 1, got 0"):
+        run([[1, 0, 0, 0, 0]], dp_size=0)
+
+
+def test_decide_without_dp_attention_takes_the_single_replica_row() -> None:
+    """SGLang gathers a [1][attn_tp] table without DP attention, whatever dp_size."""
+    rows = [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+    with pytest.raises(GatherShapeError, match=r"decide needs 1 row of width 5 .*without DP "
+                                               r"attention the table has one entry whatever "
+                                               r"dp_size \(2\), got rows of lengths \[5, 5\]"):
+        run(rows, dp_size=2, enable_dp_attention=False)
+    delayer = PrefillDelayer(DelayerConfig(), StaticGather(), dp_size=2, attn_tp_size=1,
+                             enable_dp_attention=False, clock=FakeClock())
+    assert delayer.negotiate(True, 0.5, max_running_requests=10).reason == "no_wait"
+    with pytest.raises(GatherShapeError, match=r"expected a \[1\]\[1\] table"):
+        delayer.decide_table([[[1, 0, 0, 0, 0]], [[1, 0, 0, 0, 0]]], 10, now=NOW)
 
 
 # --- config --------------------------------------------------------------------------------
@@ -235,6 +266,14 @@ def test_config_refuses_wrong_types(field: str, value: object, message: str) -> 
 
 
 # --- the stateful delayer ------------------------------------------------------------------
+
+
+def test_delayer_refuses_a_config_that_is_not_a_delayer_config() -> None:
+    """A dict was taken, and the first negotiate() failed with an AttributeError."""
+    with pytest.raises(TypeError, match=r"^config must be a DelayerConfig, got dict "
+                                        r"\{'max_delay_passes': 3\}"):
+        PrefillDelayer({"max_delay_passes": 3}, StaticGather(),  # type: ignore[arg-type]
+                       dp_size=1, attn_tp_size=1, enable_dp_attention=True)
 
 
 def make_delayer(
@@ -381,6 +420,26 @@ def test_allowed_pass_without_prefill_is_counted_not_observed() -> None:
     assert sample(registry, "pdlife_prefill_delayer_wait_seconds_count") == 0
     assert sample(registry, "pdlife_prefill_delayer_outcomes_total", input_estimation="none",
                   output_allow="true", output_reason="", actual_execution="false") == 1
+
+
+@pytest.mark.parametrize("passes", [0, -1])
+def test_metrics_refuse_max_delay_passes_below_one(passes: int) -> None:
+    with pytest.raises(DelayerConfigError, match=rf"max_delay_passes must be an integer >= 1 "
+                                                 rf".*got {passes}$"):
+        DelayerMetrics(CollectorRegistry(), passes)
+    with pytest.raises(TypeError, match="max_delay_passes must be an integer, got True"):
+        DelayerMetrics(CollectorRegistry(), True)
+
+
+def test_wait_histograms_say_what_a_sample_is() -> None:
+    """Their help said "a prefill waited", yet a pass that only continued a chunk adds a 0."""
+    registry = CollectorRegistry()
+    DelayerMetrics(registry, 30)
+    helps = {m.name: m.documentation for m in registry.collect()}
+    for name in ("pdlife_prefill_delayer_wait_forward_passes",
+                 "pdlife_prefill_delayer_wait_seconds"):
+        assert "ended by a pass that allowed prefill and ran a batch" in helps[name]
+        assert "only continued a chunked prefill" in helps[name]
 
 
 def test_forward_passes_buckets_follow_max_delay_passes() -> None:

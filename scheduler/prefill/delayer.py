@@ -73,7 +73,13 @@ class DelayerMetrics:
     """The delayer's Prometheus metrics, registered on ``registry``.
 
     Buckets default to SGLang's: forward passes ``{0, 5, 20, 50, 100, 200} < max_delay_passes``
-    plus ``max_delay_passes - 1``; seconds ``0, 1, 2, 5, ..., 500``.
+    plus ``max_delay_passes - 1``; seconds ``0, 1, 2, 5, ..., 500``. ``max_delay_passes`` is
+    the delayer's (an integer >= 1, as in ``DelayerConfig``).
+
+    The wait histograms observe one value per pass that allowed prefill and ran a batch: the
+    delay that pass ended, 0 when there was none (as on a pass that only continued a chunked
+    prefill while no replica offered a new request), so their ``_count`` is not a count of
+    prefills.
     """
 
     def __init__(
@@ -81,15 +87,24 @@ class DelayerMetrics:
         forward_passes_buckets: Sequence[float] | None = None,
         wait_seconds_buckets: Sequence[float] | None = None,
     ) -> None:
+        if not isinstance(max_delay_passes, int) or isinstance(max_delay_passes, bool):
+            raise TypeError(f"max_delay_passes must be an integer, got {max_delay_passes!r}")
+        if max_delay_passes < 1:
+            raise DelayerConfigError(
+                f"max_delay_passes must be an integer >= 1 (the delayer's, as in "
+                f"DelayerConfig), got {max_delay_passes}"
+            )
         self.wait_forward_passes = Histogram(
             "pdlife_prefill_delayer_wait_forward_passes",
-            "Passes a prefill waited in the PrefillDelayer before it ran.",
+            "Passes of delay ended by a pass that allowed prefill and ran a batch (0 when none "
+            "was held back, as on a pass that only continued a chunked prefill).",
             buckets=list(forward_passes_buckets or _forward_passes_buckets(max_delay_passes)),
             registry=registry,
         )
         self.wait_seconds = Histogram(
             "pdlife_prefill_delayer_wait_seconds",
-            "Seconds a prefill waited in the PrefillDelayer before it ran.",
+            "Seconds of delay ended by a pass that allowed prefill and ran a batch (0 when "
+            "none was held back, as on a pass that only continued a chunked prefill).",
             buckets=list(wait_seconds_buckets or WAIT_SECONDS_BUCKETS),
             registry=registry,
         )
@@ -116,9 +131,12 @@ class DelayerMetrics:
 class PrefillDelayer:
     """The stateful delayer of one rank: keeps the state between passes and runs the gather.
 
-    ``dp_size`` is the number of DP replicas; the gathered table has ``dp_size`` entries with
-    DP attention and one otherwise, each of ``attn_tp_size`` rows. ``outcomes`` counts recorded
-    passes by reason, with ``"none"`` for the empty reason (no replica had anything to prefill).
+    ``dp_size`` is the number of DP replicas. With DP attention the gathered table has
+    ``dp_size`` entries, one per replica; without it the table has a single entry (this
+    replica's ranks: give its gather ``dp_size=1``) and ``dp_size`` only divides
+    ``max_running_requests`` into each replica's share. Each entry holds ``attn_tp_size`` rows.
+    ``outcomes`` counts recorded passes by reason, with ``"none"`` for the empty reason (no
+    replica had anything to prefill).
     """
 
     def __init__(
@@ -126,6 +144,11 @@ class PrefillDelayer:
         enable_dp_attention: bool, clock: Callable[[], float] = time.perf_counter,
         metrics: DelayerMetrics | None = None,
     ) -> None:
+        if not isinstance(config, DelayerConfig):
+            raise TypeError(
+                f"config must be a DelayerConfig, got {type(config).__name__} {config!r}: "
+                f"build one, e.g. DelayerConfig(max_delay_passes=30)"
+            )
         if dp_size < 1 or attn_tp_size < 1:
             raise DelayerConfigError(
                 f"dp_size and attn_tp_size must be >= 1, got {dp_size} and {attn_tp_size}"
@@ -148,7 +171,9 @@ class PrefillDelayer:
         self, local_prefillable: bool, token_usage: float, running_batch: int = 0,
         max_prefill_bs: int = 0, waiting_queue_len: int = 0, *, now: float,
     ) -> list[int]:
-        """This rank's contribution to the gather (first half of ``negotiate``)."""
+        """This rank's row for the gather (first half of ``negotiate``), built at ``now`` on
+        this rank's clock (bounded mode reads its elapsed wait from it). The slot condition's
+        ``max_running_requests`` is not in the row: ``decide_table`` takes it."""
         watermark = self.config.token_usage_low_watermark
         force_allow = local_prefillable and watermark is not None and token_usage < watermark
         row = [int(local_prefillable), int(force_allow), running_batch, max_prefill_bs,
@@ -161,7 +186,9 @@ class PrefillDelayer:
     def decide_table(
         self, table: Table, max_running_requests: int, *, now: float,
     ) -> NegotiateOutput:
-        """Decide from a gathered table and advance the state (second half of ``negotiate``)."""
+        """Decide from a gathered ``table[dp][tp]`` at ``now`` (this rank's clock) and advance
+        the state (second half of ``negotiate``). ``GatherShapeError`` unless the table has
+        ``dp_size`` entries with DP attention (one without) of ``attn_tp_size`` rows each."""
         if len(table) != self._table_dp or any(len(r) != self.attn_tp_size for r in table):
             raise GatherShapeError(
                 f"expected a [{self._table_dp}][{self.attn_tp_size}] table, got "
@@ -180,7 +207,11 @@ class PrefillDelayer:
         self, local_prefillable: bool, token_usage: float, running_batch: int = 0,
         max_prefill_bs: int = 0, max_running_requests: int = 0, waiting_queue_len: int = 0,
     ) -> NegotiateOutput:
-        """Run one collective negotiation. Every rank must call this once per pass."""
+        """Run one collective negotiation. Every rank must call this once per pass.
+
+        A caller that passes ``running_batch`` or ``max_prefill_bs`` must pass its
+        ``max_running_requests`` too: the default 0 (SGLang's) makes the slot condition
+        ``0 - running_batch < max_prefill_bs`` hold whenever either is positive."""
         row = self.local_row(local_prefillable, token_usage, running_batch, max_prefill_bs,
                              waiting_queue_len, now=self._clock())
         table = self._gather.gather(row)

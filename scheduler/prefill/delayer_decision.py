@@ -197,18 +197,29 @@ def decide(
     enable_dp_attention: bool,
     max_running_requests: int,
 ) -> tuple[NegotiateOutput, bool]:
-    """Decide one pass from the attention-TP-rank-0 row of every DP replica.
+    """Decide one pass from the attention-TP-rank-0 rows of the gathered table.
 
+    ``table_rows_of_tp0`` is ``[table[dp][0] for dp in range(len(table))]``: with DP attention
+    one row per DP replica (``dp_size`` rows); without it the table has a single replica entry,
+    so one row, and ``dp_size`` only divides ``max_running_requests`` (each replica's share).
     Returns the output and the new value of the skip-first flag. Pure: the same arguments give
-    the same result on every rank.
+    the same result on every rank. Rows of another count or width raise ``GatherShapeError``.
     """
     rows = table_rows_of_tp0
     width = ROW_WIDTH[config.mode]
-    if not rows or any(len(r) != width for r in rows):
+    if dp_size < 1:
+        raise GatherShapeError(f"decide needs dp_size >= 1, got {dp_size}")
+    count = dp_size if enable_dp_attention else 1
+    if len(rows) != count or any(len(r) != width for r in rows):
+        which = (
+            f"one per DP replica (dp_size={dp_size}; its TP rank 0's: table[dp][0], not the "
+            f"gathered table)" if enable_dp_attention else
+            f"the single replica entry's TP rank 0's (table[0][0], not the gathered table): "
+            f"without DP attention the table has one entry whatever dp_size ({dp_size})"
+        )
         raise GatherShapeError(
-            f"decide needs >= 1 row of width {width} (mode {config.mode!r}), one per DP "
-            f"replica (its TP rank 0's: table[dp][0], not the gathered table), got rows of "
-            f"lengths {[len(r) for r in rows]}"
+            f"decide needs {count} row{'s' if count > 1 else ''} of width {width} "
+            f"(mode {config.mode!r}), {which}, got rows of lengths {[len(r) for r in rows]}"
         )
     reading = _Reading.of(rows, prev_state, now, config)
     if reading.estimation == "none":
