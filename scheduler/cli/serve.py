@@ -184,12 +184,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, text in _PARALLEL.items():
         _defaulted(par, flag, 1, text, type=positive_int)
     par.add_argument("--enable-prefill-delayer", action="store_true",
-                     help="SGLang's PrefillDelayer negotiated across the DP replicas each pass "
-                          "(docs/delayer.md)")
+                     help="prefill only, with --dp-size > 1: SGLang's PrefillDelayer, "
+                          "negotiated across the DP replicas each pass, which keeps them in "
+                          "lockstep (docs/delayer.md)")
     # None: not given (it goes with --enable-prefill-delayer); 30 then.
     par.add_argument("--prefill-delayer-max-delay-passes", type=positive_int, default=None,
-                     help="with --enable-prefill-delayer: passes the delayer may hold prefill "
-                     "back (default: 30)")
+                     help="with --enable-prefill-delayer: while only some replicas have a "
+                     "prefill to run, it is held back at most this value minus 1 passes in a "
+                     "row, so 1 never holds it (default: 30, 29 passes)")
     times = _number_group(parser, "timeouts and limits")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
