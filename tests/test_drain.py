@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import signal
 import socket
 import tempfile
@@ -19,7 +20,7 @@ import pytest
 
 from scheduler.cli.command import UsageError
 from scheduler.cli.main import build_parser, main
-from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size, serve_config
+from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size, memory_total, serve_config
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.service.config import ServeConfig
@@ -148,24 +149,25 @@ def test_the_servers_own_abort_counts_as_shutdown_not_as_the_clients() -> None:
     async def main() -> str:
         with running_service(config) as service:
             async with asgi_client(service) as client:
-                def waiting(rid: str) -> asyncio.Future[httpx.Response]:
+                def waiting(rid: str, room: int) -> asyncio.Future[httpx.Response]:
                     return asyncio.ensure_future(client.post("/generate", json={
                         "rid": rid, "input_ids": [3, 1, 4], "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": config.bootstrap_port, "bootstrap_room": 7}))
+                        "bootstrap_port": config.bootstrap_port, "bootstrap_room": room}))
 
-                async def admitted() -> None:
+                async def live(n: int) -> None:
                     for _ in range(3000):  # no decode peer comes: it waits (30 s at most)
-                        if service.live_requests() == 1:
+                        if service.live_requests() == n:
                             return
                         await asyncio.sleep(0.01)
-                    raise TimeoutError("the request was not admitted")
+                    raise TimeoutError(f"not {n} live requests")
 
-                by_client = waiting("by-client")
-                await admitted()
+                by_client = waiting("by-client", 7)
+                await live(1)
                 assert service.abort("by-client")
                 assert (await asyncio.wait_for(by_client, 30)).status_code == 200
-                by_server = waiting("by-server")
-                await admitted()
+                await live(0)  # the engine thread lets it go after its answer
+                by_server = waiting("by-server", 8)
+                await live(1)
                 assert service.abort_all(why) == 1
                 r = await asyncio.wait_for(by_server, 30)
                 assert (r.status_code, r.json()["error"]["message"]) == (503, why), r.text
@@ -277,7 +279,8 @@ def test_the_bootstrap_port_must_not_be_the_http_port(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.parametrize(("text", "size"), [("65536", 65536), ("64KiB", 65536),
-                                            ("8MiB", 8 << 20), ("1 GB", 10**9), ("2b", 2)])
+                                            ("8MiB", 8 << 20), ("1 GB", 10**9), ("2b", 2),
+                                            ("1TiB", 1 << 40), ("3tb", 3 * 10**12)])
 def test_sizes_take_units(text: str, size: int) -> None:
     assert byte_size(text) == size
 
@@ -285,3 +288,30 @@ def test_sizes_take_units(text: str, size: int) -> None:
 def test_a_size_without_a_number_is_refused() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="not a size: '8 megs'"):
         byte_size("8 megs")
+
+
+def test_the_pool_is_sized_one_way_and_within_the_machines_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pool-pages`` and ``--kv-cache-memory`` are one choice (one was silently dropped);
+    a pool larger than the machine is refused before it is allocated, not with torch's
+    traceback."""
+    with pytest.raises(SystemExit) as both:
+        build_parser("serve").parse_args(["serve", "--pool-pages", "64",
+                                          "--kv-cache-memory", "1MiB"])
+    assert both.value.code == 2
+    assert "--kv-cache-memory: not allowed with argument --pool-pages" in capsys.readouterr().err
+    total = memory_total()
+    assert total is not None and total > 0  # Linux: /proc/meminfo
+    pages = total // (16 * 512) + 1  # the reference model's 512 bytes a token, 16 a page
+    for backend, pools in (("fake", ""), ("local", " each, 2 of them (prefill and decode)")):
+        args = build_parser("serve").parse_args([
+            "serve", "--role", "prefill", "--backend", backend, "--pool-pages", str(pages)])
+        if backend == "local":
+            args = build_parser("serve").parse_args([
+                "serve", "--backend", backend, "--pool-pages", str(pages // 2 + 1)])
+        with pytest.raises(UsageError, match=rf"^the KV pool takes [0-9.]+ GiB{re.escape(pools)}, "
+                                             r"more than this machine's [0-9.]+ GiB of memory"):
+            serve_config(args)
+    fits = build_parser("serve").parse_args(["serve", "--backend", "local", "--pool-pages",
+                                             str(pages // 4)])
+    assert serve_config(fits).pool_pages == pages // 4

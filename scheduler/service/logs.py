@@ -60,10 +60,13 @@ class JsonFormatter(logging.Formatter):
 
 def configure(settings: LogSettings, process: str | None = None) -> None:
     """Log to standard error as ``settings`` say; ``process`` names a rank process in each
-    line. Replaces the root logger's handlers (a rank process inherits none that matter).
-    Python's warnings go through logging too (logger ``py.warnings``), and with ``json`` so do
-    exceptions nothing caught, in any thread (logger ``pdlife.uncaught``, CRITICAL): no line of
-    the process's own reaches standard error as plain text."""
+    line. Python's warnings go through logging too (logger ``py.warnings``), and with ``json``
+    so do exceptions nothing caught, in any thread (logger ``pdlife.uncaught``, CRITICAL): no
+    line of the process's own reaches standard error as plain text. A process whose logging is
+    configured already (the root logger has handlers: an embedder's, a test runner's) keeps
+    it as it is."""
+    if logging.getLogger().handlers:
+        return
     handler = logging.StreamHandler()
     if settings.format == "json":
         handler.setFormatter(JsonFormatter(process))
@@ -73,7 +76,7 @@ def configure(settings: LogSettings, process: str | None = None) -> None:
         name = f"{process} " if process is not None else ""
         handler.setFormatter(logging.Formatter(
             f"%(asctime)s %(levelname)s {name}%(name)s: %(message)s"))
-    logging.basicConfig(level=settings.level.upper(), handlers=[handler], force=True)
+    logging.basicConfig(level=settings.level.upper(), handlers=[handler])
     logging.captureWarnings(True)
 
 
