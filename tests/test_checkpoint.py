@@ -83,6 +83,23 @@ def test_a_hugging_face_directory_computes_as_transformers(tmp_path):
     torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_released_checkpoint_keeps_its_configuration_and_the_model_its_answers(
+        tmp_path, dtype):
+    """The model holds weights of its own: after ``release_checkpoint`` it computes the same
+    logits from none of the checkpoint's tensors; building a shard from them is refused."""
+    _with_a_tokenizer(tmp_path)
+    served = load_model(str(tmp_path), dtype=dtype)
+    config = served.model.checkpoint.config
+    before = our_logits(served.model, IDS)
+    served.release_checkpoint()
+    assert served.model.checkpoint.tensors == {} and served.model.checkpoint.config is config
+    assert torch.equal(our_logits(served.model, IDS), before)
+    with pytest.raises(RuntimeError, match="tensors were released"):
+        served.shard(mesh=None, device="cpu")
+    served.release_checkpoint()  # again: nothing to do
+
+
 def test_tied_heads_and_linear_rope_scaling_load_from_a_directory(tmp_path):
     hf = tiny_hf_model(tie_word_embeddings=True, rope_parameters={
         "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
@@ -233,11 +250,16 @@ def test_fingerprints_tell_checkpoints_apart(tmp_path):
     assert a.fingerprint != load_checkpoint(tmp_path / "b").fingerprint
 
 
-def test_model_selection_names_the_reference_and_paths(tmp_path):
-    tiny_hf_model().save_pretrained(tmp_path)
+def _with_a_tokenizer(where: Path) -> None:
+    """A tiny model's directory with a word-level tokenizer.json (``t0``, ``t1``, ...)."""
+    tiny_hf_model().save_pretrained(where)
     words = from_gguf_fields({"tokenizer.ggml.model": "gpt2",
                               "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)]})
-    words.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    words.tokenizer.save(str(where / "tokenizer.json"))
+
+
+def test_model_selection_names_the_reference_and_paths(tmp_path):
+    _with_a_tokenizer(tmp_path)
     served = load_model(str(tmp_path), dtype="bfloat16")
     assert not served.is_reference and served.max_position == 256
     assert served.generate([3, 5], 2, ignore_eos=True)[0] in range(VOCAB)

@@ -138,3 +138,31 @@ def test_greedy_over_logits_is_forward_for_the_llama_runner(smollm2: Any) -> Non
     prefix = prompts[1][:5]
     alone = runner.logits(ForwardBatch((ForwardItem("p", tuple(prefix), 0, (8,)),)))
     assert torch.equal(alone[0], logits[1 + 4])
+
+
+@pytest.mark.parametrize(("top", "temperature"), [(0, 0.0), (3, 0.0), (2, 0.7)])
+def test_input_logprobs_of_a_long_chunk_are_its_rows_log_softmax(top: int,
+                                                                 temperature: float) -> None:
+    """A chunk of 600 scored positions (taken a block of rows at a time) gives, for every
+    position, the prompt token's and the top alternatives' log-softmax of the whole row, and
+    the asked ids'."""
+    from scheduler.sample.logprobs import chunk_input_logprobs
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(600, 40, generator=gen) * 4
+    prompt = torch.randint(0, 40, (601,), generator=gen).tolist()
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, return_logprob=True,
+                            logprob_start_len=0, top_logprobs_num=top,
+                            token_ids_logprob=(7, 3))
+    got = chunk_input_logprobs(logits, params, prompt, 0)
+    want = torch.log_softmax(logits / (temperature or 1.0), -1)
+    assert [e.token for e in got] == prompt[1:]
+    assert [e.logprob for e in got] == pytest.approx(
+        [want[p, prompt[p + 1]].item() for p in range(600)], abs=1e-5)
+    for p, entry in enumerate(got):
+        values, ids = want[p].topk(top) if top else (torch.empty(0), torch.empty(0))
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-5)
+        assert [t for t, _ in entry.asked] == [7, 3]
+        assert [v for _, v in entry.asked] == pytest.approx(
+            [want[p, 7].item(), want[p, 3].item()], abs=1e-5)

@@ -54,9 +54,9 @@ EXIT_ENGINE_FAILED = 1
 #: Exit status of bad input: a flag refused, or the HTTP port not listened on.
 EXIT_USAGE = 2
 
-_SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
-          "mib": 1 << 20, "gib": 1 << 30}
+_SIZE = re.compile(r"\s*(\d+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10,
+          "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
 def byte_size(text: str) -> int:
@@ -64,16 +64,19 @@ def byte_size(text: str) -> int:
     match = _SIZE.fullmatch(text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB)")
+            f"not a size: {text!r} (bytes, or a number with B, KB, MB, GB, TB, KiB, MiB, GiB "
+            "or TiB)")
     return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
+
+#: ``--pool-pages`` when neither it nor ``--kv-cache-memory`` is given.
+_POOL_PAGES = 2048
 
 #: The flags that take a plain number, by group: flag -> (default, what it sets). The default's
 #: type is the flag's.
 _NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
     "scheduling and memory": {
         "--page-size": (16, "tokens per KV page"),
-        "--pool-pages": (2048, "KV pool pages per role"),
         "--metadata-slots": (64, "metadata rows, i.e. requests between bootstrap and transfer"),
         "--chunked-prefill-size": (8192, "tokens per prefill chunk, 0 to disable chunking"),
         "--max-prefill-tokens": (16384, "tokens per prefill batch"),
@@ -166,10 +169,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                "the KV pool's order: page_major (one transfer block per run of pages) or "
                "layer_major (SGLang's, for an SGLang peer); prefill and decode must agree",
                choices=KV_LAYOUTS)
-    sched.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
-                       help="size the KV pool by memory instead (e.g. 2GiB), per role: as many "
-                       "pages as fit, from the model's layers, KV heads, head dim and dtype (a "
-                       "colocated worker's two pools take twice SIZE)")
+    pool = sched.add_mutually_exclusive_group()  # one way to size the pool
+    _defaulted(pool, "--pool-pages", _POOL_PAGES, "KV pool pages per role", type=int)
+    pool.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
+                      help="size the KV pool by memory instead of --pool-pages (e.g. 2GiB), "
+                      "per role: as many pages as fit, from the model's layers, KV heads, head "
+                      "dim and dtype (a colocated worker's two pools take twice SIZE)")
     sched.add_argument("--max-new-tokens-limit", type=int, default=None,
                        help="largest max_new_tokens accepted (default: the model's max position)")
     sched.add_argument("--overlap", action="store_true",
@@ -258,9 +263,34 @@ def _as_given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any
     return {name: getattr(args, name) for name in names}
 
 
+def _check_pool_fits(pool_bytes: int, *, pools: int) -> None:
+    """Refuse KV pools larger than the machine's memory (they are allocated, zeroed, at start:
+    torch would fail with a traceback, or the kernel kill the process)."""
+    total = memory_total()
+    if total is not None and pool_bytes * pools > total:
+        each = f" each, {pools} of them (prefill and decode)" if pools > 1 else ""
+        raise UsageError(
+            f"the KV pool takes {pool_bytes / (1 << 30):.1f} GiB{each}, more than this "
+            f"machine's {total / (1 << 30):.1f} GiB of memory: lower --pool-pages or "
+            "--kv-cache-memory (docs/models.md, Memory sizing)")
+
+
+def memory_total() -> int | None:
+    """The machine's memory in bytes (``MemTotal`` of ``/proc/meminfo``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The :class:`~scheduler.service.core.ServeConfig` the flags describe."""
     from kv.mooncake_engine import MooncakeConfig
+    from scheduler.model.select import reference_kv_bytes_per_token
     from scheduler.prefill.config import SchedulerConfig
     from scheduler.prefill.delayer_decision import DelayerConfig
     from scheduler.service.core import ServeConfig
@@ -324,6 +354,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             pool_pages = sizing.pages_for(args.kv_cache_memory, args.page_size)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
+    per_token = (served.kv_bytes_per_token if served is not None
+                 else reference_kv_bytes_per_token(model_config(args)))
+    _check_pool_fits(pool_pages * args.page_size * per_token,
+                     pools=2 if args.backend == "local" else 1)
     model_name = args.model_name
     if served is not None and model_name == REFERENCE_NAME:
         model_name = args.model
@@ -458,6 +492,11 @@ def _serve(args: argparse.Namespace) -> int:
         if launched is not None:
             launched.close()
         raise
+    if config.served is not None:  # built (rank 0's shard too): nothing more is built from it
+        from scheduler.malloc_arena import give_back_freed
+
+        config.served.release_checkpoint()
+        give_back_freed()
     if launched is not None:
         launched.started()  # rank 0's engines are up: the other ranks build (and register)
         launched.watch(service.loop.fail)  # a rank that dies makes the server unhealthy

@@ -93,6 +93,10 @@ def first_entries(params: SamplingParams, prompt: Sequence[int]) -> list[TokenLo
     return []
 
 
+#: Prompt positions whose input logprobs are taken at once (:func:`chunk_input_logprobs`).
+_SCORED_ROWS_AT_ONCE = 256
+
+
 def chunk_input_logprobs(
     logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], start: int,
 ) -> list[TokenLogprob]:
@@ -102,12 +106,20 @@ def chunk_input_logprobs(
     hi = min(start + logits.shape[0], len(prompt) - 1)  # position len-1 scores the output
     if lo >= hi:
         return []
-    rows = scaled(logits[lo - start : hi - start].float(), params)
-    targets = torch.tensor(prompt[lo + 1 : hi + 1], dtype=torch.int64, device=rows.device)
-    norm = torch.logsumexp(rows, -1, keepdim=True)
-    chosen = (rows.gather(1, targets[:, None]) - norm)[:, 0].tolist()
-    k = params.top_logprobs_num
-    tops = top_tokens(rows - norm, k) if k else [() for _ in chosen]
-    asked = asked_of(rows - norm, params.token_ids_logprob)
-    return [TokenLogprob(int(t), lp, top, ask) for t, lp, top, ask in zip(
-        prompt[lo + 1 : hi + 1], chosen, tops, asked, strict=True)]
+    k, ids = params.top_logprobs_num, params.token_ids_logprob
+    out: list[TokenLogprob] = []
+    # A block of rows at a time: the log-softmax's temporaries are each as large as the logits
+    # they are taken of, so they stay a block's size (a chunk's would be 196 KB a position on
+    # SmolLM2's vocabulary, several of them at once).
+    for at in range(lo, hi, _SCORED_ROWS_AT_ONCE):
+        end = min(at + _SCORED_ROWS_AT_ONCE, hi)
+        rows = scaled(logits[at - start : end - start].float(), params)
+        targets = torch.tensor(prompt[at + 1 : end + 1], dtype=torch.int64, device=rows.device)
+        norm = torch.logsumexp(rows, -1, keepdim=True)
+        chosen = (rows.gather(1, targets[:, None]) - norm)[:, 0].tolist()
+        logprobs = rows - norm if k or ids else rows
+        tops = top_tokens(logprobs, k) if k else [() for _ in chosen]
+        asked = asked_of(logprobs, ids)
+        out += [TokenLogprob(int(t), lp, top, ask) for t, lp, top, ask in zip(
+            prompt[at + 1 : end + 1], chosen, tops, asked, strict=True)]
+    return out

@@ -76,6 +76,7 @@ from kv.routes import dp_rank_of
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
 from scheduler.dist import rendezvous
 from scheduler.dist.relay import MeshStopped
+from scheduler.malloc_arena import give_back_freed
 from scheduler.messages import AbortRequest, CacheFlushed, FlushCache, NewRequest, Response
 from scheduler.model.select import ServedModel, load_model, reference_model
 from scheduler.model.sharded import Mesh
@@ -366,6 +367,8 @@ def in_rank(config: ServeConfig, source: tuple[str, str] | None, mesh: Mesh) -> 
         return config
     name, dtype = source
     served = load_model(name, dtype=dtype, device=config.device, mesh=mesh)
+    served.release_checkpoint()  # built as this rank's part: nothing more is built from it
+    give_back_freed()
     return attrs.evolve(config, served=served)
 
 

@@ -198,8 +198,10 @@ async def flush_cache(service: ServiceDep) -> Response:
     pages = sum(o.pages for o in outcomes)
     busy = [(i, o.live) for i, o in enumerate(outcomes) if not o.flushed]
     if len(outcomes) == 1 and busy:
-        return PlainTextResponse(f"Cache not flushed: {busy[0][1]} requests are live; flush "
-                                 "it when the server is idle.\n", status_code=400)
+        live = busy[0][1]
+        are = "request is" if live == 1 else "requests are"
+        return PlainTextResponse(f"Cache not flushed: {live} {are} live; flush it when the "
+                                 "server is idle.\n", status_code=400)
     if busy:
         where = ", ".join(f"replica {i}: {live} live requests" for i, live in busy)
         return PlainTextResponse(
