@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scheduler.cli import serve
 from scheduler.cli.command import UsageError
 from scheduler.cli.main import build_parser, main
 from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size, memory_total, serve_config
@@ -310,8 +311,31 @@ def test_the_pool_is_sized_one_way_and_within_the_machines_memory(
             args = build_parser("serve").parse_args([
                 "serve", "--backend", backend, "--pool-pages", str(pages // 2 + 1)])
         with pytest.raises(UsageError, match=rf"^the KV pool takes [0-9.]+ GiB{re.escape(pools)}, "
-                                             r"more than this machine's [0-9.]+ GiB of memory"):
+                                             r"more than the [0-9.]+ GiB of memory this machine"):
             serve_config(args)
     fits = build_parser("serve").parse_args(["serve", "--backend", "local", "--pool-pages",
                                              str(pages // 4)])
     assert serve_config(fits).pool_pages == pages // 4
+
+
+def test_a_containers_memory_limit_bounds_the_pool(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a cgroup memory limit smaller than the machine (a Kubernetes pod's), the limit
+    is what a pool must fit; "max" is no limit."""
+    unlimited, limited = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    unlimited.write_text("max\n")
+    limited.write_text(f"{64 << 20}\n")  # 64 MiB
+    monkeypatch.setattr(serve, "_CGROUP_LIMITS", (str(unlimited),))
+    machine = memory_total()
+    assert machine is not None and machine > 64 << 20
+    monkeypatch.setattr(serve, "_CGROUP_LIMITS", (str(unlimited), str(limited)))
+    assert memory_total() == 64 << 20
+    # The reference model's 512 bytes a token: 8,193 pages of 16 are just over 64 MiB.
+    args = build_parser("serve").parse_args(["serve", "--role", "prefill", "--backend",
+                                             "fake", "--pool-pages", "8193"])
+    with pytest.raises(UsageError, match=r"more than the 0\.1 GiB of memory this machine \(or "
+                                         r"its container's memory limit\) allows"):
+        serve_config(args)
+    args = build_parser("serve").parse_args(["serve", "--role", "prefill", "--backend",
+                                             "fake", "--pool-pages", "8192"])
+    assert serve_config(args).pool_pages == 8192

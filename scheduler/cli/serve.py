@@ -264,27 +264,41 @@ def _as_given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any
 
 
 def _check_pool_fits(pool_bytes: int, *, pools: int) -> None:
-    """Refuse KV pools larger than the machine's memory (they are allocated, zeroed, at start:
-    torch would fail with a traceback, or the kernel kill the process)."""
+    """Refuse KV pools larger than the memory this process may use (they are allocated,
+    zeroed, at start: torch would fail with a traceback, or the kernel kill the process)."""
     total = memory_total()
     if total is not None and pool_bytes * pools > total:
         each = f" each, {pools} of them (prefill and decode)" if pools > 1 else ""
         raise UsageError(
-            f"the KV pool takes {pool_bytes / (1 << 30):.1f} GiB{each}, more than this "
-            f"machine's {total / (1 << 30):.1f} GiB of memory: lower --pool-pages or "
-            "--kv-cache-memory (docs/models.md, Memory sizing)")
+            f"the KV pool takes {pool_bytes / (1 << 30):.1f} GiB{each}, more than the "
+            f"{total / (1 << 30):.1f} GiB of memory this machine (or its container's memory "
+            "limit) allows: lower --pool-pages or --kv-cache-memory (docs/models.md, Memory "
+            "sizing)")
+
+
+#: Where Linux says how much memory there is: the machine's, and a container's limit (cgroup
+#: v2, then v1; "max" or a huge number where there is none).
+_MEMINFO = "/proc/meminfo"
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 def memory_total() -> int | None:
-    """The machine's memory in bytes (``MemTotal`` of ``/proc/meminfo``), None where unknown."""
+    """The memory this process may use, in bytes: the machine's (``MemTotal``) or its
+    container's limit, whichever is smaller; None where Linux does not say."""
+    found: list[int] = []
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
+        with open(_MEMINFO) as meminfo:
+            found += [int(line.split()[1]) * 1024 for line in meminfo
+                      if line.startswith("MemTotal:")]
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as limit:
+                found.append(int(limit.read().strip()))
+        except (OSError, ValueError):  # absent, or "max": no limit
+            continue
+    return min(found) if found else None
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
