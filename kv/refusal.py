@@ -123,7 +123,9 @@ class RefusalPoster:
     own so the caller (the engine loop, an HTTP handler) never waits on the network. A post that
     gets no answer is tried ``attempts`` times; a refusal that cannot be delivered (the prefill
     is unreachable, the queue is full) is logged and dropped: the prefill's own timeout is then
-    the fallback."""
+    the fallback. Once :meth:`close` is called what is queued is posted once each, and not at
+    all to a prefill that just did not answer: a worker shutting down does not wait out
+    ``attempts`` timeouts per refusal for a prefill that hangs."""
 
     def __init__(self, *, token: str | None = None, timeout_s: float = 5.0, attempts: int = 3,
                  capacity: int = 10_000) -> None:
@@ -152,7 +154,7 @@ class RefusalPoster:
                            room, bootstrap_addr, self._queue.maxsize)
 
     def close(self) -> None:
-        """Deliver what is queued, then stop."""
+        """Deliver what is queued (once each, see the class), then stop."""
         with self._lock:
             self._closed = True
             thread = self._thread
@@ -161,8 +163,14 @@ class RefusalPoster:
             thread.join(timeout=30)
 
     def _run(self) -> None:
+        silent: set[str] = set()  # the prefills that did not answer since closing began
         while (item := self._queue.get()) is not None:
             addr, room, reason = item
+            if addr in silent:
+                logger.warning("could not tell prefill %s that room %d was refused: it did "
+                               "not answer the last refusal, and this side is closing",
+                               addr, room)
+                continue
             try:
                 self._deliver(BootstrapClient(addr, timeout_s=self._timeout_s,
                                               token=self._token), room, reason)
@@ -172,12 +180,15 @@ class RefusalPoster:
                        if isinstance(exc, BootstrapError) else str(exc))
                 logger.warning("could not tell prefill %s that room %d was refused: %s",
                                addr, room, why)
+                if self._closed and isinstance(exc, BootstrapError) and not exc.status:
+                    silent.add(addr)
 
     def _deliver(self, client: BootstrapClient, room: int, reason: str) -> None:
-        for attempt in range(1, self._attempts + 1):
+        attempts = 1 if self._closed else self._attempts
+        for attempt in range(1, attempts + 1):
             try:
                 client.refuse(room, reason)
                 return
             except BootstrapError as exc:
-                if exc.status != 0 or attempt == self._attempts:  # refused, or out of tries
+                if exc.status != 0 or attempt == attempts:  # refused, or out of tries
                     raise

@@ -6,8 +6,10 @@ the schedulers' clock does not move."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -78,6 +80,40 @@ def test_a_refusal_nobody_takes_is_logged_and_dropped(caplog: pytest.LogCaptureF
     assert poster.delivered == 0
     assert "room 31" in caplog.records[0].getMessage()
     assert caplog.records[0].getMessage().count(nobody) == 1  # the address once
+
+
+def test_closing_posts_each_refusal_once_and_skips_a_prefill_that_hangs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A prefill whose bootstrap endpoint accepts connections and never answers: a decode
+    worker shutting down does not wait out three timeouts for each of its refusals (it took
+    15 s to exit for one); what is queued is posted once, then no more to that prefill."""
+    caplog.set_level(logging.WARNING, "kv.refusal")
+    held: list[socket.socket] = []
+    with socket.create_server(("127.0.0.1", 0)) as hung:
+        hung.settimeout(0.05)
+        done = threading.Event()
+
+        def accept() -> None:  # take each connection, answer nothing
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    held.append(hung.accept()[0])
+
+        acceptor = threading.Thread(target=accept)
+        acceptor.start()
+        addr = f"127.0.0.1:{hung.getsockname()[1]}"
+        poster = RefusalPoster(timeout_s=0.3, attempts=3)
+        for room in (41, 42, 43):
+            poster.tell(addr, room, "draining")
+        poster.close()
+        done.set()
+        acceptor.join()
+    for conn in held:
+        conn.close()
+    # Room 41 three times at most (if its posting began before the close), then nothing more.
+    assert 1 <= len(held) <= 3, len(held)
+    assert poster.delivered == 0
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("room 43 was refused: it did not answer the last refusal" in m for m in logged)
 
 
 # -- local backend -----------------------------------------------------------------------------

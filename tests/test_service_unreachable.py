@@ -87,7 +87,7 @@ def test_a_request_waiting_for_its_prefills_look_up_is_refused_when_the_server_d
                 service.begin_drain()
                 r = await asyncio.wait_for(waiting, 30)
                 assert r.status_code == 503, r.text
-                assert r.json()["error"]["type"] == "draining"
+                assert (r.json()["error"]["type"], r.json()["error"]["rid"]) == ("draining", "w")
                 assert (await client.get("/server_info")).json()["connecting"] == {}
                 assert service.wait_drained(0)
         return router

@@ -106,7 +106,7 @@ async def admit(service: Service, request: Request, items: list[Item], *,
         raise Refusal("bootstrap_failed", 500, str(exc), addr_item.rid) from exc
     except Unavailable as exc:  # draining began during the look-up
         refuse_items(service, items, "draining", 503, str(exc))
-        raise Refusal("draining", 503, str(exc)) from exc
+        raise Refusal("draining", 503, str(exc), addr_item.rid) from exc
     started: list[Pending] = []
     carrier = trace_carrier(service, request)
     try:
