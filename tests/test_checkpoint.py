@@ -100,6 +100,23 @@ def test_a_released_checkpoint_keeps_its_configuration_and_the_model_its_answers
     served.release_checkpoint()  # again: nothing to do
 
 
+def test_released_weights_keep_what_sizes_a_pool_and_refuse_a_forward(tmp_path):
+    """A TP rank 0 serves with its part: the whole model's weights go, what sizes its pools
+    and names it stays, and a forward on it says why it cannot run."""
+    _with_a_tokenizer(tmp_path)
+    served = load_model(str(tmp_path))
+    before = served.make_pool(num_pages=2, page_size=16).buffer.shape
+    served.release_weights()
+    assert served.model.checkpoint.tensors == {}
+    assert served.make_pool(num_pages=2, page_size=16).buffer.shape == before
+    assert served.kv_bytes_per_token == served.model.kv_bytes_per_token
+    with pytest.raises(RuntimeError, match="weights were released"):
+        our_logits(served.model, IDS)
+    reference = load_model("reference")
+    reference.release_weights()  # the reference model keeps its few KiB
+    assert reference.generate([3, 5], 2, ignore_eos=True)
+
+
 def test_tied_heads_and_linear_rope_scaling_load_from_a_directory(tmp_path):
     hf = tiny_hf_model(tie_word_embeddings=True, rope_parameters={
         "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})

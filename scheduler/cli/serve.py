@@ -509,6 +509,8 @@ def _serve(args: argparse.Namespace) -> int:
     if config.served is not None:  # built (rank 0's shard too): nothing more is built from it
         from scheduler.malloc_arena import give_back_freed
 
+        if service.model is not config.served.model:  # rank 0 serves with its part only
+            config.served.release_weights()
         config.served.release_checkpoint()
         give_back_freed()
     if launched is not None:

@@ -114,6 +114,7 @@ class RealModel:
         self._embed = weight("embed")
         self._head = weight("lm_head") if "lm_head" in t else self._embed
         self._norm = weight("norm")
+        self._released = False
         inv_freq = rope_inv_freq(c, t.get("rope_freqs"))
         freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self._cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.device, self.dtype)
@@ -151,11 +152,22 @@ class RealModel:
             stops.update(self.eos_token_ids)
         return frozenset(stops)
 
+    def release_weights(self) -> None:
+        """Let this model's weights go, keeping its configuration, dtype and pool shape: for a
+        process that computes with another model built from the same checkpoint (a TP rank 0,
+        its part). A forward afterwards raises."""
+        empty = torch.empty(0)
+        self._layers, self._embed, self._head, self._norm = [], empty, empty, empty
+        self._released = True
+
     # -- the forward ---------------------------------------------------------------------------
 
     def logits(self, pool: KVPool, items: Sequence[ForwardItem]) -> torch.Tensor:
         """Write every item's K/V into ``pool``; the float32 logits after each item's last
         token, or after each of its tokens when ``item.all_logits`` (rows in item order)."""
+        if self._released:
+            raise RuntimeError(f"{self.name}: this model's weights were released "
+                               "(release_weights): compute with the model built in its place")
         with torch.inference_mode():
             spans, tokens, positions, new_slots = self._plan(pool, items)
             x = pad_rows(self._embed[tokens])

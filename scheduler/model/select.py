@@ -88,6 +88,16 @@ class ServedModel:
         if checkpoint is not None and checkpoint.tensors:
             self.model.checkpoint = attrs.evolve(checkpoint, tensors={})
 
+    def release_weights(self) -> None:
+        """Let the loaded model's weights go (and its checkpoint's), keeping what sizes pools
+        and names the model: for a process that serves with a part built from them
+        (:meth:`shard`), such as a TP prefill's rank 0. The reference model's stay (they are
+        a few KiB and :meth:`shard` builds its parts from its configuration)."""
+        if self.is_reference:
+            return
+        self.release_checkpoint()
+        self.model.release_weights()
+
     @property
     def source(self) -> tuple[str, str] | None:
         """What another process loads this model again from: ``load_model``'s spec and dtype
