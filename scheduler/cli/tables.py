@@ -196,7 +196,8 @@ def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
         const=str(DOCS_LIFECYCLE),
         help="regenerate the generated blocks of the lifecycle doc in place: with --load, "
         "the loaded table's (NAME-mermaid, NAME-transitions) "
-        f"(default FILE: {DOCS_LIFECYCLE.relative_to(DOCS_LIFECYCLE.parents[1])})",
+        f"(default FILE: the installed checkout's "
+        f"{DOCS_LIFECYCLE.relative_to(DOCS_LIFECYCLE.parents[1])}, {DOCS_LIFECYCLE})",
     )
     parser.add_argument(
         "--check",
