@@ -77,6 +77,16 @@ class LogitsRunner(ModelRunner, Protocol):
     def logits(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
+def outside_vocabulary(token_ids: Sequence[int], vocab_size: int) -> str | None:
+    """What is wrong with ``token_ids`` against a vocabulary of ``vocab_size`` ids (the first
+    three outside ``0 .. vocab_size - 1``), or None when every id is inside."""
+    outside = [t for t in token_ids if not 0 <= t < vocab_size]
+    if not outside:
+        return None
+    shown = ", ".join(str(t) for t in outside[:3]) + (", ..." if len(outside) > 3 else "")
+    return f"token ids must be in 0..{vocab_size - 1}, got {shown}"
+
+
 class RunnerAnswerError(ValueError):
     """A model runner's forward answered other than one token per item of its batch."""
 

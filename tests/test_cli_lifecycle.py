@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import PREFILL_TABLE
+from lifecycle import PREFILL_TABLE, TABLES
 from lifecycle.diagram import markdown, mermaid
 from scheduler.cli.main import SUBCOMMANDS, main
 
@@ -71,7 +71,8 @@ def test_validate_a_broken_user_table_names_the_edge(
 ) -> None:
     assert main(["validate", "--load", f"{user_module}:BROKEN"]) == 1
     err = capsys.readouterr().err
-    assert "invalid lifecycle table: toy: edge 'revive' leaves final state DONE" in err
+    assert err.startswith(
+        "pdlife validate: invalid lifecycle table: toy: edge 'revive' leaves final state DONE")
 
 
 @pytest.mark.parametrize(
@@ -80,12 +81,14 @@ def test_validate_a_broken_user_table_names_the_edge(
         ("no_colon", "--load wants module:ATTR"),
         ("no_such_module_xyz:T", "cannot import 'no_such_module_xyz'"),
         ("user_tables:MISSING", "has no attribute 'MISSING'"),
-        ("user_tables:NOT_A_TABLE", "is a int; expected a LifecycleTable"),
+        ("user_tables:NOT_A_TABLE", "is an int; expected a LifecycleTable"),
         ("user_tables:S", "is the class S, not a table; expected a LifecycleTable"),
         ("user_tables:RAISES", "user_tables:RAISES() raised ValueError: no table today"),
         ("user_tables:BAD_SPEC", "is not a dict of make_table arguments"),
-        ("user_tables.py:TABLE", "(give the module's name, 'user_tables', not its file; run "
-                                 "from its folder or put that folder on PYTHONPATH)"),
+        ("user_tables.py:TABLE", "(give the module's name, 'user_tables', not its file; "
+                                 "modules are found from the working directory and "
+                                 "PYTHONPATH)"),
+        ("./pkg/user_tables.py:TABLE", "give the module's name, 'pkg.user_tables'"),
     ],
 )
 def test_bad_load_targets_are_usage_errors(
@@ -181,7 +184,9 @@ def test_write_docs_syncs_a_loaded_tables_blocks(
     # A document without the markers: which file, and the lines to paste.
     bare = tmp_path / "bare.md"
     bare.write_text("# my lifecycle\n")
-    assert main(["diagram", "--load", load, "--write-docs", str(bare)]) == 1
+    with pytest.raises(SystemExit) as info:  # not "out of date" (exit 1): a usage error
+        main(["diagram", "--load", load, "--write-docs", str(bare), "--check"])
+    assert info.value.code == 2
     assert capsys.readouterr().err == (
         f"pdlife diagram: {bare}: the document has no generated block for ['toy-mermaid', "
         "'toy-transitions']: put a pair of marker lines where each goes, e.g. "
@@ -192,6 +197,46 @@ def test_write_docs_syncs_a_loaded_tables_blocks(
         main(["diagram", "--load", load, "--write-docs", str(tmp_path / "none.md")])
     assert info.value.code == 2
     assert "none.md: No such file or directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--format", "dot"], "--format draws a diagram, and --write-docs regenerates"),
+        (["--out", "x.md", "--collapse-failures"], "--out and --collapse-failures draw a"),
+        (["--table", "prefill", "--load", "user_tables:TABLE"], "--table picks a shipped table"),
+    ],
+)
+def test_write_docs_refuses_drawing_flags(
+        user_module: str, tmp_path: Path, extra: list[str], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    doc = tmp_path / "lifecycle.md"
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "--write-docs", str(doc), *extra])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_write_docs_defaults_to_the_working_directorys_doc(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    repo_doc = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "lifecycle.md"
+    doc.write_text(repo_doc.read_text().replace(mermaid(PREFILL_TABLE), "stale\n"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["diagram", "--write-docs", "--check"]) == 1
+    assert "docs/lifecycle.md: out of date" in capsys.readouterr().err
+    assert main(["diagram", "--write-docs"]) == 0
+    assert doc.read_text() == repo_doc.read_text()
+
+
+def test_out_ending_in_a_slash_is_a_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "new" / "diagrams"
+    assert main(["diagram", "--out", f"{folder}/"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"{name}.mermaid" for name in TABLES)
 
 
 def test_write_docs_regenerates_and_checks(tmp_path: Path) -> None:
@@ -214,6 +259,15 @@ def test_every_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert out.startswith(f"usage: pdlife {name}")
     assert next(c for c in SUBCOMMANDS if c.name == name).description.split()[0] in out
+
+
+def test_version_names_the_installed_release(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"pdlife {version('pdlife')}\n"
 
 
 def test_an_unknown_option_is_refused_with_its_subcommands_usage(

@@ -21,7 +21,13 @@ import pytest
 from scheduler.cli import serve
 from scheduler.cli.command import UsageError
 from scheduler.cli.main import build_parser, main
-from scheduler.cli.serve import EXIT_DRAIN_ABORTED, byte_size, memory_total, serve_config
+from scheduler.cli.serve import (
+    EXIT_DRAIN_ABORTED,
+    byte_size,
+    check_rdma,
+    memory_total,
+    serve_config,
+)
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.service.config import ServeConfig
@@ -211,10 +217,61 @@ def test_a_drained_server_lingers_refusing_until_its_linger_ends_or_a_second_sig
         short.stop()
 
 
-def test_a_negative_linger_is_refused() -> None:
-    args = build_parser("serve").parse_args(["serve", "--backend", "local", "--drain-linger=-1"])
-    with pytest.raises(UsageError, match="--drain-linger must be >= 0, got -1"):
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--drain-linger=-1"], "--drain-linger must be >= 0, got -1"),
+    (["--drain-timeout=-1"], "--drain-timeout must be >= 0, got -1"),
+    (["--chunked-prefill-size=-5"], "--chunked-prefill-size must be >= 0 (0 disables chunking)"),
+    (["--schedule-policy", "lpm", "--disable-radix-cache"],
+     "--schedule-policy lpm orders prompts by their cached prefix: it needs the prefix cache"),
+    # The configuration's own refusals name the flags, not its fields.
+    (["--pool-pages", "0"], "--pool-pages must be > 0: 0"),
+    (["--waiting-timeout", "0"], "--waiting-timeout must be > 0: 0.0"),
+    (["--max-new-tokens-limit", "99999"], "--max-new-tokens-limit must be in 1..8192"),
+    (["--connect-timeout", "0"], "--connect-timeout must be > 0"),
+])
+def test_a_value_out_of_range_is_refused_naming_its_flag(flags: list[str], says: str) -> None:
+    args = build_parser("serve").parse_args(["serve", "--backend", "local", *flags])
+    with pytest.raises(UsageError) as info:
         serve_config(args)
+    assert str(info.value).startswith(says), info.value
+
+
+def test_an_allowed_prefill_must_be_an_address() -> None:
+    args = build_parser("serve").parse_args(
+        ["serve", "--role", "decode", "--allow-prefill", "10.0.0.1:8998,garbage"])
+    with pytest.raises(UsageError, match="--allow-prefill: 'garbage' is not a prefill's "
+                                         "bootstrap address, HOST:PORT"):
+        serve_config(args)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--bootstrap-port"])
+def test_a_port_beyond_65535_is_a_usage_error(flag: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser("serve").parse_args(["serve", "--role", "prefill", flag, "70000"])
+    assert info.value.code == 2
+    assert f"argument {flag}: must be a port number, 0-65535, got '70000'" in \
+        capsys.readouterr().err
+
+
+def test_rdma_is_refused_where_the_machine_has_no_such_device(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="rdma: this machine has no RDMA device"):
+        check_rdma("", str(tmp_path / "none"))
+    (tmp_path / "mlx5_0").mkdir()
+    check_rdma("", str(tmp_path))
+    check_rdma("mlx5_0", str(tmp_path))
+    with pytest.raises(UsageError, match=r"no RDMA device mlx5_1 here; .* lists mlx5_0"):
+        check_rdma("mlx5_0,mlx5_1", str(tmp_path))
+
+
+def test_a_host_that_cannot_be_bound_is_named_not_the_port(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    host = "192.0.2.1"  # TEST-NET-1: never an address of this machine, and no name to look up
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--backend", "local", "--host", host, "--port", str(free_port()),
+              *model_flags(MODEL)])
+    assert info.value.code == 2
+    assert f"--host {host}: not an address of this machine (" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

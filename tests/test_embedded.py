@@ -190,7 +190,7 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_alone():
         pair.submit("negative", [1, -5, 3], SamplingParams(max_new_tokens=3))
         pair.submit("ok", [1, 2, 3], SamplingParams(max_new_tokens=3))
         out = pair.run_until_done(["oov", "negative", "ok"])
-        for rid, got in (("oov", f"1..{vocab}"), ("negative", "-5..3")):
+        for rid, got in (("oov", f"{vocab}"), ("negative", "-5")):
             prefill = out[rid].prefill
             assert prefill.reason is FailureReason.REJECTED and prefill.http_status == 400
             assert f"token ids must be in 0..{vocab - 1}, got {got}" in prefill.detail

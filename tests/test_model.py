@@ -315,7 +315,9 @@ def test_generate_rejects_what_does_not_fit() -> None:
 
 @pytest.mark.parametrize(("ids", "says"), [
     ("", "the prompt is empty; it needs at least one token"),
-    ("1,99999", "token ids must be in 0..257, got 1..99999"),
+    ("1,99999", "token ids must be in 0..257, got 99999"),
+    ("1,-1,300,2,400,500", "token ids must be in 0..257, got -1, 300, 400, ..."),
+    ("1,,2", "--input-ids wants comma-separated integers, got '1,,2'"),
 ])
 def test_pdlife_generate_says_what_is_wrong_with_the_prompt_alone(
     ids: str, says: str, capsys: pytest.CaptureFixture[str]

@@ -187,3 +187,15 @@ def test_pdlife_generate_answers_with_the_real_model(capsys, colocated):
     answer = json.loads(capsys.readouterr().out)
     assert answer["output_ids"] == colocated["chat0"]
     assert answer["text"] == "The capital of France is Paris."
+
+
+def test_pdlife_generate_refuses_an_answer_past_the_context(capsys, smollm2):
+    from scheduler.cli.main import main
+
+    # One token of prompt and 8,192 new ones fill SmolLM2's 8,192 positions; one more does not.
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", "smollm2", "--input-ids", "1",
+              "--max-new-tokens", "8193"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "prompt (1) + max_new_tokens (8193) - 1 exceeds max_position 8192\n")

@@ -216,3 +216,14 @@ def test_top_names_the_value_it_refuses(flags: tuple[str, ...], says: str,
         main(["top", "http://127.0.0.1:9", *flags])
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().endswith(says)
+
+
+@pytest.mark.parametrize("address", ["notaurl:::", "http://[::1"])
+def test_top_refuses_an_address_that_is_not_a_url(address: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["top", "--once", address])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdlife top: {address!r} is not a worker's address (")
+    assert err.count("\n") == 1

@@ -85,7 +85,7 @@ def run_table_fuzz(args: argparse.Namespace) -> int:
     try:
         table = load_table(args.load)
     except InvalidTable as exc:
-        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
+        print(f"pdlife fuzz: invalid lifecycle table: {exc}", file=sys.stderr)
         return 1
     record = _record_class(args, table)
     satisfy: Callable[..., None] | None = None

@@ -25,15 +25,19 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", metavar="TEXT",
                         help="with --chat, a system message before the user's (as a chat "
                         "request's first message with role system)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="(default: 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=16,
+                        help="tokens to generate at most; the answer ends earlier on a stop "
+                        "token or EOS (default: 16)")
     parser.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     add_model_arguments(parser)
 
 
 def _ids(text: str, flag: str) -> list[int]:
+    if not text.strip():
+        return []
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in text.split(",")]  # an empty entry ("1,,2") is a typo
     except ValueError:
         raise UsageError(f"{flag} wants comma-separated integers, got {text!r}") from None
 

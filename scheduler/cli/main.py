@@ -89,6 +89,15 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdlife")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command``, only that subcommand declares its arguments."""
     parser = argparse.ArgumentParser(
@@ -96,6 +105,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="pdlife: the prefill side of prefill/decode-disaggregated LLM serving, "
         "as explicit, table-driven state machines.",
     )
+    parser.add_argument("--version", action="version", version=f"pdlife {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in SUBCOMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.summary, description=cmd.description,

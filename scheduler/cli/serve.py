@@ -15,6 +15,7 @@ promptly.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
@@ -112,6 +113,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0-65535 (0: the system picks one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 0-65535, got {text!r}")
+    return value
+
+
 def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
     """The group ``title`` with its plain-number flags (:data:`_NUMBERS`) declared."""
     group = parser.add_argument_group(title)
@@ -144,15 +156,17 @@ def _defaulted(group: argparse._ActionsContainer, flag: str, default: str | int,
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("prefill", "decode"),
-                        help="which side of PD serving (not with --backend local, which runs both)")
+                        help="which side of PD serving: required with --backend mooncake or "
+                        "fake, refused with --backend local (which runs both)")
     _defaulted(parser, "--backend", "mooncake",
                "KV transfer: mooncake (between processes), local (prefill and decode in this one "
                "process), fake (no transfer; the decode role computes prompts itself)",
                choices=("mooncake", "local", "fake"))
     _defaulted(parser, "--host", "127.0.0.1", "HTTP bind address")
-    _defaulted(parser, "--port", 30000, "HTTP port", type=int)
+    _defaulted(parser, "--port", 30000, "HTTP port", type=port_number)
     _defaulted(parser, "--bootstrap-port", 8998,
-               "prefill role, mooncake: the bootstrap endpoint's port, on --host", type=int)
+               "prefill role, mooncake: the bootstrap endpoint's port, on --host",
+               type=port_number)
     parser.add_argument("--model-name", default=REFERENCE_NAME,
                         help="the name /model_info and /v1/models report (default: --model's "
                         f"value; {REFERENCE_NAME} for the reference model)")
@@ -205,9 +219,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     _defaulted(mc, "--mooncake-host", "127.0.0.1",
                "this machine's address for the transfer engine and control sockets")
     _defaulted(mc, "--mooncake-protocol", "tcp",
-               "the transfer engine's transport: tcp everywhere, rdma where the hardware has it "
-               "(needs --mooncake-device)", choices=("tcp", "rdma"))
-    mc.add_argument("--mooncake-device", default="", help="RDMA device name (rdma only)")
+               "the transfer engine's transport: tcp everywhere, rdma where the machine has "
+               f"RDMA devices (refused where {RDMA_DEVICES} lists none)", choices=("tcp", "rdma"))
+    mc.add_argument("--mooncake-device", default="",
+                    help="rdma: the RDMA device(s) to use, comma-separated (e.g. mlx5_0) "
+                    "(default: the transfer engine picks among them)")
     _defaulted(mc, "--mooncake-block-mib", 16, "prefill: a run of pages longer than this many "
                "MiB is written as blocks of it (each block one stream, on tcp over one lane)",
                type=int)
@@ -321,8 +337,18 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.retire_lost_prefill_after < 0:
         raise UsageError("--retire-lost-prefill-after must be >= 0 (0 keeps managers), got "
                          f"{args.retire_lost_prefill_after:g}")
-    if args.drain_linger < 0:
-        raise UsageError(f"--drain-linger must be >= 0, got {args.drain_linger:g}")
+    for flag, seconds in (("--drain-timeout", args.drain_timeout),
+                          ("--drain-linger", args.drain_linger)):
+        if seconds < 0:
+            raise UsageError(f"{flag} must be >= 0, got {seconds:g}")
+    if args.chunked_prefill_size < 0:
+        raise UsageError("--chunked-prefill-size must be >= 0 (0 disables chunking), got "
+                         f"{args.chunked_prefill_size}")
+    if args.schedule_policy == "lpm" and args.disable_radix_cache:
+        raise UsageError("--schedule-policy lpm orders prompts by their cached prefix: it needs "
+                         "the prefix cache that --disable-radix-cache turns off; drop one")
+    if args.mooncake_protocol == "rdma" and args.backend == "mooncake":
+        check_rdma(args.mooncake_device)
     if args.mooncake_host.strip("[]") in ("0.0.0.0", "::", ""):
         raise UsageError(f"--mooncake-host {args.mooncake_host!r} is not an address a peer can "
                          "connect to: give this machine's address on the network (a pod's IP), "
@@ -412,7 +438,47 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             **_as_given(args, _SERVE_AS_GIVEN),
         )
     except (ValueError, TypeError) as exc:
-        raise UsageError(str(exc)) from exc
+        raise UsageError(_config_as_flags(str(exc))) from exc
+
+
+#: The configuration fields a refusal may name, by the flag that sets each.
+_FIELD_FLAGS = {
+    **{name: f"--{name.replace('_', '-')}" for name in (
+        *_SCHEDULER_AS_GIVEN, *_SERVE_AS_GIVEN, "pool_pages", "chunked_prefill_size")
+       if name not in ("backend", "device", "overlap")},  # words of other sentences too
+    "connect_timeout_s": "--connect-timeout", "bootstrap_timeout_s": "--bootstrap-timeout",
+    "max_block_bytes": "--mooncake-block-mib", "allowed_prefills": "--allow-prefill",
+    "retire_lost_after_s": "--retire-lost-prefill-after",
+}
+_CONFIG_FIELD = re.compile(r"(?:\b\w+Config\.|')?\b(" + "|".join(_FIELD_FLAGS) + r")\b'?")
+
+
+def _config_as_flags(message: str) -> str:
+    """A configuration's refusal with the fields it names written as the flags that set them
+    (the library names its fields; a command-line user sets flags)."""
+    return _CONFIG_FIELD.sub(lambda m: _FIELD_FLAGS[m.group(1)], message)
+
+
+#: Where Linux lists the machine's RDMA devices.
+RDMA_DEVICES = "/sys/class/infiniband"
+
+
+def check_rdma(device: str, listing: str = RDMA_DEVICES) -> None:
+    """:class:`UsageError` where rdma cannot work: the machine lists no RDMA device, or not
+    the one ``--mooncake-device`` names (the transfer engine would only warn, and every
+    transfer fail later)."""
+    try:
+        present = set(os.listdir(listing))
+    except OSError:
+        present = set()
+    if not present:
+        raise UsageError(f"--mooncake-protocol rdma: this machine has no RDMA device ({listing} "
+                         "lists none); use --mooncake-protocol tcp, or give the container the "
+                         "devices")
+    missing = [d for d in (n.strip() for n in device.split(",")) if d and d not in present]
+    if missing:
+        raise UsageError(f"--mooncake-device {device}: no RDMA device {', '.join(missing)} here; "
+                         f"{listing} lists {', '.join(sorted(present))}")
 
 
 def _check_trace_extra() -> None:
@@ -450,7 +516,12 @@ def _check_port_free(host: str, port: int, flag: str) -> None:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
             probe.bind(address)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: not an address ({exc.strerror or exc})") from None
     except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host}: not an address of this machine "
+                             f"({exc.strerror}); bind one of its own, or 0.0.0.0") from None
         raise UsageError(f"{flag} {port}: cannot listen on {host}:{port} "
                          f"({exc.strerror or exc}); pick another port") from None
 

@@ -23,6 +23,7 @@ from lifecycle.errors import InvalidTable
 from scheduler.cli.command import Subcommand, UsageError
 
 DOCS_LIFECYCLE = Path(__file__).resolve().parents[2] / "docs" / "lifecycle.md"
+DOCS_DEFAULT = "docs/lifecycle.md"  # --write-docs' FILE, from the working directory
 
 # -- loading ------------------------------------------------------------------------------------
 
@@ -33,16 +34,17 @@ def load_object(spec: str, flag: str = "--load") -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"{flag} wants module:ATTR (e.g. mypkg.lifecycles:TABLE), got {spec!r}")
+    if module_name.endswith(".py") or "/" in module_name:  # a file where a module goes
+        dotted = module_name.removesuffix(".py").lstrip("./").replace("/", ".")
+        raise UsageError(f"{flag}: {module_name!r} is a file (give the module's name, "
+                         f"{dotted!r}, not its file; modules are found from the working "
+                         f"directory and PYTHONPATH)")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = ""
-        if module_name.endswith(".py"):  # a file name where a module name goes
-            hint = (f" (give the module's name, {module_name.removesuffix('.py')!r}, not its "
-                    f"file; run from its folder or put that folder on PYTHONPATH)")
-        raise UsageError(f"{flag}: cannot import {module_name!r}: {exc}{hint}") from None
+        raise UsageError(f"{flag}: cannot import {module_name!r}: {exc}") from None
     except InvalidTable:
         raise
     except Exception as exc:  # the user's module: report it in one line
@@ -79,7 +81,9 @@ def load_table(spec: str) -> LifecycleTable:
             raise UsageError(f"--load: {spec} is not a dict of make_table arguments: {exc}") \
                 from None
     if not isinstance(obj, LifecycleTable):
-        raise UsageError(f"--load: {spec} is a {type(obj).__name__}; {expected}returning one")
+        kind = type(obj).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise UsageError(f"--load: {spec} is {article} {kind}; {expected}returning one")
     return obj
 
 
@@ -97,7 +101,8 @@ def table_arguments(parser: argparse.ArgumentParser) -> None:
         "--table",
         choices=[*TABLES, "all"],
         default="all",
-        help="which shipped lifecycle table (default: all)",
+        help="which shipped lifecycle table (default: all; the dot and svg formats draw one "
+        "table per output, so name one or give --out DIR)",
     )
     parser.add_argument(
         "--load",
@@ -135,13 +140,20 @@ def _report(name: str, table: LifecycleTable) -> None:
         print(f"    - guards are methods of {table.record.__name__}")
 
 
+def _refuse_table_with_load(args: argparse.Namespace) -> None:
+    if args.load and args.table != "all":
+        raise UsageError(f"--table picks a shipped table and --load {args.load} your own: "
+                         "give one or the other")
+
+
 def _validate(args: argparse.Namespace) -> int:
+    _refuse_table_with_load(args)
     try:
         tables = _tables(args)
         for table in tables.values():
             validate(table)
     except InvalidTable as exc:
-        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
+        print(f"pdlife validate: invalid lifecycle table: {exc}", file=sys.stderr)
         return 1
     for name, table in tables.items():
         _report(name, table)
@@ -193,11 +205,11 @@ def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
         "--write-docs",
         metavar="FILE",
         nargs="?",
-        const=str(DOCS_LIFECYCLE),
-        help="regenerate the generated blocks of the lifecycle doc in place: with --load, "
-        "the loaded table's (NAME-mermaid, NAME-transitions) "
-        f"(default FILE: the installed checkout's "
-        f"{DOCS_LIFECYCLE.relative_to(DOCS_LIFECYCLE.parents[1])}, {DOCS_LIFECYCLE})",
+        const=DOCS_DEFAULT,
+        help="regenerate the generated blocks of a doc in place instead of drawing: the "
+        "shipped tables' (pdlife's own docs/lifecycle.md) or, with --load, the loaded table's "
+        f"(NAME-mermaid, NAME-transitions) (default FILE: {DOCS_DEFAULT}, from the working "
+        "directory); exit 2 if FILE lacks a block",
     )
     parser.add_argument(
         "--check",
@@ -235,6 +247,11 @@ def _render(args: argparse.Namespace) -> int:
 
     tables = _tables(args)
     out = Path(args.out) if args.out else None
+    if out is not None and args.out.endswith(("/", os.sep)):  # a folder, made if need be
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--out {args.out}: {exc.strerror or exc}") from None
     texts = {
         name: render(t, args.format, collapse_failures=args.collapse_failures)
         for name, t in _checked(tables, args, out).items()
@@ -276,16 +293,28 @@ def _diagram(args: argparse.Namespace) -> int:
 
     if args.check and not args.write_docs:
         raise UsageError("--check goes with --write-docs")
+    _refuse_table_with_load(args)
+    if args.write_docs:
+        # The doc's blocks have their own formats: drawing flags would be silently dropped.
+        drawing = [flag for flag, given in (
+            ("--format", args.format != "mermaid"), ("--out", args.out is not None),
+            ("--collapse-failures", args.collapse_failures)) if given]
+        if drawing:
+            verb = "draws" if len(drawing) == 1 else "draw"
+            raise UsageError(f"{' and '.join(drawing)} {verb} a diagram, and --write-docs "
+                             "regenerates a doc's blocks in their own formats: give one or "
+                             "the other")
     try:
         if args.write_docs:
             return _write_docs(Path(args.write_docs), args.check, args)
         return _render(args)
     except InvalidTable as exc:
-        print(f"invalid lifecycle table: {exc}", file=sys.stderr)
+        print(f"pdlife diagram: invalid lifecycle table: {exc}", file=sys.stderr)
         return 1
     except DiagramError as exc:
-        where = f"{args.write_docs}: " if args.write_docs else ""
-        print(f"pdlife diagram: {where}{exc}", file=sys.stderr)
+        if args.write_docs:  # the document lacks a block, or names one that is not drawn
+            raise UsageError(f"{args.write_docs}: {exc}") from None
+        print(f"pdlife diagram: {exc}", file=sys.stderr)
         return 1
 
 

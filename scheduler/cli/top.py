@@ -46,7 +46,15 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _url(text: str) -> str:
-    return (text if "://" in text else f"http://{text}").rstrip("/")
+    import httpx
+
+    url = (text if "://" in text else f"http://{text}").rstrip("/")
+    try:
+        httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise UsageError(f"{text!r} is not a worker's address ({exc}); give HOST:PORT or "
+                         "http://HOST:PORT") from None
+    return url
 
 
 def _scrape(client: httpx.Client, history: History) -> WorkerView:

@@ -38,6 +38,7 @@ from scheduler.model.fixed_point import (
     to_units,
 )
 from scheduler.model.reference_config import ModelConfig
+from scheduler.runner import outside_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -303,12 +304,9 @@ class LlamaModel:
 
     def check_tokens(self, rid: str, token_ids: Sequence[int]) -> None:
         """Raise :class:`ModelInputError` unless every id is in the vocabulary."""
-        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.config.vocab_size:
-            raise ModelInputError(
-                rid,
-                f"token ids must be in 0..{self.config.vocab_size - 1}, got "
-                f"{min(token_ids)}..{max(token_ids)}",
-            )
+        problem = outside_vocabulary(token_ids, self.config.vocab_size)
+        if problem:
+            raise ModelInputError(rid, problem)
 
     def stop_ids(self, stop_token_ids: Iterable[int], ignore_eos: bool) -> frozenset[int]:
         """The ids that end a generation: ``stop_token_ids``, and EOS unless ``ignore_eos``."""

@@ -35,7 +35,7 @@ from kv.pool_layout import KVLayout
 from scheduler.model.checkpoint import Checkpoint, LlamaConfig, rope_inv_freq
 from scheduler.model.invariant import MIN_ROWS, Span, pad_rows, paged_attention, token_matmul
 from scheduler.model.reference import ModelInputError, resolve_device
-from scheduler.runner import ForwardBatch, ForwardItem, check_pool_fits
+from scheduler.runner import ForwardBatch, ForwardItem, check_pool_fits, outside_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -260,9 +260,9 @@ class RealModel:
         if not 0 <= min(pages) <= max(pages) < pool.num_pages:
             raise ModelInputError(
                 item.rid, f"page indices must be in 0..{pool.num_pages - 1}, got {pages}")
-        if not 0 <= min(item.input_ids) <= max(item.input_ids) < self.config.vocab_size:
-            raise ModelInputError(
-                item.rid, f"token ids must be in 0..{self.config.vocab_size - 1}")
+        problem = outside_vocabulary(item.input_ids, self.config.vocab_size)
+        if problem:
+            raise ModelInputError(item.rid, problem)
         table = torch.tensor(pages, dtype=torch.int64, device=self.device)
         pos = torch.arange(end, device=self.device)
         return pool.slot_rows(table[pos // ps] * ps + pos % ps)
@@ -371,7 +371,11 @@ def generate(
         raise ModelInputError("generate", "the prompt is empty; it needs at least one token")
     if max_new_tokens < 1:
         raise ModelInputError("generate", f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    total = len(prompt_ids) + max_new_tokens - 1
+    total = len(prompt_ids) + max_new_tokens - 1  # the last token is never fed back
+    if total > model.config.max_position:
+        raise ModelInputError(
+            "generate", f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) - 1 "
+            f"exceeds max_position {model.config.max_position}")
     pool = model.make_pool(num_pages=max(1, pages_needed(total, page_size)), page_size=page_size)
     pages = tuple(range(pool.num_pages))
     stops = model.stop_ids(stop_token_ids, ignore_eos)

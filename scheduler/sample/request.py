@@ -20,7 +20,7 @@ import attrs
 
 from lifecycle import FailureReason, SamplingParams
 from scheduler.messages import TokenLogprob
-from scheduler.runner import LogitsRunner, ModelRunner
+from scheduler.runner import LogitsRunner, ModelRunner, outside_vocabulary
 from scheduler.sample.constraint import (
     Constraint,
     ConstraintCompiler,
@@ -164,10 +164,10 @@ class Sampling:
                 f"({params.max_new_tokens}) - 1 exceeds the model's context of {context} "
                 f"positions")
         vocab = self._vocab
-        if vocab is not None and prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
+        problem = outside_vocabulary(prompt, vocab) if vocab is not None else None
+        if problem:
             # Refused alone: in a batch, an id the model cannot embed fails every request.
-            raise SamplingRefused(f"request {rid!r}: token ids must be in 0..{vocab - 1}, got "
-                                  f"{min(prompt)}..{max(prompt)}")
+            raise SamplingRefused(f"request {rid!r}: {problem}")
         if needs_logits(params, len(prompt)) and not self.logits:
             raise SamplingRefused(
                 f"request {rid!r}: sampling, logprobs and grammars need a model runner that "

@@ -24,6 +24,7 @@ from scheduler.model.reference import ModelConfig
 from scheduler.model.sharded import ShardError
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer_decision import DelayerConfig
+from scheduler.runner import outside_vocabulary
 from scheduler.service.logs import LogSettings
 from scheduler.service.openai_tools import ToolAnswer
 from scheduler.service.tool_formats import TOOL_CALL_PARSERS
@@ -54,10 +55,19 @@ class ServeConfig:
     # Clients must send ``Authorization: Bearer <api_key>`` (but to the health probes); None: open.
     api_key: str | None = attrs.field(default=None, repr=False)
     bootstrap_host: str = "127.0.0.1"
-    bootstrap_port: int = attrs.field(default=8998, validator=attrs.validators.ge(0))
+    bootstrap_port: int = attrs.field(
+        default=8998, validator=[attrs.validators.ge(0), attrs.validators.le(65535)])
     # Decode: the prefill bootstrap addresses (``HOST:PORT``) requests may name; empty: any. A
     # decode worker sends its peer token to the address a request names.
     allowed_prefills: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @allowed_prefills.validator
+    def _check_allowed_prefills(self, _attr: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+        for address in value:
+            host, _, port = str(address).rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"allowed_prefills: {address!r} is not a prefill's bootstrap "
+                                 "address, HOST:PORT with PORT in 1..65535")
     mooncake: MooncakeConfig = attrs.field(factory=MooncakeConfig)
     #: The KV pool's layout; a decode server and its prefill servers must agree on it.
     kv_layout: KVLayout = attrs.field(default=DEFAULT_KV_LAYOUT, converter=parse_kv_layout)
@@ -323,12 +333,9 @@ def _check_prompt(config: ServeConfig, rid: str, input_ids: Sequence[int]) -> No
     vocab = config.vocab_size
     if not input_ids:
         raise BadRequest("empty_prompt", f"request {rid!r}: the prompt is empty")
-    if min(input_ids) < 0 or max(input_ids) >= vocab:
-        raise BadRequest(
-            "bad_token_id",
-            f"request {rid!r}: token ids must be in 0..{vocab - 1}, got "
-            f"{min(input_ids)}..{max(input_ids)}",
-        )
+    problem = outside_vocabulary(input_ids, vocab)
+    if problem:
+        raise BadRequest("bad_token_id", f"request {rid!r}: {problem}")
 
 
 def _check_named_ids(config: ServeConfig, rid: str, sampling: SamplingParams) -> None:
@@ -336,10 +343,9 @@ def _check_named_ids(config: ServeConfig, rid: str, sampling: SamplingParams) ->
     vocab = config.vocab_size
     for field, ids in (("sampling_params.logit_bias", [t for t, _ in sampling.logit_bias]),
                        ("token_ids_logprob", sampling.token_ids_logprob)):
-        beyond = [token for token in ids if token >= vocab]
-        if beyond:
-            raise BadRequest("bad_token_id", f"request {rid!r}: {field}: token ids must be in "
-                             f"0..{vocab - 1}, got {beyond[0]}")
+        problem = outside_vocabulary(ids, vocab)
+        if problem:
+            raise BadRequest("bad_token_id", f"request {rid!r}: {field}: {problem}")
 
 
 def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -> None:
