@@ -197,6 +197,15 @@ def test_a_grammar_beyond_the_engines_limits_raises_a_limit_error_not_a_rejectio
     assert not isinstance(refused.value, GrammarLimitError)  # the sampler's fault: a 500
 
 
+def test_a_token_refused_by_a_grammar_that_allows_nothing_is_the_grammars_fault(
+    byte: LLGuidanceCompiler,
+) -> None:
+    """A token fed without its mask first (the decode side takes the prefill's first token)."""
+    dead = byte.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, '{"$ref": "#"}'))
+    with pytest.raises(GrammarLimitError, match="NoExtensionBias"):
+        dead.accept(ord("{"))
+
+
 def test_a_mask_the_engine_cannot_compute_is_drawn_unmasked_and_fails_the_token() -> None:
     """The limit reached while masking: the row runs unmasked in its batch, and the token it
     draws is not taken (the request fails as the client's, its batch mates are unharmed)."""

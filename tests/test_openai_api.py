@@ -284,6 +284,28 @@ def test_no_new_tokens_scores_the_prompt_alone() -> None:
     run(main())
 
 
+@pytest.mark.parametrize("grammar", [
+    {"json_schema": '{"$ref": "#"}'},  # refers only to itself: no value ever matches
+    {"ebnf": 'root ::= root "x"'},  # no base case
+])
+def test_a_grammar_that_can_never_be_completed_is_the_clients_fault_on_every_role(
+        grammar: dict[str, str]) -> None:
+    """The fake decode draws the first token itself; its grammar refusing it was a 500."""
+    async def main() -> None:
+        for role in ("prefill", "decode", "both"):
+            backend = "local" if role == "both" else "fake"
+            with running_service(config(role, backend)) as service:
+                async with asgi_client(service) as client:
+                    r = await post(client, "/generate", text="Hi", bootstrap_host="2.2.2.2",
+                                   bootstrap_port=8998, bootstrap_room=21,
+                                   sampling_params={"max_new_tokens": 3, **grammar})
+                    assert r.status_code == 400, (role, r.text)
+                    assert "the grammar engine cannot run this grammar" in r.text, (role, r.text)
+                    assert service.wait_drained(10)
+
+    run(main())
+
+
 def test_a_batch_of_prompts_answers_n_choices_per_prompt_in_order() -> None:
     prompts = ["first prompt", "the second"]
     body = {"max_tokens": 5, "temperature": 0.8, "seed": 7, "ignore_eos": True}

@@ -200,6 +200,11 @@ class LLGuidanceConstraint:
         else:
             allowed = self._matcher.validate_tokens([token]) == 1
         if not allowed:
+            if not self._bits_current:
+                # A grammar that allows nothing here (one that can never be completed, such as
+                # a schema that refers only to itself) raises its limit while masking: the
+                # request's fault, not a token drawn past the mask.
+                self._compute_mask()
             if self._matcher.is_error():
                 raise self._limit()
             raise GrammarError(
