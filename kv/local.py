@@ -339,11 +339,13 @@ class LocalKVSender(LocalEndpoint):
                 return
             check_slot(self.room, slot, self._manager.metadata, "prefill")
             self._cursor.init(num_pages, slot)
-            have = min(len(r.pages) for r in end.dests.values())
-            if num_pages > have and self._group is not None:
+            # Fewer pages cannot hold the prompt; more mean the decode was sent a longer one,
+            # whose pages beyond ours would be read unwritten (the halves disagree).
+            unlike = [len(r.pages) for r in end.dests.values() if len(r.pages) != num_pages]
+            if unlike and self._group is not None:
                 self._group.fail(Failure.everywhere(
-                    PREFILL, f"the decode peer gave {have} destination pages, {num_pages} are "
-                    "needed"))
+                    PREFILL, f"the decode peer gave {unlike[0]} destination pages, {num_pages} "
+                    "are needed (were the two workers sent the same prompt?)"))
 
     def send_state(self, state: Mapping[StateKind, Sequence[int]]) -> None:
         """The last chunk's state_indices (``kv.state_sends.StateSender``): they move with it."""

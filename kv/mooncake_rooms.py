@@ -320,11 +320,14 @@ class PrefillRooms:
             if not accepts_call(rec.room, rec.status, "init()", ready=rec.paired):
                 return []
             rec.cursor.init(num_pages, slot)
-            short = [leg for leg in rec.legs.values() if len(leg.dest.pages) < num_pages]
-            if not short:
+            # Fewer pages cannot hold the prompt; more mean the decode was sent a longer one,
+            # whose pages beyond ours would be read unwritten (the halves disagree).
+            unlike = [leg for leg in rec.legs.values() if len(leg.dest.pages) != num_pages]
+            if not unlike:
                 return []
-            self._fail(rec, f"decode session {short[0].session} offered "
-                            f"{len(short[0].dest.pages)} pages, the request needs {num_pages}")
+            self._fail(rec, f"decode session {unlike[0].session} offered "
+                            f"{len(unlike[0].dest.pages)} pages, the request needs {num_pages}"
+                            " (were the two workers sent the same prompt?)")
             return self._settle(rec)
 
     def set_state(self, rec: PrefillRoom, state: dict[StateKind, list[int]]) -> None:

@@ -208,6 +208,15 @@ BAD_INPUTS = [
      "distinct rooms"),
     ("bad_batch", json.dumps({"text": ["a", "b"], "sampling_params": [{}]}).encode(), "entries"),
     ("bad_batch", json.dumps({"text": "a", "sampling_params": [{}]}).encode(), "not a batch"),
+    ("bad_batch", json.dumps({"text": ["a", "b"], "sampling_params": []}).encode(),
+     "0 entries for 2 prompts"),  # not the defaults for both
+    # NaN is no temperature (it was refused as "should be less than or equal to 100").
+    ("invalid_request", b'{"text": "a", "sampling_params": {"temperature": NaN}}',
+     "sampling_params.temperature: Input should be a finite number"),
+    ("bad_sampling", json.dumps({"text": "a", "sampling_params": {"top_k": 1 << 40}}).encode(),
+     "top_k must be -1 (no limit) or 1..2147483648, got 1099511627776"),
+    ("bad_token_id", json.dumps({"text": "a", "sampling_params": {"stop_token_ids": [3, 10**20]}}
+                                ).encode(), "sampling_params.stop_token_ids: token ids must be"),
     ("unsupported", json.dumps({"text": "a", "sampling_params": {"structural_tag": "{}"}}
                                ).encode(), "structural_tag"),
     # An unpaired surrogate is no text (it was a 500, and the other worker waited).
@@ -260,6 +269,9 @@ def test_oversized_body_unknown_abort_and_non_json() -> None:
                 assert r.status_code == 404
                 assert r.json()["error"] == {"message": "no live request has rid 'nobody'",
                                              "type": "unknown_rid", "rid": "nobody"}
+                r = await client.post("/abort_request", json={"rid": "x" * 3000})
+                assert r.status_code == 400 and "x" * 257 not in r.text
+                assert r.json()["error"]["message"] == "rid must be 1..256 characters, got 3000"
                 r = await client.post("/generate", content=b"text=a",
                                       headers={"content-type": "text/plain"})
                 assert r.status_code == 400

@@ -129,6 +129,24 @@ def test_poll_order_and_success_only_after_all_pages(session: HarnessSession) ->
     eventually(sender.quiescent, "quiescence after success")
 
 
+@pytest.mark.parametrize("offered", [1, 3])
+def test_a_destination_unlike_the_prompt_fails_the_room(
+        peer_session: PeerSession, offered: int) -> None:
+    """The decode's pages cover another prompt than the prefill's (the two workers were sent
+    different prompts): too few cannot hold it, and too many would leave the decode reading
+    pages the prefill never wrote."""
+    room = 60 + offered
+    sender, _ = _handshake(peer_session, room, offered)
+    sender.init(2, 0)
+    assert drive(peer_session.manager, sender, _TERMINAL)[-1] == KVPoll.FAILED
+    reason = sender.failure_exception().reason
+    assert any(said in reason for said in (  # the local backend's words, Mooncake's
+        f"gave {offered} destination pages, 2 are needed",
+        f"offered {offered} pages, the request needs 2")), reason
+    eventually(sender.quiescent, "quiescence after the failure")
+    sender.clear()
+
+
 def test_zero_page_request_concludes_on_its_last_send(session: HarnessSession) -> None:
     sender, _ = _handshake(session, 7, 0)
     sender.init(0, 1)

@@ -32,7 +32,7 @@ from scheduler.service.tool_formats import TOOL_CALL_PARSERS
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["local", "mooncake", "fake"]
 _MAX_ROOM = (1 << 64) - 1
-_MAX_RID_LEN = 256
+MAX_RID_LEN = 256
 
 
 @attrs.frozen(field_transformer=typed_fields)
@@ -316,9 +316,9 @@ def check_item(
     request of the fake and local backends) take their room from ``rooms``: no prefill server
     pairs with them."""
     try:
-        if not rid or len(rid) > _MAX_RID_LEN:
+        if not rid or len(rid) > MAX_RID_LEN:
             raise BadRequest("bad_rid",
-                             f"rid must be 1..{_MAX_RID_LEN} characters, got {rid!r}")
+                             f"rid must be 1..{MAX_RID_LEN} characters, got {rid!r}")
         _check_prompt(config, rid, input_ids)
         _check_named_ids(config, rid, sampling)
         _check_lengths(config, rid, len(input_ids), sampling.max_new_tokens)
@@ -342,6 +342,7 @@ def _check_named_ids(config: ServeConfig, rid: str, sampling: SamplingParams) ->
     """The token ids a request names beside its prompt are in the vocabulary."""
     vocab = config.vocab_size
     for field, ids in (("sampling_params.logit_bias", [t for t, _ in sampling.logit_bias]),
+                       ("sampling_params.stop_token_ids", sorted(sampling.stop_token_ids)),
                        ("token_ids_logprob", sampling.token_ids_logprob)):
         problem = outside_vocabulary(ids, vocab)
         if problem:

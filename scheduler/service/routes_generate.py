@@ -23,7 +23,7 @@ from lifecycle import TOKEN_IDS_LOGPROB_MAX, SamplingParams
 from scheduler.messages import TokenLogprob
 from scheduler.service import handoff
 from scheduler.service.answers import answer_body, answer_text, final_body
-from scheduler.service.config import AnswerOptions
+from scheduler.service.config import MAX_RID_LEN, AnswerOptions
 from scheduler.service.core import BadRequest, Item, Pending, Service
 from scheduler.service.errors import error, failure_kind, rejected
 from scheduler.service.routes_info import ServiceDep
@@ -84,8 +84,9 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     if batch and not prompts:
         raise BadRequest("empty_prompt", "the batch is empty")
     count = len(prompts)
-    params = _per_item(body.sampling_params or SamplingParamsBody(), count, "sampling_params",
-                       batch)
+    given = body.sampling_params
+    params = _per_item(SamplingParamsBody() if given is None else given, count,
+                       "sampling_params", batch)
     n = samples_per_prompt(params, count, service.config.max_queued_requests)
     many = batch or n > 1
     asked = _asked_ids(body, count, batch)
@@ -199,6 +200,9 @@ async def abort_request(body: AbortBody, service: ServiceDep) -> Response:
         return JSONResponse(AbortAnswer(rid="", aborted=service.abort_all()).model_dump())
     if not body.rid:
         return rejected(service, "bad_rid", 400, "give a rid, or abort_all: true")
+    if len(body.rid) > MAX_RID_LEN:  # no live request has it, and it is not echoed back
+        return rejected(service, "bad_rid", 400, f"rid must be 1..{MAX_RID_LEN} characters, "
+                        f"got {len(body.rid)}")
     if not service.abort(body.rid):
         return rejected(service, "unknown_rid", 404, f"no live request has rid {body.rid!r}",
                         body.rid)

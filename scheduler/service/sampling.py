@@ -72,9 +72,9 @@ cache the engines then copy it from), ``bad_sampling`` for a value out of range)
     if sp.max_new_tokens > max_new_tokens_limit:  # the schema refuses a negative one
         raise BadRequest("bad_max_new_tokens", "sampling_params.max_new_tokens must be at most "
                          f"{max_new_tokens_limit}, got {sp.max_new_tokens}")
-    if sp.top_k == 0 or sp.top_k < -1:
-        raise BadRequest("bad_sampling", "sampling_params.top_k must be -1 (no limit) or >= 1, "
-                         f"got {sp.top_k}")
+    if sp.top_k == 0 or sp.top_k < -1 or sp.top_k > 1 << 31:
+        raise BadRequest("bad_sampling", "sampling_params.top_k must be -1 (no limit) or "
+                         f"1..{1 << 31}, got {sp.top_k}")
     stop = as_stop_strings(sp.stop or ())
     if "" in stop:
         raise BadRequest("bad_sampling", "sampling_params.stop: a stop string must not be empty")

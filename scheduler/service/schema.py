@@ -14,7 +14,7 @@ Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 class StrictBody(BaseModel):
     # Unknown fields (the router adds several) are ignored; known ones must have their type,
     # or be null: the default (SGLang's fields are optional, None meaning the default).
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
