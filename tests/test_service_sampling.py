@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -466,6 +467,37 @@ def test_stop_regexes_end_and_trim_the_answer_as_the_same_stop_string(service: S
                                                   "stop_regex": f"^{re.escape(stop)}"})
     assert anchored["meta_info"]["finish_reason"]["type"] == "length", anchored
     assert anchored["text"] == text
+
+
+def test_a_stop_regex_that_backtracks_catastrophically_fails_its_request_alone(
+        service: Service) -> None:
+    """An answer of ``a``s searched for ``(a|a)+b``: each search takes twice as long as the
+    last (``re`` would hold the GIL until it ended, freezing the worker). The search stops at
+    its budget and the request fails, 400 naming the pattern, while the request decoded beside
+    it and /health are answered."""
+    forced = {"max_new_tokens": 32, "ignore_eos": True, "logit_bias": {str(ord("a")): 100}}
+
+    async def main() -> list[httpx.Response]:
+        async with asgi_client(service) as client:
+            answers: list[httpx.Response] = await asyncio.wait_for(asyncio.gather(
+                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
+                    **forced, "stop_regex": ["zz", "(a|a)+b"]}}),
+                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
+                    **forced, "stop_regex": ["a+b"]}}),
+                client.get("/health"),
+            ), timeout=60)
+            return answers
+
+    slow, beside, health = run(main())
+    assert slow.status_code == 400, slow.text
+    error = slow.json()["error"]
+    assert error["type"] == "rejected"
+    assert error["message"].startswith("stop_regex '(a|a)+b' took too long on the output: "
+                                       "searching its "), error
+    assert beside.status_code == 200, beside.text
+    assert beside.json()["text"] == "a" * 32
+    assert beside.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 32}
+    assert health.status_code == 200, health.text
 
 
 def test_a_grammar_shapes_the_answer_and_keeps_its_last_token(service: Service) -> None:

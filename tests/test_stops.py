@@ -1,5 +1,6 @@
 """Stop strings and stop regexes (``scheduler.sample.stops``): the width of their matches, the
-tail the decode side decodes, where the text is cut and what a stream may send."""
+tail the decode side decodes, where the text is cut and what a stream may send, and the
+refusal of a regex whose search runs past its budget."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import pytest
 
 from lifecycle import SamplingParams
-from scheduler.sample.stops import Stops, regex_width
+from scheduler.sample.stops import SEARCH_BUDGET_S, StopRegexTooSlow, Stops, regex_width
 
 
 @pytest.mark.parametrize(("pattern", "width"), [
@@ -68,3 +69,21 @@ def test_a_stop_regex_that_cannot_end_an_answer_properly_is_refused(pattern: str
                                                                      why: str) -> None:
     with pytest.raises(ValueError, match=re.escape(why)):
         SamplingParams(8, stop_regex=[pattern])
+
+
+@pytest.mark.parametrize("pattern", [r"(a|a)+b", r"(?:a|a)*[^a]", r"(.|a)+[^a]"])
+def test_a_stop_regex_that_backtracks_catastrophically_is_refused_not_searched_on(
+        pattern: str) -> None:
+    """Over 64 ``a``s each pattern has 2**64 ways to fail: ``re`` would search for ages holding
+    the GIL. Every search stops at its budget and names the pattern; a short text is searched
+    as ever."""
+    stops = Stops.of(SamplingParams(8, stop=["END"], stop_regex=["x+y", pattern]))
+    text = "a" * 64
+    for search in (stops.matched, stops.cut, stops.settled):
+        with pytest.raises(StopRegexTooSlow) as caught:
+            search(text)
+        assert caught.value.pattern == pattern
+        assert str(caught.value).startswith(
+            f"stop_regex {pattern!r} took too long on the output: searching its 64 characters "
+            f"ran past the {SEARCH_BUDGET_S * 1000:.0f} ms a search may take")
+    assert stops.matched("aab END") == pattern and stops.cut("aab END") == 0

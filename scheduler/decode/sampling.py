@@ -12,7 +12,8 @@ strings, which need ``detokenize``. Then, per request that needs more than greed
 - after each token the constraint accepts it (a rejection fails the request, naming the
   grammar error: 500, or 400 where the grammar engine cannot run the grammar; a completed
   grammar stops the answer) and the tail of the decoded output that can hold a new match is
-  searched for the stop strings and regexes (:mod:`scheduler.sample.stops`).
+  searched for the stop strings and regexes (:mod:`scheduler.sample.stops`; a search for its
+  regexes that runs past its time budget fails the request, 400).
 
 A request is finished (:meth:`DecodeSampling.finished`) at ``max_new_tokens``, a stop token, a
 matched stop string or regex, a completed grammar or, unless it ignores EOS, one of the model's
@@ -37,6 +38,7 @@ from scheduler.sample.request import (
     token_set,
 )
 from scheduler.sample.sampler import Sampled
+from scheduler.sample.stops import StopRegexTooSlow
 
 
 class DecodeSampling:
@@ -59,7 +61,8 @@ class DecodeSampling:
 
     def first(self, req: DecodeRequest, row: MetadataRow) -> tuple[FailureReason, str] | None:
         """Take the first output token (already appended) from its metadata row; how the
-        request fails when its grammar rejects the token (:func:`grammar_failure`), else None."""
+        request fails when its grammar rejects the token (:func:`grammar_failure`) or the
+        search for its stop regexes runs past its budget, else None."""
         state = self._states.get(req.rid)
         if state is None:
             return None
@@ -86,7 +89,8 @@ class DecodeSampling:
     def landed(self, req: DecodeRequest,
                sampled: Sampled | None) -> tuple[FailureReason, str] | None:
         """Take a decode step's token (already appended); how the request fails when its
-        grammar rejects the token, else None."""
+        grammar rejects the token or the search for its stop regexes runs past its budget,
+        else None."""
         state = self._states.get(req.rid)
         if state is None:
             return None
@@ -104,8 +108,11 @@ class DecodeSampling:
         stops = state.stops
         if stops and state.matched_stop is None and self._detokenize is not None:
             # A new match ends in the newest token's text: decode only the tokens it can span.
-            state.matched_stop = stops.matched(
-                self._detokenize(stops.tail_tokens(req.output_ids)))
+            try:
+                state.matched_stop = stops.matched(
+                    self._detokenize(stops.tail_tokens(req.output_ids)))
+            except StopRegexTooSlow as exc:  # the client's pattern: 400
+                return FailureReason.REJECTED, str(exc)
         return None
 
     def output_logprobs(self, rid: str) -> Sequence[TokenLogprob]:

@@ -196,8 +196,11 @@ class Sampling:
                                       f"{why}") from exc
         if not needs_logits(params, len(prompt)) and not stops:
             return None
+        try:
+            searched = Stops.of(params) if self._stop_strings else Stops()
+        except ValueError as exc:  # a stop regex the matcher does not take
+            raise SamplingRefused(f"request {rid!r}: {exc}") from exc
         banned = tuple(sorted(self._eos.union(params.stop_token_ids))
                        if params.min_new_tokens else ())
         return RequestSampling(params, request_seed(params, room), constraint,
-                               first_entries(params, prompt), banned=banned,
-                               stops=Stops.of(params) if self._stop_strings else Stops())
+                               first_entries(params, prompt), banned=banned, stops=searched)

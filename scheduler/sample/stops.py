@@ -11,6 +11,19 @@ token is at least one character). A regex whose matches have no bound (``\\d+``,
 that asserts something about the text around its match (a lookaround, ``^``, ``\\A``, ``\\b``:
 at a tail's first character ``^`` would hold), makes the tail the whole output, decoded again
 after every token: a cost that grows with the square of the answer's length, as in SGLang.
+Searching less would change what matches: a start that failed can succeed once the text
+grows, and a token can change the text decoded before it (a byte-fallback piece completing a
+character), so no part of the output stays searched.
+
+The regexes are searched with the ``regex`` module in its ``re``-compatible mode (VERSION0),
+not with ``re``: a pattern that backtracks catastrophically (``(a|a)+b`` on a run of ``a``)
+takes time exponential in the text's length, and ``re`` would hold the GIL throughout, freezing
+every thread of the worker (health checks, other requests, signal handlers). ``regex``
+releases the GIL while it searches and stops at a deadline: one search of a text for all of a
+request's regexes may take :data:`SEARCH_BUDGET_S`, and one that runs past it raises
+:class:`StopRegexTooSlow`, which fails that request (400: the pattern is the client's to
+change). Where the two modules read a pattern differently, ``regex``'s reading holds: a set
+that starts with ``[:`` (``[[:alpha:]]``) is a POSIX class to it (``re`` warns of a change).
 
 The answer's text is cut where the first stop in it begins, unless the request keeps it
 (``no_stop_trim``), and its finish reason names the stop that matched (a string, or a regex's
@@ -22,15 +35,37 @@ of no width (unbounded, or asserting about its context), nothing before the answ
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
+import regex
 
 from lifecycle import SamplingParams
 
 #: A regex whose widest match ``re`` puts beyond this many characters counts as unbounded.
 WIDEST = 1 << 16
+
+#: The seconds one search of a text for a request's stop regexes (all of them) may take. A
+#: pattern that does not backtrack searches a 128,000-character output in under a millisecond,
+#: so this leaves it ample room; and the decode loop searches between steps, so it bounds how
+#: long one request's patterns can hold up every answer of its batch (a step takes tens of
+#: milliseconds), and the HTTP server's event loop the same.
+SEARCH_BUDGET_S = 0.05
+
+
+class StopRegexTooSlow(ValueError):
+    """A search for a request's stop regexes ran past :data:`SEARCH_BUDGET_S`: the pattern it
+    was searching for backtracks too much, and the request fails (400)."""
+
+    def __init__(self, pattern: str, chars: int) -> None:
+        super().__init__(
+            f"stop_regex {pattern!r} took too long on the output: searching its {chars} "
+            f"characters ran past the {SEARCH_BUDGET_S * 1000:.0f} ms a search may take (a "
+            "pattern that backtracks catastrophically, such as nested repeats like (a+)+); "
+            "simplify the pattern")
+        self.pattern = pattern
 
 
 def regex_width(pattern: re.Pattern[str]) -> int | None:
@@ -81,16 +116,26 @@ class Stops:
     """A request's stop strings and compiled stop regexes, and the width of their matches."""
 
     strings: tuple[str, ...] = ()
-    regexes: tuple[re.Pattern[str], ...] = ()
+    #: Compiled by ``regex`` (VERSION0: ``re``'s syntax and meaning).
+    regexes: tuple[regex.Pattern[str], ...] = ()
     #: The most characters one match spans; None when a regex has no bound.
     width: int | None = 0
 
     @classmethod
     def of(cls, params: SamplingParams) -> Stops:
-        regexes = tuple(re.compile(p) for p in params.stop_regex)
-        widths = [len(s) for s in params.stop] + [regex_width(r) for r in regexes]
+        """The request's stops. Raises ``ValueError`` for a pattern ``regex`` does not take
+        (``SamplingParams`` has checked that ``re`` takes it)."""
+        regexes = []
+        for pattern in params.stop_regex:
+            try:
+                regexes.append(regex.compile(pattern, regex.VERSION0))
+            except regex.error as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a regular expression this "
+                                 f"server can search for: {exc}") from exc
+        widths: list[int | None] = [len(s) for s in params.stop]
+        widths += [regex_width(re.compile(p)) for p in params.stop_regex]
         width = None if None in widths else max((w for w in widths if w is not None), default=0)
-        return cls(params.stop, regexes, width)
+        return cls(params.stop, tuple(regexes), width)
 
     def __bool__(self) -> bool:
         return bool(self.strings or self.regexes)
@@ -104,20 +149,39 @@ class Stops:
     def matched(self, tail: str) -> str | None:
         """The stop that begins first in ``tail`` (a string, or a regex's pattern; a string
         before a regex, then in the request's order, where two begin together); None when
-        none is there. The answer's text is cut where it begins."""
+        none is there. The answer's text is cut where it begins. Raises
+        :class:`StopRegexTooSlow`."""
         found = [(at, s) for s in self.strings if (at := tail.find(s)) >= 0]
-        found += [(m.start(), r.pattern) for r in self.regexes if (m := r.search(tail))]
+        found += self._regex_starts(tail)
         return min(found, key=lambda f: f[0])[1] if found else None
 
     def cut(self, text: str) -> int:
-        """Where the first stop in ``text`` begins (``len(text)`` when none does)."""
-        starts = [text.find(s) for s in self.strings]
-        starts += [m.start() for m in (r.search(text) for r in self.regexes) if m is not None]
-        return min((at for at in starts if at >= 0), default=len(text))
+        """Where the first stop in ``text`` begins (``len(text)`` when none does). Raises
+        :class:`StopRegexTooSlow`."""
+        starts = [at for s in self.strings if (at := text.find(s)) >= 0]
+        starts += [at for at, _ in self._regex_starts(text)]
+        return min(starts, default=len(text))
+
+    def _regex_starts(self, text: str) -> list[tuple[int, str]]:
+        """Where each regex's first match in ``text`` begins, with its pattern (those that
+        match, in the request's order), searched within :data:`SEARCH_BUDGET_S` in all."""
+        found: list[tuple[int, str]] = []
+        deadline = time.monotonic() + SEARCH_BUDGET_S
+        for compiled in self.regexes:
+            pattern: str = compiled.pattern
+            try:
+                # concurrent: the GIL is released while it searches.
+                match = compiled.search(text, concurrent=True,
+                                        timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError as exc:
+                raise StopRegexTooSlow(pattern, len(text)) from exc
+            if match is not None:
+                found.append((int(match.start()), pattern))
+        return found
 
     def settled(self, text: str) -> int:
         """How much of ``text`` (the answer so far) a stream may send: no stop can still claim
-        it."""
+        it. Raises :class:`StopRegexTooSlow`."""
         cut = self.cut(text)
         if cut < len(text):
             return cut
