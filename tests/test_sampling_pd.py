@@ -303,11 +303,16 @@ def test_input_logprobs_across_chunks_equal_one_unchunked_forward(overlap: bool)
         "last": SamplingParams(max_new_tokens=2, return_logprob=True, logprob_start_len=29),
         "none": SamplingParams(max_new_tokens=2, return_logprob=True, logprob_start_len=30),
     }
-    out = run(make_pair(overlap), {rid: (prompt, p) for rid, p in asks.items()})
+    past = SamplingParams(max_new_tokens=2, return_logprob=True, logprob_start_len=31)
+    out = run(make_pair(overlap), {rid: (prompt, p) for rid, p in asks.items()}
+              | {"past": (prompt, past)})
     for rid, params in asks.items():
         got = out[rid].prefill.input_logprobs
         assert len(got) == max(0, len(prompt) - params.logprob_start_len), rid
         assert_logprobs_close(got, expected_input_logprobs(prompt, params))
+    refused = out["past"].prefill  # past the prompt's end: refused, not answered with none
+    assert refused.reason is FailureReason.REJECTED and refused.http_status == 400
+    assert "logprob_start_len (31) is past the prompt's 30 tokens" in refused.detail
 
 
 def test_the_prefix_cache_leaves_the_scored_positions_to_compute() -> None:

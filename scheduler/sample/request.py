@@ -163,6 +163,11 @@ class Sampling:
                 f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) - 1 exceeds the model's context of {context} "
                 f"positions")
+        if params.return_logprob and params.logprob_start_len > len(prompt) > 0:
+            raise SamplingRefused(  # past the prompt's end: a client's mistake, said
+                f"request {rid!r}: logprob_start_len ({params.logprob_start_len}) is past the "
+                f"prompt's {len(prompt)} tokens: give 0..{len(prompt)} ({len(prompt)} or -1: "
+                "no input logprobs)")
         vocab = self._vocab
         problem = outside_vocabulary(prompt, vocab) if vocab is not None else None
         if problem:
