@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import jsonschema
 import pytest
@@ -498,6 +499,33 @@ def test_a_stop_regex_that_backtracks_catastrophically_fails_its_request_alone(
     assert beside.json()["text"] == "a" * 32
     assert beside.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 32}
     assert health.status_code == 200, health.text
+
+
+def test_a_stop_regex_too_slow_for_the_streamed_text_fails_the_stream_with_a_400() -> None:
+    """``(a|a){1,14}b`` spans at most 15 characters, so the decode side searches the newest
+    few only (milliseconds), while an OpenAI stream settles what it may send by searching the
+    whole text so far (hundreds of milliseconds for 256 ``a``s): past the budget the stream
+    ends with a 400 error event and [DONE], not a cut connection, and the request is
+    aborted."""
+    config = attrs.evolve(CONFIG, pool_pages=160, max_new_tokens_limit=256)
+    body = {"prompt": PROMPT, "stream": True, "max_tokens": 256, "temperature": 0,
+            "ignore_eos": True, "logit_bias": {str(ord("a")): 100},
+            "stop_regex": "(a|a){1,14}b"}
+
+    async def main(service: Service) -> str:
+        async with asgi_client(service) as client:
+            r = await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=120)
+            assert r.status_code == 200
+            return r.text
+
+    with running_service(config) as service:
+        chunks, done = tokens_of_stream(run(main(service)))
+        assert service.wait_drained(30)
+    assert done, "the stream was cut before [DONE]"
+    error = chunks[-1]["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "rejected"), error
+    assert error["message"].startswith("stop_regex '(a|a){1,14}b' took too long on the "
+                                       "output: searching its "), error
 
 
 def test_a_grammar_shapes_the_answer_and_keeps_its_last_token(service: Service) -> None:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lifecycle import TOKEN_IDS_LOGPROB_MAX, SamplingParams
 from scheduler.messages import TokenLogprob
+from scheduler.sample.stops import StopRegexTooSlow
 from scheduler.service import handoff
 from scheduler.service.answers import answer_body, answer_text, final_body
 from scheduler.service.config import MAX_RID_LEN, AnswerOptions
@@ -234,8 +235,11 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
         a.status, failure_kind(a), a.message, a.rid))
     if isinstance(answers, Response):
         return answers
-    bodies = [final_body(service.tokenizer, p.item, a) for p, a in zip(started, answers,
-                                                                        strict=True)]
+    try:
+        bodies = [final_body(service.tokenizer, p.item, a)
+                  for p, a in zip(started, answers, strict=True)]
+    except StopRegexTooSlow as exc:  # cutting the answer at its stop ran past the budget
+        return error(400, "rejected", str(exc), started[0].item.rid)
     return JSONResponse(bodies if batch else bodies[0])
 
 
@@ -243,6 +247,17 @@ async def _chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str,
     """SGLang's stream: cumulative ``text``/``output_ids`` per chunk and, when asked, the
     logprob fields of the answer so far (SGLang's ``meta_info`` of a stream that is not
     incremental); the last one with its ``finish_reason`` (or an error)."""
+    try:
+        async for chunk in _answer_chunks(service, pending):
+            yield chunk
+    except StopRegexTooSlow as exc:  # its text cannot be cut in time: the request fails
+        service.abort(pending.item.rid)
+        await pending.future  # its answer, the abort's, lands before the stream ends
+        yield ErrorBody(error=ErrorDetail(message=str(exc), type="rejected",
+                                          rid=pending.item.rid)).model_dump()
+
+
+async def _answer_chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str, Any]]:
     item = pending.item
     emitted: list[int] = []
     logprobs: list[TokenLogprob] = []

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scheduler.sample.stops import StopRegexTooSlow
 from scheduler.service import handoff
 from scheduler.service.answers import final_text
 from scheduler.service.core import Answer, Item, Pending, Service
@@ -169,10 +170,14 @@ async def _serve(service: Service, request: Request, body: Body,
     if isinstance(answers, Response):
         answers.headers.update(headers)
         return answers
-    return JSONResponse(answer_body(service.tokenizer, rid, list(zip(items, answers,
-                                                                      strict=True)),
-                                    model, chat=chat, created=created, n=body.n),
-                        headers=headers)
+    try:
+        answered = answer_body(service.tokenizer, rid, list(zip(items, answers, strict=True)),
+                               model, chat=chat, created=created, n=body.n)
+    except StopRegexTooSlow as exc:  # cutting an answer at its stop ran past the budget
+        response = openai_error(400, str(exc), "rejected")
+        response.headers.update(headers)
+        return response
+    return JSONResponse(answered, headers=headers)
 
 
 async def _stream(service: Service, started: list[Pending], chunks: Chunks,
@@ -192,6 +197,17 @@ async def _chunks(service: Service, pending: Pending,
     tokens, or the answer), text only once it cannot change (:class:`StreamText`), with
     the logprobs of the tokens whose text it completes (:class:`StreamLogprobs`), the last with
     the finish reason and the remaining logprobs; or an error."""
+    try:
+        async for chunk in _choice_chunks(service, pending, chunks):
+            yield chunk
+    except StopRegexTooSlow as exc:  # its text cannot be cut in time: the choice fails
+        service.abort(pending.item.rid)
+        await pending.future  # its answer, the abort's, lands before the stream ends
+        yield OpenAIError.of(400, str(exc), "rejected").model_dump()
+
+
+async def _choice_chunks(service: Service, pending: Pending,
+                         chunks: Chunks) -> AsyncIterator[dict[str, Any]]:
     item, tokenizer = pending.item, service.tokenizer
     text = StreamText(tokenizer, item)
     tools = None if item.options.tools is None else ToolStream(item.options.tools)
