@@ -32,6 +32,11 @@ address (the first time, then every 100th) and counted (:attr:`BootstrapServer.u
 ``GET /route`` also says whether this endpoint requires a token (``token_required``), so a decode
 peer whose token is useless here (prefill would never check it, and decode would drop prefill's
 unauthenticated statuses) refuses to register instead of failing every room at its timeout.
+
+The client (:class:`BootstrapClient`) trusts the server no more than the server trusts it: each
+request has one deadline for all of it (connecting, sending, the status line, headers and body,
+however slowly they come: a timeout per read would let a server that sends a byte now and then
+hold the caller for ever), and an answer's body is read only up to :data:`MAX_ANSWER`.
 """
 
 from __future__ import annotations
@@ -41,18 +46,29 @@ import http.client
 import json
 import logging
 import secrets
+import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kv.rank_table import PrefillInfo, RankInfo, registration_conflict
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
 logger = logging.getLogger(__name__)
 
 _MAX_BODY = 64 << 10
+#: The largest answer body the client reads. A route table takes about 500 bytes a rank (1,024
+#: ranks: 0.5 MB; 1.2 MB with 200-character model names and 191-character host names), so this
+#: leaves room for any mesh while a server answering without end costs a decode little memory.
+MAX_ANSWER = 4 << 20
+#: Bytes of a body of unknown length read at a time.
+_READ_CHUNK = 64 << 10
 #: The header of every answer (``/health``'s included) that names the server instance.
 INSTANCE_HEADER = "X-Pdlife-Instance"
 #: Connections served at once; the peers' requests are short (a look-up, a refusal, a health
@@ -337,7 +353,8 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
 
 
 class BootstrapClient:
-    """Talks to a bootstrap endpoint at ``addr`` ("host:port") with a timeout per request."""
+    """Talks to a bootstrap endpoint at ``addr`` ("host:port"); each request, all of it, takes
+    at most ``timeout_s``."""
 
     def __init__(self, addr: str, *, timeout_s: float = 5.0, token: str | None = None) -> None:
         host, sep, port = addr.rpartition(":")
@@ -352,9 +369,10 @@ class BootstrapClient:
     def register(self, info: RankInfo) -> None:
         self._request("PUT", "/route", json.dumps(attrs.asdict(info)).encode())
 
-    def lookup(self) -> PrefillInfo:
-        """The prefill table; ``BootstrapError`` with status 503 while ranks are missing."""
-        body = self._request("GET", "/route")
+    def lookup(self, deadline: float | None = None) -> PrefillInfo:
+        """The prefill table; ``BootstrapError`` with status 503 while ranks are missing. With
+        ``deadline`` (a ``time.monotonic()``), the request ends by then if not sooner."""
+        body = self._exchange("GET", "/route", deadline=deadline)[0]
         try:
             table = json.loads(body)
             if not isinstance(table, dict):
@@ -398,22 +416,92 @@ class BootstrapClient:
     def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
         return self._exchange(method, path, body)[0]
 
-    def _exchange(self, method: str, path: str,
-                  body: bytes | None = None) -> tuple[bytes, str]:
-        """The answer's body and the server's instance header ("" when it sends none)."""
+    def _exchange(self, method: str, path: str, body: bytes | None = None,
+                  deadline: float | None = None) -> tuple[bytes, str]:
+        """The answer's body and the server's instance header ("" when it sends none), within
+        ``timeout_s`` and by ``deadline`` (when given) in all."""
         headers = {"Content-Type": "application/json"}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        end = time.monotonic() + self._timeout_s
+        conn = _DeadlineConnection(self._host, self._port,
+                                   end if deadline is None else min(end, deadline))
         try:
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
-            data = resp.read()
+            data = self._read(resp, f"{method} {path}")
         except (OSError, http.client.HTTPException) as exc:
-            # Unreachable, or an answer cut short (a server shutting down mid-answer).
+            # Unreachable, too slow, or an answer cut short (a server shutting down mid-answer).
             raise BootstrapError(self.addr, 0, str(exc) or type(exc).__name__) from None
         finally:
             conn.close()
         if resp.status != 200:
             raise BootstrapError(self.addr, resp.status, data.decode(errors="replace")[:200])
         return data, resp.getheader(INSTANCE_HEADER, "")
+
+    def _read(self, resp: http.client.HTTPResponse, what: str) -> bytes:
+        """``resp``'s body; a :class:`BootstrapError` instead of one over :data:`MAX_ANSWER`
+        (refused by its Content-Length before any of it is read, or once that much came)."""
+        if resp.length is not None:  # a Content-Length
+            if resp.length > MAX_ANSWER:
+                raise self._too_large(resp, what, f"Content-Length {resp.length}")
+            return resp.read()
+        data = bytearray()  # chunked, or up to the end of the connection
+        while chunk := resp.read(_READ_CHUNK):
+            data += chunk
+            if len(data) > MAX_ANSWER:
+                raise self._too_large(resp, what, "no Content-Length")
+        return bytes(data)
+
+    def _too_large(self, resp: http.client.HTTPResponse, what: str,
+                   size: str) -> BootstrapError:
+        return BootstrapError(
+            self.addr, resp.status,
+            f"the answer to {what} is over {MAX_ANSWER >> 20} MiB ({size}), the most a peer "
+            "reads (a route table of 1,024 ranks takes about 0.5 MB): is a pdlife bootstrap "
+            "endpoint there?")
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An HTTP connection that ends by ``deadline`` (a ``time.monotonic()``): connecting, and
+    then every send and every read, waits at most until then, so a server that answers a
+    byte at a time cannot stretch a request past it."""
+
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        super().__init__(host, port)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        self.timeout = _left(self._deadline)
+        super().connect()
+        self.sock = _DeadlineSocket.adopt(self.sock, self._deadline)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline``; TimeoutError when it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+class _DeadlineSocket(socket.socket):
+    """A connected socket each of whose sends and receives waits at most until ``deadline``
+    (the response reads through :meth:`recv_into`)."""
+
+    deadline = 0.0
+
+    @classmethod
+    def adopt(cls, sock: socket.socket, deadline: float) -> _DeadlineSocket:
+        """``sock``'s connection, now this class's (``sock`` is left detached)."""
+        own = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        own.deadline = deadline
+        return own
+
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
+        self.settimeout(_left(self.deadline))
+        return super().recv_into(buffer, nbytes, flags)
+
+    def sendall(self, data: ReadableBuffer, flags: int = 0, /) -> None:
+        self.settimeout(_left(self.deadline))
+        super().sendall(data, flags)

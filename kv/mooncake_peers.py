@@ -62,12 +62,13 @@ def lookup_prefill(bootstrap_addr: str, config: MooncakeConfig, me: DecodeRank,
                    stop: threading.Event) -> PrefillInfo:
     """The prefill server's table, waiting up to ``connect_timeout_s`` for all its ranks;
     raises :class:`~kv.mooncake_engine.MooncakeError` (or a subclass naming the fix) when it
-    cannot be reached or cannot serve ``me``."""
+    cannot be reached or cannot serve ``me``. The timeout bounds the whole look-up, every
+    try and all of each (a server that answers a byte at a time included)."""
     client = BootstrapClient(bootstrap_addr, token=config.token)
     deadline = time.monotonic() + config.connect_timeout_s
     while True:
         try:
-            table = client.lookup()
+            table = client.lookup(deadline)
             break
         except BootstrapError as exc:
             if exc.status == 401:
@@ -76,8 +77,12 @@ def lookup_prefill(bootstrap_addr: str, config: MooncakeConfig, me: DecodeRank,
                     f"({'none was sent' if config.token is None else 'a wrong one'}): "
                     "start both workers with the same --peer-token-file or "
                     "PDLIFE_PEER_TOKEN (MooncakeConfig.token in a library)") from exc
-            if exc.status not in (0, 503) or time.monotonic() >= deadline:
+            if exc.status not in (0, 503):
                 raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
+            if time.monotonic() >= deadline:
+                out = BootstrapError(exc.addr, exc.status, f"{exc.detail}; gave up after "
+                                     f"--connect-timeout {config.connect_timeout_s:g} s")
+                raise MooncakeError(f"prefill bootstrap lookup failed: {out}") from out
             if stop.wait(0.05):  # closing
                 raise MooncakeError("prefill bootstrap lookup stopped: closing") from exc
     if config.token is not None and not table.token_required:

@@ -8,11 +8,14 @@ router pairs it with, and a Mooncake decode manager is bound to one prefill boot
 :class:`DecodeKVRouter` keeps one manager per ``bootstrap_host:bootstrap_port``:
 
 - :meth:`DecodeKVRouter.connect` creates the manager of an address. Creating one looks the
-  prefill server up and registers with it, which blocks (up to the connect timeout), so the
-  HTTP service calls it on a worker thread *before* it submits the request; the engine loop
-  never blocks on a peer. Calls for an address already being looked up wait for that look-up
-  and share its outcome, so requests naming a prefill that does not answer fail together
-  after one connect timeout, not one after another.
+  prefill server up and registers with it, which blocks (up to the connect timeout, which
+  bounds the whole look-up), so the HTTP service has it done *before* it submits the request,
+  through :meth:`DecodeKVRouter.connect_soon`: one thread per address looked up makes the
+  manager and tells every waiting request the outcome, and a request that stops waiting (its
+  client went away) withdraws; the engine loop never blocks on a peer. Calls for an address
+  already being looked up, either way, wait for that look-up and share its outcome, so
+  requests naming a prefill that does not answer fail together after one connect timeout, not
+  one after another, and hold no thread each meanwhile.
 - :meth:`DecodeKVRouter.create_receiver` (engine loop) hands the room to its address's manager;
   an address that was never connected fails that request's bootstrap, nothing else.
 - ``ready`` merges every manager's readiness queue (and rooms put back by the peer).
@@ -42,6 +45,7 @@ mask when the fake has the compiler) and its logprob in the row.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -130,13 +134,19 @@ class _MergedReady:
         raise queue.Empty
 
 
+#: What a waiter of :meth:`DecodeKVRouter.connect_soon` is told: None (connected), or why not.
+Outcome = Callable[[PeerUnreachable | None], None]
+
+
 class _Attempt:
-    """One look-up of a prefill server in progress, and the calls waiting for it."""
+    """One look-up of a prefill server in progress: how many calls wait for it (the one that
+    began it included), and the waiters to tell its outcome."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.waiting = 0
+        self.callers = 1
         self.error: PeerUnreachable | None = None
+        self.told: list[Outcome] = []
 
 
 class LocalPrefillFake(FakeDecodeManager):
@@ -269,23 +279,65 @@ class DecodeKVRouter:
         but the engine loop). Raises :class:`PeerUnreachable` if the peer cannot be reached.
 
         Calls for an address whose manager is being created wait for that one attempt and
-        share its outcome (they do not each look the peer up again, one after another)."""
-        if self._factory is None or is_fake(bootstrap_addr):
-            return
+        share its outcome (they do not each look the peer up again, one after another); it
+        ends by the factory's own timeout (a Mooncake manager's ``connect_timeout_s``)."""
         with self._lock:
-            if bootstrap_addr in self._managers:
-                return
-            attempt = self._connecting.get(bootstrap_addr)
-            owner = attempt is None
-            if attempt is None:
-                attempt = self._connecting[bootstrap_addr] = _Attempt()
-            else:
-                attempt.waiting += 1
-        if not owner:
-            attempt.done.wait()
-            if attempt.error is not None:
-                raise PeerUnreachable(bootstrap_addr, str(attempt.error))
+            joined = self._join(bootstrap_addr)
+        if joined is None:
             return
+        attempt, first = joined
+        if first:
+            self._make(bootstrap_addr, attempt)
+            return
+        attempt.done.wait()
+        if attempt.error is not None:
+            raise PeerUnreachable(bootstrap_addr, str(attempt.error))
+
+    def connect_soon(self, bootstrap_addr: str, on_done: Outcome) -> Callable[[], None] | None:
+        """:meth:`connect` without blocking: None when there is nothing to wait for (the
+        address has a manager, or gets none); else ``on_done`` is called once, on the
+        look-up's thread, with None (connected) or the :class:`PeerUnreachable`, and the call
+        returned withdraws it (its caller stops waiting; the look-up goes on for the others,
+        and a later call finds its manager). The first call for an address starts the one
+        thread that looks it up; the others add a waiter to it."""
+        with self._lock:
+            joined = self._join(bootstrap_addr)
+            if joined is None:
+                return None
+            attempt, first = joined
+            attempt.told.append(on_done)
+        if first:
+            threading.Thread(target=self._make_for_waiters, args=(bootstrap_addr, attempt),
+                             name="pdlife-connect", daemon=True).start()
+
+        def withdraw() -> None:
+            with self._lock:
+                if on_done in attempt.told:  # else the outcome is being told already
+                    attempt.told.remove(on_done)
+                    attempt.callers -= 1
+        return withdraw
+
+    def _join(self, bootstrap_addr: str) -> tuple[_Attempt, bool] | None:
+        """The look-up of ``bootstrap_addr`` to wait for, and whether this call begins it (it
+        then makes the manager); None when none is needed. Under the lock."""
+        if self._factory is None or is_fake(bootstrap_addr) or bootstrap_addr in self._managers:
+            return None
+        attempt = self._connecting.get(bootstrap_addr)
+        if attempt is None:
+            self._connecting[bootstrap_addr] = attempt = _Attempt()
+            return attempt, True
+        attempt.callers += 1
+        return attempt, False
+
+    def _make_for_waiters(self, bootstrap_addr: str, attempt: _Attempt) -> None:
+        """:meth:`_make` on a look-up's own thread: the outcome goes to the waiters."""
+        with contextlib.suppress(PeerUnreachable):
+            self._make(bootstrap_addr, attempt)
+
+    def _make(self, bootstrap_addr: str, attempt: _Attempt) -> None:
+        """Create the manager of ``bootstrap_addr`` for ``attempt`` and tell its waiters the
+        outcome; raises its :class:`PeerUnreachable`."""
+        assert self._factory is not None
         try:
             manager = self._factory(bootstrap_addr)
         except Exception as exc:
@@ -308,7 +360,16 @@ class DecodeKVRouter:
         finally:
             with self._lock:
                 del self._connecting[bootstrap_addr]
+                told, attempt.told = attempt.told, []
             attempt.done.set()
+            for on_done in told:  # each its own exception: each waiter raises it
+                error = attempt.error
+                try:
+                    on_done(None if error is None else PeerUnreachable(bootstrap_addr,
+                                                                       str(error)))
+                except Exception:  # the other waiters are still to be told
+                    logger.exception("telling a waiter the look-up of %s failed",
+                                     bootstrap_addr)
 
     @property
     def closing(self) -> threading.Event:
@@ -317,9 +378,9 @@ class DecodeKVRouter:
 
     def connecting(self) -> dict[str, int]:
         """The prefill addresses being looked up now, each with how many calls of
-        :meth:`connect` wait for that look-up besides the one making it."""
+        :meth:`connect` or :meth:`connect_soon` wait for that look-up besides the first."""
         with self._lock:
-            return {addr: a.waiting for addr, a in sorted(self._connecting.items())}
+            return {addr: max(a.callers - 1, 0) for addr, a in sorted(self._connecting.items())}
 
     def peers(self) -> list[str]:
         with self._lock:

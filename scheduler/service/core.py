@@ -72,6 +72,7 @@ from scheduler.service.pending import Pending
 from scheduler.service.shedding import QueueBound
 
 if TYPE_CHECKING:
+    from scheduler.decode.router import Outcome
     from scheduler.service.tracing import LifecycleTracer
 
 __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", "Unavailable"]
@@ -259,7 +260,8 @@ class Service:
         return items
 
     def needs_connect(self, item: Item) -> bool:
-        """Whether :meth:`connect_peer` may block for ``item`` (a peer not yet connected)."""
+        """Whether ``item`` may have to wait for :meth:`connect_peer_soon` (a peer not yet
+        connected)."""
         kv = self.decode_kv
         return kv is not None and not item.fake and self.config.backend == "mooncake" and (
             item.bootstrap_addr not in kv.peers())
@@ -267,9 +269,13 @@ class Service:
     @contextlib.contextmanager
     def looking_up(self, items: list[Item]) -> Iterator[None]:
         """Count ``items`` as waiting for their prefill servers' look-up while the block runs
-        (:meth:`connecting`)."""
+        (:meth:`connecting`). They are queued requests: raises
+        :class:`~.shedding.Overloaded`, counting none, when they do not all fit
+        ``max_queued_requests`` beside the live requests and the others waiting."""
         waiting = collections.Counter(i.bootstrap_addr for i in items)
         with self._lock:
+            if items:
+                self._queue.check(self._held() + len(items) - 1, items[0].rid)
             self._looking_up.update(waiting)
         try:
             yield
@@ -284,11 +290,19 @@ class Service:
         with self._lock:
             return dict(sorted(self._looking_up.items()))
 
-    def connect_peer(self, item: Item) -> None:
-        """Decode role: make sure the request's prefill server is connected (blocking; call it
-        off the event loop). Raises :class:`PeerUnreachable`."""
-        if self.decode_kv is not None and not item.fake:
-            self.decode_kv.connect(item.bootstrap_addr)
+    def _held(self) -> int:
+        """The requests this service holds: the live ones and those waiting for a look-up.
+        Under the lock."""
+        return len(self._pending) + sum(self._looking_up.values())
+
+    def connect_peer_soon(self, item: Item, on_done: Outcome) -> Callable[[], None] | None:
+        """Decode role: have the request's prefill server connected, without blocking
+        (:meth:`~scheduler.decode.router.DecodeKVRouter.connect_soon`): None when there is
+        nothing to wait for; else ``on_done`` gets the outcome (on the look-up's thread) and
+        the call returned stops waiting for it."""
+        if self.decode_kv is None or item.fake:
+            return None
+        return self.decode_kv.connect_soon(item.bootstrap_addr, on_done)
 
     def start(self, item: Item, *, stream: bool,
               carrier: dict[str, str] | None = None) -> Pending:
@@ -318,7 +332,7 @@ class Service:
             if item.rid in self._pending:
                 raise BadRequest("duplicate_rid", f"request id {item.rid!r} is already live",
                                  rid=item.rid, param="rid")
-            self._queue.check(len(self._pending), item.rid)
+            self._queue.check(self._held(), item.rid)
             self._pending[item.rid] = pending
             if stream and self.decode is not None:
                 self._streams[item.rid] = pending

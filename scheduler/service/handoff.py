@@ -5,8 +5,10 @@ stream's new tokens.
 Theory of operation: :func:`checked` refuses a body while the server takes no requests, then
 builds the route's items from it (on a worker thread); what building refuses is told to the
 body's peers and raised as a :class:`Refusal`. :func:`admit` connects the decode role to the
-prefill servers the items name (off the event loop: a first lookup may block), then registers
-and submits each item (:meth:`Service.start`). What it refuses it raises as :class:`Refusal`,
+prefill servers the items name (a first look-up runs on the router's thread for that address;
+the handler waits for its outcome, and stops waiting when the server drains, when the look-up
+outlasts its time, or when the client goes away), then registers and submits each item
+(:meth:`Service.start`). What it refuses it raises as :class:`Refusal`,
 after telling the items' peers (:mod:`.refusals`) and aborting what it had already started, so
 the route only has to answer the refusal in its own error shape. :func:`wait` returns the
 answers, or None when the client went away first (its requests are aborted). :func:`new_tokens`
@@ -24,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -94,19 +95,9 @@ def count(service: Service, refusal: Refusal) -> None:
 async def admit(service: Service, request: Request, items: list[Item], *,
                 stream: bool) -> list[Pending]:
     """Start ``items`` (see the module's theory), or :class:`Refusal`."""
-    try:
-        looked_up = [i for i in items if service.needs_connect(i)]
-        with service.looking_up(looked_up):
-            for addr_item in {i.bootstrap_addr: i for i in looked_up}.values():
-                await _connect(service, addr_item)
-    except PeerUnreachable as exc:
-        logger.info("refused %s (500 bootstrap_failed): %s", [i.rid for i in items], exc)
-        refuse_items(service, items, "bootstrap_failed", 500, str(exc))
-        # The rid of the first request that names the unreachable prefill.
-        raise Refusal("bootstrap_failed", 500, str(exc), addr_item.rid) from exc
-    except Unavailable as exc:  # draining began during the look-up
-        refuse_items(service, items, "draining", 503, str(exc))
-        raise Refusal("draining", 503, str(exc), addr_item.rid) from exc
+    looked_up = [i for i in items if service.needs_connect(i)]
+    if looked_up:
+        await _look_up(service, request, items, looked_up)
     started: list[Pending] = []
     carrier = trace_carrier(service, request)
     try:
@@ -124,42 +115,94 @@ async def admit(service: Service, request: Request, items: list[Item], *,
     return started
 
 
+class _ClientGone(Exception):
+    """The client went away while its request waited."""
+
+
+async def _look_up(service: Service, request: Request, items: list[Item],
+                   looked_up: list[Item]) -> None:
+    """Wait until the prefill servers ``looked_up`` name are connected; :class:`Refusal`, told
+    to the peers of ``items``, when one cannot be, when they do not fit the queue, when the
+    server drains or when the client goes away first."""
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    waiting_for = looked_up[0]
+    try:
+        with service.looking_up(looked_up):
+            for waiting_for in {i.bootstrap_addr: i for i in looked_up}.values():
+                await _connect(service, waiting_for, gone)
+    except PeerUnreachable as exc:
+        logger.info("refused %s (500 bootstrap_failed): %s", [i.rid for i in items], exc)
+        refuse_items(service, items, "bootstrap_failed", 500, str(exc))
+        # The rid of the first request that names the unreachable prefill.
+        raise Refusal("bootstrap_failed", 500, str(exc), waiting_for.rid) from exc
+    except BadRequest as exc:  # overloaded: no room for them to wait
+        refuse_items(service, items, exc.reason, exc.status, str(exc))
+        raise Refusal.of(exc) from exc
+    except Unavailable as exc:  # draining began during the look-up
+        refuse_items(service, items, "draining", 503, str(exc))
+        raise Refusal("draining", 503, str(exc), waiting_for.rid) from exc
+    except _ClientGone as exc:
+        logger.info("client went away during its prefill's look-up; aborted %s",
+                    [i.rid for i in items])
+        why = "the client went away while its prefill server was looked up"
+        refuse_items(service, items, "aborted", 499, why)
+        raise Refusal("aborted", 499, why, waiting_for.rid) from exc
+    finally:
+        gone.cancel()
+
+
 #: How often a request waiting for its prefill server's look-up checks for a drain.
 _CONNECT_POLL_S = 0.25
+#: How long a request waits for its prefill server's manager beyond ``--connect-timeout`` (the
+#: look-up's own bound): building it once the prefill answered (a transfer engine, sockets).
+_SET_UP_S = 10.0
 
 
-async def _connect(service: Service, item: Item) -> None:
-    """Connect ``item``'s prefill server on a thread of its own; :class:`Unavailable` once the
-    server drains. The look-up of a prefill that does not answer lasts up to
-    ``--connect-timeout``, and a drain counts a request only once it has started: the exit
-    would have waited for this handler (and for the event loop's executor, whose threads are
-    joined). The thread is not joined; closing the decode router ends its look-up."""
+async def _connect(service: Service, item: Item, gone: asyncio.Future[None]) -> None:
+    """Wait for ``item``'s prefill server to be connected: the look-up of its address, shared
+    with every request naming it, runs on a thread of its own and ends by ``--connect-timeout``
+    (a request holds no thread while it waits). :class:`PeerUnreachable` when it fails, or
+    when it is not done ``_SET_UP_S`` after that; :class:`Unavailable` once the server drains
+    (a drain counts a request only once it has started: the exit would have waited for this
+    handler); :class:`_ClientGone` once ``gone`` is done. A request that stops waiting
+    withdraws; the look-up goes on for the others, to its end by ``--connect-timeout`` (or
+    sooner, between tries, when the decode router closes)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
-    def settle(exc: BaseException | None) -> None:
+    def settle(error: PeerUnreachable | None) -> None:
         if not done.done():
-            if exc is None:
+            if error is None:
                 done.set_result(None)
             else:
-                done.set_exception(exc)
+                done.set_exception(error)
 
-    def look_up() -> None:
-        try:
-            service.connect_peer(item)
-        except BaseException as exc:  # handed to the waiting handler
-            outcome: BaseException | None = exc
-        else:
-            outcome = None
+    def told(error: PeerUnreachable | None) -> None:  # on the look-up's thread
         with contextlib.suppress(RuntimeError):  # the event loop closed: nobody waits
-            loop.call_soon_threadsafe(settle, outcome)
+            loop.call_soon_threadsafe(settle, error)
 
-    threading.Thread(target=look_up, name="pdlife-connect", daemon=True).start()
-    while not done.done():
-        await asyncio.wait([done], timeout=_CONNECT_POLL_S)
-        if not done.done() and service.draining:
+    withdraw = service.connect_peer_soon(item, told)
+    if withdraw is None:
+        return
+    limit_s = service.config.mooncake.connect_timeout_s + _SET_UP_S
+    deadline = loop.time() + limit_s
+    try:
+        while not done.done():
+            await asyncio.wait({done, gone}, timeout=_CONNECT_POLL_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if done.done():
+                break
+            if gone.done():
+                raise _ClientGone
+            if service.draining:
+                raise Unavailable("the server is draining (shutting down)")
+            if loop.time() >= deadline:
+                raise PeerUnreachable(item.bootstrap_addr, f"not connected after {limit_s:g} s "
+                                      f"(--connect-timeout and {_SET_UP_S:g} s to set up)")
+    finally:
+        if not done.done():
+            withdraw()
             done.cancel()
-            raise Unavailable("the server is draining (shutting down)")
     done.result()
 
 
