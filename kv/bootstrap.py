@@ -205,7 +205,7 @@ class BootstrapServer:
             return 400, f"reason must be a string of at most {_MAX_REASON} characters"
         with self._lock:
             listeners = list(self._refusal_listeners)
-        logger.info("decode peer refused room %d: %s", room, reason)
+        logger.info("decode peer refused room %d: %r", room, reason)  # escaped: a peer wrote it
         for listener in listeners:
             try:
                 listener(room, reason)

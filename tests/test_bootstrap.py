@@ -115,6 +115,15 @@ def test_unknown_route_is_404(server: BootstrapServer) -> None:
     assert _raw(server, "GET", "/nowhere")[0] == 404
 
 
+def test_a_refusals_reason_is_logged_escaped(server: BootstrapServer,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The reason is the peer's text: a newline in it must not forge a log line."""
+    caplog.set_level("INFO", logger="kv.bootstrap")
+    BootstrapClient(server.address).refuse(7, "draining\n2026-01-01 ERROR forged line")
+    logged = [r.getMessage() for r in caplog.records if "refused room 7" in r.getMessage()]
+    assert logged == ["decode peer refused room 7: 'draining\\n2026-01-01 ERROR forged line'"]
+
+
 def test_token_guards_routes_but_not_health() -> None:
     srv = BootstrapServer(token="s3cret")
     try:

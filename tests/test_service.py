@@ -728,3 +728,13 @@ def test_admission_compiles_a_grammar_for_each_engine_and_the_engines_compile_no
                     "prepared": 10, "inline": 0, "refused": 1}
 
     run(main())
+
+
+def test_a_log_line_names_at_most_eight_rids() -> None:
+    from scheduler.service.config import Item
+    from scheduler.service.handoff import shown_rids
+
+    items = [Item(f"r{i}", (1, 2), SamplingParams(), "127.0.0.1", 1, 1 + i)
+             for i in range(100_000)]
+    assert shown_rids(items[:2]) == "['r0', 'r1']"
+    assert shown_rids(items) == f"{[f'r{i}' for i in range(8)]} and 99992 more"

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -61,6 +61,17 @@ class Refusal(Exception):
     @classmethod
     def of(cls, exc: BadRequest) -> Refusal:
         return cls(exc.reason, exc.status, str(exc), exc.rid, param=exc.param, label=exc.label)
+
+
+#: The rids a log line names at most (a batch may hold 100,000 prompts).
+SHOWN_RIDS = 8
+
+
+def shown_rids(items: Iterable[Item]) -> str:
+    """The rids of ``items`` for a log line: the first :data:`SHOWN_RIDS`, then a count."""
+    rids = [item.rid for item in items]
+    more = f" and {len(rids) - SHOWN_RIDS} more" if len(rids) > SHOWN_RIDS else ""
+    return f"{rids[:SHOWN_RIDS]}{more}"
 
 
 def check_available(service: Service, rooms: Iterator[tuple[str, int, int]]) -> None:
@@ -131,7 +142,7 @@ async def _look_up(service: Service, request: Request, items: list[Item],
             for waiting_for in {i.bootstrap_addr: i for i in looked_up}.values():
                 await _connect(service, waiting_for, gone)
     except PeerUnreachable as exc:
-        logger.info("refused %s (500 bootstrap_failed): %s", [i.rid for i in items], exc)
+        logger.info("refused %s (500 bootstrap_failed): %s", shown_rids(items), exc)
         refuse_items(service, items, "bootstrap_failed", 500, str(exc))
         # The rid of the first request that names the unreachable prefill.
         raise Refusal("bootstrap_failed", 500, str(exc), waiting_for.rid) from exc
@@ -233,7 +244,7 @@ async def wait(service: Service, request: Request, pending: list[Pending]) -> li
             if gone.done() and not all(f.done() for f in futures):
                 for p in pending:
                     service.abort(p.item.rid)
-                logger.info("client went away; aborted %s", [p.item.rid for p in pending])
+                logger.info("client went away; aborted %s", shown_rids(p.item for p in pending))
                 return None
     finally:
         gone.cancel()
@@ -290,7 +301,8 @@ async def events(service: Service, pending: list[Pending],
         if not finished:
             for p in pending:
                 service.abort(p.item.rid)
-            logger.info("stream of %s closed early; aborted", [p.item.rid for p in pending])
+            logger.info("stream of %s closed early; aborted",
+                        shown_rids(p.item for p in pending))
 
 
 async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
