@@ -200,8 +200,8 @@ def test_a_copy_error_on_one_decode_rank_fails_every_rank(closing: list[Pair]) -
                               kv_heads=place.heads_per_rank, head_dim=HEAD_DIM,
                               dtype=torch.bfloat16, model="m")
     senders, receivers = paired(pair, 6)
-    senders[0].init(2, 0)
-    senders[0].send([1, 2], last=True)
+    senders[0].init(len(SRC_PAGES), 0)
+    senders[0].send(SRC_PAGES, last=True)
     assert drive(pair.prefill[0], senders[0], TERMINAL)[-1] == KVPoll.FAILED
     for end in (*senders, *receivers):
         assert "device lost" in end.failure_exception().reason
