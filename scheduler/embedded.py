@@ -134,7 +134,7 @@ class EmbeddedPair:
                 from scheduler.assemble import constraint_compiler
 
                 compiler = constraint_compiler(served)
-            detokenize = detokenize or served.decode
+            detokenize = detokenize or served.stop_text
         runner_factory: RunnerFactory = PagedModelRunner
         eos: int | tuple[int, ...] = config.model.eos_token_id
         if served is not None:

@@ -386,6 +386,9 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
      "logit_bias"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "unsupported", "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "unsupported", "best_of"),
+    # /generate refuses it too (it was ignored here).
+    ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}, "unsupported",
+     "spaces_between_special_tokens"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "invalid_request",
      "response_format.type"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}},

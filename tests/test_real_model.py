@@ -199,3 +199,47 @@ def test_pdlife_generate_refuses_an_answer_past_the_context(capsys, smollm2):
     assert info.value.code == 2
     assert capsys.readouterr().err.endswith(
         "prompt (1) + max_new_tokens (8193) - 1 exceeds max_position 8192\n")
+
+
+def test_stops_match_characters_of_several_tokens_and_special_tokens(smollm2):
+    """SmolLM2 spells 世 and 界 in two and three byte-fallback tokens each: a stop made of them
+    was missed when the tail searched held one token per character. A stop that is a special
+    token's text matches it, as SGLang's, whatever ``skip_special_tokens`` says."""
+    from scheduler.service.config import ServeConfig
+    from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
+
+    config = ServeConfig(role="both", backend="local", served=smollm2, model_name="smollm2",
+                         scheduler=SchedulerConfig(page_size=16), pool_pages=64,
+                         metadata_slots=8)
+    # \uff0c: a full-width comma; greedy: 是世界。\n
+    chinese = "Chinese: 你好\uff0c世界。English: Hello world. Chinese: 我"
+    chat = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2? Answer with one number."}])
+
+    async def main() -> None:
+        with running_service(config) as service:
+            async with asgi_client(service) as client:
+                async def generate(text: str, **sampling: object) -> dict:
+                    r = await client.post("/generate", json={"text": text, "sampling_params": {
+                        "max_new_tokens": 8, **sampling}})
+                    assert r.status_code == 200, r.text
+                    return r.json()
+
+                for stop, text, matched in ((["界"], "是世", "界"),
+                                            (["世界", "。"], "是", "世界")):
+                    answer = await generate(chinese, stop=stop)
+                    assert (answer["text"], answer["meta_info"]["finish_reason"]) == (
+                        text, {"type": "stop", "matched": matched}), answer
+                r = await client.post("/generate", json={
+                    "text": chinese, "stream": True, "sampling_params": {"max_new_tokens": 8}})
+                texts = [chunk["text"] for chunk in tokens_of_stream(r.text)[0]]
+                assert texts[-1] == "是世界。\n"
+                assert all(b.startswith(a) and not a.endswith("\ufffd")
+                           for a, b in itertools.pairwise(texts)), texts
+                answer = await generate(chat, max_new_tokens=16, ignore_eos=True,
+                                        skip_special_tokens=False, stop=["<|im_end|>"])
+                assert answer["meta_info"]["finish_reason"] == {
+                    "type": "stop", "matched": "<|im_end|>"}, answer
+                assert "<|im_end|>" not in answer["text"] and answer["text"], answer
+
+    run(main())

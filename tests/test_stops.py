@@ -24,11 +24,11 @@ def test_a_regex_width_is_its_widest_match_or_none_without_one(pattern: str,
     assert regex_width(re.compile(pattern)) == width
 
 
-def test_the_tail_spans_the_widest_stop_and_one_token_more() -> None:
-    output = list(range(20))
+def test_the_tail_spans_four_tokens_a_character_of_the_widest_stop_and_one_more() -> None:
+    output = list(range(40))
     stops = Stops.of(SamplingParams(8, stop=["abcd"], stop_regex=[r"\d{6}"]))
     assert stops.width == 6
-    assert stops.tail_tokens(output) == output[-7:]
+    assert stops.tail_tokens(output) == output[-25:]  # 6 characters of up to 4 bytes, + 1
     assert stops.tail_tokens(output[:3]) == output[:3]
     unbounded = Stops.of(SamplingParams(8, stop=["abcd"], stop_regex=[r"x\d+"]))
     assert unbounded.width is None and unbounded.tail_tokens(output) == output

@@ -160,6 +160,15 @@ class ServedModel:
         out: str = self.tokenizer.decode(ids)
         return out
 
+    def stop_text(self, ids: Iterable[int]) -> str:
+        """The text stop strings are looked for in: special tokens kept (a stop may be one's
+        text, ``<|im_end|>``), as SGLang matches them whatever the request's
+        ``skip_special_tokens``. The byte tokenizer's special tokens have no text."""
+        if self.is_reference:
+            return self.decode(ids)
+        out: str = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return out
+
 
 def load_model(
     spec: str,

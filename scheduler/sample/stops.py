@@ -6,11 +6,13 @@ A request's :class:`Stops` are its ``stop`` strings and its ``stop_regex`` patte
 ``re`` syntax, searched for anywhere in the output's text, as SGLang does). The decode side
 ends an answer at the first token after which its decoded output holds one of them. It decodes
 only the tail that can hold a match ending in the new token: the longest stop's width in
-characters (a string's length; the widest match ``re`` says a regex can make) plus one token (a
-token is at least one character). A regex whose matches have no bound (``\\d+``, ``.*END``), or
-that asserts something about the text around its match (a lookaround, ``^``, ``\\A``, ``\\b``:
-at a tail's first character ``^`` would hold), makes the tail the whole output, decoded again
-after every token: a cost that grows with the square of the answer's length, as in SGLang.
+characters (a string's length; the widest match ``re`` says a regex can make), in tokens: four
+per character (a token is at least one byte, and a character at most four: a byte-fallback
+tokenizer spells ``界`` in three tokens), plus one. A regex whose matches have no bound
+(``\\d+``, ``.*END``), or that asserts something about the text around its match (a
+lookaround, ``^``, ``\\A``, ``\\b``: at a tail's first character ``^`` would hold), makes the
+tail the whole output, decoded again after every token: a cost that grows with the square of
+the answer's length, as in SGLang.
 Searching less would change what matches: a start that failed can succeed once the text
 grows, and a token can change the text decoded before it (a byte-fallback piece completing a
 character), so no part of the output stays searched.
@@ -144,7 +146,9 @@ class Stops:
         """The trailing tokens of ``output`` whose text can hold a match ending in the last."""
         if self.width is None:
             return output
-        return output[-(self.width + 1):]
+        # A character can take up to 4 tokens (byte-fallback pieces of its UTF-8 bytes), and
+        # the first token of the tail may end inside the match's first character.
+        return output[-(4 * self.width + 1):]
 
     def matched(self, tail: str) -> str | None:
         """The stop that begins first in ``tail`` (a string, or a regex's pattern; a string

@@ -156,7 +156,7 @@ class Service:
         self.compiler = constraint_compiler(served)
         self.engines = engines = Engines(
             config, self.model, runner_factory=runner_factory,
-            compiler=self.compiler, detokenize=self.tokenizer.decode,
+            compiler=self.compiler, detokenize=served.stop_text,
             on_prefill=self._on_prefill, on_decode=self._on_decode,
             prefill_options=None if mesh is None else mesh.scheduler_options(),
             place=None if mesh is None else mesh.rank_place(

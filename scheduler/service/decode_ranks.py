@@ -129,7 +129,7 @@ def _rank_main(index: int, world: int, store: str, config: ServeConfig,
         engines = Engines(
             config, served.shard(control.mesh, config.device),
             runner_factory=served.runner, compiler=constraint_compiler(served),
-            detokenize=served.tokenizer.decode, on_prefill=_ignore, on_decode=_ignore,
+            detokenize=served.stop_text, on_prefill=_ignore, on_decode=_ignore,
             decode_mesh=control,
         )
         try:

@@ -51,6 +51,7 @@ from scheduler.service.schema import SamplingParamsBody
 #: OpenAI fields pdlife cannot honour, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "return_hidden_states": (False,),
+    "spaces_between_special_tokens": (None, True),
     "lora_path": (None, ""),
     "suffix": (None, ""),
     "best_of": (None, 1),

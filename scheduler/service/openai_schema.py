@@ -148,6 +148,7 @@ class SamplingFields(_Body):
     # Fields pdlife cannot honour: refused with 400 unless neutral.
     return_hidden_states: bool = False
     lora_path: Any = None
+    spaces_between_special_tokens: bool | None = None
 
     def constraints(self) -> list[tuple[str, str, str]]:
         """The structured-output constraints given, each as ``(the field as sent, SGLang's

@@ -265,7 +265,10 @@ async def _answer_chunks(service: Service, pending: Pending) -> AsyncIterator[di
         emitted.extend(progress.tokens)
         logprobs.extend(progress.logprobs)
         yield answer_body(service.tokenizer, item, ids=emitted,
-                          text=answer_text(service.tokenizer, item, emitted, None),
+                          # A character still open (its last byte-fallback pieces to come)
+                          # waits: each chunk's text begins the next one's.
+                          text=answer_text(service.tokenizer, item, emitted,
+                                           None).rstrip("\ufffd"),
                           prompt_tokens=len(item.input_ids),
                           latency=time.monotonic() - pending.started, finish=None,
                           cached_tokens=progress.cached_tokens,
