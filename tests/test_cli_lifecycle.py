@@ -89,6 +89,7 @@ def test_validate_a_broken_user_table_names_the_edge(
                                  "modules are found from the working directory and "
                                  "PYTHONPATH)"),
         ("./pkg/user_tables.py:TABLE", "give the module's name, 'pkg.user_tables'"),
+        ("/abs/pkg/user_tables.py:TABLE", "give the module's name, 'user_tables'"),
     ],
 )
 def test_bad_load_targets_are_usage_errors(
@@ -205,6 +206,7 @@ def test_write_docs_syncs_a_loaded_tables_blocks(
         (["--format", "dot"], "--format draws a diagram, and --write-docs regenerates"),
         (["--out", "x.md", "--collapse-failures"], "--out and --collapse-failures draw a"),
         (["--table", "prefill", "--load", "user_tables:TABLE"], "--table picks a shipped table"),
+        (["--table", "prefill"], "--table draws a diagram"),
     ],
 )
 def test_write_docs_refuses_drawing_flags(

@@ -228,6 +228,8 @@ def test_a_drained_server_lingers_refusing_until_its_linger_ends_or_a_second_sig
     (["--waiting-timeout", "0"], "--waiting-timeout must be > 0: 0.0"),
     (["--max-new-tokens-limit", "99999"], "--max-new-tokens-limit must be in 1..8192"),
     (["--connect-timeout", "0"], "--connect-timeout must be > 0"),
+    (["--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds, got nan"),
+    (["--metadata-slots", str(10**11)], f"--metadata-slots {10**11} takes 95367.4 GiB a side"),
 ])
 def test_a_value_out_of_range_is_refused_naming_its_flag(flags: list[str], says: str) -> None:
     args = build_parser("serve").parse_args(["serve", "--backend", "local", *flags])
@@ -242,6 +244,12 @@ def test_an_allowed_prefill_must_be_an_address() -> None:
     with pytest.raises(UsageError, match="--allow-prefill: 'garbage' is not a prefill's "
                                          "bootstrap address, HOST:PORT"):
         serve_config(args)
+    for empty in ("", ","):  # an unset shell variable: it would have allowed any prefill
+        args = build_parser("serve").parse_args(
+            ["serve", "--role", "decode", "--allow-prefill", empty])
+        with pytest.raises(UsageError, match="an empty address; give HOST:PORT, or leave the "
+                                             "flag out to allow any prefill"):
+            serve_config(args)
 
 
 @pytest.mark.parametrize("flag", ["--port", "--bootstrap-port"])

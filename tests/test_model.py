@@ -331,6 +331,21 @@ def test_pdlife_generate_says_what_is_wrong_with_the_prompt_alone(
 
 
 @pytest.mark.parametrize(("flags", "says"), [
+    (("--stop-token-ids", "3,999"), "--stop-token-ids: token ids must be in 0..257, got 999"),
+    (("--max-new-tokens", "-3"), "--max-new-tokens must be >= 1, got -3"),
+])
+def test_pdlife_generate_names_its_flags(
+    flags: tuple[str, ...], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scheduler.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--input-ids", "1,2", *flags])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"pdlife generate: {says}\n"
+
+
+@pytest.mark.parametrize(("flags", "says"), [
     (("--dtype", "bfloat16"), "--dtype is a real model's: the reference model computes in fixed "
                               "point; drop it, or give --model"),
     (("--model", "smollm2", "--hidden", "128", "--seed", "3"),

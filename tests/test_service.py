@@ -269,6 +269,9 @@ def test_oversized_body_unknown_abort_and_non_json() -> None:
                 assert r.status_code == 404
                 assert r.json()["error"] == {"message": "no live request has rid 'nobody'",
                                              "type": "unknown_rid", "rid": "nobody"}
+                r = await gen(client, text="a", rid="y" * 3000)  # not echoed either
+                assert r.status_code == 400 and "y" * 257 not in r.text
+                assert r.json()["error"]["message"] == "rid must be 1..256 characters, got 3000"
                 r = await client.post("/abort_request", json={"rid": "x" * 3000})
                 assert r.status_code == 400 and "x" * 257 not in r.text
                 assert r.json()["error"]["message"] == "rid must be 1..256 characters, got 3000"

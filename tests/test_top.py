@@ -218,7 +218,8 @@ def test_top_names_the_value_it_refuses(flags: tuple[str, ...], says: str,
     assert capsys.readouterr().err.strip().endswith(says)
 
 
-@pytest.mark.parametrize("address", ["notaurl:::", "http://[::1"])
+@pytest.mark.parametrize("address", ["notaurl:::", "http://[::1", "ftp://localhost:9",
+                                     "localhost:0", "http://", "localhost:99999"])
 def test_top_refuses_an_address_that_is_not_a_url(address: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

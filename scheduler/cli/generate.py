@@ -44,6 +44,7 @@ def _ids(text: str, flag: str) -> list[int]:
 
 def _generate(args: argparse.Namespace) -> int:
     from scheduler.model.reference import ModelInputError
+    from scheduler.runner import outside_vocabulary
 
     if args.chat and args.prompt is None:
         raise UsageError("--chat needs --prompt")
@@ -63,12 +64,15 @@ def _generate(args: argparse.Namespace) -> int:
             ids = _ids(args.input_ids, "--input-ids")
     except ValueError as exc:  # the chat template refused the messages
         raise UsageError(str(exc)) from exc
+    stops = _ids(args.stop_token_ids, "--stop-token-ids")
+    outside = outside_vocabulary(stops, served.vocab_size)
+    if outside:
+        raise UsageError(f"--stop-token-ids: {outside}")
     try:
-        out = served.generate(ids, args.max_new_tokens,
-                              stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
+        out = served.generate(ids, args.max_new_tokens, stop_token_ids=stops,
                               ignore_eos=args.ignore_eos)
     except ModelInputError as exc:  # one prompt: no request id to name
-        raise UsageError(exc.problem) from exc
+        raise UsageError(exc.problem.replace("max_new_tokens", "--max-new-tokens")) from exc
     json.dump({"text": served.decode(out), "output_ids": out, "prompt_tokens": len(ids)},
               sys.stdout)
     sys.stdout.write("\n")

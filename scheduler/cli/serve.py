@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import os
 import re
 import socket
@@ -292,6 +293,21 @@ def _check_pool_fits(pool_bytes: int, *, pools: int) -> None:
             "sizing)")
 
 
+#: What a metadata slot holds, all its buffers together (kv.metadata.MetadataBuffers), in bytes.
+_SLOT_BYTES = 1024
+
+
+def _check_slots_fit(slots: int, *, pools: int) -> None:
+    """Refuse more metadata slots than the memory this process may use holds (each side
+    allocates its rows at start)."""
+    total = memory_total()
+    if total is not None and slots * _SLOT_BYTES * pools > total // 2:
+        raise UsageError(f"--metadata-slots {slots} takes {slots * _SLOT_BYTES / (1 << 30):.1f} "
+                         f"GiB a side, more than half the {total / (1 << 30):.1f} GiB of memory "
+                         "this machine (or its container) allows: a slot is one request between "
+                         "bootstrap and transfer, so give about --max-running-requests")
+
+
 #: Where Linux says how much memory there is: the machine's, and a container's limit (cgroup
 #: v2, then v1; "max" or a huge number where there is none).
 _MEMINFO = "/proc/meminfo"
@@ -337,6 +353,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.retire_lost_prefill_after < 0:
         raise UsageError("--retire-lost-prefill-after must be >= 0 (0 keeps managers), got "
                          f"{args.retire_lost_prefill_after:g}")
+    for flag, (default, _) in _NUMBERS["timeouts and limits"].items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if isinstance(default, float) and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number of seconds, got {value:g}")
     for flag, seconds in (("--drain-timeout", args.drain_timeout),
                           ("--drain-linger", args.drain_linger)):
         if seconds < 0:
@@ -396,8 +416,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             raise UsageError(str(exc)) from exc
     per_token = (served.kv_bytes_per_token if served is not None
                  else reference_kv_bytes_per_token(model_config(args)))
-    _check_pool_fits(pool_pages * args.page_size * per_token,
-                     pools=2 if args.backend == "local" else 1)
+    pools = 2 if args.backend == "local" else 1
+    _check_pool_fits(pool_pages * args.page_size * per_token, pools=pools)
+    _check_slots_fit(args.metadata_slots, pools=pools)
     model_name = args.model_name
     if served is not None and model_name == REFERENCE_NAME:
         model_name = args.model
@@ -427,8 +448,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             model_name=model_name,
             served=served,
             tool_call_parser=args.tool_call_parser,
-            allowed_prefills=tuple(a.strip() for given in args.allow_prefill
-                                   for a in given.split(",") if a.strip()),
+            allowed_prefills=_allowed_prefills(args.allow_prefill),
             otlp_traces_endpoint=(args.otlp_traces_endpoint or DEFAULT_OTLP_ENDPOINT)
             if args.enable_trace else None,
             prefill_delayer=DelayerConfig(
@@ -479,6 +499,16 @@ def check_rdma(device: str, listing: str = RDMA_DEVICES) -> None:
     if missing:
         raise UsageError(f"--mooncake-device {device}: no RDMA device {', '.join(missing)} here; "
                          f"{listing} lists {', '.join(sorted(present))}")
+
+
+def _allowed_prefills(given: list[str]) -> tuple[str, ...]:
+    """``--allow-prefill``'s addresses. An empty one (an unset shell variable) is refused: no
+    address at all would mean any, the opposite of what the flag is for."""
+    addresses = tuple(a.strip() for value in given for a in value.split(","))
+    if "" in addresses:
+        raise UsageError(f"--allow-prefill {','.join(given)!r}: an empty address; give "
+                         "HOST:PORT, or leave the flag out to allow any prefill")
+    return addresses
 
 
 def _check_trace_extra() -> None:

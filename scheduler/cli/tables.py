@@ -35,7 +35,9 @@ def load_object(spec: str, flag: str = "--load") -> Any:
     if not sep or not module_name or not attr:
         raise UsageError(f"{flag} wants module:ATTR (e.g. mypkg.lifecycles:TABLE), got {spec!r}")
     if module_name.endswith(".py") or "/" in module_name:  # a file where a module goes
-        dotted = module_name.removesuffix(".py").lstrip("./").replace("/", ".")
+        path = module_name.removesuffix(".py")
+        dotted = (path.rsplit("/", 1)[-1] if path.startswith("/")  # run from its folder
+                  else path.lstrip("./").replace("/", "."))
         raise UsageError(f"{flag}: {module_name!r} is a file (give the module's name, "
                          f"{dotted!r}, not its file; modules are found from the working "
                          f"directory and PYTHONPATH)")
@@ -298,7 +300,8 @@ def _diagram(args: argparse.Namespace) -> int:
         # The doc's blocks have their own formats: drawing flags would be silently dropped.
         drawing = [flag for flag, given in (
             ("--format", args.format != "mermaid"), ("--out", args.out is not None),
-            ("--collapse-failures", args.collapse_failures)) if given]
+            ("--collapse-failures", args.collapse_failures),
+            ("--table", args.table != "all")) if given]
         if drawing:
             verb = "draws" if len(drawing) == 1 else "draw"
             raise UsageError(f"{' and '.join(drawing)} {verb} a diagram, and --write-docs "

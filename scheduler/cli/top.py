@@ -50,10 +50,15 @@ def _url(text: str) -> str:
 
     url = (text if "://" in text else f"http://{text}").rstrip("/")
     try:
-        httpx.URL(url)
+        parsed = httpx.URL(url)
+        good = (parsed.scheme in ("http", "https") and parsed.host
+                and (parsed.port is None or 0 < parsed.port < 65536))
+        problem = "" if good else "not an http(s) URL with a host and a port in 1..65535"
     except httpx.InvalidURL as exc:
-        raise UsageError(f"{text!r} is not a worker's address ({exc}); give HOST:PORT or "
-                         "http://HOST:PORT") from None
+        problem = str(exc)
+    if problem:
+        raise UsageError(f"{text!r} is not a worker's address ({problem}); give HOST:PORT or "
+                         "http://HOST:PORT")
     return url
 
 
@@ -164,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
 
     for flag, value, least in (("--interval", args.interval, 0), ("--timeout", args.timeout, 0),
                                ("--iterations", args.iterations, -1)):
-        if value <= least:
+        if not value > least:  # NaN too
             raise UsageError(f"{flag} must be {'>= 0' if least < 0 else '> 0'}, got {value}")
     histories = [History(_url(u)) for u in args.urls]
     console = Console()

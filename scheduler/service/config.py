@@ -8,7 +8,7 @@ enough), so the engines never meet input that would fail their loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -30,6 +30,10 @@ from scheduler.service.openai_tools import ToolAnswer
 from scheduler.service.tool_formats import TOOL_CALL_PARSERS
 
 Role = Literal["prefill", "decode", "both"]
+
+
+def _addresses(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
 Backend = Literal["local", "mooncake", "fake"]
 _MAX_ROOM = (1 << 64) - 1
 MAX_RID_LEN = 256
@@ -59,7 +63,7 @@ class ServeConfig:
         default=8998, validator=[attrs.validators.ge(0), attrs.validators.le(65535)])
     # Decode: the prefill bootstrap addresses (``HOST:PORT``) requests may name; empty: any. A
     # decode worker sends its peer token to the address a request names.
-    allowed_prefills: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    allowed_prefills: tuple[str, ...] = attrs.field(default=(), converter=_addresses)
 
     @allowed_prefills.validator
     def _check_allowed_prefills(self, _attr: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
@@ -315,10 +319,11 @@ def check_item(
     fields on their own; this checks them against the server). Fake-host requests (and every
     request of the fake and local backends) take their room from ``rooms``: no prefill server
     pairs with them."""
+    if len(rid) > MAX_RID_LEN:  # not echoed: it may be megabytes
+        raise BadRequest("bad_rid", f"rid must be 1..{MAX_RID_LEN} characters, got {len(rid)}")
     try:
-        if not rid or len(rid) > MAX_RID_LEN:
-            raise BadRequest("bad_rid",
-                             f"rid must be 1..{MAX_RID_LEN} characters, got {rid!r}")
+        if not rid:
+            raise BadRequest("bad_rid", f"rid must be 1..{MAX_RID_LEN} characters, got ''")
         _check_prompt(config, rid, input_ids)
         _check_named_ids(config, rid, sampling)
         _check_lengths(config, rid, len(input_ids), sampling.max_new_tokens)
