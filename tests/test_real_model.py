@@ -198,7 +198,7 @@ def test_pdlife_generate_refuses_an_answer_past_the_context(capsys, smollm2):
               "--max-new-tokens", "8193"])
     assert info.value.code == 2
     assert capsys.readouterr().err.endswith(
-        "prompt (1) + max_new_tokens (8193) - 1 exceeds max_position 8192\n")
+        "prompt (1) + --max-new-tokens (8193) - 1 exceeds max_position 8192\n")
 
 
 def test_stops_match_characters_of_several_tokens_and_special_tokens(smollm2):
