@@ -62,6 +62,7 @@ class _Group:
     session: str
     chunks: list[Chunk]
     writes: int = 0  # engine writes in flight
+    submitting: bool = False  # parts still to submit: the group cannot conclude yet
     error: str | None = None
     engine_failed: bool = False
     live_rooms: list[int] = attrs.Factory(list)  # the rooms the writes are for
@@ -191,8 +192,10 @@ class WritePipeline:
         """Submit the group's writes, first waiting for the oldest writes in flight while the
         engines hold ``max_blocks_in_flight`` blocks; none to a blacklisted session. Each part's
         blocks are dealt over the engines in turn, one write per engine. A group with nothing
-        in flight concludes at once."""
+        in flight concludes at once, and a group concludes only once all its parts are
+        submitted (a budget of one block waits for a group's own writes between its parts)."""
         engines = self._engines
+        group.submitting = True
         try:
             for src, dst, lens in self._parts(group):
                 while inflight and (sum(w.blocks for w in inflight) + len(src)
@@ -218,6 +221,7 @@ class WritePipeline:
         except Exception as exc:  # becomes failed rooms, never a dead worker
             logger.exception("transfer worker failed writing to %s", group.session)
             group.error = group.error or f"internal error in transfer worker: {exc!r}"
+        group.submitting = False
         if not group.writes:
             self._conclude(group)
 
@@ -232,7 +236,7 @@ class WritePipeline:
             group.fail(f"transfer engine write of rooms {group.live_rooms} to decode session "
                        f"{group.session} failed (rc={rc})")
         group.writes -= 1
-        if not group.writes:
+        if not group.writes and not group.submitting:
             self._conclude(group)
 
     def _conclude(self, group: _Group) -> None:

@@ -114,20 +114,21 @@ def test_many_chunked_rooms_land_byte_for_byte(
         peer.close()
 
 
-@pytest.mark.parametrize("engines", [1, 3])
+@pytest.mark.parametrize(("engines", "budget"), [(1, 8), (3, 8), (1, 1)])
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
-    tmp_path: Path, layout: KVLayout, engines: int
+    tmp_path: Path, layout: KVLayout, engines: int, budget: int
 ) -> None:
     """Rooms whose pages continue from one into the next on both sides may go out as one run;
     a budget of 8 blocks in flight cuts every send into many overlapping engine writes, and
     blocks of at most 4 KiB cut the page-major runs (1 KiB a page) into pieces; with three
-    engines each write's blocks are dealt over them."""
+    engines each write's blocks are dealt over them. A budget of one block sends each block
+    alone, waiting for the one before: a send still concludes once, after its last block."""
     server = BootstrapServer()
     pool = make_pool(128, layout=layout)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(2)))
     metadata = MetadataBuffers(32)
-    config = MooncakeConfig(max_blocks_in_flight=8, max_block_bytes=4096, engines=engines)
+    config = MooncakeConfig(max_blocks_in_flight=budget, max_block_bytes=4096, engines=engines)
     manager = MooncakeKVManager(pool, metadata, config=config)
     assert len(manager.engines) == engines
     manager.register_to_bootstrap(server.address)
@@ -151,6 +152,7 @@ def test_runs_spanning_rooms_under_a_small_write_budget_land_byte_for_byte(
         for room, (sender, _, _, _) in plan.items():
             assert drive(manager, sender, _TERMINAL)[-1] == KVPoll.SUCCESS, room
             assert peer.done(room)["status"] == "SUCCESS"
+            wait_for(sender.quiescent, 10, f"room {room}'s writes to end")
         dump = tmp_path / "decode.pt"
         peer.dump(dump)
         landed = torch.load(dump)

@@ -626,7 +626,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         drain_started = False
         stopping = False
-        aborted = 0
+        aborted = 0  # by the drain's timeout and by a second signal, both counted
+        aborted_lock = threading.Lock()
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if self.stopping:
@@ -645,8 +646,10 @@ def _serve(args: argparse.Namespace) -> int:
         def _stop(self) -> None:
             self.linger_cut.set()
             logger.warning("second signal: aborting %d requests", service.live_requests())
-            self.aborted += service.abort_all(
+            aborted = service.abort_all(
                 "aborted: the server is shutting down (a second signal ended its drain)")
+            with self.aborted_lock:
+                self.aborted += aborted
             service.wait_drained(10.0)
             self.should_exit = True
 
@@ -655,9 +658,11 @@ def _serve(args: argparse.Namespace) -> int:
             if not drained:
                 logger.warning("drain timeout (%g s): aborting %d requests",
                                args.drain_timeout, service.live_requests())
-                self.aborted = service.abort_all(
+                aborted = service.abort_all(
                     f"aborted: the server is shutting down (its drain timeout of "
                     f"{args.drain_timeout:g} s ran out first)")
+                with self.aborted_lock:
+                    self.aborted += aborted
                 service.wait_drained(10.0)
             if self.stopping or not service.healthy:
                 logger.info("shutting down")  # aborted by a second signal, or failed
