@@ -194,6 +194,55 @@ def test_the_bound_holds_whenever_the_counts_are_published(script: list[str], li
         assert bound.queued(queued + running) >= queued
 
 
+replica_ops = st.lists(st.tuples(st.sampled_from(["admit", "start", "end_queued", "end_running",
+                                                   "publish", "publish_all"]),
+                                  st.integers(0, 2)), max_size=200)
+
+
+@given(replica_ops, st.integers(1, 5))
+def test_the_bound_counts_what_runs_on_every_dp_replica(script: list[tuple[str, int]],
+                                                       limit: int) -> None:
+    """A prefill server of three DP replicas registers every request; the other replicas
+    publish their own counts of requests holding pages, and the requests of each that ended
+    since are paired with its count: the bound holds whatever the order, and once every
+    replica has published, a request running on another replica is not counted as queued."""
+    bound = QueueBound(limit)
+    queued, running = [0, 0, 0], [0, 0, 0]
+
+    def publish(replica: int) -> None:
+        if replica == 0:
+            bound.published({"prefill": {"waiting": queued[0], "transferring": running[0]}})
+        else:
+            bound.replica_published(replica, running[replica])
+
+    for op, r in script:
+        live = sum(queued) + sum(running)
+        if op == "admit":
+            try:
+                bound.check(live, "r")
+            except Overloaded:
+                assert bound.queued(live) >= limit
+                continue
+            queued[r] += 1
+        elif op == "start" and queued[r]:
+            queued[r], running[r] = queued[r] - 1, running[r] + 1
+        elif op == "end_queued" and queued[r]:
+            queued[r] -= 1
+            bound.ended(r)
+        elif op == "end_running" and running[r]:
+            running[r] -= 1
+            bound.ended(r)
+        elif op == "publish":
+            publish(r)
+        elif op == "publish_all":
+            for replica in range(3):
+                publish(replica)
+            assert bound.queued(live) == sum(queued)
+        live = sum(queued) + sum(running)
+        assert sum(queued) <= limit
+        assert bound.queued(live) >= sum(queued)
+
+
 def test_role_both_counts_a_request_once() -> None:
     """With both engines, a request holding pages on both sides is not counted twice."""
     bound = QueueBound(2)

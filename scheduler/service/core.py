@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from kv.refusal import refused_for_the_client
+from kv.routes import dp_rank_of
 from lifecycle import FailureReason, GrammarSpec
 from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl
@@ -99,8 +100,10 @@ class Replicas(Protocol):
         """This server refused a request of ``room``: tell the replica of the room; False
         when that is this process's."""
 
-    def answer_to(self, callback: Callable[[Response], None]) -> None:
-        """Hand the replicas' answers to ``callback`` (from another thread)."""
+    def answer_to(self, callback: Callable[[Response], None],
+                  running: Callable[[int, int], None]) -> None:
+        """Hand the replicas' answers to ``callback``, and each replica's count of requests
+        holding KV pages to ``running(replica, count)`` (from another thread)."""
 
     def flush_cache(self) -> list[concurrent.futures.Future[CacheFlushed]]:
         """Ask every other replica to empty its prefix cache: one outcome each."""
@@ -166,7 +169,7 @@ class Service:
         )
         self.bootstrap, self.decode_kv = engines.bootstrap, engines.decode_kv
         if replicas is not None:
-            replicas.answer_to(self._on_prefill)
+            replicas.answer_to(self._on_prefill, self._replica_running)
             if self.bootstrap is not None:
                 self.bootstrap.add_refusal_listener(replicas.refuse)
         self.prefill, self.decode = engines.prefill, engines.decode
@@ -534,7 +537,8 @@ class Service:
                 return
             del self._pending[item.rid]
             self._abort_reasons.pop(item.rid, None)
-            self._queue.ended()
+            self._queue.ended(0 if self._replicas is None
+                              else dp_rank_of(item.bootstrap_room, self.config.dp_size))
             self._streams.pop(item.rid, None)
             self._idle.notify_all()
         if self.tracer is not None:
@@ -563,6 +567,10 @@ class Service:
                 message=message, reason=FailureReason.INTERNAL,
                 prompt_tokens=len(p.item.input_ids), e2e_latency=time.monotonic() - p.started,
             ))
+
+    def _replica_running(self, replica: int, running: int) -> None:
+        with self._lock:
+            self._queue.replica_published(replica, running)
 
     # -- per pass (engine thread) -----------------------------------------------------------
 

@@ -91,6 +91,7 @@ from scheduler.prefill.replica_delayer import (
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service import logs
 from scheduler.service.config import ServeConfig
+from scheduler.service.shedding import holding_pages
 from scheduler.stepping import step_or_rest
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,15 @@ class _Flushed:
 
     ticket: int
     outcome: CacheFlushed
+
+
+@attrs.frozen
+class _Running:
+    """How many requests hold KV pages on replica ``replica`` after its last pass (on the
+    answers queue, after the answers of that pass: the queue bound counts them as running)."""
+
+    replica: int
+    running: int
 
 
 @attrs.frozen
@@ -232,19 +242,26 @@ class Ranks:
             outcomes.append(outcome)
         return outcomes
 
-    def answer_to(self, callback: Callable[[Response], None]) -> None:
-        """Hand every answer of the other replicas to ``callback`` (on a reader thread)."""
+    def answer_to(self, callback: Callable[[Response], None],
+                  running: Callable[[int, int], None]) -> None:
+        """Hand every answer of the other replicas to ``callback``, and each replica's count of
+        requests holding KV pages, as it changes, to ``running(replica, count)`` (both on a
+        reader thread, in the order the replica sent them)."""
         if self._inboxes and self._reader is None:
-            self._reader = threading.Thread(target=self._read, args=(callback,),
+            self._reader = threading.Thread(target=self._read, args=(callback, running),
                                             name="pdlife-replicas", daemon=True)
             self._reader.start()
 
-    def _read(self, callback: Callable[[Response], None]) -> None:
+    def _read(self, callback: Callable[[Response], None],
+              running: Callable[[int, int], None]) -> None:
         while (answer := self._answers.get()) is not None:
             if isinstance(answer, _Flushed):
                 flushed = self._flushes.pop(answer.ticket, None)
                 if flushed is not None:
                     flushed.set_result(answer.outcome)
+                continue
+            if isinstance(answer, _Running):
+                running(answer.replica, answer.running)
                 continue
             try:
                 callback(answer)
@@ -427,6 +444,7 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
     requests off ``inbox`` and puts its answers on ``answers``."""
     delayer: ReplicaGather | None = None
     stopped = False
+    published = 0  # the count of requests holding pages the launcher last heard of
     try:
         if inbox.get() != _STARTED:
             return  # stopped before it started
@@ -464,6 +482,10 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
                     else:
                         scheduler.kv.peer_refused(item.room, item.reason)
             step_or_rest(scheduler.step)
+            running = holding_pages(scheduler)
+            if running != published:  # after the pass's answers, on the same queue
+                answers.put(_Running(replica, running))
+                published = running
     except MeshStopped:  # from the delayer's gather: this replica's other ranks stopped too
         stopped = True
         if delayer is not None:

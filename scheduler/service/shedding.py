@@ -26,14 +26,21 @@ runs (requests waiting for their peer), which is how the tests drive a queue to 
 Role ``both`` runs both engines on one request: each side's count of page-holding requests is a
 lower bound on the requests that hold pages, and the larger one is used.
 
-Every method is called with the service's lock held: :meth:`QueueBound.published` and
-:meth:`QueueBound.ended` from the engine thread, :meth:`QueueBound.check` from HTTP handlers.
+A prefill server of DP replicas registers every request, whichever replica runs it; the other
+replicas publish their own counts after their passes (:meth:`QueueBound.replica_published`,
+sent after the answers of the same pass), and each count is paired with the requests of that
+replica that ended since, in the same way.
+
+Every method is called with the service's lock held: :meth:`QueueBound.published` from the
+engine thread, :meth:`QueueBound.replica_published` from the replicas' reader,
+:meth:`QueueBound.ended` from either, :meth:`QueueBound.check` from HTTP handlers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service.config import BadRequest, Unavailable
 
 #: Seconds a refused client is told to wait (``Retry-After``); a queue drains in about that.
@@ -44,6 +51,12 @@ RUNNING_STATES = {
     "prefill": frozenset({"forward", "transferring"}),
     "decode": frozenset({"receiving", "decoding"}),
 }
+
+
+def holding_pages(scheduler: PrefillScheduler) -> int:
+    """How many of a prefill scheduler's requests hold KV pages (engine thread)."""
+    return sum(n for state, n in scheduler.lifecycle.counts().items()
+               if state.name.lower() in RUNNING_STATES["prefill"])
 
 
 class Overloaded(BadRequest, Unavailable):
@@ -73,6 +86,7 @@ class QueueBound:
         self.limit = limit
         self._running = 0
         self._ended = 0
+        self._replicas: dict[int, list[int]] = {}  # other DP replica: [running, ended since]
 
     def published(self, requests: Mapping[str, Mapping[str, int]]) -> None:
         """The engines' live requests per state (``{"prefill": {"forward": 2, ...}, ...}``),
@@ -84,13 +98,22 @@ class QueueBound:
         )
         self._ended = 0
 
-    def ended(self) -> None:
-        """A live request ended (it is no longer registered)."""
-        self._ended += 1
+    def replica_published(self, replica: int, running: int) -> None:
+        """Another DP replica's count of requests holding pages, after its last pass."""
+        self._replicas[replica] = [running, 0]
+
+    def ended(self, replica: int = 0) -> None:
+        """A live request ended (it is no longer registered); ``replica``: the DP replica that
+        ran it, 0 for this process's engines."""
+        if not replica:
+            self._ended += 1
+        elif (counts := self._replicas.get(replica)) is not None:
+            counts[1] += 1
 
     def queued(self, live: int) -> int:
         """An upper bound on the queued requests among ``live`` registered ones."""
-        return live - max(0, self._running - self._ended)
+        elsewhere = sum(max(0, running - ended) for running, ended in self._replicas.values())
+        return live - max(0, self._running - self._ended) - elsewhere
 
     def check(self, live: int, rid: str) -> None:
         """Raise :class:`Overloaded` unless one more request fits the bound."""
