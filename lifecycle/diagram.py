@@ -10,6 +10,10 @@ here, in one place:
   from the machine's ``graph_cls``, so no state is styled.
 * Its mermaid title is emitted as bare front matter; we emit ``title: <name>``, and mark the
   final states (``STATE --> [*]``), which it does not.
+* It writes a state's name as its mermaid id, and mermaid reads few names as ids: ASCII letters,
+  digits and underscores, and not one of its keywords (``class``, ``note``, ...). A state whose
+  name is not such an id is drawn under an id of ours (``s3``), with its name as the label
+  (:func:`mermaid_ids`); pdlife's own states keep their names.
 
 Output is deterministic (states in enum order, edges in table order) so that the docs, which
 embed it, can be compared with a fresh render (``pdlife diagram --write-docs``).
@@ -38,19 +42,57 @@ ANY_LIVE = "ANY_LIVE"
 _ANY_LIVE_LABEL = "any live state"
 
 
-def _edges(table: LifecycleTable, collapse: bool) -> list[dict[str, Any]]:
+# What mermaid's stateDiagram lexer reads as an id: anything else is drawn under an id of ours.
+_MERMAID_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+# Words its lexer takes at the start of a statement (case-insensitively); "default" is taken
+# even as the start of a longer word.
+_MERMAID_KEYWORDS = frozenset({
+    "state", "note", "class", "classdef", "style", "scale", "direction", "click", "end",
+    "as", "hide", "acctitle", "accdescr", "statediagram", "left", "right",
+})
+
+
+def _mermaid_safe(name: str) -> bool:
+    folded = name.lower()
+    return (bool(_MERMAID_ID.fullmatch(name)) and folded not in _MERMAID_KEYWORDS
+            and not folded.startswith("default"))
+
+
+def mermaid_ids(table: LifecycleTable) -> dict[str, str]:
+    """The mermaid id of each state of ``table``, by name: the name itself where mermaid reads
+    it as an id, else ``s<position>`` (made unique against the names kept)."""
+    names = [s.name for s in table.states]
+    # A state named like the collapsed failures' node is drawn under an id of ours as well.
+    kept = {n for n in names if _mermaid_safe(n) and n != ANY_LIVE}
+    taken = kept | {ANY_LIVE}
+    ids: dict[str, str] = {}
+    for position, name in enumerate(names):
+        if name in kept:
+            ids[name] = name
+            continue
+        made = f"s{position}"
+        while made in taken:
+            made += "_"
+        taken.add(made)
+        ids[name] = made
+    return ids
+
+
+def _edges(
+    table: LifecycleTable, collapse: bool, ids: Mapping[str, str]
+) -> list[dict[str, Any]]:
     """The transitions to draw: the table's edges, or with ``collapse`` its failure edges
     replaced by one edge per (failure event, destination) from :data:`ANY_LIVE`."""
     out: list[dict[str, Any]] = []
     collapsed: dict[tuple[str, str], None] = {}
     for e in table.edges:
         if collapse and e.event in table.failure_events:
-            collapsed[(str(e.event), e.dest.name)] = None
+            collapsed[(str(e.event), ids[e.dest.name])] = None
             continue
         out.append({
             "trigger": str(e.event),
-            "source": e.source.name,
-            "dest": e.dest.name,
+            "source": ids[e.source.name],
+            "dest": ids[e.dest.name],
             "conditions": list(e.conditions),
             "unless": list(e.unless),
         })
@@ -66,16 +108,24 @@ def _graph(
     from transitions.extensions import GraphMachine
 
     collapse = collapse and bool(table.failure_events)
+    # Graphviz quotes any name itself; mermaid needs ids it can read.
+    ids = mermaid_ids(table) if engine == "mermaid" else {s.name: s.name for s in table.states}
     machine = GraphMachine(
         model=None,
-        states=[s.name for s in table.states] + ([ANY_LIVE] if collapse else []),
-        transitions=_edges(table, collapse),
-        initial=table.initial.name,
+        states=[ids[s.name] for s in table.states] + ([ANY_LIVE] if collapse else []),
+        transitions=_edges(table, collapse, ids),
+        initial=ids[table.initial.name],
         auto_transitions=False,
         show_conditions=True,
         graph_engine=engine,
         title=table.name,
     )
+    for name, made in ids.items():
+        if made != name:
+            # transitions' markup shows a state's ``label`` attribute if it has one; the label
+            # is quoted in mermaid, where a quote is written as its entity.
+            state = machine.states[made]
+            state.label = name.replace('"', "#quot;")  # type: ignore[attr-defined]
     return machine.graph_cls(machine).get_graph(title=table.name)
 
 
@@ -98,11 +148,13 @@ def mermaid(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
     lines = str(_graph(table, "mermaid", collapse_failures).draw(None)).splitlines()
     if lines[:3] == ["---", table.name, "---"]:
         lines[1] = f"title: {table.name} lifecycle"
-    lines += [f"  {name} --> [*]" for name in _finals(table)]
+    ids = mermaid_ids(table)
+    lines += [f"  {ids[name]} --> [*]" for name in _finals(table)]
     # Mermaid spells the styling statement `class`.
     lines = [re.sub(r"^(\s*)Class ", r"\1class ", line) for line in lines]
+    any_live = f'state "{ANY_LIVE}" as {ANY_LIVE}'
     lines = [
-        line.replace(f'state "{ANY_LIVE}" as', f'state "{_ANY_LIVE_LABEL}" as')
+        line.replace(any_live, f'state "{_ANY_LIVE_LABEL}" as {ANY_LIVE}')
         for line in _used_classes_only(lines)
     ]
     return "\n".join(line.rstrip() for line in lines) + "\n"
@@ -145,8 +197,13 @@ def svg(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
         ) from exc
 
 
+def _text(text: str) -> str:
+    """``text`` as one markdown table cell: a ``|`` would end the cell, a newline the row."""
+    return " ".join(text.replace("|", "\\|").splitlines())
+
+
 def _cell(names: Iterable[str]) -> str:
-    return ", ".join(f"`{n}`" for n in names) or "—"
+    return ", ".join(f"`{_text(n)}`" for n in names) or "—"
 
 
 def transition_table(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
@@ -173,8 +230,8 @@ def transition_table(table: LifecycleTable, *, collapse_failures: bool = False) 
                 continue  # already written with its group
             source = _ANY_LIVE_LABEL if sources == live else ", ".join(sources)
         rows.append(
-            f"| `{e.event}` | {source} | {e.dest.name} | {_cell(guards)} "
-            f"| {_cell(hooks)} | {e.doc} |"
+            f"| {_cell([str(e.event)])} | {_text(source)} | {_text(e.dest.name)} "
+            f"| {_cell(guards)} | {_cell(hooks)} | {_text(e.doc)} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -185,7 +242,7 @@ def resources_table() -> str:
             "|---|---|---|---|---|---|"]
     for state, h in PREFILL_RESOURCES.items():
         cells = ["held" if held else "—" for held in (h.sender, h.slot, h.pages, h.state)]
-        rows.append(f"| {state.name} | {' | '.join(cells)} | {h.note} |")
+        rows.append(f"| {_text(state.name)} | {' | '.join(cells)} | {_text(h.note)} |")
     return "\n".join(rows) + "\n"
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import enum
+import itertools
 import re
 
 import pytest
 
-from lifecycle import DECODE_TABLE, PREFILL_TABLE, LifecycleTable
+from lifecycle import DECODE_TABLE, PREFILL_TABLE, Edge, LifecycleTable, make_table
 from lifecycle.diagram import (
     DiagramError,
     dot,
@@ -144,3 +146,44 @@ def test_sync_docs_fills_blocks_and_rejects_unknown_or_missing_ones() -> None:
     bogus = fresh + "<!-- BEGIN GENERATED: nope -->\n<!-- END GENERATED: nope -->\n"
     with pytest.raises(DiagramError, match="unknown generated block 'nope'"):
         sync_docs(bogus, tables)
+
+
+def _table_with_state_names(*names: str, doc: str = "") -> LifecycleTable:
+    """A table whose live states, between START and DONE, have the given names."""
+    states = enum.IntEnum(  # type: ignore[misc]
+        "Odd", {"DONE": 0, "START": 1} | {n: i for i, n in enumerate(names, 2)})
+    ids = [states[n] for n in names]
+    hops = [states.START, *ids, states.DONE]
+    return make_table(
+        "odd", states, initial=states.START, finals=(states.DONE,),
+        edges=[Edge(f"go{i}", a, b, doc=doc) for i, (a, b) in enumerate(itertools.pairwise(hops))],
+    )
+
+
+def test_mermaid_draws_names_it_cannot_read_as_ids_under_ids_of_ours() -> None:
+    odd = ["HALF-DONE", "class", "note", "ÉCHEC", "Default_x", 'say "hi"', "s2", "ANY_LIVE"]
+    table = _table_with_state_names(*odd)
+    text = mermaid(table, collapse_failures=True)
+    declared = dict(re.findall(r'^  state "([^"]*)" as (.*)$', text, re.MULTILINE))
+    assert set(declared) == {s.name.replace('"', "#quot;") for s in table.states}
+    ids = list(declared.values())
+    assert len(set(ids)) == len(ids)
+    for made in ids:  # mermaid's id grammar, and none of its keywords
+        assert re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", made), made
+        assert made.lower() not in {"class", "note", "state"} and not made.lower().startswith(
+            "default")
+    # Every line that names a state names it by its id.
+    for src, dst in re.findall(r"^  (\S+) --> (\S+?)(?::|$)", text, re.MULTILINE):
+        assert {src, dst} - {"[*]"} <= set(ids), (src, dst)
+    for used in re.findall(r"^  class (\S+) ", text, re.MULTILINE):
+        assert used in ids
+    assert declared["HALF-DONE"] == "s2_" and declared["s2"] == "s2"  # ours never clash
+    assert declared["START"] == "START" and declared["DONE"] == "DONE"  # readable ones kept
+
+
+def test_markdown_cells_escape_pipes_and_newlines() -> None:
+    table = _table_with_state_names("A|B", doc="a | pipe\nand a line")
+    rows = transition_table(table).splitlines()[2:]
+    assert rows[0] == r"| `go0` | START | A\|B | — | — | a \| pipe and a line |"
+    for row in rows:
+        assert len(re.split(r"(?<!\\)\|", row)) == 8  # six cells, no more
