@@ -271,7 +271,7 @@ def render(table: LifecycleTable, fmt: str, *, collapse_failures: bool = False) 
 # -- docs -----------------------------------------------------------------------------------
 
 _BLOCK = re.compile(
-    r"(<!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n).*?(<!-- END GENERATED: (?P=name) -->)",
+    r"(<!-- BEGIN GENERATED: (?P<name>[\w.-]+) -->\n).*?(<!-- END GENERATED: (?P=name) -->)",
     re.DOTALL,
 )
 

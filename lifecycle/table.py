@@ -14,17 +14,19 @@ Rules of this module
    ``once`` names the hooks that must run exactly once over a request's life (its resources);
    the fuzzer counts them.
 3. A table is validated when it is built (:func:`make_table`), so a broken table cannot be
-   imported: exactly one initial state; nothing leaves a final state; every state reachable;
-   every non-final state can reach a final state; the failure events are legal from every
-   non-final state; the events are those of the events enum, each named by a Python
-   identifier that no record attribute (``state``, ``fire``, ...) and no timeline admission
-   (``admitted``) uses; the guards are methods of the record class. Building a table with
-   ``record=`` also gives that class its trigger methods (:mod:`lifecycle.binding`).
+   imported: a name that can name a file and a docs marker; exactly one initial state;
+   nothing leaves a final state; every state reachable; every non-final state can reach a
+   final state; the failure events are legal from every non-final state; the events are those
+   of the events enum, each named by a Python identifier that no record attribute (``state``,
+   ``fire``, ...) and no timeline admission (``admitted``) uses; the guards are methods of the
+   record class. Building a table with ``record=`` also gives that class its trigger methods
+   (:mod:`lifecycle.binding`).
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 
@@ -128,6 +130,21 @@ class LifecycleTable:
         return (*edge.after, *self.on_enter.get(edge.dest, ()))
 
 
+# A table's name names its files (``pdlife diagram --out DIR`` writes NAME.FORMAT) and its
+# docs markers (``<!-- BEGIN GENERATED: NAME-mermaid -->``), and starts every message.
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_table_name(name: object) -> None:
+    """Refuse a table name that cannot name a file and a docs marker."""
+    if isinstance(name, str) and _TABLE_NAME.fullmatch(name):
+        return
+    raise InvalidTable(
+        f"table name {name!r} is not usable: a table's name names its diagram files "
+        f"(NAME.dot) and its docs markers (<!-- BEGIN GENERATED: NAME-mermaid -->), so it is "
+        f"ASCII letters, digits, '_', '-' and '.', starting with a letter, a digit or '_'")
+
+
 def _normalise_events(
     name: str, events: type[enum.StrEnum] | None, edges: tuple[Edge, ...]
 ) -> tuple[Edge, ...]:
@@ -199,6 +216,7 @@ def make_table(
     once per request (default: the hooks of the final states' ``on_enter``); ``record`` the
     request class, whose guards are checked here and which gets one trigger method per event.
     """
+    check_table_name(name)
     edges = _normalise_events(name, events, tuple(edges))
     finals = frozenset(finals)
     lookup = _lookup(name, states, edges)
@@ -249,6 +267,7 @@ def guard_methods(table: LifecycleTable, record: type) -> dict[str, bool]:
 def validate(table: LifecycleTable) -> None:
     """Check the definition rules; raise :class:`InvalidTable` on the first broken one."""
     name = table.name
+    check_table_name(name)
     for event in table.events:
         check_event_name(name, event)
     _check_states(table)

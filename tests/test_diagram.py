@@ -6,6 +6,7 @@ import enum
 import itertools
 import re
 
+import attrs
 import pytest
 
 from lifecycle import DECODE_TABLE, PREFILL_TABLE, Edge, LifecycleTable, make_table
@@ -187,3 +188,13 @@ def test_markdown_cells_escape_pipes_and_newlines() -> None:
     assert rows[0] == r"| `go0` | START | A\|B | — | — | a \| pipe and a line |"
     for row in rows:
         assert len(re.split(r"(?<!\\)\|", row)) == 8  # six cells, no more
+
+
+def test_sync_docs_fills_the_blocks_of_a_table_whose_name_has_a_dot() -> None:
+    table = _table_with_state_names("MIDDLE")
+    dotted = attrs.evolve(table, name="ingest.v2")
+    doc = "".join(f"<!-- BEGIN GENERATED: ingest.v2-{kind} -->\nstale\n"
+                  f"<!-- END GENERATED: ingest.v2-{kind} -->\n"
+                  for kind in ("mermaid", "transitions"))
+    fresh = sync_docs(doc, {"ingest.v2": dotted})
+    assert "stale" not in fresh and "title: ingest.v2 lifecycle" in fresh

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import attrs
 import pytest
 
 from lifecycle import (
@@ -192,3 +193,19 @@ def test_an_edge_names_its_guards_and_hooks(given: dict[str, Any]) -> None:
     """A callable where a name goes (as ``transitions`` takes them) says the rule."""
     with pytest.raises(TypeError, match=r"an Edge names its guards and hooks, got .*Lifecycle"):
         Edge("go", S.START, S.MIDDLE, **given)
+
+
+@pytest.mark.parametrize("name", ["", "my ingest/v2", ".hidden", "-x", "a b", "ingest\n", None])
+def test_a_table_name_must_name_a_file_and_a_docs_marker(name: Any) -> None:
+    with pytest.raises(InvalidTable, match=r"^table name .* is not usable: .*"
+                       r"ASCII letters, digits, '_', '-' and '.', starting with"):
+        make_table(name, S, initial=S.START, finals=(S.DONE, S.FAILED), edges=GOOD_EDGES)
+    handmade = attrs.evolve(build(), name=name)
+    with pytest.raises(InvalidTable, match=r"^table name"):
+        validate(handmade)
+
+
+@pytest.mark.parametrize("name", ["ingest.v2", "my-ingest_2", "_x", "2fa"])
+def test_table_names_of_letters_digits_dots_dashes_and_underscores_build(name: str) -> None:
+    assert make_table(name, S, initial=S.START, finals=(S.DONE, S.FAILED),
+                      edges=GOOD_EDGES).name == name
