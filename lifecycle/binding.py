@@ -27,6 +27,7 @@ import inspect
 import keyword
 import re
 import typing
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol
 
@@ -167,9 +168,10 @@ def hooks_take_event(
 
 
 def check_event_name(table: str, event: str) -> None:
-    """Refuse an event name that cannot name a trigger method (not a Python identifier, or a
-    keyword), that every record already uses (:data:`RESERVED`), or that timelines use for the
-    admission (:data:`ADMITTED`); raise :class:`~lifecycle.errors.InvalidTable` naming it."""
+    """Refuse an event name that cannot name a trigger method (not a Python identifier, a
+    keyword, or a name Python reads otherwise in source: not its NFKC form), that every record
+    already uses (:data:`RESERVED`), or that timelines use for the admission
+    (:data:`ADMITTED`); raise :class:`~lifecycle.errors.InvalidTable` naming it."""
     name = str(event)
     where = f"{table}: event {name!r}"
     if not name.isidentifier():
@@ -179,6 +181,14 @@ def check_event_name(table: str, event: str) -> None:
         )
     if keyword.iskeyword(name):
         raise InvalidTable(f"{where} is a Python keyword, which cannot name a trigger method")
+    # Python reads identifiers in NFKC form: ``req.ﬁnish()`` (a ligature) calls ``finish``.
+    normal = unicodedata.normalize("NFKC", name)
+    if normal != name:
+        raise InvalidTable(
+            f"{where} is not its own NFKC form {normal!r}: Python normalises identifiers, so "
+            f"req.{name}() would call {normal}, not the trigger method of this event; name "
+            f"the event {normal!r}"
+        )
     if name.startswith("__") and name.endswith("__"):
         raise InvalidTable(
             f"{where} is a special method name (Python calls {name} itself); name the event "

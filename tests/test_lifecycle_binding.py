@@ -472,3 +472,16 @@ def test_mypy_sees_declared_trigger_methods_and_event_enums(tmp_path: Path) -> N
         '"Order" has no attribute "shp"; maybe "ship"?  [attr-defined]',
         '"type[OrderEvent]" has no attribute "SHP"  [attr-defined]',
     ]
+
+
+def test_an_event_python_would_spell_otherwise_is_refused() -> None:
+    # "ﬁnish" (an fi ligature) is an identifier, but Python reads `req.ﬁnish()` as `req.finish()`.
+    ligature = "\ufb01nish"
+    assert ligature.isidentifier()
+    with pytest.raises(InvalidTable, match=re.escape(
+            f"event '{ligature}' is not its own NFKC form 'finish': Python normalises "
+            f"identifiers, so req.{ligature}() would call finish")):
+        table(events=None, edges=(*edges(), Edge(ligature, S.CREATED, S.DONE)))
+    # Letters that are their own NFKC form are names like any other.
+    fine = table(events=None, edges=(*edges(), Edge("veröffentlichen", S.CREATED, S.DONE)))
+    assert "veröffentlichen" in fine.events
