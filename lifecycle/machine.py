@@ -66,7 +66,7 @@ from transitions.core import EventData
 from lifecycle.binding import Firing, hooks_take_event
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError
 from lifecycle.index import check_filing, claim, leave, move_batch, unclaim, whole_bucket
-from lifecycle.record import ADMITTED
+from lifecycle.record import ADMITTED, Tracked
 from lifecycle.steps import (
     GuardCall,
     Hook,
@@ -134,7 +134,9 @@ class Lifecycle(Generic[R]):
         # was, every live request is of it, and a batch's guard is looked up once.
         self._kind: type | None = None
         self._mixed = False
-        for cls in (table.record, record):
+        # The record classes this lifecycle is for, when the table or the caller says.
+        self._declared = (table.record, record)
+        for cls in self._declared:
             if cls is not None and cls not in self._guard_forms:
                 self._bind(cls)
 
@@ -229,7 +231,7 @@ class Lifecycle(Generic[R]):
         is tracked, or that ended, is refused (a new attempt is a new record), and so is one
         built in another state than the initial one."""
         if type(req) is not self._kind:
-            self._admit_kind(type(req))
+            self._admit_kind(req)
         rid = req.rid
         state = req.state
         if state is not None and state is not self._initial and req.owner is None:
@@ -264,11 +266,31 @@ class Lifecycle(Generic[R]):
         where = "this lifecycle" if owner is self else "another lifecycle"
         return LifecycleError(f"request {rid!r} is already tracked by {where}")
 
-    def _admit_kind(self, kind: type) -> None:
+    def _admit_kind(self, req: R) -> None:
+        kind = type(req)
         if kind not in self._guard_forms:
+            self._check_kind(req)
             self._bind(kind)
         self._mixed = self._mixed or self._kind is not None
         self._kind = kind
+
+    def _check_kind(self, req: object) -> None:
+        """Refuse, before its guards are looked up on it, a record of a class this lifecycle
+        is not for: not a :class:`Tracked`, or not of the class the table was built with
+        (``record=``) or the lifecycle was given."""
+        table = self.table
+        kind = type(req)
+        if not isinstance(req, Tracked):
+            raise TypeError(
+                f"{table.name}: admit() takes a record, an instance of a subclass of "
+                f"lifecycle.Tracked, got {kind.__name__}")
+        declared = [c for c in self._declared if c is not None]
+        if declared and not isinstance(req, tuple(declared)):
+            names = " or ".join(c.__name__ for c in dict.fromkeys(declared))
+            raise TypeError(
+                f"{table.name}: request {req.rid!r} is of class {kind.__name__}, and this "
+                f"lifecycle tracks records of class {names} (the table's or the lifecycle's "
+                f"record=) or its subclasses; a {kind.__name__} needs a lifecycle of its own")
 
     # -- firing -----------------------------------------------------------------------------
 

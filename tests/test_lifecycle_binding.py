@@ -485,3 +485,31 @@ def test_an_event_python_would_spell_otherwise_is_refused() -> None:
     # Letters that are their own NFKC form are names like any other.
     fine = table(events=None, edges=(*edges(), Edge("veröffentlichen", S.CREATED, S.DONE)))
     assert "veröffentlichen" in fine.events
+
+
+def test_a_record_of_another_class_is_refused_at_admission_naming_the_class() -> None:
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class Parcel(Tracked):  # a record of another table: it has none of this table's guards
+        pass
+
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class RushOrder(Order):
+        pass
+
+    shop = Shop()
+    with pytest.raises(TypeError, match=re.escape(
+            "shop: request 'p' is of class Parcel, and this lifecycle tracks records of class "
+            "Order (the table's or the lifecycle's record=) or its subclasses")):
+        shop.lc.admit(Parcel("p"))  # type: ignore[arg-type]
+    for thing in ("a", None, Firing("pay", S.CREATED, S.PAID)):
+        with pytest.raises(TypeError, match=r"^shop: admit\(\) takes a record, an instance of "
+                           r"a subclass of lifecycle\.Tracked, got "):
+            shop.lc.admit(thing)  # type: ignore[arg-type]
+    assert len(shop.lc) == 0 and "p" not in shop.lc
+    shop.lc.admit(RushOrder("r", paid=10))  # a subclass is one
+    shop.lc.get("r").pay()  # type: ignore[union-attr]
+    # A table without record= takes the class the lifecycle names.
+    hooks = dict.fromkeys(("charge", "release", "notify"), lambda o: None)
+    named: Lifecycle[Order] = Lifecycle(table(), hooks, record=Order)
+    with pytest.raises(TypeError, match="request 'q' is of class Parcel"):
+        named.admit(Parcel("q"))  # type: ignore[arg-type]
