@@ -66,10 +66,30 @@ class Trigger(Protocol):
     def __call__(self, detail: str = "", *, reason: enum.Enum | None = None) -> None: ...
 
 
+# How alike two names must be (difflib's ratio) for one to be offered for the other: a letter
+# missing, doubled or swapped in a short name ('fial' for 'fail' is 0.75), not a shared
+# syllable ('scan' for 'cancel' is 0.6).
+_CLOSE = 0.75
+
+
+def _closest(name: str, choices: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=_CLOSE)
+    return close[0] if close else None
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the choice closest to a misspelt ``name``, or ``""``."""
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = _closest(name, choices)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def _respellings(misspelt: Iterable[str], meant: Iterable[str]) -> str:
+    """`` (did you mean 'notify' where you gave 'notfy'?)`` for each name of ``misspelt`` close
+    to one of ``meant``, or ``""``."""
+    meant = list(meant)
+    pairs = [(close, given) for given in misspelt if (close := _closest(given, meant))]
+    return "".join(f" (did you mean {close!r} where you gave {given!r}?)"
+                   for close, given in pairs)
 
 
 # (code object, bound) -> whether it takes the event: reading a signature is slow, and
@@ -159,11 +179,13 @@ def hooks_take_event(
     one given is not named, or one is not callable or takes neither one argument nor two."""
     named = set(named)
     missing = sorted(named - given.keys())
-    if missing:
-        raise MissingHook(f"{table}: the table names hooks not supplied: {missing}")
     unknown = sorted(given.keys() - named)
+    if missing:
+        raise MissingHook(f"{table}: the table names hooks not supplied: {missing}"
+                          f"{_respellings(unknown, missing)}")
     if unknown:
-        raise MissingHook(f"{table}: hooks supplied that the table does not name: {unknown}")
+        raise MissingHook(f"{table}: hooks supplied that the table does not name: {unknown}"
+                          f"{_respellings(unknown, named)}")
     return {name: hook_takes_event(table, name, fn) for name, fn in given.items()}
 
 
@@ -267,7 +289,8 @@ def install_triggers(table: str, events: Mapping[str, str], record: type) -> Non
     for name in sorted(_declared_triggers(record) - set(events)):
         raise InvalidTable(
             f"{table}: {record.__name__}.{name} is declared a Trigger, but the table has no "
-            f"event {name!r}{suggest(name, events)}"
+            f"event {name!r}{suggest(name, events)}; declare the table's events only (records "
+            f"of two tables declare each table's triggers on a subclass of their own)"
         )
     for event, doc in events.items():
         # (The table's validation refused event names that are not identifiers or are

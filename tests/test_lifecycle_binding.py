@@ -513,3 +513,63 @@ def test_a_record_of_another_class_is_refused_at_admission_naming_the_class() ->
     named: Lifecycle[Order] = Lifecycle(table(), hooks, record=Order)
     with pytest.raises(TypeError, match="request 'q' is of class Parcel"):
         named.admit(Parcel("q"))  # type: ignore[arg-type]
+
+
+def test_a_misspelt_hook_gets_the_name_it_was_meant_for() -> None:
+    hooks: dict[str, Any] = {"charge": print, "release": print, "notify": print}
+    with pytest.raises(MissingHook, match=re.escape(
+            "shop: the table names hooks not supplied: ['notify'] (did you mean 'notify' where "
+            "you gave 'notfy'?)")):
+        Lifecycle(TABLE, {"charge": print, "release": print, "notfy": print})
+    with pytest.raises(MissingHook, match=re.escape(
+            "does not name: ['relaese'] (did you mean 'release' where you gave 'relaese'?)")):
+        Lifecycle(TABLE, {**hooks, "relaese": print})
+    with pytest.raises(MissingHook, match=r"does not name: \['audit'\]$"):
+        Lifecycle(TABLE, {**hooks, "audit": print})  # nothing like it: no guess
+
+
+def test_records_of_two_tables_declare_each_tables_triggers_on_a_subclass() -> None:
+    class Q(enum.IntEnum):
+        DONE = 0
+        QUEUED = 1
+
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class Shared(Tracked):  # fields and guards both tables use, no Trigger declarations
+        def paid_in_full(self) -> bool:
+            return True
+
+        def ready(self) -> bool:
+            return False
+
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class ShopOrder(Shared):
+        pay: ClassVar[Trigger]
+        cancel: ClassVar[Trigger]
+
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class Reindex(Shared):
+        start: ClassVar[Trigger]
+
+    def reindex(record: type) -> LifecycleTable:
+        return make_table("reindex", Q, initial=Q.QUEUED, finals=(Q.DONE,),
+                          edges=(Edge("start", Q.QUEUED, Q.DONE), Edge("scan", Q.QUEUED, Q.DONE)),
+                          record=record)
+
+    # The shop's declarations on the class the reindex table is given: refused, saying how to
+    # share, and without a guess from another word ('scan' is not 'cancel').
+    with pytest.raises(InvalidTable, match=re.escape(
+            "reindex: ShopOrder.cancel is declared a Trigger, but the table has no event "
+            "'cancel'; declare the table's events only (records of two tables declare each "
+            "table's triggers on a subclass of their own)")):
+        reindex(ShopOrder)
+    shop_table, reindex_table = table(ShopOrder), reindex(Reindex)
+    shop: Lifecycle[ShopOrder] = Lifecycle(
+        shop_table, dict.fromkeys(("charge", "release", "notify"), lambda o: None))
+    jobs: Lifecycle[Reindex] = Lifecycle(reindex_table)
+    o, j = ShopOrder("o"), Reindex("j")
+    shop.admit(o)
+    jobs.admit(j)
+    o.pay()
+    j.start()
+    assert (o.state, j.state) == (S.PAID, Q.DONE)
+    assert not hasattr(Reindex, "pay") and not hasattr(ShopOrder, "start")
