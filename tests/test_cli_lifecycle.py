@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -301,6 +302,28 @@ def test_validate_without_torch_or_the_scheduler() -> None:
     assert done.stdout.splitlines()[-1] == "heavy: []"
 
 
+@pytest.mark.parametrize(("args", "status"), [
+    (["validate"], {141}),
+    (["diagram", "--format", "md"], {141}),
+    # argparse ignores an error writing its help: 0 if the write failed, 141 if the flush did.
+    (["validate", "--help"], {0, 141}),
+])
+def test_a_closed_pipe_ends_the_command_quietly(args: list[str], status: set[int]) -> None:
+    """`pdlife validate | head -1`: the reader goes away before the output is written."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write fails
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "scheduler.cli", *args], stdout=write,
+            stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored"
+    assert done.returncode in status
+
+
 def test_the_console_script() -> None:
     script = Path(sys.executable).with_name("pdlife")
     done = subprocess.run(
@@ -336,3 +359,15 @@ def test_a_search_of_several_failures_reports_a_broken_rule_impure_guards_first(
     _print_notes(cause)
     assert capsys.readouterr().out == (
         "Explanation:\n    These lines were always and only run by failing examples:\n\n")
+
+
+def test_validate_has_help_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "which shipped lifecycle table to check and describe (default: all)" in text
+    assert "svg" not in text and "--out" not in text  # diagram's, not validate's
+    with pytest.raises(SystemExit):
+        main(["diagram", "--help"])
+    assert "the dot and svg formats draw one table per output" in " ".join(
+        capsys.readouterr().out.split())

@@ -8,12 +8,15 @@ torch), and commands import what they need when they run, so ``pdlife --help``, 
 validate``, ``pdlife diagram`` and ``pdlife fuzz --load`` start without torch.
 
 Exit statuses: 0 success, 1 the thing checked is wrong (an invalid table, stale docs),
-2 bad usage (argparse's convention, also for a ``--load`` target that cannot be loaded).
+2 bad usage (argparse's convention, also for a ``--load`` target that cannot be loaded),
+141 the reader of standard output went away (``pdlife validate | head -1``): the shell's status
+for a command ended by SIGPIPE, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -124,7 +127,28 @@ def _command_of(argv: Sequence[str]) -> str:
     return first if first in names else ""
 
 
+#: The exit status when standard output's reader closed it: 128 + SIGPIPE, as a shell reports
+#: a command SIGPIPE ended (Python ignores the signal and raises BrokenPipeError instead).
+BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # A closed pipe shows when the buffer is written: here, not at the interpreter's
+            # exit, where it would be reported as an exception ignored.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's recipe: what is still buffered goes to devnull, so that the flush at exit
+        # finds no pipe to fail on.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_of(argv))
     args, unknown = parser.parse_known_args(argv)

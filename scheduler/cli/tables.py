@@ -98,13 +98,12 @@ def _tables(args: argparse.Namespace) -> dict[str, LifecycleTable]:
     return {args.table: TABLES[args.table]}
 
 
-def table_arguments(parser: argparse.ArgumentParser) -> None:
+def table_arguments(parser: argparse.ArgumentParser, table_help: str) -> None:
     parser.add_argument(
         "--table",
         choices=[*TABLES, "all"],
         default="all",
-        help="which shipped lifecycle table (default: all; the dot and svg formats draw one "
-        "table per output, so name one or give --out DIR)",
+        help=table_help,
     )
     parser.add_argument(
         "--load",
@@ -112,6 +111,11 @@ def table_arguments(parser: argparse.ArgumentParser) -> None:
         help="use your own table instead: a LifecycleTable, a dict of make_table arguments, "
         "or a function returning one (modules in the working directory are importable)",
     )
+
+
+def _validate_arguments(parser: argparse.ArgumentParser) -> None:
+    table_arguments(parser, "which shipped lifecycle table to check and describe (default: "
+                    "all)")
 
 
 # -- validate ---------------------------------------------------------------------------------
@@ -166,13 +170,16 @@ VALIDATE = Subcommand(
     name="validate",
     summary="check lifecycle tables against the definition rules",
     description=(
-        "Check lifecycle tables: one initial state, nothing leaves a final state, every state "
-        "reachable, no trap states, failure events legal from every live state, guards are "
-        "methods of the record class. The shipped tables are checked when imported; --load "
-        "checks your own. Exits 1 naming the offending state or edge if a rule is broken, 2 "
-        "if --load names something that is not a table."
+        "Check lifecycle tables against the definition rules (a usable table name; one "
+        "initial state, not final; nothing leaves a final state; at most one edge per state "
+        "and event; every state reachable; no trap states; failure events legal, unguarded "
+        "and final from every live state; event names that can name trigger methods; guards "
+        "are methods of the record class) and print, per table, its states, edges and the "
+        "checks passed. The shipped tables are checked when imported; --load checks your "
+        "own. Exits 1 naming the offending state or edge if a rule is broken, 2 if --load "
+        "names something that is not a table."
     ),
-    add_arguments=table_arguments,
+    add_arguments=_validate_arguments,
     run=_validate,
 )
 
@@ -183,7 +190,8 @@ VALIDATE = Subcommand(
 def _diagram_arguments(parser: argparse.ArgumentParser) -> None:
     from lifecycle.diagram import FORMATS
 
-    table_arguments(parser)
+    table_arguments(parser, "which shipped lifecycle table (default: all; the dot and svg "
+                    "formats draw one table per output, so name one or give --out DIR)")
     parser.add_argument(
         "--format",
         choices=FORMATS,
