@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from examples.orders import ORDER_TABLE, Order, Shop, holds_nothing_once_ended, satisfy
+from lifecycle import Lifecycle
 from lifecycle.diagram import mermaid
 from lifecycle.testing import fuzz_settings, lifecycle_state_machine
 
@@ -62,6 +63,13 @@ def test_the_guide_shows_the_examples_code_and_diagram() -> None:
     assert f"```mermaid\n{mermaid(ORDER_TABLE, collapse_failures=True)}```" in guide
     readme = (ROOT / "README.md").read_text()
     assert "docs/framework.md" in readme
+
+
+def test_the_guides_fake_clock_example_runs() -> None:
+    guide = (ROOT / "docs" / "framework.md").read_text()
+    (block,) = [b for b in _python_blocks(guide) if "clock = FakeClock()" in b]
+    exec(block, {"ORDER_TABLE": ORDER_TABLE, "Order": Order, "Shop": Shop,
+                 "Lifecycle": Lifecycle})  # its own assert checks the times
 
 
 # Fuzzing the order lifecycle in CI, with the shop's own hooks (a fresh shop for every
