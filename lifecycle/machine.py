@@ -290,7 +290,8 @@ class Lifecycle(Generic[R]):
             raise TypeError(
                 f"{table.name}: request {req.rid!r} is of class {kind.__name__}, and this "
                 f"lifecycle tracks records of class {names} (the table's or the lifecycle's "
-                f"record=) or its subclasses; a {kind.__name__} needs a lifecycle of its own")
+                f"record=) or its subclasses; records of class {kind.__name__} need a "
+                f"lifecycle of their own")
 
     # -- firing -----------------------------------------------------------------------------
 
