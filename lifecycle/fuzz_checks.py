@@ -227,6 +227,16 @@ class MachineInvariants:
     def broken(self, rule_name: str, message: str, rid: str | None = None) -> RuleBroken:
         raise NotImplementedError
 
+    def check_every_invariant(self) -> None:
+        """Every invariant below, now (within a rule that takes several steps)."""
+        self.states_match_the_model()
+        self.index_matches_states()
+        self.timelines_replay()
+        self.once_hooks_run_exactly_once()
+        self.hooks_ran_as_the_edges_say()
+        self.finished_counters()
+        self.embedder_invariants()
+
     def _touched(self) -> list[tuple[str, Any]]:
         return [(rid, self.requests[rid]) for rid in sorted(self.touched) if rid in self.requests]
 

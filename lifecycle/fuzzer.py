@@ -22,6 +22,13 @@ It checks the framework *and* the embedder's code:
 * the index, the finished counters, the timelines (only table edges, monotone) agree with the
   model, and the embedder's own ``invariants`` hold for every request after every step.
 
+How it searches: the rules admit requests (while fewer than :data:`LIVE_AT_MOST` are live),
+fire an event at one request or a batch of one state, fail a few at once, and *walk* one
+request several events on (:meth:`LifecycleMachine.walk`). Half the event draws are among the
+steps the program has not taken yet, a step being (the event the request arrived by, its state,
+the event): paths, not only edges, so a loop's second lap is new. Hypothesis is asked to favour
+programs that take more distinct steps (:meth:`LifecycleMachine.teardown`).
+
 A broken rule raises :class:`RuleBroken`, whose message names the rule, then shows the event
 program of the failing run (Hypothesis shrinks it first) and the timeline of the request
 concerned; it holds names and states, never reprs of records. The code under test raising (the
@@ -39,6 +46,7 @@ from typing import Any, ClassVar
 
 import attrs
 from hypothesis import strategies as st
+from hypothesis import target
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
@@ -60,6 +68,9 @@ from lifecycle.validators import typed_fields
 
 #: An event name no table defines; the machine mixes it in as an always-illegal event.
 UNKNOWN_EVENT = "no_such_event"
+#: Admission pauses while this many requests are live: a program's steps go to moving requests
+#: deep into the table rather than to admitting ever more of them.
+LIVE_AT_MOST = 6
 #: How many times the machine redraws a record's fields looking for values its guards take.
 REDRAWS = 8
 
@@ -70,6 +81,8 @@ _TICKS = st.sampled_from((0.0, 0.001, 0.5, 3.0))
 _INTRUDERS = st.sampled_from(("none", "none", "other_state", "duplicate", "foreign"))
 # Per table: its strategies by key, built on first use.
 _TABLE_STRATEGIES: dict[int, tuple[LifecycleTable, dict[Any, st.SearchStrategy[Any]]]] = {}
+# Per table (kept alive by _TABLE_STRATEGIES) and state: the events of its edges from there.
+_EVENTS_FROM: dict[tuple[int, enum.IntEnum, bool], tuple[str, ...]] = {}
 
 
 #: An owner's hooks by name, or a function returning them (called once per program).
@@ -125,11 +138,21 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.other: Lifecycle[Any] = Lifecycle(cfg.table, others, clock=clock)
         self.requests: dict[str, Any] = {}
         self.model: dict[str, enum.IntEnum] = {}
+        # Coverage of the program: the event that brought each request to its state, and the
+        # (arrived by, state, event) steps taken so far, which the machine favours not taken.
+        self.arrived: dict[str, str] = {}
+        self.taken: set[tuple[str, enum.IntEnum, str]] = set()
         self.checks = cfg.invariants
         self.touched: set[str] = set()
         self.serial = 0
         entry = _TABLE_STRATEGIES.setdefault(id(cfg.table), (cfg.table, {}))
         self._strategies = entry[1]
+
+    def teardown(self) -> None:
+        """Steer Hypothesis's search toward programs that take more distinct steps (its
+        targeted phase mutates the best programs so far): coverage of paths, not only of
+        edges, as :meth:`_draw_event` counts it."""
+        target(float(len(self.taken)), label="steps covered")
 
     def _done(self, step: str) -> None:
         self.program.append(step)
@@ -172,21 +195,58 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         if self._snapshot() != before:
             raise self.broken("a refused event changes nothing", f"{what} changed the state")
 
-    def _draw_event(self, data: st.DataObject, state: enum.IntEnum) -> str:
-        # Mostly the state's forward events (failure is easy to reach, depth is not), else any
-        # event at all, including one no table has.
-        strategy = self._strategies.get(("event", state))
-        if strategy is None:
-            progress = tuple(
-                str(e.event) for e in self.table.edges
-                if e.source is state and e.event not in self.table.failure_events
-            )
-            anything = st.sampled_from((*map(str, self.table.events), UNKNOWN_EVENT))
-            forward = st.sampled_from(progress) if progress else anything
-            strategy = st.one_of(forward, forward, forward, anything)
-            self._strategies[("event", state)] = strategy
+    def _draw_event(self, data: st.DataObject, state: enum.IntEnum, rids: Sequence[str], *,
+                    walk: str | None = None) -> str:
+        """An event for requests ``rids`` of ``state``: mostly the state's forward events
+        (failure is easy to reach, depth is not), else any event at all, including one no table
+        has; on a walk (:meth:`walk`), a forward event before its ``"last"`` step, then any
+        event with an edge from ``state``. Half the time the draw is among those of the
+        candidates not yet taken in this program by a request that arrived as one of ``rids``
+        did: a loop's second lap, a failure after a retry (paths, not only edges, are what bugs
+        need)."""
+        forward = self._events_from(state, forward=True)
+        if walk is None:
+            candidates = self._events_from(state)
+            strategy = self._strategies.get(("event", state))
+            if strategy is None:
+                anything = st.sampled_from((*map(str, self.table.events), UNKNOWN_EVENT))
+                ahead = self._among(forward) if forward else anything
+                strategy = st.one_of(ahead, ahead, ahead, anything)
+                self._strategies[("event", state)] = strategy
+        else:
+            candidates = forward if walk != "last" and forward else self._events_from(state)
+            strategy = self._among(candidates)
+        arrivals = {self.arrived[r] for r in rids if r in self.arrived}
+        fresh = tuple(e for e in candidates
+                      if any((a, state, e) not in self.taken for a in arrivals))
+        # Drawn whether or not anything is unexplored, so that the choices of a program keep
+        # their places when the shrinker deletes a step before them; it shrinks to False.
+        if data.draw(_BOOLEANS, label="unexplored") and fresh:
+            strategy = self._among(fresh)
         event: str = data.draw(strategy, label="event")
         return event
+
+    def _among(self, events: tuple[str, ...]) -> st.SearchStrategy[str]:
+        strategy = self._strategies.get(events)
+        if strategy is None:
+            strategy = self._strategies[events] = st.sampled_from(events)
+        return strategy
+
+    def _events_from(self, state: enum.IntEnum, *, forward: bool = False) -> tuple[str, ...]:
+        """The events with an edge from ``state``, in table order: those of failure events
+        too, unless ``forward``."""
+        key = (id(self.table), state, forward)
+        events = _EVENTS_FROM.get(key)
+        if events is None:
+            events = _EVENTS_FROM[key] = tuple(dict.fromkeys(
+                str(e.event) for e in self.table.edges if e.source is state
+                and not (forward and e.event in self.table.failure_events)))
+        return events
+
+    def _took(self, rid: str, state: enum.IntEnum, event: str) -> None:
+        """``rid`` left ``state`` by ``event``: a step of the program's coverage."""
+        self.taken.add((self.arrived.get(rid, ADMITTED), state, event))
+        self.arrived[rid] = event
 
     def _draw_reason(self, data: st.DataObject) -> enum.Enum | None:
         if self.table.reasons is None:
@@ -198,9 +258,11 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         reason: enum.Enum | None = data.draw(strategy, label="reason")
         return reason
 
-    def _maybe_satisfy(self, data: st.DataObject, reqs: Sequence[Any], event: str) -> None:
+    def _maybe_satisfy(self, data: st.DataObject, reqs: Sequence[Any], event: str, *,
+                       always: bool = False) -> None:
         satisfy, redraw = self.config.satisfy, self.config.redraw_fields
-        if (satisfy is None and not redraw) or not data.draw(_MOSTLY, label="satisfy"):
+        if (satisfy is None and not redraw) or not (always or data.draw(_MOSTLY,
+                                                                         label="satisfy")):
             return
         for r in reqs:
             edge = self.table.lookup.get((self.model[r.rid], event))
@@ -262,17 +324,14 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         """Run ``fire``, checking it evaluated each guard at most once per request and that no
         hook raised; exceptions other than a hook's propagate."""
         evaluated = self.lifecycle.guards_evaluated
+        failed: HookFailed | None = None
         try:
             with self._code_under_test(f"firing {edge.event if edge else 'an event'}",
                                        reqs[0].rid):
                 fire()
         except HookFailed as exc:
-            rid, hook, error = exc.errors[0]
-            raise self.broken(
-                "hooks do not raise",
-                f"hook {hook!r} raised {type(error).__name__}: {error} for {rid}",
-                rid,
-            ) from None
+            failed = exc  # reported below, outside this handler: with no exception context,
+            # a hook failing under any rule is one failure to Hypothesis, not one per rule
         finally:
             used = self.lifecycle.guards_evaluated - evaluated
             most = len(reqs) * (len(edge.conditions) + len(edge.unless)) if edge else 0
@@ -283,6 +342,13 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                     f"guards {used} times; at most {most}",
                     reqs[0].rid,
                 )
+        if failed is not None:
+            rid, hook, error = failed.errors[0]
+            raise self.broken(
+                "hooks do not raise",
+                f"hook {hook!r} raised {type(error).__name__}: {error} for {rid}",
+                rid,
+            )
 
     def _moved(self, reqs: Sequence[Any], edge: Edge, before: int) -> None:
         if self.lifecycle.transitions_fired != before + len(reqs):
@@ -293,10 +359,12 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                     "a legal event moves", f"{r.rid} is not in {edge.dest.name} after "
                     f"{edge.event}", r.rid,
                 )
+            self._took(r.rid, self.model[r.rid], str(edge.event))
             self.model[r.rid] = edge.dest
 
     # -- rules -----------------------------------------------------------------------------
 
+    @precondition(lambda self: len(self.lifecycle) < LIVE_AT_MOST)
     @rule(n=st.integers(min_value=1, max_value=4), data=st.data())
     def admit(self, n: int, data: st.DataObject) -> None:
         """Admit ``n`` new requests; then maybe admit a tracked request again, or a new one
@@ -310,6 +378,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                 raise self.broken("admission", f"{req.rid} was not admitted", req.rid)
             self.requests[req.rid] = req
             self.model[req.rid] = self.table.initial
+            self.arrived[req.rid] = ADMITTED
             new.append(req.rid)
             self.touched.add(req.rid)
         self._done(f"admit {', '.join(new)}")
@@ -335,15 +404,38 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     def fire_one(self, data: st.DataObject) -> None:
         """One event at one request (any state, finished ones too), by either path."""
         self.touched = set()
-        self._tick(data)
         live = sorted(r.rid for r in self.lifecycle.live())
         every = st.sampled_from(sorted(self.requests))
         rid = data.draw(st.one_of(st.sampled_from(live), every) if live else every, label="rid")
+        self._fire_at(data, rid)
+
+    @precondition(lambda self: len(self.lifecycle) > 0)
+    @rule(data=st.data(), steps=st.integers(min_value=2, max_value=8))
+    def walk(self, data: st.DataObject, steps: int) -> None:
+        """Events in a row at one live request until it finishes or ``steps`` are fired, the
+        invariants checked after each: depth for few rules (the other rules spread a program
+        over many requests, and a path such as a failure after a loop's second lap needs one
+        request taken far)."""
+        rid = data.draw(st.sampled_from(sorted(r.rid for r in self.lifecycle.live())),
+                        label="walker")
+        for step in range(steps):
+            if step:
+                self.check_every_invariant()
+            if rid not in self.lifecycle:
+                return
+            self.touched = set()
+            self._fire_at(data, rid, walk="last" if step == steps - 1 else "on")
+
+    def _fire_at(self, data: st.DataObject, rid: str, *, walk: str | None = None) -> None:
+        """One event at ``rid``, by either path, checked against the model; on a ``walk``, an
+        event of the state's edges (:meth:`_draw_event`), with the guards satisfied where the
+        machine can."""
+        self._tick(data)
         req = self.requests[rid]
         self.touched.add(rid)
-        event = self._draw_event(data, self.model[rid])
+        event = self._draw_event(data, self.model[rid], [rid], walk=walk)
         reason = self._draw_reason(data) if event in self.table.failure_events else None
-        self._maybe_satisfy(data, [req], event)
+        self._maybe_satisfy(data, [req], event, always=walk is not None)
         edge = self.table.lookup.get((self.model[rid], event))
         one_by_one = data.draw(_BOOLEANS, label="one by one")
         how = self.attempt = f"{rid}.{event}()" if one_by_one else f"fire {event} [{rid}]"
@@ -412,7 +504,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         state = data.draw(st.sampled_from(live), label="state")
         batch, intruder = self._batch(data, state)
         self.touched = {r.rid for r in batch}
-        event = self._draw_event(data, state)
+        event = self._draw_event(data, state, [r.rid for r in batch])
         reason = self._draw_reason(data) if event in self.table.failure_events else None
         self._maybe_satisfy(data, [r for r in batch if r.rid in self.model], event)
         edge = self.table.lookup.get((state, event))
@@ -459,6 +551,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                    victims, None)
         self._done(self.attempt)
         for r in victims:
+            self._took(r.rid, self.model[r.rid], event)
             self.model[r.rid] = self.table.lookup[(self.model[r.rid], event)].dest
             if r.state is not self.model[r.rid] or r.detail != "injected" or (
                 reason is not None and r.reason is not reason
