@@ -79,12 +79,15 @@ def lookup_prefill(bootstrap_addr: str, config: MooncakeConfig, me: DecodeRank,
                     "PDLIFE_PEER_TOKEN (MooncakeConfig.token in a library)") from exc
             if exc.status not in (0, 503):
                 raise MooncakeError(f"prefill bootstrap lookup failed: {exc}") from exc
+            # Tried again until the deadline, and only with time left: the error given up
+            # with is the last try's own (a refused connection, a 503), not the "timed out"
+            # of a try begun at the deadline.
+            if stop.wait(max(0.0, min(0.05, deadline - time.monotonic()))):  # closing
+                raise MooncakeError("prefill bootstrap lookup stopped: closing") from exc
             if time.monotonic() >= deadline:
                 out = BootstrapError(exc.addr, exc.status, f"{exc.detail}; gave up after "
                                      f"--connect-timeout {config.connect_timeout_s:g} s")
                 raise MooncakeError(f"prefill bootstrap lookup failed: {out}") from out
-            if stop.wait(0.05):  # closing
-                raise MooncakeError("prefill bootstrap lookup stopped: closing") from exc
     if config.token is not None and not table.token_required:
         raise PeerAuthError(
             f"prefill at {bootstrap_addr} does not authenticate its peers but this decode "

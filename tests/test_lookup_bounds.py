@@ -204,6 +204,35 @@ def test_a_bootstrap_that_answers_a_byte_at_a_time_fails_the_requests_by_the_tim
 
 
 @pytest.mark.mooncake
+def test_a_port_that_refuses_connections_is_retried_until_the_timeout_and_named_refused(
+) -> None:
+    """Nothing listens at the prefill's bootstrap port (a prefill not started yet, or dead):
+    the look-up tries again until ``--connect-timeout`` and then says the connection was
+    refused, the last error it met, not "timed out", which would read as a black hole."""
+    with _listen() as sock:
+        port = int(sock.getsockname()[1])  # free once closed: nothing listens there
+
+    async def main() -> None:
+        with running_service(decode_config(timeout_s=1.0)) as service:
+            async with asgi_client(service) as client:
+                loop = asyncio.get_running_loop()
+                began = loop.time()
+                r = await asyncio.wait_for(client.post("/generate", json=body(port, 0)),
+                                           10 * TIMEOUT_S)
+                waited = loop.time() - began
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["type"] == "bootstrap_failed"
+        assert error["message"] == (
+            f"prefill bootstrap 127.0.0.1:{port}: unreachable ([Errno 111] Connection "
+            "refused; gave up after --connect-timeout 1 s); is the prefill server running "
+            f"there with --bootstrap-port {port}?")
+        assert waited >= 1.0, waited  # retried all along: the prefill may be starting
+
+    run(main())
+
+
+@pytest.mark.mooncake
 @pytest.mark.parametrize("how", ["content-length", "no-length"])
 def test_a_route_table_over_the_cap_fails_the_look_up_unread(how: str) -> None:
     size = f"Content-Length {HUGE}" if how == "content-length" else "no Content-Length"
