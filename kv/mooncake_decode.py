@@ -41,7 +41,11 @@ answers again, the manager looks the prefill server up again, sends every rank a
 ``Register``, so a restarted prefill server is used without restarting decode, and refuses to
 it the rooms it failed when it lost the prefill and those it failed at once meanwhile (the
 router may have sent their other half there: without the refusal it would wait for its
-bootstrap timeout).
+bootstrap timeout). A prefill that answers again but cannot be used (restarted with another
+page size, model or layout: the look-up refuses it) still counts as gone, now with the look-up's
+reason: the rooms failed meanwhile are refused to it at once, a receiver created from then on
+fails with that reason and wakes the heartbeat, whose check refuses its room too, and that
+instance is not looked up again (another instance at the address is).
 """
 
 from __future__ import annotations
@@ -59,7 +63,14 @@ import numpy as np
 from kv import wire
 from kv.bootstrap import BootstrapClient
 from kv.metadata import MetadataBuffers, MetadataError
-from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, MooncakeError, kv_dtype_name
+from kv.mooncake_engine import (
+    ControlEndpoint,
+    IncompatiblePeerError,
+    MooncakeConfig,
+    MooncakeError,
+    PeerAuthError,
+    kv_dtype_name,
+)
 from kv.mooncake_peers import PrefillPeers, decode_rank, lookup_prefill
 from kv.mooncake_state import pool_memory
 from kv.pool import KVPool
@@ -311,7 +322,7 @@ class MooncakeDecodeManager:
         if refused:  # the same prefill instance: it still cannot pair
             self._refuse_failed()
         elif self.lost is not None:
-            self._reconnect()
+            self._reconnect(instance)
         elif self._register.keepalive_ms:  # a prefill rank forgets a silent session
             self._peers.send_all(self._register)
         return True
@@ -342,12 +353,25 @@ class MooncakeDecodeManager:
                 rec.status, rec.reason = KVPoll.FAILED, reason
         return rooms
 
-    def _reconnect(self) -> None:
-        """The prefill answers again: look its ranks up and register anew."""
+    def _reconnect(self, instance: str) -> None:
+        """The prefill (``instance`` of it) answers again: look its ranks up and register
+        anew. One that answers but cannot be used still counts as gone, now for that reason:
+        the rooms failed meanwhile are refused to it (their halves wait there), and so is each
+        room created from now on, at the next check, which it wakes; one that cannot pair
+        (another page size, model, layout, peer token) is looked up again only once another
+        instance of it answers."""
         try:
             table = lookup_prefill(self.bootstrap_addr, self.config, self._me, self._stop)
         except MooncakeError as exc:
-            logger.warning("prefill %s answers but cannot be used: %s", self.bootstrap_addr, exc)
+            if self._stop.is_set():  # the look-up stopped: this manager is closing
+                return
+            reason = f"prefill {self.bootstrap_addr} answers but cannot be used: {exc}"
+            logger.warning("%s", reason)
+            with self._lock:
+                self._lost = reason
+                if isinstance(exc, IncompatiblePeerError | PeerAuthError):
+                    self._refused_by = instance or None
+            self._refuse_failed()
             return
         peers = PrefillPeers(self._control.ctx, table, self._me, self.config.token)
         old, self._peers = self._peers, peers

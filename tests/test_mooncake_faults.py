@@ -284,11 +284,13 @@ def test_control_sockets_back_off_from_a_peer_that_does_not_answer() -> None:
         ctx.term()
 
 
-def _prefill_at(port: int = 0, config: MooncakeConfig | None = None,
+def _prefill_at(port: int = 0, config: MooncakeConfig | None = None, *,
+                page_size: int = GEOMETRY["page_size"],
                 ) -> tuple[BootstrapServer, MooncakeKVManager]:
     """A prefill rank registered at a bootstrap endpoint on ``port`` (0: a free one)."""
     server = BootstrapServer(port=port)
-    prefill = MooncakeKVManager(make_pool(), MetadataBuffers(8), config=config)
+    prefill = MooncakeKVManager(make_pool(page_size=page_size), MetadataBuffers(8),
+                                config=config)
     prefill.register_to_bootstrap(server.address)
     return server, prefill
 
@@ -449,6 +451,58 @@ def test_a_room_failed_while_the_prefill_counted_as_gone_is_refused_to_it_once_i
         assert drive(prefill, half, _TERMINAL)[-1] == KVPoll.FAILED
         assert "lost contact with prefill" in half.failure_exception().reason
         assert half.failure_exception().refused
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+
+
+@pytest.mark.parametrize("how", ["lost", "between-checks"])
+def test_a_prefill_restarted_with_another_page_size_fails_requests_with_why_and_refuses_them(
+    how: str,
+) -> None:
+    """A prefill restarted at the same address with a page size decode's pool does not have
+    answers its health check but cannot be used. From decode's first check of it on, requests
+    for it fail with why (not a stale "lost contact", until the manager is retired a minute
+    later), and their prefill halves, the one of a request that failed before that check too,
+    are refused to it at once, not at their bootstrap timeout. Either after the heartbeat lost
+    the old prefill, or when the restart came between two checks."""
+    from kv.mooncake_decode import MooncakeDecodeManager
+
+    server, prefill = _prefill_at()
+    port = int(server.address.rpartition(":")[2])
+    decode = MooncakeDecodeManager(make_pool(), MetadataBuffers(8), server.address,
+                                   config=MooncakeConfig(heartbeat_interval_s=3600))
+    try:
+        prefill.close()
+        server.close()
+        if how == "lost":  # the heartbeat's verdict, without an hour's wait for it
+            decode._lose_prefill(f"lost contact with prefill {server.address}")
+        server, prefill = _prefill_at(port, MooncakeConfig(bootstrap_timeout_s=300.0),
+                                      page_size=8)
+        server.add_refusal_listener(prefill.peer_refused)  # as pdlife serve wires it
+        early_half = prefill.create_sender(server.address, 5)
+        early = decode.create_receiver(server.address, 5)
+        if how == "lost":
+            assert early.poll() == KVPoll.FAILED  # not checked yet: still lost
+        else:
+            decode._wake.set()  # the next health check, without an hour's wait for it
+        eventually(lambda: "page_size=8" in (decode.lost or ""),
+                   "the check found the prefill unusable")
+        assert early.poll() == KVPoll.FAILED and early.quiescent()
+        assert drive(prefill, early_half, _TERMINAL)[-1] == KVPoll.FAILED
+        assert early_half.failure_exception().refused
+        half = prefill.create_sender(server.address, 6)
+        late = decode.create_receiver(server.address, 6)
+        assert late.poll() == KVPoll.FAILED
+        why = (f"prefill {server.address} answers but cannot be used: prefill at "
+               f"{server.address} has page_size=8 kv_dtype=float32 kv_layout=layer_major, this "
+               "decode pool has page_size=4")
+        assert why in late.failure_exception().reason, late.failure_exception().reason
+        assert drive(prefill, half, _TERMINAL)[-1] == KVPoll.FAILED  # woke the check
+        assert half.failure_exception().refused
+        assert why in half.failure_exception().reason
+        assert decode.lost_since is not None  # the router retires it as any lost one
     finally:
         decode.close()
         prefill.close()
