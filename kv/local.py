@@ -308,6 +308,8 @@ class LocalEndpoint:
             return
         group = self._group
         if why:
+            if isinstance(end, SenderEnd) and not end.side.status.terminal:
+                end.told = why
             peer = refusal(why)
         elif group.receivers or end.side.end != PREFILL:
             peer = REASON_PEER_ABORTED

@@ -161,7 +161,8 @@ class LocalServer:
             reason = end.side.reason
             if manager is not None and not end.dests and end.side.status == KVPoll.FAILED \
                     and not reason.startswith(REASON_PEER_REFUSED):
-                manager.refused.add(room, reason)  # a late destination gets the refusal
+                # A late destination gets the refusal.
+                manager.refused.add(room, end.told or reason)
         elif group.receivers.get(end.place.tp_rank) is end:
             del group.receivers[end.place.tp_rank]
             failure = group.failure

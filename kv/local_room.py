@@ -94,6 +94,9 @@ class SenderEnd:
     duty: SenderDuty | None = None
     dests: dict[int, ReceiverEnd] = attrs.Factory(dict)  # decode TP rank -> its receiver
     inflight: int = 0  # chunks queued or being copied
+    # What the decode side is told instead of the end's own reason (``abort(why)``), also by
+    # the refusal a late destination gets.
+    told: str = ""
 
     @property
     def paired(self) -> bool:

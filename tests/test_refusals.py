@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -531,11 +531,12 @@ def test_mooncake_bad_refusals_are_refused_by_the_bootstrap(mooncake: Mooncake) 
 class Pair:
     """An embedded pair (local backend) on a clock that never moves: no timeout can fire."""
 
-    def __init__(self, prefill_pages: int, decode_pages: int) -> None:
+    def __init__(self, prefill_pages: int, decode_pages: int,
+                 backend: Literal["local", "mooncake"] = "local") -> None:
         self.clock = FakeClock()
         self.pair = EmbeddedPair(
             PairConfig(model=ModelConfig.tiny(), prefill_pages=prefill_pages,
-                       decode_pages=decode_pages,
+                       decode_pages=decode_pages, backend=backend,
                        scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16)),
             clock=self.clock,
         )
@@ -621,6 +622,38 @@ def test_a_request_one_side_gives_up_on_before_the_handshake_fails_on_the_other(
     assert "peer refused: aborted" in late_decode.detail, late_decode.detail
     assert late_prefill.reason is FailureReason.BOOTSTRAP_FAILED
     assert "peer refused: aborted by the client" in late_prefill.detail, late_prefill.detail
+    assert pair.pair.idle()
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake",
+                                                          marks=pytest.mark.mooncake)])
+def test_a_decode_half_whose_prefill_half_timed_out_is_told_of_the_timeout(
+    backend: Literal["local", "mooncake"],
+) -> None:
+    """The prefill half waited out its bootstrap timeout before the decode half came: the
+    decode half fails at once, with that reason, not with "peer refused: aborted", which reads
+    as a client's abort."""
+    pair = Pair(prefill_pages=32, decode_pages=64, backend=backend)
+    try:
+        _told_of_the_timeout(pair)
+    finally:
+        pair.pair.close()
+
+
+def _told_of_the_timeout(pair: Pair) -> None:
+    pair.send("late", 28, prompt=8, new_tokens=2, decode=False)
+    step_until(pair.pair.step, lambda: bool(pair.pair.prefill.lifecycle.in_state(
+        PrefillState.BOOTSTRAPPING)), 30, lambda: "the prefill half bootstrapping")
+    pair.clock.now += 301.0  # past its bootstrap timeout (300 s)
+    step_until(pair.pair.step, lambda: "late" in pair.pair.prefill_responses, 30,
+               lambda: "the prefill half timed out")
+    assert pair.pair.prefill_responses["late"].reason is FailureReason.BOOTSTRAP_TIMEOUT
+    pair.send("late", 28, prompt=8, new_tokens=2, prefill=False)
+    pair.run(["late"])
+    answer = pair.pair.decode_responses["late"]
+    assert (answer.state, answer.reason) == (DecodeState.FAILED, FailureReason.BOOTSTRAP_FAILED)
+    assert ("peer refused: bootstrap_timeout (500): no destination from the decode peer "
+            "within 300 s") in answer.detail, answer.detail
     assert pair.pair.idle()
 
 

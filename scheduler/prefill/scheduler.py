@@ -342,11 +342,21 @@ class PrefillScheduler:
             return
         sender = sender_of(req)
         if sender is not None:
-            status = reason.http_status
-            sender.abort(peer_refusal(str(reason), status, detail) if for_the_client(status)
-                         else "")
+            sender.abort(self._told(req, reason, detail))
         event = PrefillEvent.ABORT if reason is FailureReason.ABORTED else PrefillEvent.FAIL
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
+
+    @staticmethod
+    def _told(req: PrefillRequest, reason: FailureReason, detail: str) -> str:
+        """What the decode peer is told of ``req``'s failure (its sender's ``abort(why)``):
+        the failure, where its client is to act on it, or where it came before the handshake
+        ended (a bootstrap timeout: the other half, maybe not there yet, learns only this of
+        it); else nothing, and the peer reads a plain abort (as for the client's own)."""
+        status = reason.http_status
+        if for_the_client(status) or (req.state is S.BOOTSTRAPPING
+                                      and reason is not FailureReason.ABORTED):
+            return peer_refusal(str(reason), status, detail)
+        return ""
 
     def _settle(self, req: PrefillRequest) -> None:
         """Apply the failure deferred while ``req`` was on the device (it is off now)."""
