@@ -74,6 +74,13 @@ def refused_for_the_client(detail: str) -> tuple[str, int] | None:
     return (kind, status) if for_the_client(status) else None
 
 
+def peer_aborted(detail: str) -> bool:
+    """Whether ``detail`` carries the other half's word that its client aborted the request
+    (``peer refused: aborted (200): ...``): this half ends as an abort too."""
+    found = _PEER_REFUSED.search(detail)
+    return found is not None and found.group(1) == "aborted"
+
+
 class RefusedRooms:
     """Rooms refused recently, each with why. Not thread-safe: its owner's lock guards it."""
 

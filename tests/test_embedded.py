@@ -52,10 +52,12 @@ def test_a_prefill_failure_releases_both_sides():
         pair.prefill.abort("a")
         out = pair.run_until_done(["a"])["a"]
         assert out.prefill.reason is FailureReason.ABORTED
-        # The decode half, which never got its KV, fails as a transfer the peer gave up on.
-        assert out.decode.reason is FailureReason.TRANSFER_FAILED, out.decode
-        assert out.decode.http_status == 500
-        assert "aborted by the peer" in out.decode.detail, out.decode.detail
+        # The decode half, which never got its KV, ends as an abort too (the client's), not as
+        # a failed transfer, which a router would retry.
+        assert out.decode.reason is FailureReason.ABORTED, out.decode
+        assert out.decode.http_status == 200
+        assert "peer refused: aborted (200): aborted by the client" in out.decode.detail, (
+            out.decode.detail)
         assert pair.prefill_pool.allocator.available() == 256
         assert pair.decode_pool.allocator.available() == 256
     finally:

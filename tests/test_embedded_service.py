@@ -121,8 +121,8 @@ def test_a_request_aborted_on_prefill_alone_under_an_engine_loop_ends_on_both_si
         loop.stop()
     out = follower.outcomes["a"]
     assert aborted and out.prefill.reason is FailureReason.ABORTED, out.prefill
-    assert out.decode.reason is FailureReason.TRANSFER_FAILED, out.decode
-    assert "aborted by the peer" in out.decode.detail, out.decode.detail
+    assert out.decode.reason is FailureReason.ABORTED, out.decode
+    assert "peer refused: aborted (200)" in out.decode.detail, out.decode.detail
     pair.close()
     for side in (pair.prefill, pair.decode):
         assert side.pool.allocator.available() == side.pool.num_pages

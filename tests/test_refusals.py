@@ -600,7 +600,7 @@ def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
     assert pair.pair.idle()
 
 
-def test_a_request_one_side_gives_up_on_before_the_handshake_fails_on_the_other(
+def test_a_request_one_side_aborts_before_the_handshake_ends_as_an_abort_on_the_other(
     pair: Pair,
 ) -> None:
     # Each side gets its half first and gives it up (its client aborts) before the handshake;
@@ -617,11 +617,14 @@ def test_a_request_one_side_gives_up_on_before_the_handshake_fails_on_the_other(
     p, d = pair.pair.prefill_responses, pair.pair.decode_responses
     assert p["prefill-only"].reason is FailureReason.ABORTED
     assert d["decode-only"].reason is FailureReason.ABORTED
+    # The other half ends as an abort too (a router would retry a failure, undoing the abort).
     late_decode, late_prefill = d["prefill-only"], p["decode-only"]
-    assert late_decode.reason is FailureReason.BOOTSTRAP_FAILED
-    assert "peer refused: aborted" in late_decode.detail, late_decode.detail
-    assert late_prefill.reason is FailureReason.BOOTSTRAP_FAILED
-    assert "peer refused: aborted by the client" in late_prefill.detail, late_prefill.detail
+    assert late_decode.reason is FailureReason.ABORTED
+    assert "peer refused: aborted (200): aborted by the client" in late_decode.detail, (
+        late_decode.detail)
+    assert late_prefill.reason is FailureReason.ABORTED
+    assert "peer refused: aborted (200): aborted by the client" in late_prefill.detail, (
+        late_prefill.detail)
     assert pair.pair.idle()
 
 

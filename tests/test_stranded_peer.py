@@ -10,6 +10,7 @@ the test's waits failed because of the refusal, which its message names.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -91,6 +92,13 @@ def counter(server: Server, name: str, direction: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     line = f'{name}{{direction="{direction}"}} '
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
+
+
+def finished(server: Server, reason: str) -> float:
+    """The decode worker's count of requests that ended for ``reason``, in any state."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.findall(r'^pdlife_decode_requests_finished_total\{([^}]*)\} (\S+)$', text, re.M)
+    return sum(float(n) for labels, n in found if f'reason="{reason}"' in labels)
 
 
 def until_idle(*servers: Server) -> None:
@@ -266,3 +274,32 @@ def test_a_draining_prefill_fails_the_request_on_decode_at_once(
     finally:
         prefill.stop()
     until_idle(pair.decode)
+
+
+def test_a_clients_abort_on_prefill_ends_the_decode_half_as_an_abort(pair: Pair) -> None:
+    """The client aborts its request on the prefill worker while the decode half waits for
+    pages: the decode half ends as an abort too (200, finish reason ``abort``, counted
+    ``aborted``), not as a failed transfer, which a router would retry, undoing the abort."""
+    held = [pair.post(pair.decode, pair.body(f"held-for-abort-{i}", 130 + i, prompt=200,
+                                             new_tokens=40)) for i in range(2)]
+    wait_for(lambda: pair.decode.get("/server_info")["requests"]["decode"]["receiving"] == 2,
+             60, "the held requests waiting for their KV")
+    aborted = finished(pair.decode, "aborted")
+    body = pair.body("aborted-on-prefill", 132, prompt=200)  # 50 pages: more than are free
+    on_decode = pair.post(pair.decode, body)
+    on_prefill = pair.post(pair.prefill, body)
+    wait_for(lambda: pair.prefill.get("/server_info")["live_requests"] == 1, 60,
+             "the prefill half waiting for decode's destination")
+    r = httpx.post(f"{pair.prefill.url}/abort_request", json={"rid": "aborted-on-prefill"},
+                   timeout=10)
+    assert r.status_code == 200, r.text
+    for answer in (on_prefill.result(WAIT_S), on_decode.result(WAIT_S)):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["meta_info"]["finish_reason"]["type"] == "abort", answer.text
+    assert finished(pair.decode, "aborted") == aborted + 1
+    for i in range(2):
+        httpx.post(f"{pair.decode.url}/abort_request", json={"rid": f"held-for-abort-{i}"},
+                   timeout=10)
+    for call in held:
+        assert call.result(WAIT_S).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    until_idle(pair.prefill, pair.decode)

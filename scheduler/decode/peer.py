@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
+from kv.refusal import peer_aborted, peer_refusal
 from kv.state_pools import StatePools
 from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError
 from lifecycle import (
@@ -252,12 +253,15 @@ class DecodePeer:
     def _fail(self, req: DecodeRequest, reason: FailureReason, detail: str, *,
               tell_peer: bool = True) -> None:
         """Fail ``req``; before its destination went out, tell the prefill peer unless the
-        failure came from there (``tell_peer``)."""
+        failure came from there (``tell_peer``): the client's abort as one, which the prefill
+        half ends as too."""
         receiver = receiver_of(req)
         if receiver is not None:
             receiver.abort()
         if tell_peer and req.state in (S.BOOTSTRAPPING, S.PREALLOC):
-            self.refuse_room(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, detail)
+            why = (peer_refusal(str(reason), reason.http_status, detail)
+                   if reason is FailureReason.ABORTED else detail)
+            self.refuse_room(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, why)
         event = DecodeEvent.ABORT if reason is FailureReason.ABORTED else DecodeEvent.FAIL
         self.lifecycle.fire(event, [req], reason=reason, detail=detail)
 
@@ -310,10 +314,14 @@ class DecodePeer:
 
     def _fail_from_peer(self, req: DecodeRequest, err: TransferError) -> None:
         """The receiver failed: the prefill side refused the room, the transfer failed, or the
-        prefill is gone. Nothing to tell the peer."""
+        prefill is gone. Nothing to tell the peer. The client's abort of the prefill half ends
+        this half as an abort (200, finish reason ``abort``), as an abort here would."""
+        R = FailureReason
+        if err.refused and peer_aborted(err.reason):
+            self._fail(req, R.ABORTED, str(err), tell_peer=False)
+            return
         if err.refused:
             self.metrics.peer_refusals.labels(direction="received").inc()
-        R = FailureReason
         if req.state is S.BOOTSTRAPPING or err.refused:  # before the destination went out
             reason = R.BOOTSTRAP_TIMEOUT if err.timeout else R.BOOTSTRAP_FAILED
         else:

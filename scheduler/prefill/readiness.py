@@ -22,6 +22,7 @@ import attrs
 
 from kv.metadata import SlotAllocator
 from kv.pages import pages_needed
+from kv.refusal import peer_aborted
 from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVPoll
 from lifecycle import FailureReason, PrefillRequest, PrefillState
 from scheduler.dist.ranks import RankSync
@@ -198,8 +199,9 @@ class Readiness:
         timeout = False
         if sender is not None and int(sender.poll()) == KVPoll.FAILED:
             err = sender.failure_exception()
-            if err.reason == REASON_PEER_ABORTED:
-                # The decode side aborted the room: the client went away, not a failure.
+            if err.reason == REASON_PEER_ABORTED or (err.refused and peer_aborted(err.reason)):
+                # The decode side aborted the room (after the handshake) or its client aborted
+                # the request (before): the client went away, not a failure.
                 return FailureReason.ABORTED, f"aborted by the decode peer ({err})"
             detail, timeout = str(err), bool(getattr(err, "timeout", False))
         if bootstrapping:

@@ -351,10 +351,12 @@ class PrefillScheduler:
         """What the decode peer is told of ``req``'s failure (its sender's ``abort(why)``):
         the failure, where its client is to act on it, or where it came before the handshake
         ended (a bootstrap timeout: the other half, maybe not there yet, learns only this of
-        it); else nothing, and the peer reads a plain abort (as for the client's own)."""
+        it), or where it is the client's abort (the decode half ends as an abort too, not as a
+        failed transfer a router would retry, undoing the abort); else nothing, and the peer
+        reads a plain abort."""
         status = reason.http_status
-        if for_the_client(status) or (req.state is S.BOOTSTRAPPING
-                                      and reason is not FailureReason.ABORTED):
+        if (for_the_client(status) or reason is FailureReason.ABORTED
+                or req.state is S.BOOTSTRAPPING):
             return peer_refusal(str(reason), status, detail)
         return ""
 
