@@ -533,8 +533,8 @@ class Service:
         item = pending.item
         with self._lock:
             pending.waiting_on.discard(side)
-            if pending.waiting_on:
-                return
+            if pending.waiting_on or self._pending.get(item.rid) is not pending:
+                return  # the other side's answer is to come, or a failed loop answered it
             del self._pending[item.rid]
             self._abort_reasons.pop(item.rid, None)
             self._queue.ended(0 if self._replicas is None
