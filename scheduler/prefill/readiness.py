@@ -23,7 +23,7 @@ import attrs
 from kv.metadata import SlotAllocator
 from kv.pages import pages_needed
 from kv.refusal import peer_aborted
-from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVPoll
+from kv.transfer import REASON_OTHER_RANK, REASON_PEER_ABORTED, KVPoll, refusal
 from lifecycle import FailureReason, PrefillRequest, PrefillState
 from scheduler.dist.ranks import RankSync
 from scheduler.messages import take_all
@@ -199,9 +199,10 @@ class Readiness:
         timeout = False
         if sender is not None and int(sender.poll()) == KVPoll.FAILED:
             err = sender.failure_exception()
-            if err.reason == REASON_PEER_ABORTED or (err.refused and peer_aborted(err.reason)):
-                # The decode side aborted the room (after the handshake) or its client aborted
-                # the request (before): the client went away, not a failure.
+            if err.reason in _PEER_ABORTS or (err.refused and peer_aborted(err.reason)):
+                # The decode side aborted the room (after the handshake, or before this half
+                # came, withdrawing its destination) or its client aborted the request (before
+                # its destination went out): the client went away, not a failure.
                 return FailureReason.ABORTED, f"aborted by the decode peer ({err})"
             detail, timeout = str(err), bool(getattr(err, "timeout", False))
         if bootstrapping:
@@ -209,6 +210,10 @@ class Readiness:
         else:
             reason = FailureReason.TRANSFER_TIMEOUT if timeout else FailureReason.TRANSFER_FAILED
         return reason, detail
+
+
+#: A room's reason when the decode side aborted it: with this half live, or before it came.
+_PEER_ABORTS = (REASON_PEER_ABORTED, refusal(REASON_PEER_ABORTED))
 
 
 def _poll_one(req: PrefillRequest | None) -> int:
