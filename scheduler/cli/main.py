@@ -9,8 +9,9 @@ validate``, ``pdlife diagram`` and ``pdlife fuzz --load`` start without torch.
 
 Exit statuses: 0 success, 1 the thing checked is wrong (an invalid table, stale docs),
 2 bad usage (argparse's convention, also for a ``--load`` target that cannot be loaded),
-141 the reader of standard output went away (``pdlife validate | head -1``): the shell's status
-for a command ended by SIGPIPE, without a traceback.
+141 the reader of standard output went away before the command finished writing
+(``pdlife fuzz ... | head -1``): the shell's status for a command ended by SIGPIPE, without a
+traceback.
 """
 
 from __future__ import annotations
