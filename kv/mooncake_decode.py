@@ -215,6 +215,17 @@ class MooncakeDecodeManager:
         with self._lock:
             return self._lost
 
+    def refuse_while_lost(self, room: int) -> str | None:
+        """Why the prefill counts as gone, or None. When it does, ``room`` (a request failed
+        before it reached this manager) is refused to the prefill once it answers again, as
+        a receiver's room is, and the prefill is checked now."""
+        with self._lock:
+            if self._lost is None:
+                return None
+            self._failed_while_lost.append((room, self._lost))
+            self._wake.set()
+            return self._lost
+
     @property
     def lost_since(self) -> float | None:
         """When (``time.monotonic()``) the prefill came to count as gone, or None while its

@@ -378,3 +378,44 @@ def test_waiters_share_one_look_up_thread_and_one_that_withdraws_is_not_told(
     finally:
         release.set()
         router.close()
+
+
+@pytest.mark.mooncake
+def test_a_request_for_a_prefill_that_counts_as_gone_fails_before_its_stream_starts() -> None:
+    """A decode that paired with a prefill which then stopped answering (or came back with
+    settings decode cannot use) fails a request for it at once, before a stream's first byte:
+    500 ``bootstrap_failed`` naming why, as a failed look-up is, which a router retries on
+    another pair (a stream's 200 with an error event it cannot retry)."""
+    from tests.service_harness import free_port
+
+    bootstrap_port = free_port()
+    prefill_config = ServeConfig(
+        role="prefill", backend="mooncake", model=ModelConfig.tiny(),
+        scheduler=SchedulerConfig(page_size=4), pool_pages=64, metadata_slots=8,
+        bootstrap_port=bootstrap_port)
+
+    async def main() -> None:
+        with running_service(prefill_config) as prefill, running_service(
+                decode_config()) as decode:
+            async with asgi_client(prefill) as p, asgi_client(decode) as d:
+                first = body(bootstrap_port, 0)
+                answers = await asyncio.gather(p.post("/generate", json=first),
+                                               d.post("/generate", json=first))
+                assert [r.status_code for r in answers] == [200, 200], answers[1].text
+                router = decode.decode_kv
+                assert router is not None
+                addr = f"127.0.0.1:{bootstrap_port}"
+                [manager] = [m for m in router.managers() if getattr(m, "bootstrap_addr",
+                                                                      None) == addr]
+                why = f"lost contact with prefill {addr}: 2 health checks in a row failed"
+                manager._lose_prefill(why)  # the heartbeat's verdict, without its wait
+                for stream in (True, False):
+                    r = await d.post("/generate", json={**body(bootstrap_port, 1 + stream),
+                                                        "stream": stream})
+                    assert r.status_code == 500, r.text
+                    error = r.json()["error"]
+                    assert (error["type"], error["message"]) == ("bootstrap_failed", why)
+                info = (await d.get("/server_info")).json()
+                assert (info["connecting"], info["live_requests"]) == ({}, 0)
+
+    run(main())

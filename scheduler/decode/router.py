@@ -106,6 +106,10 @@ class LosesPeer(Protocol):
 
     def live_rooms(self) -> int: ...
 
+    def refuse_while_lost(self, room: int) -> str | None:
+        """Why the prefill counts as gone (``room`` is then refused to it once it answers
+        again), or None."""
+
 
 def is_fake(bootstrap_addr: str) -> bool:
     return bootstrap_addr.partition(":")[0] == FAKE_BOOTSTRAP_HOST
@@ -385,6 +389,19 @@ class DecodeKVRouter:
     def peers(self) -> list[str]:
         with self._lock:
             return sorted(self._managers)
+
+    def lost(self, bootstrap_addr: str) -> bool:
+        """Whether the prefill at ``bootstrap_addr`` has a manager and counts as gone."""
+        with self._lock:
+            m = self._managers.get(bootstrap_addr)
+        return isinstance(m, LosesPeer) and m.lost_since is not None
+
+    def refuse_while_lost(self, bootstrap_addr: str, room: int) -> str | None:
+        """Why the prefill at ``bootstrap_addr`` counts as gone, or None; when it does, its
+        manager refuses ``room`` to it once it answers again and checks it now."""
+        with self._lock:
+            m = self._managers.get(bootstrap_addr)
+        return m.refuse_while_lost(room) if isinstance(m, LosesPeer) else None
 
     def managers(self) -> tuple[DecodeKVManager, ...]:
         """Every manager requests may be routed to (the fake one first)."""

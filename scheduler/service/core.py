@@ -264,10 +264,20 @@ class Service:
 
     def needs_connect(self, item: Item) -> bool:
         """Whether ``item`` may have to wait for :meth:`connect_peer_soon` (a peer not yet
-        connected)."""
+        connected), or fail before it starts (:meth:`peer_lost`)."""
         kv = self.decode_kv
         return kv is not None and not item.fake and self.config.backend == "mooncake" and (
-            item.bootstrap_addr not in kv.peers())
+            item.bootstrap_addr not in kv.peers() or kv.lost(item.bootstrap_addr))
+
+    def peer_lost(self, item: Item) -> str | None:
+        """Decode role: why ``item``'s prefill server counts as gone (it stopped answering, or
+        answers but cannot be used), or None. The request then fails before it starts, as
+        when its look-up fails (500 ``bootstrap_failed``, before a stream's first byte, which
+        a router can retry elsewhere), and its room is refused to the prefill once it answers
+        again."""
+        if self.decode_kv is None or item.fake:
+            return None
+        return self.decode_kv.refuse_while_lost(item.bootstrap_addr, item.bootstrap_room)
 
     @contextlib.contextmanager
     def looking_up(self, items: list[Item]) -> Iterator[None]:

@@ -194,6 +194,9 @@ async def _connect(service: Service, item: Item, gone: asyncio.Future[None]) -> 
 
     withdraw = service.connect_peer_soon(item, told)
     if withdraw is None:
+        lost = service.peer_lost(item)
+        if lost is not None:
+            raise PeerUnreachable(item.bootstrap_addr, lost)
         return
     limit_s = service.config.mooncake.connect_timeout_s + _SET_UP_S
     deadline = loop.time() + limit_s
