@@ -469,8 +469,9 @@ def test_mooncake_a_decode_rank_prefill_cannot_pair_with_fails_its_rooms_at_once
         assert lost is not None and "cannot pair with this decode rank: incompatible_layout: " \
             "(page_size, kv_dtype, kv_layout, metadata item lens)" in lost, lost
         assert lost.endswith("))"), lost  # both sides' values, whole
-        assert any(r.levelno == logging.ERROR and "cannot pair" in r.getMessage()
-                   for r in caplog.records)
+        # Logged on the heartbeat's thread just after the verdict is set: waited for too.
+        eventually(lambda: any(r.levelno == logging.ERROR and "cannot pair" in r.getMessage()
+                               for r in caplog.records), "the refusal logged")
         sender = prefill.kv.create_sender(addr, 7)
         receiver = decode.create_receiver(addr, 7)
         assert receiver.poll() == KVPoll.FAILED and receiver.quiescent()
