@@ -573,6 +573,14 @@ def pair() -> Iterator[Pair]:
     p.pair.close()
 
 
+@pytest.fixture(params=["local", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def either_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """:func:`pair` on either backend."""
+    p = Pair(prefill_pages=32, decode_pages=64, backend=request.param)
+    yield p
+    p.pair.close()
+
+
 def test_a_request_decode_refuses_fails_on_prefill_at_once(pair: Pair) -> None:
     pair.send("too-long-for-decode", 21, prompt=100, new_tokens=200)  # 300 > 256 decode tokens
     pair.send("room-zero", 0, prompt=8, new_tokens=2)
@@ -601,21 +609,12 @@ def test_a_request_prefill_refuses_fails_on_decode_at_once(pair: Pair) -> None:
     assert pair.pair.idle()
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake",
-                                                          marks=pytest.mark.mooncake)])
 def test_a_request_one_side_aborts_before_the_handshake_ends_as_an_abort_on_the_other(
-    backend: Literal["local", "mooncake"],
+    either_pair: Pair,
 ) -> None:
     """Each side gets its half first and gives it up (its client aborts) before the other half
     arrives; with Mooncake the decode half sent its destination already, and withdraws it."""
-    pair = Pair(prefill_pages=32, decode_pages=64, backend=backend)
-    try:
-        _aborts_before_the_handshake(pair)
-    finally:
-        pair.pair.close()
-
-
-def _aborts_before_the_handshake(pair: Pair) -> None:
+    pair = either_pair
     pair.send("prefill-only", 23, prompt=8, new_tokens=2, decode=False)
     pair.send("decode-only", 24, prompt=8, new_tokens=2, prefill=False)
     step_until(pair.pair.step, lambda: (
@@ -644,22 +643,13 @@ def _aborts_before_the_handshake(pair: Pair) -> None:
     assert pair.pair.idle()
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake",
-                                                          marks=pytest.mark.mooncake)])
 def test_a_decode_half_whose_prefill_half_timed_out_is_told_of_the_timeout(
-    backend: Literal["local", "mooncake"],
+    either_pair: Pair,
 ) -> None:
     """The prefill half waited out its bootstrap timeout before the decode half came: the
     decode half fails at once, with that reason, not with "peer refused: aborted", which reads
     as a client's abort."""
-    pair = Pair(prefill_pages=32, decode_pages=64, backend=backend)
-    try:
-        _told_of_the_timeout(pair)
-    finally:
-        pair.pair.close()
-
-
-def _told_of_the_timeout(pair: Pair) -> None:
+    pair = either_pair
     pair.send("late", 28, prompt=8, new_tokens=2, decode=False)
     step_until(pair.pair.step, lambda: bool(pair.pair.prefill.lifecycle.in_state(
         PrefillState.BOOTSTRAPPING)), 30, lambda: "the prefill half bootstrapping")
