@@ -31,6 +31,7 @@ from scheduler.cli.serve import (
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.service.config import ServeConfig
+from scheduler.service.core import Service
 from tests.service_harness import (
     Server,
     asgi_client,
@@ -185,6 +186,42 @@ def test_the_servers_own_abort_counts_as_shutdown_not_as_the_clients() -> None:
                 if line.startswith("pdlife_requests_finished_total{")}
     assert finished['pdlife_requests_finished_total{reason="aborted",state="failed"}'] == "1.0"
     assert finished['pdlife_requests_finished_total{reason="shutdown",state="failed"}'] == "1.0"
+
+
+def test_closing_a_service_answers_what_is_live_and_refuses_what_comes_after() -> None:
+    """An embedder's ``Service.close()`` with a request still live (no drain before it): the
+    request is answered 503, not left waiting on a loop that steps nothing any more; a request
+    that comes after is refused 503 (the server is closed), not registered."""
+    config = ServeConfig(role="both", backend="local", model=MODEL, pool_pages=128)
+
+    async def main() -> tuple[httpx.Response, httpx.Response, int]:
+        service = Service(config)
+        service.start_loop()
+        try:
+            async with asgi_client(service) as client:
+                live = asyncio.ensure_future(client.post("/generate", json={
+                    "rid": "live", "input_ids": [3, 1, 4],
+                    "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}))
+                for _ in range(3000):  # thousands of passes from its end
+                    if service.live_requests() == 1 or live.done():
+                        break
+                    await asyncio.sleep(0.01)
+                assert not live.done(), live.result().text
+                service.close()
+                answered = await asyncio.wait_for(live, 30)
+                after = await client.post("/generate", json={
+                    "rid": "after", "input_ids": [3, 1, 4],
+                    "sampling_params": {"max_new_tokens": 2}})
+                return answered, after, service.live_requests()
+        finally:
+            service.close()  # a second close does nothing more
+
+    answered, after, live_after = run(main())
+    assert answered.status_code == 503, answered.text
+    assert answered.json()["error"]["message"] == "the server closed before the request ended"
+    assert after.status_code == 503, after.text
+    assert after.json()["error"]["message"] == "the server is closed"
+    assert live_after == 0
 
 
 @pytest.mark.multiprocess

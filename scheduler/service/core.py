@@ -151,6 +151,7 @@ class Service:
         self._streams: dict[str, Pending] = {}
         self._rooms = itertools.count(1)
         self._draining = False
+        self._closed = False
         self._queue = QueueBound(config.max_queued_requests)
         self._idle = threading.Condition(self._lock)
         self.snapshot: dict[str, Any] = {}
@@ -201,7 +202,10 @@ class Service:
 
     def close(self) -> None:
         """Stop the loop, then end the tracer and release the backends (threads, sockets, the
-        bootstrap port)."""
+        bootstrap port). A request still live is answered 503 ``shutdown`` (nothing steps it
+        any more); :meth:`start` refuses new ones from the first moment."""
+        with self._lock:
+            self._closed = True
         try:
             self.loop.stop()
         finally:
@@ -210,12 +214,26 @@ class Service:
                 closers.append(self.tracer.close)
             for exc in close_all(closers):
                 logger.error("closing the tracer failed", exc_info=exc)
+            if not self.loop.alive:  # else it outlived stop(), which raised: it may answer
+                self._answer_all(503, FailureReason.SHUTDOWN,
+                                 "the server closed before the request ended")
 
     # -- admission (HTTP side) --------------------------------------------------------------
 
     @property
     def healthy(self) -> bool:
-        return self.loop.alive
+        return not self.unhealthy()
+
+    def unhealthy(self) -> str:
+        """Why the engine loop takes no requests ("" when it does): the server is closed, the
+        loop failed, or it does not run."""
+        if self._closed:
+            return "the server is closed"
+        if self.loop.failure is not None:
+            return f"the engine loop failed: {self.loop.failure!r}"
+        if not self.loop.alive:
+            return "the engine loop is not running (start_loop() starts it)"
+        return ""
 
     @property
     def draining(self) -> bool:
@@ -338,8 +356,9 @@ class Service:
             sampling=item.sampling,
         )
         with self._lock:
-            if not self.loop.alive:
-                raise Unavailable(f"the engine loop failed: {self.loop.failure!r}")
+            unhealthy = self.unhealthy()
+            if unhealthy:
+                raise Unavailable(unhealthy)
             if self._draining:
                 raise Unavailable("the server is draining (shutting down)")
             if item.rid in self._pending:
@@ -352,10 +371,21 @@ class Service:
         if item.fake and self.decode_kv is not None:
             self.decode_kv.fake.expect(item.bootstrap_room, item.rid, item.input_ids,
                                       item.sampling)
-        if self.prefill is not None and not (self._replicas and self._replicas.submit(new)):
-            self.prefill.submit(new)
-        if self.decode is not None:
-            self.decode.submit(new)
+        try:
+            if self.prefill is not None and not (self._replicas and self._replicas.submit(new)):
+                self.prefill.submit(new)
+            if self.decode is not None:
+                self.decode.submit(new)
+        except (RuntimeError, ValueError) as exc:  # a closed scheduler or replica queue
+            # The server closed between the checks above and here: no engine holds it (a
+            # scheduler takes nothing once closed), so it is withdrawn, never answered.
+            with self._lock:
+                del self._pending[item.rid]
+                self._streams.pop(item.rid, None)
+                self._idle.notify_all()
+            if item.fake and self.decode_kv is not None:
+                self.decode_kv.fake.forget(item.bootstrap_room)
+            raise Unavailable("the server is closed") from exc
         self.loop.wake()
         return pending
 
@@ -560,21 +590,25 @@ class Service:
         if self.bootstrap is not None:  # decode peers' heartbeats let this server's rooms go
             self.bootstrap.mark_unhealthy(f"the prefill server's engine failed: {exc}")
         self.metrics.healthy.set(0)
+        self._answer_all(500, FailureReason.INTERNAL,
+                         f"internal error: the engine loop failed ({type(exc).__name__}: {exc})")
+
+    def _answer_all(self, status: int, reason: FailureReason, message: str) -> None:
+        """Answer every live request ``status`` (the loop that steps them has ended)."""
         with self._lock:
             pending = list(self._pending.values())
             self._pending.clear()
             self._streams.clear()
             self._idle.notify_all()
-        # Every live request is answered below: none is live in the failed engines any more,
+        # Every live request is answered below: none is live in the ended engines any more,
         # whatever state their last pass left it in.
         self.snapshot = {**self.snapshot, "requests": {
             side: dict.fromkeys(states, 0)
             for side, states in self.snapshot.get("requests", {}).items()}}
-        message = f"internal error: the engine loop failed ({type(exc).__name__}: {exc})"
         for p in pending:
             p.resolve(Answer(
-                rid=p.item.rid, status=500, output_ids=(), finish_reason="abort",
-                message=message, reason=FailureReason.INTERNAL,
+                rid=p.item.rid, status=status, output_ids=(), finish_reason="abort",
+                message=message, reason=reason,
                 prompt_tokens=len(p.item.input_ids), e2e_latency=time.monotonic() - p.started,
             ))
 

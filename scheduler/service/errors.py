@@ -44,8 +44,9 @@ def rejected(
 
 def unavailable_reason(service: Service) -> tuple[str, str] | None:
     """Why the server cannot take requests now (kind, message), or None when it can."""
-    if not service.healthy:
-        return "unhealthy", f"the engine loop failed: {service.loop.failure!r}"
+    unhealthy = service.unhealthy()
+    if unhealthy:
+        return "unhealthy", unhealthy
     if service.draining:
         return "draining", "the server is draining (shutting down)"
     starting = service.starting()
