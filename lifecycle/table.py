@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import re
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
 
@@ -164,10 +164,16 @@ def _normalise_events(
                 f"{name}: edge event {str(e.event)!r} is not a member of {events.__name__}"
             ) from None
         out.append(e if e.event is member else attrs.evolve(e, event=member))
-    unused = [m.value for m in events if all(e.event is not m for e in out)]
-    if unused:
-        raise InvalidTable(f"{name}: {events.__name__} has events no edge takes: {unused}")
     return tuple(out)
+
+
+def _unused_events(name: str, events: type[enum.StrEnum] | None,
+                   edges: tuple[Edge, ...]) -> Iterator[str]:
+    if events is None:
+        return
+    unused = [m.value for m in events if all(e.event is not m for e in edges)]
+    if unused:
+        yield f"{name}: {events.__name__} has events no edge takes: {unused}"
 
 
 def _lookup(
@@ -240,7 +246,7 @@ def make_table(
         once=frozenset(_names(once)),
         record=record,
     )
-    validate(table)
+    validate(table, also=_unused_events(name, events, edges))
     if record is not None:
         bind_record(table, record)
     return table
@@ -264,27 +270,35 @@ def guard_methods(table: LifecycleTable, record: type) -> dict[str, bool]:
     return check_guards(table.name, named_by, record)
 
 
-def validate(table: LifecycleTable) -> None:
-    """Check the definition rules; raise :class:`InvalidTable` on the first broken one."""
+def validate(table: LifecycleTable, also: Iterable[str] = ()) -> None:
+    """Check the definition rules; raise :class:`InvalidTable` naming every broken one (one
+    line each, with ``also``'s), or only the first where the others cannot be checked without
+    it (a table name, an initial or final state that is not a state)."""
     name = table.name
     check_table_name(name)
     for event in table.events:
         check_event_name(name, event)
-    _check_states(table)
-    _check_graph(table)
-    _check_failure_events(table)
+    _check_state_types(table)
+    problems = [*also, *_state_problems(table), *_graph_problems(table),
+                *_failure_event_problems(table)]
     if table.reasons is not None and not (
         isinstance(table.reasons, type) and issubclass(table.reasons, enum.Enum)
     ):
-        raise InvalidTable(f"{name}: reasons must be an Enum class, got {table.reasons!r}")
+        problems.append(f"{name}: reasons must be an Enum class, got {table.reasons!r}")
     unknown = sorted(table.once - table.hooks())
     if unknown:
-        raise InvalidTable(f"{name}: once names hooks the table does not run: {unknown}")
+        problems.append(f"{name}: once names hooks the table does not run: {unknown}")
     if table.record is not None:
-        guard_methods(table, table.record)
+        try:
+            guard_methods(table, table.record)
+        except InvalidTable as exc:
+            problems.append(str(exc))
+    if problems:
+        raise InvalidTable("\n".join(problems))
 
 
-def _check_states(table: LifecycleTable) -> None:
+def _check_state_types(table: LifecycleTable) -> None:
+    """The initial and final states are states: what every other check starts from."""
     name = table.name
     if not isinstance(table.initial, table.states):
         raise InvalidTable(f"{name}: the initial state {table.initial!r} is not a state"
@@ -293,31 +307,32 @@ def _check_states(table: LifecycleTable) -> None:
         if not isinstance(s, table.states):
             raise InvalidTable(f"{name}: finals names {s!r}, not a {table.states.__name__}"
                                f"{_state_hint(s, table.states)}")
+
+
+def _state_problems(table: LifecycleTable) -> Iterator[str]:
+    name = table.name
     if not table.finals:
-        raise InvalidTable(f"{name}: no final state")
+        yield f"{name}: no final state"
     if table.initial in table.finals:
-        raise InvalidTable(f"{name}: the initial state {table.initial.name} is final")
+        yield f"{name}: the initial state {table.initial.name} is final"
     for e in table.edges:
         if e.source in table.finals:
-            raise InvalidTable(
-                f"{name}: edge {str(e.event)!r} leaves final state {e.source.name} "
-                f"(final states are absorbing)"
-            )
+            yield (f"{name}: edge {str(e.event)!r} leaves final state {e.source.name} "
+                   f"(final states are absorbing)")
     for s in table.on_enter:
         if not isinstance(s, table.states):
-            raise InvalidTable(f"{name}: on_enter names {s!r}, not a state"
-                               f"{_state_hint(s, table.states)}")
+            yield (f"{name}: on_enter names {s!r}, not a state"
+                   f"{_state_hint(s, table.states)}")
     if table.on_enter.get(table.initial):
         # Admission is not an edge: they would run on the edges back into it only.
         back = sorted({str(e.event) for e in table.edges if e.dest is table.initial})
         instead = (f"; for the edges back into it, put them in after= on "
                    f"{', '.join(repr(b) for b in back)}" if back else "")
-        raise InvalidTable(
-            f"{name}: on_enter hooks on the initial state {table.initial.name}: admission runs "
-            f"no hooks, so they would not run for a request's start{instead}")
+        yield (f"{name}: on_enter hooks on the initial state {table.initial.name}: admission "
+               f"runs no hooks, so they would not run for a request's start{instead}")
 
 
-def _check_graph(table: LifecycleTable) -> None:
+def _graph_problems(table: LifecycleTable) -> Iterator[str]:
     name = table.name
     states = list(table.states)
     forward: dict[enum.IntEnum, set[enum.IntEnum]] = {s: set() for s in states}
@@ -329,36 +344,37 @@ def _check_graph(table: LifecycleTable) -> None:
     reachable = _closure({table.initial}, forward)
     for s in states:
         if s not in reachable:
-            raise InvalidTable(f"{name}: state {s.name} is unreachable from {table.initial.name}")
+            yield f"{name}: state {s.name} is unreachable from {table.initial.name}"
 
+    if not table.finals:
+        return  # said above; every state would be a trap
     can_finish = _closure(set(table.finals), backward)
     for s in states:
         if s not in can_finish:
-            raise InvalidTable(f"{name}: state {s.name} cannot reach a final state (a trap)")
+            yield f"{name}: state {s.name} cannot reach a final state (a trap)"
 
 
-def _check_failure_events(table: LifecycleTable) -> None:
+def _failure_event_problems(table: LifecycleTable) -> Iterator[str]:
     name = table.name
     for event in table.failure_events:
         if event not in table.events:
-            raise InvalidTable(f"{name}: failure event {str(event)!r} is not an event of the "
-                               f"table{suggest(str(event), map(str, table.events))}")
+            yield (f"{name}: failure event {str(event)!r} is not an event of the "
+                   f"table{suggest(str(event), map(str, table.events))}")
+            continue
+        missing = [s.name for s in table.live_states() if (s, event) not in table.lookup]
+        if missing:
+            yield (f"{name}: failure event {str(event)!r} is not legal from "
+                   f"{'state' if len(missing) == 1 else 'states'} {', '.join(missing)}")
         for s in table.live_states():
             edge = table.lookup.get((s, event))
             if edge is None:
-                raise InvalidTable(
-                    f"{name}: failure event {str(event)!r} is not legal from state {s.name}"
-                )
+                continue
             if edge.dest not in table.finals:
-                raise InvalidTable(
-                    f"{name}: failure event {str(event)!r} from {s.name} leads to non-final "
-                    f"{edge.dest.name}"
-                )
-            if edge.guarded:
-                raise InvalidTable(
-                    f"{name}: failure event {str(event)!r} from {s.name} is guarded; a failure "
-                    f"must always be possible"
-                )
+                yield (f"{name}: failure event {str(event)!r} from {s.name} leads to "
+                       f"non-final {edge.dest.name}")
+            elif edge.guarded:
+                yield (f"{name}: failure event {str(event)!r} from {s.name} is guarded; a "
+                       f"failure must always be possible")
 
 
 def _state_hint(value: object, states: type[enum.IntEnum]) -> str:

@@ -159,6 +159,35 @@ def test_each_broken_rule_raises_naming_the_state_or_edge(
     assert text.startswith("toy: ") and message in text, text
 
 
+def test_every_broken_rule_is_named_at_once() -> None:
+    """Independent broken rules are each named, one line each: removing the only edge into a
+    state leaves an event no edge takes, unreachable states and a failure event missing from
+    one, all said by the one error."""
+
+    class Ev(enum.StrEnum):
+        GO = "go"
+        FINISH = "finish"
+        FAIL = "fail"
+
+    edges = (Edge("finish", S.MIDDLE, S.DONE), Edge("fail", S.START, S.FAILED))
+    with pytest.raises(InvalidTable) as info:
+        build(edges=edges, events=Ev)
+    assert str(info.value).splitlines() == [
+        "toy: Ev has events no edge takes: ['go']",
+        "toy: state MIDDLE is unreachable from START",
+        "toy: state DONE is unreachable from START",
+        "toy: failure event 'fail' is not legal from state MIDDLE",
+    ]
+
+
+def test_a_rule_the_others_depend_on_is_named_alone() -> None:
+    # The graph cannot be walked from an initial state that is not a state.
+    with pytest.raises(InvalidTable) as info:
+        build(initial=Other.ELSEWHERE, edges=GOOD_EDGES[:3])
+    assert str(info.value).splitlines() == [
+        "toy: the initial state <Other.ELSEWHERE: 7> is not a state"]
+
+
 def test_validate_rechecks_a_table_built_around_make_table() -> None:
     # validate() is what `pdlife validate` runs; it must catch a table assembled by hand.
     good = build()

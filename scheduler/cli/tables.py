@@ -2,7 +2,7 @@
 
 ``--load MODULE:ATTR`` names one's own table; modules in the working directory are importable,
 as with ``python -m``. What cannot be loaded is a one-line usage error (exit 2); a table that
-breaks a definition rule is exit 1, naming the rule. Neither command imports torch.
+breaks definition rules is exit 1, naming each. Neither command imports torch.
 """
 
 from __future__ import annotations
