@@ -22,11 +22,11 @@ from __future__ import annotations
 import enum
 import math
 import operator
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import regex
 
 from lifecycle.reasons import FailureReason
 from lifecycle.record import Owner, Tracked
@@ -100,6 +100,8 @@ def as_logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]
     return tuple(pairs)
 
 
+#: A temperature below this is greedy: dividing logits by it would overflow them.
+GREEDY_BELOW = 1e-6
 #: The most top logprobs a request may ask for per position (OpenAI's limit, the metadata row's).
 TOP_LOGPROBS_MAX = 20
 #: The most token ids whose logprobs a request may ask for at every position
@@ -145,12 +147,13 @@ def _in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any, Any, A
 class SamplingParams:
     """What the client asked of the generation (validated at the boundary).
 
-    ``temperature`` 0 is greedy (ties go to the lowest token id); above 0 the next token is drawn
+    ``temperature`` 0 is greedy (ties go to the lowest token id), and so is one below
+    :data:`GREEDY_BELOW` (as in SGLang); above that the next token is drawn
     from the softmax of ``logits / temperature`` restricted by ``top_k`` (0 = no limit),
     ``top_p`` and ``min_p``, with the uniform number of output position ``i`` taken from the
     request's ``seed`` (``scheduler.sample`` defines the stream, so the prefill side can draw
     position 0 and the decode side the rest). ``stop`` strings, and matches of the ``stop_regex``
-    patterns (Python ``re``), are searched for in the decoded text.
+    patterns (Python ``re``'s syntax), are searched for in the decoded text.
     ``return_logprob`` asks for each output token's logprob (and ``top_logprobs_num``
     alternatives, and the logprobs of the ``token_ids_logprob`` ids, in their order); input
     logprobs start at ``logprob_start_len`` (-1: none).
@@ -209,8 +212,9 @@ class SamplingParams:
     def _check_stop_regex(self, _attr: object, value: tuple[str, ...]) -> None:
         for pattern in value:
             try:
-                compiled = re.compile(pattern)
-            except re.error as exc:
+                # As the engines search it (scheduler.sample.stops): re's syntax and meaning.
+                compiled = regex.compile(pattern, regex.VERSION0)
+            except regex.error as exc:
                 raise ValueError(f"stop_regex {pattern!r} is not a regular expression: "
                                  f"{exc}") from None
             if compiled.search("") is not None:
@@ -263,8 +267,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether the next token is the argmax (temperature 0, or a top-k of 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Whether the next token is the argmax (a temperature below :data:`GREEDY_BELOW`,
+        0 included, or a top-k of 1)."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def plain(self) -> bool:

@@ -135,6 +135,36 @@ def test_temperature_sharpens_and_flattens() -> None:
     assert cold < 5 < 100 < hot
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 9.9e-7])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature: float) -> None:
+    # logits / temperature would overflow to inf, and the softmax of inf is NaN.
+    logits = logits_of([0.1, 0.6, 0.3])
+    params = SamplingParams(temperature=temperature, return_logprob=True)
+    assert params.greedy
+    got = sample(logits[None], [RowSpec(params, seed=3)])[0]
+    assert got.token == 1 and got.logprob is not None
+    assert got.logprob.logprob == pytest.approx(math.log(0.6))  # unscaled, as greedy's are
+
+
+@pytest.mark.parametrize("bias", [1e308, -1e308])
+def test_a_huge_logit_bias_wins_or_loses_without_overflowing(bias: float) -> None:
+    logits = logits_of([0.5, 0.2, 0.3])
+    params = SamplingParams(temperature=0.5, logit_bias={2: bias}, return_logprob=True,
+                            top_logprobs_num=3)
+    got = {sample(logits[None], [RowSpec(params, seed=s)])[0] for s in range(20)}
+    assert {g.token for g in got} == ({2} if bias > 0 else {0, 1})
+    for g in got:
+        assert g.logprob is not None and math.isfinite(g.logprob.logprob)
+        assert all(math.isfinite(v) for _, v in g.logprob.top)
+
+
+def test_a_bias_does_not_bring_back_a_token_min_new_tokens_excludes() -> None:
+    logits = logits_of([0.5, 0.2, 0.3])
+    params = SamplingParams(temperature=0.5, logit_bias={2: 1e308})
+    assert {sample(logits[None], [RowSpec(params, seed=s, banned=(2,))])[0].token
+            for s in range(20)} <= {0, 1}
+
+
 def test_a_mask_removes_tokens_and_an_empty_mask_is_not_applied() -> None:
     logits = logits_of([0.7, 0.1, 0.1, 0.1])
     mask = torch.tensor([False, True, False, True])

@@ -5,13 +5,13 @@ Per row, in order:
 1. **adjust** — the request's penalties over its output so far (:attr:`RowSpec.history`):
    ``frequency_penalty`` times each token's count and ``presence_penalty`` are subtracted, then
    ``repetition_penalty`` divides the positive logits of those tokens and multiplies the
-   negative ones; the tokens ``min_new_tokens`` still excludes (:attr:`RowSpec.banned`) go to
-   -inf; ``logit_bias`` is added;
+   negative ones; ``logit_bias`` is added (a biased logit held within ``±BIASED_MAX``); the
+   tokens ``min_new_tokens`` still excludes (:attr:`RowSpec.banned`) go to -inf;
 2. **mask** — a constraint's allowed tokens (a mask that allows nothing is not applied: the
    constraint then rejects whatever comes, and the request fails naming its grammar);
-3. **greedy** (``SamplingParams.greedy``) — the lowest id of the maximum, the rule
-   ``fixed_point.greedy_token_ids`` and ``torch.argmax`` follow, so greedy over a runner's
-   logits is its ``forward``;
+3. **greedy** (``SamplingParams.greedy``: a temperature below 1e-6, or a top-k of 1) — the
+   lowest id of the maximum, the rule ``fixed_point.greedy_token_ids`` and ``torch.argmax``
+   follow, so greedy over a runner's logits is its ``forward``;
 4. otherwise **sample** — ``softmax(logits / temperature)`` in float64 on the CPU; tokens in
    the order (probability descending, id ascending); kept: the first ``top_k`` (0: all), the
    smallest prefix whose mass reaches ``top_p`` (at least one token), those with probability
@@ -92,6 +92,11 @@ def sample(logits: torch.Tensor, specs: Sequence[RowSpec]) -> list[Sampled]:
     return [s for s in out if s is not None]
 
 
+#: The largest biased logit: divided by a temperature of at least
+#: :data:`lifecycle.prefill.GREEDY_BELOW`, it stays finite in the float64 rows sampled from.
+BIASED_MAX = 1e300
+
+
 def adjust(row: torch.Tensor, spec: RowSpec) -> torch.Tensor:
     """``row`` (one request's logits, 1-D) with its penalties, ``min_new_tokens`` exclusion and
     logit bias applied (a new tensor when anything applies)."""
@@ -108,12 +113,13 @@ def adjust(row: torch.Tensor, spec: RowSpec) -> torch.Tensor:
         if penalty != 1.0:
             values = torch.where(values < 0, values * penalty, values / penalty)
         row[ids] = values
-    if spec.banned:
-        row[[t for t in spec.banned if t < row.numel()]] = -float("inf")
     if params.logit_bias:
         biased = [token for token, _ in params.logit_bias]
-        row[biased] += torch.tensor([b for _, b in params.logit_bias], dtype=row.dtype,
-                                    device=row.device)
+        values = row[biased] + torch.tensor([b for _, b in params.logit_bias],
+                                            dtype=row.dtype, device=row.device)
+        row[biased] = values.clamp(-BIASED_MAX, BIASED_MAX)
+    if spec.banned:  # after the bias: no bias brings a banned token back
+        row[[t for t in spec.banned if t < row.numel()]] = -float("inf")
     return row
 
 

@@ -95,7 +95,9 @@ def finish_reason(answer: Answer) -> FinishReason:
 
 def _triples(tokenizer: Any, pairs: Iterable[tuple[float | None, int]],
              with_text: bool) -> list[list[Any]]:
-    return [[lp, tok, decode(tokenizer, [tok], skip_special_tokens=False) if with_text else None]
+    # JSON has no infinity: a token the request's adjustments ruled out has no logprob (None).
+    return [[lp if lp is not None and math.isfinite(lp) else None, tok,
+             decode(tokenizer, [tok], skip_special_tokens=False) if with_text else None]
             for lp, tok in pairs]
 
 
@@ -117,8 +119,7 @@ def logprob_fields(tokenizer: Any, item: Item, inputs: Sequence[TokenLogprob],
     if sampling.token_ids_logprob:
         for key, entries in (("input_token_ids_logprobs", inputs),
                              ("output_token_ids_logprobs", outputs)):
-            fields[key] = [_triples(tokenizer, ((lp if math.isfinite(lp) else None, tok)
-                                                for tok, lp in t.asked), text)
+            fields[key] = [_triples(tokenizer, ((lp, tok) for tok, lp in t.asked), text)
                            if t.asked else None for t in entries]
     return fields
 
