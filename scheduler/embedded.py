@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,6 +56,8 @@ from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
 from scheduler.stepping import step_until
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(field_transformer=typed_fields)
@@ -318,22 +321,45 @@ class EmbeddedPair:
     def close(self, timeout: float = 30.0) -> None:
         """Answer every request still live ``shutdown`` (503) on both sides, step them until
         both sides are idle (at most ``timeout`` seconds), then close the schedulers and the
-        transfer engines; a second call does nothing. Not with a step running on another
-        thread."""
+        transfer engines; a second call does nothing. It steps the pair itself: while another
+        thread is in a pass it raises ``RuntimeError`` having changed nothing, and a pass begun
+        on another thread while it runs raises. After a pass was interrupted (a signal on the
+        stepping thread: ``interrupted``) nothing steps: it closes the engines and names the
+        requests left unanswered in a warning."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-            live = [r for r in self._submitted if r not in self.decode_responses]
-        try:
-            for rid in live:
-                self.prefill.abort(rid, shutdown=True)
-                self.decode.abort(rid, shutdown=True)
-            if live or not self.idle():
-                step_until(self.step, self.idle, timeout,
-                           lambda: f"the pair is not idle {timeout} s after its requests were "
-                                   f"answered shutdown")
-        finally:
-            errors = close_all(self._closers)
+        with self.prefill.holding("close()"), self.decode.holding("close()"):
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                live = [r for r in self._submitted if r not in self.decode_responses]
+            try:
+                self._finish(live, timeout)
+            finally:
+                errors = close_all(self._closers)
         if errors:
             raise errors[0]
+
+    @property
+    def interrupted(self) -> BaseException | None:
+        """What interrupted a pass of either side partway, if anything did (then neither
+        steps any more: close the pair)."""
+        return self.prefill.interrupted or self.decode.interrupted
+
+    def _finish(self, live: list[str], timeout: float) -> None:
+        """Answer ``live`` ``shutdown`` and step until both sides are idle (``close``)."""
+        if self.interrupted is not None:
+            if live:
+                logger.warning("closing the pair without answering %d live requests (%s): a "
+                               "pass was interrupted by %r", len(live), ", ".join(live[:5]),
+                               self.interrupted)
+            return
+        for rid in live:
+            self.prefill.abort(rid, shutdown=True)
+            self.decode.abort(rid, shutdown=True)
+        if live or not self.idle():
+            step_until(self.step, self.idle, timeout,
+                       lambda: f"the pair is not idle {timeout} s after its requests were "
+                               f"answered shutdown")

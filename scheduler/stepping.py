@@ -8,9 +8,10 @@ scheduler or an embedded pair by hand goes through here.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 #: How long a loop rests after a pass that did nothing (seconds).
 IDLE_REST_S = 0.0002
@@ -43,20 +44,57 @@ def step_until(
 class OneThread:
     """Refuses a pass begun while another thread is in one: ``step()`` belongs to one thread,
     and two threads inside one pass would corrupt the scheduler without an error. Reentrant on
-    the thread that holds it. Cheap: one uncontended lock per pass."""
+    the thread that holds it. Cheap: one uncontended lock per pass.
+
+    A pass left by a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``,
+    ``SystemExit``: a signal reached the stepping thread, anywhere in the pass) may have left
+    requests half-moved (a batch launched that never lands), so the guard then refuses every
+    later pass: :attr:`interrupted` says by what."""
 
     def __init__(self, what: str) -> None:
         self._what = what
         self._lock = threading.RLock()
         self._holder = ""
+        self._doing: list[str] = []  # what the holder does, outermost first
+        #: What interrupted a pass partway, if anything did (then no pass runs any more).
+        self.interrupted: BaseException | None = None
 
     def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=False):
+        self._acquire("step()")
+        if self.interrupted is not None:
+            self._release()
             raise RuntimeError(
-                f"{self._what}.step() called on thread {threading.current_thread().name!r} "
-                f"while thread {self._holder!r} runs a pass: one thread steps it (submit and "
-                "abort are the calls other threads may make)")
-        self._holder = threading.current_thread().name
+                f"{self._what}: a pass was interrupted by {self.interrupted!r} (a signal "
+                "reached the thread stepping it), which may have left requests half-moved: it "
+                "runs no more passes. Close it; step on a thread signals do not reach (an "
+                "EngineLoop's) to survive one")
 
-    def __exit__(self, *_exc: object) -> None:
+    def __exit__(self, _type: object, exc: BaseException | None, _tb: object) -> None:
+        if exc is not None and not isinstance(exc, Exception):
+            self.interrupted = exc
+        self._release()
+
+    @contextlib.contextmanager
+    def holding(self, call: str) -> Iterator[None]:
+        """Hold the stepping role on this thread for ``call`` (a ``close()`` that steps by
+        itself): a pass begun on another thread meanwhile raises ``RuntimeError``, as does this
+        if another thread is in a pass now."""
+        self._acquire(call, f"is in {call}")
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _acquire(self, call: str, doing: str = "runs a pass") -> None:
+        if not self._lock.acquire(blocking=False):
+            holder_does = (self._doing or ["runs a pass"])[0]
+            raise RuntimeError(
+                f"{self._what}.{call} called on thread {threading.current_thread().name!r} "
+                f"while thread {self._holder!r} {holder_does}: one thread steps it (submit "
+                "and abort are the calls other threads may make)")
+        self._holder = threading.current_thread().name
+        self._doing.append(doing)
+
+    def _release(self) -> None:
+        self._doing.pop()
         self._lock.release()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Sequence
 
 import attrs
 import pytest
@@ -252,3 +254,75 @@ def test_requests_submitted_from_many_threads_each_get_a_room_and_an_answer():
             (r, o.prefill.detail) for r, o in out.items() if not o.prefill.ok]
     finally:
         pair.close()
+
+
+def test_a_pass_a_signal_interrupts_stops_every_later_pass_and_close_still_releases(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """KeyboardInterrupt lands anywhere in a pass (here: in the decode side's detokenizer, as
+    Ctrl-C would on the stepping thread): that side refuses every later pass, naming it, and
+    close() steps nothing, warns naming what it leaves unanswered and closes the engines."""
+    interrupt = threading.Event()
+
+    def detokenize(ids: Sequence[int]) -> str:
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    cfg = PairConfig(model=ModelConfig.tiny(), prefill_pages=64, decode_pages=64,
+                     scheduler=SchedulerConfig(page_size=4))
+    pair = EmbeddedPair(cfg, detokenize=detokenize)
+    pair.submit("r", [1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True,
+                                                stop=["never"]))
+    while "r" not in pair.prefill_responses:
+        pair.step()
+    interrupt.set()
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            pair.step()
+    assert isinstance(pair.interrupted, KeyboardInterrupt)
+    with pytest.raises(RuntimeError, match="a pass was interrupted by KeyboardInterrupt"):
+        pair.step()
+    with caplog.at_level(logging.WARNING, logger="scheduler.embedded"):
+        pair.close()
+    assert "without answering 1 live requests (r)" in caplog.text, caplog.text
+    with pytest.raises(RuntimeError, match="this EmbeddedPair is closed"):
+        pair.submit("late", [1, 2], SamplingParams(max_new_tokens=2))
+
+
+def test_close_while_another_thread_is_in_a_pass_raises_having_changed_nothing() -> None:
+    """A close() from a thread that does not step the pair, while the stepping thread is in
+    a pass, is refused at once; the pair is left as it was, and a close() on the stepping
+    thread then answers everything."""
+    in_pass, go_on = threading.Event(), threading.Event()
+
+    def detokenize(ids: Sequence[int]) -> str:
+        in_pass.set()
+        go_on.wait(30)
+        return ""
+
+    cfg = PairConfig(model=ModelConfig.tiny(), prefill_pages=64, decode_pages=64,
+                     scheduler=SchedulerConfig(page_size=4))
+    pair = EmbeddedPair(cfg, detokenize=detokenize)
+    pair.submit("r", [1, 2, 3], SamplingParams(max_new_tokens=50, ignore_eos=True,
+                                                stop=["never"]))
+    refused: list[BaseException] = []
+
+    def stepper() -> None:
+        while not in_pass.is_set():
+            pair.step()
+
+    thread = threading.Thread(target=stepper)
+    thread.start()
+    assert in_pass.wait(30)
+    try:
+        pair.close()
+    except RuntimeError as exc:
+        refused.append(exc)
+    go_on.set()
+    thread.join(30)
+    assert refused and "close() called on thread 'MainThread' while thread" in str(refused[0])
+    pair.submit("after", [4, 5], SamplingParams(max_new_tokens=2))  # not closed
+    pair.close()
+    assert pair.decode_responses["r"].reason is FailureReason.SHUTDOWN
+    assert pair.prefill_pool.allocator.available() == 64
+    assert pair.decode_pool.allocator.available() == 64

@@ -1,8 +1,11 @@
-"""The engine loop's failure: what a failed pass reports when another thread finds the cause."""
+"""The engine loop: what a failed pass reports when another thread finds the cause; a loop
+runs once."""
 
 from __future__ import annotations
 
 import threading
+
+import pytest
 
 from scheduler.service.engine_loop import EngineLoop
 from tests.service_harness import wait_for
@@ -47,3 +50,11 @@ def test_a_failed_pass_reports_the_rank_exit_another_thread_finds_within_the_gra
 def test_without_a_grace_a_failed_pass_reports_its_own_failure() -> None:
     reported = _run(0.0, None)
     assert "Connection closed by peer" in str(reported)
+
+
+def test_a_loop_runs_once_and_says_so_when_started_again() -> None:
+    loop = EngineLoop([_FailingEngine()], on_crash=lambda exc: None)
+    loop.start()
+    loop.stop()
+    with pytest.raises(RuntimeError, match="was started already: a loop runs once"):
+        loop.start()

@@ -38,6 +38,7 @@ fails on its own is ``bootstrap_failed`` before the request's destination went o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -173,9 +174,21 @@ class DecodePeer:
 
     def step(self) -> bool:
         """Run one pass; True if it did any work. ``RuntimeError`` on a thread that calls it
-        while another thread is in a pass."""
+        while another thread is in a pass, and once a pass was interrupted
+        (:attr:`interrupted`)."""
         with self._one_thread:
             return self._pass()
+
+    @property
+    def interrupted(self) -> BaseException | None:
+        """What interrupted a pass partway (``KeyboardInterrupt``, ``SystemExit``), if
+        anything did: its requests may be half-moved, and no pass runs any more."""
+        return self._one_thread.interrupted
+
+    def holding(self, call: str) -> contextlib.AbstractContextManager[None]:
+        """Hold the stepping role on this thread for ``call``: a ``step()`` on another thread
+        meanwhile raises ``RuntimeError``, as does this if another thread is in a pass now."""
+        return self._one_thread.holding(call)
 
     def _pass(self) -> bool:
         worked = self._receive()

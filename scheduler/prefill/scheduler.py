@@ -49,6 +49,7 @@ of the slot queue, and the waiting requests the adder considers — never every 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -217,10 +218,21 @@ class PrefillScheduler:
 
     def step(self) -> bool:
         """Run one pass (steps 1 to 7 of the module docstring); True if it did any work.
-        Raises ``RuntimeError`` once the scheduler is closed, and on a thread that calls it
-        while another thread is in a pass."""
+        Raises ``RuntimeError`` once the scheduler is closed, on a thread that calls it while
+        another thread is in a pass, and once a pass was interrupted (:attr:`interrupted`)."""
         with self._one_thread:
             return self._pass()
+
+    @property
+    def interrupted(self) -> BaseException | None:
+        """What interrupted a pass partway (``KeyboardInterrupt``, ``SystemExit``), if
+        anything did: its requests may be half-moved, and no pass runs any more."""
+        return self._one_thread.interrupted
+
+    def holding(self, call: str) -> contextlib.AbstractContextManager[None]:
+        """Hold the stepping role on this thread for ``call``: a ``step()`` on another thread
+        meanwhile raises ``RuntimeError``, as does this if another thread is in a pass now."""
+        return self._one_thread.holding(call)
 
     def _pass(self) -> bool:
         if self._closed:

@@ -84,6 +84,11 @@ class EngineLoop:
         self.passes = 0
 
     def start(self) -> None:
+        """Start stepping, once: a loop does not start again (after :meth:`stop`, build a new
+        one over the same engines)."""
+        if self._thread.ident is not None:
+            raise RuntimeError(f"EngineLoop {self._thread.name!r} was started already: a loop "
+                               "runs once; build a new one to step its engines again")
         self._thread.start()
 
     def wake(self) -> None:
