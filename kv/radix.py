@@ -20,7 +20,11 @@ children of one node never start with the same page.
   uses its whole path); :meth:`RadixCache.unlock` undoes it. A node with a lock count above zero
   is never evicted.
 - :meth:`RadixCache.evict` frees the pages of least-recently-used unlocked leaves until enough
-  pages are free; a parent left childless and unlocked becomes a leaf that can go next.
+  pages are free; a parent left childless and unlocked becomes a leaf that can go next. The
+  leaves wait in a heap keyed by recency that names a node at most once: a use does not queue
+  the node again, and an entry whose node was used since it was queued goes back in at the
+  node's recency when it comes up. So the heap never outgrows the tree, however often a prompt
+  is matched between evictions (a request waiting for pages is matched on every pass).
 
 Ownership (docs/prefix-cache.md): a page is free (the allocator's), or the tree's, or held by
 exactly one request that has not inserted it. The tree frees only its own unlocked pages, and
@@ -50,7 +54,8 @@ class RadixError(Exception):
 class Node:
     """One node: ``key`` (whole pages of tokens) and the ``pages`` holding their K/V."""
 
-    __slots__ = ("children", "end", "key", "last_access", "lock_ref", "pages", "parent", "serial")
+    __slots__ = ("children", "end", "key", "last_access", "lock_ref", "pages", "parent", "queued",
+                 "serial")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None,
                  end: int, serial: int) -> None:
@@ -62,6 +67,7 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.serial = serial
+        self.queued = False  # an entry of the eviction queue names this node
 
     def __repr__(self) -> str:
         return (f"Node(#{self.serial}, pages={self.pages}, end={self.end}, "
@@ -108,7 +114,8 @@ class RadixCache:
         self._clock = 0
         self._size = 0  # pages in the tree
         self._evictable = 0  # pages in nodes whose lock count is 0
-        self._leaves: list[tuple[int, int, Node]] = []  # (last_access, serial, node), lazy
+        # The eviction queue: (last_access when queued, serial, node), at most one per node.
+        self._leaves: list[tuple[int, int, Node]] = []
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -252,11 +259,16 @@ class RadixCache:
         """Free least-recently-used unlocked leaves until ``num_pages`` pages were freed or
         nothing unlocked is left; the pages freed (whole leaves: may exceed the ask)."""
         freed = 0
-        if num_pages > 0 and len(self._leaves) > 4 * (self._size + 16):
-            self._rebuild_leaves()
         while freed < num_pages and self._leaves:
             stamp, _serial, node = heapq.heappop(self._leaves)
-            if not self._evictable_leaf(node) or node.last_access != stamp:
+            node.queued = False
+            if not self._evictable_leaf(node):
+                continue
+            if node.last_access != stamp:
+                # Used since it was queued: back in the queue at its recency. Recency only
+                # grows, so every entry's stamp is at most its node's recency, and an entry
+                # whose stamp is current is the least recently used of all.
+                self._candidate(node)
                 continue
             parent = node.parent
             assert parent is not None
@@ -273,15 +285,11 @@ class RadixCache:
         return node.parent is not None and not node.children and node.lock_ref == 0
 
     def _candidate(self, node: Node) -> None:
-        """``node`` may have become an unlocked leaf: queue it for eviction."""
-        if self._evictable_leaf(node):
+        """``node`` may have become an unlocked leaf: queue it for eviction, unless an entry
+        names it already (:meth:`evict` requeues an entry whose node was used since)."""
+        if not node.queued and self._evictable_leaf(node):
+            node.queued = True
             heapq.heappush(self._leaves, (node.last_access, node.serial, node))
-
-    def _rebuild_leaves(self) -> None:
-        self._leaves = [
-            (n.last_access, n.serial, n) for n in self._nodes() if self._evictable_leaf(n)
-        ]
-        heapq.heapify(self._leaves)
 
     def _touch(self, node: Node) -> None:
         """``node``'s path was used now (recency for eviction)."""
@@ -302,7 +310,8 @@ class RadixCache:
     def violations(self, holders: Iterable[Node]) -> list[str]:
         """How the tree breaks its invariants, given the nodes its users lock (one entry per
         user): each node's lock count equals the users at or below it; sizes add up; keys are
-        whole pages under the right child key; no page twice; no tree page free."""
+        whole pages under the right child key; no page twice; no tree page free; the eviction
+        queue names every unlocked leaf, and no node twice or outside the tree."""
         out: list[str] = []
         users: dict[int, int] = {}
         for holder in holders:
@@ -310,12 +319,15 @@ class RadixCache:
                 out.append(f"a user locks {holder!r}, which is no longer in the tree")
             for n in holder.path():
                 users[id(n)] = users.get(id(n), 0) + 1
-        size = evictable = 0
+        size = evictable = queued = 0
         seen: set[int] = set()
         ps = self.page_size
         for node in self._nodes():
             size += len(node.pages)
             evictable += len(node.pages) if node.lock_ref == 0 else 0
+            queued += node.queued
+            if self._evictable_leaf(node) and not node.queued:
+                out.append(f"{node!r}: an unlocked leaf the eviction queue does not name")
             if node.lock_ref != users.get(id(node), 0):
                 out.append(f"{node!r}: lock count {node.lock_ref}, "
                            f"{users.get(id(node), 0)} users")
@@ -336,6 +348,9 @@ class RadixCache:
         if (size, evictable) != (self._size, self._evictable):
             out.append(f"counted size {self._size} / evictable {self._evictable}, "
                        f"the nodes hold {size} / {evictable}")
+        if len(self._leaves) != queued:
+            out.append(f"the eviction queue holds {len(self._leaves)} entries for {queued} "
+                       "queued nodes of the tree")
         return out
 
 

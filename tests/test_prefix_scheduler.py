@@ -274,6 +274,29 @@ def test_eviction_never_frees_a_page_a_held_back_transfer_reads() -> None:
     rig.assert_no_leak()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_a_request_waiting_for_pages_pass_after_pass_does_not_grow_the_eviction_queue(
+    policy: str,
+) -> None:
+    """A request that waits for pages is matched again on every pass, and nothing evicts while
+    the pool is not full: the tree's eviction queue must stay the size of the tree."""
+    rig = Rig(pages=12, chunked_prefill_size=None, schedule_policy=policy)
+    rig.submit("a", (*SYSTEM, 1, 2, 3, 4))  # 5 whole pages cached, an unlocked leaf
+    rig.finish()
+    rig.submit("c", tuple(range(300, 328)))  # 7 pages, its transfer never ends
+    rig.run_until("c", S.TRANSFERRING, "handshake")
+    rig.submit("b", (*SYSTEM, 1, 2, 3, 4, 5, 6, 7, 8, 9))  # a's 5 pages + 1 new: no room
+    for _ in range(300):
+        rig.pump("handshake")
+    assert rig.req("b").state is S.WAITING and rig.req("b").cached == 0
+    tree = rig.prefix.tree
+    assert len(tree._leaves) <= tree.size  # one entry per node at most, not one per pass
+    rig.sender("c").act("drain")
+    rig.run_until("b", S.TRANSFERRING, "success")
+    assert rig.req("b").cached == 20
+    rig.assert_no_leak()
+
+
 def test_lpm_schedules_the_longest_cached_prefix_first() -> None:
     def first_scheduled(policy: str) -> str:
         rig = Rig(prefill_max_requests=1, schedule_policy=policy)

@@ -100,6 +100,27 @@ def test_eviction_takes_the_least_recently_used_leaf_first() -> None:
     assert cache.allocator.held_pages() == a
 
 
+def test_a_leaf_matched_over_and_over_is_queued_for_eviction_once() -> None:
+    """A request waiting for pages matches its prompt on every pass; without memory pressure
+    nothing evicts, so the eviction queue must not grow with the matches."""
+    cache = _cache(8)
+    a, b = _pages(cache, 2), _pages(cache, 1)
+    cache.insert([1, 1, 2, 2], a)
+    cache.insert([3, 3], b)
+    for _ in range(1000):
+        cache.match([1, 1, 2, 2, 5])
+    assert len(cache._leaves) == 2  # one entry per unlocked leaf, not one per match
+    assert cache.violations([]) == []
+    # The order is still least recently used first: b, then a; then a is used again and
+    # outlives c, inserted before that use.
+    assert cache.evict(1) == 1 and cache.allocator.held_pages() == sorted(a)
+    c = _pages(cache, 1)
+    cache.insert([4, 4], c)
+    cache.match([1, 1, 2, 2])
+    assert cache.evict(1) == 1 and cache.allocator.held_pages() == sorted(a)
+    assert cache.evict(1) == 2 and cache.size == 0 and cache.violations([]) == []
+
+
 def test_a_split_keeps_the_lock_of_the_node_it_cut() -> None:
     cache = _cache()
     pages = _pages(cache, 3)
@@ -195,7 +216,15 @@ class RadixAgainstModel(RuleBasedStateMachine):
         self.num_pages = 12
         self.cache = RadixCache(PageAllocator(self.num_pages), PS)
         self.cached: dict[tuple[int, ...], int] = {}
+        self.used: dict[tuple[int, ...], int] = {}  # cached prefix -> when it was last used
+        self.clock = 0
         self.requests: list[Request] = []
+
+    def _use(self, tokens: tuple[int, ...], pages: int) -> None:
+        """A match or an insert used the first ``pages`` cached pages of ``tokens``."""
+        self.clock += 1
+        for i in range(1, pages + 1):
+            self.used[tokens[: i * PS]] = self.clock
 
     def _model_match(self, tokens: tuple[int, ...], limit: int) -> tuple[int, ...]:
         out = []
@@ -221,6 +250,7 @@ class RadixAgainstModel(RuleBasedStateMachine):
         t = tuple(tokens)
         m = self.cache.match(t, max_pages=limit)
         assert m.pages == self._model_match(t, min(limit, len(t) // PS))
+        self._use(t, len(m.pages))
 
     @precondition(lambda self: len(self.requests) < 4)
     @rule(tokens=st.lists(st.integers(0, 1), min_size=PS, max_size=5 * PS))
@@ -228,6 +258,7 @@ class RadixAgainstModel(RuleBasedStateMachine):
         """A request matches its prompt and locks what it found."""
         t = tuple(tokens)
         m = self.cache.match(t)
+        self._use(t, len(m.pages))
         self.requests.append(Request(t, PrefixHold(self.cache, m), list(m.pages)))
 
     @precondition(lambda self: bool(self.requests))
@@ -258,6 +289,7 @@ class RadixAgainstModel(RuleBasedStateMachine):
         new = {r.tokens[: i * PS]: r.table[i - 1] for i in range(end + 1, n + 1)}
         assert not set(new) & set(self.cached)
         self.cached.update(new)
+        self._use(r.tokens, n)
         assert adopted == len(new) and r.hold.node.end == n
         assert r.hold.shared == set(r.table)
 
@@ -278,6 +310,7 @@ class RadixAgainstModel(RuleBasedStateMachine):
         evictable = sum(1 for k in self.cached if k not in locked)
         assert self.cache.evictable == evictable
         free_before = set(range(self.num_pages)) - set(self.cache.allocator.held_pages())
+        before = dict(self.cached)
         freed = self.cache.evict(n)
         free_after = set(range(self.num_pages)) - set(self.cache.allocator.held_pages())
         gone = free_after - free_before
@@ -288,6 +321,13 @@ class RadixAgainstModel(RuleBasedStateMachine):
         # What is left is still prefix-closed: a leaf went, never an inner page.
         for key in self.cached:
             assert all(key[: i * PS] in self.cached for i in range(1, len(key) // PS))
+        # Least recently used first: every unlocked leaf left was used after every page that
+        # went (or at the same moment, as the pages of one node are).
+        went = [self.used[k] for k, p in before.items() if p in gone]
+        leaves = [self.used[k] for k in self.cached if k not in locked and not any(
+            len(o) == len(k) + PS and o[: len(k)] == k for o in self.cached)]
+        if went and leaves:
+            assert max(went) <= min(leaves), (went, leaves)
 
     @invariant()
     def consistent(self) -> None:
