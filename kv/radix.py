@@ -84,12 +84,18 @@ class Node:
 @attrs.frozen
 class Match:
     """The longest cached prefix of a prompt: ``pages`` (its page table), the ``node`` it ends
-    on, and ``unlocked``: pages of the path nobody locks now, which stop being evictable once
-    this match is locked."""
+    on, and ``unlocked``: how many pages of the path nobody locks now, which stop being
+    evictable once this match is locked. A lock covers a node's whole path, so those are the
+    deepest pages: :attr:`unlocked_pages`."""
 
     node: Node
     pages: tuple[int, ...]
     unlocked: int
+
+    @property
+    def unlocked_pages(self) -> tuple[int, ...]:
+        """The pages of the path nobody locks now (the last ``unlocked`` of ``pages``)."""
+        return self.pages[len(self.pages) - self.unlocked :]
 
 
 @attrs.frozen

@@ -365,6 +365,28 @@ def test_the_adder_counts_only_uncached_tokens_and_the_pages_locking_takes() -> 
     assert (plan.chunks, plan.stop) == ([], Stop.NO_PAGES)
 
 
+def test_requests_sharing_a_cached_prefix_take_its_pages_out_of_eviction_once() -> None:
+    """Two requests of one batch share the cached system prompt nobody locks: it costs the
+    batch's page budget once, so both start beside an unrelated request in one pass (a pool of
+    7 pages: 4 cached, 3 free, one new page each)."""
+    rig = Rig(pages=7, chunked_prefill_size=64)
+    rig.submit("warm", (*SYSTEM, 5))
+    rig.finish()
+    assert (rig.pool.allocator.available(), rig.prefix.tree.evictable) == (3, 4)
+    rig.submit("r1", (*SYSTEM, 1, 2, 3))
+    rig.submit("r2", (*SYSTEM, 7, 8, 9))
+    rig.submit("r3", (201, 202, 203))
+    rig.step()
+    rig.pump("handshake")  # all three handshaken in one pass, then planned together
+    assert [rig.req(r).state for r in ("r1", "r2", "r3")] == [S.TRANSFERRING] * 3
+    assert (rig.req("r1").cached, rig.req("r2").cached) == (16, 16)
+    assert rig.pool.allocator.available() == 0 and rig.prefix.tree.evictable == 0
+    rig.finish()
+    for rid in ("r1", "r2", "r3"):
+        assert rig.answer(rid).first_token == echo_next_token(rig.prompts[rid])
+    rig.assert_no_leak()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_outputs_equal_the_colocated_reference_with_the_cache_on(overlap: bool) -> None:
     rig = Rig(model=True, overlap=overlap, pages=128, slots=8, chunked_prefill_size=12,

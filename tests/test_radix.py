@@ -30,7 +30,7 @@ def test_match_is_page_aligned_and_splits_a_node_on_a_partial_match() -> None:
     assert done.adopted == tuple(pages) and cache.size == 3
     # Two whole pages and a half: the match stops at the page boundary, inside the node.
     m = cache.match([1, 2, 3, 4, 5, 9])
-    assert m.pages == tuple(pages[:2]) and m.unlocked == 2
+    assert m.pages == tuple(pages[:2]) and m.unlocked_pages == tuple(pages[:2])
     assert m.node.end == 2 and m.node.parent is cache.root
     # The node was split: its lower part is a child of the match's node.
     (lower,) = m.node.children.values()
@@ -250,6 +250,9 @@ class RadixAgainstModel(RuleBasedStateMachine):
         t = tuple(tokens)
         m = self.cache.match(t, max_pages=limit)
         assert m.pages == self._model_match(t, min(limit, len(t) // PS))
+        locked = self._locked()
+        assert m.unlocked_pages == tuple(
+            p for i, p in enumerate(m.pages, 1) if t[: i * PS] not in locked)
         self._use(t, len(m.pages))
 
     @precondition(lambda self: len(self.requests) < 4)

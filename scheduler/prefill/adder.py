@@ -10,7 +10,10 @@ gates the batch before its first new request is admitted.
 With the prefix cache on, a new request starts after its cached prefix (``lookup``): only the
 uncached tokens count against the token budgets, and the page budget is the free pages plus
 those eviction could free, less the cached pages that locking the prefix takes out of reach of
-eviction (SGLang's ``rem_total_tokens`` over free + evictable).
+eviction (SGLang's ``rem_total_tokens`` over free + evictable). A cached page that several
+requests of one batch share leaves eviction's reach once: SGLang re-reads the evictable count
+after each request locks its prefix; the adder, which locks nothing, remembers the pages the
+batch's earlier requests will lock.
 """
 
 from __future__ import annotations
@@ -74,11 +77,13 @@ Lookup = Callable[[PrefillRequest, Sequence[PrefillRequest]], Match | None]
 class Budget:
     """What is left of one batch's budgets while the adder fills it: input tokens
     (``max_prefill_tokens``), chunk tokens (``chunked_prefill_size``; None: no chunking) and
-    free KV pages."""
+    free KV pages (eviction's included), and the cached pages the batch's prefixes lock
+    (``locked``: they left ``pages`` with the first request that locks them)."""
 
     input_tokens: int
     chunk_tokens: int | None
     pages: int
+    locked: set[int] = attrs.field(factory=set)
 
     def spent(self) -> bool:
         return self.input_tokens <= 0 or (self.chunk_tokens is not None and self.chunk_tokens <= 0)
@@ -90,7 +95,7 @@ class Budget:
         first time starts after its cached ``prefix``."""
         start, held, locking = req.scheduled, len(req.pages), 0
         if prefix is not None:
-            held, locking = len(prefix.pages), prefix.unlocked
+            held, locking = len(prefix.pages), len(self._locking(prefix))
             start = held * page_size
         pages = self.pages - locking  # locking the prefix takes its pages out of eviction
         remaining = len(req.input_ids) - start
@@ -114,10 +119,17 @@ class Budget:
         return Chunk(req, start, length, new_pages, prefix)
 
     def take(self, chunk: Chunk) -> None:
-        self.pages -= chunk.new_pages + (chunk.prefix.unlocked if chunk.prefix else 0)
+        locking = set() if chunk.prefix is None else self._locking(chunk.prefix)
+        self.pages -= chunk.new_pages + len(locking)
+        self.locked |= locking
         self.input_tokens -= chunk.length
         if self.chunk_tokens is not None:
             self.chunk_tokens -= chunk.length
+
+    def _locking(self, prefix: Match) -> set[int]:
+        """The cached pages that locking ``prefix`` takes out of eviction's reach: those
+        nobody locks now, less those an earlier request of the batch locks first."""
+        return set(prefix.unlocked_pages) - self.locked
 
 
 def _add(
