@@ -526,6 +526,34 @@ def test_a_flush_empties_the_cache_only_when_no_request_is_live() -> None:
     rig.assert_no_leak()
 
 
+def test_a_flush_is_refused_while_an_ended_requests_transfer_still_reads_cached_pages() -> None:
+    """An abort ends a request whose transfer still reads its pages: its path stays locked
+    until the transfer lets go. A flush then would leave those pages cached, so it is refused
+    as a live request refuses it (SGLang's inflight queue refuses a flush too)."""
+    rig = Rig(pages=24, chunked_prefill_size=64)
+    rig.submit("a", (*SYSTEM, 1, 2))
+    rig.run_until("a", S.TRANSFERRING, "handshake")  # its 4 whole pages are cached, locked
+    rig.sched.abort("a")
+    rig.step()
+    assert rig.answer("a").reason is FailureReason.ABORTED and len(rig.sched.lifecycle) == 0
+    tree = rig.prefix.tree
+    outcomes: list[CacheFlushed] = []
+    rig.sched.flush_cache(outcomes.append)
+    rig.step()
+    assert outcomes == [CacheFlushed(flushed=False, pages=0, live=1)]
+    assert tree.size == 4
+    rig.sender("a").act("drain")
+    rig.step()  # the transfer let go: the lock went with it
+    rig.sched.flush_cache(outcomes.append)
+    rig.step()
+    assert outcomes[1:] == [CacheFlushed(flushed=True, pages=4, live=0)]
+    assert tree.size == 0 and rig.pool.allocator.available() == rig.pool.num_pages
+    rig.submit("b", (*SYSTEM, 3))
+    rig.finish()
+    assert rig.answer("b").cached_tokens == 0  # computed cold
+    rig.assert_no_leak()
+
+
 def test_a_flush_without_a_prefix_cache_empties_nothing() -> None:
     sched = _without_cache()
     outcomes: list[CacheFlushed] = []

@@ -204,10 +204,12 @@ class PrefillScheduler:
         self._admission.refuse_room(host, port, room, why)
 
     def flush_cache(self, done: Callable[[CacheFlushed], None]) -> None:
-        """Empty the prefix cache on the next pass if no request is live then (SGLang's
-        ``/flush_cache``: a cache that is warm or not changes what a benchmark measures);
-        thread-safe. ``done`` gets the outcome on the stepping thread. On a mesh every rank
-        flushes on the same pass (the first rank relays it); ask the first rank."""
+        """Empty the prefix cache on the next pass if no request is live then, nor any ended
+        request's transfer still reading cached pages (SGLang's ``/flush_cache``: a cache that
+        is warm or not changes what a benchmark measures); thread-safe. ``done`` gets the
+        outcome on the stepping thread: ``live`` counts both kinds of request that refused it.
+        On a mesh every rank flushes on the same pass (the first rank relays it); ask the
+        first rank."""
         if self._closed:
             raise RuntimeError("this PrefillScheduler is closed: it takes no more requests")
         ticket = next(self._tickets)
@@ -327,18 +329,30 @@ class PrefillScheduler:
     # -- failing: now, or deferred while on the device ---------------------------------------
 
     def _flush(self, flush: FlushCache) -> None:
-        live = len(self.lifecycle)
-        flushed = self.prefix is not None and live == 0
-        pages = self.prefix.tree.evict(self.prefix.tree.evictable) if flushed and (
-            self.prefix is not None) else 0
-        if flushed:
-            logger.info("prefix cache flushed: %d pages back in the pool", pages)
+        live, reading, pages, flushed = len(self.lifecycle), 0, 0, False
+        if self.prefix is None:
+            logger.info("prefix cache not flushed: there is none")
         else:
-            logger.info("prefix cache not flushed: %s", "there is none" if self.prefix is None
-                        else f"{live} requests are live")
+            tree = self.prefix.tree
+            # A request that ended while its transfer still reads its pages keeps its path
+            # locked until the releaser lets go (SGLang keeps it in its inflight queue, which
+            # refuses a flush too): a flush then would leave those pages cached.
+            reading = sum(1 for hold in self._releaser.held_prefix_holds()
+                          if hold.node is not tree.root)
+            flushed = live == reading == 0
+            if flushed:
+                pages = tree.evict(tree.evictable)
+                if tree.size:
+                    raise AssertionError(f"a flush left {tree.size} pages in the prefix cache "
+                                         "with no request live and no transfer reading")
+                logger.info("prefix cache flushed: %d pages back in the pool", pages)
+            else:
+                logger.info("prefix cache not flushed: %d requests are live, %d ended requests' "
+                            "transfers still read cached pages; flush it when the server is "
+                            "idle", live, reading)
         done = self._flushes.pop(flush.ticket, None)  # None on a mesh's other ranks
         if done is not None:
-            done(CacheFlushed(flushed, pages, live))
+            done(CacheFlushed(flushed, pages, live + reading))
 
     def _abort(self, abort: AbortRequest) -> None:
         req = self.lifecycle.get(abort.rid)

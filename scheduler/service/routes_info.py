@@ -173,12 +173,14 @@ async def model(model: str, service: ServiceDep) -> ModelCard | JSONResponse:
 
 @router.post(
     "/flush_cache", response_class=PlainTextResponse,
-    responses={400: {"description": "requests were live: the cache was not (all) emptied",
+    responses={400: {"description": "requests were live, or had ended with their KV transfer "
+                                    "still running: the cache was not (all) emptied",
                      "content": {"text/plain": {}}}, 503: ERRORS[503]})
 async def flush_cache(service: ServiceDep) -> Response:
     """SGLang's: empty the prefix cache (every DP replica's), so that what follows starts
-    cold. Only when no request is live (400 otherwise, as SGLang: retry when idle); a decode
-    worker, or a prefill with the cache off, has nothing to empty (200)."""
+    cold. Only when no request is live and no ended request's KV transfer still reads cached
+    pages (400 otherwise, as SGLang: retry when idle); a decode worker, or a prefill with the
+    cache off, has nothing to empty (200)."""
     refused = unavailable(service)
     if refused is not None:
         return refused
@@ -196,17 +198,20 @@ async def flush_cache(service: ServiceDep) -> Response:
         return PlainTextResponse("The prefix cache is off (--disable-radix-cache): nothing "
                                  "to flush.\n")
     pages = sum(o.pages for o in outcomes)
+    # ``live`` counts live requests and ended ones whose KV transfer still reads cached pages.
     busy = [(i, o.live) for i, o in enumerate(outcomes) if not o.flushed]
     if len(outcomes) == 1 and busy:
         live = busy[0][1]
-        are = "request is" if live == 1 else "requests are"
-        return PlainTextResponse(f"Cache not flushed: {live} {are} live; flush it when the "
-                                 "server is idle.\n", status_code=400)
+        who = ("1 request is live (or ended with its KV transfer still running)" if live == 1
+               else f"{live} requests are live (or ended with their KV transfer still running)")
+        return PlainTextResponse(f"Cache not flushed: {who}; flush it when the server is "
+                                 "idle.\n", status_code=400)
     if busy:
-        where = ", ".join(f"replica {i}: {live} live requests" for i, live in busy)
+        where = ", ".join(f"replica {i}: {live}" for i, live in busy)
         return PlainTextResponse(
-            f"Cache not flushed on every replica ({where}); flush it when the server is "
-            f"idle. {len(outcomes) - len(busy)} of {len(outcomes)} replicas flushed, {pages} "
+            f"Cache not flushed on every replica (requests live, or ended with their KV "
+            f"transfer still running: {where}); flush it when the server is idle. "
+            f"{len(outcomes) - len(busy)} of {len(outcomes)} replicas flushed, {pages} "
             "pages back in the KV pool.\n", status_code=400)
     return PlainTextResponse(f"Cache flushed: {pages} pages back in the KV pool.\n")
 
