@@ -88,8 +88,8 @@ class FlushCache:
 @attrs.frozen
 class CacheFlushed:
     """What a :class:`FlushCache` did: whether the cache was emptied (there is one and no
-    request was live), the pages that went back to the pool, and the live requests that
-    stopped it."""
+    request was live), the pages that went back to the pool, and the requests that stopped
+    it: those live, and those ended whose KV transfer still reads the cached pages they lock."""
 
     flushed: bool
     pages: int

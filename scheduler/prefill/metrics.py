@@ -145,7 +145,8 @@ class PrefixCacheMetrics:
         )
         self.evicted_pages = Counter(
             "pdlife_prefix_cache_evicted_pages",
-            "KV pages the prefix cache evicted (least recently used first).", registry=r,
+            "KV pages the prefix cache evicted to make room for a batch (least recently "
+            "used first; not the pages a flush or close gives back).", registry=r,
         )
         self.pages = Gauge(
             "pdlife_prefix_cache_pages", "KV pages the prefix cache owns (tree size).", registry=r
