@@ -302,7 +302,7 @@ class EmbeddedPair:
         for rid, r in self.prefill_responses.items():
             if not r.ok and rid not in self._propagated and rid not in self.decode_responses:
                 self._propagated.add(rid)
-                self.decode.abort(rid)
+                self.decode.abort(rid, peer=r.refusal())
 
     def idle(self) -> bool:
         """Both sides idle: nothing live, queued, on the device or held back (every page back

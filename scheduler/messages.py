@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import attrs
 
+from kv.refusal import peer_refusal
 from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
 from lifecycle.prefill import DEFAULT_SAMPLING, as_token_ids
 from lifecycle.validators import of_type
@@ -65,10 +66,14 @@ class NewRequest:
 @attrs.frozen
 class AbortRequest:
     """Abort the live request ``rid`` (ignored if it is unknown or finished): ``aborted`` by
-    the client, or ``shutdown`` when its server closes under it."""
+    the client, or ``shutdown`` when its server closes under it. On a decode peer, ``peer``
+    is set when the other half of the request failed (what it says,
+    :func:`kv.refusal.peer_refusal`): this half then fails as if its prefill peer had refused
+    it (a client's abort there stays an abort)."""
 
     rid: str
     shutdown: bool = False
+    peer: str = ""
 
     def failure(self) -> tuple[FailureReason, str]:
         """The reason and detail the request fails with."""
@@ -147,6 +152,11 @@ class Response(_Answer):
     @property
     def ok(self) -> bool:
         return self.state is PrefillState.DONE
+
+    def refusal(self) -> str:
+        """What the decode half of this failed request is told
+        (:attr:`AbortRequest.peer`): the reason, its status and the detail."""
+        return peer_refusal(str(self.reason), self.http_status, self.detail)
 
 
 @attrs.frozen

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import attrs
 import pytest
 
-from lifecycle import FailureReason, PrefillState, SamplingParams
+from lifecycle import DecodeState, FailureReason, PrefillState, SamplingParams
+from lifecycle.testing import FakeClock
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
@@ -326,3 +327,36 @@ def test_close_while_another_thread_is_in_a_pass_raises_having_changed_nothing()
     assert pair.decode_responses["r"].reason is FailureReason.SHUTDOWN
     assert pair.prefill_pool.allocator.available() == 64
     assert pair.decode_pool.allocator.available() == 64
+
+
+def test_a_prefill_half_that_times_out_waiting_for_decode_pages_fails_its_decode_half_so():
+    """A decode pool full of one long answer: the next request's decode half waits for pages,
+    its prefill half for the destination, until the bootstrap timeout. A front end that
+    aborts the decode half with the prefill half's failure, before the decode side's next
+    pass (as a colocated server does), has it fail as that refusal says
+    (``bootstrap_failed``, naming the timeout), not as a client's abort."""
+    clock = FakeClock()
+    cfg = PairConfig(model=ModelConfig.tiny(), prefill_pages=64, decode_pages=4,
+                     scheduler=SchedulerConfig(page_size=4, bootstrap_timeout=30.0))
+    pair = EmbeddedPair(cfg, clock=clock)
+    try:
+        pair.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        while (req := pair.decode.lifecycle.get("long")) is None or (
+                req.state is not DecodeState.DECODING):
+            pair.step()
+        pair.submit("next", [4, 5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+        while (req := pair.decode.lifecycle.get("next")) is None or (
+                req.state is not DecodeState.PREALLOC):
+            pair.step()
+        clock.now += 31.0
+        pair.prefill.step()
+        failed = pair.prefill_responses["next"]
+        assert failed.reason is FailureReason.BOOTSTRAP_TIMEOUT, failed
+        pair.decode.abort("next", peer=failed.refusal())
+        pair.decode.step()
+        decode = pair.decode_responses["next"]
+        assert decode.reason is FailureReason.BOOTSTRAP_FAILED, decode
+        assert "peer refused: bootstrap_timeout (500): " in decode.detail, decode.detail
+        assert pair.run_until_done(["next", "long"])["long"].decode.ok
+    finally:
+        pair.close()

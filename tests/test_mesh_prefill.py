@@ -229,6 +229,7 @@ def test_relayed_requests_keep_every_field() -> None:
         AbortRequest("b"),
         FlushCache(7),
         AbortRequest("d", shutdown=True),
+        AbortRequest("e", peer="bootstrap_timeout (500): no destination"),
         NewRequest("c", [4], bootstrap_host="2.2.2.2"),
     ]
     assert decode_items(encode_items(items)) == items

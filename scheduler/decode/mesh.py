@@ -148,8 +148,8 @@ class MeshDecodePeer(DecodePeer):
     def submit(self, req: NewRequest) -> None:
         self._relayed.put(req)
 
-    def abort(self, rid: str, *, shutdown: bool = False) -> None:
-        self._relayed.put(AbortRequest(rid, shutdown))
+    def abort(self, rid: str, *, shutdown: bool = False, peer: str = "") -> None:
+        self._relayed.put(AbortRequest(rid, shutdown, peer))
 
     def _pass(self) -> bool:
         """One pass on every rank (:meth:`step`): the relay, the clock, the receivers'

@@ -49,7 +49,7 @@ from typing import cast
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.refusal import peer_aborted, peer_refusal
 from kv.state_pools import StatePools
-from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError
+from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError, refusal
 from lifecycle import (
     DECODE_TABLE,
     DecodeEvent,
@@ -147,10 +147,12 @@ class DecodePeer:
     def submit(self, req: NewRequest) -> None:
         self._inbox.put(req)
 
-    def abort(self, rid: str, *, shutdown: bool = False) -> None:
+    def abort(self, rid: str, *, shutdown: bool = False, peer: str = "") -> None:
         """End live request ``rid`` (thread-safe; ignored once it is unknown or finished):
-        ``aborted`` (200), or with ``shutdown`` ``shutdown`` (503): its server is closing."""
-        self._inbox.put(AbortRequest(rid, shutdown))
+        ``aborted`` (200), or with ``shutdown`` ``shutdown`` (503): its server is closing;
+        with ``peer`` (:meth:`Response.refusal <scheduler.messages.Response.refusal>`) as its
+        prefill half's failure, as if the prefill peer had refused it."""
+        self._inbox.put(AbortRequest(rid, shutdown, peer))
 
     def refuse_room(self, host: str, port: int, room: int, why: str) -> None:
         """Tell the prefill peer at ``host:port`` that this side will never ask for ``room``'s
@@ -204,12 +206,14 @@ class DecodePeer:
     def _receive(self) -> bool:
         items = take_all(self._inbox)
         for item in items:
-            if isinstance(item, AbortRequest):
-                req = self.lifecycle.get(item.rid)
-                if req is not None:
-                    self._fail(req, *item.failure())
-            else:
+            if not isinstance(item, AbortRequest):
                 self._admit(item)
+            elif (req := self.lifecycle.get(item.rid)) is None:
+                continue
+            elif item.peer:
+                self._fail_from_peer(req, TransferError(req.bootstrap_room, refusal(item.peer)))
+            else:
+                self._fail(req, *item.failure())
         return bool(items)
 
     def _admit(self, new: NewRequest) -> None:

@@ -275,7 +275,7 @@ def _serve(
             for resp in list(responses.values())[answered:]:
                 req = by_rid[resp.rid]
                 if not resp.ok and req.disaggregated and req.abort_in is None:
-                    pair.decode.abort(resp.rid)
+                    pair.decode.abort(resp.rid, peer=resp.refusal())
             answered = len(responses)
         elapsed = time.perf_counter() - start
         progress.serving(pair.prefill.lifecycle, pair.decode.lifecycle, elapsed)

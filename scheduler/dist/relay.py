@@ -45,12 +45,12 @@ def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
 
 
 def encode_items(items: Sequence[Item]) -> bytes:
-    """The msgpack form of ``items`` (requests with all their fields, aborts by id and
-    whether the server is shutting down, cache flushes by ticket)."""
+    """The msgpack form of ``items`` (requests with all their fields, aborts by id, whether
+    the server is shutting down and the prefill half's failure, cache flushes by ticket)."""
     rows: list[list[Any]] = []
     for item in items:
         if isinstance(item, AbortRequest):
-            rows.append(["abort", item.rid, item.shutdown])
+            rows.append(["abort", item.rid, item.shutdown, item.peer])
         elif isinstance(item, FlushCache):
             rows.append(["flush", item.ticket])
         else:
@@ -68,7 +68,7 @@ def decode_items(payload: bytes) -> list[Item]:
         items: list[Item] = []
         for row in rows:
             if row[0] == "abort":
-                items.append(AbortRequest(row[1], bool(row[2])))
+                items.append(AbortRequest(row[1], bool(row[2]), str(row[3])))
                 continue
             if row[0] == "flush":
                 items.append(FlushCache(int(row[1])))

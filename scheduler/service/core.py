@@ -470,11 +470,17 @@ class Service:
         if pending is None:
             return
         if resp.reason == FailureReason.BOOTSTRAP_TIMEOUT:
-            logger.warning("request %r failed: %s: no decode peer asked for bootstrap room %d "
-                           "(a decode worker that died, one this worker cannot pair with (see "
-                           "its dropped control messages), or a client that sent this worker "
-                           "alone its half)", resp.rid, resp.detail,
-                           pending.item.bootstrap_room)
+            if self.config.role == "both":
+                logger.warning("request %r failed: %s: the decode side had no free pages or "
+                               "metadata slot for it in that time (more work queued than this "
+                               "server ends within --bootstrap-timeout)", resp.rid, resp.detail)
+            else:
+                logger.warning("request %r failed: %s: no decode peer asked for bootstrap room "
+                               "%d (a decode worker too busy to give it pages or a metadata "
+                               "slot in that time, one that died, one this worker cannot pair "
+                               "with (see its dropped control messages), or a client that sent "
+                               "this worker alone its half)", resp.rid, resp.detail,
+                               pending.item.bootstrap_room)
         if self.config.role == "both":
             pending.input_logprobs = resp.input_logprobs
             held, pending.held = pending.held, None
@@ -484,7 +490,7 @@ class Service:
                 # The decode side cannot get this request's KV any more.
                 pending.prefill_failure = resp
                 assert self.decode is not None
-                self.decode.abort(resp.rid)
+                self.decode.abort(resp.rid, peer=resp.refusal())
             self._done(pending, "prefill", held)
             return
         ok = resp.ok
