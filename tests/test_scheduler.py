@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -548,3 +549,12 @@ def test_one_thread_is_reentrant_on_its_holder_only():
             "thread steps it (submit and abort are the calls other threads may make)"]
     with guard:  # released: any thread may take it now
         pass
+
+
+def test_closing_with_live_requests_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    h.submit("a", 6)
+    h.step()
+    with caplog.at_level(logging.WARNING, logger="scheduler.prefill.scheduler"):
+        h.sched.close()
+    assert "closing a PrefillScheduler with 1 live requests (a)" in caplog.text, caplog.text
