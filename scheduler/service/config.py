@@ -230,13 +230,13 @@ class BadRequest(Exception):
 class ContextTooLong(BadRequest):
     """A prompt and its answer beyond what the server can hold (``prompt_too_long``): the
     model's context or (``pool``) the KV pool, ``limit`` tokens. The OpenAI routes say it as
-    OpenAI does (``context_length_exceeded``)."""
+    OpenAI does (``context_length_exceeded``), with the answer's length as their client asked
+    it (a prefill's pool holds no answer, but the client still asked for one)."""
 
-    def __init__(self, message: str, *, prompt_tokens: int, new_tokens: int,
-                 limit: int, pool: bool = False) -> None:
+    def __init__(self, message: str, *, prompt_tokens: int, limit: int,
+                 pool: bool = False) -> None:
         super().__init__("prompt_too_long", message)
         self.prompt_tokens = prompt_tokens
-        self.new_tokens = new_tokens
         self.limit = limit
         self.pool = pool
 
@@ -369,7 +369,7 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
         raise ContextTooLong(
             f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
             f"exceeds the model's context of {c.max_position} positions",
-            prompt_tokens=n, new_tokens=max_new_tokens, limit=c.max_position)
+            prompt_tokens=n, limit=c.max_position)
     # A prefill's pool holds the prompt; the others' the answer too, but for its last token.
     new_tokens = max_new_tokens if c.role != "prefill" else 0
     kv_tokens = max(n + new_tokens - 1, n)
@@ -379,7 +379,7 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
                 f"token, need {kv_tokens}" if new_tokens else f"the prompt needs {n}")
         raise ContextTooLong(
             f"request {rid!r}: {need} tokens of KV, more than the KV pool's {pool_tokens}",
-            prompt_tokens=n, new_tokens=new_tokens, limit=pool_tokens, pool=True)
+            prompt_tokens=n, limit=pool_tokens, pool=True)
 
 
 def _with_bootstrap(

@@ -94,7 +94,7 @@ def completion_items(service: Service, body: CompletionRequest) -> list[Item]:
     sp = _sampling_body(body, body.max_tokens)
     prompts = _prompts(service, body)
     items = _items(service, body, "cmpl", [ids for ids, _ in prompts], sp, "max_tokens",
-                   return_logprob=logprobs, top=body.logprobs or 0,
+                   body.max_tokens, return_logprob=logprobs, top=body.logprobs or 0,
                    logprob_start_len=0 if body.echo and logprobs else -1)
     if not body.echo:
         return items
@@ -122,7 +122,10 @@ def chat_items(service: Service, body: ChatCompletionRequest) -> list[Item]:
     asked = body.max_completion_tokens or body.max_tokens
     max_new = asked if asked is not None else _room_left(service, len(prompt))
     sp = _sampling_body(body, max_new, tools.schema)
+    # Without either field the answer asks for what is left, at least the one token every
+    # answer has: a refusal for the context counts that one.
     items = _items(service, body, "chatcmpl", [prompt], sp, name,
+                   1 if asked is None else asked,
                    return_logprob=body.logprobs, top=body.top_logprobs)
     if tools.answer is None:
         return items
@@ -292,11 +295,13 @@ def _renamed(exc: BadRequest, names: dict[str, str]) -> FieldError:
 
 
 def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[list[int]],
-           sp: SamplingParamsBody, max_name: str, *, return_logprob: bool, top: int,
-           logprob_start_len: int = -1) -> list[Item]:
+           sp: SamplingParamsBody, max_name: str, asked: int, *, return_logprob: bool,
+           top: int, logprob_start_len: int = -1) -> list[Item]:
     """One checked item per choice, ``n`` per prompt, prompt-major: with more than one, choice
     ``k`` (the ``j``-th of its prompt) is request ``<rid>_<k>`` seeded ``seed + j``
-    (:func:`~.sampling.sample`), with its own room (:func:`~.sampling.per_choice`)."""
+    (:func:`~.sampling.sample`), with its own room (:func:`~.sampling.per_choice`).
+    ``max_name`` is the field that sets the answer's length and ``asked`` the length the client
+    asked for, which a refusal for the context names."""
     try:
         n = samples_per_prompt([sp], len(prompts), service.config.max_queued_requests)
     except BadRequest as exc:
@@ -325,14 +330,14 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[li
         sampling = _sampling(service, body, one, max_name, return_logprob=return_logprob,
                              top=top, logprob_start_len=logprob_start_len)
         items.append(_check(service, item_rid, prompts[k // n], sampling, host, port, room,
-                            max_name, prefix))
+                            max_name, asked, prefix))
     options = AnswerOptions(body.no_stop_trim, body.skip_special_tokens,
                             prompt_only=sp.max_new_tokens == 0)
     return [attrs.evolve(item, options=options) for item in items]
 
 
 def _check(service: Service, rid: str, prompt: list[int], sampling: SamplingParams,
-           host: str | None, port: int | None, room: int | None, max_name: str,
+           host: str | None, port: int | None, room: int | None, max_name: str, asked: int,
            prefix: str) -> Item:
     try:
         return service.check(
@@ -340,7 +345,7 @@ def _check(service: Service, rid: str, prompt: list[int], sampling: SamplingPara
             bootstrap_port=port, bootstrap_room=room,
         )
     except ContextTooLong as exc:
-        raise _too_long(exc, rid, prefix, max_name) from exc
+        raise _too_long(exc, rid, prefix, max_name, asked) from exc
     except BadRequest as exc:
         renamed = _renamed(exc, {"max_new_tokens": max_name})
         renamed.rid = rid
@@ -353,19 +358,21 @@ def _prompt_field(prefix: str) -> str:
     return "messages" if prefix == "chatcmpl" else "prompt"
 
 
-def _too_long(exc: ContextTooLong, rid: str, prefix: str, max_name: str) -> FieldError:
+def _too_long(exc: ContextTooLong, rid: str, prefix: str, max_name: str,
+              asked: int) -> FieldError:
     """OpenAI's refusal of a request beyond the context, in its words (clients look for the
-    code ``context_length_exceeded`` or "maximum context length"); ``param`` is the field to
+    code ``context_length_exceeded`` or "maximum context length"), counting the ``asked``
+    completion tokens as the client asked for them in ``max_name``; ``param`` is the field to
     change: ``max_tokens`` when the prompt alone fits. Where the KV pool is the limit, the
     server's context is named, not the model's."""
     where = "messages" if prefix == "chatcmpl" else "prompt"
-    prompt_fits = exc.prompt_tokens + (exc.new_tokens > 0) <= exc.limit
+    prompt_fits = exc.prompt_tokens + (asked > 0) <= exc.limit
     holder = "server's (its KV pool's)" if exc.pool else "model's"
     error = FieldError(
         "context_length_exceeded",
         f"This {holder} maximum context length is {exc.limit} tokens. However, you requested "
-        f"{exc.prompt_tokens + exc.new_tokens} tokens ({exc.prompt_tokens} in the {where}, "
-        f"{exc.new_tokens} in the completion). Please reduce the length of the {where} or "
+        f"{exc.prompt_tokens + asked} tokens ({exc.prompt_tokens} in the {where}, "
+        f"{asked} in the completion). Please reduce the length of the {where} or "
         f"{max_name}. ({exc})",
         max_name if prompt_fits else _prompt_field(prefix))
     error.rid = rid

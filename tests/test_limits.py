@@ -1,0 +1,92 @@
+"""A worker's limits as its refusals say them: a request beyond the context or the KV pool (its
+numbers are the client's, ``param`` the field to change), on every role; the reference model
+in process, SmolLM2 where chat's template is needed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from scheduler.model.reference import ModelConfig
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.service.config import ServeConfig
+from tests.service_harness import asgi_client, free_port, run, running_service
+
+MODEL = ModelConfig.tiny(seed=5)
+PAGE = 4
+POOL_PAGES = 64  # 256 tokens of KV
+
+
+def config(role: str = "both", **kw: Any) -> ServeConfig:
+    backend = "local" if role == "both" else "fake"
+    return ServeConfig(
+        role=role, backend=backend, model=MODEL,  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(page_size=PAGE, chunked_prefill_size=64),
+        pool_pages=POOL_PAGES, metadata_slots=8, max_new_tokens_limit=32,
+        bootstrap_port=free_port(), **kw)
+
+
+async def refusal(client: httpx.AsyncClient, path: str, **body: Any) -> dict[str, Any]:
+    r = await client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error: dict[str, Any] = r.json()["error"]
+    return error
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_context_refusal_counts_the_completion_the_client_asked_for(role: str) -> None:
+    """A prefill's pool holds the prompt alone, yet the refusal counts ``max_tokens`` as sent,
+    as a decode's does (it said 0 on a prefill): the numbers are the client's."""
+    async def main() -> None:
+        with running_service(config(role)) as service:
+            async with asgi_client(service) as client:
+                for asked in (4, 0):  # completions' 0 asks for the prompt alone
+                    error = await refusal(client, "/v1/completions", prompt=[7] * 300,
+                                          max_tokens=asked)
+                    assert error["code"] == "context_length_exceeded", error
+                    assert error["message"].startswith(
+                        "This server's (its KV pool's) maximum context length is 256 tokens. "
+                        f"However, you requested {300 + asked} tokens (300 in the prompt, "
+                        f"{asked} in the completion). Please reduce the length of the prompt "
+                        "or max_tokens."), error
+
+    run(main())
+
+
+# -- chat on SmolLM2 ------------------------------------------------------------------------------
+
+
+LONG_CHAT = [{"role": "user", "content": "hello " * 600}]  # 631 tokens in SmolLM2's template
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_chat_refusal_names_the_field_and_the_count_the_client_sent(smollm2: Any,
+                                                                      role: str) -> None:
+    """``max_tokens`` or ``max_completion_tokens``, whichever was sent, with its value; 1 when
+    neither was (the one token every answer has), not the default a prefill worker computes
+    for a context its pool does not limit."""
+    chat = ServeConfig(role=role, backend="fake", served=smollm2,  # type: ignore[arg-type]
+                       model_name="smollm2", bootstrap_port=free_port(),
+                       scheduler=SchedulerConfig(page_size=16, chunked_prefill_size=64),
+                       pool_pages=32, metadata_slots=8)  # 512 tokens of KV
+
+    async def main() -> None:
+        with running_service(chat) as service:
+            async with asgi_client(service) as client:
+                for field, asked in (("max_tokens", 4), ("max_completion_tokens", 4),
+                                     (None, 1)):
+                    body: dict[str, Any] = {"messages": LONG_CHAT}
+                    if field is not None:
+                        body[field] = asked
+                    error = await refusal(client, "/v1/chat/completions", **body)
+                    assert (error["code"], error["param"]) == ("context_length_exceeded",
+                                                               "messages"), error
+                    assert error["message"].startswith(
+                        "This server's (its KV pool's) maximum context length is 512 tokens. "
+                        f"However, you requested {631 + asked} tokens (631 in the messages, "
+                        f"{asked} in the completion). Please reduce the length of the "
+                        f"messages or {field or 'max_tokens'}."), error
+
+    run(main())
