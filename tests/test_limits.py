@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 
@@ -19,10 +20,10 @@ PAGE = 4
 POOL_PAGES = 64  # 256 tokens of KV
 
 
-def config(role: str = "both", **kw: Any) -> ServeConfig:
+def config(role: str = "both", model: ModelConfig = MODEL, **kw: Any) -> ServeConfig:
     backend = "local" if role == "both" else "fake"
     return ServeConfig(
-        role=role, backend=backend, model=MODEL,  # type: ignore[arg-type]
+        role=role, backend=backend, model=model,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(page_size=PAGE, chunked_prefill_size=64),
         pool_pages=POOL_PAGES, metadata_slots=8, max_new_tokens_limit=32,
         bootstrap_port=free_port(), **kw)
@@ -51,6 +52,65 @@ def test_a_context_refusal_counts_the_completion_the_client_asked_for(role: str)
                         f"However, you requested {300 + asked} tokens (300 in the prompt, "
                         f"{asked} in the completion). Please reduce the length of the prompt "
                         "or max_tokens."), error
+
+    run(main())
+
+
+def test_param_blames_max_tokens_where_the_prompt_alone_fits() -> None:
+    """``param`` is ``max_tokens`` where the same prompt with ``max_tokens`` 1 is served, as a
+    prompt that fills the pool exactly is (it blamed the prompt), and the prompt where it
+    would not be."""
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await client.post("/v1/completions", json={"prompt": [7] * 256,
+                                                               "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                error = await refusal(client, "/v1/completions", prompt=[7] * 256, max_tokens=2)
+                assert (error["code"], error["param"]) == ("context_length_exceeded",
+                                                           "max_tokens"), error
+                error = await refusal(client, "/v1/completions", prompt=[7] * 257, max_tokens=1)
+                assert error["param"] == "prompt", error
+
+    run(main())
+
+
+def test_param_blames_a_prompt_beyond_the_pool_where_the_context_refused_it() -> None:
+    """A context of 300 positions over a pool of 256 tokens: 280 + 30 - 1 overruns the context,
+    which is checked first, and 280 tokens overrun the pool whatever ``max_tokens`` is, so the
+    prompt is the field to change (it blamed ``max_tokens``)."""
+    async def main() -> None:
+        with running_service(config(model=attrs.evolve(MODEL, max_position=300))) as service:
+            async with asgi_client(service) as client:
+                error = await refusal(client, "/v1/completions", prompt=[7] * 280,
+                                      max_tokens=30)
+                assert error["message"].startswith("This model's maximum context length is "
+                                                   "300 tokens."), error
+                assert error["param"] == "prompt", error
+                error = await refusal(client, "/v1/completions", prompt=[7] * 250,
+                                      max_tokens=30)
+                assert error["param"] == "max_tokens", error
+
+    run(main())
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_param_names_what_a_worker_role_holds(role: str) -> None:
+    """A prefill's pool holds the prompt alone: ``max_tokens`` can never be what it refuses
+    for; a decode's holds the answer too."""
+    async def main() -> None:
+        with running_service(config(role)) as service:
+            async with asgi_client(service) as client:
+                error = await refusal(client, "/v1/completions", prompt=[7] * 257, max_tokens=1)
+                assert error["param"] == "prompt", error
+                if role == "decode":
+                    error = await refusal(client, "/v1/completions", prompt=[7] * 256,
+                                          max_tokens=2)
+                    assert error["param"] == "max_tokens", error
+                else:
+                    r = await client.post("/v1/completions", json={"prompt": [7] * 256,
+                                                                   "max_tokens": 2})
+                    assert r.status_code == 200, r.text
 
     run(main())
 

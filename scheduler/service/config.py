@@ -231,13 +231,16 @@ class ContextTooLong(BadRequest):
     """A prompt and its answer beyond what the server can hold (``prompt_too_long``): the
     model's context or (``pool``) the KV pool, ``limit`` tokens. The OpenAI routes say it as
     OpenAI does (``context_length_exceeded``), with the answer's length as their client asked
-    it (a prefill's pool holds no answer, but the client still asked for one)."""
+    it (a prefill's pool holds no answer, but the client still asked for one).
+    ``prompt_fits``: the prompt alone would be served (with one answer token), so the answer's
+    length is what to reduce."""
 
-    def __init__(self, message: str, *, prompt_tokens: int, limit: int,
+    def __init__(self, message: str, *, prompt_tokens: int, limit: int, prompt_fits: bool,
                  pool: bool = False) -> None:
         super().__init__("prompt_too_long", message)
         self.prompt_tokens = prompt_tokens
         self.limit = limit
+        self.prompt_fits = prompt_fits
         self.pool = pool
 
 
@@ -364,12 +367,14 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
             f"request {rid!r}: sampling_params.max_new_tokens must be in 1..{limit}, "
             f"got {max_new_tokens}",
         )
+    # With one answer token, the prompt alone: the context and the pool, whatever the role.
+    prompt_fits = n <= c.max_request_tokens
     # The last output token is never fed back: it needs no position.
     if n + max_new_tokens - 1 > c.max_position:
         raise ContextTooLong(
             f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
             f"exceeds the model's context of {c.max_position} positions",
-            prompt_tokens=n, limit=c.max_position)
+            prompt_tokens=n, limit=c.max_position, prompt_fits=prompt_fits)
     # A prefill's pool holds the prompt; the others' the answer too, but for its last token.
     new_tokens = max_new_tokens if c.role != "prefill" else 0
     kv_tokens = max(n + new_tokens - 1, n)
@@ -379,7 +384,7 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
                 f"token, need {kv_tokens}" if new_tokens else f"the prompt needs {n}")
         raise ContextTooLong(
             f"request {rid!r}: {need} tokens of KV, more than the KV pool's {pool_tokens}",
-            prompt_tokens=n, limit=pool_tokens, pool=True)
+            prompt_tokens=n, limit=pool_tokens, prompt_fits=prompt_fits, pool=True)
 
 
 def _with_bootstrap(

@@ -363,10 +363,10 @@ def _too_long(exc: ContextTooLong, rid: str, prefix: str, max_name: str,
     """OpenAI's refusal of a request beyond the context, in its words (clients look for the
     code ``context_length_exceeded`` or "maximum context length"), counting the ``asked``
     completion tokens as the client asked for them in ``max_name``; ``param`` is the field to
-    change: ``max_tokens`` when the prompt alone fits. Where the KV pool is the limit, the
-    server's context is named, not the model's."""
+    change: ``max_name`` when the prompt alone fits this server (the context and the pool),
+    else the prompt. Where the KV pool is the limit, the server's context is named, not the
+    model's."""
     where = "messages" if prefix == "chatcmpl" else "prompt"
-    prompt_fits = exc.prompt_tokens + (asked > 0) <= exc.limit
     holder = "server's (its KV pool's)" if exc.pool else "model's"
     error = FieldError(
         "context_length_exceeded",
@@ -374,7 +374,7 @@ def _too_long(exc: ContextTooLong, rid: str, prefix: str, max_name: str,
         f"{exc.prompt_tokens + asked} tokens ({exc.prompt_tokens} in the {where}, "
         f"{asked} in the completion). Please reduce the length of the {where} or "
         f"{max_name}. ({exc})",
-        max_name if prompt_fits else _prompt_field(prefix))
+        max_name if exc.prompt_fits else _prompt_field(prefix))
     error.rid = rid
     error.label = exc.reason
     return error
