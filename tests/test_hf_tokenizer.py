@@ -126,6 +126,23 @@ def test_chat_templates_compile_as_they_load(smollm2, tmp_path):
         load_tokenizer(TokenizerSource(directory=tmp_path))
 
 
+def test_tojson_takes_transformers_keywords(smollm2, tmp_path):
+    # Templates pass them (GLM's tools: ``tool | tojson(ensure_ascii=False)``).
+    smollm2.tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for t in tools %}{{ t | tojson(ensure_ascii=False) }}|"
+                "{{ t | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True) }}|"
+                "{{ t | tojson(indent=1) }}{% endfor %}{% for m in messages %}{{ m.content }}"
+                "{% endfor %}")
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tok = load_tokenizer(TokenizerSource(directory=tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "météo", "parameters": {"b": 1, "a": 2}}}]
+    rendered = tok.apply_chat_template(messages, tools=tools)
+    assert "météo" in rendered and "m\\u00e9t\\u00e9o" in rendered
+    assert rendered == transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        messages, tools=tools, tokenize=False, chat_template=template)
+
+
 def _sentencepiece_style(where, **config):
     """A Llama 2-style tokenizer directory: a byte-fallback BPE whose ``tokenizer.json`` has the
     older ``Prepend("▁")`` normalizer, and ``tokenizer_class`` LlamaTokenizer."""

@@ -170,10 +170,16 @@ def _compile(source: str) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.datetime.now().strftime(fmt)
 
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        # transformers' filter, keywords and defaults: templates pass them (GLM's
+        # ``tojson(ensure_ascii=False)``).
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(
-        value, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env.from_string(source)
 
