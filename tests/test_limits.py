@@ -150,3 +150,61 @@ def test_a_chat_refusal_names_the_field_and_the_count_the_client_sent(smollm2: A
                         f"messages or {field or 'max_tokens'}."), error
 
     run(main())
+
+
+# -- requests beyond the queue bound --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "kind", "says"), [
+    ({"input_ids": [[7] * 4] * 3}, "bad_batch",
+     "a batch of 3 prompts is 3 requests, more than the server queues (2, "
+     "--max-queued-requests): send at most 2 prompts per request"),
+    ({"input_ids": [[7] * 4] * 3, "sampling_params": {"n": 2}}, "bad_batch",
+     "a batch of 3 prompts of sampling_params.n=2 samples each is 6 requests, more than the "
+     "server queues (4, --max-queued-requests): send at most 2 prompts per request"),
+    ({"input_ids": [[7] * 4] * 2, "sampling_params": {"n": 5}}, "bad_sampling",
+     "sampling_params.n=5 asks for 5 requests per prompt (10 for a batch of 2 prompts), more "
+     "than the server queues (4, --max-queued-requests)"),
+    ({"input_ids": [7] * 4, "sampling_params": {"n": 5}}, "bad_sampling",
+     "sampling_params.n=5 asks for 5 requests per prompt, more than the server queues (4, "
+     "--max-queued-requests)"),
+])
+def test_a_generate_request_beyond_the_queue_bound_blames_what_is_too_large(
+        body: dict[str, Any], kind: str, says: str) -> None:
+    """A batch of prompts too large for the bound is the batch's fault (it blamed ``n``, which
+    was 1); ``n`` is to blame where it alone is beyond the bound, or the prompt is one."""
+    limit = 2 if "sampling_params" not in body else 4
+
+    async def main() -> None:
+        with running_service(config(max_queued_requests=limit)) as service:
+            async with asgi_client(service) as client:
+                r = await client.post("/generate", json=body)
+                assert r.status_code == 400, r.text
+                assert r.json()["error"] | {"rid": None} == {
+                    "type": kind, "message": says, "rid": None}, r.text
+
+    run(main())
+
+
+def test_a_completions_batch_beyond_the_queue_bound_blames_the_prompt() -> None:
+    async def main() -> None:
+        with running_service(config(max_queued_requests=4)) as service:
+            async with asgi_client(service) as client:
+                error = await refusal(client, "/v1/completions", prompt=[[7] * 4] * 5,
+                                      max_tokens=1)
+                assert (error["code"], error["param"]) == ("bad_batch", "prompt"), error
+                assert error["message"].startswith("a batch of 5 prompts is 5 requests"), error
+                error = await refusal(client, "/v1/completions", prompt=[[7] * 4] * 3,
+                                      max_tokens=1, n=2)
+                assert (error["code"], error["param"]) == ("bad_batch", "prompt"), error
+                assert error["message"].startswith(
+                    "a batch of 3 prompts of n=2 samples each is 6 requests"), error
+                error = await refusal(client, "/v1/completions", prompt=[7] * 4,
+                                      max_tokens=1, n=5)
+                assert (error["code"], error["param"]) == ("bad_sampling", "n"), error
+                assert error["message"].startswith("n=5 asks for 5 requests per prompt"), error
+                r = await client.post("/v1/completions", json={
+                    "prompt": [[7] * 4] * 2, "max_tokens": 1, "n": 2})
+                assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+
+    run(main())

@@ -47,6 +47,7 @@ from scheduler.service.sampling import (
     unsupported,
 )
 from scheduler.service.schema import SamplingParamsBody
+from scheduler.service.shedding import check_queueable
 
 #: OpenAI fields pdlife cannot honour, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -303,9 +304,13 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[li
     ``max_name`` is the field that sets the answer's length and ``asked`` the length the client
     asked for, which a refusal for the context names."""
     try:
-        n = samples_per_prompt([sp], len(prompts), service.config.max_queued_requests)
+        n = samples_per_prompt([sp], len(prompts), None)
+        check_queueable(len(prompts), n, service.config.max_queued_requests)
     except BadRequest as exc:
-        raise _renamed(exc, _NAMES) from exc
+        renamed = _renamed(exc, _NAMES)
+        if exc.reason == "bad_batch":  # a batch of prompts too large: split the prompts
+            renamed.param = _prompt_field(prefix)
+        raise renamed from exc
     total = n * len(prompts)
     rid = body.rid or f"{prefix}-{uuid.uuid4().hex}"
     fields = []

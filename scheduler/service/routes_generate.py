@@ -45,6 +45,7 @@ from scheduler.service.schema import (
     GenerateRequest,
     SamplingParamsBody,
 )
+from scheduler.service.shedding import check_queueable
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     given = body.sampling_params
     params = _per_item(SamplingParamsBody() if given is None else given, count,
                        "sampling_params", batch)
-    n = samples_per_prompt(params, count, service.config.max_queued_requests)
+    n = samples_per_prompt(params, count, None)
+    check_queueable(count, n, service.config.max_queued_requests)
     many = batch or n > 1
     asked = _asked_ids(body, count, batch)
     if isinstance(body.rid, list):

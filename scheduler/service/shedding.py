@@ -59,6 +59,25 @@ def holding_pages(scheduler: PrefillScheduler) -> int:
                if state.name.lower() in RUNNING_STATES["prefill"])
 
 
+def check_queueable(prompts: int, n: int, limit: int | None) -> None:
+    """:class:`BadRequest` when one request's ``prompts`` x ``n`` samples are more than
+    ``limit`` (``--max-queued-requests``) queues at once: however long it waited, it would be
+    refused. ``n`` beyond the bound on its own is ``bad_sampling`` (each prompt asks for too
+    many samples); else a batch too large is ``bad_batch``, which says how many of its prompts
+    fit one request."""
+    total = prompts * n
+    if limit is None or total <= limit:
+        return
+    bound = f"more than the server queues ({limit}, --max-queued-requests)"
+    if n > limit or prompts == 1:
+        batch = f" ({total} for a batch of {prompts} prompts)" if prompts > 1 else ""
+        raise BadRequest("bad_sampling", f"sampling_params.n={n} asks for {n} requests per "
+                         f"prompt{batch}, {bound}")
+    each = "" if n == 1 else f" of sampling_params.n={n} samples each"
+    raise BadRequest("bad_batch", f"a batch of {prompts} prompts{each} is {total} requests, "
+                     f"{bound}: send at most {limit // n} prompts per request")
+
+
 class Overloaded(BadRequest, Unavailable):
     """The queue is at ``--max-queued-requests``: 503 ``overloaded``, try again later.
 
