@@ -115,6 +115,27 @@ def test_required_calls_keep_each_tools_definitions_reachable() -> None:
     assert trip["$defs"]  # the request's own schema is left as it was
 
 
+def test_required_calls_leave_a_resources_references_and_data_as_they_are() -> None:
+    """Inside a schema with an ``$id`` references resolve against that schema wherever it
+    moves; a ``$ref`` key in ``const``/``enum``/``default`` is data, not a reference."""
+    weather = {"$id": "https://example.com/weather", "type": "object",
+               "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+               "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}},
+                                 "required": ["city"]}}}
+    tag = {"type": "object", "properties": {"t": {"const": {"$ref": "#/x"}}}}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "tag", "parameters": tag}}]
+    got = plan(body(tools=tools, tool_choice="required"), None)
+    schema = json.loads(got.schema or "")
+    assert schema["$defs"]["weather"] == weather
+    assert schema["$defs"]["tag"]["properties"]["t"] == {"const": {"$ref": "#/x"}}
+    check(GrammarSpec(GrammarKind.JSON_SCHEMA, got.schema or ""))  # llguidance takes it
+    jsonschema.validate([{"name": "weather", "parameters": {"loc": {"city": "Paris"}}},
+                         {"name": "tag", "parameters": {"t": {"$ref": "#/x"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "weather", "parameters": {"loc": {}}}], schema)
+
+
 @pytest.mark.parametrize(("fields", "reason", "param", "says"), [
     ({"tool_choice": "required"}, "invalid_request", "tool_choice", "needs tools"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "invalid_request", "tools", "'get_weather' more than once"),

@@ -138,3 +138,28 @@ def test_a_stream_never_sends_what_the_answer_reads_as_a_call(parser: str,
     assert content.startswith(sent), (text, sent, content)
     assert sent + rest == content
     assert answer.finish_reason in (finish, "tool_calls")
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("mistral", "[1] Paris is the capital"), ("mistral", "[Note] Paris is the capital"),
+    ("pythonic", "[Note] Paris is"), ("pythonic", "[1] Paris is"),
+    ("llama3", "{Paris} is the capital"), ("llama3", '{"a": 1} and more'),
+])
+def test_text_cut_by_max_tokens_that_only_opens_like_a_call_stays_content(parser: str,
+                                                                           text: str) -> None:
+    assert calls_of(parser, text, "length") == (text, [], "length")
+    stream = ToolStream(ToolAnswer("auto", parser=parser))
+    sent = stream.more(text)
+    rest, answer = stream.end(text, "length")
+    assert sent + rest == text and answer.content == text
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("mistral", '[{"name": "get_weather", "argu'), ("mistral", "["),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Pa\\u00'), ("llama3", "{"),
+    ("pythonic", "[get_wea"), ("pythonic", "[get_weather(city='Pa"),
+    ("hermes", '  \n<tool_call>{"name": "get_weather", "argu'),
+])
+def test_a_call_cut_by_max_tokens_before_it_is_complete_is_no_content(parser: str,
+                                                                      text: str) -> None:
+    assert calls_of(parser, text, "length") == (None, [], "length")

@@ -150,14 +150,20 @@ def _calls_schema(tools: Sequence[Tool], *, parallel: bool) -> dict[str, Any]:
     return schema
 
 
+#: Keywords whose values are data, not schemas: a ``$ref`` key in them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
 def _moved(node: Any, root: str) -> Any:
     """``node`` with its local references (``#``, ``#/...``) made relative to ``root``, the
-    place the schema they belong to moved to."""
+    place the schema they belong to moved to. A schema with an ``$id`` is a resource of its
+    own, against which the references inside it resolve wherever it is: left as it is."""
     if isinstance(node, list):
         return [_moved(item, root) for item in node]
-    if not isinstance(node, dict):
+    if not isinstance(node, dict) or "$id" in node:
         return node
-    out = {key: _moved(value, root) for key, value in node.items()}
+    out = {key: value if key in _DATA_KEYWORDS else _moved(value, root)
+           for key, value in node.items()}
     ref = out.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         out["$ref"] = root + ref[1:]
@@ -210,8 +216,10 @@ def read(tool: ToolAnswer, text: str, finish_reason: str) -> ReadAnswer:
         found = tool_formats.FORMATS[tool.parser].find(text, cut=cut)
         calls = tuple(_call(name, arguments) for name, arguments in found.calls)
         if not calls:
-            return ReadAnswer(found.content if found.content or not cut else None, (),
-                              finish_reason)
+            # Before a call the cut began, content of whitespace alone is none.
+            dropped = found.content != text
+            return ReadAnswer(None if dropped and not found.content.strip() else found.content,
+                              (), finish_reason)
         # An answer cut by max_tokens says so, calls or not (a call after the cut may be missing).
         return ReadAnswer(found.content if found.content.strip() else None, calls,
                           "length" if cut else "tool_calls")

@@ -146,13 +146,33 @@ class _Leading:
             return Found(text[: len(text) - _tag_begun(text, self.tag)] if cut else text)
         calls, rest = self.calls(body, cut=cut)
         if not calls:
-            # Not calls: the answer as written, less what the cut lost.
-            return Found(content if cut else text)
+            # Not calls: the answer as written, less the call the cut began (after the tag, or
+            # the format's syntax running on to the cut).
+            return Found(content if cut and (at >= 0 or self.begun(body)) else text)
         return Found(content if cut else content + rest, calls)
 
     def calls(self, body: str, *, cut: bool) -> tuple[tuple[Call, ...], str]:
         """The calls at the start of ``body`` and the text after them."""
         raise NotImplementedError
+
+    def begun(self, body: str) -> bool:
+        """Whether ``body``, which begins with :attr:`opens` and holds no complete call, is a
+        call max_tokens cut (a JSON value cut short), not text."""
+        return json_cut(body)
+
+
+def json_cut(text: str) -> bool:
+    """Whether ``text`` (from its first non-blank character) is one JSON value cut short: it
+    fails to parse only where it ends (in a string, an escape or between tokens)."""
+    try:
+        _DECODER.raw_decode(text, _skip(text, 0))
+    except json.JSONDecodeError as exc:
+        if exc.msg.startswith("Unterminated string"):
+            return True
+        if exc.msg.startswith("Invalid \\u"):  # an escape cut short: \uXXXX is six
+            return len(text) - exc.pos < 6
+        return exc.pos >= len(text)
+    return False
 
 
 class Hermes:
@@ -254,6 +274,12 @@ class Pythonic(_Leading):
     tag = "<|python_start|>"
     opens = "["
     END = "<|python_end|>"
+
+    #: A list whose first element is a call cut short (or its name).
+    _BEGUN = re.compile(r"\s*\[\s*(?:[A-Za-z_]\w*(?:\s*\(.*)?)?", re.DOTALL)
+
+    def begun(self, body: str) -> bool:
+        return self._BEGUN.fullmatch(body) is not None
 
     def calls(self, body: str, *, cut: bool) -> tuple[tuple[Call, ...], str]:
         end = body.find(self.END)
