@@ -822,6 +822,29 @@ def test_chat_answers_as_the_colocated_model_through_the_openai_client(
     run(main())
 
 
+def test_an_assistants_refusal_part_in_the_history_is_its_text(
+        chat_config: ServeConfig) -> None:
+    def history(said: Any) -> Any:
+        return [{"role": "user", "content": "Tell me a secret."},
+                {"role": "assistant", "content": said},
+                {"role": "user", "content": "What is the capital of France?"}]
+
+    async def main() -> None:
+        with running_service(chat_config) as service:
+            async with openai_client(service) as client:
+                answers = [await client.chat.completions.create(
+                    model="smollm2", messages=history(said), max_completion_tokens=4,
+                    temperature=0)
+                    for said in ("I cannot share that.",
+                                 [{"type": "refusal", "refusal": "I cannot share that."}])]
+                assert answers[0].usage is not None and answers[1].usage is not None
+                assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+                assert (answers[0].choices[0].message.content
+                        == answers[1].choices[0].message.content)
+
+    run(main())
+
+
 def test_a_chat_with_a_system_message_equals_pdlife_generate(
         chat_config: ServeConfig, capsys: pytest.CaptureFixture[str]) -> None:
     system, question = "Answer in one word.", "What is the capital of France?"

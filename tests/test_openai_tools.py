@@ -351,3 +351,35 @@ def test_smollm2_auto_reads_the_models_format_plain_and_streamed(
                 assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
 
     run(main())
+
+
+def test_smollm2_auto_stream_chunks_carry_the_logprobs_of_the_text_they_send(
+        chat_config: ServeConfig) -> None:  # noqa: F811  # the fixture
+    """A tool stream holds back text that may begin a call (`` <`` before ``<tool_call>``):
+    each chunk's logprobs are those of the tokens whose text the client has been sent, so
+    their text never runs ahead of the content; the rest come with the last chunk."""
+    block = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+            "</tool_call>"
+    regex = "".join("\\" + c if c in '.{}[]()|"\\' else c for c in block).replace("\n", "\\n")
+    config = attrs.evolve(chat_config, tool_call_parser="hermes")
+
+    async def main() -> None:
+        with running_service(config) as service:
+            async with openai_client(service) as client:
+                asked: Any = {"model": "smollm2", "messages": ASK, "tools": TOOLS,
+                              "temperature": 0, "max_tokens": 60, "logprobs": True,
+                              "extra_body": {"regex": regex}}
+                whole = await client.chat.completions.create(**asked)
+                every = [e.token for e in whole.choices[0].logprobs.content]  # type: ignore[union-attr]
+                content, tokens = "", []
+                async for chunk in await client.chat.completions.create(**asked, stream=True):
+                    choice = chunk.choices[0]
+                    content += choice.delta.content or ""
+                    tokens += [e.token for e in (choice.logprobs.content or [])
+                               ] if choice.logprobs is not None else []
+                    if choice.finish_reason is None:
+                        assert content.startswith("".join(tokens)), (content, tokens)
+                assert content == "Sure. " and whole.choices[0].message.content == "Sure. "
+                assert tokens == every
+
+    run(main())

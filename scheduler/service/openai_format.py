@@ -294,6 +294,7 @@ class StreamText:
         self._hold_token = trim and bool(item.sampling.stop_token_ids)
         # The leading tokens whose whole text is in ``sent`` (counted when logprobs are asked).
         self.released = 0
+        self._within = 0  # the same, within what the client was shown (released_within)
         self._count = item.sampling.return_logprob
 
     def more(self, tokens: Sequence[int]) -> str:
@@ -321,6 +322,17 @@ class StreamText:
             if self.sent.startswith(continuation(self.tokenizer, self.item, self.ids[:end])):
                 self.released = end
                 return
+
+    def released_within(self, shown: str) -> int:
+        """The leading tokens whose whole text is in ``shown``, the part of ``sent`` the
+        client was given (a tool stream holds back what may begin a call); counted when
+        logprobs are asked, else 0."""
+        if self._count:
+            for end in range(len(self.ids), self._within, -1):
+                if shown.startswith(continuation(self.tokenizer, self.item, self.ids[:end])):
+                    self._within = end
+                    break
+        return self._within
 
     def rest(self, final: str) -> str:
         """What the answer's ``final`` text adds to what was sent."""

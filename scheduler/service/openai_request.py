@@ -35,6 +35,7 @@ from scheduler.service.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OtherPart,
+    RefusalPart,
     SamplingFields,
     TextPart,
 )
@@ -155,9 +156,9 @@ def _prompts(service: Service, body: CompletionRequest
             for p in batch]
 
 
-def _text(content: str | list[TextPart | OtherPart] | None, at: str) -> str:
-    """A message's text: its text parts joined with newlines; another kind of part is 400
-    ``unsupported`` (``at`` names the message)."""
+def _text(content: str | list[TextPart | RefusalPart | OtherPart] | None, at: str) -> str:
+    """A message's text: its text (and refusal) parts joined with newlines; another kind of
+    part is 400 ``unsupported`` (``at`` names the message)."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -166,7 +167,7 @@ def _text(content: str | list[TextPart | OtherPart] | None, at: str) -> str:
             field = f"{at}.content.{j}.type"
             raise FieldError("unsupported", f"{field}: {part.type} content is not supported: "
                              "pdlife serves text models", field)
-        texts.append(part.text)
+        texts.append(part.refusal if isinstance(part, RefusalPart) else part.text)
     return "\n".join(texts)
 
 
@@ -191,7 +192,7 @@ def _chat_prompt(service: Service, body: ChatCompletionRequest,
                          "chat template: send the prompt to /v1/completions", "messages")
     try:
         return list(tokenizer.encode_chat(messages, tools=tools or None))
-    except (ValueError, TemplateError) as exc:
+    except (ValueError, TypeError, TemplateError) as exc:  # TypeError: a filter misused
         raise FieldError("bad_messages", f"the chat template refused the messages: {exc}",
                          "messages") from exc
 
@@ -304,7 +305,7 @@ def _items(service: Service, body: SamplingFields, prefix: str, prompts: list[li
     ``max_name`` is the field that sets the answer's length and ``asked`` the length the client
     asked for, which a refusal for the context names."""
     try:
-        n = samples_per_prompt([sp], len(prompts), None)
+        n = samples_per_prompt([sp])
         check_queueable(len(prompts), n, service.config.max_queued_requests)
     except BadRequest as exc:
         renamed = _renamed(exc, _NAMES)

@@ -59,7 +59,7 @@ class FunctionDefinition(_Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
-        None, description="a JSON schema of the arguments (absent: any JSON object)")
+        None, description="a JSON schema of the arguments (absent: no arguments, {})")
     strict: bool | None = None
 
 
@@ -206,6 +206,14 @@ class TextPart(_Body):
     text: str
 
 
+class RefusalPart(_Body):
+    """An assistant's refusal in its content (OpenAI's history form): its text is the
+    message's, as a text part's is."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class OtherPart(_Body):
     """A content part of another kind (an image, audio, a file): refused by name, as pdlife
     serves text models."""
@@ -215,7 +223,7 @@ class OtherPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart | OtherPart] | None = None
+    content: str | list[TextPart | RefusalPart | OtherPart] | None = None
     name: str | None = None
     # An assistant's calls, and the call a tool message answers.
     tool_calls: list[ToolCall] | None = None

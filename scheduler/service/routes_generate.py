@@ -89,7 +89,7 @@ def _items(service: Service, body: GenerateRequest) -> tuple[list[Item], bool]:
     given = body.sampling_params
     params = _per_item(SamplingParamsBody() if given is None else given, count,
                        "sampling_params", batch)
-    n = samples_per_prompt(params, count, None)
+    n = samples_per_prompt(params)
     check_queueable(count, n, service.config.max_queued_requests)
     many = batch or n > 1
     asked = _asked_ids(body, count, batch)

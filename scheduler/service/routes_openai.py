@@ -216,6 +216,7 @@ async def _choice_chunks(service: Service, pending: Pending,
     if opening is not None:
         yield opening
     echo = item.options.echo
+    shown = ""  # the content sent, with tools (which hold back what may begin a call)
     async for progress in handoff.new_tokens(pending):
         if echo is not None:  # a colocated worker's input logprobs come before any token
             yield chunks.text(echo, logprobs=logprobs.echo(pending.input_logprobs, echo))
@@ -224,8 +225,10 @@ async def _choice_chunks(service: Service, pending: Pending,
         delta = text.more(progress.tokens)
         if tools is not None:
             delta = tools.more(delta)
+            shown += delta
         if delta:
-            yield chunks.text(delta, logprobs=logprobs.upto(text.released))
+            released = text.released if tools is None else text.released_within(shown)
+            yield chunks.text(delta, logprobs=logprobs.upto(released))
     answer: Answer = pending.future.result()
     if echo is not None and answer.status == 200:
         yield chunks.text(echo, logprobs=logprobs.echo(answer.input_logprobs, echo))

@@ -178,12 +178,10 @@ def grammar_of(sp: SamplingParamsBody,
 
 
 
-def samples_per_prompt(params: list[SamplingParamsBody], prompts: int,
-                       queue_limit: int | None) -> int:
+def samples_per_prompt(params: list[SamplingParamsBody]) -> int:
     """The ``n`` of a request's prompts (one for all of them), or :class:`BadRequest` (reason
-    ``bad_sampling``) when it is beyond :data:`MAX_N`, or when the request's samples
-    (``n`` times ``prompts``) could never be queued at once under ``queue_limit``
-    (``--max-queued-requests``)."""
+    ``bad_sampling``) when it is beyond :data:`MAX_N` (whether the request's samples could be
+    queued at all: :func:`.shedding.check_queueable`)."""
     ns = {sp.n for sp in params}
     if len(ns) > 1:
         raise BadRequest("bad_batch", "the prompts of a batch must ask for the same "
@@ -191,10 +189,6 @@ def samples_per_prompt(params: list[SamplingParamsBody], prompts: int,
     (n,) = ns
     if not 1 <= n <= MAX_N:
         raise BadRequest("bad_sampling", f"sampling_params.n must be in 1..{MAX_N}, got {n}")
-    if queue_limit is not None and n * prompts > queue_limit:
-        raise BadRequest("bad_sampling", f"sampling_params.n={n} asks for {n * prompts} "
-                         f"requests, more than the server queues ({queue_limit}, "
-                         "--max-queued-requests)")
     return n
 
 
