@@ -98,3 +98,21 @@ class OneThread:
     def _release(self) -> None:
         self._doing.pop()
         self._lock.release()
+
+
+class SteppedByOneThread:
+    """What a scheduler stepped under a :class:`OneThread` (its ``_one_thread``) says of its
+    stepping: whether a pass was interrupted, and a hold on the stepping role."""
+
+    _one_thread: OneThread
+
+    @property
+    def interrupted(self) -> BaseException | None:
+        """What interrupted a pass partway (``KeyboardInterrupt``, ``SystemExit``), if
+        anything did: its requests may be half-moved, and no pass runs any more."""
+        return self._one_thread.interrupted
+
+    def holding(self, call: str) -> contextlib.AbstractContextManager[None]:
+        """Hold the stepping role on this thread for ``call``: a ``step()`` on another thread
+        meanwhile raises ``RuntimeError``, as does this if another thread is in a pass now."""
+        return self._one_thread.holding(call)

@@ -38,7 +38,6 @@ fails on its own is ``bootstrap_failed`` before the request's destination went o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import queue
@@ -76,7 +75,7 @@ from scheduler.model.speculative import SpeculativeDecoder
 from scheduler.runner import ForwardBatch, ForwardItem, ModelRunner, answer_error, device_lost
 from scheduler.sample.constraint import ConstraintCompiler
 from scheduler.sample.request import Detokenize
-from scheduler.stepping import OneThread
+from scheduler.stepping import OneThread, SteppedByOneThread
 
 logger = logging.getLogger(__name__)
 S = DecodeState
@@ -87,7 +86,7 @@ def receiver_of(req: DecodeRequest) -> KVReceiver | None:
     return cast("KVReceiver | None", req.receiver)
 
 
-class DecodePeer:
+class DecodePeer(SteppedByOneThread):
     """The decode side of one rank. Not thread-safe except :meth:`submit` and :meth:`abort`."""
 
     def __init__(
@@ -180,17 +179,6 @@ class DecodePeer:
         (:attr:`interrupted`)."""
         with self._one_thread:
             return self._pass()
-
-    @property
-    def interrupted(self) -> BaseException | None:
-        """What interrupted a pass partway (``KeyboardInterrupt``, ``SystemExit``), if
-        anything did: its requests may be half-moved, and no pass runs any more."""
-        return self._one_thread.interrupted
-
-    def holding(self, call: str) -> contextlib.AbstractContextManager[None]:
-        """Hold the stepping role on this thread for ``call``: a ``step()`` on another thread
-        meanwhile raises ``RuntimeError``, as does this if another thread is in a pass now."""
-        return self._one_thread.holding(call)
 
     def _pass(self) -> bool:
         worked = self._receive()

@@ -49,7 +49,6 @@ of the slot queue, and the waiting requests the adder considers — never every 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -89,14 +88,14 @@ from scheduler.prefill.readiness import Deadlines, Readiness, SlotQueue
 from scheduler.prefill.sampling import PrefillSampling
 from scheduler.runner import ModelRunner
 from scheduler.sample.constraint import ConstraintCompiler
-from scheduler.stepping import OneThread, step_until
+from scheduler.stepping import OneThread, SteppedByOneThread, step_until
 
 logger = logging.getLogger(__name__)
 
 S = PrefillState
 
 
-class PrefillScheduler:
+class PrefillScheduler(SteppedByOneThread):
     """The prefill side of one rank. Not thread-safe except :meth:`submit` and :meth:`abort`.
 
     ``overlap`` selects the overlap loop; its forwards run on ``device`` (default: a
@@ -224,17 +223,6 @@ class PrefillScheduler:
         another thread is in a pass, and once a pass was interrupted (:attr:`interrupted`)."""
         with self._one_thread:
             return self._pass()
-
-    @property
-    def interrupted(self) -> BaseException | None:
-        """What interrupted a pass partway (``KeyboardInterrupt``, ``SystemExit``), if
-        anything did: its requests may be half-moved, and no pass runs any more."""
-        return self._one_thread.interrupted
-
-    def holding(self, call: str) -> contextlib.AbstractContextManager[None]:
-        """Hold the stepping role on this thread for ``call``: a ``step()`` on another thread
-        meanwhile raises ``RuntimeError``, as does this if another thread is in a pass now."""
-        return self._one_thread.holding(call)
 
     def _pass(self) -> bool:
         if self._closed:
