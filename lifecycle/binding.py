@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Protocol
 import attrs
 
 from lifecycle.errors import InvalidTable, MissingHook
+from lifecycle.weak import PerObject
 
 #: Attributes of every record; an event may not have one of these names.
 RESERVED = frozenset({"rid", "state", "reason", "detail", "timeline", "owner", "is_final", "fire"})
@@ -92,21 +93,29 @@ def _respellings(misspelt: Iterable[str], meant: Iterable[str]) -> str:
                    for close, given in pairs)
 
 
-# (code object, bound) -> whether it takes the event: reading a signature is slow, and
-# lifecycles are built often (one per fuzzed example) from the same functions.
-_FORMS: dict[tuple[object, bool], bool] = {}
+# Per callable (the function of a bound method), per bound or not: whether it takes the event.
+# Reading a signature is slow, and lifecycles are built often (one per fuzzed example) from the
+# same functions, so each callable's own signature is read once; not once per code object, which
+# every wrapper a decorator makes (functools.wraps) shares, each wrapping another function.
+_FORMS: PerObject[object, dict[bool, bool]] = PerObject()
 
 
 def _takes_event(fn: Callable[..., Any], first: str, what: str) -> bool:
-    """Whether ``fn`` takes a second positional argument after its ``first`` one; raise
-    ``ValueError`` naming ``what`` if it cannot be called with one or two arguments."""
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    key = (code, hasattr(fn, "__self__"))
-    if code is not None and key in _FORMS:
-        return _FORMS[key]
+    """Whether ``fn`` takes a second positional argument after its ``first`` one, read from its
+    own signature (a wrapper's, through ``__wrapped__``); raise ``ValueError`` naming ``what``
+    if it cannot be called with one or two arguments."""
+    target = getattr(fn, "__func__", fn)
+    bound = hasattr(fn, "__self__")
+    forms = _FORMS.get(target)
+    if forms is not None and bound in forms:
+        return forms[bound]
     takes = _read_form(fn, first, what)
-    if code is not None:
-        _FORMS[key] = takes
+    if forms is None:
+        try:
+            forms = _FORMS.put(target, {})
+        except TypeError:  # it cannot be weakly referenced (a builtin): read it every time
+            return takes
+    forms[bound] = takes
     return takes
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import pickle
 import re
 from pathlib import Path
@@ -144,6 +145,61 @@ def test_guards_and_hooks_in_both_forms_on_both_paths(one_by_one: bool) -> None:
     assert shop.calls == [
         ("charge", "a", "PAID"), ("release", "a", "DONE"), ("notify", "a", "PAID>finish"),
     ]
+
+
+def logged(fn: Any) -> Any:
+    """A decorator as most are written: every wrapper it makes shares one code object."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class Wrapped(Tracked):
+    paid: int = attrs.field(default=0, kw_only=True)
+    seen: list[Firing] = attrs.field(factory=list, kw_only=True, repr=False)
+
+    @logged
+    def paid_in_full(self) -> bool:
+        return self.paid > 0
+
+    @logged
+    def ready(self, event: Firing) -> bool:
+        self.seen.append(event)
+        return False
+
+
+@pytest.mark.parametrize("one_by_one", [True, False], ids=["trigger", "batch"])
+def test_decorated_guards_and_hooks_are_called_by_their_own_signatures(one_by_one: bool) -> None:
+    """A decorator's wrappers share one code object; each is called as the function it wraps
+    is written (functools.wraps' __wrapped__), whichever was read first."""
+    calls: list[tuple[str, ...]] = []
+
+    @logged
+    def charge(order: Wrapped) -> None:
+        calls.append(("charge", order.rid))
+
+    @logged
+    def notify(order: Wrapped, event: Firing) -> None:
+        calls.append(("notify", order.rid, str(event.event)))
+
+    @logged
+    def release(order: Wrapped) -> None:
+        calls.append(("release", order.rid))
+
+    lc: Lifecycle[Wrapped] = Lifecycle(
+        table(Wrapped), {"charge": charge, "release": release, "notify": notify})
+    a = Wrapped("a", paid=1)
+    lc.admit(a)
+    fire = (lambda ev: a.fire(ev)) if one_by_one else (lambda ev: lc.fire(ev, [a]))
+    fire(E.PAY)
+    fire(E.FINISH)
+    assert a.state is S.DONE
+    assert [(f.event, f.dest) for f in a.seen] == [(E.FINISH, S.DONE)]
+    assert calls == [("charge", "a"), ("release", "a"), ("notify", "a", "finish")]
 
 
 def test_a_misspelt_guard_is_refused_before_anything_fires_with_one_message() -> None:
