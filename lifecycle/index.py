@@ -11,7 +11,8 @@ in ``src``'s bucket, and none appears twice; the index is the truth the checks r
 
 A common batch is a whole bucket in its own order: a forward batch whose requests all finish
 their prompts leaves FORWARD together, a pass that schedules every waiting request empties WAITING.
-:func:`whole_bucket` recognises it with one comparison of two lists (identity per element, in C),
+:func:`whole_bucket` recognises it with one pass over the two (identity per element, in C: records
+are matched by identity everywhere, never by ``==``, which a record class may define field-wise),
 and the move is then a bucket at once: ``dst.update(src)`` and ``src.clear()``, both in C, where a
 batch of part of a bucket pays a delete and an insert per request. Either way each request's
 state is set and the batch's one timeline entry (a tuple every request of it shares) appended.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
+from operator import is_
 from typing import TypeVar
 
 from lifecycle.record import Tracked
@@ -43,11 +45,11 @@ R = TypeVar("R", bound=Tracked)
 
 def whole_bucket(bucket: Mapping[str, R], reqs: Sequence[R]) -> bool:
     """Whether ``reqs`` is ``bucket``, every request of it, in its order (so each is filed there,
-    once). ``reqs`` that is not a list is never taken for a bucket (the caller checks it
-    request by request instead)."""
-    # list == list compares element by element, by identity first: records compare by
-    # identity (eq=False), so this is one C loop with no __eq__ called.
-    return len(reqs) == len(bucket) and reqs == [*bucket.values()]
+    once), comparing records by identity."""
+    # Not list == list: that calls __eq__ on records that are not the same object, and a
+    # record class with attrs' default eq=True says a copy equals the record it was copied
+    # from. map(is_) is the same C loop, by identity only.
+    return len(reqs) == len(bucket) and all(map(is_, reqs, bucket.values()))
 
 
 def move_batch(

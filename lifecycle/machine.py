@@ -39,10 +39,11 @@ The two paths:
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
   looked up once for the batch, the clock read once, and the batch shares one timeline entry
   (a tuple). A batch that is the whole of its state's bucket, in the bucket's order, is checked
-  by one list comparison and moves as a bucket; part of a bucket is checked and moved request
-  by request, each request claimed as it is checked (a refusal undoes the claims before
-  raising); :mod:`lifecycle.index` has both. This is the scheduler's path and is several times
-  cheaper per request than firing one by one.
+  by one pass comparing identities and moves as a bucket; part of a bucket is checked and moved
+  request by request, each request claimed as it is checked (a refusal undoes the claims before
+  raising); :mod:`lifecycle.index` has both. Records are matched by identity throughout, never
+  by ``==`` (a record class may compare its fields). This is the scheduler's path and is
+  several times cheaper per request than firing one by one.
 
 Each edge is a :class:`~lifecycle.steps.Step`, built once per lifecycle with all firing needs.
 
@@ -356,8 +357,8 @@ class Lifecycle(Generic[R]):
             else step.fired_with(reason, detail, self.table)
         )
         # The batch is legal when it is what the index files under ``src``, each once: a whole
-        # bucket in its order (one list comparison), or else each request in ``src``, ours, and
-        # not twice (live requests of one lifecycle have distinct ids): claimed one by one
+        # bucket in its order (one pass comparing identities), or else each request in ``src``,
+        # ours, and not twice (live requests of one lifecycle have distinct ids): claimed one by one
         # (lifecycle.index), or, on a self-loop or with guards a claim does not evaluate, one
         # pass over the batch. A second pass names the culprit, on a refusal only.
         if whole_bucket(step.src_bucket, batch):
@@ -560,9 +561,9 @@ class Lifecycle(Generic[R]):
                 self.guards_evaluated += len(reqs)
                 return
         except BaseException:  # the guard raised: evaluated up to ``r``
-            self.guards_evaluated += reqs.index(r) + 1
+            self.guards_evaluated += _position(reqs, r) + 1
             raise
-        self.guards_evaluated += reqs.index(r) + 1
+        self.guards_evaluated += _position(reqs, r) + 1
         raise GuardFailed(r.rid, edge.source, edge.event, refusal_text(name, wanted))
 
     def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing, whole: bool | None) -> None:
@@ -587,6 +588,12 @@ class Lifecycle(Generic[R]):
     def check_index(self) -> None:
         """Invariant 4: the per-state collections are exactly the live requests by state."""
         check_filing(self._index, self._by_rid)
+
+
+def _position(reqs: Sequence[R], req: R) -> int:
+    """Where ``req`` is in ``reqs``, by identity (``list.index`` would call a record's
+    ``__eq__``)."""
+    return next(i for i, r in enumerate(reqs) if r is req)
 
 
 def _batch(reqs: Iterable[R], method: str) -> list[R]:

@@ -86,8 +86,8 @@ class Owner:
         if job.rid == self.raising:
             raise RuntimeError("the pager is down")
 
-    def jobs(self, *rids: str) -> list[Job]:
-        out = [Job(rid) for rid in rids]
+    def jobs(self, *rids: str, kind: type[Job] = Job) -> list[Job]:
+        out = [kind(rid) for rid in rids]
         for j in out:
             self.lc.admit(j)
         return out
@@ -305,10 +305,17 @@ def test_an_event_enum_with_a_reserved_value_is_refused() -> None:
 COPIES = {"copy.copy": copy.copy, "attrs.evolve": attrs.evolve}
 
 
+@attrs.define
+class EqualJob(Job):
+    """attrs' default eq=True: a copy compares equal to the record it was copied from."""
+
+
+@pytest.mark.parametrize("kind", [Job, EqualJob], ids=["eq=False", "eq=True"])
 @pytest.mark.parametrize("how", sorted(COPIES))
-def test_a_copy_of_a_tracked_record_cannot_fire(how: str) -> None:
+def test_a_copy_of_a_tracked_record_cannot_fire(how: str, kind: type[Job]) -> None:
+    """Records are matched by identity: a copy that compares equal is still a copy."""
     o = Owner()
-    a, b, c = o.jobs("a", "b", "c")
+    a, b, c = o.jobs("a", "b", "c", kind=kind)
     o.lc.fire(E.START, [b, c])
     qa, rb = COPIES[how](a), COPIES[how](b)
     before = _snapshot(o, [a, b, c])
