@@ -33,9 +33,10 @@ The two paths:
   ``auto_transitions=False``; no ``add_model``: that costs O(n) and kilobytes per request):
   the edge's own ``transitions.Transition`` is executed for the request, then the rest of
   step 2 and step 3 are the batch path's. Executing it directly skips ``Event.trigger``'s
-  second look-up of what the check found; the machine has no callbacks of its own, and the
-  table's transition skips the library's logging and empty callback loops until something is
-  added (:mod:`lifecycle.steps`; docs/benchmarks.md has the figures).
+  second look-up of what the check found; the machine is sealed (it takes no callbacks, so
+  both paths run the table's hooks and nothing else), and the table's transition skips the
+  library's logging and empty callback loops while its logger is quiet (:mod:`lifecycle.steps`;
+  docs/benchmarks.md has the figures).
 * :meth:`Lifecycle.fire` — one event for a batch of requests that share a state. The edge is
   looked up once for the batch, the clock read once, and the batch shares one timeline entry
   (a tuple). A batch that is the whole of its state's bucket, in the bucket's order, is checked

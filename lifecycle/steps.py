@@ -7,14 +7,22 @@ executes the edge's ``transitions.Transition`` on it to set a request's state. A
 :class:`Step` is one edge as one lifecycle fires it, with everything firing needs looked up
 once, when the lifecycle is built.
 
+The machine is the table's, and **sealed**: it takes no callbacks, conditions, transitions,
+states or models once built. Adding one the library's way (``add_callback``,
+``machine.on_enter_PAID(f)``, ``machine.before_pay(f)``, appending to or assigning a callback
+list, ``add_transition``, ``add_model``, ...) raises :class:`~lifecycle.errors.LifecycleError`
+at once. A lifecycle runs the table's hooks and nothing else, on both firing paths (the batch
+path never executes the library's transition, so a callback would have run on one path only,
+and one that raised would have left the state set but the index and timeline not): what should
+run when a request moves is a hook named in the table.
+
 The machine's classes are the library's with three changes that keep its behaviour and drop
 work it would do for nothing (the library's ``Transition.execute`` was most of the one-request
 path's cost): a state reads its enum member's name once; a state is found by member or name in
-one dict lookup; and a transition with nothing of the library's to run — no callback or
-condition on it, its states or the machine, and the library's logger quiet — sets the model's
-state through the machine's ``set_state`` without the library's eight logging calls and empty
-callback loops. Add a callback (or switch on ``transitions``' logging) and that transition runs
-the library's full ``execute`` again.
+one dict lookup; and a transition, having no callback or condition of the library's to run,
+sets the model's state through the machine's ``set_state`` without the library's eight logging
+calls and empty callback loops while the library's logger is quiet. Switch on ``transitions``'
+logging and each transition runs the library's full ``execute``, which logs it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import collections
 import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from transitions import Machine
 from transitions.core import Event, EventData, State, Transition
@@ -57,14 +65,76 @@ def shared_machine(table: LifecycleTable) -> Machine:
         auto_transitions=False,
         send_event=True,
     )
+    machine.seal(table.name)
     _MACHINES[id(table)] = (table, machine)
     return machine
 
 
-class _NamedState(State):
+def _no_callbacks(table: str, where: str) -> LifecycleError:
+    return LifecycleError(
+        f"{table}: the table's shared transitions machine takes no callbacks, transitions, "
+        f"states or models ({where}): a lifecycle runs the table's hooks and nothing else, the "
+        f"same on both firing paths; name a hook in the table (Edge(..., after=NAME) or "
+        f"on_enter={{STATE: NAME}}) and give it to Lifecycle(hooks={{NAME: ...}})")
+
+
+class _NoCallbacks(tuple[Any, ...]):
+    """A callback list of a sealed machine: empty, and it stays so. The library adds a callback
+    by appending to its list; this refuses, naming the table and where."""
+
+    table: str
+    where: str
+
+    def __new__(cls, table: str, where: str) -> _NoCallbacks:
+        made = super().__new__(cls)
+        made.table, made.where = table, where
+        return made
+
+    def append(self, func: object) -> NoReturn:
+        raise _no_callbacks(self.table, self.where)
+
+    def extend(self, funcs: object) -> NoReturn:
+        raise _no_callbacks(self.table, self.where)
+
+    def insert(self, index: int, func: object) -> NoReturn:
+        raise _no_callbacks(self.table, self.where)
+
+    def __add__(self, funcs: object) -> NoReturn:  # ``+=`` too
+        raise _no_callbacks(self.table, self.where)
+
+
+class _Sealed:
+    """Refuses assigning its ``_callbacks`` attributes once :meth:`seal` has run."""
+
+    _callbacks: tuple[str, ...] = ()
+    #: The table whose machine this belongs to, once sealed.
+    _sealed_by = ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._sealed_by and name in self._callbacks:
+            raise _no_callbacks(self._sealed_by, f"{name} of {self._what()}")
+        super().__setattr__(name, value)
+
+    def _what(self) -> str:
+        raise NotImplementedError
+
+    def seal(self, table: str) -> None:
+        for name in self._callbacks:
+            super().__setattr__(self._stored(name), _NoCallbacks(table, f"{name} of "
+                                                                  f"{self._what()}"))
+        super().__setattr__("_sealed_by", table)
+
+    def _stored(self, name: str) -> str:
+        """The attribute a callback list ``name`` is kept in."""
+        return name
+
+
+class _NamedState(_Sealed, State):
     """A transitions State that reads its enum member's name once: ``State.name`` recomputes
     it on every access, and the library reads it several times per transition (its logging
     arguments are built whether or not anything is logged)."""
+
+    _callbacks = ("on_enter", "on_exit")
 
     def __init__(self, name: str | enum.Enum, *args: Any, **kwargs: Any) -> None:
         super().__init__(name, *args, **kwargs)
@@ -74,58 +144,91 @@ class _NamedState(State):
     def name(self) -> str:
         return self._plain_name
 
+    def _what(self) -> str:
+        return f"state {self._plain_name}"
+
 
 #: The library's own logger: while it logs its transitions, they run the library's execute.
 _LIBRARY_LOG = logging.getLogger("transitions.core")
 
 
-class _TableTransition(Transition):
-    """A transitions Transition whose execute skips what would do nothing: when nothing of the
-    library's would run (see the module docstring), it sets the state as the library would
-    (``Machine.set_state``, then the event data's state) and reports success; otherwise it is
-    the library's ``execute``."""
+class _TableTransition(_Sealed, Transition):
+    """A transitions Transition whose execute skips what would do nothing: the machine is
+    sealed, so no callback or condition of the library's can run, and while the library's
+    logger is quiet it sets the state as the library would (``Machine.set_state``, then the
+    event data's state) and reports success; otherwise it is the library's ``execute``."""
+
+    _callbacks = ("prepare", "conditions", "before", "after")
+
+    #: The destination's State, found once when the machine is sealed.
+    dest_state: State
 
     def execute(self, event_data: EventData) -> bool:
-        machine = event_data.machine
-        dest_name = self.dest  # None: an internal transition (the tables have none)
-        if (
-            dest_name is None
-            or self.prepare
-            or self.conditions
-            or self.before
-            or self.after
-            or machine.before_state_change
-            or machine.after_state_change
-            or _LIBRARY_LOG.isEnabledFor(logging.INFO)
-        ):
+        if _LIBRARY_LOG.isEnabledFor(logging.INFO):
             return bool(super().execute(event_data))
-        dest = machine.get_state(dest_name)
-        if (
-            dest.on_enter
-            or machine.get_state(self.source).on_exit
-            or (dest.final and machine.on_final)
-        ):
-            return bool(super().execute(event_data))
-        machine.set_state(dest, event_data.model)
+        dest = self.dest_state
+        event_data.machine.set_state(dest, event_data.model)
         event_data.state = dest
         return True
 
+    def _what(self) -> str:
+        return f"the transition {self.source} -> {self.dest}"
 
-class _TableMachine(Machine):
+
+class _TableMachine(_Sealed, Machine):
     """The shared machine: transitions' Machine with the state and transition classes above,
-    and a state lookup that finds an enum member or a name in one dict lookup (the library
-    turns a member into its name first, which costs more than the lookup)."""
+    a state lookup that finds an enum member or a name in one dict lookup (the library turns a
+    member into its name first, which costs more than the lookup), and, once sealed
+    (:func:`shared_machine`), no callbacks, transitions, states or models added."""
 
     state_cls = _NamedState
     transition_cls = _TableTransition
+    _callbacks = ("before_state_change", "after_state_change", "prepare_event",
+                  "finalize_event", "on_exception", "on_final")
     _by_key: Mapping[str | enum.Enum, State] = {}
 
+    def _what(self) -> str:
+        return "the machine"
+
+    def _stored(self, name: str) -> str:
+        return f"_{name}"  # the library's properties read these
+
+    def seal(self, table: str) -> None:
+        for state in self.states.values():
+            assert isinstance(state, _NamedState)
+            state.seal(table)
+        for event in self.events.values():
+            for transitions in event.transitions.values():
+                for transition in transitions:
+                    # (A table's edges all have a destination: no internal transitions.)
+                    assert isinstance(transition, _TableTransition) and transition.dest
+                    transition.dest_state = self.get_state(transition.dest)
+                    transition.seal(table)
+        super().seal(table)
+
+    def _refuse_when_sealed(self, what: str) -> None:
+        if self._sealed_by:
+            raise _no_callbacks(self._sealed_by, what)
+
     def add_states(self, states: Any, *args: Any, **kwargs: Any) -> None:
+        self._refuse_when_sealed("add_states")
         super().add_states(states, *args, **kwargs)
         by_key: dict[str | enum.Enum, State] = {}
         for name, state in self.states.items():
             by_key[name] = by_key[state.value] = state
         self._by_key = by_key
+
+    def add_transition(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_when_sealed("add_transition")
+        super().add_transition(*args, **kwargs)
+
+    def remove_transition(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_when_sealed("remove_transition")
+        super().remove_transition(*args, **kwargs)
+
+    def add_model(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_when_sealed("add_model: admit records to a Lifecycle")
+        super().add_model(*args, **kwargs)
 
     def get_state(self, state: str | enum.Enum) -> State:
         found = self._by_key.get(state)
