@@ -34,7 +34,7 @@ from kv.pool import KVPool
 from kv.pool_layout import KVLayout
 from scheduler.model.checkpoint import Checkpoint, LlamaConfig, rope_inv_freq
 from scheduler.model.invariant import MIN_ROWS, Span, pad_rows, paged_attention, token_matmul
-from scheduler.model.reference import ModelInputError, resolve_device
+from scheduler.model.reference import ModelInputError, resolve_device, same_device
 from scheduler.runner import ForwardBatch, ForwardItem, check_pool_fits, outside_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -299,7 +299,9 @@ class LlamaRunner:
     def __init__(self, model: RealModel, pool: KVPool) -> None:
         c = model.config
         check_pool_fits(pool, c.layers, c.kv_heads, c.head_dim, model.dtype)
-        if pool.device != model.device:
+        # Not ``!=``: torch.device("cuda") != torch.device("cuda:0"), and a model on "cuda"
+        # makes pools whose tensors report cuda:0.
+        if not same_device(pool.device, model.device):
             raise ValueError(f"the pool is on {pool.device}, the model on {model.device}")
         self.model = model
         self.pool = pool

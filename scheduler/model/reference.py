@@ -35,7 +35,7 @@ from kv.pool import KVPool
 from scheduler.model.decoder import LlamaModel as LlamaModel
 from scheduler.model.decoder import ModelInputError as ModelInputError
 from scheduler.model.decoder import resolve_device as resolve_device
-from scheduler.model.decoder import same_device
+from scheduler.model.decoder import same_device as same_device
 from scheduler.model.fixed_point import greedy_token_ids
 from scheduler.model.reference_config import ModelConfig as ModelConfig
 from scheduler.runner import ForwardBatch, ForwardItem, check_pool_fits
