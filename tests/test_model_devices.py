@@ -7,10 +7,14 @@ A CUDA model named ``cuda`` makes pools whose tensors report ``cuda:0``; ``cpu:0
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from scheduler.model.reference import same_device
 from scheduler.model.select import load_model
 from scheduler.runner import ForwardBatch, ForwardItem
 from tests.test_checkpoint import IDS
-from tests.test_own_checkpoint import tiny_directory
+from tests.test_own_checkpoint import refused, tiny_directory
 
 
 def test_a_model_on_a_device_named_with_an_index_runs_over_the_pools_it_makes(tmp_path):
@@ -24,3 +28,34 @@ def test_a_model_on_a_device_named_with_an_index_runs_over_the_pools_it_makes(tm
         tokens[device] = runner.forward(ForwardBatch((ForwardItem("t", tuple(IDS), 0,
                                                                   (0, 1, 2, 3)),)))
     assert tokens["cpu:0"] == tokens["cpu"]
+
+
+def _usable(kind: str) -> bool:
+    backend = getattr(torch, kind, None)
+    return kind != "meta" and bool(getattr(backend, "is_available", lambda: False)())
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "meta", "mps:0"])
+def test_a_device_this_torch_cannot_compute_on_is_one_line_before_loading(capsys, device):
+    """``--device mps`` on a torch without MPS (or ``meta``, which holds no data) failed in the
+    model's constructor with a traceback; it is refused as ``--device cuda:abc`` is."""
+    kind = device.split(":")[0]
+    if _usable(kind):
+        pytest.skip(f"this torch computes on {kind}")
+    said = refused(capsys, "generate", "--model", "smollm2", "--prompt", "hi",
+                   "--device", device)
+    assert said.startswith(f"pdlife generate: --device: device {device!r}")
+    assert said.endswith(": use 'cpu', 'cuda', 'cuda:N' or 'auto' (--device on the command "
+                         "line)\n")
+    assert refused(capsys, "serve", "--backend", "local", "--device", device) == said.replace(
+        "pdlife generate: ", "pdlife serve: ", 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_index_past_the_devices_is_refused() -> None:
+    from scheduler.model.decoder import resolve_device
+
+    count = torch.cuda.device_count()
+    assert same_device(resolve_device("cuda"), torch.empty(1, device="cuda").device)
+    with pytest.raises(ValueError, match=rf"has {count} CUDA device\(s\), numbered from 0"):
+        resolve_device(f"cuda:{count}")

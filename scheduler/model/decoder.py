@@ -55,22 +55,46 @@ class ModelInputError(ValueError):
         self.problem = problem
 
 
+_USE = "use 'cpu', 'cuda', 'cuda:N' or 'auto' (--device on the command line)"
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given, but a name
-    torch does not know, or a CUDA device where torch has none, is refused (``ValueError``)
-    here, not in the first forward."""
+    """``"auto"`` is CUDA when available, else CPU; anything else is taken as given, but a
+    device this torch cannot compute on is refused (``ValueError``) here, not in the first
+    forward: a name torch does not know, ``meta`` (its tensors hold no data), a CUDA device
+    where torch has none or an index past its devices, another accelerator (``mps``, ``xpu``,
+    ...) this build has not or does not find."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
     except RuntimeError:  # torch's message lists every device type it was ever built for
-        raise ValueError(f"device {str(device)!r} is not a device torch knows: use 'cpu', "
-                         "'cuda', 'cuda:N' or 'auto' (--device on the command line)") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} is not a device torch knows: {_USE}") from None
+    kind = resolved.type
+    if kind == "cpu":
+        return resolved
+    if kind == "meta":
+        raise ValueError(f"device {str(device)!r} holds no data (tensors there have a shape "
+                         f"and no values), so no model computes there: {_USE}")
+    if kind == "cuda" and not torch.cuda.is_available():
         built = "has no CUDA build" if torch.version.cuda is None else "finds no CUDA device"
         raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) {built}; "
                          f"use device 'cpu' or 'auto' (--device on the command line)")
+    if kind == "cuda" and resolved.index is not None \
+            and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} "
+                         f"CUDA device(s), numbered from 0: {_USE}")
+    if kind != "cuda" and not _available(kind):
+        raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) has no "
+                         f"{kind} device it can use: {_USE}")
     return resolved
+
+
+def _available(kind: str) -> bool:
+    """Whether torch's backend module for the device type ``kind`` (``torch.mps``,
+    ``torch.xpu``, ...) says a device is there; a type without one is not."""
+    is_available = getattr(getattr(torch, kind, None), "is_available", None)
+    return callable(is_available) and bool(is_available())
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
