@@ -346,3 +346,12 @@ class StatePools:
         if pool is None:
             raise KeyError(f"no {kind} pool")
         return pool
+
+
+def pages_admissible(states: StatePools | None, num_pages: int) -> tuple[int, str]:
+    """The most pages one request can ever hold, and the pool that bounds them: the full
+    pool's, or fewer with a smaller SWA pool (a longer prompt is refused when admitted, not
+    left waiting)."""
+    if states is None or states.swa is None or states.swa.pool.num_pages >= num_pages:
+        return num_pages, "the KV pool"
+    return states.swa.pool.num_pages, "the SWA pool (HybridConfig.swa_pages)"

@@ -14,13 +14,17 @@ from lifecycle.testing import FakeClock
 from scheduler.embedded import EmbeddedPair, PairConfig
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
+from scheduler.stepping import step_until
+
+
+def make_pair_config() -> PairConfig:
+    return PairConfig(model=ModelConfig.tiny(), prefill_pages=256, decode_pages=256,
+                      scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16,
+                                                check_invariants=True))
 
 
 def make_pair() -> EmbeddedPair:
-    cfg = PairConfig(model=ModelConfig.tiny(), prefill_pages=256, decode_pages=256,
-                     scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16,
-                                               check_invariants=True))
-    return EmbeddedPair(cfg)
+    return EmbeddedPair(make_pair_config())
 
 
 def test_an_abort_from_decode_is_an_abort_on_prefill_too():
@@ -358,5 +362,35 @@ def test_a_prefill_half_that_times_out_waiting_for_decode_pages_fails_its_decode
         assert decode.reason is FailureReason.BOOTSTRAP_FAILED, decode
         assert "peer refused: bootstrap_timeout (500): " in decode.detail, decode.detail
         assert pair.run_until_done(["next", "long"])["long"].decode.ok
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def test_a_prefill_abort_after_the_decode_half_received_everything_lets_it_finish(
+        backend: str) -> None:
+    """Once every page and the metadata row reached the decode half (it decodes), a client's
+    abort that reaches only the prefill half ends that half alone: the decode half finishes,
+    whether the prefill's word reaches it through the transfer (stepped side by side, as two
+    servers are) or from a front end that aborts the decode half with the prefill's failure."""
+    pair = EmbeddedPair(attrs.evolve(make_pair_config(), backend=backend))
+    try:
+        pair.submit("a", list(range(30)), SamplingParams(max_new_tokens=20, ignore_eos=True))
+        while (req := pair.prefill.lifecycle.get("a")) is None or (
+                req.state is not PrefillState.TRANSFERRING):
+            pair.step()
+        step_until(pair.decode.step, lambda: (d := pair.decode.lifecycle.get("a")) is not None
+                   and d.state is DecodeState.DECODING, 30)
+        assert pair.prefill.lifecycle.get("a").state is PrefillState.TRANSFERRING  # type: ignore[union-attr]
+        pair.prefill.abort("a")
+        step_until(pair.prefill.step, lambda: "a" in pair.prefill_responses, 30)
+        for _ in range(3):  # the refusal's way to the decode half, if any
+            pair.decode.step()
+        pair.decode.abort("a", peer=pair.prefill_responses["a"].refusal())
+        out = pair.run_until_done(["a"])["a"]
+        assert out.decode.ok and len(out.decode.output_ids) == 20, out.decode
+        assert out.prefill.reason is FailureReason.ABORTED or out.prefill.ok, out.prefill
+        assert pair.prefill_pool.allocator.available() == 256
+        assert pair.decode_pool.allocator.available() == 256
     finally:
         pair.close()

@@ -176,3 +176,19 @@ def test_an_abort_mid_state_transfer_leaks_no_page_or_slot(aborts: str) -> None:
         assert len(pair.prefill_answers) == len(pair.decode_answers) == 1
     finally:
         pair.close()
+
+
+def test_a_decode_peer_without_the_state_pools_its_manager_receives_into_is_refused() -> None:
+    """Built without ``states=`` beside a manager that receives into state pools, the peer
+    would take every request and fail each one at its transfer (`state kinds differ`)."""
+    pool = MODEL.make_pool(num_pages=PAGES, page_size=PS)
+    side = build_side(MODEL, pool, HybridConfig(state_slots=SLOTS))
+    assert side.states is not None
+    meta = MetadataBuffers(4)
+    kv = LocalDecodeManager(pool, meta, hub=LocalTransferHub(), states=side.states)
+    try:
+        with pytest.raises(ValueError, match="receives into state pools the peer was not given"):
+            DecodePeer(runner=side.runner, kv=kv, metadata=meta, slots=SlotAllocator(4),
+                       eos_token_id=None)
+    finally:
+        kv.close()

@@ -201,6 +201,23 @@ def test_a_tight_swa_pool_never_leaves_decoding_requests_waiting_for_each_other(
         pair.close()
 
 
+def test_a_request_the_decode_sides_swa_pool_cannot_hold_is_refused_naming_that_pool() -> None:
+    model = LlamaModel(attrs.evolve(ModelConfig.tiny(), **CONFIGS["swa"]))
+    pair = hybrid_pair(model, HybridConfig(swa_pages=8), page_size=4, pages=64, chunk=None)
+    try:
+        # 29 prompt tokens fit the prefill side's 8 SWA pages; with 10 new tokens, 38
+        # positions need 10 of the decode side's.
+        pair.submit("long", list(range(1, 30)), SamplingParams(max_new_tokens=10))
+        out = pair.run_until_done(["long"])["long"]
+        assert out.decode is not None and not out.decode.ok
+        assert ("prompt of 29 tokens plus 10 new tokens cannot fit the SWA pool "
+                "(HybridConfig.swa_pages) of the decode side (8 pages of 4 tokens)"
+                in out.decode.detail), out.decode.detail
+        assert_empty(pair, 64)
+    finally:
+        pair.close()
+
+
 TINY = ModelConfig.tiny()
 
 

@@ -588,7 +588,7 @@ def test_a_request_decode_refuses_fails_on_prefill_at_once(pair: Pair) -> None:
     p, d = pair.pair.prefill_responses, pair.pair.decode_responses
     assert d["too-long-for-decode"].reason is FailureReason.REJECTED
     assert d["room-zero"].reason is FailureReason.REJECTED
-    for rid, why in (("too-long-for-decode", "cannot fit the decode KV pool"),
+    for rid, why in (("too-long-for-decode", "cannot fit the KV pool of the decode side"),
                      ("room-zero", "bootstrap_room must be non-zero")):
         assert (p[rid].state, p[rid].reason) == (PrefillState.FAILED,
                                                  FailureReason.BOOTSTRAP_FAILED), p[rid]

@@ -14,12 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv.local import LocalKVManager, LocalTransferHub
+from kv.metadata import MetadataBuffers, SlotAllocator
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair
+from scheduler.model.drafting import DraftingRunner
 from scheduler.model.reference import LlamaModel, ModelConfig, PagedModelRunner, ReferenceModel
 from scheduler.model.request_kv import RequestKV
-from scheduler.model.side_pools import HybridConfig
+from scheduler.model.side_pools import HybridConfig, build_side
 from scheduler.model.speculative import SpeculativeDecoder, prefill_handoff
+from scheduler.prefill.config import SchedulerConfig
+from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.runner import ForwardBatch
 from tests.hybrid_harness import assert_empty, hybrid_pair, make_runner
 
@@ -242,3 +247,25 @@ def test_any_speculative_pair_decodes_plain_greedy(
             assert list(got.decode.output_ids) == reference.generate(
                 prompt, max_new, ignore_eos=True
             ), rid
+
+
+def test_a_prefill_whose_state_pools_hold_a_draft_needs_the_drafting_runner() -> None:
+    """A plain runner over state pools with a draft's pool would ship an empty draft pool with
+    every chunk and no hand-off: the decode side would never speculate, silently."""
+    model = LlamaModel(ModelConfig.tiny())
+    pool = model.make_pool(num_pages=16, page_size=4)
+    hybrid = HybridConfig(draft_layers=1)
+    side = build_side(model, pool, hybrid)
+    assert side.states is not None and side.draft is not None
+    meta = MetadataBuffers(4, speculative_hidden=model.config.hidden)
+    kv = LocalKVManager(pool, meta, hub=LocalTransferHub(), bootstrap_addr="local:0",
+                        states=side.states)
+    try:
+        with pytest.raises(ValueError, match="computes no draft KV and no hand-off"):
+            PrefillScheduler(config=SchedulerConfig(page_size=4), runner=PagedModelRunner(
+                model, pool), kv=kv, metadata=meta, slots=SlotAllocator(4), states=side.states)
+        drafting = DraftingRunner(side.runner, side.draft, hybrid.proposals)
+        PrefillScheduler(config=SchedulerConfig(page_size=4), runner=drafting, kv=kv,
+                         metadata=meta, slots=SlotAllocator(4), states=side.states).close()
+    finally:
+        kv.close()

@@ -57,8 +57,14 @@ class StateReceiver(Protocol):
 
 def check_state_manager(states: StatePools | None, pool: KVPool, kv: object) -> None:
     """ValueError unless ``states`` (when given) are built on ``pool`` and ``kv`` receives into
-    them (a decode KV manager built with the same ``states=``)."""
+    them (a decode KV manager built with the same ``states=``), and unless ``kv`` receives
+    into no state pools when none are given (the peer would hold no pages for them)."""
     if states is None:
+        theirs = getattr(kv, "states", None)
+        if theirs is not None:
+            raise ValueError(
+                f"states: the decode KV manager {type(kv).__name__} receives into state pools "
+                "the peer was not given (build the DecodePeer with the same states=)")
         return
     if states.full is not pool:
         raise ValueError("states: the state pools must be built on the runner's KV pool")
@@ -84,11 +90,6 @@ class PeerPages:
         self._holders: dict[str, DecodeRequest] = {}  # the requests holding pages
         self._reserved = 0  # the pages they may still take (:meth:`reserved`)
         self._releaser = Releaser(pool, slots, metadata, states)
-
-    def admissible(self) -> int:
-        """The most pages one request can ever hold (a smaller SWA pool bounds it)."""
-        swa = None if self.states is None else self.states.swa
-        return self.pool.num_pages if swa is None else min(self.pool.num_pages, swa.pool.num_pages)
 
     def available(self) -> int:
         """Pages a request can take now: the fewer free of the full and the SWA pool."""

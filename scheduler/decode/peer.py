@@ -47,7 +47,7 @@ from typing import cast
 
 from kv.metadata import MetadataBuffers, MetadataError, SlotAllocator
 from kv.refusal import peer_aborted, peer_refusal
-from kv.state_pools import StatePools
+from kv.state_pools import StatePools, pages_admissible
 from kv.transfer import DecodeKVManager, KVPoll, KVReceiver, TransferError, refusal
 from lifecycle import (
     DECODE_TABLE,
@@ -199,7 +199,11 @@ class DecodePeer(SteppedByOneThread):
             elif (req := self.lifecycle.get(item.rid)) is None:
                 continue
             elif item.peer:
-                self._fail_from_peer(req, TransferError(req.bootstrap_room, refusal(item.peer)))
+                # Once it decodes, every page and its row are here: the prefill half's end
+                # no longer matters to it.
+                if req.state is not S.DECODING:
+                    self._fail_from_peer(req, TransferError(req.bootstrap_room,
+                                                            refusal(item.peer)))
             else:
                 self._fail(req, *item.failure())
         return bool(items)
@@ -223,10 +227,12 @@ class DecodePeer(SteppedByOneThread):
             self._fail(req, FailureReason.REJECTED,
                        "the prompt is empty; it needs at least one token")
             return
-        if self._pages.final_pages(req) > self._pages.admissible():
+        admissible, bound_by = pages_admissible(self.states, self.pool.num_pages)
+        if self._pages.final_pages(req) > admissible:
             self._fail(req, FailureReason.REJECTED,
                        f"prompt of {n} tokens plus {req.sampling.max_new_tokens} new tokens "
-                       f"cannot fit the decode KV pool")
+                       f"cannot fit {bound_by} of the decode side ({admissible} pages of "
+                       f"{self.pool.page_size} tokens)")
             return
         refused = self._sampling.admit(req)
         if refused:

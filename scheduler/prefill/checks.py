@@ -46,15 +46,6 @@ _HELD = {StateKind.SWA: "SWA pages", StateKind.RECURRENT: "recurrent state",
          StateKind.INDEX: "index pages"}
 
 
-def pages_admissible(states: StatePools | None, num_pages: int) -> tuple[int, str]:
-    """The most pages one request can ever hold, and the pool that bounds them: the full
-    pool's, or fewer with a smaller SWA pool (a longer prompt is refused when admitted, not
-    left waiting)."""
-    if states is None or states.swa is None or states.swa.pool.num_pages >= num_pages:
-        return num_pages, "the KV pool"
-    return states.swa.pool.num_pages, "the SWA pool (HybridConfig.swa_pages)"
-
-
 def check_state_conservation(
     states: StatePools | None, live: Sequence[PrefillRequest],
     held_back: Iterable[Sequence[int]], held_back_slots: int,

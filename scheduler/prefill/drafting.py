@@ -42,8 +42,15 @@ def handoff_runner(
     runner: ModelRunner, metadata: MetadataBuffers, states: StatePools | None
 ) -> HandoffRunner | None:
     """``runner`` when it computes a hand-off, else None; ValueError when the metadata buffers
-    have no speculative columns or the state pools do not send the draft's pages."""
+    have no speculative columns or the state pools do not send the draft's pages, and when the
+    state pools hold a draft's pool that ``runner`` (no drafting runner) would never fill."""
     if not isinstance(runner, HandoffRunner):
+        if states is not None and states.draft is not None:
+            raise ValueError(
+                f"states: the state pools hold a draft's pool, but the runner "
+                f"{type(runner).__name__} computes no draft KV and no hand-off (the decode "
+                "side would never speculate): give the drafting runner the side was built "
+                "with, or state pools without a draft")
         return None
     if not metadata.speculative_hidden:
         raise ValueError(

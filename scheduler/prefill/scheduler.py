@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterable
 from kv.metadata import MetadataBuffers, SlotAllocator
 from kv.refusal import for_the_client, peer_refusal
 from kv.release import Releaser
-from kv.state_pools import StatePools
+from kv.state_pools import StatePools, pages_admissible
 from kv.transfer import KVManager
 from lifecycle import (
     PREFILL_TABLE,
@@ -74,7 +74,7 @@ from scheduler.dist.relay import InboxRelay
 from scheduler.messages import AbortRequest, CacheFlushed, FlushCache, NewRequest, Response
 from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import Admission, sender_of
-from scheduler.prefill.checks import check_arguments, check_state_conservation, pages_admissible
+from scheduler.prefill.checks import check_arguments, check_state_conservation
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.delayer import DelayerPass, PrefillDelayer
 from scheduler.prefill.drafting import handoff_runner
