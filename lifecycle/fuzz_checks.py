@@ -23,6 +23,7 @@ from lifecycle.invariants import expected_hook_calls, timeline_violations
 from lifecycle.machine import Lifecycle
 from lifecycle.record import ADMITTED
 from lifecycle.table import LifecycleTable
+from lifecycle.weak import PerObject
 
 
 class RuleBroken(AssertionError):
@@ -71,20 +72,22 @@ def _strategy(tp: Any) -> st.SearchStrategy[Any] | None:
     return None
 
 
-_FIELD_STRATEGIES: dict[type, dict[str, st.SearchStrategy[Any]]] = {}
+# Per record class, while it lives (lifecycle.weak).
+_FIELD_STRATEGIES: PerObject[type, dict[str, st.SearchStrategy[Any]]] = PerObject()
 
 
 def field_strategies(record: type) -> dict[str, st.SearchStrategy[Any]]:
     """Strategies for the record's own plain fields (numbers, strings, booleans, enums, and
     optional ones), by name; the fuzzer draws them when it has no ``satisfy`` to make a guard
     hold, so that guards are seen both ways."""
-    if record in _FIELD_STRATEGIES:
-        return _FIELD_STRATEGIES[record]
+    known = _FIELD_STRATEGIES.get(record)
+    if known is not None:
+        return known
     try:
         hints = typing.get_type_hints(record)
     except Exception:  # a hint that does not resolve: draw nothing for this class
         hints = {}
-    out = _FIELD_STRATEGIES[record] = {}
+    out = _FIELD_STRATEGIES.put(record, {})
     for f in attrs.fields(record) if hints else ():
         strategy = _strategy(hints.get(f.name))
         if f.name not in _TRACKED_FIELDS and f.init and strategy is not None:

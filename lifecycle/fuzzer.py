@@ -65,6 +65,7 @@ from lifecycle.machine import Lifecycle
 from lifecycle.record import ADMITTED
 from lifecycle.table import Edge, LifecycleTable
 from lifecycle.validators import typed_fields
+from lifecycle.weak import PerObject
 
 #: An event name no table defines; the machine mixes it in as an always-illegal event.
 UNKNOWN_EVENT = "no_such_event"
@@ -79,10 +80,11 @@ _BOOLEANS = st.booleans()
 _MOSTLY = st.sampled_from((True, True, True, False))
 _TICKS = st.sampled_from((0.0, 0.001, 0.5, 3.0))
 _INTRUDERS = st.sampled_from(("none", "none", "other_state", "duplicate", "foreign"))
-# Per table: its strategies by key, built on first use.
-_TABLE_STRATEGIES: dict[int, tuple[LifecycleTable, dict[Any, st.SearchStrategy[Any]]]] = {}
-# Per table (kept alive by _TABLE_STRATEGIES) and state: the events of its edges from there.
-_EVENTS_FROM: dict[tuple[int, enum.IntEnum, bool], tuple[str, ...]] = {}
+# Per table, while it lives (lifecycle.weak): its strategies by key, and by (state, forward)
+# the events of its edges from a state, built on first use.
+_TABLE_STRATEGIES: PerObject[LifecycleTable, dict[Any, st.SearchStrategy[Any]]] = PerObject()
+_EVENTS_FROM: PerObject[LifecycleTable, dict[tuple[enum.IntEnum, bool], tuple[str, ...]]] = (
+    PerObject())
 
 
 #: An owner's hooks by name, or a function returning them (called once per program).
@@ -145,8 +147,8 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.checks = cfg.invariants
         self.touched: set[str] = set()
         self.serial = 0
-        entry = _TABLE_STRATEGIES.setdefault(id(cfg.table), (cfg.table, {}))
-        self._strategies = entry[1]
+        self._strategies = _TABLE_STRATEGIES.setdefault(cfg.table, {})
+        self._events = _EVENTS_FROM.setdefault(cfg.table, {})
 
     def teardown(self) -> None:
         """Steer Hypothesis's search toward programs that take more distinct steps (its
@@ -235,10 +237,9 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     def _events_from(self, state: enum.IntEnum, *, forward: bool = False) -> tuple[str, ...]:
         """The events with an edge from ``state``, in table order: those of failure events
         too, unless ``forward``."""
-        key = (id(self.table), state, forward)
-        events = _EVENTS_FROM.get(key)
+        events = self._events.get((state, forward))
         if events is None:
-            events = _EVENTS_FROM[key] = tuple(dict.fromkeys(
+            events = self._events[(state, forward)] = tuple(dict.fromkeys(
                 str(e.event) for e in self.table.edges if e.source is state
                 and not (forward and e.event in self.table.failure_events)))
         return events

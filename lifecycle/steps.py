@@ -40,21 +40,24 @@ from lifecycle.binding import Firing
 from lifecycle.errors import LifecycleError
 from lifecycle.record import Tracked
 from lifecycle.table import Edge, LifecycleTable
+from lifecycle.weak import PerObject
 
 R = TypeVar("R", bound=Tracked)
 #: A hook: ``hook(req)`` or ``hook(req, event)`` (``event`` is a :class:`Firing`).
 Hook = Callable[..., None]
 
-# id(table) -> (table, machine). Holding the table keeps it alive, so its id cannot be reused
-# by a later table (which would otherwise be handed this table's machine).
-_MACHINES: dict[int, tuple[LifecycleTable, Machine]] = {}
+# Each table's machine, kept while the table lives and dropped with it (lifecycle.weak): a
+# table built at run time (a test's, a fuzzed example's, a tenant's) takes its machine with it.
+# The machine holds the table's states and events, never the table itself.
+_MACHINES: PerObject[LifecycleTable, Machine] = PerObject()
 
 
 def shared_machine(table: LifecycleTable) -> Machine:
-    """The one ``transitions.Machine`` of ``table`` (built on first use)."""
-    entry = _MACHINES.get(id(table))
-    if entry is not None:
-        return entry[1]
+    """The one ``transitions.Machine`` of ``table`` (built on first use, kept while the table
+    lives)."""
+    machine = _MACHINES.get(table)
+    if machine is not None:
+        return machine
     machine = _TableMachine(
         model=None,
         states=table.states,
@@ -66,8 +69,7 @@ def shared_machine(table: LifecycleTable) -> Machine:
         send_event=True,
     )
     machine.seal(table.name)
-    _MACHINES[id(table)] = (table, machine)
-    return machine
+    return _MACHINES.put(table, machine)
 
 
 def _no_callbacks(table: str, where: str) -> LifecycleError:

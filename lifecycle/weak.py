@@ -50,5 +50,10 @@ class PerObject(Generic[K, V]):
         entries[key] = (weakref.ref(obj, forget), value)
         return value
 
+    def setdefault(self, obj: K, value: V) -> V:
+        """The value kept for ``obj``; if there is none, keep ``value`` (:meth:`put`)."""
+        kept = self.get(obj)
+        return kept if kept is not None else self.put(obj, value)
+
     def __len__(self) -> int:
         return len(self._entries)

@@ -5,7 +5,9 @@ machine takes no callbacks, and a batch shares one timeline entry."""
 from __future__ import annotations
 
 import enum
+import gc
 import logging
+import weakref
 from typing import Any, ClassVar
 
 import attrs
@@ -164,6 +166,41 @@ def test_the_librarys_log_switched_on_shows_each_transition(
     b.open()  # the logger is quiet again: the short path logs nothing
     assert not [r for r in caplog.records if r.name == "transitions.core"]
     assert (a.state, b.state) == (S.OPEN, S.OPEN)
+
+
+def _run_time_table() -> tuple[weakref.ref[Any], ...]:
+    """A table, its record class and a hook built at run time and used once; weak references
+    to what must not outlive them."""
+
+    @attrs.define(slots=True, eq=False)
+    class Job(Tracked):
+        def ready(self) -> bool:
+            return True
+
+    def notify(job: Job) -> None:
+        pass
+
+    table = make_table(
+        "jobs", S, events=E, initial=S.NEW, finals=(S.CLOSED,),
+        edges=(Edge(E.OPEN, S.NEW, S.OPEN, conditions="ready"),
+               Edge(E.CLOSE, S.NEW, S.CLOSED), Edge(E.CLOSE, S.OPEN, S.CLOSED)),
+        failure_events=(E.CLOSE,), on_enter={S.CLOSED: "notify"}, record=Job)
+    lc: Lifecycle[Job] = Lifecycle(table, {"notify": notify})
+    a, b = Job("a"), Job("b")
+    lc.admit(a)
+    lc.admit(b)
+    a.fire(E.OPEN)
+    lc.fire(E.CLOSE, [a])
+    lc.fail([b], None)
+    return weakref.ref(table), weakref.ref(shared_machine(table)), weakref.ref(notify)
+
+
+def test_a_table_built_at_run_time_takes_its_machine_with_it() -> None:
+    """What the lifecycle derives from a table or a hook (the table's machine, the hook's form)
+    is kept while they live, and no longer: tables built at run time do not accumulate."""
+    refs = [_run_time_table() for _ in range(3)]
+    gc.collect()
+    assert [[r() for r in made] for made in refs] == [[None, None, None]] * 3
 
 
 def test_a_batch_shares_one_timeline_entry() -> None:
