@@ -26,6 +26,7 @@ from scheduler.model.checkpoint import (
     LlamaConfig,
     RopeScaling,
     TokenizerSource,
+    UnsupportedCheckpoint,
     check_tensors,
     fingerprint,
     refuse_architecture,
@@ -82,32 +83,51 @@ def _metadata(reader: Any) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def _config(where: Path, arch: str, meta: Mapping[str, Any], tied: bool) -> LlamaConfig:
-    def need(key: str) -> Any:
-        value = meta.get(f"{arch}.{key}")
-        if value is None:
-            raise CheckpointError(f"{where}: metadata {arch}.{key} is missing")
-        return value
+_MISSING = object()
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
-    head_dim = int(meta.get(f"{arch}.attention.key_length")
-                   or meta.get(f"{arch}.rope.dimension_count") or hidden // heads)
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
-    return LlamaConfig(
-        vocab_size=int(vocab),
+
+def _config(where: Path, arch: str, meta: Mapping[str, Any], tied: bool) -> LlamaConfig:
+    def read(key: str, kind: type[int] | type[float], default: Any = _MISSING) -> Any:
+        """The metadata ``{arch}.{key}``, a positive ``kind``; ``default`` where it is absent
+        (refused as missing where not given)."""
+        name = f"{arch}.{key}"
+        value = meta.get(name)
+        if value is None:
+            if default is _MISSING:
+                raise CheckpointError(f"{where}: metadata {name} is missing")
+            return default
+        if isinstance(value, list):
+            raise CheckpointError(f"{where}: metadata {name} is a per-layer array "
+                                  f"({value[:8]}{' ...' if len(value) > 8 else ''}); pdlife's "
+                                  "runner takes one value for every layer")
+        kinds = (int,) if kind is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+            what = "integer" if kind is int else "number"
+            raise CheckpointError(f"{where}: metadata {name} must be a positive {what}, "
+                                  f"got {value!r}")
+        return kind(value)
+
+    hidden, heads = read("embedding_length", int), read("attention.head_count", int)
+    values: dict[str, Any] = dict(
+        vocab_size=read("vocab_size", int,
+                        len(meta.get("tokenizer.ggml.tokens") or ()) or _MISSING),
         hidden=hidden,
-        layers=int(need("block_count")),
+        layers=read("block_count", int),
         heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=int(need("feed_forward_length")),
-        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
-        max_position=int(need("context_length")),
+        kv_heads=read("attention.head_count_kv", int, heads),
+        head_dim=read("attention.key_length", int, None)
+        or read("rope.dimension_count", int, hidden // heads),
+        intermediate=read("feed_forward_length", int),
+        rms_eps=read("attention.layer_norm_rms_epsilon", float),
+        rope_theta=read("rope.freq_base", float, 10000.0),
+        max_position=read("context_length", int),
         tie_word_embeddings=tied,
         rope_scaling=_rope_scaling(where, arch, meta),
     )
+    try:
+        return LlamaConfig(**values)
+    except CheckpointError as exc:  # values that do not fit together (heads and KV heads)
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 def _rope_scaling(where: Path, arch: str, meta: Mapping[str, Any]) -> RopeScaling | None:
@@ -115,7 +135,12 @@ def _rope_scaling(where: Path, arch: str, meta: Mapping[str, Any]) -> RopeScalin
     if kind in (None, "none"):
         return None
     if kind == "linear":
-        return RopeScaling("linear", float(meta[f"{arch}.rope.scaling.factor"]))
+        factor = meta.get(f"{arch}.rope.scaling.factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            said = "missing" if factor is None else f"{factor!r}, not a positive number"
+            raise CheckpointError(f"{where}: metadata {arch}.rope.scaling.type is linear and "
+                                  f"{arch}.rope.scaling.factor is {said}")
+        return RopeScaling("linear", float(factor))
     raise unsupported_rope_scaling(where, kind)
 
 
@@ -126,7 +151,13 @@ def _tensors(where: Path, reader: Any, config: LlamaConfig) -> dict[str, torch.T
     for t in reader.tensors:
         name = _name(where, t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
-        data = dequantize(t.data, t.tensor_type)
+        try:
+            data = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:  # F64 and the integer types, among others
+            raise UnsupportedCheckpoint(
+                f"{where}: tensor {t.name!r} is {t.tensor_type.name}, a type the gguf package "
+                "does not dequantize (pdlife reads F32, F16, BF16 and the quantized types it "
+                "does: Q4_0 ... Q8_0, the K-quants)") from None
         if data.size != int(np.prod(shape)):
             raise CheckpointError(f"{where}: tensor {t.name!r} holds {data.size} of its "
                                   f"{int(np.prod(shape))} values: the file is truncated")

@@ -2,15 +2,14 @@
 
 :func:`load_checkpoint` dispatches on the path; the GGUF reader is
 :mod:`scheduler.model.gguf_checkpoint`, the Hugging Face directory (``config.json`` and every
-``*.safetensors`` file) is read here. Both give a :class:`~scheduler.model.checkpoint.Checkpoint`.
+``*.safetensors`` file) is read here, its ``config.json`` by :mod:`scheduler.model.hf_config`. Both
+give a :class:`~scheduler.model.checkpoint.Checkpoint`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -19,17 +18,15 @@ from scheduler.model.checkpoint import (
     Checkpoint,
     CheckpointError,
     LlamaConfig,
-    RopeScaling,
     TokenizerSource,
     UnsupportedCheckpoint,
     check_tensors,
     fingerprint,
     read_json,
-    refuse_architecture,
-    unsupported_rope_scaling,
     unsupported_tensor,
 )
 from scheduler.model.gguf_checkpoint import load_gguf
+from scheduler.model.hf_config import hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -61,83 +58,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     raise CheckpointError(f"{where}: no such file or directory")
 
 
-def _hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
-    refuse_architecture(where, _architecture(where, raw))
-    _refuse_other_heads(where, raw.get("architectures"))
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise UnsupportedCheckpoint(f"{where}: a quantized checkpoint ({method}) is not "
-                                    "supported; a quantized GGUF file is")
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise UnsupportedCheckpoint(f"{where}: {flag}=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedCheckpoint(f"{where}: hidden_act {raw['hidden_act']!r} is not silu")
-    heads = int(raw["num_attention_heads"])
-    hidden = int(raw["hidden_size"])
-    scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
-    rope_theta = float(raw.get("rope_theta", scaling.get("rope_theta", 10000.0)))
-    return LlamaConfig(
-        vocab_size=int(raw["vocab_size"]),
-        hidden=hidden,
-        layers=int(raw["num_hidden_layers"]),
-        heads=heads,
-        kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate=int(raw["intermediate_size"]),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        max_position=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope_scaling=hf_rope_scaling(where, scaling),
-    )
-
-
-def _architecture(where: Path, raw: Mapping[str, Any]) -> object:
-    """``model_type``, where a Mistral without a sliding window shorter than its context (the
-    v0.2 and later ones: ``sliding_window`` null) is the Llama it computes as."""
-    kind = raw.get("model_type")
-    if kind != "mistral":
-        return kind
-    window = raw.get("sliding_window")
-    context = int(raw.get("max_position_embeddings", 2048))
-    if window is None or int(window) >= context:
-        return "llama"
-    raise UnsupportedCheckpoint(
-        f"{where}: a Mistral with a sliding window of {window} tokens (shorter than its context "
-        f"of {context}) is not supported; one with sliding_window null computes as a Llama and "
-        "is served as one")
-
-
-def _refuse_other_heads(where: Path, architectures: object) -> None:
-    """A Llama decoder under another head than a language model's (``architectures``
-    ``LlamaForSequenceClassification``, ``LlamaModel``, ...): its weights mean something else."""
-    if not isinstance(architectures, list) or not architectures:
-        return  # older configs name none; the tensors then say what the checkpoint holds
-    if any(str(name).endswith("ForCausalLM") for name in architectures):
-        return
-    named = " / ".join(str(name) for name in architectures)
-    raise UnsupportedCheckpoint(
-        f"{where}: the checkpoint is a {named} (config.json's architectures), not a causal "
-        "language model; pdlife serves *ForCausalLM checkpoints")
-
-
-def hf_rope_scaling(where: Path, raw: Mapping[str, Any]) -> RopeScaling | None:
-    """Hugging Face's ``rope_scaling`` (or 5.x ``rope_parameters``) as a :class:`RopeScaling`."""
-    kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind == "linear":
-        return RopeScaling("linear", float(raw["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3", float(raw["factor"]), float(raw.get("low_freq_factor", 1.0)),
-            float(raw.get("high_freq_factor", 4.0)),
-            int(raw.get("original_max_position_embeddings", 8192)),
-        )
-    raise unsupported_rope_scaling(where, kind)
-
-
 def _load_hf_directory(where: Path) -> Checkpoint:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -148,7 +68,7 @@ def _load_hf_directory(where: Path) -> Checkpoint:
     raw = read_json(config_file)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file}: not a JSON object")
-    config = _hf_config(where, raw)
+    config = hf_config(where, raw)
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(where):
         try:

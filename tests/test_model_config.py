@@ -1,0 +1,161 @@
+"""A checkpoint's configuration read as transformers reads it, and refused in one line naming the
+file and the field where it cannot be read.
+
+The checkpoints are tiny random Llamas written by transformers (``save_pretrained``, or as a
+GGUF file in llama.cpp's layout), with their ``config.json`` or metadata edited the way a
+hand-edited or badly converted file is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from scheduler.model.checkpoint import CheckpointError
+from scheduler.model.gguf_checkpoint import permute_rotary_rows
+from scheduler.model.loader import load_checkpoint
+from tests.test_checkpoint import VOCAB, _gguf_name, tiny_hf_model
+from tests.test_own_checkpoint import refused_by_both, tiny_directory
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama directory (with a tokenizer), copied by each test that edits it."""
+    return tiny_directory(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def edited(saved: Path, where: Path, edit: Callable[[dict[str, Any]], object]) -> Path:
+    """A copy of ``saved`` at ``where`` whose config.json ``edit`` changed in place."""
+    shutil.copytree(saved, where)
+    config = json.loads((where / "config.json").read_text())
+    edit(config)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def _set(**fields: object) -> Callable[[dict[str, Any]], object]:
+    return lambda config: config.update(fields)
+
+
+def _drop(*keys: str) -> Callable[[dict[str, Any]], object]:
+    return lambda config: [config.pop(key) for key in keys]
+
+
+BAD_CONFIGS = {
+    "no_intermediate_size": (_drop("intermediate_size"), "intermediate_size is missing"),
+    "no_layers": (_drop("num_hidden_layers"), "num_hidden_layers is missing"),
+    "heads_a_word": (_set(num_attention_heads="four"),
+                     'num_attention_heads must be a positive integer, got "four"'),
+    "theta_null": (lambda c: (c.pop("rope_parameters"), c.update(rope_theta=None)),
+                   "rope_theta must be a positive number, got null"),
+    "linear_without_factor": (_set(rope_parameters={"rope_type": "linear",
+                                                    "rope_theta": 10000.0}),
+                              "rope_parameters.factor is missing"),
+    "rope_parameters_a_list": (_set(rope_parameters=[1, 2]),
+                               "rope_parameters must be an object or null, got [1, 2]"),
+    "eps_a_string": (_set(rms_norm_eps="1e-5"),
+                     'rms_norm_eps must be a positive number, got "1e-5"'),
+    "tie_a_string": (_set(tie_word_embeddings="yes"),
+                     'tie_word_embeddings must be true or false, got "yes"'),
+    "kv_heads_not_dividing": (_set(num_key_value_heads=3),
+                              "heads (4) must be a multiple of kv_heads (3)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_a_config_json_that_cannot_be_read_is_refused_naming_the_field(saved, tmp_path, case):
+    """Each of these raised a KeyError, TypeError, ValueError or AttributeError (or named no
+    file), which ``pdlife generate`` printed as a traceback."""
+    edit, said = BAD_CONFIGS[case]
+    where = edited(saved, tmp_path / case, edit)
+    expected = f"{where / 'config.json'}: {said}"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(expected)}$"):
+        load_checkpoint(where)
+
+
+def test_a_config_json_without_a_shape_field_is_one_line_at_the_command_line(saved, tmp_path,
+                                                                              capsys):
+    where = edited(saved, tmp_path / "cut", _drop("intermediate_size"))
+    said = refused_by_both(capsys, str(where))
+    assert said == f"{where / 'config.json'}: intermediate_size is missing\n"
+
+
+def write_tiny_gguf(path: Path, *, meta: Mapping[str, object] = {},
+                    types: Mapping[str, type] = {}) -> None:
+    """A tiny random Llama (``tiny_hf_model``) as a float32 GGUF file in llama.cpp's layout;
+    ``meta`` sets ``llama.*`` fields (None leaves one out), ``types`` stores the named
+    tensors' values as another numpy type (``np.float64`` makes an F64 tensor)."""
+    hf = tiny_hf_model()
+    c = hf.config
+    fields: dict[str, object] = {
+        "block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": c.rms_norm_eps, "rope.freq_base": 10000.0,
+    }
+    fields.update(meta)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in fields.items():
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, list):
+            w.add_array(f"llama.{key}", value)
+        elif isinstance(value, int):
+            w.add_uint32(f"llama.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"llama.{key}", value)
+        else:
+            w.add_string(f"llama.{key}", str(value))
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges(["t 1"])
+    for name, tensor in hf.state_dict().items():
+        gguf_name, kind = _gguf_name(name)
+        data = tensor.float()
+        if kind == "attn_q":
+            data = permute_rotary_rows(data, c.num_attention_heads)
+        elif kind == "attn_k":
+            data = permute_rotary_rows(data, c.num_key_value_heads)
+        w.add_tensor(gguf_name, data.numpy().astype(types.get(gguf_name, np.float32)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+BAD_GGUF = {
+    "kv_heads_per_layer": (dict(meta={"attention.head_count_kv": [2, 2]}),
+                           "metadata llama.attention.head_count_kv is a per-layer array "
+                           "([2, 2]); pdlife's runner takes one value for every layer"),
+    "linear_without_factor": (dict(meta={"rope.scaling.type": "linear"}),
+                              "metadata llama.rope.scaling.type is linear and "
+                              "llama.rope.scaling.factor is missing"),
+    "heads_a_string": (dict(meta={"attention.head_count": "four"}),
+                       "metadata llama.attention.head_count must be a positive integer, "
+                       "got 'four'"),
+    "no_epsilon": (dict(meta={"attention.layer_norm_rms_epsilon": None}),
+                   "metadata llama.attention.layer_norm_rms_epsilon is missing"),
+    "f64_tensor": (dict(types={"blk.0.attn_norm.weight": np.float64}),
+                   "tensor 'blk.0.attn_norm.weight' is F64, a type the gguf package does "
+                   "not dequantize"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_GGUF))
+def test_gguf_metadata_or_tensors_that_cannot_be_read_are_refused_naming_them(tmp_path, case):
+    """These raised a TypeError, KeyError or gguf's NotImplementedError."""
+    options, said = BAD_GGUF[case]
+    path = tmp_path / f"{case}.gguf"
+    write_tiny_gguf(path, **options)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(f'{path}: {said}')}"):
+        load_checkpoint(path)
