@@ -18,10 +18,13 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+import torch
 
-from scheduler.model.checkpoint import CheckpointError
+from scheduler.model.checkpoint import CheckpointError, LlamaConfig
 from scheduler.model.gguf_checkpoint import permute_rotary_rows
+from scheduler.model.llama import RealModel
 from scheduler.model.loader import load_checkpoint
+from scheduler.runner import ForwardItem
 from tests.test_checkpoint import VOCAB, _gguf_name, tiny_hf_model
 from tests.test_own_checkpoint import refused_by_both, tiny_directory
 
@@ -159,3 +162,56 @@ def test_gguf_metadata_or_tensors_that_cannot_be_read_are_refused_naming_them(tm
     write_tiny_gguf(path, **options)
     with pytest.raises(CheckpointError, match=f"^{re.escape(f'{path}: {said}')}"):
         load_checkpoint(path)
+
+
+LONG_IDS = [(7 * i + 3) % VOCAB for i in range(96)]
+
+
+def assert_computes_as_transformers(where: Path) -> LlamaConfig:
+    """pdlife's logits at every position of ``LONG_IDS`` are transformers' (which reads the
+    same directory); the config pdlife read."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([LONG_IDS])).logits[0].float()
+    checkpoint = load_checkpoint(where)
+    model = RealModel(checkpoint)
+    pool = model.make_pool(num_pages=6, page_size=16)
+    ours = model.logits(pool, [ForwardItem("t", tuple(LONG_IDS), 0, tuple(range(6)),
+                                           all_logits=True)])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    return checkpoint.config
+
+
+def test_rope_theta_is_read_from_rope_parameters_before_the_top_level(saved, tmp_path):
+    """transformers 5.x takes ``rope_parameters``' theta and the top-level ``rope_theta`` only
+    where the dict has none; pdlife took the top-level one first."""
+    both = edited(saved, tmp_path / "both", _set(
+        rope_theta=500.0, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
+    assert assert_computes_as_transformers(both).rope_theta == 50000.0
+    top = edited(saved, tmp_path / "top", _set(rope_theta=500.0,
+                                               rope_parameters={"rope_type": "default"}))
+    assert assert_computes_as_transformers(top).rope_theta == 500.0
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "rope_theta": 10000.0}
+
+
+def test_llama3_scaling_takes_its_original_context_where_transformers_does(saved, tmp_path):
+    """Without ``original_max_position_embeddings`` in the dict transformers takes the model's
+    context (pdlife took 8,192); a top-level one comes before the dict's."""
+    bare = edited(saved, tmp_path / "bare", _set(rope_parameters=LLAMA3))
+    scaling = assert_computes_as_transformers(bare).rope_scaling
+    assert scaling is not None and scaling.original_max_position == 256
+    top = edited(saved, tmp_path / "top", _set(
+        original_max_position_embeddings=32,
+        rope_parameters=LLAMA3 | {"original_max_position_embeddings": 128}))
+    scaling = assert_computes_as_transformers(top).rope_scaling
+    assert scaling is not None and scaling.original_max_position == 32
+    lacking = edited(saved, tmp_path / "lacking", _set(
+        rope_parameters={k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}))
+    with pytest.raises(CheckpointError, match=r"config\.json: rope_parameters\.low_freq_factor "
+                                              r"is missing$"):
+        load_checkpoint(lacking)

@@ -1,4 +1,4 @@
-"""A Hugging Face ``config.json`` read into a :class:`LlamaConfig`, every field checked.
+"""A Hugging Face ``config.json`` read as transformers (5.x) reads it, into a :class:`LlamaConfig`.
 
 Rules of this file
 ------------------
@@ -11,7 +11,13 @@ Rules of this file
   the weights would contradict.
 - A field that changes the computation but not the shapes takes its default where the file
   leaves it out: 2,048 positions, an RMSNorm epsilon of 1e-6, as many KV heads as attention
-  heads, RoPE theta 10,000, an untied head.
+  heads, an untied head.
+- RoPE as ``PreTrainedConfig.convert_rope_params_to_dict`` and ``standardize_rope_params``
+  read it: ``rope_scaling`` (older files) where it is set, else ``rope_parameters``; the theta
+  from that dict first, then the top-level ``rope_theta``, then 10,000; the type from
+  ``rope_type``, then ``type``; a ``llama3`` scaling needs ``factor``, ``low_freq_factor`` and
+  ``high_freq_factor``, and takes its ``original_max_position_embeddings`` from the top-level
+  field first, then the dict's, then ``max_position_embeddings``.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ def hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
     heads = fields.integer("num_attention_heads")
     hidden = fields.integer("hidden_size")
     max_position = fields.integer("max_position_embeddings", 2048)
-    rope_theta, rope_scaling = _rope(where, fields)
+    rope_theta, rope_scaling = _rope(where, fields, max_position)
     values: dict[str, Any] = dict(
         vocab_size=fields.integer("vocab_size"),
         hidden=hidden,
@@ -141,9 +147,9 @@ def _architecture(where: Path, fields: _Fields) -> object:
         "is served as one")
 
 
-def _rope(where: Path, fields: _Fields) -> tuple[float, RopeScaling | None]:
-    """RoPE's theta and scaling: ``rope_scaling`` (older files) where it is set, else
-    ``rope_parameters``; the theta from the top-level ``rope_theta``, else that dict's."""
+def _rope(where: Path, fields: _Fields,
+          max_position: int) -> tuple[float, RopeScaling | None]:
+    """RoPE's theta and scaling, read as transformers 5.x reads them (the module's rules)."""
     raw = fields.raw
     key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     params = raw.get(key)
@@ -153,17 +159,23 @@ def _rope(where: Path, fields: _Fields) -> tuple[float, RopeScaling | None]:
         raise CheckpointError(f"{fields.file}: {key} must be an object or null, got "
                               f"{_shown(params)}")
     rope = _Fields(fields.file, params, f"{key}.")
-    theta = fields.number("rope_theta", rope.number("rope_theta", 10000.0))
+    if "rope_theta" in params:
+        theta = rope.number("rope_theta")
+    else:
+        theta = fields.number("rope_theta", 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind in (None, "default"):
+    if kind == "default":
         return theta, None
     if kind == "linear":
         return theta, RopeScaling("linear", rope.number("factor"))
     if kind == "llama3":
+        if "original_max_position_embeddings" in raw:
+            original = fields.integer("original_max_position_embeddings")
+        else:
+            original = rope.integer("original_max_position_embeddings", max_position)
         return theta, RopeScaling(
-            "llama3", rope.number("factor"), rope.number("low_freq_factor", 1.0),
-            rope.number("high_freq_factor", 4.0),
-            rope.integer("original_max_position_embeddings", 8192))
+            "llama3", rope.number("factor"), rope.number("low_freq_factor"),
+            rope.number("high_freq_factor"), original)
     raise unsupported_rope_scaling(where, kind)
 
 
