@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from scheduler.model.checkpoint import CheckpointError, LlamaConfig
+from scheduler.model.checkpoint import CheckpointError, LlamaConfig, UnsupportedCheckpoint
 from scheduler.model.gguf_checkpoint import permute_rotary_rows
+from scheduler.model.hf_config import HF_DEFAULTS
 from scheduler.model.llama import RealModel
 from scheduler.model.loader import load_checkpoint
 from scheduler.runner import ForwardItem
@@ -215,3 +216,73 @@ def test_llama3_scaling_takes_its_original_context_where_transformers_does(saved
     with pytest.raises(CheckpointError, match=r"config\.json: rope_parameters\.low_freq_factor "
                                               r"is missing$"):
         load_checkpoint(lacking)
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_DEFAULTS))
+def test_the_defaults_are_those_of_the_installed_transformers(model_type):
+    """Each field config.json may leave out defaults as transformers' class for the model type
+    defaults it (MistralConfig: 131,072 positions, a window of 4,096, 8 KV heads)."""
+    from transformers import CONFIG_MAPPING
+
+    ours = HF_DEFAULTS[model_type]
+    cls = CONFIG_MAPPING[model_type]
+    theirs = cls(num_attention_heads=16)
+    assert cls.__name__ == ours.config_class
+    assert theirs.max_position_embeddings == ours.max_position_embeddings
+    assert theirs.rms_norm_eps == ours.rms_norm_eps
+    assert theirs.num_key_value_heads == (ours.num_key_value_heads or 16)
+    assert getattr(theirs, "sliding_window", None) == ours.sliding_window
+    assert theirs.rope_parameters["rope_theta"] == ours.rope_theta
+    assert theirs.tie_word_embeddings == ours.tie_word_embeddings
+    assert theirs.hidden_act == ours.hidden_act
+
+
+def _mistral(where: Path, *, drop: tuple[str, ...], heads: int = 4, kv_heads: int = 2,
+             max_position: int = 8192) -> Path:
+    """A tiny Mistral without a window, saved, then ``drop``'s keys taken out of config.json."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=256, max_position_embeddings=max_position,
+        sliding_window=None)).save_pretrained(where)
+    config = json.loads((where / "config.json").read_text())
+    for key in drop:
+        config.pop(key)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def test_a_mistral_config_without_a_window_has_mistral_config_s_window(tmp_path):
+    """transformers gives a Mistral config.json without ``sliding_window`` MistralConfig's
+    4,096 (positions from 4,096 on then attend to the last 4,096 only); pdlife served it with
+    no window, computing other logits there. Such a Mistral is refused, as one that says its
+    window is; so is one that also leaves out its context (MistralConfig's 131,072)."""
+    from transformers import AutoConfig
+
+    windowed = _mistral(tmp_path / "windowed", drop=("sliding_window",))
+    assert AutoConfig.from_pretrained(windowed).sliding_window == 4096
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(
+            f"{windowed}: a Mistral with a sliding window of 4096 tokens (MistralConfig's "
+            "default: config.json gives none), shorter than its context of 8192, is not "
+            "supported")):
+        load_checkpoint(windowed)
+    short = _mistral(tmp_path / "short", drop=("sliding_window",), max_position=4096)
+    assert assert_computes_as_transformers(short).max_position == 4096
+    bare = _mistral(tmp_path / "bare", drop=("sliding_window", "max_position_embeddings"),
+                    max_position=4096)
+    with pytest.raises(UnsupportedCheckpoint, match="shorter than its context of 131072"):
+        load_checkpoint(bare)
+
+
+def test_a_mistral_config_without_a_context_or_kv_heads_takes_mistral_config_s(tmp_path):
+    """MistralConfig's context is 131,072 positions (pdlife took 2,048) and its KV heads 8
+    (pdlife took as many as the attention heads, and refused the weights)."""
+    where = _mistral(tmp_path / "m", drop=("max_position_embeddings", "num_key_value_heads"),
+                     heads=16, kv_heads=8)
+    config = json.loads((where / "config.json").read_text())
+    assert config["sliding_window"] is None
+    read = load_checkpoint(where).config
+    assert (read.max_position, read.kv_heads, read.heads) == (131072, 8, 16)
+    assert_computes_as_transformers(where)

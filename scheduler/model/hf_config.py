@@ -9,9 +9,11 @@ Rules of this file
   ``num_attention_heads``, ``intermediate_size``) are required: transformers' config classes
   default them to the shape of some other model (``LlamaConfig``'s 32 layers of 4,096), which
   the weights would contradict.
-- A field that changes the computation but not the shapes takes its default where the file
-  leaves it out: 2,048 positions, an RMSNorm epsilon of 1e-6, as many KV heads as attention
-  heads, an untied head.
+- A field that changes the computation but not the shapes takes the default of transformers'
+  config class for the ``model_type`` (:data:`HF_DEFAULTS`: a Mistral's context is 131,072
+  tokens and its sliding window 4,096, a Llama's context 2,048 and no window), where the file
+  leaves it out. ``tests/test_model_config.py`` checks the table against the installed
+  transformers.
 - RoPE as ``PreTrainedConfig.convert_rope_params_to_dict`` and ``standardize_rope_params``
   read it: ``rope_scaling`` (older files) where it is set, else ``rope_parameters``; the theta
   from that dict first, then the top-level ``rope_theta``, then 10,000; the type from
@@ -38,6 +40,33 @@ from scheduler.model.checkpoint import (
     unsupported_rope_scaling,
 )
 
+
+@attrs.frozen
+class HFDefaults:
+    """What transformers' config class of one ``model_type`` takes for a field ``config.json``
+    leaves out, for the fields pdlife reads that change the computation but not the shapes."""
+
+    config_class: str
+    max_position_embeddings: int
+    rms_norm_eps: float
+    #: None: as many KV heads as attention heads.
+    num_key_value_heads: int | None
+    #: None: no sliding window.
+    sliding_window: int | None
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+
+#: transformers 5.x ``LlamaConfig`` and ``MistralConfig`` (checked against the installed one by
+#: ``tests/test_model_config.py``).
+HF_DEFAULTS: Mapping[str, HFDefaults] = {
+    "llama": HFDefaults("LlamaConfig", max_position_embeddings=2048, rms_norm_eps=1e-6,
+                        num_key_value_heads=None, sliding_window=None),
+    "mistral": HFDefaults("MistralConfig", max_position_embeddings=131072, rms_norm_eps=1e-6,
+                          num_key_value_heads=8, sliding_window=4096),
+}
+
 _MISSING = object()
 
 
@@ -46,8 +75,11 @@ def hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
     :class:`CheckpointError` naming the file and the field where it cannot be read, and
     :class:`UnsupportedCheckpoint` where it describes what the runner does not compute."""
     file = where / "config.json"
-    fields = _Fields(file, raw)
-    refuse_architecture(where, _architecture(where, fields))
+    kind = raw.get("model_type")
+    defaults = HF_DEFAULTS.get(kind) if isinstance(kind, str) else None
+    if defaults is None:
+        refuse_architecture(where, kind)  # pdlife computes this one: HF_DEFAULTS lacks it
+        raise AssertionError(f"model_type {kind!r} is computed but has no HF_DEFAULTS entry")
     _refuse_other_heads(where, raw.get("architectures"))
     quantization = raw.get("quantization_config")
     if quantization:
@@ -57,25 +89,29 @@ def hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise UnsupportedCheckpoint(f"{where}: {flag}=true is not supported")
-    activation = raw.get("hidden_act", "silu")
+    activation = raw.get("hidden_act", defaults.hidden_act)
     if activation != "silu":
         raise UnsupportedCheckpoint(f"{where}: hidden_act {activation!r} is not silu")
+
+    fields = _Fields(file, raw)
     heads = fields.integer("num_attention_heads")
     hidden = fields.integer("hidden_size")
-    max_position = fields.integer("max_position_embeddings", 2048)
-    rope_theta, rope_scaling = _rope(where, fields, max_position)
+    max_position = fields.integer("max_position_embeddings", defaults.max_position_embeddings)
+    _refuse_a_sliding_window(where, fields, defaults, max_position)
+    rope_theta, rope_scaling = _rope(where, fields, defaults, max_position)
     values: dict[str, Any] = dict(
         vocab_size=fields.integer("vocab_size"),
         hidden=hidden,
         layers=fields.integer("num_hidden_layers"),
         heads=heads,
-        kv_heads=fields.integer("num_key_value_heads", heads, null=heads),
+        kv_heads=fields.integer("num_key_value_heads", defaults.num_key_value_heads or heads,
+                                null=heads),
         head_dim=fields.integer("head_dim", hidden // heads, null=hidden // heads),
         intermediate=fields.integer("intermediate_size"),
-        rms_eps=fields.number("rms_norm_eps", 1e-6),
+        rms_eps=fields.number("rms_norm_eps", defaults.rms_norm_eps),
         rope_theta=rope_theta,
         max_position=max_position,
-        tie_word_embeddings=fields.flag("tie_word_embeddings", False),
+        tie_word_embeddings=fields.flag("tie_word_embeddings", defaults.tie_word_embeddings),
         rope_scaling=rope_scaling,
     )
     try:
@@ -131,23 +167,28 @@ def _shown(value: object) -> str:
     return json.dumps(value)
 
 
-def _architecture(where: Path, fields: _Fields) -> object:
-    """``model_type``, where a Mistral without a sliding window shorter than its context (the
-    v0.2 and later ones: ``sliding_window`` null) is the Llama it computes as."""
-    kind = fields.raw.get("model_type")
-    if kind != "mistral":
-        return kind
-    window = fields.value("sliding_window", None, null=None)
-    context = fields.integer("max_position_embeddings", 2048)
-    if window is None or fields.integer("sliding_window") >= context:
-        return "llama"
+def _refuse_a_sliding_window(where: Path, fields: _Fields, defaults: HFDefaults,
+                             context: int) -> None:
+    """A Mistral whose sliding window is shorter than its context is refused (the runner
+    attends to every earlier position); one without (``sliding_window`` null, the v0.2 and
+    later ones, or a window no shorter than the context) computes as a Llama. A Mistral
+    ``config.json`` that leaves the field out has ``MistralConfig``'s window of 4,096."""
+    if defaults.sliding_window is None:
+        return  # the architecture has no window: transformers ignores the field
+    if "sliding_window" in fields.raw and fields.raw["sliding_window"] is None:
+        return
+    window = fields.integer("sliding_window", defaults.sliding_window)
+    if window >= context:
+        return
+    said = "" if "sliding_window" in fields.raw else (
+        f" ({defaults.config_class}'s default: config.json gives none)")
     raise UnsupportedCheckpoint(
-        f"{where}: a Mistral with a sliding window of {window} tokens (shorter than its context "
-        f"of {context}) is not supported; one with sliding_window null computes as a Llama and "
-        "is served as one")
+        f"{where}: a Mistral with a sliding window of {window} tokens{said}, shorter than its "
+        f"context of {context}, is not supported; one with sliding_window null computes as a "
+        "Llama and is served as one")
 
 
-def _rope(where: Path, fields: _Fields,
+def _rope(where: Path, fields: _Fields, defaults: HFDefaults,
           max_position: int) -> tuple[float, RopeScaling | None]:
     """RoPE's theta and scaling, read as transformers 5.x reads them (the module's rules)."""
     raw = fields.raw
@@ -162,7 +203,7 @@ def _rope(where: Path, fields: _Fields,
     if "rope_theta" in params:
         theta = rope.number("rope_theta")
     else:
-        theta = fields.number("rope_theta", 10000.0)
+        theta = fields.number("rope_theta", defaults.rope_theta)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
