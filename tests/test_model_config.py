@@ -93,11 +93,13 @@ def test_a_config_json_without_a_shape_field_is_one_line_at_the_command_line(sav
 
 
 def write_tiny_gguf(path: Path, *, meta: Mapping[str, object] = {},
-                    types: Mapping[str, type] = {}) -> None:
-    """A tiny random Llama (``tiny_hf_model``) as a float32 GGUF file in llama.cpp's layout;
-    ``meta`` sets ``llama.*`` fields (None leaves one out), ``types`` stores the named
-    tensors' values as another numpy type (``np.float64`` makes an F64 tensor)."""
-    hf = tiny_hf_model()
+                    types: Mapping[str, type] = {}, extra: Mapping[str, np.ndarray] = {},
+                    hf: Any = None) -> None:
+    """A tiny random Llama (``hf``, else ``tiny_hf_model()``) as a float32 GGUF file in
+    llama.cpp's layout; ``meta`` sets ``llama.*`` fields (None leaves one out), ``types``
+    stores the named tensors' values as another numpy type (``np.float64`` makes an F64
+    tensor), ``extra`` adds tensors (``rope_freqs.weight``)."""
+    hf = tiny_hf_model() if hf is None else hf
     c = hf.config
     fields: dict[str, object] = {
         "block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
@@ -131,6 +133,8 @@ def write_tiny_gguf(path: Path, *, meta: Mapping[str, object] = {},
         elif kind == "attn_k":
             data = permute_rotary_rows(data, c.num_key_value_heads)
         w.add_tensor(gguf_name, data.numpy().astype(types.get(gguf_name, np.float32)))
+    for name, array in extra.items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -149,6 +153,28 @@ BAD_GGUF = {
                        "got 'four'"),
     "no_epsilon": (dict(meta={"attention.layer_norm_rms_epsilon": None}),
                    "metadata llama.attention.layer_norm_rms_epsilon is missing"),
+    "partial_rotary": (dict(meta={"rope.dimension_count": 32}),
+                       "metadata llama.rope.dimension_count is 32, the head dim 64 "
+                       "(llama.attention.key_length, else embedding_length / head_count): "
+                       "partial rotary embeddings (RoPE on part of each head) are not "
+                       "supported"),
+    "partial_rotary_beside_a_key_length": (
+        dict(meta={"attention.key_length": 64, "rope.dimension_count": 16}),
+        "metadata llama.rope.dimension_count is 16, the head dim 64"),
+    "values_of_another_size": (dict(meta={"attention.value_length": 32}),
+                               "metadata llama.attention.value_length is 32, the head dim 64 "
+                               "(llama.attention.key_length, else embedding_length / "
+                               "head_count): values of another size than keys are not "
+                               "supported"),
+    "rope_freqs_misshapen": (dict(extra={"rope_freqs.weight": np.ones(5, np.float32)}),
+                             "weight 'rope_freqs.weight' has shape (5,), the config says "
+                             "(32,) (one factor per rotary frequency)"),
+    "rope_freqs_and_linear": (dict(extra={"rope_freqs.weight": np.ones(32, np.float32)},
+                                   meta={"rope.scaling.type": "linear",
+                                         "rope.scaling.factor": 2.0}),
+                              "the checkpoint carries per-frequency RoPE factors "
+                              "('rope_freqs.weight') and a linear RoPE scaling; the runner "
+                              "applies one or the other, not both"),
     "f64_tensor": (dict(types={"blk.0.attn_norm.weight": np.float64}),
                    "tensor 'blk.0.attn_norm.weight' is F64, a type the gguf package does "
                    "not dequantize"),
@@ -157,7 +183,9 @@ BAD_GGUF = {
 
 @pytest.mark.parametrize("case", sorted(BAD_GGUF))
 def test_gguf_metadata_or_tensors_that_cannot_be_read_are_refused_naming_them(tmp_path, case):
-    """These raised a TypeError, KeyError or gguf's NotImplementedError."""
+    """These raised a TypeError, KeyError or gguf's NotImplementedError, or loaded and computed
+    something else: a partial rotary dimension rotated the whole head, and rope_freqs beside a
+    linear scaling dropped the scaling."""
     options, said = BAD_GGUF[case]
     path = tmp_path / f"{case}.gguf"
     write_tiny_gguf(path, **options)
@@ -286,3 +314,26 @@ def test_a_mistral_config_without_a_context_or_kv_heads_takes_mistral_config_s(t
     read = load_checkpoint(where).config
     assert (read.max_position, read.kv_heads, read.heads) == (131072, 8, 16)
     assert_computes_as_transformers(where)
+
+
+def test_rope_freqs_compute_as_the_llama3_scaling_they_encode(tmp_path):
+    """llama.cpp's converter writes a Llama 3.1's scaling as per-frequency factors
+    (``rope_freqs.weight``: the plain inverse frequencies over the scaled ones): the GGUF file
+    computes as transformers computes the directory."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = tiny_hf_model(rope_parameters=LLAMA3 | {"original_max_position_embeddings": 32})
+    hf.save_pretrained(tmp_path / "hf")
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
+    write_tiny_gguf(tmp_path / "m.gguf", hf=hf,
+                    extra={"rope_freqs.weight": (plain / scaled).numpy()})
+    checkpoint = load_checkpoint(tmp_path / "m.gguf")
+    assert checkpoint.config.rope_scaling is None and "rope_freqs" in checkpoint.tensors
+    model = RealModel(checkpoint)
+    pool = model.make_pool(num_pages=6, page_size=16)
+    ours = model.logits(pool, [ForwardItem("t", tuple(LONG_IDS), 0, tuple(range(6)),
+                                           all_logits=True)])
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([LONG_IDS])).logits[0].float()
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

@@ -138,6 +138,16 @@ def check_tensors(where: Path, config: LlamaConfig, tensors: Mapping[str, torch.
             raise CheckpointError(
                 f"{where}: weight {native(name)!r} has shape {tuple(tensors[name].shape)}, "
                 f"the config says {shape}")
+    freqs = tensors.get("rope_freqs")
+    if freqs is not None and tuple(freqs.shape) != (config.head_dim // 2,):
+        raise CheckpointError(
+            f"{where}: weight {native('rope_freqs')!r} has shape {tuple(freqs.shape)}, the "
+            f"config says {(config.head_dim // 2,)} (one factor per rotary frequency)")
+    if freqs is not None and config.rope_scaling is not None:
+        raise UnsupportedCheckpoint(
+            f"{where}: the checkpoint carries per-frequency RoPE factors "
+            f"({native('rope_freqs')!r}) and a {config.rope_scaling.kind} RoPE scaling; the "
+            "runner applies one or the other, not both")
     extra = sorted(set(tensors) - set(shapes) - {"rope_freqs"})
     if extra:
         raise UnsupportedCheckpoint(

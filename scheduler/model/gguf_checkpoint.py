@@ -108,6 +108,17 @@ def _config(where: Path, arch: str, meta: Mapping[str, Any], tied: bool) -> Llam
         return kind(value)
 
     hidden, heads = read("embedding_length", int), read("attention.head_count", int)
+    # As llama.cpp reads them: the head dim is key_length (else hidden / heads), and RoPE turns
+    # rope.dimension_count of its dimensions (else all of them).
+    head_dim = read("attention.key_length", int, hidden // heads)
+    for key in ("rope.dimension_count", "attention.value_length"):
+        if read(key, int, head_dim) != head_dim:
+            what = ("partial rotary embeddings (RoPE on part of each head) are"
+                    if key.startswith("rope") else "values of another size than keys are")
+            raise UnsupportedCheckpoint(
+                f"{where}: metadata {arch}.{key} is {read(key, int)}, the head dim {head_dim} "
+                f"({arch}.attention.key_length, else embedding_length / head_count): {what} "
+                "not supported")
     values: dict[str, Any] = dict(
         vocab_size=read("vocab_size", int,
                         len(meta.get("tokenizer.ggml.tokens") or ()) or _MISSING),
@@ -115,8 +126,7 @@ def _config(where: Path, arch: str, meta: Mapping[str, Any], tied: bool) -> Llam
         layers=read("block_count", int),
         heads=heads,
         kv_heads=read("attention.head_count_kv", int, heads),
-        head_dim=read("attention.key_length", int, None)
-        or read("rope.dimension_count", int, hidden // heads),
+        head_dim=head_dim,
         intermediate=read("feed_forward_length", int),
         rms_eps=read("attention.layer_norm_rms_epsilon", float),
         rope_theta=read("rope.freq_base", float, 10000.0),
