@@ -337,3 +337,16 @@ def test_rope_freqs_compute_as_the_llama3_scaling_they_encode(tmp_path):
     with torch.inference_mode():
         theirs = hf(torch.tensor([LONG_IDS])).logits[0].float()
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tensor_in_two_safetensors_files_is_refused_naming_both(saved, tmp_path):
+    """Without an index every ``*.safetensors`` file is read: a tensor two of them hold (a
+    leftover copy beside the weights) was taken from whichever was read last."""
+    from safetensors.torch import save_file
+
+    where = edited(saved, tmp_path / "two", lambda config: None)
+    save_file({"model.norm.weight": torch.zeros(256)}, str(where / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{where}: tensor 'model.norm.weight' is in two files, extra.safetensors and "
+            "model.safetensors: keep one copy of it")):
+        load_checkpoint(where)

@@ -70,6 +70,7 @@ def _load_hf_directory(where: Path) -> Checkpoint:
         raise CheckpointError(f"{config_file}: not a JSON object")
     config = hf_config(where, raw)
     tensors: dict[str, torch.Tensor] = {}
+    held_by: dict[str, Path] = {}  # the file each weight came from
     for file in _safetensors_files(where):
         try:
             held = load_file(str(file))
@@ -84,7 +85,13 @@ def _load_hf_directory(where: Path) -> Checkpoint:
                     f"{file}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}: "
                     "pdlife reads float weights (quantized safetensors are not supported; "
                     "a quantized GGUF file is)")
-            tensors[_hf_name(file, name)] = tensor.to(torch.float32)
+            ours = _hf_name(file, name)
+            if ours in held_by:  # which copy a reader takes is up to the order it reads
+                raise CheckpointError(
+                    f"{where}: tensor {name!r} is in two files, {held_by[ours].name} and "
+                    f"{file.name}: keep one copy of it")
+            held_by[ours] = file
+            tensors[ours] = tensor.to(torch.float32)
     config = _tie_as_transformers_does(where, config, tensors)
     check_tensors(where, config, tensors, _hf_native)
     return Checkpoint(
