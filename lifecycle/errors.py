@@ -48,7 +48,9 @@ class HookFailed(LifecycleError):
     """Hooks raised while an event was fired. The event had taken effect for every request it
     was fired for (they are in the edge's destination) and every hook of every one of them was
     called once; ``errors`` holds ``(rid, hook name, exception)`` for each hook that raised, in
-    the order they ran, and the first is also this exception's ``__cause__``."""
+    the order they ran, and the first is also this exception's ``__cause__``. (Where a hook
+    raised a ``BaseException`` that is not an ``Exception``, such as ``KeyboardInterrupt``, the
+    call raises that instead, once every hook ran, with a note naming the others.)"""
 
     def __init__(
         self, event: str, dest: enum.Enum, errors: Sequence[tuple[str, str, BaseException]]

@@ -23,8 +23,13 @@ There are two ways to fire an event, and both go through the same three steps:
 3. **hooks** — then each request's hooks run in table order (the edge's ``after`` hooks, then
    the destination's ``on_enter`` hooks), every one of them for every request, even when an
    earlier one raised. If any raised, :class:`~lifecycle.errors.HookFailed` is raised at the
-   end listing them. So a raising hook never splits a batch: all of it moved and every hook
-   was called once, on both paths.
+   end listing them (or, if one raised a ``BaseException`` that is not an ``Exception``, such
+   as ``KeyboardInterrupt``, that one, with a note). So a raising hook never splits a batch:
+   all of it moved and every hook was called once, on both paths. While a call runs its hooks,
+   an event fired at one of its requests (by a hook) is refused with
+   :class:`~lifecycle.errors.LifecycleError`, changing nothing: a request's hooks always run
+   to the end for the state it entered, and a state's hooks never run after the request left
+   it. Events a hook fires at other requests fire as usual, their hooks run inside the hook.
 
 The two paths:
 
@@ -66,7 +71,7 @@ from typing import Any, Generic
 from transitions.core import EventData
 
 from lifecycle.binding import Firing, hooks_take_event
-from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError
+from lifecycle.errors import GuardFailed, IllegalTransition, LifecycleError
 from lifecycle.index import check_filing, claim, leave, move_batch, unclaim, whole_bucket
 from lifecycle.record import ADMITTED, Tracked
 from lifecycle.steps import (
@@ -75,6 +80,7 @@ from lifecycle.steps import (
     R,
     Step,
     count_ended,
+    hooks_raised,
     refusal_text,
     run_hooks,
     shared_machine,
@@ -117,6 +123,9 @@ class Lifecycle(Generic[R]):
         #: How many guard evaluations firing has made (the fuzzer checks there is one per
         #: guard per request fired at, refusal or not).
         self.guards_evaluated = 0
+        # The calls running their hooks now, innermost first (a hook may fire at other
+        # requests): an event fired at one of their requests is refused until they return.
+        self._hooking: _Running | None = None
         # One step per edge: everything firing it needs, looked up once here.
         failure_states = table.failure_states()
         self._steps: dict[tuple[enum.IntEnum, str], Step[R]] = {
@@ -303,6 +312,8 @@ class Lifecycle(Generic[R]):
         """Fire ``event`` for one request through the shared transitions machine."""
         if req.owner is not self:
             raise LifecycleError(f"request {req.rid!r} belongs to another lifecycle")
+        if self._hooking is not None:
+            self._refuse_reentry((req,), event)
         state = req.state
         assert state is not None
         step = self._steps.get((state, event))
@@ -326,7 +337,10 @@ class Lifecycle(Generic[R]):
                 step.machine_source, step.machine_event, self._machine, req, (), {"firing": firing}
             )
         )
-        self._move([req], step, firing, False)
+        batch = (req,)
+        self._move(batch, step, firing, False)
+        if step.hooks or self.check:
+            self._finish(batch, step, firing)
 
     def fire(
         self,
@@ -345,6 +359,8 @@ class Lifecycle(Generic[R]):
         batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else _batch(reqs, "fire")
         if not batch:
             return
+        if self._hooking is not None:
+            self._refuse_reentry(batch, event)
         first = batch[0]
         src = first.state
         if src is None:
@@ -357,6 +373,14 @@ class Lifecycle(Generic[R]):
             if reason is None and not detail
             else step.fired_with(reason, detail, self.table)
         )
+        self._take(step, batch, firing)
+        if step.hooks or self.check:
+            self._finish(batch, step, firing)
+
+    def _take(self, step: Step[R], batch: Sequence[R], firing: Firing) -> None:
+        """Check ``batch`` (not empty) for ``step`` and move it (no hooks yet), or raise with
+        nothing changed."""
+        src, event = step.edge.source, step.edge.event
         # The batch is legal when it is what the index files under ``src``, each once: a whole
         # bucket in its order (one pass comparing identities), or else each request in ``src``,
         # ours, and not twice (live requests of one lifecycle have distinct ids): claimed one by one
@@ -390,7 +414,9 @@ class Lifecycle(Generic[R]):
         grouped by state. All or none: every request is checked first (live, tracked by this
         lifecycle, present once; the reason and detail fit), and only then does any move. A
         failure event is unguarded and legal from every live state, so nothing after the checks
-        can refuse; a hook that raises is reported once every group moved (``HookFailed``)."""
+        can refuse. Every group moves before any hook runs, and the hooks of all of them run
+        then as one batch's do (an event a hook fires at a request of the call is refused); a
+        hook that raises is reported once every hook ran (``HookFailed``)."""
         failure_events = self.table.failure_events
         if event is None:
             if not failure_events:
@@ -403,7 +429,9 @@ class Lifecycle(Generic[R]):
                 f"{self.table.name!r} (its failure events: {known}); fire it with fire()"
             )
         batch: Sequence[R] = reqs if isinstance(reqs, (list, tuple)) else _batch(reqs, "fail")
-        groups: dict[enum.IntEnum, list[R]] = {}
+        if self._hooking is not None:
+            self._refuse_reentry(batch, event)
+        groups: dict[enum.IntEnum, tuple[Step[R], Firing, list[R]]] = {}
         for r in batch:
             state = r.state
             if state is None:
@@ -417,23 +445,34 @@ class Lifecycle(Generic[R]):
                 raise self._misfiled(r)
             group = groups.get(state)
             if group is None:
-                step.fired_with(reason, detail, self.table)  # refuses a misfit reason or detail
-                group = groups[state] = []
-            group.append(r)
+                # Refuses a misfit reason or detail.
+                group = groups[state] = (step, step.fired_with(reason, detail, self.table), [])
+            group[2].append(r)
         if len({id(r) for r in batch}) != len(batch):
             raise LifecycleError(f"event {str(event)!r}: a request appears twice in the batch")
+        # Every group moves before any hook runs, as one batch does: a failure event is legal
+        # and unguarded from every live state, so nothing can refuse a group once checked; and
+        # while the hooks run, an event a hook fires at any request of the call is refused.
+        for step, firing, members in groups.values():
+            self._take(step, members, firing)
         errors: list[tuple[str, str, BaseException]] = []
-        dest: enum.Enum | None = None
-        for group in groups.values():
-            try:
-                self.fire(event, group, reason=reason, detail=detail)
-            except HookFailed as exc:  # that group moved; the others move as well
-                errors.extend(exc.errors)
-                if dest is None:
-                    dest = exc.dest
+        dest: enum.IntEnum | None = None
+        outer = self._hooking
+        self._hooking = _Running(batch, event, outer)
+        try:
+            for step, firing, members in groups.values():
+                if step.hooks:
+                    raised = run_hooks(members, step.hooks, firing)
+                    if raised and dest is None:
+                        dest = step.edge.dest
+                    errors += raised
+        finally:
+            self._hooking = outer
+        if self.check:
+            self.check_index()
         if errors:
             assert dest is not None
-            raise HookFailed(event, dest, errors) from errors[0][2]
+            raise hooks_raised(event, dest, errors)
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -569,7 +608,7 @@ class Lifecycle(Generic[R]):
 
     def _move(self, reqs: Sequence[R], step: Step[R], firing: Firing, whole: bool | None) -> None:
         """Move a checked batch (``whole``: it is its source bucket, in order; None: it was
-        claimed, so it moved already), then how it ended, the counters and the hooks."""
+        claimed, so it moved already), then how it ended and the counters."""
         dst = step.edge.dest
         if whole is not None:
             # One timeline entry for the batch: a tuple, so every request may share it.
@@ -578,17 +617,57 @@ class Lifecycle(Generic[R]):
         if step.final:
             count_ended(self.finished, reqs, dst, firing)
         step.fired += len(reqs)
-        errors = run_hooks(reqs, step.hooks, firing) if step.hooks else []
+
+    def _finish(self, reqs: Sequence[R], step: Step[R], firing: Firing) -> None:
+        """After a batch moved: every hook of every request (an event fired at one of them
+        from a hook is refused meanwhile), the index check, and what the hooks raised."""
+        errors = None
+        if step.hooks:
+            outer = self._hooking
+            self._hooking = _Running(reqs, step.edge.event, outer)
+            try:
+                errors = run_hooks(reqs, step.hooks, firing)
+            finally:
+                self._hooking = outer
         if self.check:
             self.check_index()
         if errors:
-            raise HookFailed(step.edge.event, dst, errors) from errors[0][2]
+            raise hooks_raised(step.edge.event, step.edge.dest, errors)
+
+    def _refuse_reentry(self, reqs: Sequence[R], event: str) -> None:
+        """Raise if a request of ``reqs`` belongs to a call still running its hooks (this is a
+        hook firing at it); return if none does."""
+        running = self._hooking
+        while running is not None:
+            ids = {id(r) for r in running.reqs}
+            for r in reqs:
+                if id(r) in ids:
+                    state = r.state.name if r.state is not None else "None"
+                    raise LifecycleError(
+                        f"request {r.rid!r} cannot take event {str(event)!r} from inside a "
+                        f"hook: the {str(running.event)!r} that moved it (to {state}) is "
+                        f"still running its hooks; an event fired at a request while the call "
+                        f"that moved it runs its hooks is refused, and nothing changed: decide "
+                        f"it in a guard, or fire it once that call has returned")
+            running = running.outer
 
     # -- invariants -------------------------------------------------------------------------
 
     def check_index(self) -> None:
         """Invariant 4: the per-state collections are exactly the live requests by state."""
         check_filing(self._index, self._by_rid)
+
+
+class _Running:
+    """A call running its hooks: its requests and event, and the call it runs in (a hook of
+    that one fired it), if any."""
+
+    __slots__ = ("event", "outer", "reqs")
+
+    def __init__(self, reqs: Sequence[Any], event: str, outer: _Running | None) -> None:
+        self.reqs = reqs
+        self.event = event
+        self.outer = outer
 
 
 def _position(reqs: Sequence[R], req: R) -> int:

@@ -37,7 +37,7 @@ from transitions import Machine
 from transitions.core import Event, EventData, State, Transition
 
 from lifecycle.binding import Firing
-from lifecycle.errors import LifecycleError
+from lifecycle.errors import HookFailed, LifecycleError
 from lifecycle.record import Tracked
 from lifecycle.table import Edge, LifecycleTable
 from lifecycle.weak import PerObject
@@ -369,7 +369,10 @@ def run_hooks(
     reqs: Sequence[Any], hooks: tuple[tuple[str, Hook, bool], ...], firing: Firing
 ) -> list[tuple[str, str, BaseException]]:
     """Call every hook for every request, each request's in table order; return the ones that
-    raised (request id, hook name, exception)."""
+    raised (request id, hook name, exception). A hook that raises does not stop the others, not
+    even with a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``,
+    ``asyncio.CancelledError``): every request moved, so every one's hooks must run
+    (:func:`hooks_raised` re-raises it once they have)."""
     errors: list[tuple[str, str, BaseException]] = []
     if len(hooks) == 2 and not (hooks[0][2] or hooks[1][2]):
         # Two hooks that take no event (a request table's final states: release, respond) are
@@ -379,11 +382,11 @@ def run_hooks(
         for r in reqs:
             try:
                 hook1(r)
-            except Exception as exc:  # reported together once every hook has run
+            except BaseException as exc:  # reported together once every hook has run
                 errors.append((r.rid, first, exc))
             try:
                 hook2(r)
-            except Exception as exc:
+            except BaseException as exc:
                 errors.append((r.rid, second, exc))
         return errors
     for r in reqs:
@@ -393,6 +396,28 @@ def run_hooks(
                     hook(r, firing)
                 else:
                     hook(r)
-            except Exception as exc:  # reported together once every hook has run
+            except BaseException as exc:  # reported together once every hook has run
                 errors.append((r.rid, name, exc))
     return errors
+
+
+def hooks_raised(
+    event: str, dest: enum.IntEnum, errors: Sequence[tuple[str, str, BaseException]]
+) -> BaseException:
+    """What a call raises once every hook ran, when some raised (``errors``, in the order they
+    ran): the first exception that is not an ``Exception`` (``KeyboardInterrupt``,
+    ``SystemExit``, ``asyncio.CancelledError``), itself, so that it keeps its meaning for the
+    caller, with a note saying the event took effect and naming every hook that raised;
+    otherwise :class:`~lifecycle.errors.HookFailed` listing them, the first as its cause."""
+    for _, _, exc in errors:
+        if not isinstance(exc, Exception):
+            raised = "; ".join(f"{hook!r} for {rid!r}: {type(e).__name__}"
+                               for rid, hook, e in errors)
+            exc.add_note(
+                f"lifecycle: raised by a hook; event {str(event)!r} took effect: every request "
+                f"it was fired for is in {dest.name}, and every hook ran (hooks that raised: "
+                f"{raised})")
+            return exc
+    failed = HookFailed(event, dest, errors)
+    failed.__cause__ = errors[0][2]
+    return failed
