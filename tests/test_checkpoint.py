@@ -267,6 +267,25 @@ def test_fingerprints_tell_checkpoints_apart(tmp_path):
     assert a.fingerprint != load_checkpoint(tmp_path / "b").fingerprint
 
 
+def test_one_weight_element_changes_the_fingerprint(tmp_path):
+    """The fingerprint decides whether two pools exchange KV: it covers every element, not a
+    sample (a sample of every 16th element of a 256 x 256 weight missed this one), in a
+    directory and in a GGUF file."""
+    hf = tiny_hf_model()
+    hf.save_pretrained(tmp_path / "a")
+    write_gguf(tmp_path / "a.gguf", hf)
+    with torch.no_grad():
+        hf.model.layers[0].mlp.down_proj.weight[0, 1] += 0.5
+        hf.model.embed_tokens.weight[5, 1] += 0.5
+    hf.save_pretrained(tmp_path / "b")
+    write_gguf(tmp_path / "b.gguf", hf)
+    for a, b in [("a", "b"), ("a.gguf", "b.gguf")]:
+        first, second = load_checkpoint(tmp_path / a), load_checkpoint(tmp_path / b)
+        assert first.config == second.config
+        assert first.fingerprint != second.fingerprint, (a, b)
+        assert first.fingerprint == load_checkpoint(tmp_path / a).fingerprint
+
+
 def _with_a_tokenizer(where: Path) -> None:
     """A tiny model's directory with a word-level tokenizer.json (``t0``, ``t1``, ...)."""
     tiny_hf_model().save_pretrained(where)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,16 +154,30 @@ def check_tensors(where: Path, config: LlamaConfig, tensors: Mapping[str, torch.
             f"{where}: weights this Llama runner does not compute: {extra[:5]}")
 
 
-def fingerprint(config: LlamaConfig, tensors: Mapping[str, torch.Tensor]) -> str:
-    """A short digest of the config and a sample of every weight: two pools that exchange KV
-    must come from the same model, and this names it."""
-    digest = hashlib.sha256(repr(attrs.astuple(config)).encode())
-    for name in sorted(tensors):
-        flat = tensors[name].detach().reshape(-1)
-        step = max(1, flat.numel() // 4096)
-        digest.update(name.encode())
-        digest.update(flat[::step].to(torch.float32).numpy().tobytes())
-    return digest.hexdigest()[:16]
+class WeightDigest:
+    """The fingerprint of a checkpoint: a digest of its config and of every weight as its file
+    holds it (the name, the type, the shape and every byte of the data, before any
+    dequantization or conversion), which decides whether two pools may exchange KV.
+
+    Each tensor is hashed as it is read (:meth:`add`), in the order the file lists them (the
+    order does not change the fingerprint). SHA-256 runs at about 1 GB/s on the development
+    machine: 0.1 s of the 4.4 s SmolLM2's 92 MiB of quantized tensors take to load."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, bytes] = {}
+
+    def add(self, name: str, kind: str, shape: Sequence[int], data: Any) -> None:
+        """Tensor ``name`` of type ``kind`` (``F32``, ``Q4_1``, ``bfloat16``, ...) and
+        ``shape``, its bytes ``data`` (a C-contiguous buffer: a numpy array, bytes)."""
+        digest = hashlib.sha256(f"{name}\0{kind}\0{tuple(shape)}\0".encode())
+        digest.update(data)
+        self._tensors[name] = digest.digest()
+
+    def fingerprint(self, config: LlamaConfig) -> str:
+        digest = hashlib.sha256(repr(attrs.astuple(config)).encode())
+        for name in sorted(self._tensors):
+            digest.update(self._tensors[name])
+        return digest.hexdigest()[:16]
 
 
 def read_json(file: Path) -> Any:

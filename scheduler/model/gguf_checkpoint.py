@@ -27,8 +27,8 @@ from scheduler.model.checkpoint import (
     RopeScaling,
     TokenizerSource,
     UnsupportedCheckpoint,
+    WeightDigest,
     check_tensors,
-    fingerprint,
     refuse_architecture,
     unsupported_rope_scaling,
     unsupported_tensor,
@@ -67,7 +67,8 @@ def load_gguf(where: Path) -> Checkpoint:
     refuse_architecture(where, architecture)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     config = _config(where, str(architecture), meta, tied)
-    tensors = _tensors(where, reader, config)
+    digest = WeightDigest()
+    tensors = _tensors(where, reader, config, digest)
     check_tensors(where, config, tensors, _gguf_native)
     tokenizer_fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     if not tokenizer_fields.get("tokenizer.ggml.tokens"):
@@ -75,7 +76,7 @@ def load_gguf(where: Path) -> Checkpoint:
     return Checkpoint(
         name=str(meta.get("general.name") or where.stem), path=where, format="gguf",
         config=config, tensors=tensors, tokenizer=TokenizerSource(gguf_fields=tokenizer_fields),
-        fingerprint=fingerprint(config, tensors),
+        fingerprint=digest.fingerprint(config),
     )
 
 
@@ -154,13 +155,15 @@ def _rope_scaling(where: Path, arch: str, meta: Mapping[str, Any]) -> RopeScalin
     raise unsupported_rope_scaling(where, kind)
 
 
-def _tensors(where: Path, reader: Any, config: LlamaConfig) -> dict[str, torch.Tensor]:
+def _tensors(where: Path, reader: Any, config: LlamaConfig,
+             digest: WeightDigest) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _name(where, t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
+        digest.add(t.name, t.tensor_type.name, shape, np.ascontiguousarray(t.data))
         try:
             data = dequantize(t.data, t.tensor_type)
         except NotImplementedError:  # F64 and the integer types, among others

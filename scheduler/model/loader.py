@@ -20,8 +20,8 @@ from scheduler.model.checkpoint import (
     LlamaConfig,
     TokenizerSource,
     UnsupportedCheckpoint,
+    WeightDigest,
     check_tensors,
-    fingerprint,
     read_json,
     unsupported_tensor,
 )
@@ -71,6 +71,7 @@ def _load_hf_directory(where: Path) -> Checkpoint:
     config = hf_config(where, raw)
     tensors: dict[str, torch.Tensor] = {}
     held_by: dict[str, Path] = {}  # the file each weight came from
+    digest = WeightDigest()
     for file in _safetensors_files(where):
         try:
             held = load_file(str(file))
@@ -91,12 +92,14 @@ def _load_hf_directory(where: Path) -> Checkpoint:
                     f"{where}: tensor {name!r} is in two files, {held_by[ours].name} and "
                     f"{file.name}: keep one copy of it")
             held_by[ours] = file
+            kind = str(tensor.dtype).removeprefix("torch.")
+            digest.add(name, kind, tensor.shape, tensor.reshape(-1).view(torch.uint8).numpy())
             tensors[ours] = tensor.to(torch.float32)
     config = _tie_as_transformers_does(where, config, tensors)
     check_tensors(where, config, tensors, _hf_native)
     return Checkpoint(
         name=where.name, path=where, format="safetensors", config=config, tensors=tensors,
-        tokenizer=TokenizerSource(directory=where), fingerprint=fingerprint(config, tensors),
+        tokenizer=TokenizerSource(directory=where), fingerprint=digest.fingerprint(config),
     )
 
 
