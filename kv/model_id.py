@@ -15,7 +15,7 @@ MAX_MODEL_NAME = 200
 
 
 def describe_model(name: str, fingerprint: str) -> str:
-    """How an error names a model: ``'smollm2' (cb06...-float32)``, the fingerprint alone when
+    """How an error names a model: ``'smollm2' (57b3...-float32)``, the fingerprint alone when
     the model has no name, ``an unnamed model`` when the pool was built without either."""
     if not fingerprint:
         return "an unnamed model"
