@@ -11,8 +11,9 @@ Rules of this module
 2. Callbacks and guards are declared here *by name*. A guard names a method of the request
    record (``def g(self)`` or ``def g(self, event)``); a hook names a callable the owner of a
    :class:`~lifecycle.machine.Lifecycle` supplies (the lifecycle knows "release", not torch).
-   ``once`` names the hooks that must run exactly once over a request's life (its resources);
-   the fuzzer counts them.
+   ``once`` names the hooks that must run exactly once over a request's life (its resources):
+   by default the hooks that entering every final state runs; the validator refuses one that
+   some way from the initial state to a final state never runs, and the fuzzer counts them.
 3. A table is validated when it is built (:func:`make_table`), so a broken table cannot be
    imported: a name that can name a file and a docs marker; exactly one initial state;
    nothing leaves a final state; every state reachable; every non-final state can reach a
@@ -219,8 +220,9 @@ def make_table(
 
     ``events`` is the table's ``StrEnum`` of events (every member must be taken by an edge);
     ``reasons`` the ``Enum`` of its failure reasons; ``once`` the hooks that must run exactly
-    once per request (default: the hooks of the final states' ``on_enter``); ``record`` the
-    request class, whose guards are checked here and which gets one trigger method per event.
+    once per request (default: :func:`entering_every_final`, the hooks that entering every
+    final state runs); ``record`` the request class, whose guards are checked here and which
+    gets one trigger method per event.
     """
     check_table_name(name)
     edges = _normalise_events(name, events, tuple(edges))
@@ -230,7 +232,7 @@ def make_table(
     by_name = {str(e): e for e in all_events}
     entered = {s: _names(hs) for s, hs in (on_enter or {}).items()}
     if once is None:
-        once = (h for s, hs in entered.items() if s in finals for h in hs)
+        once = entering_every_final(edges, finals, entered)
     table = LifecycleTable(
         name=name,
         states=states,
@@ -250,6 +252,24 @@ def make_table(
     if record is not None:
         bind_record(table, record)
     return table
+
+
+def entering_every_final(
+    edges: Iterable[Edge],
+    finals: Iterable[enum.IntEnum],
+    on_enter: Mapping[enum.IntEnum, Iterable[str]],
+) -> frozenset[str]:
+    """The hooks that entering every final state runs, whichever edge enters it: the state's
+    ``on_enter`` hooks and the ``after`` hooks of every edge into it, for each final state
+    alike. A hook only some final states run (a ``log_failure`` on FAILED alone) is not one."""
+    edges = tuple(edges)
+    common: frozenset[str] | None = None
+    for final in finals:
+        afters = [frozenset(e.after) for e in edges if e.dest is final]
+        runs = frozenset(on_enter.get(final, ())).union(
+            frozenset.intersection(*afters) if afters else ())
+        common = runs if common is None else common & runs
+    return common or frozenset()
 
 
 def bind_record(table: LifecycleTable, record: type) -> dict[str, bool]:
@@ -288,6 +308,7 @@ def validate(table: LifecycleTable, also: Iterable[str] = ()) -> None:
     unknown = sorted(table.once - table.hooks())
     if unknown:
         problems.append(f"{name}: once names hooks the table does not run: {unknown}")
+    problems += _once_problems(table, skip=set(unknown))
     if table.record is not None:
         try:
             guard_methods(table, table.record)
@@ -352,6 +373,37 @@ def _graph_problems(table: LifecycleTable) -> Iterator[str]:
     for s in states:
         if s not in can_finish:
             yield f"{name}: state {s.name} cannot reach a final state (a trap)"
+
+
+def _once_problems(table: LifecycleTable, skip: set[str]) -> Iterator[str]:
+    """A ``once`` hook must run on every request's way to a final state: refuse one that some
+    way from the initial state to a final state, by the table's edges, never runs (an edge runs
+    its ``after`` hooks and its destination's ``on_enter`` hooks). Guards are not read: the
+    way may be one they never let a request take, which only the fuzzer can tell."""
+    if table.initial in table.finals:
+        return  # said elsewhere
+    for hook in sorted(table.once - skip):
+        # Breadth first from the initial state over the edges that do not run ``hook``.
+        came_by: dict[enum.IntEnum, Edge | None] = {table.initial: None}
+        todo = deque([table.initial])
+        while todo:
+            state = todo.popleft()
+            if state in table.finals:
+                path = []
+                edge = came_by[state]
+                while edge is not None:
+                    path.append(str(edge.event))
+                    edge = came_by[edge.source]
+                yield (f"{table.name}: once hook {hook!r} does not run on every way to a final "
+                       f"state: a request that takes {', '.join(reversed(path))} ends in "
+                       f"{state.name} without it (a once hook runs exactly once per request: "
+                       f"run it on that way too, or leave it out of once)")
+                break
+            for e in table.edges:
+                if (e.source is state and e.dest not in came_by and hook not in e.after
+                        and hook not in table.on_enter.get(e.dest, ())):
+                    came_by[e.dest] = e
+                    todo.append(e.dest)
 
 
 def _failure_event_problems(table: LifecycleTable) -> Iterator[str]:

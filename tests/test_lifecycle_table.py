@@ -238,3 +238,46 @@ def test_a_table_name_must_name_a_file_and_a_docs_marker(name: Any) -> None:
 def test_table_names_of_letters_digits_dots_dashes_and_underscores_build(name: str) -> None:
     assert make_table(name, S, initial=S.START, finals=(S.DONE, S.FAILED),
                       edges=GOOD_EDGES).name == name
+
+
+# -- once: the hooks that must run exactly once per request ---------------------------------
+
+
+def test_once_defaults_to_the_hooks_entering_every_final_state_runs() -> None:
+    """Not the union of the final states' hooks: a hook only FAILED runs (log_failure) is not
+    run once by a request that ends in DONE. An after= hook of every edge into every final
+    state is run on entering each, so it is one."""
+    table = build(on_enter={S.DONE: ("respond",), S.FAILED: ("respond", "log_failure")})
+    assert table.once == {"respond"}
+    cleanup = build(edges=tuple(
+        attrs.evolve(e, after=("cleanup",)) if e.dest in (S.DONE, S.FAILED) else e
+        for e in GOOD_EDGES), on_enter={S.FAILED: ("log_failure",)})
+    assert cleanup.once == {"cleanup"}
+    assert build().once == frozenset()
+
+
+def test_a_once_hook_some_way_to_a_final_state_never_runs_is_refused() -> None:
+    with pytest.raises(InvalidTable) as info:
+        build(on_enter={S.DONE: ("respond",), S.FAILED: ("respond", "log_failure")},
+              once=("respond", "log_failure"))
+    assert str(info.value) == (
+        "toy: once hook 'log_failure' does not run on every way to a final state: a request "
+        "that takes go, finish ends in DONE without it (a once hook runs exactly once per "
+        "request: run it on that way too, or leave it out of once)")
+    # An after= hook of the edge into DONE runs on that way: accepted.
+    with_after = tuple(attrs.evolve(e, after=("log_failure",)) if e.event == "finish" else e
+                       for e in GOOD_EDGES)
+    build(edges=with_after, on_enter={S.FAILED: ("log_failure",)}, once=("log_failure",))
+
+
+def test_a_once_hook_run_on_the_way_before_the_end_is_accepted() -> None:
+    """A hook run on every way out of the initial state (go, or a failure from there) runs
+    once on every way to a final state, though no final state's entering runs it."""
+    edges = tuple(attrs.evolve(e, after=("acquire",)) if e.source is S.START else e
+                  for e in GOOD_EDGES)
+    assert build(edges=edges, once=("acquire",)).once == {"acquire"}
+    # Not on the failure from START: that way never runs it.
+    no_fail = tuple(attrs.evolve(e, after=("acquire",)) if e.event == "go" else e
+                    for e in GOOD_EDGES)
+    with pytest.raises(InvalidTable, match="a request that takes fail ends in FAILED without"):
+        build(edges=no_fail, once=("acquire",))
