@@ -238,29 +238,50 @@ class Lifecycle(Generic[R]):
 
     def admit(self, req: R) -> None:
         """Start tracking ``req`` in the table's initial state; its timeline starts with the
-        admission (a timeline it held before is replaced). A record is admitted once: one that
-        is tracked, or that ended, is refused (a new attempt is a new record), and so is one
-        built in another state than the initial one."""
+        admission, in a list no other admitted record holds (one it was built with that holds
+        entries is left as it was, not emptied: a record made by ``attrs.evolve`` shares its
+        original's). A record is admitted once: one
+        that is tracked, or that ended, is refused (a new attempt is a new record), and so is
+        one built in another state than the initial one, or with a reason or detail (they say
+        how a request ended, and only the event that ends it sets them)."""
         if type(req) is not self._kind:
             self._admit_kind(req)
         rid = req.rid
+        if req.owner is not None:
+            raise self._admitted_before(req)
         state = req.state
-        if state is not None and state is not self._initial and req.owner is None:
-            raise LifecycleError(
-                f"request {rid!r} was built in state {state.name}: a record starts in the "
-                f"initial state {self._initial.name}, and only firing events moves it; leave "
-                f"state out when you build it")
+        if (state is not None and state is not self._initial) or req.reason is not None or (
+                req.detail):
+            raise self._built_otherwise(req)
         # ``setdefault`` files the request under its id unless another is: one lookup.
-        if req.owner is not None or self._by_rid.setdefault(rid, req) is not req:
+        if self._by_rid.setdefault(rid, req) is not req:
             raise self._admitted_before(req)
         req.owner = self
         req.state = self._initial
         clock = self.clock  # an attribute: ``self.clock()`` would be an unspecialised LOAD_METHOD
         timeline = req.timeline
-        if timeline:  # built with entries of its own: the admission comes first
-            timeline.clear()
-        timeline.append((clock(), ADMITTED))
+        if timeline:  # entries of its own, or its original's (attrs.evolve): a list of its own
+            req.timeline = [(clock(), ADMITTED)]
+        else:  # the list it was built with (an admitted record's is never empty)
+            timeline.append((clock(), ADMITTED))
         self._admitted[rid] = req
+
+    def _built_otherwise(self, req: R) -> LifecycleError:
+        """Why ``req``, not admitted before, cannot be: it was built in another state than the
+        initial one, or with a reason or detail."""
+        state = req.state
+        if state is not None and state is not self._initial:
+            return LifecycleError(
+                f"request {req.rid!r} was built in state {state.name}: a record starts in the "
+                f"initial state {self._initial.name}, and only firing events moves it; leave "
+                f"state out when you build it")
+        given = " and ".join(
+            [*([f"reason {req.reason!r}"] if req.reason is not None else []),
+             *([f"detail {req.detail!r}"] if req.detail else [])])
+        return LifecycleError(
+            f"request {req.rid!r} was built with {given}: a reason and a detail say how a "
+            f"request ended, and only the event that ends it sets them; leave them out when "
+            f"you build it")
 
     def _admitted_before(self, req: R) -> LifecycleError:
         """Why ``req`` cannot be admitted: it is tracked, it ended, or its id is live."""
@@ -323,7 +344,7 @@ class Lifecycle(Generic[R]):
             raise self._misfiled(req)
         firing = (
             step.firing
-            if reason is None and not detail
+            if reason is None and detail == ""  # not ``not detail``: 0 or None is refused
             else step.fired_with(reason, detail, self.table)
         )
         if step.guards:
@@ -370,7 +391,7 @@ class Lifecycle(Generic[R]):
             raise self._no_step(first, src, event)
         firing = (
             step.firing
-            if reason is None and not detail
+            if reason is None and detail == ""
             else step.fired_with(reason, detail, self.table)
         )
         self._take(step, batch, firing)

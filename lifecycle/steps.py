@@ -300,8 +300,13 @@ class Step(Generic[R]):
     def fired_with(self, reason: enum.Enum | None, detail: str, table: LifecycleTable) -> Firing:
         """The Firing of this edge fired with ``reason`` and ``detail``, which only an edge into
         a final state takes; ``reason``, of the table's reasons enum, only an edge into a
-        failure state (one a failure event leads to)."""
+        failure state (one a failure event leads to); a detail is a string, as the trigger
+        methods take it (``TypeError`` otherwise)."""
         edge = self.edge
+        if not isinstance(detail, str):
+            raise TypeError(
+                f"event {str(edge.event)!r}: detail is a string, got {type(detail).__name__} "
+                f"{detail!r}; pass the reason by keyword (reason=...)")
         if (reason is not None or detail) and not self.final:
             raise LifecycleError(
                 f"event {str(edge.event)!r} leads to {edge.dest.name}, not a final state: a "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import re
 import tomllib
 from pathlib import Path
 from typing import ClassVar
@@ -459,6 +460,58 @@ def test_admission_starts_a_timeline_the_record_was_built_with() -> None:
     restored = Job("r", timeline=list(a.timeline) * 2)
     o.lc.admit(restored)
     assert [e for _, e in restored.timeline] == ["admitted"]
+
+
+@pytest.mark.parametrize("given", [
+    {"reason": Why.CRASHED}, {"detail": "pre"}, {"reason": Why.CRASHED, "detail": "pre"}])
+def test_a_record_built_with_a_reason_or_detail_is_refused_at_admission(
+    given: dict[str, object]
+) -> None:
+    """A reason set before admission used to survive onto an ending without one (a success
+    counted in .finished under a failure reason)."""
+    o = Owner()
+    says = " and ".join(f"{k} {v!r}" for k, v in given.items())
+    with pytest.raises(LifecycleError, match=re.escape(
+            f"request 'm' was built with {says}: a reason and a detail say how a request ended, "
+            f"and only the event that ends it sets them")):
+        o.lc.admit(Job("m", **given))  # type: ignore[arg-type]
+    assert "m" not in o.lc and not o.lc.finished
+
+
+def test_admission_gives_the_record_a_timeline_of_its_own() -> None:
+    """A record made by attrs.evolve shares its original's timeline list: admitting it leaves
+    the original's as it was (it used to empty it in place)."""
+    o = Owner()
+    (a,) = o.jobs("a")
+    kept = list(a.timeline)
+    b = attrs.evolve(a, rid="b", owner=None)
+    assert b.timeline is a.timeline
+    o.lc.admit(b)
+    assert a.timeline == kept and b.timeline is not a.timeline
+    a.start()
+    assert [e for _, e in a.timeline] == ["admitted", "start"]
+    assert [e for _, e in b.timeline] == ["admitted"]
+    o.lc.check_index()
+
+
+@pytest.mark.parametrize("detail", [123, 0, None, b"x"])
+def test_a_detail_that_is_not_a_string_is_refused_on_every_path(detail: object) -> None:
+    """As the trigger methods refuse it: fire, fail, Tracked.fire and refusal took it."""
+    o = Owner()
+    a, b = o.jobs("a", "b")
+    b.start()
+    before = _snapshot(o, [a, b])
+    says = re.escape(f"detail is a string, got {type(detail).__name__} {detail!r}")
+    for attempt in (
+        lambda: o.lc.fire(E.FAIL, [a], detail=detail),  # type: ignore[arg-type]
+        lambda: o.lc.fail([a, b], None, detail),  # type: ignore[arg-type]
+        lambda: a.fire(E.FAIL, detail=detail),  # type: ignore[arg-type]
+        lambda: o.lc.trigger(b, E.SUCCEED, detail=detail),  # type: ignore[arg-type]
+        lambda: o.lc.refusal(a, E.FAIL, detail=detail),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match=says):
+            attempt()
+        assert _snapshot(o, [a, b]) == before
 
 
 def test_a_batch_may_be_any_iterable_read_once() -> None:
