@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -211,10 +212,13 @@ class SamplingParams:
     @stop_regex.validator
     def _check_stop_regex(self, _attr: object, value: tuple[str, ...]) -> None:
         for pattern in value:
+            # The engines (scheduler.sample.stops) read a pattern's width with re's parser and
+            # search with the regex module (VERSION0: re's syntax and meaning): both must take
+            # it (re refuses a variable-width look-behind, regex a POSIX class it does not know).
             try:
-                # As the engines search it (scheduler.sample.stops): re's syntax and meaning.
-                compiled = regex.compile(pattern, regex.VERSION0)
-            except regex.error as exc:
+                compiled = re.compile(pattern)
+                regex.compile(pattern, regex.VERSION0)
+            except (re.error, regex.error) as exc:
                 raise ValueError(f"stop_regex {pattern!r} is not a regular expression: "
                                  f"{exc}") from None
             if compiled.search("") is not None:

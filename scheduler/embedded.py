@@ -214,6 +214,10 @@ class EmbeddedPair:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"request {rid!r}: this EmbeddedPair is closed")
+            if self.interrupted is not None:
+                raise RuntimeError(f"request {rid!r}: a pass of this EmbeddedPair was "
+                                   f"interrupted by {self.interrupted!r}; it serves no more "
+                                   "requests: close it")
             if rid in self._submitted:
                 raise ValueError(f"request id {rid!r} is in use: it was submitted and its "
                                  f"outcome not yet handed over (run_until_done or take)")
@@ -352,9 +356,9 @@ class EmbeddedPair:
         """Answer ``live`` ``shutdown`` and step until both sides are idle (``close``)."""
         if self.interrupted is not None:
             if live:
-                logger.warning("closing the pair without answering %d live requests (%s): a "
-                               "pass was interrupted by %r", len(live), ", ".join(live[:5]),
-                               self.interrupted)
+                logger.warning("closing the pair without answering %d live requests (%s%s): "
+                               "a pass was interrupted by %r", len(live), ", ".join(live[:5]),
+                               ", ..." if len(live) > 5 else "", self.interrupted)
             return
         for rid in live:
             self.prefill.abort(rid, shutdown=True)

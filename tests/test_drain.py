@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import re
 import signal
 import socket
@@ -188,10 +189,12 @@ def test_the_servers_own_abort_counts_as_shutdown_not_as_the_clients() -> None:
     assert finished['pdlife_requests_finished_total{reason="shutdown",state="failed"}'] == "1.0"
 
 
-def test_closing_a_service_answers_what_is_live_and_refuses_what_comes_after() -> None:
+def test_closing_a_service_answers_what_is_live_and_refuses_what_comes_after(
+        caplog: pytest.LogCaptureFixture) -> None:
     """An embedder's ``Service.close()`` with a request still live (no drain before it): the
-    request is answered 503, not left waiting on a loop that steps nothing any more; a request
-    that comes after is refused 503 (the server is closed), not registered."""
+    engines end it as the server's abort (503), its pages back, not left waiting on a loop
+    that steps nothing any more; a request that comes after is refused 503 (the server is
+    closed), not registered."""
     config = ServeConfig(role="both", backend="local", model=MODEL, pool_pages=128)
 
     async def main() -> tuple[httpx.Response, httpx.Response, int]:
@@ -202,8 +205,10 @@ def test_closing_a_service_answers_what_is_live_and_refuses_what_comes_after() -
                 live = asyncio.ensure_future(client.post("/generate", json={
                     "rid": "live", "input_ids": [3, 1, 4],
                     "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}))
-                for _ in range(3000):  # thousands of passes from its end
-                    if service.live_requests() == 1 or live.done():
+                assert service.decode is not None and service.prefill is not None
+                decode_pool = service.decode.pool
+                for _ in range(3000):  # decoding, thousands of passes from its end
+                    if decode_pool.allocator.available() < decode_pool.num_pages or live.done():
                         break
                     await asyncio.sleep(0.01)
                 assert not live.done(), live.result().text
@@ -212,11 +217,15 @@ def test_closing_a_service_answers_what_is_live_and_refuses_what_comes_after() -
                 after = await client.post("/generate", json={
                     "rid": "after", "input_ids": [3, 1, 4],
                     "sampling_params": {"max_new_tokens": 2}})
+                for side in (service.prefill, service.decode):  # ended by the engines
+                    assert side.pool.allocator.available() == side.pool.num_pages
                 return answered, after, service.live_requests()
         finally:
             service.close()  # a second close does nothing more
 
-    answered, after, live_after = run(main())
+    with caplog.at_level(logging.WARNING):
+        answered, after, live_after = run(main())
+    assert "closing a PrefillScheduler with" not in caplog.text, caplog.text
     assert answered.status_code == 503, answered.text
     assert answered.json()["error"]["message"] == "the server closed before the request ended"
     assert after.status_code == 503, after.text

@@ -287,6 +287,8 @@ def test_a_pass_a_signal_interrupts_stops_every_later_pass_and_close_still_relea
     assert isinstance(pair.interrupted, KeyboardInterrupt)
     with pytest.raises(RuntimeError, match="a pass was interrupted by KeyboardInterrupt"):
         pair.step()
+    with pytest.raises(RuntimeError, match=r"interrupted by KeyboardInterrupt.*close it"):
+        pair.submit("refused", [1, 2], SamplingParams(max_new_tokens=2))
     with caplog.at_level(logging.WARNING, logger="scheduler.embedded"):
         pair.close()
     assert "without answering 1 live requests (r)" in caplog.text, caplog.text

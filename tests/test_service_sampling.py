@@ -186,7 +186,11 @@ HTTP_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"logit_bias": {"258": 2.0}}, "bad_token_id",
      "sampling_params.logit_bias: token ids must be in 0..257, got 258"),
     ({"stop_regex": "(a"}, "bad_sampling",
-     "sampling_params.stop_regex '(a' is not a regular expression: missing ) at position 2"),
+     "sampling_params.stop_regex '(a' is not a regular expression: missing ), unterminated "
+     "subpattern"),
+    ({"stop_regex": "(?<=a+)b"}, "bad_sampling",  # the regex module alone would take it
+     "sampling_params.stop_regex '(?<=a+)b' is not a regular expression: look-behind requires "
+     "fixed-width pattern"),
     ({"stop_regex": ["a+", "b*"]}, "bad_sampling",
      "sampling_params.stop_regex 'b*' matches the empty string (it would match at once)"),
 ]

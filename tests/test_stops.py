@@ -61,11 +61,15 @@ def test_a_stream_sends_what_no_stop_can_still_claim() -> None:
     assert unbounded.settled("ab x1 cd") == 3
 
 
+@pytest.mark.filterwarnings("ignore:Possible nested set:FutureWarning")  # re on [[:foo:]]
 @pytest.mark.parametrize(("pattern", "why"), [
     ("(a", "is not a regular expression"), ("a*", "matches the empty string"),
     ("", "matches the empty string"), ("(x|)", "matches the empty string"),
-    # re reads this as a set; the engines' regex module refuses it: refused here, as they do.
+    # The engines read a pattern with both re (its width) and the regex module (the search):
+    # what either refuses is refused here, not left to fail the engine.
     ("[[:foo:]]", "is not a regular expression: unknown property"),
+    ("(?<=a+)b", "is not a regular expression: look-behind requires fixed-width pattern"),
+    (r"\p{L}", r"is not a regular expression: bad escape \p"),
 ])
 def test_a_stop_regex_that_cannot_end_an_answer_properly_is_refused(pattern: str,
                                                                      why: str) -> None:
@@ -89,3 +93,13 @@ def test_a_stop_regex_that_backtracks_catastrophically_is_refused_not_searched_o
             f"stop_regex {pattern!r} took too long on the output: searching its 64 characters "
             f"ran past the {SEARCH_BUDGET_S * 1000:.0f} ms a search may take")
     assert stops.matched("aab END") == pattern and stops.cut("aab END") == 0
+
+
+@pytest.mark.parametrize("pattern", ["(?<=a+)b", "[[:foo:]]"])
+def test_stops_of_a_record_built_around_its_checks_raise_value_error(pattern: str) -> None:
+    """The engines refuse such a request (SamplingRefused, 400) instead of failing the pass:
+    either parser's error is a ValueError here."""
+    params = SamplingParams(8)
+    object.__setattr__(params, "stop_regex", (pattern,))  # what the record's checks refuse
+    with pytest.raises(ValueError, match="is not a regular expression this server can search"):
+        Stops.of(params)

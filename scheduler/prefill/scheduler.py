@@ -285,10 +285,11 @@ class PrefillScheduler(SteppedByOneThread):
             return
         self._closed = True
         if live := len(self.lifecycle):
-            logger.warning("closing a PrefillScheduler with %d live requests (%s): their pages "
-                           "stay held and they are not answered; abort them "
+            logger.warning("closing a PrefillScheduler with %d live requests (%s%s): their "
+                           "pages stay held and they are not answered; abort them "
                            "(shutdown=True) and step before close() to end them", live,
-                           ", ".join(r.rid for r in itertools.islice(self.lifecycle.live(), 5)))
+                           ", ".join(r.rid for r in itertools.islice(self.lifecycle.live(), 5)),
+                           ", ..." if live > 5 else "")
         if self._inflight is not None:
             self._land(self._inflight)
             self._inflight = None

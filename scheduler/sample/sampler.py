@@ -93,8 +93,9 @@ def sample(logits: torch.Tensor, specs: Sequence[RowSpec]) -> list[Sampled]:
 
 
 #: The largest biased logit: divided by a temperature of at least
-#: :data:`lifecycle.prefill.GREEDY_BELOW`, it stays finite in the float64 rows sampled from.
-BIASED_MAX = 1e300
+#: :data:`lifecycle.prefill.GREEDY_BELOW`, it and the logprobs it leads to stay finite in
+#: float32 too (the metadata row carries the first token's).
+BIASED_MAX = 1e30
 
 
 def adjust(row: torch.Tensor, spec: RowSpec) -> torch.Tensor:

@@ -125,17 +125,18 @@ class Stops:
 
     @classmethod
     def of(cls, params: SamplingParams) -> Stops:
-        """The request's stops. Raises ``ValueError`` for a pattern ``regex`` does not take
-        (``SamplingParams`` has checked that ``re`` takes it)."""
+        """The request's stops. Raises ``ValueError`` for a pattern ``regex`` (which searches)
+        or ``re`` (whose parser gives its width) does not take: ``SamplingParams`` refuses
+        those, so only a record built around its checks gets here with one."""
         regexes = []
+        widths: list[int | None] = [len(s) for s in params.stop]
         for pattern in params.stop_regex:
             try:
                 regexes.append(regex.compile(pattern, regex.VERSION0))
-            except regex.error as exc:
+                widths.append(regex_width(re.compile(pattern)))
+            except (regex.error, re.error) as exc:
                 raise ValueError(f"stop_regex {pattern!r} is not a regular expression this "
                                  f"server can search for: {exc}") from exc
-        widths: list[int | None] = [len(s) for s in params.stop]
-        widths += [regex_width(re.compile(p)) for p in params.stop_regex]
         width = None if None in widths else max((w for w in widths if w is not None), default=0)
         return cls(params.stop, tuple(regexes), width)
 

@@ -80,6 +80,10 @@ __all__ = ["Answer", "BadRequest", "Item", "Pending", "ServeConfig", "Service", 
 
 logger = logging.getLogger(__name__)
 
+#: What a request the server closed under is answered (503).
+CLOSED = "the server closed before the request ended"
+#: How long :meth:`Service.close` waits for the engines to end the live requests it aborts.
+CLOSE_WAIT_S = 10.0
 #: How long a failed pass of a server with rank processes waits for the watcher of those
 #: processes to name one that exited (the failure then reported).
 RANK_EXIT_GRACE_S = 2.0
@@ -201,11 +205,17 @@ class Service:
         self.loop.start()
 
     def close(self) -> None:
-        """Stop the loop, then end the tracer and release the backends (threads, sockets, the
-        bootstrap port). A request still live is answered 503 ``shutdown`` (nothing steps it
-        any more); :meth:`start` refuses new ones from the first moment."""
+        """Refuse new requests (:meth:`start`, from the first moment), end the live ones as
+        the server's abort (503, ``shutdown``) and wait for them at most
+        :data:`CLOSE_WAIT_S`; then stop the loop, end the tracer and release the backends
+        (threads, sockets, the bootstrap port). A request the engines did not end in time is
+        answered 503 all the same (nothing steps it any more)."""
         with self._lock:
             self._closed = True
+            live = bool(self._pending)
+        if live and self.loop.alive:  # the engines end them and give their pages back
+            self.abort_all(CLOSED)
+            self.wait_drained(CLOSE_WAIT_S)
         try:
             self.loop.stop()
         finally:
@@ -215,8 +225,7 @@ class Service:
             for exc in close_all(closers):
                 logger.error("closing the tracer failed", exc_info=exc)
             if not self.loop.alive:  # else it outlived stop(), which raised: it may answer
-                self._answer_all(503, FailureReason.SHUTDOWN,
-                                 "the server closed before the request ended")
+                self._answer_all(503, FailureReason.SHUTDOWN, CLOSED)
 
     # -- admission (HTTP side) --------------------------------------------------------------
 
