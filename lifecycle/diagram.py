@@ -15,8 +15,13 @@ here, in one place:
   name is not such an id is drawn under an id of ours (``s3``), with its name as the label
   (:func:`mermaid_ids`); pdlife's own states keep their names.
 
-Output is deterministic (states in enum order, edges in table order) so that the docs, which
-embed it, can be compared with a fresh render (``pdlife diagram --write-docs``).
+What is drawn: the states in enum order, final states marked; one arrow per pair of states
+an edge joins, labelled with the events between them (their guards in brackets) joined by
+`` | ``, the arrows in an order fixed by the table's edges; with ``collapse_failures``, each
+failure event's edges replaced by one arrow per destination from a node standing for every
+live state, whose id is one no state has (a state may be named ``ANY_LIVE``). The output is
+deterministic, so that the docs, which embed it, can be compared with a fresh render
+(``pdlife diagram --write-docs``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ class DiagramError(LifecycleError):
     """A diagram could not be rendered (e.g. Graphviz is not installed)."""
 
 
-#: The node that stands for every live state when failure edges are collapsed.
+#: The node that stands for every live state when failure edges are collapsed: its id where no
+#: state has that name (mermaid draws such a state under an id of ours instead; dot, which
+#: draws states under their names, gives the node another id: :func:`_unused`).
 ANY_LIVE = "ANY_LIVE"
 _ANY_LIVE_LABEL = "any live state"
 
@@ -78,11 +85,20 @@ def mermaid_ids(table: LifecycleTable) -> dict[str, str]:
     return ids
 
 
+def _unused(base: str, table: LifecycleTable) -> str:
+    """``base``, or ``base`` followed by underscores: an id no state of ``table`` has."""
+    names = {s.name for s in table.states}
+    made = base
+    while made in names:
+        made += "_"
+    return made
+
+
 def _edges(
-    table: LifecycleTable, collapse: bool, ids: Mapping[str, str]
+    table: LifecycleTable, collapse: bool, ids: Mapping[str, str], any_live: str
 ) -> list[dict[str, Any]]:
     """The transitions to draw: the table's edges, or with ``collapse`` its failure edges
-    replaced by one edge per (failure event, destination) from :data:`ANY_LIVE`."""
+    replaced by one edge per (failure event, destination) from ``any_live``."""
     out: list[dict[str, Any]] = []
     collapsed: dict[tuple[str, str], None] = {}
     for e in table.edges:
@@ -96,7 +112,7 @@ def _edges(
             "conditions": list(e.conditions),
             "unless": list(e.unless),
         })
-    out += [{"trigger": ev, "source": ANY_LIVE, "dest": dest} for ev, dest in collapsed]
+    out += [{"trigger": ev, "source": any_live, "dest": dest} for ev, dest in collapsed]
     return out
 
 
@@ -110,10 +126,11 @@ def _graph(
     collapse = collapse and bool(table.failure_events)
     # Graphviz quotes any name itself; mermaid needs ids it can read.
     ids = mermaid_ids(table) if engine == "mermaid" else {s.name: s.name for s in table.states}
+    any_live = _any_live(table, engine)
     machine = GraphMachine(
         model=None,
-        states=[ids[s.name] for s in table.states] + ([ANY_LIVE] if collapse else []),
-        transitions=_edges(table, collapse, ids),
+        states=[ids[s.name] for s in table.states] + ([any_live] if collapse else []),
+        transitions=_edges(table, collapse, ids, any_live),
         initial=ids[table.initial.name],
         auto_transitions=False,
         show_conditions=True,
@@ -127,6 +144,12 @@ def _graph(
             state = machine.states[made]
             state.label = name.replace('"', "#quot;")  # type: ignore[attr-defined]
     return machine.graph_cls(machine).get_graph(title=table.name)
+
+
+def _any_live(table: LifecycleTable, engine: str) -> str:
+    """The id of the node standing for every live state: mermaid draws a state named
+    :data:`ANY_LIVE` under an id of ours (:func:`mermaid_ids`), dot under its name."""
+    return ANY_LIVE if engine == "mermaid" else _unused(ANY_LIVE, table)
 
 
 def _finals(table: LifecycleTable) -> list[str]:
@@ -168,9 +191,10 @@ def _digraph(table: LifecycleTable, collapse: bool) -> Any:
     for name in _finals(table):
         graph.node(name, peripheries="2")
     if collapse and table.failure_events:
-        graph.node(ANY_LIVE, label=_ANY_LIVE_LABEL, style="dashed,rounded")
-    graph.node("__start", label="", shape="point", width="0.15")
-    graph.edge("__start", table.initial.name)
+        graph.node(_any_live(table, "graphviz"), label=_ANY_LIVE_LABEL, style="dashed,rounded")
+    start = _unused("__start", table)
+    graph.node(start, label="", shape="point", width="0.15")
+    graph.edge(start, table.initial.name)
     return graph
 
 
@@ -209,7 +233,9 @@ def _cell(names: Iterable[str]) -> str:
 def transition_table(table: LifecycleTable, *, collapse_failures: bool = False) -> str:
     """The transitions of ``table`` as a markdown table: one row per edge, in table order;
     with ``collapse_failures``, the edges of a failure event that agree on destination, hooks
-    and doc share one row (from "any live state" when they leave every live state)."""
+    and doc share one row, where the first of them is: from "any live state" when they leave
+    every live state, in whatever order the table lists them, else from their sources in
+    state order."""
     rows = [
         "| event | from | to | guards | hooks | when |",
         "|---|---|---|---|---|---|",
@@ -219,7 +245,7 @@ def transition_table(table: LifecycleTable, *, collapse_failures: bool = False) 
         if collapse_failures and e.event in table.failure_events:
             key = (str(e.event), e.dest.name, table.hooks_of(e), e.doc)
             groups.setdefault(key, []).append(e.source.name)
-    live = [s.name for s in table.live_states()]
+    live = {s.name for s in table.live_states()}
     for e in table.edges:
         guards = [*e.conditions, *(f"not {g}" for g in e.unless)]
         hooks = table.hooks_of(e)
@@ -228,7 +254,8 @@ def transition_table(table: LifecycleTable, *, collapse_failures: bool = False) 
             sources = groups.pop((str(e.event), e.dest.name, hooks, e.doc), None)
             if sources is None:
                 continue  # already written with its group
-            source = _ANY_LIVE_LABEL if sources == live else ", ".join(sources)
+            source = (_ANY_LIVE_LABEL if set(sources) == live
+                      else ", ".join(s.name for s in table.states if s.name in sources))
         rows.append(
             f"| {_cell([str(e.event)])} | {_text(source)} | {_text(e.dest.name)} "
             f"| {_cell(guards)} | {_cell(hooks)} | {_text(e.doc)} |"

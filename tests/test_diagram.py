@@ -198,3 +198,59 @@ def test_sync_docs_fills_the_blocks_of_a_table_whose_name_has_a_dot() -> None:
                   for kind in ("mermaid", "transitions"))
     fresh = sync_docs(doc, {"ingest.v2": dotted})
     assert "stale" not in fresh and "title: ingest.v2 lifecycle" in fresh
+
+
+class Twice(enum.IntEnum):
+    FAILED = 0
+    A = 1
+    B = 2
+    C = 3
+    DONE = 4
+
+
+def _failing_from(*sources: Twice, cancelled_from: tuple[Twice, ...] = ()) -> LifecycleTable:
+    """A → B → C → DONE, with a fail and a drop edge from each of ``sources`` in that order
+    (after the others), the drop edges from ``cancelled_from`` also running ``log``."""
+    return make_table(
+        "twice", Twice, initial=Twice.A, finals=(Twice.DONE, Twice.FAILED),
+        edges=(Edge("go", Twice.A, Twice.B), Edge("on", Twice.B, Twice.C),
+               Edge("finish", Twice.C, Twice.DONE),
+               *(Edge("fail", s, Twice.FAILED) for s in sources),
+               *(Edge("drop", s, Twice.FAILED, after="log") for s in cancelled_from),
+               *(Edge("drop", s, Twice.FAILED) for s in sources if s not in cancelled_from)),
+        failure_events=("fail", "drop"), on_enter={Twice.FAILED: "release"})
+
+
+def test_collapsed_markdown_compares_sources_as_a_set() -> None:
+    """Failure edges listed in another order than the states still leave every live state;
+    a group that leaves some lists them in state order."""
+    rows = transition_table(_failing_from(Twice.C, Twice.A, Twice.B, cancelled_from=(
+        Twice.C, Twice.A)), collapse_failures=True)
+    assert "| `fail` | any live state | FAILED | — | `release` |  |" in rows
+    assert "| `drop` | A, C | FAILED | — | `log`, `release` |  |" in rows
+    assert "| `drop` | B | FAILED | — | `release` |  |" in rows
+
+
+def test_collapsed_dot_keeps_a_state_named_like_its_own_nodes_apart() -> None:
+    """A state named ANY_LIVE (or __start) is drawn as itself, not merged into the node that
+    stands for every live state (or the start point)."""
+    states = enum.IntEnum("Named", {"FAILED": 0, "NEW": 1, "ANY_LIVE": 2,  # type: ignore[misc]
+                                    "__start": 3, "DONE": 4})
+    table = make_table(
+        "named", states, initial=states.NEW, finals=(states.DONE, states.FAILED),
+        edges=(Edge("start", states.NEW, states.ANY_LIVE),
+               Edge("next", states.ANY_LIVE, states["__start"]),
+               Edge("finish", states["__start"], states.DONE),
+               *(Edge("fail", s, states.FAILED) for s in (states.NEW, states.ANY_LIVE,
+                                                          states["__start"]))),
+        failure_events=("fail",))
+    source = dot(table, collapse_failures=True)
+    assert "\tNEW -> ANY_LIVE [label=start]" in source
+    assert "\tANY_LIVE -> __start [label=next]" in source
+    assert '\tANY_LIVE_ [label="any live state" style="dashed,rounded"]' in source
+    assert "\tANY_LIVE_ -> FAILED [label=fail]" in source
+    assert "\tANY_LIVE -> FAILED" not in source
+    assert '\t__start_ [label="" shape=point width=0.15]' in source
+    assert "\t__start_ -> NEW" in source
+    text = mermaid(table, collapse_failures=True)
+    assert 'state "ANY_LIVE" as s2' in text and 'state "any live state" as ANY_LIVE' in text
