@@ -202,6 +202,26 @@ def test_decorated_guards_and_hooks_are_called_by_their_own_signatures(one_by_on
     assert calls == [("charge", "a"), ("release", "a"), ("notify", "a", "finish")]
 
 
+def test_a_guard_replaced_on_the_class_reaches_only_lifecycles_that_bind_it_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lifecycle looks its guards up when it binds the record class (built with the table's
+    record=, here), and keeps calling those: a monkeypatch reaches lifecycles built after it."""
+    bound_before = Shop()
+    monkeypatch.setattr(Order, "paid_in_full", lambda self: True)
+    bound_after = Shop()
+    (a,) = bound_before.orders("a")
+    (b,) = bound_after.orders("b")
+    with pytest.raises(GuardFailed, match="paid_in_full is false"):
+        a.pay()
+    b.pay()
+    assert (a.state, b.state) == (S.CREATED, S.PAID)
+    monkeypatch.undo()  # restored on the class: the lifecycle bound after still has the patch
+    (c,) = bound_after.orders("c")
+    c.pay()
+    assert c.state is S.PAID
+
+
 def test_a_misspelt_guard_is_refused_before_anything_fires_with_one_message() -> None:
     misspelt = edges(pay_guard="paid_in_ful")
     with pytest.raises(InvalidTable) as at_definition:
