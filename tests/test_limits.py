@@ -75,17 +75,18 @@ def test_param_blames_max_tokens_where_the_prompt_alone_fits() -> None:
     run(main())
 
 
-def test_param_blames_a_prompt_beyond_the_pool_where_the_context_refused_it() -> None:
-    """A context of 300 positions over a pool of 256 tokens: 280 + 30 - 1 overruns the context,
-    which is checked first, and 280 tokens overrun the pool whatever ``max_tokens`` is, so the
-    prompt is the field to change (it blamed ``max_tokens``)."""
+def test_a_request_beyond_both_limits_is_told_the_smaller_and_blames_the_prompt() -> None:
+    """A context of 300 positions over a pool of 256 tokens: 280 + 30 - 1 overruns both, and
+    the refusal names the pool's 256, what this server can take (it named the model's 300);
+    280 tokens overrun the pool whatever ``max_tokens`` is, so the prompt is the field to
+    change (it blamed ``max_tokens``)."""
     async def main() -> None:
         with running_service(config(model=attrs.evolve(MODEL, max_position=300))) as service:
             async with asgi_client(service) as client:
                 error = await refusal(client, "/v1/completions", prompt=[7] * 280,
                                       max_tokens=30)
-                assert error["message"].startswith("This model's maximum context length is "
-                                                   "300 tokens."), error
+                assert error["message"].startswith("This server's (its KV pool's) maximum "
+                                                   "context length is 256 tokens."), error
                 assert error["param"] == "prompt", error
                 error = await refusal(client, "/v1/completions", prompt=[7] * 250,
                                       max_tokens=30)

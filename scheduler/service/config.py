@@ -370,16 +370,19 @@ def _check_lengths(config: ServeConfig, rid: str, n: int, max_new_tokens: int) -
     # With one answer token, the prompt alone: the context and the pool, whatever the role.
     prompt_fits = n <= c.max_request_tokens
     # The last output token is never fed back: it needs no position.
-    if n + max_new_tokens - 1 > c.max_position:
-        raise ContextTooLong(
-            f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
-            f"exceeds the model's context of {c.max_position} positions",
-            prompt_tokens=n, limit=c.max_position, prompt_fits=prompt_fits)
+    beyond_context = n + max_new_tokens - 1 > c.max_position
     # A prefill's pool holds the prompt; the others' the answer too, but for its last token.
     new_tokens = max_new_tokens if c.role != "prefill" else 0
     kv_tokens = max(n + new_tokens - 1, n)
     pool_tokens = c.pool_pages * c.scheduler.page_size
-    if pages_needed(kv_tokens, c.scheduler.page_size) > c.pool_pages:
+    beyond_pool = pages_needed(kv_tokens, c.scheduler.page_size) > c.pool_pages
+    # Beyond both, the smaller limit is the one to name: what this server can take.
+    if beyond_context and not (beyond_pool and pool_tokens < c.max_position):
+        raise ContextTooLong(
+            f"request {rid!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
+            f"exceeds the model's context of {c.max_position} positions",
+            prompt_tokens=n, limit=c.max_position, prompt_fits=prompt_fits)
+    if beyond_pool:
         need = (f"the prompt ({n} tokens) and max_new_tokens ({new_tokens}), less the last "
                 f"token, need {kv_tokens}" if new_tokens else f"the prompt needs {n}")
         raise ContextTooLong(
