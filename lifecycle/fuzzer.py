@@ -20,7 +20,10 @@ It checks the framework *and* the embedder's code:
   from ``after`` and ``on_enter`` alike, whatever edges the table gives them;
 * **hooks do not raise**, and each ran as often as the edges taken call for;
 * the index, the finished counters, the timelines (only table edges, monotone) agree with the
-  model, and the embedder's own ``invariants`` hold for every request after every step.
+  model, and the embedder's own ``invariants`` hold for every request after every step. (The
+  per-request rules are checked for every request a step can have changed: those it fired at,
+  and every live one, at which a hook may have fired. The model follows the events the rules
+  fire: a request an event fired from a hook moved is reported as such.)
 
 How it searches: the rules admit requests (while fewer than :data:`LIVE_AT_MOST` are live),
 fire an event at one request or a batch of one state, fail a few at once, and *walk* one

@@ -106,6 +106,53 @@ def test_a_hook_only_some_final_states_run_is_not_counted_once() -> None:
         settings=fuzz_settings(max_examples=50, stateful_step_count=20, database=None))
 
 
+#: A heartbeat releases what the request holds: run twice on a live request, release breaks
+#: its once rule before the request ends.
+BEATING = make_table(
+    "beating", Job, initial=Job.NEW, finals=(Job.DONE, Job.FAILED),
+    edges=(Edge("start", Job.NEW, Job.RUN), Edge("beat", Job.RUN, Job.RUN, after="release"),
+           Edge("finish", Job.RUN, Job.DONE),
+           Edge("fail", Job.NEW, Job.FAILED), Edge("fail", Job.RUN, Job.FAILED)),
+    failure_events=("fail",),
+    on_enter={Job.DONE: ("release",), Job.FAILED: ("release",)},
+)
+
+
+def test_a_live_request_no_rule_fired_at_is_checked_too() -> None:
+    """An event a hook fires at another live request (a self-loop: its state does not change)
+    runs that request's hooks; the once rule is checked for every live request after a step,
+    not only for those the step's rule fired at."""
+    machine = lifecycle_state_machine(BEATING, Task)()
+    r1, r2 = Task("r1"), Task("r2")
+    for r in (r1, r2):
+        machine.lifecycle.admit(r)
+        machine.requests[r.rid], machine.model[r.rid] = r, Job.NEW
+    machine.lifecycle.fire("start", [r1, r2])
+    machine.model.update(r1=Job.RUN, r2=Job.RUN)
+    # What a hook of r1's could do: r2 beats twice, and no rule fired at it.
+    machine.lifecycle.fire("beat", [r2])
+    machine.lifecycle.fire("beat", [r2])
+    machine.touched = {"r1"}
+    with pytest.raises(RuleBroken, match=(
+            "rule broken: once-hook 'release' runs exactly once per request\n"
+            "  hook 'release' ran 2 times for r2, which is live in RUN")):
+        machine.once_hooks_run_exactly_once()
+
+
+def test_a_request_moved_by_an_event_no_rule_fired_is_named_so() -> None:
+    machine = lifecycle_state_machine(BEATING, Task)()
+    r1, r2 = Task("r1"), Task("r2")
+    for r in (r1, r2):
+        machine.lifecycle.admit(r)
+        machine.requests[r.rid], machine.model[r.rid] = r, Job.NEW
+    machine.lifecycle.fire("start", [r2])  # not through a rule
+    machine.touched = {"r1"}
+    with pytest.raises(RuleBroken, match=re.escape(
+            "r2 is in RUN, the table says NEW (no rule fired at it: an event fired from a hook "
+            "moved it, which the fuzzer's model does not follow)")):
+        machine.states_match_the_model()
+
+
 class Ledger:
     """An owner that remembers the orders it released and refuses to release one twice."""
 
