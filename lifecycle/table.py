@@ -19,9 +19,9 @@ Rules of this module
    nothing leaves a final state; every state reachable; every non-final state can reach a
    final state; the failure events are legal from every non-final state; the events are those
    of the events enum, each named by a Python identifier that no record attribute (``state``,
-   ``fire``, ...) and no timeline admission (``admitted``) uses; the guards are methods of the
-   record class. Building a table with ``record=`` also gives that class its trigger methods
-   (:mod:`lifecycle.binding`).
+   ``fire``, ...) and no timeline admission (``admitted``) uses; every ``once`` hook runs on
+   every way to a final state; the guards are methods of the record class. Building a table
+   with ``record=`` also gives that class its trigger methods (:mod:`lifecycle.binding`).
 """
 
 from __future__ import annotations
