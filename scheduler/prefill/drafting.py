@@ -12,12 +12,15 @@ pool must be that one.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, runtime_checkable
 
 from kv.metadata import MetadataBuffers, SpeculativeRow
 from kv.pool import KVPool
 from kv.state_pools import StatePools
 from scheduler.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -41,16 +44,17 @@ class HandoffRunner(Protocol):
 def handoff_runner(
     runner: ModelRunner, metadata: MetadataBuffers, states: StatePools | None
 ) -> HandoffRunner | None:
-    """``runner`` when it computes a hand-off, else None; ValueError when the metadata buffers
-    have no speculative columns or the state pools do not send the draft's pages, and when the
-    state pools hold a draft's pool that ``runner`` (no drafting runner) would never fill."""
+    """``runner`` when it computes a hand-off, else None (with a warning when the state pools
+    hold a draft's pool that ``runner`` never fills: the decode side will not speculate);
+    ValueError when the metadata buffers have no speculative columns or the state pools do
+    not send the draft's pages."""
     if not isinstance(runner, HandoffRunner):
         if states is not None and states.draft is not None:
-            raise ValueError(
-                f"states: the state pools hold a draft's pool, but the runner "
-                f"{type(runner).__name__} computes no draft KV and no hand-off (the decode "
-                "side would never speculate): give the drafting runner the side was built "
-                "with, or state pools without a draft")
+            logger.warning(
+                "states: the state pools hold a draft's pool, but the runner %s computes no "
+                "draft KV and no hand-off: the decode side will not speculate (give the "
+                "drafting runner the side was built with, or state pools without a draft)",
+                type(runner).__name__)
         return None
     if not metadata.speculative_hidden:
         raise ValueError(
