@@ -51,11 +51,18 @@ def test_a_device_this_torch_cannot_compute_on_is_one_line_before_loading(capsys
         "pdlife generate: ", "pdlife serve: ", 1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_index_past_the_devices_is_refused() -> None:
+def test_a_cuda_device_past_the_machines_devices_is_refused() -> None:
+    """Past the devices there are (none, on a torch without CUDA): refused by name, before
+    anything loads; where there are some, ``cuda`` is the first of them."""
     from scheduler.model.decoder import resolve_device
 
-    count = torch.cuda.device_count()
-    assert same_device(resolve_device("cuda"), torch.empty(1, device="cuda").device)
-    with pytest.raises(ValueError, match=rf"has {count} CUDA device\(s\), numbered from 0"):
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        assert same_device(resolve_device("cuda"), torch.empty(1, device="cuda").device)
+        why = rf"has {count} CUDA device\(s\), numbered from 0"
+    elif torch.version.cuda is None:
+        why = r"has no CUDA build"
+    else:
+        why = r"finds no CUDA device"
+    with pytest.raises(ValueError, match=why):
         resolve_device(f"cuda:{count}")
