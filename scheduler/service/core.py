@@ -215,7 +215,7 @@ class Service:
             live = bool(self._pending)
         if live and self.loop.alive:  # the engines end them and give their pages back
             self.abort_all(CLOSED)
-            self.wait_drained(CLOSE_WAIT_S)
+            self._wait_idle(CLOSE_WAIT_S)
         try:
             self.loop.stop()
         finally:
@@ -226,6 +226,19 @@ class Service:
                 logger.error("closing the tracer failed", exc_info=exc)
             if not self.loop.alive:  # else it outlived stop(), which raised: it may answer
                 self._answer_all(503, FailureReason.SHUTDOWN, CLOSED)
+
+    def _wait_idle(self, timeout: float) -> None:
+        """Wait at most ``timeout`` until no request is live and this process's engines are
+        idle (their pages back: a page is let go a pass after its answer when a transfer was
+        still to quiesce)."""
+        deadline = time.monotonic() + timeout
+        if not self.wait_drained(timeout):
+            return
+        engines = [e for e in (self.prefill, self.decode) if e is not None]
+        pause = threading.Event()  # never set: an interruptible pause between looks
+        while not all(e.idle() for e in engines) and time.monotonic() < deadline:
+            self.loop.wake()
+            pause.wait(0.005)
 
     # -- admission (HTTP side) --------------------------------------------------------------
 
