@@ -53,6 +53,8 @@ def _drop(*keys: str) -> Callable[[dict[str, Any]], object]:
     return lambda config: [config.pop(key) for key in keys]
 
 
+_EOS_IDS = "eos_token_id must be a token id (an integer >= 0) or a list of them, got "
+
 BAD_CONFIGS = {
     "no_intermediate_size": (_drop("intermediate_size"), "intermediate_size is missing"),
     "no_layers": (_drop("num_hidden_layers"), "num_hidden_layers is missing"),
@@ -71,6 +73,11 @@ BAD_CONFIGS = {
                      'tie_word_embeddings must be true or false, got "yes"'),
     "kv_heads_not_dividing": (_set(num_key_value_heads=3),
                               "heads (4) must be a multiple of kv_heads (3)"),
+    "eos_a_word_in_a_list": (_set(eos_token_id=["a"]), _EOS_IDS + '["a"]'),
+    "eos_a_bool": (_set(eos_token_id=True), _EOS_IDS + "true"),
+    "eos_negative": (_set(eos_token_id=[2, -1]), _EOS_IDS + "[2, -1]"),
+    "eos_a_string": (_set(eos_token_id="2"), _EOS_IDS + '"2"'),
+    "eos_a_float": (_set(eos_token_id=2.0), _EOS_IDS + "2.0"),
 }
 
 
@@ -90,6 +97,32 @@ def test_a_config_json_without_a_shape_field_is_one_line_at_the_command_line(sav
     where = edited(saved, tmp_path / "cut", _drop("intermediate_size"))
     said = refused_by_both(capsys, str(where))
     assert said == f"{where / 'config.json'}: intermediate_size is missing\n"
+
+
+@pytest.mark.parametrize("eos", [["a"], False, [2, -1], [[2]], {"id": 2}])
+def test_a_generation_config_s_eos_ids_are_refused_naming_the_field(saved, tmp_path, eos):
+    """The tokenizer stops on generation_config.json's EOS ids, and dropped those it could not
+    read: a server whose answers never ended on EOS."""
+    where = tmp_path / "generation"
+    shutil.copytree(saved, where)
+    file = where / "generation_config.json"
+    generation = json.loads(file.read_text())
+    assert "eos_token_id" in generation  # save_pretrained writes config.json's
+    file.write_text(json.dumps(generation | {"eos_token_id": eos}))
+    expected = f"{file}: {_EOS_IDS}{json.dumps(eos)}"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(expected)}$"):
+        load_checkpoint(where)
+
+
+def test_a_bad_eos_id_is_one_line_at_the_command_line(saved, tmp_path, capsys):
+    where = tmp_path / "generation"
+    shutil.copytree(saved, where)
+    (where / "generation_config.json").write_text(json.dumps({"eos_token_id": ["a"]}))
+    said = refused_by_both(capsys, str(where))
+    assert said == f"{where / 'generation_config.json'}: {_EOS_IDS}[\"a\"]\n"
+    (where / "generation_config.json").write_text("[2]")
+    assert refused_by_both(capsys, str(where)) == (
+        f"{where / 'generation_config.json'}: not a JSON object\n")
 
 
 def write_tiny_gguf(path: Path, *, meta: Mapping[str, object] = {},

@@ -424,6 +424,16 @@ REFUSED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "sticker"}]}]}, "invalid_request", "messages.0.content.0.type"),
     ("/v1/chat/completions", {"messages": []}, "invalid_request", "messages"),
+    # OpenAI takes refusal parts in an assistant's messages only.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "refusal", "refusal": "no"}]}]}, "invalid_request",
+     "messages.0.content.0.type"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "refusal", "refusal": "no"}]},
+        {"role": "system", "content": [{"type": "text", "text": "a"},
+                                       {"type": "refusal", "refusal": "no"}]}]},
+     "invalid_request", "messages.2.content.1.type"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
      "invalid_request", "messages.0.role"),
     # Only an assistant's content may be null (a message that only calls tools).
@@ -583,6 +593,27 @@ def test_models_are_retrieved_and_a_wrong_path_is_an_openai_error() -> None:
                 assert (await openai_api.models.retrieve("org/tiny")).id == "org/tiny"
                 with pytest.raises(openai.NotFoundError):
                     await openai_api.models.retrieve("gpt-4")
+
+    run(main())
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool", "function"])
+def test_a_refusal_part_outside_an_assistant_message_is_refused_naming_it(role: str) -> None:
+    """It was taken as text on any role; OpenAI answers 400."""
+    async def main() -> None:
+        with running_service(config()) as service:
+            async with asgi_client(service) as client:
+                r = await post(client, "/v1/chat/completions", messages=[
+                    {"role": "user", "content": "hi"},
+                    {"role": role, "content": [{"type": "refusal", "refusal": "no"}]}])
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert (error["code"], error["param"]) == (
+                    "invalid_request", "messages.1.content.0.type"), error
+                assert error["message"] == (
+                    f"messages.1.content.0.type: a {role} message (messages.1) has a refusal "
+                    "part; refusal parts go in assistant messages only (send the text as a "
+                    "text part)")
 
     run(main())
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv.local import LocalKVManager, LocalTransferHub
-from kv.metadata import MetadataBuffers, SlotAllocator
+from kv.metadata import SPEC_TOP_K, MetadataBuffers, SlotAllocator
 from lifecycle import SamplingParams
 from scheduler.embedded import EmbeddedPair
 from scheduler.model.drafting import DraftingRunner
@@ -276,3 +276,34 @@ def test_a_prefill_whose_state_pools_hold_a_draft_warns_without_the_drafting_run
             assert "computes no draft KV" not in caplog.text
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("k", [0, -1, SPEC_TOP_K + 1])
+def test_a_speculative_k_out_of_range_is_refused_naming_it(k: int) -> None:
+    """0 was taken and failed when the pair was built, in the drafting runner, with a message
+    that named no field of HybridConfig."""
+    with pytest.raises(ValueError, match=(
+            rf"^HybridConfig\.speculative_k must be in 1\.\.{SPEC_TOP_K} \(proposals per round, "
+            rf"at most the {SPEC_TOP_K} a hand-off carries\) or None \(3 with a draft\), "
+            rf"got {k}$")):
+        HybridConfig(draft_layers=DRAFT_LAYERS, speculative_k=k)
+
+
+@pytest.mark.parametrize("k", [1, SPEC_TOP_K])
+def test_the_speculative_k_range_is_what_a_side_builds(k: int) -> None:
+    hybrid = HybridConfig(draft_layers=DRAFT_LAYERS, speculative_k=k)
+    side = build_side(TARGET, TARGET.make_pool(num_pages=16, page_size=PS), hybrid)
+    assert side.draft is not None
+    assert DraftingRunner(side.runner, side.draft, hybrid.proposals).k == k
+    assert SpeculativeDecoder(side.runner, side.draft, hybrid.proposals).k == k
+
+
+def test_a_draft_of_more_layers_than_the_target_is_refused_naming_it() -> None:
+    """It failed in the model's truncation, naming no field of HybridConfig."""
+    layers = TARGET.config.layers
+    pool = TARGET.make_pool(num_pages=16, page_size=PS)
+    with pytest.raises(ValueError, match=(
+            rf"^HybridConfig\.draft_layers must be in 0\.\.{layers} \(0: no draft; the draft is "
+            rf"the target's first layers, of {layers}\), got {layers + 1}$")):
+        build_side(TARGET, pool, HybridConfig(draft_layers=layers + 1))
+    assert build_side(TARGET, pool, HybridConfig(draft_layers=layers)).draft is not None

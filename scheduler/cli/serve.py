@@ -556,8 +556,25 @@ def _check_port_free(host: str, port: int, flag: str) -> None:
                          f"({exc.strerror or exc}); pick another port") from None
 
 
+def one_arena_applies(args: argparse.Namespace) -> bool:
+    """Whether ``pdlife serve`` keeps the process to one malloc arena
+    (:mod:`scheduler.malloc_arena`): with ``--overlap``, on a ``--device`` that resolves to the
+    CPU (``cpu``, ``cpu:N``, or ``auto`` where torch finds no CUDA device). A device torch
+    refuses is not one: :func:`serve_config` says why."""
+    if not args.overlap:
+        return False
+    from scheduler.model.decoder import resolve_device
+
+    try:
+        return resolve_device(args.device).type == "cpu"
+    except ValueError:
+        return False
+
+
 def _serve(args: argparse.Namespace) -> int:
-    if args.overlap and args.device == "cpu":  # before another thread allocates
+    # Before another thread allocates; importing torch to resolve the device starts a thread,
+    # but none that allocates from an arena of its own (tests/test_malloc_arena.py).
+    if one_arena_applies(args):
         from scheduler.malloc_arena import use_one_arena
 
         use_one_arena()

@@ -14,6 +14,9 @@ Rules of this file
   tokens and its sliding window 4,096, a Llama's context 2,048 and no window), where the file
   leaves it out. ``tests/test_model_config.py`` checks the table against the installed
   transformers.
+- ``eos_token_id`` (where the decode side stops; :mod:`scheduler.model.hf_tokenizer` reads it
+  from ``generation_config.json``, else ``config.json``) is checked in both files: a token id, a
+  list of them, or null.
 - RoPE as ``PreTrainedConfig.convert_rope_params_to_dict`` and ``standardize_rope_params``
   read it: ``rope_scaling`` (older files) where it is set, else ``rope_parameters``; the theta
   from that dict first, then the top-level ``rope_theta``, then 10,000; the type from
@@ -36,6 +39,7 @@ from scheduler.model.checkpoint import (
     LlamaConfig,
     RopeScaling,
     UnsupportedCheckpoint,
+    read_json,
     refuse_architecture,
     unsupported_rope_scaling,
 )
@@ -94,6 +98,7 @@ def hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
         raise UnsupportedCheckpoint(f"{where}: hidden_act {activation!r} is not silu")
 
     fields = _Fields(file, raw)
+    fields.token_ids("eos_token_id")
     heads = fields.integer("num_attention_heads")
     hidden = fields.integer("hidden_size")
     max_position = fields.integer("max_position_embeddings", defaults.max_position_embeddings)
@@ -118,6 +123,19 @@ def hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
         return LlamaConfig(**values)
     except CheckpointError as exc:  # fields that do not fit together (heads and KV heads)
         raise CheckpointError(f"{file}: {exc}") from None
+
+
+def check_generation_config(where: Path) -> None:
+    """Refuse the directory ``where``'s ``generation_config.json``, where it has one, if it is
+    not a JSON object or its ``eos_token_id`` is not token ids (:class:`CheckpointError` naming
+    the file and the field)."""
+    file = where / "generation_config.json"
+    if not file.is_file():
+        return
+    raw = read_json(file)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    _Fields(file, raw).token_ids("eos_token_id")
 
 
 @attrs.frozen
@@ -153,6 +171,15 @@ class _Fields:
             raise CheckpointError(f"{self.file}: {self.prefix}{key} must be a positive number, "
                                   f"got {_shown(value)}")
         return float(value)
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """Token ids: one (an integer >= 0) or a list of them; none where absent or null."""
+        value = self.value(key, None, null=None)
+        listed = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in listed):
+            raise CheckpointError(f"{self.file}: {self.prefix}{key} must be a token id (an "
+                                  f"integer >= 0) or a list of them, got {_shown(value)}")
+        return tuple(listed)
 
     def flag(self, key: str, default: bool) -> bool:
         value = self.value(key, default, null=False)  # null reads as false, as in transformers

@@ -26,7 +26,7 @@ from scheduler.model.checkpoint import (
     unsupported_tensor,
 )
 from scheduler.model.gguf_checkpoint import load_gguf
-from scheduler.model.hf_config import hf_config
+from scheduler.model.hf_config import check_generation_config, hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def _load_hf_directory(where: Path) -> Checkpoint:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file}: not a JSON object")
     config = hf_config(where, raw)
+    check_generation_config(where)
     tensors: dict[str, torch.Tensor] = {}
     held_by: dict[str, Path] = {}  # the file each weight came from
     digest = WeightDigest()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import attrs
 
+from kv.metadata import SPEC_TOP_K
 from kv.pool import KVPool
 from kv.state_pools import RecurrentPool, StatePools, SWAPool
 from lifecycle.validators import typed_fields
@@ -26,6 +27,19 @@ def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int
         raise ValueError(f"HybridConfig.{attribute.name} must be an integer >= 0, got {value!r}")
 
 
+#: Proposals per round of speculative decoding unless ``HybridConfig.speculative_k`` says.
+DEFAULT_SPECULATIVE_K = 3
+
+
+def _proposals(_instance: object, attribute: attrs.Attribute[int | None],
+               value: int | None) -> None:
+    # The prefill side hands the draft's proposals over in one metadata row of SPEC_TOP_K.
+    if value is not None and not 1 <= value <= SPEC_TOP_K:
+        raise ValueError(f"HybridConfig.{attribute.name} must be in 1..{SPEC_TOP_K} (proposals "
+                         f"per round, at most the {SPEC_TOP_K} a hand-off carries) or None "
+                         f"({DEFAULT_SPECULATIVE_K} with a draft), got {value!r}")
+
+
 @attrs.frozen(field_transformer=typed_fields)
 class HybridConfig:
     """What each side holds beside its full pool (for a model whose config has sliding-window
@@ -34,23 +48,19 @@ class HybridConfig:
     ``swa_pages``: pages of the SWA pool (0: as many as the full pool); ``state_slots``:
     recurrent-state slots, so requests that hold pages at once; ``draft_layers``: the draft
     model's layers, the target's first (0: no draft, no speculative decoding);
-    ``speculative_k``: proposals per round (and top-k proposals in the hand-off); None:
-    :data:`DEFAULT_SPECULATIVE_K` with a draft (given without one, it is refused)."""
+    ``speculative_k``: proposals per round (and top-k proposals in the hand-off), 1 ..
+    :data:`~kv.metadata.SPEC_TOP_K`; None: :data:`DEFAULT_SPECULATIVE_K` with a draft (given
+    without one, it is refused)."""
 
     swa_pages: int = attrs.field(default=0, validator=_non_negative)
     state_slots: int = attrs.field(default=64, validator=_non_negative)
     draft_layers: int = attrs.field(default=0, validator=_non_negative)
-    speculative_k: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_non_negative))
+    speculative_k: int | None = attrs.field(default=None, validator=_proposals)
 
     @property
     def proposals(self) -> int:
         """Proposals per round: ``speculative_k``, or :data:`DEFAULT_SPECULATIVE_K`."""
         return DEFAULT_SPECULATIVE_K if self.speculative_k is None else self.speculative_k
-
-
-#: Proposals per round of speculative decoding unless ``HybridConfig.speculative_k`` says.
-DEFAULT_SPECULATIVE_K = 3
 
 
 def _unused(config: ModelConfig, hybrid: HybridConfig) -> str:
@@ -99,6 +109,10 @@ def build_side(model: LlamaModel, pool: KVPool, hybrid: HybridConfig) -> SideMod
             )
         recurrent = RecurrentPool(model.make_states(hybrid.state_slots))
     draft = None
+    if hybrid.draft_layers > c.layers:
+        raise ValueError(f"HybridConfig.draft_layers must be in 0..{c.layers} (0: no draft; the "
+                         f"draft is the target's first layers, of {c.layers}), got "
+                         f"{hybrid.draft_layers}")
     if hybrid.draft_layers:
         in_draft = sorted(i for i in (*c.swa_layers, *c.recurrent_layers)
                           if i < hybrid.draft_layers)

@@ -156,17 +156,23 @@ def _prompts(service: Service, body: CompletionRequest
             for p in batch]
 
 
-def _text(content: str | list[TextPart | RefusalPart | OtherPart] | None, at: str) -> str:
-    """A message's text: its text (and refusal) parts joined with newlines; another kind of
-    part is 400 ``unsupported`` (``at`` names the message)."""
+def _text(content: str | list[TextPart | RefusalPart | OtherPart] | None, at: str,
+          role: str) -> str:
+    """The text of a ``role`` message: its text (and, an assistant's, refusal) parts joined
+    with newlines; another kind of part is 400 ``unsupported``, and a refusal part in another
+    role's message 400 ``invalid_request``, as OpenAI refuses it (``at`` names the message)."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for j, part in enumerate(content):
+        field = f"{at}.content.{j}.type"
         if isinstance(part, OtherPart):
-            field = f"{at}.content.{j}.type"
             raise FieldError("unsupported", f"{field}: {part.type} content is not supported: "
                              "pdlife serves text models", field)
+        if isinstance(part, RefusalPart) and role != "assistant":
+            raise FieldError("invalid_request", f"{field}: a {role} message ({at}) has a "
+                             "refusal part; refusal parts go in assistant messages only (send "
+                             "the text as a text part)", field)
         texts.append(part.refusal if isinstance(part, RefusalPart) else part.text)
     return "\n".join(texts)
 
@@ -183,7 +189,7 @@ def _chat_prompt(service: Service, body: ChatCompletionRequest,
             raise FieldError("invalid_request", f"messages.{i}.content: a {m.role} message "
                              "needs content (a string or a list of text parts)",
                              f"messages.{i}.content")
-    messages = [openai_tools.template_message(m.role, _text(m.content, f"messages.{i}"),
+    messages = [openai_tools.template_message(m.role, _text(m.content, f"messages.{i}", m.role),
                                               m.name, m.tool_calls, m.tool_call_id)
                 for i, m in enumerate(body.messages)]
     tokenizer = service.tokenizer

@@ -208,7 +208,8 @@ class TextPart(_Body):
 
 class RefusalPart(_Body):
     """An assistant's refusal in its content (OpenAI's history form): its text is the
-    message's, as a text part's is."""
+    message's, as a text part's is. OpenAI takes it in assistant messages only; another role's
+    is refused as the request is built."""
 
     type: Literal["refusal"]
     refusal: str
