@@ -216,3 +216,18 @@ def test_a_sentencepiece_gguf_tokenizer_encodes_as_transformers_reads_it(tmp_pat
         assert ids == theirs(text).input_ids, text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
     assert (ours.bos_token_id, ours.eos_token_ids) == (1, (2,))
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("tokenizer.ggml.eos_token_id", "2"),
+    ("tokenizer.ggml.eot_token_id", 5),
+    ("tokenizer.ggml.bos_token_id", -1),
+    ("tokenizer.ggml.eom_token_id", True),
+])
+def test_a_gguf_token_id_outside_the_vocabulary_is_refused_naming_its_field(key, value):
+    with pytest.raises(CheckpointError) as refused:
+        from_gguf_fields(WORDS | {key: value})
+    assert str(refused.value) == (f"GGUF tokenizer: {key} must be a token id, an integer in "
+                                  f"0..4, got {value!r}")
+    tok = from_gguf_fields(WORDS | {key: 4})  # the last id of the vocabulary is one
+    assert 4 in (tok.bos_token_id, *tok.eos_token_ids)

@@ -210,8 +210,8 @@ def from_gguf_fields(fields: Mapping[str, Any]) -> ChatTokenizer:
     tok.add_tokens([
         AddedToken(t, special=False, normalized=False)
         for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED])
-    bos = _int_or_none(fields.get("tokenizer.ggml.bos_token_id"))
-    eos_ids = _unique(_int_or_none(fields.get(key)) for key in _GGUF_EOG)
+    bos = _gguf_token_id(fields, "tokenizer.ggml.bos_token_id", len(tokens))
+    eos_ids = _unique(_gguf_token_id(fields, key, len(tokens)) for key in _GGUF_EOG)
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
     add_bos = fields.get("tokenizer.ggml.add_bos_token", kind == "llama")
     if add_bos and bos is not None:
@@ -233,7 +233,7 @@ def _sentencepiece_bpe(fields: Mapping[str, Any], tokens: list[str]) -> Tokenize
         merges = [tuple(m.split(" ", 1)) for m in listed]
     else:
         merges = _merges_from_scores(vocab, list(fields.get("tokenizer.ggml.scores") or ()))
-    unk = _int_or_none(fields.get("tokenizer.ggml.unknown_token_id"))
+    unk = _gguf_token_id(fields, "tokenizer.ggml.unknown_token_id", len(tokens))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                                unk_token=None if unk is None else tokens[unk]))
     _as_transformers_builds(tok, {})
@@ -291,8 +291,16 @@ def _pre_tokenizer(pre: str) -> Any:
     return pre_tokenizers.Sequence([*steps, byte_level]) if steps else byte_level
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _gguf_token_id(fields: Mapping[str, Any], key: str, vocabulary: int) -> int | None:
+    """The token id a GGUF field holds (None where the file has none), or a
+    :class:`CheckpointError` naming the field when it is not an id of the vocabulary."""
+    value = fields.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocabulary:
+        raise CheckpointError(f"GGUF tokenizer: {key} must be a token id, an integer in "
+                              f"0..{vocabulary - 1}, got {value!r}")
+    return value
 
 
 def _from_directory(where: Path) -> ChatTokenizer:
