@@ -95,13 +95,29 @@ def field_strategies(record: type) -> dict[str, st.SearchStrategy[Any]]:
     return out
 
 
+class InHooks:
+    """The guard evaluations made while the embedder's hooks ran: those of the events a hook
+    fired at other requests, or asked :meth:`~lifecycle.machine.Lifecycle.refusal` about. The
+    rule firing an event counts the evaluations its own firing made, and these are not its.
+    ``evaluated`` reads the lifecycle's count."""
+
+    __slots__ = ("depth", "evaluated", "guards")
+
+    def __init__(self, evaluated: Callable[[], int]) -> None:
+        self.evaluated = evaluated
+        self.depth = 0  # hooks running now: a hook run inside another is that one's to count
+        self.guards = 0
+
+
 def counting_hooks(
     table: LifecycleTable,
     user: Mapping[str, Callable[..., None]],
     calls: Mapping[str, collections.Counter[str]],
+    in_hooks: InHooks | None = None,
 ) -> dict[str, Callable[[Any, Any], None]]:
     """A hook for every hook ``table`` names that counts its calls per request in ``calls``
-    (a defaultdict), then calls the embedder's hook of that name, if given, in its form."""
+    (a defaultdict), then calls the embedder's hook of that name, if given, in its form,
+    counting in ``in_hooks`` the guard evaluations made while it runs."""
 
     def counting(name: str) -> Callable[[Any, Any], None]:
         inner = user.get(name)
@@ -109,8 +125,18 @@ def counting_hooks(
 
         def hook(req: Any, event: Any) -> None:
             calls[req.rid][name] += 1
-            if inner is not None:
+            if inner is None:
+                return
+            if in_hooks is None or in_hooks.depth:
                 inner(req, event) if takes else inner(req)
+                return
+            start = in_hooks.evaluated()
+            in_hooks.depth += 1
+            try:
+                inner(req, event) if takes else inner(req)
+            finally:
+                in_hooks.depth -= 1
+                in_hooks.guards += in_hooks.evaluated() - start
 
         return hook
 
@@ -224,7 +250,8 @@ class MachineInvariants:
     model: dict[str, enum.IntEnum]
     hook_calls: dict[str, collections.Counter[str]]
     checks: tuple[Callable[[Any], object], ...]
-    #: The requests the last rule fired at or admitted.
+    #: The requests the last rule fired at or admitted, and those events fired from hooks
+    #: moved meanwhile.
     touched: set[str]
 
     def broken(self, rule_name: str, message: str, rid: str | None = None) -> RuleBroken:
@@ -242,9 +269,10 @@ class MachineInvariants:
 
     def _changeable(self) -> list[tuple[str, Any]]:
         """The requests that can have changed since the last check: those the last rule fired
-        at or admitted, and every one the model has live (a hook may fire an event at any
-        live request, a self-loop say, that no rule fired). One the model has ended cannot
-        have: no event fires from a final state (and if it moved, the states say so)."""
+        at or admitted, those an event fired from a hook moved (the model followed them, into
+        a final state perhaps), and every one the model has live (a hook may run a live
+        request's hooks without moving it, by a self-loop). One the model had ended before
+        cannot have: no event fires from a final state (and if it moved, the states say so)."""
         finals = self.table.finals
         rids = self.touched.union(rid for rid, s in self.model.items() if s not in finals)
         return [(rid, self.requests[rid]) for rid in sorted(rids) if rid in self.requests]
@@ -255,11 +283,11 @@ class MachineInvariants:
     def states_match_the_model(self) -> None:
         for rid, r in self.requests.items():
             if r.state is not self.model[rid]:
-                # A request the last rule did not fire at was moved by an event a hook fired:
-                # the machine's model follows the events its rules fire, and no others.
+                # The model follows the events the rules fire and, from the timelines, those
+                # hooks fire: a request that neither moved has a state no event gave it.
                 by_hook = "" if rid in self.touched else (
-                    " (no rule fired at it: an event fired from a hook moved it, which the "
-                    "fuzzer's model does not follow)")
+                    " (no rule fired at it, and its timeline shows no event since: its state "
+                    "changed without one)")
                 raise self.broken(
                     "states follow the table",
                     f"{rid} is in {r.state.name}, the table says {self.model[rid].name}"

@@ -22,8 +22,16 @@ It checks the framework *and* the embedder's code:
 * the index, the finished counters, the timelines (only table edges, monotone) agree with the
   model, and the embedder's own ``invariants`` hold for every request after every step. (The
   per-request rules are checked for every request a step can have changed: those it fired at,
-  and every live one, at which a hook may have fired. The model follows the events the rules
-  fire: a request an event fired from a hook moved is reported as such.)
+  those a hook moved, and every live one, at which a hook may have fired.)
+
+A hook may fire events at other requests than those of the call running it (the lifecycle
+refuses only those), so a step can move requests no rule fired at. After each call the machine
+follows them: the entries their timelines gained are replayed through the table from where its
+model has them (each must be an edge), the model moves with them, and they count as touched,
+so every per-request rule is checked for them, and the step's counters allow for their moves;
+the program shows them on the step that fired them (``fire finish [r1] -> DONE; from hooks: r3
+merge -> MERGED``). The guards such events evaluate, and any a hook asks ``refusal`` about,
+are counted apart from the rule's own (:class:`~lifecycle.fuzz_checks.InHooks`).
 
 How it searches: the rules admit requests (while fewer than :data:`LIVE_AT_MOST` are live),
 fire an event at one request or a batch of one state, fail a few at once, and *walk* one
@@ -55,6 +63,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from lifecycle.errors import GuardFailed, HookFailed, IllegalTransition, LifecycleError, MissingHook
 from lifecycle.fuzz_checks import (
     CodeRaised,
+    InHooks,
     MachineInvariants,
     RuleBroken,
     Snapshot,
@@ -136,11 +145,18 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             collections.Counter
         )
         clock = lambda: self.now  # noqa: E731 - the machine moves time itself
-        hooks = counting_hooks(cfg.table, hooks_of(cfg.table, cfg.hooks), self.hook_calls)
-        self.lifecycle: Lifecycle[Any] = Lifecycle(cfg.table, hooks, clock=clock)
+        self.in_hooks = InHooks(lambda: self.lifecycle.guards_evaluated)
+        hooks = counting_hooks(cfg.table, hooks_of(cfg.table, cfg.hooks), self.hook_calls,
+                               self.in_hooks)
+        # A class given to make the records is what the lifecycles are for when the table
+        # names none (``pdlife fuzz --record``): a class another table was built for is
+        # admitted only to a lifecycle told so.
+        make = cfg.make_request
+        record = make if cfg.table.record is None and isinstance(make, type) else None
+        self.lifecycle: Lifecycle[Any] = Lifecycle(cfg.table, hooks, clock=clock, record=record)
         # A second owner, so batches can be offered a request that is not ours.
         others = counting_hooks(cfg.table, {}, self.hook_calls)
-        self.other: Lifecycle[Any] = Lifecycle(cfg.table, others, clock=clock)
+        self.other: Lifecycle[Any] = Lifecycle(cfg.table, others, clock=clock, record=record)
         self.requests: dict[str, Any] = {}
         self.model: dict[str, enum.IntEnum] = {}
         # Coverage of the program: the event that brought each request to its state, and the
@@ -327,7 +343,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     def _fire(self, fire: Callable[[], None], reqs: Sequence[Any], edge: Edge | None) -> None:
         """Run ``fire``, checking it evaluated each guard at most once per request and that no
         hook raised; exceptions other than a hook's propagate."""
-        evaluated = self.lifecycle.guards_evaluated
+        evaluated, in_hooks = self.lifecycle.guards_evaluated, self.in_hooks.guards
         failed: HookFailed | None = None
         try:
             with self._code_under_test(f"firing {edge.event if edge else 'an event'}",
@@ -337,7 +353,9 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             failed = exc  # reported below, outside this handler: with no exception context,
             # a hook failing under any rule is one failure to Hypothesis, not one per rule
         finally:
-            used = self.lifecycle.guards_evaluated - evaluated
+            # Not counting those of events the hooks fired at other requests.
+            used = (self.lifecycle.guards_evaluated - evaluated
+                    - (self.in_hooks.guards - in_hooks))
             most = len(reqs) * (len(edge.conditions) + len(edge.unless)) if edge else 0
             if used > most:
                 raise self.broken(
@@ -354,7 +372,37 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                 rid,
             )
 
+    def _follow_hooks(self, before: Snapshot, fired: Sequence[Any]) -> int:
+        """Follow in the model the events that hooks fired, while the call that fired at
+        ``fired`` ran, at other requests (the lifecycle fires those as usual), from the
+        entries their timelines gained since ``before``: each must be an edge of the table from
+        where the model has the request. A request so moved counts as touched, so that every
+        per-request rule is checked for it (its once-hooks, when such an event ended it). How
+        many moves were followed."""
+        ours = {id(r) for r in fired}
+        moves: list[str] = []
+        for (rid, r), length in zip(self.requests.items(), before.timelines, strict=False):
+            if id(r) in ours:
+                continue  # none of the call's requests can take an event from its hooks
+            for _, event in r.timeline[length:]:
+                state = self.model[rid]
+                edge = self.table.lookup.get((state, event))
+                if edge is None:
+                    raise self.broken(
+                        "timelines replay through the table",
+                        f"{rid} took {event} from {state.name}, fired from a hook, and the "
+                        f"table has no such edge", rid)
+                self._took(rid, state, str(event))
+                self.model[rid] = edge.dest
+                self.touched.add(rid)
+                moves.append(f"{rid} {event} -> {edge.dest.name}")
+        if moves:  # on the step that fired them, which the program shows last
+            self.program[-1] += f"; from hooks: {', '.join(moves)}"
+        return len(moves)
+
     def _moved(self, reqs: Sequence[Any], edge: Edge, before: int) -> None:
+        """``reqs`` took ``edge``, ``before`` being what ``transitions_fired`` was before
+        (and the moves hooks made since, followed by :meth:`_follow_hooks`)."""
         if self.lifecycle.transitions_fired != before + len(reqs):
             raise self.broken("the counters count", "transitions_fired did not grow by the batch")
         for r in reqs:
@@ -465,7 +513,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self._done(f"{how} -> {req.state.name}")
         if edge is None or refusal:
             raise self.broken("illegal events are refused", f"{how} was accepted", rid)
-        self._moved([req], edge, before.fired)
+        self._moved([req], edge, before.fired + self._follow_hooks(before, [req]))
 
     def _batch(self, data: st.DataObject, state: enum.IntEnum) -> tuple[list[Any], str]:
         members = sorted(self.lifecycle.in_state(state))
@@ -536,7 +584,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self._done(f"{how} -> {edge.dest.name if edge else '?'}")
         if not legal or edge is None:
             raise self.broken("illegal batches are refused", f"{how} was accepted")
-        self._moved(batch, edge, before.fired)
+        self._moved(batch, edge, before.fired + self._follow_hooks(before, batch))
 
     @precondition(lambda self: len(self.lifecycle) > 0 and bool(self.table.failure_events))
     @rule(data=st.data())
@@ -551,9 +599,11 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         victims = [self.requests[r] for r in rids]
         self.touched = set(rids)
         self.attempt = f"fail [{', '.join(rids)}] by {event}"
+        before = self._snapshot()
         self._fire(lambda: self.lifecycle.fail(victims, reason, "injected", event=event),
                    victims, None)
         self._done(self.attempt)
+        self._follow_hooks(before, victims)
         for r in victims:
             self._took(r.rid, self.model[r.rid], event)
             self.model[r.rid] = self.table.lookup[(self.model[r.rid], event)].dest

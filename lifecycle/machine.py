@@ -56,7 +56,10 @@ Each edge is a :class:`~lifecycle.steps.Step`, built once per lifecycle with all
 Guards are methods of the record and hooks are callables of the owner, each called as
 ``f(req)`` or ``f(req, event)`` according to its signature (:mod:`lifecycle.binding`); the
 record class is checked against the table's guards when it is bound or first admitted, so a
-misspelt guard fails before anything fires.
+misspelt guard fails before anything fires. A lifecycle told no record class (neither its
+table nor it was given ``record=``) refuses a record of a class another table was built for:
+it would run this table's guards and hooks on it. Those checks are made once per record class
+(``admit`` compares the class with the last one admitted, and binds a new one once).
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ from lifecycle.steps import (
     run_hooks,
     shared_machine,
 )
-from lifecycle.table import LifecycleTable, bind_record
+from lifecycle.table import LifecycleTable, bind_record, tables_for
 
 
 class Lifecycle(Generic[R]):
@@ -308,8 +311,10 @@ class Lifecycle(Generic[R]):
 
     def _check_kind(self, req: object) -> None:
         """Refuse, before its guards are looked up on it, a record of a class this lifecycle
-        is not for: not a :class:`Tracked`, or not of the class the table was built with
-        (``record=``) or the lifecycle was given."""
+        is not for: not a :class:`Tracked`; not of the class the table was built with
+        (``record=``) or the lifecycle was given; or, when neither names one, of a class
+        another table was built with (its guards and hooks are that table's: sharing a class
+        is said with ``record=``). Called once per record class (``admit`` caches it)."""
         table = self.table
         kind = type(req)
         if not isinstance(req, Tracked):
@@ -324,6 +329,18 @@ class Lifecycle(Generic[R]):
                 f"lifecycle tracks records of class {names} (the table's or the lifecycle's "
                 f"record=) or its subclasses; records of class {kind.__name__} need a "
                 f"lifecycle of their own")
+        others = tables_for(kind) if not declared else []
+        if others:
+            theirs = " and ".join(
+                f"{'another table named' if t.name == table.name else 'table'} {t.name!r} "
+                f"(record={getattr(t.record, '__name__', None)})" for t in others)
+            raise TypeError(
+                f"{table.name}: request {req.rid!r} is of class {kind.__name__}, which "
+                f"{theirs} was built for, and neither this lifecycle nor its table "
+                f"{table.name!r} names a record class, so its guards and hooks would be this "
+                f"table's: admit it to a lifecycle of the table it was built for, or, to track "
+                f"{kind.__name__} records by table {table.name!r} too, pass "
+                f"record={kind.__name__} to this Lifecycle or to its table's make_table")
 
     # -- firing -----------------------------------------------------------------------------
 

@@ -21,13 +21,16 @@ Rules of this module
    of the events enum, each named by a Python identifier that no record attribute (``state``,
    ``fire``, ...) and no timeline admission (``admitted``) uses; every ``once`` hook runs on
    every way to a final state; the guards are methods of the record class. Building a table
-   with ``record=`` also gives that class its trigger methods (:mod:`lifecycle.binding`).
+   with ``record=`` also gives that class its trigger methods (:mod:`lifecycle.binding`), and
+   makes it the table's: a lifecycle of a table built without ``record=`` refuses to admit a
+   record of that class unless it was given ``record=`` itself (:func:`tables_for`).
 """
 
 from __future__ import annotations
 
 import enum
 import re
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -35,6 +38,7 @@ import attrs
 
 from lifecycle.binding import check_event_name, check_guards, install_triggers, suggest
 from lifecycle.errors import InvalidTable
+from lifecycle.weak import PerObject
 
 
 def _names(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -202,6 +206,24 @@ def _lookup(
     return lookup
 
 
+# Per record class, the tables built with it as their ``record=``, weakly (a table built at run
+# time goes when it goes; a table refers to its class, so a strong reference here would keep
+# the class alive through this cache).
+_BUILT_FOR: PerObject[type, list[weakref.ref[LifecycleTable]]] = PerObject()
+
+
+def tables_for(record: type) -> list[LifecycleTable]:
+    """The live tables built with ``record=`` this class or a class it derives from: the
+    class's own first, each class's in the order they were built."""
+    out: list[LifecycleTable] = []
+    for klass in record.__mro__:
+        for ref in _BUILT_FOR.get(klass) or ():
+            table = ref()
+            if table is not None and all(t is not table for t in out):
+                out.append(table)
+    return out
+
+
 def make_table(
     name: str,
     states: type[enum.IntEnum],
@@ -222,7 +244,8 @@ def make_table(
     ``reasons`` the ``Enum`` of its failure reasons; ``once`` the hooks that must run exactly
     once per request (default: :func:`entering_every_final`, the hooks that entering every
     final state runs); ``record`` the request class, whose guards are checked here and which
-    gets one trigger method per event.
+    gets one trigger method per event (a lifecycle of a table built without ``record=``
+    admits records of that class only when it is given ``record=``).
     """
     check_table_name(name)
     edges = _normalise_events(name, events, tuple(edges))
@@ -251,6 +274,10 @@ def make_table(
     validate(table, also=_unused_events(name, events, edges))
     if record is not None:
         bind_record(table, record)
+        refs = _BUILT_FOR.get(record)
+        if refs is None:
+            refs = _BUILT_FOR.put(record, [])
+        refs[:] = [*(r for r in refs if r() is not None), weakref.ref(table)]
     return table
 
 

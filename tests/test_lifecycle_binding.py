@@ -65,7 +65,7 @@ def edges(pay_guard: str = "paid_in_full", finish_guard: str = "ready") -> tuple
     )
 
 
-def table(record: type | None = None, **overrides: Any) -> LifecycleTable:
+def table(record: type | None = None, name: str = "shop", **overrides: Any) -> LifecycleTable:
     kwargs: dict[str, Any] = {
         "events": E,
         "initial": S.CREATED,
@@ -77,7 +77,7 @@ def table(record: type | None = None, **overrides: Any) -> LifecycleTable:
         "record": record,
     }
     kwargs.update(overrides)
-    return make_table("shop", S, **kwargs)
+    return make_table(name, S, **kwargs)
 
 
 # Guards in both forms: one without the event, one told what is being fired.
@@ -222,19 +222,31 @@ def test_a_guard_replaced_on_the_class_reaches_only_lifecycles_that_bind_it_late
     assert c.state is S.PAID
 
 
+@attrs.define(slots=True, eq=False, weakref_slot=False)
+class Basket(Tracked):
+    """Order's guards, on a class no table is built for."""
+
+    def paid_in_full(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return False
+
+
 def test_a_misspelt_guard_is_refused_before_anything_fires_with_one_message() -> None:
     misspelt = edges(pay_guard="paid_in_ful")
     with pytest.raises(InvalidTable) as at_definition:
-        table(Order, edges=misspelt)
+        table(Basket, edges=misspelt)
     # Without record=, the class is checked when a lifecycle first admits one of its records.
     unbound = table(None, edges=misspelt)
-    lc: Lifecycle[Order] = Lifecycle(unbound, {"charge": print, "release": print, "notify": print})
+    lc: Lifecycle[Basket] = Lifecycle(
+        unbound, {"charge": print, "release": print, "notify": print})
     with pytest.raises(InvalidTable) as at_admission:
-        lc.admit(Order("a"))
+        lc.admit(Basket("a"))
     with pytest.raises(InvalidTable) as at_construction:
-        Lifecycle(unbound, {"charge": print, "release": print, "notify": print}, record=Order)
+        Lifecycle(unbound, {"charge": print, "release": print, "notify": print}, record=Basket)
     assert str(at_definition.value) == str(at_admission.value) == str(at_construction.value) == (
-        "shop: guard 'paid_in_ful' of event 'pay' is not a method of Order "
+        "shop: guard 'paid_in_ful' of event 'pay' is not a method of Basket "
         "(did you mean 'paid_in_full'?)"
     )
     assert len(lc) == 0
@@ -589,6 +601,65 @@ def test_a_record_of_another_class_is_refused_at_admission_naming_the_class() ->
     named: Lifecycle[Order] = Lifecycle(table(), hooks, record=Order)
     with pytest.raises(TypeError, match="request 'q' is of class Parcel"):
         named.admit(Parcel("q"))  # type: ignore[arg-type]
+
+
+def _recording(calls: list[tuple[str, str]]) -> dict[str, Any]:
+    """The shop's hooks, each recording (its name, the request id) in ``calls``."""
+    return {name: functools.partial(lambda n, o: calls.append((n, o.rid)), name)
+            for name in ("charge", "release", "notify")}
+
+
+def test_a_record_of_a_class_another_table_was_built_for_is_refused_unless_told() -> None:
+    """Order is the record class table 'shop' was built for (record=Order). A lifecycle of
+    table 'till', built without record= and given none, would fire an Order with the till's
+    guards and hooks: admission refuses it, naming both tables and what to do, and changes
+    nothing (a subclass of Order alike). Told, with record= on the lifecycle or on the table,
+    it tracks Orders, each lifecycle by its own table's guards and its own hooks."""
+    # The till finishes only an order not paid in full: another guard than the shop's.
+    till = table(name="till", edges=edges(finish_guard="paid_in_full"))
+
+    @attrs.define(slots=True, eq=False, weakref_slot=False)
+    class RushOrder(Order):
+        pass
+
+    untold: Lifecycle[Order] = Lifecycle(till, _recording([]))
+    for order in (Order("a"), RushOrder("a"), Order("a")):  # refused again: nothing was kept
+        kind = type(order).__name__
+        with pytest.raises(TypeError, match="^" + re.escape(
+                f"till: request 'a' is of class {kind}, which table 'shop' (record=Order) was "
+                f"built for, and neither this lifecycle nor its table 'till' names a record "
+                f"class, so its guards and hooks would be this table's: admit it to a "
+                f"lifecycle of the table it was built for, or, to track {kind} records by "
+                f"table 'till' too, pass record={kind} to this Lifecycle or to its table's "
+                f"make_table") + "$"):
+            untold.admit(order)
+        assert (order.owner, order.state, order.timeline) == (None, None, [])
+    assert len(untold) == 0 and untold.counts() == {S.CREATED: 0, S.PAID: 0}
+    # Another table of the same name is named as another.
+    with pytest.raises(TypeError, match=re.escape(
+            "shop: request 'b' is of class Order, which another table named 'shop' "
+            "(record=Order) was built for")):
+        Lifecycle(table(), _recording([])).admit(Order("b"))
+
+    shop_calls: list[tuple[str, str]] = []
+    till_calls: list[tuple[str, str]] = []
+    shop: Lifecycle[Order] = Lifecycle(TABLE, _recording(shop_calls))
+    told: Lifecycle[Order] = Lifecycle(till, _recording(till_calls), record=Order)
+    a, b = Order("a", paid=10), Order("b", paid=10)
+    shop.admit(a)
+    told.admit(b)
+    a.pay()
+    b.pay()
+    a.finish()  # the shop's guard: unless ready, which is false
+    with pytest.raises(GuardFailed, match="paid_in_full is true"):
+        b.finish()  # the till's guard
+    assert (a.state, b.state) == (S.DONE, S.PAID)
+    assert shop_calls == [("charge", "a"), ("release", "a"), ("notify", "a")]
+    assert till_calls == [("charge", "b")]
+    # A table built for Order too (the class bound to two tables) admits it without being told.
+    also: Lifecycle[Order] = Lifecycle(table(Order, name="till"), _recording([]))
+    also.admit(c := Order("c"))
+    assert c.state is S.CREATED and c.owner is also
 
 
 def test_a_misspelt_hook_gets_the_name_it_was_meant_for() -> None:
