@@ -6,7 +6,7 @@ A pool holds, for every layer and for K and V, ``pages x page_size x kv_heads x 
 elements. Two orders of the same elements are supported:
 
 ``layer_major``: ``[layers, 2 (K, V), pages, page_size, kv_heads, head_dim]``
-    SGLang's order, and what an SGLang decode peer expects. One page of one layer half is
+    SGLang's order of its pool's tensors. One page of one layer half is
     contiguous and a run of consecutive pages is contiguous *within* a layer half, so moving a
     run touches ``2 x layers`` regions (one engine block each).
 ``page_major``: ``[pages, layers, 2 (K, V), page_size, kv_heads, head_dim]``
