@@ -5,14 +5,16 @@ One server of two DP replicas (fake backend; replicas of one rank, of TP 2 and o
 second ranks decide from their first rank's rows) answers a batch with the colocated model's first
 tokens while both replicas' schedulers gather each pass in lockstep: every rank logs its
 delayer outcome counts when it stops, they are all equal (every pass decided the same on
-every rank), rank 0 saw no split on any pass, its /metrics count the passes, and the server
-exits 0 on SIGTERM. The flag is refused where it does not apply.
+every rank), rank 0 saw no split on any pass, its /metrics count each replica's passes (equal
+decisions, labelled ``dp_rank``), and the server exits 0 on SIGTERM. The flag is refused where
+it does not apply.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,8 @@ import pytest
 from scheduler.cli.command import UsageError
 from scheduler.cli.serve import SERVE, serve_config
 from scheduler.model.reference import ModelConfig
-from tests.service_harness import Server, model_flags
+from tests.service_harness import Server, model_flags, wait_for
+from tests.test_dp_metrics import scraped
 
 MODEL = ModelConfig(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48,
                     max_position=256, seed=9)
@@ -43,8 +46,23 @@ def test_two_replicas_negotiate_prefill_in_lockstep(tmp_path: Path,
     try:
         server.wait_healthy(timeout=180)
         server.answers_as_colocated(MODEL, PROMPTS)
-        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        assert "pdlife_prefill_delayer_outcomes_total{" in metrics, metrics[-2000:]
+
+        def decisions() -> dict[str, Counter[tuple[str, str, str]]]:
+            """Each replica's delayer decisions (whether it ran a batch left out)."""
+            families = scraped(httpx.get(f"{server.url}/metrics", timeout=60).text)
+            out: dict[str, Counter[tuple[str, str, str]]] = {}
+            for name, labels, value in families["pdlife_prefill_delayer_outcomes"]:
+                if name.endswith("_total"):
+                    out.setdefault(labels["dp_rank"], Counter())[
+                        labels["input_estimation"], labels["output_allow"],
+                        labels["output_reason"]] += int(value)
+            return out
+
+        def equal(seen: dict[str, Counter[tuple[str, str, str]]]) -> bool:
+            return sorted(seen) == ["0", "1"] and seen["0"] == seen["1"] and seen["0"].total() > 0
+
+        # A replica records a pass's decision at its end, a moment after rank 0's.
+        wait_for(lambda: equal(decisions()), 60, "both replicas' delayer decisions, equal")
         log = server.tail()
         assert server.stop(timeout=60) == 0, log
     finally:

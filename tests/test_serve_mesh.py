@@ -3,8 +3,11 @@ front.
 
 One server of the reference model on two DP replicas of PP 2 (four processes, fake backend)
 answers a batch with the colocated model's first tokens (the fake backend's rooms count up, so
-the requests alternate between the replicas), shows its pool free again, and exits 0 on
-SIGTERM with its rank processes stopped by rank 0; so do two DP replicas of SmolLM2. SGLang's
+the requests alternate between the replicas), shows its pool free again, counts each
+replica's requests on /metrics (labelled ``dp_rank``) and /server_info, answers both within a
+bounded wait while its rank processes are stopped (SIGSTOP), with the stopped replica's last
+figures and ``pdlife_dp_replica_up`` 0, and exits 0 on SIGTERM with its rank processes stopped
+by rank 0; so do two DP replicas of SmolLM2. SGLang's
 router drives a prefill of two DP replicas of TP 2 and a decode at TP 1 over Mooncake to the
 colocated outputs (the decode finds each room's replica as the prefill routes it), and SmolLM2
 at TP 3 on both sides (the decode's three rank processes decoding in lockstep; it exits 0 on
@@ -18,6 +21,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,7 @@ from scheduler.cli.serve import SERVE, serve_config
 from scheduler.model.reference import LlamaModel, ModelConfig, ReferenceModel
 from scheduler.service.config import ServeConfig
 from tests.service_harness import Process, Server, free_port, idle, model_flags, wait_for
+from tests.test_dp_metrics import check_replica_families, replica_totals, scraped
 
 MODEL = ModelConfig(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48,
                     max_position=256, seed=9)
@@ -60,10 +65,48 @@ def test_a_dp2_pp2_prefill_answers_as_the_colocated_model(tmp_path: Path) -> Non
         assert len(pids) == 4
         hosts = {lst.host for pid in pids for lst in listening(pid)}
         assert hosts == {"127.0.0.1"}, hosts
+        # Both replicas' figures, each its own: two requests each, their prompts' whole pages
+        # in their prefix caches.
+        pages = sum(len(p) // 4 for p in PROMPTS)
+
+        def metrics() -> dict[str, Any]:
+            r = httpx.get(f"{server.url}/metrics", timeout=60)
+            assert r.status_code == 200, r.text
+            return scraped(r.text)
+
+        families = metrics()
+        check_replica_families(families, 2)
+        done = ("pdlife_requests_finished_total", {"state": "done"})
+        assert replica_totals(families, done[0], **done[1]) == {"0": 2, "1": 2}
+        assert replica_totals(families, "pdlife_dp_replica_up") == {"0": 1, "1": 1}
+        info = server.get("/server_info")
+        pools = info["kv_pool"]
+        assert set(pools) == set(info["requests"]) == {"prefill", "prefill/dp0", "prefill/dp1"}
+        assert [pools[k]["total_pages"] for k in pools] == [2 * info["pool_pages"],
+                                                            info["pool_pages"],
+                                                            info["pool_pages"]], pools
+        cached = [pools[k]["prefix_cache_pages"] for k in ("prefill/dp0", "prefill/dp1")]
+        assert pools["prefill"]["prefix_cache_pages"] == sum(cached) == pages and all(cached)
+        # The rank processes stopped (replica 0's second rank too: the idle server runs no
+        # collective meanwhile): both answer within their wait, with replica 1's last figures.
+        ranks = _rank_processes(server.proc.pid)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            families = metrics()
+            assert time.monotonic() - began < 30
+            assert replica_totals(families, "pdlife_dp_replica_up") == {"0": 1, "1": 0}
+            assert replica_totals(families, done[0], **done[1]) == {"0": 2, "1": 2}
+            assert server.get("/server_info")["kv_pool"] == pools
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: replica_totals(metrics(), "pdlife_dp_replica_up") == {"0": 1, "1": 1},
+                 60, "replica 1 answering scrapes again")
         # /flush_cache empties every replica's cache (each prompt's whole pages), on every
         # rank of its mesh alike: the meshes answer as before after it.
         r = httpx.post(f"{server.url}/flush_cache", timeout=60)
-        pages = sum(len(p) // 4 for p in PROMPTS)
         assert (r.status_code, r.text) == (200, f"Cache flushed: {pages} pages back in the KV "
                                                 "pool.\n")
         server.answers_as_colocated(MODEL, PROMPTS)
@@ -252,8 +295,10 @@ def test_a_decode_refusal_reaches_the_replica_of_its_room(tmp_path: Path) -> Non
         assert r.status_code == 200, r.text
 
     def waiting(info: dict[str, Any]) -> bool:
+        requests = info["requests"]
         return bool(info["live_requests"] == 2
-                    and info["requests"]["prefill"].get("bootstrapping") == 1)
+                    and requests["prefill/dp0"].get("bootstrapping") == 1
+                    and requests["prefill/dp1"].get("bootstrapping") == 1)
 
     def generate(room: int) -> httpx.Response:
         return httpx.post(f"{server.url}/generate", timeout=120, json={
@@ -270,7 +315,7 @@ def test_a_decode_refusal_reaches_the_replica_of_its_room(tmp_path: Path) -> Non
         with ThreadPoolExecutor(2) as pool:  # the requests first
             later = {room: pool.submit(generate, room) for room in (13, 14)}
             wait_for(lambda: waiting(server.get("/server_info")), 60,
-                     "both requests live, replica 0's waiting for its destination")
+                     "both requests live, each replica's waiting for its destination")
             for room in later:
                 refuse(room)
             answers |= {room: f.result() for room, f in later.items()}

@@ -89,9 +89,11 @@ def failed_with(response: httpx.Response, status: int, kind: str, *fragments: st
 
 
 def counter(server: Server, name: str, direction: str) -> float:
+    """The server's count of ``name`` in ``direction``, summed over its DP replicas (each
+    replica's series carries a ``dp_rank`` label when there are several)."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    line = f'{name}{{direction="{direction}"}} '
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
+    found = re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)
+    return sum(float(n) for labels, n in found if f'direction="{direction}"' in labels.split(","))
 
 
 def finished(server: Server, reason: str) -> float:

@@ -70,6 +70,14 @@ def pool_view(pool: KVPool, prefix: PrefixCache | None = None) -> dict[str, int]
     return view
 
 
+def prefill_dropped_messages(prefill: PrefillScheduler) -> Iterator[tuple[str, DroppedMessages]]:
+    """The count of control messages ``prefill``'s KV manager dropped, as ``("prefill",
+    count)`` (none for a backend that drops none: the fake and local ones)."""
+    dropped = getattr(prefill.kv, "dropped_messages", None)
+    if dropped is not None:
+        yield "prefill", dropped
+
+
 class Engines:
     """The prefill scheduler, the decode peer (or both) of ``config.role`` over ``model``, and
     everything that holds a thread, a socket or a port under them. A construction that fails
@@ -226,9 +234,7 @@ class Engines:
     def dropped_messages(self) -> Iterator[tuple[str, DroppedMessages]]:
         """Each side's count of control messages dropped, by side."""
         if self.prefill is not None:
-            dropped = getattr(self.prefill.kv, "dropped_messages", None)
-            if dropped is not None:
-                yield "prefill", dropped
+            yield from prefill_dropped_messages(self.prefill)
         if self.decode_kv is not None:
             for manager in self.decode_kv.managers():
                 dropped = getattr(manager, "dropped_messages", None)

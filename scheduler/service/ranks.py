@@ -30,6 +30,10 @@ request a replica does not hold is ignored). A decode peer's refusal of a room (
 (:meth:`Ranks.refuse`): replica 0's to rank 0's manager, another's over the queue to its first
 rank's; the replica's other ranks fail the request with it through the agreements.
 
+Every replica's first rank answers rank 0's scrapes of its metrics over a pipe of its own,
+from a thread beside its scheduler's loop, so that ``/metrics`` and ``/server_info`` cover every
+replica (:mod:`scheduler.service.metrics`; :meth:`Ranks.delay` puts them on rank 0's registry).
+
 With ``--enable-prefill-delayer``, the replicas' first ranks also join one gloo group of their
 own, over which every pass's PrefillDelayer gathers (:mod:`scheduler.prefill.replica_delayer`;
 a replica's other ranks receive its first rank's rows): the replicas step in rank 0's
@@ -91,6 +95,13 @@ from scheduler.prefill.replica_delayer import (
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service import logs
 from scheduler.service.config import ServeConfig
+from scheduler.service.engines import prefill_dropped_messages
+from scheduler.service.metrics import (
+    DroppedMessagesCollector,
+    ReplicaMetrics,
+    ReplicaScrapes,
+    answer_scrapes,
+)
 from scheduler.service.shedding import holding_pages
 from scheduler.stepping import step_or_rest
 
@@ -164,16 +175,28 @@ class Ranks:
         self._reader: threading.Thread | None = None
         self._flushes: dict[int, concurrent.futures.Future[CacheFlushed]] = {}
         self._tickets = itertools.count(1)
-        # torch's start_processes has no annotations.
-        self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _rank_main, args=(self.world, stores, *for_ranks(config), self._inboxes,
-                              self._answers),
-            nprocs=self.world * self.dp_size - 1, join=False, start_method="spawn",
-        )
+        # A pipe to each other replica's first rank, for its metrics (it keeps the other end).
+        pipes = [context.Pipe() for _ in range(self.dp_size - 1)]
+        self._scrapes = ReplicaScrapes([mine for mine, _ in pipes], self._replica_alive)
+        theirs = [end for _, end in pipes]
+        try:
+            # torch's start_processes has no annotations.
+            self._processes: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
+                _rank_main, args=(self.world, stores, *for_ranks(config), self._inboxes,
+                                  self._answers, theirs),
+                nprocs=self.world * self.dp_size - 1, join=False, start_method="spawn",
+            )
+        except BaseException:
+            self._scrapes.close()
+            raise
+        finally:
+            for end in theirs:  # the rank processes hold them now: a replica's end is its own
+                end.close()
         try:
             self.control = _join(0, self.world, stores[0], config)
         except BaseException:
             self._kill()
+            self._scrapes.close()
             self._store_files.remove()
             raise
         self.delayer = (None if config.prefill_delayer is None else ReplicaGather(
@@ -190,11 +213,15 @@ class Ranks:
         self.control.relay.exchange([])
 
     def delay(self, scheduler: PrefillScheduler) -> None:
-        """With the delayer on: join the replicas' delayer group and give rank 0's
-        ``scheduler`` its delayer (after :meth:`started`, before rank 0's first pass)."""
+        """Rank 0's ``scheduler`` is replica 0's (after :meth:`started`, before its first
+        pass): its registry gets the other replicas' metrics (:class:`ReplicaMetrics`, for
+        ``/metrics`` and ``/server_info``), and with the delayer on it joins the replicas'
+        delayer group and gets its delayer."""
         if self.delayer is not None and self._delayer_config is not None:
             self.delayer.connect(self._delayer_store, START_TIMEOUT, MESH_TIMEOUT)
             self.delayer.serve(scheduler, self._delayer_config)
+        if self.dp_size > 1:
+            scheduler.metrics.registry.register(ReplicaMetrics(self._scrapes.ask))
 
     # -- the replicas (thread-safe) ---------------------------------------------------------
 
@@ -268,6 +295,12 @@ class Ranks:
             except Exception:  # one bad answer must not stop the others'
                 logger.exception("handling a replica's answer failed")
 
+    def _replica_alive(self, replica: int) -> bool:
+        """Whether the process of replica ``replica``'s first rank (not 0) still runs."""
+        processes = self._processes.processes
+        index = replica * self.world - 1  # rank processes are replica-major, rank 0 not one
+        return index < len(processes) and processes[index].is_alive()
+
     # -- shutdown ---------------------------------------------------------------------------
 
     def watch(self, on_exit: Callable[[BaseException], None]) -> None:
@@ -286,6 +319,7 @@ class Ranks:
                 self._reader.join(timeout=JOIN_TIMEOUT_S)
             dist.destroy_process_group()
             self._store_files.remove()
+            self._scrapes.close()
             self._release_queues()
 
     def _release_queues(self) -> None:
@@ -398,10 +432,16 @@ def served_by(config: ServeConfig) -> ServedModel:
 
 
 def _rank_main(index: int, world: int, stores: Sequence[str], config: ServeConfig,
-               source: tuple[str, str] | None, inboxes: Sequence[Any], answers: Any) -> None:
+               source: tuple[str, str] | None, inboxes: Sequence[Any], answers: Any,
+               metrics_ends: Sequence[multiprocessing.connection.Connection]) -> None:
     """The rank process at position ``index + 1`` (replica-major): the first rank of a
-    replica leads it (:func:`_lead`), any other follows its replica's first rank."""
+    replica leads it (:func:`_lead`), any other follows its replica's first rank. Every rank
+    process is given every replica's end of its metrics pipe: each keeps its own, if any."""
     replica, rank = divmod(index + 1, world)
+    metrics_end = metrics_ends[replica - 1] if rank == 0 else None
+    for end in metrics_ends:
+        if end is not metrics_end:  # another's: its replica's EOF must not wait for this one
+            end.close()
     # Rank 0 stops every rank when its drain ends; a Ctrl-C or SIGTERM to the whole process
     # group must not end this one first, under rank 0's drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -412,8 +452,9 @@ def _rank_main(index: int, world: int, stores: Sequence[str], config: ServeConfi
     outcomes: Counter[str] | None = None  # a follower's delayer outcomes
     try:
         config = in_rank(config, source, control.mesh)
-        if rank == 0:
-            _lead(control, config, replica, stores[-1], inboxes[replica - 1], answers, closers)
+        if metrics_end is not None:
+            _lead(control, config, replica, stores[-1], inboxes[replica - 1], answers,
+                  metrics_end, closers)
         else:
             control.relay.exchange([])  # the replica's first rank says: build
             scheduler = _build(control, config, replica, closers, None)
@@ -439,9 +480,11 @@ def _rank_main(index: int, world: int, stores: Sequence[str], config: ServeConfi
 
 
 def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store: str,
-          inbox: Any, answers: Any, closers: Closers) -> None:
+          inbox: Any, answers: Any, metrics_end: multiprocessing.connection.Connection,
+          closers: Closers) -> None:
     """The first rank of replica ``replica`` (not 0): its scheduler takes the launcher's
-    requests off ``inbox`` and puts its answers on ``answers``."""
+    requests off ``inbox`` and puts its answers on ``answers``; its metrics go to the
+    launcher's scrapes on ``metrics_end``."""
     delayer: ReplicaGather | None = None
     stopped = False
     published = 0  # the count of requests holding pages the launcher last heard of
@@ -456,6 +499,11 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
         scheduler = _build(control, config, replica, closers, answers.put)
         if delayer is not None and config.prefill_delayer is not None:
             delayer.serve(scheduler, config.prefill_delayer)
+        registry = scheduler.metrics.registry
+        # Its manager's, as rank 0 exports replica 0's.
+        registry.register(DroppedMessagesCollector(
+            functools.partial(prefill_dropped_messages, scheduler)))
+        answer_scrapes(metrics_end, registry, replica)
         while True:
             # Idle: wait for the launcher; otherwise take what is there and run a pass. With
             # the delayer every pass waits in its gather for rank 0's instead.

@@ -16,6 +16,7 @@ from lifecycle import SamplingParams
 from scheduler.messages import FAKE_BOOTSTRAP_HOST
 from scheduler.service.core import Service, Unavailable
 from scheduler.service.errors import error, failure_kind, openai_error, unavailable
+from scheduler.service.metrics import DP_RANK, replicated_text
 from scheduler.service.openai_schema import OpenAIError
 from scheduler.service.schema import ERRORS, ModelCard, ModelInfo, ModelList, ServerInfo
 
@@ -73,6 +74,9 @@ async def health_generate(service: ServiceDep) -> Response:
 
 def _server_info(service: ServiceDep) -> ServerInfo:
     config, snap = service.config, service.snapshot
+    requests, kv_pool = snap.get("requests", {}), snap.get("kv_pool", {})
+    if _replicated(service) and "prefill" in requests and "prefill" in kv_pool:
+        requests, kv_pool = _by_replica(service, requests["prefill"], kv_pool["prefill"])
     return ServerInfo(
         role=config.role,
         backend=config.backend,
@@ -97,10 +101,63 @@ def _server_info(service: ServiceDep) -> ServerInfo:
         draining=service.draining,
         live_requests=service.live_requests(),
         connecting=service.connecting(),
-        requests=snap.get("requests", {}),
-        kv_pool=snap.get("kv_pool", {}),
+        requests=requests,
+        kv_pool=kv_pool,
         peers=_peers(service),
     )
+
+
+def _replicated(service: Service) -> bool:
+    """Whether ``service`` is a prefill of several DP replicas, whose figures /metrics and
+    /server_info gather (:mod:`scheduler.service.metrics`)."""
+    return service.config.dp_size > 1 and service.prefill is not None
+
+
+#: The gauges of another replica's /server_info figures.
+_REPLICA_GAUGES = ("pdlife_requests", "pdlife_kv_pool_pages", "pdlife_kv_pages_used",
+                   "pdlife_prefix_cache_pages", "pdlife_prefix_cache_evictable_pages")
+
+
+def _by_replica(
+    service: Service, requests: dict[str, int], pool: dict[str, int],
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """A DP server's requests by state and KV pool: the whole server's under ``prefill`` (the
+    sums over the replicas whose figures are known), then each replica's under
+    ``prefill/dp<rank>``: replica 0's from rank 0's last pass (``requests``, ``pool``), the
+    others' from the gauges of their last answer to a scrape (this waits up to
+    :data:`~scheduler.service.metrics.REPLICA_WAIT_S` for them: the route runs on a worker
+    thread)."""
+    # Another replica's gauge, by name, then by its state label ("" for none).
+    gauges: dict[int, dict[str, dict[str, float]]] = {}
+    for family in service.metrics.registry.collect():
+        if family.name in _REPLICA_GAUGES:
+            for sample in family.samples:
+                if DP_RANK in sample.labels:
+                    by_name = gauges.setdefault(int(sample.labels[DP_RANK]), {})
+                    by_name.setdefault(family.name, {})[sample.labels.get("state", "")] = (
+                        sample.value)
+    replicas = {0: (requests, pool)}
+    for rank, by_name in sorted(gauges.items()):
+        def gauge(name: str, of: dict[str, dict[str, float]] = by_name) -> int:
+            return int(of.get(name, {}).get("", 0))
+
+        total = gauge("pdlife_kv_pool_pages")
+        # As rank 0's pool view: prefix-cache pages nobody locks count as free.
+        used = gauge("pdlife_kv_pages_used") - gauge("pdlife_prefix_cache_evictable_pages")
+        view = {"free_pages": total - used, "used_pages": used, "total_pages": total}
+        if "prefix_cache_pages" in pool:
+            view["prefix_cache_pages"] = gauge("pdlife_prefix_cache_pages")
+        states = {state: int(n) for state, n in by_name.get("pdlife_requests", {}).items()}
+        replicas[rank] = (states, view)
+    by_state: dict[str, int] = {}
+    summed: dict[str, int] = {}
+    for states, view in replicas.values():
+        for key, n in states.items():
+            by_state[key] = by_state.get(key, 0) + n
+        for key, n in view.items():
+            summed[key] = summed.get(key, 0) + n
+    return ({"prefill": by_state, **{f"prefill/dp{r}": s for r, (s, _) in replicas.items()}},
+            {"prefill": summed, **{f"prefill/dp{r}": v for r, (_, v) in replicas.items()}})
 
 
 def _peers(service: Service) -> list[str]:
@@ -223,5 +280,10 @@ router.add_api_route("/flush_cache", flush_cache, methods=["GET"], include_in_sc
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus(service: ServiceDep) -> Response:
-    """Prometheus text: scheduler, decode and HTTP metrics."""
-    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text: scheduler, decode and HTTP metrics; on a prefill of several DP
+    replicas, every replica's scheduler's, labelled ``dp_rank`` (read on a worker thread: the
+    other replicas have up to :data:`~scheduler.service.metrics.REPLICA_WAIT_S` to answer)."""
+    registry = service.metrics.registry
+    text = (await asyncio.to_thread(replicated_text, registry) if _replicated(service)
+            else generate_latest(registry))
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
