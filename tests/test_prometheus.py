@@ -1,15 +1,21 @@
 """A real Prometheus (Debian's ``prometheus``) scrapes a ``pdlife serve`` prefill and decode pair
-over Mooncake, with the scrape config docs/operations.md ships; after some traffic the test
+over Mooncake, with the scrape config docs/operations.md ships, and a prefill of two DP replicas
+(``--dp-size 2``, a job of its own) that the same decode pairs with; after some traffic the test
 reads back, through Prometheus' query API, requests finished by reason, a TTFT phase quantile,
-KV bytes sent and pool usage, and every query of docs/grafana-dashboard.json returns series.
+KV bytes sent and pool usage, and every query of docs/grafana-dashboard.json returns series,
+each with a legend of its own; what a dashboard query or an alert reads of the prefill of one
+replica, it reads of the prefill of two (a query that matches a series labelled ``dp_rank``
+with one that is not reads nothing there), and a DP replica that stops answering is alerted on.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +27,7 @@ import yaml
 
 from scheduler.model.reference import ModelConfig
 from tests.service_harness import ROOT, Process, Server, free_port, wait_for
+from tests.test_serve_mesh import _rank_processes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake, pytest.mark.slow]
 
@@ -33,10 +40,15 @@ COMMON = ["--backend", "mooncake", "--page-size", "4", "--chunked-prefill-size",
           str(MODEL.head_dim), "--intermediate", str(MODEL.intermediate), "--log-level",
           "warning"]
 PAIRS = 6
+#: The job of the prefill of two DP replicas. It is scraped every 3 s, with a timeout of 3 s: a
+#: scrape of it waits up to 2 s for a replica that does not answer, and the others' timeout is
+#: their interval, 1 s (a scrape may take no longer than its interval).
+DP_JOB, DP_INTERVAL = "pdlife-prefill-dp", "3s"
 
 
-def scrape_config(prefill: str, decode: str) -> str:
-    """docs/operations.md's prometheus.yml, scraping ``prefill`` and ``decode`` every second."""
+def scrape_config(prefill: str, decode: str, dp: str) -> str:
+    """docs/operations.md's prometheus.yml, scraping ``prefill`` and ``decode`` every second,
+    plus a job of its own for ``dp``, the prefill of two DP replicas."""
     doc = (ROOT / "docs" / "operations.md").read_text()
     match = re.search(r"```yaml\n# prometheus.yml\n(.*?)```", doc, re.DOTALL)
     assert match, "docs/operations.md has no prometheus.yml block"
@@ -44,8 +56,12 @@ def scrape_config(prefill: str, decode: str) -> str:
     for default, target in (("127.0.0.1:30000", prefill), ("127.0.0.1:30001", decode)):
         assert default in text
         text = text.replace(default, target)
-    return text.replace("scrape_interval: 5s", "scrape_interval: 1s").replace(
-        "evaluation_interval: 15s", "evaluation_interval: 1s")
+    config = yaml.safe_load(text.replace("scrape_interval: 5s", "scrape_interval: 1s").replace(
+        "evaluation_interval: 15s", "evaluation_interval: 1s"))
+    config["scrape_configs"].append({"job_name": DP_JOB, "scrape_interval": DP_INTERVAL,
+                                     "scrape_timeout": DP_INTERVAL,
+                                     "static_configs": [{"targets": [dp]}]})
+    return str(yaml.safe_dump(config, sort_keys=False))
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -59,13 +75,31 @@ def alert_rules() -> list[dict[str, Any]]:
     return rules
 
 
-def dashboard_queries(job: str | None = None) -> list[str]:
+def dashboard_targets(job: str | None = None) -> list[tuple[str, str]]:
     """Every panel's query as Grafana sends it with ``job`` chosen in the dashboard's job
-    variable (None: "All", the variable's ``allValue``)."""
+    variable (None: "All", the variable's ``allValue``), and its legend format."""
     dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
     (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "job"]
     chosen = variable["allValue"] if job is None else job
-    return [t["expr"].replace("$job", chosen) for p in dashboard["panels"] for t in p["targets"]]
+    return [(t["expr"].replace("$job", chosen), t["legendFormat"])
+            for p in dashboard["panels"] for t in p["targets"]]
+
+
+def dashboard_queries(job: str | None = None) -> list[str]:
+    return [expr for expr, _ in dashboard_targets(job)]
+
+
+def legend(form: str, labels: dict[str, str]) -> str:
+    """A series' name as Grafana's Prometheus data source writes it from a legend format: each
+    ``{{label}}`` its value, empty for a label the series lacks."""
+    return re.sub(r"\{\{\s*(.+?)\s*\}\}", lambda m: labels.get(m.group(1), ""), form)
+
+
+def measured(expr: str) -> str:
+    """An alert's expression without its final threshold (``... > 0.05``): what it measures."""
+    match = re.fullmatch(r"(.*?)\s*(?:==|!=|>=|<=|>|<)\s*[0-9.]+\s*", expr, re.DOTALL)
+    assert match, f"{expr!r} does not end with a threshold"
+    return match.group(1)
 
 
 class Prometheus(Process):
@@ -101,72 +135,100 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
     tmp_path: Path,
 ) -> None:
     assert Path(PROMETHEUS).exists(), "install Debian's prometheus (make system-deps)"
-    bootstrap_port = free_port()
+    bootstrap_port, dp_bootstrap_port = free_port(), free_port()
     prefill = Server(tmp_path / "prefill.log", "--role", "prefill", "--bootstrap-port",
                      str(bootstrap_port), "--bootstrap-timeout", "1", *COMMON)
+    dp = Server(tmp_path / "prefill-dp.log", "--role", "prefill", "--bootstrap-port",
+                str(dp_bootstrap_port), "--dp-size", "2", *COMMON)
     decode = Server(tmp_path / "decode.log", "--role", "decode", *COMMON)
-    prometheus = Prometheus(tmp_path, scrape_config(prefill.url.removeprefix("http://"),
-                                                    decode.url.removeprefix("http://")))
+    prometheus = Prometheus(tmp_path, scrape_config(*(
+        server.url.removeprefix("http://") for server in (prefill, decode, dp))))
+    stopped: list[int] = []
     try:
-        prefill.wait_healthy()
-        decode.wait_healthy()
+        for server in (prefill, dp, decode):
+            server.wait_healthy()
         wait_for(prometheus.ready, 60, "prometheus ready")
-        wait_for(lambda: len(prometheus.query('up{job=~"pdlife-.*"} == 1')) == 2, 30,
-                 "both workers scraped")
+        wait_for(lambda: len(prometheus.query('up{job=~"pdlife-.*"} == 1')) == 3, 30,
+                 "the three workers scraped")
 
-        def body(room: int, n: int) -> dict[str, Any]:
+        def body(room: int, n: int, port: int = bootstrap_port) -> dict[str, Any]:
             return {"input_ids": [(7 * room + k) % 250 + 1 for k in range(n)],
                     "rid": f"r{room}", "sampling_params": {"max_new_tokens": 3,
                                                            "ignore_eos": True},
-                    "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+                    "bootstrap_host": "127.0.0.1", "bootstrap_port": port,
                     "bootstrap_room": room}
 
         def post(url: str, b: dict[str, Any]) -> int:
             return httpx.post(f"{url}/generate", json=b, timeout=60).status_code
 
-        with ThreadPoolExecutor(2 * PAIRS + 1) as pool:
+        # The DP prefill's rooms alternate between its replicas (room % 2).
+        dp_rooms = range(101, 101 + PAIRS)
+        with ThreadPoolExecutor(4 * PAIRS + 1) as pool:
             calls = [pool.submit(post, server.url, body(room, 40))
                      for room in range(1, PAIRS + 1) for server in (prefill, decode)]
+            calls += [pool.submit(post, server.url, body(room, 40, dp_bootstrap_port))
+                      for room in dp_rooms for server in (dp, decode)]
             # No decode server asks for this room: prefill times its bootstrap out.
             orphan = pool.submit(post, prefill.url, body(PAIRS + 1, 20))
-            assert [c.result() for c in calls] == [200] * (2 * PAIRS)
+            assert [c.result() for c in calls] == [200] * (4 * PAIRS)
             assert orphan.result() == 500
 
         queries = dashboard_queries()
 
+        def done_by_replica() -> dict[str, float]:
+            return {s["metric"]["dp_rank"]: float(s["value"][1]) for s in prometheus.query(
+                f'sum by (dp_rank) (pdlife_requests_finished_total{{job="{DP_JOB}"}})')}
+
         def scraped() -> bool:
-            total = prometheus.query("sum(pdlife_requests_finished_total)")
+            total = prometheus.query('sum(pdlife_requests_finished_total{job="pdlife-prefill"})')
             return (bool(total) and float(total[0]["value"][1]) == PAIRS + 1
+                    and done_by_replica() == {"0": PAIRS / 2, "1": PAIRS / 2}
                     and all(prometheus.query(q) for q in queries))
 
         wait_for(scraped, 60, "the traffic scraped and every dashboard query answered")
-        # The job variable lists both workers, and choosing one keeps the other's series out.
+        # The job variable lists the workers, and choosing one keeps the others' series out.
         jobs = httpx.get(f"{prometheus.url}/api/v1/label/job/values",
                          params={"match[]": 'up{job=~"pdlife-.*"}'}, timeout=10).json()["data"]
-        assert sorted(jobs) == ["pdlife-decode", "pdlife-prefill"]
+        assert sorted(jobs) == ["pdlife-decode", "pdlife-prefill", DP_JOB]
         for job in jobs:
             found = {s["metric"]["job"] for q in dashboard_queries(job)
                      for s in prometheus.query(q) if "job" in s["metric"]}
             assert found == {job}, (job, found)
+        # What a panel shows of the prefill of one replica, it shows of the prefill of two: a
+        # query that divides or matches a series labelled dp_rank by one without it (or
+        # aggregates the two sides apart) answers nothing there.
+        missing = [q for q, q_dp in zip(dashboard_queries("pdlife-prefill"),
+                                        dashboard_queries(DP_JOB), strict=True)
+                   if prometheus.query(q) and not prometheus.query(q_dp)]
+        assert missing == [], missing
+        # Each series of a panel's query has a legend of its own (every replica's too).
+        for expr, form in dashboard_targets():
+            legends = [legend(form, s["metric"]) for s in prometheus.query(expr)]
+            assert len(set(legends)) == len(legends), (expr, form, legends)
 
         # Every outcome is exported from the start, at 0 until it happens.
         finished = {(s["metric"]["state"], s["metric"].get("reason", "")): float(s["value"][1])
-                    for s in prometheus.query("pdlife_requests_finished_total")
+                    for s in prometheus.query(
+                        'pdlife_requests_finished_total{job="pdlife-prefill"}')
                     if float(s["value"][1])}
         # Prometheus drops empty labels: a request that finished well has no reason.
         assert finished == {("done", ""): PAIRS, ("failed", "bootstrap_timeout"): 1}
-        assert prometheus.value('pdlife_decode_requests_finished_total{state="done"}') == PAIRS
+        assert prometheus.value(
+            'pdlife_decode_requests_finished_total{state="done"}') == 2 * PAIRS
         for phase in ("bootstrap_wait", "queue_wait", "forward", "transfer"):
             p99 = prometheus.value(
                 "histogram_quantile(0.99, sum by (le) (rate("
                 f'pdlife_ttft_phase_seconds_bucket{{phase="{phase}"}}[1m])))')
             assert math.isfinite(p99) and p99 > 0, phase
-        assert prometheus.value('pdlife_ttft_phase_seconds_count{phase="transfer"}') == PAIRS
+        assert prometheus.value(
+            'pdlife_ttft_phase_seconds_count{job="pdlife-prefill", phase="transfer"}') == PAIRS
         assert prometheus.value('pdlife_transfer_bytes_total{job="pdlife-prefill"}') > 0
-        assert prometheus.value("pdlife_kv_pool_pages") == POOL_PAGES
+        assert prometheus.value('pdlife_kv_pool_pages{job="pdlife-prefill"}') == POOL_PAGES
+        assert prometheus.value(
+            f'sum(pdlife_kv_pool_pages{{job="{DP_JOB}"}})') == 2 * POOL_PAGES
         # A prefill worker exports the decode gauges too, at 0.
         assert prometheus.value('pdlife_decode_kv_pool_pages{job="pdlife-decode"}') == POOL_PAGES
-        assert 0 <= prometheus.value("pdlife_kv_usage_ratio") <= 1
+        assert 0 <= prometheus.value('pdlife_kv_usage_ratio{job="pdlife-prefill"}') <= 1
 
         # Every alert rule is loaded and evaluates, and every series it reads is scraped (a
         # misspelt name would make an alert that can never fire).
@@ -184,7 +246,31 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
         assert len(names) >= 8, names
         for name in sorted(names):
             assert prometheus.query(f'count({{__name__="{name}"}})'), f"{name} is not scraped"
+        # What an alert measures of the prefill of one replica, it measures of the prefill of
+        # two (below its threshold, so its series are there whether it fires or not).
+        for rule in rules:
+            jobs_read = {s["metric"].get("job") for s in prometheus.query(measured(rule["expr"]))}
+            assert "pdlife-prefill" not in jobs_read or DP_JOB in jobs_read, (rule, jobs_read)
+
+        # A DP replica stopped (SIGSTOP: alive, not answering) goes pending, then firing, per
+        # replica, while its server's scrapes go on within their interval.
+        stopped += _rank_processes(dp.proc.pid)
+        assert len(stopped) == 1, stopped
+        os.kill(stopped[0], signal.SIGSTOP)
+
+        def alerted() -> list[dict[str, str]]:
+            alerts = httpx.get(f"{prometheus.url}/api/v1/alerts", timeout=10).json()
+            return [a["labels"] for a in alerts["data"]["alerts"]
+                    if a["labels"]["alertname"] == "PdlifeDPReplicaNotAnswering"]
+
+        wait_for(lambda: bool(alerted()), 60, "the stopped replica alerted on")
+        (labels,) = alerted()
+        assert (labels["job"], labels["dp_rank"]) == (DP_JOB, "1"), labels
+        assert prometheus.value(f'up{{job="{DP_JOB}"}}') == 1
     finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
         prometheus.stop()
         decode.stop()
+        dp.stop()
         prefill.stop()

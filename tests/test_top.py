@@ -1,13 +1,18 @@
 """``pdlife top``: the view computed from scraped text (quantiles, rates, the one-minute window,
-failures), and runs against a real ``pdlife serve`` worker and an unreachable one, and Ctrl-C."""
+failures; a prefill of two DP replicas from the exposition ``/metrics`` gives it: whole-server
+figures and a line per replica), and runs against a real ``pdlife serve`` worker, a real one of
+two DP replicas, and an unreachable one, and Ctrl-C."""
 
 from __future__ import annotations
 
 import math
+import re
 import signal
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,11 +20,25 @@ from prometheus_client import generate_latest
 
 from scheduler.cli.main import main
 from scheduler.cli.top import _bytes_per_s, _cells, _scrape, render
-from scheduler.cli.top_view import History, Scrape, parse_metrics, quantile, total
+from scheduler.cli.top_view import History, Scrape, by_label, parse_metrics, quantile, total
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.metrics import SchedulerMetrics
-from scheduler.service.metrics import ServiceMetrics
-from tests.service_harness import PDLIFE, Process, Server, free_port, wait_for
+from scheduler.service.metrics import (
+    ReplicaMetrics,
+    ReplicaSnapshot,
+    ServiceMetrics,
+    families_of,
+    replicated_text,
+)
+from tests.service_harness import (
+    PDLIFE,
+    Process,
+    Server,
+    free_port,
+    idle,
+    model_flags,
+    wait_for,
+)
 
 MODEL = ModelConfig.tiny()
 INFO = {"role": "prefill", "healthy": True, "draining": False, "metadata_slots": 8,
@@ -101,7 +120,7 @@ def test_the_prefix_cache_is_shown_beside_the_pool_it_lives_in() -> None:
     cached = {**INFO, "kv_pool": {"prefill": {"used_pages": 16, "free_pages": 48,
                                               "total_pages": 64, "prefix_cache_pages": 20}}}
     metrics = SchedulerMetrics()
-    metrics.prefix.hit_rate.set(0.375)
+    metrics.prefix.on_lookup(prompt_tokens=8, cached_tokens=3)  # 37.5% of prompt tokens
     samples = parse_metrics(generate_latest(metrics.registry).decode())
     view = History("http://w").add(Scrape(0.0, cached, samples))
     assert view.prefix_cache_pages == {"prefill": 20}
@@ -115,8 +134,93 @@ def test_a_worker_of_several_ranks_says_its_layout() -> None:
     assert one.layout == "" and "\n" not in _cells(one)[0]
     meshed = {**INFO, "tp_size": 2, "pp_size": 1, "dp_size": 2}
     view = History("http://w").add(Scrape(0.0, meshed, {}))
-    assert view.layout == "TP 2 x PP 1 x DP 2, replica 0's figures"
-    assert _cells(view)[0].endswith("\nTP 2 x PP 1 x DP 2, replica 0's figures")
+    assert view.layout == "TP 2 x PP 1 x DP 2, whole-server figures"
+    assert _cells(view)[0].endswith("\nTP 2 x PP 1 x DP 2, whole-server figures")
+
+
+def dp_info(replicas: Mapping[int, tuple[dict[str, int], tuple[int, int, int]]]) -> dict[str, Any]:
+    """``/server_info`` of a prefill of two DP replicas, metadata_slots 8, given each replica's
+    requests by state and (used, total, prefix-cache) pages of those that gave figures: as the
+    route gives them, the sums under ``prefill``, each replica under ``prefill/dp<rank>``."""
+    requests: dict[str, dict[str, int]] = {"prefill": {}}
+    pools: dict[str, dict[str, int]] = {"prefill": {}}
+    for rank, (states, (used, total_, cached)) in replicas.items():
+        pool = {"free_pages": total_ - used, "used_pages": used, "total_pages": total_,
+                "prefix_cache_pages": cached}
+        requests[f"prefill/dp{rank}"], pools[f"prefill/dp{rank}"] = states, pool
+        for into, add in ((requests["prefill"], states), (pools["prefill"], pool)):
+            for key, n in add.items():
+                into[key] = into.get(key, 0) + n
+    return {**INFO, "tp_size": 1, "pp_size": 1, "dp_size": 2, "requests": requests,
+            "kv_pool": pools}
+
+
+def test_a_prefill_of_two_dp_replicas_shows_the_whole_server_and_each_replica() -> None:
+    """Its /metrics text as the server writes it (every replica's series labelled dp_rank):
+    the view sums the replicas, hit rate and slots included, shows requests and pools once
+    (the server's ``prefill``, not again its replicas'), and a line per replica, one that did
+    not answer the scrape said so with its figures' age."""
+    own, replica = SchedulerMetrics(), SchedulerMetrics()  # replica 0's (rank 0's), replica 1's
+    ServiceMetrics(own.registry)
+    answer: list[ReplicaSnapshot] = []
+    own.registry.register(ReplicaMetrics(lambda wait_s: answer, wait_s=0))
+
+    def scrape(at: float, info: dict[str, Any]) -> Scrape:
+        return Scrape(at, info, parse_metrics(replicated_text(own.registry).decode()))
+
+    def answered(fresh: bool, age: float = 0.0) -> None:
+        answer[:] = [ReplicaSnapshot(1, families_of(replica.registry), time.time() - age, fresh)]
+
+    # Replica 1 still loading: no figures of its own yet, replica 0's alone.
+    own.slots_used.set(3)
+    own.prefix.on_lookup(prompt_tokens=10, cached_tokens=4)
+    answer[:] = [ReplicaSnapshot(1, None, None, fresh=False)]
+    alone = History("http://w").add(scrape(98.0, dp_info({0: ({"waiting": 1}, (6, 64, 2))})))
+    assert alone.slots == (3, 8) and alone.prefix_hit_rate == pytest.approx(0.4)
+    assert _cells(alone)[10].split("\n") == [
+        "dp0: 1 live, KV 6/64 (9%), slots 3/8", "dp1: no figures yet, [bold red]not answering[/]"]
+
+    history = History("http://w")
+    own.finished.labels(state="done", reason="").inc(2)
+    replica.finished.labels(state="done", reason="").inc(4)
+    replica.finished.labels(state="failed", reason="transfer_failed").inc()
+    replica.slots_used.set(5)
+    replica.prefix.on_lookup(prompt_tokens=30, cached_tokens=6)
+    replica.transfer_bytes.inc(1000)
+    answered(fresh=True)
+    info = dp_info({0: ({"waiting": 1, "transferring": 0}, (6, 64, 2)),
+                    1: ({"waiting": 0, "transferring": 2}, (10, 64, 4))})
+    first = history.add(scrape(100.0, info))
+    assert first.requests == {"prefill": {"waiting": 1, "transferring": 2}}
+    assert first.kv_pool == {"prefill": (16, 128)} and first.prefix_cache_pages == {"prefill": 6}
+    assert first.slots == (8, 16)  # each replica has its 8
+    assert first.prefix_hit_rate == pytest.approx(10 / 40)  # both replicas' tokens
+    assert first.failures == {"transfer_failed": 1}
+    assert [(r.rank, r.live, r.kv_pool, r.slots, r.answered) for r in first.replicas] == [
+        (0, 1, (6, 64), (3, 8), True), (1, 2, (10, 64), (5, 8), True)]
+    cells = _cells(first)
+    assert cells[0].endswith("\nTP 1 x PP 1 x DP 2, whole-server figures")
+    assert cells[1] == "prefill: waiting 1, transferring 2"
+    assert cells[7] == "prefill: 16/128 (12%), prefix cache 6, 25% hit"
+    assert cells[8] == "8/16"
+    assert cells[10] == ("dp0: 1 live, KV 6/64 (9%), slots 3/8\n"
+                         "dp1: 2 live, KV 10/64 (16%), slots 5/8")
+    # Two seconds later replica 1 did not answer: its figures are its last answer's.
+    own.finished.labels(state="done", reason="").inc(2)
+    own.transfer_bytes.inc(3000)
+    answered(fresh=False, age=12.0)
+    second = history.add(scrape(102.0, info))
+    assert second.completions_per_s == pytest.approx(1.0)
+    assert second.transfer_bytes_per_s == pytest.approx(1500.0)
+    assert second.failures == {"transfer_failed": 1} and second.slots == (8, 16)
+    (dp0, dp1) = second.replicas
+    assert dp0.answered and not dp1.answered
+    assert dp1.age_s is not None and 12 <= dp1.age_s < 60
+    assert re.fullmatch(r"dp1: 2 live, KV 10/64 \(16%\), slots 5/8, \[bold red\]not answering"
+                        r"\[/\] \(figures 1[2-9] s old\)", _cells(second)[10].split("\n")[1])
+    table = render([second, History("http://one").add(Scrape(0.0, INFO, {}))])
+    assert table.row_count == 11  # the DP replicas' row, "—" for the worker of one
+    assert render([History("http://one").add(Scrape(0.0, INFO, {}))]).row_count == 10
 
 
 def test_a_worker_that_restarted_counts_its_new_histogram() -> None:
@@ -164,6 +268,44 @@ def test_a_real_worker_is_read_between_requests(worker: Server) -> None:
     assert second.ttft_p50 is not None and second.ttft_p50 > 0
     assert second.transfer_bytes_per_s is not None and second.transfer_bytes_per_s > 0
     assert second.kv_pool["decode"][1] > 0
+
+
+@pytest.mark.multiprocess
+def test_a_real_prefill_of_two_dp_replicas_is_read_as_one_server_and_per_replica(
+    tmp_path: Path,
+) -> None:
+    server = Server(tmp_path / "serve.log", "--role", "prefill", "--backend", "fake",
+                    *model_flags(MODEL), "--page-size", "4", "--dp-size", "2",
+                    "--log-level", "warning")
+    try:
+        server.wait_healthy(timeout=180)
+        history = History(server.url)
+        with httpx.Client(timeout=60) as client:
+            assert _scrape(client, history).error is None
+            # One prompt four times, one after another: the fake backend's rooms count up, so
+            # the requests alternate between the replicas, and each replica's second request
+            # finds the first one's whole pages in its prefix cache.
+            for _ in range(4):
+                r = client.post(f"{server.url}/generate", json={
+                    "input_ids": list(range(1, 10)), "sampling_params": {"max_new_tokens": 1}})
+                assert r.status_code == 200, r.text
+            wait_for(lambda: idle(server.get("/server_info")), 30, "the pool free again")
+            view = _scrape(client, history)
+            gauges = by_label(parse_metrics(client.get(f"{server.url}/metrics").text),
+                              "pdlife_prefix_cache_hit_rate", "dp_rank")
+        info = server.get("/server_info")
+    finally:
+        server.stop()
+    pages, slots = info["pool_pages"], info["metadata_slots"]
+    assert view.error is None and view.layout == "TP 1 x PP 1 x DP 2, whole-server figures"
+    assert set(view.requests) == {"prefill"} and view.kv_pool["prefill"][1] == 2 * pages
+    assert view.slots is not None and view.slots[1] == 2 * slots
+    # Both replicas looked the same prompts up and hit alike: the server's rate is theirs.
+    assert sorted(gauges) == ["0", "1"] and gauges["0"] == gauges["1"] > 0
+    assert view.prefix_hit_rate == pytest.approx(gauges["0"])
+    assert view.completions_per_s is not None and view.completions_per_s > 0
+    assert [(r.rank, r.live, r.kv_pool and r.kv_pool[1], r.slots and r.slots[1], r.answered)
+            for r in view.replicas] == [(0, 0, pages, slots, True), (1, 0, pages, slots, True)]
 
 
 @pytest.mark.multiprocess

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import httpx
     from rich.table import Table
 
-    from scheduler.cli.top_view import History, WorkerView
+    from scheduler.cli.top_view import History, ReplicaView, WorkerView
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +111,21 @@ def _bytes_per_s(value: float | None) -> str:
     return f"{value:.0f} B/s"
 
 
+def _used(used: int, total_: int) -> str:
+    return f"{used}/{total_} ({used / total_:.0%})" if total_ else "—"
+
+
+def _replica(replica: ReplicaView) -> str:
+    """A DP replica's line: its live requests, pool and slots, and whether it answered."""
+    if replica.live is None or replica.kv_pool is None:
+        line, age = f"dp{replica.rank}: no figures yet", ""
+    else:
+        slots = "" if replica.slots is None else f", slots {replica.slots[0]}/{replica.slots[1]}"
+        line = f"dp{replica.rank}: {replica.live} live, KV {_used(*replica.kv_pool)}{slots}"
+        age = "" if replica.age_s is None else f" (figures {replica.age_s:.0f} s old)"
+    return line if replica.answered else f"{line}, [bold red]not answering[/]{age}"
+
+
 def _cells(view: WorkerView) -> list[str]:
     """A worker's column, one cell per row of :data:`_ROWS`."""
     if view.error is not None:
@@ -123,7 +138,7 @@ def _cells(view: WorkerView) -> list[str]:
         for side, states in view.requests.items())
     hits = "" if view.prefix_hit_rate is None else f", {view.prefix_hit_rate:.0%} hit"
     pools = "\n".join(
-        (f"{side}: {used}/{total_} ({used / total_:.0%})" if total_ else f"{side}: —")
+        f"{side}: {_used(used, total_)}"
         + (f", prefix cache {view.prefix_cache_pages[side]}{hits}"
            if side in view.prefix_cache_pages else "")
         for side, (used, total_) in view.kv_pool.items())
@@ -131,19 +146,22 @@ def _cells(view: WorkerView) -> list[str]:
                           for counts in (view.failures, view.refusals))
     slots = "—" if view.slots is None else f"{view.slots[0]}/{view.slots[1]}"
     worker = f"{view.role}, {status}" + (f"\n{view.layout}" if view.layout else "")
+    replicas = "\n".join(map(_replica, view.replicas))
     return [worker, requests or "—", _per_s(view.admissions_per_s),
             _per_s(view.completions_per_s), failures, refusals,
             f"{_ms(view.ttft_p50)} / {_ms(view.ttft_p99)}", pools or "—", slots,
-            _bytes_per_s(view.transfer_bytes_per_s)]
+            _bytes_per_s(view.transfer_bytes_per_s), replicas or "—"]
 
 
+# The last row, each DP replica of a prefill worker, is shown when a worker has several.
 _ROWS = ("worker", "requests by state", "admitted", "completed", "failures (total)",
          "refused (total)",
-         "TTFT p50 / p99 (1 min)", "KV pool used", "metadata slots", "KV sent")
+         "TTFT p50 / p99 (1 min)", "KV pool used", "metadata slots", "KV sent", "DP replicas")
 
 
 def render(views: Sequence[WorkerView], refreshed: str = "") -> Table:
-    """The table of ``views``: a row per quantity, a column per worker."""
+    """The table of ``views``: a row per quantity, a column per worker (the DP replicas' row
+    only when a worker has several)."""
     from rich.table import Table
 
     table = Table(title=f"pdlife top {refreshed}".rstrip(),
@@ -152,7 +170,8 @@ def render(views: Sequence[WorkerView], refreshed: str = "") -> Table:
     for view in views:
         table.add_column(view.url, overflow="fold")
     columns = [_cells(v) for v in views]
-    for i, name in enumerate(_ROWS):
+    rows = _ROWS if any(v.replicas for v in views) else _ROWS[:-1]
+    for i, name in enumerate(rows):
         table.add_row(name, *(c[i] for c in columns))
     return table
 
@@ -211,7 +230,8 @@ TOP = Subcommand(
         "--interval seconds from their /server_info and /metrics: requests per lifecycle state, "
         "admissions and completions per second, failures and refusals by reason, TTFT p50/p99 "
         "over the last minute (prefill workers), KV pool and metadata-slot usage, KV bytes sent "
-        "per second. A worker that cannot be read says why in its column. Ctrl-C quits."
+        "per second; a prefill of several DP replicas shows the whole server's figures and a "
+        "line per replica. A worker that cannot be read says why in its column. Ctrl-C quits."
     ),
     epilog=(
         "Example: pdlife top 127.0.0.1:30000 127.0.0.1:30001. Workers that require an API "
