@@ -114,17 +114,20 @@ def counting_hooks(
     user: Mapping[str, Callable[..., None]],
     calls: Mapping[str, collections.Counter[str]],
     in_hooks: InHooks | None = None,
+    key: Callable[[Any], str] | None = None,
 ) -> dict[str, Callable[[Any, Any], None]]:
     """A hook for every hook ``table`` names that counts its calls per request in ``calls``
-    (a defaultdict), then calls the embedder's hook of that name, if given, in its form,
-    counting in ``in_hooks`` the guard evaluations made while it runs."""
+    (a defaultdict), under ``key(req)`` (default: its id), then calls the embedder's hook of
+    that name, if given, in its form, counting in ``in_hooks`` the guard evaluations made
+    while it runs."""
+    name_of = key or _rid
 
     def counting(name: str) -> Callable[[Any, Any], None]:
         inner = user.get(name)
         takes = inner is not None and hook_takes_event(table.name, name, inner)
 
         def hook(req: Any, event: Any) -> None:
-            calls[req.rid][name] += 1
+            calls[name_of(req)][name] += 1
             if inner is None:
                 return
             if in_hooks is None or in_hooks.depth:
@@ -141,6 +144,11 @@ def counting_hooks(
         return hook
 
     return {name: counting(name) for name in table.hooks()}
+
+
+def _rid(req: Any) -> str:
+    rid: str = req.rid
+    return rid
 
 
 def shown_fields(req: Any) -> str:
@@ -221,23 +229,28 @@ def timeline_lines(req: Any, table: LifecycleTable) -> list[str]:
 
 
 def report(
-    rule_name: str, message: str, program: Sequence[str], req: Any, table: LifecycleTable
+    rule_name: str, message: str, program: Sequence[str], req: Any, table: LifecycleTable,
+    name: str | None = None,
 ) -> RuleBroken:
-    """The error for a broken rule: the rule, what broke it, the program, the timeline."""
-    return RuleBroken(_report_text(f"rule broken: {rule_name}", message, program, req, table))
+    """The error for a broken rule: the rule, what broke it, the program, the timeline (of
+    ``req``, called ``name`` in the program: default, its id)."""
+    return RuleBroken(_report_text(f"rule broken: {rule_name}", message, program, req, table,
+                                   name))
 
 
-def raised(message: str, program: Sequence[str], req: Any, table: LifecycleTable) -> CodeRaised:
+def raised(message: str, program: Sequence[str], req: Any, table: LifecycleTable,
+           name: str | None = None) -> CodeRaised:
     """The error for the code under test raising: what raised, the program, the timeline."""
-    return CodeRaised(_report_text("the code under test raised", message, program, req, table))
+    return CodeRaised(_report_text("the code under test raised", message, program, req, table,
+                                   name))
 
 
 def _report_text(heading: str, message: str, program: Sequence[str], req: Any,
-                 table: LifecycleTable) -> str:
+                 table: LifecycleTable, name: str | None) -> str:
     text = [heading, f"  {message}", "event program:"]
     text += [f"  {i}. {step}" for i, step in enumerate(program, start=1)]
     if req is not None:
-        text += [f"timeline of {req.rid}:", *timeline_lines(req, table)]
+        text += [f"timeline of {name or req.rid}:", *timeline_lines(req, table)]
     return "\n".join(text)
 
 
@@ -250,11 +263,15 @@ class MachineInvariants:
     model: dict[str, enum.IntEnum]
     hook_calls: dict[str, collections.Counter[str]]
     checks: tuple[Callable[[Any], object], ...]
-    #: The requests the last rule fired at or admitted, and those events fired from hooks
-    #: moved meanwhile.
+    #: The requests the last rule fired at or admitted, and those that hooks admitted or
+    #: moved by the events they fired meanwhile.
     touched: set[str]
 
     def broken(self, rule_name: str, message: str, rid: str | None = None) -> RuleBroken:
+        raise NotImplementedError
+
+    def name_of(self, req: Any) -> str:
+        """The machine's name for the record ``req``: the key of :attr:`requests`."""
         raise NotImplementedError
 
     def check_every_invariant(self) -> None:
@@ -300,13 +317,23 @@ class MachineInvariants:
             self.lifecycle.check_index()
         except AssertionError as exc:
             raise self.broken("the index files every live request", str(exc)) from None
+        finals = self.table.finals
         for rid, r in self.requests.items():
-            if r.state in self.table.finals:
-                filed = rid not in self.lifecycle
+            if r.state in finals:
+                # Its id may be live again: a hook may admit a new record under it.
+                filed = self.lifecycle.get(r.rid) is not r
             else:
-                filed = self.lifecycle.in_state(r.state).get(rid) is r
+                filed = self.lifecycle.in_state(r.state).get(r.rid) is r
             if not filed:
                 raise self.broken("the index files every live request", f"{rid} misfiled", rid)
+        # And it files no other: the model holds every request the lifecycle admitted, the
+        # machine's and those hooks admitted (adopted after each step).
+        if len(self.lifecycle) != sum(s not in finals for s in self.model.values()):
+            unknown = sorted(r.rid for r in self.lifecycle.live()
+                             if self.requests.get(self.name_of(r)) is not r)
+            raise self.broken(
+                "the index files every live request",
+                f"the lifecycle has live requests the model does not: {', '.join(unknown)}")
 
     @invariant()
     def timelines_replay(self) -> None:

@@ -33,6 +33,19 @@ the program shows them on the step that fired them (``fire finish [r1] -> DONE; 
 merge -> MERGED``). The guards such events evaluate, and any a hook asks ``refusal`` about,
 are counted apart from the rule's own (:class:`~lifecycle.fuzz_checks.InHooks`).
 
+A hook may also admit requests (a child: a retry, a refund, a follow-up). The machine's
+lifecycle keeps the records admitted to it (:class:`_Watched`), and after each call the machine
+*adopts* those it did not admit itself: each one's timeline is replayed through the table from
+the initial state (it may have been moved already, by events hooks fired in the same call),
+the model takes it where that leads, it counts as touched, and from then on it is one of the
+machine's requests: every rule is checked for it and the rules fire at it as at the others.
+The program shows it on the step that admitted it (``fire cancel [r1] -> CANCELLED; from
+hooks: admit r1-refund, r1-refund open -> REFUNDING``). The machine names a request by its id;
+a record a hook admits under the id of one the machine has (an ended request retried as a new
+record of the same id) is named ``id#2`` (``#3``, ...), and the hook counts go by record, not
+by id. The machine builds records only of its own requests (``make_request``): an adopted one,
+of whatever class its hook made, is never rebuilt.
+
 How it searches: the rules admit requests (while fewer than :data:`LIVE_AT_MOST` are live),
 fire an event at one request or a batch of one state, fail a few at once, and *walk* one
 request several events on (:meth:`LifecycleMachine.walk`). Half the event draws are among the
@@ -75,7 +88,7 @@ from lifecycle.fuzz_checks import (
 )
 from lifecycle.machine import Lifecycle
 from lifecycle.record import ADMITTED
-from lifecycle.table import Edge, LifecycleTable
+from lifecycle.table import Edge, LifecycleTable, tables_for
 from lifecycle.validators import typed_fields
 from lifecycle.weak import PerObject
 
@@ -113,6 +126,19 @@ def hooks_of(table: LifecycleTable, hooks: Hooks) -> Mapping[str, Callable[..., 
     return given
 
 
+class _Watched(Lifecycle[Any]):
+    """The machine's lifecycle: a :class:`Lifecycle` that also lists the records admitted to
+    it, for the machine to adopt those its hooks admitted (``admitted``, which it empties)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.admitted: list[Any] = []
+
+    def admit(self, req: Any) -> None:
+        super().admit(req)
+        self.admitted.append(req)  # not reached when it is refused
+
+
 @attrs.frozen(field_transformer=typed_fields)
 class MachineConfig:
     """What a :class:`LifecycleMachine` subclass is about."""
@@ -145,18 +171,28 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             collections.Counter
         )
         clock = lambda: self.now  # noqa: E731 - the machine moves time itself
+        # Per record (by identity, the record kept alive here), the machine's name for it;
+        # and the names given. A record's hooks may run before it is adopted (a hook admits
+        # it, then fires at it), so it is named on first sight.
+        self._names: dict[int, tuple[Any, str]] = {}
+        self._named: set[str] = set()
+        #: The requests hooks admitted (their names): the machine did not build them.
+        self.adopted: set[str] = set()
         self.in_hooks = InHooks(lambda: self.lifecycle.guards_evaluated)
         hooks = counting_hooks(cfg.table, hooks_of(cfg.table, cfg.hooks), self.hook_calls,
-                               self.in_hooks)
-        # A class given to make the records is what the lifecycles are for when the table
-        # names none (``pdlife fuzz --record``): a class another table was built for is
-        # admitted only to a lifecycle told so.
+                               self.in_hooks, key=self.name_of)
+        # A class given to make the records, when the table names none, is what the
+        # lifecycles are for if another table was built for it (``pdlife fuzz --record``):
+        # such a class is admitted only to a lifecycle told so. Any other class, a lifecycle
+        # told nothing admits, as it admits the records of other classes that hooks admit.
         make = cfg.make_request
-        record = make if cfg.table.record is None and isinstance(make, type) else None
-        self.lifecycle: Lifecycle[Any] = Lifecycle(cfg.table, hooks, clock=clock, record=record)
+        record = make if (cfg.table.record is None and isinstance(make, type)
+                          and tables_for(make)) else None
+        self.lifecycle: _Watched = _Watched(cfg.table, hooks, clock=clock, record=record)
         # A second owner, so batches can be offered a request that is not ours.
         others = counting_hooks(cfg.table, {}, self.hook_calls)
         self.other: Lifecycle[Any] = Lifecycle(cfg.table, others, clock=clock, record=record)
+        #: The machine's requests and those it adopted, by name (see :meth:`name_of`).
         self.requests: dict[str, Any] = {}
         self.model: dict[str, enum.IntEnum] = {}
         # Coverage of the program: the event that brought each request to its state, and the
@@ -183,7 +219,22 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         """The error for a broken rule, with the program so far and ``rid``'s timeline."""
         req = self.requests.get(rid) if rid is not None else None
         steps = [*self.program, f"{self.attempt}   <- here"] if self.attempt else self.program
-        return report(rule_name, message, steps, req, self.table)
+        return report(rule_name, message, steps, req, self.table, rid)
+
+    def name_of(self, req: Any) -> str:
+        """The machine's name for ``req``: its id, unless the machine named another record so
+        (a hook admitted a new record under an ended request's id), then ``id#2``, ``#3``..."""
+        known = self._names.get(id(req))
+        if known is not None and known[0] is req:
+            return known[1]
+        name: str = req.rid
+        n = 1
+        while name in self._named:
+            n += 1
+            name = f"{req.rid}#{n}"
+        self._names[id(req)] = (req, name)
+        self._named.add(name)
+        return name
 
     @contextlib.contextmanager
     def _code_under_test(self, what: str, rid: str | None = None) -> Iterator[None]:
@@ -197,13 +248,19 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             req = self.requests.get(rid) if rid is not None else None
             steps = [*self.program, f"{self.attempt}   <- here"] if self.attempt else self.program
             raise raised(f"{what} raised {type(exc).__name__}: {exc}", steps, req,
-                         self.table) from exc
+                         self.table, rid) from exc
 
     # -- building blocks of the rules -------------------------------------------------------
 
     def _new(self) -> Any:
+        """A new record, named by the next id ``r<n>`` that names no request (a hook may have
+        admitted one under such an id)."""
         self.serial += 1
-        return self._make(f"r{self.serial}")
+        while f"r{self.serial}" in self._named:
+            self.serial += 1
+        req = self._make(f"r{self.serial}")
+        self.name_of(req)
+        return req
 
     def _make(self, rid: str) -> Any:
         with self._code_under_test(f"building the record {rid}"):
@@ -285,11 +342,12 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                                                                          label="satisfy")):
             return
         for r in reqs:
-            edge = self.table.lookup.get((self.model[r.rid], event))
+            name = self.name_of(r)
+            edge = self.table.lookup.get((self.model[name], event))
             if edge is None:
                 continue
             if satisfy is not None:
-                with self._code_under_test(f"satisfy({r.rid}, {edge.event})", r.rid):
+                with self._code_under_test(f"satisfy({name}, {edge.event})", name):
                     satisfy(r, edge)
             elif edge.guarded:
                 self._redraw(data, r, edge)
@@ -298,16 +356,17 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         """Draw ``req``'s plain fields until ``edge``'s guards hold, at most :data:`REDRAWS`
         times (drawn values rarely make a guard hold on the first try, and a request past a
         guarded edge is deeper in its table, where bugs hide); the program shows the last."""
+        name = self.name_of(req)
         for _ in range(REDRAWS):
-            with self._code_under_test(f"setting the fields of {req.rid}", req.rid):
+            with self._code_under_test(f"setting the fields of {name}", name):
                 drawn = redraw_fields(data, req)  # a record's on_setattr hooks may raise
-            self.attempt = f"{req.rid}: fields set to {drawn}"
+            self.attempt = f"{name}: fields set to {drawn}"
             if req.owner is not self.lifecycle:
                 break
             # A guard that raises here is reported on this step, as the one evaluating it.
             set_to, self.attempt = self.attempt, (f"{self.attempt}; the guards of "
                                                   f"{_guarding(edge)} evaluated")
-            with self._code_under_test(f"a guard of {_guarding(edge)} on {req.rid}", req.rid):
+            with self._code_under_test(f"a guard of {_guarding(edge)} on {name}", name):
                 if not self.lifecycle.refusal(req, edge.event):
                     self.attempt = set_to
                     break
@@ -318,8 +377,9 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         """Why ``event`` would be refused for ``req``, checking that its guards are pure."""
         if edge is None or not edge.guarded or req.owner is not self.lifecycle:
             return "" if edge is not None else "no edge"
+        name = self.name_of(req)
         before = record_fields(req)
-        with self._code_under_test(f"a guard of {_guarding(edge)} on {req.rid}", req.rid):
+        with self._code_under_test(f"a guard of {_guarding(edge)} on {name}", name):
             first: str = self.lifecycle.refusal(req, event)
             after = record_fields(req)
             second: str = self.lifecycle.refusal(req, event)
@@ -327,16 +387,16 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         if changed:
             raise self.broken(
                 "guards are pure",
-                f"evaluating the guards of {_guarding(edge)} on {req.rid} changed its "
+                f"evaluating the guards of {_guarding(edge)} on {name} changed its "
                 f"{', '.join(changed)}",
-                req.rid,
+                name,
             )
         if first != second:
             raise self.broken(
                 "guards are pure",
                 f"the guards of {_guarding(edge)} answered differently when evaluated "
-                f"twice on {req.rid}: {first or 'allowed'}, then {second or 'allowed'}",
-                req.rid,
+                f"twice on {name}: {first or 'allowed'}, then {second or 'allowed'}",
+                name,
             )
         return first
 
@@ -345,9 +405,9 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         hook raised; exceptions other than a hook's propagate."""
         evaluated, in_hooks = self.lifecycle.guards_evaluated, self.in_hooks.guards
         failed: HookFailed | None = None
+        first = self.name_of(reqs[0])
         try:
-            with self._code_under_test(f"firing {edge.event if edge else 'an event'}",
-                                       reqs[0].rid):
+            with self._code_under_test(f"firing {edge.event if edge else 'an event'}", first):
                 fire()
         except HookFailed as exc:
             failed = exc  # reported below, outside this handler: with no exception context,
@@ -362,43 +422,74 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                     "one evaluation per guard",
                     f"firing {edge.event if edge else '?'} at {len(reqs)} request(s) evaluated "
                     f"guards {used} times; at most {most}",
-                    reqs[0].rid,
+                    first,
                 )
         if failed is not None:
-            rid, hook, error = failed.errors[0]
+            rid, hook, error = failed.errors[0]  # one of the call's requests
+            name = next((self.name_of(r) for r in reqs if r.rid == rid), rid)
             raise self.broken(
                 "hooks do not raise",
-                f"hook {hook!r} raised {type(error).__name__}: {error} for {rid}",
-                rid,
+                f"hook {hook!r} raised {type(error).__name__}: {error} for {name}",
+                name,
             )
 
     def _follow_hooks(self, before: Snapshot, fired: Sequence[Any]) -> int:
-        """Follow in the model the events that hooks fired, while the call that fired at
-        ``fired`` ran, at other requests (the lifecycle fires those as usual), from the
-        entries their timelines gained since ``before``: each must be an edge of the table from
-        where the model has the request. A request so moved counts as touched, so that every
-        per-request rule is checked for it (its once-hooks, when such an event ended it). How
-        many moves were followed."""
+        """Follow in the model what hooks did, while the call that fired at ``fired`` ran, to
+        other requests (the lifecycle fires those events as usual): the events they fired,
+        from the entries the timelines gained since ``before``, each of which must be an edge
+        of the table from where the model has the request; and the requests they admitted,
+        which the machine adopts (:meth:`_adopt`). A request so moved or adopted counts as
+        touched, so that every per-request rule is checked for it (its once-hooks, when such
+        an event ended it). The program's last step, the one that ran the hooks, shows it.
+        How many moves were followed."""
         ours = {id(r) for r in fired}
         moves: list[str] = []
-        for (rid, r), length in zip(self.requests.items(), before.timelines, strict=False):
-            if id(r) in ours:
-                continue  # none of the call's requests can take an event from its hooks
-            for _, event in r.timeline[length:]:
-                state = self.model[rid]
-                edge = self.table.lookup.get((state, event))
-                if edge is None:
-                    raise self.broken(
-                        "timelines replay through the table",
-                        f"{rid} took {event} from {state.name}, fired from a hook, and the "
-                        f"table has no such edge", rid)
-                self._took(rid, state, str(event))
-                self.model[rid] = edge.dest
-                self.touched.add(rid)
-                moves.append(f"{rid} {event} -> {edge.dest.name}")
-        if moves:  # on the step that fired them, which the program shows last
+        followed = 0
+        for (name, r), length in zip(self.requests.items(), before.timelines, strict=False):
+            if id(r) not in ours:  # none of the call's requests can take an event from its hooks
+                followed += self._replay(name, r.timeline[length:], moves)
+        followed += self._adopt(moves)
+        if moves:
             self.program[-1] += f"; from hooks: {', '.join(moves)}"
-        return len(moves)
+        return followed
+
+    def _adopt(self, moves: list[str]) -> int:
+        """Make the requests hooks admitted since the last call the machine's: named (the
+        name their hooks were counted by), in the model where their timelines lead from the
+        initial state (a hook may have fired at them since), touched; each listed in
+        ``moves``, with the moves replayed. How many moves were replayed."""
+        admitted, self.lifecycle.admitted = self.lifecycle.admitted, []
+        followed = 0
+        for r in admitted:
+            name = self.name_of(r)
+            if self.requests.get(name) is r:
+                continue  # admitted by the machine's own rule
+            self.requests[name] = r
+            self.model[name] = self.table.initial
+            self.arrived[name] = ADMITTED
+            self.adopted.add(name)
+            self.touched.add(name)
+            moves.append(f"admit {name}" if name == r.rid else
+                         f"admit {name} (a new record of id {r.rid})")
+            followed += self._replay(name, r.timeline[1:], moves)
+        return followed
+
+    def _replay(self, name: str, entries: Sequence[tuple[float, str]], moves: list[str]) -> int:
+        """Move the model of request ``name`` by the events of timeline ``entries``, fired
+        from hooks, listing each in ``moves``; how many."""
+        for _, event in entries:
+            state = self.model[name]
+            edge = self.table.lookup.get((state, event))
+            if edge is None:
+                raise self.broken(
+                    "timelines replay through the table",
+                    f"{name} took {event} from {state.name}, fired from a hook, and the "
+                    f"table has no such edge", name)
+            self._took(name, state, str(event))
+            self.model[name] = edge.dest
+            self.touched.add(name)
+            moves.append(f"{name} {event} -> {edge.dest.name}")
+        return len(entries)
 
     def _moved(self, reqs: Sequence[Any], edge: Edge, before: int) -> None:
         """``reqs`` took ``edge``, ``before`` being what ``transitions_fired`` was before
@@ -406,13 +497,14 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         if self.lifecycle.transitions_fired != before + len(reqs):
             raise self.broken("the counters count", "transitions_fired did not grow by the batch")
         for r in reqs:
+            name = self.name_of(r)
             if r.state is not edge.dest or tuple(r.timeline[-1]) != (self.now, edge.event):
                 raise self.broken(
-                    "a legal event moves", f"{r.rid} is not in {edge.dest.name} after "
-                    f"{edge.event}", r.rid,
+                    "a legal event moves", f"{name} is not in {edge.dest.name} after "
+                    f"{edge.event}", name,
                 )
-            self._took(r.rid, self.model[r.rid], str(edge.event))
-            self.model[r.rid] = edge.dest
+            self._took(name, self.model[name], str(edge.event))
+            self.model[name] = edge.dest
 
     # -- rules -----------------------------------------------------------------------------
 
@@ -425,21 +517,25 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self.touched = set()
         for _ in range(n):
             req = self._new()
+            name = self.name_of(req)
             self.lifecycle.admit(req)
             if req.state is not self.table.initial or req.timeline != [(self.now, ADMITTED)]:
-                raise self.broken("admission", f"{req.rid} was not admitted", req.rid)
-            self.requests[req.rid] = req
-            self.model[req.rid] = self.table.initial
-            self.arrived[req.rid] = ADMITTED
-            new.append(req.rid)
-            self.touched.add(req.rid)
+                raise self.broken("admission", f"{name} was not admitted", name)
+            self.requests[name] = req
+            self.model[name] = self.table.initial
+            self.arrived[name] = ADMITTED
+            new.append(name)
+            self.touched.add(name)
         self._done(f"admit {', '.join(new)}")
         if not data.draw(_BOOLEANS, label="admit again"):
             return
         rid = data.draw(st.sampled_from(sorted(self.requests)), label="again")
         old = self.requests[rid]
         before = self._snapshot()
-        for req in (old, self._make(rid)) if rid in self.lifecycle else (old,):
+        # A new record under a live id, of the machine's own requests only: it builds the
+        # records of those (an adopted one's id, ``make_request`` may not take).
+        fresh = rid not in self.adopted and self.lifecycle.get(old.rid) is old
+        for req in (old, self._make(rid)) if fresh else (old,):
             try:
                 self.lifecycle.admit(req)
             except LifecycleError:
@@ -456,7 +552,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     def fire_one(self, data: st.DataObject) -> None:
         """One event at one request (any state, finished ones too), by either path."""
         self.touched = set()
-        live = sorted(r.rid for r in self.lifecycle.live())
+        live = sorted(self.name_of(r) for r in self.lifecycle.live())
         every = st.sampled_from(sorted(self.requests))
         rid = data.draw(st.one_of(st.sampled_from(live), every) if live else every, label="rid")
         self._fire_at(data, rid)
@@ -468,12 +564,12 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         invariants checked after each: depth for few rules (the other rules spread a program
         over many requests, and a path such as a failure after a loop's second lap needs one
         request taken far)."""
-        rid = data.draw(st.sampled_from(sorted(r.rid for r in self.lifecycle.live())),
+        rid = data.draw(st.sampled_from(sorted(self.name_of(r) for r in self.lifecycle.live())),
                         label="walker")
         for step in range(steps):
             if step:
                 self.check_every_invariant()
-            if rid not in self.lifecycle:
+            if self.model[rid] in self.table.finals:
                 return
             self.touched = set()
             self._fire_at(data, rid, walk="last" if step == steps - 1 else "on")
@@ -516,7 +612,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         self._moved([req], edge, before.fired + self._follow_hooks(before, [req]))
 
     def _batch(self, data: st.DataObject, state: enum.IntEnum) -> tuple[list[Any], str]:
-        members = sorted(self.lifecycle.in_state(state))
+        members = sorted(self.name_of(r) for r in self.lifecycle.in_state(state).values())
         # Often the whole state: batches are how a scheduler fires, and deep states fill up
         # with requests faster this way.
         rids = data.draw(
@@ -555,16 +651,17 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
         live = [s for s, n in self.lifecycle.counts().items() if n]
         state = data.draw(st.sampled_from(live), label="state")
         batch, intruder = self._batch(data, state)
-        self.touched = {r.rid for r in batch}
-        event = self._draw_event(data, state, [r.rid for r in batch])
+        names = [self.name_of(r) for r in batch]
+        self.touched = set(names)
+        event = self._draw_event(data, state, names)
         reason = self._draw_reason(data) if event in self.table.failure_events else None
-        self._maybe_satisfy(data, [r for r in batch if r.rid in self.model], event)
+        ours = [r for r, name in zip(batch, names, strict=True) if self.requests.get(name) is r]
+        self._maybe_satisfy(data, ours, event)
         edge = self.table.lookup.get((state, event))
-        how = f"fire {event} [{', '.join(r.rid for r in batch)}]"
+        how = f"fire {event} [{', '.join(names)}]"
         if intruder != "none":
             how += f" ({intruder.replace('_', ' ')} intruder)"
         self.attempt = how
-        ours = [r for r in batch if r.rid in self.requests and r is self.requests[r.rid]]
         legal = intruder == "none" and edge is not None and not any(
             [self._pure_refusal(r, event, edge) for r in ours]
         )
@@ -590,7 +687,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
     @rule(data=st.data())
     def fail_many(self, data: st.DataObject) -> None:
         """A failure event for live requests of any mix of states."""
-        live = sorted(r.rid for r in self.lifecycle.live())
+        live = sorted(self.name_of(r) for r in self.lifecycle.live())
         rids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True),
                          label="victims")
         event = data.draw(st.sampled_from([str(e) for e in self.table.failure_events]),
@@ -604,13 +701,13 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
                    victims, None)
         self._done(self.attempt)
         self._follow_hooks(before, victims)
-        for r in victims:
-            self._took(r.rid, self.model[r.rid], event)
-            self.model[r.rid] = self.table.lookup[(self.model[r.rid], event)].dest
-            if r.state is not self.model[r.rid] or r.detail != "injected" or (
+        for name, r in zip(rids, victims, strict=True):
+            self._took(name, self.model[name], event)
+            self.model[name] = self.table.lookup[(self.model[name], event)].dest
+            if r.state is not self.model[name] or r.detail != "injected" or (
                 reason is not None and r.reason is not reason
             ):
-                raise self.broken("failures end requests", f"{r.rid} after {event}", r.rid)
+                raise self.broken("failures end requests", f"{name} after {event}", name)
 
 
 def _guarding(edge: Edge) -> str:

@@ -162,8 +162,10 @@ def lifecycle_state_machine(
     """A :class:`~lifecycle.fuzzer.LifecycleMachine` subclass for ``table``.
 
     ``make_request(rid)`` builds a fresh, unadmitted request record of the table's type; a
-    class given here, for a table built without ``record=``, is what the machine's lifecycles
-    are given as their ``record=`` (so a class another table was built for is admitted).
+    class given here that another table was built for, when this table was built without
+    ``record=``, is what the machine's lifecycles are given as their ``record=`` (so that it
+    is admitted; told no class, they admit any, as a hook may admit a record of its own
+    class). Requests the hooks admit are adopted and checked like the machine's own.
     ``hooks`` are the owner's hooks by name (each is wrapped to count its calls; hooks the
     table names but that are not given count only), or a function that makes them: it is
     called for every program, so an owner that keeps state of its own (which requests it
