@@ -259,11 +259,16 @@ def test_a_failure_on_one_rank_fails_the_room_everywhere(
             assert drive(m, tx, _DONE)[-1] == KVPoll.FAILED
         for m, rx in zip(s.decode[: connected[1]], receivers, strict=False):
             assert drive(m, rx, _DONE)[-1] == KVPoll.FAILED
-        for tx in senders[connected[0] :]:
+        left = senders[connected[0] :]
+        for tx in left:
             # Not connected to the failure (the message says what failed it otherwise, and
-            # which decode rank's session is which).
+            # which decode rank's session is which). Every one is checked before any is
+            # aborted: aborting one fails the others of its decode rank's contacts through
+            # that decode rank (it aborts every contact that may still hold the room), so a
+            # check after an abort races that.
             assert tx.poll() != KVPoll.FAILED, (tx.failure_exception(),
                                                 [m.session for m in s.decode])
+        for tx in left:
             tx.abort()  # the prefill TP group's MIN poll
         for tx in senders:
             tx.send(SRC_PAGES[3:], last=True)
