@@ -18,7 +18,7 @@ every message and drops (logs, counts) bad ones; it never dies of one.
 
 The prefill side has three parts. :class:`~kv.mooncake_rooms.PrefillRooms` owns every room's
 state (BOOTSTRAPPING → WAITING_FOR_INPUT → TRANSFERRING → SUCCESS / FAILED), the known decode
-sessions, early destinations and tombstones; it does no I/O. The write pipeline
+sessions, early destinations and the answers each session had; it does no I/O. The write pipeline
 (:mod:`kv.mooncake_writes`) turns queued chunks into engine writes on its worker threads. The
 manager here wires them to the engine and the sockets: it runs the listener, registers decode
 sessions, and pushes the ``Status`` messages the room table says decode is owed. A
@@ -30,15 +30,20 @@ to it are skipped, while other sessions are untouched. A ``Register`` from the s
 keepalive included, clears the blacklist. A dead decode peer fails within about a second (TCP
 connection refused). A decode session silent for longer than its keepalive allows (killed: it
 sent no ``Deregister``) is forgotten as if it had deregistered (:meth:`forget_silent`, from
-the listener thread once a second).
+the listener thread once a second, and only once it has read every message waiting: a
+listener that did not run for a while judges no one before it caught up with the keepalives
+queued meanwhile); the statuses its rooms are owed are pushed before its socket closes. A
+changed ``Register`` of a known session is a ``Deregister`` of the old one first.
 A worker exception fails its room; the worker keeps running. An ``Abort`` from decode fails the
 room with ``REASON_PEER_ABORTED``. A room refused on either side fails the other side's request
 for it at once (:meth:`MooncakeKVManager.refuse`, :meth:`MooncakeKVManager.peer_refused`;
-:mod:`kv.refusal`). Readiness goes to ``ready``.
+:mod:`kv.refusal`). Readiness goes to ``ready``. Every destination gets exactly one ``Status``
+(:mod:`kv.mooncake_rooms`), and so does an ``Abort`` whose destination this rank does not hold.
 
-Rooms: ``clear()`` forgets a room and leaves a tombstone, so a late ``Destination``/``Abort`` for
-it is ignored instead of poisoning a later request that reuses the room number. ``quiescent()``
-is False while a chunk of the room is queued or being written.
+Rooms: ``clear()`` forgets a room; a destination that comes later is a new use's, and an
+``Abort`` that crossed the room's ``Status`` is dropped. ``quiescent()`` is False while a chunk
+of the room is queued or being written. ``close()`` fails every live room, and a sender created
+or a chunk sent after it fails at once.
 
 Hybrid state (``states=``, :mod:`kv.mooncake_state`): both sides register their state pools
 too; a decode rank whose pools differ is refused at its ``Register`` (every room's destination
@@ -70,7 +75,7 @@ from kv.mooncake_engine import (
     register_all,
 )
 from kv.mooncake_legs import Chunk, Owed, PrefillRoom
-from kv.mooncake_rooms import PrefillRooms
+from kv.mooncake_rooms import MIN_SILENCE_S, AnsweredDrop, PrefillRooms
 from kv.mooncake_slices import Target, target_of
 from kv.mooncake_state import pool_memory
 from kv.mooncake_writes import WritePipeline
@@ -86,6 +91,14 @@ logger = logging.getLogger(__name__)
 #: How long a refusal to a decode rank that cannot pair (:class:`kv.wire.Refused`) may wait
 #: for its connection before it is dropped.
 _REFUSAL_LINGER_MS = 1000
+#: How long the last statuses pushed to a decode session (forgotten, or registered anew) may take
+#: to leave once its socket is closed.
+_LAST_STATUS_LINGER_MS = 500
+#: Why a room fails as the manager closes.
+_CLOSED = "the prefill manager closed"
+#: A listener tick this long (s) after the previous one ran late: the listener did not run
+#: meanwhile, so keepalives may wait unread, and no session is judged silent on it.
+_LATE_TICK_S = 3.0
 
 
 class MooncakeKVManager:
@@ -151,6 +164,8 @@ class MooncakeKVManager:
         self.dropped_messages = self._control.dropped_messages
         self._push_lock = threading.Lock()
         self._push: dict[str, zmq.Socket[Any]] = {}
+        self._submit_lock = threading.Lock()
+        self._closing = False  # set by close(): no chunk is queued after
         self._writes = WritePipeline(
             self.engines, pool, metadata, self._rooms, config, self._tell_decode
         )
@@ -176,8 +191,7 @@ class MooncakeKVManager:
     def create_sender(self, bootstrap_addr: str, room: int) -> MooncakeKVSender:
         rec, owed = self._rooms.create(room)
         self._tell_decode(owed)
-        return MooncakeKVSender(self._rooms, rec, self._writes.submit, self._tell_decode,
-                                self.states)
+        return MooncakeKVSender(self._rooms, rec, self._submit, self._tell_decode, self.states)
 
     def live_rooms(self) -> int:
         return len(self._rooms)
@@ -208,8 +222,15 @@ class MooncakeKVManager:
             self._tell_decode(self._rooms.peer_refused(room, reason))
 
     def close(self) -> None:
+        """Stop serving: the chunks queued are written, then every live room fails, and a
+        sender created or a chunk sent from now on fails at once, so every sender is
+        quiescent; then the sockets and engines close. Decode is told nothing more (see
+        :meth:`kv.mooncake_rooms.PrefillRooms.close`)."""
         self._control.stop()
+        with self._submit_lock:
+            self._closing = True
         self._writes.close()
+        self._rooms.close(_CLOSED)
         with self._push_lock:
             for sock in self._push.values():
                 sock.close()
@@ -217,6 +238,15 @@ class MooncakeKVManager:
         for engine in self.engines[1:]:
             engine.close()
         self._control.close()
+
+    def _submit(self, chunk: Chunk) -> None:
+        """Queue ``chunk`` for the transfer workers; once the manager closes (they stop),
+        conclude it failed instead, so its room is quiescent."""
+        with self._submit_lock:
+            if not self._closing:
+                self._writes.submit(chunk)
+                return
+        self._rooms.conclude([chunk], chunk.session, _CLOSED, False)
 
     # -- control messages (listener thread) --------------------------------------------------
 
@@ -226,17 +256,33 @@ class MooncakeKVManager:
         elif isinstance(msg, wire.Watch):
             self._tell_decode(self._rooms.watch(msg))
         elif isinstance(msg, wire.Destination):
-            self._tell_decode(self._rooms.destination(msg))
+            try:
+                self._tell_decode(self._rooms.destination(msg))
+            except AnsweredDrop as drop:  # answered, then counted and logged as a drop
+                self._tell_decode(drop.owed)
+                raise
         elif isinstance(msg, wire.Abort):
             self._tell_decode(self._rooms.peer_abort(msg))
         elif isinstance(msg, wire.Deregister):
-            self._on_deregister(msg)
+            self._forget(msg.session, None)
+            logger.info("decode session %s deregistered", msg.session)
         else:
             raise wire.WireError("unexpected_type", f"{type(msg).__name__} is not for prefill")
 
     def _on_register(self, reg: wire.Register) -> None:
         if self._rooms.touch(reg):  # the decode rank's keepalive
             return
+        if self._rooms.known(reg.session):
+            # Another registration of the session: another decode process on its engine port
+            # (one restarted). Its rooms were the old process's memory.
+            reason = (f"decode session {reg.session} registered anew (its decode process "
+                      "restarted?): the rooms of its earlier registration failed")
+            try:
+                self._forget(reg.session, reason)
+            except wire.WireError:  # forgotten meanwhile, by a caller on another thread
+                pass
+            else:
+                logger.warning("%s", reason)
         try:
             target = self._target_of(reg)
         except wire.WireError as exc:
@@ -290,36 +336,52 @@ class MooncakeKVManager:
         finally:
             sock.close()
 
-    def _on_deregister(self, msg: wire.Deregister, reason: str | None = None) -> None:
-        owed = self._rooms.deregister(msg.session, reason)
+    def _forget(self, session: str, reason: str | None) -> None:
+        """Forget ``session``: with ``reason`` (silent, registered anew) its rooms fail for it
+        and the statuses it is owed leave on its socket before that closes; without (its
+        ``Deregister``: it reads no more) only the other decode ranks of its rooms are told.
+        Raises ``unknown_session`` for a session that is not registered."""
+        owed = self._rooms.deregister(session, reason)
+        if reason is not None:
+            self._tell_decode(owed)
         with self._push_lock:
-            sock = self._push.pop(msg.session, None)
+            sock = self._push.pop(session, None)
             if sock is not None:
-                sock.close()
-        self._tell_decode(owed)  # the other decode ranks of its failed rooms
+                sock.close(linger=0 if reason is None else _LAST_STATUS_LINGER_MS)
         if reason is None:
-            logger.info("decode session %s deregistered", msg.session)
+            self._tell_decode(owed)  # its own stay owed (not sent): see _tell_decode
 
     def _tick(self) -> None:
         """The listener's periodic work (once a second): fail the rooms past their bootstrap
         timeout, so the scheduler sees them whether or not it polls them, and forget silent
-        decode sessions."""
+        decode sessions, judged only when the listener has read every message that came
+        before this tick and ran a moment ago (a tick that comes late follows a stall of the
+        listener's own, during which keepalives may have queued unread)."""
         now = self._clock()
-        if now - self._last_tick >= 1.0:
-            self._last_tick = now
-            self._tell_decode(self._rooms.expire())
-            self.forget_silent()
+        since = now - self._last_tick
+        if since < 1.0:
+            return
+        self._last_tick = now
+        self._tell_decode(self._rooms.expire())
+        if since >= MIN_SILENCE_S / 2:
+            logger.warning("the control listener of prefill rank %d did not run for %.0f s; "
+                           "decode sessions are judged silent only once it has read the "
+                           "messages that came meanwhile", self.rank, since)
+        if since < _LATE_TICK_S and self._control.caught_up():
+            self.forget_silent(now)
 
-    def forget_silent(self) -> list[str]:
-        """Forget every decode session silent for longer than its keepalive allows
-        (:func:`kv.mooncake_rooms.silence_limit`: a decode rank killed, or its host gone, sends
-        no ``Deregister``), as if it had deregistered: its live rooms fail and its status
-        socket closes. The sessions forgotten. The listener calls this once a second."""
+    def forget_silent(self, now: float | None = None) -> list[str]:
+        """Forget every decode session silent at ``now`` (the manager's clock; by default the
+        present) for longer than its keepalive allows (:func:`kv.mooncake_rooms.silence_limit`:
+        a decode rank killed, or its host gone, sends no ``Deregister``), as if it had
+        deregistered: its live rooms fail, it is sent the statuses it is owed and its status
+        socket closes. The sessions forgotten. The listener calls this once a second, when it
+        has read every message waiting."""
         forgotten = []
-        for session, quiet in self._rooms.silent():
+        for session, quiet in self._rooms.silent(now):
             reason = f"decode session {session} went silent: no keepalive for {quiet:.0f} s"
             try:
-                self._on_deregister(wire.Deregister(session), reason)
+                self._forget(session, reason)
             except wire.WireError:  # forgotten meanwhile, by a caller on another thread
                 continue
             forgotten.append(session)
@@ -327,19 +389,29 @@ class MooncakeKVManager:
         return forgotten
 
     def _tell_decode(self, owed: Sequence[Owed]) -> None:
-        """Push the statuses owed to decode (any thread; never under the room table's lock)."""
+        """Push the statuses owed to decode (any thread; never under the room table's lock).
+        One that cannot be sent (its session is not registered, or its queue is full) is
+        handed back to the room table, so the session's ``Abort`` of the room is answered."""
+        lost: list[Owed] = []
         for o in owed:
             data = wire.encode(wire.Status(o.room, int(o.poll), o.reason, self.rank),
                                self.config.token)
             with self._push_lock:
                 sock = self._push.get(o.session)
-                if sock is None:
+                if sock is None:  # it left (its rooms failed) or was forgotten
+                    lost.append(o)
                     continue
                 try:
                     sock.send(data, zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # a dead peer's queue is full; its rooms failed
-                    logger.warning("status for room %d to %s not sent: %s", o.room, o.session,
-                                   exc)
+                except zmq.ZMQError as exc:  # a dead peer's queue is full
+                    lost.append(o)
+                    logger.warning("status for room %d to decode session %s not sent: %s",
+                                   o.room, o.session, exc)
+        if lost and not self._closing:  # see close()
+            self._rooms.not_told(lost)
+            logger.info("%d statuses to decode sessions %s not sent (gone, or not reading): "
+                        "an Abort of one of those rooms is answered", len(lost),
+                        ", ".join(sorted({o.session for o in lost})))
 
 
 class MooncakeKVSender:
@@ -396,7 +468,7 @@ class MooncakeKVSender:
         self._notify(self._rooms.fail(self._rec, REASON_ABORTED, told=why))
 
     def clear(self) -> None:
-        self._rooms.clear(self._rec)
+        self._notify(self._rooms.clear(self._rec))
 
     def quiescent(self) -> bool:
         return self._rooms.quiescent(self._rec)

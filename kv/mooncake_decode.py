@@ -15,42 +15,54 @@ instead (:meth:`MooncakeDecodeManager.refuse`, :mod:`kv.refusal`). Closing sends
 (``states=``, :mod:`kv.mooncake_state`) the ``Register`` names them and each ``Destination`` the
 items each state kind goes to; prefill writes the state with the last chunk.
 
-A receiver reports SUCCESS only when every source of every stage (the ranks that write into
-this rank) said so in a ``Status`` *and* the metadata row in its slot carries its own room (the
-metadata gate). A FAILED ``Status`` from any contact fails it with that rank's reason
-(``REASON_ABORTED`` when prefill aborted the room, a refusal when prefill refused it), and the
-contacts that may still hold the room get an ``Abort``, so every prefill rank fails it and
-tells this side when it stopped writing. A source's ``Status`` also means it no longer writes
-the room's pages: :meth:`MooncakeKVReceiver.quiescent` is True once every source sent one.
-Before its destination, a FAILED ``Status`` from a rank it watches (the prefill refused or failed
-the room: :mod:`kv.mooncake_watch`) fails the receiver at once, however long the request would
-still wait for pages; a late one from another watched rank, after the receiver was cleared, is
-expected and ignored.
+A receiver reports SUCCESS only when every source of every stage (the ranks that write into this
+rank) said so in a ``Status`` *and* the metadata row in its slot carries its own room (the
+metadata gate). A room whose ``Status`` came before its row (a transport that reports a write
+done before its bytes are visible) is polled TRANSFERRING; the control listener looks at its row
+on each of its ticks (every 100 ms at least) and pushes the room to ``ready`` again once the row
+landed, so the owner polls it then (nothing else would). A FAILED ``Status`` from any contact
+fails it with that rank's reason (``REASON_ABORTED`` when prefill aborted the room, a refusal
+when prefill refused it), and the contacts that may still hold the room get an ``Abort``, so
+every prefill rank fails it and tells this side when it stopped writing. A source's ``Status``
+also means it no longer writes the room's pages: :meth:`MooncakeKVReceiver.quiescent` is True
+once every source sent one. Before its destination, a FAILED ``Status`` from a rank it watches
+(the prefill refused or failed the room: :mod:`kv.mooncake_watch`) fails the receiver at once,
+however long the request would still wait for pages; a late one from another watched rank, after
+the receiver was cleared, is expected and ignored.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s`` and, while it answers, sends every prefill rank the ``Register`` again
 (the keepalive: a prefill rank forgets a decode session silent for several intervals, so a
 decode rank killed without its ``Deregister`` does not stay registered for ever). After
 ``heartbeat_max_failures`` failures in a row the prefill counts as gone: every room not yet
-concluded fails with a reason naming it and is quiescent (a prefill that is gone writes nothing
-more), and receivers created meanwhile fail at once and wake the heartbeat for a check of its
-own (a request is the first sign that a restarted prefill is back). A health check answered
-by another instance of the bootstrap endpoint (``X-Pdlife-Instance``: a prefill restarted
-between two checks, too fast to miss any) counts as gone and back at once. When the health check
+concluded fails with a reason naming it, and receivers created meanwhile fail at once and wake
+the heartbeat for a check of its own (a request is the first sign that a restarted prefill is
+back). A failed health check does not show that the prefill ranks stopped: its bootstrap
+endpoint may be unreachable (a blip, its connection cap) while they still write. So each failed
+room's contacts are sent an ``Abort`` (the control sockets may still reach them), and a room a
+source may still write into stays held (not quiescent, its pages reserved) until that source's
+``Status`` comes, until the prefill is known gone for good (its bootstrap endpoint answers as
+another instance: the process that held the room is no more), or until
+``lost_release_timeout_s`` passed (the backstop: a prefill that neither answers nor stopped
+could still write into pages given back). A health check answered by another instance of the
+bootstrap endpoint (``X-Pdlife-Instance``: a prefill restarted between two checks, too fast to
+miss any) counts as gone and back at once, its rooms quiescent at once. When the health check
 answers again, the manager looks the prefill server up again, sends every rank a fresh
-``Register``, so a restarted prefill server is used without restarting decode, and refuses to
-it the rooms it failed when it lost the prefill and those it failed at once meanwhile (the
-router may have sent their other half there: without the refusal it would wait for its
-bootstrap timeout). A prefill that answers again but cannot be used (restarted with another
-page size, model or layout: the look-up refuses it) still counts as gone, now with the look-up's
-reason: the rooms failed meanwhile are refused to it at once, a receiver created from then on
-fails with that reason and wakes the heartbeat, whose check refuses its room too, and that
-instance is not looked up again (another instance at the address is).
+``Register``, so a restarted prefill server is used without restarting decode, sends the same
+instance an ``Abort`` again for each room still held (the first may have been lost with the
+connection), and refuses to it the rooms it failed when it lost the prefill and those it failed
+at once meanwhile (the router may have sent their other half there: without the refusal it would
+wait for its bootstrap timeout). A prefill that answers again but cannot be used (restarted with
+another page size, model or layout: the look-up refuses it) still counts as gone, now with the
+look-up's reason: the rooms failed meanwhile are refused to it at once, a receiver created from
+then on fails with that reason and wakes the heartbeat, whose check refuses its room too, and
+that instance is not looked up again (another instance at the address is).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -89,6 +101,11 @@ logger = logging.getLogger(__name__)
 _MAX_REFUSED_WHILE_LOST = 4096
 #: The most cleared rooms whose watched ranks may still send their failure (the newest).
 _MAX_CLEARED_WATCHES = 4096
+#: How long (seconds) a room failed because its prefill counted as gone stays held, at most,
+#: while a source sent no ``Status`` (``lost_release_timeout_s``): SGLang bounds a deferred
+#: decode KV release the same. A prefill that is cut off but still writes past it writes into
+#: pages given back.
+LOST_RELEASE_TIMEOUT_S = 30.0
 
 
 @attrs.define(eq=False)
@@ -109,6 +126,9 @@ class _DecodeRoom:
     # The prefill ranks sent a Watch that may still answer it with a failure (none once the
     # destination went out: from then on the contacts answer).
     watched: set[int] = attrs.Factory(set)
+    # Set when the prefill counted as gone while sources of the room had sent no Status: when
+    # (time.monotonic()) the room stops waiting for them and is quiescent.
+    held_until: float | None = None
 
     def unreported(self) -> list[int]:
         """The contacts that may still hold the room: sources with no Status back, and the
@@ -130,11 +150,20 @@ class MooncakeDecodeManager:
         config: MooncakeConfig | None = None,
         states: StatePools | None = None,
         closing: threading.Event | None = None,
+        lost_release_timeout_s: float = LOST_RELEASE_TIMEOUT_S,
     ) -> None:
         """Looks the prefill server up first, for up to ``config.connect_timeout_s``, or until
-        ``closing`` (its owner's, set when the owner closes) is set."""
+        ``closing`` (its owner's, set when the owner closes) is set. A room failed because the
+        prefill counted as gone stays held for at most ``lost_release_timeout_s`` while a
+        prefill rank may still write into it (see the module)."""
         if states is not None and states.full is not pool:
             raise ValueError("the state pools' full pool must be the manager's KV pool")
+        if (isinstance(lost_release_timeout_s, bool)
+                or not isinstance(lost_release_timeout_s, int | float)
+                or not math.isfinite(lost_release_timeout_s) or lost_release_timeout_s <= 0):
+            raise ValueError("lost_release_timeout_s must be a finite number of seconds > 0, "
+                             f"got {lost_release_timeout_s!r}")
+        self._release_after = float(lost_release_timeout_s)
         self.config = config or MooncakeConfig()
         self.pool = pool
         self.states = states
@@ -146,19 +175,33 @@ class MooncakeDecodeManager:
         self._stop = threading.Event()
         self._wake = threading.Event()  # check the prefill's health now (or stop)
         self._refusals = RefusalPoster(token=self.config.token)
-        table = lookup_prefill(bootstrap_addr, self.config, self._me, closing or self._stop)
-        self._control = ControlEndpoint(
-            self.config, pool, metadata, self._handle, name="mooncake-status", log=logger,
-            states=states,
-        )
-        self.session = self._control.session  # its engine's host:rpc_port
-        self.dropped_messages = self._control.dropped_messages
         self._lock = threading.Lock()
         self._rooms: dict[int, _DecodeRoom] = {}
         # Cleared rooms whose sources have not all sent their Status ("no more writes") yet.
         self._draining: dict[int, _DecodeRoom] = {}
         # Cleared rooms whose watched ranks may still send the failure, and which ranks.
         self._cleared_watches: OrderedDict[int, set[int]] = OrderedDict()
+        # Rooms whose SUCCESS waits for their metadata row (the gate), pushed when it lands.
+        self._gated: dict[int, _DecodeRoom] = {}
+        # The earliest held_until of the rooms held for a lost prefill, or None.
+        self._release_due: float | None = None
+        table = lookup_prefill(bootstrap_addr, self.config, self._me, closing or self._stop)
+        self._control = ControlEndpoint(
+            self.config, pool, metadata, self._handle, name="mooncake-status", log=logger,
+            states=states, tick=self._tick,
+        )
+        try:
+            self._open(table)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _open(self, table: PrefillInfo) -> None:
+        """The rest of the construction, once the control endpoint exists: the sockets to the
+        prefill ranks, the ``Register``, the listener and the heartbeat."""
+        pool, metadata, states = self.pool, self.metadata, self.states
+        self.session = self._control.session  # its engine's host:rpc_port
+        self.dropped_messages = self._control.dropped_messages
         self._peers = PrefillPeers(self._control.ctx, table, self._me, self.config.token)
         # Why the prefill counts as gone (see the heartbeat) and since when (monotonic), or
         # None while it answers.
@@ -203,6 +246,19 @@ class MooncakeDecodeManager:
             target=self._watch_prefill, name="mooncake-heartbeat", daemon=True
         )
         self._heartbeat.start()
+
+    def _abandon(self) -> None:
+        """Undo a construction that failed once the control endpoint existed, in reverse order
+        (nothing that started may outlive it: an open socket left in the context blocks the
+        context's termination, which the garbage collector attempts, for ever). The heartbeat
+        never started (it starts last); the listener stops if it started, then every socket
+        of the context closes, those of a :class:`PrefillPeers` that failed half-way included,
+        then the context and the engine."""
+        self._stop.set()
+        self._control.stop()
+        self._control.ctx.destroy(linger=0)
+        self._control.close()
+        self._refusals.close()
 
     @property
     def prefill(self) -> PrefillInfo:
@@ -324,10 +380,15 @@ class MooncakeDecodeManager:
         if instance is None:
             return False
         known = self._peers.table.instance
-        if self.lost is None and instance and known and instance != known:
-            # Restarted between two checks: its ranks, engines and rooms are new.
-            self._lose_prefill(f"prefill {self.bootstrap_addr} restarted (another "
-                               "instance answers its bootstrap endpoint)")
+        if instance and known and instance != known:
+            # Restarted: its ranks, engines and rooms are new, and the process that held this
+            # side's rooms writes nothing more.
+            restarted = (f"prefill {self.bootstrap_addr} restarted (another instance answers "
+                         "its bootstrap endpoint)")
+            if self.lost is None:  # between two checks
+                self._lose_prefill(restarted, gone=True)
+            else:
+                self._release_held(restarted)
         with self._lock:
             refused = self._refused_by is not None and instance == self._refused_by
         if refused:  # the same prefill instance: it still cannot pair
@@ -338,7 +399,13 @@ class MooncakeDecodeManager:
             self._peers.send_all(self._register)
         return True
 
-    def _lose_prefill(self, reason: str, level: int = logging.WARNING) -> None:
+    def _lose_prefill(self, reason: str, level: int = logging.WARNING, *,
+                      gone: bool = False) -> None:
+        """The prefill counts as gone, for ``reason``: every room not concluded fails. With
+        ``gone`` (the process that held the rooms is no more) every room is quiescent at once;
+        otherwise its ranks may still be alive and writing: each failed room's contacts are
+        sent an ``Abort``, and a room whose sources did not all send their ``Status`` stays
+        held until they do, the prefill is known gone, or ``lost_release_timeout_s`` passed."""
         with self._lock:
             self._lost, self._lost_since = reason, time.monotonic()
             # Their other halves may wait on the prefill (one restarted took them after its
@@ -346,10 +413,18 @@ class MooncakeDecodeManager:
             # it answers again.
             self._failed_while_lost.extend((room, reason) for room, rec in self._rooms.items()
                                            if not rec.status.terminal)
-            rooms = self._end_rooms(reason)
+            tell: list[tuple[int, list[int]]] = []
+            if gone:
+                rooms = self._end_rooms(reason)
+            else:
+                rooms, tell = self._hold_rooms(reason, time.monotonic() + self._release_after)
+            held = len(self._held())
         for rec in rooms:
             self.ready.put(rec.room)
-        logger.log(level, "%s; its %d rooms failed", reason, len(rooms))
+        self._abort(tell)
+        logger.log(level, "%s; its %d rooms failed%s", reason, len(rooms),
+                   f" ({held} held until their prefill ranks answer, at most "
+                   f"{self._release_after:g} s)" if held else "")
 
     def _end_rooms(self, reason: str) -> list[_DecodeRoom]:
         """Fail every room not concluded with ``reason`` and make every room quiescent: no
@@ -360,9 +435,108 @@ class MooncakeDecodeManager:
         for rec in rooms:
             rec.awaiting.clear()
             rec.watched.clear()
+            rec.held_until = None
             if not rec.status.terminal:
                 rec.status, rec.reason = KVPoll.FAILED, reason
+        self._release_due = None
         return rooms
+
+    def _hold_rooms(self, reason: str, until: float
+                    ) -> tuple[list[_DecodeRoom], list[tuple[int, list[int]]]]:
+        """Fail every room not concluded with ``reason``; a room whose sources may still write
+        stays held until they answer or ``until``. The rooms, whose owners must hear of it,
+        and the contacts to send an ``Abort``, by room: those of every room failed now, and of
+        every room still held. Called with ``self._lock`` held."""
+        rooms = [*self._rooms.values(), *self._draining.values()]
+        tell: list[tuple[int, list[int]]] = []
+        for rec in rooms:
+            rec.watched.clear()  # a watched rank has no destination: it writes nothing
+            failed_now = not rec.status.terminal
+            if failed_now:
+                rec.status, rec.reason = KVPoll.FAILED, reason
+            if rec.awaiting:
+                rec.held_until = until if rec.held_until is None else min(rec.held_until, until)
+                due = self._release_due
+                self._release_due = rec.held_until if due is None else min(due, rec.held_until)
+            contacts = rec.unreported()
+            if contacts and (failed_now or rec.awaiting):
+                tell.append((rec.room, contacts))
+        return rooms, tell
+
+    def _held(self) -> list[_DecodeRoom]:
+        """The rooms held for a lost prefill. Called with ``self._lock`` held."""
+        return [rec for rec in (*self._rooms.values(), *self._draining.values())
+                if rec.held_until is not None and rec.awaiting]
+
+    def _let_go(self, rec: _DecodeRoom) -> None:
+        """``rec`` waits for no prefill rank any more: quiescent. Called with ``self._lock``
+        held."""
+        rec.awaiting.clear()
+        rec.held_until = None
+        if self._draining.get(rec.room) is rec:
+            del self._draining[rec.room]
+
+    def _release_held(self, why: str) -> None:
+        """The prefill that held the rooms still held is known gone (``why``): they are
+        quiescent now."""
+        with self._lock:
+            held = self._held()
+            for rec in held:
+                self._let_go(rec)
+            self._release_due = None
+        for rec in held:
+            self.ready.put(rec.room)
+        if held:
+            logger.info("%s: the %d rooms held for it are released", why, len(held))
+
+    def _release_overdue(self, now: float | None = None) -> list[int]:
+        """Release the rooms held for a lost prefill longer than ``lost_release_timeout_s``
+        (``now``: ``time.monotonic()`` by default; the control listener calls this on its ticks
+        once one is due); the rooms released."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            held = self._held()
+            overdue = [rec for rec in held if rec.held_until is not None
+                       and rec.held_until <= now]
+            for rec in overdue:
+                self._let_go(rec)
+            self._release_due = min((rec.held_until for rec in held if rec.held_until
+                                     is not None and rec.held_until > now), default=None)
+        for rec in overdue:
+            self.ready.put(rec.room)
+        if overdue:
+            logger.warning(
+                "prefill %s sent no Status for rooms %s within %g s of counting as gone: their "
+                "pages go back (a prefill rank cut off but still writing would write into them)",
+                self.bootstrap_addr, sorted({rec.room for rec in overdue}),
+                self._release_after)
+        return [rec.room for rec in overdue]
+
+    def _abort(self, tell: list[tuple[int, list[int]]]) -> None:
+        """Send each room's ``Abort`` to its contacts named in ``tell``."""
+        for room, ranks in tell:
+            self._peers.send(ranks, wire.Abort(room, self.session))
+
+    def _tick(self) -> None:
+        """The control listener's periodic work: push the gated rooms whose row landed, and
+        release the held rooms that are overdue."""
+        with self._lock:
+            landed = [room for room, rec in self._gated.items() if self._row_landed(rec)]
+            for room in landed:
+                del self._gated[room]
+            due = self._release_due
+        for room in landed:
+            self.ready.put(room)
+        if due is not None and time.monotonic() >= due:
+            self._release_overdue()
+
+    def _row_landed(self, rec: _DecodeRoom) -> bool:
+        """Whether the metadata row in ``rec``'s slot has landed (with its room or, stale or
+        corrupt, another: its poll says which). Called with ``self._lock`` held."""
+        try:
+            return self.metadata.read(rec.slot, expected_room=rec.room) is not None
+        except MetadataError:
+            return True
 
     def _reconnect(self, instance: str) -> None:
         """The prefill (``instance`` of it) answers again: look its ranks up and register
@@ -391,6 +565,10 @@ class MooncakeDecodeManager:
         peers.send_all(self._register)
         with self._lock:
             self._lost = self._lost_since = self._refused_by = None
+            # The same instance is back (another one released them): the Abort sent when it
+            # was lost may not have reached it.
+            tell = [(rec.room, rec.unreported()) for rec in self._held()]
+        self._abort(tell)
         failed = self._refuse_failed()
         logger.info("prefill %s is back (%d ranks); registered again%s", self.bootstrap_addr,
                     len(table.ranks), f", refused the {len(failed)} rooms failed since it was lost"
@@ -446,8 +624,10 @@ class MooncakeDecodeManager:
             if rec is None or rank not in rec.contacts:
                 raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
             rec.awaiting.discard(rank)
-            if not rec.awaiting and self._draining.get(msg.room) is rec:
-                del self._draining[msg.room]
+            if not rec.awaiting:
+                rec.held_until = None
+                if self._draining.get(msg.room) is rec:
+                    del self._draining[msg.room]
             abort: list[int] = []
             if msg.poll == KVPoll.FAILED and not rec.status.terminal:
                 rec.status = KVPoll.FAILED
@@ -573,6 +753,7 @@ class MooncakeKVReceiver:
                 rec.status, rec.reason = KVPoll.FAILED, str(exc)
                 return rec.status
             if landed is None:
+                mgr._gated[self.room] = rec  # pushed again when the row lands
                 return KVPoll.TRANSFERRING
             rec.row_landed = True
             return rec.status
@@ -598,6 +779,7 @@ class MooncakeKVReceiver:
         with mgr._lock:
             if mgr._rooms.get(self.room) is self._rec:
                 del mgr._rooms[self.room]
+                mgr._gated.pop(self.room, None)
                 if self._rec.awaiting:
                     mgr._draining[self.room] = self._rec
                 if self._rec.watched:
@@ -607,6 +789,7 @@ class MooncakeKVReceiver:
 
     def quiescent(self) -> bool:
         """False while a prefill rank may still write into the room's pages (a source sent no
-        Status back yet)."""
+        Status back yet, and neither is its prefill known gone nor did the bound for a lost
+        one pass)."""
         with self._mgr._lock:
             return not self._rec.awaiting

@@ -7,8 +7,8 @@ request. :class:`EarlyDestinations` keeps them, per room and in arrival order, u
 decode withdraws its own with an ``Abort`` (:meth:`EarlyDestinations.withdraw`) or leaves with a
 ``Deregister`` (:meth:`EarlyDestinations.withdraw_session`). It holds at
 most ``limit`` rooms: one more evicts the oldest room's, which :meth:`EarlyDestinations.keep`
-reports as a :class:`~kv.wire.WireError` (counted and logged where the message came in). Not
-thread-safe: its owner's lock guards it.
+returns, so that its owner answers each (nothing will be written into them) and counts the
+drop. Not thread-safe: its owner's lock guards it.
 """
 
 from __future__ import annotations
@@ -22,20 +22,26 @@ class EarlyDestinations:
     """The early destinations of one prefill rank, by room (oldest room first)."""
 
     def __init__(self, limit: int) -> None:
-        self._limit = limit
+        self.limit = limit
         self._rooms: OrderedDict[int, list[wire.Destination]] = OrderedDict()
 
-    def keep(self, dest: wire.Destination) -> None:
-        """Keep ``dest`` until its room is created; raises ``early_overflow`` naming the
-        room evicted when this makes one room too many."""
+    def keep(self, dest: wire.Destination) -> list[wire.Destination]:
+        """Keep ``dest`` until its room is created; the destinations of the oldest room, in
+        arrival order, when this makes one room too many (they are no longer kept), else
+        none."""
         self._rooms.setdefault(dest.room, []).append(dest)
-        if len(self._rooms) > self._limit:
-            evicted, _ = self._rooms.popitem(last=False)
-            raise wire.WireError("early_overflow", f"evicted early room {evicted}")
+        if len(self._rooms) <= self.limit:
+            return []
+        _, evicted = self._rooms.popitem(last=False)
+        return evicted
 
     def take(self, room: int) -> list[wire.Destination]:
         """The destinations kept for ``room``, in arrival order; none are kept after."""
         return self._rooms.pop(room, [])
+
+    def holds(self, room: int, session: str) -> bool:
+        """Whether a destination of ``session`` for ``room`` is kept."""
+        return any(d.session == session for d in self._rooms.get(room, []))
 
     def withdraw(self, room: int, session: str) -> bool:
         """Drop ``session``'s destinations for ``room`` (an ``Abort`` from that session);
@@ -50,11 +56,10 @@ class EarlyDestinations:
             del self._rooms[room]
         return True
 
-    def withdraw_session(self, session: str) -> list[int]:
-        """Drop every destination of ``session`` (it deregistered); the rooms it had sent one
-        for."""
-        rooms = [room for room, kept in self._rooms.items()
-                 if any(d.session == session for d in kept)]
-        for room in rooms:
+    def withdraw_session(self, session: str) -> list[wire.Destination]:
+        """Drop every destination of ``session`` (it deregistered); those dropped, oldest room
+        first."""
+        dropped = [d for kept in self._rooms.values() for d in kept if d.session == session]
+        for room in dict.fromkeys(d.room for d in dropped):
             self.withdraw(room, session)
-        return rooms
+        return dropped

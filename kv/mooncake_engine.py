@@ -308,6 +308,8 @@ def push_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
 #: Dropped-message reasons logged every time: a peer configured unlike this side (a decode
 #: sends each once per connection).
 _ALWAYS_LOGGED = frozenset({"incompatible_layout", "incompatible_model"})
+#: The most messages the listener handles in a row before its periodic work.
+_MAX_IN_A_ROW = 1000
 
 
 def serve_control(
@@ -320,7 +322,9 @@ def serve_control(
     tick: Callable[[], None] | None = None,
 ) -> None:
     """Hand each control message arriving on ``pull`` to ``handle`` until ``stop`` is set, and
-    call ``tick`` after each message and each 100 ms without one.
+    call ``tick`` once the messages waiting were handled (at most :data:`_MAX_IN_A_ROW` in a
+    row) and after each 100 ms without one, so that what it judges from the messages (a
+    keepalive that did not come) is judged after those that were waiting.
 
     A bad message (:class:`~kv.wire.WireError`, from decoding or from ``handle``) is logged on
     ``log``, counted in ``dropped`` and dropped; so is a message whose handler raised anything
@@ -330,27 +334,36 @@ def serve_control(
     reason and every 1000th at WARNING, the rest at DEBUG.
     """
     while not stop.is_set():
-        if pull.poll(100):
-            data = pull.recv()
-            try:
-                handle(wire.decode(data, token))
-            except wire.WireError as err:
-                n = dropped.record(err)
-                # A peer's misconfiguration every time; other reasons the first time, then every
-                # 1000th: a flood of bad messages must not flood the log (the counter has all).
-                loud = err.reason in _ALWAYS_LOGGED or (
-                    err.reason != "stale_room" and (n == 1 or n % 1000 == 0))
-                log.log(logging.WARNING if loud else logging.DEBUG,
-                        "dropped control message: %s%s", err,
-                        f" ({n} dropped for {err.reason} so far)" if n > 1 else "")
-            except Exception:  # a handler bug must not end the listener
-                log.exception("control message handler failed")
-                dropped.record(wire.WireError("internal", "handler raised"))
+        waiting = bool(pull.poll(100))
+        for _ in range(_MAX_IN_A_ROW):
+            if not waiting:
+                break
+            _serve_one(pull.recv(), token, handle, dropped, log)
+            waiting = bool(pull.poll(0))
         if tick is not None:
             try:
                 tick()
             except Exception:  # nor a bug of the periodic work
                 log.exception("control listener tick failed")
+
+
+def _serve_one(data: bytes, token: str | None, handle: Callable[[wire.Message], None],
+               dropped: wire.DroppedMessages, log: logging.Logger) -> None:
+    """Decode and handle one control message; a bad one is counted, logged and dropped."""
+    try:
+        handle(wire.decode(data, token))
+    except wire.WireError as err:
+        n = dropped.record(err)
+        # A peer's misconfiguration every time; other reasons the first time, then every
+        # 1000th: a flood of bad messages must not flood the log (the counter has all).
+        loud = err.reason in _ALWAYS_LOGGED or (
+            err.reason != "stale_room" and (n == 1 or n % 1000 == 0))
+        log.log(logging.WARNING if loud else logging.DEBUG,
+                "dropped control message: %s%s", err,
+                f" ({n} dropped for {err.reason} so far)" if n > 1 else "")
+    except Exception:  # a handler bug must not end the listener
+        log.exception("control message handler failed")
+        dropped.record(wire.WireError("internal", "handler raised"))
 
 
 class ControlEndpoint:
@@ -397,6 +410,11 @@ class ControlEndpoint:
 
     def start(self) -> None:
         self._thread.start()
+
+    def caught_up(self) -> bool:
+        """Whether no control message waits to be handled: every message that came before the
+        call was. Only on the listener thread (from its ``tick``): the socket is its own."""
+        return not self._pull.poll(0)
 
     def stop(self) -> None:
         """Stop the listener (the engine and the context stay open)."""

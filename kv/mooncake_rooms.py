@@ -23,18 +23,28 @@ rank writes into it (:class:`~kv.mooncake_slices.Target`); a destination from an
 is refused, and so is one from a decode rank the room does not wait for (``not_a_contact``).
 A session is blacklisted after a failed engine write: its live rooms fail at once, since none
 of them can succeed. A ``Deregister`` (the decode manager closed) forgets the session: its live
-rooms fail the same way, and a room it had sent an early destination for fails when created.
-A decode rank that cannot say goodbye (killed, its host gone) is forgotten the same way once it
-is silent: its ``Register`` comes again every ``keepalive_ms`` (the same one: :meth:`touch`
-notes the time and lifts the blacklist), and a session not heard from for
-:func:`silence_limit` is :meth:`silent` (the manager forgets it).
+rooms fail the same way, its early destinations are answered, and a room it had sent one for
+fails when created. A decode rank that cannot say goodbye (killed, its host gone) is forgotten
+the same way once it is silent: its ``Register`` comes again every ``keepalive_ms`` (the same
+one: :meth:`touch` notes the time and lifts the blacklist), and a session not heard from for
+:func:`silence_limit` is :meth:`silent` (the manager forgets it). A changed ``Register`` of a
+known session (a decode process restarted on the same engine port) is forgotten first too.
 
-A destination that arrives before its sender exists waits (:mod:`kv.mooncake_early`).
-``clear()`` forgets a room and leaves a tombstone, so a late ``Destination`` or ``Abort`` for
-it is dropped rather than attached to a later request that reuses the room number.
+A destination that arrives before its sender exists waits (:mod:`kv.mooncake_early`), also
+for a room number used before and cleared: decode sends one destination per use of a room, so
+a destination no live room holds is a new use's.
 
-Decode reads a FAILED ``Status`` as "prefill no longer writes into these pages", so it is owed
-only once the failed room is quiescent: no chunk of it queued or being written.
+Every destination is answered with exactly one ``Status``: its room's SUCCESS or FAILED, a
+refusal, or, for one this rank drops (it does not fit the session's registration, the rank
+does not serve its decode rank, a second one, one evicted from the early store), a FAILED one
+naming the drop (:class:`AnsweredDrop`), unless the session's destination already held here
+for the room is still to be answered. Decode reads a FAILED ``Status`` as "prefill no longer
+writes into these pages", so a room's is owed only once the failed room is quiescent: no chunk
+of it queued or being written. Each answer is remembered, per room and session, until that
+session sends the room another destination: an ``Abort`` that crossed it is dropped
+(``stale_room``); any other ``Abort`` this rank cannot match to a live destination (one it
+dropped, answered or never had, or of a room that concluded while its ``Status`` could not be
+sent, :meth:`not_told`) is answered with a FAILED ``Status``.
 
 A decode rank whose state pools this rank cannot serve (:func:`kv.mooncake_state.state_target`)
 is registered with the reason: each destination from it fails its room on both sides at once
@@ -72,6 +82,7 @@ from kv.refusal import RefusedRooms
 from kv.state_copy import pairing
 from kv.state_pools import StateKind
 from kv.transfer import (
+    REASON_ABORTED,
     REASON_PEER_ABORTED,
     REASON_PEER_REFUSED,
     KVPoll,
@@ -83,7 +94,9 @@ from kv.transfer import (
 
 logger = logging.getLogger(__name__)
 
-_TOMBSTONES = 65536
+#: The (room, session) answers remembered (the oldest go first): an ``Abort`` that crossed one
+#: is not answered a second time.
+_ANSWERED = 65536
 #: The most rooms watched at once (the oldest watch is dropped beyond: its room's failure then
 #: reaches decode when its destination comes, as without a watch).
 _WATCHED_ROOMS = 16384
@@ -107,6 +120,16 @@ def silence_limit(reg: wire.Register) -> float | None:
     return max(KEEPALIVE_MISSES * reg.keepalive_ms / 1000, MIN_SILENCE_S)
 
 
+class AnsweredDrop(wire.WireError):
+    """A dropped destination (its reason and detail, as any :class:`~kv.wire.WireError`) and
+    the FAILED ``Status`` its decode rank is owed for it (``owed``: none where the session's
+    destination held here answers for it), for the caller to push before it counts the drop."""
+
+    def __init__(self, err: wire.WireError, owed: list[Owed]) -> None:
+        super().__init__(err.reason, err.detail)
+        self.owed = owed
+
+
 class PrefillRooms:
     """The room table of one prefill rank (thread-safe)."""
 
@@ -125,7 +148,10 @@ class PrefillRooms:
         self._lock = threading.Lock()
         self._rooms: dict[int, PrefillRoom] = {}
         self._early = EarlyDestinations(max_early_destinations)
-        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        # The (room, session) pairs answered with a Status since that session's last
+        # destination for the room came (see the module).
+        self._answered: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._closed = ""  # why no room is served any more (close)
         self._regs: dict[str, wire.Register] = {}
         self._targets: dict[str, Target] = {}
         self._heard: dict[str, float] = {}  # when each session's Register last came (clock)
@@ -175,10 +201,15 @@ class PrefillRooms:
         with self._lock:
             return self._heard.get(session)
 
-    def silent(self) -> list[tuple[str, float]]:
-        """The sessions silent for longer than their :func:`silence_limit`, each with how long
-        it has been silent (s)."""
-        now = self._clock()
+    def known(self, session: str) -> bool:
+        """Whether ``session`` is registered."""
+        with self._lock:
+            return session in self._regs
+
+    def silent(self, now: float | None = None) -> list[tuple[str, float]]:
+        """The sessions silent at ``now`` (this table's clock; by default the present) for
+        longer than their :func:`silence_limit`, each with how long it has been silent (s)."""
+        now = self._clock() if now is None else now
         with self._lock:
             return [(s, now - self._heard[s]) for s, reg in self._regs.items()
                     if (limit := silence_limit(reg)) is not None and now - self._heard[s] > limit]
@@ -186,27 +217,41 @@ class PrefillRooms:
     def destination(self, dest: wire.Destination) -> list[Owed]:
         """Attach ``dest`` to its room, or keep it until the room's sender exists; for a room
         that failed before its handshake or was refused, the refusal owed to decode instead.
-        Raises :class:`~kv.wire.WireError` for a destination that must be dropped."""
+        Raises :class:`AnsweredDrop` for a destination dropped from a registered session (the
+        early destinations it evicted, for one that made the early store overflow), and
+        :class:`~kv.wire.WireError` for one from a session that is not registered."""
         with self._lock:
-            wire.check_destination(dest, self._regs)
-            self._watchers.drop(dest.room, dest.session)
+            if dest.session not in self._regs:
+                raise wire.WireError("unknown_session",
+                                     f"room {dest.room}: session {dest.session!r}")
             rec = self._rooms.get(dest.room)
+            if rec is not None and self._has_leg(rec, dest.session):
+                raise self._dropped(dest, wire.WireError(
+                    "duplicate_destination",
+                    f"room {dest.room}: a second one from session {dest.session}"))
+            try:
+                wire.check_destination(dest, self._regs)
+            except wire.WireError as err:
+                raise self._dropped(dest, err) from None
+            self._watchers.drop(dest.room, dest.session)
             unfit = self._targets[dest.session].state.refused
             if unfit and (rec is None or not rec.paired):
                 return self._refuse_state(rec, dest, unfit)
             if rec is not None and not rec.paired:
                 if rec.status == KVPoll.FAILED:
                     return self._answer(dest, rec.told or rec.reason)
-                self._accept(rec, dest)
+                self._take(rec, dest)
                 return []
             refused = self._refused.get(dest.room)
             if refused is not None:
                 return self._answer(dest, refused)
             if rec is not None:
-                raise wire.WireError("duplicate_destination", f"room {dest.room}")
-            if dest.room in self._tombstones:
-                raise wire.WireError("stale_room", f"room {dest.room} was already cleared")
-            self._early.keep(dest)
+                raise self._dropped(dest, wire.WireError("duplicate_destination",
+                                                         f"room {dest.room}"))
+            self._answered.pop((dest.room, dest.session), None)  # a new use of the room
+            evicted = self._early.keep(dest)
+            if evicted:
+                raise self._evicted(evicted)
             return []
 
     def watch(self, msg: wire.Watch) -> list[Owed]:
@@ -253,65 +298,99 @@ class PrefillRooms:
             return []
 
     def peer_abort(self, msg: wire.Abort) -> list[Owed]:
-        """Decode aborted a room; raises :class:`~kv.wire.WireError` if the abort is stale or
-        comes from another session."""
+        """Decode aborted a room: a live room holding the session's destination fails (its
+        statuses are owed once it is quiescent), an early one is withdrawn and answered, and
+        any other abort is answered with a FAILED ``Status`` (nothing of this rank writes into
+        that destination) unless the session was answered already since its destination came:
+        that abort crossed the answer, and raises ``stale_room``. Raises ``unknown_session``
+        for a session that is not registered."""
         with self._lock:
+            if msg.session not in self._regs:
+                raise wire.WireError("unknown_session",
+                                     f"abort of room {msg.room}: session {msg.session!r}")
             rec = self._rooms.get(msg.room)
             if rec is None and self._early.withdraw(msg.room, msg.session):
                 # Never reached this rank: nothing is written; decode learns its pages are
                 # free, and a sender created later for the room fails at once.
                 self._peer_refused.add(msg.room, REASON_PEER_ABORTED)
-                return [Owed(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
-            # Decode aborts only rooms it sent a destination for, on the same ordered socket:
-            # an abort for a room without one belongs to an earlier use of the room number.
-            if rec is None or not rec.legs:
-                raise wire.WireError("stale_room", f"abort for unknown room {msg.room}")
-            if all(leg.session != msg.session for leg in rec.legs.values()):
-                raise wire.WireError(
-                    "foreign_abort", f"room {msg.room} belongs to {rec.sessions}"
-                )
-            self._fail(rec, REASON_PEER_ABORTED)
-            return self._settle(rec)
+                return [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
+            if rec is not None and self._has_leg(rec, msg.session):
+                if self._fail(rec, REASON_PEER_ABORTED):
+                    return self._settle(rec)
+                if rec.status == KVPoll.FAILED and not rec.notified:
+                    return []  # still being written: answered once quiescent
+            if (msg.room, msg.session) in self._answered:
+                raise wire.WireError("stale_room",
+                                     f"abort of room {msg.room} crossed its status")
+            return [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
 
     def deregister(self, session: str, reason: str | None = None) -> list[Owed]:
         """Forget ``session``, whose decode manager closed (or, with ``reason``, that went
-        silent): its live rooms fail (the other decode ranks of each are owed the failure), a
-        room it sent an early destination for fails when its sender is created, and a later
-        message from it is dropped as from an unknown session (a ``Register`` makes it known
-        again). Raises ``unknown_session`` for a session that is not registered."""
+        silent or registered anew): its live rooms fail, its early destinations are answered
+        and a room it sent one for fails when its sender is created, and a later message from
+        it is dropped as from an unknown session (a ``Register`` makes it known again). The
+        statuses owed, the session's own among them (the caller pushes them before it closes
+        the session's socket, or hands those back to :meth:`not_told`). Raises
+        ``unknown_session`` for a session that is not registered."""
         with self._lock:
             if session not in self._regs:
                 raise wire.WireError("unknown_session", f"deregister from {session!r}")
+            reason = reason or f"decode session {session} closed"
+            self._watchers.forget_session(session)
+            owed = [self._owe(session, dest.room, KVPoll.FAILED, reason)
+                    for dest in self._early.withdraw_session(session)]
+            for o in owed:
+                self._peer_refused.add(o.room, reason)
+            owed += self._fail_session(session, reason)
             del self._regs[session], self._targets[session], self._heard[session]
             self._blacklist.discard(session)
-            self._watchers.forget_session(session)
-            reason = reason or f"decode session {session} closed"
-            for room in self._early.withdraw_session(session):
-                self._peer_refused.add(room, reason)
-            return self._fail_session(session, reason)
+            return owed
+
+    def not_told(self, owed: Sequence[Owed]) -> None:
+        """The statuses of ``owed`` could not be sent: an ``Abort`` of one of those rooms
+        from its session is answered."""
+        with self._lock:
+            for o in owed:
+                self._answered.pop((o.room, o.session), None)
+
+    def close(self, reason: str) -> None:
+        """This rank serves no room any more (``reason``): every live room fails, and so does
+        a room created from now on, at once. Decode is told nothing: its heartbeat fails the
+        rooms of a prefill that stopped answering (and refuses them to the instance that
+        answers next, which a status would forestall)."""
+        with self._lock:
+            self._closed = reason
+            for rec in self._rooms.values():
+                self._fail(rec, reason)
 
     # -- senders (scheduler thread) ------------------------------------------------------------
 
     def create(self, room: int) -> tuple[PrefillRoom, list[Owed]]:
         """A new room, with the destinations that came early; a room decode refused fails at
-        once, and the decode ranks that did send a destination are owed the refusal."""
+        once, and the decode ranks that did send a destination are owed the refusal; a room
+        created once the table closed fails at once. An early destination the room cannot take
+        (not from a decode rank it serves, a second one) is answered."""
         with self._lock:
             if room in self._rooms:
                 raise TransferUsageError(room, "a live sender exists for this room; clear() it")
             rec = PrefillRoom(room=room, created=self._clock())
             self._rooms[room] = rec
-            self._tombstones.pop(room, None)
+            if self._closed:
+                self._fail(rec, self._closed)
+                return rec, []
             early = self._early.take(room)
             refused = self._peer_refused.pop(room)
             if refused is not None:
                 self._fail(rec, refusal(refused))
                 return rec, [self._refusal(dest, refused) for dest in early]
+            owed: list[Owed] = []
             for dest in early:
                 try:
                     self._accept(rec, dest)
                 except wire.WireError as exc:  # counted where it came in: it was kept then
-                    logger.warning("early destination dropped: %s", exc)
-        return rec, []
+                    logger.warning("early destination of room %d dropped: %s", room, exc)
+                    owed += self._dropped(dest, exc).owed
+        return rec, owed
 
     def init(self, rec: PrefillRoom, num_pages: int, slot: int) -> list[Owed]:
         if not 0 <= slot < self._num_slots:
@@ -401,18 +480,22 @@ class PrefillRooms:
                 rec.told = told
             return self._settle(rec)
 
-    def clear(self, rec: PrefillRoom) -> None:
+    def clear(self, rec: PrefillRoom) -> list[Owed]:
+        """Forget the room; one not concluded is aborted first, so the decode ranks whose
+        destination it holds are still told (now, or once it is quiescent). The statuses
+        owed."""
         with self._lock:
-            if self._rooms.get(rec.room) is rec:
-                del self._rooms[rec.room]
-                self._early.take(rec.room)
-                self._tombstones[rec.room] = None
-                # Failed before decode's destinations came: a late one gets the refusal.
-                if (not rec.paired and rec.status == KVPoll.FAILED
-                        and not rec.reason.startswith(REASON_PEER_REFUSED)):
-                    self._refused.add(rec.room, rec.told or rec.reason)
-                if len(self._tombstones) > _TOMBSTONES:
-                    self._tombstones.popitem(last=False)
+            if self._rooms.get(rec.room) is not rec:
+                return []
+            owed = self._settle(rec) if self._fail(rec, REASON_ABORTED) else []
+            del self._rooms[rec.room]
+            for leg in rec.legs.values():  # told, or to be told once quiescent
+                self._mark(rec.room, leg.session)
+            # Failed before decode's destinations came: a late one gets the refusal.
+            if (not rec.paired and rec.status == KVPoll.FAILED
+                    and not rec.reason.startswith(REASON_PEER_REFUSED)):
+                self._refused.add(rec.room, rec.told or rec.reason)
+            return owed
 
     def quiescent(self, rec: PrefillRoom) -> bool:
         with self._lock:
@@ -448,7 +531,8 @@ class PrefillRooms:
                     if len(rec.written) == len(writers):
                         rec.status = KVPoll.SUCCESS
                         self.ready.put(rec.room)
-                        owed += [Owed(leg.session, rec.room, KVPoll.SUCCESS) for leg in writers]
+                        owed += [self._owe(leg.session, rec.room, KVPoll.SUCCESS)
+                                 for leg in writers]
             if engine_failed and session not in self._blacklist:
                 self._blacklist.add(session)
                 owed += self._fail_session(
@@ -459,8 +543,61 @@ class PrefillRooms:
 
     # -- callers hold self._lock -----------------------------------------------------------------
 
+    def _owe(self, session: str, room: int, poll: KVPoll, reason: str = "") -> Owed:
+        """The ``Status`` owed to ``session`` for ``room``, remembered as its answer."""
+        self._mark(room, session)
+        return Owed(session, room, poll, reason)
+
+    def _mark(self, room: int, session: str) -> None:
+        self._answered[(room, session)] = None
+        self._answered.move_to_end((room, session))
+        while len(self._answered) > _ANSWERED:
+            self._answered.popitem(last=False)
+
     def _refusal(self, dest: wire.Destination, reason: str) -> Owed:
-        return Owed(dest.session, dest.room, KVPoll.FAILED, refusal(reason))
+        return self._owe(dest.session, dest.room, KVPoll.FAILED, refusal(reason))
+
+    @staticmethod
+    def _has_leg(rec: PrefillRoom, session: str) -> bool:
+        return any(leg.session == session for leg in rec.legs.values())
+
+    def _take(self, rec: PrefillRoom, dest: wire.Destination) -> None:
+        """:meth:`_accept` ``dest`` as it comes, raising :class:`AnsweredDrop` for one the
+        room cannot take."""
+        try:
+            self._accept(rec, dest)
+        except wire.WireError as err:
+            raise self._dropped(dest, err) from None
+        self._answered.pop((dest.room, dest.session), None)  # a new use of the room
+
+    def _dropped(self, dest: wire.Destination, err: wire.WireError) -> AnsweredDrop:
+        """``err``, the drop of ``dest``, with the FAILED ``Status`` its session is owed for
+        it: none while a destination of the session for the room is held here (a leg of the
+        live room, an early one), which is answered in its turn, or for a session already
+        told of the room through its watch."""
+        rec = self._rooms.get(dest.room)
+        held = (rec is not None and self._has_leg(rec, dest.session)) or self._early.holds(
+            dest.room, dest.session)
+        owed = [] if held else self._answer_plain(dest, f"destination dropped: {err}")
+        return AnsweredDrop(err, owed)
+
+    def _evicted(self, evicted: Sequence[wire.Destination]) -> AnsweredDrop:
+        """The early destinations of one room, evicted (one room too many waited for its
+        sender): each is answered, and a sender created for the room later fails at once
+        (its decode ranks were told)."""
+        room = evicted[0].room
+        why = (f"early_overflow: more than {self._early.limit} rooms' destinations waited for "
+               f"their senders; room {room}'s were dropped")
+        self._peer_refused.add(room, why)
+        owed = [o for dest in evicted for o in self._answer_plain(dest, why)]
+        return AnsweredDrop(wire.WireError("early_overflow", f"evicted early room {room}"), owed)
+
+    def _answer_plain(self, dest: wire.Destination, reason: str) -> list[Owed]:
+        """A FAILED ``Status`` with ``reason`` (not a refusal) answering ``dest``, unless its
+        session's watch was told of the room already."""
+        if self._watchers.was_told(dest.room, dest.session):
+            return []
+        return [self._owe(dest.session, dest.room, KVPoll.FAILED, reason)]
 
     def _expire(self, rec: PrefillRoom) -> list[Owed]:
         if rec.status != KVPoll.BOOTSTRAPPING:
@@ -481,7 +618,7 @@ class PrefillRooms:
     def _owe_watchers(self, room: int, reason: str, skip: frozenset[str] = frozenset()
                       ) -> list[Owed]:
         """The refusal of ``room`` owed to every decode rank watching it, but ``skip``."""
-        return [Owed(session, room, KVPoll.FAILED, refusal(reason))
+        return [self._owe(session, room, KVPoll.FAILED, refusal(reason))
                 for session in self._watchers.take(room, skip)]
 
     def _accept(self, rec: PrefillRoom, dest: wire.Destination) -> None:
@@ -538,7 +675,7 @@ class PrefillRooms:
             return watchers
         self.ready.put(rec.room)  # quiescence is news to the owner of the pages
         reason = refusal(rec.told) if rec.told else rec.reason
-        return [*(Owed(leg.session, rec.room, KVPoll.FAILED, reason)
+        return [*(self._owe(leg.session, rec.room, KVPoll.FAILED, reason)
                   for leg in rec.legs.values()), *watchers]
 
     def _fail_session(self, session: str, reason: str) -> list[Owed]:

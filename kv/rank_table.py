@@ -17,7 +17,10 @@ when it names a mesh of another size than the endpoint expects, or when it disag
 already registered on anything every rank must share (the pool settings, the model's layer and
 head counts, MLA, the mesh sizes), or on its stage's layers (the same stage holds the same
 layers on every rank; stages hold consecutive layers in stage order, from layer 0 to the last).
-Every message names both ranks and both values.
+Every message names both ranks and both values. A registration read from JSON (``PUT /route``
+at the endpoint, ``GET /route`` at a decode peer) must name its control endpoint as
+``tcp://HOST:PORT`` that ZeroMQ can connect to (:meth:`RankInfo.from_json`): one it cannot parse
+would fail the decode peer only once it had opened its engine and sockets.
 
 The decode side reads the table and computes whom to contact (:mod:`kv.routes`). This module is
 arithmetic and records only: no torch, no I/O.
@@ -25,6 +28,8 @@ arithmetic and records only: no torch, no I/O.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -38,6 +43,32 @@ from lifecycle.validators import one_of
 
 #: The largest TP, PP or DP size a registration may name.
 MAX_RANKS = 1 << 12
+
+#: A host name: labels of letters, digits, ``-`` and ``_``, joined by dots.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                        r"(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not ``tcp://HOST:PORT`` (HOST a host name, an IPv4 address or an IPv6
+    address, bracketed or not; PORT in 1..65535), or None."""
+    want = "must be 'tcp://HOST:PORT' (a host name or IP address, a port in 1..65535)"
+    host, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://"):
+        return f"{want}, got {endpoint!r}"
+    if not colon:
+        return f"{want}, got {endpoint!r}: no port"
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        return f"{want}, got {endpoint!r}: port {port!r}"
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ipaddress.ip_address(host[1:-1] if bracketed else host)
+        return None
+    except ValueError:
+        pass
+    if bracketed or len(host) > 253 or not _HOST_NAME.fullmatch(host):
+        return f"{want}, got {endpoint!r}: host {host!r}"
+    return None
 
 
 def _count(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -153,9 +184,14 @@ class RankInfo:
 
     @classmethod
     def from_json(cls, body: Any) -> RankInfo:
-        """Raises ValueError/TypeError naming the field when ``body`` is not a valid rank."""
+        """Raises ValueError/TypeError naming the field when ``body`` is not a valid rank (an
+        endpoint ZeroMQ cannot connect to included)."""
         fields = _exact_fields(cls, body)
-        return cls(**{**fields, "place": RankPlace(**_exact_fields(RankPlace, body["place"]))})
+        info = cls(**{**fields, "place": RankPlace(**_exact_fields(RankPlace, body["place"]))})
+        problem = _endpoint_problem(info.endpoint)
+        if problem:
+            raise ValueError(f"endpoint {problem}")
+        return info
 
 
 _T = TypeVar("_T")
