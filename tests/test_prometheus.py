@@ -6,6 +6,9 @@ KV bytes sent and pool usage, and every query of docs/grafana-dashboard.json ret
 each with a legend of its own; what a dashboard query or an alert reads of the prefill of one
 replica, it reads of the prefill of two (a query that matches a series labelled ``dp_rank``
 with one that is not reads nothing there), and a DP replica that stops answering is alerted on.
+The decode's KV pool rule reads the decode worker's series, and a request that waits for a
+decode destination that never comes is alerted on (that rule's windows shortened, so that the
+test need not wait five minutes).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ PAIRS = 6
 #: scrape of it waits up to 2 s for a replica that does not answer, and the others' timeout is
 #: their interval, 1 s (a scrape may take no longer than its interval).
 DP_JOB, DP_INTERVAL = "pdlife-prefill-dp", "3s"
+#: PdlifeRequestsWaitingForDecode's windows in the test's copy of the rules: three scrapes of
+#: the DP job, where the rules file says five minutes.
+WAITING_WINDOW = "10s"
 
 
 def scrape_config(prefill: str, decode: str, dp: str) -> str:
@@ -73,6 +79,17 @@ def alert_rules() -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = [
         r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
     return rules
+
+
+def rules_for_the_test() -> str:
+    """docs/prometheus-alerts.yml with PdlifeRequestsWaitingForDecode's windows shortened to
+    ``WAITING_WINDOW``, so that it fires within seconds of the last bootstrapped request."""
+    rules = yaml.safe_load((ROOT / "docs" / "prometheus-alerts.yml").read_text())
+    (rule,) = [r for g in rules["groups"] for r in g["rules"]
+               if r["alert"] == "PdlifeRequestsWaitingForDecode"]
+    assert rule["expr"].count("[5m]") == 2, rule["expr"]
+    rule["expr"] = rule["expr"].replace("[5m]", f"[{WAITING_WINDOW}]")
+    return str(yaml.safe_dump(rules, sort_keys=False))
 
 
 def dashboard_targets(job: str | None = None) -> list[tuple[str, str]]:
@@ -105,7 +122,7 @@ def measured(expr: str) -> str:
 class Prometheus(Process):
     def __init__(self, tmp: Path, config: str) -> None:
         (tmp / "prometheus.yml").write_text(config)
-        shutil.copy(ROOT / "docs" / "prometheus-alerts.yml", tmp)
+        (tmp / "prometheus-alerts.yml").write_text(rules_for_the_test())
         self.url = f"http://127.0.0.1:{free_port()}"
         super().__init__([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
                           f"--storage.tsdb.path={tmp / 'data'}",
@@ -144,6 +161,7 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
     prometheus = Prometheus(tmp_path, scrape_config(*(
         server.url.removeprefix("http://") for server in (prefill, decode, dp))))
     stopped: list[int] = []
+    waiting = ThreadPoolExecutor(1)
     try:
         for server in (prefill, dp, decode):
             server.wait_healthy()
@@ -172,6 +190,11 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
             orphan = pool.submit(post, prefill.url, body(PAIRS + 1, 20))
             assert [c.result() for c in calls] == [200] * (4 * PAIRS)
             assert orphan.result() == 500
+        # Nor for this one, on the DP prefill's replica 0 (an even room): it waits for its
+        # destination (300 s) until it is aborted below (PdlifeRequestsWaitingForDecode).
+        waiting_body = body(200, 20, dp_bootstrap_port)
+        waiting_answer = waiting.submit(httpx.post, f"{dp.url}/generate", json=waiting_body,
+                                        timeout=120)
 
         queries = dashboard_queries()
 
@@ -226,7 +249,7 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
         assert prometheus.value('pdlife_kv_pool_pages{job="pdlife-prefill"}') == POOL_PAGES
         assert prometheus.value(
             f'sum(pdlife_kv_pool_pages{{job="{DP_JOB}"}})') == 2 * POOL_PAGES
-        # A prefill worker exports the decode gauges too, at 0.
+        # The decode worker exports its pool's size.
         assert prometheus.value('pdlife_decode_kv_pool_pages{job="pdlife-decode"}') == POOL_PAGES
         assert 0 <= prometheus.value('pdlife_kv_usage_ratio{job="pdlife-prefill"}') <= 1
 
@@ -248,9 +271,32 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
             assert prometheus.query(f'count({{__name__="{name}"}})'), f"{name} is not scraped"
         # What an alert measures of the prefill of one replica, it measures of the prefill of
         # two (below its threshold, so its series are there whether it fires or not).
+        jobs_read_by: dict[str, set[str | None]] = {}
         for rule in rules:
             jobs_read = {s["metric"].get("job") for s in prometheus.query(measured(rule["expr"]))}
             assert "pdlife-prefill" not in jobs_read or DP_JOB in jobs_read, (rule, jobs_read)
+            jobs_read_by[rule["alert"]] = jobs_read
+        # The decode's pool is read on the decode worker (a prefill has none), the wait for
+        # destinations on every prefill.
+        assert jobs_read_by["PdlifeDecodeKVPoolFull"] == {"pdlife-decode"}
+        assert jobs_read_by["PdlifeRequestsWaitingForDecode"] == {"pdlife-prefill", DP_JOB}
+
+        def alerts(name: str) -> list[dict[str, str]]:
+            """The labels of ``name``'s alerts, pending or firing."""
+            found = httpx.get(f"{prometheus.url}/api/v1/alerts", timeout=10).json()
+            return [a["labels"] for a in found["data"]["alerts"]
+                    if a["labels"]["alertname"] == name]
+
+        # The request waiting for a destination is alerted on, for its replica, once no request
+        # of that replica was bootstrapped within the window.
+        wait_for(lambda: any((a["job"], a.get("dp_rank")) == (DP_JOB, "0")
+                             for a in alerts("PdlifeRequestsWaitingForDecode")), 30,
+                 "the request waiting for a destination alerted on")
+        assert httpx.post(f"{dp.url}/abort_request", json={"rid": waiting_body["rid"]},
+                          timeout=10).json()["aborted"] == 1
+        aborted = waiting_answer.result(30)
+        assert aborted.status_code == 200, aborted.text
+        assert aborted.json()["meta_info"]["finish_reason"]["type"] == "abort"
 
         # A DP replica stopped (SIGSTOP: alive, not answering) goes pending, then firing, per
         # replica, while its server's scrapes go on within their interval.
@@ -258,13 +304,9 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
         assert len(stopped) == 1, stopped
         os.kill(stopped[0], signal.SIGSTOP)
 
-        def alerted() -> list[dict[str, str]]:
-            alerts = httpx.get(f"{prometheus.url}/api/v1/alerts", timeout=10).json()
-            return [a["labels"] for a in alerts["data"]["alerts"]
-                    if a["labels"]["alertname"] == "PdlifeDPReplicaNotAnswering"]
-
-        wait_for(lambda: bool(alerted()), 60, "the stopped replica alerted on")
-        (labels,) = alerted()
+        wait_for(lambda: bool(alerts("PdlifeDPReplicaNotAnswering")), 60,
+                 "the stopped replica alerted on")
+        (labels,) = alerts("PdlifeDPReplicaNotAnswering")
         assert (labels["job"], labels["dp_rank"]) == (DP_JOB, "1"), labels
         assert prometheus.value(f'up{{job="{DP_JOB}"}}') == 1
     finally:
@@ -273,4 +315,5 @@ def test_prometheus_scrapes_a_prefill_decode_pair_and_the_dashboard_has_data(
         prometheus.stop()
         decode.stop()
         dp.stop()
+        waiting.shutdown()
         prefill.stop()
