@@ -15,7 +15,8 @@ before it sends anything.
 instance` in an ``X-Pdlife-Instance`` header, as ``GET /route`` carries it: a decode peer tells a
 prefill server restarted at the same address by it), or 503 with the reason once the server is
 marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed, so no rank writes
-any more and a decode peer's heartbeat gives up its rooms). ``POST /refusal`` is how a decode
+any more and a decode peer's heartbeat lets its rooms go at once: the answer says so,
+``"writes_stopped": true``, so that no other 503 counts). ``POST /refusal`` is how a decode
 peer says it will never ask for a room's KV (it refused the request, or gave up before the
 handshake): the room and the reason go to every listener the prefill ranks in this process added
 (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
@@ -71,6 +72,9 @@ MAX_ANSWER = 4 << 20
 _READ_CHUNK = 64 << 10
 #: The header of every answer (``/health``'s included) that names the server instance.
 INSTANCE_HEADER = "X-Pdlife-Instance"
+#: The field of ``/health``'s 503 answer that says the server's ranks write no KV any more
+#: (:meth:`BootstrapServer.mark_unhealthy`); a 503 without it says nothing of the kind.
+STOPPED_FIELD = "writes_stopped"
 #: Connections served at once; the peers' requests are short (a look-up, a refusal, a health
 #: check), so more than this is a flood.
 MAX_CONNECTIONS = 64
@@ -94,6 +98,18 @@ class BootstrapError(Exception):
         self.status = status
         self.detail = detail
         super().__init__(f"bootstrap {addr}: {status or 'unreachable'}: {detail}")
+
+
+class PrefillStopped(Exception):
+    """The bootstrap endpoint answered that its server's ranks write no KV any more (its engine
+    failed: :meth:`BootstrapServer.mark_unhealthy`), for ``reason``; ``instance`` is the server
+    instance that said so. A decode peer lets go of the pages it holds for that server."""
+
+    def __init__(self, addr: str, instance: str, reason: str) -> None:
+        self.addr = addr
+        self.instance = instance
+        self.reason = reason
+        super().__init__(f"bootstrap {addr}: the prefill server stopped writing KV: {reason}")
 
 
 #: A refused peer is logged the first time and then every this many refusals (all are counted).
@@ -137,9 +153,9 @@ class BootstrapServer:
             return len(self._ranks)
 
     def mark_unhealthy(self, reason: str) -> None:
-        """From now on ``/health`` answers 503 with ``reason``: the server behind this endpoint
-        will not write KV any more (its engine failed), and decode peers should let its rooms
-        go."""
+        """From now on ``/health`` answers 503 with ``reason`` and :data:`STOPPED_FIELD`: the
+        server behind this endpoint will not write KV any more (its engine failed), and decode
+        peers let the pages they hold for it go at their next health check."""
         self.unhealthy = reason
 
     @property
@@ -301,7 +317,7 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
                 if unhealthy is None:
                     self._reply(200, "OK")
                 else:
-                    self._reply(503, {"error": unhealthy})
+                    self._reply(503, {"error": unhealthy, STOPPED_FIELD: True})
             elif not self._authorized():
                 pass
             elif path == "/route":
@@ -402,16 +418,32 @@ class BootstrapClient:
         self._request("POST", "/refusal", json.dumps(body).encode())
 
     def health(self) -> bool:
-        return self.instance() is not None
+        """Whether ``/health`` answers ``OK``."""
+        try:
+            return self.instance() is not None
+        except PrefillStopped:
+            return False
 
     def instance(self) -> str | None:
         """The server's instance when its ``/health`` answers ``OK`` ("" from a server that
-        names none), else None."""
+        names none); None for no answer, or another one (a 503 that does not say the writes
+        stopped: a server from before :data:`STOPPED_FIELD`, or not a bootstrap endpoint).
+        :class:`PrefillStopped` when it answers that its ranks stopped writing KV."""
         try:
-            body, instance = self._exchange("GET", "/health")
+            status, body, instance = self._answer("GET", "/health")
         except BootstrapError:
             return None
-        return instance if body == b"OK" else None
+        if status == 200:
+            return instance if body == b"OK" else None
+        if status == 503:
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                return None
+            if (isinstance(answer, dict) and answer.get(STOPPED_FIELD) is True
+                    and isinstance(answer.get("error"), str)):
+                raise PrefillStopped(self.addr, instance, answer["error"][:_MAX_REASON])
+        return None
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
         return self._exchange(method, path, body)[0]
@@ -419,7 +451,17 @@ class BootstrapClient:
     def _exchange(self, method: str, path: str, body: bytes | None = None,
                   deadline: float | None = None) -> tuple[bytes, str]:
         """The answer's body and the server's instance header ("" when it sends none), within
-        ``timeout_s`` and by ``deadline`` (when given) in all."""
+        ``timeout_s`` and by ``deadline`` (when given) in all; an answer other than 200 is a
+        :class:`BootstrapError`."""
+        status, data, instance = self._answer(method, path, body, deadline)
+        if status != 200:
+            raise BootstrapError(self.addr, status, data.decode(errors="replace")[:200])
+        return data, instance
+
+    def _answer(self, method: str, path: str, body: bytes | None = None,
+                deadline: float | None = None) -> tuple[int, bytes, str]:
+        """The answer's status, body and the server's instance header, whatever the status;
+        a :class:`BootstrapError` when none came (see :meth:`_exchange`)."""
         headers = {"Content-Type": "application/json"}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
@@ -435,9 +477,7 @@ class BootstrapClient:
             raise BootstrapError(self.addr, 0, str(exc) or type(exc).__name__) from None
         finally:
             conn.close()
-        if resp.status != 200:
-            raise BootstrapError(self.addr, resp.status, data.decode(errors="replace")[:200])
-        return data, resp.getheader(INSTANCE_HEADER, "")
+        return resp.status, data, resp.getheader(INSTANCE_HEADER, "")
 
     def _read(self, resp: http.client.HTTPResponse, what: str) -> bytes:
         """``resp``'s body; a :class:`BootstrapError` instead of one over :data:`MAX_ANSWER`

@@ -141,35 +141,51 @@ class MooncakeKVManager:
         self.ready = self._rooms.ready
         self._clock = clock
         self._last_tick = clock()
+        self._push_lock = threading.Lock()
+        self._push: dict[str, zmq.Socket[Any]] = {}
+        self._submit_lock = threading.Lock()
+        self._closing = False  # set by close(): no chunk is queued after
         self._control = ControlEndpoint(
             config, pool, metadata, self._handle, name="mooncake-listen", log=logger,
             states=states, tick=self._tick,
         )
         self.endpoint = self._control.endpoint
         self.session = self._control.session  # its (first) engine's host:rpc_port
+        self.dropped_messages = self._control.dropped_messages
         #: The engines the rank writes through (``config.engines``), each with the pool, the
         #: metadata and the state pools registered; the first is the control endpoint's. Tools
         #: that time raw writes beside pdlife's (``bench.transfer``) write through them.
         self.engines: tuple[MooncakeEngine, ...] = (self._control.engine,)
+        writes: WritePipeline | None = None
         try:
             for _ in range(config.engines - 1):
                 engine = MooncakeEngine(config)
                 self.engines += (engine,)
                 register_all(engine, pool, metadata, states)
+            self._writes = writes = WritePipeline(
+                self.engines, pool, metadata, self._rooms, config, self._tell_decode
+            )
+            # The listener's first tick measures from its start, not from the engines'
+            # registration (a large pool's can take many seconds).
+            self._last_tick = self._clock()
+            self._control.start()
         except BaseException:
-            for engine in self.engines[1:]:
-                engine.close()
-            self._control.close()
+            self._abandon(writes)
             raise
-        self.dropped_messages = self._control.dropped_messages
-        self._push_lock = threading.Lock()
-        self._push: dict[str, zmq.Socket[Any]] = {}
-        self._submit_lock = threading.Lock()
-        self._closing = False  # set by close(): no chunk is queued after
-        self._writes = WritePipeline(
-            self.engines, pool, metadata, self._rooms, config, self._tell_decode
-        )
-        self._control.start()
+
+    def _abandon(self, writes: WritePipeline | None) -> None:
+        """Undo a construction that failed once the control endpoint existed, in reverse order
+        (an open socket left in the context blocks the context's termination, which the
+        garbage collector attempts, for ever): the listener stops if it started, the transfer
+        workers (``writes``) if they did, then every socket of the context closes, then the
+        context and the engines."""
+        self._control.stop()
+        if writes is not None:
+            writes.close()
+        self._control.ctx.destroy(linger=0)
+        for engine in self.engines[1:]:
+            engine.close()
+        self._control.close()
 
     def rank_info(self) -> RankInfo:
         return RankInfo(

@@ -42,12 +42,15 @@ endpoint may be unreachable (a blip, its connection cap) while they still write.
 room's contacts are sent an ``Abort`` (the control sockets may still reach them), and a room a
 source may still write into stays held (not quiescent, its pages reserved) until that source's
 ``Status`` comes, until the prefill is known gone for good (its bootstrap endpoint answers as
-another instance: the process that held the room is no more), or until
-``lost_release_timeout_s`` passed (the backstop: a prefill that neither answers nor stopped
-could still write into pages given back). A health check answered by another instance of the
-bootstrap endpoint (``X-Pdlife-Instance``: a prefill restarted between two checks, too fast to
-miss any) counts as gone and back at once, its rooms quiescent at once. When the health check
-answers again, the manager looks the prefill server up again, sends every rank a fresh
+another instance: the process that held the room is no more; or answers that its ranks stopped
+writing KV, :meth:`kv.bootstrap.BootstrapServer.mark_unhealthy`), or until
+``config.lost_release_timeout_s`` passed (the backstop: a prefill that neither answers nor
+stopped could still write into pages given back). A health check answered by another instance
+of the bootstrap endpoint (``X-Pdlife-Instance``: a prefill restarted between two checks, too
+fast to miss any) counts as gone and back at once, its rooms quiescent at once; one that
+answers that the ranks stopped writing counts as gone at once, its rooms quiescent at once, and
+the prefill is not registered with again until another instance answers. When the health check
+answers ``OK`` again, the manager looks the prefill server up again, sends every rank a fresh
 ``Register``, so a restarted prefill server is used without restarting decode, sends the same
 instance an ``Abort`` again for each room still held (the first may have been lost with the
 connection), and refuses to it the rooms it failed when it lost the prefill and those it failed
@@ -62,7 +65,6 @@ that instance is not looked up again (another instance at the address is).
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -73,7 +75,7 @@ import attrs
 import numpy as np
 
 from kv import wire
-from kv.bootstrap import BootstrapClient
+from kv.bootstrap import BootstrapClient, PrefillStopped
 from kv.metadata import MetadataBuffers, MetadataError
 from kv.mooncake_engine import (
     ControlEndpoint,
@@ -101,11 +103,6 @@ logger = logging.getLogger(__name__)
 _MAX_REFUSED_WHILE_LOST = 4096
 #: The most cleared rooms whose watched ranks may still send their failure (the newest).
 _MAX_CLEARED_WATCHES = 4096
-#: How long (seconds) a room failed because its prefill counted as gone stays held, at most,
-#: while a source sent no ``Status`` (``lost_release_timeout_s``): SGLang bounds a deferred
-#: decode KV release the same. A prefill that is cut off but still writes past it writes into
-#: pages given back.
-LOST_RELEASE_TIMEOUT_S = 30.0
 
 
 @attrs.define(eq=False)
@@ -150,21 +147,15 @@ class MooncakeDecodeManager:
         config: MooncakeConfig | None = None,
         states: StatePools | None = None,
         closing: threading.Event | None = None,
-        lost_release_timeout_s: float = LOST_RELEASE_TIMEOUT_S,
     ) -> None:
         """Looks the prefill server up first, for up to ``config.connect_timeout_s``, or until
         ``closing`` (its owner's, set when the owner closes) is set. A room failed because the
-        prefill counted as gone stays held for at most ``lost_release_timeout_s`` while a
-        prefill rank may still write into it (see the module)."""
+        prefill counted as gone stays held for at most ``config.lost_release_timeout_s`` while
+        a prefill rank may still write into it (see the module)."""
         if states is not None and states.full is not pool:
             raise ValueError("the state pools' full pool must be the manager's KV pool")
-        if (isinstance(lost_release_timeout_s, bool)
-                or not isinstance(lost_release_timeout_s, int | float)
-                or not math.isfinite(lost_release_timeout_s) or lost_release_timeout_s <= 0):
-            raise ValueError("lost_release_timeout_s must be a finite number of seconds > 0, "
-                             f"got {lost_release_timeout_s!r}")
-        self._release_after = float(lost_release_timeout_s)
         self.config = config or MooncakeConfig()
+        self._release_after = float(self.config.lost_release_timeout_s)
         self.pool = pool
         self.states = states
         self.metadata = metadata
@@ -375,8 +366,13 @@ class MooncakeDecodeManager:
     def _check_prefill(self, client: BootstrapClient) -> bool:
         """One health check; whether the prefill answered. A prefill that answers again, or
         as another instance, is registered with anew; one that answers as before gets the
-        keepalive."""
-        instance = client.instance()
+        keepalive. One that answers that it stopped writing KV (its engine failed) counts as
+        gone for good: its rooms are quiescent at once."""
+        try:
+            instance = client.instance()
+        except PrefillStopped as stopped:
+            self._prefill_stopped(stopped.reason)
+            return True
         if instance is None:
             return False
         known = self._peers.table.instance
@@ -398,6 +394,18 @@ class MooncakeDecodeManager:
         elif self._register.keepalive_ms:  # a prefill rank forgets a silent session
             self._peers.send_all(self._register)
         return True
+
+    def _prefill_stopped(self, why: str) -> None:
+        """The prefill's bootstrap endpoint answers that its ranks write no KV any more
+        (``why``, its reason: :meth:`kv.bootstrap.BootstrapServer.mark_unhealthy`): no room
+        waits for their ``Status`` any more, as for a prefill restarted. It is not registered
+        with again until another instance answers."""
+        stopped = (f"lost contact with prefill {self.bootstrap_addr}: it stopped writing KV "
+                   f"(its bootstrap endpoint answers unhealthy: {why!r})")
+        if self.lost is None:
+            self._lose_prefill(stopped, gone=True)
+        else:
+            self._release_held(stopped)
 
     def _lose_prefill(self, reason: str, level: int = logging.WARNING, *,
                       gone: bool = False) -> None:
@@ -505,11 +513,13 @@ class MooncakeDecodeManager:
         for rec in overdue:
             self.ready.put(rec.room)
         if overdue:
+            rooms = sorted({rec.room for rec in overdue})
+            named = ", ".join(map(str, rooms[:8])) + (f" and {len(rooms) - 8} more"
+                                                      if len(rooms) > 8 else "")
             logger.warning(
-                "prefill %s sent no Status for rooms %s within %g s of counting as gone: their "
-                "pages go back (a prefill rank cut off but still writing would write into them)",
-                self.bootstrap_addr, sorted({rec.room for rec in overdue}),
-                self._release_after)
+                "prefill %s sent no Status for %d rooms (%s) within %g s of counting as gone: "
+                "their pages go back (a prefill rank cut off but still writing would write "
+                "into them)", self.bootstrap_addr, len(rooms), named, self._release_after)
         return [rec.room for rec in overdue]
 
     def _abort(self, tell: list[tuple[int, list[int]]]) -> None:

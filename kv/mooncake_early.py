@@ -8,14 +8,21 @@ decode withdraws its own with an ``Abort`` (:meth:`EarlyDestinations.withdraw`) 
 ``Deregister`` (:meth:`EarlyDestinations.withdraw_session`). It holds at
 most ``limit`` rooms: one more evicts the oldest room's, which :meth:`EarlyDestinations.keep`
 returns, so that its owner answers each (nothing will be written into them) and counts the
-drop. Not thread-safe: its owner's lock guards it.
+drop.
+
+An ``Abort`` can also come before the destination it withdraws (decode sent the two on
+different connections or threads): :class:`Withdrawals` remembers, per room and session, that
+the destination still to come is withdrawn, so that it is answered rather than written into.
+Both are not thread-safe: their owner's lock guards them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kv import wire
+from kv.refusal import CAPACITY, TTL_S
 
 
 class EarlyDestinations:
@@ -63,3 +70,35 @@ class EarlyDestinations:
         for room in dict.fromkeys(d.room for d in dropped):
             self.withdraw(room, session)
         return dropped
+
+
+class Withdrawals:
+    """The (room, session) destinations withdrawn by an ``Abort`` before they came, oldest
+    first. Bounded (the oldest goes first) and expiring, as :class:`kv.refusal.RefusedRooms`:
+    a room number is drawn afresh per request, so an entry is about one request."""
+
+    def __init__(self, *, clock: Callable[[], float], capacity: int = CAPACITY,
+                 ttl_s: float = TTL_S) -> None:
+        self._clock = clock
+        self._capacity = capacity
+        self._ttl_s = ttl_s
+        self._until: OrderedDict[tuple[int, str], float] = OrderedDict()
+
+    def add(self, room: int, session: str) -> None:
+        self._until.pop((room, session), None)
+        self._until[(room, session)] = self._clock() + self._ttl_s
+        while len(self._until) > self._capacity:
+            self._until.popitem(last=False)
+
+    def pop(self, room: int, session: str) -> bool:
+        """Whether ``session``'s destination for ``room`` was withdrawn (no more after)."""
+        self._expire()
+        return self._until.pop((room, session), None) is not None
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._until:
+            key, until = next(iter(self._until.items()))
+            if until > now:
+                return
+            del self._until[key]

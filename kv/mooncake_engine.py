@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -50,6 +51,19 @@ def _positive_or_none(_: object, attribute: attrs.Attribute[Any],
                       value: float | None) -> None:
     if value is not None and not value > 0:
         raise ValueError(f"{attribute.name} must be > 0 or None, got {value!r}")
+
+
+def _finite_seconds(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a finite number of seconds > 0, got "
+                         f"{value!r}")
+
+
+#: How long (seconds) a decode room failed because its prefill counted as gone stays held, at
+#: most, while a source sent no ``Status`` (``MooncakeConfig.lost_release_timeout_s``): SGLang
+#: bounds a deferred decode KV release the same. A prefill that is cut off but still writes
+#: past it writes into pages given back.
+LOST_RELEASE_TIMEOUT_S = 30.0
 
 
 @attrs.frozen(field_transformer=typed_fields)
@@ -100,6 +114,11 @@ class MooncakeConfig:
     # has its manager closed (engine, listeners, threads, heartbeat); a later request naming
     # that address connects anew. None keeps every manager until the decode server stops.
     retire_lost_after_s: float | None = attrs.field(default=60.0, validator=_positive_or_none)
+    # Decode side: a room failed because its prefill counted as gone stays held (its pages
+    # reserved) while a prefill rank may still write into it, for at most this many seconds
+    # (kv.mooncake_decode).
+    lost_release_timeout_s: float = attrs.field(default=LOST_RELEASE_TIMEOUT_S,
+                                                validator=_finite_seconds)
     # The shared peer token: the bootstrap endpoint and every control message require it. Never
     # in a repr (configs get logged). At least MIN_PEER_TOKEN_CHARS visible ASCII characters.
     token: str | None = attrs.field(default=None, repr=False)
@@ -370,7 +389,9 @@ class ControlEndpoint:
     """One side's engine, with the KV pool, metadata buffers and state pools registered, and
     its control plane: a ZeroMQ PULL socket bound to a free port of ``config.hostname``
     (:attr:`endpoint`) and the listener thread that hands each message to ``handle`` once
-    :meth:`start` ran."""
+    :meth:`start` ran. A construction that fails closes what it opened before the error goes
+    on: a socket left open in its context would block the context's termination, which the
+    garbage collector attempts, for ever."""
 
     def __init__(
         self,
@@ -385,15 +406,24 @@ class ControlEndpoint:
         tick: Callable[[], None] | None = None,
     ) -> None:
         self.engine = MooncakeEngine(config)
-        register_all(self.engine, pool, metadata, states)
         self.dropped_messages = wire.DroppedMessages()
-        self.ctx: zmq.Context[Any] = zmq.Context()
-        self._pull = self.ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        # A bigger message is refused by ZeroMQ as it arrives (the peer is disconnected), before
-        # any of it is buffered: the wire check of the size comes after the whole message.
-        self._pull.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
-        port = self._pull.bind_to_random_port(f"tcp://{config.hostname}")
+        ctx: zmq.Context[Any] | None = None
+        try:
+            register_all(self.engine, pool, metadata, states)
+            ctx = zmq.Context()
+            self._pull = ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            # A bigger message is refused by ZeroMQ as it arrives (the peer is disconnected),
+            # before any of it is buffered: the wire check of the size comes after the whole
+            # message.
+            self._pull.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+            port = self._pull.bind_to_random_port(f"tcp://{config.hostname}")
+        except BaseException:
+            if ctx is not None:
+                ctx.destroy(linger=0)  # its sockets close first, at linger 0
+            self.engine.close()
+            raise
+        self.ctx: zmq.Context[Any] = ctx
         self.endpoint = f"tcp://{config.hostname}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(

@@ -44,7 +44,11 @@ of it queued or being written. Each answer is remembered, per room and session, 
 session sends the room another destination: an ``Abort`` that crossed it is dropped
 (``stale_room``); any other ``Abort`` this rank cannot match to a live destination (one it
 dropped, answered or never had, or of a room that concluded while its ``Status`` could not be
-sent, :meth:`not_told`) is answered with a FAILED ``Status``.
+sent, :meth:`not_told`) is answered with a FAILED ``Status``. Such an ``Abort`` may have
+overtaken its destination (decode sent the two on different connections or threads), so it is
+recorded (:class:`~kv.mooncake_early.Withdrawals`): the session's destination that comes after
+it is answered and never attached, a live room still waiting for it fails as an abort of a
+paired room does, and a room not created yet fails when it is.
 
 A decode rank whose state pools this rank cannot serve (:func:`kv.mooncake_state.state_target`)
 is registered with the reason: each destination from it fails its room on both sides at once
@@ -74,7 +78,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kv import wire
-from kv.mooncake_early import EarlyDestinations
+from kv.mooncake_early import EarlyDestinations, Withdrawals
 from kv.mooncake_legs import Chunk, Leg, Owed, PrefillRoom
 from kv.mooncake_slices import Target
 from kv.mooncake_watch import Watchers
@@ -107,9 +111,16 @@ KEEPALIVE_MISSES = 6
 MIN_SILENCE_S = 30.0
 
 
-def _ended_by_decode(rec: PrefillRoom) -> bool:
-    """Whether the decode side failed the room (it refused or aborted it)."""
-    return rec.reason == REASON_PEER_ABORTED or rec.reason.startswith(REASON_PEER_REFUSED)
+def _ended_by_decode(reason: str) -> bool:
+    """Whether a room that failed for ``reason`` was failed by the decode side (it refused or
+    aborted it)."""
+    return reason == REASON_PEER_ABORTED or reason.startswith(REASON_PEER_REFUSED)
+
+
+def _as_refusal(reason: str) -> str:
+    """``reason`` as the refusal decode is told: a room that failed with a refusal already
+    (one decode refused) is told that one, not a refusal of it."""
+    return reason if reason.startswith(f"{REASON_PEER_REFUSED}:") else refusal(reason)
 
 
 def silence_limit(reg: wire.Register) -> float | None:
@@ -158,6 +169,9 @@ class PrefillRooms:
         self._blacklist: set[str] = set()
         self._refused = RefusedRooms(clock=clock)  # rooms this rank will not serve
         self._peer_refused = RefusedRooms(clock=clock)  # rooms decode will not ask for
+        # Rooms whose early destinations this rank dropped: their senders fail when created.
+        self._overflowed = RefusedRooms(clock=clock)
+        self._withdrawn = Withdrawals(clock=clock)  # destinations aborted before they came
         self._watchers = Watchers(_WATCHED_ROOMS)
 
     def __len__(self) -> int:
@@ -224,6 +238,12 @@ class PrefillRooms:
             if dest.session not in self._regs:
                 raise wire.WireError("unknown_session",
                                      f"room {dest.room}: session {dest.session!r}")
+            # Attached or answered, its room's news reaches the session as this destination's.
+            self._watchers.drop(dest.room, dest.session)
+            if self._withdrawn.pop(dest.room, dest.session):
+                raise self._dropped(dest, wire.WireError(
+                    "stale_room", f"room {dest.room}: session {dest.session} aborted it "
+                                  "before its destination came"))
             rec = self._rooms.get(dest.room)
             if rec is not None and self._has_leg(rec, dest.session):
                 raise self._dropped(dest, wire.WireError(
@@ -233,7 +253,6 @@ class PrefillRooms:
                 wire.check_destination(dest, self._regs)
             except wire.WireError as err:
                 raise self._dropped(dest, err) from None
-            self._watchers.drop(dest.room, dest.session)
             unfit = self._targets[dest.session].state.refused
             if unfit and (rec is None or not rec.paired):
                 return self._refuse_state(rec, dest, unfit)
@@ -268,8 +287,10 @@ class PrefillRooms:
             self._watchers.add(msg.room, msg.session)
             if rec is None:
                 refused = self._refused.get(msg.room)
-                return [] if refused is None else self._owe_watchers(msg.room, refused)
-            if rec.notified and not _ended_by_decode(rec):  # failed and settled before
+                if refused is None or _ended_by_decode(refused):
+                    return []
+                return self._owe_watchers(msg.room, refused)
+            if rec.notified and not _ended_by_decode(rec.reason):  # failed and settled before
                 return self._owe_watchers(msg.room, rec.told or rec.reason)
             return []
 
@@ -302,8 +323,10 @@ class PrefillRooms:
         statuses are owed once it is quiescent), an early one is withdrawn and answered, and
         any other abort is answered with a FAILED ``Status`` (nothing of this rank writes into
         that destination) unless the session was answered already since its destination came:
-        that abort crossed the answer, and raises ``stale_room``. Raises ``unknown_session``
-        for a session that is not registered."""
+        that abort crossed the answer, and raises ``stale_room``. An abort answered so may
+        have overtaken its destination: that destination, when it comes, is answered and never
+        attached; a live room still waiting for it fails now, and a room not created yet fails
+        when it is. Raises ``unknown_session`` for a session that is not registered."""
         with self._lock:
             if msg.session not in self._regs:
                 raise wire.WireError("unknown_session",
@@ -322,7 +345,15 @@ class PrefillRooms:
             if (msg.room, msg.session) in self._answered:
                 raise wire.WireError("stale_room",
                                      f"abort of room {msg.room} crossed its status")
-            return [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
+            if rec is None or not self._has_leg(rec, msg.session):
+                self._withdrawn.add(msg.room, msg.session)
+            owed = [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
+            if rec is None:
+                self._peer_refused.add(msg.room, REASON_PEER_ABORTED)
+            elif (not rec.paired and self._waits_for(rec, self._targets[msg.session])
+                  and self._fail(rec, REASON_PEER_ABORTED)):
+                owed += self._settle(rec)  # the decode ranks that did give theirs
+            return owed
 
     def deregister(self, session: str, reason: str | None = None) -> list[Owed]:
         """Forget ``session``, whose decode manager closed (or, with ``reason``, that went
@@ -383,6 +414,11 @@ class PrefillRooms:
             if refused is not None:
                 self._fail(rec, refusal(refused))
                 return rec, [self._refusal(dest, refused) for dest in early]
+            overflowed = self._overflowed.pop(room)
+            if overflowed is not None:
+                self._fail(rec, overflowed)
+                return rec, [*(self._refusal(dest, overflowed) for dest in early),
+                             *self._settle(rec)]
             owed: list[Owed] = []
             for dest in early:
                 try:
@@ -491,9 +527,10 @@ class PrefillRooms:
             del self._rooms[rec.room]
             for leg in rec.legs.values():  # told, or to be told once quiescent
                 self._mark(rec.room, leg.session)
-            # Failed before decode's destinations came: a late one gets the refusal.
-            if (not rec.paired and rec.status == KVPoll.FAILED
-                    and not rec.reason.startswith(REASON_PEER_REFUSED)):
+            # Failed before decode's destinations came: a late one gets the refusal, also
+            # where decode refused the room (a decode rank's destination may still be on its
+            # way, and must not wait for a later use of the room number).
+            if not rec.paired and rec.status == KVPoll.FAILED:
                 self._refused.add(rec.room, rec.told or rec.reason)
             return owed
 
@@ -555,7 +592,7 @@ class PrefillRooms:
             self._answered.popitem(last=False)
 
     def _refusal(self, dest: wire.Destination, reason: str) -> Owed:
-        return self._owe(dest.session, dest.room, KVPoll.FAILED, refusal(reason))
+        return self._owe(dest.session, dest.room, KVPoll.FAILED, _as_refusal(reason))
 
     @staticmethod
     def _has_leg(rec: PrefillRoom, session: str) -> bool:
@@ -583,13 +620,16 @@ class PrefillRooms:
 
     def _evicted(self, evicted: Sequence[wire.Destination]) -> AnsweredDrop:
         """The early destinations of one room, evicted (one room too many waited for its
-        sender): each is answered, and a sender created for the room later fails at once
-        (its decode ranks were told)."""
+        sender): each is answered, the decode ranks watching the room are told, a later
+        destination or watch for it is answered with the refusal, and a sender created for
+        the room later fails at once, for this rank's own limit (not as a decode refusal)."""
         room = evicted[0].room
-        why = (f"early_overflow: more than {self._early.limit} rooms' destinations waited for "
-               f"their senders; room {room}'s were dropped")
-        self._peer_refused.add(room, why)
+        why = (f"early_overflow: this prefill rank keeps the early destinations of at most "
+               f"{self._early.limit} rooms (max_early_destinations); room {room}'s were dropped")
+        self._refused.add(room, why)
+        self._overflowed.add(room, why)
         owed = [o for dest in evicted for o in self._answer_plain(dest, why)]
+        owed += self._owe_watchers(room, why)
         return AnsweredDrop(wire.WireError("early_overflow", f"evicted early room {room}"), owed)
 
     def _answer_plain(self, dest: wire.Destination, reason: str) -> list[Owed]:
@@ -618,7 +658,7 @@ class PrefillRooms:
     def _owe_watchers(self, room: int, reason: str, skip: frozenset[str] = frozenset()
                       ) -> list[Owed]:
         """The refusal of ``room`` owed to every decode rank watching it, but ``skip``."""
-        return [self._owe(session, room, KVPoll.FAILED, refusal(reason))
+        return [self._owe(session, room, KVPoll.FAILED, _as_refusal(reason))
                 for session in self._watchers.take(room, skip)]
 
     def _accept(self, rec: PrefillRoom, dest: wire.Destination) -> None:
@@ -627,7 +667,7 @@ class PrefillRooms:
         target = self._targets[dest.session]
         waits_for = rec.waits_for or target.waits_for
         rank = target.decode_rank
-        if target.waits_for != waits_for or rank not in waits_for:
+        if not self._waits_for(rec, target):
             raise wire.WireError(
                 "not_a_contact", f"room {dest.room}: decode rank {rank} of session "
                 f"{dest.session} is not one of the ranks {waits_for} this rank serves")
@@ -639,6 +679,13 @@ class PrefillRooms:
         if rec.paired and rec.status == KVPoll.BOOTSTRAPPING:
             rec.status = KVPoll.WAITING_FOR_INPUT
             self.ready.put(rec.room)
+
+    @staticmethod
+    def _waits_for(rec: PrefillRoom, target: Target) -> bool:
+        """Whether ``rec`` serves the decode rank of ``target`` (the ranks of one TP layout:
+        those of its first destination)."""
+        waits_for = rec.waits_for or target.waits_for
+        return target.waits_for == waits_for and target.decode_rank in waits_for
 
     def _refuse_state(self, rec: PrefillRoom | None, dest: wire.Destination,
                       reason: str) -> list[Owed]:
@@ -665,7 +712,7 @@ class PrefillRooms:
         if rec.status != KVPoll.FAILED or rec.in_flight or rec.notified:
             return []
         rec.notified = True
-        if _ended_by_decode(rec):
+        if _ended_by_decode(rec.reason):
             self._watchers.forget(rec.room)  # it knows
             watchers = []
         else:

@@ -1,15 +1,24 @@
-"""kv.bootstrap: rank registration, lookup (503 until complete), health, bad input."""
+"""kv.bootstrap: rank registration, lookup (503 until complete), health (and a server that says
+its ranks stopped writing), bad input."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
-from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
+from kv.bootstrap import (
+    INSTANCE_HEADER,
+    BootstrapClient,
+    BootstrapError,
+    BootstrapServer,
+    PrefillStopped,
+)
 from kv.rank_table import RankInfo, RankPlace
 from tests.service_harness import CutShort
 
@@ -62,13 +71,88 @@ def test_lookup_is_503_until_every_rank_registered(server: BootstrapServer) -> N
 
 
 def test_health(server: BootstrapServer) -> None:
-    assert BootstrapClient(server.address).health()
+    client = BootstrapClient(server.address)
+    assert client.health()
+    assert client.instance() == server.instance
     assert _raw(server, "GET", "/health") == (200, b"OK")
     # An engine that failed: decode peers' heartbeats see it and let the rooms go.
     server.mark_unhealthy("the engine failed")
-    assert not BootstrapClient(server.address).health()
+    assert not client.health()
+    with pytest.raises(PrefillStopped) as stopped:
+        client.instance()
+    assert (stopped.value.reason, stopped.value.instance) == ("the engine failed",
+                                                              server.instance)
     status, body = _raw(server, "GET", "/health")
-    assert (status, json.loads(body)) == (503, {"error": "the engine failed"})
+    assert (status, json.loads(body)) == (503, {"error": "the engine failed",
+                                                "writes_stopped": True})
+
+
+def test_a_stopped_servers_reason_is_read_up_to_the_length_of_a_reason(
+        server: BootstrapServer) -> None:
+    server.mark_unhealthy("x" * 5000)
+    with pytest.raises(PrefillStopped) as stopped:
+        BootstrapClient(server.address).instance()
+    assert stopped.value.reason == "x" * 512
+
+
+class _Answering(ThreadingHTTPServer):
+    """An HTTP endpoint on loopback that answers every ``GET`` with ``status`` and ``body``:
+    a prefill of an older version, or something else at a bootstrap address."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(status)
+                self.send_header(INSTANCE_HEADER, "cafe")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self._thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(("status", "body"), [
+    (503, b'{"error": "the engine failed"}'),  # a server from before the field
+    (503, b'{"error": "the engine failed", "writes_stopped": "yes"}'),
+    (503, b'{"writes_stopped": true}'),
+    (503, b'["writes_stopped"]'),
+    (503, b"Service Unavailable"),  # not a bootstrap endpoint (a proxy's answer)
+    (500, b'{"error": "the engine failed", "writes_stopped": true}'),
+    (200, b'{"status": "ok"}'),
+])
+def test_only_a_503_that_says_the_writes_stopped_says_so(status: int, body: bytes) -> None:
+    """A health check that is neither ``OK`` nor a 503 saying the ranks stopped writing (with
+    the reason) is read as no answer: a decode peer lets rooms go only on the latter."""
+    answering = _Answering(status, body)
+    try:
+        client = BootstrapClient(answering.address)
+        assert client.instance() is None and not client.health()
+    finally:
+        answering.close()
+
+
+def test_a_503_that_says_the_writes_stopped_is_read_with_its_reason_and_instance() -> None:
+    answering = _Answering(503, b'{"error": "the engine failed", "writes_stopped": true}')
+    try:
+        with pytest.raises(PrefillStopped) as stopped:
+            BootstrapClient(answering.address).instance()
+        assert (stopped.value.reason, stopped.value.instance) == ("the engine failed", "cafe")
+    finally:
+        answering.close()
 
 
 @pytest.mark.parametrize(

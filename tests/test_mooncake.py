@@ -20,7 +20,7 @@ from kv.listeners import connected_ports, listening
 from kv.metadata import ASKED_FIELDS, MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
-from kv.mooncake_engine import IncompatiblePeerError, MooncakeConfig
+from kv.mooncake_engine import LOST_RELEASE_TIMEOUT_S, IncompatiblePeerError, MooncakeConfig
 from kv.mooncake_writes import cut_blocks, row_blocks, row_fields
 from kv.pool_layout import KVLayout
 from kv.transfer import KVPoll
@@ -313,6 +313,9 @@ def test_an_unspecified_or_ipv6_mooncake_host_is_refused(host: str, why: str) ->
      "--mooncake-tcp-lanes must be 1-16, got 17"),
     ("decode", "--retire-lost-prefill-after", "retire_lost_after_s", 60.0, ("0", None), "-1",
      "--retire-lost-prefill-after must be >= 0"),
+    ("decode", "--lost-prefill-release-timeout", "lost_release_timeout_s",
+     LOST_RELEASE_TIMEOUT_S, ("7.5", 7.5), "0",
+     r"^--lost-prefill-release-timeout must be a finite number of seconds > 0, got 0\.0$"),
 ])
 def test_serve_takes_the_mooncake_flags(
     role: str, flag: str, field: str, default: object, given: tuple[str, object], bad: str,
@@ -324,6 +327,15 @@ def test_serve_takes_the_mooncake_flags(
     assert getattr(served_mooncake(role, flag, given[0]), field) == given[1]
     with pytest.raises(UsageError, match=error):
         served_mooncake(role, flag, bad)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "-1", "0"])
+def test_a_lost_prefill_release_timeout_not_finite_positive_seconds_is_refused(bad: str) -> None:
+    from scheduler.cli.command import UsageError
+
+    with pytest.raises(UsageError, match=r"^--lost-prefill-release-timeout must be a finite "
+                                         r"number of seconds > 0, got "):
+        served_mooncake("decode", f"--lost-prefill-release-timeout={bad}")
 
 
 def test_the_config_checks_the_lanes_and_the_retirement() -> None:

@@ -1,7 +1,8 @@
 """The Mooncake decode manager when things go wrong around it: a prefill lost while its ranks
-may still write (its rooms are told to abort and held until a ``Status``, another instance, or
-the release bound), a metadata row that lands after its ``Status`` (the room is pushed again),
-and a construction that fails half-way (it closes what it opened).
+may still write (its rooms are told to abort and held until a ``Status``, another instance, the
+prefill saying it stopped writing, or the release bound), a metadata row that lands after its
+``Status`` (the room is pushed again), and a construction that fails half-way (it closes what it
+opened, the prefill manager's and the control endpoint's too).
 
 The prefill is a real one where the end-to-end behaviour matters, else one rank played on raw
 ZeroMQ sockets behind a real bootstrap endpoint (:class:`PlayedRank`), so a test chooses which
@@ -18,21 +19,31 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
+import mooncake.engine
 import pytest
 import zmq
 
+import kv.mooncake
 import kv.mooncake_decode
+import kv.mooncake_engine
 import kv.mooncake_peers
 from kv import wire
 from kv.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
-from kv.mooncake_decode import LOST_RELEASE_TIMEOUT_S, MooncakeDecodeManager
-from kv.mooncake_engine import ControlEndpoint, MooncakeConfig, MooncakeError, kv_dtype_name
+from kv.mooncake_decode import MooncakeDecodeManager
+from kv.mooncake_engine import (
+    LOST_RELEASE_TIMEOUT_S,
+    ControlEndpoint,
+    MooncakeConfig,
+    MooncakeEngine,
+    MooncakeError,
+    kv_dtype_name,
+)
 from kv.pool import KVPool
 from kv.rank_table import RankInfo, RankPlace
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
@@ -108,9 +119,8 @@ def played() -> Iterator[PlayedRank]:
     rank.close()
 
 
-def _decode(address: str, **kwargs: Any) -> MooncakeDecodeManager:
-    return MooncakeDecodeManager(make_pool(), MetadataBuffers(8), address, config=_NO_HEARTBEAT,
-                                 **kwargs)
+def _decode(address: str, config: MooncakeConfig = _NO_HEARTBEAT) -> MooncakeDecodeManager:
+    return MooncakeDecodeManager(make_pool(), MetadataBuffers(8), address, config=config)
 
 
 class Pushed:
@@ -289,7 +299,7 @@ def test_a_held_room_is_released_at_the_bound(played: PlayedRank,
             assert decode._release_overdue(now=after + LOST_RELEASE_TIMEOUT_S) == [5]
         assert rx.quiescent() and rx.poll() == KVPoll.FAILED
         assert pushed.take() == [5]
-        assert "sent no Status for rooms [5] within 30 s" in caplog.text
+        assert "sent no Status for 1 rooms (5) within 30 s" in caplog.text
         assert decode._release_overdue(now=after + 2 * LOST_RELEASE_TIMEOUT_S) == []
     finally:
         decode.close()
@@ -298,7 +308,7 @@ def test_a_held_room_is_released_at_the_bound(played: PlayedRank,
 def test_the_control_listener_releases_an_overdue_room_by_itself(played: PlayedRank) -> None:
     """Nobody calls the check: the listener's tick releases the room once its bound passed
     (a bound of 50 ms here), so every end becomes quiescent."""
-    decode = _decode(played.address, lost_release_timeout_s=0.05)
+    decode = _decode(played.address, attrs.evolve(_NO_HEARTBEAT, lost_release_timeout_s=0.05))
     try:
         rx = _held_room(played, decode)
         eventually(rx.quiescent, "the bound passing")
@@ -306,12 +316,41 @@ def test_the_control_listener_releases_an_overdue_room_by_itself(played: PlayedR
         decode.close()
 
 
-@pytest.mark.parametrize("bound", [0, -1.0, math.nan, math.inf, True, "30"])
-def test_the_release_bound_must_be_positive_seconds(bound: Any) -> None:
-    with pytest.raises(ValueError, match=r"lost_release_timeout_s must be a finite number of "
-                                         r"seconds > 0, got "):
-        MooncakeDecodeManager(make_pool(), MetadataBuffers(8), "127.0.0.1:1",
-                              lost_release_timeout_s=bound)
+@pytest.mark.parametrize(("bound", "why"), [
+    (0, "a finite number of seconds > 0, got 0"), (-1.0, "a finite number of seconds > 0"),
+    (math.nan, "a finite number of seconds > 0"), (math.inf, "a finite number of seconds > 0"),
+    (True, "a number, got True"), ("30", "a number, got '30'"),
+])
+def test_the_release_bound_must_be_positive_seconds(bound: Any, why: str) -> None:
+    with pytest.raises((ValueError, TypeError),
+                       match=rf"lost_release_timeout_s must be {re.escape(why)}"):
+        MooncakeConfig(lost_release_timeout_s=bound)
+
+
+def test_the_release_bound_of_pdlife_serve_reaches_the_decode_manager(
+    played: PlayedRank,
+) -> None:
+    """``pdlife serve --lost-prefill-release-timeout 7.5``: the decode manager built from the
+    served config holds a lost prefill's room 7.5 s, not the default 30 s."""
+    from scheduler.cli.main import build_parser
+    from scheduler.cli.serve import serve_config
+
+    args = build_parser("serve").parse_args(
+        ["serve", "--role", "decode", "--lost-prefill-release-timeout", "7.5"])
+    served = serve_config(args).mooncake
+    assert served.lost_release_timeout_s == 7.5
+    # Only the heartbeat's own checks are left out: the test gives its verdicts.
+    decode = _decode(played.address, attrs.evolve(served, heartbeat_interval_s=3600))
+    try:
+        before = time.monotonic()
+        rx = _held_room(played, decode)
+        after = time.monotonic()
+        assert decode._release_overdue(now=before + 7.5 - 0.001) == []
+        assert not rx.quiescent()
+        assert decode._release_overdue(now=after + 7.5) == [5]
+        assert rx.quiescent()
+    finally:
+        decode.close()
 
 
 def test_a_prefill_restarted_between_two_checks_leaves_nothing_held(played: PlayedRank) -> None:
@@ -336,6 +375,97 @@ def test_a_prefill_restarted_between_two_checks_leaves_nothing_held(played: Play
         decode.close()
         if restarted is not None:
             restarted.close()
+
+
+# -- a prefill that says it stopped writing --------------------------------------------------
+
+
+def test_a_held_room_is_released_when_its_prefill_says_it_stopped_writing(
+    played: PlayedRank, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The prefill's engine failed (its server marked its bootstrap endpoint unhealthy: no rank
+    of it writes any more) while decode held a room for it: the next health check lets the room
+    go, long before the bound, logging the prefill's reason; the prefill is not registered
+    with again (no ``Register``, no ``Abort``)."""
+    decode = _decode(played.address)
+    pushed = Pushed(decode)
+    try:
+        rx = _held_room(played, decode)
+        pushed.take()
+        played.server.mark_unhealthy("the prefill server's engine failed: boom")
+        with caplog.at_level(logging.INFO, logger="kv.mooncake_decode"):
+            decode._wake.set()  # the next health check
+            pushed.wait_for(5)  # within TIMEOUT_S (10 s): the bound is 30 s
+
+            def released() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "released" in r.getMessage()]
+
+            # Logged just after the room was pushed.
+            eventually(lambda: bool(released()), "the release logged")
+        assert rx.quiescent() and rx.poll() == KVPoll.FAILED
+        assert decode.live_rooms() == 1  # until its owner clears it
+        assert decode._release_overdue(now=time.monotonic() + LOST_RELEASE_TIMEOUT_S) == []
+        assert released() == [
+            f"lost contact with prefill {played.address}: it stopped writing KV (its bootstrap "
+            "endpoint answers unhealthy: \"the prefill server's engine failed: boom\"): the 1 "
+            "rooms held for it are released"]
+        assert decode.lost is not None
+        assert played.nothing_queued()
+        rx.clear()
+        assert decode.live_rooms() == 0
+    finally:
+        decode.close()
+
+
+def test_a_prefill_that_says_it_stopped_writing_fails_its_rooms_quiescent_at_once(
+    played: PlayedRank,
+) -> None:
+    """A prefill that answered every check until its engine failed: the first check that finds
+    it unhealthy fails its rooms with its reason, quiescent at once (nothing held, no
+    ``Abort``), and a room created afterwards fails at once too."""
+    decode = _decode(played.address)
+    pushed = Pushed(decode)
+    try:
+        rx = decode.create_receiver(played.address, 5)
+        rx.init()
+        rx.send_metadata([0, 1], 0)
+        assert played.received(3)[-1] == ("Destination", 5)
+        assert not rx.quiescent()
+        pushed.take()
+        played.server.mark_unhealthy("the prefill server's engine failed: boom")
+        decode._wake.set()
+        pushed.wait_for(5)
+        assert rx.poll() == KVPoll.FAILED and rx.quiescent()
+        assert rx.failure_exception().reason == (
+            f"lost contact with prefill {played.address}: it stopped writing KV (its bootstrap "
+            "endpoint answers unhealthy: \"the prefill server's engine failed: boom\")")
+        later = decode.create_receiver(played.address, 6)
+        assert later.poll() == KVPoll.FAILED and later.quiescent()
+        assert "it stopped writing KV" in later.failure_exception().reason
+        assert played.nothing_queued()
+    finally:
+        decode.close()
+
+
+def test_a_held_room_of_a_prefill_that_stops_answering_waits_for_the_bound(
+    played: PlayedRank,
+) -> None:
+    """A prefill whose bootstrap endpoint answers nothing (gone, or cut off while its ranks may
+    still write) has not said it stopped: a check finds nothing and the room stays held, until
+    the bound."""
+    decode = _decode(played.address)
+    try:
+        rx = _held_room(played, decode)
+        after = time.monotonic()
+        played.server.close()
+        assert decode._check_prefill(BootstrapClient(played.address, timeout_s=1)) is False
+        assert not rx.quiescent()
+        assert decode._release_overdue(now=after + LOST_RELEASE_TIMEOUT_S - 1) == []
+        assert not rx.quiescent()
+        assert decode._release_overdue(now=after + LOST_RELEASE_TIMEOUT_S) == [5]
+        assert rx.quiescent()
+    finally:
+        decode.close()
 
 
 # -- the metadata gate -----------------------------------------------------------------------
@@ -421,11 +551,139 @@ def test_a_decode_manager_whose_construction_fails_closes_what_it_opened(
                     if t.name in ("mooncake-status", "mooncake-heartbeat") and t.is_alive()]
         del failed, endpoint
         endpoints.clear()
-        collected = threading.Event()
-        threading.Thread(target=lambda: (gc.collect(), collected.set()), daemon=True).start()
-        assert collected.wait(TIMEOUT_S), "the garbage collector hangs"
+        _assert_collected()
     finally:
         server.close()
+
+
+def _assert_collected() -> None:
+    """A garbage collection ends: one that terminates a context with an open socket blocks for
+    ever (so it runs on a thread of its own)."""
+    collected = threading.Event()
+    threading.Thread(target=lambda: (gc.collect(), collected.set()), daemon=True).start()
+    assert collected.wait(TIMEOUT_S), "the garbage collector hangs"
+
+
+def _failure_of(construct: Callable[[], object]) -> BaseException:
+    """What ``construct`` raised, left where a caller that keeps an exception leaves it: in a
+    reference cycle with the frames it went through (this one's local holds it, and its
+    traceback this frame), so only the garbage collector frees what those frames hold."""
+    try:
+        construct()
+    except Exception as exc:
+        failure = exc
+        return failure
+    raise AssertionError("the construction did not fail")
+
+
+def _record_engines(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> list[MooncakeEngine]:
+    """Every :class:`MooncakeEngine` that ``modules`` create from now on, as they create it."""
+    engines: list[MooncakeEngine] = []
+
+    class Recorded(MooncakeEngine):
+        def __init__(self, config: MooncakeConfig) -> None:
+            super().__init__(config)
+            engines.append(self)
+
+    for module in modules:
+        monkeypatch.setattr(module, "MooncakeEngine", Recorded)
+    return engines
+
+
+def _assert_closed(engine: MooncakeEngine) -> None:
+    with pytest.raises(MooncakeError, match="closed"):
+        engine.submit_write("127.0.0.1:9", [1], [1], [1])
+
+
+def _new_threads(before: set[threading.Thread]) -> list[str]:
+    return [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+@pytest.mark.parametrize("fails", ["bind", "register"])
+def test_a_control_endpoint_whose_construction_fails_closes_what_it_opened(
+    monkeypatch: pytest.MonkeyPatch, fails: str,
+) -> None:
+    """The control socket cannot bind (no port free on the host) once the engine, the context
+    and the socket exist, or the engine refuses to register the metadata buffers once it
+    registered the pool: the constructor raises and closes what it opened, the socket and the
+    context at linger 0, then the engine, so the garbage collector, whose termination of a
+    context with an open socket blocked for ever, ends. No thread is left."""
+    opened: list[zmq.Socket[Any]] = []
+    if fails == "bind":
+        def no_free_port(sock: zmq.Socket[Any], addr: str, *args: Any, **kwargs: Any) -> int:
+            opened.append(sock)
+            raise zmq.ZMQError(errno.EADDRINUSE)
+
+        monkeypatch.setattr(zmq.Socket, "bind_to_random_port", no_free_port)
+    else:
+        class Refusing(mooncake.engine.TransferEngine):  # type: ignore[misc]
+            registered = 0
+
+            def register_memory(self, ptr: int, length: int) -> int:
+                Refusing.registered += 1
+                return -1 if Refusing.registered == 2 else int(super().register_memory(ptr,
+                                                                                       length))
+
+        monkeypatch.setattr(mooncake.engine, "TransferEngine", Refusing)
+    engines = _record_engines(monkeypatch, kv.mooncake_engine)
+    before = set(threading.enumerate())
+    failure = _failure_of(lambda: ControlEndpoint(
+        MooncakeConfig(), make_pool(), MetadataBuffers(8), lambda msg: None,
+        name="mooncake-test", log=logging.getLogger(__name__)))
+    if fails == "bind":
+        assert isinstance(failure, zmq.ZMQError) and failure.errno == errno.EADDRINUSE
+        (sock,) = opened
+        assert sock.closed and sock.context.closed
+    else:
+        assert isinstance(failure, MooncakeError)
+        assert re.fullmatch(r"register_memory\(0x[0-9a-f]+, \d+\) returned -1", str(failure))
+    (engine,) = engines
+    _assert_closed(engine)
+    assert _new_threads(before) == []
+    del failure, engine
+    opened.clear()
+    engines.clear()
+    _assert_collected()
+
+
+def test_a_prefill_manager_whose_construction_fails_closes_what_it_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control listener's thread cannot start (the process is out of threads) once the
+    control endpoint, a second engine and the transfer workers exist: the constructor raises
+    and stops the workers, closes the control socket and the context, then both engines, so
+    the garbage collector ends and no thread is left."""
+    real_start = threading.Thread.start
+
+    def out_of_threads(thread: threading.Thread) -> None:
+        if thread.name == "mooncake-listen":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    endpoints: list[ControlEndpoint] = []
+
+    class Recorded(ControlEndpoint):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            endpoints.append(self)
+
+    engines = _record_engines(monkeypatch, kv.mooncake_engine, kv.mooncake)
+    monkeypatch.setattr(kv.mooncake, "ControlEndpoint", Recorded)
+    monkeypatch.setattr(threading.Thread, "start", out_of_threads)
+    before = set(threading.enumerate())
+    failure = _failure_of(lambda: MooncakeKVManager(make_pool(), MetadataBuffers(8),
+                                                    config=MooncakeConfig(engines=2)))
+    assert isinstance(failure, RuntimeError) and str(failure) == "can't start new thread"
+    (endpoint,) = endpoints
+    assert endpoint.ctx.closed  # its term() ended: every socket of it was closed
+    assert len(engines) == 2
+    for engine in engines:
+        _assert_closed(engine)
+    assert _new_threads(before) == []
+    del failure, endpoint
+    endpoints.clear()
+    engines.clear()
+    _assert_collected()
 
 
 @pytest.mark.parametrize(("endpoint", "why"), [

@@ -7,7 +7,9 @@ Each test walks one way a destination could go unanswered: a decode session forg
 and judged keepalives missing that were only unread), a destination dropped (evicted from the
 early store, out of range, a second one, not from a decode rank the room serves), a room number
 used again whose new destination came before its sender, a decode process restarted on the same
-engine port, and an ``Abort`` the prefill rank cannot match. A decode rank here is either a real
+engine port, an ``Abort`` the prefill rank cannot match, and one that overtook its destination.
+Some walk the room table itself (:class:`~kv.mooncake_rooms.PrefillRooms`, no sockets); elsewhere
+a decode rank is either a real
 :class:`~kv.mooncake_decode.MooncakeDecodeManager` or :class:`StatusDecode`, raw ZeroMQ sockets
 that send its control messages and read the statuses it is sent. To show that no status came,
 a test sends an ``Abort`` of a room never used, which is answered, and reads up to that answer:
@@ -35,6 +37,10 @@ from kv.metadata import MetadataBuffers
 from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import MooncakeConfig, serve_control
+from kv.mooncake_rooms import AnsweredDrop, PrefillRooms
+from kv.mooncake_slices import target_of
+from kv.rank_table import RankPlace
+from kv.refusal import TTL_S
 from kv.transfer import REASON_PEER_ABORTED, KVPoll
 from lifecycle.testing import FakeClock
 from tests.transfer_harness import TIMEOUT_S, drive, eventually, make_pool
@@ -292,6 +298,7 @@ def test_an_early_destination_evicted_is_answered_and_its_room_fails_on_both_sid
         late = prefill.create_sender(server.address, 11)
         assert late.poll() == KVPoll.FAILED and late.quiescent()
         assert "early_overflow" in late.failure_exception().reason
+        assert not late.failure_exception().refused  # this rank's own limit
         kept = prefill.create_sender(server.address, 12)
         assert drive(prefill, kept, {KVPoll.WAITING_FOR_INPUT})[-1] == KVPoll.WAITING_FOR_INPUT
         assert receivers[12].poll() != KVPoll.FAILED
@@ -520,3 +527,189 @@ def test_closing_fails_the_live_rooms_and_every_sender_is_quiescent() -> None:
         assert late.poll() == KVPoll.FAILED and late.quiescent()
     finally:
         raw.close()
+
+
+# -- the room table itself ----------------------------------------------------------------------
+
+
+S, S2 = "127.0.0.1:9", "127.0.0.1:10"
+
+
+def _table(clock: FakeClock, sessions: tuple[str, ...] = (S,), *,
+           max_early_destinations: int = 16) -> PrefillRooms:
+    """A room table with ``sessions`` registered (decode ranks of one TP layout)."""
+    rooms = PrefillRooms(num_slots=8, bootstrap_timeout_s=30.0,
+                         max_early_destinations=max_early_destinations, clock=clock)
+    pool = make_pool()
+    place = RankPlace.single(num_layers=pool.num_layers, kv_heads=pool.kv_heads)
+    infos = MetadataBuffers(8).buffer_infos()
+    for port, session in enumerate(sessions, start=44401):
+        reg = wire.Register(
+            session=session, status_endpoint=f"tcp://127.0.0.1:{port}", kv_ptr=1 << 20,
+            num_layers=pool.num_layers, num_pages=16, page_size=pool.page_size,
+            page_bytes=pool.page_bytes, kv_dtype="float32",
+            meta_ptrs=tuple(1 << 30 for _ in infos),
+            meta_item_lens=tuple(i.item_len for i in infos), num_slots=4,
+            kv_heads=pool.kv_heads, head_dim=pool.head_dim, tp_rank=0, tp_size=1,
+            keepalive_ms=0)
+        rooms.register(target_of(pool, place, reg))
+    return rooms
+
+
+def _dest(room: int, pages: list[int], session: str = S) -> wire.Destination:
+    return wire.Destination(room, session, np.array(pages), 0)
+
+
+def _failed(session: str, room: int, reason: str) -> tuple[str, int, KVPoll, str]:
+    return (session, room, KVPoll.FAILED, reason)
+
+
+def _as_tuples(owed: list[Any]) -> list[tuple[str, int, KVPoll, str]]:
+    return [(o.session, o.room, o.poll, o.reason) for o in owed]
+
+
+def _answered_drop(rooms: PrefillRooms, dest: wire.Destination) -> AnsweredDrop:
+    with pytest.raises(AnsweredDrop) as drop:
+        rooms.destination(dest)
+    return drop.value
+
+
+def test_an_abort_that_overtook_its_destination_fails_the_room_waiting_for_it() -> None:
+    """Decode may send a room's ``Abort`` ahead of its destination (another connection, another
+    thread): the abort is answered, so decode frees the pages; the room waiting for that
+    destination fails at once, and the destination, when it comes, is answered and never
+    written into, also once a later use of the room number waits for its own."""
+    clock = FakeClock()
+    rooms = _table(clock)
+    rec, _ = rooms.create(5)
+    assert _as_tuples(rooms.peer_abort(wire.Abort(5, S))) == [
+        _failed(S, 5, REASON_PEER_ABORTED)]
+    assert (rec.status, rec.reason) == (KVPoll.FAILED, REASON_PEER_ABORTED)
+    drop = _answered_drop(rooms, _dest(5, [1, 2]))
+    assert drop.reason == "stale_room"
+    assert [(o.session, o.room, o.poll) for o in drop.owed] == [(S, 5, KVPoll.FAILED)]
+    assert drop.owed[0].reason.startswith("destination dropped: stale_room: room 5: session")
+    assert rec.legs == {} and not rec.paired
+    assert rooms.clear(rec) == []
+    with pytest.raises(wire.WireError, match="stale_room"):  # it crossed the answers
+        rooms.peer_abort(wire.Abort(5, S))
+
+    # The same, with the room cleared and its number used again before the destination came.
+    first, _ = rooms.create(6)
+    rooms.peer_abort(wire.Abort(6, S))
+    rooms.clear(first)
+    again, _ = rooms.create(6)
+    assert _answered_drop(rooms, _dest(6, [1, 2])).owed[0].room == 6
+    assert again.legs == {} and again.status == KVPoll.BOOTSTRAPPING
+    rooms.destination(_dest(6, [3, 4]))  # the new use's own destination
+    assert again.paired
+
+
+def test_an_abort_that_overtook_its_destination_before_the_room_existed() -> None:
+    """Before the room's sender exists: the abort is answered once, the destination that
+    comes after it is answered and not kept, and the room fails as soon as it is created,
+    with nothing more owed to the session."""
+    clock = FakeClock()
+    rooms = _table(clock)
+    assert _as_tuples(rooms.peer_abort(wire.Abort(6, S))) == [
+        _failed(S, 6, REASON_PEER_ABORTED)]
+    assert len(_answered_drop(rooms, _dest(6, [7])).owed) == 1
+    rec, owed = rooms.create(6)
+    assert owed == [] and rec.legs == {}
+    assert (rec.status, rec.reason) == (KVPoll.FAILED, f"peer refused: {REASON_PEER_ABORTED}")
+    with pytest.raises(wire.WireError, match="stale_room"):
+        rooms.peer_abort(wire.Abort(6, S))
+
+
+def test_an_abort_ahead_of_its_destination_is_remembered_for_a_while_only() -> None:
+    """The withdrawal expires as the refusal records do: a destination that comes later is
+    a later request's, kept for its sender as any early one."""
+    clock = FakeClock()
+    rooms = _table(clock)
+    rooms.peer_abort(wire.Abort(7, S))
+    clock.now += TTL_S + 1
+    assert rooms.destination(_dest(7, [1, 2])) == []
+    rec, owed = rooms.create(7)
+    assert owed == [] and rec.paired and rec.status == KVPoll.WAITING_FOR_INPUT
+
+
+def test_an_abort_ahead_of_its_destination_end_to_end(
+    manager: MooncakeKVManager, raw: StatusDecode
+) -> None:
+    sender = manager.create_sender("", 8)
+    raw.send(wire.Abort(8, raw.session))
+    raw.send(raw.destination(8, [1, 2]))
+    first, second = raw.status(), raw.status()
+    assert (first.room, first.poll, first.reason) == (8, KVPoll.FAILED, REASON_PEER_ABORTED)
+    assert (second.room, second.poll) == (8, KVPoll.FAILED)
+    assert second.reason.startswith("destination dropped: stale_room")
+    assert sender.poll() == KVPoll.FAILED
+    assert sender.failure_exception().reason == REASON_PEER_ABORTED
+    _dropped(manager, "stale_room")
+    assert raw.statuses_before_probe() == []
+
+
+def test_a_watching_session_whose_destination_is_dropped_is_answered_once() -> None:
+    """The drop's answer ends the session's watch: the room's bootstrap timeout owes it
+    nothing more."""
+    clock = FakeClock()
+    rooms = _table(clock)
+    rec, _ = rooms.create(77)
+    assert rooms.watch(wire.Watch(77, S)) == []
+    drop = _answered_drop(rooms, _dest(77, [999]))
+    assert drop.reason == "page_out_of_range" and len(drop.owed) == 1
+    assert rooms.watched() == []
+    clock.now += 31
+    assert rooms.expire() == []
+    assert rec.status == KVPoll.FAILED and rec.timed_out
+
+
+def test_a_watching_session_whose_destination_is_dropped_end_to_end(
+    manager: MooncakeKVManager, raw: StatusDecode
+) -> None:
+    manager.create_sender("", 78)
+    raw.send(wire.Watch(78, raw.session))
+    eventually(lambda: manager.watched_rooms() == [78], "the watch")
+    raw.send(raw.destination(78, [3, 16]))  # out of the decode pool's 16 pages
+    assert raw.status().reason.startswith("destination dropped: page_out_of_range")
+    assert manager.watched_rooms() == []
+
+
+def test_a_room_decode_refused_answers_a_destination_still_on_its_way() -> None:
+    """Decode refused a room whose sender waits: the room fails; once it is cleared, a decode
+    rank's destination still on its way is answered with that refusal (as decode's own, not a
+    refusal of it) rather than kept for a later use of the room number, and a watch that comes
+    is told nothing (decode ended the room itself)."""
+    clock = FakeClock()
+    rooms = _table(clock, (S, S2))
+    rec, _ = rooms.create(9)
+    assert rooms.peer_refused(9, "draining (503): shutting down") == []
+    assert rec.status == KVPoll.FAILED
+    assert rooms.clear(rec) == []
+    assert _as_tuples(rooms.destination(_dest(9, [1, 2]))) == [
+        _failed(S, 9, "peer refused: draining (503): shutting down")]
+    assert rooms.watch(wire.Watch(9, S2)) == []
+    again, owed = rooms.create(9)
+    assert owed == [] and again.legs == {} and again.status == KVPoll.BOOTSTRAPPING
+
+
+def test_an_early_overflow_fails_the_room_for_the_prefill_limit_and_tells_its_watchers() -> None:
+    """The early store holds one room: the second room's destination evicts the first's. Its
+    destination is answered, the decode rank watching it is told at once, and so is one that
+    watches it later; its sender fails when created for this rank's limit, not as a decode
+    refusal."""
+    clock = FakeClock()
+    rooms = _table(clock, (S, S2), max_early_destinations=1)
+    assert rooms.watch(wire.Watch(1, S2)) == []
+    assert rooms.destination(_dest(1, [1, 2])) == []
+    drop = _answered_drop(rooms, _dest(2, [3, 4]))
+    why = ("early_overflow: this prefill rank keeps the early destinations of at most 1 rooms "
+           "(max_early_destinations); room 1's were dropped")
+    assert drop.reason == "early_overflow"
+    assert _as_tuples(drop.owed) == [_failed(S, 1, why), _failed(S2, 1, f"peer refused: {why}")]
+    assert rooms.watched() == []
+    assert _as_tuples(rooms.watch(wire.Watch(1, S2))) == [_failed(S2, 1, f"peer refused: {why}")]
+    rec, owed = rooms.create(1)
+    assert owed == []
+    assert (rec.status, rec.reason) == (KVPoll.FAILED, why)
+    assert not rooms.failure(rec).refused

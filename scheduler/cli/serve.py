@@ -213,6 +213,16 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      "prefill to run, it is held back at most this value minus 1 passes in a "
                      "row, so 1 never holds it (default: 30, 29 passes)")
     times = _number_group(parser, "timeouts and limits")
+    # Imported here: only the serve command's parser needs the KV layer (the others start
+    # without it).
+    from kv.mooncake_engine import LOST_RELEASE_TIMEOUT_S
+
+    times.add_argument("--lost-prefill-release-timeout", type=float,
+                       default=LOST_RELEASE_TIMEOUT_S,
+                       help="decode, mooncake: seconds a request's pages stay reserved, at "
+                       "most, once its prefill server counted as gone, while a prefill rank "
+                       "that has not said it stopped may still write into them (default: "
+                       f"{LOST_RELEASE_TIMEOUT_S:g})")
     times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
                        "(65536, 64KiB, 8MiB) (default: 8MiB)")
@@ -442,6 +452,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 engines=args.mooncake_engines,
                 tcp_lanes=args.mooncake_tcp_lanes,
                 retire_lost_after_s=args.retire_lost_prefill_after or None,
+                lost_release_timeout_s=args.lost_prefill_release_timeout,
                 bootstrap_timeout_s=args.bootstrap_timeout,
                 token=peer_token(args.peer_token_file),
             ),
@@ -469,6 +480,7 @@ _FIELD_FLAGS = {
     "connect_timeout_s": "--connect-timeout", "bootstrap_timeout_s": "--bootstrap-timeout",
     "max_block_bytes": "--mooncake-block-mib", "allowed_prefills": "--allow-prefill",
     "retire_lost_after_s": "--retire-lost-prefill-after",
+    "lost_release_timeout_s": "--lost-prefill-release-timeout",
 }
 _CONFIG_FIELD = re.compile(r"(?:\b\w+Config\.|')?\b(" + "|".join(_FIELD_FLAGS) + r")\b'?")
 
