@@ -143,10 +143,15 @@ def _listen() -> socket.socket:
     raise AssertionError(f"no free port in {PORTS}")
 
 
-def decode_config(timeout_s: float = TIMEOUT_S, **overrides: Any) -> ServeConfig:
+def decode_config(timeout_s: float = TIMEOUT_S, heartbeat_interval_s: float | None = None,
+                  **overrides: Any) -> ServeConfig:
+    mooncake = MooncakeConfig(connect_timeout_s=timeout_s)
+    if heartbeat_interval_s is not None:
+        mooncake = MooncakeConfig(connect_timeout_s=timeout_s,
+                                  heartbeat_interval_s=heartbeat_interval_s)
     return ServeConfig(role="decode", backend="mooncake", model=ModelConfig.tiny(),
                        scheduler=SchedulerConfig(page_size=4), pool_pages=16,
-                       mooncake=MooncakeConfig(connect_timeout_s=timeout_s), **overrides)
+                       mooncake=mooncake, **overrides)
 
 
 def body(port: int, i: int) -> dict[str, Any]:
@@ -395,8 +400,10 @@ def test_a_request_for_a_prefill_that_counts_as_gone_fails_before_its_stream_sta
         bootstrap_port=bootstrap_port)
 
     async def main() -> None:
+        # No health check of the decode's own comes between the verdict below and the
+        # requests (one would find the prefill answering and register with it again).
         with running_service(prefill_config) as prefill, running_service(
-                decode_config()) as decode:
+                decode_config(heartbeat_interval_s=3600)) as decode:
             async with asgi_client(prefill) as p, asgi_client(decode) as d:
                 first = body(bootstrap_port, 0)
                 answers = await asyncio.gather(p.post("/generate", json=first),
