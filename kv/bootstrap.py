@@ -14,9 +14,11 @@ before it sends anything.
 ``GET /health`` answers ``OK`` for liveness probes (with this endpoint's :attr:`~BootstrapServer.
 instance` in an ``X-Pdlife-Instance`` header, as ``GET /route`` carries it: a decode peer tells a
 prefill server restarted at the same address by it), or 503 with the reason once the server is
-marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed, so no rank writes
-any more and a decode peer's heartbeat lets its rooms go at once: the answer says so,
-``"writes_stopped": true``, so that no other 503 counts). ``POST /refusal`` is how a decode
+marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed). Only a server
+that knows no rank of it writes any more adds ``"writes_stopped": true``, and a decode peer's
+heartbeat then lets its rooms go at once; ``pdlife serve``'s failed engine does not (its other
+ranks, replicas and queued chunks may still write), so decode holds their pages until each
+room's ``Status`` or its release bound. ``POST /refusal`` is how a decode
 peer says it will never ask for a room's KV (it refused the request, or gave up before the
 handshake): the room and the reason go to every listener the prefill ranks in this process added
 (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
@@ -137,6 +139,7 @@ class BootstrapServer:
         self._unauthorized = 0
         #: Why ``/health`` answers 503 (None: healthy).
         self.unhealthy: str | None = None
+        self._writes_stopped = False
         #: Drawn afresh by every server: another value at the same address is a restarted one.
         self.instance = secrets.token_hex(8)
         self._httpd = _BoundedServer((host, port), _make_handler(self))
@@ -152,11 +155,14 @@ class BootstrapServer:
         with self._lock:
             return len(self._ranks)
 
-    def mark_unhealthy(self, reason: str) -> None:
-        """From now on ``/health`` answers 503 with ``reason`` and :data:`STOPPED_FIELD`: the
-        server behind this endpoint will not write KV any more (its engine failed), and decode
-        peers let the pages they hold for it go at their next health check."""
+    def mark_unhealthy(self, reason: str, *, writes_stopped: bool = False) -> None:
+        """From now on ``/health`` answers 503 with ``reason``. With ``writes_stopped`` (only
+        once no rank behind this endpoint can write KV any more: none is left running, and no
+        chunk is queued) the answer carries :data:`STOPPED_FIELD`, and decode peers let the
+        pages they hold for this server go at their next health check; without it they hold
+        them until each room's ``Status`` or their release bound."""
         self.unhealthy = reason
+        self._writes_stopped = writes_stopped
 
     @property
     def address(self) -> str:
@@ -317,7 +323,8 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
                 if unhealthy is None:
                     self._reply(200, "OK")
                 else:
-                    self._reply(503, {"error": unhealthy, STOPPED_FIELD: True})
+                    self._reply(503, {"error": unhealthy, STOPPED_FIELD: True}
+                                if server._writes_stopped else {"error": unhealthy})
             elif not self._authorized():
                 pass
             elif path == "/route":

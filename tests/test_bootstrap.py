@@ -75,8 +75,14 @@ def test_health(server: BootstrapServer) -> None:
     assert client.health()
     assert client.instance() == server.instance
     assert _raw(server, "GET", "/health") == (200, b"OK")
-    # An engine that failed: decode peers' heartbeats see it and let the rooms go.
+    # An engine that failed, whose ranks may still write: unhealthy, and nothing more.
     server.mark_unhealthy("the engine failed")
+    assert not client.health()
+    assert client.instance() is None
+    assert (_raw(server, "GET", "/health")[0],
+            json.loads(_raw(server, "GET", "/health")[1])) == (503, {"error": "the engine failed"})
+    # One that knows no rank of it writes any more says so: decode lets the rooms go.
+    server.mark_unhealthy("the engine failed", writes_stopped=True)
     assert not client.health()
     with pytest.raises(PrefillStopped) as stopped:
         client.instance()
@@ -89,7 +95,7 @@ def test_health(server: BootstrapServer) -> None:
 
 def test_a_stopped_servers_reason_is_read_up_to_the_length_of_a_reason(
         server: BootstrapServer) -> None:
-    server.mark_unhealthy("x" * 5000)
+    server.mark_unhealthy("x" * 5000, writes_stopped=True)
     with pytest.raises(PrefillStopped) as stopped:
         BootstrapClient(server.address).instance()
     assert stopped.value.reason == "x" * 512

@@ -392,7 +392,8 @@ def test_a_held_room_is_released_when_its_prefill_says_it_stopped_writing(
     try:
         rx = _held_room(played, decode)
         pushed.take()
-        played.server.mark_unhealthy("the prefill server's engine failed: boom")
+        played.server.mark_unhealthy("the prefill server's engine failed: boom",
+                                     writes_stopped=True)
         with caplog.at_level(logging.INFO, logger="kv.mooncake_decode"):
             decode._wake.set()  # the next health check
             pushed.wait_for(5)  # within TIMEOUT_S (10 s): the bound is 30 s
@@ -432,7 +433,8 @@ def test_a_prefill_that_says_it_stopped_writing_fails_its_rooms_quiescent_at_onc
         assert played.received(3)[-1] == ("Destination", 5)
         assert not rx.quiescent()
         pushed.take()
-        played.server.mark_unhealthy("the prefill server's engine failed: boom")
+        played.server.mark_unhealthy("the prefill server's engine failed: boom",
+                                     writes_stopped=True)
         decode._wake.set()
         pushed.wait_for(5)
         assert rx.poll() == KVPoll.FAILED and rx.quiescent()

@@ -141,7 +141,8 @@ def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Pa
     """Nothing is asked of the server: rank 0 runs no collective that would fail, yet the
     rank's exit makes it unhealthy at once (the engine loop fails) and it exits 1. Its
     bootstrap endpoint's health turns 503 too, so a decode peer that sent a destination to the
-    dead rank (which will never answer for it) lets the room's pages go at its heartbeat."""
+    dead rank (which will never answer for it) counts the prefill lost and lets the room's
+    pages go at its release bound."""
     bootstrap = free_port()
     flags = ["--backend", "mooncake", *model_flags(MODEL), "--log-level", "info"]
     server = Server(tmp_path / "serve.log", "--role", "prefill", "--bootstrap-port",
@@ -173,9 +174,10 @@ def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Pa
             failed = on_decode.result(60)
         assert failed.status_code == 503, failed.text
         assert failed.json()["error"]["type"] == refused.json()["error"]["type"]
-        # Its first health check after the manager is created (5 s) lets the room go: the prefill
-        # says it stopped writing, so the 30 s bound is not waited out.
-        wait_for(lambda: idle(decode.get("/server_info")), 20, "the decode's pages free")
+        # The dead rank never sends the room's Status, and the failed server does not say that
+        # its ranks stopped writing (the live one may still write): decode counts it lost after
+        # two failed health checks and lets the room go at its 30 s release bound.
+        wait_for(lambda: idle(decode.get("/server_info")), 90, "the decode's pages free")
         assert "lost contact with prefill" in decode.tail(100_000)
         server.signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 1, server.tail()

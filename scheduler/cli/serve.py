@@ -97,8 +97,9 @@ _NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
         "--drain-linger": (0.0, "on SIGTERM, once drained (or the drain timed out): seconds to "
                            "go on answering, refusing "
                            "new requests (503 draining, refused to their peers too), before "
-                           "the port closes; set it to the router's health-check interval so "
-                           "the router stops sending requests here first"),
+                           "the port closes; set it to the router's health-check interval times "
+                           "its failure threshold, so the router stops sending requests here "
+                           "first"),
     },
 }
 
@@ -182,7 +183,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched = _number_group(parser, "scheduling and memory")
     _defaulted(sched, "--kv-layout", DEFAULT_KV_LAYOUT.value,
                "the KV pool's order: page_major (one transfer block per run of pages) or "
-               "layer_major (SGLang's, for an SGLang peer); prefill and decode must agree",
+               "layer_major (SGLang's order of its tensors); prefill and decode must agree",
                choices=KV_LAYOUTS)
     pool = sched.add_mutually_exclusive_group()  # one way to size the pool
     _defaulted(pool, "--pool-pages", _POOL_PAGES, "KV pool pages per role", type=int)
@@ -647,7 +648,8 @@ def _serve(args: argparse.Namespace) -> int:
         launched.started()  # rank 0's engines are up: the other ranks build (and register)
         launched.watch(service.loop.fail)  # a rank that dies makes the server unhealthy
     if ranks is not None and service.prefill is not None:
-        ranks.delay(service.prefill)  # with --enable-prefill-delayer
+        # The other replicas' metrics on its registry, and the delayer where it is on.
+        ranks.delay(service.prefill)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, with a drain before the exit on the first SIGTERM/SIGINT; a second
