@@ -615,7 +615,7 @@ class Service:
             self.decode_kv.fake.forget(item.bootstrap_room)
 
     def _on_crash(self, exc: BaseException) -> None:
-        if self.bootstrap is not None:  # decode peers' heartbeats let this server's rooms go
+        if self.bootstrap is not None:  # decode peers count this prefill lost (not stopped)
             self.bootstrap.mark_unhealthy(f"the prefill server's engine failed: {exc}")
         self.metrics.healthy.set(0)
         self._answer_all(500, FailureReason.INTERNAL,
