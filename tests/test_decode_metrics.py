@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from lifecycle import SamplingParams
+from kv.refusal import peer_refusal
+from lifecycle import DecodeState, FailureReason, SamplingParams
 from scheduler.decode import DecodeMetrics
+from scheduler.decode.metrics import PREFILL_DRAINING
 from scheduler.embedded import EmbeddedPair, PairConfig
+from scheduler.messages import NewRequest
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
+from scheduler.stepping import step_until
 
 
 def test_a_decode_peer_counts_its_answers_and_sets_its_gauges() -> None:
@@ -76,3 +80,41 @@ def test_finished_requests_do_not_pile_up_in_the_decode_deadline_heap() -> None:
         assert len(pair.decode.lifecycle) == 0
     finally:
         pair.close()
+
+
+def test_a_refusal_of_a_draining_prefill_counts_apart_from_other_refusals() -> None:
+    """The prefill server refuses two rooms (as its HTTP front does, :mod:`kv.refusal`): one
+    because it drains, one for a prompt it cannot take. Both decode halves fail
+    ``bootstrap_failed``; the drain's counts under its own reason, which the decode alert leaves
+    out (docs/prometheus-alerts.yml), the other as ``bootstrap_failed``."""
+    pair = EmbeddedPair(PairConfig(model=ModelConfig.tiny(), prefill_pages=32, decode_pages=32,
+                                   scheduler=SchedulerConfig(page_size=4)))
+    try:
+        why = {41: peer_refusal("draining", 503, "the server is draining (shutting down)"),
+               42: peer_refusal("prompt_too_long", 400, "the prompt has 140 tokens")}
+        for room, reason in why.items():
+            pair.prefill.refuse_room(pair.bootstrap_host, pair.bootstrap_port, room, reason)
+            pair.decode.submit(NewRequest(
+                f"r{room}", (1, 2, 3, 4), bootstrap_host=pair.bootstrap_host,
+                bootstrap_port=pair.bootstrap_port, bootstrap_room=room,
+                sampling=SamplingParams(2, (), True)))
+        answers = pair.decode_responses
+        step_until(pair.step, lambda: len(answers) == 2, 30, lambda: f"answered: {answers}")
+        for room, reason in why.items():
+            answer = answers[f"r{room}"]
+            assert (answer.state, answer.reason) == (DecodeState.FAILED,
+                                                     FailureReason.BOOTSTRAP_FAILED), answer
+            assert reason in answer.detail, answer.detail
+        value = pair.decode.metrics.registry.get_sample_value
+        finished = "pdlife_decode_requests_finished_total"
+        assert value(finished, {"state": "failed", "reason": PREFILL_DRAINING}) == 1
+        assert value(finished, {"state": "failed", "reason": "bootstrap_failed"}) == 1
+        assert value("pdlife_decode_peer_refusals_total", {"direction": "received"}) == 2
+    finally:
+        pair.close()
+
+
+def test_the_draining_reason_is_exported_at_0_before_the_first() -> None:
+    value = DecodeMetrics().registry.get_sample_value
+    assert value("pdlife_decode_requests_finished_total",
+                 {"state": "failed", "reason": PREFILL_DRAINING}) == 0

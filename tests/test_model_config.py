@@ -78,6 +78,12 @@ BAD_CONFIGS = {
     "eos_negative": (_set(eos_token_id=[2, -1]), _EOS_IDS + "[2, -1]"),
     "eos_a_string": (_set(eos_token_id="2"), _EOS_IDS + '"2"'),
     "eos_a_float": (_set(eos_token_id=2.0), _EOS_IDS + "2.0"),
+    # An EOS id the output head has no row for is never sampled: answers would never end on it.
+    "eos_the_vocabulary_size": (_set(eos_token_id=VOCAB), f"eos_token_id {VOCAB} is not a token "
+                                f"id of the model's vocabulary of {VOCAB} tokens (0..{VOCAB - 1})"),
+    "eos_beyond_in_a_list": (_set(eos_token_id=[2, VOCAB + 7]),
+                             f"eos_token_id {VOCAB + 7} is not a token id of the model's "
+                             f"vocabulary of {VOCAB} tokens (0..{VOCAB - 1})"),
 }
 
 
@@ -114,6 +120,21 @@ def test_a_generation_config_s_eos_ids_are_refused_naming_the_field(saved, tmp_p
         load_checkpoint(where)
 
 
+@pytest.mark.parametrize("eos", [VOCAB, [1, VOCAB + 1]])
+def test_a_generation_config_s_eos_ids_beyond_the_vocabulary_are_refused(saved, tmp_path, eos):
+    where = tmp_path / "generation"
+    shutil.copytree(saved, where)
+    file = where / "generation_config.json"
+    file.write_text(json.dumps({"eos_token_id": eos}))
+    beyond = eos if isinstance(eos, int) else eos[-1]
+    expected = (f"{file}: eos_token_id {beyond} is not a token id of the model's vocabulary "
+                f"of {VOCAB} tokens (0..{VOCAB - 1})")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(expected)}$"):
+        load_checkpoint(where)
+    file.write_text(json.dumps({"eos_token_id": VOCAB - 1}))  # the last id is one
+    assert load_checkpoint(where).config.vocab_size == VOCAB
+
+
 def test_a_bad_eos_id_is_one_line_at_the_command_line(saved, tmp_path, capsys):
     where = tmp_path / "generation"
     shutil.copytree(saved, where)
@@ -127,11 +148,11 @@ def test_a_bad_eos_id_is_one_line_at_the_command_line(saved, tmp_path, capsys):
 
 def write_tiny_gguf(path: Path, *, meta: Mapping[str, object] = {},
                     types: Mapping[str, type] = {}, extra: Mapping[str, np.ndarray] = {},
-                    hf: Any = None) -> None:
+                    hf: Any = None, eos: int | None = None) -> None:
     """A tiny random Llama (``hf``, else ``tiny_hf_model()``) as a float32 GGUF file in
     llama.cpp's layout; ``meta`` sets ``llama.*`` fields (None leaves one out), ``types``
     stores the named tensors' values as another numpy type (``np.float64`` makes an F64
-    tensor), ``extra`` adds tensors (``rope_freqs.weight``)."""
+    tensor), ``extra`` adds tensors (``rope_freqs.weight``), ``eos`` the tokenizer's EOS id."""
     hf = tiny_hf_model() if hf is None else hf
     c = hf.config
     fields: dict[str, object] = {
@@ -158,6 +179,8 @@ def write_tiny_gguf(path: Path, *, meta: Mapping[str, object] = {},
     w.add_token_list([f"t{i}" for i in range(VOCAB)])
     w.add_token_types([1] * VOCAB)
     w.add_token_merges(["t 1"])
+    if eos is not None:
+        w.add_eos_token_id(eos)
     for name, tensor in hf.state_dict().items():
         gguf_name, kind = _gguf_name(name)
         data = tensor.float()
@@ -224,6 +247,21 @@ def test_gguf_metadata_or_tensors_that_cannot_be_read_are_refused_naming_them(tm
     write_tiny_gguf(path, **options)
     with pytest.raises(CheckpointError, match=f"^{re.escape(f'{path}: {said}')}"):
         load_checkpoint(path)
+
+
+def test_a_gguf_eos_id_beyond_the_models_vocabulary_is_refused(tmp_path):
+    """The file's tokens outnumber the model's output rows (its vocab_size): an EOS id among
+    the tokens but beyond the rows is refused naming the field; the last row's id loads."""
+    rows = VOCAB - 32
+    options: dict[str, Any] = dict(meta={"vocab_size": rows}, hf=tiny_hf_model(vocab_size=rows))
+    path = tmp_path / "beyond.gguf"
+    write_tiny_gguf(path, eos=rows, **options)
+    expected = (f"{path}: metadata tokenizer.ggml.eos_token_id {rows} is not a token id of the "
+                f"model's vocabulary of {rows} tokens (0..{rows - 1})")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(expected)}$"):
+        load_checkpoint(path)
+    write_tiny_gguf(path, eos=rows - 1, **options)
+    assert load_checkpoint(path).config.vocab_size == rows
 
 
 LONG_IDS = [(7 * i + 3) % VOCAB for i in range(96)]

@@ -266,9 +266,13 @@ def test_a_draining_prefill_fails_the_request_on_decode_at_once(
         held = held_draining(prefill, pair.body("held-on-prefill", 106, prompt=10,
                                                 bootstrap_port=port), pair)
         body = pair.body("to-a-draining-prefill", 107, prompt=20, bootstrap_port=port)
+        before = {r: finished(pair.decode, r) for r in ("prefill_draining", "bootstrap_failed")}
         on_prefill, on_decode = pair.post(prefill, body), pair.post(pair.decode, body)
         failed_with(on_prefill.result(WAIT_S), 503, "draining")
         failed_with(on_decode.result(WAIT_S), 503, "draining", "peer refused: draining (503): ")
+        # A planned drain, counted apart: PdlifeDecodeRequestsFailing leaves it out.
+        assert {r: finished(pair.decode, r) - n for r, n in before.items()} == {
+            "prefill_draining": 1, "bootstrap_failed": 0}
         prefill.signal(signal.SIGKILL)
         prefill.wait(30)
         with pytest.raises(httpx.TransportError):

@@ -27,6 +27,8 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import attrs
+
 from kv.pool_layout import DEFAULT_KV_LAYOUT, KV_LAYOUTS
 from scheduler.cli.command import Subcommand, UsageError
 from scheduler.cli.credentials import API_KEY_ENV, PEER_TOKEN_ENV, api_key, peer_token
@@ -61,6 +63,14 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k
           "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
+def _size(n: int) -> str:
+    """``n`` bytes as :func:`byte_size` reads them: in the largest binary unit that divides it."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n and n % _UNITS[unit.lower()] == 0:
+            return f"{n // _UNITS[unit.lower()]}{unit}"
+    return str(n)
+
+
 def byte_size(text: str) -> int:
     """A size in bytes: a plain number, or one with a unit (``64KiB``, ``8MiB``, ``1GB``)."""
     match = _SIZE.fullmatch(text)
@@ -71,37 +81,77 @@ def byte_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
 
-#: ``--pool-pages`` when neither it nor ``--kv-cache-memory`` is given.
-_POOL_PAGES = 2048
-
-#: The flags that take a plain number, by group: flag -> (default, what it sets). The default's
-#: type is the flag's.
-_NUMBERS: dict[str, dict[str, tuple[int | float, str]]] = {
+#: The flags that take a plain number, by group: flag -> what it sets. The default
+#: (:func:`flag_defaults`, else :data:`_OWN_DEFAULTS`) gives the flag its type.
+_NUMBERS: dict[str, dict[str, str]] = {
     "scheduling and memory": {
-        "--page-size": (16, "tokens per KV page"),
-        "--metadata-slots": (64, "metadata rows, i.e. requests between bootstrap and transfer"),
-        "--chunked-prefill-size": (8192, "tokens per prefill chunk, 0 to disable chunking"),
-        "--max-prefill-tokens": (16384, "tokens per prefill batch"),
-        "--max-running-requests": (256, "requests holding KV pages at once"),
+        "--page-size": "tokens per KV page",
+        "--metadata-slots": "metadata rows, i.e. requests between bootstrap and transfer",
+        "--chunked-prefill-size": "tokens per prefill chunk, 0 to disable chunking",
+        "--max-prefill-tokens": "tokens per prefill batch",
+        "--max-running-requests": "requests holding KV pages at once",
     },
     "timeouts and limits": {
-        "--bootstrap-timeout": (300.0, "prefill: seconds to wait for decode's destination"),
-        "--transfer-timeout": (300.0, "prefill: seconds for a transfer to conclude"),
-        "--waiting-timeout": (300.0, "decode: seconds to wait for a request's KV"),
-        "--connect-timeout": (30.0, "decode: seconds to look a prefill server up"),
-        "--retire-lost-prefill-after": (60.0, "decode, mooncake: seconds a prefill server may "
-                                        "count as gone (its heartbeat failing) before the "
-                                        "transfer engine kept for it closes; 0 keeps it"),
-        "--drain-timeout": (60.0, "on SIGTERM: seconds to let requests finish before aborting "
-                            "them"),
-        "--drain-linger": (0.0, "on SIGTERM, once drained (or the drain timed out): seconds to "
-                           "go on answering, refusing "
-                           "new requests (503 draining, refused to their peers too), before "
-                           "the port closes; set it to the router's health-check interval times "
-                           "its failure threshold, so the router stops sending requests here "
-                           "first"),
+        "--bootstrap-timeout": "prefill: seconds to wait for decode's destination",
+        "--transfer-timeout": "prefill: seconds for a transfer to conclude",
+        "--waiting-timeout": "decode: seconds to wait for a request's KV",
+        "--connect-timeout": "decode: seconds to look a prefill server up",
+        "--retire-lost-prefill-after": "decode, mooncake: seconds a prefill server may count as "
+                                       "gone (its heartbeat failing) before the transfer engine "
+                                       "kept for it closes; 0 keeps it",
+        "--drain-timeout": "on SIGTERM: seconds to let requests finish before aborting them",
+        "--drain-linger": "on SIGTERM, once drained (or the drain timed out): seconds to go on "
+                          "answering, refusing new requests (503 draining, refused to their "
+                          "peers too), before the port closes; set it to the router's "
+                          "health-check interval times its failure threshold, so the router "
+                          "stops sending requests here first",
     },
 }
+#: The defaults of the flags that set no configuration field: the server's own behaviour.
+_OWN_DEFAULTS: dict[str, int | float] = {"--drain-timeout": 60.0, "--drain-linger": 0.0}
+
+
+def flag_defaults() -> dict[str, Any]:
+    """The default of every flag that sets a configuration field: that field's default, read
+    from the configuration class (in the flag's unit), so that a flag and its field cannot
+    drift apart."""
+    # Imported here: only the serve command's parser needs the KV layer (the other commands
+    # start without it).
+    from kv.mooncake_engine import MooncakeConfig
+    from scheduler.prefill.config import SchedulerConfig
+    from scheduler.prefill.delayer_decision import DelayerConfig
+    from scheduler.service.config import ServeConfig
+
+    sched, serve, mc, delayer, log = ({f.name: f.default for f in attrs.fields(c)} for c in (
+        SchedulerConfig, ServeConfig, MooncakeConfig, DelayerConfig, LogSettings))
+    retire = mc["retire_lost_after_s"]
+    return {
+        "--page-size": sched["page_size"],
+        "--metadata-slots": serve["metadata_slots"],
+        "--chunked-prefill-size": sched["chunked_prefill_size"] or 0,  # 0: None
+        "--max-prefill-tokens": sched["max_prefill_tokens"],
+        "--max-running-requests": sched["max_running_requests"],
+        "--pool-pages": serve["pool_pages"],
+        "--schedule-policy": sched["schedule_policy"],
+        "--bootstrap-port": serve["bootstrap_port"],
+        # It sets both (the scheduler's wait, the transfer engine's).
+        "--bootstrap-timeout": sched["bootstrap_timeout"],
+        "--transfer-timeout": sched["transfer_timeout"],
+        "--waiting-timeout": serve["waiting_timeout"],
+        "--connect-timeout": mc["connect_timeout_s"],
+        "--retire-lost-prefill-after": 0.0 if retire is None else retire,  # 0: None
+        "--lost-prefill-release-timeout": mc["lost_release_timeout_s"],
+        "--max-body-bytes": serve["max_body_bytes"],
+        "--mooncake-host": mc["hostname"],
+        "--mooncake-protocol": mc["protocol"],
+        "--mooncake-device": mc["device"],
+        "--mooncake-block-mib": mc["max_block_bytes"] >> 20,
+        "--mooncake-engines": mc["engines"],
+        "--mooncake-tcp-lanes": mc["tcp_lanes"],
+        "--prefill-delayer-max-delay-passes": delayer["max_delay_passes"],
+        "--log-level": log["level"],
+        "--log-format": log["format"],
+    }
 
 
 def positive_int(text: str) -> int:
@@ -126,10 +176,14 @@ def port_number(text: str) -> int:
     return value
 
 
-def _number_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
-    """The group ``title`` with its plain-number flags (:data:`_NUMBERS`) declared."""
+def _number_group(parser: argparse.ArgumentParser, title: str,
+                  defaults: dict[str, Any]) -> argparse._ArgumentGroup:
+    """The group ``title`` with its plain-number flags (:data:`_NUMBERS`) declared, each with
+    its default in ``defaults`` (:func:`flag_defaults`) or :data:`_OWN_DEFAULTS`."""
     group = parser.add_argument_group(title)
-    for flag, (default, text) in _NUMBERS[title].items():
+    for flag, text in _NUMBERS[title].items():
+        default = defaults.get(flag, _OWN_DEFAULTS.get(flag))
+        assert isinstance(default, int | float), f"{flag} has no default"
         group.add_argument(flag, type=type(default), default=default,
                            help=f"{text} (default: {default:g})")
     return group
@@ -157,6 +211,7 @@ def _defaulted(group: argparse._ActionsContainer, flag: str, default: str | int,
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = flag_defaults()
     parser.add_argument("--role", choices=("prefill", "decode"),
                         help="which side of PD serving: required with --backend mooncake or "
                         "fake, refused with --backend local (which runs both)")
@@ -166,7 +221,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                choices=("mooncake", "local", "fake"))
     _defaulted(parser, "--host", "127.0.0.1", "HTTP bind address")
     _defaulted(parser, "--port", 30000, "HTTP port", type=port_number)
-    _defaulted(parser, "--bootstrap-port", 8998,
+    _defaulted(parser, "--bootstrap-port", defaults["--bootstrap-port"],
                "prefill role, mooncake: the bootstrap endpoint's port, on --host",
                type=port_number)
     parser.add_argument("--model-name", default=REFERENCE_NAME,
@@ -180,13 +235,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "Qwen 2.5), llama3 or llama3_json (JSON calls: Llama 3.1-3.3), mistral "
                         "([TOOL_CALLS]), pythonic ([f(x=1)]: Llama 3.2, 4) (default: none; auto "
                         "is refused, required and named functions are forced by a grammar)")
-    sched = _number_group(parser, "scheduling and memory")
+    sched = _number_group(parser, "scheduling and memory", defaults)
     _defaulted(sched, "--kv-layout", DEFAULT_KV_LAYOUT.value,
                "the KV pool's order: page_major (one transfer block per run of pages) or "
                "layer_major (SGLang's order of its tensors); prefill and decode must agree",
                choices=KV_LAYOUTS)
     pool = sched.add_mutually_exclusive_group()  # one way to size the pool
-    _defaulted(pool, "--pool-pages", _POOL_PAGES, "KV pool pages per role", type=int)
+    _defaulted(pool, "--pool-pages", defaults["--pool-pages"], "KV pool pages per role",
+               type=int)
     pool.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                       help="size the KV pool by memory instead of --pool-pages (e.g. 2GiB), "
                       "per role: as many pages as fit, from the model's layers, KV heads, head "
@@ -198,7 +254,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--disable-radix-cache", action="store_true",
                        help="prefill: turn the prefix cache off, so every prompt is computed "
                        "in full (docs/prefix-cache.md)")
-    _defaulted(sched, "--schedule-policy", "fcfs",
+    _defaulted(sched, "--schedule-policy", defaults["--schedule-policy"],
                "prefill: the waiting queue's order, arrival (fcfs) or longest cached prefix "
                "first (lpm, needs the prefix cache)", choices=("fcfs", "lpm"))
     par = parser.add_argument_group("parallelism (prefill; docs/backends.md#parallel-layouts)")
@@ -208,42 +264,41 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="prefill only, with --dp-size > 1: SGLang's PrefillDelayer, "
                           "negotiated across the DP replicas each pass, which keeps them in "
                           "lockstep (docs/delayer.md)")
-    # None: not given (it goes with --enable-prefill-delayer); 30 then.
+    # None: not given (it goes with --enable-prefill-delayer); DelayerConfig's default then.
+    passes = defaults["--prefill-delayer-max-delay-passes"]
     par.add_argument("--prefill-delayer-max-delay-passes", type=positive_int, default=None,
                      help="with --enable-prefill-delayer: while only some replicas have a "
                      "prefill to run, it is held back at most this value minus 1 passes in a "
-                     "row, so 1 never holds it (default: 30, 29 passes)")
-    times = _number_group(parser, "timeouts and limits")
-    # Imported here: only the serve command's parser needs the KV layer (the others start
-    # without it).
-    from kv.mooncake_engine import LOST_RELEASE_TIMEOUT_S
-
-    times.add_argument("--lost-prefill-release-timeout", type=float,
-                       default=LOST_RELEASE_TIMEOUT_S,
+                     f"row, so 1 never holds it (default: {passes}, {passes - 1} passes)")
+    times = _number_group(parser, "timeouts and limits", defaults)
+    release = defaults["--lost-prefill-release-timeout"]
+    times.add_argument("--lost-prefill-release-timeout", type=float, default=release,
                        help="decode, mooncake: seconds a request's pages stay reserved, at "
                        "most, once its prefill server counted as gone, while a prefill rank "
                        "that has not said it stopped may still write into them (default: "
-                       f"{LOST_RELEASE_TIMEOUT_S:g})")
-    times.add_argument("--max-body-bytes", type=byte_size, default=8 << 20, metavar="SIZE",
+                       f"{release:g})")
+    body = defaults["--max-body-bytes"]
+    times.add_argument("--max-body-bytes", type=byte_size, default=body, metavar="SIZE",
                        help="largest request body accepted, in bytes or with a unit "
-                       "(65536, 64KiB, 8MiB) (default: 8MiB)")
+                       f"(65536, 64KiB, 8MiB) (default: {_size(body)})")
     mc = parser.add_argument_group("mooncake")
-    _defaulted(mc, "--mooncake-host", "127.0.0.1",
+    _defaulted(mc, "--mooncake-host", defaults["--mooncake-host"],
                "this machine's address for the transfer engine and control sockets")
-    _defaulted(mc, "--mooncake-protocol", "tcp",
+    _defaulted(mc, "--mooncake-protocol", defaults["--mooncake-protocol"],
                "the transfer engine's transport: tcp everywhere, rdma where the machine has "
                f"RDMA devices (refused where {RDMA_DEVICES} lists none)", choices=("tcp", "rdma"))
-    mc.add_argument("--mooncake-device", default="",
+    mc.add_argument("--mooncake-device", default=defaults["--mooncake-device"],
                     help="rdma: the RDMA device(s) to use, comma-separated (e.g. mlx5_0) "
                     "(default: the transfer engine picks among them)")
-    _defaulted(mc, "--mooncake-block-mib", 16, "prefill: a run of pages longer than this many "
-               "MiB is written as blocks of it (each block one stream, on tcp over one lane)",
-               type=int)
-    _defaulted(mc, "--mooncake-engines", 1, "prefill: transfer engines a rank writes through, "
-               "1-16, its blocks dealt over them (over tcp at 4 lanes, two moved a round faster "
-               "than one)", type=int)
-    _defaulted(mc, "--mooncake-tcp-lanes", 4, "prefill, tcp: connections each engine "
-               "keeps to a decode peer, 1-16, one block moving on each at a time", type=int)
+    _defaulted(mc, "--mooncake-block-mib", defaults["--mooncake-block-mib"],
+               "prefill: a run of pages longer than this many MiB is written as blocks of it "
+               "(each block one stream, on tcp over one lane)", type=int)
+    _defaulted(mc, "--mooncake-engines", defaults["--mooncake-engines"],
+               "prefill: transfer engines a rank writes through, 1-16, its blocks dealt over "
+               "them (over tcp at 4 lanes, two moved a round faster than one)", type=int)
+    _defaulted(mc, "--mooncake-tcp-lanes", defaults["--mooncake-tcp-lanes"],
+               "prefill, tcp: connections each engine keeps to a decode peer, 1-16, one block "
+               "moving on each at a time", type=int)
     sec = parser.add_argument_group("security and overload (docs/security.md)")
     sec.add_argument("--peer-token-file", metavar="PATH",
                      help="mooncake: a file whose first line is the token prefill and decode "
@@ -269,10 +324,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     obs.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
                      help="with --enable-trace: the collector's OTLP/HTTP endpoint, HOST:PORT "
                      "(spans go to /v1/traces there) or a full URL (default: localhost:4318)")
-    _defaulted(parser, "--log-level", "info",
+    _defaulted(parser, "--log-level", defaults["--log-level"],
                "the server's log level, its rank processes' too; debug adds an access log line "
                "per HTTP request", choices=LEVELS, type=str.lower)
-    _defaulted(parser, "--log-format", "text",
+    _defaulted(parser, "--log-format", defaults["--log-format"],
                "text (a line per record) or json (an object per line, for log collectors: "
                "time, level, logger, message, process, exception)", choices=FORMATS)
 
@@ -364,9 +419,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.retire_lost_prefill_after < 0:
         raise UsageError("--retire-lost-prefill-after must be >= 0 (0 keeps managers), got "
                          f"{args.retire_lost_prefill_after:g}")
-    for flag, (default, _) in _NUMBERS["timeouts and limits"].items():
+    for flag in _NUMBERS["timeouts and limits"]:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if isinstance(default, float) and not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number of seconds, got {value:g}")
     for flag, seconds in (("--drain-timeout", args.drain_timeout),
                           ("--drain-linger", args.drain_linger)):
@@ -463,8 +518,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             allowed_prefills=_allowed_prefills(args.allow_prefill),
             otlp_traces_endpoint=(args.otlp_traces_endpoint or DEFAULT_OTLP_ENDPOINT)
             if args.enable_trace else None,
-            prefill_delayer=DelayerConfig(
-                max_delay_passes=args.prefill_delayer_max_delay_passes or 30)
+            prefill_delayer=(DelayerConfig() if args.prefill_delayer_max_delay_passes is None
+                             else DelayerConfig(
+                                 max_delay_passes=args.prefill_delayer_max_delay_passes))
             if args.enable_prefill_delayer else None,
             log=LogSettings(args.log_level, args.log_format),
             **_as_given(args, _SERVE_AS_GIVEN),

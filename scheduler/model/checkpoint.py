@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,16 @@ def read_json(file: Path) -> Any:
         return json.loads(data)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
+
+
+def check_in_vocabulary(where: str, field: str, ids: Iterable[int], vocab_size: int) -> None:
+    """Refuse token ids of ``field`` (``where``: the file, and in it the field's name as the
+    file has it) that the model's vocabulary of ``vocab_size`` tokens does not hold: an EOS id
+    beyond it could never be sampled, so answers would never end on it."""
+    for token in ids:
+        if token >= vocab_size:
+            raise CheckpointError(f"{where}: {field} {token} is not a token id of the model's "
+                                  f"vocabulary of {vocab_size} tokens (0..{vocab_size - 1})")
 
 
 def refuse_architecture(where: Path, architecture: object) -> None:

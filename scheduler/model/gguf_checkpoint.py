@@ -28,6 +28,7 @@ from scheduler.model.checkpoint import (
     TokenizerSource,
     UnsupportedCheckpoint,
     WeightDigest,
+    check_in_vocabulary,
     check_tensors,
     refuse_architecture,
     unsupported_rope_scaling,
@@ -52,6 +53,9 @@ _GGUF_TOP_NAMES = {
     "rope_freqs": "rope_freqs",
 }
 
+#: The metadata field of the EOS id (the tokenizer reads its other end-of-generation ids).
+_EOS = "tokenizer.ggml.eos_token_id"
+
 
 def load_gguf(where: Path) -> Checkpoint:
     """A GGUF file of a Llama-family model, dequantized to float32."""
@@ -67,6 +71,9 @@ def load_gguf(where: Path) -> Checkpoint:
     refuse_architecture(where, architecture)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     config = _config(where, str(architecture), meta, tied)
+    eos = meta.get(_EOS)  # its type is checked with the tokenizer's, against the tokens
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        check_in_vocabulary(str(where), f"metadata {_EOS}", (eos,), config.vocab_size)
     digest = WeightDigest()
     tensors = _tensors(where, reader, config, digest)
     check_tensors(where, config, tensors, _gguf_native)

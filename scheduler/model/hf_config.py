@@ -39,6 +39,7 @@ from scheduler.model.checkpoint import (
     LlamaConfig,
     RopeScaling,
     UnsupportedCheckpoint,
+    check_in_vocabulary,
     read_json,
     refuse_architecture,
     unsupported_rope_scaling,
@@ -98,7 +99,7 @@ def hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
         raise UnsupportedCheckpoint(f"{where}: hidden_act {activation!r} is not silu")
 
     fields = _Fields(file, raw)
-    fields.token_ids("eos_token_id")
+    eos_ids = fields.token_ids("eos_token_id")
     heads = fields.integer("num_attention_heads")
     hidden = fields.integer("hidden_size")
     max_position = fields.integer("max_position_embeddings", defaults.max_position_embeddings)
@@ -119,23 +120,25 @@ def hf_config(where: Path, raw: Mapping[str, Any]) -> LlamaConfig:
         tie_word_embeddings=fields.flag("tie_word_embeddings", defaults.tie_word_embeddings),
         rope_scaling=rope_scaling,
     )
+    check_in_vocabulary(str(file), "eos_token_id", eos_ids, values["vocab_size"])
     try:
         return LlamaConfig(**values)
     except CheckpointError as exc:  # fields that do not fit together (heads and KV heads)
         raise CheckpointError(f"{file}: {exc}") from None
 
 
-def check_generation_config(where: Path) -> None:
+def check_generation_config(where: Path, vocab_size: int) -> None:
     """Refuse the directory ``where``'s ``generation_config.json``, where it has one, if it is
-    not a JSON object or its ``eos_token_id`` is not token ids (:class:`CheckpointError` naming
-    the file and the field)."""
+    not a JSON object or its ``eos_token_id`` is not token ids of the model's vocabulary of
+    ``vocab_size`` tokens (:class:`CheckpointError` naming the file and the field)."""
     file = where / "generation_config.json"
     if not file.is_file():
         return
     raw = read_json(file)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: not a JSON object")
-    _Fields(file, raw).token_ids("eos_token_id")
+    eos_ids = _Fields(file, raw).token_ids("eos_token_id")
+    check_in_vocabulary(str(file), "eos_token_id", eos_ids, vocab_size)
 
 
 @attrs.frozen

@@ -69,7 +69,7 @@ def _load_hf_directory(where: Path) -> Checkpoint:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file}: not a JSON object")
     config = hf_config(where, raw)
-    check_generation_config(where)
+    check_generation_config(where, config.vocab_size)
     tensors: dict[str, torch.Tensor] = {}
     held_by: dict[str, Path] = {}  # the file each weight came from
     digest = WeightDigest()

@@ -3,13 +3,15 @@
 Theory of operation
 -------------------
 The draft (:meth:`~scheduler.model.decoder.LlamaModel.draft`: the target's first layers, same
-vocabulary) proposes ``k`` tokens one at a time; the target computes all of them in one forward
-and its greedy token at every position; the longest prefix of proposals that equals the
-target's tokens is accepted, followed by the target's own token after it. Each accepted token
-is the target's greedy token at its position, computed over exactly the tokens plain greedy
-decoding would have put before it, and the reference model computes a position's bits whatever
-its batch or chunk (:mod:`scheduler.model.fixed_point`). So the output is plain greedy
-decoding's, token for token, always; the draft only decides how many target forwards it takes.
+vocabulary; all of them is allowed: a draft that is the target itself, whose every proposal is
+accepted, is never faster but checks the all-accepted path) proposes ``k`` tokens one at a
+time; the target computes all of them in one forward and its greedy token at every position;
+the longest prefix of proposals that equals the target's tokens is accepted, followed by the
+target's own token after it. Each accepted token is the target's greedy token at its position,
+computed over exactly the tokens plain greedy decoding would have put before it, and the
+reference model computes a position's bits whatever its batch or chunk
+(:mod:`scheduler.model.fixed_point`). So the output is plain greedy decoding's, token for
+token, always; the draft only decides how many target forwards it takes.
 
 The prefill side hands the decode side what lets it start without recomputing the draft's
 prefill (:class:`Handoff`, as EAGLE's PD hand-off carries top-k probabilities, top-k indices
