@@ -83,3 +83,29 @@ def test_decode_requests_failing_fires_for_other_failures(tmp_path: Path, reason
     fires(tmp_path, "PdlifeDecodeRequestsFailing",
           [decode_finished("", 20), decode_finished(PREFILL_DRAINING, 10),
            decode_finished(reason, 10)], [DECODE])
+
+
+PREFILL = {"job": "pdlife-prefill", "instance": "127.0.0.1:30000"}
+
+
+def prefill_waiting(bootstrapped_per_minute: int, probes_per_minute: int) -> list[dict[str, str]]:
+    """A prefill whose one request waits for its destination the whole time, while
+    ``bootstrapped_per_minute`` requests bootstrap, ``probes_per_minute`` of them probes."""
+    return [
+        series("pdlife_requests", {**PREFILL, "state": "bootstrapping"}, "1x30"),
+        series("pdlife_transitions_total", {**PREFILL, "event": "bootstrapped"},
+               f"0+{bootstrapped_per_minute}x30"),
+        series("pdlife_probe_bootstraps_total", PREFILL, f"0+{probes_per_minute}x30"),
+    ]
+
+
+def test_requests_waiting_for_decode_is_not_hidden_by_probes(tmp_path: Path) -> None:
+    """Only /health_generate probes bootstrap (on the fake host, with no decode): it fires."""
+    fires(tmp_path, "PdlifeRequestsWaitingForDecode", prefill_waiting(4, 4), [PREFILL])
+
+
+def test_requests_waiting_for_decode_is_silent_while_real_requests_bootstrap(
+    tmp_path: Path
+) -> None:
+    """One real request a minute bootstraps beside the probes: a decode sends destinations."""
+    fires(tmp_path, "PdlifeRequestsWaitingForDecode", prefill_waiting(5, 4), [])

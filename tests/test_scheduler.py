@@ -398,6 +398,8 @@ def test_metrics_count_what_happened():
              for e in ("bootstrapped", "schedule", "prefilled", "fail", "transferred", "abort")}
     assert fired == {"bootstrapped": 1, "schedule": 1, "prefilled": 1, "fail": 1,
                      "transferred": 0, "abort": 0}
+    # A request with a decode peer is no probe.
+    assert reg.get_sample_value("pdlife_probe_bootstraps_total") == 0
     assert h.sched.lifecycle.transitions_fired == 4
 
 

@@ -144,6 +144,11 @@ def test_fake_host_prefill_role_answers_the_first_token() -> None:
                 assert all(x.status_code == 200 for x in rs)
                 assert (await client.get("/health_generate")).status_code == 200
                 await settled(client)
+                # Each bootstrapped without a decode, and counted apart as a probe.
+                metrics = (await client.get("/metrics")).text
+                for series in ('pdlife_transitions_total{event="bootstrapped"} 5.0',
+                               "pdlife_probe_bootstraps_total 5.0"):
+                    assert series in metrics.splitlines(), series
 
     run(main())
 

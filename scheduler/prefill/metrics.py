@@ -69,6 +69,11 @@ class SchedulerMetrics:
             "pdlife_prefill_tokens", "Prompt tokens computed by forward passes.", registry=r
         )
         self.batches = Counter("pdlife_prefill_batches", "Prefill batches run.", registry=r)
+        self.probe_bootstraps = Counter(
+            "pdlife_probe_bootstraps", "Requests on the fake bootstrap host (2.2.2.2: "
+            "/health_generate probes, warm-ups) that bootstrapped, which no decode served; "
+            "counted in pdlife_transitions_total{event=\"bootstrapped\"} too.", registry=r,
+        )
         self.rejected_input = Counter(
             "pdlife_rejected_inputs", "Requests refused at the boundary, by reason.",
             ["reason"], registry=r,

@@ -71,7 +71,14 @@ from lifecycle import (
 from scheduler.dist.gather import min_reduce
 from scheduler.dist.ranks import RankSync, SingleRank
 from scheduler.dist.relay import InboxRelay
-from scheduler.messages import AbortRequest, CacheFlushed, FlushCache, NewRequest, Response
+from scheduler.messages import (
+    FAKE_BOOTSTRAP_HOST,
+    AbortRequest,
+    CacheFlushed,
+    FlushCache,
+    NewRequest,
+    Response,
+)
 from scheduler.prefill.adder import Plan
 from scheduler.prefill.admission import Admission, sender_of
 from scheduler.prefill.checks import check_arguments, check_state_conservation
@@ -408,6 +415,10 @@ class PrefillScheduler(SteppedByOneThread):
         if not len(self._slot_queue):
             return False
         ready = self._slot_queue.take(self.slots, self.config.page_size)
+        # Probes bootstrap on the fake host at once: counted apart, so that an alert on
+        # requests no decode sends destinations for reads real traffic.
+        self.metrics.probe_bootstraps.inc(
+            sum(req.bootstrap_host == FAKE_BOOTSTRAP_HOST for req in ready))
         self.lifecycle.fire(PrefillEvent.BOOTSTRAPPED, ready)
         return bool(ready)
 
