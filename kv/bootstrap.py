@@ -16,9 +16,15 @@ instance` in an ``X-Pdlife-Instance`` header, as ``GET /route`` carries it: a de
 prefill server restarted at the same address by it), or 503 with the reason once the server is
 marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed). Only a server
 that knows no rank of it writes any more adds ``"writes_stopped": true``, and a decode peer's
-heartbeat then lets its rooms go at once; ``pdlife serve``'s failed engine does not (its other
-ranks, replicas and queued chunks may still write), so decode holds their pages until each
-room's ``Status`` or its release bound. ``POST /refusal`` is how a decode
+heartbeat then lets its rooms go at once. ``pdlife serve`` says so only where it is the one
+prefill rank behind its endpoint and its KV manager's transfer workers all ended with no write in
+flight (:meth:`kv.mooncake.MooncakeKVManager.close`): on shutdown, and once its failed engine's
+manager closed; with other ranks or DP replicas, or a worker that did not end, it never does
+(they may still write), and decode holds their pages until each room's ``Status`` or its release
+bound. A decode rank's health check names its engine session (``X-Pdlife-Session``), so a
+prefill shutting down knows which peers read that its writes stopped
+(:meth:`BootstrapServer.wait_read`) and keeps its endpoint up only until those that hold its
+rooms did. ``POST /refusal`` is how a decode
 peer says it will never ask for a room's KV (it refused the request, or gave up before the
 handshake): the room and the reason go to every listener the prefill ranks in this process added
 (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
@@ -52,7 +58,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +80,12 @@ MAX_ANSWER = 4 << 20
 _READ_CHUNK = 64 << 10
 #: The header of every answer (``/health``'s included) that names the server instance.
 INSTANCE_HEADER = "X-Pdlife-Instance"
+#: The header of a decode rank's ``GET /health`` that names its engine session (the one its
+#: ``Register`` names), so the server knows who read that its writes stopped.
+SESSION_HEADER = "X-Pdlife-Session"
+_MAX_SESSION = 256
+#: The most sessions remembered as having read that the writes stopped.
+_MAX_READERS = 4096
 #: The field of ``/health``'s 503 answer that says the server's ranks write no KV any more
 #: (:meth:`BootstrapServer.mark_unhealthy`); a 503 without it says nothing of the kind.
 STOPPED_FIELD = "writes_stopped"
@@ -140,6 +152,9 @@ class BootstrapServer:
         #: Why ``/health`` answers 503 (None: healthy).
         self.unhealthy: str | None = None
         self._writes_stopped = False
+        # The decode sessions whose health check was answered that the writes stopped.
+        self._read_stopped: set[str] = set()
+        self._read = threading.Condition(self._lock)
         #: Drawn afresh by every server: another value at the same address is a restarted one.
         self.instance = secrets.token_hex(8)
         self._httpd = _BoundedServer((host, port), _make_handler(self))
@@ -160,9 +175,37 @@ class BootstrapServer:
         once no rank behind this endpoint can write KV any more: none is left running, and no
         chunk is queued) the answer carries :data:`STOPPED_FIELD`, and decode peers let the
         pages they hold for this server go at their next health check; without it they hold
-        them until each room's ``Status`` or their release bound."""
-        self.unhealthy = reason
-        self._writes_stopped = writes_stopped
+        them until each room's ``Status`` or their release bound. Once said, the writes stay
+        stopped: a later call without ``writes_stopped`` changes only the reason."""
+        with self._lock:
+            self.unhealthy = reason
+            self._writes_stopped = self._writes_stopped or writes_stopped
+
+    @property
+    def writes_stopped(self) -> bool:
+        """Whether ``/health`` says that no rank behind this endpoint writes KV any more."""
+        return self._writes_stopped
+
+    def wait_read(self, sessions: Collection[str], timeout: float) -> set[str]:
+        """Wait at most ``timeout`` seconds until every decode session of ``sessions`` has had
+        a health check answered that the writes stopped (it names itself in
+        :data:`SESSION_HEADER`; any thread); the sessions that had none by then."""
+        with self._read:
+            self._read.wait_for(lambda: self._read_stopped.issuperset(sessions), timeout)
+            return set(sessions) - self._read_stopped
+
+    def _health(self, session: str | None) -> tuple[int, Any]:
+        """The answer to ``GET /health`` from a peer that named ``session``."""
+        with self._lock:
+            if self.unhealthy is None:
+                return 200, "OK"
+            if not self._writes_stopped:
+                return 503, {"error": self.unhealthy}
+            if session and len(session) <= _MAX_SESSION and (
+                    len(self._read_stopped) < _MAX_READERS):
+                self._read_stopped.add(session)
+                self._read.notify_all()
+            return 503, {"error": self.unhealthy, STOPPED_FIELD: True}
 
     @property
     def address(self) -> str:
@@ -319,12 +362,7 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self._path()
             if path == "/health":
-                unhealthy = server.unhealthy
-                if unhealthy is None:
-                    self._reply(200, "OK")
-                else:
-                    self._reply(503, {"error": unhealthy, STOPPED_FIELD: True}
-                                if server._writes_stopped else {"error": unhealthy})
+                self._reply(*server._health(self.headers.get(SESSION_HEADER)))
             elif not self._authorized():
                 pass
             elif path == "/route":
@@ -379,7 +417,10 @@ class BootstrapClient:
     """Talks to a bootstrap endpoint at ``addr`` ("host:port"); each request, all of it, takes
     at most ``timeout_s``."""
 
-    def __init__(self, addr: str, *, timeout_s: float = 5.0, token: str | None = None) -> None:
+    def __init__(self, addr: str, *, timeout_s: float = 5.0, token: str | None = None,
+                 session: str | None = None) -> None:
+        """``session``: the decode rank's engine session, named in its health checks
+        (:data:`SESSION_HEADER`)."""
         host, sep, port = addr.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"bootstrap address must be 'host:port', got {addr!r}")
@@ -388,6 +429,7 @@ class BootstrapClient:
         self._port = int(port)
         self._timeout_s = timeout_s
         self._token = token
+        self._session = session
 
     def register(self, info: RankInfo) -> None:
         self._request("PUT", "/route", json.dumps(attrs.asdict(info)).encode())
@@ -472,6 +514,8 @@ class BootstrapClient:
         headers = {"Content-Type": "application/json"}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
+        if self._session is not None and path == "/health":
+            headers[SESSION_HEADER] = self._session
         end = time.monotonic() + self._timeout_s
         conn = _DeadlineConnection(self._host, self._port,
                                    end if deadline is None else min(end, deadline))

@@ -43,7 +43,11 @@ for it at once (:meth:`MooncakeKVManager.refuse`, :meth:`MooncakeKVManager.peer_
 Rooms: ``clear()`` forgets a room; a destination that comes later is a new use's, and an
 ``Abort`` that crossed the room's ``Status`` is dropped. ``quiescent()`` is False while a chunk
 of the room is queued or being written. ``close()`` fails every live room, and a sender created
-or a chunk sent after it fails at once.
+or a chunk sent after it fails at once. Decode is told nothing then; instead, once every transfer
+worker ended with no write in flight and the engines are destroyed, the closed manager says so
+(:attr:`MooncakeKVManager.writes_stopped`, with the decode sessions left holding pages for a
+destination it never answered), for its server to tell decode peers at its bootstrap endpoint
+(:meth:`kv.bootstrap.BootstrapServer.mark_unhealthy`); a worker that did not end leaves it None.
 
 Hybrid state (``states=``, :mod:`kv.mooncake_state`): both sides register their state pools
 too; a decode rank whose pools differ is refused at its ``Register`` (every room's destination
@@ -60,6 +64,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import zmq
 
 from kv import wire
@@ -94,11 +99,26 @@ _REFUSAL_LINGER_MS = 1000
 #: How long the last statuses pushed to a decode session (forgotten, or registered anew) may take
 #: to leave once its socket is closed.
 _LAST_STATUS_LINGER_MS = 500
+#: How long closing the manager waits for each transfer worker to end (its last write to
+#: conclude).
+WORKERS_STOP_S = 10.0
 #: Why a room fails as the manager closes.
 _CLOSED = "the prefill manager closed"
 #: A listener tick this long (s) after the previous one ran late: the listener did not run
 #: meanwhile, so keepalives may wait unread, and no session is judged silent on it.
 _LATE_TICK_S = 3.0
+
+
+@attrs.frozen
+class WritesStopped:
+    """A closed prefill rank's word that no KV write of its can land any more: its transfer
+    workers ended with none in flight and its engines are destroyed."""
+
+    rank: int
+    #: The decode sessions left holding pages for a destination of this rank's that no
+    #: ``Status`` answered (every registered one where control messages were left unread),
+    #: each with how often it checks the prefill's health (seconds; 0: not known).
+    unanswered: Mapping[str, float]
 
 
 class MooncakeKVManager:
@@ -145,6 +165,11 @@ class MooncakeKVManager:
         self._push: dict[str, zmq.Socket[Any]] = {}
         self._submit_lock = threading.Lock()
         self._closing = False  # set by close(): no chunk is queued after
+        self._close_lock = threading.Lock()  # one close; another caller waits for it
+        self._closed = False
+        #: Set by :meth:`close` once no write of this rank can land any more; None before,
+        #: and after a close that could not make sure of it.
+        self.writes_stopped: WritesStopped | None = None
         self._control = ControlEndpoint(
             config, pool, metadata, self._handle, name="mooncake-listen", log=logger,
             states=states, tick=self._tick,
@@ -241,19 +266,32 @@ class MooncakeKVManager:
         """Stop serving: the chunks queued are written, then every live room fails, and a
         sender created or a chunk sent from now on fails at once, so every sender is
         quiescent; then the sockets and engines close. Decode is told nothing more (see
-        :meth:`kv.mooncake_rooms.PrefillRooms.close`)."""
-        self._control.stop()
-        with self._submit_lock:
-            self._closing = True
-        self._writes.close()
-        self._rooms.close(_CLOSED)
-        with self._push_lock:
-            for sock in self._push.values():
-                sock.close()
-            self._push.clear()
-        for engine in self.engines[1:]:
-            engine.close()
-        self._control.close()
+        :meth:`kv.mooncake_rooms.PrefillRooms.close`); :attr:`writes_stopped` says whether
+        no write can land any more. Any thread; a second call waits for the first."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            listened = self._control.stop()
+            # Destinations among control messages no one read: every session may hold one.
+            unread = not listened or self._control.left_unread()
+            with self._submit_lock:
+                self._closing = True
+            ended = self._writes.close(WORKERS_STOP_S)
+            unanswered = self._rooms.close(_CLOSED, every_session=unread)
+            with self._push_lock:
+                for sock in self._push.values():
+                    sock.close()
+                self._push.clear()
+            for engine in self.engines[1:]:
+                engine.close()
+            self._control.close()
+            if ended:  # and every engine destroyed: none of their writes lands any more
+                self.writes_stopped = WritesStopped(self.rank, unanswered)
+            else:
+                logger.warning("prefill rank %d closed with a transfer worker still running: "
+                               "a write of it may still land, so decode peers are not told "
+                               "its writes stopped", self.rank)
 
     def _submit(self, chunk: Chunk) -> None:
         """Queue ``chunk`` for the transfer workers; once the manager closes (they stop),

@@ -31,9 +31,11 @@ however long the request would still wait for pages; a late one from another wat
 the receiver was cleared, is expected and ignored.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
-``heartbeat_interval_s`` and, while it answers, sends every prefill rank the ``Register`` again
-(the keepalive: a prefill rank forgets a decode session silent for several intervals, so a
-decode rank killed without its ``Deregister`` does not stay registered for ever). After
+``heartbeat_interval_s`` (naming this rank's engine session: a prefill shutting down waits for
+the ranks that hold its rooms to read that it stopped writing) and, while it answers, sends
+every prefill rank the ``Register`` again (the keepalive: a prefill rank forgets a decode
+session silent for several intervals, so a decode rank killed without its ``Deregister`` does
+not stay registered for ever). After
 ``heartbeat_max_failures`` failures in a row the prefill counts as gone: every room not yet
 concluded fails with a reason naming it, and receivers created meanwhile fail at once and wake
 the heartbeat for a check of its own (a request is the first sign that a restarted prefill is
@@ -340,7 +342,8 @@ class MooncakeDecodeManager:
     def _watch_prefill(self) -> None:
         cfg = self.config
         client = BootstrapClient(
-            self.bootstrap_addr, timeout_s=min(cfg.heartbeat_interval_s, 3.0), token=cfg.token
+            self.bootstrap_addr, timeout_s=min(cfg.heartbeat_interval_s, 3.0), token=cfg.token,
+            session=self.session,  # so a prefill shutting down knows this rank read it
         )
         failures = 0
         while True:

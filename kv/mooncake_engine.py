@@ -66,6 +66,18 @@ def _finite_seconds(_: object, attribute: attrs.Attribute[Any], value: float) ->
 LOST_RELEASE_TIMEOUT_S = 30.0
 
 
+#: How long (seconds) a prefill server shutting down keeps saying that its writes stopped, at
+#: most, for the decode ranks holding its rooms to read it (``MooncakeConfig.
+#: writes_stopped_wait_s``): twice the decode side's default heartbeat interval.
+WRITES_STOPPED_WAIT_S = 10.0
+
+
+def _seconds_or_zero(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{attribute.name} must be a finite number of seconds >= 0, got "
+                         f"{value!r}")
+
+
 @attrs.frozen(field_transformer=typed_fields)
 class MooncakeConfig:
     """Engine and control-plane settings of one side."""
@@ -119,6 +131,14 @@ class MooncakeConfig:
     # (kv.mooncake_decode).
     lost_release_timeout_s: float = attrs.field(default=LOST_RELEASE_TIMEOUT_S,
                                                 validator=_finite_seconds)
+    # Prefill side, at shutdown: once no rank of the server writes KV any more and its
+    # bootstrap endpoint says so, it stays up for at most this many seconds while decode ranks
+    # left holding pages for rooms it never answered have not read that at their next health
+    # check (each within its own heartbeat_interval_s); none is waited for when no decode rank
+    # holds such a room. 0 closes it at once (those decode ranks hold the pages until their
+    # lost_release_timeout_s).
+    writes_stopped_wait_s: float = attrs.field(default=WRITES_STOPPED_WAIT_S,
+                                               validator=_seconds_or_zero)
     # The shared peer token: the bootstrap endpoint and every control message require it. Never
     # in a repr (configs get logged). At least MIN_PEER_TOKEN_CHARS visible ASCII characters.
     token: str | None = attrs.field(default=None, repr=False)
@@ -446,11 +466,17 @@ class ControlEndpoint:
         call was. Only on the listener thread (from its ``tick``): the socket is its own."""
         return not self._pull.poll(0)
 
-    def stop(self) -> None:
-        """Stop the listener (the engine and the context stay open)."""
+    def stop(self) -> bool:
+        """Stop the listener (the engine and the context stay open); whether it ended."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        return not self._thread.is_alive()
+
+    def left_unread(self) -> bool:
+        """Whether control messages came that the listener never handled; only once
+        :meth:`stop` said it ended (the socket is no thread's then)."""
+        return bool(self._pull.poll(0))
 
     def close(self) -> None:
         """Stop the listener, then close the socket, the context and the engine; every push

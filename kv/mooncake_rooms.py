@@ -384,15 +384,27 @@ class PrefillRooms:
             for o in owed:
                 self._answered.pop((o.room, o.session), None)
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, *, every_session: bool = False) -> dict[str, float]:
         """This rank serves no room any more (``reason``): every live room fails, and so does
         a room created from now on, at once. Decode is told nothing: its heartbeat fails the
         rooms of a prefill that stopped answering (and refuses them to the instance that
-        answers next, which a status would forestall)."""
+        answers next, which a status would forestall). The decode sessions left holding pages
+        for a destination of this rank that no ``Status`` answered (a room live until now, or
+        failed and not yet told, or a destination kept for a room not created), each with how
+        often it checks the prefill's health (its keepalive, seconds; 0: it sends none); with
+        ``every_session`` (control messages came that no one read), every registered one."""
         with self._lock:
             self._closed = reason
+            unanswered: set[str] = set()
             for rec in self._rooms.values():
                 self._fail(rec, reason)
+                if rec.status == KVPoll.FAILED and not rec.notified:
+                    unanswered.update(leg.session for leg in rec.legs.values())
+            for session in self._regs:
+                if self._early.withdraw_session(session) or every_session:
+                    unanswered.add(session)
+            return {s: self._regs[s].keepalive_ms / 1000 if s in self._regs else 0.0
+                    for s in unanswered}
 
     # -- senders (scheduler thread) ------------------------------------------------------------
 

@@ -26,6 +26,10 @@ metadata gate never sees a torn row.
 Failure: a write the engine refuses or reports failed fails the group's rooms with a reason
 naming the decode session and blacklists the session; a group for a blacklisted session is not
 written. An exception in a worker fails the rooms of its group; the worker keeps running.
+
+Stop: :meth:`WritePipeline.close` writes what is queued and stops the workers; it says whether
+every worker ended having waited for each of its engine writes (a worker still waiting on a hung
+write, or one killed by what it does not catch, may leave a write in flight that lands later).
 """
 
 from __future__ import annotations
@@ -154,6 +158,8 @@ class WritePipeline:
             threading.Thread(target=self._work, args=(q,), name=f"mooncake-xfer-{i}", daemon=True)
             for i, q in enumerate(self._queues)
         ]
+        # Workers that ended with no engine write of theirs in flight (appended by each).
+        self._ended: list[str] = []
         for t in self._threads:
             t.start()
 
@@ -161,12 +167,19 @@ class WritePipeline:
         session = chunk.session
         self._queues[zlib.crc32(session.encode()) % len(self._queues)].put(chunk)
 
-    def close(self) -> None:
-        """Write what is queued, then stop the workers."""
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Write what is queued, then stop the workers, waiting at most ``timeout_s`` for each.
+        Whether every worker ended with none of its engine writes in flight: no write of this
+        pipeline can land any more once its engines are closed."""
         for q in self._queues:
             q.put(None)
         for t in self._threads:
-            t.join(timeout=10)
+            t.join(timeout=timeout_s)
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            logger.warning("transfer workers %s still running %g s after the stop (a write "
+                           "that does not conclude?)", ", ".join(stuck), timeout_s)
+        return len(self._ended) == len(self._threads)
 
     def _work(self, q: queue.SimpleQueue[Chunk | None]) -> None:
         """Submit writes as chunks arrive while earlier writes are still in flight, so the
@@ -187,6 +200,7 @@ class WritePipeline:
                     self._start(_Group(session, group), inflight)
             elif inflight:
                 self._finish(inflight.popleft())
+        self._ended.append(threading.current_thread().name)
 
     def _start(self, group: _Group, inflight: deque[_Write]) -> None:
         """Submit the group's writes, first waiting for the oldest writes in flight while the

@@ -93,6 +93,36 @@ def test_health(server: BootstrapServer) -> None:
                                                 "writes_stopped": True})
 
 
+def test_a_server_knows_which_decode_sessions_read_that_its_writes_stopped(
+        server: BootstrapServer) -> None:
+    """A decode rank's health check names its session; the server counts it as having read
+    that the writes stopped only from an answer that said so, and says so for good once it
+    did (a later mark without it changes only the reason)."""
+    reader = BootstrapClient(server.address, session="127.0.0.1:16001")
+    assert reader.instance() == server.instance  # healthy: read nothing
+    server.mark_unhealthy("the engine failed")
+    assert reader.instance() is None  # a 503 that says nothing of the writes
+    assert server.wait_read(["127.0.0.1:16001"], 0) == {"127.0.0.1:16001"}
+    server.mark_unhealthy("the prefill server shut down", writes_stopped=True)
+    assert server.writes_stopped
+    waiting: list[set[str]] = []
+    waiter = threading.Thread(target=lambda: waiting.append(
+        server.wait_read(["127.0.0.1:16001", "127.0.0.1:16002"], 10)))
+    waiter.start()
+    with pytest.raises(PrefillStopped):
+        reader.instance()
+    with pytest.raises(PrefillStopped):
+        BootstrapClient(server.address).instance()  # names no session: not counted
+    with pytest.raises(PrefillStopped):
+        BootstrapClient(server.address, session="127.0.0.1:16002").instance()
+    waiter.join(timeout=10)
+    assert waiting == [set()]
+    server.mark_unhealthy("the engine failed again")
+    with pytest.raises(PrefillStopped) as stopped:
+        reader.instance()
+    assert stopped.value.reason == "the engine failed again"
+
+
 def test_a_stopped_servers_reason_is_read_up_to_the_length_of_a_reason(
         server: BootstrapServer) -> None:
     server.mark_unhealthy("x" * 5000, writes_stopped=True)

@@ -25,7 +25,8 @@ Load shedding: beyond ``max_queued_requests`` requests that hold no KV pages yet
 :meth:`Service.start` refuses new ones (:mod:`.shedding`). Drain: :meth:`Service.begin_drain`
 stops admission; :meth:`Service.wait_drained` returns when
 no request is live. A failed engine loop fails every live request (500) and makes the service
-unhealthy for good.
+unhealthy for good; a prefill's bootstrap endpoint says so at once, and that its KV writes
+stopped once they have (:meth:`.Engines.stop_writes`: never with other ranks or replicas).
 """
 
 from __future__ import annotations
@@ -615,11 +616,15 @@ class Service:
             self.decode_kv.fake.forget(item.bootstrap_room)
 
     def _on_crash(self, exc: BaseException) -> None:
+        reason = f"the prefill server's engine failed: {exc}"
         if self.bootstrap is not None:  # decode peers count this prefill lost (not stopped)
-            self.bootstrap.mark_unhealthy(f"the prefill server's engine failed: {exc}")
+            self.bootstrap.mark_unhealthy(reason)
         self.metrics.healthy.set(0)
         self._answer_all(500, FailureReason.INTERNAL,
                          f"internal error: the engine loop failed ({type(exc).__name__}: {exc})")
+        # Then, where the KV manager makes sure its writes stopped and no other rank writes,
+        # decode peers are told so (they let its rooms go at once).
+        self.engines.stop_writes(reason)
 
     def _answer_all(self, status: int, reason: FailureReason, message: str) -> None:
         """Answer every live request ``status`` (the loop that steps them has ended)."""

@@ -11,6 +11,18 @@
 - ``both`` (the ``local`` backend): both engines, the local backend copying pages from one pool
   to the other.
 
+A Mooncake prefill server that is the one rank behind its bootstrap endpoint tells decode
+peers there when its KV writes stopped (:meth:`Engines.stop_writes` once its engine failed, and
+on close): its KV manager closed with every transfer worker ended and its engines destroyed
+(:attr:`kv.mooncake.MooncakeKVManager.writes_stopped`), so a decode peer lets the pages it holds
+for the server go at its next health check rather than at its release bound. On close the
+endpoint then stays up, at most ``MooncakeConfig.writes_stopped_wait_s`` (bounded by the heartbeat
+interval of each peer concerned), until each decode rank left holding pages for a destination no
+``Status`` answered has read it; a close that left none waits for nothing. A server with other
+ranks or DP replicas never says it: rank 0 cannot know that their writes stopped (they stop
+after its endpoint closed), and the same holds where the manager could not make sure of its own
+(a transfer worker still running).
+
 It also reads what the service publishes about them: request counts and pool occupancy after
 every pass (:meth:`Engines.snapshot`, engine thread), peers refused for their token, control
 messages dropped. The engines' answers go to the callbacks the caller gives; what a request
@@ -30,6 +42,7 @@ from kv.listeners import ExposureCheck
 from kv.local import LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
+from kv.mooncake import MooncakeKVManager
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import PeerAuthError
 from kv.pool import KVPool
@@ -57,6 +70,12 @@ from scheduler.sample.request import Detokenize
 from scheduler.service.config import ServeConfig
 
 logger = logging.getLogger(__name__)
+
+#: Why a prefill server's bootstrap endpoint answers unhealthy as it closes.
+SHUT_DOWN = "the prefill server shut down"
+#: Seconds added to a decode rank's heartbeat interval for its next health check to come and
+#: be answered.
+_READ_MARGIN_S = 1.0
 
 
 def pool_view(pool: KVPool, prefix: PrefixCache | None = None) -> dict[str, int]:
@@ -150,6 +169,9 @@ class Engines:
                 expected_ranks=c.dp_size * c.tp_size * c.pp_size,
             )
             self._closers.append(self.bootstrap.close)
+            # Closers run newest first: this one after the KV manager's, before the endpoint's.
+            self._closers.append(functools.partial(self._tell_writes_stopped, SHUT_DOWN,
+                                                   wait=True))
         prefill = build_prefill(
             model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
             metadata_slots=c.metadata_slots, runner_factory=runner_factory,
@@ -211,6 +233,67 @@ class Engines:
             raise
         self._exposure()
         return manager
+
+    def stop_writes(self, reason: str) -> None:
+        """The prefill engine failed (``reason``): where this process is the one rank behind
+        its bootstrap endpoint, close its Mooncake KV manager (on a thread of its own: the
+        transfer workers may take seconds to end), then tell decode peers there that its writes
+        stopped, if the manager made sure of it. The endpoint stays up; nothing else changes."""
+        if (self.bootstrap is None or self.bootstrap.expected_ranks != 1
+                or self._prefill_kv() is None):
+            return
+        threading.Thread(target=self._stop_writes, args=(reason,), name="pdlife-stop-writes",
+                         daemon=True).start()
+
+    def _stop_writes(self, reason: str) -> None:
+        kv = self._prefill_kv()
+        assert kv is not None
+        try:
+            kv.close()
+            self._tell_writes_stopped(reason, wait=False)
+        except Exception:  # the endpoint keeps saying the server is unhealthy, not stopped
+            logger.exception("stopping the KV writes of the failed prefill engine failed")
+
+    def _prefill_kv(self) -> MooncakeKVManager | None:
+        kv = None if self.prefill is None else self.prefill.kv
+        return kv if isinstance(kv, MooncakeKVManager) else None
+
+    def _tell_writes_stopped(self, reason: str, *, wait: bool) -> None:
+        """Say at the bootstrap endpoint that no prefill rank behind it writes KV any more
+        (``reason``, unless it answers unhealthy already), where this process knows it: its
+        KV manager is the one rank registered there, and closed having made sure none of its
+        writes can land any more. With ``wait``, then wait until every decode session left
+        holding pages for a destination no ``Status`` answered read it, for at most the
+        longest of their heartbeat intervals (and a margin), and at most
+        ``MooncakeConfig.writes_stopped_wait_s``."""
+        bootstrap, kv = self.bootstrap, self._prefill_kv()
+        if bootstrap is None or kv is None:
+            return
+        stopped = kv.writes_stopped
+        others = sorted(set(bootstrap.ranks()) - {kv.rank})
+        if stopped is None or bootstrap.expected_ranks != 1 or others:
+            # Other ranks or DP replicas stop after this endpoint closes: their writes may
+            # still land.
+            logger.info("decode peers are not told that this prefill server's KV writes "
+                        "stopped: %s", "its KV manager could not make sure of its own"
+                        if stopped is None else f"{bootstrap.expected_ranks} ranks serve it")
+            return
+        if not bootstrap.writes_stopped:
+            bootstrap.mark_unhealthy(bootstrap.unhealthy or reason, writes_stopped=True)
+            logger.info("told decode peers that this prefill server's KV writes stopped (%d "
+                        "decode ranks hold pages for rooms it did not answer)",
+                        len(stopped.unanswered))
+        cap = self.config.mooncake.writes_stopped_wait_s
+        if not wait or not stopped.unanswered or cap == 0:
+            return
+        bound = min(cap, max(interval or cap for interval in stopped.unanswered.values())
+                    + _READ_MARGIN_S)
+        missed = bootstrap.wait_read(stopped.unanswered, bound)
+        if missed:
+            logger.warning("decode ranks %s did not check this prefill server's health within "
+                           "%g s of its saying that its KV writes stopped: they hold the pages "
+                           "of its rooms until their lost-prefill release bound",
+                           ", ".join(sorted(missed)), bound)
 
     def close(self) -> None:
         """Release the backends (threads, sockets, the bootstrap port), newest first; a failure

@@ -44,7 +44,10 @@ Start: rank 0 builds its engines (with Mooncake: the bootstrap endpoint for all 
 ranks), then :meth:`Ranks.started` lets every other rank build and register. Shutdown:
 :meth:`Ranks.close` (after rank 0's engine loop stopped) stops every replica: its first rank's
 relay stops its mesh, so every rank's next pass raises
-:class:`~scheduler.dist.relay.MeshStopped`, and each closes its backends and exits 0. The rank
+:class:`~scheduler.dist.relay.MeshStopped`, and each closes its backends and exits 0. Rank 0's
+bootstrap endpoint has closed by then, so it never says that the server's KV writes stopped
+(:mod:`scheduler.service.engines`): decode holds the rooms no ``Status`` answered until its
+release bound. The rank
 processes ignore SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): rank 0 alone
 drains and decides when they stop. A rank that fails breaks the next collective of its
 replica, whose ranks then fail and exit too; rank 0 watches every rank process
