@@ -102,8 +102,8 @@ class Replicas(Protocol):
         """A decode peer refused ``room``: tell the replica of the room, if not this one."""
 
     def refuse_room(self, room: int, reason: str) -> bool:
-        """This server refused a request of ``room``: tell the replica of the room; False
-        when that is this process's."""
+        """This server refused a request of ``room``: tell the replica of the room, which
+        counts it; False when that is this process's."""
 
     def answer_to(self, callback: Callable[[Response], None],
                   running: Callable[[int, int], None]) -> None:
@@ -456,14 +456,11 @@ class Service:
 
     def refuse_on_replica(self, room: int, why: str) -> bool:
         """Prefill role with DP replicas: have the replica that serves ``room`` refuse it to
-        its decode peer (counted here, with this worker's refusals); False when that is this
+        its decode peer (counted there, under its ``dp_rank``); False when that is this
         process's replica."""
         if self._replicas is None or self.prefill is None:
             return False
-        if not self._replicas.refuse_room(room, why):
-            return False
-        self.prefill.metrics.peer_refusals.labels(direction="sent").inc()
-        return True
+        return self._replicas.refuse_room(room, why)
 
     def live_rooms(self) -> set[tuple[str, int, int]]:
         """The bootstrap host, port and room of every live request."""

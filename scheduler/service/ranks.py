@@ -530,6 +530,9 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
                 elif isinstance(item, _Refusal) and isinstance(scheduler.kv, MooncakeKVManager):
                     if item.own:
                         scheduler.kv.refuse(item.room, item.reason)
+                        # This replica answers decode with the refusal: its count, as for
+                        # the rooms its own scheduler refuses.
+                        scheduler.metrics.peer_refusals.labels(direction="sent").inc()
                     else:
                         scheduler.kv.peer_refused(item.room, item.reason)
             step_or_rest(scheduler.step)
