@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 
@@ -223,5 +224,35 @@ def test_chat_answers_n_choices_through_the_openai_client(
                             roles.add(choice.index)
                 assert roles == {0, 1, 2}
                 assert [texts[i] for i in range(3)] == first
+
+    run(main())
+
+
+def test_n_choices_count_the_prompts_cached_tokens_once_plain_and_streamed() -> None:
+    """OpenAI's ``cached_tokens`` is part of ``prompt_tokens``: a prompt's, counted once for
+    its ``n`` choices (the sum over the choices exceeded the prompt)."""
+    prompt = "The quick brown fox jumps over the lazy dog, " * 2
+    body = {"prompt": prompt, "n": 3, "max_tokens": 2, "ignore_eos": True}
+
+    async def main() -> None:
+        cached_config = attrs.evolve(config(), scheduler=attrs.evolve(
+            config().scheduler, radix_cache=True))
+        with running_service(cached_config) as service:
+            async with asgi_client(service) as client:
+                warm = await client.post("/v1/completions", json={**body, "n": 1})
+                assert warm.status_code == 200, warm.text
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                usage = r.json()["usage"]
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert usage["prompt_tokens"] == len(prompt)
+                assert 0 < cached <= usage["prompt_tokens"], usage
+                # The same as one choice's: each choice of the prompt found it cached.
+                one = await client.post("/v1/completions", json={**body, "n": 1})
+                assert one.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+                r = await client.post("/v1/completions", json={
+                    **body, "stream": True, "stream_options": {"include_usage": True}})
+                assert r.status_code == 200, r.text
+                assert sse(r.text)[-1]["usage"] == usage
 
     run(main())

@@ -11,9 +11,10 @@ strings, which need ``detokenize``. Then, per request that needs more than greed
   the ``i``-th number of the request's seeded stream, the prefill side having drawn position 0;
 - after each token the constraint accepts it (a rejection fails the request, naming the
   grammar error: 500, or 400 where the grammar engine cannot run the grammar; a completed
-  grammar stops the answer) and the tail of the decoded output that can hold a new match is
-  searched for the stop strings and regexes (:mod:`scheduler.sample.stops`; a search for its
-  regexes that runs past its time budget fails the request, 400).
+  grammar stops the answer) and the tail of the output that can hold a new match, decoded
+  after the tokens before it as the answer's text is, is searched for the stop strings and
+  regexes (:mod:`scheduler.sample.stops`; a search for its regexes that runs past its time
+  budget fails the request, 400).
 
 A request is finished (:meth:`DecodeSampling.finished`) at ``max_new_tokens``, a stop token, a
 matched stop string or regex, a completed grammar or, unless it ignores EOS, one of the model's
@@ -107,10 +108,11 @@ class DecodeSampling:
             return grammar_failure(exc, token, len(req.output_ids) - 1)
         stops = state.stops
         if stops and state.matched_stop is None and self._detokenize is not None:
-            # A new match ends in the newest token's text: decode only the tokens it can span.
+            # A new match ends in the newest token's text: decode only the tokens it can span,
+            # after those before them, as the answer's text is decoded.
             try:
                 state.matched_stop = stops.matched(
-                    self._detokenize(stops.tail_tokens(req.output_ids)))
+                    stops.tail_text(self._detokenize, req.input_ids, req.output_ids))
             except StopRegexTooSlow as exc:  # the client's pattern: 400
                 return FailureReason.REJECTED, str(exc)
         return None

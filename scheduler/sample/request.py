@@ -54,7 +54,8 @@ class RequestSampling:
     matched_stop: str | None = None
     # The constraint is complete: the answer stops.
     grammar_done: bool = False
-    # What min_new_tokens excludes while the answer is shorter: stop tokens and EOS ids.
+    # What min_new_tokens excludes while the answer is shorter: stop tokens and EOS ids
+    # (where the grammar allows nothing else, the sampler lets them come).
     banned: tuple[int, ...] = ()
     # The stop strings and regexes the decoded output is searched for.
     stops: Stops = attrs.field(default=Stops())

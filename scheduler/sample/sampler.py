@@ -8,7 +8,12 @@ Per row, in order:
    negative ones; ``logit_bias`` is added (a biased logit held within ``±BIASED_MAX``); the
    tokens ``min_new_tokens`` still excludes (:attr:`RowSpec.banned`) go to -inf;
 2. **mask** — a constraint's allowed tokens (a mask that allows nothing is not applied: the
-   constraint then rejects whatever comes, and the request fails naming its grammar);
+   constraint then rejects whatever comes, and the request fails naming its grammar). Where
+   the exclusion would leave no token to draw (a grammar that allows only EOS and stop tokens
+   here, such as a complete one), the row is adjusted again without it: the grammar wins, and
+   the answer ends on the token drawn (docs/structured-output.md). A row that still has no
+   finite logit (the model's logits are not finite) raises :class:`NoTokenToDraw` rather than
+   reach the draw;
 3. **greedy** (``SamplingParams.greedy``: a temperature below 1e-6, or a top-k of 1) — the
    lowest id of the maximum, the rule ``fixed_point.greedy_token_ids`` and ``torch.argmax``
    follow, so greedy over a runner's logits is its ``forward``;
@@ -65,6 +70,11 @@ class RowSpec:
                 and not self.adjusted)
 
 
+class NoTokenToDraw(RuntimeError):
+    """A row has no token to draw: no logit is finite once adjusted and masked, so the model's
+    are not (an internal error: the batch fails)."""
+
+
 @attrs.frozen
 class Sampled:
     """A row's token, and its logprob when the request asked (``return_logprob``)."""
@@ -98,9 +108,9 @@ def sample(logits: torch.Tensor, specs: Sequence[RowSpec]) -> list[Sampled]:
 BIASED_MAX = 1e30
 
 
-def adjust(row: torch.Tensor, spec: RowSpec) -> torch.Tensor:
-    """``row`` (one request's logits, 1-D) with its penalties, ``min_new_tokens`` exclusion and
-    logit bias applied (a new tensor when anything applies)."""
+def adjust(row: torch.Tensor, spec: RowSpec, *, ban: bool = True) -> torch.Tensor:
+    """``row`` (one request's logits, 1-D) with its penalties, logit bias and (unless not
+    ``ban``) ``min_new_tokens`` exclusion applied (a new tensor when anything applies)."""
     if not spec.adjusted:
         return row
     params = spec.params
@@ -119,17 +129,25 @@ def adjust(row: torch.Tensor, spec: RowSpec) -> torch.Tensor:
         values = row[biased] + torch.tensor([b for _, b in params.logit_bias],
                                             dtype=row.dtype, device=row.device)
         row[biased] = values.clamp(-BIASED_MAX, BIASED_MAX)
-    if spec.banned:  # after the bias: no bias brings a banned token back
+    if ban and spec.banned:  # after the bias: no bias brings a banned token back
         row[[t for t in spec.banned if t < row.numel()]] = -float("inf")
     return row
 
 
-def _sample_row(row: torch.Tensor, spec: RowSpec) -> Sampled:
+def _sample_row(logits: torch.Tensor, spec: RowSpec) -> Sampled:
     params = spec.params
-    row = adjust(row, spec)
     mask = spec.mask
-    if mask is not None and bool(mask.any()):
-        row = row.masked_fill(~mask.to(row.device), -float("inf"))
+    if mask is not None and not bool(mask.any()):
+        mask = None
+    row = _masked(adjust(logits, spec), mask)
+    if spec.banned and not _drawable(row):
+        # min_new_tokens holds back EOS and stop tokens while something else may come; here
+        # the grammar allows nothing else, and the grammar wins.
+        row = _masked(adjust(logits, spec, ban=False), mask)
+    if not _drawable(row):
+        raise NoTokenToDraw(f"no logit of the row is finite after the request's adjustments "
+                            f"and mask (output position {spec.position}): the model's logits "
+                            "are not finite")
     if params.greedy:
         token = int(row.argmax())
     else:
@@ -140,6 +158,17 @@ def _sample_row(row: torch.Tensor, spec: RowSpec) -> Sampled:
     top = top_tokens(logprobs[None], params.top_logprobs_num)[0]
     asked = asked_of(logprobs[None], params.token_ids_logprob)[0]
     return Sampled(token, TokenLogprob(token, float(logprobs[token]), top, asked))
+
+
+def _masked(row: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return row
+    return row.masked_fill(~mask.to(row.device), -float("inf"))
+
+
+def _drawable(row: torch.Tensor) -> bool:
+    """Whether some token of ``row`` has a finite logit (argmax and the draw need one)."""
+    return bool(torch.isfinite(row).any())
 
 
 def _draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:

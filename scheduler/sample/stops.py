@@ -17,6 +17,12 @@ Searching less would change what matches: a start that failed can succeed once t
 grows, and a token can change the text decoded before it (a byte-fallback piece completing a
 character), so no part of the output stays searched.
 
+The tail is decoded after the :data:`CONTEXT_TOKENS` tokens before it (the prompt's, where it
+starts the output) and cut after their text, as the answer's text is decoded after the
+prompt: a tokenizer that strips the space a text starts with (SentencePiece's ``▁``) would
+otherwise drop the tail's, and a stop that begins with a space at the answer's start (`` the``)
+would never match.
+
 The regexes are searched with the ``regex`` module in its ``re``-compatible mode (VERSION0),
 not with ``re``: a pattern that backtracks catastrophically (``(a|a)+b`` on a run of ``a``)
 takes time exponential in the text's length, and ``re`` would hold the GIL throughout, freezing
@@ -38,13 +44,17 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import regex
 
 from lifecycle import SamplingParams
+
+#: Tokens before a tail that it is decoded after (as SGLang's incremental detokenization
+#: window, and the answer's text after the prompt: ``scheduler.service.answers``).
+CONTEXT_TOKENS = 5
 
 #: A regex whose widest match ``re`` puts beyond this many characters counts as unbounded.
 WIDEST = 1 << 16
@@ -113,6 +123,19 @@ def _subtrees(av: Any) -> Iterator[Any]:
             yield from _subtrees(part)
 
 
+def decoded_after(detokenize: Callable[[Sequence[int]], str], context: Sequence[int],
+                  ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``context``: decoded after it and cut after its text, or
+    decoded alone where the two do not join at a character boundary (or there is no context)."""
+    if not context or not ids:
+        return detokenize(ids)
+    before = detokenize(context)
+    joined = detokenize([*context, *ids])
+    if joined.startswith(before) and not before.endswith("\ufffd"):
+        return joined[len(before):]
+    return detokenize(ids)
+
+
 @attrs.frozen
 class Stops:
     """A request's stop strings and compiled stop regexes, and the width of their matches."""
@@ -150,6 +173,19 @@ class Stops:
         # A character can take up to 4 tokens (byte-fallback pieces of its UTF-8 bytes), and
         # the first token of the tail may end inside the match's first character.
         return output[-(4 * self.width + 1):]
+
+    def tail_text(self, detokenize: Callable[[Sequence[int]], str], prompt: Sequence[int],
+                  output: Sequence[int]) -> str:
+        """The text of :meth:`tail_tokens` as it stands in the answer's text: decoded after
+        the :data:`CONTEXT_TOKENS` tokens before it (the prompt's where it starts the output)
+        and cut after theirs, or decoded alone where the two do not join at a character
+        boundary."""
+        tail = self.tail_tokens(output)
+        start = len(output) - len(tail)
+        before = list(output[max(start - CONTEXT_TOKENS, 0):start])
+        if len(before) < CONTEXT_TOKENS and prompt:
+            before[:0] = prompt[-(CONTEXT_TOKENS - len(before)):]
+        return decoded_after(detokenize, before, tail)
 
     def matched(self, tail: str) -> str | None:
         """The stop that begins first in ``tail`` (a string, or a regex's pattern; a string

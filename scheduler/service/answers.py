@@ -22,14 +22,9 @@ from typing import Any
 
 from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
-from scheduler.sample.stops import Stops
+from scheduler.sample.stops import CONTEXT_TOKENS, Stops, decoded_after
 from scheduler.service.config import Answer, Item
 from scheduler.service.schema import FinishReason, GenerateAnswer, MetaInfo
-
-#: Prompt tokens an answer's text is decoded after (SGLang's incremental detokenization
-#: window): a tokenizer that strips the space a text starts with (SentencePiece's) keeps the
-#: answer's, which continues the prompt.
-CONTEXT_TOKENS = 5
 
 #: The ``meta_info`` keys that only logprob answers carry.
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
@@ -46,17 +41,11 @@ def decode(tokenizer: Any, ids: Iterable[int], *, skip_special_tokens: bool = Tr
 
 def continuation(tokenizer: Any, item: Item, ids: Sequence[int]) -> str:
     """The text ``ids`` add after ``item``'s prompt: decoded after the prompt's last
-    :data:`CONTEXT_TOKENS` tokens, and cut after their text (or alone, where the two do not
-    join at a character boundary)."""
+    :data:`~scheduler.sample.stops.CONTEXT_TOKENS` tokens, and cut after their text (or alone,
+    where the two do not join at a character boundary)."""
     skip = item.options.skip_special_tokens
-    context = list(item.input_ids[-CONTEXT_TOKENS:])
-    if not ids or not context or isinstance(tokenizer, ByteTokenizer):
-        return decode(tokenizer, ids, skip_special_tokens=skip)
-    before = decode(tokenizer, context, skip_special_tokens=skip)
-    joined = decode(tokenizer, [*context, *ids], skip_special_tokens=skip)
-    if joined.startswith(before) and not before.endswith("\ufffd"):
-        return joined[len(before):]
-    return decode(tokenizer, ids, skip_special_tokens=skip)
+    context = [] if isinstance(tokenizer, ByteTokenizer) else item.input_ids[-CONTEXT_TOKENS:]
+    return decoded_after(lambda t: decode(tokenizer, t, skip_special_tokens=skip), context, ids)
 
 
 def answer_text(tokenizer: Any, item: Item, ids: Sequence[int],

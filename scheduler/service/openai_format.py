@@ -54,11 +54,12 @@ def now() -> int:
 
 def usage(answers: Sequence[Answer], n: int | None = None) -> Usage:
     """The usage of one request's choices, ``n`` per prompt (default: all of one prompt),
-    prompt-major (SGLang's sums): each prompt counted once, every choice's completion tokens and
-    cached tokens."""
-    prompt = sum(a.prompt_tokens for a in answers[::n or len(answers)])
+    prompt-major: each prompt counted once, with its cached tokens (its first choice's: they are
+    part of its prompt tokens, as OpenAI counts them), and every choice's completion tokens."""
+    firsts = answers[::n or len(answers)]
+    prompt = sum(a.prompt_tokens for a in firsts)
     completion = sum(len(a.output_ids) for a in answers)
-    cached = sum(a.cached_tokens for a in answers)
+    cached = sum(a.cached_tokens for a in firsts)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
