@@ -81,6 +81,15 @@ def test_max_running_and_batch_caps():
     assert len(p.chunks) == 3 and p.stop is Stop.MAX_BATCH
 
 
+def test_the_request_mid_chunk_counts_once_against_max_running():
+    # ``running`` counts it (it holds its pages): two held, one more may start.
+    a = req(200, "a", scheduled=96, pages=6)
+    p = plan([req(10, "b"), req(10, "c")], continuing=a, running=2, max_running_requests=3)
+    assert [c.req.rid for c in p.chunks] == ["a", "b"] and p.stop is Stop.MAX_RUNNING
+    p = plan([req(10, "b")], continuing=a, running=2, max_running_requests=2)
+    assert [c.req.rid for c in p.chunks] == ["a"] and p.stop is Stop.MAX_RUNNING
+
+
 def test_gate_is_asked_once_and_can_delay():
     asked = []
 

@@ -163,7 +163,7 @@ def plan_batch(
     lookup: Lookup | None = None,
 ) -> Plan:
     """Plan one batch; pure apart from the gate and the lookup. ``running`` counts requests
-    holding pages; ``waiting`` are WAITING requests in the policy's order, ``continuing`` the
+    holding pages (``continuing`` among them); ``waiting`` are WAITING requests in the policy's order, ``continuing`` the
     request mid-chunk; ``free_pages`` counts what eviction could free too, and ``lookup``
     finds a new request's cached prefix (None: no prefix cache)."""
     plan = Plan()
@@ -173,9 +173,12 @@ def plan_batch(
         if stop is not None:
             plan.stop = stop
             return plan
+    # The request mid-chunk holds its pages already: ``running`` counts it, the cap does not
+    # count it again.
+    started = len(plan.chunks)
     asked = False
     for req in waiting:
-        if running + len(plan.chunks) >= max_running_requests:
+        if running + len(plan.chunks) - started >= max_running_requests:
             plan.stop = Stop.MAX_RUNNING
             break
         if prefill_max_requests is not None and len(plan.chunks) >= prefill_max_requests:
