@@ -110,29 +110,41 @@ def claim(
     that could not be claimed, with the claims before it still made (:func:`unclaim` undoes
     them), or None. The source bucket is not touched (:func:`leave`)."""
     # One loop per case: a test of ``guard`` or ``bucket`` per request costs about a tenth of
-    # the claim.
-    get = filed.get
-    if guard is not None:
-        for r in reqs:
-            if r.state is not src or get(r.rid) is not r or (not guard(r)) is wanted:
-                return r
-            r.state = dst
-            r.timeline.append(entry)
-            if bucket is not None:
-                bucket[r.rid] = r
-    elif bucket is not None:
-        for r in reqs:
-            if r.state is not src or get(r.rid) is not r:
-                return r
-            r.state = dst
-            r.timeline.append(entry)
-            bucket[r.rid] = r
-    else:
-        for r in reqs:
-            if r.state is not src or get(r.rid) is not r:
-                return r
-            r.state = dst
-            r.timeline.append(entry)
+    # the claim. ``filed[rid]``, not ``filed.get(rid)``: a subscript is one specialised
+    # instruction where a call of ``get`` is three (about 80 instructions less per request);
+    # a request filed nowhere there raises KeyError, which only a refused batch pays, and one
+    # try around the loops costs nothing until then (one per request would).
+    r = None
+    try:
+        if guard is not None:
+            for r in reqs:
+                if r.state is not src or filed[r.rid] is not r or (not guard(r)) is wanted:
+                    return r
+                r.state = dst
+                r.timeline.append(entry)
+                if bucket is not None:
+                    bucket[r.rid] = r
+        elif bucket is not None:
+            for r in reqs:
+                rid = r.rid
+                if r.state is not src or filed[rid] is not r:
+                    return r
+                r.state = dst
+                r.timeline.append(entry)
+                bucket[rid] = r
+        else:
+            for r in reqs:
+                if r.state is not src or filed[r.rid] is not r:
+                    return r
+                r.state = dst
+                r.timeline.append(entry)
+    except KeyError:
+        # Refused by the lookup only if ``r`` is filed nowhere there: a KeyError that the
+        # guard (called only for a request that is filed) raised is the guard's, and
+        # propagates as a guard's exception does.
+        if r is None or r.rid in filed:
+            raise
+        return r
     return None
 
 

@@ -236,6 +236,33 @@ def test_a_guard_raising_on_part_of_a_bucket_changes_nothing() -> None:
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)
+class _LookupGuardRequest(PrefillRequest):
+    """A record whose guard looks itself up in a dict, and raises KeyError for 'b'."""
+
+    def fully_computed(self) -> bool:
+        return {"a": True, "c": True, "d": True}[self.rid]
+
+
+def test_a_guard_raising_key_error_on_part_of_a_bucket_is_the_guards_exception() -> None:
+    # The claim reads the source bucket by subscript, and a KeyError there means the request
+    # is not filed: one raised by a guard of a filed request must still propagate as the
+    # guard's, with nothing changed, not be taken for a request filed nowhere.
+    lc = _lifecycle([])
+    reqs = [_LookupGuardRequest(rid, input_ids=[1, 2]) for rid in "abcd"]
+    for r in reqs:
+        lc.admit(r)
+    lc.fire(Ev.BOOTSTRAPPED, reqs)
+    lc.fire(Ev.SCHEDULE, reqs)
+    before = _whole_state(lc, reqs)
+    with pytest.raises(KeyError, match="'b'"):
+        lc.fire(Ev.PREFILLED, reqs[:3])
+    assert lc.guards_evaluated == 2  # a, then b's raised
+    assert _whole_state(lc, reqs)[:-1] == before[:-1]
+    lc.fire(Ev.PREFILLED, [reqs[0], reqs[2]])  # part of the bucket, the guard answering
+    assert _index(lc) == {P.FORWARD: ["b", "d"], P.TRANSFERRING: ["a", "c"]}
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=False)
 class _OtherRequest(PrefillRequest):
     """A second record class: with two admitted, a batch's guard is looked up per request."""
 
