@@ -163,9 +163,9 @@ def plan_batch(
     lookup: Lookup | None = None,
 ) -> Plan:
     """Plan one batch; pure apart from the gate and the lookup. ``running`` counts requests
-    holding pages (``continuing`` among them); ``waiting`` are WAITING requests in the policy's order, ``continuing`` the
-    request mid-chunk; ``free_pages`` counts what eviction could free too, and ``lookup``
-    finds a new request's cached prefix (None: no prefix cache)."""
+    holding pages (``continuing`` among them); ``waiting`` are WAITING requests in the policy's
+    order, ``continuing`` the request mid-chunk; ``free_pages`` counts what eviction could free
+    too, and ``lookup`` finds a new request's cached prefix (None: no prefix cache)."""
     plan = Plan()
     budget = Budget(max_prefill_tokens, chunked_prefill_size, free_pages)
     if continuing is not None:
