@@ -38,13 +38,15 @@ A worker exception fails its room; the worker keeps running. An ``Abort`` from d
 room with ``REASON_PEER_ABORTED``. A room refused on either side fails the other side's request
 for it at once (:meth:`MooncakeKVManager.refuse`, :meth:`MooncakeKVManager.peer_refused`;
 :mod:`kv.refusal`). Readiness goes to ``ready``. Every destination gets exactly one ``Status``
-(:mod:`kv.mooncake_rooms`), and so does an ``Abort`` whose destination this rank does not hold.
+(:mod:`kv.mooncake_rooms`), and so does an ``Abort`` whose destination this rank does not hold;
+an ``Abort`` that came after the room's ``Status`` was sent gets that ``Status`` again, marked
+``again`` (the first may have been lost with its connection).
 
-Rooms: ``clear()`` forgets a room; a destination that comes later is a new use's, and an
-``Abort`` that crossed the room's ``Status`` is dropped. ``quiescent()`` is False while a chunk
-of the room is queued or being written. ``close()`` fails every live room, and a sender created
-or a chunk sent after it fails at once. Decode is told nothing then; instead, once every transfer
-worker ended with no write in flight and the engines are destroyed, the closed manager says so
+Rooms: ``clear()`` forgets a room; a destination that comes later is a new use's.
+``quiescent()`` is False while a chunk of the room is queued or being written. ``close()`` fails
+every live room, and a sender created or a chunk sent after it fails at once. Decode is told
+nothing then; instead, once every transfer worker ended with no write in flight and the engines
+are destroyed, the closed manager says so
 (:attr:`MooncakeKVManager.writes_stopped`, with the decode sessions left holding pages for a
 destination it never answered), for its server to tell decode peers at its bootstrap endpoint
 (:meth:`kv.bootstrap.BootstrapServer.mark_unhealthy`); a worker that did not end leaves it None.
@@ -80,7 +82,7 @@ from kv.mooncake_engine import (
     register_all,
 )
 from kv.mooncake_legs import Chunk, Owed, PrefillRoom
-from kv.mooncake_rooms import MIN_SILENCE_S, AnsweredDrop, PrefillRooms
+from kv.mooncake_rooms import MIN_SILENCE_S, AnsweredDrop, PrefillRooms, Repeated
 from kv.mooncake_slices import Target, target_of
 from kv.mooncake_state import pool_memory
 from kv.mooncake_writes import WritePipeline
@@ -448,8 +450,8 @@ class MooncakeKVManager:
         handed back to the room table, so the session's ``Abort`` of the room is answered."""
         lost: list[Owed] = []
         for o in owed:
-            data = wire.encode(wire.Status(o.room, int(o.poll), o.reason, self.rank),
-                               self.config.token)
+            data = wire.encode(wire.Status(o.room, int(o.poll), o.reason, self.rank,
+                                           again=isinstance(o, Repeated)), self.config.token)
             with self._push_lock:
                 sock = self._push.get(o.session)
                 if sock is None:  # it left (its rooms failed) or was forgotten

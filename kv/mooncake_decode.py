@@ -30,6 +30,18 @@ once every source sent one. Before its destination, a FAILED ``Status`` from a r
 however long the request would still wait for pages; a late one from another watched rank, after
 the receiver was cleared, is expected and ignored.
 
+Every ``Abort`` is answered: a prefill rank that had sent the room's ``Status`` already sends it
+again, marked ``again`` (the first may have been lost with a connection torn down), so a room
+whose ``Status`` never came is not held for ever. A repeat is for the use of the room number that
+sent that rank an ``Abort`` and has no ``Status`` from it yet (the oldest: a cleared one still
+draining first); one that repeats a ``Status`` that came (the ``Abort`` crossed it: noted when
+it came) is dropped, as ``stale_room``, even where a later use of the room number now waits for
+that rank, and so is one for a room no longer held. A rank's statuses come in order, so a repeat
+for an earlier use comes before any ``Status`` of a later one. The one case this cannot tell
+apart: a rank whose ``Status`` answered an ``Abort`` of a live room (no repeat follows), then a
+later use whose own ``Status`` is lost too: that use's repeat is taken for the earlier use's and
+dropped, and the later use stays held as before (a leak, never pages freed early).
+
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s`` (naming this rank's engine session: a prefill shutting down waits for
 the ranks that hold its rooms to read that it stopped writing) and, while it answers, sends
@@ -105,6 +117,9 @@ logger = logging.getLogger(__name__)
 _MAX_REFUSED_WHILE_LOST = 4096
 #: The most cleared rooms whose watched ranks may still send their failure (the newest).
 _MAX_CLEARED_WATCHES = 4096
+#: The most (room, prefill rank) pairs remembered whose repeated ``Status`` may still come for
+#: a use of the room that is done with the rank (the newest).
+_MAX_REPEATS_DUE = 4096
 
 
 @attrs.define(eq=False)
@@ -128,6 +143,9 @@ class _DecodeRoom:
     # Set when the prefill counted as gone while sources of the room had sent no Status: when
     # (time.monotonic()) the room stops waiting for them and is quiescent.
     held_until: float | None = None
+    # The prefill ranks sent an Abort of this use of the room: each answers it, with the
+    # room's Status again (marked ``again``) where it had sent that one already.
+    aborted: set[int] = attrs.Factory(set)
 
     def unreported(self) -> list[int]:
         """The contacts that may still hold the room: sources with no Status back, and the
@@ -174,6 +192,10 @@ class MooncakeDecodeManager:
         self._draining: dict[int, _DecodeRoom] = {}
         # Cleared rooms whose watched ranks may still send the failure, and which ranks.
         self._cleared_watches: OrderedDict[int, set[int]] = OrderedDict()
+        # The (room, prefill rank) pairs that may still send a repeated Status (``again``) for
+        # a use of the room done with that rank: it was sent an Abort, then the room's Status
+        # came (which the Abort may have crossed). Not for a later use of the room number.
+        self._repeats_due: OrderedDict[tuple[int, int], None] = OrderedDict()
         # Rooms whose SUCCESS waits for their metadata row (the gate), pushed when it lands.
         self._gated: dict[int, _DecodeRoom] = {}
         # The earliest held_until of the rooms held for a lost prefill, or None.
@@ -472,6 +494,7 @@ class MooncakeDecodeManager:
             contacts = rec.unreported()
             if contacts and (failed_now or rec.awaiting):
                 tell.append((rec.room, contacts))
+                rec.aborted.update(contacts)
         return rooms, tell
 
     def _held(self) -> list[_DecodeRoom]:
@@ -580,7 +603,10 @@ class MooncakeDecodeManager:
             self._lost = self._lost_since = self._refused_by = None
             # The same instance is back (another one released them): the Abort sent when it
             # was lost may not have reached it.
-            tell = [(rec.room, rec.unreported()) for rec in self._held()]
+            held = self._held()
+            tell = [(rec.room, rec.unreported()) for rec in held]
+            for rec in held:
+                rec.aborted.update(rec.unreported())
         self._abort(tell)
         failed = self._refuse_failed()
         logger.info("prefill %s is back (%d ranks); registered again%s", self.bootstrap_addr,
@@ -624,18 +650,17 @@ class MooncakeDecodeManager:
     def _on_status(self, msg: wire.Status) -> None:
         """A prefill rank concluded its side: a source's SUCCESS counts towards the room's, a
         FAILED from any contact fails it, and the contacts that may still hold the room are
-        told to abort, so every prefill rank fails it."""
+        told to abort, so every prefill rank fails it. A repeated one (``again``) is for the
+        use of the room :meth:`_repeated` names."""
         rank = msg.rank
         with self._lock:
-            if self._on_watched(msg):
+            if msg.again:
+                rec = self._repeated(msg)
+            elif self._on_watched(msg):
                 return
-            rec = self._rooms.get(msg.room)
-            if rec is None or rank not in rec.awaiting:
-                rec = self._draining.get(msg.room)
-                if rec is None or rank not in rec.awaiting:
-                    rec = self._rooms.get(msg.room)
-            if rec is None or rank not in rec.contacts:
-                raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
+            else:
+                rec = self._first(msg)
+                self._note_repeat(rec, rank)
             rec.awaiting.discard(rank)
             if not rec.awaiting:
                 rec.held_until = None
@@ -647,6 +672,7 @@ class MooncakeDecodeManager:
                 rec.reason = msg.reason or "prefill reported a failure"
                 rec.peer = self._peers.session(rank)
                 abort = [r for r in rec.unreported() if r != rank]
+                rec.aborted.update(abort)
             elif msg.poll == KVPoll.SUCCESS and rank in rec.waiting:
                 rec.waiting.discard(rank)
                 if not rec.waiting and not rec.status.terminal:
@@ -654,6 +680,53 @@ class MooncakeDecodeManager:
         self.ready.put(msg.room)
         if abort:
             self._peers.send(abort, wire.Abort(msg.room, self.session))
+
+    def _first(self, msg: wire.Status) -> _DecodeRoom:
+        """The use of the room a rank's own ``Status`` is for: the one holding the room that
+        waits for it, else the cleared one that does, else the one holding the room that has
+        the rank among its contacts. Raises ``stale_room`` for none. Called with
+        ``self._lock`` held."""
+        rank = msg.rank
+        rec = self._rooms.get(msg.room)
+        if rec is None or rank not in rec.awaiting:
+            rec = self._draining.get(msg.room)
+            if rec is None or rank not in rec.awaiting:
+                rec = self._rooms.get(msg.room)
+        if rec is None or rank not in rec.contacts:
+            raise wire.WireError("stale_room", f"status for unknown room {msg.room}")
+        return rec
+
+    def _note_repeat(self, rec: _DecodeRoom, rank: int) -> None:
+        """``rank``'s own ``Status`` of ``rec``'s room came: where ``rec`` had sent it an
+        ``Abort``, which may have crossed that ``Status``, a repeat of it may follow, and is
+        that use's; otherwise any repeat for an earlier use came before it (a rank's statuses
+        come in order) or never will. Called with ``self._lock`` held."""
+        key = (rec.room, rank)
+        if rank in rec.aborted:
+            self._repeats_due[key] = None
+            self._repeats_due.move_to_end(key)
+            while len(self._repeats_due) > _MAX_REPEATS_DUE:
+                self._repeats_due.popitem(last=False)
+        else:
+            self._repeats_due.pop(key, None)
+
+    def _repeated(self, msg: wire.Status) -> _DecodeRoom:
+        """The use of the room that a repeated ``Status`` (``again``: a prefill rank answering
+        an ``Abort`` that came after the room's ``Status``, which may have been lost) is for:
+        the oldest that sent the rank an ``Abort`` and has no ``Status`` from it yet. Raises
+        ``stale_room`` for one that repeats what came already (a use done with the rank, the
+        room number perhaps held anew meanwhile: the repeat is not the new use's), or for a
+        room no longer held. Called with ``self._lock`` held."""
+        key = (msg.room, msg.rank)
+        if key in self._repeats_due:
+            del self._repeats_due[key]
+            raise wire.WireError("stale_room", f"repeated status for room {msg.room} from "
+                                               f"rank {msg.rank}: its first came")
+        for rec in (self._draining.get(msg.room), self._rooms.get(msg.room)):
+            if rec is not None and msg.rank in rec.aborted and msg.rank in rec.awaiting:
+                return rec
+        raise wire.WireError("stale_room", f"repeated status for room {msg.room} from rank "
+                                           f"{msg.rank}, which no use of it waits for")
 
     def _on_watched(self, msg: wire.Status) -> bool:
         """A failure from a rank this side watches the room of, before its destination: the
@@ -783,6 +856,7 @@ class MooncakeKVReceiver:
                 return
             rec.status, rec.reason = KVPoll.FAILED, REASON_ABORTED
             tell = rec.unreported()
+            rec.aborted.update(tell)
         mgr.ready.put(self.room)
         if tell:
             mgr._peers.send(tell, wire.Abort(self.room, mgr.session))

@@ -41,10 +41,15 @@ naming the drop (:class:`AnsweredDrop`), unless the session's destination alread
 for the room is still to be answered. Decode reads a FAILED ``Status`` as "prefill no longer
 writes into these pages", so a room's is owed only once the failed room is quiescent: no chunk
 of it queued or being written. Each answer is remembered, per room and session, until that
-session sends the room another destination: an ``Abort`` that crossed it is dropped
-(``stale_room``); any other ``Abort`` this rank cannot match to a live destination (one it
-dropped, answered or never had, or of a room that concluded while its ``Status`` could not be
-sent, :meth:`not_told`) is answered with a FAILED ``Status``. Such an ``Abort`` may have
+session sends the room another destination: an ``Abort`` that came after it was sent is
+answered with it again, marked ``again`` (:class:`Repeated`: the first may have been lost on the
+way, a connection torn down with messages queued, and decode holds the room's pages until one
+comes; the mark keeps decode from taking it for a later use of the room number), and dropped
+(``stale_room``) only where none was sent yet (the failed room is not quiescent: its own is
+still to come) or none is owed (a status-only rank's success); any other ``Abort`` this rank
+cannot match to a live destination (one it dropped, never had or no longer remembers answering,
+or of a room that concluded while its ``Status`` could not be sent, :meth:`not_told`) is
+answered with a FAILED ``Status``. Such an ``Abort`` may have
 overtaken its destination (decode sent the two on different connections or threads), so it is
 recorded (:class:`~kv.mooncake_early.Withdrawals`): the session's destination that comes after
 it is answered and never attached, a live room still waiting for it fails as an abort of a
@@ -76,6 +81,8 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+
+import attrs
 
 from kv import wire
 from kv.mooncake_early import EarlyDestinations, Withdrawals
@@ -131,6 +138,13 @@ def silence_limit(reg: wire.Register) -> float | None:
     return max(KEEPALIVE_MISSES * reg.keepalive_ms / 1000, MIN_SILENCE_S)
 
 
+@attrs.frozen
+class Repeated(Owed):
+    """A ``Status`` owed to decode a second time: it answers an ``Abort`` that came after the
+    first was sent, and goes marked ``again`` (:class:`kv.wire.Status`), so decode applies it
+    only to the use of the room that sent the ``Abort``."""
+
+
 class AnsweredDrop(wire.WireError):
     """A dropped destination (its reason and detail, as any :class:`~kv.wire.WireError`) and
     the FAILED ``Status`` its decode rank is owed for it (``owed``: none where the session's
@@ -160,8 +174,9 @@ class PrefillRooms:
         self._rooms: dict[int, PrefillRoom] = {}
         self._early = EarlyDestinations(max_early_destinations)
         # The (room, session) pairs answered with a Status since that session's last
-        # destination for the room came (see the module).
-        self._answered: OrderedDict[tuple[int, str], None] = OrderedDict()
+        # destination for the room came, each with that Status (None: none sent yet, or none
+        # owed: a status-only rank's success).
+        self._answered: OrderedDict[tuple[int, str], tuple[KVPoll, str] | None] = OrderedDict()
         self._closed = ""  # why no room is served any more (close)
         self._regs: dict[str, wire.Register] = {}
         self._targets: dict[str, Target] = {}
@@ -343,8 +358,7 @@ class PrefillRooms:
                 if rec.status == KVPoll.FAILED and not rec.notified:
                     return []  # still being written: answered once quiescent
             if (msg.room, msg.session) in self._answered:
-                raise wire.WireError("stale_room",
-                                     f"abort of room {msg.room} crossed its status")
+                return self._again(msg.room, msg.session)
             if rec is None or not self._has_leg(rec, msg.session):
                 self._withdrawn.add(msg.room, msg.session)
             owed = [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
@@ -594,14 +608,31 @@ class PrefillRooms:
 
     def _owe(self, session: str, room: int, poll: KVPoll, reason: str = "") -> Owed:
         """The ``Status`` owed to ``session`` for ``room``, remembered as its answer."""
-        self._mark(room, session)
+        self._mark(room, session, (poll, reason))
         return Owed(session, room, poll, reason)
 
-    def _mark(self, room: int, session: str) -> None:
-        self._answered[(room, session)] = None
-        self._answered.move_to_end((room, session))
+    def _mark(self, room: int, session: str, answer: tuple[KVPoll, str] | None = None) -> None:
+        """Remember that ``session``'s destination of ``room`` is answered (with ``answer``,
+        the ``Status`` sent; None keeps the one remembered, if any)."""
+        key = (room, session)
+        if answer is not None or key not in self._answered:
+            self._answered[key] = answer
+        self._answered.move_to_end(key)
         while len(self._answered) > _ANSWERED:
             self._answered.popitem(last=False)
+
+    def _again(self, room: int, session: str) -> list[Owed]:
+        """``session``'s ``Abort`` of ``room`` came after the room's ``Status`` to it was sent:
+        that ``Status`` again (:class:`Repeated`), for the first may have been lost on the way
+        (a connection torn down with messages queued) and decode holds the room's pages until
+        one comes. Raises ``stale_room`` where none was sent yet (the room's is still to be
+        sent, once it is quiescent; or none is owed: a status-only rank's success)."""
+        answer = self._answered[(room, session)]
+        if answer is None:
+            raise wire.WireError("stale_room", f"abort of room {room}: its status is yet to "
+                                               "be sent, or none is owed")
+        self._answered.move_to_end((room, session))
+        return [Repeated(session, room, *answer)]
 
     def _refusal(self, dest: wire.Destination, reason: str) -> Owed:
         return self._owe(dest.session, dest.room, KVPoll.FAILED, _as_refusal(reason))

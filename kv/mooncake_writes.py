@@ -30,6 +30,8 @@ written. An exception in a worker fails the rooms of its group; the worker keeps
 Stop: :meth:`WritePipeline.close` writes what is queued and stops the workers; it says whether
 every worker ended having waited for each of its engine writes (a worker still waiting on a hung
 write, or one killed by what it does not catch, may leave a write in flight that lands later).
+A construction whose worker fails to start (no thread to be had) stops the workers it started
+before it raises, so none is left blocked on its queue.
 """
 
 from __future__ import annotations
@@ -160,8 +162,17 @@ class WritePipeline:
         ]
         # Workers that ended with no engine write of theirs in flight (appended by each).
         self._ended: list[str] = []
-        for t in self._threads:
-            t.start()
+        started = 0
+        try:
+            for t in self._threads:
+                t.start()
+                started += 1
+        except BaseException:
+            # A worker that did not start (no thread to be had) leaves those that did blocked
+            # on their queues for ever: they are stopped before the failure goes on.
+            self._threads = self._threads[:started]
+            self.close()
+            raise
 
     def submit(self, chunk: Chunk) -> None:
         session = chunk.session

@@ -21,7 +21,8 @@ decode → prefill
     :class:`Abort` when decode gives up on a room.
     :class:`Deregister` when the decode manager closes: the prefill rank forgets the session.
 prefill → decode
-    :class:`Status` when a room concludes (SUCCESS or FAILED), with a reason.
+    :class:`Status` when a room concludes (SUCCESS or FAILED), with a reason; and again, marked
+    ``again``, answering an ``Abort`` that came after it was sent (it may have been lost).
     :class:`Refused` answering a ``Register`` the prefill rank cannot pair with (another model,
     another pool or metadata layout: a worker built otherwise, or of another pdlife version),
     with why: decode fails the prefill's rooms at once instead of each waiting for its timeout.
@@ -171,6 +172,12 @@ class Status:
     poll: int
     reason: str
     rank: int
+    #: This ``Status`` answers an ``Abort`` of the room that came after the room's ``Status``
+    #: was sent: it repeats that one (its first may have been lost), and it is for the use of
+    #: the room that sent the ``Abort``, not a later one. False (and then absent from the
+    #: message): a room's own ``Status``. A decode that predates the field drops a repeat
+    #: (``bad_field``), as it was dropped before it was sent.
+    again: bool = attrs.field(default=False, kw_only=True)
 
 
 @attrs.frozen
@@ -238,6 +245,8 @@ def encode(msg: Message, token: str | None = None) -> bytes:
             "reason": msg.reason[: MAX_STR // 2],
             "rank": msg.rank,
         }
+        if msg.again:  # absent otherwise: what a decode that predates repeats reads
+            body["again"] = True
     elif isinstance(msg, Refused):
         body = {"t": "refused", "reason": msg.reason[: MAX_STR // 2], "rank": msg.rank}
     else:
@@ -409,6 +418,7 @@ def _parse_status(body: dict[Any, Any]) -> Status:
         poll=poll,
         reason=str_field(body, "reason", allow_empty=True),
         rank=int_field(body, "rank", 0, 1 << 16),
+        again=bool_field(body, "again") if "again" in body else False,
     )
 
 

@@ -101,9 +101,9 @@ class PlayedRank:
     def nothing_queued(self) -> bool:
         return not self._pull.poll(0)
 
-    def status(self, room: int, poll: KVPoll, reason: str = "") -> None:
+    def status(self, room: int, poll: KVPoll, reason: str = "", *, again: bool = False) -> None:
         assert self._push is not None, "no Register came"
-        self._push.send(wire.encode(wire.Status(room, int(poll), reason, 0), None))
+        self._push.send(wire.encode(wire.Status(room, int(poll), reason, 0, again=again), None))
 
     def close(self) -> None:
         if not self._closed:
@@ -159,6 +159,83 @@ def _held_room(played: PlayedRank, decode: MooncakeDecodeManager, room: int = 5
     assert played.received(1) == [("Abort", room)]
     assert rx.poll() == KVPoll.FAILED and not rx.quiescent()
     return rx
+
+
+# -- a Status repeated in answer to an Abort ---------------------------------------------------
+
+
+@pytest.mark.parametrize("then", ["nothing", "held_anew", "held_anew_and_aborted"])
+def test_a_repeated_status_is_for_the_use_that_aborted_and_never_a_later_one(
+    played: PlayedRank, then: str
+) -> None:
+    """A prefill rank answers an ``Abort`` that came after the room's ``Status`` with that
+    ``Status`` again, marked ``again`` (its first may have been lost). Here the first came:
+    the repeat is dropped (counted as ``stale_room``), whether the room is no longer held, held
+    anew by a later use of its number, or held anew by a use that aborted too; it never frees
+    the later use's pages, which the rank may still write into until that use's own comes."""
+    decode = _decode(played.address)
+    try:
+        first = decode.create_receiver(played.address, 7)
+        first.init()
+        first.send_metadata([0, 1], 0)
+        assert played.received(3) == [("Register", None), ("Watch", 7), ("Destination", 7)]
+        first.abort()
+        assert played.received(1) == [("Abort", 7)]
+        played.status(7, KVPoll.SUCCESS)  # the room's own, which the Abort crossed
+        eventually(first.quiescent, "the first use's status")
+        first.clear()
+        later = None
+        if then != "nothing":
+            later = decode.create_receiver(played.address, 7)
+            later.init()
+            later.send_metadata([2, 3], 1)
+            assert played.received(2) == [("Watch", 7), ("Destination", 7)]
+            if then == "held_anew_and_aborted":
+                later.abort()  # before the first use's repeat came
+                assert played.received(1) == [("Abort", 7)]
+        played.status(7, KVPoll.SUCCESS, again=True)  # the answer to the first use's Abort
+        eventually(lambda: decode.dropped_messages.snapshot().get("stale_room", 0) == 1,
+                   "the repeat dropped")
+        assert decode.live_rooms() == (0 if later is None else 1)
+        if later is not None:
+            assert not later.quiescent()
+            played.status(7, KVPoll.FAILED, REASON_PEER_ABORTED)  # the later use's own
+            eventually(later.quiescent, "the later use's status")
+            assert later.poll() == KVPoll.FAILED
+        assert decode.dropped_messages.total == 1
+    finally:
+        decode.close()
+
+
+def test_a_repeated_status_frees_the_pages_of_the_use_whose_first_was_lost(
+    played: PlayedRank,
+) -> None:
+    """The room's ``Status`` was lost on the way; decode gives up (its ``Abort``) and clears
+    the room, whose pages stay held: the rank's repeat of that ``Status`` frees them, also once
+    the room number is held anew by a later use (the repeat comes first: a rank's statuses come
+    in order), which it leaves waiting for its own."""
+    decode = _decode(played.address)
+    try:
+        first = decode.create_receiver(played.address, 8)
+        first.init()
+        first.send_metadata([0, 1], 0)
+        assert played.received(3) == [("Register", None), ("Watch", 8), ("Destination", 8)]
+        first.abort()
+        assert played.received(1) == [("Abort", 8)]
+        first.clear()
+        later = decode.create_receiver(played.address, 8)
+        later.init()
+        later.send_metadata([2, 3], 1)
+        assert played.received(2) == [("Watch", 8), ("Destination", 8)]
+        assert decode.live_rooms() == 2 and not first.quiescent()
+        played.status(8, KVPoll.SUCCESS, again=True)
+        eventually(first.quiescent, "the repeat")
+        assert decode.live_rooms() == 1 and not later.quiescent()
+        played.status(8, KVPoll.FAILED, "its own")
+        eventually(later.quiescent, "the later use's status")
+        assert decode.dropped_messages.total == 0
+    finally:
+        decode.close()
 
 
 # -- a prefill lost while its ranks may still write ------------------------------------------
