@@ -16,11 +16,12 @@ instance` in an ``X-Pdlife-Instance`` header, as ``GET /route`` carries it: a de
 prefill server restarted at the same address by it), or 503 with the reason once the server is
 marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed). Only a server
 that knows no rank of it writes any more adds ``"writes_stopped": true``, and a decode peer's
-heartbeat then lets its rooms go at once. ``pdlife serve`` says so only where it is the one
-prefill rank behind its endpoint and its KV manager's transfer workers all ended with no write in
-flight (:meth:`kv.mooncake.MooncakeKVManager.close`): on shutdown, and once its failed engine's
-manager closed; with other ranks or DP replicas, or a worker that did not end, it never does
-(they may still write), and decode holds their pages until each room's ``Status`` or its release
+heartbeat then lets its rooms go at once. ``pdlife serve`` says so only once every prefill
+rank behind its endpoint closed its KV manager with its transfer workers all ended and no write
+in flight (:meth:`kv.mooncake.MooncakeKVManager.close`): on shutdown (rank processes and DP
+replicas report it to rank 0 before its endpoint closes), and, for a server of one rank, once its
+failed engine's manager closed; where a rank cannot confirm it (killed, failed, a worker that did
+not end) it does not, and decode holds their pages until each room's ``Status`` or its release
 bound. A decode rank's health check names its engine session (``X-Pdlife-Session``), so a
 prefill shutting down knows which peers read that its writes stopped
 (:meth:`BootstrapServer.wait_read`) and keeps its endpoint up only until those that hold its

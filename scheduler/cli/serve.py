@@ -784,7 +784,10 @@ def _serve(args: argparse.Namespace) -> int:
         # uvicorn could not listen (the port taken since it was checked); it logged why.
     finally:
         try:
-            service.close()
+            # Rank 0's engines stop, then the other ranks (their KV writes stopped, each says
+            # so), then rank 0 tells decode peers that the server's writes stopped where every
+            # rank confirmed it, and only then its bootstrap endpoint closes.
+            service.close(others=None if ranks is None else ranks.stop_writes)
         finally:
             if launched is not None:
                 launched.close()

@@ -26,7 +26,8 @@ Load shedding: beyond ``max_queued_requests`` requests that hold no KV pages yet
 stops admission; :meth:`Service.wait_drained` returns when
 no request is live. A failed engine loop fails every live request (500) and makes the service
 unhealthy for good; a prefill's bootstrap endpoint says so at once, and that its KV writes
-stopped once they have (:meth:`.Engines.stop_writes`: never with other ranks or replicas).
+stopped once they have (:meth:`.Engines.stop_writes`: not with other ranks or replicas, which
+it says only as it closes, once each confirmed).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -47,7 +49,7 @@ import attrs
 from kv.refusal import refused_for_the_client
 from kv.routes import dp_rank_of
 from lifecycle import FailureReason, GrammarSpec
-from scheduler.assemble import RunnerFactory, close_all, constraint_compiler
+from scheduler.assemble import Closers, RunnerFactory, close_all, constraint_compiler
 from scheduler.decode.mesh import DecodeMeshControl
 from scheduler.messages import CacheFlushed, DecodeResponse, NewRequest, Response
 from scheduler.model.reference import PagedModelRunner
@@ -63,7 +65,7 @@ from scheduler.service.config import (
     check_item,
 )
 from scheduler.service.engine_loop import EngineLoop
-from scheduler.service.engines import Engines
+from scheduler.service.engines import Engines, RanksStopped
 from scheduler.service.metrics import (
     DroppedMessagesCollector,
     GrammarCompilesCollector,
@@ -205,22 +207,28 @@ class Service:
     def start_loop(self) -> None:
         self.loop.start()
 
-    def close(self) -> None:
+    def close(self, others: Callable[[], RanksStopped] | None = None) -> None:
         """Refuse new requests (:meth:`start`, from the first moment), end the live ones as
         the server's abort (503, ``shutdown``) and wait for them at most
         :data:`CLOSE_WAIT_S`; then stop the loop, end the tracer and release the backends
         (threads, sockets, the bootstrap port). A request the engines did not end in time is
-        answered 503 all the same (nothing steps it any more)."""
+        answered 503 all the same (nothing steps it any more). ``others``: stops a prefill's
+        other rank processes once this one's KV writes stopped, before its bootstrap endpoint
+        closes (:meth:`.Engines.close`); not called where the loop did not stop (it would
+        step beside them), and the caller then stops them."""
         with self._lock:
             self._closed = True
             live = bool(self._pending)
         if live and self.loop.alive:  # the engines end them and give their pages back
             self.abort_all(CLOSED)
             self._wait_idle(CLOSE_WAIT_S)
+        stopped = False
         try:
             self.loop.stop()
+            stopped = True
         finally:
-            closers = [self.engines.close]
+            closers: Closers = [
+                functools.partial(self.engines.close, others if stopped else None)]
             if self.tracer is not None:
                 closers.append(self.tracer.close)
             for exc in close_all(closers):

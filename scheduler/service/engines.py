@@ -11,17 +11,23 @@
 - ``both`` (the ``local`` backend): both engines, the local backend copying pages from one pool
   to the other.
 
-A Mooncake prefill server that is the one rank behind its bootstrap endpoint tells decode
-peers there when its KV writes stopped (:meth:`Engines.stop_writes` once its engine failed, and
-on close): its KV manager closed with every transfer worker ended and its engines destroyed
-(:attr:`kv.mooncake.MooncakeKVManager.writes_stopped`), so a decode peer lets the pages it holds
-for the server go at its next health check rather than at its release bound. On close the
-endpoint then stays up, at most ``MooncakeConfig.writes_stopped_wait_s`` (bounded by the heartbeat
-interval of each peer concerned), until each decode rank left holding pages for a destination no
-``Status`` answered has read it; a close that left none waits for nothing. A server with other
-ranks or DP replicas never says it: rank 0 cannot know that their writes stopped (they stop
-after its endpoint closed), and the same holds where the manager could not make sure of its own
-(a transfer worker still running).
+A Mooncake prefill server tells decode peers at its bootstrap endpoint when its KV writes stopped,
+so a decode peer lets the pages it holds for the server go at its next health check rather than
+at its release bound: on close, once every rank behind the endpoint confirmed it, and where this
+process is the one rank, also once its engine failed (:meth:`Engines.stop_writes`). A rank
+confirms once its KV manager closed with every transfer worker ended and its engines destroyed
+(:attr:`kv.mooncake.MooncakeKVManager.writes_stopped`). With rank processes or DP replicas, the
+caller of :meth:`Engines.close` hands it what stops them (``others``,
+:meth:`scheduler.service.ranks.Ranks.stop_writes`): it runs after this process's KV manager
+closed and before the endpoint closes, and the endpoint says that the writes stopped only where
+each rank process confirmed it (:class:`RanksStopped`: none killed, failed or silent) and every
+rank registered there is among them. On close the endpoint then stays up, at most
+``MooncakeConfig.writes_stopped_wait_s`` (bounded by the heartbeat interval of each peer
+concerned), until each decode rank left holding pages for a destination no ``Status`` of any
+rank answered has read it; a close that left none waits for nothing. A failed engine with other
+ranks says nothing more at once (they may still write); its server's close says it where they
+all confirm. Nor is it said where a manager could not make sure of its own writes (a transfer
+worker still running).
 
 It also reads what the service publishes about them: request counts and pool occupancy after
 every pass (:meth:`Engines.snapshot`, engine thread), peers refused for their token, control
@@ -34,15 +40,17 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import attrs
 
 from kv.bootstrap import BootstrapServer
 from kv.listeners import ExposureCheck
 from kv.local import LocalTransferHub
 from kv.local_decode import LocalDecodeManager
 from kv.metadata import MetadataBuffers
-from kv.mooncake import MooncakeKVManager
+from kv.mooncake import MooncakeKVManager, WritesStopped
 from kv.mooncake_decode import MooncakeDecodeManager
 from kv.mooncake_engine import PeerAuthError
 from kv.pool import KVPool
@@ -76,6 +84,29 @@ SHUT_DOWN = "the prefill server shut down"
 #: Seconds added to a decode rank's heartbeat interval for its next health check to come and
 #: be answered.
 _READ_MARGIN_S = 1.0
+
+
+@attrs.frozen
+class RanksStopped:
+    """What a prefill server's other rank processes said of their KV writes as they stopped
+    (:meth:`scheduler.service.ranks.Ranks.stop_writes`)."""
+
+    #: The word of each rank process that confirmed that none of its writes can land any more.
+    confirmed: tuple[WritesStopped, ...]
+    #: Each rank process that did not, and why (empty: every one confirmed).
+    unconfirmed: tuple[str, ...]
+
+
+def _unanswered_of(words: Sequence[WritesStopped]) -> dict[str, float]:
+    """The decode sessions that any of ``words`` left holding pages for an unanswered
+    destination, each with its heartbeat interval (0, not known, where any rank knew none)."""
+    unanswered: dict[str, float] = {}
+    for word in words:
+        for session, interval in word.unanswered.items():
+            known = unanswered.setdefault(session, interval)
+            if known and (not interval or interval > known):
+                unanswered[session] = interval
+    return unanswered
 
 
 def pool_view(pool: KVPool, prefix: PrefixCache | None = None) -> dict[str, int]:
@@ -128,6 +159,8 @@ class Engines:
         self.decode: DecodePeer | None = None
         self.decode_kv: DecodeKVRouter | None = None
         self._closers: Closers = []
+        # What stops the server's other rank processes as this one closes (:meth:`close`).
+        self._others: Callable[[], RanksStopped] | None = None
         self._lock = threading.Lock()
         self._decode_auth_refused = 0  # prefill servers that refused this decode's peer token
         # Warns if a transfer engine listens beyond the configured addresses (it binds all).
@@ -170,8 +203,7 @@ class Engines:
             )
             self._closers.append(self.bootstrap.close)
             # Closers run newest first: this one after the KV manager's, before the endpoint's.
-            self._closers.append(functools.partial(self._tell_writes_stopped, SHUT_DOWN,
-                                                   wait=True))
+            self._closers.append(self._shut_down_writes)
         prefill = build_prefill(
             model, backend=c.backend, config=c.scheduler, pages=c.pool_pages,
             metadata_slots=c.metadata_slots, runner_factory=runner_factory,
@@ -258,46 +290,55 @@ class Engines:
         kv = None if self.prefill is None else self.prefill.kv
         return kv if isinstance(kv, MooncakeKVManager) else None
 
-    def _tell_writes_stopped(self, reason: str, *, wait: bool) -> None:
+    def _shut_down_writes(self) -> None:
+        """On close, after this process's KV manager closed: the other rank processes stop
+        (``others`` of :meth:`close`), then decode peers are told that the writes stopped where
+        every rank confirmed it, and the endpoint stays up until they read it (bounded)."""
+        others = None if self._others is None else self._others()
+        self._tell_writes_stopped(SHUT_DOWN, wait=True, others=others)
+
+    def _tell_writes_stopped(self, reason: str, *, wait: bool,
+                             others: RanksStopped | None = None) -> None:
         """Say at the bootstrap endpoint that no prefill rank behind it writes KV any more
         (``reason``, unless it answers unhealthy already), where this process knows it: its
-        KV manager is the one rank registered there, and closed having made sure none of its
-        writes can land any more. With ``wait``, then wait until every decode session left
-        holding pages for a destination no ``Status`` answered read it, for at most the
-        longest of their heartbeat intervals (and a margin), and at most
-        ``MooncakeConfig.writes_stopped_wait_s``."""
+        KV manager closed having made sure none of its writes can land any more, and so did
+        every other rank registered there (``others``, each rank process's word). With
+        ``wait``, then wait until every decode session left holding pages for a destination no
+        ``Status`` answered read it, for at most the longest of their heartbeat intervals (and
+        a margin), and at most ``MooncakeConfig.writes_stopped_wait_s``."""
         bootstrap, kv = self.bootstrap, self._prefill_kv()
         if bootstrap is None or kv is None:
             return
-        stopped = kv.writes_stopped
-        others = sorted(set(bootstrap.ranks()) - {kv.rank})
-        if stopped is None or bootstrap.expected_ranks != 1 or others:
-            # Other ranks or DP replicas stop after this endpoint closes: their writes may
-            # still land.
+        words, problem = _confirmed(bootstrap, kv, others)
+        if problem is not None:
             logger.info("decode peers are not told that this prefill server's KV writes "
-                        "stopped: %s", "its KV manager could not make sure of its own"
-                        if stopped is None else f"{bootstrap.expected_ranks} ranks serve it")
+                        "stopped: %s", problem)
             return
+        unanswered = _unanswered_of(words)
         if not bootstrap.writes_stopped:
             bootstrap.mark_unhealthy(bootstrap.unhealthy or reason, writes_stopped=True)
             logger.info("told decode peers that this prefill server's KV writes stopped (%d "
                         "decode ranks hold pages for rooms it did not answer)",
-                        len(stopped.unanswered))
+                        len(unanswered))
         cap = self.config.mooncake.writes_stopped_wait_s
-        if not wait or not stopped.unanswered or cap == 0:
+        if not wait or not unanswered or cap == 0:
             return
-        bound = min(cap, max(interval or cap for interval in stopped.unanswered.values())
+        bound = min(cap, max(interval or cap for interval in unanswered.values())
                     + _READ_MARGIN_S)
-        missed = bootstrap.wait_read(stopped.unanswered, bound)
+        missed = bootstrap.wait_read(unanswered, bound)
         if missed:
             logger.warning("decode ranks %s did not check this prefill server's health within "
                            "%g s of its saying that its KV writes stopped: they hold the pages "
                            "of its rooms until their lost-prefill release bound",
                            ", ".join(sorted(missed)), bound)
 
-    def close(self) -> None:
+    def close(self, others: Callable[[], RanksStopped] | None = None) -> None:
         """Release the backends (threads, sockets, the bootstrap port), newest first; a failure
-        is logged and the rest are still released."""
+        is logged and the rest are still released. ``others``: stops the server's other rank
+        processes and says which confirmed that their KV writes stopped (called once, after
+        this process's KV manager closed and before its bootstrap endpoint closes: never while
+        this process's engine loop may step)."""
+        self._others = others
         for exc in close_all(self._closers):
             logger.error("closing a backend failed", exc_info=exc)
 
@@ -338,3 +379,25 @@ class Engines:
             requests["decode"] = {s.name.lower(): n for s, n in decode_counts.items()}
             pools["decode"] = pool_view(self.decode.pool)
         return {"requests": requests, "kv_pool": pools}
+
+
+def _confirmed(bootstrap: BootstrapServer, kv: MooncakeKVManager,
+               others: RanksStopped | None) -> tuple[list[WritesStopped], str | None]:
+    """The word of every rank behind ``bootstrap`` that its writes stopped (``kv``'s, this
+    process's, and ``others``'), or why not every rank's: a word missing, or a rank
+    registered there that gave none."""
+    own = kv.writes_stopped
+    if own is None:
+        return [], "its KV manager could not make sure of its own"
+    words = [own, *(() if others is None else others.confirmed)]
+    if others is not None and others.unconfirmed:
+        return words, ("rank processes did not confirm that theirs stopped: "
+                       + "; ".join(others.unconfirmed))
+    ranks = {word.rank for word in words}
+    if len(ranks) != bootstrap.expected_ranks:
+        return words, (f"{bootstrap.expected_ranks} ranks serve it and {len(ranks)} confirmed "
+                       "(a server of rank processes says it only as it closes)")
+    strangers = sorted(set(bootstrap.ranks()) - ranks)
+    if strangers:
+        return words, f"ranks {strangers} registered at its endpoint gave no word"
+    return words, None

@@ -42,12 +42,20 @@ on shutdown.
 
 Start: rank 0 builds its engines (with Mooncake: the bootstrap endpoint for all ``D*T*P``
 ranks), then :meth:`Ranks.started` lets every other rank build and register. Shutdown:
-:meth:`Ranks.close` (after rank 0's engine loop stopped) stops every replica: its first rank's
-relay stops its mesh, so every rank's next pass raises
-:class:`~scheduler.dist.relay.MeshStopped`, and each closes its backends and exits 0. Rank 0's
-bootstrap endpoint has closed by then, so it never says that the server's KV writes stopped
-(:mod:`scheduler.service.engines`): decode holds the rooms no ``Status`` answered until its
-release bound. The rank
+:meth:`Ranks.stop_writes` (after rank 0's engine loop stopped and its KV manager closed, before
+its bootstrap endpoint closes: :meth:`scheduler.service.engines.Engines.close`) stops every
+replica: its first rank's relay stops its mesh, so every rank's next pass raises
+:class:`~scheduler.dist.relay.MeshStopped`, and each closes its backends, puts its KV manager's
+word on whether its writes stopped on the answers queue
+(:attr:`kv.mooncake.MooncakeKVManager.writes_stopped`) and exits 0. A rank process confirms
+that its writes stopped only with that word, and an exit 0: one killed (past
+:data:`JOIN_TIMEOUT_S`, or because another failed), failed or silent does not (a killed
+process's transfer worker may have been mid-write, and what it handed to its kernel is still
+delivered into decode pages after it is gone).
+Rank 0 tells decode peers at its endpoint that the server's writes stopped only where every rank
+confirmed it (:class:`~scheduler.service.engines.RanksStopped`); decode then lets the rooms no
+``Status`` answered go at once, else at its release bound. :meth:`Ranks.close` then lets the
+rest go (stopping the ranks first where :meth:`Ranks.stop_writes` did not run). The rank
 processes ignore SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): rank 0 alone
 drains and decides when they stop. A rank that fails breaks the next collective of its
 replica, whose ranks then fail and exit too; rank 0 watches every rank process
@@ -78,7 +86,7 @@ import attrs
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
-from kv.mooncake import MooncakeKVManager
+from kv.mooncake import MooncakeKVManager, WritesStopped
 from kv.routes import dp_rank_of
 from scheduler.assemble import Closers, build_prefill, close_all, constraint_compiler
 from scheduler.dist import rendezvous
@@ -98,7 +106,7 @@ from scheduler.prefill.replica_delayer import (
 from scheduler.prefill.scheduler import PrefillScheduler
 from scheduler.service import logs
 from scheduler.service.config import ServeConfig
-from scheduler.service.engines import prefill_dropped_messages
+from scheduler.service.engines import RanksStopped, prefill_dropped_messages
 from scheduler.service.metrics import (
     DroppedMessagesCollector,
     ReplicaMetrics,
@@ -149,6 +157,17 @@ class _Running:
 
 
 @attrs.frozen
+class _Stopped:
+    """Rank process ``process`` (its position among them: replica-major, rank 0 not one)
+    closed its backends; ``writes``: its KV manager's word that none of its writes can land any
+    more, or None (it could not make sure of it, or had no Mooncake manager). On the answers
+    queue, the last thing a rank process puts there."""
+
+    process: int
+    writes: WritesStopped | None
+
+
+@attrs.frozen
 class _Refusal:
     """A decode peer will never ask for ``room`` (for the replica that serves it); ``own``:
     this server refused it, and the replica's manager answers decode's destination with that."""
@@ -176,6 +195,9 @@ class Ranks:
         self._closing = threading.Event()
         self._answers: Any = context.Queue()
         self._reader: threading.Thread | None = None
+        # Each rank process's word on its KV writes, by its position (set by the reader).
+        self._stopped: dict[int, WritesStopped | None] = {}
+        self._ranks_stopped = False  # stop_ranks ran
         self._flushes: dict[int, concurrent.futures.Future[CacheFlushed]] = {}
         self._tickets = itertools.count(1)
         # A pipe to each other replica's first rank, for its metrics (it keeps the other end).
@@ -277,7 +299,12 @@ class Ranks:
         """Hand every answer of the other replicas to ``callback``, and each replica's count of
         requests holding KV pages, as it changes, to ``running(replica, count)`` (both on a
         reader thread, in the order the replica sent them)."""
-        if self._inboxes and self._reader is None:
+        if self._inboxes:
+            self._start_reader(callback, running)
+
+    def _start_reader(self, callback: Callable[[Response], None],
+                      running: Callable[[int, int], None]) -> None:
+        if self._reader is None:
             self._reader = threading.Thread(target=self._read, args=(callback, running),
                                             name="pdlife-replicas", daemon=True)
             self._reader.start()
@@ -285,6 +312,9 @@ class Ranks:
     def _read(self, callback: Callable[[Response], None],
               running: Callable[[int, int], None]) -> None:
         while (answer := self._answers.get()) is not None:
+            if isinstance(answer, _Stopped):
+                self._stopped[answer.process] = answer.writes
+                continue
             if isinstance(answer, _Flushed):
                 flushed = self._flushes.pop(answer.ticket, None)
                 if flushed is not None:
@@ -310,20 +340,58 @@ class Ranks:
         """``on_exit`` when a rank process ends before :meth:`close` (:func:`watch_ranks`)."""
         watch_ranks(self._processes, "prefill", self._closing, on_exit)
 
-    def close(self) -> None:
+    def stop_writes(self) -> RanksStopped:
         """Stop every replica (rank 0's engine loop must have stopped) and wait for the
-        ranks."""
-        self._closing.set()
+        ranks; which rank processes confirmed that none of their KV writes can land any more
+        (each said so once its backends closed, and exited 0), and why each other did not."""
+        self._stop_ranks()
+        self._end_reader()
+        confirmed: list[WritesStopped] = []
+        unconfirmed: list[str] = []
+        for index, process in enumerate(self._processes.processes):
+            replica, rank = divmod(index + 1, self.world)
+            name = f"dp{replica}/rank{rank} (pid {process.pid})"
+            code = process.exitcode
+            word = self._stopped.get(index)
+            if code != 0:
+                unconfirmed.append(f"{name} " + ("still runs" if code is None else
+                                                 f"ended by signal {-code}" if code < 0 else
+                                                 f"exited with code {code}"))
+            elif word is None:
+                unconfirmed.append(f"{name} " + ("could not make sure of its own" if index
+                                                 in self._stopped else "said nothing of them"))
+            else:
+                confirmed.append(word)
+        return RanksStopped(tuple(confirmed), tuple(unconfirmed))
+
+    def close(self) -> None:
+        """Stop every replica (rank 0's engine loop must have stopped), unless
+        :meth:`stop_writes` did, wait for the ranks and let go what talks to them."""
         try:
-            stop_ranks(self._processes, self._stop, "prefill")
+            self._stop_ranks()
         finally:
-            self._answers.put(None)
-            if self._reader is not None:
-                self._reader.join(timeout=JOIN_TIMEOUT_S)
+            self._end_reader()
             dist.destroy_process_group()
             self._store_files.remove()
             self._scrapes.close()
             self._release_queues()
+
+    def _stop_ranks(self) -> None:
+        if not self._ranks_stopped:
+            # Each rank's last word comes on the answers queue: read it (a server of one
+            # replica has no reader yet), or a rank's exit would wait on a full pipe.
+            self._start_reader(_no_answer, _no_running)
+            self._ranks_stopped = True
+            self._closing.set()
+            stop_ranks(self._processes, self._stop, "prefill")
+
+    def _end_reader(self) -> None:
+        """Stop the answers' reader once it read what came before (the rank processes have
+        exited, so what they put is there)."""
+        if self._answers is not None:
+            self._answers.put(None)
+        if self._reader is not None:
+            self._reader.join(timeout=JOIN_TIMEOUT_S)
 
     def _release_queues(self) -> None:
         """Let the queues go now. Their locks are named semaphores that multiprocessing's
@@ -350,6 +418,14 @@ class Ranks:
 
     def _kill(self) -> None:
         kill_ranks(self._processes)
+
+
+def _no_answer(answer: Response) -> None:
+    raise AssertionError(f"an answer from a replica, of a server of one: {answer}")
+
+
+def _no_running(replica: int, running: int) -> None:
+    raise AssertionError(f"replica {replica}'s count, of a server of one replica: {running}")
 
 
 class RankExited(RuntimeError):
@@ -452,15 +528,16 @@ def _rank_main(index: int, world: int, stores: Sequence[str], config: ServeConfi
     logs.configure(config.log, process=f"dp{replica}/rank{rank}")
     control = _join(rank, world, stores[replica], config)
     closers: Closers = []
+    built: list[PrefillScheduler] = []  # this rank's scheduler, once built
     outcomes: Counter[str] | None = None  # a follower's delayer outcomes
     try:
         config = in_rank(config, source, control.mesh)
         if metrics_end is not None:
             _lead(control, config, replica, stores[-1], inboxes[replica - 1], answers,
-                  metrics_end, closers)
+                  metrics_end, closers, built)
         else:
             control.relay.exchange([])  # the replica's first rank says: build
-            scheduler = _build(control, config, replica, closers, None)
+            scheduler = _build(control, config, replica, closers, None, built)
             if config.prefill_delayer is not None:  # decide as the replica's first rank
                 follower = MeshFollower(control.group, control.relay.src, config.dp_size,
                                         config.prefill_delayer)
@@ -479,12 +556,16 @@ def _rank_main(index: int, world: int, stores: Sequence[str], config: ServeConfi
     finally:
         for exc in close_all(closers):
             logger.error("closing a backend failed", exc_info=exc)
+        # Once its KV manager closed: whether its writes stopped, for rank 0 to tell decode.
+        kv = built[0].kv if built else None
+        answers.put(_Stopped(index, kv.writes_stopped
+                             if isinstance(kv, MooncakeKVManager) else None))
         dist.destroy_process_group()
 
 
 def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store: str,
           inbox: Any, answers: Any, metrics_end: multiprocessing.connection.Connection,
-          closers: Closers) -> None:
+          closers: Closers, built: list[PrefillScheduler]) -> None:
     """The first rank of replica ``replica`` (not 0): its scheduler takes the launcher's
     requests off ``inbox`` and puts its answers on ``answers``; its metrics go to the
     launcher's scrapes on ``metrics_end``."""
@@ -499,7 +580,7 @@ def _lead(control: MeshControl, config: ServeConfig, replica: int, delayer_store
             delayer = ReplicaGather(replica, config.dp_size, config.prefill_delayer,
                                     _mesh_of(control))
             delayer.connect(delayer_store, START_TIMEOUT, MESH_TIMEOUT)
-        scheduler = _build(control, config, replica, closers, answers.put)
+        scheduler = _build(control, config, replica, closers, answers.put, built)
         if delayer is not None and config.prefill_delayer is not None:
             delayer.serve(scheduler, config.prefill_delayer)
         registry = scheduler.metrics.registry
@@ -567,10 +648,12 @@ def _mesh_of(control: MeshControl) -> tuple[Any, int] | None:
 
 
 def _build(control: MeshControl, config: ServeConfig, replica: int, closers: Closers,
-           on_response: Callable[[Response], None] | None) -> PrefillScheduler:
-    """This rank's scheduler, as rank 0 builds its own (registered at rank 0's endpoint)."""
+           on_response: Callable[[Response], None] | None,
+           built: list[PrefillScheduler]) -> PrefillScheduler:
+    """This rank's scheduler, as rank 0 builds its own (registered at rank 0's endpoint),
+    also put on ``built``."""
     served, shape = served_by(config), config.model_shape
-    return build_prefill(
+    scheduler = build_prefill(
         served.shard(control.mesh, config.device), backend=config.backend,
         config=config.scheduler, pages=config.pool_pages, metadata_slots=config.metadata_slots,
         runner_factory=served.runner, closers=closers, kv_layout=config.kv_layout,
@@ -581,3 +664,5 @@ def _build(control: MeshControl, config: ServeConfig, replica: int, closers: Clo
         on_response=on_response, eos_token_id=served.eos_token_ids,
         **control.scheduler_options(),
     )
+    built.append(scheduler)
+    return scheduler
