@@ -94,7 +94,8 @@ _NUMBERS: dict[str, dict[str, str]] = {
     "timeouts and limits": {
         "--bootstrap-timeout": "prefill: seconds to wait for decode's destination",
         "--transfer-timeout": "prefill: seconds for a transfer to conclude",
-        "--waiting-timeout": "decode: seconds to wait for a request's KV",
+        "--waiting-timeout": "decode: seconds a request may wait, from admission, for its "
+                             "pages and then its KV",
         "--connect-timeout": "decode: seconds to look a prefill server up",
         "--retire-lost-prefill-after": "decode, mooncake: seconds a prefill server may count as "
                                        "gone (its heartbeat failing) before the transfer engine "

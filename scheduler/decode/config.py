@@ -14,7 +14,10 @@ class DecodeConfig:
 
     ``max_running_requests`` caps the requests past PREALLOC (receiving or decoding);
     ``waiting_timeout`` is how many seconds a request may wait from admission for its KV before
-    it fails (``transfer_timeout``); ``check_invariants`` checks the lifecycle invariants after
+    it fails: ``transfer_timeout`` ("no KV from prefill") once its destination went to
+    prefill or while it bootstraps, ``bootstrap_timeout`` ("no decode pages for it") while it
+    still waits in PREALLOC for this side's pages, metadata slot or running place (its
+    destination never went out); ``check_invariants`` checks the lifecycle invariants after
     every event (tests and fuzzing; costs time).
     """
 

@@ -1,7 +1,9 @@
 """The decode peer's waiting deadlines: how long an admitted request may wait for its KV.
 
-A request gets one deadline when it is admitted; it fails ``transfer_timeout`` if it is still
-waiting (BOOTSTRAPPING, PREALLOC or RECEIVING) when the deadline passes. The deadlines are a
+A request gets one deadline when it is admitted; it fails if it is still waiting
+(BOOTSTRAPPING, PREALLOC or RECEIVING) when the deadline passes: ``bootstrap_timeout`` in
+PREALLOC (this side never had pages for it: prefill never got its destination),
+``transfer_timeout`` otherwise (the peer chooses). The deadlines are a
 heap of ``(deadline, rid)``; an entry counts only while its request is live with that deadline,
 so a request that finished leaves a stale entry behind until its deadline passes.
 """

@@ -159,7 +159,7 @@ class MeshDecodePeer(DecodePeer):
         self._now = self.control.share_clock(self._clock())
         for item in items:
             if isinstance(item, AbortRequest):
-                super().abort(item.rid, shutdown=item.shutdown)
+                super().abort(item.rid, shutdown=item.shutdown, peer=item.peer)
             elif isinstance(item, NewRequest):  # (a decode peer keeps no prefix cache)
                 if self.on_relayed is not None:
                     self.on_relayed(item)

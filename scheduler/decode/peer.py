@@ -18,7 +18,11 @@ runner answered other than one token per request, fails its requests (``internal
 loop goes on; a device error (:func:`scheduler.runner.device_lost`) leaves ``step()`` instead.
 Room 0 is refused: it marks an empty metadata row.
 A request still waiting for its KV when its waiting deadline passes (:mod:`.deadlines`) fails
-``transfer_timeout``.
+``transfer_timeout``; one still in PREALLOC then (this side had no pages, slot or running
+place for it, so prefill never got its destination) fails ``bootstrap_timeout`` saying so.
+Sending a destination that raised (for a fake-host request, a warm-up or health probe, the
+local prompt forward runs there) fails that request (``internal``) and the loop goes on,
+except for a device error, as for a decode step.
 
 A request's pages, metadata slot and (for a hybrid model, ``states``) SWA pages and
 recurrent-state slot are taken together and given back together by :mod:`.pages`; those of a
@@ -283,8 +287,16 @@ class DecodePeer(SteppedByOneThread):
             if req is not None:
                 changed[req.rid] = req
         for req in self._deadlines.expired(self.clock(), self.lifecycle):
-            self._fail(req, FailureReason.TRANSFER_TIMEOUT,
-                       f"no KV from prefill within {self.config.waiting_timeout:g} s")
+            timeout = self.config.waiting_timeout
+            if req.state is S.PREALLOC:
+                # Its destination never went out: prefill was not the one that kept it waiting.
+                self._fail(req, FailureReason.BOOTSTRAP_TIMEOUT,
+                           f"no decode pages for it within {timeout:g} s (the decode side's "
+                           "pages, metadata slots or max_running_requests were held by other "
+                           "requests): its destination was never sent to prefill")
+            else:
+                self._fail(req, FailureReason.TRANSFER_TIMEOUT,
+                           f"no KV from prefill within {timeout:g} s")
         bootstrapped: list[DecodeRequest] = []
         received: list[DecodeRequest] = []
         for req in changed.values():
@@ -354,11 +366,24 @@ class DecodePeer(SteppedByOneThread):
             if not self._pages.take(req):
                 break
             ready.append(req)
+        sent: list[DecodeRequest] = []
         for req in ready:
             receiver = receiver_of(req)
             assert receiver is not None
-            self._pages.send_destination(req, receiver)
-        self.lifecycle.fire(DecodeEvent.PREALLOCATED, ready)
+            try:
+                # For a fake request (warm-up, /health_generate) this runs its prompt forward.
+                self._pages.send_destination(req, receiver)
+            except Exception as exc:  # the request fails; the loop goes on
+                if device_lost(exc):
+                    self.lifecycle.fire(DecodeEvent.PREALLOCATED, sent)
+                    raise
+                what = ("the local prompt forward" if req.bootstrap_host == FAKE_BOOTSTRAP_HOST
+                        else "sending the destination to prefill")
+                logger.error("request %r: %s failed: %r", req.rid, what, exc)
+                self._fail(req, FailureReason.INTERNAL, f"{what} failed: {exc!r}")
+                continue
+            sent.append(req)
+        self.lifecycle.fire(DecodeEvent.PREALLOCATED, sent)
         return bool(ready)
 
     def _decode(self) -> bool:
