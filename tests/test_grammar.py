@@ -382,7 +382,7 @@ def test_smollm2_greedy_text_under_a_regex_matches_it(
 
 # -- through the embedded pair: the prefill masks the first token, the decode side the rest -----
 
-def _pair_answers(served: ServedModel, compiler: LLGuidanceCompiler,
+def pair_answers(served: ServedModel, compiler: LLGuidanceCompiler,
                   requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Outcome]:
     config = PairConfig(scheduler=SchedulerConfig(page_size=16, check_invariants=True),
                         prefill_pages=64, decode_pages=64)
@@ -413,7 +413,7 @@ def test_a_grammar_that_names_the_eos_token_ends_on_it(
     early = smol.compile(spec)
     with pytest.raises(GrammarError, match=f"does not allow token {eos}"):
         early.accept(eos)  # before "ok": refused by the mask, computed for the check
-    out = _pair_answers(smollm2, smol, {
+    out = pair_answers(smollm2, smol, {
         "ok": (smollm2.encode("Say ok.", chat=True), SamplingParams(8, grammar=spec)),
         "drawn": (smollm2.encode("Say ok.", chat=True),
                   SamplingParams(8, grammar=spec, temperature=1.0, seed=3)),
@@ -435,7 +435,7 @@ def test_smollm2_disaggregated_grammar_answers_validate_and_equal_the_colocated_
         "drawn": (smollm2.encode(CALL, chat=True),
                   SamplingParams(20, grammar=phone, temperature=1.5, seed=7)),
     }
-    out = _pair_answers(smollm2, smol, requests)
+    out = pair_answers(smollm2, smol, requests)
     for got in out.values():
         assert got.prefill.ok and got.decode is not None and got.decode.ok, got
         assert got.decode.output_ids[0] == got.prefill.first_token
@@ -456,7 +456,7 @@ def test_the_reference_model_answers_under_a_grammar_through_the_pair(
     """The untrained reference model's bytes, masked, still spell what the grammar says."""
     grammar = GrammarSpec(GrammarKind.EBNF, 'start: ("ab" | "c")+ "."')
     prompt = byte_model.encode("grammar", chat=True)
-    out = _pair_answers(byte_model, byte, {
+    out = pair_answers(byte_model, byte, {
         f"r{seed}": (prompt, SamplingParams(40, grammar=grammar, temperature=1.0, seed=seed))
         for seed in range(3)})
     for rid, got in out.items():
@@ -473,7 +473,7 @@ def test_a_grammar_beyond_the_engines_limits_fails_as_the_clients_on_either_side
     and a healthy request beside them answers."""
     prompt = byte_model.encode("grammar", chat=True)
     healthy = GrammarSpec(GrammarKind.REGEX, "[a-c]{4}")
-    out = _pair_answers(byte_model, byte, {
+    out = pair_answers(byte_model, byte, {
         "first": (prompt, SamplingParams(8, grammar=TOO_BIG)),
         # A large bias takes B's "e" over "x" after "abc".
         "later": (prompt, SamplingParams(8, grammar=TOO_BIG_LATER,

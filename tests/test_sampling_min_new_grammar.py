@@ -15,14 +15,13 @@ import torch
 
 from lifecycle import GrammarKind, GrammarSpec, SamplingParams
 from scheduler.assemble import constraint_compiler
-from scheduler.embedded import EmbeddedPair, Outcome, PairConfig
 from scheduler.model.byte_tokenizer import EOS_TOKEN_ID
 from scheduler.model.reference import ModelConfig
 from scheduler.model.select import ServedModel, reference_model
-from scheduler.prefill.config import SchedulerConfig
 from scheduler.sample.grammar import LLGuidanceCompiler
 from scheduler.sample.sampler import NoTokenToDraw, RowSpec, sample
 from tests.service_harness import asgi_client, run, running_service
+from tests.test_grammar import pair_answers
 from tests.test_openai_api import config
 
 VOCAB = 8
@@ -108,22 +107,6 @@ def byte(byte_model: ServedModel) -> LLGuidanceCompiler:
 
 def regex(source: str) -> GrammarSpec:
     return GrammarSpec(GrammarKind.REGEX, source)
-
-
-def pair_answers(served: ServedModel, compiler: LLGuidanceCompiler,
-                 requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Outcome]:
-    cfg = PairConfig(scheduler=SchedulerConfig(page_size=16, check_invariants=True),
-                     prefill_pages=64, decode_pages=64)
-    pair = EmbeddedPair(cfg, served=served, compiler=compiler)
-    try:
-        for rid, (prompt, params) in requests.items():
-            pair.submit(rid, prompt, params)
-        out = pair.run_until_done(requests, timeout=600)
-        assert pair.prefill_pool.allocator.available() == 64
-        assert pair.decode_pool.allocator.available() == 64
-        return out
-    finally:
-        pair.close()
 
 
 def test_the_grammar_ends_the_answer_before_min_new_tokens_on_both_sides(
