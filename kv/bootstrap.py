@@ -14,21 +14,20 @@ before it sends anything.
 ``GET /health`` answers ``OK`` for liveness probes (with this endpoint's :attr:`~BootstrapServer.
 instance` in an ``X-Pdlife-Instance`` header, as ``GET /route`` carries it: a decode peer tells a
 prefill server restarted at the same address by it), or 503 with the reason once the server is
-marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed). Only a server
-that knows no rank of it writes any more adds ``"writes_stopped": true``, and a decode peer's
-heartbeat then lets its rooms go at once. ``pdlife serve`` says so only once every prefill
-rank behind its endpoint closed its KV manager with its transfer workers all ended and no write
-in flight (:meth:`kv.mooncake.MooncakeKVManager.close`): on shutdown (rank processes and DP
+marked unhealthy (:meth:`BootstrapServer.mark_unhealthy`: its engine failed, or it shuts down).
+Only a server that knows no rank of it writes any more adds ``"writes_stopped": true``, and a
+decode peer's heartbeat then lets its rooms go at once. ``pdlife serve`` says so only once every
+prefill rank behind its endpoint closed its KV manager with its transfer workers all ended and no
+write in flight (:meth:`kv.mooncake.MooncakeKVManager.close`): on shutdown (rank processes and DP
 replicas report it to rank 0 before its endpoint closes), and, for a server of one rank, once its
 failed engine's manager closed; where a rank cannot confirm it (killed, failed, a worker that did
 not end) it does not, and decode holds their pages until each room's ``Status`` or its release
-bound. A decode rank's health check names its engine session (``X-Pdlife-Session``), so a
-prefill shutting down knows which peers read that its writes stopped
-(:meth:`BootstrapServer.wait_read`) and keeps its endpoint up only until those that hold its
-rooms did. ``POST /refusal`` is how a decode
-peer says it will never ask for a room's KV (it refused the request, or gave up before the
-handshake): the room and the reason go to every listener the prefill ranks in this process added
-(:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
+bound. A decode rank's health check names its engine session (``X-Pdlife-Session``), so a prefill
+shutting down knows which peers read that its writes stopped (:meth:`BootstrapServer.wait_read`)
+and keeps its endpoint up only until those that hold its rooms were sent it. ``POST /refusal``
+is how a decode peer says it will never ask for a room's KV (it refused the request, or gave up
+before the handshake): the room and the reason go to every listener the prefill ranks in this
+process added (:meth:`BootstrapServer.add_refusal_listener`; see :mod:`kv.refusal`).
 
 The server is stdlib ``ThreadingHTTPServer`` in a daemon thread, bounded: at most
 :data:`MAX_CONNECTIONS` connections are served at once (one beyond is closed as it is accepted,
@@ -202,11 +201,15 @@ class BootstrapServer:
                 return 200, "OK"
             if not self._writes_stopped:
                 return 503, {"error": self.unhealthy}
+            return 503, {"error": self.unhealthy, STOPPED_FIELD: True}
+
+    def _note_read(self, session: str | None) -> None:
+        """The peer that named ``session`` was sent the answer that writes stopped."""
+        with self._lock:
             if session and len(session) <= _MAX_SESSION and (
                     len(self._read_stopped) < _MAX_READERS):
                 self._read_stopped.add(session)
                 self._read.notify_all()
-            return 503, {"error": self.unhealthy, STOPPED_FIELD: True}
 
     @property
     def address(self) -> str:
@@ -363,7 +366,11 @@ def _make_handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self._path()
             if path == "/health":
-                self._reply(*server._health(self.headers.get(SESSION_HEADER)))
+                session = self.headers.get(SESSION_HEADER)
+                status, body = server._health(session)
+                self._reply(status, body)
+                if isinstance(body, dict) and body.get(STOPPED_FIELD):
+                    server._note_read(session)  # once its answer is written
             elif not self._authorized():
                 pass
             elif path == "/route":

@@ -113,8 +113,10 @@ _LATE_TICK_S = 3.0
 
 @attrs.frozen
 class WritesStopped:
-    """A closed prefill rank's word that no KV write of its can land any more: its transfer
-    workers ended with none in flight and its engines are destroyed."""
+    """A closed prefill rank's word that none of its KV writes is in flight or can start: its
+    transfer workers ended, each having seen every write of its conclude (over TCP: its last
+    bytes handed to the kernel, which delivers them a moment later), and its engines are
+    destroyed."""
 
     rank: int
     #: The decode sessions left holding pages for a destination of this rank's that no

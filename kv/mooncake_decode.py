@@ -40,7 +40,9 @@ that rank, and so is one for a room no longer held. A rank's statuses come in or
 for an earlier use comes before any ``Status`` of a later one. The one case this cannot tell
 apart: a rank whose ``Status`` answered an ``Abort`` of a live room (no repeat follows), then a
 later use whose own ``Status`` is lost too: that use's repeat is taken for the earlier use's and
-dropped, and the later use stays held as before (a leak, never pages freed early).
+dropped, and the later use stays held as before (a leak, not pages freed early). The notes of
+statuses that came after their use's ``Abort`` are bounded (the oldest of 4096 goes first): a
+repeat that comes after its note went is taken as any other.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s`` (naming this rank's engine session: a prefill shutting down waits for
@@ -391,8 +393,8 @@ class MooncakeDecodeManager:
     def _check_prefill(self, client: BootstrapClient) -> bool:
         """One health check; whether the prefill answered. A prefill that answers again, or
         as another instance, is registered with anew; one that answers as before gets the
-        keepalive. One that answers that it stopped writing KV (its engine failed) counts as
-        gone for good: its rooms are quiescent at once."""
+        keepalive. One that answers that it stopped writing KV (it shut down, or its engine failed
+        and its writes ended) counts as gone for good: its rooms are quiescent at once."""
         try:
             instance = client.instance()
         except PrefillStopped as stopped:

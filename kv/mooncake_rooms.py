@@ -40,20 +40,21 @@ does not serve its decode rank, a second one, one evicted from the early store),
 naming the drop (:class:`AnsweredDrop`), unless the session's destination already held here
 for the room is still to be answered. Decode reads a FAILED ``Status`` as "prefill no longer
 writes into these pages", so a room's is owed only once the failed room is quiescent: no chunk
-of it queued or being written. Each answer is remembered, per room and session, until that
-session sends the room another destination: an ``Abort`` that came after it was sent is
-answered with it again, marked ``again`` (:class:`Repeated`: the first may have been lost on the
-way, a connection torn down with messages queued, and decode holds the room's pages until one
-comes; the mark keeps decode from taking it for a later use of the room number), and dropped
-(``stale_room``) only where none was sent yet (the failed room is not quiescent: its own is
-still to come) or none is owed (a status-only rank's success); any other ``Abort`` this rank
-cannot match to a live destination (one it dropped, never had or no longer remembers answering,
-or of a room that concluded while its ``Status`` could not be sent, :meth:`not_told`) is
-answered with a FAILED ``Status``. Such an ``Abort`` may have
-overtaken its destination (decode sent the two on different connections or threads), so it is
-recorded (:class:`~kv.mooncake_early.Withdrawals`): the session's destination that comes after
-it is answered and never attached, a live room still waiting for it fails as an abort of a
-paired room does, and a room not created yet fails when it is.
+of it queued or being written. Each answer is remembered, per room and session, until that session
+sends the room another destination: an ``Abort`` that came after it was sent is answered with it
+again, marked ``again`` (:class:`Repeated`: the first may have been lost on the way, a connection
+torn down with messages queued, and decode holds the room's pages until one comes; with the mark
+decode applies it only to a use of the room number that sent this rank an ``Abort``, and as that
+may be a later use whose ``Abort`` overtook its destination, the destination is withdrawn, as
+below), and dropped (``stale_room``) only where none was sent yet (the failed room is not
+quiescent: its own is still to come) or none is owed (a status-only rank's success); any other
+``Abort`` this rank cannot match to a live destination (one it dropped, never had or no longer
+remembers answering, or of a room that concluded while its ``Status`` could not be sent,
+:meth:`not_told`) is answered with a FAILED ``Status``. Such an ``Abort`` may have overtaken its
+destination (decode sent the two on different connections or threads), so it is recorded
+(:class:`~kv.mooncake_early.Withdrawals`): the session's destination that comes after it is
+answered and never attached, a live room still waiting for it fails as an abort of a paired room
+does, and a room not created yet fails when it is.
 
 A decode rank whose state pools this rank cannot serve (:func:`kv.mooncake_state.state_target`)
 is registered with the reason: each destination from it fails its room on both sides at once
@@ -337,11 +338,12 @@ class PrefillRooms:
         """Decode aborted a room: a live room holding the session's destination fails (its
         statuses are owed once it is quiescent), an early one is withdrawn and answered, and
         any other abort is answered with a FAILED ``Status`` (nothing of this rank writes into
-        that destination) unless the session was answered already since its destination came:
-        that abort crossed the answer, and raises ``stale_room``. An abort answered so may
-        have overtaken its destination: that destination, when it comes, is answered and never
-        attached; a live room still waiting for it fails now, and a room not created yet fails
-        when it is. Raises ``unknown_session`` for a session that is not registered."""
+        that destination), or, where the session was answered already since its destination
+        came, with that answer again (:class:`Repeated`; ``stale_room`` where it is yet to be
+        sent, or none is owed). An abort answered so may be a later use's that overtook its
+        destination: that destination, when it comes, is answered and never attached; a live
+        room still waiting for it fails now, and a room not created yet fails when it is.
+        Raises ``unknown_session`` for a session that is not registered."""
         with self._lock:
             if msg.session not in self._regs:
                 raise wire.WireError("unknown_session",
@@ -357,11 +359,16 @@ class PrefillRooms:
                     return self._settle(rec)
                 if rec.status == KVPoll.FAILED and not rec.notified:
                     return []  # still being written: answered once quiescent
-            if (msg.room, msg.session) in self._answered:
-                return self._again(msg.room, msg.session)
+            # Answered since its destination came: that answer again (or stale_room, where
+            # none was sent yet); else FAILED.
+            again = (msg.room, msg.session) in self._answered
+            owed = self._again(msg.room, msg.session) if again else []
             if rec is None or not self._has_leg(rec, msg.session):
+                # Maybe a later use's Abort that overtook its destination (decode may take a
+                # repeat for that use, and give its pages back): never attached when it comes.
                 self._withdrawn.add(msg.room, msg.session)
-            owed = [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
+            if not again:
+                owed = [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
             if rec is None:
                 self._peer_refused.add(msg.room, REASON_PEER_ABORTED)
             elif (not rec.paired and self._waits_for(rec, self._targets[msg.session])

@@ -49,9 +49,9 @@ replica: its first rank's relay stops its mesh, so every rank's next pass raises
 word on whether its writes stopped on the answers queue
 (:attr:`kv.mooncake.MooncakeKVManager.writes_stopped`) and exits 0. A rank process confirms
 that its writes stopped only with that word, and an exit 0: one killed (past
-:data:`JOIN_TIMEOUT_S`, or because another failed), failed or silent does not (a killed
-process's transfer worker may have been mid-write, and what it handed to its kernel is still
-delivered into decode pages after it is gone).
+:data:`JOIN_TIMEOUT_S`, or because another failed), failed or silent does not (it cannot say
+whether its writes concluded: a killed transfer worker may have been mid-write, and the part it
+had handed to its kernel is still delivered into decode pages after it is gone).
 Rank 0 tells decode peers at its endpoint that the server's writes stopped only where every rank
 confirmed it (:class:`~scheduler.service.engines.RanksStopped`); decode then lets the rooms no
 ``Status`` answered go at once, else at its release bound. :meth:`Ranks.close` then lets the
