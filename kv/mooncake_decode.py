@@ -31,18 +31,22 @@ however long the request would still wait for pages; a late one from another wat
 the receiver was cleared, is expected and ignored.
 
 Every ``Abort`` is answered: a prefill rank that had sent the room's ``Status`` already sends it
-again, marked ``again`` (the first may have been lost with a connection torn down), so a room
-whose ``Status`` never came is not held for ever. A repeat is for the use of the room number that
-sent that rank an ``Abort`` and has no ``Status`` from it yet (the oldest: a cleared one still
-draining first); one that repeats a ``Status`` that came (the ``Abort`` crossed it: noted when
-it came) is dropped, as ``stale_room``, even where a later use of the room number now waits for
-that rank, and so is one for a room no longer held. A rank's statuses come in order, so a repeat
-for an earlier use comes before any ``Status`` of a later one. The one case this cannot tell
-apart: a rank whose ``Status`` answered an ``Abort`` of a live room (no repeat follows), then a
-later use whose own ``Status`` is lost too: that use's repeat is taken for the earlier use's and
-dropped, and the later use stays held as before (a leak, not pages freed early). The notes of
-statuses that came after their use's ``Abort`` are bounded (the oldest of 4096 goes first): a
-repeat that comes after its note went is taken as any other.
+again, marked ``again`` (the first may have been lost with a connection torn down), so a room whose
+``Status`` never came is not held for ever. A repeat is for the use of the room number that sent
+that rank an ``Abort`` after its destination and has no ``Status`` from it yet (the oldest: a
+cleared one still draining first). An ``Abort`` sent while the destination was still to go out
+(from another thread: the heartbeat's, a client's abort) may reach the rank first and be answered
+with an earlier use's ``Status`` again, and the destination then be attached and written into: that
+use takes no repeat, and waits for its own ``Status`` (one socket per rank, so an ``Abort`` sent
+once the destination's send returned follows it); one that repeats a ``Status`` that came (the
+``Abort`` crossed it: noted when it came) is dropped, as ``stale_room``, even where a later use of
+the room number now waits for that rank, and so is one for a room no longer held. A rank's statuses
+come in order, so a repeat for an earlier use comes before any ``Status`` of a later one. The one
+case this cannot tell apart: a rank whose ``Status`` answered an ``Abort`` of a live room (no
+repeat follows), then a later use whose own ``Status`` is lost too: that use's repeat is taken for
+the earlier use's and dropped, and the later use stays held as before (a leak, not pages freed
+early). The notes of statuses that came after their use's ``Abort`` are bounded (the oldest of 4096
+goes first): a repeat that comes after its note went is taken as any other.
 
 Heartbeat (as SGLang's decode side): a thread checks the prefill bootstrap's ``/health`` every
 ``heartbeat_interval_s`` (naming this rank's engine session: a prefill shutting down waits for
@@ -85,7 +89,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -148,6 +152,17 @@ class _DecodeRoom:
     # The prefill ranks sent an Abort of this use of the room: each answers it, with the
     # room's Status again (marked ``again``) where it had sent that one already.
     aborted: set[int] = attrs.Factory(set)
+    # The contacts this use's destination was sent to (set once the send returned), and those
+    # it sent an Abort before that: such an Abort may reach the rank ahead of the destination
+    # and be answered with an earlier use's Status again, never this use's.
+    dest_sent: set[int] = attrs.Factory(set)
+    aborted_first: set[int] = attrs.Factory(set)
+
+    def note_aborted(self, ranks: Iterable[int]) -> None:
+        """This use sends ``ranks`` an ``Abort`` (called with the manager's lock held)."""
+        given = set(ranks)
+        self.aborted |= given
+        self.aborted_first |= given - self.dest_sent
 
     def unreported(self) -> list[int]:
         """The contacts that may still hold the room: sources with no Status back, and the
@@ -496,7 +511,7 @@ class MooncakeDecodeManager:
             contacts = rec.unreported()
             if contacts and (failed_now or rec.awaiting):
                 tell.append((rec.room, contacts))
-                rec.aborted.update(contacts)
+                rec.note_aborted(contacts)
         return rooms, tell
 
     def _held(self) -> list[_DecodeRoom]:
@@ -608,7 +623,7 @@ class MooncakeDecodeManager:
             held = self._held()
             tell = [(rec.room, rec.unreported()) for rec in held]
             for rec in held:
-                rec.aborted.update(rec.unreported())
+                rec.note_aborted(rec.unreported())
         self._abort(tell)
         failed = self._refuse_failed()
         logger.info("prefill %s is back (%d ranks); registered again%s", self.bootstrap_addr,
@@ -674,7 +689,7 @@ class MooncakeDecodeManager:
                 rec.reason = msg.reason or "prefill reported a failure"
                 rec.peer = self._peers.session(rank)
                 abort = [r for r in rec.unreported() if r != rank]
-                rec.aborted.update(abort)
+                rec.note_aborted(abort)
             elif msg.poll == KVPoll.SUCCESS and rank in rec.waiting:
                 rec.waiting.discard(rank)
                 if not rec.waiting and not rec.status.terminal:
@@ -725,7 +740,8 @@ class MooncakeDecodeManager:
             raise wire.WireError("stale_room", f"repeated status for room {msg.room} from "
                                                f"rank {msg.rank}: its first came")
         for rec in (self._draining.get(msg.room), self._rooms.get(msg.room)):
-            if rec is not None and msg.rank in rec.aborted and msg.rank in rec.awaiting:
+            if (rec is not None and msg.rank in rec.aborted and msg.rank in rec.awaiting
+                    and msg.rank not in rec.aborted_first):
                 return rec
         raise wire.WireError("stale_room", f"repeated status for room {msg.room} from rank "
                                            f"{msg.rank}, which no use of it waits for")
@@ -828,6 +844,8 @@ class MooncakeKVReceiver:
         where = {str(kind): np.asarray(v, dtype=np.int64) for kind, v in items.items()}
         mgr._peers.send(rec.contacts,
                         wire.Destination(self.room, mgr.session, arr, slot, state=where))
+        with mgr._lock:  # an Abort sent from now on follows it on each rank's socket
+            rec.dest_sent.update(rec.contacts)
 
     def poll(self) -> KVPoll:
         mgr, rec = self._mgr, self._rec
@@ -858,7 +876,7 @@ class MooncakeKVReceiver:
                 return
             rec.status, rec.reason = KVPoll.FAILED, REASON_ABORTED
             tell = rec.unreported()
-            rec.aborted.update(tell)
+            rec.note_aborted(tell)
         mgr.ready.put(self.room)
         if tell:
             mgr._peers.send(tell, wire.Abort(self.room, mgr.session))

@@ -44,9 +44,9 @@ of it queued or being written. Each answer is remembered, per room and session, 
 sends the room another destination: an ``Abort`` that came after it was sent is answered with it
 again, marked ``again`` (:class:`Repeated`: the first may have been lost on the way, a connection
 torn down with messages queued, and decode holds the room's pages until one comes; with the mark
-decode applies it only to a use of the room number that sent this rank an ``Abort``, and as that
-may be a later use whose ``Abort`` overtook its destination, the destination is withdrawn, as
-below), and dropped (``stale_room``) only where none was sent yet (the failed room is not
+decode applies it only to a use of the room number that sent this rank an ``Abort`` after its
+destination, so a later use whose ``Abort`` overtook its destination never takes it), and
+dropped (``stale_room``) only where none was sent yet (the failed room is not
 quiescent: its own is still to come) or none is owed (a status-only rank's success); any other
 ``Abort`` this rank cannot match to a live destination (one it dropped, never had or no longer
 remembers answering, or of a room that concluded while its ``Status`` could not be sent,
@@ -340,10 +340,12 @@ class PrefillRooms:
         any other abort is answered with a FAILED ``Status`` (nothing of this rank writes into
         that destination), or, where the session was answered already since its destination
         came, with that answer again (:class:`Repeated`; ``stale_room`` where it is yet to be
-        sent, or none is owed). An abort answered so may be a later use's that overtook its
-        destination: that destination, when it comes, is answered and never attached; a live
-        room still waiting for it fails now, and a room not created yet fails when it is.
-        Raises ``unknown_session`` for a session that is not registered."""
+        sent, or none is owed). An abort answered with a FAILED ``Status`` may have overtaken
+        its destination: that destination, when it comes, is answered and never attached; a
+        live room still waiting for it fails now, and a room not created yet fails when it is.
+        A repeat withdraws nothing (decode never takes one for a use whose ``Abort`` went out
+        before its destination: :mod:`kv.mooncake_decode`). Raises ``unknown_session`` for a
+        session that is not registered."""
         with self._lock:
             if msg.session not in self._regs:
                 raise wire.WireError("unknown_session",
@@ -359,16 +361,11 @@ class PrefillRooms:
                     return self._settle(rec)
                 if rec.status == KVPoll.FAILED and not rec.notified:
                     return []  # still being written: answered once quiescent
-            # Answered since its destination came: that answer again (or stale_room, where
-            # none was sent yet); else FAILED.
-            again = (msg.room, msg.session) in self._answered
-            owed = self._again(msg.room, msg.session) if again else []
+            if (msg.room, msg.session) in self._answered:
+                return self._again(msg.room, msg.session)
             if rec is None or not self._has_leg(rec, msg.session):
-                # Maybe a later use's Abort that overtook its destination (decode may take a
-                # repeat for that use, and give its pages back): never attached when it comes.
                 self._withdrawn.add(msg.room, msg.session)
-            if not again:
-                owed = [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
+            owed = [self._owe(msg.session, msg.room, KVPoll.FAILED, REASON_PEER_ABORTED)]
             if rec is None:
                 self._peer_refused.add(msg.room, REASON_PEER_ABORTED)
             elif (not rec.paired and self._waits_for(rec, self._targets[msg.session])

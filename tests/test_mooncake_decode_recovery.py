@@ -238,6 +238,37 @@ def test_a_repeated_status_frees_the_pages_of_the_use_whose_first_was_lost(
         decode.close()
 
 
+def test_a_use_whose_abort_went_out_before_its_destination_takes_no_repeat(
+    played: PlayedRank,
+) -> None:
+    """An ``Abort`` sent (from another thread) while the destination was still to go out
+    reaches the rank first, so the rank may answer it with an earlier use's ``Status`` again,
+    then attach the destination and write into it: decode must not take that repeat for this
+    use, which stays held until its own ``Status``."""
+    decode = _decode(played.address)
+    try:
+        receiver = decode.create_receiver(played.address, 8)
+        receiver.init()
+        send = decode._peers.send
+
+        def abort_first(ranks: Any, msg: wire.Message) -> None:
+            if isinstance(msg, wire.Destination):
+                receiver.abort()  # as the heartbeat thread could, between lock and send
+            send(ranks, msg)
+
+        decode._peers.send = abort_first  # type: ignore[method-assign]
+        receiver.send_metadata([0, 1], 0)
+        assert played.received(4) == [("Register", None), ("Watch", 8), ("Abort", 8),
+                                      ("Destination", 8)]
+        played.status(8, KVPoll.SUCCESS, again=True)
+        eventually(lambda: decode.dropped_messages.total == 1, "the repeat dropped")
+        assert not receiver.quiescent()
+        played.status(8, KVPoll.FAILED, "its own")
+        eventually(receiver.quiescent, "its own status")
+    finally:
+        decode.close()
+
+
 # -- a prefill lost while its ranks may still write ------------------------------------------
 
 

@@ -719,20 +719,3 @@ def test_an_early_overflow_fails_the_room_for_the_prefill_limit_and_tells_its_wa
     assert (rec.status, rec.reason) == (KVPoll.FAILED, why)
     assert not rooms.failure(rec).refused
 
-
-def test_a_destination_after_an_abort_answered_again_is_never_attached() -> None:
-    # Use A of the room ends with its Status sent; decode's next use B of the number aborts
-    # before its destination arrives (an abort can overtake it). The abort is answered with
-    # A's Status again, which decode may take for B and give B's pages back: B's destination
-    # must then be answered, never written into.
-    rooms = _table(FakeClock())
-    first, _ = rooms.create(9)
-    rooms.destination(_dest(9, [1, 2]))
-    assert first.paired
-    rooms.clear(first)
-    (again,) = rooms.peer_abort(wire.Abort(9, S))
-    assert isinstance(again, Repeated)
-    drop = _answered_drop(rooms, _dest(9, [5, 6]))
-    assert [o.poll for o in drop.owed] == [KVPoll.FAILED]
-    later, _ = rooms.create(9)
-    assert not later.paired and later.status == KVPoll.FAILED
