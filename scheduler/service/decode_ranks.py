@@ -15,7 +15,8 @@ and its own KV managers, one per prefill server, each registered with the prefil
 its place (TP rank and size). Rank 0's engine loop steps its peer; each pass opens with the
 relay's broadcast of what reached it, so the other ranks run its passes in lockstep and, while
 it is idle, wait in that broadcast (at most :data:`~scheduler.service.ranks.MESH_TIMEOUT`). The
-other ranks' answers are the same as rank 0's and go nowhere.
+other ranks' answers are the same as rank 0's and go nowhere (each rank's engines only forget,
+as a request ends, the fake-host prompt they registered for it when it was relayed).
 
 Start: rank 0 builds its engines, then :meth:`DecodeRanks.started` lets the other ranks build
 theirs. Shutdown: :meth:`DecodeRanks.close` (after rank 0's engine loop stopped) stops the

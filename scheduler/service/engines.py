@@ -8,6 +8,9 @@
   manager serves requests for the fake bootstrap host ``2.2.2.2``.
 - ``decode``: a :class:`~scheduler.decode.DecodePeer` over a
   :class:`~scheduler.decode.router.DecodeKVRouter` (one Mooncake manager per prefill server).
+  On a decode TP group every rank registers the prompt of each relayed fake-host request with
+  its fake prefill, as rank 0's front does, and forgets it when its peer answers the request,
+  however it ended.
 - ``both`` (the ``local`` backend): both engines, the local backend copying pages from one pool
   to the other.
 
@@ -163,6 +166,10 @@ class Engines:
         self._others: Callable[[], RanksStopped] | None = None
         self._lock = threading.Lock()
         self._decode_auth_refused = 0  # prefill servers that refused this decode's peer token
+        # On a decode mesh: the room of each relayed fake request whose prompt this rank
+        # registered (:meth:`_expect_fake`), by request id, until the decode peer answers it
+        # (engine thread only: the relay and the answers both come within a pass).
+        self._relayed_fakes: dict[str, int] = {}
         # Warns if a transfer engine listens beyond the configured addresses (it binds all).
         self._exposure = ExposureCheck(config.bootstrap_host, config.mooncake.hostname)
         c = self.config
@@ -179,7 +186,9 @@ class Engines:
                     closers=self._closers, kv_layout=c.kv_layout, eos_token_id=c.eos_token_ids,
                     config=DecodeConfig(max_running_requests=c.scheduler.max_running_requests,
                                         waiting_timeout=c.waiting_timeout),
-                    on_response=on_decode, compiler=compiler, detokenize=detokenize,
+                    on_response=on_decode if decode_mesh is None else functools.partial(
+                        self._forget_relayed_fake, on_decode),
+                    compiler=compiler, detokenize=detokenize,
                     # One registry for /metrics: the prefill scheduler's, when there is one.
                     metrics=DecodeMetrics(self.prefill.metrics.registry if self.prefill else None),
                     decode_mesh=decode_mesh,
@@ -244,11 +253,33 @@ class Engines:
         return router
 
     def _expect_fake(self, new: NewRequest) -> None:
-        """A decode TP rank registers a fake request's prompt as rank 0's front did."""
+        """A decode TP rank registers a fake request's prompt as rank 0's front did; it is
+        forgotten when the decode peer answers the request (:meth:`_forget_relayed_fake`)."""
         if (self.decode_kv is not None and new.bootstrap_host == FAKE_BOOTSTRAP_HOST
                 and new.bootstrap_room != 0):
             self.decode_kv.fake.expect(new.bootstrap_room, new.rid, new.input_ids,
                                        new.sampling)
+            self._relayed_fakes[new.rid] = new.bootstrap_room
+
+    def _forget_relayed_fake(self, on_decode: Callable[[DecodeResponse], None],
+                             resp: DecodeResponse) -> None:
+        """The decode peer answered ``resp`` on this mesh rank: forget its fake prompt, if
+        :meth:`_expect_fake` registered one, then hand the answer on.
+
+        Every request the peer takes ends in exactly one answer, however it ends (finished,
+        refused or failed at admission, aborted, failed), on the same pass on every rank; the
+        fake receiver forgets the prompt too, but a request refused at its admission gets no
+        receiver, and no service answers on the other ranks. Keyed by request id: rank 0's
+        front refuses an id while it is live (until its decode answer), and every rank answers
+        a request before any later relay, so an id names one request here at a time. (Were
+        the peer given a live id again, it would refuse the newcomer and this would forget the
+        newcomer's prompt; the live request's receiver, made at its admission, forgets its
+        own.) On rank 0 the service forgets the prompt too: ``forget`` of a forgotten room
+        does nothing."""
+        room = self._relayed_fakes.pop(resp.rid, None)
+        if room is not None and self.decode_kv is not None:
+            self.decode_kv.fake.forget(room)
+        on_decode(resp)
 
     def _mooncake_decode(self, pool: KVPool, meta: MetadataBuffers,
                          addr: str) -> MooncakeDecodeManager:
