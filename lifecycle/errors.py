@@ -61,8 +61,11 @@ class HookFailed(LifecycleError):
         first_rid, first_hook, first_exc = self.errors[0]
         others = len(self.errors) - 1
         more = f" (and {others} more hook error{'s' if others > 1 else ''})" if others else ""
+        # The hook's error goes last, after a sentence of its own: its text may hold colons,
+        # semicolons and request ids of its own, and ran into what followed it.
+        first = "first error" if others else "error"
         super().__init__(
-            f"hook {first_hook!r} raised {type(first_exc).__name__}: {first_exc} for request "
-            f"{first_rid!r}{more}; event {str(event)!r} took effect: every request it was "
-            f"fired for is in {dest.name}"
+            f"hook {first_hook!r} raised for request {first_rid!r}{more}; event {str(event)!r} "
+            f"took effect: every request it was fired for is in {dest.name}. The {first}: "
+            f"{type(first_exc).__name__}: {first_exc}"
         )

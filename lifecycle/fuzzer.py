@@ -347,8 +347,13 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             if edge is None:
                 continue
             if satisfy is not None:
-                with self._code_under_test(f"satisfy({name}, {edge.event})", name):
+                # One that raises is reported on this step, marked as the step under way (as a
+                # guard that raises is): the event it prepared is not in the program yet.
+                what = f"satisfy({name}, {edge.event})"
+                before, self.attempt = self.attempt, what
+                with self._code_under_test(what, name):
                     satisfy(r, edge)
+                self.attempt = before
             elif edge.guarded:
                 self._redraw(data, r, edge)
 
@@ -429,7 +434,7 @@ class LifecycleMachine(MachineInvariants, RuleBasedStateMachine):
             name = next((self.name_of(r) for r in reqs if r.rid == rid), rid)
             raise self.broken(
                 "hooks do not raise",
-                f"hook {hook!r} raised {type(error).__name__}: {error} for {name}",
+                f"hook {hook!r} raised for {name}: {type(error).__name__}: {error}",
                 name,
             )
 

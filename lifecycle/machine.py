@@ -221,12 +221,17 @@ class Lifecycle(Generic[R]):
         self, req: R, event: str, *, reason: enum.Enum | None = None, detail: str = ""
     ) -> str:
         """Why firing ``event`` at ``req`` now would be refused; ``""`` if it would fire. Each
-        guard of the edge is evaluated once."""
+        guard of the edge is evaluated once. An event the table does not have is not a refusal
+        but a mistake in the caller (a filter on it would drop every request): it raises
+        :class:`IllegalTransition`, as firing it does."""
         if req.owner is not self:
             return f"request {req.rid!r} is not tracked by this lifecycle"
         assert req.state is not None
         step = self._steps.get((req.state, event))
         if step is None:
+            if event not in self.table.events:
+                raise IllegalTransition(
+                    req.rid, req.state, event, self.table.no_edge(req.state, event))
             refused = self._no_step(req, req.state, event)
             return refused.why if isinstance(refused, IllegalTransition) else str(refused)
         if step.src_bucket.get(req.rid) is not req:
@@ -684,9 +689,8 @@ class Lifecycle(Generic[R]):
                     raise LifecycleError(
                         f"request {r.rid!r} cannot take event {str(event)!r} from inside a "
                         f"hook: the {str(running.event)!r} that moved it (to {state}) is "
-                        f"still running its hooks; an event fired at a request while the call "
-                        f"that moved it runs its hooks is refused, and nothing changed: decide "
-                        f"it in a guard, or fire it once that call has returned")
+                        f"still running its hooks. Nothing changed; decide it in a guard, or "
+                        f"fire it once that call has returned.")
             running = running.outer
 
     # -- invariants -------------------------------------------------------------------------

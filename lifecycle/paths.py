@@ -21,13 +21,21 @@ from lifecycle.errors import LifecycleError
 from lifecycle.table import Edge, LifecycleTable
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class TestPath:
     """A walk from the initial state: the edges taken, in order."""
 
     __test__ = False  # not a pytest test class, despite the name
 
     edges: tuple[Edge, ...]
+
+    def __repr__(self) -> str:
+        """The walk as the diagrams draw it, ``TestPath(NEW --go--> RUN --finish--> DONE)``
+        (every field of every edge, as attrs would write it, buries the walk)."""
+        if not self.edges:
+            return "TestPath()"
+        steps = "".join(f" --{e.event}--> {e.dest.name}" for e in self.edges)
+        return f"TestPath({self.edges[0].source.name}{steps})"
 
     @property
     def events(self) -> tuple[str, ...]:

@@ -20,7 +20,9 @@ Rules of this module
    final state; the failure events are legal from every non-final state; the events are those
    of the events enum, each named by a Python identifier that no record attribute (``state``,
    ``fire``, ...) and no timeline admission (``admitted``) uses; every ``once`` hook runs on
-   every way to a final state; the guards are methods of the record class. Building a table
+   every way to a final state; the guards are methods of the record class. Every broken rule
+   is named at once, except one the others are checked from (the name, the initial and final
+   states, the edges' states and events): that one is named alone. Building a table
    with ``record=`` also gives that class its trigger methods (:mod:`lifecycle.binding`), and
    makes it the table's: a lifecycle of a table built without ``record=`` refuses to admit a
    record of that class unless it was given ``record=`` itself (:func:`tables_for`).
@@ -107,7 +109,8 @@ class LifecycleTable:
         """Why ``event`` cannot fire from ``state``: no such event, or no edge from there."""
         if event not in self.events:
             known = ", ".join(str(e) for e in self.events)
-            return f"table {self.name!r} has no such event (its events: {known})"
+            close = suggest(str(event), map(str, self.events))
+            return f"table {self.name!r} has no such event{close}; its events: {known}"
         return f"{state.name} has no {str(event)!r} edge"
 
     def failure_states(self) -> frozenset[enum.IntEnum]:
@@ -181,15 +184,20 @@ def _unused_events(name: str, events: type[enum.StrEnum] | None,
         yield f"{name}: {events.__name__} has events no edge takes: {unused}"
 
 
-def _lookup(
-    name: str, states: type[enum.IntEnum], edges: tuple[Edge, ...]
-) -> dict[tuple[enum.IntEnum, str], Edge]:
-    lookup: dict[tuple[enum.IntEnum, str], Edge] = {}
+def _check_edge_states(name: str, states: type[enum.IntEnum], edges: tuple[Edge, ...]) -> None:
     for e in edges:
         for s in (e.source, e.dest):
             if not isinstance(s, states):
                 raise InvalidTable(f"{name}: edge {str(e.event)!r} names {s!r}, not a "
                                    f"{states.__name__}{_state_hint(s, states)}")
+
+
+def _lookup(
+    name: str, states: type[enum.IntEnum], edges: tuple[Edge, ...]
+) -> dict[tuple[enum.IntEnum, str], Edge]:
+    _check_edge_states(name, states, edges)
+    lookup: dict[tuple[enum.IntEnum, str], Edge] = {}
+    for e in edges:
         both = sorted(set(e.conditions) & set(e.unless))
         if both:
             raise InvalidTable(
@@ -319,13 +327,10 @@ def guard_methods(table: LifecycleTable, record: type) -> dict[str, bool]:
 
 def validate(table: LifecycleTable, also: Iterable[str] = ()) -> None:
     """Check the definition rules; raise :class:`InvalidTable` naming every broken one (one
-    line each, with ``also``'s), or only the first where the others cannot be checked without
-    it (a table name, an initial or final state that is not a state)."""
+    line each, with ``also``'s), or, where a rule the others are checked from is broken
+    (:func:`_check_foundations`), that one alone."""
+    _check_foundations(table)
     name = table.name
-    check_table_name(name)
-    for event in table.events:
-        check_event_name(name, event)
-    _check_state_types(table)
     problems = [*also, *_state_problems(table), *_graph_problems(table),
                 *_failure_event_problems(table)]
     if table.reasons is not None and not (
@@ -345,24 +350,38 @@ def validate(table: LifecycleTable, also: Iterable[str] = ()) -> None:
         raise InvalidTable("\n".join(problems))
 
 
-def _check_state_types(table: LifecycleTable) -> None:
-    """The initial and final states are states: what every other check starts from."""
+def _check_foundations(table: LifecycleTable) -> None:
+    """Raise :class:`InvalidTable` for the first broken rule of those every other rule is
+    checked from, alone: the other checks would only restate it, misleadingly (with no final
+    state, each failure event "leads to non-final" states; from a final initial state, every
+    other state is "unreachable"). They are the table's name; its initial state (a state, not
+    final) and final states (states, at least one); its edges' states (states of the table)
+    and events (members of the events enum, each able to name a trigger method). make_table
+    checks the edges' as it builds the table; a table built by hand is checked here."""
     name = table.name
-    if not isinstance(table.initial, table.states):
+    check_table_name(name)
+    states = table.states
+    if not isinstance(table.initial, states):
         raise InvalidTable(f"{name}: the initial state {table.initial!r} is not a state"
-                           f"{_state_hint(table.initial, table.states)}")
+                           f"{_state_hint(table.initial, states)}")
     for s in table.finals:
-        if not isinstance(s, table.states):
-            raise InvalidTable(f"{name}: finals names {s!r}, not a {table.states.__name__}"
-                               f"{_state_hint(s, table.states)}")
+        if not isinstance(s, states):
+            raise InvalidTable(f"{name}: finals names {s!r}, not a {states.__name__}"
+                               f"{_state_hint(s, states)}")
+    if not table.finals:
+        raise InvalidTable(f"{name}: no final state (finals= names the states a request "
+                           f"ends in)")
+    if table.initial in table.finals:
+        raise InvalidTable(f"{name}: the initial state {table.initial.name} is final (a "
+                           f"request would end as it is admitted)")
+    _check_edge_states(name, states, table.edges)
+    _normalise_events(name, table.event_type, table.edges)
+    for event in dict.fromkeys((*table.events, *(e.event for e in table.edges))):
+        check_event_name(name, event)
 
 
 def _state_problems(table: LifecycleTable) -> Iterator[str]:
     name = table.name
-    if not table.finals:
-        yield f"{name}: no final state"
-    if table.initial in table.finals:
-        yield f"{name}: the initial state {table.initial.name} is final"
     for e in table.edges:
         if e.source in table.finals:
             yield (f"{name}: edge {str(e.event)!r} leaves final state {e.source.name} "
@@ -394,8 +413,6 @@ def _graph_problems(table: LifecycleTable) -> Iterator[str]:
         if s not in reachable:
             yield f"{name}: state {s.name} is unreachable from {table.initial.name}"
 
-    if not table.finals:
-        return  # said above; every state would be a trap
     can_finish = _closure(set(table.finals), backward)
     for s in states:
         if s not in can_finish:
@@ -407,8 +424,6 @@ def _once_problems(table: LifecycleTable, skip: set[str]) -> Iterator[str]:
     way from the initial state to a final state, by the table's edges, never runs (an edge runs
     its ``after`` hooks and its destination's ``on_enter`` hooks). Guards are not read: the
     way may be one they never let a request take, which only the fuzzer can tell."""
-    if table.initial in table.finals:
-        return  # said elsewhere
     for hook in sorted(table.once - skip):
         # Breadth first from the initial state over the edges that do not run ``hook``.
         came_by: dict[enum.IntEnum, Edge | None] = {table.initial: None}

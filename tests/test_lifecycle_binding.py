@@ -434,8 +434,14 @@ def test_events_are_an_enum_per_table() -> None:
         shop.lc.fire("finsh", [a])
     assert str(info.value) == (
         "request 'a' in state CREATED cannot take event 'finsh': table 'shop' has no such "
-        "event (its events: pay, finish, cancel, fail)"
+        "event (did you mean 'finish'?); its events: pay, finish, cancel, fail"
     )
+    # refusal() raises the same, rather than answering a reason a filter would drop everyone
+    # for: [r for r in batch if not lc.refusal(r, "finsh")] is a mistake, not an empty batch.
+    with pytest.raises(IllegalTransition) as asked:
+        shop.lc.refusal(a, "finsh")
+    assert str(asked.value) == str(info.value)
+    assert shop.lc.refusal(a, "finish") == "CREATED has no 'finish' edge"
 
 
 def test_reasons_belong_to_the_table_and_only_end_requests() -> None:
@@ -477,8 +483,8 @@ def test_a_raising_hook_never_splits_a_batch() -> None:
     assert [(rid, hook) for rid, hook, _ in info.value.errors] == [("y", "release")]
     assert isinstance(info.value.__cause__, RuntimeError)
     assert str(info.value) == (
-        "hook 'release' raised RuntimeError: the warehouse is closed for request 'y'; event "
-        "'cancel' took effect: every request it was fired for is in CANCELLED"
+        "hook 'release' raised for request 'y'; event 'cancel' took effect: every request it "
+        "was fired for is in CANCELLED. The error: RuntimeError: the warehouse is closed"
     )
     # Several errors: the message counts the others as errors (one request may raise twice).
     errors = [("y", "release", RuntimeError("a")), ("y", "notify", RuntimeError("b")),
@@ -486,6 +492,8 @@ def test_a_raising_hook_never_splits_a_batch() -> None:
     assert "for request 'y' (and 2 more hook errors); event" in str(
         HookFailed("cancel", S.CANCELLED, errors))
     assert "(and 1 more hook error);" in str(HookFailed("cancel", S.CANCELLED, errors[:2]))
+    assert str(HookFailed("cancel", S.CANCELLED, errors)).endswith(
+        "is in CANCELLED. The first error: RuntimeError: a")
     # The trigger path leaves the same state.
     one_shop = Shop(raising="y")
     (y1,) = one_shop.orders("y")

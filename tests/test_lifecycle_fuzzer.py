@@ -18,6 +18,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from examples.orders import (
     ORDER_TABLE,
     Order,
+    OrderEvent,
     OrderState,
     Shop,
     holds_nothing_once_ended,
@@ -475,6 +476,24 @@ def test_code_under_test_that_raises_is_reported_with_the_program() -> None:
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def test_a_satisfy_that_raises_is_reported_on_the_step_under_way() -> None:
+    """Like a guard that raises: the program ends with the step it raised in, marked."""
+    def satisfy_badly(order: Order, edge: Edge) -> None:
+        if edge.event == OrderEvent.SHIP:
+            raise KeyError(f"no address for {order.rid}")
+        satisfy(order, edge)
+
+    with pytest.raises(CodeRaised) as info:
+        run_state_machine_as_test(
+            lifecycle_state_machine(ORDER_TABLE, Order, satisfy=satisfy_badly),
+            settings=fuzz_settings(max_examples=100, stateful_step_count=20, database=None,
+                                   phases=(Phase.generate,)))
+    text = str(info.value)
+    assert re.search(r"satisfy\((r\d+), ship\) raised KeyError: 'no address for \1'", text), text
+    assert re.search(r"\n  \d+\. satisfy\(r\d+, ship\)   <- here\ntimeline of r\d+:", text), text
+    assert isinstance(info.value.__cause__, KeyError)
+
+
 @attrs.define(slots=True, eq=False, weakref_slot=False)
 class WeighedOrder(Order):
     """A field whose validator refuses most of what the fuzzer draws for an int."""
@@ -664,7 +683,7 @@ def test_a_hook_that_raises_is_reported_naming_it() -> None:
 
     text = _broken(lifecycle_state_machine(ORDER_TABLE, Order, {"notify": notify}))
     assert text.startswith("rule broken: hooks do not raise\n")
-    assert "hook 'notify' raised ValueError: the mail server is down for r1" in text
+    assert "hook 'notify' raised for r1: ValueError: the mail server is down\n" in text
 
 
 @attrs.define(slots=True, eq=False, weakref_slot=False)

@@ -122,6 +122,13 @@ def test_an_event_a_hook_fires_at_its_own_request_is_refused(one_by_one: bool) -
     assert (rid, hook, type(error)) == ("j", "check", LifecycleError)
     assert info.value.__cause__ is error
     assert str(error).startswith(REENTRY.format("j", "fail", "start", "RUN").replace("\\", ""))
+    # The wrapper says what took effect, then quotes the refusal once, last: they used to run
+    # together ("... once that call has returned for request 'j'; event 'start' took ...").
+    assert str(info.value) == (
+        "hook 'check' raised for request 'j'; event 'start' took effect: every request it was "
+        "fired for is in RUN. The error: LifecycleError: request 'j' cannot take event 'fail' "
+        "from inside a hook: the 'start' that moved it (to RUN) is still running its hooks. "
+        "Nothing changed; decide it in a guard, or fire it once that call has returned.")
     assert o.log == [("check", "j", "RUN"), ("acquire", "j", "RUN")]
     assert (j.state, j.held, j.reason, j.detail) == (S.RUN, 1, None, "")
     assert [e for _, e in j.timeline] == ["admitted", "start"]

@@ -188,6 +188,62 @@ def test_a_rule_the_others_depend_on_is_named_alone() -> None:
         "toy: the initial state <Other.ELSEWHERE: 7> is not a state"]
 
 
+class Ev(enum.StrEnum):
+    GO = "go"
+    FINISH = "finish"
+    FAIL = "fail"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        pytest.param({"name": "my table"}, "table name 'my table' is not usable", id="name"),
+        pytest.param({"initial": Other.ELSEWHERE, "edges": GOOD_EDGES[:3]},
+                     "toy: the initial state <Other.ELSEWHERE: 7> is not a state",
+                     id="initial-not-a-state"),
+        # Before: each failure event also "not legal from states FAILED, DONE" and "from
+        # START leads to non-final FAILED", the opposite of the fix.
+        pytest.param({"finals": ()}, "toy: no final state", id="no-final"),
+        # Before: every other state also "unreachable from DONE", and DONE's hooks "on the
+        # initial state".
+        pytest.param({"initial": S.DONE, "on_enter": {S.DONE: ("release",)}},
+                     "toy: the initial state DONE is final", id="initial-final"),
+        pytest.param({"finals": (S.DONE, "FAILD")}, "toy: finals names 'FAILD', not a S",
+                     id="final-not-a-state"),
+        pytest.param({"edges": (*GOOD_EDGES[:3], Edge("stray", S.MIDDLE, Other.ELSEWHERE))},  # type: ignore[arg-type]
+                     "toy: edge 'stray' names <Other.ELSEWHERE: 7>, not a S",
+                     id="edge-state"),
+        pytest.param({"edges": (*GOOD_EDGES[:3], Edge("stray", S.MIDDLE, S.DONE)),
+                      "events": Ev},
+                     "toy: edge event 'stray' is not a member of Ev", id="edge-event"),
+        pytest.param({"edges": (*GOOD_EDGES[:3], Edge("fire", S.MIDDLE, S.DONE))},
+                     "toy: event 'fire' is a name every record uses", id="edge-event-name"),
+    ],
+)
+@pytest.mark.parametrize("path", ["make_table", "validate"])
+def test_a_rule_the_others_are_checked_from_is_named_alone(
+    overrides: dict[str, Any], message: str, path: str
+) -> None:
+    """Docs/framework.md section 3: the name, the initial and final states, the edges' states
+    and events are each reported alone, by make_table and by validate (what `pdlife validate
+    --load` runs) on a table not built by make_table. Each table here breaks other rules too
+    (failure events, reachability, MIDDLE's missing failure edge): none of them is named."""
+    changes = dict(overrides)
+    events = changes.pop("events", None)
+    with pytest.raises(InvalidTable) as info:
+        if path == "make_table":
+            name = changes.pop("name", "toy")
+            make_table(name, S, **{"initial": S.START, "finals": (S.DONE, S.FAILED),
+                                   "edges": GOOD_EDGES, "failure_events": ("fail",),
+                                   "events": events, **changes})
+        else:  # a table built around make_table (attrs.evolve), as `pdlife validate` loads it
+            if "finals" in changes:
+                changes["finals"] = frozenset(changes["finals"])
+            validate(attrs.evolve(build(events=events), **changes))
+    assert str(info.value).splitlines()[0].startswith(message), str(info.value)
+    assert len(str(info.value).splitlines()) == 1, str(info.value)
+
+
 def test_validate_rechecks_a_table_built_around_make_table() -> None:
     # validate() is what `pdlife validate` runs; it must catch a table assembled by hand.
     good = build()
