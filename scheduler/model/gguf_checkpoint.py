@@ -1,9 +1,11 @@
 """GGUF files: the config from the metadata, the weights dequantized, the tokenizer's fields.
 
-The ``gguf`` package reads the file and dequantizes every type it supports (F32, F16, BF16,
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K .. Q6_K, among others) to float32. GGUF lists a
-tensor's shape fastest dimension first; the reader's arrays are already in row-major
-``[out_features, in_features]`` order, as torch wants them.
+pdlife's own reader (:mod:`scheduler.model.gguf_file`, memory-mapped) reads the file, and every
+type the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
+K-quants Q2_K .. Q6_K, among others) is dequantized to float32, as ``gguf`` computes it (Q4_1
+and Q8_0 by the reader's module, over whole tensors; the others by ``gguf``). GGUF lists a
+tensor's shape fastest dimension first; the reader gives it row-major, ``[out_features,
+in_features]``, as torch wants it.
 
 llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k`` within each head,
 interleaving the two rotary halves, because llama.cpp rotates adjacent pairs. This runner rotates
@@ -13,7 +15,7 @@ halves (Hugging Face's ``rotate_half``), so the loader undoes the permutation: p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from scheduler.model.checkpoint import (
     unsupported_rope_scaling,
     unsupported_tensor,
 )
+from scheduler.model.gguf_file import GGUFFileError, GGUFTensor, dequantize, read_gguf
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm",
@@ -59,23 +62,24 @@ _EOS = "tokenizer.ggml.eos_token_id"
 
 def load_gguf(where: Path) -> Checkpoint:
     """A GGUF file of a Llama-family model, dequantized to float32."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(where))
-    except (ValueError, OSError, IndexError) as exc:  # IndexError: the metadata is cut short
+        gguf_file = read_gguf(where)
+    except GGUFFileError as exc:
         raise CheckpointError(f"{where}: not a readable GGUF file (damaged or truncated?): "
-                              f"{type(exc).__name__}: {exc}") from exc
-    meta = _metadata(reader)
+                              f"{exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{where}: not a readable GGUF file: {type(exc).__name__}: "
+                              f"{exc}") from exc
+    meta = gguf_file.metadata
     architecture = meta.get("general.architecture")
     refuse_architecture(where, architecture)
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    tied = not any(t.name == "output.weight" for t in gguf_file.tensors)
     config = _config(where, str(architecture), meta, tied)
     eos = meta.get(_EOS)  # its type is checked with the tokenizer's, against the tokens
     if isinstance(eos, int) and not isinstance(eos, bool):
         check_in_vocabulary(str(where), f"metadata {_EOS}", (eos,), config.vocab_size)
     digest = WeightDigest()
-    tensors = _tensors(where, reader, config, digest)
+    tensors = _tensors(where, gguf_file.tensors, config, digest)
     check_tensors(where, config, tensors, _gguf_native)
     tokenizer_fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     if not tokenizer_fields.get("tokenizer.ggml.tokens"):
@@ -85,10 +89,6 @@ def load_gguf(where: Path) -> Checkpoint:
         config=config, tensors=tensors, tokenizer=TokenizerSource(gguf_fields=tokenizer_fields),
         fingerprint=digest.fingerprint(config),
     )
-
-
-def _metadata(reader: Any) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 _MISSING = object()
@@ -162,15 +162,12 @@ def _rope_scaling(where: Path, arch: str, meta: Mapping[str, Any]) -> RopeScalin
     raise unsupported_rope_scaling(where, kind)
 
 
-def _tensors(where: Path, reader: Any, config: LlamaConfig,
+def _tensors(where: Path, file_tensors: Sequence[GGUFTensor], config: LlamaConfig,
              digest: WeightDigest) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = _name(where, t.name)
-        shape = tuple(int(d) for d in reversed(t.shape))
-        digest.add(t.name, t.tensor_type.name, shape, np.ascontiguousarray(t.data))
+    for t in file_tensors:
+        name, shape = _name(where, t.name), t.shape
+        digest.add(t.name, t.tensor_type.name, shape, t.data)  # the file's bytes, as mapped
         try:
             data = dequantize(t.data, t.tensor_type)
         except NotImplementedError:  # F64 and the integer types, among others
@@ -178,11 +175,10 @@ def _tensors(where: Path, reader: Any, config: LlamaConfig,
                 f"{where}: tensor {t.name!r} is {t.tensor_type.name}, a type the gguf package "
                 "does not dequantize (pdlife reads F32, F16, BF16 and the quantized types it "
                 "does: Q4_0 ... Q8_0, the K-quants)") from None
-        if data.size != int(np.prod(shape)):
-            raise CheckpointError(f"{where}: tensor {t.name!r} holds {data.size} of its "
-                                  f"{int(np.prod(shape))} values: the file is truncated")
-        array = np.array(data, dtype=np.float32).reshape(shape)
-        tensor = torch.from_numpy(array)
+        array = np.asarray(data, dtype=np.float32)
+        if not array.flags.writeable:  # a view of the mapped file (F32): the tensor owns a copy
+            array = array.copy()
+        tensor = torch.from_numpy(array.reshape(shape))
         if name.endswith(".q"):
             tensor = unpermute_rotary_rows(tensor, config.heads)
         elif name.endswith(".k"):
