@@ -147,7 +147,9 @@ def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Pa
     flags = ["--backend", "mooncake", *model_flags(MODEL), "--log-level", "info"]
     server = Server(tmp_path / "serve.log", "--role", "prefill", "--bootstrap-port",
                     str(bootstrap), "--tp-size", "2", *flags)
-    decode = Server(tmp_path / "decode.log", "--role", "decode", *flags)
+    # A short release bound: the test waits it out (the default is 30 s).
+    decode = Server(tmp_path / "decode.log", "--role", "decode",
+                    "--lost-prefill-release-timeout", "3", *flags)
     try:
         server.wait_healthy(timeout=180)
         decode.wait_healthy(timeout=180)
@@ -176,7 +178,7 @@ def test_an_idle_server_whose_rank_dies_turns_unhealthy_and_exits_1(tmp_path: Pa
         assert failed.json()["error"]["type"] == refused.json()["error"]["type"]
         # The dead rank never sends the room's Status, and the failed server does not say that
         # its ranks stopped writing (the live one may still write): decode counts it lost after
-        # two failed health checks and lets the room go at its 30 s release bound.
+        # two failed health checks and lets the room go at its release bound.
         wait_for(lambda: idle(decode.get("/server_info")), 90, "the decode's pages free")
         assert "lost contact with prefill" in decode.tail(100_000)
         server.signal(signal.SIGTERM)
