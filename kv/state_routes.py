@@ -170,12 +170,16 @@ def decode_shape(shape: StateShape, name: str, held: range, layers: int,
 def stage_gaps(stages: Sequence[Mapping[str, range]], decode: Mapping[str, range]) -> list[str]:
     """For each pool of ``decode`` (a decode rank's pools, by the layers each holds), a line
     when the prefill ``stages`` (each stage's layers of each pool) do not hold its layers
-    exactly once, in order; empty when they do."""
+    exactly once, in order; empty when they do. A prefill side of one stage is worded as
+    :func:`kv.state_copy.state_mismatches` words the other direction (``"draft layers:
+    prefill 0..1 vs decode 2"``): there are no stages to speak of."""
     out = []
     for name, every in decode.items():
         held = sorted((s[name] for s in stages if name in s), key=lambda r: r.start)
         if [i for r in held for i in r] != list(every):
             spans = ", ".join(f"{r.start}..{r.stop}" for r in held) or "none"
-            out.append(f"{name} layers: the prefill stages hold {spans} of the decode's "
+            out.append(f"{name} layers: prefill {spans} vs decode {len(every)}"
+                       if len(stages) <= 1 else
+                       f"{name} layers: the prefill stages hold {spans} of the decode's "
                        f"{len(every)}")
     return out

@@ -60,9 +60,13 @@ def test_stages_must_hold_each_layer_of_a_pool_once() -> None:
     tiled = [{"recurrent": range(0, 2), "swa": range(0, 1)},
              {"recurrent": range(2, 4), "swa": range(1, 2)}]
     assert stage_gaps(tiled, decode) == []
+    # One prefill stage: no stages to speak of (a smaller pool, as state_mismatches words it).
     assert stage_gaps([tiled[0]], decode) == [
-        "recurrent layers: the prefill stages hold 0..2 of the decode's 4",
-        "swa layers: the prefill stages hold 0..1 of the decode's 2"]
+        "recurrent layers: prefill 0..2 vs decode 4",
+        "swa layers: prefill 0..1 vs decode 2"]
+    assert stage_gaps([tiled[1], {"swa": range(2, 3)}], decode) == [
+        "recurrent layers: the prefill stages hold 2..4 of the decode's 4",
+        "swa layers: the prefill stages hold 1..2, 2..3 of the decode's 2"]
     assert stage_gaps([tiled[0], tiled[0]], {"swa": range(2)}) == [
         "swa layers: the prefill stages hold 0..1, 0..1 of the decode's 2"]
 

@@ -41,7 +41,8 @@ from kv.state_pools import StateKind, StatePools
 from kv.state_sends import chunk_send, state_tables
 from kv.transfer import KVReceiver
 from lifecycle import DecodeRequest
-from scheduler.runner import ForwardItem
+from scheduler.model.side_pools import check_runner_states
+from scheduler.runner import ForwardItem, ModelRunner
 
 
 class StateReceiver(Protocol):
@@ -55,8 +56,10 @@ class StateReceiver(Protocol):
     ) -> None: ...
 
 
-def check_state_manager(states: StatePools | None, pool: KVPool, kv: object) -> None:
-    """ValueError unless ``states`` (when given) are built on ``pool`` and ``kv`` receives into
+def check_state_manager(states: StatePools | None, runner: ModelRunner, kv: object) -> None:
+    """ValueError unless ``states`` (when given) are built on the runner's pool, hold the SWA
+    pool and recurrent states the runner computes in (its ``swa_pool`` and ``states``, for a
+    runner that has them; a runner with either needs ``states``), and ``kv`` receives into
     them (a decode KV manager built with the same ``states=``), and unless ``kv`` receives
     into no state pools when none are given (the peer would hold no pages for them)."""
     if states is None:
@@ -65,14 +68,15 @@ def check_state_manager(states: StatePools | None, pool: KVPool, kv: object) -> 
             raise ValueError(
                 f"states: the decode KV manager {type(kv).__name__} receives into state pools "
                 "the peer was not given (build the DecodePeer with the same states=)")
-        return
-    if states.full is not pool:
-        raise ValueError("states: the state pools must be built on the runner's KV pool")
-    if getattr(kv, "states", None) is not states:
-        raise ValueError(
-            f"states: the decode KV manager {type(kv).__name__} does not receive "
-            "into these state pools (build it with the same states=)"
-        )
+    else:
+        if states.full is not runner.pool:
+            raise ValueError("states: the state pools must be built on the runner's KV pool")
+        if getattr(kv, "states", None) is not states:
+            raise ValueError(
+                f"states: the decode KV manager {type(kv).__name__} does not receive "
+                "into these state pools (build it with the same states=)"
+            )
+    check_runner_states(runner, states)
 
 
 class PeerPages:

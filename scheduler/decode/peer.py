@@ -114,7 +114,7 @@ class DecodePeer(SteppedByOneThread):
         without them, requests with grammars or stop strings are refused. ``speculative``:
         :mod:`.speculative`. ``states``: a hybrid model's state pools (or a draft's pool) on
         the runner's pool, which ``kv`` receives into (:mod:`.pages`)."""
-        check_state_manager(states, runner.pool, kv)
+        check_state_manager(states, runner, kv)
         self._one_thread = OneThread(type(self).__name__)
         self.runner = runner
         self.pool = runner.pool

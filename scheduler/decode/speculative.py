@@ -72,6 +72,14 @@ class DecodeSpeculation:
                 pages.states.draft is not decoder.draft.pool):
             raise ValueError("states: the draft pool must be the speculative decoder's "
                              "draft pool (the prefill side's draft K/V lands there)")
+        hidden = 0 if decoder is None else decoder.target.model.config.hidden
+        if hidden and pages.metadata.speculative_hidden != hidden:
+            # A prefill side whose rows differ still fails per request, when its row lands.
+            raise ValueError(
+                f"metadata: the speculative decoder's hand-off carries the target's hidden "
+                f"state ({hidden} values), but the metadata buffers have speculative_hidden="
+                f"{pages.metadata.speculative_hidden} (build them with "
+                f"MetadataBuffers(..., speculative_hidden={hidden}))")
         self.decoder = decoder
         self._pages = pages
         self._metrics = metrics

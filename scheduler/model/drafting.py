@@ -15,7 +15,9 @@ prefill scheduler's runner then:
   scheduler asks for the hand-off (:meth:`DraftingRunner.handoff_row`): the draft looks one
   position past the prompt without writing anything (:meth:`PagedModelRunner.peek`) for its
   top-k, and the kept hidden state goes with them; the scheduler writes both into the metadata
-  row (:mod:`kv.metadata`, the room still written last).
+  row (:mod:`kv.metadata`, the room still written last). A prompt that fills the context
+  (``max_position`` tokens) has no position past it, so no hand-off: its row carries none, and
+  the decode side answers with the first token alone, as without a draft.
 
 The bits are :func:`~scheduler.model.speculative.prefill_handoff`'s: the same model methods over
 the same positions, whatever the chunking or batching.
@@ -29,13 +31,12 @@ from __future__ import annotations
 
 import threading
 
-import attrs
 import torch
 
 from kv.metadata import SPEC_TOP_K, SpeculativeRow
 from kv.pool import KVPool
 from scheduler.model.reference import PagedModelRunner
-from scheduler.model.speculative import Handoff, check_pairing, top_k
+from scheduler.model.speculative import Handoff, check_pairing, proposals
 from scheduler.runner import ForwardBatch, ForwardItem
 
 
@@ -51,6 +52,8 @@ class DraftingRunner:
             raise ValueError("a draft with sliding-window or recurrent layers is not built")
         self.target, self.draft, self.k = target, draft, k
         self.pool = target.pool
+        # The target's state beside its pool: the scheduler checks its state pools hold them.
+        self.swa_pool, self.states = target.swa_pool, target.states
         self.vocab_size = target.vocab_size
         self.max_position = target.max_position
         self._lock = threading.Lock()
@@ -86,16 +89,17 @@ class DraftingRunner:
 
     def handoff_row(self, rid: str, first_token: int) -> SpeculativeRow | None:
         """The hand-off of ``rid``, whose last chunk was the latest item of it computed, after
-        ``first_token``, as the metadata row carries it (None when nothing is kept of it)."""
+        ``first_token``, as the metadata row carries it (None when nothing is kept of it, or
+        its prompt fills the context: no proposal to hand over)."""
         with self._lock:
             kept = self._kept.pop(rid, None)
         if kept is None:
             return None
         hidden, item = kept
-        end = item.start + len(item.input_ids)
-        look = attrs.evolve(item, input_ids=(first_token,), start=end, all_logits=False)
-        ids, probs = top_k(self.draft.peek(look)[0], self.k, self.draft.model.exp_table)
-        return Handoff(first_token, tuple(ids), tuple(probs), hidden).row()
+        ids, probs = proposals(self.draft, item, first_token, self.k)
+        if not ids:
+            return None
+        return Handoff(first_token, ids, probs, hidden).row()
 
     def forget(self, rid: str) -> None:
         """Drop what is kept of ``rid`` (it ended)."""

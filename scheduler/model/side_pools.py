@@ -140,3 +140,25 @@ def build_side(model: LlamaModel, pool: KVPool, hybrid: HybridConfig) -> SideMod
         pool, swa=swa, recurrent=recurrent, draft=None if draft is None else draft.pool
     )
     return SideModel(runner, states, draft)
+
+
+def check_runner_states(runner: object, states: StatePools | None) -> None:
+    """ValueError unless the SWA pool and recurrent states a hybrid runner computes in (its
+    ``swa_pool`` and ``states``, for a runner that has them) are those of ``states``: a side's
+    transfer sends from, or lands in, the state pools, so other pools would hold what no forward
+    wrote, or feed the runner what no transfer landed."""
+    for attr, name, theirs in (
+        ("swa_pool", "SWA pool", None if states is None or states.swa is None
+         else states.swa.pool),
+        ("states", "recurrent state", None if states is None or states.recurrent is None
+         else states.recurrent.buffer),
+    ):
+        if getattr(runner, attr, theirs) is theirs:
+            continue
+        if states is None:
+            raise ValueError(f"states: the runner {type(runner).__name__} has its {name} "
+                             f"({attr}), but no state pools were given: pass states= built "
+                             "with the runner (build_side(...).states)")
+        raise ValueError(f"states: the state pools' {name} is not the runner's {attr}: the "
+                         "runner would compute in one and the transfer use the other (build "
+                         "the runner and states= with one build_side)")

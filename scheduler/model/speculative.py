@@ -18,7 +18,9 @@ prefill (:class:`Handoff`, as EAGLE's PD hand-off carries top-k probabilities, t
 and a hidden state): the draft's K/V of the prompt (in the draft's pools, at the target's page
 indices), the draft's top-k proposals for the position after the first output token (a look
 past the prompt that writes nothing: :meth:`PagedModelRunner.peek`), with probabilities in
-fixed point, and the target's final hidden state at the last prompt position.
+fixed point, and the target's final hidden state at the last prompt position. A prompt that
+fills the context (``max_position`` tokens) leaves no position to propose for: its hand-off
+has no proposals (:func:`proposals`), and the first token is its whole answer.
 
 Both models share a request's page indices and state slot (:class:`RequestKV`): the draft's
 pools have the target's page counts. A model keeps a count of positions whose K/V and state it
@@ -48,8 +50,10 @@ class Handoff:
 
     ``top_ids``/``top_probs``: the draft's ``k`` most likely tokens after ``first_token``
     (most likely first, ties to the lower id) and their probabilities in units of
-    ``2**-PROB_FRAC_BITS``; ``hidden``: the target's final residual stream at the last prompt
-    position (float64 on the activation grid, so float32 holds it exactly)."""
+    ``2**-PROB_FRAC_BITS``, none when the prompt fills the context (:func:`proposals`; a
+    metadata row then carries no hand-off); ``hidden``: the target's final residual stream at
+    the last prompt position (float64 on the activation grid, so float32 holds it
+    exactly)."""
 
     first_token: int
     top_ids: tuple[int, ...]
@@ -105,9 +109,22 @@ def prefill_handoff(target: PagedModelRunner, draft: PagedModelRunner, kv: Reque
         hidden = target.hidden(_batch(item))[-1]
         draft.forward(_batch(item))
     first = int(greedy_token_ids(target.model.logits(hidden)))
-    peek = draft.peek(attrs.evolve(item, input_ids=(first,), start=len(prompt)))[0]
-    ids, probs = top_k(peek, k, draft.model.exp_table)
-    return Handoff(first, tuple(ids), tuple(probs), hidden)
+    return Handoff(first, *proposals(draft, item, first, k), hidden)
+
+
+def proposals(draft: PagedModelRunner, last: ForwardItem, first_token: int,
+              k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The hand-off's ``k`` proposals after ``first_token``, which follows ``last`` (the item
+    of the prompt's last chunk): their ids and probabilities, from the draft's look one
+    position past the prompt, which writes nothing. None (two empty tuples) when the prompt
+    fills the context: the first token then sits at ``max_position``, which no model computes,
+    and no output token can follow it."""
+    end = last.start + len(last.input_ids)
+    if end >= draft.max_position:
+        return (), ()
+    look = attrs.evolve(last, input_ids=(first_token,), start=end, all_logits=False)
+    ids, probs = top_k(draft.peek(look)[0], k, draft.model.exp_table)
+    return tuple(ids), tuple(probs)
 
 
 @attrs.define

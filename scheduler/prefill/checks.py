@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from kv.state_pools import StateKind, StatePools
 from kv.transfer import KVManager
 from lifecycle import PrefillRequest
+from scheduler.model.side_pools import check_runner_states
 from scheduler.prefill.config import SchedulerConfig
 from scheduler.prefill.forward import Device
 from scheduler.runner import ModelRunner
@@ -26,6 +27,7 @@ def check_arguments(
     if device is not None and not overlap:
         raise ValueError("device: only the overlap loop runs forwards on a device; "
                          "pass overlap=True or leave device out")
+    check_runner_states(runner, states)
     if states is None:
         return
     if states.full is not runner.pool:

@@ -10,9 +10,12 @@ request's state (:func:`kv.state_sends.chunk_send` decides both) — and returns
 must fire. With state pools (:mod:`kv.state_pools`) :func:`prepare` takes the SWA pages of
 the chunk's pages and, with a request's first pages, its recurrent-state slot. A forward that
 raised, or answered other than one token per item, defers an ``internal`` failure on each of its
-requests; whatever was deferred settles as the last batch holding a request lands. A device
-error (:func:`scheduler.runner.device_lost`) is not a batch's failure: it leaves the pass. A
-batch with requests that sample or want logprobs runs a
+requests; whatever was deferred settles as the last batch holding a request lands. A
+request's own error on landing (its grammar rejects its first token; its speculative hand-off,
+or the metadata row with it, raised) fails that request alone, having sent nothing more: the
+rest of the batch lands as if it were not there. A device error
+(:func:`scheduler.runner.device_lost`) is not a batch's failure: it leaves the pass. A batch
+with requests that sample or want logprobs runs a
 :class:`~scheduler.sample.batch.LogitsForward` instead of ``runner.forward``
 (:mod:`.sampling`); its per-item results are read here, after the forward's result.
 
@@ -182,7 +185,8 @@ class Landed:
     chunk_done: list[PrefillRequest] = attrs.Factory(list)
     prefilled: list[PrefillRequest] = attrs.Factory(list)
     settle: list[PrefillRequest] = attrs.Factory(list)
-    # Requests whose grammar rejected their first token, with how they fail.
+    # Requests that fail on landing (their grammar rejected their first token, their
+    # hand-off raised), with how they fail; nothing of them was sent.
     rejected: list[tuple[PrefillRequest, FailureReason, str]] = attrs.Factory(list)
 
 
@@ -239,23 +243,41 @@ class Results:
                     continue
                 logprob = results[i].sampled.logprob
             if chunk.last:
-                self._send_last(req, tokens[i], logprob)
+                failed = self._send_last(req, tokens[i], logprob)
+                if failed is not None:
+                    out.rejected.append((req, *failed))
+                    continue
                 out.prefilled.append(req)
             else:
                 self._send(req, False)
                 out.chunk_done.append(req)
         return out
 
-    def _send_last(self, req: PrefillRequest, token: int, logprob: TokenLogprob | None) -> None:
+    def _send_last(self, req: PrefillRequest, token: int,
+                   logprob: TokenLogprob | None) -> tuple[FailureReason, str] | None:
+        """Write the metadata row (with the draft model's hand-off, if any) and send the last
+        chunk; how ``req`` fails, having sent nothing, when its hand-off or row raised (a
+        device error leaves the pass)."""
         assert req.slot is not None
+        try:
+            handoff = (None if self._handoffs is None
+                       else self._handoffs.handoff_row(req.rid, token))
+            self._metadata.write(req.slot, token, req.cached,
+                                 None if logprob is None else logprob.logprob,
+                                 req.bootstrap_room, () if logprob is None else logprob.top,
+                                 speculative=handoff,
+                                 asked=() if logprob is None else logprob.asked)
+        except Exception as exc:
+            if device_lost(exc):
+                raise
+            logger.error("request %r: the speculative hand-off or metadata row failed: %r",
+                         req.rid, exc)
+            return (FailureReason.INTERNAL,
+                    f"the speculative hand-off or metadata row failed: {exc!r}")
         req.first_token = token
-        handoff = None if self._handoffs is None else self._handoffs.handoff_row(req.rid, token)
-        self._metadata.write(req.slot, token, req.cached,
-                             None if logprob is None else logprob.logprob, req.bootstrap_room,
-                             () if logprob is None else logprob.top, speculative=handoff,
-                             asked=() if logprob is None else logprob.asked)
         self._send(req, True)
         self._metrics.transfer_bytes.inc(self._row_bytes)
+        return None
 
     def _send(self, req: PrefillRequest, last: bool) -> None:
         """Hand the sender what this chunk sends (only full pages unless ``last``: a partial

@@ -449,8 +449,8 @@ class PrefillScheduler(SteppedByOneThread):
                 self.stages.forwarded(seq)
         for req in landed.settle:
             self._settle(req)
-        for req, reason, grammar_error in landed.rejected:
-            self._fail(req, reason, grammar_error)
+        for req, reason, detail in landed.rejected:
+            self._fail(req, reason, detail)
 
     # -- release and respond (lifecycle hooks) ----------------------------------------------
 
