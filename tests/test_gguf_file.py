@@ -359,6 +359,9 @@ def test_damaged_tensor_infos_are_refused(tmp_path):
              r"'w' is Q4_1 of shape \(31,\): its rows are not a whole number of 32-value blocks")
     _refused(tmp_path, _file([], [_info("w", [], Q.Q4_1, 0)], data), "not a whole number")
     _refused(tmp_path, _file([], [_str("w") + _u32(2**31)], data), "2147483648 dimensions")
+    # An empty tensor's other dimension may be any u64: none numpy cannot index passes.
+    _refused(tmp_path, _file([], [_info("w", [2**63, 0], Q.F32, 0)], data),
+             r"'w' \(F32\) has shape \(0, 9223372036854775808\)")
 
 
 # -- dequantization ------------------------------------------------------------------------------

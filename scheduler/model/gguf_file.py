@@ -20,7 +20,8 @@ tensor's ``data`` as it takes ``GGUFReader``'s: the float and integer types as a
 own dtype in the tensor's shape, the quantized ones (BF16 among them) as bytes, one row of
 blocks per row. Where this reader differs from ``GGUFReader``: the metadata holds the file's
 keys only (not ``GGUF.version`` and the counts), an array of arrays keeps its nesting (the
-reader flattens it), and big-endian files are refused (pdlife has never met one).
+reader flattens it) and is refused deeper than eight arrays (a damaged count could nest without
+end), and big-endian files are refused (pdlife has never met one).
 
 Every way a file can be damaged ends in :class:`GGUFFileError`, naming what was being read and
 where: a bad magic, an unsupported version, a count, string or array that runs past the end
@@ -213,7 +214,10 @@ class _Parser:
             raise GGUFFileError(f"tensor {name!r} ({kind.name}, shape {shape}) takes bytes "
                                 f"{start} to {end}, the file ends at byte {self.size}: the file "
                                 "is truncated")
-        data = np.frombuffer(self.buffer, dtype, count, start).reshape(layout)
+        try:
+            data = np.frombuffer(self.buffer, dtype, count, start).reshape(layout)
+        except ValueError as exc:  # a dimension numpy cannot index (an empty tensor's others)
+            raise GGUFFileError(f"tensor {name!r} ({kind.name}) has shape {shape}: {exc}") from None
         return GGUFTensor(name=name, tensor_type=kind, shape=shape, data=data)
 
     def _value(self, kind: GGUFValueType, depth: int) -> Any:

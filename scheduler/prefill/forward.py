@@ -186,7 +186,7 @@ class Landed:
     prefilled: list[PrefillRequest] = attrs.Factory(list)
     settle: list[PrefillRequest] = attrs.Factory(list)
     # Requests that fail on landing (their grammar rejected their first token, their
-    # hand-off raised), with how they fail; nothing of them was sent.
+    # hand-off raised), with how they fail; their last chunk was not sent.
     rejected: list[tuple[PrefillRequest, FailureReason, str]] = attrs.Factory(list)
 
 
@@ -256,7 +256,7 @@ class Results:
     def _send_last(self, req: PrefillRequest, token: int,
                    logprob: TokenLogprob | None) -> tuple[FailureReason, str] | None:
         """Write the metadata row (with the draft model's hand-off, if any) and send the last
-        chunk; how ``req`` fails, having sent nothing, when its hand-off or row raised (a
+        chunk; how ``req`` fails, its last chunk unsent, when its hand-off or row raised (a
         device error leaves the pass)."""
         assert req.slot is not None
         try:
