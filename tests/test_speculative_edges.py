@@ -243,6 +243,25 @@ def test_decode_metadata_that_cannot_carry_its_handoff_is_refused_when_built(
     _decode(side.runner, side.states, MetadataBuffers(4, speculative_hidden=hidden), decoder)
 
 
+@pytest.mark.parametrize("speculative_hidden", [0, 16])
+def test_prefill_metadata_that_cannot_carry_its_handoff_is_refused_when_built(
+        speculative_hidden: int) -> None:
+    """Buffers of another nonzero size were built, and each request failed ``internal`` as its
+    row was written."""
+    model = LlamaModel(attrs.evolve(ModelConfig.tiny(seed=2), layers=4))
+    hidden = model.config.hidden
+    pool = model.make_pool(num_pages=32, page_size=PS)
+    side = build_side(model, pool, DRAFT)
+    assert side.draft is not None
+    drafting = DraftingRunner(side.runner, side.draft, DRAFT.proposals)
+    with pytest.raises(ValueError, match=(
+            rf"^metadata: a runner with a draft model hands off the target's hidden state "
+            rf"\({hidden} values\), but the metadata buffers have speculative_hidden="
+            rf"{speculative_hidden} ")):
+        _prefill(drafting, side.states, MetadataBuffers(4, speculative_hidden=speculative_hidden))
+    _prefill(drafting, side.states, MetadataBuffers(4, speculative_hidden=hidden))
+
+
 # -- a draft of fewer layers on the prefill side ----------------------------------------------
 
 def test_a_prefill_draft_of_fewer_layers_is_refused_in_draft_layers_not_stages() -> None:

@@ -64,6 +64,11 @@ class DraftingRunner:
         """The draft's pool: the state pools' ``draft``, whose pages go with every chunk."""
         return self.draft.pool
 
+    @property
+    def hidden_size(self) -> int:
+        """The target's hidden size: the hidden state each hand-off carries."""
+        return self.target.model.config.hidden
+
     def forward(self, batch: ForwardBatch) -> list[int]:
         """The target's greedy next token of every item (the draft's K/V written too)."""
         return self.target.model.next_tokens(self._run(batch))

@@ -32,6 +32,11 @@ class HandoffRunner(Protocol):
         """The draft's pool (the state pools' ``draft``)."""
         ...
 
+    @property
+    def hidden_size(self) -> int:
+        """The hidden size of the state each hand-off carries (the target's)."""
+        ...
+
     def handoff_row(self, rid: str, first_token: int) -> SpeculativeRow | None:
         """The hand-off of ``rid`` after ``first_token``, once its last chunk landed."""
         ...
@@ -46,7 +51,7 @@ def handoff_runner(
 ) -> HandoffRunner | None:
     """``runner`` when it computes a hand-off, else None (with a warning when the state pools
     hold a draft's pool that ``runner`` never fills: the decode side will not speculate);
-    ValueError when the metadata buffers have no speculative columns or the state pools do
+    ValueError when the metadata buffers cannot hold its hand-off or the state pools do
     not send the draft's pages."""
     if not isinstance(runner, HandoffRunner):
         if states is not None and states.draft is not None:
@@ -56,10 +61,12 @@ def handoff_runner(
                 "drafting runner the side was built with, or state pools without a draft)",
                 type(runner).__name__)
         return None
-    if not metadata.speculative_hidden:
+    if metadata.speculative_hidden != runner.hidden_size:
         raise ValueError(
-            "metadata: a runner with a draft model needs buffers with speculative "
-            "columns (MetadataBuffers(speculative_hidden=<target hidden size>))"
+            f"metadata: a runner with a draft model hands off the target's hidden state "
+            f"({runner.hidden_size} values), but the metadata buffers have speculative_hidden="
+            f"{metadata.speculative_hidden} (build them with MetadataBuffers(..., "
+            f"speculative_hidden={runner.hidden_size}))"
         )
     if states is None or states.draft is not runner.draft_pool:
         raise ValueError(
