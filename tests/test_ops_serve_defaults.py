@@ -78,7 +78,7 @@ def test_a_default_changed_in_a_configuration_class_changes_the_flags(
             schedule_policy="lpm")),
         (scheduler.service.config, ServeConfig, dict(
             pool_pages=1024, metadata_slots=96, waiting_timeout=150.0, max_body_bytes=4 << 20,
-            bootstrap_port=9000)),
+            bootstrap_port=9000, stream_interval=4)),
         (scheduler.prefill.delayer_decision, DelayerConfig, dict(max_delay_passes=12)),
         (scheduler.cli.serve, LogSettings, dict(level="warning", format="json")),
     ):
@@ -94,7 +94,7 @@ def test_a_default_changed_in_a_configuration_class_changes_the_flags(
         "--max-running-requests": 128, "--bootstrap-timeout": 120.0,
         "--transfer-timeout": 90.0, "--schedule-policy": "lpm",
         "--pool-pages": 1024, "--metadata-slots": 96, "--waiting-timeout": 150.0,
-        "--max-body-bytes": 4 << 20, "--bootstrap-port": 9000,
+        "--max-body-bytes": 4 << 20, "--bootstrap-port": 9000, "--stream-interval": 4,
         "--log-level": "warning", "--log-format": "json",
     }
     # Given only with --enable-prefill-delayer (None: not given), so its help says it.

@@ -143,6 +143,7 @@ def flag_defaults() -> dict[str, Any]:
         "--retire-lost-prefill-after": 0.0 if retire is None else retire,  # 0: None
         "--lost-prefill-release-timeout": mc["lost_release_timeout_s"],
         "--max-body-bytes": serve["max_body_bytes"],
+        "--stream-interval": serve["stream_interval"],
         "--mooncake-host": mc["hostname"],
         "--mooncake-protocol": mc["protocol"],
         "--mooncake-device": mc["device"],
@@ -317,6 +318,15 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     sec.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                      help="requests waiting for KV pages (the bootstrap wait counts) beyond "
                      "which new ones get 503 with Retry-After (default: no bound)")
+    stream = parser.add_argument_group("streaming (docs/operations.md#streaming)")
+    _defaulted(stream, "--stream-interval", defaults["--stream-interval"],
+               "a stream's chunk goes out once this many tokens are new: the first token at "
+               "once, the last with the answer (SGLang's flag; the OpenAI routes' chunks too)",
+               type=positive_int, metavar="N")
+    stream.add_argument("--incremental-streaming-output", action="store_true",
+                        help="each /generate stream chunk carries only the text, output_ids "
+                        "and logprob entries it adds, not the answer so far (SGLang's flag; "
+                        "the OpenAI routes' chunks are that already)")
     obs = parser.add_argument_group("tracing (docs/operations.md#traces)")
     obs.add_argument("--enable-trace", action="store_true",
                      help="export an OpenTelemetry span tree per finished request (needs the "
@@ -340,7 +350,8 @@ _SCHEDULER_AS_GIVEN = ("page_size", "max_prefill_tokens", "max_running_requests"
 #: Likewise for the ServeConfig.
 _SERVE_AS_GIVEN = ("backend", "metadata_slots", "waiting_timeout", "max_new_tokens_limit",
                    "max_body_bytes", "max_queued_requests", "kv_layout", "device", "overlap",
-                   "tp_size", "pp_size", "dp_size")
+                   "tp_size", "pp_size", "dp_size", "stream_interval",
+                   "incremental_streaming_output")
 
 
 def _as_given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:

@@ -95,6 +95,12 @@ class ServeConfig:
     prefill_delayer: DelayerConfig | None = None
     # How the worker's processes log (its rank processes take it from here).
     log: LogSettings = attrs.field(factory=LogSettings)
+    # SGLang's --stream-interval: a stream's chunk goes out once this many tokens are new (the
+    # first token at once, the last with the answer); 1: one per engine pass that added tokens.
+    stream_interval: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    # SGLang's --incremental-streaming-output: a /generate stream's chunk carries only what it
+    # adds (text, output_ids, logprob entries), not the answer so far.
+    incremental_streaming_output: bool = False
 
     def __attrs_post_init__(self) -> None:
         problem = self._parallel_problem()

@@ -150,6 +150,9 @@ class Service:
             runner_factory = served.runner
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
+        # The live requests a client's request spawned (its samples, its batch's items), by
+        # the rid the client sent, which aborts them all (:meth:`abort_request`).
+        self._spawned: dict[str, dict[str, None]] = {}
         # Requests not yet started because their prefill server is being looked up, by its
         # bootstrap address (decode over Mooncake).
         self._looking_up: collections.Counter[str] = collections.Counter()
@@ -366,11 +369,12 @@ class Service:
             return None
         return self.decode_kv.connect_soon(item.bootstrap_addr, on_done)
 
-    def start(self, item: Item, *, stream: bool,
-              carrier: dict[str, str] | None = None) -> Pending:
+    def start(self, item: Item, *, stream: bool, carrier: dict[str, str] | None = None,
+              spawned_by: tuple[str, ...] = ()) -> Pending:
         """Register and submit ``item``; the returned Pending's future gets its Answer.
-        ``carrier`` holds the caller's trace headers. Must be called on the event loop the
-        handler awaits on. Raises :class:`Unavailable` (draining, failed),
+        ``carrier`` holds the caller's trace headers; ``spawned_by``, the rids of the client's
+        request that spawned it (see :meth:`abort_request`). Must be called on the event loop
+        the handler awaits on. Raises :class:`Unavailable` (draining, failed),
         :class:`BadRequest` (a live rid) or :class:`~.shedding.Overloaded` (both: the queue is
         at ``max_queued_requests``), having registered nothing."""
         loop = asyncio.get_running_loop()
@@ -380,6 +384,7 @@ class Service:
         pending = Pending(
             item=item, loop=loop, future=loop.create_future(), started=time.monotonic(),
             waiting_on=sides, progress=asyncio.Queue() if stream else None, carrier=carrier,
+            interval=self.config.stream_interval, spawned_by=spawned_by,
         )
         new = NewRequest(
             item.rid, item.input_ids, bootstrap_host=item.bootstrap_host,
@@ -397,6 +402,8 @@ class Service:
                                  rid=item.rid, param="rid")
             self._queue.check(self._held(), item.rid)
             self._pending[item.rid] = pending
+            for parent in spawned_by:
+                self._spawned.setdefault(parent, {})[item.rid] = None
             if stream and self.decode is not None:
                 self._streams[item.rid] = pending
         if item.fake and self.decode_kv is not None:
@@ -413,12 +420,33 @@ class Service:
             with self._lock:
                 del self._pending[item.rid]
                 self._streams.pop(item.rid, None)
+                self._forget_spawned(pending)
                 self._idle.notify_all()
             if item.fake and self.decode_kv is not None:
                 self.decode_kv.fake.forget(item.bootstrap_room)
             raise Unavailable("the server is closed") from exc
         self.loop.wake()
         return pending
+
+    def _forget_spawned(self, pending: Pending) -> None:
+        """Drop an ended request from its parents' records. Under the lock."""
+        for parent in pending.spawned_by:
+            children = self._spawned.get(parent)
+            if children is not None:
+                children.pop(pending.item.rid, None)
+                if not children:
+                    del self._spawned[parent]
+
+    def abort_request(self, rid: str) -> int:
+        """A client's abort (``/abort_request``): the live request ``rid`` and every live
+        request spawned by the request the client sent as ``rid`` (its samples ``<rid>_<i>``,
+        its batch's items ``<rid>-<k>``; recorded when they started, not matched by prefix:
+        ``r1`` is not ``r10``'s parent). The number of requests aborted; 0 when none is
+        live (any thread)."""
+        with self._lock:
+            rids = [rid] if rid in self._pending else []
+            rids += [child for child in self._spawned.get(rid, ()) if child != rid]
+        return sum(self.abort(r) for r in rids)
 
     def abort(self, rid: str, *, shutdown: bool = False) -> bool:
         """Abort a live request (any thread): the client's abort (``aborted``), or with
@@ -610,6 +638,7 @@ class Service:
             if pending.waiting_on or self._pending.get(item.rid) is not pending:
                 return  # the other side's answer is to come, or a failed loop answered it
             del self._pending[item.rid]
+            self._forget_spawned(pending)
             self._abort_reasons.pop(item.rid, None)
             self._queue.ended(0 if self._replicas is None
                               else dp_rank_of(item.bootstrap_room, self.config.dp_size))
@@ -636,6 +665,7 @@ class Service:
         with self._lock:
             pending = list(self._pending.values())
             self._pending.clear()
+            self._spawned.clear()
             self._streams.clear()
             self._idle.notify_all()
         # Every live request is answered below: none is live in the ended engines any more,
@@ -672,7 +702,7 @@ class Service:
             streams = list(self._streams.values())
         for p in streams:
             req = self.decode.lifecycle.get(p.item.rid)
-            if req is not None:
+            if req is not None and p.due(len(req.output_ids)):
                 p.follow(req.output_ids, self.decode.output_logprobs(req.rid)
                          if req.sampling.return_logprob else None, req.cached_tokens)
 

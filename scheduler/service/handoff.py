@@ -26,9 +26,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import attrs
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -111,9 +112,11 @@ async def admit(service: Service, request: Request, items: list[Item], *,
         await _look_up(service, request, items, looked_up)
     started: list[Pending] = []
     carrier = trace_carrier(service, request)
+    parents = spawned_by([item.rid for item in items])
     try:
-        for item in items:
-            started.append(service.start(item, stream=stream, carrier=carrier))
+        for item, spawners in zip(items, parents, strict=True):
+            started.append(service.start(item, stream=stream, carrier=carrier,
+                                         spawned_by=spawners))
     except (BadRequest, Unavailable) as exc:
         for p in started:
             service.abort(p.item.rid)  # the engines tell their peers
@@ -124,6 +127,37 @@ async def admit(service: Service, request: Request, items: list[Item], *,
             raise Refusal.of(exc) from exc
         raise Refusal("unavailable", 503, str(exc)) from exc
     return started
+
+
+def spawned_by(rids: Sequence[str]) -> list[tuple[str, ...]]:
+    """For each of one request's ``rids``, the rids the client's request spawned it by, which
+    abort it too (:meth:`Service.abort_request`): as SGLang names a request's samples
+    ``<rid>_<i>`` and a batch's items ``<rid>-<k>`` (their samples ``<rid>-<k>_<i>``), ``rid``
+    for each, and ``<rid>-<k>`` for a batch item's samples. Only rids named so as a whole (every
+    index from 0, each prompt's samples as many) have any; none for a lone rid."""
+    none: list[tuple[str, ...]] = [()] * len(rids)
+    samples = _named(rids, "_")
+    if samples is None:
+        batch = _named(rids, "-")
+        return none if batch is None or len(batch) != 1 else [(batch[0],)] * len(rids)
+    if len(samples) == 1:
+        return [(samples[0],)] * len(rids)
+    per_prompt = len(rids) // len(samples)
+    batch = _named(samples, "-")
+    whole = (batch[0],) if batch is not None and len(batch) == 1 else ()
+    return [(*whole, samples[k // per_prompt]) for k in range(len(rids))]
+
+
+def _named(rids: Sequence[str], mark: str) -> list[str] | None:
+    """The bases of ``rids`` when they are exactly ``<base><mark><i>`` for each base in turn
+    and ``i`` from 0, as many of each; else None."""
+    parts = [rid.rpartition(mark) for rid in rids]
+    if not parts or any(not sep or not index.isdecimal() for _, sep, index in parts):
+        return None
+    bases = list(dict.fromkeys(base for base, _, _ in parts))
+    each = len(rids) // len(bases)
+    named = [f"{base}{mark}{i}" for base in bases for i in range(each)]
+    return bases if named == list(rids) else None
 
 
 class _ClientGone(Exception):
@@ -285,9 +319,19 @@ async def new_tokens(pending: Pending) -> AsyncIterator[Progress]:
             yield more.result()
 
 
+@attrs.frozen
+class Encoded:
+    """A chunk already written as JSON (a stream that builds its chunks' JSON from parts it
+    keeps, rather than dumping the whole chunk again)."""
+
+    json: str
+
+
 def sse(data: Any) -> bytes:
-    """One server-sent event: ``data: <JSON>``."""
-    return f"data: {json.dumps(data)}\n\n".encode()
+    """One server-sent event: ``data: <JSON>`` (``data`` dumped, or an :class:`Encoded`'s
+    JSON as it is)."""
+    text = data.json if isinstance(data, Encoded) else json.dumps(data)
+    return f"data: {text}\n\n".encode()
 
 
 async def events(service: Service, pending: list[Pending],

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -21,12 +21,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lifecycle import TOKEN_IDS_LOGPROB_MAX, SamplingParams
 from scheduler.messages import TokenLogprob
-from scheduler.sample.stops import StopRegexTooSlow
+from scheduler.model.byte_tokenizer import ByteTokenizer
+from scheduler.sample.stops import CONTEXT_TOKENS, StopRegexTooSlow, decoded_after
 from scheduler.service import handoff
-from scheduler.service.answers import answer_body, answer_text, final_body
-from scheduler.service.config import MAX_RID_LEN, AnswerOptions
+from scheduler.service.answers import (
+    LOGPROB_KEYS,
+    answer_body,
+    decode,
+    final_body,
+    final_text,
+    finish_reason,
+    logprob_fields,
+)
+from scheduler.service.config import MAX_RID_LEN, Answer, AnswerOptions
 from scheduler.service.core import BadRequest, Item, Pending, Service
 from scheduler.service.errors import error, failure_kind, rejected
+from scheduler.service.openai_format import StreamText
+from scheduler.service.pending import Progress
 from scheduler.service.routes_info import ServiceDep
 from scheduler.service.sampling import (
     check_own_rooms,
@@ -198,7 +209,9 @@ def _refuse_unsupported(body: GenerateRequest) -> None:
              responses={400: ERRORS[400], 404: {"model": ErrorBody,
                                                   "description": "no live request has this rid"}})
 async def abort_request(body: AbortBody, service: ServiceDep) -> Response:
-    """Abort a live request by rid (or every live request with ``abort_all``)."""
+    """Abort a live request by rid, and every live request spawned by the request the client
+    sent with that rid (its samples, its batch's items); or every live request with
+    ``abort_all``."""
     if body.abort_all:
         return JSONResponse(AbortAnswer(rid="", aborted=service.abort_all()).model_dump())
     if not body.rid:
@@ -206,10 +219,11 @@ async def abort_request(body: AbortBody, service: ServiceDep) -> Response:
     if len(body.rid) > MAX_RID_LEN:  # no live request has it, and it is not echoed back
         return rejected(service, "bad_rid", 400, f"rid must be 1..{MAX_RID_LEN} characters, "
                         f"got {len(body.rid)}")
-    if not service.abort(body.rid):
+    aborted = service.abort_request(body.rid)
+    if not aborted:
         return rejected(service, "unknown_rid", 404, f"no live request has rid {body.rid!r}",
                         body.rid)
-    return JSONResponse(AbortAnswer(rid=body.rid, aborted=1).model_dump())
+    return JSONResponse(AbortAnswer(rid=body.rid, aborted=aborted).model_dump())
 
 
 @router.post(
@@ -245,12 +259,16 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep)
     return JSONResponse(bodies if batch else bodies[0])
 
 
-async def _chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(service: Service, pending: Pending
+                  ) -> AsyncIterator[dict[str, Any] | handoff.Encoded]:
     """SGLang's stream: cumulative ``text``/``output_ids`` per chunk and, when asked, the
     logprob fields of the answer so far (SGLang's ``meta_info`` of a stream that is not
-    incremental); the last one with its ``finish_reason`` (or an error)."""
+    incremental), or with ``--incremental-streaming-output`` only what each chunk adds; the
+    last one with its ``finish_reason`` (or an error)."""
+    chunks = (_incremental_chunks if service.config.incremental_streaming_output
+              else _cumulative_chunks)
     try:
-        async for chunk in _answer_chunks(service, pending):
+        async for chunk in chunks(service, pending):
             yield chunk
     except StopRegexTooSlow as exc:  # its text cannot be cut in time: the request fails
         service.abort(pending.item.rid)
@@ -259,25 +277,176 @@ async def _chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str,
                                           rid=pending.item.rid)).model_dump()
 
 
-async def _answer_chunks(service: Service, pending: Pending) -> AsyncIterator[dict[str, Any]]:
-    item = pending.item
-    emitted: list[int] = []
-    logprobs: list[TokenLogprob] = []
-    async for progress in handoff.new_tokens(pending):
-        emitted.extend(progress.tokens)
-        logprobs.extend(progress.logprobs)
-        yield answer_body(service.tokenizer, item, ids=emitted,
-                          # A character still open (its last byte-fallback pieces to come)
-                          # waits: each chunk's text begins the next one's.
-                          text=answer_text(service.tokenizer, item, emitted,
-                                           None).rstrip("\ufffd"),
-                          prompt_tokens=len(item.input_ids),
-                          latency=time.monotonic() - pending.started, finish=None,
-                          cached_tokens=progress.cached_tokens,
-                          input_logprobs=pending.input_logprobs, output_logprobs=logprobs)
+def _last_chunk(pending: Pending) -> dict[str, Any] | None:
+    """The error chunk of a request that failed; None for one that ended well."""
     answer = pending.future.result()
-    if answer.status != 200:
-        yield ErrorBody(error=ErrorDetail(
-            message=answer.message, type=failure_kind(answer), rid=answer.rid)).model_dump()
-    else:
-        yield final_body(service.tokenizer, item, answer)
+    if answer.status == 200:
+        return None
+    return ErrorBody(error=ErrorDetail(
+        message=answer.message, type=failure_kind(answer), rid=answer.rid)).model_dump()
+
+
+async def _cumulative_chunks(service: Service, pending: Pending
+                             ) -> AsyncIterator[dict[str, Any] | handoff.Encoded]:
+    body = _CumulativeBody(service.tokenizer, pending)
+    async for progress in handoff.new_tokens(pending):
+        yield body.more(progress)
+    failed = _last_chunk(pending)
+    yield failed if failed is not None else final_body(service.tokenizer, pending.item,
+                                                       pending.future.result())
+
+
+async def _incremental_chunks(service: Service, pending: Pending
+                              ) -> AsyncIterator[dict[str, Any]]:
+    """Each chunk with the text, ``output_ids`` and logprob entries it adds (the input
+    logprobs with the first); the text only once it cannot change (:class:`StreamText`: a
+    character still open, a tail that may become a stop string, a last token that may be a stop
+    token wait), so the chunks' texts add up to the unstreamed answer's. ``meta_info``'s counts
+    are the answer's so far, as SGLang's."""
+    tokenizer, item = service.tokenizer, pending.item
+    text = StreamText(tokenizer, item)
+    sent = 0  # output tokens the chunks carried
+
+    def chunk(ids: Sequence[int], delta: str, logprobs: Sequence[TokenLogprob], *,
+              cached_tokens: int, answer: Answer | None = None) -> dict[str, Any]:
+        body = answer_body(
+            tokenizer, item, ids=ids, text=delta, prompt_tokens=len(item.input_ids),
+            latency=time.monotonic() - pending.started if answer is None else answer.e2e_latency,
+            finish=None if answer is None else finish_reason(answer),
+            cached_tokens=cached_tokens, output_logprobs=logprobs,
+            input_logprobs=() if sent else (
+                pending.input_logprobs if answer is None else answer.input_logprobs))
+        body["meta_info"]["completion_tokens"] = sent + len(ids)
+        return body
+
+    async for progress in handoff.new_tokens(pending):
+        body = chunk(progress.tokens, text.more(progress.tokens), progress.logprobs,
+                     cached_tokens=progress.cached_tokens)
+        sent += len(progress.tokens)
+        yield body
+    failed = _last_chunk(pending)
+    if failed is not None:
+        yield failed
+        return
+    answer = pending.future.result()
+    yield chunk(answer.output_ids[sent:], text.rest(final_text(tokenizer, item, answer)),
+                answer.output_logprobs[sent:], cached_tokens=answer.cached_tokens,
+                answer=answer)
+
+
+class _StreamText:
+    """The text a streamed answer's output tokens add after its prompt (:func:`continuation`'s,
+    byte for byte), kept as the output grows: the text of a settled run of leading tokens, and
+    only the tokens after it decoded again each time, after the last few settled ones. A run is
+    settled where its text ends a character (a trailing run of byte-fallback tokens is one
+    character group still open: a later byte can turn the group's text into replacement
+    characters; a skipped special token, which has no text, does not close it) and the tokens
+    before the rest decode to text that does not end inside one, so the rest's text is
+    :func:`~scheduler.sample.stops.decoded_after` them as in the whole."""
+
+    def __init__(self, tokenizer: Any, item: Item) -> None:
+        skip = item.options.skip_special_tokens
+        self._decode: Callable[[Sequence[int]], str] = lambda ids: decode(
+            tokenizer, ids, skip_special_tokens=skip)
+        self._bytes = isinstance(tokenizer, ByteTokenizer)  # its text joins with no context
+        self._prompt = list(item.input_ids[-CONTEXT_TOKENS:])
+        self._open: frozenset[int] = getattr(tokenizer, "byte_pieces", frozenset())
+        self.ids: list[int] = []
+        self._settled = ""  # the text of ids[:_done]
+        self._done = 0
+
+    def _context(self, end: int) -> list[int]:
+        """The tokens the output's text from ``end`` on is decoded after (as :func:`continuation`
+        and :meth:`~scheduler.sample.stops.Stops.tail_text` take them)."""
+        if self._bytes:
+            return []
+        before = self.ids[max(end - CONTEXT_TOKENS, 0):end]
+        if len(before) < CONTEXT_TOKENS:
+            before[:0] = self._prompt[-(CONTEXT_TOKENS - len(before)):]
+        return before
+
+    def _joins(self, end: int) -> bool:
+        """Whether the output's text from ``end`` on can be decoded after the tokens before it:
+        theirs is text (a SentencePiece decoder strips the space a text starts with, so text
+        decoded after none would lose it) that ends a character."""
+        if self._bytes:
+            return True
+        before = self._decode(self._context(end))
+        return bool(before) and not before.endswith("\ufffd")
+
+    def more(self, tokens: Sequence[int]) -> str:
+        """The text of the output so far, ``tokens`` added."""
+        self.ids.extend(tokens)
+        context = self._context(self._done)
+        rest = decoded_after(self._decode, context, self.ids[self._done:])
+        text = self._settled + rest
+        end = len(self.ids)
+        while end > self._done and self._open and (
+                self.ids[end - 1] in self._open or not self._decode(self.ids[end - 1:end])):
+            end -= 1
+        if end > self._done:
+            part = rest if end == len(self.ids) else decoded_after(
+                self._decode, context, self.ids[self._done:end])
+            if part and not part.endswith("\ufffd") and self._joins(end):
+                self._settled, self._done = self._settled + part, end
+        return text
+
+
+#: The keys of the logprob fields that grow with the output.
+_OUTPUT_KEYS = frozenset(k for k in LOGPROB_KEYS if k.startswith("output_"))
+
+
+class _CumulativeBody:
+    """The chunks of a stream that is not incremental, each the answer so far, built from what
+    each pass adds: the text by :class:`_StreamText`, the ``output_ids`` and output logprob
+    entries as the JSON of the chunk before and the new entries' (a chunk's JSON is what
+    dumping the answer so far, :func:`answer_body`, writes), so a chunk costs the new tokens'
+    work and copying the answer's JSON, not decoding and converting it all again."""
+
+    def __init__(self, tokenizer: Any, pending: Pending) -> None:
+        self.tokenizer = tokenizer
+        self.pending = pending
+        self.text = _StreamText(tokenizer, pending.item)
+        self.ids = 0
+        self.ids_json = ""  # the output ids so far, as JSON within the list's brackets
+        # Each logprob key's entries so far, likewise, in the order of logprob_fields.
+        self.lists = dict.fromkeys(logprob_fields(tokenizer, pending.item, (), ()), "")
+        self._inputs: tuple[TokenLogprob, ...] | None = None  # whose entries lists hold
+
+    def more(self, progress: Progress) -> handoff.Encoded:
+        """The chunk after ``progress``."""
+        item, pending = self.pending.item, self.pending
+        # A character still open (its last byte-fallback pieces to come) waits: each chunk's
+        # text begins the next one's.
+        text = self.text.more(progress.tokens).rstrip("\ufffd")
+        self.ids += len(progress.tokens)
+        self.ids_json = _extended(self.ids_json, map(str, progress.tokens))
+        if self._inputs is not pending.input_logprobs:  # set before the first tokens come
+            self._inputs = pending.input_logprobs
+            for key, entries in logprob_fields(self.tokenizer, item, self._inputs,
+                                               ()).items():
+                if key not in _OUTPUT_KEYS:
+                    self.lists[key] = ", ".join(map(json.dumps, entries))
+        for key, entries in logprob_fields(self.tokenizer, item, (),
+                                           progress.logprobs).items():
+            if key in _OUTPUT_KEYS:
+                self.lists[key] = _extended(self.lists[key], map(json.dumps, entries))
+        body = answer_body(self.tokenizer, item, ids=(), text=text,
+                           prompt_tokens=len(item.input_ids),
+                           latency=time.monotonic() - pending.started, finish=None,
+                           cached_tokens=progress.cached_tokens)
+        meta = body["meta_info"]
+        meta["completion_tokens"] = self.ids
+        for key in self.lists:
+            del meta[key]  # the last keys: written below from their JSON
+        lists = "".join(f", {json.dumps(key)}: [{value}]" for key, value in self.lists.items())
+        return handoff.Encoded(f'{{"text": {json.dumps(text)}, "output_ids": [{self.ids_json}], '
+                               f'"meta_info": {json.dumps(meta)[:-1]}{lists}}}}}')
+
+
+def _extended(listed: str, more: Iterable[str]) -> str:
+    """The inside of a JSON list, ``listed``, with the JSON values ``more`` after."""
+    added = ", ".join(more)
+    if not added:
+        return listed
+    return f"{listed}, {added}" if listed else added
