@@ -30,18 +30,23 @@ from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.model.reference import ModelConfig
 from scheduler.prefill.config import SchedulerConfig
-from scheduler.service.answers import LOGPROB_KEYS, answer_body, answer_text
+from scheduler.service.answers import (
+    LOGPROB_KEYS,
+    IncrementalText,
+    answer_body,
+    answer_text,
+    continuation,
+)
 from scheduler.service.config import AnswerOptions, Item, ServeConfig
 from scheduler.service.pending import Pending, Progress
-from scheduler.service.routes_generate import _CumulativeBody, _StreamText
+from scheduler.service.routes_generate import _CumulativeBody
 from tests.service_harness import asgi_client, run, running_service, tokens_of_stream
+from tests.stream_tokenizers import byte_pieces, outputs, sentencepiece, vocab_size
 
 MODEL = ModelConfig.tiny(seed=5)
 CONFIG = ServeConfig(role="both", backend="local", model=MODEL,
                      scheduler=SchedulerConfig(page_size=4, chunked_prefill_size=16),
                      pool_pages=64, metadata_slots=8, max_new_tokens_limit=64)
-TEXTS = ("héllo wörld, 世界 ☃ and 🎉 done", " the capital is  Paris.\n\n  indented",
-         "naïve café — “quoted” ½")
 LATENCY = re.compile(r'"e2e_latency": [0-9.e+-]+')
 
 
@@ -73,7 +78,7 @@ def _check_chunks(tokenizer: Any, prompt: Sequence[int], output: Sequence[int], 
                   logprobs: bool, skip_special: bool = True) -> None:
     """Feed ``output`` a random number of tokens at a time; every chunk is the whole one."""
     rng = random.Random(seed)
-    vocab = 256 if isinstance(tokenizer, ByteTokenizer) else tokenizer.vocab_size
+    vocab = vocab_size(tokenizer)
     sampling = SamplingParams(64, return_logprob=logprobs, top_logprobs_num=2 if logprobs else 0,
                               token_ids_logprob=(7, 9) if logprobs else ())
     item = Item("s", tuple(prompt), sampling, "local", 0, 1,
@@ -97,24 +102,13 @@ def _check_chunks(tokenizer: Any, prompt: Sequence[int], output: Sequence[int], 
         loop.close()
 
 
-def _outputs(tokenizer: Any, rng: random.Random, *, special: Sequence[int] = ()) -> list[list[int]]:
-    """Outputs that split characters over tokens, lead with spaces, hold special tokens, and
-    random ones."""
-    vocab = 256 if isinstance(tokenizer, ByteTokenizer) else tokenizer.vocab_size
-    encoded = [list(tokenizer.encode(text) if isinstance(tokenizer, ByteTokenizer)
-                    else tokenizer.encode(text, add_special_tokens=False)) for text in TEXTS]
-    mixed = [*encoded[0][:5], *special, *encoded[1], *special, *special, *encoded[2]]
-    return [*encoded, mixed, [rng.randrange(vocab) for _ in range(60)],
-            [rng.randrange(vocab) for _ in range(60)]]
-
-
 def test_cumulative_chunks_are_the_whole_answer_dumped_byte_tokenizer() -> None:
     tok = ByteTokenizer()
     rng = random.Random(1)
     # Bytes that open characters never closed, a prompt that ends inside one.
-    outputs = [*_outputs(tok, rng), [0xE2, 0x98, 0x41, 0xF0, 0x9F, 0x8E, 0x89, 0xFF, 0x20]]
+    cases = [*outputs(tok, rng), [0xE2, 0x98, 0x41, 0xF0, 0x9F, 0x8E, 0x89, 0xFF, 0x20]]
     for prompt in (list(b"Say "), [*b"caf", 0xC3]):
-        for k, output in enumerate(outputs):
+        for k, output in enumerate(cases):
             for logprobs in (False, True):
                 _check_chunks(tok, prompt, output, k, logprobs=logprobs)
 
@@ -124,30 +118,23 @@ def test_cumulative_chunks_are_the_whole_answer_dumped_smollm2(smollm2: Any) -> 
     rng = random.Random(2)
     special = [tok.eos_token_id] if tok.eos_token_id is not None else []
     prompt = tok.encode("Write it in Chinese:", add_special_tokens=False)
-    for k, output in enumerate(_outputs(tok, rng, special=special)):
+    for k, output in enumerate(outputs(tok, rng, special=special)):
         for skip in (True, False):
             _check_chunks(tok, prompt, output, k, logprobs=k % 2 == 0, skip_special=skip)
 
 
 def test_cumulative_chunks_are_the_whole_answer_dumped_sentencepiece(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    from scheduler.model.checkpoint import TokenizerSource
-    from scheduler.model.hf_tokenizer import load_tokenizer
-    from tests.test_hf_tokenizer import _sentencepiece_style
-
-    where = tmp_path_factory.mktemp("spm")
-    _sentencepiece_style(where)
-    tok = load_tokenizer(TokenizerSource(directory=where))
-    assert tok.metaspace and tok.byte_pieces
+    tok = sentencepiece(tmp_path_factory.mktemp("spm"))
     rng = random.Random(3)
-    byte = {b: tok.tokenizer.token_to_id(f"<0x{b:02X}>") for b in (0x49, 0xDD, 0xE2, 0x98, 0x83)}
+    byte = byte_pieces(tok)
     words = tok.encode(" the capital", add_special_tokens=False)
     groups = [[*words, byte[0x49], byte[0xDD], *words],  # a byte group that ends invalid
               [*words, byte[0xE2], byte[0x98], byte[0x83], *words],  # ☃ from three bytes
               [byte[0x49], byte[0xDD]], [byte[0xE2], byte[0x98], byte[0x83]]]
     special = [tok.eos_token_id] * 6 if tok.eos_token_id is not None else []
     for prompt in (tok.encode("Say"), [*tok.encode("Say"), byte[0xE2]]):
-        for k, output in enumerate([*groups, *_outputs(tok, rng, special=special)]):
+        for k, output in enumerate([*groups, *outputs(tok, rng, special=special)]):
             for skip in (True, False):
                 _check_chunks(tok, prompt, output, k, logprobs=k % 2 == 1, skip_special=skip)
     # Byte-fallback groups with special tokens inside (skipped, they do not close a group: its
@@ -163,15 +150,18 @@ def test_cumulative_chunks_are_the_whole_answer_dumped_sentencepiece(
 
 def _check_text(tokenizer: Any, prompt: Sequence[int], output: Sequence[int],
                 rng: random.Random, *, skip_special: bool) -> None:
-    """The text kept between passes is the whole output's, after every pass."""
+    """The text kept between passes is the whole output's, after every pass, and so is the text
+    of each of its prefixes."""
     item = Item("s", tuple(prompt), SamplingParams(64), "local", 0, 1,
                 options=AnswerOptions(False, skip_special, False))
-    text = _StreamText(tokenizer, item)
+    text = IncrementalText(tokenizer, item)
     done: list[int] = []
     while len(done) < len(output):
         tokens = output[len(done):len(done) + rng.randrange(1, 9)]
         done += tokens
         assert text.more(tokens) == answer_text(tokenizer, item, done, None), (prompt, output)
+        for end in range(len(done) + 1):
+            assert text.upto(end) == continuation(tokenizer, item, done[:end]), (end, output)
 
 
 # -- served -------------------------------------------------------------------------------------

@@ -12,12 +12,16 @@ an id a grammar forbids there, is null). Which side fills
 which field is the role's: a prefill worker answers its input logprobs and the first output
 token's, a decode worker the output tokens' with an empty ``input_token_logprobs`` (SGLang's
 router prepends the prefill's there), a colocated worker all of them.
+
+A stream's text is :class:`IncrementalText`: the answer's text so far (:func:`continuation`'s),
+kept as the output grows, so a pass decodes only the tokens after a settled run.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from scheduler.messages import TokenLogprob
@@ -46,6 +50,82 @@ def continuation(tokenizer: Any, item: Item, ids: Sequence[int]) -> str:
     skip = item.options.skip_special_tokens
     context = [] if isinstance(tokenizer, ByteTokenizer) else item.input_ids[-CONTEXT_TOKENS:]
     return decoded_after(lambda t: decode(tokenizer, t, skip_special_tokens=skip), context, ids)
+
+
+class IncrementalText:
+    """The text a streamed answer's output tokens add after its prompt (:func:`continuation`'s,
+    byte for byte), kept as the output grows: the text of a settled run of leading tokens, and
+    only the tokens after it decoded again each time, after the last few settled ones. A run is
+    settled where its text ends a character (a trailing run of byte-fallback tokens is one
+    character group still open: a later byte can turn the group's text into replacement
+    characters; a skipped special token, which has no text, does not close it) and the tokens
+    before the rest decode to text that does not end inside one, so the rest's text is
+    :func:`~scheduler.sample.stops.decoded_after` them as in the whole.
+
+    A settled run's text begins the text of every output that begins with the run, a shorter
+    one as well as a longer, so each run settled so far is kept: the text of any prefix of the
+    output (:meth:`upto`) is decoded after the longest run within it, as the whole is after the
+    last (a stream holds back its last tokens, which the last run may already cover)."""
+
+    def __init__(self, tokenizer: Any, item: Item) -> None:
+        skip = item.options.skip_special_tokens
+        self._decode: Callable[[Sequence[int]], str] = lambda ids: decode(
+            tokenizer, ids, skip_special_tokens=skip)
+        self._bytes = isinstance(tokenizer, ByteTokenizer)  # its text joins with no context
+        self._prompt = list(item.input_ids[-CONTEXT_TOKENS:])
+        self._open: frozenset[int] = getattr(tokenizer, "byte_pieces", frozenset())
+        self.ids: list[int] = []
+        self._settled = ""  # the text of ids[:_done]
+        self._done = 0
+        # The runs settled so far, shortest first (the empty one too): their lengths in tokens,
+        # and in characters of _settled.
+        self._runs = [0]
+        self._chars = [0]
+
+    def _context(self, end: int) -> list[int]:
+        """The tokens the output's text from ``end`` on is decoded after (as :func:`continuation`
+        and :meth:`~scheduler.sample.stops.Stops.tail_text` take them)."""
+        if self._bytes:
+            return []
+        before = self.ids[max(end - CONTEXT_TOKENS, 0):end]
+        if len(before) < CONTEXT_TOKENS:
+            before[:0] = self._prompt[-(CONTEXT_TOKENS - len(before)):]
+        return before
+
+    def _joins(self, end: int) -> bool:
+        """Whether the output's text from ``end`` on can be decoded after the tokens before it:
+        theirs is text (a SentencePiece decoder strips the space a text starts with, so text
+        decoded after none would lose it) that ends a character."""
+        if self._bytes:
+            return True
+        before = self._decode(self._context(end))
+        return bool(before) and not before.endswith("\ufffd")
+
+    def more(self, tokens: Sequence[int]) -> str:
+        """The text of the output so far, ``tokens`` added."""
+        self.ids.extend(tokens)
+        context = self._context(self._done)
+        rest = decoded_after(self._decode, context, self.ids[self._done:])
+        text = self._settled + rest
+        end = len(self.ids)
+        while end > self._done and self._open and (
+                self.ids[end - 1] in self._open or not self._decode(self.ids[end - 1:end])):
+            end -= 1
+        if end > self._done:
+            part = rest if end == len(self.ids) else decoded_after(
+                self._decode, context, self.ids[self._done:end])
+            if part and not part.endswith("\ufffd") and self._joins(end):
+                self._settled, self._done = self._settled + part, end
+                self._runs.append(end)
+                self._chars.append(len(self._settled))
+        return text
+
+    def upto(self, end: int) -> str:
+        """The text of the output's first ``end`` tokens (``continuation(ids[:end])``)."""
+        at = bisect.bisect_right(self._runs, end) - 1
+        start = self._runs[at]
+        return self._settled[:self._chars[at]] + decoded_after(
+            self._decode, self._context(start), self.ids[start:end])
 
 
 def answer_text(tokenizer: Any, item: Item, ids: Sequence[int],

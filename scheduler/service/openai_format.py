@@ -26,7 +26,7 @@ from scheduler.messages import TokenLogprob
 from scheduler.model.byte_tokenizer import ByteTokenizer
 from scheduler.sample.stops import Stops
 from scheduler.service import openai_tools
-from scheduler.service.answers import continuation, decode, final_text
+from scheduler.service.answers import IncrementalText, decode, final_text
 from scheduler.service.config import Answer, Item
 from scheduler.service.openai_schema import (
     AssistantMessage,
@@ -283,32 +283,39 @@ def _completion_only(logprobs: ChatLogprobs | CompletionLogprobs | None
 
 
 class StreamText:
-    """The text of a streamed answer, sent only once it cannot change (see the module)."""
+    """The text of a streamed answer, sent only once it cannot change (see the module). The
+    text of the output's tokens, of all of them or of the first few, is :class:`IncrementalText`'s,
+    so a pass decodes the tokens after a settled run, not the whole output again."""
 
     def __init__(self, tokenizer: Any, item: Item) -> None:
         self.tokenizer = tokenizer
         self.item = item
-        self.ids: list[int] = []
+        self._text = IncrementalText(tokenizer, item)
         self.sent = ""
         trim = not item.options.no_stop_trim
         self._stops = Stops.of(item.sampling) if trim else Stops()
         self._hold_token = trim and bool(item.sampling.stop_token_ids)
+        # A trailing run of byte-fallback tokens is one character group still open: a byte that
+        # follows can turn the group's text into replacement characters, so it waits.
+        self._held: frozenset[int] = getattr(tokenizer, "byte_pieces", frozenset())
         # The leading tokens whose whole text is in ``sent`` (counted when logprobs are asked).
         self.released = 0
         self._within = 0  # the same, within what the client was shown (released_within)
         self._count = item.sampling.return_logprob
 
+    @property
+    def ids(self) -> list[int]:
+        """The output's tokens so far."""
+        return self._text.ids
+
     def more(self, tokens: Sequence[int]) -> str:
         """The text ``tokens`` add that is safe to send now (maybe empty)."""
-        self.ids.extend(tokens)
-        ids = self.ids[:-1] if self._hold_token else self.ids
-        # A trailing run of byte-fallback tokens is one character group still open: a byte
-        # that follows can turn the group's text into replacement characters, so it waits.
-        held: frozenset[int] = getattr(self.tokenizer, "byte_pieces", frozenset())
-        end = len(ids)
-        while end and ids[end - 1] in held:
+        whole = self._text.more(tokens)
+        ids = self.ids
+        end = max(len(ids) - 1, 0) if self._hold_token else len(ids)
+        while end and ids[end - 1] in self._held:
             end -= 1
-        text = continuation(self.tokenizer, self.item, ids[:end]).rstrip("\ufffd")
+        text = (whole if end == len(ids) else self._text.upto(end)).rstrip("\ufffd")
         if self._stops:
             text = text[:self._stops.settled(text)]
         delta = self._send(text)
@@ -319,21 +326,22 @@ class StreamText:
     def _release(self) -> None:
         # The longest run of tokens whose text was all sent (a shorter run may end inside a
         # character, so search from the longest; held back are only the last few).
-        for end in range(len(self.ids), self.released, -1):
-            if self.sent.startswith(continuation(self.tokenizer, self.item, self.ids[:end])):
-                self.released = end
-                return
+        self.released = self._longest_within(self.sent, self.released)
 
     def released_within(self, shown: str) -> int:
         """The leading tokens whose whole text is in ``shown``, the part of ``sent`` the
         client was given (a tool stream holds back what may begin a call); counted when
         logprobs are asked, else 0."""
         if self._count:
-            for end in range(len(self.ids), self._within, -1):
-                if shown.startswith(continuation(self.tokenizer, self.item, self.ids[:end])):
-                    self._within = end
-                    break
+            self._within = self._longest_within(shown, self._within)
         return self._within
+
+    def _longest_within(self, shown: str, known: int) -> int:
+        """The most leading tokens, ``known`` or more, whose whole text begins ``shown``."""
+        for end in range(len(self.ids), known, -1):
+            if shown.startswith(self._text.upto(end)):
+                return end
+        return known
 
     def rest(self, final: str) -> str:
         """What the answer's ``final`` text adds to what was sent."""

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -21,13 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lifecycle import TOKEN_IDS_LOGPROB_MAX, SamplingParams
 from scheduler.messages import TokenLogprob
-from scheduler.model.byte_tokenizer import ByteTokenizer
-from scheduler.sample.stops import CONTEXT_TOKENS, StopRegexTooSlow, decoded_after
+from scheduler.sample.stops import StopRegexTooSlow
 from scheduler.service import handoff
 from scheduler.service.answers import (
     LOGPROB_KEYS,
+    IncrementalText,
     answer_body,
-    decode,
     final_body,
     final_text,
     finish_reason,
@@ -334,71 +333,13 @@ async def _incremental_chunks(service: Service, pending: Pending
                 answer=answer)
 
 
-class _StreamText:
-    """The text a streamed answer's output tokens add after its prompt (:func:`continuation`'s,
-    byte for byte), kept as the output grows: the text of a settled run of leading tokens, and
-    only the tokens after it decoded again each time, after the last few settled ones. A run is
-    settled where its text ends a character (a trailing run of byte-fallback tokens is one
-    character group still open: a later byte can turn the group's text into replacement
-    characters; a skipped special token, which has no text, does not close it) and the tokens
-    before the rest decode to text that does not end inside one, so the rest's text is
-    :func:`~scheduler.sample.stops.decoded_after` them as in the whole."""
-
-    def __init__(self, tokenizer: Any, item: Item) -> None:
-        skip = item.options.skip_special_tokens
-        self._decode: Callable[[Sequence[int]], str] = lambda ids: decode(
-            tokenizer, ids, skip_special_tokens=skip)
-        self._bytes = isinstance(tokenizer, ByteTokenizer)  # its text joins with no context
-        self._prompt = list(item.input_ids[-CONTEXT_TOKENS:])
-        self._open: frozenset[int] = getattr(tokenizer, "byte_pieces", frozenset())
-        self.ids: list[int] = []
-        self._settled = ""  # the text of ids[:_done]
-        self._done = 0
-
-    def _context(self, end: int) -> list[int]:
-        """The tokens the output's text from ``end`` on is decoded after (as :func:`continuation`
-        and :meth:`~scheduler.sample.stops.Stops.tail_text` take them)."""
-        if self._bytes:
-            return []
-        before = self.ids[max(end - CONTEXT_TOKENS, 0):end]
-        if len(before) < CONTEXT_TOKENS:
-            before[:0] = self._prompt[-(CONTEXT_TOKENS - len(before)):]
-        return before
-
-    def _joins(self, end: int) -> bool:
-        """Whether the output's text from ``end`` on can be decoded after the tokens before it:
-        theirs is text (a SentencePiece decoder strips the space a text starts with, so text
-        decoded after none would lose it) that ends a character."""
-        if self._bytes:
-            return True
-        before = self._decode(self._context(end))
-        return bool(before) and not before.endswith("\ufffd")
-
-    def more(self, tokens: Sequence[int]) -> str:
-        """The text of the output so far, ``tokens`` added."""
-        self.ids.extend(tokens)
-        context = self._context(self._done)
-        rest = decoded_after(self._decode, context, self.ids[self._done:])
-        text = self._settled + rest
-        end = len(self.ids)
-        while end > self._done and self._open and (
-                self.ids[end - 1] in self._open or not self._decode(self.ids[end - 1:end])):
-            end -= 1
-        if end > self._done:
-            part = rest if end == len(self.ids) else decoded_after(
-                self._decode, context, self.ids[self._done:end])
-            if part and not part.endswith("\ufffd") and self._joins(end):
-                self._settled, self._done = self._settled + part, end
-        return text
-
-
 #: The keys of the logprob fields that grow with the output.
 _OUTPUT_KEYS = frozenset(k for k in LOGPROB_KEYS if k.startswith("output_"))
 
 
 class _CumulativeBody:
     """The chunks of a stream that is not incremental, each the answer so far, built from what
-    each pass adds: the text by :class:`_StreamText`, the ``output_ids`` and output logprob
+    each pass adds: the text by :class:`IncrementalText`, the ``output_ids`` and output logprob
     entries as the JSON of the chunk before and the new entries' (a chunk's JSON is what
     dumping the answer so far, :func:`answer_body`, writes), so a chunk costs the new tokens'
     work and copying the answer's JSON, not decoding and converting it all again."""
@@ -406,7 +347,7 @@ class _CumulativeBody:
     def __init__(self, tokenizer: Any, pending: Pending) -> None:
         self.tokenizer = tokenizer
         self.pending = pending
-        self.text = _StreamText(tokenizer, pending.item)
+        self.text = IncrementalText(tokenizer, pending.item)
         self.ids = 0
         self.ids_json = ""  # the output ids so far, as JSON within the list's brackets
         # Each logprob key's entries so far, likewise, in the order of logprob_fields.
