@@ -9,8 +9,9 @@ times. With ``--baseline-root DIR`` a second worker runs the code of another che
 ``lifecycle``, ``kv`` and ``scheduler`` packages), and the rounds alternate between the two, so
 both see the same machine; each worker runs alone while it is measured.
 
-Last line: ``RESULT stream_cost alone_s=<median> beside_s=<median> stream_mb=<..>
-[baseline_alone_s=.. baseline_beside_s=.. baseline_stream_mb=..]``.
+Last line: ``RESULT stream_cost ratio=<beside ÷ alone> alone_s=<median> beside_s=<median>
+stream_mb=<..> [baseline_ratio=.. baseline_alone_s=.. baseline_beside_s=..
+baseline_stream_mb=..]`` (the ratio: how much slower the stream makes a request beside it).
 """
 
 from __future__ import annotations
@@ -102,12 +103,18 @@ async def _round(url: str, tokens: int) -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=1500)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=1500,
+                        help="tokens of the timed request and of the stream beside it (default: "
+                        "%(default)s)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="rounds (each: alone, then beside the stream); medians reported "
+                        "(default: %(default)s)")
     parser.add_argument("--baseline-root", type=Path, default=None,
-                        help="a checkout to compare with, its worker measured in turns")
+                        help="a checkout to compare with, its worker measured in turns "
+                        "(default: none)")
     parser.add_argument("--flags", default="", help="more pdlife serve flags, space-separated "
-                        "(--flags=--incremental-streaming-output for one that starts with --)")
+                        "(--flags=--incremental-streaming-output for one that starts with --; "
+                        "default: none)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="pdlife-stream-cost-"))
     roots = {"": ROOT} if args.baseline_root is None else {
@@ -128,8 +135,10 @@ def main() -> None:
     line = ["RESULT stream_cost"]
     for name in reversed(list(roots)):
         rounds = figures[name]
-        line += [f"{name}alone_s={statistics.median(r[0] for r in rounds):.2f}",
-                 f"{name}beside_s={statistics.median(r[1] for r in rounds):.2f}",
+        alone = statistics.median(r[0] for r in rounds)
+        beside = statistics.median(r[1] for r in rounds)
+        line += [f"{name}ratio={beside / alone:.2f}", f"{name}alone_s={alone:.2f}",
+                 f"{name}beside_s={beside:.2f}",
                  f"{name}stream_mb={statistics.median(r[2] for r in rounds):.1f}"]
     print(" ".join(line))
 

@@ -41,7 +41,8 @@ class Benchmark:
 #: About how long each takes on an idle 2-core machine, in the order `pdlife bench` runs them
 #: with no names given (the quick ones first).
 _SECONDS = {"lifecycle": 50, "scale": 35, "delayer": 30, "tracing": 25, "grammar": 15,
-            "e2e": 65, "transfer": 300, "soak": 30, "overload": 70, "prefix": 200, "model": 240}
+            "e2e": 65, "transfer": 300, "soak": 30, "overload": 70, "stream_cost": 45,
+            "prefix": 200, "model": 240}
 
 
 def _measures(name: str) -> str:
